@@ -1,0 +1,65 @@
+"""``python -m cudist``: paths for C++ users and a summary of this installation."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+
+
+def _info() -> str:
+    import numpy as np
+
+    import cudist
+    from cudist._kernels import BACKENDS, BackendUnavailableError, available_backends, get_backend
+
+    lines = [
+        f"cudist {cudist.__version__}",
+        f"python {platform.python_version()} ({sys.executable})",
+        f"numpy {np.__version__}",
+        f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores",
+        "kernel backends:",
+    ]
+    installed = set(available_backends())
+    for name in BACKENDS:
+        if name not in installed:
+            lines.append(f"  {name:7s} not available")
+            continue
+        if name == "cupy":  # loading it would initialise CUDA; report without doing so
+            lines.append(f"  {name:7s} installed (GPU backend; loads on first GPU use)")
+            continue
+        try:
+            get_backend(name)
+            lines.append(f"  {name:7s} available")
+        except BackendUnavailableError as e:
+            lines.append(f"  {name:7s} broken: {e}")
+    env = os.environ.get("CUDIST_BACKEND")
+    lines.append(f"default CPU backend: {get_backend(env).name if env else get_backend().name}"
+                 + (f" (CUDIST_BACKEND={env})" if env else ""))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    import cudist
+
+    p = argparse.ArgumentParser(prog="python -m cudist", description=__doc__)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--includes", action="store_true", help="print -I flags for the C++ headers")
+    g.add_argument("--include-dir", action="store_true", help="print the header directory")
+    g.add_argument("--cmakedir", action="store_true", help="print the directory of cudistConfig.cmake")
+    g.add_argument("--info", action="store_true", help="version, kernel backends, CPU count")
+    args = p.parse_args(argv)
+    if args.includes:
+        print(f"-I{cudist.get_include()}")
+    elif args.include_dir:
+        print(cudist.get_include())
+    elif args.cmakedir:
+        print(cudist.get_cmake_dir())
+    else:
+        print(_info())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

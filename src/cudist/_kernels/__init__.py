@@ -1,0 +1,110 @@
+"""Kernel backends: one interface (:class:`KernelBackend`), several implementations.
+
+``numpy`` is the reference, ``numba`` and ``native`` (the C++ extension ``cudist._core``) are the
+fast CPU backends, ``cupy`` runs the shipped CUDA kernels on GPUs. Nothing here imports numba, the
+extension or CuPy until a backend is first asked for.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import threading
+
+from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "KernelBackend",
+    "SUPPORTED_DTYPES",
+    "FLOAT_DTYPES",
+    "available_backends",
+    "get_backend",
+    "default_cpu_backend",
+]
+
+#: Every backend name, in order of preference for CPU buffers.
+BACKENDS = ("native", "numba", "numpy", "cupy")
+_CPU_PREFERENCE = ("native", "numba", "numpy")
+_MODULES = {
+    "numpy": ("cudist._kernels._numpy", "NumpyBackend"),
+    "numba": ("cudist._kernels._numba", "NumbaBackend"),
+    "native": ("cudist._kernels._native", "NativeBackend"),
+    "cupy": ("cudist._kernels._cupy", "CupyBackend"),
+}
+# What must be importable for each backend; checked without importing it.
+_REQUIRES = {"numpy": (), "numba": ("numba",), "native": ("cudist._core",), "cupy": ("cupy",)}
+
+_lock = threading.Lock()
+_instances: dict[str, KernelBackend] = {}
+
+
+class BackendUnavailableError(RuntimeError):
+    """A kernel backend was asked for by name but cannot be used on this machine."""
+
+
+def _importable(mod: str) -> bool:
+    try:
+        return importlib.util.find_spec(mod) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def available_backends() -> list[str]:
+    """Names of the backends whose requirements are installed (not yet imported)."""
+    return [name for name in BACKENDS if all(_importable(m) for m in _REQUIRES[name])]
+
+
+def _load(name: str) -> KernelBackend:
+    with _lock:
+        inst = _instances.get(name)
+        if inst is None:
+            missing = [m for m in _REQUIRES[name] if not _importable(m)]
+            if missing:
+                raise BackendUnavailableError(
+                    f"kernel backend {name!r} is not available: cannot import {', '.join(missing)}"
+                    + (" (install cudist[cuda])" if name == "cupy" else "")
+                )
+            mod_name, cls_name = _MODULES[name]
+            try:
+                cls = getattr(importlib.import_module(mod_name), cls_name)
+                inst = cls()
+            except BackendUnavailableError:
+                raise
+            except Exception as e:  # a broken install must name the backend, not fail obscurely later
+                raise BackendUnavailableError(f"kernel backend {name!r} failed to load: {type(e).__name__}: {e}") from e
+            _instances[name] = inst
+        return inst
+
+
+def get_backend(name: str | None = None) -> KernelBackend:
+    """Returns a kernel backend.
+
+    Args:
+        name: "numpy", "numba", "native" or "cupy". When None, ``CUDIST_BACKEND`` decides if set,
+            else the first available of native, numba, numpy.
+
+    Raises:
+        ValueError: the name is not a backend.
+        BackendUnavailableError: the backend is known but cannot be used here.
+    """
+    if name is None:
+        name = os.environ.get("CUDIST_BACKEND") or None
+    if name is None:
+        return default_cpu_backend()
+    key = str(name).strip().lower()
+    if key not in _MODULES:
+        raise ValueError(f"unknown kernel backend {name!r}; expected one of {', '.join(BACKENDS)}")
+    return _load(key)
+
+
+def default_cpu_backend() -> KernelBackend:
+    """The fastest CPU backend that loads (native, else numba, else numpy)."""
+    for name in _CPU_PREFERENCE:
+        try:
+            return _load(name)
+        except BackendUnavailableError:
+            continue
+    raise AssertionError("the numpy backend always loads")  # pragma: no cover

@@ -1,0 +1,85 @@
+"""The NumPy reference backend: the plain definition every other backend is tested against."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cudist._kernels._base import KernelBackend
+from cudist._reduce_util import ReduceOp
+
+
+def reference_reduce(bufs, op):
+    """Returns the reduction of ``bufs`` as a new array, in the contract's fixed order."""
+    s = bufs[0].copy()
+    for b in bufs[1:]:
+        np.add(s, b, out=s)
+    if op is ReduceOp.MEAN:
+        n = len(bufs)
+        if s.dtype.kind == "f":
+            np.divide(s, s.dtype.type(n), out=s)
+        else:
+            # Truncation toward zero, as C's integer division does.
+            q = np.floor_divide(s, n)
+            q += ((s - q * n) != 0) & (s < 0)
+            s = q
+    return s
+
+
+def _compute_dtype(dtype):
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+class NumpyBackend(KernelBackend):
+    """Reference implementation in plain NumPy (not fused; clarity over speed)."""
+
+    name = "numpy"
+
+    def _all_reduce(self, bufs, op):
+        s = reference_reduce(bufs, op)
+        for b in bufs:
+            np.copyto(b, s)
+
+    def _reduce_to_one(self, bufs, op, out):
+        np.copyto(out, reference_reduce(bufs, op))
+
+    def _broadcast(self, src, dsts):
+        src = src.copy() if any(np.shares_memory(src, d) for d in dsts) else src
+        for d in dsts:
+            np.copyto(d, src)
+
+    def _all_gather(self, bufs, axis):
+        return np.concatenate(bufs, axis=axis)
+
+    def _assign_add(self, copies, value, negate):
+        new = np.subtract(copies[0], value) if negate else np.add(copies[0], value)
+        self._broadcast(new, copies)
+
+    def _sgd(self, copies, grad, lr):
+        ct = _compute_dtype(copies[0].dtype)
+        w = copies[0].astype(ct) - ct.type(lr) * grad.astype(ct)
+        self._broadcast(w.astype(copies[0].dtype), copies)
+
+    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):
+        ct = _compute_dtype(copies[0].dtype)
+        lr, mom = ct.type(lr), ct.type(momentum)
+        g = grad.astype(ct)
+        v = mom * velocities[0].astype(ct) - lr * g
+        w = copies[0].astype(ct)
+        w = w + (mom * v - lr * g) if nesterov else w + v
+        self._broadcast(v.astype(copies[0].dtype), velocities)
+        self._broadcast(w.astype(copies[0].dtype), copies)
+
+    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
+        ct = _compute_dtype(copies[0].dtype)
+        one = ct.type(1)
+        lr_t, b1, b2, eps = ct.type(lr_t), ct.type(beta_1), ct.type(beta_2), ct.type(epsilon)
+        g = grad.astype(ct)
+        m = ms[0].astype(ct)
+        v = vs[0].astype(ct)
+        m = m + (g - m) * (one - b1)
+        v = v + (g * g - v) * (one - b2)
+        w = copies[0].astype(ct) - lr_t * m / (np.sqrt(v) + eps)
+        dt = copies[0].dtype
+        self._broadcast(m.astype(dt), ms)
+        self._broadcast(v.astype(dt), vs)
+        self._broadcast(w.astype(dt), copies)

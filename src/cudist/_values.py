@@ -1,0 +1,108 @@
+"""Distributed values: one value per replica (``PerReplica``) or one mirrored value (``Mirrored``)."""
+
+from __future__ import annotations
+
+import optree
+
+__all__ = ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "is_distributed"]
+
+
+class DistributedValues:
+    """Base class of values that have one component per replica.
+
+    Use ``strategy.experimental_local_results(v)`` to get the components; ``.values`` holds them too.
+    """
+
+    #: Distributed variables resolve themselves to the local component inside ``run``;
+    #: ``select_replica`` leaves objects with this flag set untouched.
+    _keep_in_replica = False
+
+    def __init__(self, values):
+        self._values = tuple(values)
+        if not self._values:
+            raise ValueError(f"{type(self).__name__} needs at least one component")
+
+    @property
+    def values(self) -> tuple:
+        """The per-replica components, in replica order."""
+        return self._values
+
+    def _get_replica(self, replica_id: int):
+        return self._values[replica_id]
+
+    @property
+    def _primary(self):
+        return self._values[0]
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __repr__(self) -> str:
+        body = "\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+    __str__ = __repr__
+
+
+class PerReplica(DistributedValues):
+    """Holds a (possibly different) value for each replica."""
+
+
+class Mirrored(DistributedValues):
+    """Holds the same value on every replica; the components are copies, one per device."""
+
+
+def is_distributed(x) -> bool:
+    return isinstance(x, DistributedValues)
+
+
+def _is_leaf_dv(x) -> bool:
+    return isinstance(x, DistributedValues)
+
+
+def select_replica(replica_id: int, structured):
+    """Replaces each DistributedValues leaf of ``structured`` by its ``replica_id`` component.
+
+    Distributed variables are kept whole: they pick their local component themselves.
+    """
+
+    def pick(x):
+        if isinstance(x, DistributedValues) and not x._keep_in_replica:
+            return x._get_replica(replica_id)
+        return x
+
+    if isinstance(structured, DistributedValues):
+        return pick(structured)
+    return optree.tree_map(pick, structured, is_leaf=_is_leaf_dv, none_is_leaf=True)
+
+
+def regroup(per_replica_values, wrap_class=PerReplica, always_wrap=False):
+    """Merges N per-replica structures into one structure of DistributedValues.
+
+    The structures must match. At each leaf, the same object from every replica stays unwrapped
+    (unless ``always_wrap``); otherwise the N leaves become one ``wrap_class``.
+
+    Raises:
+        ValueError: the replicas returned structures of different shapes.
+    """
+    per_replica_values = list(per_replica_values)
+    if len(per_replica_values) == 1 and not always_wrap:
+        return per_replica_values[0]
+    flat, specs = [], []
+    for i, v in enumerate(per_replica_values):
+        leaves, spec = optree.tree_flatten(v, is_leaf=_is_leaf_dv, none_is_leaf=True)
+        if specs and spec != specs[0]:
+            raise ValueError(
+                f"replica {i} returned a structure {spec} that differs from replica 0's {specs[0]}; "
+                "every replica must return the same nested structure"
+            )
+        flat.append(leaves)
+        specs.append(spec)
+    out = []
+    for leaves in zip(*flat):
+        first = leaves[0]
+        if not always_wrap and all(x is first for x in leaves):
+            out.append(first)
+        else:
+            out.append(wrap_class(leaves))
+    return optree.tree_unflatten(specs[0], out)

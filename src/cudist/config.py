@@ -1,0 +1,134 @@
+"""Device configuration (``tf.config``'s device functions, for the devices cudist knows).
+
+CPU replicas are logical devices over host memory: ``set_logical_device_configuration`` on the
+physical CPU decides how many "/cpu:N" devices :func:`list_logical_devices` reports (one by default,
+as in TensorFlow). On a GPU it splits one physical GPU into several logical ones. GPUs are counted
+through CuPy only when GPUs are asked about, never at ``import cudist``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import NamedTuple
+
+from cudist._devices import CPU, GPU
+
+__all__ = [
+    "PhysicalDevice",
+    "LogicalDevice",
+    "LogicalDeviceConfiguration",
+    "list_physical_devices",
+    "list_logical_devices",
+    "set_logical_device_configuration",
+    "get_logical_device_configuration",
+]
+
+
+class PhysicalDevice(NamedTuple):
+    name: str
+    device_type: str
+
+
+class LogicalDevice(NamedTuple):
+    name: str
+    device_type: str
+
+
+class LogicalDeviceConfiguration(NamedTuple):
+    """One logical device to carve out of a physical one (``memory_limit`` in MiB, GPUs only)."""
+
+    memory_limit: int | None = None
+    experimental_priority: int | None = None
+    experimental_device_ordinal: int | None = None
+
+
+_lock = threading.Lock()
+_logical: dict[str, list[LogicalDeviceConfiguration]] = {}
+
+
+def _gpu_count() -> int:
+    try:
+        import cupy  # noqa: PLC0415 - only when GPUs are asked about
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:  # no CuPy, no driver, no device: no GPUs
+        return 0
+
+
+def _check_type(device_type):
+    if device_type is None:
+        return None
+    t = str(device_type).upper()
+    if t not in (CPU, GPU):
+        raise ValueError(f"unknown device type {device_type!r}; expected 'CPU' or 'GPU'")
+    return t
+
+
+def list_physical_devices(device_type=None) -> list[PhysicalDevice]:
+    """The physical devices: one CPU, and each GPU CuPy sees."""
+    t = _check_type(device_type)
+    out = []
+    if t in (None, CPU):
+        out.append(PhysicalDevice("/physical_device:CPU:0", CPU))
+    if t in (None, GPU):
+        out.extend(PhysicalDevice(f"/physical_device:GPU:{i}", GPU) for i in range(_gpu_count()))
+    return out
+
+
+def _physical(device) -> PhysicalDevice:
+    if isinstance(device, PhysicalDevice):
+        return device
+    if isinstance(device, str):
+        for d in list_physical_devices():
+            if d.name.lower() == device.lower():
+                return d
+    raise ValueError(f"unknown physical device {device!r}; list them with cudist.config.list_physical_devices()")
+
+
+def set_logical_device_configuration(device, logical_devices) -> None:
+    """Splits a physical device into logical ones (None restores one logical device per physical).
+
+    Raises:
+        ValueError: the device is unknown, or the list is empty.
+    """
+    dev = _physical(device)
+    with _lock:
+        if logical_devices is None:
+            _logical.pop(dev.name, None)
+            return
+        confs = list(logical_devices)
+        if not confs:
+            raise ValueError(f"set_logical_device_configuration: {dev.name} needs at least one logical device")
+        for c in confs:
+            if not isinstance(c, LogicalDeviceConfiguration):
+                raise TypeError(f"expected LogicalDeviceConfiguration entries, got {type(c).__name__}")
+        _logical[dev.name] = confs
+
+
+def get_logical_device_configuration(device):
+    """The logical configuration set for a physical device, or None."""
+    dev = _physical(device)
+    with _lock:
+        confs = _logical.get(dev.name)
+        return list(confs) if confs is not None else None
+
+
+def logical_to_physical_gpu() -> list[int]:
+    """For each logical GPU index, the physical GPU it lives on."""
+    out = []
+    for i in range(_gpu_count()):
+        confs = _logical.get(f"/physical_device:GPU:{i}")
+        out.extend([i] * (len(confs) if confs else 1))
+    return out
+
+
+def list_logical_devices(device_type=None) -> list[LogicalDevice]:
+    """The logical devices, named "/device:CPU:N" and "/device:GPU:N"."""
+    t = _check_type(device_type)
+    out = []
+    if t in (None, CPU):
+        n = len(_logical.get("/physical_device:CPU:0") or [None])
+        out.extend(LogicalDevice(f"/device:CPU:{i}", CPU) for i in range(n))
+    if t in (None, GPU):
+        out.extend(LogicalDevice(f"/device:GPU:{i}", GPU) for i in range(len(logical_to_physical_gpu())))
+    return out
