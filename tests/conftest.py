@@ -1,0 +1,63 @@
+"""Shared fixtures: hardware markers and the ``strategy`` fixture."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count() -> int:
+    """GPUs usable through CuPy (0 without CuPy, a driver or a device)."""
+    try:
+        import cupy
+
+        return int(cupy.cuda.runtime.getDeviceCount())
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    n = None
+    for item in items:
+        need = 2 if "multi_gpu" in item.keywords else 1 if "gpu" in item.keywords else 0
+        if not need:
+            continue
+        if n is None:
+            n = gpu_count()
+        if n < need:
+            item.add_marker(pytest.mark.skip(reason=f"needs {need} GPU(s) with CuPy; found {n}"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _four_logical_cpus():
+    """Four logical CPUs, as TF tests get with set_logical_device_configuration."""
+    from cudist import config
+
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 4)
+    yield
+
+
+STRATEGY_PARAMS = ["one_device", "mirrored1", "mirrored2", "mirrored3", "mirrored4", "central2"]
+
+
+def make_strategy(kind: str):
+    """Builds the strategy named by a STRATEGY_PARAMS entry on logical CPUs."""
+    import cudist
+
+    if kind == "one_device":
+        return cudist.OneDeviceStrategy("/cpu:0")
+    if kind.startswith("mirrored"):
+        n = int(kind[len("mirrored"):])
+        return cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    if kind == "central2":
+        return cudist.CentralStorageStrategy(compute_devices=["/cpu:0", "/cpu:1"], parameter_device="/cpu:0")
+    raise ValueError(kind)
+
+
+@pytest.fixture(params=STRATEGY_PARAMS)
+def strategy(request):
+    """Each strategy kind the common tests run over."""
+    return make_strategy(request.param)
