@@ -1,6 +1,343 @@
+// cudist._core: the C++ kernels of <cudist/cudist.hpp> for NumPy arrays.
+//
+// The Python layer (cudist._kernels._native) validates arguments with the shared, descriptive
+// messages of KernelBackend; the checks here are the cheap ones that keep a direct call from
+// crashing the interpreter. Arrays are read through pybind11's struct proxies rather than the
+// buffer protocol, since a 4 KiB all-reduce must cost microseconds in all.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <cudist/cudist.hpp>
+
 namespace py = pybind11;
+
+namespace {
+
+enum class kind { f16, f32, f64, i32, i64 };
+
+// Below this many bytes moved, the GIL is kept: releasing and retaking it costs more than the work.
+constexpr std::size_t kReleaseGilBytes = std::size_t{64} << 10;
+
+struct arr_info {
+  void* data;
+  std::size_t size;
+  kind k;
+};
+
+const char* kind_name(kind k) {
+  switch (k) {
+    case kind::f16: return "float16";
+    case kind::f32: return "float32";
+    case kind::f64: return "float64";
+    case kind::i32: return "int32";
+    default: return "int64";
+  }
+}
+
+arr_info inspect(py::handle h, const char* where, const char* what, std::size_t index, bool writable) {
+  if (!py::isinstance<py::array>(h)) {
+    throw py::type_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is not a numpy.ndarray");
+  }
+  auto* a = py::detail::array_proxy(h.ptr());
+  auto* d = py::detail::array_descriptor_proxy(a->descr);
+  const py::ssize_t itemsize = py::reinterpret_borrow<py::dtype>(a->descr).itemsize();
+  kind k;
+  if (d->byteorder == '>') {
+    throw py::type_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is not in native byte order");
+  } else if (d->kind == 'f' && itemsize == 2) {
+    k = kind::f16;
+  } else if (d->kind == 'f' && itemsize == 4) {
+    k = kind::f32;
+  } else if (d->kind == 'f' && itemsize == 8) {
+    k = kind::f64;
+  } else if (d->kind == 'i' && itemsize == 4) {
+    k = kind::i32;
+  } else if (d->kind == 'i' && itemsize == 8) {
+    k = kind::i64;
+  } else {
+    throw py::type_error(std::string(where) + ": unsupported dtype for " + what + " " + std::to_string(index) +
+                         " (supported: float16, float32, float64, int32, int64)");
+  }
+  constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
+  constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  if (!(a->flags & c_contiguous)) {
+    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is not C-contiguous");
+  }
+  if (writable && !(a->flags & writeable)) {
+    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is read-only");
+  }
+  std::size_t size = 1;
+  for (int i = 0; i < a->nd; ++i) size *= static_cast<std::size_t>(a->dimensions[i]);
+  return {a->data, size, k};
+}
+
+// The arrays of a tuple or list, all of one dtype and size; their data pointers go to ``ptrs``.
+kind inspect_all(py::handle seq, const char* where, const char* what, bool writable, std::vector<void*>& ptrs,
+                 std::size_t& size, bool same_size = true) {
+  if (!PyTuple_Check(seq.ptr()) && !PyList_Check(seq.ptr())) {
+    throw py::type_error(std::string(where) + ": expected a tuple or list of arrays");
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  if (n == 0) throw py::value_error(std::string(where) + ": expected at least one array, got none");
+  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  ptrs.resize(static_cast<std::size_t>(n));
+  kind k0 = kind::f32;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const arr_info info = inspect(items[i], where, what, static_cast<std::size_t>(i), writable);
+    if (i == 0) {
+      k0 = info.k;
+      size = info.size;
+    } else if (info.k != k0) {
+      throw py::type_error(std::string(where) + ": " + what + " " + std::to_string(i) + " has dtype " +
+                           kind_name(info.k) + " but " + what + " 0 has dtype " + kind_name(k0));
+    } else if (same_size && info.size != size) {
+      throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " has " +
+                            std::to_string(info.size) + " elements but " + what + " 0 has " + std::to_string(size));
+    }
+    ptrs[static_cast<std::size_t>(i)] = info.data;
+  }
+  return k0;
+}
+
+void* inspect_like(py::handle h, const char* where, const char* what, kind k, std::size_t size, bool writable) {
+  const arr_info info = inspect(h, where, what, 0, writable);
+  if (info.k != k) {
+    throw py::type_error(std::string(where) + ": " + what + " has dtype " + kind_name(info.k) + " but the replicas have dtype " +
+                         kind_name(k));
+  }
+  if (info.size != size) {
+    throw py::value_error(std::string(where) + ": " + what + " has " + std::to_string(info.size) +
+                          " elements but the replicas have " + std::to_string(size));
+  }
+  return info.data;
+}
+
+// Calls fn(T{}) with T the C++ type of kind k.
+template <class F>
+void dispatch(kind k, F&& fn) {
+  switch (k) {
+    case kind::f16: fn(cudist::half{}); break;
+    case kind::f32: fn(float{}); break;
+    case kind::f64: fn(double{}); break;
+    case kind::i32: fn(std::int32_t{}); break;
+    case kind::i64: fn(std::int64_t{}); break;
+  }
+}
+
+template <class F>
+void dispatch_float(kind k, const char* where, F&& fn) {
+  switch (k) {
+    case kind::f16: fn(cudist::half{}); break;
+    case kind::f32: fn(float{}); break;
+    case kind::f64: fn(double{}); break;
+    default: throw py::type_error(std::string(where) + ": needs a floating-point dtype, got " + kind_name(k));
+  }
+}
+
+std::size_t itemsize(kind k) {
+  switch (k) {
+    case kind::f16: return 2;
+    case kind::f32: case kind::i32: return 4;
+    default: return 8;
+  }
+}
+
+// Runs fn without the GIL when it moves enough bytes to be worth it.
+template <class F>
+void maybe_nogil(std::size_t bytes, F&& fn) {
+  if (bytes >= kReleaseGilBytes) {
+    py::gil_scoped_release nogil;
+    fn();
+  } else {
+    fn();
+  }
+}
+
+cudist::reduce_op to_op(int op) {
+  if (op != 0 && op != 1) throw py::value_error("op must be 0 (SUM) or 1 (MEAN), got " + std::to_string(op));
+  return static_cast<cudist::reduce_op>(op);
+}
+
+template <class T>
+T* const* typed(std::vector<void*>& p) {
+  return reinterpret_cast<T* const*>(p.data());
+}
+
+void all_reduce(py::handle bufs, int op_i) {
+  const auto op = to_op(op_i);
+  std::vector<void*> p;
+  std::size_t size = 0;
+  const kind k = inspect_all(bufs, "all_reduce", "replica", true, p, size);
+  maybe_nogil(2 * p.size() * size * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::all_reduce<T>(typed<T>(p), p.size(), size, op);
+    });
+  });
+}
+
+void reduce_to_one(py::handle bufs, int op_i, py::handle out) {
+  const auto op = to_op(op_i);
+  std::vector<void*> p;
+  std::size_t size = 0;
+  const kind k = inspect_all(bufs, "reduce_to_one", "replica", false, p, size);
+  void* o = inspect_like(out, "reduce_to_one", "out", k, size, true);
+  maybe_nogil((p.size() + 1) * size * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::reduce_to_one<T>(typed<T>(p), p.size(), size, op, static_cast<T*>(o));
+    });
+  });
+}
+
+void broadcast(py::handle src, py::handle dsts) {
+  std::vector<void*> p;
+  std::size_t size = 0;
+  const kind k = inspect_all(dsts, "broadcast", "destination", true, p, size);
+  const void* s = inspect_like(src, "broadcast", "src", k, size, false);
+  maybe_nogil((p.size() + 1) * size * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::broadcast<T>(static_cast<const T*>(s), typed<T>(p), p.size(), size);
+    });
+  });
+}
+
+py::array all_gather(py::handle bufs, int axis) {
+  std::vector<void*> p;
+  std::size_t size = 0;
+  const kind k = inspect_all(bufs, "all_gather", "replica", false, p, size, false);
+  PyObject** items = PySequence_Fast_ITEMS(bufs.ptr());
+  auto* a0 = py::detail::array_proxy(items[0]);
+  const int nd = a0->nd;
+  if (axis < 0 || axis >= nd) throw py::value_error("all_gather: axis " + std::to_string(axis) + " is out of range");
+  std::vector<py::ssize_t> shape(a0->dimensions, a0->dimensions + nd);
+  std::size_t outer = 1, inner = 1;
+  for (int d = 0; d < axis; ++d) outer *= static_cast<std::size_t>(shape[d]);
+  for (int d = axis + 1; d < nd; ++d) inner *= static_cast<std::size_t>(shape[d]);
+  std::vector<std::size_t> row_bytes(p.size());
+  std::size_t total_extent = 0;
+  for (std::size_t i = 0; i < p.size(); ++i) {
+    auto* a = py::detail::array_proxy(items[i]);
+    if (a->nd != nd) throw py::value_error("all_gather: replica " + std::to_string(i) + " has a different rank");
+    for (int d = 0; d < nd; ++d)
+      if (d != axis && a->dimensions[d] != shape[d])
+        throw py::value_error("all_gather: replica " + std::to_string(i) + " differs in shape outside the gather axis");
+    const auto extent = static_cast<std::size_t>(a->dimensions[axis]);
+    total_extent += extent;
+    row_bytes[i] = extent * inner * itemsize(k);
+  }
+  shape[axis] = static_cast<py::ssize_t>(total_extent);
+  py::array out(py::reinterpret_borrow<py::dtype>(a0->descr), shape);
+  void* o = out.mutable_data();
+  const std::size_t bytes = outer * total_extent * inner * itemsize(k);
+  maybe_nogil(2 * bytes, [&] {
+    std::vector<const void*> cp(p.begin(), p.end());
+    cudist::all_gather_bytes(cp.data(), cp.size(), row_bytes.data(), outer, o);
+  });
+  return out;
+}
+
+void assign_add(py::handle copies, py::handle value, bool negate) {
+  std::vector<void*> p;
+  std::size_t size = 0;
+  const kind k = inspect_all(copies, "assign_add", "copy", true, p, size);
+  const void* v = inspect_like(value, "assign_add", "value", k, size, false);
+  maybe_nogil((p.size() + 2) * size * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::assign_add<T>(typed<T>(p), p.size(), size, static_cast<const T*>(v), negate);
+    });
+  });
+}
+
+void sgd(py::handle copies, py::handle grad, double lr) {
+  std::vector<void*> p;
+  std::size_t size = 0;
+  const kind k = inspect_all(copies, "sgd", "copy", true, p, size);
+  const void* g = inspect_like(grad, "sgd", "grad", k, size, false);
+  dispatch_float(k, "sgd", [&](auto t) {
+    using T = decltype(t);
+    maybe_nogil((p.size() + 2) * size * sizeof(T),
+                [&] { cudist::sgd<T>(typed<T>(p), p.size(), size, static_cast<const T*>(g), lr); });
+  });
+}
+
+void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, double mom, bool nesterov) {
+  std::vector<void*> p, pv;
+  std::size_t size = 0, vsize = 0;
+  const kind k = inspect_all(copies, "momentum", "copy", true, p, size);
+  const kind kv = inspect_all(vels, "momentum", "velocity copy", true, pv, vsize);
+  if (kv != k || vsize != size || pv.size() != p.size())
+    throw py::value_error("momentum: velocities must match the variable copies in number, dtype and size");
+  const void* g = inspect_like(grad, "momentum", "grad", k, size, false);
+  dispatch_float(k, "momentum", [&](auto t) {
+    using T = decltype(t);
+    maybe_nogil((2 * p.size() + 3) * size * sizeof(T), [&] {
+      cudist::momentum<T>(typed<T>(p), typed<T>(pv), p.size(), size, static_cast<const T*>(g), lr, mom, nesterov);
+    });
+  });
+}
+
+void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, double lr_t, double b1, double b2,
+          double eps) {
+  std::vector<void*> p, pm, pv;
+  std::size_t size = 0, msize = 0, vsize = 0;
+  const kind k = inspect_all(copies, "adam", "copy", true, p, size);
+  const kind km = inspect_all(ms, "adam", "m copy", true, pm, msize);
+  const kind kv = inspect_all(vs, "adam", "v copy", true, pv, vsize);
+  if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
+    throw py::value_error("adam: the m and v slots must match the variable copies in number, dtype and size");
+  const void* g = inspect_like(grad, "adam", "grad", k, size, false);
+  dispatch_float(k, "adam", [&](auto t) {
+    using T = decltype(t);
+    maybe_nogil((3 * p.size() + 4) * size * sizeof(T), [&] {
+      cudist::adam<T>(typed<T>(p), typed<T>(pm), typed<T>(pv), p.size(), size, static_cast<const T*>(g), lr_t, b1, b2,
+                      eps);
+    });
+  });
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "cudist native kernels";
+  m.doc() = "cudist's native CPU kernels (the C++ headers of <cudist/cudist.hpp> over NumPy arrays).";
   m.attr("__version__") = CUDIST_VERSION;
+  m.attr("SUM") = 0;
+  m.attr("MEAN") = 1;
+
+  m.def("all_reduce", &all_reduce, py::arg("bufs"), py::arg("op"),
+        "In place: every array of ``bufs`` (tuple/list) becomes their elementwise reduction; op 0=SUM, 1=MEAN.");
+  m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),
+        "Reduces ``bufs`` elementwise into ``out`` (which may be one of them).");
+  m.def("broadcast", &broadcast, py::arg("src"), py::arg("dsts"), "Copies ``src`` into every array of ``dsts``.");
+  m.def("all_gather", &all_gather, py::arg("bufs"), py::arg("axis"),
+        "Concatenates ``bufs`` along non-negative ``axis`` into a new array.");
+  m.def("assign_add", &assign_add, py::arg("copies"), py::arg("value"), py::arg("negate"),
+        "Every copy becomes copies[0] + value (or - value when ``negate``).");
+  m.def("sgd", &sgd, py::arg("copies"), py::arg("grad"), py::arg("lr"), "Every copy becomes copies[0] - lr * grad.");
+  m.def("momentum", &momentum, py::arg("copies"), py::arg("velocities"), py::arg("grad"), py::arg("lr"),
+        py::arg("momentum"), py::arg("nesterov"), "Momentum SGD (Keras formulation) on N copies and N velocities.");
+  m.def("adam", &adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"),
+        py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
+        "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
+  m.def(
+      "num_threads", [] { return cudist::thread_pool::global().size(); },
+      "Threads the kernels use (the calling thread included).");
+  m.def(
+      "set_num_threads",
+      [](int n) {
+        if (n < 0) throw py::value_error("set_num_threads: n must be >= 0 (0 = all hardware threads), got " + std::to_string(n));
+        py::gil_scoped_release nogil;
+        cudist::thread_pool::global().resize(static_cast<unsigned>(n));
+      },
+      py::arg("n"), "Sets the number of threads (0 = all hardware threads).");
+  m.def("set_streaming_threshold", &cudist::set_streaming_threshold, py::arg("nbytes"),
+        "Bytes written from which kernels use streaming stores (returns the previous value; for benchmarks).");
+  m.def("hardware_threads", &cudist::thread_pool::hardware_threads, "Hardware threads of this machine.");
 }

@@ -1,0 +1,233 @@
+/// @file all_reduce.hpp
+/// @brief Collectives over N same-size replica buffers in host memory: all_reduce, reduce_to_one,
+/// broadcast, all_gather.
+///
+/// Every kernel makes one pass over memory (each input element read once, each output element
+/// written once), split over a thread_pool when the buffers are large and run inline on the caller
+/// when they are small. The reduction order is fixed (replica 0, 1, ..., N-1) and nothing is
+/// reassociated, so results are bit-identical to NumPy's ``((b0 + b1) + b2) + ...`` whatever the
+/// thread count. Buffers that are exactly the same memory may be passed more than once; buffers
+/// that partially overlap are handled through a temporary copy.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+#include <stdexcept>
+#include <type_traits>
+#include <vector>
+
+#include "detail/arith.hpp"
+#include "detail/parallel.hpp"
+#include "detail/store.hpp"
+#include "half.hpp"
+#include "reduce_op.hpp"
+#include "thread_pool.hpp"
+
+namespace cudist {
+
+namespace detail {
+
+/// Reduces elements [begin, end) of the ``n_in`` inputs and writes the result to the ``n_out``
+/// outputs. Works one cache line of every stream at a time, with compile-time trip counts, so the
+/// line's partial sums live in vector registers and the reads and writes of all streams stay
+/// interleaved as in a per-element loop (which keeps every hardware prefetch stream busy).
+template <class T>
+void reduce_range(const T* const* in, std::size_t n_in, T* const* out, std::size_t n_out, reduce_op op,
+                  std::size_t begin, std::size_t end, bool stream) {
+  using A = arith<T>;
+  using acc_t = typename A::acc_t;
+  constexpr std::size_t K = kLineBytes / sizeof(T);
+  const acc_t cnt = A::count(n_in);
+  const bool mean = op == reduce_op::mean;
+  std::size_t i = begin;
+  for (; i + K <= end; i += K) {
+    acc_t acc[K];
+    const T* p0 = in[0] + i;
+    for (std::size_t k = 0; k < K; ++k) acc[k] = A::load(p0[k]);
+    for (std::size_t r = 1; r < n_in; ++r) {
+      const T* p = in[r] + i;
+      for (std::size_t k = 0; k < K; ++k) acc[k] = A::add(acc[k], A::load(p[k]));
+    }
+    if (mean) {
+      for (std::size_t k = 0; k < K; ++k) acc[k] = A::div_n(acc[k], cnt);
+    }
+    alignas(64) T res[K];
+    for (std::size_t k = 0; k < K; ++k) res[k] = A::store(acc[k]);
+    for (std::size_t o = 0; o < n_out; ++o) store_line<T, K>(out[o] + i, res, stream);
+  }
+  for (; i < end; ++i) {
+    acc_t a = A::load(in[0][i]);
+    for (std::size_t r = 1; r < n_in; ++r) a = A::add(a, A::load(in[r][i]));
+    if (mean) a = A::div_n(a, cnt);
+    const T v = A::store(a);
+    for (std::size_t o = 0; o < n_out; ++o) out[o][i] = v;
+  }
+}
+
+template <class T>
+bool any_partial_overlap(const T* const* a, std::size_t na, const T* const* b, std::size_t nb,
+                         std::size_t count) noexcept {
+  for (std::size_t i = 0; i < na; ++i)
+    for (std::size_t j = 0; j < nb; ++j)
+      if (partial_overlap(a[i], b[j], count * sizeof(T))) return true;
+  return false;
+}
+
+}  // namespace detail
+
+/// Copies ``src`` into each of the ``n`` buffers ``dsts`` (``count`` elements each).
+///
+/// @param src    source buffer; may be one of ``dsts``.
+/// @param dsts   destination buffers.
+/// @param n      number of destinations.
+/// @param count  elements per buffer.
+/// @param pool   pool to parallelise over, or nullptr to run on the caller.
+template <class T>
+void broadcast(const T* src, T* const* dsts, std::size_t n, std::size_t count,
+               thread_pool* pool = &thread_pool::global()) {
+  if (n == 0 || count == 0) return;
+  std::vector<T> snapshot;
+  if (detail::any_partial_overlap(&src, 1, dsts, n, count)) {
+    snapshot.assign(src, src + count);
+    src = snapshot.data();
+  }
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  const std::size_t bytes = count * sizeof(T);
+  detail::run_blocks(pool, count, B, bytes * (n + 1), bytes * n, [&](std::size_t b, std::size_t e, bool stream) {
+    // Block by block, so the source is read from memory once and copied from cache N times.
+    for (std::size_t s = b; s < e; s += B) {
+      const std::size_t len = std::min(B, e - s);
+      for (std::size_t o = 0; o < n; ++o)
+        if (dsts[o] != src) detail::copy_block(dsts[o] + s, src + s, len * sizeof(T), stream);
+    }
+  });
+}
+
+/// Reduces the ``n`` buffers ``bufs`` elementwise into ``out``.
+///
+/// @param bufs   input buffers, ``count`` elements each.
+/// @param n      number of buffers (at least 1).
+/// @param count  elements per buffer.
+/// @param op     reduce_op::sum or reduce_op::mean.
+/// @param out    output buffer; may be one of ``bufs``.
+/// @param pool   pool to parallelise over, or nullptr to run on the caller.
+template <class T>
+void reduce_to_one(const T* const* bufs, std::size_t n, std::size_t count, reduce_op op, T* out,
+                   thread_pool* pool = &thread_pool::global()) {
+  if (n == 0 || count == 0) return;
+  if (detail::any_partial_overlap(bufs, n, &out, 1, count)) {
+    std::vector<T> tmp(count);
+    reduce_to_one(bufs, n, count, op, tmp.data(), pool);
+    std::memcpy(out, tmp.data(), count * sizeof(T));
+    return;
+  }
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  const std::size_t bytes = count * sizeof(T);
+  T* outs[1] = {out};
+  bool out_is_input = false;
+  for (std::size_t i = 0; i < n; ++i) out_is_input |= bufs[i] == out;
+  detail::run_blocks(pool, count, B, bytes * (n + 1), out_is_input ? 0 : bytes,
+                     [&](std::size_t b, std::size_t e, bool stream) {
+                       detail::reduce_range<T>(bufs, n, outs, 1, op, b, e, stream);
+                     });
+}
+
+/// All-reduce in place: every one of the ``n`` buffers becomes the reduction of all of them.
+///
+/// Fused: one pass reads the N inputs and writes the N outputs of each element, so the memory
+/// traffic is 2 * n * count * sizeof(T) bytes.
+///
+/// @param bufs   the replica buffers, ``count`` elements each; read and written.
+/// @param n      number of buffers.
+/// @param count  elements per buffer.
+/// @param op     reduce_op::sum or reduce_op::mean.
+/// @param pool   pool to parallelise over, or nullptr to run on the caller.
+template <class T>
+void all_reduce(T* const* bufs, std::size_t n, std::size_t count, reduce_op op,
+                thread_pool* pool = &thread_pool::global()) {
+  if (n <= 1 || count == 0) return;  // one replica: its sum and its mean are itself
+  const T* const* in = const_cast<const T* const*>(bufs);
+  if (detail::any_partial_overlap(in, n, in, n, count)) {
+    // Reduce everything before writing anything; then write in buffer order, as NumPy would.
+    std::vector<T> tmp(count);
+    reduce_to_one(in, n, count, op, tmp.data(), pool);
+    for (std::size_t o = 0; o < n; ++o) std::memcpy(bufs[o], tmp.data(), count * sizeof(T));
+    return;
+  }
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  const std::size_t bytes = count * sizeof(T);
+  // Never streaming: every line written was just read, so it is in cache already, and a
+  // non-temporal store to a cached line costs an eviction instead of saving a read.
+  detail::run_blocks(pool, count, B, 2 * n * bytes, 0, [&](std::size_t b, std::size_t e, bool) {
+    detail::reduce_range<T>(in, n, bufs, n, op, b, e, false);
+  });
+}
+
+/// Convenience overload over a vector of buffer pointers.
+template <class T>
+void all_reduce(const std::vector<T*>& bufs, std::size_t count, reduce_op op,
+                thread_pool* pool = &thread_pool::global()) {
+  all_reduce(bufs.data(), bufs.size(), count, op, pool);
+}
+
+/// Convenience overload over equally sized vectors (one per replica).
+template <class T>
+void all_reduce(std::vector<std::vector<T>>& bufs, reduce_op op, thread_pool* pool = &thread_pool::global()) {
+  if (bufs.empty()) return;
+  std::vector<T*> ptrs;
+  ptrs.reserve(bufs.size());
+  for (auto& b : bufs) {
+    if (b.size() != bufs[0].size()) throw std::invalid_argument("cudist::all_reduce: replica buffers differ in size");
+    ptrs.push_back(b.data());
+  }
+  all_reduce(ptrs.data(), ptrs.size(), bufs[0].size(), op, pool);
+}
+
+/// Concatenates byte rows: buffer ``i`` holds ``outer`` rows of ``row_bytes[i]`` bytes, and output
+/// row ``o`` is the concatenation of row ``o`` of every buffer in order.
+inline void all_gather_bytes(const void* const* bufs, std::size_t n, const std::size_t* row_bytes,
+                             std::size_t outer, void* out, thread_pool* pool = &thread_pool::global()) {
+  std::vector<std::size_t> offset(n + 1, 0);
+  for (std::size_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + row_bytes[i];
+  const std::size_t row = offset[n];
+  const std::size_t total = row * outer;
+  if (total == 0) return;
+  auto* dst = static_cast<unsigned char*>(out);
+  // Parallel over output bytes, so a gather along axis 0 (one row) splits as well as many rows.
+  detail::run_blocks(pool, total, detail::kBlockBytes, 2 * total, total, [&](std::size_t b, std::size_t e, bool stream) {
+    std::size_t o = b / row, within = b % row;
+    std::size_t i = static_cast<std::size_t>(std::upper_bound(offset.begin(), offset.end(), within) - offset.begin()) - 1;
+    while (b < e) {
+      while (offset[i + 1] == within) ++i;  // skip empty pieces
+      const std::size_t piece = std::min(offset[i + 1] - within, e - b);
+      const auto* src = static_cast<const unsigned char*>(bufs[i]) + o * row_bytes[i] + (within - offset[i]);
+      detail::copy_block(dst + b, src, piece, stream);
+      b += piece;
+      within += piece;
+      if (within == row) {
+        within = 0;
+        i = 0;
+        ++o;
+      }
+    }
+  });
+}
+
+/// Concatenates replica buffers along one axis, in replica order.
+///
+/// Buffer ``i`` is viewed as a C-order array of shape (outer, extents[i], inner); the output has
+/// shape (outer, sum(extents), inner).
+template <class T>
+void all_gather(const T* const* bufs, std::size_t n, const std::size_t* extents, std::size_t outer,
+                std::size_t inner, T* out, thread_pool* pool = &thread_pool::global()) {
+  std::vector<std::size_t> row_bytes(n);
+  std::vector<const void*> ptrs(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    row_bytes[i] = extents[i] * inner * sizeof(T);
+    ptrs[i] = bufs[i];
+  }
+  all_gather_bytes(ptrs.data(), n, row_bytes.data(), outer, out, pool);
+}
+
+}  // namespace cudist

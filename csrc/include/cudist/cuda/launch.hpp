@@ -1,0 +1,102 @@
+/// @file cuda/launch.hpp
+/// @brief Host-side launchers of cudist's CUDA kernels (<cudist/kernels/*.cuh>) on a CUDA stream.
+///
+/// Plain C++ (no CUDA syntax): include it from any compiler that sees the CUDA headers and link the
+/// `cudist::cuda` library (built when cudist is configured with -DCUDIST_WITH_CUDA=ON), which holds
+/// the definitions for T = float, double, __half, int and long long. Code compiled by nvcc may
+/// instead include <cudist/cuda/launch_impl.cuh> and get the templates themselves.
+///
+/// Conventions shared by every launcher:
+///  * replica buffers are given as a host array of `n` device pointers (n >= 1; any n: more than
+///    cudist::kernels::kMaxReplicas are handled in several launches, summation order unchanged);
+///  * `count` is the number of elements of each buffer;
+///  * the work is enqueued on `stream` and the call returns without synchronizing; buffers on other
+///    GPUs must be reachable from the current device (peer access enabled, or pinned host memory);
+///  * the return value is the launch status (cudaSuccess, cudaErrorInvalidValue for bad arguments,
+///    or the error of the failed launch).
+/// The numerics are those of cudist's kernel contract: replica-order sums in the buffer type, MEAN
+/// as a true division (floats) or truncation toward zero (integers), float16 updates computed in
+/// float32; results equal cudist's NumPy reference bit for bit (up to float32 subnormals when the
+/// kernels are built with flush-to-zero).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include "../reduce_op.hpp"
+
+namespace cudist {
+namespace cuda {
+
+/// Reduces the n buffers elementwise (SUM or MEAN) and writes the result into every one of them,
+/// in one fused pass (each element read n times and written n times).
+template <class T>
+cudaError_t all_reduce(T* const* bufs, int n, long long count, reduce_op op, cudaStream_t stream = nullptr);
+
+/// The same result as all_reduce, as a reduce-scatter followed by an all-gather (two launches).
+/// Moves the same bytes on one GPU; across GPUs it spreads the traffic over the links.
+template <class T>
+cudaError_t all_reduce_two_shot(T* const* bufs, int n, long long count, reduce_op op, cudaStream_t stream = nullptr);
+
+/// Reduces the n buffers into `out`, which may be one of bufs[0..7] (or any bufs[i] when n <= 8).
+template <class T>
+cudaError_t reduce_to_one(T* const* bufs, int n, T* out, long long count, reduce_op op,
+                          cudaStream_t stream = nullptr);
+
+/// Copies `src` into the n buffers `dsts`.
+template <class T>
+cudaError_t broadcast(const T* src, T* const* dsts, int n, long long count, cudaStream_t stream = nullptr);
+
+/// Splits a batch of `batch` rows of `row_elems` elements into n per-replica buffers by the ceil
+/// rule (ceil(batch/n) rows each, the last ones fewer or none). `src` may be pinned host memory.
+template <class T>
+cudaError_t scatter_batch(const T* src, T* const* dsts, int n, long long batch, long long row_elems,
+                          cudaStream_t stream = nullptr);
+
+/// Every copy becomes copies[0] + value (or copies[0] - value when `negate`).
+template <class T>
+cudaError_t assign_add(T* const* copies, int n, const T* value, long long count, bool negate,
+                       cudaStream_t stream = nullptr);
+
+/// Every copy becomes copies[0] - lr * grad (floating-point T only).
+template <class T>
+cudaError_t sgd(T* const* copies, int n, const T* grad, double lr, long long count, cudaStream_t stream = nullptr);
+
+/// Keras SGD with momentum: v = momentum * v - lr * g; w += momentum * v - lr * g (nesterov) or w += v.
+template <class T>
+cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* grad, double lr, double momentum,
+                     bool nesterov, long long count, cudaStream_t stream = nullptr);
+
+/// Keras Adam with the bias-corrected step lr_t (see cudist::adam_lr_t in <cudist/updates.hpp>).
+template <class T>
+cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
+                 double beta_2, double epsilon, long long count, cudaStream_t stream = nullptr);
+
+#define CUDIST_CUDA_DECLARE_ALL(T)                                                                             \
+  extern template cudaError_t all_reduce<T>(T* const*, int, long long, reduce_op, cudaStream_t);              \
+  extern template cudaError_t all_reduce_two_shot<T>(T* const*, int, long long, reduce_op, cudaStream_t);     \
+  extern template cudaError_t reduce_to_one<T>(T* const*, int, T*, long long, reduce_op, cudaStream_t);       \
+  extern template cudaError_t broadcast<T>(const T*, T* const*, int, long long, cudaStream_t);                \
+  extern template cudaError_t scatter_batch<T>(const T*, T* const*, int, long long, long long, cudaStream_t); \
+  extern template cudaError_t assign_add<T>(T* const*, int, const T*, long long, bool, cudaStream_t);
+#define CUDIST_CUDA_DECLARE_FLOAT(T)                                                                          \
+  extern template cudaError_t sgd<T>(T* const*, int, const T*, double, long long, cudaStream_t);             \
+  extern template cudaError_t momentum<T>(T* const*, T* const*, int, const T*, double, double, bool, long long, \
+                                          cudaStream_t);                                                     \
+  extern template cudaError_t adam<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double,  \
+                                      double, long long, cudaStream_t);
+
+// The definitions live in the cudist::cuda library (csrc/src/cuda/launch.cu).
+#ifndef CUDIST_CUDA_IMPLEMENTATION
+CUDIST_CUDA_DECLARE_ALL(float)
+CUDIST_CUDA_DECLARE_ALL(double)
+CUDIST_CUDA_DECLARE_ALL(__half)
+CUDIST_CUDA_DECLARE_ALL(int)
+CUDIST_CUDA_DECLARE_ALL(long long)
+CUDIST_CUDA_DECLARE_FLOAT(float)
+CUDIST_CUDA_DECLARE_FLOAT(double)
+CUDIST_CUDA_DECLARE_FLOAT(__half)
+#endif
+
+}  // namespace cuda
+}  // namespace cudist

@@ -1,0 +1,225 @@
+/// @file cuda/launch_impl.cuh
+/// @brief Definitions of the launchers declared in <cudist/cuda/launch.hpp> (nvcc only).
+///
+/// Include this instead of launch.hpp from a .cu file to instantiate the launchers yourself
+/// (no need to link cudist::cuda). It must come before any include of launch.hpp in that file.
+#pragma once
+
+#ifndef CUDIST_CUDA_IMPLEMENTATION
+#define CUDIST_CUDA_IMPLEMENTATION 1
+#endif
+
+#include "../kernels/kernels.cuh"
+#include "launch.hpp"
+
+namespace cudist {
+namespace cuda {
+namespace detail {
+
+using kernels::kMaxReplicas;
+using kernels::PtrPack;
+
+constexpr int kThreads = 256;
+// Enough blocks to fill any current GPU (132 SMs x 8 resident blocks of 256 threads on an H100);
+// the kernels are grid-stride loops, so bigger buffers just loop.
+constexpr long long kMaxBlocks = 2048;
+
+template <class T>
+inline dim3 grid_for(long long count, unsigned y = 1) {
+  const long long groups = (count + kernels::detail::vec_width<T>::value - 1) / kernels::detail::vec_width<T>::value;
+  long long blocks = (groups + kThreads - 1) / kThreads;
+  if (blocks < 1) blocks = 1;
+  if (blocks > kMaxBlocks) blocks = kMaxBlocks;
+  return dim3((unsigned)blocks, y, 1);
+}
+
+template <class T>
+inline PtrPack<T> pack(T* const* ptrs, int n) {
+  PtrPack<T> p{};
+  for (int i = 0; i < n && i < kMaxReplicas; ++i) p.p[i] = ptrs[i];
+  return p;
+}
+
+inline bool bad_args(const void* ptrs, int n, long long count) { return ptrs == nullptr || n < 1 || count < 0; }
+
+inline int divisor_for(reduce_op op, int n) { return op == reduce_op::mean ? n : 0; }
+
+inline bool valid_op(reduce_op op) { return op == reduce_op::sum || op == reduce_op::mean; }
+
+// Copies dsts[first..n) from src, kMaxReplicas destinations per launch.
+template <class T>
+cudaError_t broadcast_from(const T* src, T* const* dsts, int first, int n, long long count, cudaStream_t stream) {
+  for (int g = first; g < n; g += kMaxReplicas) {
+    const int m = n - g < kMaxReplicas ? n - g : kMaxReplicas;
+    kernels::broadcast_packed<T><<<grid_for<T>(count), kThreads, 0, stream>>>(src, pack(dsts + g, m), m, count);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+// Reduces bufs[0..n) into `out` (and, on the last pass, also into extra[0..n_extra), n_extra <
+// kMaxReplicas). More than kMaxReplicas inputs: the running sum is kept in `out` between passes,
+// which preserves the order ((b0 + b1) + ...) exactly since every partial sum is rounded to T anyway.
+template <class T>
+cudaError_t reduce_into(T* const* bufs, int n, T* out, T* const* extra, int n_extra, long long count, int divisor,
+                        cudaStream_t stream) {
+  int done = 0;
+  while (done < n) {
+    PtrPack<T> in{};
+    int n_in = 0;
+    if (done > 0) in.p[n_in++] = out;  // the running sum
+    while (n_in < kMaxReplicas && done < n) in.p[n_in++] = bufs[done++];
+    const bool last = done == n;
+    PtrPack<T> outs{};
+    int n_out = 0;
+    outs.p[n_out++] = out;
+    if (last)
+      for (int i = 0; i < n_extra; ++i) outs.p[n_out++] = extra[i];
+    kernels::all_reduce_one_shot_packed<T><<<grid_for<T>(count), kThreads, 0, stream>>>(in, n_in, outs, n_out, count,
+                                                                                        last ? divisor : 0);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace detail
+
+template <class T>
+cudaError_t all_reduce(T* const* bufs, int n, long long count, reduce_op op, cudaStream_t stream) {
+  if (detail::bad_args(bufs, n, count) || !detail::valid_op(op)) return cudaErrorInvalidValue;
+  if (n == 1 || count == 0) return cudaSuccess;
+  const int divisor = detail::divisor_for(op, n);
+  if (n <= detail::kMaxReplicas) {
+    kernels::all_reduce_one_shot_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
+        detail::pack(bufs, n), n, detail::pack(bufs, n), n, count, divisor);
+    return cudaGetLastError();
+  }
+  // The running sum lives in bufs[0]: it is consumed by the first pass before being overwritten.
+  const cudaError_t e = detail::reduce_into(bufs, n, bufs[0], bufs + 1, detail::kMaxReplicas - 1, count, divisor, stream);
+  if (e != cudaSuccess) return e;
+  return detail::broadcast_from<T>(bufs[0], bufs, detail::kMaxReplicas, n, count, stream);
+}
+
+template <class T>
+cudaError_t all_reduce_two_shot(T* const* bufs, int n, long long count, reduce_op op, cudaStream_t stream) {
+  if (detail::bad_args(bufs, n, count) || !detail::valid_op(op)) return cudaErrorInvalidValue;
+  if (n == 1 || count == 0) return cudaSuccess;
+  if (n > detail::kMaxReplicas) return all_reduce(bufs, n, count, op, stream);
+  constexpr int W = kernels::detail::vec_width<T>::value;
+  // Chunks of whole 16-byte vectors, so that no vector straddles two owners.
+  long long chunk = (count + n - 1) / n;
+  chunk = (chunk + W - 1) / W * W;
+  const detail::PtrPack<T> p = detail::pack(bufs, n);
+  const dim3 grid = detail::grid_for<T>(count);
+  kernels::reduce_scatter_packed<T><<<grid, detail::kThreads, 0, stream>>>(p, n, chunk, 0, count,
+                                                                           detail::divisor_for(op, n));
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  kernels::all_gather_chunks_packed<T><<<grid, detail::kThreads, 0, stream>>>(p, n, chunk, 0, count);
+  return cudaGetLastError();
+}
+
+template <class T>
+cudaError_t reduce_to_one(T* const* bufs, int n, T* out, long long count, reduce_op op, cudaStream_t stream) {
+  if (detail::bad_args(bufs, n, count) || out == nullptr || !detail::valid_op(op)) return cudaErrorInvalidValue;
+  // With several passes `out` holds the running sum, so it must not be an input of a later pass.
+  for (int i = detail::kMaxReplicas; i < n; ++i)
+    if (bufs[i] == out) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::reduce_into(bufs, n, out, bufs, 0, count, detail::divisor_for(op, n), stream);
+}
+
+template <class T>
+cudaError_t broadcast(const T* src, T* const* dsts, int n, long long count, cudaStream_t stream) {
+  if (detail::bad_args(dsts, n, count) || src == nullptr) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::broadcast_from(src, dsts, 0, n, count, stream);
+}
+
+template <class T>
+cudaError_t scatter_batch(const T* src, T* const* dsts, int n, long long batch, long long row_elems,
+                          cudaStream_t stream) {
+  if (detail::bad_args(dsts, n, batch) || row_elems < 0 || (src == nullptr && batch * row_elems > 0))
+    return cudaErrorInvalidValue;
+  const long long total = batch * row_elems;
+  if (total == 0) return cudaSuccess;
+  const long long per = (batch + n - 1) / n * row_elems;
+  for (int g = 0; g < n; g += detail::kMaxReplicas) {
+    const int m = n - g < detail::kMaxReplicas ? n - g : detail::kMaxReplicas;
+    const long long begin = (long long)g * per;
+    if (begin >= total) break;  // the remaining replicas get empty pieces
+    kernels::scatter_batch_packed<T><<<detail::grid_for<T>(per, (unsigned)m), detail::kThreads, 0, stream>>>(
+        src + begin, detail::pack(dsts + g, m), m, per, total - begin);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+template <class T>
+cudaError_t assign_add(T* const* copies, int n, const T* value, long long count, bool negate, cudaStream_t stream) {
+  if (detail::bad_args(copies, n, count) || value == nullptr) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
+  kernels::mirrored_assign_add_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
+      detail::pack(copies, m), m, value, count, negate ? 1 : 0);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
+}
+
+template <class T>
+cudaError_t sgd(T* const* copies, int n, const T* grad, double lr, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || grad == nullptr) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
+  kernels::mirrored_sgd_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
+      detail::pack(copies, m), m, grad, static_cast<C>(lr), count);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
+}
+
+template <class T>
+cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* grad, double lr, double momentum,
+                     bool nesterov, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || velocities == nullptr || grad == nullptr) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
+  kernels::mirrored_momentum_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
+      detail::pack(copies, m), detail::pack(velocities, m), m, grad, static_cast<C>(lr), static_cast<C>(momentum),
+      nesterov ? 1 : 0, count);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  e = detail::broadcast_from<T>(velocities[0], velocities, m, n, count, stream);
+  if (e != cudaSuccess) return e;
+  return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
+}
+
+template <class T>
+cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
+                 double beta_2, double epsilon, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || grad == nullptr)
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
+  kernels::mirrored_adam_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
+      detail::pack(copies, m), detail::pack(ms, m), detail::pack(vs, m), m, grad, static_cast<C>(lr_t),
+      static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon), count);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  T* const* const slots[3] = {ms, vs, copies};
+  for (T* const* slot : slots) {
+    e = detail::broadcast_from<T>(slot[0], slot, m, n, count, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+}  // namespace cuda
+}  // namespace cudist

@@ -1,0 +1,71 @@
+/// @file detail/arith.hpp
+/// @brief Per-type arithmetic that reproduces NumPy's results bit for bit (private).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+#include "../half.hpp"
+
+namespace cudist {
+namespace detail {
+
+/// Arithmetic of the reductions and updates for storage type T.
+///
+/// ``acc_t`` is the type values are computed in (float32 for half); ``add`` is the reduction's
+/// addition *including* the rounding NumPy applies after it, so a chain of ``add`` calls gives
+/// NumPy's chain of float16 additions.
+template <class T, class Enable = void>
+struct arith;
+
+template <class T>
+struct arith<T, std::enable_if_t<std::is_floating_point<T>::value>> {
+  using acc_t = T;
+  using compute_t = T;
+  static constexpr bool is_float = true;
+  static acc_t load(T x) noexcept { return x; }
+  static T store(acc_t a) noexcept { return a; }
+  static acc_t add(acc_t a, acc_t b) noexcept { return a + b; }
+  static acc_t sub(acc_t a, acc_t b) noexcept { return a - b; }
+  // NumPy divides by ``dtype.type(n)``: true division, not a multiplication by 1/n.
+  static acc_t div_n(acc_t a, acc_t n) noexcept { return a / n; }
+  static acc_t count(std::size_t n) noexcept { return static_cast<T>(n); }
+};
+
+template <class T>
+struct arith<T, std::enable_if_t<std::is_integral<T>::value>> {
+  using acc_t = T;
+  using compute_t = T;
+  using u_t = std::make_unsigned_t<T>;
+  static constexpr bool is_float = false;
+  static acc_t load(T x) noexcept { return x; }
+  static T store(acc_t a) noexcept { return a; }
+  // Wrap-around as NumPy's integers do, computed unsigned because signed overflow is UB in C++.
+  static acc_t add(acc_t a, acc_t b) noexcept { return static_cast<T>(static_cast<u_t>(a) + static_cast<u_t>(b)); }
+  static acc_t sub(acc_t a, acc_t b) noexcept { return static_cast<T>(static_cast<u_t>(a) - static_cast<u_t>(b)); }
+  // C++ integer division truncates toward zero; n >= 1 so it cannot overflow.
+  static acc_t div_n(acc_t a, acc_t n) noexcept { return a / n; }
+  static acc_t count(std::size_t n) noexcept { return static_cast<T>(n); }
+};
+
+template <>
+struct arith<half, void> {
+  using acc_t = float;
+  using compute_t = float;
+  static constexpr bool is_float = true;
+  static acc_t load(half x) noexcept { return static_cast<float>(x); }
+  static half store(acc_t a) noexcept { return half(a); }
+  static acc_t add(acc_t a, acc_t b) noexcept { return round_to_half(a + b); }
+  static acc_t sub(acc_t a, acc_t b) noexcept { return round_to_half(a - b); }
+  static acc_t div_n(acc_t a, acc_t n) noexcept { return round_to_half(a / n); }
+  // NumPy divides by float16(n), which rounds for n > 2048.
+  static acc_t count(std::size_t n) noexcept { return round_to_half(static_cast<float>(n)); }
+};
+
+/// Type of the mirrored-update arithmetic: the variable type, float32 for half.
+template <class T>
+using compute_t = typename arith<T>::compute_t;
+
+}  // namespace detail
+}  // namespace cudist

@@ -1,0 +1,70 @@
+/// @file detail/parallel.hpp
+/// @brief How the kernels split their work over a thread_pool (private).
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+
+#include "../thread_pool.hpp"
+#include "store.hpp"
+
+namespace cudist {
+namespace detail {
+
+/// Bytes of each buffer handled per inner block: small enough that the block's temporaries stay
+/// in L1 next to the streams, big enough to amortise the per-block loop over replicas.
+constexpr std::size_t kBlockBytes = 4096;
+/// Below this many bytes moved in all, a kernel runs inline on the caller: waking a worker costs
+/// more than the work.
+constexpr std::size_t kParallelMinBytes = std::size_t{1} << 20;
+/// Each thread gets at least this many bytes moved.
+constexpr std::size_t kMinBytesPerThread = std::size_t{256} << 10;
+/// From this many bytes written in all, outputs are written with streaming stores: the data
+/// cannot stay in cache anyway, and streaming saves the reads-for-ownership. Adjustable (for
+/// benchmarks) through cudist::set_streaming_threshold().
+inline std::atomic<std::size_t> stream_min_bytes{std::size_t{16} << 20};
+
+/// Runs ``fn(begin, end, stream)`` over ``[0, count)`` elements, inline when small, else on
+/// ``pool`` in chunks of whole blocks (``block`` elements), fencing streaming stores per chunk.
+///
+/// ``bytes_moved`` is the total traffic (reads + writes) and ``bytes_written`` the writes.
+template <class F>
+void run_blocks(thread_pool* pool, std::size_t count, std::size_t block, std::size_t bytes_moved,
+                std::size_t bytes_written, F&& fn) {
+  if (count == 0) return;
+  const bool stream = bytes_written >= stream_min_bytes.load(std::memory_order_relaxed);
+  if (pool == nullptr || bytes_moved < kParallelMinBytes || pool->size() <= 1) {
+    fn(std::size_t{0}, count, stream);
+    if (stream) store_fence();
+    return;
+  }
+  const unsigned threads = static_cast<unsigned>(
+      std::max<std::size_t>(1, std::min<std::size_t>(pool->size(), bytes_moved / kMinBytesPerThread)));
+  // A few chunks per thread so a preempted thread's share gets picked up by the others.
+  const std::size_t chunks = std::size_t{threads} * 4;
+  pool->parallel_for(
+      count, chunks, block,
+      [&](std::size_t b, std::size_t e) {
+        fn(b, e, stream);
+        if (stream) store_fence();
+      },
+      threads);
+}
+
+/// True when the byte ranges [a, a+n) and [b, b+n) overlap without being the same range.
+inline bool partial_overlap(const void* a, const void* b, std::size_t n) noexcept {
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return x != y && x < y + n && y < x + n;
+}
+
+}  // namespace detail
+
+/// Sets how many bytes a kernel must write in all before it uses non-temporal (streaming)
+/// stores; returns the previous value. 0 streams always, SIZE_MAX never. Process-wide.
+inline std::size_t set_streaming_threshold(std::size_t bytes) noexcept {
+  return detail::stream_min_bytes.exchange(bytes, std::memory_order_relaxed);
+}
+
+}  // namespace cudist

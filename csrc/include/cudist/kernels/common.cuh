@@ -1,0 +1,158 @@
+// cudist CUDA kernels: shared device helpers.
+//
+// Every kernel header in this directory compiles both with nvcc (C++17) and with NVRTC (CuPy's
+// RawModule): nothing here includes a host-only header, and sizes and indices are `long long` so
+// that no <cstdint>/<cstddef> is needed under NVRTC.
+//
+// Numerics follow the kernel contract of cudist (src/cudist/_kernels/_base.py) bit for bit:
+//  * sums add in replica order 0, 1, ..., N-1 in the buffer dtype (float16 rounds after every
+//    addition; integers wrap around);
+//  * MEAN divides that sum by N: IEEE division for floats, truncation toward zero for integers;
+//  * updates of float16 variables compute in float32 and round to nearest even on store.
+// Floating-point arithmetic goes through the `__f*_rn` / `__d*_rn` intrinsics: they are never
+// contracted into FMAs and always round to nearest, whatever -fmad / -prec-div / -use_fast_math the
+// including translation unit (or CuPy) compiles with, so the GPU matches NumPy exactly.
+#pragma once
+
+#include <cuda_fp16.h>
+
+namespace cudist {
+namespace kernels {
+
+/// Most replica buffers one kernel launch reads or writes. More replicas are handled by the
+/// launchers in several passes (the summation order stays 0, 1, ..., N-1).
+constexpr int kMaxReplicas = 8;
+
+/// Up to kMaxReplicas device pointers, passed to the `*_packed` kernels by value.
+template <class T>
+struct PtrPack {
+  T* p[kMaxReplicas];
+};
+
+namespace detail {
+
+// ----------------------------------------------------------------------------- arithmetic
+// Compute type: float16 computes in float32, everything else in itself.
+template <class T> struct compute { using type = T; };
+template <> struct compute<__half> { using type = float; };
+
+__device__ __forceinline__ float to_compute(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_compute(float x) { return x; }
+__device__ __forceinline__ double to_compute(double x) { return x; }
+
+template <class T> __device__ __forceinline__ T from_compute(typename compute<T>::type x) { return x; }
+template <> __device__ __forceinline__ __half from_compute<__half>(float x) { return __float2half_rn(x); }
+
+__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
+
+// Elementwise add/subtract in the buffer dtype, as NumPy does it.
+// float16: the float32 sum of two halves rounded once to half equals the correctly rounded half
+// sum (float32 has >= 2*11+2 significand bits, so the double rounding is innocuous).
+__device__ __forceinline__ __half add(__half a, __half b) {
+  return __float2half_rn(__fadd_rn(__half2float(a), __half2float(b)));
+}
+__device__ __forceinline__ __half sub(__half a, __half b) {
+  return __float2half_rn(__fsub_rn(__half2float(a), __half2float(b)));
+}
+// Integers wrap around: add in the unsigned type (signed overflow would be undefined behaviour).
+__device__ __forceinline__ int add(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
+__device__ __forceinline__ int sub(int a, int b) { return (int)((unsigned)a - (unsigned)b); }
+__device__ __forceinline__ long long add(long long a, long long b) {
+  return (long long)((unsigned long long)a + (unsigned long long)b);
+}
+__device__ __forceinline__ long long sub(long long a, long long b) {
+  return (long long)((unsigned long long)a - (unsigned long long)b);
+}
+
+// MEAN: the (already reduced) sum divided by the replica count n >= 1.
+__device__ __forceinline__ float divide_by(float s, int n) { return __fdiv_rn(s, (float)n); }
+__device__ __forceinline__ double divide_by(double s, int n) { return __ddiv_rn(s, (double)n); }
+__device__ __forceinline__ __half divide_by(__half s, int n) {
+  return __float2half_rn(__fdiv_rn(__half2float(s), (float)n));
+}
+// C division truncates toward zero, which is the contract; n >= 1 so INT_MIN / n is defined.
+__device__ __forceinline__ int divide_by(int s, int n) { return s / n; }
+__device__ __forceinline__ long long divide_by(long long s, int n) { return s / (long long)n; }
+
+// ----------------------------------------------------------------------------- vector access
+// Elements per 16-byte vector; the kernels move whole vectors when every pointer they touch is
+// 16-byte aligned and fall back to scalars for the tail (or for unaligned views).
+template <class T> struct vec_width { static constexpr int value = 16 / (int)sizeof(T); };
+
+template <class T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T v[W];
+};
+
+template <int W, class T>
+__device__ __forceinline__ Pack<T, W> load(const T* p) {
+  return *reinterpret_cast<const Pack<T, W>*>(p);
+}
+template <int W, class T>
+__device__ __forceinline__ void store(T* p, const Pack<T, W>& x) {
+  *reinterpret_cast<Pack<T, W>*>(p) = x;
+}
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+  return (reinterpret_cast<unsigned long long>(p) & 15ull) == 0;
+}
+
+/// Replica pointers held in registers: the launchers pass at most kMaxReplicas, every loop over
+/// them is unrolled to kMaxReplicas with an `r < n` guard, so indices are compile-time constants.
+template <class T>
+struct Ptrs {
+  T* p[kMaxReplicas];
+};
+
+// From a device-side table of pointers (CuPy entry points) ...
+template <class T>
+__device__ __forceinline__ Ptrs<T> load_ptrs(T* const* table, int n) {
+  Ptrs<T> r;
+#pragma unroll
+  for (int i = 0; i < kMaxReplicas; ++i) r.p[i] = i < n ? table[i] : nullptr;
+  return r;
+}
+// ... or from a by-value pack (C++ launchers).
+template <class T>
+__device__ __forceinline__ Ptrs<T> load_ptrs(const PtrPack<T>& pack, int n) {
+  Ptrs<T> r;
+#pragma unroll
+  for (int i = 0; i < kMaxReplicas; ++i) r.p[i] = i < n ? pack.p[i] : nullptr;
+  return r;
+}
+
+template <class T>
+__device__ __forceinline__ bool all_aligned16(const Ptrs<T>& ptrs, int n, long long offset) {
+  bool ok = true;
+#pragma unroll
+  for (int r = 0; r < kMaxReplicas; ++r)
+    if (r < n) ok = ok && aligned16(ptrs.p[r] + offset);
+  return ok;
+}
+
+/// Runs `f.template apply<W>(i)` over [begin, end): whole 16-byte vectors (W = vec_width) while
+/// `vectorize` holds, then the scalar tail (W = 1); a grid-stride loop over blockIdx.x. The vector
+/// groups start at `begin`, so the caller checks alignment at `begin`.
+template <class T, class F>
+__device__ __forceinline__ void for_each(long long begin, long long end, bool vectorize, F& f) {
+  constexpr int W = vec_width<T>::value;
+  const long long tid = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const long long stride = (long long)gridDim.x * blockDim.x;
+  const long long count = end > begin ? end - begin : 0;
+  const long long groups = vectorize ? count / W : 0;
+  for (long long g = tid; g < groups; g += stride) f.template apply<W>(begin + g * W);
+  for (long long i = begin + groups * W + tid; i < end; i += stride) f.template apply<1>(i);
+}
+
+}  // namespace detail
+}  // namespace kernels
+}  // namespace cudist

@@ -1,0 +1,217 @@
+/// @file updates.hpp
+/// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
+/// momentum (optionally Nesterov) and Adam.
+///
+/// Every update reads copy 0 (and slot copy 0), computes the new values once and writes all N
+/// copies in the same pass. The arithmetic follows cudist's NumPy reference operation by
+/// operation: in the variable's type, except float16 (cudist::half), which computes in float32 and
+/// rounds when stored; scalar hyper-parameters are converted to that compute type first. Built
+/// without floating-point contraction (-ffp-contract=off), the results equal NumPy's bit for bit.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstring>
+#include <initializer_list>
+#include <type_traits>
+#include <vector>
+
+#include "all_reduce.hpp"
+#include "detail/arith.hpp"
+#include "detail/parallel.hpp"
+#include "detail/store.hpp"
+#include "half.hpp"
+#include "thread_pool.hpp"
+
+namespace cudist {
+
+/// Adam's bias-corrected step size for the 1-based ``step``, computed in double:
+/// ``lr * sqrt(1 - beta_2^step) / (1 - beta_1^step)``.
+inline double adam_lr_t(double lr, double beta_1, double beta_2, long long step) {
+  return lr * std::sqrt(1.0 - std::pow(beta_2, static_cast<double>(step))) /
+         (1.0 - std::pow(beta_1, static_cast<double>(step)));
+}
+
+namespace detail {
+
+template <class T>
+constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_same<T, half>::value;
+
+/// Shared driver of the updates. ``compute(i, len, out)`` fills ``NSlots`` rows of ``len`` values
+/// (``out[s][k]``, storage type) for elements [i, i+len); row ``s`` is then written to the N copies
+/// of slot ``s``. ``len`` is a compile-time constant (one cache line) except at the tail, so the
+/// arithmetic vectorises and all streams advance together, line by line. Copy 0 of each slot was
+/// just read, so it is stored normally; copies 1.. stream when the update is large.
+template <class T, std::size_t NSlots, class Compute>
+void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t count, std::size_t n_inputs,
+                thread_pool* pool, Compute&& compute) {
+  constexpr std::size_t K = kLineBytes / sizeof(T);
+  const std::size_t bytes = count * sizeof(T);
+  run_blocks(pool, count, kBlockBytes / sizeof(T), bytes * (n_inputs + NSlots * n), bytes * NSlots * (n - 1),
+             [&](std::size_t b, std::size_t e, bool stream) {
+               alignas(64) T out[NSlots][K];
+               std::size_t i = b;
+               for (; i + K <= e; i += K) {
+                 compute(i, std::integral_constant<std::size_t, K>{}, out);
+                 for (std::size_t s = 0; s < NSlots; ++s) {
+                   store_line<T, K>(slots[s][0] + i, out[s], false);
+                   for (std::size_t c = 1; c < n; ++c) store_line<T, K>(slots[s][c] + i, out[s], stream);
+                 }
+               }
+               if (i < e) {
+                 const std::size_t len = e - i;
+                 compute(i, len, out);
+                 for (std::size_t s = 0; s < NSlots; ++s)
+                   for (std::size_t c = 0; c < n; ++c) std::memcpy(slots[s][c] + i, out[s], len * sizeof(T));
+               }
+             });
+}
+
+/// Returns ``p`` or, when it partially overlaps one of the ``n`` buffers of any slot, a pointer to
+/// a copy kept in ``keep``.
+template <class T>
+const T* snapshot_if_overlapping(const T* p, std::initializer_list<T* const*> slots, std::size_t n,
+                                 std::size_t count, std::vector<std::vector<T>>& keep) {
+  for (T* const* slot : slots)
+    for (std::size_t c = 0; c < n; ++c)
+      if (partial_overlap(p, slot[c], count * sizeof(T))) {
+        keep.emplace_back(p, p + count);
+        return keep.back().data();
+      }
+  return p;
+}
+
+}  // namespace detail
+
+/// Writes ``value`` into each of the ``n`` copies.
+template <class T>
+void assign(T* const* copies, std::size_t n, std::size_t count, const T* value,
+            thread_pool* pool = &thread_pool::global()) {
+  broadcast(value, copies, n, count, pool);
+}
+
+/// Every copy becomes ``copies[0] + value`` (``copies[0] - value`` when ``negate``).
+///
+/// Integers wrap around; float16 rounds the sum, as NumPy does.
+template <class T>
+void assign_add(T* const* copies, std::size_t n, std::size_t count, const T* value, bool negate = false,
+                thread_pool* pool = &thread_pool::global()) {
+  if (n == 0 || count == 0) return;
+  using A = detail::arith<T>;
+  std::vector<std::vector<T>> keep;
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
+  value = detail::snapshot_if_overlapping<T>(value, {copies}, n, count, keep);
+  T* const* const slots[1] = {copies};
+  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+    const T* w = w0 + b;
+    const T* x = value + b;
+    if (negate) {
+      for (std::size_t k = 0; k < len; ++k) out[0][k] = A::store(A::sub(A::load(w[k]), A::load(x[k])));
+    } else {
+      for (std::size_t k = 0; k < len; ++k) out[0][k] = A::store(A::add(A::load(w[k]), A::load(x[k])));
+    }
+  });
+}
+
+/// Every copy becomes ``copies[0] - value``.
+template <class T>
+void assign_sub(T* const* copies, std::size_t n, std::size_t count, const T* value,
+                thread_pool* pool = &thread_pool::global()) {
+  assign_add(copies, n, count, value, true, pool);
+}
+
+/// Gradient descent: every copy becomes ``copies[0] - lr * grad``.
+template <class T>
+void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, double lr,
+         thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::sgd needs a floating-point type");
+  if (n == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  using A = detail::arith<T>;
+  const C lr_c = static_cast<C>(lr);
+  std::vector<std::vector<T>> keep;
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
+  grad = detail::snapshot_if_overlapping<T>(grad, {copies}, n, count, keep);
+  T* const* const slots[1] = {copies};
+  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+    const T* w = w0 + b;
+    const T* g = grad + b;
+    for (std::size_t k = 0; k < len; ++k) {
+      const C wk = static_cast<C>(A::load(w[k]));
+      const C gk = static_cast<C>(A::load(g[k]));
+      out[0][k] = static_cast<T>(wk - lr_c * gk);
+    }
+  });
+}
+
+/// SGD with momentum (Keras formulation) on N variable copies and N velocity copies:
+/// ``v = momentum * v - lr * g``; then ``w = w + (momentum * v - lr * g)`` with Nesterov, else
+/// ``w = w + v`` (float16: ``v`` is used unrounded within the step, rounded when stored).
+template <class T>
+void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const T* grad, double lr,
+              double momentum, bool nesterov, thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::momentum needs a floating-point type");
+  if (n == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  using A = detail::arith<T>;
+  const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
+  std::vector<std::vector<T>> keep;
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
+  const T* v0 = detail::snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
+  grad = detail::snapshot_if_overlapping<T>(grad, {copies, velocities}, n, count, keep);
+  T* const* const slots[2] = {velocities, copies};
+  detail::run_update<T, 2>(slots, n, count, 3, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+    const T* w = w0 + b;
+    const T* v = v0 + b;
+    const T* g = grad + b;
+    for (std::size_t k = 0; k < len; ++k) {
+      const C gk = static_cast<C>(A::load(g[k]));
+      const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
+      const C wk = static_cast<C>(A::load(w[k]));
+      const C wn = nesterov ? wk + (mom * vk - lr_c * gk) : wk + vk;
+      out[0][k] = static_cast<T>(vk);
+      out[1][k] = static_cast<T>(wn);
+    }
+  });
+}
+
+/// Adam (Keras formulation) on N copies of the variable and of its slots m and v, with the
+/// bias-corrected ``lr_t`` (see adam_lr_t()):
+/// ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
+/// ``w -= lr_t * m / (sqrt(v) + epsilon)``.
+template <class T>
+void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr_t,
+          double beta_1, double beta_2, double epsilon, thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::adam needs a floating-point type");
+  if (n == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  using A = detail::arith<T>;
+  const C one = static_cast<C>(1), lr_c = static_cast<C>(lr_t), eps = static_cast<C>(epsilon);
+  const C c1 = one - static_cast<C>(beta_1), c2 = one - static_cast<C>(beta_2);
+  std::vector<std::vector<T>> keep;
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, ms, vs}, n, count, keep);
+  const T* m0 = detail::snapshot_if_overlapping<T>(ms[0], {copies, ms, vs}, n, count, keep);
+  const T* v0 = detail::snapshot_if_overlapping<T>(vs[0], {copies, ms, vs}, n, count, keep);
+  grad = detail::snapshot_if_overlapping<T>(grad, {copies, ms, vs}, n, count, keep);
+  T* const* const slots[3] = {ms, vs, copies};
+  detail::run_update<T, 3>(slots, n, count, 4, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+    const T* w = w0 + b;
+    const T* m = m0 + b;
+    const T* v = v0 + b;
+    const T* g = grad + b;
+    for (std::size_t k = 0; k < len; ++k) {
+      const C gk = static_cast<C>(A::load(g[k]));
+      const C mk = static_cast<C>(A::load(m[k]));
+      const C vk = static_cast<C>(A::load(v[k]));
+      const C mn = mk + (gk - mk) * c1;
+      const C vn = vk + (gk * gk - vk) * c2;
+      const C wn = static_cast<C>(A::load(w[k])) - lr_c * mn / (std::sqrt(vn) + eps);
+      out[0][k] = static_cast<T>(mn);
+      out[1][k] = static_cast<T>(vn);
+      out[2][k] = static_cast<T>(wn);
+    }
+  });
+}
+
+}  // namespace cudist

@@ -1,0 +1,44 @@
+"""``CentralStorageStrategy``: replicated computation, variables stored once on a parameter device."""
+
+from __future__ import annotations
+
+from cudist import _devices
+from cudist._distribute_lib import Strategy, StrategyExtended, _default_devices, _parse_devices
+
+__all__ = ["CentralStorageStrategy"]
+
+
+class CentralStorageExtended(StrategyExtended):
+    """Extended API of :class:`CentralStorageStrategy`: one copy of each variable, on the parameter device."""
+
+    _variable_policy = "central"
+
+
+class CentralStorageStrategy(Strategy):
+    """Variables on one device, computation replicated (``tf.distribute.experimental.CentralStorageStrategy``).
+
+    Args:
+        compute_devices: devices the replicas run on; default: every logical GPU, else "/cpu:0".
+        parameter_device: where variables live; default: the compute device if there is exactly
+            one, else "/cpu:0".
+
+    Raises:
+        ValueError: empty or duplicate compute devices, or an invalid device string.
+    """
+
+    def __init__(self, compute_devices=None, parameter_device=None):
+        if compute_devices is None:
+            devs = _default_devices()
+        else:
+            devs = _parse_devices(compute_devices, "CentralStorageStrategy")
+        if parameter_device is None:
+            param = devs[0] if len(devs) == 1 else _devices.canonicalize("/cpu:0")
+        else:
+            param = _devices.canonicalize(parameter_device)
+        super().__init__(CentralStorageExtended(self, devs, parameter_devices=(param,)))
+
+    def __repr__(self) -> str:
+        return (
+            f"<cudist.CentralStorageStrategy compute_devices={self._extended.worker_devices} "
+            f"parameter_device={self._extended.parameter_devices[0]!r}>"
+        )

@@ -1,0 +1,864 @@
+"""The Strategy API core: strategies, their ``extended`` part, replica contexts and the context stack.
+
+Contexts follow ``tf.distribute``:
+
+* outside any scope, :func:`get_strategy` is the default strategy and :func:`get_replica_context`
+  a default :class:`ReplicaContext` (one replica);
+* inside ``strategy.scope()`` we are in the *cross-replica* context: :func:`get_replica_context` is
+  None and :func:`get_cross_replica_context` is the strategy;
+* inside ``strategy.run(fn)`` each replica sees its own :class:`ReplicaContext`.
+
+The state lives in a :class:`contextvars.ContextVar`, so it is per thread (a new thread starts outside
+any scope) and per greenlet (greenlet >= 1 gives every greenlet its own context), which is what lets
+the replica greenlets of :mod:`cudist._replica_engine` each see their own replica context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import warnings
+
+import greenlet
+import numpy as np
+import optree
+
+from cudist import _devices
+from cudist._reduce_util import ReduceOp
+from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
+
+__all__ = [
+    "Strategy",
+    "StrategyExtended",
+    "ReplicaContext",
+    "RunOptions",
+    "get_strategy",
+    "has_strategy",
+    "get_replica_context",
+    "in_cross_replica_context",
+    "get_cross_replica_context",
+    "experimental_set_strategy",
+]
+
+
+class _Frame:
+    """One entry of the context state: the current strategy and, in replica context, the replica's context."""
+
+    __slots__ = ("strategy", "replica_ctx", "is_set")
+
+    def __init__(self, strategy, replica_ctx=None, is_set=False):
+        self.strategy = strategy
+        self.replica_ctx = replica_ctx
+        self.is_set = is_set
+
+
+# None means "outside any scope": the default strategy, in its default replica context.
+_CTX: contextvars.ContextVar = contextvars.ContextVar("cudist_distribution_context", default=None)
+# (extended, devices) while inside ``extended.colocate_vars_with(v)``.
+_COLOCATE: contextvars.ContextVar = contextvars.ContextVar("cudist_colocate_vars_with", default=None)
+
+
+# ---------------------------------------------------------------------------------------------- contexts
+def get_strategy() -> "Strategy":
+    """The current strategy: the one whose scope we are in, else the default strategy."""
+    f = _CTX.get()
+    return f.strategy if f is not None else _default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether we are inside a (non-default) strategy's scope or ``run``."""
+    f = _CTX.get()
+    return f is not None and not isinstance(f.strategy, _DefaultDistributionStrategy)
+
+
+def get_replica_context():
+    """The current ReplicaContext: the default one outside any scope, None in cross-replica context
+    (inside ``scope()``), the replica's own inside ``run``."""
+    f = _CTX.get()
+    if f is None:
+        return _default_replica_context()
+    return f.replica_ctx
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's ``scope()`` but not inside ``run`` (TF's cross-replica context)."""
+    f = _CTX.get()
+    return f is not None and f.replica_ctx is None
+
+
+def get_cross_replica_context():
+    """The strategy in cross-replica context, else None (in replica context or outside any scope)."""
+    f = _CTX.get()
+    if f is None or f.replica_ctx is not None:
+        return None
+    return f.strategy
+
+
+def experimental_set_strategy(strategy) -> None:
+    """Makes ``strategy`` current for this thread outside any ``with scope()`` (None resets it).
+
+    Raises:
+        RuntimeError: called inside a strategy's scope.
+    """
+    f = _CTX.get()
+    if f is not None and not f.is_set:
+        raise RuntimeError("Must not be called inside a `cudist.Strategy` scope.")
+    if strategy is None:
+        _CTX.set(None)
+        return
+    if not isinstance(strategy, Strategy):
+        raise TypeError(f"experimental_set_strategy expects a cudist.Strategy or None, got {type(strategy).__name__}")
+    _CTX.set(None if isinstance(strategy, _DefaultDistributionStrategy) else _Frame(strategy, None, is_set=True))
+
+
+def _require_cross_replica(strategy, what):
+    """Raises RuntimeError unless in ``strategy``'s cross-replica context or outside any scope."""
+    f = _CTX.get()
+    if f is None:
+        return
+    if f.replica_ctx is not None:
+        raise RuntimeError(
+            f"{what}: method requires being in cross-replica context, use get_replica_context().merge_call()"
+        )
+    if f.strategy is not strategy and not isinstance(f.strategy, _DefaultDistributionStrategy):
+        raise RuntimeError(f"{what}: mixing different cudist.Strategy objects: {strategy!r} is not {f.strategy!r}")
+
+
+class _Scope:
+    """``strategy.scope()``: enters the strategy's cross-replica context (re-entrant for the same strategy)."""
+
+    __slots__ = ("_strategy", "_token")
+
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._token = None
+
+    def __enter__(self):
+        s = self._strategy
+        f = _CTX.get()
+        if f is not None and f.strategy is not s:
+            if isinstance(s, _DefaultDistributionStrategy):
+                raise RuntimeError(f"Must not nest cudist.Strategy scopes: the default strategy inside {f.strategy!r}")
+            raise RuntimeError(f"Mixing different cudist.Strategy objects: {f.strategy!r} is not {s!r}")
+        if f is None and not isinstance(s, _DefaultDistributionStrategy):
+            self._token = _CTX.set(s._extended._cross_frame)
+        return s
+
+    def __exit__(self, *exc):
+        if self._token is not None:
+            _CTX.reset(self._token)
+            self._token = None
+        return False
+
+
+@dataclasses.dataclass(frozen=True)
+class RunOptions:
+    """Options for ``Strategy.run`` (accepted for TF compatibility; they change nothing on CPUs/GPUs here)."""
+
+    experimental_enable_dynamic_batch_size: bool = True
+    experimental_bucketizing_dynamic_shape: bool = False
+    experimental_xla_options: object = None
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+_OPS = {k: v for name, v in ReduceOp.__members__.items() for k in (name, name.lower(), name.capitalize())}
+
+
+def _is_dv(x):
+    return isinstance(x, DistributedValues)
+
+
+def _contains_dv(tree):
+    if isinstance(tree, DistributedValues):
+        return True
+    return any(isinstance(x, DistributedValues) for x in optree.tree_leaves(tree, is_leaf=_is_dv))
+
+
+def _select_all(i, tree):
+    """Component ``i`` of every DistributedValues in ``tree`` -- variables included (cross-replica split)."""
+    if isinstance(tree, DistributedValues):
+        return tree.values[i]
+    return optree.tree_map(lambda x: x.values[i] if isinstance(x, DistributedValues) else x, tree, is_leaf=_is_dv)
+
+
+def _host(x):
+    from cudist._cross_device_ops import _to_host, to_array
+
+    return _to_host(to_array(x))
+
+
+def _scalarize(a):
+    return a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a
+
+
+def _regroup_results(results):
+    first = results[0]
+    if all(r is first for r in results):
+        return first
+    if isinstance(first, (tuple, list, dict)) or first is None or isinstance(first, DistributedValues):
+        return regroup(results, PerReplica)
+    return PerReplica(results)
+
+
+def _engine():
+    global _ENGINE
+    if _ENGINE is None:
+        from cudist import _replica_engine
+
+        _ENGINE = _replica_engine
+    return _ENGINE
+
+
+_ENGINE = None
+
+
+def _warn_deprecated(name, instead):
+    warnings.warn(f"{name} is deprecated (a TF1-era method); use {instead} instead", DeprecationWarning, stacklevel=3)
+
+
+# ---------------------------------------------------------------------------------------------- collectives
+_SIMPLE_LEAVES = (np.ndarray, np.generic, float, int, complex)
+
+
+class _LazyPaths:
+    """Leaf paths of a nest, computed only when an error message needs them."""
+
+    def __init__(self, tree):
+        self._tree = tree
+        self._paths = None
+
+    def __getitem__(self, j):
+        if self._paths is None:
+            from cudist._cross_device_ops import tree_leaves_with_paths
+
+            self._paths = tree_leaves_with_paths(self._tree)[2]
+        return self._paths[j]
+
+    def __bool__(self):
+        return True
+
+
+def _h_all_reduce(strategy, payloads):
+    from cudist._cross_device_ops import to_array
+
+    op = payloads[0][0]
+    for r, (o, _) in enumerate(payloads[1:], 1):
+        if o is not op:
+            raise ValueError(f"all_reduce: replica 0 reduces with {op.name} but replica {r} with {o.name}")
+    ops = strategy._extended._cross_device_ops
+    v0 = payloads[0][1]
+    if isinstance(v0, _SIMPLE_LEAVES) and all(isinstance(p[1], _SIMPLE_LEAVES) for p in payloads):
+        # One array or scalar per replica: the per-step common case, without tree flattening.
+        out = ops._all_reduce(op, [[to_array(p[1])] for p in payloads])
+        if isinstance(v0, np.ndarray):
+            return [o[0] for o in out]
+        return [_scalarize(o[0]) for o in out]
+    flat = [optree.tree_flatten(v) for _, v in payloads]
+    leaves0, spec0 = flat[0]
+    for r, (_, spec) in enumerate(flat[1:], 1):
+        if spec != spec0:
+            raise ValueError(f"all_reduce: replica {r} passed a structure {spec} but replica 0 passed {spec0}")
+    arrays = [[to_array(x) for x in leaves] for leaves, _ in flat]
+    out = ops._all_reduce(op, arrays, _LazyPaths(v0))
+    scalar = [not isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__") for x in leaves0]
+    results = []
+    for r in range(len(payloads)):
+        leaves = [_scalarize(a) if s else a for a, s in zip(out[r], scalar)]
+        results.append(optree.tree_unflatten(spec0, leaves))
+    return results
+
+
+def _h_all_gather(strategy, payloads):
+    from cudist._cross_device_ops import _contig, _cpu_backend, _numpy_backend, to_array, tree_leaves_with_paths
+
+    axis = payloads[0][1]
+    for r, (_, a) in enumerate(payloads[1:], 1):
+        if a != axis:
+            raise ValueError(f"all_gather: replica 0 gathers along axis {axis} but replica {r} along axis {a}")
+    flat = [tree_leaves_with_paths(v) for v, _ in payloads]
+    leaves0, spec0, paths = flat[0]
+    for r, (_, spec, _) in enumerate(flat[1:], 1):
+        if spec != spec0:
+            raise ValueError(f"all_gather: replica {r} passed a structure {spec} but replica 0 passed {spec0}")
+    n = len(payloads)
+    gathered = []
+    for j in range(len(leaves0)):
+        arrs = [_contig(to_array(flat[r][0][j])) for r in range(n)]
+        for r, a in enumerate(arrs[1:], 1):
+            if a.dtype != arrs[0].dtype:
+                where = f" at {paths[j]!r}" if paths[j] else ""
+                raise ValueError(
+                    f"all_gather: replicas disagree{where}: replica 0 has dtype {arrs[0].dtype}, replica {r} has dtype {a.dtype}"
+                )
+        b = _cpu_backend()
+        if arrs[0].dtype not in b.dtypes:
+            b = _numpy_backend()
+        if arrs[0].dtype in b.dtypes:
+            g = b.all_gather(arrs, axis)
+        else:  # dtypes outside the kernel contract: validate the same way, then concatenate
+            _numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
+            g = np.concatenate(arrs, axis=axis)
+        gathered.append(g)
+    # Each replica owns its result, as in TF (and so ``run`` returns a PerReplica, not one shared object).
+    return [optree.tree_unflatten(spec0, [g if r == 0 else g.copy() for g in gathered]) for r in range(n)]
+
+
+def _h_merge_call(strategy, payloads):
+    fn = payloads[0][0]
+    n = len(payloads)
+    if n == 1:
+        margs, mkwargs = payloads[0][1], payloads[0][2]
+    else:
+        margs = regroup([p[1] for p in payloads], PerReplica)
+        mkwargs = regroup([p[2] for p in payloads], PerReplica)
+    token = _CTX.set(strategy._extended._cross_frame)
+    try:
+        result = fn(strategy, *margs, **mkwargs)
+    finally:
+        _CTX.reset(token)
+    return [select_replica(i, result) for i in range(n)]
+
+
+_HANDLERS = {"all_reduce": _h_all_reduce, "all_gather": _h_all_gather, "merge_call": _h_merge_call}
+
+
+# ---------------------------------------------------------------------------------------------- ReplicaContext
+class ReplicaContext:
+    """The context of one replica inside ``strategy.run`` (``tf.distribute.ReplicaContext``).
+
+    Collectives (``all_reduce``, ``all_gather``, ``merge_call``) must be called by every replica, in
+    the same order, with matching shapes; they return this replica's share of the result.
+    """
+
+    def __init__(self, strategy, replica_id_in_sync_group):
+        self._strategy = strategy
+        self._replica_id = int(replica_id_in_sync_group)
+        self._num = strategy.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return f"<cudist.ReplicaContext replica {self._replica_id} of {self._num} of {self._strategy!r}>"
+
+    @property
+    def strategy(self):
+        """The strategy this replica belongs to."""
+        return self._strategy
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """This replica's index, 0 .. num_replicas_in_sync - 1."""
+        return self._replica_id
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas run in sync."""
+        return self._num
+
+    @property
+    def devices(self) -> tuple:
+        """The device of this replica (a 1-tuple of its canonical name)."""
+        return (self._strategy._extended.worker_devices[self._replica_id],)
+
+    def _collective(self, kind, payload):
+        f = _CTX.get()
+        if f is None or f.replica_ctx is not self:
+            raise RuntimeError(
+                f"ReplicaContext.{kind} must be called inside strategy.run, by the replica it belongs to "
+                f"(replica {self._replica_id}); use strategy.reduce or extended.reduce_to in cross-replica context"
+            )
+        if self._num == 1:
+            return _HANDLERS[kind](self._strategy, [payload])[0]
+        # The replica greenlet's parent is the caller of run(), which performs the collective.
+        return greenlet.getcurrent().parent.switch((kind, payload))
+
+    def all_reduce(self, reduce_op, value, options=None):
+        """All-reduces ``value`` (a nested structure of arrays or scalars) across replicas.
+
+        All leaves of one dtype are packed into one buffer, so the whole nest costs about one kernel
+        call. Integer MEAN gives float64, as in TF.
+
+        Returns:
+            This replica's copy of the result, in ``value``'s structure.
+        """
+        del options
+        op = _OPS.get(reduce_op) if isinstance(reduce_op, str) else reduce_op
+        if op.__class__ is not ReduceOp:
+            op = ReduceOp.parse(reduce_op, where="ReplicaContext.all_reduce")
+        return self._collective("all_reduce", (op, value))
+
+    def all_gather(self, value, axis, options=None):
+        """Concatenates ``value`` (nested ok) from every replica along ``axis``, in replica order.
+
+        Replicas may differ in size along ``axis`` (partial batches) but nowhere else.
+        """
+        del options
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"all_gather: axis must be an int, got {type(axis).__name__}")
+        return self._collective("all_gather", (value, int(axis)))
+
+    def merge_call(self, merge_fn, args=(), kwargs=None):
+        """Runs ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
+
+        The arguments of all replicas are merged (PerReplica where they differ); every replica gets
+        the result, with PerReplica results resolved to its own component.
+        """
+        if not callable(merge_fn):
+            raise TypeError(f"merge_call: merge_fn must be callable, got {type(merge_fn).__name__}")
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"merge_call: args must be a list or tuple, got {type(args)}")
+        return self._collective("merge_call", (merge_fn, tuple(args), dict(kwargs or {})))
+
+
+class _DefaultReplicaContext(ReplicaContext):
+    """The replica context outside any scope: one replica of the default strategy."""
+
+    def __repr__(self) -> str:
+        return "<cudist default ReplicaContext>"
+
+    def _collective(self, kind, payload):
+        return _HANDLERS[kind](self._strategy, [payload])[0]
+
+
+# ---------------------------------------------------------------------------------------------- extended
+class StrategyExtended:
+    """The strategy's additional API for library writers (``tf.distribute.StrategyExtended``)."""
+
+    #: How ``cudist.Variable`` places variables created in scope: "plain", "mirrored" or "central".
+    _variable_policy = "plain"
+
+    def __init__(self, container_strategy, devices, cross_device_ops=None, parameter_devices=None):
+        from cudist._cross_device_ops import select_cross_device_ops
+
+        self._container_strategy_ref = container_strategy
+        self._devices = tuple(devices)
+        self._num = len(self._devices)
+        self._parameter_devices = tuple(parameter_devices) if parameter_devices else self._devices
+        self._cross_device_ops = select_cross_device_ops(self._devices, cross_device_ops)
+        self._cross_frame = _Frame(container_strategy, None)
+        self._replica_frames = None
+
+    def __repr__(self) -> str:
+        return f"<cudist.{type(self).__name__} of {self._container_strategy_ref!r}>"
+
+    def _container_strategy(self):
+        return self._container_strategy_ref
+
+    def _frames(self):
+        frames = self._replica_frames
+        if frames is None:
+            s = self._container_strategy_ref
+            frames = self._replica_frames = [_Frame(s, ReplicaContext(s, i)) for i in range(self._num)]
+        return frames
+
+    # -------------------------------------------------------------- devices
+    @property
+    def worker_devices(self) -> tuple:
+        """Canonical names of the devices the replicas run on, one per replica."""
+        return self._devices
+
+    @property
+    def parameter_devices(self) -> tuple:
+        """Canonical names of the devices variables are placed on."""
+        return self._parameter_devices
+
+    def _variable_devices(self) -> tuple:
+        """Devices of a variable created now: the colocated variable's, else the policy's."""
+        c = _COLOCATE.get()
+        if c is not None and c[0] is self:
+            return c[1]
+        return self._parameter_devices
+
+    def non_slot_devices(self, var_list):
+        """Devices for non-slot variables (the parameter devices)."""
+        del var_list
+        return self._parameter_devices
+
+    experimental_require_static_shapes = False
+    experimental_between_graph = False
+    experimental_should_init = True
+    should_checkpoint = True
+    should_save_summary = True
+
+    # -------------------------------------------------------------- variables
+    @contextlib.contextmanager
+    def colocate_vars_with(self, colocate_with_variable):
+        """Variables created inside are placed on the devices of ``colocate_with_variable``."""
+        v = colocate_with_variable
+        comps = v.values if isinstance(v, DistributedValues) else (v,)
+        devices = []
+        for c in comps:
+            d = getattr(c, "device", None)
+            if not isinstance(d, str) or not d:
+                raise ValueError(f"colocate_vars_with: {v!r} has no device to colocate with")
+            devices.append(_devices.canonicalize(d))
+        token = _COLOCATE.set((self, tuple(devices)))
+        try:
+            yield
+        finally:
+            _COLOCATE.reset(token)
+
+    def variable_created_in_scope(self, v) -> bool:
+        """Whether ``v`` was created inside this strategy's scope."""
+        return getattr(v, "_distribute_strategy", None) is self._container_strategy_ref
+
+    def value_container(self, value):
+        """The distributed variable a component belongs to, else ``value`` itself."""
+        c = getattr(value, "_distributed_container", None)
+        if callable(c):
+            c = c()
+        return c if c is not None else value
+
+    def read_var(self, v):
+        """Reads a variable in cross-replica context (aggregating sync-on-read variables)."""
+        _require_cross_replica(self._container_strategy_ref, "read_var")
+        getter = getattr(v, "_get_cross_replica", None)
+        if getter is not None:
+            return getter()
+        rv = getattr(v, "read_value", None)  # distributed variables aggregate in cross-replica reads
+        if rv is not None:
+            return rv()
+        return v.values[0] if isinstance(v, DistributedValues) else v
+
+    def update(self, var, fn, args=(), kwargs=None, group=True):
+        """Runs ``fn(component, *args, **kwargs)`` on each component of ``var`` (cross-replica).
+
+        DistributedValues in ``args``/``kwargs`` are split per component. Returns the results merged
+        (a Mirrored where they differ) when ``group``, else a tuple of them.
+        """
+        _require_cross_replica(self._container_strategy_ref, "update")
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"update: args must be a list or tuple, got {type(args)}")
+        kwargs = kwargs or {}
+        if isinstance(var, DistributedValues):
+            comps = var.values
+            results = [fn(c, *_select_all(i, tuple(args)), **_select_all(i, kwargs)) for i, c in enumerate(comps)]
+        else:
+            results = [fn(var, *self._single_values(args), **self._single_values(kwargs))]
+        if not group:
+            return tuple(results)
+        if len(results) == 1:
+            return results[0]
+        return regroup(results, Mirrored)
+
+    @staticmethod
+    def _single_values(tree):
+        def one(x):
+            if not isinstance(x, DistributedValues):
+                return x
+            vals = x.values
+            if isinstance(x, Mirrored) or all(v is vals[0] for v in vals):
+                return vals[0]
+            raise ValueError(
+                f"cannot update a single variable with {type(x).__name__} {x!r} of {len(vals)} different components; "
+                "reduce it first (extended.reduce_to) or pass a single value"
+            )
+
+        return optree.tree_map(one, tree, is_leaf=_is_dv)
+
+    # -------------------------------------------------------------- reductions
+    def reduce_to(self, reduce_op, value, destinations, options=None):
+        """Reduces ``value`` across replicas to ``destinations`` (array for one device, else Mirrored)."""
+        del options
+        _require_cross_replica(self._container_strategy_ref, "reduce_to")
+        op = ReduceOp.parse(reduce_op, where="reduce_to")
+        if isinstance(value, DistributedValues):
+            return self._cross_device_ops.reduce(op, value, destinations)
+        return self._reduce_non_distributed(op, value, destinations)
+
+    def _reduce_non_distributed(self, op, value, destinations):
+        if op is ReduceOp.SUM and self._num != 1:
+            raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}.")
+        return self._cross_device_ops.broadcast(value, destinations)
+
+    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
+        """Reduces many (value, destinations) pairs, packing them into about one kernel call per dtype."""
+        del options
+        _require_cross_replica(self._container_strategy_ref, "batch_reduce_to")
+        op = ReduceOp.parse(reduce_op, where="batch_reduce_to")
+        pairs = list(value_destination_pairs)
+        if all(isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], DistributedValues) for p in pairs):
+            return self._cross_device_ops.batch_reduce(op, pairs)
+        return [self.reduce_to(op, v, d) for v, d in pairs]
+
+    def _reduce(self, op, value):
+        """Reduces to the host, returning one host array (Strategy.reduce with axis=None)."""
+        if not isinstance(value, DistributedValues):
+            if op is ReduceOp.SUM and self._num != 1:
+                raise ValueError(
+                    f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}."
+                )
+            return np.array(_host(value), copy=True)
+        return self._cross_device_ops.reduce(op, value, self._devices[0])
+
+    # -------------------------------------------------------------- running
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        """Runs ``fn`` once per replica (what ``Strategy.run`` does), returning the merged results."""
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
+        f = _CTX.get()
+        if f is not None:
+            if f.replica_ctx is not None:
+                raise RuntimeError(
+                    "strategy.run cannot be called inside strategy.run (in replica context); "
+                    "method requires being in cross-replica context, use get_replica_context().merge_call()"
+                )
+            if f.strategy is not self._container_strategy_ref and not isinstance(f.strategy, _DefaultDistributionStrategy):
+                raise RuntimeError(
+                    f"Mixing different cudist.Strategy objects: {f.strategy!r} is not {self._container_strategy_ref!r}"
+                )
+        kwargs = kwargs or {}
+        n = self._num
+        frames = self._frames()
+        if n == 1:
+            token = _CTX.set(frames[0])
+            try:
+                if args:
+                    args = select_replica(0, tuple(args))
+                if kwargs:
+                    kwargs = select_replica(0, kwargs)
+                return fn(*args, **kwargs)
+            finally:
+                _CTX.reset(token)
+        args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
+        kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
+        results = _engine().run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers())
+        return _regroup_results(results)
+
+    def _handlers(self):
+        h = self.__dict__.get("_handlers_cache")
+        if h is None:
+            s = self._container_strategy_ref
+            h = self.__dict__["_handlers_cache"] = {k: functools.partial(v, s) for k, v in _HANDLERS.items()}
+        return h
+
+    def _local_results(self, value):
+        if isinstance(value, DistributedValues):
+            return tuple(value.values)
+        if self._num > 1 and _contains_dv(value):
+            return tuple(_select_all(i, value) for i in range(self._num))
+        return (value,)
+
+
+# ---------------------------------------------------------------------------------------------- Strategy
+class Strategy:
+    """A way to distribute computation over devices (``tf.distribute.Strategy``)."""
+
+    def __init__(self, extended):
+        self._extended = extended
+
+    def __repr__(self) -> str:
+        return f"<cudist.{type(self).__name__} devices={self._extended.worker_devices}>"
+
+    @property
+    def extended(self) -> StrategyExtended:
+        """The :class:`StrategyExtended` with the library-writer API."""
+        return self._extended
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """How many replicas a ``run`` call runs in sync."""
+        return self._extended._num
+
+    @property
+    def cluster_resolver(self):
+        """None: cudist strategies are single-worker."""
+        return None
+
+    def scope(self):
+        """A context manager entering this strategy's cross-replica context.
+
+        Variables created inside are distributed by this strategy. Entering another strategy's scope
+        inside it raises RuntimeError.
+        """
+        return _Scope(self)
+
+    def run(self, fn, args=(), kwargs=None, options=None):
+        """Runs ``fn(*args, **kwargs)`` once per replica and merges the results.
+
+        DistributedValues in ``args``/``kwargs`` are replaced by each replica's component. The result
+        keeps ``fn``'s structure; at each leaf the same object from every replica stays as is,
+        different values become a PerReplica.
+
+        Raises:
+            ValueError: ``args`` is not a list or tuple.
+            RuntimeError: called inside ``run`` (in replica context) or another strategy's scope.
+        """
+        del options
+        return self._extended.call_for_each_replica(fn, args, kwargs)
+
+    def reduce(self, reduce_op, value, axis=None):
+        """Reduces ``value`` across replicas to one host (numpy) array.
+
+        Args:
+            reduce_op: ReduceOp.SUM / MEAN or "sum" / "mean" (any case).
+            value: a DistributedValues (e.g. from ``run``), or a plain value.
+            axis: None to reduce across replicas only; an int to first reduce within each replica
+                along that axis. MEAN then divides by the total number of elements along it over all
+                replicas, so partial (even empty) batches are weighted right.
+
+        Raises:
+            ValueError: unknown op, out-of-range axis, or replicas with different shapes.
+            RuntimeError: called in replica context.
+        """
+        _require_cross_replica(self, "Strategy.reduce")
+        op = ReduceOp.parse(reduce_op, where="Strategy.reduce")
+        if axis is None:
+            return _scalarize(self._extended._reduce(op, value))
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"Strategy.reduce: axis must be an int or None, got {type(axis).__name__}")
+        comps = list(value.values) if isinstance(value, DistributedValues) else [value] * self.num_replicas_in_sync
+        sums, counts = [], 0
+        for r, c in enumerate(comps):
+            a = _host(c)
+            if not -a.ndim <= axis < a.ndim:
+                raise ValueError(
+                    f"Strategy.reduce: invalid reduction axis {axis} for the value of replica {r}, "
+                    f"which has {a.ndim} dimensions (shape {a.shape})"
+                )
+            if a.dtype.kind not in "iufcb":
+                raise TypeError(f"Strategy.reduce: cannot reduce values of dtype {a.dtype}")
+            sums.append(np.sum(a, axis=axis))
+            counts += a.shape[axis]
+        total = self._extended._reduce(ReduceOp.SUM, PerReplica(sums)) if len(sums) > 1 else sums[0]
+        if op is ReduceOp.MEAN:
+            total = np.asarray(total)
+            if total.dtype.kind == "f":
+                total = total / total.dtype.type(counts)
+            else:
+                total = np.true_divide(total, counts)
+        return _scalarize(np.asarray(total))
+
+    def gather(self, value, axis):
+        """Concatenates the replicas' components of ``value`` along ``axis`` into one host array."""
+        _require_cross_replica(self, "Strategy.gather")
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
+            raise TypeError(f"Strategy.gather: axis must be an int, got {type(axis).__name__}")
+        from cudist._cross_device_ops import _contig, _cpu_backend, _numpy_backend
+
+        comps = value.values if isinstance(value, DistributedValues) else (value,)
+        arrs = [_contig(_host(c)) for c in comps]
+        b = _cpu_backend()
+        if arrs[0].dtype not in b.dtypes:
+            b = _numpy_backend()
+        if arrs[0].dtype in b.dtypes:
+            return b.all_gather(arrs, int(axis))
+        _numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], int(axis))
+        return np.concatenate(arrs, axis=int(axis))
+
+    def experimental_local_results(self, value):
+        """The components of ``value`` on this worker's replicas, as a tuple (``(value,)`` if plain)."""
+        return self._extended._local_results(value)
+
+    # -------------------------------------------------------------- input
+    def experimental_distribute_dataset(self, dataset, options=None):
+        """Splits each batch of ``dataset`` over the replicas (see :class:`cudist.DistributedDataset`)."""
+        from cudist import _input_lib
+
+        return _input_lib.DistributedDataset(dataset, self, options)
+
+    def distribute_datasets_from_function(self, dataset_fn, options=None):
+        """Calls ``dataset_fn(InputContext)`` per input pipeline; its batches are per-replica already."""
+        from cudist import _input_lib
+
+        return _input_lib.DistributedDatasetsFromFunction(dataset_fn, self, options)
+
+    def experimental_distribute_values_from_function(self, value_fn):
+        """A PerReplica of ``value_fn(ValueContext)`` for each replica."""
+        from cudist import _input_lib
+
+        return _input_lib.distribute_values_from_function(value_fn, self)
+
+    def experimental_make_numpy_dataset(self, numpy_input):
+        """A dataset of the slices of ``numpy_input`` (TF1-era)."""
+        _warn_deprecated("experimental_make_numpy_dataset", "cudist.data.Dataset.from_tensor_slices")
+        from cudist import data
+
+        return data.Dataset.from_tensor_slices(numpy_input)
+
+    # -------------------------------------------------------------- TF1-era
+    def experimental_run(self, fn, input_iterator=None):
+        """Runs ``fn(inputs)`` on each replica with the next element of ``input_iterator`` (TF1-era)."""
+        _warn_deprecated("experimental_run", "Strategy.run")
+        if input_iterator is None:
+            return self.run(fn)
+        return self.run(fn, args=(input_iterator.get_next(),))
+
+    def make_dataset_iterator(self, dataset):
+        """An initializable iterator over ``dataset`` split across replicas (TF1-era)."""
+        _warn_deprecated("make_dataset_iterator", "experimental_distribute_dataset")
+        from cudist import _input_lib
+
+        return _input_lib.DatasetIterator(dataset, self)
+
+    def make_input_fn_iterator(self, input_fn, replication_mode=None):
+        """An iterator over the datasets ``input_fn(InputContext)`` returns (TF1-era)."""
+        _warn_deprecated("make_input_fn_iterator", "distribute_datasets_from_function")
+        from cudist import _input_lib
+
+        if replication_mode is None:
+            replication_mode = _input_lib.InputReplicationMode.PER_WORKER
+        return _input_lib.InputFunctionIterator(input_fn, self, replication_mode)
+
+    def update_config_proto(self, config_proto):
+        """Returns a copy of ``config_proto`` (nothing to configure here; TF1-era)."""
+        _warn_deprecated("update_config_proto", "nothing (there is no session config)")
+        import copy
+
+        return copy.deepcopy(config_proto)
+
+
+# ---------------------------------------------------------------------------------------------- default
+class _DefaultDistributionExtended(StrategyExtended):
+    """The default strategy's extended: one replica, no distribution."""
+
+    def call_for_each_replica(self, fn, args=(), kwargs=None):
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
+        f = _CTX.get()
+        if f is not None and f.replica_ctx is not None:
+            raise RuntimeError("strategy.run cannot be called inside strategy.run (in replica context)")
+        return fn(*args, **(kwargs or {}))
+
+
+class _DefaultDistributionStrategy(Strategy):
+    """The strategy in effect outside any scope: runs everything on one device, unchanged."""
+
+    def __init__(self):
+        super().__init__(_DefaultDistributionExtended(self, (_devices.canonicalize("/cpu:0"),)))
+
+    def __repr__(self) -> str:
+        return "<cudist default Strategy>"
+
+
+@functools.lru_cache(maxsize=None)
+def _default_strategy():
+    return _DefaultDistributionStrategy()
+
+
+@functools.lru_cache(maxsize=None)
+def _default_replica_context():
+    return _DefaultReplicaContext(_default_strategy(), 0)
+
+
+def _parse_devices(devices, where):
+    """Canonical device names from a list of device specs, rejecting empty lists and duplicates."""
+    if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+        raise TypeError(f"{where}: devices must be a list or tuple of device strings, got {type(devices).__name__}")
+    if not devices:
+        raise ValueError(f"{where}: devices must not be empty")
+    names = tuple(_devices.canonicalize(d) for d in devices)
+    seen = set()
+    for d, name in zip(devices, names):
+        if name in seen:
+            raise ValueError(f"{where}: no duplicates allowed in `devices` argument: {d!r} appears more than once")
+        seen.add(name)
+    return names
+
+
+def _default_devices():
+    """All logical GPUs, else the CPU (only called when a strategy is built without devices)."""
+    from cudist import config
+
+    gpus = config.list_logical_devices("GPU")
+    return tuple(_devices.canonicalize(d.name) for d in gpus) or (_devices.canonicalize("/cpu:0"),)

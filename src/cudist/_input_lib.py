@@ -1,0 +1,670 @@
+"""Distributed input: datasets and iterators that hand each replica its part of every step.
+
+``Strategy.experimental_distribute_dataset`` wraps a dataset of *global* batches and splits each
+batch across the replicas (ceil rule: each replica gets ceil(B/N) rows in order, the last ones fewer
+or none, so nothing is dropped); ``Strategy.distribute_datasets_from_function`` calls the user's
+function with an :class:`InputContext` and hands out the *per-replica* batches its dataset yields,
+one replica after another. Either way a step is a ``PerReplica`` at each leaf of the element (the
+plain value when there is one replica), each component already on its replica's device.
+
+The device placement is one hook, :func:`device_putter`: identity for CPU devices (replicas share
+host memory), a copy into the device's memory for GPUs. When a replica lives on a GPU the steps are
+produced in a background thread ``experimental_per_replica_buffer_size`` steps ahead, so the
+host-to-device copies overlap the training step.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+
+import numpy as np
+import optree
+
+from cudist import data as _data
+from cudist._devices import parse_device
+from cudist._values import PerReplica, regroup
+
+__all__ = [
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "ValueContext",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "DistributedOptional",
+    "PerReplicaSpec",
+    "OutOfRangeError",
+    "DatasetIterator",
+    "InputFunctionIterator",
+    "distribute_values_from_function",
+    "device_putter",
+]
+
+
+class OutOfRangeError(StopIteration):
+    """``get_next()`` was called on an exhausted iterator (TF's ``tf.errors.OutOfRangeError``).
+
+    It is a ``StopIteration``, so code that catches either works.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# contexts and options
+
+
+class InputReplicationMode(enum.Enum):
+    """How ``distribute_datasets_from_function`` replicates the input function.
+
+    PER_WORKER: the function runs once per worker (once here) and its dataset's batches go to the
+    replicas in turn. PER_REPLICA: the function runs once per replica, each replica iterating its
+    own dataset.
+    """
+
+    PER_WORKER = "PER_WORKER"
+    PER_REPLICA = "PER_REPLICA"
+
+
+class InputContext:
+    """What an input function needs to know to build its part of the input.
+
+    Args:
+        num_input_pipelines: how many input pipelines the function is called for.
+        input_pipeline_id: which of them this call builds, in [0, num_input_pipelines).
+        num_replicas_in_sync: the number of replicas consuming the input.
+    """
+
+    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+        self._num_input_pipelines = int(num_input_pipelines)
+        self._input_pipeline_id = int(input_pipeline_id)
+        self._num_replicas_in_sync = int(num_replicas_in_sync)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas in sync."""
+        return self._num_replicas_in_sync
+
+    @property
+    def input_pipeline_id(self) -> int:
+        """The id of the input pipeline this call builds."""
+        return self._input_pipeline_id
+
+    @property
+    def num_input_pipelines(self) -> int:
+        """The number of input pipelines."""
+        return self._num_input_pipelines
+
+    def get_per_replica_batch_size(self, global_batch_size) -> int:
+        """The per-replica batch size: ``global_batch_size // num_replicas_in_sync``.
+
+        Raises:
+            ValueError: ``num_replicas_in_sync`` does not divide ``global_batch_size``.
+        """
+        if global_batch_size % self._num_replicas_in_sync != 0:
+            raise ValueError(
+                f"The `global_batch_size` {global_batch_size!r} is not divisible by "
+                f"`num_replicas_in_sync` {self._num_replicas_in_sync!r} "
+            )
+        return global_batch_size // self._num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (
+            f"InputContext(num_input_pipelines={self._num_input_pipelines}, "
+            f"input_pipeline_id={self._input_pipeline_id}, num_replicas_in_sync={self._num_replicas_in_sync})"
+        )
+
+
+class ValueContext:
+    """What a value function (``experimental_distribute_values_from_function``) gets per replica."""
+
+    def __init__(self, replica_id_in_sync_group=0, num_replicas_in_sync=1):
+        self._replica_id_in_sync_group = int(replica_id_in_sync_group)
+        self._num_replicas_in_sync = int(num_replicas_in_sync)
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """The number of replicas in sync."""
+        return self._num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> int:
+        """The replica the value is for, in [0, num_replicas_in_sync)."""
+        return self._replica_id_in_sync_group
+
+    def __repr__(self) -> str:
+        return (
+            f"ValueContext(replica_id_in_sync_group={self._replica_id_in_sync_group}, "
+            f"num_replicas_in_sync={self._num_replicas_in_sync})"
+        )
+
+
+class InputOptions(
+    collections.namedtuple(
+        "InputOptions",
+        [
+            "experimental_fetch_to_device",
+            "experimental_replication_mode",
+            "experimental_place_dataset_on_device",
+            "experimental_per_replica_buffer_size",
+        ],
+    )
+):
+    """Options for distributing input (``tf.distribute.InputOptions``).
+
+    Attributes:
+        experimental_fetch_to_device: copy each replica's batch to its device (True) or leave it
+            in host memory (False). No effect for CPU replicas.
+        experimental_replication_mode: an :class:`InputReplicationMode`; PER_REPLICA is only for
+            ``distribute_datasets_from_function``.
+        experimental_place_dataset_on_device: run the input function's dataset on the device
+            (PER_REPLICA only); here the datasets always run on the host.
+        experimental_per_replica_buffer_size: how many steps to prefetch to GPU devices (0: none).
+    """
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        experimental_fetch_to_device=None,
+        experimental_replication_mode=InputReplicationMode.PER_WORKER,
+        experimental_place_dataset_on_device=False,
+        experimental_per_replica_buffer_size=1,
+    ):
+        if experimental_fetch_to_device is None:
+            experimental_fetch_to_device = True
+        if not isinstance(experimental_replication_mode, InputReplicationMode):
+            raise TypeError(
+                "InputOptions: experimental_replication_mode must be an InputReplicationMode, got "
+                f"{experimental_replication_mode!r}"
+            )
+        size = experimental_per_replica_buffer_size
+        if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size < 0:
+            raise ValueError(f"InputOptions: experimental_per_replica_buffer_size must be an int >= 0, got {size!r}")
+        return super().__new__(
+            cls, bool(experimental_fetch_to_device), experimental_replication_mode,
+            bool(experimental_place_dataset_on_device), int(size),
+        )
+
+
+def _check_options(options, where: str) -> InputOptions:
+    if options is None:
+        return InputOptions()
+    if not isinstance(options, InputOptions):
+        raise TypeError(f"{where}: options must be a cudist.InputOptions, got {type(options).__name__}")
+    return options
+
+
+def _check_placement(options: InputOptions, where: str) -> None:
+    # TF checks these only for distribute_datasets_from_function.
+    if not options.experimental_place_dataset_on_device:
+        return
+    if options.experimental_replication_mode != InputReplicationMode.PER_REPLICA:
+        raise ValueError(
+            f"{where}: when `experimental_place_dataset_on_device` is set for dataset placement, you must "
+            "also specify `PER_REPLICA` for the replication mode"
+        )
+    if options.experimental_fetch_to_device:
+        raise ValueError(
+            f"{where}: `experimental_place_dataset_on_device` can not be set to True when "
+            "experimental_fetch_to_device is True and replication mode is set to `PER_REPLICA`"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# specs and optionals
+
+
+class PerReplicaSpec:
+    """The ``element_spec`` of a distributed leaf: one :class:`~cudist.data.TensorSpec` per replica."""
+
+    def __init__(self, *component_specs):
+        self._component_specs = tuple(component_specs)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, PerReplicaSpec) and self._component_specs == other._component_specs
+
+    def __hash__(self) -> int:
+        return hash(self._component_specs)
+
+    def __repr__(self) -> str:
+        return f"PerReplicaSpec({', '.join(map(repr, self._component_specs))})"
+
+
+def _per_replica_spec(spec, n: int, split: bool):
+    """Wraps each TensorSpec of ``spec`` for ``n`` replicas (identity for one replica)."""
+    if n == 1:
+        return spec
+
+    def wrap(s):
+        if split and s.shape:
+            b = s.shape[0]
+            s = _data.TensorSpec((b // n if b is not None and b % n == 0 else None, *s.shape[1:]), s.dtype, s.name)
+        return PerReplicaSpec(*([s] * n))
+
+    return _data.map_specs(wrap, spec)
+
+
+class DistributedOptional:
+    """An optional step (``get_next_as_optional``): ``has_value()`` then ``get_value()``."""
+
+    def __init__(self, value, has_value: bool, element_spec):
+        self._value = value
+        self._has_value = bool(has_value)
+        self._element_spec = element_spec
+
+    def has_value(self) -> bool:
+        """Whether there was a next step."""
+        return self._has_value
+
+    def get_value(self):
+        """The step.
+
+        Raises:
+            ValueError: there was no next step.
+        """
+        if not self._has_value:
+            raise ValueError("The given optional does not have a value.")
+        return self._value
+
+    @property
+    def element_spec(self):
+        return self._element_spec
+
+    def __repr__(self) -> str:
+        return f"DistributedOptional(has_value={self._has_value})"
+
+
+# ---------------------------------------------------------------------------------------------
+# devices
+
+
+def _identity(x):
+    return x
+
+
+@functools.lru_cache(maxsize=None)
+def device_putter(device, fetch_to_device: bool = True):
+    """The function that moves one replica's (nested) value onto ``device``.
+
+    Identity for CPU devices: logical CPUs share host memory, so no copy is made. For a GPU it
+    copies every NumPy/CuPy array leaf into that GPU's memory (other leaves, such as Python
+    numbers, stay as they are); with ``fetch_to_device=False`` values stay on the host.
+    """
+    spec = parse_device(device)
+    if not spec.is_gpu or not fetch_to_device:
+        return _identity
+    return functools.partial(_put_on_gpu, spec.device_index)
+
+
+def _put_on_gpu(logical_index: int, value):
+    import cupy
+
+    from cudist import config
+
+    physical = config.logical_to_physical_gpu()
+    if logical_index >= len(physical):
+        raise ValueError(f"GPU:{logical_index} does not exist: {len(physical)} logical GPU(s) are configured")
+    gpu = physical[logical_index]
+
+    def put(leaf):
+        if isinstance(leaf, cupy.ndarray):
+            return leaf if leaf.device.id == gpu else cupy.array(leaf, copy=True)
+        if isinstance(leaf, (np.ndarray, np.generic)):
+            return cupy.asarray(leaf)
+        return leaf
+
+    with cupy.cuda.Device(gpu):
+        return optree.tree_map(put, value, none_is_leaf=True)
+
+
+def _putters(strategy, fetch_to_device: bool):
+    devices = tuple(strategy.extended.worker_devices)
+    n = strategy.num_replicas_in_sync
+    if len(devices) != n:
+        raise ValueError(
+            f"the strategy has {n} replicas in sync but {len(devices)} worker devices {devices}; expected one each"
+        )
+    return [device_putter(d, fetch_to_device) for d in devices]
+
+
+def _any_gpu(strategy) -> bool:
+    return any(parse_device(d).is_gpu for d in strategy.extended.worker_devices)
+
+
+# ---------------------------------------------------------------------------------------------
+# step producers: each yields a list with one (device-placed) value per replica
+
+
+def _split_steps(dataset, n: int, putters, where: str):
+    """Each global batch split across the ``n`` replicas with the ceil rule."""
+    if n == 1:
+        for batch in dataset:
+            yield [putters[0](batch)]
+        return
+    from cudist._kernels import get_backend
+
+    split = get_backend().split
+    for batch in dataset:
+        try:
+            pieces = split(batch, n)
+        except ValueError as e:
+            raise ValueError(
+                f"{where}: cannot split the element across {n} replicas ({e}); the dataset must yield "
+                "batches with a leading batch dimension: use dataset.batch(global_batch_size)"
+            ) from None
+        yield [put(p) for put, p in zip(putters, pieces)]
+
+
+def _empty_like(value):
+    """A batch of zero rows shaped like ``value`` (what a replica gets when the data ran out)."""
+
+    def empty(leaf):
+        if np.ndim(leaf) == 0:
+            raise ValueError(
+                "distribute_datasets_from_function: the dataset ran out in the middle of a step and its "
+                "elements have no batch dimension, so the remaining replicas can't get an empty batch; "
+                "batch the dataset (dataset.batch(per_replica_batch_size))"
+            )
+        return leaf[:0]
+
+    return optree.tree_map(empty, value, is_leaf=_data._is_list)
+
+
+def _turn_steps(dataset, n: int, putters, partial: bool):
+    """The dataset's elements dealt to the replicas in turn, one each per step.
+
+    If the data runs out in the middle of a step the remaining replicas get empty batches
+    (``partial``) or the step is dropped (TF1 iterators); iteration ends when no replica gets data.
+    """
+    it = iter(dataset)
+    try:
+        while True:
+            values = []
+            for _ in range(n):
+                try:
+                    values.append(next(it))
+                except StopIteration:
+                    break
+            if not values or (len(values) < n and not partial):
+                return
+            while len(values) < n:
+                values.append(_empty_like(values[0]))
+            yield [put(v) for put, v in zip(putters, values)]
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def _per_replica_steps(datasets, putters):
+    """One dataset per replica; an exhausted replica gets empty batches until all are exhausted."""
+    its = [iter(d) for d in datasets]
+    last = [None] * len(its)
+    try:
+        while True:
+            values = []
+            for i, it in enumerate(its):
+                if it is None:
+                    values.append(None)
+                    continue
+                try:
+                    values.append(next(it))
+                except StopIteration:
+                    its[i] = None
+                    values.append(None)
+            if all(v is None for v in values):
+                return
+            like = next(v for v in values if v is not None)
+            for i, v in enumerate(values):
+                if v is None:
+                    values[i] = _empty_like(last[i] if last[i] is not None else like)
+                else:
+                    last[i] = v
+            yield [put(v) for put, v in zip(putters, values)]
+    finally:
+        for it in its:
+            close = getattr(it, "close", None)
+            if close is not None:
+                close()
+
+
+# ---------------------------------------------------------------------------------------------
+# iterators and datasets
+
+
+class DistributedIterator:
+    """Iterates a distributed dataset: each step is a PerReplica per leaf (plain for one replica)."""
+
+    def __init__(self, steps, n: int, element_spec, prefetch: int = 0):
+        if prefetch > 0:
+            # GPU replicas: produce (and copy) the next steps while the current one trains.
+            steps = _data._PrefetchIterator(steps, prefetch, name="cudist-device-prefetch")
+        self._steps = steps
+        self._n = n
+        self._element_spec = element_spec
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        values = next(self._steps)
+        if self._n == 1:
+            return values[0]
+        return regroup(values, PerReplica, always_wrap=True)
+
+    next = __next__
+
+    def get_next(self):
+        """The next step.
+
+        Raises:
+            OutOfRangeError: the input is exhausted (it is also a StopIteration).
+        """
+        try:
+            return self.__next__()
+        except StopIteration:
+            raise OutOfRangeError("End of sequence") from None
+
+    def get_next_as_optional(self) -> DistributedOptional:
+        """The next step as a :class:`DistributedOptional` (without a value once exhausted)."""
+        try:
+            return DistributedOptional(self.__next__(), True, self._element_spec)
+        except StopIteration:
+            return DistributedOptional(None, False, self._element_spec)
+
+    @property
+    def element_spec(self):
+        """The structure of a step, with a PerReplicaSpec per leaf for several replicas."""
+        return self._element_spec
+
+    def close(self) -> None:
+        """Stops the input early (a background device prefetch thread, a generator)."""
+        close = getattr(self._steps, "close", None)
+        if close is not None:
+            close()
+
+
+class _DistributedBase:
+    def __init__(self, strategy, options, where):
+        self._strategy = strategy
+        self._options = _check_options(options, where)
+        self._n = int(strategy.num_replicas_in_sync)
+        self._putters = _putters(strategy, self._options.experimental_fetch_to_device)
+        self._prefetch = (
+            self._options.experimental_per_replica_buffer_size
+            if self._options.experimental_fetch_to_device and _any_gpu(strategy)
+            else 0
+        )
+
+    def _steps(self):
+        raise NotImplementedError
+
+    def __iter__(self) -> DistributedIterator:
+        return DistributedIterator(self._steps(), self._n, self.element_spec, self._prefetch)
+
+    def reduce(self, initial_state, reduce_func):
+        """Folds the steps: ``state = reduce_func(state, step)`` for each step."""
+        state = initial_state
+        for step in self:
+            state = reduce_func(state, step)
+        return state
+
+    def build(self):
+        """Nothing to build ahead of time; kept for API compatibility."""
+
+
+class DistributedDataset(_DistributedBase):
+    """A dataset of global batches, each split across the strategy's replicas.
+
+    Built by ``Strategy.experimental_distribute_dataset(dataset, options)``. ``dataset`` is a
+    :class:`cudist.data.Dataset` or any Python iterable of batches. Every ``iter()`` starts over
+    (a one-pass iterable, such as a generator, can be iterated once).
+    """
+
+    def __init__(self, dataset, strategy, options=None):
+        where = "experimental_distribute_dataset"
+        super().__init__(strategy, options, where)
+        if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
+            raise NotImplementedError(
+                "InputReplicationMode.PER_REPLICA is only supported in `distribute_datasets_from_function`."
+            )
+        self._dataset = _data.as_dataset(dataset, where)
+        self._spec = None
+
+    def _steps(self):
+        return _split_steps(self._dataset, self._n, self._putters, "experimental_distribute_dataset")
+
+    @property
+    def element_spec(self):
+        """The dataset's element_spec with a PerReplicaSpec per leaf (unchanged for one replica)."""
+        if self._spec is None:
+            self._spec = _per_replica_spec(self._dataset.element_spec, self._n, split=True)
+        return self._spec
+
+    def cardinality(self) -> int:
+        """The number of steps (the global batches), or -1 (infinite) / -2 (unknown)."""
+        return self._dataset.cardinality()
+
+
+class DistributedDatasetsFromFunction(_DistributedBase):
+    """The datasets an input function builds, handing out per-replica batches.
+
+    Built by ``Strategy.distribute_datasets_from_function(dataset_fn, options)``. ``dataset_fn`` is
+    called here, once, with an :class:`InputContext` (once per replica with PER_REPLICA
+    replication), and must return a Dataset or an iterable of per-replica batches.
+    """
+
+    def __init__(self, dataset_fn, strategy, options=None):
+        where = "distribute_datasets_from_function"
+        super().__init__(strategy, options, where)
+        _check_placement(self._options, where)
+        if not callable(dataset_fn):
+            raise TypeError(f"{where}: dataset_fn must be callable, got {type(dataset_fn).__name__}")
+        n = self._n
+        if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
+            contexts = [InputContext(n, i, n) for i in range(n)]
+        else:
+            contexts = [InputContext(1, 0, n)]
+        what = f"{where} (the value dataset_fn returned)"
+        self._datasets = [_data.as_dataset(dataset_fn(ctx), what) for ctx in contexts]
+        self._spec = None
+
+    def _steps(self):
+        if len(self._datasets) > 1:
+            return _per_replica_steps(self._datasets, self._putters)
+        return _turn_steps(self._datasets[0], self._n, self._putters, partial=True)
+
+    @property
+    def element_spec(self):
+        """The function's dataset element_spec, with a PerReplicaSpec per leaf for several replicas."""
+        if self._spec is None:
+            self._spec = _per_replica_spec(self._datasets[0].element_spec, self._n, split=False)
+        return self._spec
+
+
+def _is_one_device(strategy) -> bool:
+    return any(cls.__name__ == "OneDeviceStrategy" for cls in type(strategy).__mro__)
+
+
+def distribute_values_from_function(value_fn, strategy):
+    """Calls ``value_fn(ValueContext(i, N))`` for each replica and places each result on its device.
+
+    Returns a PerReplica at each leaf of the results (the plain result for OneDeviceStrategy; a
+    one-component PerReplica for a one-replica MirroredStrategy, as TF does).
+    """
+    if not callable(value_fn):
+        raise TypeError(
+            f"experimental_distribute_values_from_function: value_fn must be callable, got {type(value_fn).__name__}"
+        )
+    n = int(strategy.num_replicas_in_sync)
+    putters = _putters(strategy, True)
+    values = [putters[i](value_fn(ValueContext(i, n))) for i in range(n)]
+    if n == 1 and _is_one_device(strategy):
+        return values[0]
+    return regroup(values, PerReplica, always_wrap=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# TF1-era iterators (make_dataset_iterator / make_input_fn_iterator)
+
+
+class _V1Iterator:
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._n = int(strategy.num_replicas_in_sync)
+        self._putters = _putters(strategy, True)
+        self._iterator = None
+        self.initialize()
+
+    def _make_steps(self):
+        raise NotImplementedError
+
+    def initialize(self) -> list:
+        """(Re)starts the iteration from the beginning. Returns the (empty) list of init ops."""
+        if self._iterator is not None:
+            self._iterator.close()
+        self._iterator = DistributedIterator(self._make_steps(), self._n, None)
+        return []
+
+    def get_next(self):
+        """The next step.
+
+        Raises:
+            OutOfRangeError: the input is exhausted.
+        """
+        return self._iterator.get_next()
+
+    def __iter__(self):
+        return self._iterator
+
+
+class DatasetIterator(_V1Iterator):
+    """``make_dataset_iterator(dataset)``: global batches split across the replicas, TF1 style."""
+
+    def __init__(self, dataset, strategy):
+        self._dataset = _data.as_dataset(dataset, "make_dataset_iterator")
+        super().__init__(strategy)
+
+    def _make_steps(self):
+        return _split_steps(self._dataset, self._n, self._putters, "make_dataset_iterator")
+
+
+class InputFunctionIterator(_V1Iterator):
+    """``make_input_fn_iterator(input_fn)``: the function's per-replica batches dealt in turn, TF1 style.
+
+    As in TF1, a step for which some replica has no batch left ends the iteration.
+    """
+
+    def __init__(self, input_fn, strategy, replication_mode=InputReplicationMode.PER_WORKER):
+        if replication_mode != InputReplicationMode.PER_WORKER:
+            raise ValueError(f"Input replication mode not supported: {replication_mode!r}")
+        if not callable(input_fn):
+            raise TypeError(f"make_input_fn_iterator: input_fn must be callable, got {type(input_fn).__name__}")
+        n = int(strategy.num_replicas_in_sync)
+        self._dataset = _data.as_dataset(input_fn(InputContext(1, 0, n)), "make_input_fn_iterator")
+        super().__init__(strategy)
+
+    def _make_steps(self):
+        return _turn_steps(self._dataset, self._n, self._putters, partial=False)

@@ -1,0 +1,522 @@
+"""The GPU kernel backend: cudist's CUDA kernels (``cudist/kernels/*.cuh``) run through CuPy.
+
+The kernels ship as headers with the package (:func:`cudist.get_include`); they are compiled by
+NVRTC through :class:`cupy.RawModule` the first time a dtype is used on a device (CuPy caches the
+binaries on disk, keyed by the source, which names a digest of the headers). One launch handles up
+to ``MAX_REPLICAS`` buffers; more are handled in several passes without changing the summation
+order. The replica pointers reach the kernels as a small device array of pointers, cached per
+device and pointer set.
+
+Buffers may sit on different GPUs. Kernels then run on the first buffer's device, reading and
+writing the others over peer access, which is enabled on first use; where peer access is
+impossible the foreign buffers are staged through copies on that device. Work is ordered with
+events against every involved device's current stream, so the calls are asynchronous like any
+CuPy operation. When every replica sits on its own GPU and the buffers are large, all-reduce runs
+two-shot (each GPU reduces one chunk then pushes it to the others), which spreads the traffic over
+the links.
+
+Importing this module imports CuPy: :func:`cudist._kernels.get_backend` does so only when the
+``cupy`` backend is asked for.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from pathlib import Path
+
+import cupy
+import numpy as np
+import optree
+
+from cudist._kernels._base import SUPPORTED_DTYPES, KernelBackend
+from cudist._kernels._split import split_sizes
+from cudist._reduce_util import ReduceOp
+
+__all__ = ["CupyBackend", "CTYPES", "KERNELS", "MAX_REPLICAS", "kernel_source", "name_expression"]
+
+#: C++ spelling of each supported dtype in the kernel templates.
+CTYPES = {
+    "float16": "__half",
+    "float32": "float",
+    "float64": "double",
+    "int32": "int",
+    "int64": "long long",
+}
+#: Kernel templates in namespace ``cudist::kernels`` and the dtypes each is instantiated for
+#: (plain literal: tests/test_cuda_compile.py reads it without importing CuPy).
+KERNELS = {
+    "all_reduce_one_shot": ("float16", "float32", "float64", "int32", "int64"),
+    "reduce_scatter": ("float16", "float32", "float64", "int32", "int64"),
+    "all_gather_chunks": ("float16", "float32", "float64", "int32", "int64"),
+    "broadcast": ("float16", "float32", "float64", "int32", "int64"),
+    "scatter_batch": ("float16", "float32", "float64", "int32", "int64"),
+    "mirrored_assign_add": ("float16", "float32", "float64", "int32", "int64"),
+    "mirrored_sgd": ("float16", "float32", "float64"),
+    "mirrored_momentum": ("float16", "float32", "float64"),
+    "mirrored_adam": ("float16", "float32", "float64"),
+}
+#: Most replica buffers one launch touches (cudist::kernels::kMaxReplicas).
+MAX_REPLICAS = 8
+_THREADS = 256
+_BLOCKS_PER_SM = 8
+# Below this many bytes per buffer, the one-shot kernel on one device beats two-shot's 2N launches.
+_TWO_SHOT_MIN_BYTES = 1 << 20
+_TABLE_CACHE_SIZE = 512
+_VEC_BYTES = 16
+
+
+def name_expression(kernel: str, dtype) -> str:
+    """The NVRTC name expression of a kernel instantiation, e.g. ``cudist::kernels::broadcast<float>``."""
+    return f"cudist::kernels::{kernel}<{CTYPES[np.dtype(dtype).name]}>"
+
+
+def _include_dir() -> Path:
+    import cudist
+
+    return Path(cudist.get_include())
+
+
+def kernel_source(include_dir: Path | None = None) -> str:
+    """The NVRTC source: an include of the shipped headers, stamped with their digest.
+
+    CuPy keys its on-disk binary cache on the source text, not on included files; the digest makes a
+    changed header recompile.
+    """
+    inc = include_dir or _include_dir()
+    digest = hashlib.sha256()
+    for path in sorted((inc / "cudist" / "kernels").glob("*.cuh")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return f"// cudist kernels {digest.hexdigest()}\n#include <cudist/kernels/kernels.cuh>\n"
+
+
+def _ranges_overlap(a, b) -> bool:
+    pa, pb = a.data.ptr, b.data.ptr
+    return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+class CupyBackend(KernelBackend):
+    """Kernel backend over CuPy arrays on NVIDIA GPUs (see the module docstring)."""
+
+    name = "cupy"
+    dtypes = SUPPORTED_DTYPES
+    xp = cupy
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._modules: dict[str, cupy.RawModule] = {}  # per dtype; CuPy compiles per device
+        self._functions: dict[tuple, object] = {}  # (device, dtype, kernel) -> RawKernel
+        self._tables: collections.OrderedDict = collections.OrderedDict()  # (device, ptrs) -> uint64 array
+        self._peer: dict[tuple[int, int], bool] = {}  # (device, peer) -> peer access enabled
+        self._sms: dict[int, int] = {}
+        self._source: str | None = None
+
+    # ------------------------------------------------------------------ validation
+    def _check_array(self, where, what, a, *, writable):
+        # CuPy arrays have no read-only flag (``flags`` has no ``writeable``): device memory is
+        # always writeable, so only the dtype / contiguity checks apply.
+        return super()._check_array(where, what, a, writable=False)
+
+    # ------------------------------------------------------------------ compilation and launch
+    def _function(self, device: int, dtype, kernel: str):
+        dtype = np.dtype(dtype)
+        key = (device, dtype.name, kernel)
+        fn = self._functions.get(key)
+        if fn is not None:
+            return fn
+        with self._lock:
+            fn = self._functions.get(key)
+            if fn is None:
+                mod = self._modules.get(dtype.name)
+                if mod is None:
+                    inc = _include_dir()
+                    if self._source is None:
+                        self._source = kernel_source(inc)
+                    names = [name_expression(k, dtype) for k, dts in KERNELS.items() if dtype.name in dts]
+                    mod = cupy.RawModule(
+                        code=self._source,
+                        options=("-std=c++17", f"-I{inc}"),
+                        name_expressions=names,
+                    )
+                    self._modules[dtype.name] = mod
+                with cupy.cuda.Device(device):
+                    fn = mod.get_function(name_expression(kernel, dtype))  # compiles for this device
+                self._functions[key] = fn
+        return fn
+
+    def _grid(self, device: int, count: int, itemsize: int) -> int:
+        sms = self._sms.get(device)
+        if sms is None:
+            sms = self._sms[device] = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+        groups = -(-count * itemsize // _VEC_BYTES)
+        return max(1, min(-(-groups // _THREADS), sms * _BLOCKS_PER_SM))
+
+    def _table(self, device: int, arrays) -> cupy.ndarray:
+        """A device array (on ``device``) of the arrays' data pointers, cached by pointer set."""
+        ptrs = tuple(int(a.data.ptr) for a in arrays)
+        key = (device, ptrs)
+        with self._lock:
+            t = self._tables.get(key)
+            if t is not None:
+                self._tables.move_to_end(key)
+                return t
+        with cupy.cuda.Device(device):
+            t = cupy.asarray(np.array(ptrs, dtype=np.uint64))
+        with self._lock:
+            self._tables[key] = t
+            while len(self._tables) > _TABLE_CACHE_SIZE:
+                self._tables.popitem(last=False)
+        return t
+
+    def _launch(self, device, kernel, dtype, count, args, *, grid_y=1):
+        fn = self._function(device, dtype, kernel)
+        blocks = self._grid(device, count, np.dtype(dtype).itemsize)
+        with cupy.cuda.Device(device):
+            fn((blocks, grid_y), (_THREADS,), args)
+
+    # ------------------------------------------------------------------ devices
+    def _peer_ok(self, device: int, peer: int) -> bool:
+        """Whether kernels on ``device`` may touch memory of ``peer`` (enabling access on first use)."""
+        if device == peer:
+            return True
+        key = (device, peer)
+        ok = self._peer.get(key)
+        if ok is None:
+            rt = cupy.cuda.runtime
+            ok = bool(rt.deviceCanAccessPeer(device, peer))
+            if ok:
+                with cupy.cuda.Device(device):
+                    try:
+                        rt.deviceEnablePeerAccess(peer)
+                    except rt.CUDARuntimeError as e:
+                        # 704: cudaErrorPeerAccessAlreadyEnabled (someone else enabled it: fine).
+                        if getattr(e, "status", None) != 704:
+                            ok = False
+            self._peer[key] = ok
+        return ok
+
+    def _wait_for(self, waiter: int, devices) -> None:
+        """Makes ``waiter``'s current stream wait for the work queued so far on ``devices``."""
+        for d in devices:
+            if d == waiter:
+                continue
+            with cupy.cuda.Device(d):
+                ev = cupy.cuda.Event(disable_timing=True)
+                ev.record()
+            with cupy.cuda.Device(waiter):
+                cupy.cuda.get_current_stream().wait_event(ev)
+
+    class _Staging:
+        """Makes every array usable by kernels on ``device``: peer-accessible ones as they are,
+        the others as copies on ``device`` (copied back on ``finish`` when written)."""
+
+        def __init__(self, backend, device, arrays, written):
+            self.backend, self.device = backend, device
+            self.others = sorted({a.device.id for a in arrays} - {device})
+            backend._wait_for(device, self.others)
+            self.arrays = []
+            staged = {}  # id(original) -> copy on `device`
+            back = {}  # id(original) -> (original, copy) for the ones the kernels write
+            for a, w in zip(arrays, written):
+                d = a.device.id
+                if d == device or backend._peer_ok(device, d):
+                    self.arrays.append(a)
+                    continue
+                s = staged.get(id(a))
+                if s is None:
+                    with cupy.cuda.Device(device):
+                        s = staged[id(a)] = a.copy()  # ndarray.copy() copies into the current device
+                if w:
+                    back[id(a)] = (a, s)
+                self.arrays.append(s)
+            self.back = list(back.values())
+
+        def finish(self):
+            for orig, s in self.back:
+                with cupy.cuda.Device(self.device):
+                    orig.data.copy_from_device_async(s.data, s.nbytes)
+            # Later work on the other devices must see what the kernels wrote there.
+            for d in self.others:
+                self.backend._wait_for(d, [self.device])
+
+    # ------------------------------------------------------------------ building blocks
+    def _reduce_into(self, device, bufs, out, extra, divisor):
+        """Reduces ``bufs`` into ``out`` (and ``extra`` on the last pass), MAX_REPLICAS per pass.
+
+        All arrays must be usable from ``device``. Between passes the running sum is kept in ``out``,
+        which preserves the order ((b0 + b1) + ...) exactly since every partial sum is rounded to
+        the dtype anyway.
+        """
+        n, count, dtype = len(bufs), out.size, out.dtype
+        done = 0
+        while done < n:
+            ins = [out] if done else []
+            take = MAX_REPLICAS - len(ins)
+            ins += list(bufs[done : done + take])
+            done += take
+            last = done >= n
+            outs = [out] + (list(extra) if last else [])
+            self._launch(
+                device,
+                "all_reduce_one_shot",
+                dtype,
+                count,
+                (
+                    self._table(device, ins),
+                    np.int32(len(ins)),
+                    self._table(device, outs),
+                    np.int32(len(outs)),
+                    np.int64(count),
+                    np.int32(divisor if last else 0),
+                ),
+            )
+
+    def _broadcast_from(self, device, src, dsts):
+        count = src.size
+        for g in range(0, len(dsts), MAX_REPLICAS):
+            group = dsts[g : g + MAX_REPLICAS]
+            self._launch(
+                device,
+                "broadcast",
+                src.dtype,
+                count,
+                (src, self._table(device, group), np.int32(len(group)), np.int64(count)),
+            )
+
+    def _all_reduce_two_shot(self, bufs, divisor):
+        """Each GPU d reduces chunk d of every buffer into its own, then pushes it to the others.
+
+        Phase 2 on GPU d touches only chunk d, which no other GPU reads or writes, so each GPU
+        needs only its own stream order between the phases.
+        """
+        n, count, dtype = len(bufs), bufs[0].size, bufs[0].dtype
+        devices = [b.device.id for b in bufs]
+        width = _VEC_BYTES // dtype.itemsize
+        chunk = -(-count // n)
+        chunk = -(-chunk // width) * width
+        for d in devices:
+            self._wait_for(d, devices)
+        for r, d in enumerate(devices):
+            begin, end = min(r * chunk, count), (count if r == n - 1 else min((r + 1) * chunk, count))
+            if begin >= end:
+                continue
+            table = self._table(d, bufs)
+            span = end - begin
+            self._launch(
+                d,
+                "reduce_scatter",
+                dtype,
+                span,
+                (table, np.int32(n), np.int64(chunk), np.int64(begin), np.int64(end), np.int32(divisor)),
+            )
+            self._launch(
+                d,
+                "all_gather_chunks",
+                dtype,
+                span,
+                (table, np.int32(n), np.int64(chunk), np.int64(begin), np.int64(end)),
+            )
+        for d in devices:
+            self._wait_for(d, devices)
+
+    def _use_two_shot(self, bufs) -> bool:
+        devices = [b.device.id for b in bufs]
+        if len(set(devices)) != len(devices) or len(bufs) > MAX_REPLICAS:
+            return False
+        if bufs[0].nbytes < _TWO_SHOT_MIN_BYTES:
+            return False
+        return all(self._peer_ok(d, e) for d in devices for e in devices)
+
+    # ------------------------------------------------------------------ hooks
+    def _all_reduce(self, bufs, op):
+        n, count = len(bufs), bufs[0].size
+        if count == 0:
+            return
+        divisor = n if op is ReduceOp.MEAN else 0
+        if self._use_two_shot(bufs):
+            self._all_reduce_two_shot(bufs, divisor)
+            return
+        device = bufs[0].device.id
+        st = self._Staging(self, device, bufs, [True] * n)
+        b = st.arrays
+        if n <= MAX_REPLICAS:
+            self._reduce_into(device, b, b[0], b[1:], divisor)
+        else:
+            # The running sum lives in b[0], which the first pass consumes before overwriting it.
+            self._reduce_into(device, b, b[0], b[1:MAX_REPLICAS], divisor)
+            self._broadcast_from(device, b[0], b[MAX_REPLICAS:])
+        st.finish()
+
+    def _reduce_to_one(self, bufs, op, out):
+        if out.size == 0:
+            return
+        n = len(bufs)
+        divisor = n if op is ReduceOp.MEAN else 0
+        device = out.device.id
+        st = self._Staging(self, device, list(bufs) + [out], [False] * n + [True])
+        b, o = st.arrays[:n], st.arrays[n]
+        # With several passes `o` holds the running sum, so it must not overlap a later input.
+        if n > MAX_REPLICAS and any(_ranges_overlap(o, x) for x in b[MAX_REPLICAS:]):
+            with cupy.cuda.Device(device):
+                tmp = cupy.empty_like(o)
+            self._reduce_into(device, b, tmp, [], divisor)
+            self._broadcast_from(device, tmp, [o])
+        else:
+            self._reduce_into(device, b, o, [], divisor)
+        st.finish()
+
+    def _broadcast(self, src, dsts):
+        if src.size == 0:
+            return
+        device = src.device.id
+        st = self._Staging(self, device, [src] + list(dsts), [False] + [True] * len(dsts))
+        s, ds = st.arrays[0], st.arrays[1:]
+        # Exact aliasing is harmless (each element is read before it is written, by one thread);
+        # a partially overlapping destination would clobber source elements still to be read.
+        if any(_ranges_overlap(s, d) and d.data.ptr != s.data.ptr for d in ds):
+            with cupy.cuda.Device(device):
+                s = s.copy()
+        self._broadcast_from(device, s, ds)
+        st.finish()
+
+    def _all_gather(self, bufs, axis):
+        device = bufs[0].device.id
+        with cupy.cuda.Device(device):
+            self._wait_for(device, {b.device.id for b in bufs})
+            local = [b if b.device.id == device else b.copy() for b in bufs]
+            return cupy.concatenate(local, axis=axis)
+
+    def _mirrored(self, kernel, copies, slots, grad, scalars):
+        """Runs a mirrored-update kernel on copies[:MAX_REPLICAS] (and the slots), then broadcasts
+        copy 0 of each to the rest."""
+        n, count, dtype = len(copies), copies[0].size, copies[0].dtype
+        if count == 0:
+            return
+        device = copies[0].device.id
+        groups = [list(copies)] + [list(s) for s in slots]
+        flat = [a for g in groups for a in g] + [grad]
+        st = self._Staging(self, device, flat, [True] * (len(flat) - 1) + [False])
+        staged = st.arrays
+        g_arr = staged[-1]
+        staged_groups = [staged[i * n : (i + 1) * n] for i in range(len(groups))]
+        m = min(n, MAX_REPLICAS)
+        tables = [self._table(device, g[:m]) for g in staged_groups]
+        if kernel == "mirrored_assign_add":
+            args = (tables[0], np.int32(m), g_arr, np.int64(count), *scalars)
+        else:
+            args = (*tables, np.int32(m), g_arr, *scalars, np.int64(count))
+        self._launch(device, kernel, dtype, count, args)
+        if n > m:
+            for group in staged_groups:
+                self._broadcast_from(device, group[0], group[m:])
+        st.finish()
+
+    @staticmethod
+    def _ct(dtype):
+        return np.float32 if dtype == np.float16 else np.dtype(dtype).type
+
+    def _assign_add(self, copies, value, negate):
+        self._mirrored("mirrored_assign_add", copies, [], value, (np.int32(1 if negate else 0),))
+
+    def _sgd(self, copies, grad, lr):
+        ct = self._ct(copies[0].dtype)
+        self._mirrored("mirrored_sgd", copies, [], grad, (ct(lr),))
+
+    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):
+        ct = self._ct(copies[0].dtype)
+        self._mirrored(
+            "mirrored_momentum", copies, [velocities], grad, (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
+        )
+
+    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
+        ct = self._ct(copies[0].dtype)
+        self._mirrored("mirrored_adam", copies, [ms, vs], grad, (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon)))
+
+    # ------------------------------------------------------------------ batch scatter
+    def scatter(self, batch, devices):
+        """Splits a (nested) batch by the ceil rule into one new CuPy array per replica device.
+
+        Args:
+            batch: NumPy or CuPy arrays (a nest of them) with the batch dimension first.
+            devices: one CUDA device id per replica (repeats allowed: logical replicas).
+
+        Returns:
+            A list with one structure like ``batch`` per replica, its leaves on that replica's device.
+
+        A host batch is copied piece by piece (from pinned memory these copies run at full PCIe
+        speed). A device batch is split by one kernel launch per group of replicas, writing straight
+        into the replicas' memory over peer access where the devices differ.
+        """
+        devices = [int(d) for d in devices]
+        if not devices:
+            raise ValueError("scatter: expected at least one replica device, got none")
+        leaves, treedef = optree.tree_flatten(batch)
+        if not leaves:
+            raise ValueError("scatter: the batch has no array leaves to split")
+        per_leaf = []
+        bsz = None
+        for i, leaf in enumerate(leaves):
+            a = leaf if isinstance(leaf, (np.ndarray, cupy.ndarray)) else np.asarray(leaf)
+            if a.ndim == 0:
+                raise ValueError(f"scatter: leaf {i} is a scalar and has no batch dimension to split")
+            if bsz is None:
+                bsz = a.shape[0]
+            elif a.shape[0] != bsz:
+                raise ValueError(f"scatter: leaf {i} has batch size {a.shape[0]} but leaf 0 has batch size {bsz}")
+            per_leaf.append(self._scatter_leaf(a, devices))
+        return [optree.tree_unflatten(treedef, [p[r] for p in per_leaf]) for r in range(len(devices))]
+
+    def _scatter_leaf(self, a, devices):
+        n = len(devices)
+        sizes = split_sizes(a.shape[0], n)
+        outs = []
+        for d, size in zip(devices, sizes):
+            with cupy.cuda.Device(d):
+                outs.append(cupy.empty((size,) + a.shape[1:], dtype=a.dtype))
+        row = int(np.prod(a.shape[1:], dtype=np.int64))
+        total = a.shape[0] * row
+        if total == 0:
+            return outs
+        if isinstance(a, np.ndarray):
+            start = 0
+            for out, size in zip(outs, sizes):
+                if size:
+                    with out.device:
+                        out.set(np.ascontiguousarray(a[start : start + size]))
+                start += size
+            return outs
+        src = a if a.flags.c_contiguous else cupy.ascontiguousarray(a)
+        device = src.device.id
+        if src.dtype not in SUPPORTED_DTYPES or any(not self._peer_ok(device, d) for d in set(devices)):
+            # No kernel for this dtype, or no peer access: plain copies (the driver stages them).
+            self._wait_for(device, set(devices))
+            with cupy.cuda.Device(device):
+                start = 0
+                for out, size in zip(outs, sizes):
+                    if size:
+                        out.data.copy_from_device_async(src[start : start + size].data, out.nbytes)
+                    start += size
+            for d in set(devices):
+                self._wait_for(d, [device])
+            return outs
+        self._wait_for(device, set(devices))
+        per = sizes[0] * row
+        for g in range(0, n, MAX_REPLICAS):
+            group = outs[g : g + MAX_REPLICAS]
+            begin = g * per
+            if begin >= total:
+                break  # the remaining replicas get empty pieces
+            self._launch(
+                device,
+                "scatter_batch",
+                src.dtype,
+                per,
+                (src.ravel()[begin:], self._table(device, group), np.int32(len(group)), np.int64(per),
+                 np.int64(total - begin)),
+                grid_y=len(group),
+            )
+        for d in set(devices):
+            self._wait_for(d, [device])
+        return outs

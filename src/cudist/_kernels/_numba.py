@@ -1,0 +1,498 @@
+"""The Numba CPU backend: fused, multi-threaded kernels compiled on first use and cached on disk.
+
+Design notes (why it looks the way it does):
+
+* Buffers are passed to the kernels as an ``int64`` array of their addresses plus one 0-length
+  "prototype" array that carries the element type. Inside, :func:`_view` turns an address back into
+  a 1-D array. So a kernel is specialised per dtype only, never per number of replicas: the whole
+  backend compiles 8 specialisations (5 dtypes for the reduce/copy kernel, 3 float dtypes for the
+  optimizer kernel), each once per machine thanks to ``cache=True``.
+* One kernel (``_k_reduce``) does all_reduce, reduce_to_one, broadcast, assign, assign_add and
+  assign_sub: each is "combine the inputs elementwise in order, write the result to M outputs".
+  Work is done in blocks of ``_CHUNK`` elements: a block of the combination is built in a small
+  scratch array (L1/L2-resident) from every input, then written to every output, so main memory
+  sees each input read once and each output written once, and an output that *is* an input
+  (all_reduce in place) is safe.
+* float16 has no Numba arithmetic, so it is stored as ``uint16`` bits and converted in the kernel
+  with the same round-to-nearest-even rule as NumPy's ``npy_float_to_half``; every operation goes
+  through float32 and is rounded back, as NumPy's float16 loops do, so results are bit-identical.
+* Buffers that partially overlap, or are misaligned, are rare and would break the blockwise,
+  multi-threaded scheme; they are handed to the NumPy reference instead.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import cfunc, njit, prange, types
+from numba.extending import intrinsic, overload
+
+from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend
+from cudist._kernels._numpy import NumpyBackend
+from cudist._reduce_util import ReduceOp
+
+__all__ = ["NumbaBackend"]
+
+#: Elements per block; the scratch block of the widest dtype (64 KiB) stays in L2.
+_CHUNK = 8192
+#: Below this many bytes moved, waking the thread pool costs more than it saves.
+_PARALLEL_MIN_BYTES = 1 << 18
+
+# Modes of _k_reduce.
+_SUM, _MEAN, _SUB = 0, 1, 2
+# Modes of _k_update.
+_SGD, _MOMENTUM, _NESTEROV, _ADAM = 0, 1, 2, 3
+
+
+# ---------------------------------------------------------------------------- low-level helpers
+@intrinsic
+def _ptr_like(typingctx, addr, dtype):
+    """A pointer to ``dtype`` elements (a NumPy scalar class) from the integer address ``addr``."""
+    if not isinstance(addr, types.Integer) or not isinstance(dtype, types.NumberClass):
+        return None
+    rtype = types.CPointer(dtype.instance_type)
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], context.get_value_type(rtype))
+
+    return rtype(addr, dtype), codegen
+
+
+@intrinsic
+def _call_worker(typingctx, fn, args, lo, hi):
+    """Calls the C function at address ``fn`` as ``void fn(int64 args, int64 lo, int64 hi)``."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context, builder, sig, llargs):
+        i64 = ir.IntType(64)
+        fnty = ir.FunctionType(ir.VoidType(), [i64, i64, i64])
+        builder.call(builder.inttoptr(llargs[0], fnty.as_pointer()), llargs[1:])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """The IEEE bits of a float32, zero-extended to int64."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.zext(builder.bitcast(args[0], ir.IntType(32)), ir.IntType(64))
+
+    return types.int64(x), codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, x):
+    """The float32 whose IEEE bits are the low 32 bits of int64 ``x``."""
+    if x != types.int64:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.trunc(args[0], ir.IntType(32)), ir.FloatType())
+
+    return types.float32(x), codegen
+
+
+@intrinsic
+def _sdiv(typingctx, a, b):
+    """C integer division (truncates toward zero) of ``a`` by ``b``, in ``a``'s type."""
+    if not isinstance(a, types.Integer) or not isinstance(b, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.sdiv(args[0], context.cast(builder, args[1], sig.args[1], a))
+
+    return a(a, b), codegen
+
+
+@njit(cache=True)
+def _view(addr, size, dtype):
+    return numba.carray(_ptr_like(addr, dtype), (size,))
+
+
+@njit(cache=True)
+def _h2f(h):
+    """float16 bits (uint16) -> float32; exact."""
+    h = np.int64(h)
+    e = h & 0x7C00
+    if e == 0:  # zero or subnormal: an integer times 2**-24, exact in float32
+        r = np.float32(h & 0x3FF) * np.float32(5.9604644775390625e-08)
+        return -r if h & 0x8000 else r
+    if e == 0x7C00:  # inf / nan
+        return _bits_f32(((h & 0x8000) << 16) | 0x7F800000 | ((h & 0x3FF) << 13))
+    return _bits_f32(((h & 0x8000) << 16) | (((h & 0x7FFF) + 0x1C000) << 13))
+
+
+@njit(cache=True)
+def _f2h(f):
+    """float32 -> float16 bits (uint16), round to nearest even; NumPy's npy_floatbits_to_halfbits."""
+    x = _f32_bits(f)
+    sgn = (x & 0x80000000) >> 16
+    fe = x & 0x7F800000
+    if fe >= 0x47800000:  # overflow, inf, nan
+        fs = x & 0x007FFFFF
+        if fe == 0x7F800000 and fs != 0:
+            r = 0x7C00 + (fs >> 13)
+            if r == 0x7C00:  # keep it a nan
+                r += 1
+            return np.uint16(sgn + r)
+        return np.uint16(sgn + 0x7C00)
+    if fe <= 0x38000000:  # underflow: subnormal half or signed zero
+        if fe < 0x33000000:
+            return np.uint16(sgn)
+        fs = (0x00800000 + (x & 0x007FFFFF)) >> (113 - (fe >> 23))
+        if (fs & 0x3FFF) != 0x1000 or (x & 0x7FF) != 0:
+            fs += 0x1000
+        return np.uint16(sgn + (fs >> 13))
+    fs = x & 0x007FFFFF
+    if (fs & 0x3FFF) != 0x1000:
+        fs += 0x1000
+    # A carry out of the significand bumps the exponent, which is the right result (up to inf).
+    return np.uint16(sgn + ((fe - 0x38000000) >> 13) + (fs >> 13))
+
+
+# Element operations, chosen at compile time by the storage type (uint16 stands for float16).
+def _add(a, b):  # pragma: no cover - typing stubs, implemented by the overloads below
+    raise NotImplementedError
+
+
+def _sub(a, b):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _div(s, n):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _ld(x):  # pragma: no cover
+    raise NotImplementedError
+
+
+def _st(v, proto):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_add)
+def _ol_add(a, b):
+    if a == types.uint16:
+        return lambda a, b: _f2h(_h2f(a) + _h2f(b))
+    return lambda a, b: a + b  # ints: the store into the buffer dtype wraps
+
+
+@overload(_sub)
+def _ol_sub(a, b):
+    if a == types.uint16:
+        return lambda a, b: _f2h(_h2f(a) - _h2f(b))
+    return lambda a, b: a - b
+
+
+@overload(_div)
+def _ol_div(s, n):
+    if s == types.uint16:
+        return lambda s, n: _f2h(_h2f(s) / np.float32(n))
+    if isinstance(s, types.Float):
+        cast = np.float32 if s.bitwidth == 32 else np.float64
+        return lambda s, n: s / cast(n)  # true division, not a multiplication by 1/n
+    if isinstance(s, types.Integer):
+        return lambda s, n: _sdiv(s, n)
+    return None
+
+
+@overload(_ld)
+def _ol_ld(x):
+    if x == types.uint16:
+        return lambda x: _h2f(x)
+    return lambda x: x
+
+
+@overload(_st)
+def _ol_st(v, proto):
+    if proto.instance_type == types.uint16:
+        return lambda v, proto: _f2h(v)
+    return lambda v, proto: v
+
+
+# ---------------------------------------------------------------------------- kernels
+# A worker is a C function ``void(int64 args, int64 lo, int64 hi)`` (a numba cfunc, one per dtype)
+# that processes elements [lo, hi) of the operation described by the int64 block at ``args``.
+# The one parallel driver, _k_par, is compiled once for all of them.
+
+# Argument block of the reduce workers: mode, size, n_in, n_out, in addresses..., out addresses...
+# Of the update workers: mode, size, n, n_slot1, n_slot2, grad address, hyper-parameter address
+# (float64[5]), then the addresses of the n copies, n_slot1 first slots and n_slot2 second slots.
+
+
+@njit(cache=True)
+def _reduce_range(argp, lo, hi, dtype):
+    a = numba.carray(_ptr_like(argp, np.int64), (4,))
+    mode, nin, nout = a[0], a[2], a[3]
+    a = numba.carray(_ptr_like(argp, np.int64), (4 + nin + nout,))
+    tmp = np.empty(_CHUNK, dtype)
+    isz = tmp.itemsize
+    for start in range(lo, hi, _CHUNK):
+        # Views of this block indexed by an unsigned j: no negative-index wraparound, so the
+        # loops vectorize into plain SIMD loads and stores.
+        m = np.uint64(min(_CHUNK, hi - start))
+        off = start * isz
+        x = _view(a[4] + off, m, dtype)
+        for j in range(m):
+            tmp[j] = x[j]
+        for i in range(1, nin):
+            x = _view(a[4 + i] + off, m, dtype)
+            if mode == _SUB:
+                for j in range(m):
+                    tmp[j] = _sub(tmp[j], x[j])
+            else:
+                for j in range(m):
+                    tmp[j] = _add(tmp[j], x[j])
+        if mode == _MEAN:
+            for j in range(m):
+                tmp[j] = _div(tmp[j], nin)
+        for i in range(nout):
+            y = _view(a[4 + nin + i] + off, m, dtype)
+            for j in range(m):
+                y[j] = tmp[j]
+
+
+@njit(cache=True)
+def _update_range(argp, lo, hi, dtype, ctype):
+    a = numba.carray(_ptr_like(argp, np.int64), (7,))
+    mode, n, n1, n2, gp, hpp = a[0], a[2], a[3], a[4], a[5], a[6]
+    a = numba.carray(_ptr_like(argp, np.int64), (7 + n + n1 + n2,))
+    # Hyper-parameters are rounded to the compute type first, as NumPy's ct.type(x) does.
+    hp64 = numba.carray(_ptr_like(hpp, np.float64), (5,))
+    hp = np.empty(5, ctype)
+    for i in range(5):
+        hp[i] = hp64[i]
+    tw = np.empty(_CHUNK, dtype)
+    t1 = np.empty(_CHUNK, dtype)
+    t2 = np.empty(_CHUNK, dtype)
+    isz = tw.itemsize
+    for start in range(lo, hi, _CHUNK):
+        m = np.uint64(min(_CHUNK, hi - start))
+        off = start * isz
+        w = _view(a[7] + off, m, dtype)
+        g = _view(gp + off, m, dtype)
+        if mode == _SGD:
+            lr = hp[0]
+            for j in range(m):
+                tw[j] = _st(_ld(w[j]) - lr * _ld(g[j]), dtype)
+        elif mode == _MOMENTUM or mode == _NESTEROV:
+            lr = hp[0]
+            mom = hp[1]
+            v = _view(a[7 + n] + off, m, dtype)
+            for j in range(m):
+                gg = _ld(g[j])
+                vv = mom * _ld(v[j]) - lr * gg
+                if mode == _NESTEROV:
+                    ww = _ld(w[j]) + (mom * vv - lr * gg)
+                else:
+                    ww = _ld(w[j]) + vv
+                t1[j] = _st(vv, dtype)
+                tw[j] = _st(ww, dtype)
+        else:
+            lr_t = hp[0]
+            c1 = hp[4] - hp[1]  # one - beta_1, in the compute type as NumPy does
+            c2 = hp[4] - hp[2]
+            eps = hp[3]
+            mv = _view(a[7 + n] + off, m, dtype)
+            vv_ = _view(a[7 + n + n1] + off, m, dtype)
+            for j in range(m):
+                gg = _ld(g[j])
+                mm = _ld(mv[j])
+                vv = _ld(vv_[j])
+                mm = mm + (gg - mm) * c1
+                vv = vv + (gg * gg - vv) * c2
+                ww = _ld(w[j]) - lr_t * mm / (np.sqrt(vv) + eps)
+                t1[j] = _st(mm, dtype)
+                t2[j] = _st(vv, dtype)
+                tw[j] = _st(ww, dtype)
+        for i in range(n1):
+            y = _view(a[7 + n + i] + off, m, dtype)
+            for j in range(m):
+                y[j] = t1[j]
+        for i in range(n2):
+            y = _view(a[7 + n + n1 + i] + off, m, dtype)
+            for j in range(m):
+                y[j] = t2[j]
+        for i in range(n):
+            y = _view(a[7 + i] + off, m, dtype)
+            for j in range(m):
+                y[j] = tw[j]
+
+
+# The per-dtype workers (compiled as cfuncs on first use; uint16 carries float16 bits).
+def _reduce_f16(argp, lo, hi):
+    _reduce_range(argp, lo, hi, np.uint16)
+
+
+def _reduce_f32(argp, lo, hi):
+    _reduce_range(argp, lo, hi, np.float32)
+
+
+def _reduce_f64(argp, lo, hi):
+    _reduce_range(argp, lo, hi, np.float64)
+
+
+def _reduce_i32(argp, lo, hi):
+    _reduce_range(argp, lo, hi, np.int32)
+
+
+def _reduce_i64(argp, lo, hi):
+    _reduce_range(argp, lo, hi, np.int64)
+
+
+def _update_f16(argp, lo, hi):
+    _update_range(argp, lo, hi, np.uint16, np.float32)
+
+
+def _update_f32(argp, lo, hi):
+    _update_range(argp, lo, hi, np.float32, np.float32)
+
+
+def _update_f64(argp, lo, hi):
+    _update_range(argp, lo, hi, np.float64, np.float64)
+
+
+@njit(parallel=True, cache=True)
+def _k_par(fn, args, size, nthreads):
+    """Runs worker ``fn`` over elements [0, size) in contiguous, block-aligned ranges, one a thread."""
+    argp = args.ctypes.data
+    nchunks = (size + _CHUNK - 1) // _CHUNK
+    nt = min(nthreads, nchunks)
+    if nt <= 1:
+        _call_worker(fn, argp, 0, size)
+    else:
+        for t in prange(nt):
+            lo = (t * nchunks // nt) * _CHUNK
+            hi = min(((t + 1) * nchunks // nt) * _CHUNK, size)
+            _call_worker(fn, argp, lo, hi)
+
+
+# ---------------------------------------------------------------------------- the backend
+_WORKER_SIG = types.void(types.int64, types.int64, types.int64)
+_REDUCE_PY = dict(zip(SUPPORTED_DTYPES, (_reduce_f16, _reduce_f32, _reduce_f64, _reduce_i32, _reduce_i64)))
+_UPDATE_PY = dict(zip(FLOAT_DTYPES, (_update_f16, _update_f32, _update_f64)))
+_workers: dict = {}
+_workers_lock = threading.Lock()
+_NP = NumpyBackend()
+
+
+def _worker(table, dtype) -> int:
+    """Address of the worker cfunc for ``dtype`` from ``table``, compiling (or loading) it once."""
+    fn = table[dtype]
+    addr = _workers.get(fn)
+    if addr is None:
+        with _workers_lock:
+            addr = _workers.get(fn)
+            if addr is None:
+                compiled = cfunc(_WORKER_SIG, cache=True)(fn)
+                _workers[(fn, "cfunc")] = compiled  # keeps the machine code alive
+                addr = _workers[fn] = compiled.address
+    return addr
+
+
+def _addr(a) -> int:
+    return a.__array_interface__["data"][0]
+
+
+def _nthreads(nbytes: int) -> int:
+    # Asked per call: numba.set_num_threads may change it (the kernel itself must not ask, as the
+    # threading layer's function pointer would make it uncacheable).
+    return numba.get_num_threads() if nbytes >= _PARALLEL_MIN_BYTES else 1
+
+
+def _unsafe(addrs, nbytes: int, itemsize: int) -> bool:
+    """True when buffers partially overlap or are misaligned (identical buffers are fine)."""
+    for a in addrs:
+        if a % itemsize:
+            return True
+    s = sorted(set(addrs))
+    for i in range(len(s) - 1):
+        if s[i + 1] - s[i] < nbytes:
+            return True
+    return False
+
+
+class NumbaBackend(KernelBackend):
+    """Fused multi-threaded CPU kernels compiled by Numba on first use (cached on disk)."""
+
+    name = "numba"
+    dtypes = SUPPORTED_DTYPES
+
+    def _combine(self, ins, outs, mode, fallback):
+        ref = outs[0]
+        size = ref.size
+        if size == 0:
+            return
+        addrs = [_addr(b) for b in ins] + [_addr(b) for b in outs]
+        if _unsafe(addrs, ref.nbytes, ref.itemsize):
+            fallback()
+            return
+        args = np.array([mode, size, len(ins), len(outs), *addrs], np.int64)
+        _k_par(_worker(_REDUCE_PY, ref.dtype), args, size, _nthreads(ref.nbytes * len(addrs)))
+
+    def _all_reduce(self, bufs, op):
+        mode = _MEAN if op is ReduceOp.MEAN else _SUM
+        self._combine(bufs, bufs, mode, lambda: _NP._all_reduce(bufs, op))
+
+    def _reduce_to_one(self, bufs, op, out):
+        mode = _MEAN if op is ReduceOp.MEAN else _SUM
+        self._combine(bufs, (out,), mode, lambda: _NP._reduce_to_one(bufs, op, out))
+
+    def _broadcast(self, src, dsts):
+        self._combine((src,), dsts, _SUM, lambda: _NP._broadcast(src, dsts))
+
+    def _all_gather(self, bufs, axis):
+        return np.concatenate(bufs, axis=axis)
+
+    def _assign_add(self, copies, value, negate):
+        self._combine(
+            (copies[0], value), copies, _SUB if negate else _SUM, lambda: _NP._assign_add(copies, value, negate)
+        )
+
+    def _update(self, mode, copies, s1, s2, grad, hp, fallback):
+        ref = copies[0]
+        size = ref.size
+        if size == 0:
+            return
+        addrs = [_addr(b) for b in copies] + [_addr(b) for b in s1] + [_addr(b) for b in s2]
+        ga = _addr(grad)
+        if _unsafe(addrs + [ga], ref.nbytes, ref.itemsize):
+            fallback()
+            return
+        hp = np.array(hp + (0.0,) * (5 - len(hp)), np.float64)
+        args = np.array([mode, size, len(copies), len(s1), len(s2), ga, _addr(hp), *addrs], np.int64)
+        moved = ref.nbytes * (len(addrs) + 2 + len(s1) + len(s2))
+        _k_par(_worker(_UPDATE_PY, ref.dtype), args, size, _nthreads(moved))
+
+    def _sgd(self, copies, grad, lr):
+        self._update(_SGD, copies, (), (), grad, (lr,), lambda: _NP._sgd(copies, grad, lr))
+
+    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):
+        self._update(
+            _NESTEROV if nesterov else _MOMENTUM,
+            copies,
+            velocities,
+            (),
+            grad,
+            (lr, momentum),
+            lambda: _NP._momentum(copies, velocities, grad, lr, momentum, nesterov),
+        )
+
+    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
+        self._update(
+            _ADAM,
+            copies,
+            ms,
+            vs,
+            grad,
+            (lr_t, beta_1, beta_2, epsilon, 1.0),
+            lambda: _NP._adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon),
+        )

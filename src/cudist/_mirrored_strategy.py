@@ -1,0 +1,33 @@
+"""``MirroredStrategy``: synchronous replicas, one per device, with mirrored variables."""
+
+from __future__ import annotations
+
+from cudist._distribute_lib import Strategy, StrategyExtended, _default_devices, _parse_devices
+
+__all__ = ["MirroredStrategy"]
+
+
+class MirroredExtended(StrategyExtended):
+    """Extended API of :class:`MirroredStrategy`: variables get one component per replica device."""
+
+    _variable_policy = "mirrored"
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous training on several devices of one machine (``tf.distribute.MirroredStrategy``).
+
+    Each replica runs the step function on its own device; variables are mirrored (one copy per
+    device) and kept in sync by all-reduce.
+
+    Args:
+        devices: device strings, one replica each; default: every logical GPU, else "/cpu:0".
+        cross_device_ops: a :class:`cudist.CrossDeviceOps` (default: the fused all-reduce kernels).
+
+    Raises:
+        ValueError: empty or duplicate devices, or cross-device ops that cannot run on them
+            (NcclAllReduce on CPUs).
+    """
+
+    def __init__(self, devices=None, cross_device_ops=None):
+        devs = _default_devices() if devices is None else _parse_devices(devices, "MirroredStrategy")
+        super().__init__(MirroredExtended(self, devs, cross_device_ops))

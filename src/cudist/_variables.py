@@ -1,0 +1,989 @@
+"""Variables: ``cudist.Variable`` and the distributed variables strategies create from it.
+
+``cudist.Variable(...)`` looks at the current strategy (``get_strategy()``) and its
+``extended._variable_policy``:
+
+* ``"plain"`` (the default strategy, OneDeviceStrategy): a plain :class:`Variable` on
+  ``extended._variable_devices()[0]``;
+* ``"mirrored"`` (MirroredStrategy): a :class:`MirroredVariable` with one component per device
+  (names ``"v:0"``, ``"v/replica_1:0"``, ...), or a :class:`SyncOnReadVariable` for
+  ``synchronization=ON_READ``;
+* ``"central"`` (CentralStorageStrategy): one :class:`AggregatingVariable` on the parameter device,
+  whose updates in replica context are aggregated across replicas first.
+
+All of them are instances of :class:`Variable`, as all of TF's are instances of ``tf.Variable``.
+TensorFlow 2.21 is the reference for every rule here (what raises, with which message, what the
+assign methods return).
+
+Storage is one NumPy array per component on CPU devices and one CuPy array per component on GPU
+devices; array work goes through :func:`_xp` so both work. Mirrored updates run through the kernel
+layer's fused ``assign``/``assign_add``/``assign_sub`` (one pass writing all N copies).
+
+Deliberate differences from TF: dtypes are NumPy dtypes; reads return NumPy (or CuPy) arrays rather
+than tensors; a plain ``assign*`` returns the variable itself (TF returns an equivalent
+``UnreadVariable`` view of it); variables hash by identity (TF raises and asks for ``ref()``).
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import itertools
+import threading
+
+import numpy as np
+
+from cudist._devices import canonicalize, parse_device
+from cudist._reduce_util import ReduceOp
+from cudist._values import DistributedValues, Mirrored, select_replica
+
+__all__ = [
+    "Variable",
+    "VariableSynchronization",
+    "VariableAggregation",
+    "DistributedVariable",
+    "MirroredVariable",
+    "SyncOnReadVariable",
+    "AggregatingVariable",
+]
+
+
+class VariableSynchronization(enum.Enum):
+    """When a distributed variable's components are kept in sync (``tf.VariableSynchronization``)."""
+
+    AUTO = 0
+    NONE = 1
+    ON_WRITE = 2
+    ON_READ = 3
+
+
+class VariableAggregation(enum.Enum):
+    """How per-replica updates of a distributed variable are combined (``tf.VariableAggregation``)."""
+
+    NONE = 0
+    SUM = 1
+    MEAN = 2
+    ONLY_FIRST_REPLICA = 3
+
+
+_AGGREGATION_ERROR = (
+    "You must specify an aggregation method to update a {variable_type} in Replica Context. You can do so by "
+    "passing an explicit value for argument `aggregation` to cudist.Variable(..), e.g. "
+    "`cudist.Variable(..., aggregation=cudist.VariableAggregation.SUM)`. `cudist.VariableAggregation` lists the "
+    "possible aggregation methods. This is required because {variable_type} should always be kept in sync. When "
+    "updating them or assigning to them in a replica context, we automatically try to aggregate the values before "
+    "updating the variable. For this aggregation, we need to know the aggregation method. Another alternative is "
+    "to not try to update such {variable_type} in replica context, but in cross replica context."
+)
+
+_uid = itertools.count(1)
+_uid_lock = threading.Lock()
+
+
+def _next_uid() -> int:
+    with _uid_lock:
+        return next(_uid)
+
+
+# ---------------------------------------------------------------------------- array helpers
+def _xp(a):
+    """The array module of ``a``: numpy for NumPy arrays, cupy for CuPy arrays."""
+    if isinstance(a, np.ndarray):
+        return np
+    mod = type(a).__module__.split(".")[0]
+    if mod == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _is_device_array(a) -> bool:
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def _to_host(a):
+    """A NumPy view or copy of an array from either module."""
+    if isinstance(a, np.ndarray):
+        return a
+    if _is_device_array(a):
+        return a.get()
+    return np.asarray(a)
+
+
+def _gpu_context(spec):
+    import cupy
+
+    from cudist import config
+
+    mapping = config.logical_to_physical_gpu()
+    if spec.device_index >= len(mapping):
+        raise ValueError(f"device {spec.name} does not exist: {len(mapping)} logical GPU(s) are configured")
+    return cupy, cupy.cuda.Device(mapping[spec.device_index])
+
+
+def _place(host_or_device_array, device: str):
+    """A fresh, C-contiguous, writeable copy of an array on ``device``."""
+    spec = parse_device(device)
+    if spec.is_gpu:
+        cupy, dev = _gpu_context(spec)
+        with dev:
+            return cupy.array(host_or_device_array, order="C", copy=True)
+    return np.array(_to_host(host_or_device_array), order="C", copy=True)
+
+
+def _like(arr, ref):
+    """``arr`` as an array of ``ref``'s module on ``ref``'s device (no copy when it already is)."""
+    if _xp(ref) is np:
+        return _to_host(arr)
+    cupy = _xp(ref)
+    with ref.device:
+        return cupy.asarray(arr)
+
+
+def _kernel_backend(arr):
+    """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
+    from cudist import _kernels
+
+    if _xp(arr) is np:
+        backend = _kernels.get_backend()
+        if backend.xp is not np:  # CUDIST_BACKEND=cupy must not break host variables
+            backend = _kernels.default_cpu_backend()
+    else:
+        backend = _kernels.get_backend("cupy")
+    return backend if arr.dtype in backend.dtypes else None
+
+
+def _contig(a):
+    """``a`` C-contiguous, keeping 0-d arrays 0-d (``ascontiguousarray`` makes them 1-d)."""
+    a = _to_host(a) if not _is_device_array(a) else a
+    return a if a.flags.c_contiguous else a.copy(order="C")
+
+
+def _reduce_arrays(arrays, op: ReduceOp, backend=False):
+    """Reduces same-shape, same-dtype arrays in replica order (the kernel contract's order).
+
+    ``backend``: the kernel backend to use (None: the NumPy reference); found from the arrays by default.
+    """
+    if len(arrays) == 1:
+        return arrays[0].copy()
+    if backend is False:
+        backend = _kernel_backend(arrays[0])
+    if backend is not None:
+        return backend.reduce_to_one(arrays, op)
+    from cudist._kernels._numpy import reference_reduce
+
+    return reference_reduce([_to_host(a) for a in arrays], op)
+
+
+# ---------------------------------------------------------------------------- value conversion
+def _is_array(x) -> bool:
+    return isinstance(x, (np.ndarray, np.generic)) or _is_device_array(x)
+
+
+def _unwrap(x):
+    """Resolves variables (and objects convertible like them) to their current array value."""
+    if isinstance(x, Variable):
+        return x._read_live()
+    return x
+
+
+def _infer_array(value):
+    """Turns an initial value into an array, inferring the dtype as TF does for Python values.
+
+    Python floats become float32 and Python ints int32 (int64 when they do not fit), as
+    ``tf.convert_to_tensor`` does; NumPy and CuPy arrays keep their dtype.
+    """
+    if isinstance(value, Variable):
+        return value._read_live().copy()
+    if _is_array(value):
+        return value
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"cannot convert {value!r} to an array: {e}") from None
+    if a.dtype == np.float64:
+        a = a.astype(np.float32)
+    elif a.dtype == np.int64:
+        info = np.iinfo(np.int32)
+        if a.size == 0 or (a.min() >= info.min and a.max() <= info.max):
+            a = a.astype(np.int32)
+    return a
+
+
+def _check_dtype_supported(dtype, what: str):
+    if dtype.kind not in "biufc":
+        raise TypeError(f"{what}: unsupported dtype {dtype.name}; cudist variables hold numeric or bool arrays")
+
+
+def _cast(value, dtype, what: str):
+    """Converts ``value`` to an array of ``dtype`` under TF's conversion rules.
+
+    Python values (scalars, lists) convert only within their kind or upward (int -> float is fine,
+    1.5 -> int32 is a TypeError, as in TF); NumPy/CuPy arrays of any numeric dtype cast (TF casts
+    NumPy values too). Non-numeric values are a TypeError.
+    """
+    value = _unwrap(value)
+    if _is_array(value):
+        if value.dtype.kind not in "biufc":
+            raise TypeError(f"{what}: cannot convert a value of dtype {value.dtype.name} to {dtype.name}")
+        if value.dtype.kind == "c" and dtype.kind != "c":
+            raise TypeError(f"{what}: cannot convert a complex value to {dtype.name}")
+        return value.astype(dtype, copy=False) if value.dtype != dtype else value
+    try:
+        a = np.asarray(value)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"{what}: cannot convert {value!r} to {dtype.name}: {e}") from None
+    if a.dtype.kind not in "biufc" or not np.can_cast(a.dtype, dtype, "same_kind"):
+        raise TypeError(
+            f"{what}: cannot convert {value!r} to {dtype.name} (Python values convert only within their kind or "
+            f"upward, as in TF; this one is {a.dtype.name})"
+        )
+    if a.dtype.kind in "iu" and dtype.kind in "iu" and a.size:
+        info = np.iinfo(dtype)
+        if a.min() < info.min or a.max() > info.max:
+            raise ValueError(f"{what}: {value!r} is out of range for {dtype.name}")
+    return a.astype(dtype, copy=False)
+
+
+def _parse_enum(enum_cls, value, kind: str, name):
+    if isinstance(value, enum_cls):
+        return value
+    raise ValueError(f"Invalid variable {kind} mode: {value} for variable: {name}")
+
+
+def _shape_spec(shape):
+    """Normalizes a ``shape`` argument: None (unknown), or a tuple of ints / None (unknown dims)."""
+    if shape is None:
+        return None
+    dims = getattr(shape, "dims", shape)  # TensorShape-like objects
+    if dims is None:
+        return None
+    if isinstance(dims, (int, np.integer)):
+        dims = (dims,)
+    try:
+        return tuple(None if d is None else int(d) for d in dims)
+    except TypeError:
+        raise TypeError(f"shape must be a tuple of ints (None for an unknown dimension), got {shape!r}") from None
+
+
+def _compatible(spec, shape) -> bool:
+    if spec is None:
+        return True
+    return len(spec) == len(shape) and all(s is None or s == d for s, d in zip(spec, shape))
+
+
+def _get_strategy():
+    from cudist import _distribute_lib
+
+    return _distribute_lib.get_strategy(), _distribute_lib.has_strategy()
+
+
+def _replica_context_of(strategy):
+    """The ReplicaContext when called inside ``strategy.run``; None in cross-replica context.
+
+    Outside the variable's strategy (e.g. after its scope closed) updates are cross-replica, as TF
+    enters the variable's strategy for them.
+    """
+    from cudist import _distribute_lib
+
+    if _distribute_lib.in_cross_replica_context():
+        return None
+    ctx = _distribute_lib.get_replica_context()
+    if ctx is None or getattr(ctx, "strategy", None) is not strategy:
+        return None
+    return ctx
+
+
+def _format_numpy(a) -> str:
+    a = _to_host(a)
+    if a.ndim == 0:
+        return repr(a[()].item())  # as TF prints it: float32 0.1 shows as 0.10000000149011612
+    return "\n" + repr(a)
+
+
+# ---------------------------------------------------------------------------- Variable
+class _VariableMeta(type):
+    """Routes ``Variable(...)`` to the factory, which asks the current strategy what to build."""
+
+    def __call__(cls, *args, **kwargs):
+        if cls is Variable:
+            return _create_variable(*args, **kwargs)
+        raise TypeError(
+            f"{cls.__name__} is not created directly: call cudist.Variable(...) inside the strategy's scope()"
+        )
+
+
+_BINARY = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "truediv": np.true_divide,
+    "floordiv": np.floor_divide,
+    "mod": np.remainder,
+    "pow": np.power,
+    "matmul": np.matmul,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+}
+_COMPARE = {"lt": np.less, "le": np.less_equal, "gt": np.greater, "ge": np.greater_equal, "eq": np.equal, "ne": np.not_equal}
+
+
+class Variable(metaclass=_VariableMeta):
+    """A mutable array on a device (``tf.Variable``).
+
+    ``cudist.Variable(initial_value, trainable=None, name=None, dtype=None,
+    synchronization=VariableSynchronization.AUTO, aggregation=VariableAggregation.NONE, shape=None)``
+    creates what the current strategy asks for: a plain Variable under the default strategy and
+    OneDeviceStrategy, a :class:`MirroredVariable` / :class:`SyncOnReadVariable` under
+    MirroredStrategy, an :class:`AggregatingVariable` under CentralStorageStrategy.
+
+    Args:
+        initial_value: an array, a Python number or nested list, or a callable returning one. Python
+            floats become float32 and Python ints int32, as in TF.
+        trainable: whether optimizers should train it; defaults to True, False for ON_READ.
+        name: the variable's name (default "Variable"); ``.name`` is ``"<name>:0"``.
+        dtype: the dtype (anything ``numpy.dtype`` takes); the initial value is cast to it.
+        synchronization: a :class:`VariableSynchronization`; NONE is rejected by MirroredStrategy.
+        aggregation: a :class:`VariableAggregation`: how replica-context updates are combined.
+        shape: the variable's shape, if it should allow assigning other shapes (None dimensions).
+
+    Raises:
+        ValueError: no initial value; invalid synchronization/aggregation; a ``shape`` the initial
+            value does not fit; the strategy's rules (see :class:`MirroredVariable`).
+        TypeError: the initial value cannot be converted to ``dtype``.
+    """
+
+    # ---- construction (only through the factory)
+    def _setup(self, array, *, name, device, trainable, synchronization, aggregation, shape_spec, strategy):
+        self._array = array
+        self._base_name = name
+        self._name = f"{name}:0"
+        self._device = device
+        self._trainable = trainable
+        self._synchronization = synchronization
+        self._aggregation = aggregation
+        self._shape_spec = shape_spec
+        self._distribute_strategy = strategy
+        self._unique_id = f"{name.split('/')[0]}_{_next_uid()}"
+
+    @classmethod
+    def _build(cls, array, **kwargs):
+        obj = object.__new__(cls)
+        obj._setup(array, **kwargs)
+        return obj
+
+    # ---- properties
+    @property
+    def name(self) -> str:
+        """The name, "v:0" style."""
+        return self._name
+
+    @property
+    def device(self) -> str:
+        """The canonical long device name, e.g. "/job:localhost/replica:0/task:0/device:CPU:0"."""
+        return self._device
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The NumPy dtype."""
+        return self._array.dtype
+
+    @property
+    def shape(self) -> tuple:
+        """The shape (a tuple; None entries for dimensions left unknown through ``shape=``)."""
+        if self._shape_spec is not None:
+            return self._shape_spec
+        return self._array.shape
+
+    def get_shape(self) -> tuple:
+        """Same as :attr:`shape`."""
+        return self.shape
+
+    @property
+    def ndim(self) -> int:
+        return self._array.ndim
+
+    @property
+    def trainable(self) -> bool:
+        return self._trainable
+
+    @property
+    def synchronization(self) -> VariableSynchronization:
+        return self._synchronization
+
+    @property
+    def aggregation(self) -> VariableAggregation:
+        return self._aggregation
+
+    # ---- reads
+    def _read_live(self):
+        """The live storage (no copy); callers must not keep or write it."""
+        return self._array
+
+    def value(self):
+        """A snapshot of the current value (a NumPy or CuPy array)."""
+        return self._read_live().copy()
+
+    def read_value(self):
+        """A snapshot of the current value (a NumPy or CuPy array)."""
+        return self._read_live().copy()
+
+    def numpy(self):
+        """The value as a NumPy array (a NumPy scalar for 0-d variables), copied to the host."""
+        a = _to_host(self._read_live())
+        return a[()] if a.ndim == 0 else a.copy()
+
+    def __array__(self, dtype=None, copy=None):
+        a = _to_host(self._read_live())
+        if dtype is not None and a.dtype != np.dtype(dtype):
+            return a.astype(dtype)
+        return a.copy()  # the caller may write the result; it must not alias the variable
+
+    def _buffers(self) -> tuple:
+        """The live storage arrays, one per component (for fused optimizer kernels)."""
+        return (self._array,)
+
+    def _primary_array(self):
+        return self._array
+
+    def _kernel(self):
+        """The kernel backend for this variable's arrays (None if none handles its dtype), chosen once."""
+        try:
+            return self._kernel_cached
+        except AttributeError:
+            self._kernel_cached = _kernel_backend(self._primary_array())
+            return self._kernel_cached
+
+    # ---- updates
+    def _coerce(self, value, method: str):
+        """``value`` as an array of this variable's dtype and shape on its device."""
+        ref = self._array
+        if type(value) is np.ndarray and type(ref) is np.ndarray and value.dtype == ref.dtype and value.shape == ref.shape:
+            return value  # the common case, kept cheap: per-step updates of host variables
+        what = f"{method} to variable '{self.name}'"
+        arr = _cast(value, self.dtype, what)
+        ref = self._array
+        arr = _like(arr, ref)
+        if method == "assign":
+            if not _compatible(self._shape_spec, arr.shape) or (self._shape_spec is None and arr.shape != ref.shape):
+                raise ValueError(
+                    f"Cannot assign value to variable '{self.name}': Shape mismatch. The variable shape "
+                    f"{self.shape}, and the assigned value shape {arr.shape} are incompatible."
+                )
+        elif arr.shape != ref.shape:
+            raise ValueError(
+                f"Cannot update variable '{self.name}' with shape {ref.shape} using a value with shape "
+                f"{arr.shape} ({method}): shapes must be equal."
+            )
+        return arr
+
+    def _write(self, method: str, arr):
+        """Applies an already-coerced update to this single storage array."""
+        ref = self._array
+        xp = _xp(ref)
+        if method == "assign":
+            if arr.shape != ref.shape:  # allowed by a partially unknown `shape=`
+                self._array = xp.array(arr, order="C", copy=True)
+            else:
+                xp.copyto(ref, arr)
+        elif method == "assign_add":
+            xp.add(ref, arr, out=ref, casting="unsafe")
+        else:
+            xp.subtract(ref, arr, out=ref, casting="unsafe")
+
+    def _update(self, method, value, read_value):
+        self._write(method, self._coerce(value, method))
+        return self if read_value else None
+
+    def assign(self, value, use_locking=False, name=None, read_value=True):
+        """Writes ``value`` (same shape; cast to the dtype) into the variable.
+
+        Returns:
+            The variable (TF returns an equivalent view of it), or None when ``read_value=False``.
+
+        Raises:
+            ValueError: the shapes differ.
+            TypeError: the value cannot be converted to the variable's dtype.
+        """
+        return self._update("assign", value, read_value)
+
+    def assign_add(self, delta, use_locking=False, name=None, read_value=True):
+        """Adds ``delta`` (same shape) to the variable; returns it as :meth:`assign` does."""
+        return self._update("assign_add", delta, read_value)
+
+    def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
+        """Subtracts ``delta`` (same shape) from the variable; returns it as :meth:`assign` does."""
+        return self._update("assign_sub", delta, read_value)
+
+    # ---- Python protocol
+    def __repr__(self) -> str:
+        return f"<cudist.Variable '{self.name}' shape={self.shape} dtype={self.dtype.name}, numpy={_format_numpy(self._read_live())}>"
+
+    def __str__(self) -> str:
+        return repr(self)
+
+    def __hash__(self):
+        return id(self)
+
+    def __bool__(self):
+        return bool(self._read_live())
+
+    def __len__(self):
+        shape = self._read_live().shape
+        if not shape:
+            raise TypeError("len() of a 0-d (scalar) variable")
+        return shape[0]
+
+    def __iter__(self):
+        a = self._read_live().copy()
+        if a.ndim == 0:
+            raise TypeError("iteration over a 0-d (scalar) variable")
+        return iter(a)
+
+    def __getitem__(self, index):
+        out = self._read_live()[_unwrap(index)]
+        return out.copy() if hasattr(out, "copy") and getattr(out, "ndim", 0) else out
+
+    def __format__(self, spec):
+        return format(self.numpy(), spec)
+
+    def __float__(self):
+        return float(self._read_live())
+
+    def __int__(self):
+        return int(self._read_live())
+
+    def __index__(self):
+        return int(self._read_live().__index__())
+
+    def __neg__(self):
+        return -self._read_live()
+
+    def __pos__(self):
+        return +self._read_live()
+
+    def __abs__(self):
+        return abs(self._read_live())
+
+    def __invert__(self):
+        return ~self._read_live()
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        if any(isinstance(o, Variable) for o in kwargs.get("out", ()) or ()):
+            raise TypeError("a Variable cannot be a ufunc's `out`; update it with assign/assign_add/assign_sub")
+        inputs = tuple(_unwrap(x) for x in inputs)
+        return getattr(ufunc, method)(*inputs, **kwargs)
+
+
+def _binary(fn, reflected):
+    def op(self, other):
+        if reflected:
+            return fn(_unwrap(other), self._read_live())
+        return fn(self._read_live(), _unwrap(other))
+
+    return op
+
+
+for _name, _fn in _BINARY.items():
+    setattr(Variable, f"__{_name}__", _binary(_fn, False))
+    setattr(Variable, f"__r{_name}__", _binary(_fn, True))
+for _name, _fn in _COMPARE.items():
+    setattr(Variable, f"__{_name}__", _binary(_fn, False))
+del _name, _fn
+
+
+# ---------------------------------------------------------------------------- distributed
+def _aggregate(strategy, value, aggregation: VariableAggregation, var):
+    """Combines a regrouped replica-context update value (inside merge_call) into one array.
+
+    Mirrors TF's ``apply_aggregation``: ONLY_FIRST_REPLICA takes replica 0's value; SUM/MEAN reduce
+    the per-replica values in replica order. A value that is the same object in every replica (a
+    Python constant) cannot be summed: TF raises, as the sum would silently be N times it.
+    """
+    if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
+        return value.values[0] if isinstance(value, DistributedValues) else value
+    op = ReduceOp.from_variable_aggregation(aggregation)
+    n = strategy.num_replicas_in_sync
+    if not isinstance(value, DistributedValues):
+        if op is ReduceOp.SUM and n > 1:
+            raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}.")
+        return value
+    if len(value.values) != n:
+        raise ValueError(
+            f"update to variable '{var.name}' has {len(value.values)} per-replica values but the strategy has {n} replicas"
+        )
+    ref = var._primary_array()
+    arrays = []
+    for i, v in enumerate(value.values):
+        if type(v) is np.ndarray and type(ref) is np.ndarray and v.dtype == ref.dtype and v.shape == ref.shape:
+            arrays.append(_contig(v))
+            continue
+        a = _like(_cast(v, ref.dtype, f"{aggregation.name} of replica {i}'s update to '{var.name}'"), ref)
+        if a.shape != ref.shape:
+            raise ValueError(
+                f"replica {i}'s update to variable '{var.name}' has shape {a.shape} but the variable has shape {ref.shape}"
+            )
+        arrays.append(_contig(a))
+    same_module = all(_xp(a) is _xp(ref) for a in arrays)
+    return _reduce_arrays(arrays, op, var._kernel() if same_module else False)
+
+
+class DistributedVariable(DistributedValues, Variable):
+    """Base of variables with one component (a plain :class:`Variable`) per replica device."""
+
+    _keep_in_replica = True
+
+    def _setup_distributed(self, strategy, components, *, trainable, synchronization, aggregation):
+        DistributedValues.__init__(self, components)
+        self._distribute_strategy = strategy
+        self._trainable = trainable
+        self._synchronization = synchronization
+        self._aggregation = aggregation
+
+    @classmethod
+    def _build_distributed(cls, strategy, components, **kwargs):
+        obj = object.__new__(cls)
+        obj._setup_distributed(strategy, components, **kwargs)
+        return obj
+
+    def _primary_array(self):
+        return self._values[0]._array
+
+    def _replica_ctx(self):
+        return _replica_context_of(self._distribute_strategy)
+
+    def _local(self, ctx=None):
+        """The component of the calling replica (the primary in cross-replica context)."""
+        if ctx is None:
+            ctx = self._replica_ctx()
+        if ctx is None:
+            return self._values[0]
+        return self._values[int(ctx.replica_id_in_sync_group)]
+
+    # ---- properties resolve to the primary (or the local component where TF does)
+    @property
+    def name(self) -> str:
+        return self._values[0].name
+
+    @property
+    def device(self) -> str:
+        return self._local().device
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self._values[0].dtype
+
+    @property
+    def shape(self) -> tuple:
+        return self._values[0].shape
+
+    @property
+    def ndim(self) -> int:
+        return self._values[0].ndim
+
+    @property
+    def _unique_id(self) -> str:
+        return self._values[0]._unique_id
+
+    def _buffers(self) -> tuple:
+        return tuple(c._array for c in self._values)
+
+    def _read_live(self):
+        return self._local()._array
+
+    def __len__(self):
+        return Variable.__len__(self)
+
+    def __hash__(self):
+        return id(self)
+
+    def __repr__(self) -> str:
+        body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        return f"{type(self).__name__}:{{\n{body}\n}}"
+
+    __str__ = __repr__
+
+
+class MirroredVariable(DistributedVariable, Mirrored):
+    """A variable kept identical on every replica device (TF's ``MirroredVariable``).
+
+    In replica context (inside ``strategy.run``) an update follows ``aggregation``: NONE writes the
+    calling replica's component only; SUM/MEAN reduce the replicas' values (a Python constant cannot
+    be summed over several replicas: ValueError) and write the result to every component;
+    ONLY_FIRST_REPLICA writes replica 0's value to every component. In cross-replica context an
+    update writes every component, in one fused kernel pass.
+    """
+
+    @property
+    def _host(self) -> bool:
+        """Whether every component is a NumPy array (CPU devices)."""
+        return all(type(c._array) is np.ndarray for c in self._values)
+
+    def _snapshots(self) -> tuple:
+        """A snapshot of the (identical) value per component, as TF's update results are.
+
+        Host components share one snapshot (they are all in host memory); device components each
+        get a copy on their own device.
+        """
+        if all(_xp(c._array) is np for c in self._values):
+            snap = self._values[0]._array.copy()
+            return (snap,) * len(self._values)
+        return tuple(c._array.copy() for c in self._values)
+
+    def _all_write(self, method, arr):
+        """Applies a coerced update to every component with one fused kernel pass."""
+        copies = self._buffers()
+        if self._host and type(arr) is np.ndarray and arr.shape == copies[0].shape:
+            backend = self._kernel()
+            if backend is not None:
+                if any(np.may_share_memory(arr, c) for c in copies):
+                    arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
+                getattr(backend, method)(copies, _contig(arr))
+                return
+        if arr.shape != copies[0].shape:  # a shape change allowed by `shape=`: reallocate
+            for c in self._values:
+                c._write(method, _like(arr, c._array))
+            return
+        if _xp(arr) is np and any(np.may_share_memory(arr, c) for c in copies):
+            arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
+        backend = _kernel_backend(copies[0]) if all(_xp(c) is _xp(copies[0]) for c in copies) else None
+        same_device = backend is not None and (_xp(copies[0]) is np or all(c.device == copies[0].device for c in copies))
+        if backend is not None and same_device:
+            getattr(backend, method)(copies, _contig(arr))
+            return
+        if backend is not None and method != "assign":
+            # Components on different GPUs: update the primary, then broadcast it.
+            self._values[0]._write(method, arr)
+            new = copies[0]
+            for c in self._values[1:]:
+                c._write("assign", _like(new, c._array))
+            return
+        new = arr
+        if method != "assign":
+            new = copies[0] + arr if method == "assign_add" else copies[0] - arr
+            new = new.astype(copies[0].dtype, copy=False)
+        for c in self._values:
+            c._write("assign", _like(new, c._array))
+
+    def _update(self, method, value, read_value):
+        ctx = self._replica_ctx()
+        if ctx is None:
+            if isinstance(value, DistributedValues):
+                if not isinstance(value, Mirrored):
+                    raise ValueError(
+                        f"{method} of variable '{self.name}' in cross-replica context got a {type(value).__name__} "
+                        "value; reduce it first (strategy.reduce) or update inside strategy.run"
+                    )
+                value = value.values[0]
+            self._all_write(method, self._values[0]._coerce(value, method))
+            if not read_value:
+                return None
+            return Mirrored(self._snapshots())
+        if self._aggregation is VariableAggregation.NONE:
+            return self._local(ctx)._update(method, value, read_value)
+
+        def merge_fn(strategy, v):
+            self._all_write(method, self._values[0]._coerce(_aggregate(strategy, v, self._aggregation, self), method))
+
+        ctx.merge_call(merge_fn, args=(value,))
+        return self._local(ctx)._array.copy() if read_value else None
+
+
+class SyncOnReadVariable(DistributedVariable):
+    """A variable whose components are combined only when read (TF's ``SyncOnReadVariable``).
+
+    In replica context reads and writes touch the calling replica's component only. In
+    cross-replica context a read combines the components by ``aggregation`` (SUM, MEAN, or replica
+    0's for ONLY_FIRST_REPLICA; NONE cannot be read there); ``assign`` writes every component
+    (``value / N`` each for SUM, so the sum reads back as ``value``); ``assign_add``/``assign_sub``
+    add to every component (not allowed for SUM). ``trainable`` defaults to False.
+    """
+
+    def _aggregated(self):
+        agg = self._aggregation
+        if agg is VariableAggregation.ONLY_FIRST_REPLICA:
+            return self._values[0]._array
+        op = ReduceOp.from_variable_aggregation(agg)  # NONE raises, as in TF
+        return _reduce_arrays(self._buffers(), op)
+
+    def _read_live(self):
+        ctx = self._replica_ctx()
+        if ctx is not None:
+            return self._local(ctx)._array
+        return self._aggregated()
+
+    def _update(self, method, value, read_value):
+        ctx = self._replica_ctx()
+        if ctx is not None:
+            return self._local(ctx)._update(method, value, read_value)
+        agg = self._aggregation
+        if agg is VariableAggregation.NONE:
+            ReduceOp.from_variable_aggregation(agg)  # raises TF's "Could not convert" ValueError
+        if agg is VariableAggregation.SUM and method != "assign":
+            raise ValueError(
+                f"SyncOnReadVariable does not support `{method}` in cross-replica context when aggregation is set "
+                "to `cudist.VariableAggregation.SUM`."
+            )
+        if isinstance(value, DistributedValues):
+            value = value.values[0]
+        arr = self._values[0]._coerce(value, method)
+        if method == "assign":
+            if agg is VariableAggregation.SUM:
+                n = len(self._values)
+                xp = _xp(arr)
+                if arr.dtype.kind == "f" or arr.dtype.kind == "c":
+                    arr = arr / arr.dtype.type(n)
+                else:  # TF divides, then casts back (truncation toward zero)
+                    arr = xp.trunc(arr / n).astype(arr.dtype)
+            copies = self._buffers()
+            backend = _kernel_backend(copies[0])
+            if backend is not None and _xp(copies[0]) is np and arr.shape == copies[0].shape:
+                backend.assign(copies, _contig(arr))
+            else:
+                for c in self._values:
+                    c._write("assign", _like(arr, c._array))
+        else:
+            for c in self._values:  # components differ: each gets the delta
+                c._write(method, _like(arr, c._array))
+        return self._aggregated().copy() if read_value else None
+
+
+class AggregatingVariable(Variable):
+    """CentralStorageStrategy's variable: one copy on the parameter device (TF's ``AggregatingVariable``).
+
+    Its ``device`` is the parameter device. In replica context an update is first aggregated over
+    the replicas (SUM, MEAN, ONLY_FIRST_REPLICA) and applied once; aggregation NONE is a ValueError
+    there. In cross-replica context updates apply directly. Prints like a plain Variable, as in TF.
+    """
+
+    def _update(self, method, value, read_value):
+        ctx = _replica_context_of(self._distribute_strategy)
+        if ctx is None:
+            if isinstance(value, DistributedValues):
+                value = value.values[0]
+            return Variable._update(self, method, value, read_value)
+        if self._aggregation is VariableAggregation.NONE:
+            raise ValueError(_AGGREGATION_ERROR.format(variable_type="AggregatingVariable"))
+
+        def merge_fn(strategy, v):
+            Variable._update(self, method, _aggregate(strategy, v, self._aggregation, self), False)
+
+        ctx.merge_call(merge_fn, args=(value,))
+        return self if read_value else None
+
+
+
+# ---------------------------------------------------------------------------- the factory
+def _create_variable(
+    initial_value=None,
+    trainable=None,
+    name=None,
+    dtype=None,
+    synchronization=VariableSynchronization.AUTO,
+    aggregation=VariableAggregation.NONE,
+    shape=None,
+):
+    synchronization = _parse_enum(VariableSynchronization, synchronization, "synchronization", name)
+    aggregation = _parse_enum(VariableAggregation, aggregation, "aggregation", name)
+    if trainable is not None and not isinstance(trainable, (bool, np.bool_)):
+        raise TypeError(f"trainable must be a bool or None, got {type(trainable).__name__}")
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a string, got {type(name).__name__}")
+    if initial_value is None:
+        raise ValueError("The `initial_value` arg to `cudist.Variable` must be specified.")
+
+    strategy, has_strategy = _get_strategy()
+    extended = strategy.extended
+    policy = getattr(extended, "_variable_policy", "plain")
+    if policy != "plain":
+        ctx = _replica_context_of(strategy)
+        if ctx is not None:
+            # Created inside strategy.run: as in TF, one variable is created (from replica 0's
+            # initial value) and every replica gets that same variable.
+            if callable(initial_value):
+                initial_value = initial_value()  # in the replica, where replica-local state is visible
+
+            def merge_fn(_, init):
+                return _create_variable(
+                    select_replica(0, init), trainable, name, dtype, synchronization, aggregation, shape
+                )
+
+            return ctx.merge_call(merge_fn, args=(initial_value,))
+    devices = tuple(canonicalize(d) for d in extended._variable_devices())
+    if not devices:
+        raise ValueError(f"{type(strategy).__name__} reported no device to place variables on")
+
+    if policy == "mirrored" and synchronization is VariableSynchronization.NONE:
+        raise ValueError(
+            "`NONE` variable synchronization mode is not supported with cudist strategies. Please change the "
+            f"`synchronization` for variable: {name}"
+        )
+
+    if callable(initial_value):
+        initial_value = initial_value()
+    if dtype is not None:
+        dtype = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
+        _check_dtype_supported(dtype, "cudist.Variable")
+        # Python values convert under TF's strict rules, arrays cast (see _cast).
+        arr = _cast(initial_value, dtype, "initial value of cudist.Variable")
+        if isinstance(initial_value, Variable) or arr is initial_value:
+            arr = arr.copy()
+    else:
+        arr = _infer_array(initial_value)
+    _check_dtype_supported(arr.dtype, "cudist.Variable")
+    spec = _shape_spec(shape)
+    if not _compatible(spec, arr.shape):
+        raise ValueError(
+            f"In this `cudist.Variable` creation, the initial value's shape ({arr.shape}) is not compatible with "
+            f"the explicitly supplied `shape` argument ({spec})."
+        )
+    if policy == "mirrored" and aggregation is VariableAggregation.MEAN and arr.dtype.kind not in "fc":
+        raise ValueError(
+            "creating distributed cudist.Variable with aggregation=MEAN and a non-floating dtype is not supported, "
+            "please use a different aggregation or dtype"
+        )
+
+    if trainable is None:
+        trainable = synchronization is not VariableSynchronization.ON_READ
+    trainable = bool(trainable)
+    base = name if name is not None else "Variable"
+    common = dict(trainable=trainable, aggregation=aggregation, shape_spec=spec)
+
+    if policy == "plain":
+        return Variable._build(
+            _place(arr, devices[0]),
+            name=base,
+            device=devices[0],
+            synchronization=synchronization,
+            strategy=strategy if has_strategy else None,
+            **common,
+        )
+    if policy == "central":
+        return AggregatingVariable._build(
+            _place(arr, devices[0]), name=base, device=devices[0], synchronization=synchronization, strategy=strategy, **common
+        )
+    if policy != "mirrored":
+        raise ValueError(f"{type(strategy).__name__} has an unknown variable policy {policy!r}")
+
+    if synchronization is VariableSynchronization.AUTO:
+        synchronization = VariableSynchronization.ON_WRITE
+    components = tuple(
+        Variable._build(
+            _place(arr, dev),
+            name=base if i == 0 else f"{base}/replica_{i}",
+            device=dev,
+            synchronization=synchronization,
+            strategy=strategy,
+            **common,
+        )
+        for i, dev in enumerate(devices)
+    )
+    cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ else MirroredVariable
+    return cls._build_distributed(
+        strategy, components, trainable=trainable, synchronization=synchronization, aggregation=aggregation
+    )
+
+
+Variable.__signature__ = inspect.signature(_create_variable)

@@ -1,0 +1,517 @@
+"""Argument parsing, the sweep driver, the header / table / summary output and ``--json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from cudist.bench._sizes import format_size, parse_size, size_sweep
+
+__all__ = ["main", "build_parser"]
+
+KERNEL_OPS = ("all-reduce", "all-gather", "broadcast", "split", "update")
+SUBCOMMANDS = KERNEL_OPS + ("run-overhead", "step", "suite")
+_DTYPE_ALIASES = {
+    "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "double": "float64",
+    "fp64": "float64", "int": "int32", "int32": "int32", "int64": "int64", "long": "int64",
+}
+_BACKEND_CHOICES = ("numpy", "numba", "native", "cupy", "all")
+
+
+class BenchError(Exception):
+    """A problem with the request the user can fix (printed as ``cudist-bench: error: ...``, exit 2)."""
+
+
+# ---------------------------------------------------------------------------------------- parsing
+def _size_arg(text):
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _positive_int(name, minimum=1):
+    def conv(text):
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {text!r}") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be >= {minimum}, got {v}")
+        return v
+
+    return conv
+
+
+def _dtype_list(text):
+    import numpy as np
+
+    from cudist._kernels import SUPPORTED_DTYPES
+
+    out = []
+    names = [t.strip() for t in str(text).split(",") if t.strip()]
+    if names == ["all"]:
+        return [d.name for d in SUPPORTED_DTYPES]
+    for t in names:
+        name = _DTYPE_ALIASES.get(t.lower(), t.lower())
+        try:
+            dt = np.dtype(name)
+        except TypeError:
+            dt = None
+        if dt is None or dt not in SUPPORTED_DTYPES:
+            raise argparse.ArgumentTypeError(
+                f"unsupported dtype {t!r}; expected one of {', '.join(d.name for d in SUPPORTED_DTYPES)} "
+                "(or float/double/half/int/long, a comma-separated list, or 'all')"
+            )
+        out.append(dt.name)
+    if not out:
+        raise argparse.ArgumentTypeError("empty dtype list")
+    return out
+
+
+def _common_parser(*, sizes=True, defaults=None):
+    d = {"b": "4K", "e": "64M", "f": 4, "n": 20, "w": 5, "replicas": 4, **(defaults or {})}
+    p = argparse.ArgumentParser(add_help=False)
+    g = p.add_argument_group("common options")
+    if sizes:
+        g.add_argument("-b", "--minbytes", type=_size_arg, default=parse_size(d["b"]),
+                       help=f"smallest size in bytes per replica; K/M/G suffixes (default {d['b']})")
+        g.add_argument("-e", "--maxbytes", type=_size_arg, default=parse_size(d["e"]),
+                       help=f"largest size in bytes per replica (default {d['e']})")
+        g.add_argument("-f", "--stepfactor", type=_positive_int("-f"), default=d["f"],
+                       help=f"multiplication factor between sizes (default {d['f']})")
+        g.add_argument("-d", "--datatype", type=_dtype_list, default=["float32"],
+                       help="dtype(s): float16, float32, float64, int32, int64, a comma list, or 'all' (default float32)")
+        g.add_argument("-o", "--op", type=str.lower, choices=("sum", "mean"), default="sum",
+                       help="reduction op for all-reduce (default sum)")
+    g.add_argument("-c", "--check", type=int, choices=(0, 1), default=1,
+                   help="1: check every size against the NumPy reference and count wrong elements (default 1)")
+    g.add_argument("-n", "--iters", type=_positive_int("-n"), default=d["n"],
+                   help=f"timed iterations per point; the median is reported (default {d['n']})")
+    g.add_argument("-w", "--warmup_iters", type=_positive_int("-w", 0), default=d["w"],
+                   help=f"untimed warm-up iterations (default {d['w']})")
+    g.add_argument("--replicas", type=_positive_int("--replicas"), default=d["replicas"],
+                   help=f"number of replicas / mirrored copies (default {d['replicas']})")
+    g.add_argument("--backend", type=str.lower, choices=_BACKEND_CHOICES, default="all",
+                   help="kernel backend, or 'all' available ones (default all)")
+    g.add_argument("--json", metavar="FILE", help="also write every result as JSON to FILE ('-' for stdout)")
+    g.add_argument("--compare", choices=("tf",), help="also time TensorFlow's MirroredStrategy for the same work")
+    g.add_argument("--tf-python", metavar="PATH",
+                   help="python with TensorFlow for --compare tf (default: $CUDIST_BENCH_TF_PYTHON, else this python)")
+    g.add_argument("--tf-mode", choices=("function", "eager", "both"), default="function",
+                   help="run TF's strategy.run inside tf.function (default), eagerly, or both")
+    g.add_argument("--copy-size", type=_size_arg, default=parse_size("64M"),
+                   help="buffer size of the copy-bandwidth measurement in the header (default 64M)")
+    g.add_argument("--budget", type=float, default=d.get("budget"), metavar="SECONDS",
+                   help="cap the time of one point: slow points get fewer timed iterations (at least 5)"
+                   + (f" (default {d['budget']})" if d.get("budget") else " (default: no cap)"))
+    g.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random data (default 0)")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full ``cudist-bench`` parser (subcommands with their flags)."""
+    import cudist
+
+    parser = argparse.ArgumentParser(
+        prog="cudist-bench",
+        description="nccl-tests-style microbenchmarks of cudist's kernels (all-reduce, all-gather, broadcast, "
+        "split, mirrored updates) and strategies (run overhead, a data-parallel training step). "
+        "Without a subcommand: the default suite (about a minute on 2 cores).",
+    )
+    parser.add_argument("-V", "--version", action="version", version=f"cudist-bench {cudist.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    helps = {
+        "all-reduce": "fused all-reduce of N replica buffers (SUM/MEAN)",
+        "all-gather": "concatenate N replica buffers",
+        "broadcast": "copy one buffer into N replica buffers",
+        "split": "split a batch into N per-replica pieces (ceil rule)",
+        "update": "fused mirrored optimizer update of N copies (--optimizer)",
+    }
+    for name in KERNEL_OPS:
+        sp = sub.add_parser(name, parents=[_common_parser()], help=helps[name], description=helps[name])
+        if name == "update":
+            sp.add_argument("--optimizer", type=str.lower, choices=("sgd", "adam", "momentum"), default="sgd",
+                            help="update rule (default sgd)")
+    sp = sub.add_parser(
+        "run-overhead",
+        parents=[_common_parser(sizes=False, defaults={"n": 200, "w": 20})],
+        help="cost of strategy.run: a no-op and one scalar all_reduce",
+        description="Times MirroredStrategy.run on --replicas logical CPUs with a no-op function and with "
+        "one scalar ReplicaContext.all_reduce (and OneDeviceStrategy.run for scale).",
+    )
+    sp = sub.add_parser(
+        "step",
+        parents=[_common_parser(sizes=False, defaults={"n": 20, "w": 3})],
+        help="a synthetic data-parallel training step of a small MLP",
+        description="Per-replica forward/backward of a 2-layer MLP in NumPy, a MEAN all-reduce of the "
+        "gradients and a mirrored SGD/Adam update, via the kernel layer and (SGD) the strategy API.",
+    )
+    sp.add_argument("--batch", type=_positive_int("--batch"), default=256, help="global batch size (default 256)")
+    sp.add_argument("--features", type=_positive_int("--features"), default=256, help="input features (default 256)")
+    sp.add_argument("--hidden", type=_positive_int("--hidden"), default=1024, help="hidden units (default 1024)")
+    sp.add_argument("--classes", type=_positive_int("--classes"), default=16, help="outputs (default 16)")
+    sp.add_argument("--optimizer", type=str.lower, choices=("sgd", "adam"), default="sgd", help="(default sgd)")
+    sp.add_argument("--api", choices=("kernel", "strategy", "both"), default="both",
+                    help="drive the step through the kernel layer, the strategy API, or both (default both)")
+    sub.add_parser(
+        "suite",
+        parents=[_common_parser(sizes=False, defaults={"n": 20, "w": 3, "budget": 0.5})],
+        help="the default suite (what plain `cudist-bench` runs)",
+    )
+    return parser
+
+
+# ---------------------------------------------------------------------------------------- context
+class Context:
+    """State shared by the parts of one invocation: header facts, results, output."""
+
+    def __init__(self, args, out=None):
+        self.args = args
+        self.out = out or sys.stdout
+        self.tables: list[dict] = []
+        self.header: dict = {}
+        self.copy_bw = None
+        self.gpu_copy_bw = None
+        self._header_done = False
+        self.progress = None
+        self.notes: list[str] = []
+
+    def print(self, line: str = "") -> None:
+        if self.progress is not None:
+            self.progress.clear()
+        print(line, file=self.out, flush=True)
+
+    def progress_enabled(self):
+        return False if getattr(self.args, "no_progress", False) else None
+
+    # --------------------------------------------------------------- header
+    def backends(self) -> list:
+        """The backends to run, loaded; unavailable ones named in --backend are an error."""
+        from cudist._kernels import BackendUnavailableError, available_backends, get_backend
+
+        want = self.args.backend
+        if want != "all":
+            try:
+                return [get_backend(want)]
+            except BackendUnavailableError as e:
+                raise BenchError(str(e)) from None
+        out = []
+        for name in ("numpy", "numba", "native", "cupy"):
+            if name not in available_backends():
+                continue
+            try:
+                out.append(get_backend(name))
+            except BackendUnavailableError as e:
+                self.notes.append(f"skipped backend {name}: {e}")
+        return out
+
+    def print_header(self, *, copy_bw: bool = True) -> None:
+        if self._header_done:
+            return
+        self._header_done = True
+        import platform
+
+        import cudist
+        from cudist.bench import _sysinfo
+
+        a = self.args
+        h = self.header
+        h["cudist"] = cudist.__version__
+        h["python"] = platform.python_version()
+        h["cpu"] = _sysinfo.cpu_model()
+        h["cores"] = _sysinfo.core_count()
+        h["backends"] = _sysinfo.backend_versions()
+        self.print(f"# cudist-bench {cudist.__version__}: {' '.join(a._argv) or '(default suite)'}")
+        self.print(f"# CPU: {h['cpu']}, {h['cores']} cores; Python {h['python']}")
+        self.print("# backends: " + ", ".join(f"{k} ({v})" for k, v in h["backends"].items()))
+        for n in self.notes:
+            self.print(f"# note: {n}")
+        if copy_bw:
+            bw = _sysinfo.measure_copy_bandwidth(a.copy_size)
+            self.copy_bw = bw
+            h["copy_bandwidth"] = {"bytes": bw.nbytes, "GBps": bw.results, "ceiling": bw.best, "method": bw.best_method}
+            parts = "; ".join(f"{k} {v:.1f}" for k, v in bw.results.items())
+            self.print(f"# copy bandwidth ({format_size(bw.nbytes)} buffer, bytes read + written per second, GB/s): {parts}")
+            self.print(f"# copy ceiling: {bw.best:.1f} GB/s ({bw.best_method}); %copy = bytes moved / time / ceiling")
+            if any(b.name == "cupy" for b in self.backends()):
+                from cudist.bench._sysinfo import measure_gpu_copy_bandwidth
+
+                self.gpu_copy_bw = measure_gpu_copy_bandwidth()
+                if self.gpu_copy_bw:
+                    h["gpu_copy_bandwidth"] = self.gpu_copy_bw
+                    self.print(f"# GPU copy ceiling (cupy rows): {self.gpu_copy_bw:.1f} GB/s (cupy.copyto, device to device)")
+
+    def add_table(self, name: str, rows: list, **meta) -> None:
+        self.tables.append({"name": name, "rows": rows, **meta})
+
+
+# ---------------------------------------------------------------------------------------- kernel sweeps
+_COLS = ("size", "count", "type", "op", "backend", "time(us)", "algbw(GB/s)", "busbw(GB/s)", "%copy", "#wrong")
+_ROW_FMT = "{:>10} {:>11} {:>8} {:>9} {:>8} {:>10} {:>12} {:>12} {:>7} {:>7}"
+
+
+def _fmt(v, spec):
+    return "-" if v is None else format(v, spec)
+
+
+def _row_line(r) -> str:
+    return " " + _ROW_FMT.format(
+        format_size(r["size"]), r["count"], r["dtype"], r["op"], r["backend"], _fmt(r["time_us"], ".2f"),
+        _fmt(r["algbw"], ".2f"), _fmt(r["busbw"], ".2f"), _fmt(r["pct_copy"], ".1f"),
+        "-" if r["wrong"] is None else r["wrong"],
+    )
+
+
+def _finish_row(row, spec, n, ceiling):
+    t = row["time_us"] * 1e-6
+    size = row["size"]
+    row["algbw"] = spec.algbw_bytes(size, n) / t / 1e9 if t > 0 else None
+    moved = spec.moved_bytes(size, n)
+    row["moved_bytes"] = moved
+    if spec.busbw_factor is None:
+        row["busbw"] = moved / t / 1e9 if t > 0 else None
+    else:
+        row["busbw"] = row["algbw"] * spec.busbw_factor(n) if row["algbw"] is not None else None
+    row["pct_copy"] = 100.0 * moved / t / 1e9 / ceiling if (moved and ceiling and t > 0) else None
+    return row
+
+
+def run_kernel_op(ctx: Context, op: str, *, sizes=None, dtypes=None, title=None) -> list:
+    """Sweeps one kernel operation over sizes x dtypes x backends; prints and returns the rows."""
+    import numpy as np
+
+    from cudist.bench._ops import OPS, make_case
+    from cudist.bench._progress import Progress
+    from cudist.bench._timing import median_us, time_calls
+
+    a = ctx.args
+    opname = f"update/{a.optimizer}" if op == "update" else op
+    spec = OPS[opname]
+    n = a.replicas
+    if sizes is None:
+        try:
+            sizes = size_sweep(a.minbytes, a.maxbytes, a.stepfactor)
+        except ValueError as e:
+            raise BenchError(str(e)) from None
+    dtypes = dtypes or a.datatype
+    if spec.floats_only:
+        bad = [d for d in dtypes if np.dtype(d).kind != "f"]
+        if bad:
+            raise BenchError(f"{opname} needs floating-point dtypes; got {', '.join(bad)}")
+    for d in dtypes:
+        small = [s for s in sizes if s < np.dtype(d).itemsize]
+        if small:
+            raise BenchError(f"size {format_size(small[0])} is smaller than one {d} element ({np.dtype(d).itemsize} bytes)")
+    backends = ctx.backends()
+    ctx.print_header()
+    oplabel = a.optimizer if op == "update" else (a.op if op == "all-reduce" else "-")
+    ctx.print()
+    ctx.print(f"# {title or opname}: {n} replicas, sizes in bytes per replica, median of {a.iters} iterations "
+              f"after {a.warmup_iters} warm-up, check {'on' if a.check else 'off'}")
+    ctx.print(f"# bytes moved for %copy: {spec.moved_formula}" + ("; busbw = bytes moved / time" if spec.busbw_factor is None else ""))
+    ctx.print("#" + _ROW_FMT.format(*_COLS)[1:])
+    rows = []
+    points = [(s, d, be) for d in dtypes for s in sizes for be in backends]
+    with Progress(len(points), opname, enabled=ctx.progress_enabled()) as prog:
+        ctx.progress = prog
+        try:
+            for size, dt, be in points:
+                itemsize = np.dtype(dt).itemsize
+                count = size // itemsize
+                if np.dtype(dt) not in be.dtypes:
+                    ctx.print(f"# {be.name} does not support {dt}; skipped")
+                    prog.update()
+                    continue
+                case = make_case(opname, be, count, dt, n, redop=a.op, seed=a.seed)
+                wrong = case.check() if a.check else None
+                sync = _sync_for(be)
+                samples = time_calls(case.run, a.iters, a.warmup_iters, sync, budget_s=a.budget)
+                del case
+                ceiling = ctx.gpu_copy_bw if be.name == "cupy" else (ctx.copy_bw.best if ctx.copy_bw else None)
+                row = _finish_row(
+                    {"op_name": opname, "size": count * itemsize, "count": count, "dtype": dt, "op": oplabel,
+                     "backend": be.name, "replicas": n, "time_us": median_us(samples),
+                     "min_us": min(samples) / 1e3, "iters": len(samples), "wrong": wrong, "api": "kernel"},
+                    spec, n, ceiling,
+                )
+                rows.append(row)
+                ctx.print(_row_line(row))
+                prog.update(f"{be.name} {format_size(size)} {dt}")
+        finally:
+            ctx.progress = None
+    if a.compare == "tf":
+        rows += _compare_tf_kernel(ctx, opname, sizes, dtypes, n, spec, oplabel)
+    _print_ratios(ctx, rows)
+    ctx.add_table(opname, rows, replicas=n, iters=a.iters, warmup=a.warmup_iters)
+    return rows
+
+
+def _sync_for(be):
+    if be.name != "cupy":
+        return None
+    import cupy
+
+    return cupy.cuda.Device().synchronize
+
+
+def _compare_tf_kernel(ctx, opname, sizes, dtypes, n, spec, oplabel) -> list:
+    from cudist.bench import _tf
+
+    a = ctx.args
+    if opname == "split":
+        ctx.print("# tf: no TensorFlow counterpart timed for split (its input pipeline is not a kernel)")
+        return []
+    spec_tf = {"op": opname, "sizes": sizes, "dtypes": dtypes, "replicas": n, "redop": a.op, "iters": a.iters,
+               "warmup": a.warmup_iters, "modes": _tf_modes(a), "check": a.check, "seed": a.seed}
+    try:
+        res = _tf.run_worker(spec_tf, python=a.tf_python)
+    except _tf.TFUnavailable as e:
+        ctx.print(f"# tf: skipped ({e})")
+        return []
+    ctx.header.setdefault("tensorflow", res.get("version"))
+    ctx.print(f"# tf: TensorFlow {res.get('version')} MirroredStrategy on {n} logical CPUs ({res.get('python')})")
+    rows = []
+    for r in res["rows"]:
+        row = _finish_row(
+            {"op_name": opname, "size": r["size"], "count": r["count"], "dtype": r["dtype"], "op": oplabel,
+             "backend": "tf-" + ("fn" if r["mode"] == "function" else "eager"), "replicas": n,
+             "time_us": r["time_us"], "min_us": r["min_us"], "wrong": r.get("wrong"), "api": "tf", "mode": r["mode"]},
+            spec, n, ctx.copy_bw.best if ctx.copy_bw else None,
+        )
+        rows.append(row)
+        ctx.print(_row_line(row))
+    return rows
+
+
+def _tf_modes(a):
+    return ["function", "eager"] if a.tf_mode == "both" else [a.tf_mode]
+
+
+def _print_ratios(ctx, rows) -> None:
+    """One line per (size, dtype): how many times faster each backend is than numpy and than TF."""
+    by_point: dict = {}
+    for r in rows:
+        by_point.setdefault((r["size"], r["dtype"]), {})[r["backend"]] = r["time_us"]
+    lines = []
+    for (size, dt), times in by_point.items():
+        refs = [k for k in ("numpy", "tf-fn", "tf-eager") if k in times]
+        mine = [k for k in times if not k.startswith("tf-")]
+        parts = []
+        for ref in refs:
+            for k in mine:
+                if k != ref and times[k] and times[k] > 0:
+                    parts.append(f"{k} {times[ref] / times[k]:.1f}x vs {ref}")
+        if parts:
+            lines.append(f"#   {format_size(size):>6} {dt}: " + ", ".join(parts))
+    if lines:
+        ctx.print("# speedup (median time ratio):")
+        for ln in lines:
+            ctx.print(ln)
+
+
+# ---------------------------------------------------------------------------------------- summary / json
+def _summary(ctx) -> dict:
+    rows = [r for t in ctx.tables for r in t["rows"]]
+    wrong = sum(r.get("wrong") or 0 for r in rows)
+    checked = [r for r in rows if r.get("wrong") is not None]
+    bus = [r["busbw"] for r in rows if r.get("api") == "kernel" and r.get("busbw") is not None]
+    by_be: dict = {}
+    for r in rows:
+        if r.get("api") == "kernel" and r.get("busbw") is not None and "busbw" in r:
+            by_be.setdefault(r["backend"], []).append(r["busbw"])
+    return {
+        "out_of_bounds": wrong,
+        "checked_points": len(checked),
+        "ok": wrong == 0,
+        "avg_busbw": sum(bus) / len(bus) if bus else None,
+        "avg_busbw_by_backend": {k: sum(v) / len(v) for k, v in by_be.items()},
+    }
+
+
+def _print_summary(ctx, s) -> None:
+    ctx.print()
+    ctx.print(f"# Out of bounds values : {s['out_of_bounds']} {'OK' if s['ok'] else 'FAILED'}"
+              f" ({s['checked_points']} points checked)")
+    if s["avg_busbw"] is not None:
+        per = ", ".join(f"{k} {v:.2f}" for k, v in s["avg_busbw_by_backend"].items())
+        ctx.print(f"# Avg bus bandwidth    : {s['avg_busbw']:.3f} GB/s (kernel rows; by backend: {per})")
+    if s.get("elapsed_s") is not None:
+        ctx.print(f"# Elapsed              : {s['elapsed_s']:.1f} s")
+    ctx.print()
+
+
+def _write_json(ctx, s, path) -> None:
+    doc = {"cudist_bench": ctx.header.get("cudist"), "command": ctx.args.command or "suite",
+           "argv": ctx.args._argv, "header": ctx.header, "tables": ctx.tables, "summary": s}
+    text = json.dumps(doc, indent=1, default=float)
+    if path == "-":
+        print(text)
+    else:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+
+
+# ---------------------------------------------------------------------------------------- suite
+def run_suite(ctx) -> None:
+    """The default suite: the headline kernel tables, then the strategy-level ones when they exist."""
+    a = ctx.args
+    sizes_big = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
+    sizes_mid = size_sweep(4 << 10, 16 << 20, 64)
+    a.op = "sum"
+    run_kernel_op(ctx, "all-reduce", sizes=sizes_big, dtypes=["float32"])
+    run_kernel_op(ctx, "broadcast", sizes=sizes_mid, dtypes=["float32"])
+    run_kernel_op(ctx, "all-gather", sizes=sizes_mid, dtypes=["float32"])
+    for opt in ("sgd", "adam"):
+        a.optimizer = opt
+        run_kernel_op(ctx, "update", sizes=[4 << 10, 1 << 20, 16 << 20, 64 << 20], dtypes=["float32"])
+    from cudist.bench import _strategy_bench
+
+    a.iters, a.warmup_iters = max(a.iters, 100), max(a.warmup_iters, 10)
+    _strategy_bench.run_overhead(ctx)
+    a.iters, a.warmup_iters = 10, 2
+    a.batch, a.features, a.hidden, a.classes, a.optimizer, a.api = 256, 256, 1024, 16, "sgd", "both"
+    _strategy_bench.run_step(ctx)
+
+
+# ---------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args._argv = argv
+    if args.command is None:
+        args = parser.parse_args(["suite"] + argv)
+        args._argv = argv
+    if args.tf_python is None:
+        args.tf_python = os.environ.get("CUDIST_BENCH_TF_PYTHON") or None
+    ctx = Context(args)
+    t0 = time.monotonic()
+    try:
+        if args.command in KERNEL_OPS:
+            run_kernel_op(ctx, args.command)
+        elif args.command == "run-overhead":
+            from cudist.bench import _strategy_bench
+
+            _strategy_bench.run_overhead(ctx)
+        elif args.command == "step":
+            from cudist.bench import _strategy_bench
+
+            _strategy_bench.run_step(ctx)
+        else:
+            run_suite(ctx)
+    except BenchError as e:
+        parser.exit(2, f"cudist-bench: error: {e}\n")
+    except KeyboardInterrupt:
+        print("cudist-bench: interrupted", file=sys.stderr)
+        return 130
+    s = _summary(ctx)
+    s["elapsed_s"] = time.monotonic() - t0
+    _print_summary(ctx, s)
+    if args.json:
+        _write_json(ctx, s, args.json)
+    return 0 if s["ok"] else 1

@@ -1,0 +1,784 @@
+"""A small ``tf.data``: input pipelines over NumPy arrays (and CuPy arrays, passed through).
+
+``cudist.data.Dataset`` has the ``tf.data.Dataset`` methods a custom training loop uses (range,
+from_tensor_slices, from_tensors, from_generator, batch, shard, repeat, map, filter, take, skip,
+shuffle, unbatch, enumerate, zip, prefetch) with TensorFlow 2.21's semantics, except that elements
+are NumPy arrays and NumPy scalars instead of tensors.
+
+Element structures follow ``tf.data``: tuples, namedtuples and dicts are structure; a Python list is
+*one* value (converted to an array), as ``tf.data`` converts lists to tensors. Python scalars and
+lists convert with TensorFlow's dtypes (int -> int32, float -> float32); NumPy values keep theirs.
+Elements sliced out of arrays are read-only views, as tensors are immutable.
+
+Every method returns a new Dataset; iterating a Dataset (``iter(ds)``) always starts over.
+Any Python iterable of batches (a list of arrays, a generator, a DataLoader) can be wrapped with
+:func:`as_dataset`, which is what ``Strategy.experimental_distribute_dataset`` does.
+"""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import queue
+import threading
+import weakref
+from typing import Any, Callable, NamedTuple
+
+import numpy as np
+import optree
+
+__all__ = [
+    "AUTOTUNE",
+    "INFINITE_CARDINALITY",
+    "UNKNOWN_CARDINALITY",
+    "Dataset",
+    "TensorSpec",
+    "as_dataset",
+]
+
+#: ``prefetch(AUTOTUNE)`` lets cudist choose the buffer size (as ``tf.data.AUTOTUNE``).
+AUTOTUNE = -1
+#: ``cardinality()`` of a dataset that never ends.
+INFINITE_CARDINALITY = -1
+#: ``cardinality()`` of a dataset whose length is not known without iterating it.
+UNKNOWN_CARDINALITY = -2
+
+# The buffer size prefetch(AUTOTUNE) uses: enough to overlap one step's input with the step.
+_AUTOTUNE_BUFFER = 2
+_INT32 = np.iinfo(np.int32)
+
+
+class TensorSpec(NamedTuple):
+    """The shape and dtype of one component of a dataset element (``None`` for an unknown dim)."""
+
+    shape: tuple
+    dtype: np.dtype
+    name: str | None = None
+
+    def __repr__(self) -> str:
+        return f"TensorSpec(shape={self.shape!r}, dtype={np.dtype(self.dtype).name}, name={self.name!r})"
+
+    def is_compatible_with(self, value) -> bool:
+        """Whether ``value`` (an array or a spec) has this spec's dtype and a matching shape."""
+        shape = tuple(getattr(value, "shape", ()))
+        if np.dtype(value.dtype) != np.dtype(self.dtype) or len(shape) != len(self.shape):
+            return False
+        return all(a is None or b is None or a == b for a, b in zip(self.shape, shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# structures and conversion
+
+
+def _is_list(x) -> bool:
+    return isinstance(x, list)
+
+
+def _flatten(structure):
+    """Leaves and treedef of an element; lists are leaves (one value each), as in tf.data."""
+    return optree.tree_flatten(structure, is_leaf=_is_list)
+
+
+def _map(fn, structure):
+    return optree.tree_map(fn, structure, is_leaf=_is_list)
+
+
+def _is_spec(x) -> bool:
+    # TensorSpec is a namedtuple, which optree would otherwise open up as structure.
+    return isinstance(x, TensorSpec)
+
+
+def map_specs(fn, spec_structure):
+    """Applies ``fn`` to each :class:`TensorSpec` of an ``element_spec`` structure."""
+    return optree.tree_map(fn, spec_structure, is_leaf=_is_spec)
+
+
+def flatten_specs(spec_structure):
+    """The :class:`TensorSpec` leaves and treedef of an ``element_spec`` structure."""
+    return optree.tree_flatten(spec_structure, is_leaf=_is_spec)
+
+
+def _is_device_array(x) -> bool:
+    # CuPy (and other GPU) arrays pass through untouched: they are already what a replica wants.
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def _only_python_scalars(seq) -> bool:
+    """True if a nested list holds only Python numbers (TF then picks int32/float32)."""
+    stack = [seq]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif type(item) not in (bool, int, float, complex):  # np.float64 subclasses float
+            return False
+    return True
+
+
+def _python_dtype(arr: np.ndarray) -> np.ndarray:
+    if arr.dtype == np.float64:
+        return arr.astype(np.float32)
+    if arr.dtype == np.int64 and (arr.size == 0 or (arr.min() >= _INT32.min and arr.max() <= _INT32.max)):
+        return arr.astype(np.int32)
+    return arr
+
+
+def _to_value(x, where: str):
+    """Converts one leaf to what elements hold: a NumPy array/scalar (a device array stays)."""
+    if isinstance(x, (np.ndarray, np.generic)) or _is_device_array(x):
+        return x
+    if isinstance(x, bool):
+        return np.bool_(x)
+    if isinstance(x, int):
+        return np.int32(x) if _INT32.min <= x <= _INT32.max else np.int64(x)
+    if isinstance(x, float):
+        return np.float32(x)
+    if isinstance(x, complex):
+        return np.complex128(x)
+    if isinstance(x, (str, bytes)):
+        return np.bytes_(x.encode() if isinstance(x, str) else x)
+    if isinstance(x, list):
+        try:
+            arr = np.asarray(x)
+        except ValueError as e:
+            raise ValueError(f"{where}: can't convert a non-rectangular Python list to an array: {e}") from None
+        if arr.dtype == object:
+            raise ValueError(f"{where}: can't convert a non-rectangular Python list (or one of objects) to an array")
+        return _python_dtype(arr) if _only_python_scalars(x) else arr
+    if x is None:
+        raise TypeError(f"{where}: an element component is None; dataset elements must be arrays or numbers")
+    try:
+        arr = np.asarray(x)  # torch CPU tensors and other __array__ objects
+    except Exception as e:
+        raise TypeError(f"{where}: can't convert a {type(x).__name__} to an array: {e}") from None
+    if arr.dtype == object:
+        raise TypeError(f"{where}: can't convert a {type(x).__name__} to an array (got an object array)")
+    return arr
+
+
+def _normalize(element, where: str):
+    """Converts every leaf of an element; lists become arrays."""
+    return _map(lambda leaf: _to_value(leaf, where), element)
+
+
+def _readonly(a):
+    if isinstance(a, np.ndarray) and a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _spec_of(leaf) -> TensorSpec:
+    return TensorSpec(tuple(int(d) for d in getattr(leaf, "shape", ())), np.dtype(leaf.dtype))
+
+
+def _structure_spec(element):
+    return _map(_spec_of, element)
+
+
+def _array_module(a):
+    if _is_device_array(a) and type(a).__module__.split(".")[0] == "cupy":
+        import cupy
+
+        return cupy
+    return np
+
+
+def _check_int(value, name: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
+    return int(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# prefetch: a background producer thread that never outlives its consumer
+
+
+class _End:
+    pass
+
+
+class _Raised:
+    def __init__(self, exc: BaseException):
+        self.exc = exc
+
+
+_END = _End()
+_POLL_S = 0.05
+
+
+def _prefetch_worker(source, q: queue.Queue, stop: threading.Event) -> None:
+    # Holds no reference to the consuming iterator, so dropping that iterator (a ``break``) lets its
+    # finalizer set ``stop``; every blocking put polls ``stop`` so the thread then exits promptly.
+    try:
+        try:
+            msg = _END
+            for item in source:
+                while not stop.is_set():
+                    try:
+                        q.put(item, timeout=_POLL_S)
+                        break
+                    except queue.Full:
+                        pass
+                if stop.is_set():
+                    return
+        except BaseException as e:  # handed to the consumer, which re-raises it in its thread
+            msg = _Raised(e)
+        while not stop.is_set():
+            try:
+                q.put(msg, timeout=_POLL_S)
+                return
+            except queue.Full:
+                pass
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            try:
+                close()  # a generator source releases its own resources (nested prefetchers) now
+            except Exception:
+                pass
+
+
+def _stop_prefetch(stop: threading.Event, q: queue.Queue) -> None:
+    stop.set()
+    try:  # unblock a producer waiting on a full queue
+        while True:
+            q.get_nowait()
+    except queue.Empty:
+        pass
+
+
+class _PrefetchIterator:
+    """Iterates ``source`` in a daemon thread, up to ``size`` elements ahead of the consumer.
+
+    The thread stops when the source ends, when :meth:`close` is called, or when this iterator is
+    garbage collected (an early ``break``), so it never hangs the program or outlives its use.
+    """
+
+    def __init__(self, source, size: int, name: str = "cudist-prefetch"):
+        self._q: queue.Queue = queue.Queue(maxsize=max(1, size))
+        self._stop = threading.Event()
+        self._done = False
+        self._thread = threading.Thread(
+            target=_prefetch_worker, args=(source, self._q, self._stop), name=name, daemon=True
+        )
+        self._finalizer = weakref.finalize(self, _stop_prefetch, self._stop, self._q)
+        self._thread.start()
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._done:
+            raise StopIteration
+        while True:
+            try:
+                item = self._q.get(timeout=_POLL_S)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._q.empty():
+                    self.close()
+                    raise StopIteration from None
+        if isinstance(item, _End):
+            self.close()
+            raise StopIteration
+        if isinstance(item, _Raised):
+            self.close()
+            raise item.exc
+        return item
+
+    def close(self, timeout: float | None = None) -> None:
+        """Stops the producer thread; with ``timeout``, waits up to that long for it to exit."""
+        self._done = True
+        self._finalizer()
+        if timeout is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+
+# ---------------------------------------------------------------------------------------------
+# datasets
+
+
+def _batch_leaves(leaves_per_element, treedef, where: str):
+    columns = list(zip(*leaves_per_element))
+    out = []
+    for c, column in enumerate(columns):
+        first = np.shape(column[0])
+        for i, leaf in enumerate(column[1:], 1):
+            if np.shape(leaf) != first:
+                raise ValueError(
+                    f"{where}: cannot batch elements with different shapes in component {c}: element 0 has "
+                    f"shape {first} but element {i} has shape {tuple(np.shape(leaf))}"
+                )
+        out.append(_array_module(column[0]).stack(column))
+    return optree.tree_unflatten(treedef, out)
+
+
+class _OneShot:
+    """Makes a one-pass iterator peekable (for ``element_spec``) without losing the peeked element."""
+
+    def __init__(self, iterator):
+        self._it = iterator
+        self._buffer: list = []
+
+    def peek(self):
+        if not self._buffer:
+            self._buffer.append(next(self._it))
+        return self._buffer[0]
+
+    def __iter__(self):
+        while self._buffer:
+            yield self._buffer.pop(0)
+        yield from self._it
+
+
+class Dataset:
+    """A re-iterable sequence of elements (nested structures of NumPy arrays), like ``tf.data.Dataset``.
+
+    Build one with :meth:`range`, :meth:`from_tensor_slices`, :meth:`from_tensors` or
+    :meth:`from_generator` and transform it with the chainable methods; do not call the
+    constructor directly.
+    """
+
+    def __init__(self, iter_fn: Callable[[], Any], spec_fn: Callable[[], Any], cardinality: int):
+        self._iter_fn = iter_fn
+        self._spec_fn = spec_fn
+        self._spec = None
+        self._card = int(cardinality)
+
+    # ------------------------------------------------------------------ basics
+    def __iter__(self):
+        return iter(self._iter_fn())
+
+    def as_numpy_iterator(self):
+        """An iterator over the elements (they already are NumPy values)."""
+        return iter(self)
+
+    @property
+    def element_spec(self):
+        """The structure of an element with a :class:`TensorSpec` per component.
+
+        A dimension that can differ between elements (a batch that may be partial) is ``None``.
+        For ``map`` and Python iterables it is found by computing the first element.
+        """
+        if self._spec is None:
+            self._spec = self._spec_fn()
+        return self._spec
+
+    def cardinality(self) -> int:
+        """The number of elements, or INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2)."""
+        return self._card
+
+    def __len__(self) -> int:
+        if self._card == INFINITE_CARDINALITY:
+            raise TypeError("The dataset is infinite.")
+        if self._card < 0:
+            raise TypeError("The dataset length is unknown.")
+        return self._card
+
+    def __bool__(self) -> bool:
+        return True  # a Dataset is truthy even when empty, like any object without __len__ use
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} element_spec={self.element_spec!r}>"
+
+    def _derive(self, iter_fn, spec_fn, cardinality) -> "Dataset":
+        return Dataset(iter_fn, spec_fn, cardinality)
+
+    # ------------------------------------------------------------------ sources
+    @staticmethod
+    def range(*args, output_type=np.int64, name=None) -> "Dataset":
+        """Like Python's ``range``: ``range(stop)``, ``range(start, stop)``, ``range(start, stop, step)``.
+
+        Elements are NumPy scalars of ``output_type`` (int64 by default, as in tf.data).
+        """
+        if not 1 <= len(args) <= 3:
+            raise TypeError(f"Dataset.range takes 1 to 3 positional arguments, got {len(args)}")
+        args = [_check_int(a, n, "Dataset.range") for a, n in zip(args, ("start/stop", "stop", "step"))]
+        if len(args) == 3 and args[2] == 0:
+            raise ValueError("Dataset.range: step must be a non-zero integer")
+        r = builtins.range(*args)
+        dtype = np.dtype(output_type)
+        scalar = dtype.type
+        return Dataset(lambda: map(scalar, r), lambda: TensorSpec((), dtype), len(r))
+
+    @staticmethod
+    def from_tensor_slices(tensors, name=None) -> "Dataset":
+        """A dataset of the slices of ``tensors`` along dimension 0 (every component must agree).
+
+        ``tensors`` is an array, a Python list (one array) or a nested tuple/dict of them.
+
+        Raises:
+            ValueError: a component is a scalar, components disagree on dimension 0, or the
+                structure has no components.
+        """
+        where = "Dataset.from_tensor_slices"
+        leaves, treedef = _flatten(_normalize(tensors, where))
+        if not leaves:
+            raise ValueError(f"{where}: the structure has no components to slice")
+        for i, leaf in enumerate(leaves):
+            if np.ndim(leaf) == 0:
+                raise ValueError(
+                    f"{where}: component {i} is a scalar; slicing needs arrays of rank >= 1 "
+                    "(use Dataset.from_tensors for a single element)"
+                )
+        n = int(leaves[0].shape[0])
+        for i, leaf in enumerate(leaves[1:], 1):
+            if leaf.shape[0] != n:
+                raise ValueError(
+                    f"{where}: component {i} has {leaf.shape[0]} rows but component 0 has {n}; "
+                    "every component must have the same size in dimension 0"
+                )
+        leaves = [_readonly(leaf) for leaf in leaves]
+        unflatten = treedef.unflatten
+
+        def it():
+            for i in builtins.range(n):
+                yield unflatten([leaf[i] for leaf in leaves])
+
+        specs = [TensorSpec(tuple(leaf.shape[1:]), np.dtype(leaf.dtype)) for leaf in leaves]
+        spec = optree.tree_unflatten(treedef, specs)
+        return Dataset(it, lambda: spec, n)
+
+    @staticmethod
+    def from_tensors(tensors, name=None) -> "Dataset":
+        """A dataset with ``tensors`` as its single element."""
+        element = _map(_readonly, _normalize(tensors, "Dataset.from_tensors"))
+        spec = _structure_spec(element)
+        return Dataset(lambda: iter((element,)), lambda: spec, 1)
+
+    @staticmethod
+    def from_generator(generator, output_types=None, output_shapes=None, args=None, output_signature=None, name=None):
+        """A dataset of what ``generator(*args)`` yields; each iteration calls it again.
+
+        ``output_signature`` (a structure of :class:`TensorSpec`) gives ``element_spec`` without
+        running the generator; otherwise the first element is computed to find it.
+        """
+        if not callable(generator):
+            raise TypeError(f"Dataset.from_generator: generator must be callable, got {type(generator).__name__}")
+        call_args = tuple(args or ())
+
+        def it():
+            for element in generator(*call_args):
+                yield _normalize(element, "Dataset.from_generator")
+
+        if output_signature is not None:
+            spec_fn = lambda: output_signature  # noqa: E731
+        else:
+            spec_fn = lambda: _first_spec(it, "Dataset.from_generator")  # noqa: E731
+        return Dataset(it, spec_fn, UNKNOWN_CARDINALITY)
+
+    @staticmethod
+    def zip(*datasets) -> "Dataset":
+        """Elements are tuples of the zipped datasets' elements; ends with the shortest."""
+        if len(datasets) == 1 and isinstance(datasets[0], (tuple, list)):
+            datasets = tuple(datasets[0])
+        if not datasets:
+            raise ValueError("Dataset.zip needs at least one dataset")
+        dss = [as_dataset(d, "Dataset.zip") for d in datasets]
+        cards = [d.cardinality() for d in dss]
+        known = [c for c in cards if c >= 0]
+        if known:
+            card = min(known)
+        elif UNKNOWN_CARDINALITY in cards:
+            card = UNKNOWN_CARDINALITY
+        else:
+            card = INFINITE_CARDINALITY
+        return Dataset(lambda: zip(*dss), lambda: tuple(d.element_spec for d in dss), card)
+
+    # ------------------------------------------------------------------ transformations
+    def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None, deterministic=None, name=None):
+        """Stacks ``batch_size`` consecutive elements into one (a new leading dimension).
+
+        The last batch may be smaller unless ``drop_remainder``; ``element_spec`` shows the batch
+        dimension as ``None`` unless ``drop_remainder``.
+
+        Raises:
+            ValueError: ``batch_size`` <= 0; at iteration, elements of different shapes.
+        """
+        where = "Dataset.batch"
+        b = _check_int(batch_size, "batch_size", where)
+        if b <= 0:
+            raise ValueError(f"{where}: batch_size must be greater than zero, got {b}")
+        drop = bool(drop_remainder)
+        src = self
+
+        def it():
+            buf = []
+            for element in src:
+                buf.append(element)
+                if len(buf) == b:
+                    yield _stack(buf, where)
+                    buf = []
+            if buf and not drop:
+                yield _stack(buf, where)
+
+        def spec():
+            lead = b if drop else None
+            return map_specs(lambda s: TensorSpec((lead, *s.shape), s.dtype, s.name), src.element_spec)
+
+        c = self._card
+        card = c if c < 0 else (c // b if drop else -(-c // b))
+        return self._derive(it, spec, card)
+
+    def unbatch(self, name=None):
+        """Splits each element along dimension 0 into its rows (the inverse of ``batch``)."""
+        src = self
+
+        def it():
+            for element in src:
+                leaves, treedef = _flatten(element)
+                if any(np.ndim(leaf) == 0 for leaf in leaves):
+                    raise ValueError("Dataset.unbatch: every component needs rank >= 1")
+                for i in builtins.range(int(leaves[0].shape[0]) if leaves else 0):
+                    yield treedef.unflatten([leaf[i] for leaf in leaves])
+
+        def spec():
+            return map_specs(lambda s: TensorSpec(tuple(s.shape[1:]), s.dtype, s.name), src.element_spec)
+
+        card = INFINITE_CARDINALITY if self._card == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
+        return self._derive(it, spec, card)
+
+    def shard(self, num_shards, index, name=None):
+        """Keeps every ``num_shards``-th element starting at ``index``.
+
+        Raises:
+            ValueError: ``num_shards`` <= 0 or ``index`` outside [0, num_shards).
+        """
+        where = "Dataset.shard"
+        n = _check_int(num_shards, "num_shards", where)
+        i = _check_int(index, "index", where)
+        if n <= 0:
+            raise ValueError(f"{where}: num_shards must be greater than zero (currently num_shards = {n})")
+        if not 0 <= i < n:
+            raise ValueError(f"{where}: index must be between 0 and {n - 1} (currently index = {i})")
+        src = self
+        c = self._card
+        card = c if c < 0 else c // n + (1 if i < c % n else 0)
+        return self._derive(lambda: itertools.islice(src, i, None, n), lambda: src.element_spec, card)
+
+    def repeat(self, count=None, name=None):
+        """Repeats the dataset ``count`` times (forever for None or -1), starting over each time."""
+        where = "Dataset.repeat"
+        count = -1 if count is None else _check_int(count, "count", where)
+        src = self
+
+        def it():
+            k = 0
+            while count < 0 or k < count:
+                got_any = False
+                for element in src:
+                    got_any = True
+                    yield element
+                if not got_any:
+                    return  # repeating an empty dataset forever would spin
+                k += 1
+
+        c = self._card
+        if count == 0 or c == 0:
+            card = 0
+        elif count < 0:
+            card = INFINITE_CARDINALITY if c != UNKNOWN_CARDINALITY else UNKNOWN_CARDINALITY
+        else:
+            card = c if c < 0 else c * count
+        return self._derive(it, lambda: src.element_spec, card)
+
+    def take(self, count, name=None):
+        """The first ``count`` elements (all of them for a negative count)."""
+        count = _check_int(count, "count", "Dataset.take")
+        src = self
+        if count < 0:
+            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card)
+        c = self._card
+        card = count if c == INFINITE_CARDINALITY else (c if c == UNKNOWN_CARDINALITY else min(c, count))
+        return self._derive(lambda: itertools.islice(src, count), lambda: src.element_spec, card)
+
+    def skip(self, count, name=None):
+        """All but the first ``count`` elements (none for a negative count)."""
+        count = _check_int(count, "count", "Dataset.skip")
+        src = self
+        if count < 0:
+            return self._derive(lambda: iter(()), lambda: src.element_spec, 0)
+        c = self._card
+        card = c if c < 0 else max(0, c - count)
+        return self._derive(lambda: itertools.islice(src, count, None), lambda: src.element_spec, card)
+
+    def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None):
+        """Applies ``map_func`` to each element.
+
+        A tuple element is passed as positional arguments (``map_func(*element)``), anything else
+        (an array, a dict, a namedtuple) as one argument, as tf.data does. Results are converted
+        like elements (lists and Python numbers become arrays).
+        """
+        if not callable(map_func):
+            raise TypeError(f"Dataset.map: map_func must be callable, got {type(map_func).__name__}")
+        src = self
+
+        def apply(element):
+            out = map_func(*element) if type(element) is tuple else map_func(element)
+            return _normalize(out, "Dataset.map")
+
+        def spec():
+            out_spec = _first_spec(lambda: map(apply, src), "Dataset.map")
+            # A batch dimension that varies in the input varies in the output too.
+            in_specs = flatten_specs(src.element_spec)[0]
+            if in_specs and all(s.shape and s.shape[0] is None for s in in_specs):
+                out_spec = map_specs(lambda s: TensorSpec((None, *s.shape[1:]), s.dtype) if s.shape else s, out_spec)
+            return out_spec
+
+        return self._derive(lambda: map(apply, src), spec, self._card)
+
+    def filter(self, predicate, name=None):
+        """Keeps the elements for which ``predicate`` (called like a ``map`` function) is true."""
+        if not callable(predicate):
+            raise TypeError(f"Dataset.filter: predicate must be callable, got {type(predicate).__name__}")
+        src = self
+
+        def keep(element):
+            r = predicate(*element) if type(element) is tuple else predicate(element)
+            if np.ndim(r) != 0:
+                raise ValueError(f"Dataset.filter: predicate must return a scalar boolean, got shape {np.shape(r)}")
+            return bool(r)
+
+        card = INFINITE_CARDINALITY if self._card == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
+        return self._derive(lambda: filter(keep, src), lambda: src.element_spec, card)
+
+    def enumerate(self, start=0, name=None):
+        """Elements become ``(index, element)`` with an int64 index counting from ``start``."""
+        start = _check_int(start, "start", "Dataset.enumerate")
+        src = self
+        spec = lambda: (TensorSpec((), np.dtype(np.int64)), src.element_spec)  # noqa: E731
+        return self._derive(
+            lambda: ((np.int64(i), e) for i, e in zip(itertools.count(start), src)), spec, self._card
+        )
+
+    def shuffle(self, buffer_size, seed=None, reshuffle_each_iteration=True, name=None):
+        """Shuffles with a buffer of ``buffer_size`` elements (tf.data's algorithm, not its numbers).
+
+        With a ``seed`` and ``reshuffle_each_iteration=False`` every iteration has the same order.
+        """
+        where = "Dataset.shuffle"
+        size = _check_int(buffer_size, "buffer_size", where)
+        if size <= 0:
+            raise ValueError(f"{where}: buffer_size must be greater than zero, got {size}")
+        src = self
+        seeds = np.random.SeedSequence(seed)
+
+        def it():
+            rng = np.random.default_rng(seeds.spawn(1)[0] if reshuffle_each_iteration else seeds)
+            buf = []
+            for element in src:
+                if len(buf) < size:
+                    buf.append(element)
+                    continue
+                j = int(rng.integers(size))
+                yield buf[j]
+                buf[j] = element
+            rng.shuffle(buf)
+            yield from buf
+
+        return self._derive(it, lambda: src.element_spec, self._card)
+
+    def prefetch(self, buffer_size, name=None):
+        """Computes up to ``buffer_size`` elements ahead in a background thread.
+
+        ``AUTOTUNE`` (-1) picks a small buffer; 0 turns prefetching off. The thread stops when the
+        iteration ends or its iterator is dropped (an early ``break``): it never hangs or leaks.
+
+        Raises:
+            ValueError: ``buffer_size`` < -1.
+        """
+        size = _check_int(buffer_size, "buffer_size", "Dataset.prefetch")
+        if size < -1:
+            raise ValueError(
+                f"Dataset.prefetch: buffer_size must be >= 0 or AUTOTUNE (-1) for auto-tuning, got {size}"
+            )
+        src = self
+        if size == 0:
+            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card)
+        size = _AUTOTUNE_BUFFER if size == AUTOTUNE else size
+        return self._derive(lambda: _PrefetchIterator(iter(src), size), lambda: src.element_spec, self._card)
+
+    def cache(self, filename="", name=None):
+        """Returns the dataset itself (elements are already in memory; nothing to cache)."""
+        if filename:
+            raise NotImplementedError("Dataset.cache: caching to a file is not supported")
+        return self
+
+    def reduce(self, initial_state, reduce_func, name=None):
+        """Folds the elements: ``state = reduce_func(state, element)`` for each element in order."""
+        state = initial_state
+        for element in self:
+            state = reduce_func(state, element)
+        return state
+
+
+def _stack(elements, where):
+    flat = [_flatten(e) for e in elements]
+    treedef = flat[0][1]
+    for i, (_, t) in enumerate(flat[1:], 1):
+        if t != treedef:
+            raise ValueError(f"{where}: element {i} has structure {t} but element 0 has {treedef}")
+    return _batch_leaves([leaves for leaves, _ in flat], treedef, where)
+
+
+def _first_spec(iter_fn, where: str):
+    it = iter(iter_fn())
+    try:
+        first = next(it)
+    except StopIteration:
+        raise ValueError(f"{where}: the element_spec of an empty dataset can't be found (it has no element)") from None
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+    return _structure_spec(first)
+
+
+def _iterable_dataset(obj, where: str) -> Dataset:
+    """Wraps a Python iterable of elements (batches) as a Dataset (re-iterable if ``obj`` is)."""
+    is_iterator = iter(obj) is obj
+    if is_iterator:
+        source = _OneShot(obj)
+
+        def it():
+            return (_normalize(e, where) for e in source)
+
+        def spec():
+            try:
+                return _structure_spec(_normalize(source.peek(), where))
+            except StopIteration:
+                raise ValueError(f"{where}: the element_spec of an empty iterator can't be found") from None
+
+        return Dataset(it, spec, UNKNOWN_CARDINALITY)
+
+    def it():
+        return (_normalize(e, where) for e in obj)
+
+    try:
+        card = len(obj)
+    except TypeError:
+        card = UNKNOWN_CARDINALITY
+    return Dataset(it, lambda: _first_spec(it, where), card)
+
+
+def as_dataset(obj, where: str = "as_dataset") -> Dataset:
+    """Returns ``obj`` if it is a Dataset, else wraps a Python iterable of elements as one.
+
+    A list of arrays, a generator, or a DataLoader-like object each become a dataset whose elements
+    are the items they yield. A generator (or other iterator) can be iterated only once.
+
+    Raises:
+        TypeError: ``obj`` is not iterable, or is an array, string or dict (which would be
+            iterated row by row or key by key, almost certainly not what was meant).
+    """
+    if isinstance(obj, Dataset):
+        return obj
+    if isinstance(obj, (np.ndarray, str, bytes, dict)) or _is_device_array(obj) or not hasattr(obj, "__iter__"):
+        hint = ""
+        if isinstance(obj, np.ndarray) or _is_device_array(obj):
+            hint = "; wrap arrays with cudist.data.Dataset.from_tensor_slices(x).batch(global_batch_size)"
+        raise TypeError(
+            f"{where}: expected a cudist.data.Dataset or an iterable of batches, got {type(obj).__name__}{hint}"
+        )
+    return _iterable_dataset(obj, where)

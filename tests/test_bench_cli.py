@@ -1,0 +1,284 @@
+"""Smoke tests of the ``cudist-bench`` CLI: every subcommand at tiny sizes, JSON output, flag errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cudist.bench import main
+from cudist.bench._ops import count_wrong, make_case
+from cudist.bench._sizes import format_size, parse_size, size_sweep
+
+TINY = ["-b", "4K", "-e", "16K", "-f", "4", "-n", "2", "-w", "1", "--no-progress", "--copy-size", "1M"]
+HAVE_STRATEGY = importlib.util.find_spec("cudist._mirrored_strategy") is not None
+
+
+def _run(tmp_path, *argv):
+    out = tmp_path / "bench.json"
+    rc = main([*argv, "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def _rows(doc):
+    return [r for t in doc["tables"] for r in t["rows"]]
+
+
+# ------------------------------------------------------------------------------------------ sizes
+@pytest.mark.parametrize(
+    "text,expected",
+    [("4096", 4096), ("4K", 4096), ("4k", 4096), ("4KiB", 4096), ("4KB", 4096), ("64M", 64 << 20),
+     ("1G", 1 << 30), ("1.5K", 1536), ("0", 0), (" 8M ", 8 << 20)],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "abc", "-4K", "4X", "1.3", "K", "4 K B x"])
+def test_parse_size_rejects(text):
+    with pytest.raises(ValueError, match="invalid size"):
+        parse_size(text)
+
+
+def test_format_size_round_trips():
+    for n in (1, 1000, 4096, 3 << 20, 1 << 30, 4097):
+        assert parse_size(format_size(n)) == n
+
+
+def test_size_sweep():
+    assert size_sweep(4 << 10, 64 << 10, 4) == [4 << 10, 16 << 10, 64 << 10]
+    assert size_sweep(4 << 10, 100 << 10, 4) == [4 << 10, 16 << 10, 64 << 10]
+    assert size_sweep(8, 8, 1) == [8]
+    with pytest.raises(ValueError, match="larger than"):
+        size_sweep(64, 4, 2)
+    with pytest.raises(ValueError, match="factor"):
+        size_sweep(4, 64, 1)
+
+
+# ------------------------------------------------------------------------------------------ kernel ops
+@pytest.mark.parametrize(
+    "cmd",
+    [["all-reduce"], ["all-reduce", "-o", "mean", "-d", "int32,float16"], ["all-gather"], ["broadcast"],
+     ["split", "-d", "int64"], ["update", "--optimizer", "sgd"], ["update", "--optimizer", "momentum"],
+     ["update", "--optimizer", "adam", "-d", "float64"]],
+    ids=lambda c: "-".join(c),
+)
+def test_kernel_subcommands(tmp_path, capsys, cmd):
+    rc, doc = _run(tmp_path, *cmd, *TINY, "--replicas", "3", "--backend", "numpy")
+    assert rc == 0
+    rows = _rows(doc)
+    dtypes = {"-d": cmd[cmd.index("-d") + 1].split(",")} if "-d" in cmd else {"-d": ["float32"]}
+    # 2 sizes x every dtype, each checked (0 wrong) and timed.
+    assert len(rows) == 2 * len(dtypes["-d"])
+    assert {r["size"] for r in rows} == {4 << 10, 16 << 10}
+    assert {r["dtype"] for r in rows} == set(dtypes["-d"])
+    for r in rows:
+        assert r["wrong"] == 0 and r["backend"] == "numpy" and r["replicas"] == 3
+        assert r["time_us"] > 0 and r["algbw"] > 0
+    assert doc["summary"]["ok"] and doc["summary"]["out_of_bounds"] == 0
+    text = capsys.readouterr().out
+    assert "# Out of bounds values : 0 OK" in text and "# Avg bus bandwidth" in text
+    assert "# CPU:" in text and "copy ceiling" in text
+
+
+def test_busbw_formulas(tmp_path):
+    _, doc = _run(tmp_path, "all-reduce", *TINY, "--replicas", "4", "--backend", "numpy")
+    for r in _rows(doc):
+        algbw = r["size"] / (r["time_us"] * 1e-6) / 1e9
+        assert r["algbw"] == pytest.approx(algbw)
+        assert r["busbw"] == pytest.approx(algbw * 2 * 3 / 4)
+        ceiling = doc["header"]["copy_bandwidth"]["ceiling"]
+        assert r["pct_copy"] == pytest.approx(100 * 2 * 4 * r["size"] / (r["time_us"] * 1e-6) / 1e9 / ceiling)
+    _, doc = _run(tmp_path, "update", "--optimizer", "adam", *TINY, "--replicas", "4", "--backend", "numpy")
+    for r in _rows(doc):
+        assert r["moved_bytes"] == (4 + 3 * 4) * r["size"]
+
+
+def test_check_detects_a_wrong_kernel():
+    """The check is live: a backend that drops the last replica is counted wrong."""
+    from cudist._kernels._numpy import NumpyBackend
+
+    class Broken(NumpyBackend):
+        def _all_reduce(self, bufs, op):
+            super()._all_reduce(bufs[:-1], op)
+
+    case = make_case("all-reduce", Broken(), 1000, "float32", 3)
+    assert case.check() == 3 * 1000
+    case = make_case("all-reduce", NumpyBackend(), 1000, "float32", 3)
+    assert case.check() == 0
+
+
+def test_count_wrong():
+    import numpy as np
+
+    a = np.array([1.0, np.nan, 3.0], dtype=np.float32)
+    assert count_wrong(a, a.copy(), exact=True) == 0
+    b = a.copy()
+    b[2] = np.nextafter(np.float32(3), np.float32(4))
+    assert count_wrong(b, a, exact=True) == 1
+    assert count_wrong(b, a, exact=False) == 0
+    assert count_wrong(np.arange(3), np.arange(3) + 1, exact=False) == 3
+
+
+# ------------------------------------------------------------------------------------------ strategy level
+def test_run_overhead(tmp_path, capsys):
+    rc, doc = _run(tmp_path, "run-overhead", "-n", "3", "-w", "1", "--replicas", "2", "--no-progress")
+    assert rc == 0
+    rows = _rows(doc)
+    if not HAVE_STRATEGY:
+        assert rows == [] and "skipped" in capsys.readouterr().out
+        return
+    fns = {(r["strategy"], r["fn"]) for r in rows}
+    assert ("MirroredStrategy", "noop") in fns and ("MirroredStrategy", "all_reduce(scalar)") in fns
+    assert all(r["time_us"] > 0 for r in rows)
+    assert all(r["wrong"] == 0 for r in rows if r["fn"] != "noop")
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_step(tmp_path, capsys, opt):
+    rc, doc = _run(tmp_path, "step", "--optimizer", opt, "-n", "2", "-w", "1", "--replicas", "2", "--batch", "16",
+                   "--features", "8", "--hidden", "16", "--classes", "3", "--backend", "numpy", "--no-progress",
+                   "--copy-size", "1M")
+    assert rc == 0
+    rows = _rows(doc)
+    kernel = [r for r in rows if r["api"] == "kernel"]
+    assert len(kernel) == 1 and kernel[0]["wrong"] == 0 and kernel[0]["params"] == 8 * 16 + 16 + 16 * 3 + 3
+    assert kernel[0]["time_us"] > 0 and kernel[0]["all_reduce_us"] >= 0
+    if HAVE_STRATEGY and opt == "sgd":
+        assert any(r["api"] == "strategy" and r["wrong"] == 0 for r in rows), capsys.readouterr().out
+
+
+def test_mlp_grads_match_finite_differences():
+    """The step's hand-written backward pass is the gradient of its loss."""
+    import numpy as np
+
+    from cudist.bench._strategy_bench import mlp_grads
+
+    rng = np.random.default_rng(1)
+    params = [rng.standard_normal(s) for s in ((4, 5), (5,), (5, 2), (2,))]
+    x, y = rng.standard_normal((6, 4)), rng.standard_normal((6, 2))
+    grads, loss = mlp_grads(params, x, y)
+    eps = 1e-6
+    for p, g in zip(params, grads):
+        idx = tuple(rng.integers(0, s) for s in p.shape)
+        old = p[idx]
+        p[idx] = old + eps
+        up = mlp_grads(params, x, y)[1]
+        p[idx] = old - eps
+        down = mlp_grads(params, x, y)[1]
+        p[idx] = old
+        assert g[idx] == pytest.approx((up - down) / (2 * eps), rel=1e-4, abs=1e-8)
+
+
+def test_no_arguments_runs_the_suite(monkeypatch):
+    from cudist.bench import _cli
+
+    called = []
+    monkeypatch.setattr(_cli, "run_suite", lambda ctx: called.append(ctx.args.command))
+    assert main([]) == 0
+    assert called == ["suite"]
+
+
+# ------------------------------------------------------------------------------------------ errors
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["all-reduce", "-b", "4Q"], "invalid size"),
+        (["all-reduce", "-b", "64M", "-e", "4K"], "larger than"),
+        (["all-reduce", "-b", "4K", "-e", "64K", "-f", "1"], "factor"),
+        (["all-reduce", "-d", "complex64"], "unsupported dtype"),
+        (["all-reduce", "--backend", "tpu"], "invalid choice"),
+        (["all-reduce", "-o", "max"], "invalid choice"),
+        (["all-reduce", "-n", "0"], "-n must be >= 1"),
+        (["all-reduce", "-c", "2"], "invalid choice"),
+        (["all-reduce", "-b", "2", "-e", "2"], "smaller than one float32 element"),
+        (["update", "-d", "int32", "-b", "4K", "-e", "4K"], "floating-point"),
+        (["update", "--optimizer", "rmsprop"], "invalid choice"),
+        (["frobnicate"], "invalid choice"),
+        (["step", "--batch", "2", "--replicas", "4"], "smaller than --replicas"),
+    ],
+)
+def test_bad_flags_exit_2(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--backend", "numpy"] if "--backend" not in argv and argv[0] != "frobnicate" else argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unavailable_backend_is_a_clear_error(capsys, monkeypatch):
+    from cudist import _kernels
+
+    monkeypatch.setattr(_kernels, "_importable", lambda mod: mod != "cupy")
+    with pytest.raises(SystemExit) as e:
+        main(["broadcast", "--backend", "cupy", "-b", "4K", "-e", "4K"])
+    assert e.value.code == 2
+    assert "'cupy' is not available" in capsys.readouterr().err
+
+
+def test_compare_tf_without_tensorflow_is_skipped(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("CUDIST_BENCH_TF_PYTHON", raising=False)
+    rc, doc = _run(tmp_path, "broadcast", *TINY, "--backend", "numpy", "--compare", "tf",
+                   "--tf-python", str(tmp_path / "no-such-python"))
+    assert rc == 0
+    assert "# tf: skipped" in capsys.readouterr().out
+    assert all(r["api"] == "kernel" for r in _rows(doc))
+
+
+def test_progress_line_fallback(capsys):
+    from cudist.bench._progress import Progress
+
+    with Progress(2, "sweep", enabled=True, delay=0) as p:
+        p._kind = "line"  # the fallback even where tqdm is installed
+        p.update("a")
+        p.update("b")
+    err = capsys.readouterr().err
+    assert "sweep" in err and "2/2" in err
+
+
+# ------------------------------------------------------------------------------------------ subprocess
+def test_python_m_and_all_backends(tmp_path):
+    """``python -m cudist.bench`` end to end, every available CPU backend checked bit for bit."""
+    out = tmp_path / "r.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "cudist.bench", "all-reduce", *TINY, "--backend", "all", "--json", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    from cudist._kernels import available_backends
+
+    cpu = [b for b in available_backends() if b != "cupy"]
+    rows = _rows(doc)
+    assert {r["backend"] for r in rows} == set(cpu)
+    assert all(r["wrong"] == 0 for r in rows)
+    assert "# Out of bounds values : 0 OK" in proc.stdout
+
+
+def test_console_script_version():
+    exe = shutil.which("cudist-bench", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("the cudist-bench console script is not installed next to this python")
+    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.startswith("cudist-bench ")
+
+
+def _tf_python():
+    p = os.environ.get("CUDIST_BENCH_TF_PYTHON") or "/tmp/tfvenv/bin/python"
+    return p if os.path.isfile(p) else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_tf_python() is None, reason="no python with TensorFlow (set CUDIST_BENCH_TF_PYTHON)")
+def test_compare_tf(tmp_path):
+    rc, doc = _run(tmp_path, "all-reduce", "-b", "4K", "-e", "4K", "-n", "2", "-w", "1", "--replicas", "2",
+                   "--backend", "numpy", "--no-progress", "--copy-size", "1M", "--compare", "tf",
+                   "--tf-python", _tf_python())
+    assert rc == 0
+    tf_rows = [r for r in _rows(doc) if r["api"] == "tf"]
+    assert len(tf_rows) == 1 and tf_rows[0]["wrong"] == 0 and tf_rows[0]["time_us"] > 0

@@ -1,0 +1,213 @@
+"""The shipped CUDA kernels compile: with nvcc for sm_80 and sm_90, and with NVRTC as CuPy sees them.
+
+No GPU needed. The kernel list comes from ``cudist._kernels._cupy.KERNELS`` (read from the source
+without importing CuPy), so what is compiled here is exactly what the cupy backend asks for.
+"""
+
+from __future__ import annotations
+
+import ast
+import ctypes
+import ctypes.util
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import cudist
+
+ROOT = Path(__file__).resolve().parents[1]
+CUPY_MODULE = ROOT / "src" / "cudist" / "_kernels" / "_cupy.py"
+
+
+def _literal(name: str):
+    tree = ast.parse(CUPY_MODULE.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
+            return ast.literal_eval(node.value)
+    raise AssertionError(f"{name} not found in {CUPY_MODULE}")
+
+
+KERNELS: dict[str, tuple[str, ...]] = _literal("KERNELS")
+CTYPES: dict[str, str] = _literal("CTYPES")
+INCLUDE = Path(cudist.get_include())
+
+
+def _nvcc() -> str | None:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        root = os.environ.get(env)
+        if root and (Path(root) / "bin" / "nvcc").is_file():
+            return str(Path(root) / "bin" / "nvcc")
+    return None
+
+
+def _cuda_include_dirs() -> list[str]:
+    """Directories holding cuda_fp16.h / cuda_runtime_api.h: the ones nvcc itself uses."""
+    dirs = []
+    nvcc = _nvcc()
+    if nvcc:
+        # nvcc may be a wrapper script; its dry run names the real include directories.
+        res = subprocess.run([nvcc, "--dryrun", "-c", "x.cu"], capture_output=True, text=True, timeout=60)
+        for line in (res.stdout + res.stderr).splitlines():
+            if "INCLUDES=" in line:
+                dirs += re.findall(r'-I"?([^" ]+)', line)
+        root = Path(os.path.realpath(nvcc)).parent.parent
+        dirs += [str(root / "include")] + glob.glob(str(root / "targets" / "*" / "include"))
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            dirs.append(str(Path(os.environ[env]) / "include"))
+    return [d for d in dict.fromkeys(dirs) if (Path(d) / "cuda_fp16.h").is_file()]
+
+
+def _instantiations(packed: bool) -> list[str]:
+    out = []
+    for kernel, dtypes in KERNELS.items():
+        for dt in dtypes:
+            for suffix in ("", "_packed") if packed else ("",):
+                out.append(f"cudist::kernels::{kernel}{suffix}<{CTYPES[dt]}>")
+    return out
+
+
+def test_kernel_list_covers_the_headers():
+    """Every __global__ template in the headers is in KERNELS (a new kernel cannot go untested)."""
+    text = "\n".join(p.read_text() for p in sorted((INCLUDE / "cudist" / "kernels").glob("*.cuh")))
+    declared = set(re.findall(r"__global__\s+void\s+(\w+)\s*\(", text))
+    assert declared, "no kernels found in the headers"
+    expected = set(KERNELS) | {k + "_packed" for k in KERNELS}
+    assert declared == expected
+    assert set(CTYPES) == {"float16", "float32", "float64", "int32", "int64"}
+    for kernel, dtypes in KERNELS.items():
+        assert set(dtypes) <= set(CTYPES), kernel
+
+
+nvcc_required = pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (the CUDA toolkit)")
+
+
+@nvcc_required
+def test_nvcc_compiles_every_kernel_and_launcher_for_sm80_and_sm90(tmp_path):
+    """Every kernel x dtype, both entry-point forms, plus the C++ launcher library, in one nvcc run."""
+    src = tmp_path / "cudist_all.cu"
+    lines = [
+        f'#include "{ROOT / "csrc" / "src" / "cuda" / "launch.cu"}"',
+        "// Taking the address instantiates each kernel template.",
+        "void* cudist_every_kernel[] = {",
+    ]
+    lines += [f"    (void*)&{name}," for name in _instantiations(packed=True)]
+    lines.append("};")
+    src.write_text("\n".join(lines) + "\n")
+    obj = tmp_path / "cudist_all.o"
+    cmd = [
+        _nvcc(), "-std=c++17", f"-I{INCLUDE}",
+        "-gencode", "arch=compute_80,code=sm_80",
+        "-gencode", "arch=compute_90,code=sm_90",
+        "-Werror", "all-warnings",
+        "-c", str(src), "-o", str(obj),
+    ]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"nvcc failed:\n{res.stdout}\n{res.stderr}"
+    assert obj.stat().st_size > 0
+    # Both architectures made it into the fat binary.
+    cuobjdump = Path(_nvcc()).with_name("cuobjdump")
+    if cuobjdump.is_file():
+        listing = subprocess.run([str(cuobjdump), "--list-elf", str(obj)], capture_output=True, text=True).stdout
+        assert "sm_80" in listing and "sm_90" in listing, listing
+
+
+@nvcc_required
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
+def test_launch_header_is_plain_cpp(tmp_path):
+    """<cudist/cuda/launch.hpp> compiles with a host compiler (no CUDA syntax in it)."""
+    inc = _cuda_include_dirs()
+    if not inc:
+        pytest.skip("CUDA headers not found next to nvcc")
+    src = tmp_path / "host.cpp"
+    src.write_text(
+        "#include <cudist/cuda/launch.hpp>\n"
+        "cudaError_t f(float** b, __half** h) {\n"
+        "  cudaError_t e = cudist::cuda::all_reduce<float>(b, 2, 10, cudist::reduce_op::mean);\n"
+        "  return e != cudaSuccess ? e : cudist::cuda::sgd<__half>(h, 2, h[0], 0.1, 10);\n"
+        "}\n"
+    )
+    cmd = ["g++", "-std=c++17", "-Wall", "-Werror", f"-I{INCLUDE}", *(f"-I{d}" for d in inc), "-c", str(src)]
+    res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert res.returncode == 0, res.stderr
+
+
+# ---------------------------------------------------------------------------------------- NVRTC
+def _find_nvrtc() -> str | None:
+    """libnvrtc: $CUDIST_NVRTC_LIBRARY, the nvidia-cuda-nvrtc wheel, the toolkit, or the loader path."""
+    cands = [os.environ.get("CUDIST_NVRTC_LIBRARY", "")]
+    for entry in sys.path:
+        cands += sorted(glob.glob(os.path.join(entry, "nvidia", "*", "lib", "libnvrtc.so*")))
+    nvcc = _nvcc()
+    if nvcc:
+        root = Path(os.path.realpath(nvcc)).parent.parent
+        cands += sorted(glob.glob(str(root / "lib64" / "libnvrtc.so*")))
+        cands += sorted(glob.glob(str(root / "targets" / "*" / "lib" / "libnvrtc.so*")))
+    cands.append(ctypes.util.find_library("nvrtc") or "")
+    for c in cands:
+        if c and "builtins" not in c and "alt" not in Path(c).name and (os.path.isfile(c) or "/" not in c):
+            return c
+    return None
+
+
+def _load_nvrtc(path: str):
+    # libnvrtc dlopens its builtins library by name; preload the one next to it.
+    for b in sorted(glob.glob(os.path.join(os.path.dirname(path), "libnvrtc-builtins.so*"))):
+        if ".alt." not in b:
+            ctypes.CDLL(b, mode=ctypes.RTLD_GLOBAL)
+    lib = ctypes.CDLL(path)
+    lib.nvrtcGetErrorString.restype = ctypes.c_char_p
+    return lib
+
+
+@pytest.mark.skipif(_find_nvrtc() is None, reason="needs libnvrtc (pip install nvidia-cuda-nvrtc, or the CUDA toolkit)")
+def test_nvrtc_compiles_every_name_expression():
+    """The source the cupy backend hands to RawModule compiles under NVRTC (__CUDACC_RTC__, no host
+    headers) with CuPy's forced -ftz=true, and every name expression resolves to a kernel."""
+    inc = _cuda_include_dirs()
+    if not inc:
+        pytest.skip("CUDA headers (cuda_fp16.h) not found; CuPy supplies them at run time")
+    lib = _load_nvrtc(_find_nvrtc())
+    prog = ctypes.c_void_p()
+    source = b"#include <cudist/kernels/kernels.cuh>\n"
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), source, b"cudist.cu", 0, None, None) == 0
+    try:
+        names = [n.encode() for n in _instantiations(packed=False)]
+        for n in names:
+            assert lib.nvrtcAddNameExpression(prog, n) == 0
+        opts = [b"-std=c++17", f"-I{INCLUDE}".encode(), *(f"-I{d}".encode() for d in inc)]
+        opts += [b"-arch=compute_80", b"-ftz=true"]
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        assert rc == 0, f"NVRTC failed ({lib.nvrtcGetErrorString(rc).decode()}):\n{log.value.decode()}"
+        lowered = {}
+        for n in names:
+            out = ctypes.c_char_p()
+            assert lib.nvrtcGetLoweredName(prog, n, ctypes.byref(out)) == 0, n
+            lowered[n] = out.value
+        assert all(v and v.startswith(b"_Z") for v in lowered.values()), lowered
+        assert len(set(lowered.values())) == len(names)  # one distinct kernel per (name, dtype)
+        ptx_size = ctypes.c_size_t()
+        assert lib.nvrtcGetPTXSize(prog, ctypes.byref(ptx_size)) == 0
+        ptx = ctypes.create_string_buffer(ptx_size.value)
+        assert lib.nvrtcGetPTX(prog, ptx) == 0
+        text = ptx.value.decode()
+        for v in lowered.values():
+            assert f".entry {v.decode()}(" in text
+        # The kernels move 16-byte vectors, and never contract multiply-adds (NumPy does not).
+        assert "ld.v4" in text or "ld.global.v4" in text
+        assert "fma.rn.f32" not in text and "fma.rn.f64" not in text
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))

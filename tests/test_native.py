@@ -1,0 +1,358 @@
+"""Tests specific to the native backend (the C++ extension ``cudist._core``).
+
+The property tests every backend shares live in test_kernels.py; here: bit-identity with the NumPy
+reference on the parallel and streaming paths, thread counts, the released GIL, concurrent callers,
+overlapping buffers, float16 rounding, the extension's own argument checks, and fork safety.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import cudist
+from cudist import _core
+from cudist._kernels import get_backend
+from cudist._kernels._native import NativeBackend, num_threads, set_num_threads
+from cudist._reduce_util import ReduceOp
+
+DTYPES = ["float16", "float32", "float64", "int32", "int64"]
+FLOATS = ["float16", "float32", "float64"]
+# 2 x 300_001 float32 is ~2.4 MB of traffic: above the inline threshold (1 MiB), so the work is
+# split over several chunks and threads; 300_001 is odd, so the last chunk has a scalar tail.
+BIG = 300_001
+
+
+@pytest.fixture
+def native():
+    return get_backend("native")
+
+
+@pytest.fixture
+def ref():
+    return get_backend("numpy")
+
+
+@pytest.fixture
+def threads():
+    """Restores the thread count after a test changes it."""
+    before = num_threads()
+    yield
+    set_num_threads(before)
+
+
+@pytest.fixture(params=["default", "always"])
+def streaming(request):
+    """Runs a test with the default streaming-store threshold and with streaming forced on."""
+    old = _core.set_streaming_threshold(0) if request.param == "always" else None
+    yield request.param
+    if old is not None:
+        _core.set_streaming_threshold(old)
+
+
+def rand(rng, dtype, shape):
+    dtype = np.dtype(dtype)
+    if dtype.kind == "i":
+        info = np.iinfo(dtype)  # the full range, so sums wrap around
+        return rng.integers(info.min, info.max, size=shape, dtype=dtype, endpoint=True)
+    scale = 100.0 if dtype != np.float16 else 20.0
+    return (rng.standard_normal(shape) * scale).astype(dtype)
+
+
+def assert_bits_equal(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert np.array_equal(a.view(np.uint8), b.view(np.uint8)), f"max abs diff {np.max(np.abs(a.astype(float) - b))}"
+
+
+def test_extension_metadata():
+    assert _core.__version__ == cudist.__version__
+    assert isinstance(get_backend("native"), NativeBackend)
+    assert get_backend("native").name == "native"
+    assert _core.hardware_threads() >= 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_all_reduce_large_matches_reference(native, ref, streaming, dtype, n, op):
+    rng = np.random.default_rng(hash((dtype, n, op.name)) % 2**32)
+    bufs = [rand(rng, dtype, (BIG,)) for _ in range(n)]
+    want = [b.copy() for b in bufs]
+    ref.all_reduce(want, op)
+    got = [b.copy() for b in bufs]
+    native.all_reduce(got, op)
+    for g, w in zip(got, want):
+        assert_bits_equal(g, w)
+    out = np.empty_like(bufs[0])
+    native.reduce_to_one(bufs, op, out=out)
+    assert_bits_equal(out, want[0])
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_updates_large_match_reference(native, ref, streaming, dtype, n):
+    rng = np.random.default_rng(n)
+    w, g = rand(rng, dtype, (BIG,)), rand(rng, dtype, (BIG,))
+    m, v = rand(rng, dtype, (BIG,)), np.abs(rand(rng, dtype, (BIG,)))
+    cases = [
+        ("sgd", 0, dict(lr=0.01)),
+        ("momentum", 1, dict(lr=0.01, momentum=0.9, nesterov=False)),
+        ("momentum", 1, dict(lr=0.01, momentum=0.9, nesterov=True)),
+        ("adam", 2, dict(lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step=5)),
+    ]
+    for method, nslots, kw in cases:
+        results = []
+        for backend in (ref, native):
+            copies = [w.copy() for _ in range(n)]
+            slots = [[s.copy() for _ in range(n)] for s in (m, v)[:nslots]]
+            getattr(backend, method)(copies, *slots, g, **kw)
+            results.append([copies, *slots])
+        for want, got in zip(*results):
+            for a, b in zip(want, got):
+                assert_bits_equal(b, a)
+    for method in ("assign_add", "assign_sub", "assign"):
+        want = getattr(ref, method)([w.copy() for _ in range(n)], g)
+        got = getattr(native, method)([w.copy() for _ in range(n)], g)
+        for a, b in zip(want, got):
+            assert_bits_equal(b, a)
+
+
+@pytest.mark.parametrize("axis", [0, 1, -1])
+def test_all_gather_large_and_empty_pieces(native, axis):
+    rng = np.random.default_rng(3)
+    shapes = {0: [(700, 3, 129), (0, 3, 129), (555, 3, 129)],
+              1: [(40, 7, 1001), (40, 0, 1001), (40, 5, 1001)],
+              -1: [(3, 5, 20_001), (3, 5, 0), (3, 5, 7)]}[axis]
+    bufs = [rand(rng, "float64", s) for s in shapes]
+    assert_bits_equal(native.all_gather(bufs, axis), np.concatenate(bufs, axis=axis))
+
+
+def test_num_threads(threads):
+    set_num_threads(1)
+    assert num_threads() == _core.num_threads() == 1
+    set_num_threads(3)
+    assert num_threads() == 3
+    set_num_threads(0)
+    assert num_threads() == _core.hardware_threads()
+    with pytest.raises(ValueError, match="set_num_threads"):
+        set_num_threads(-1)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
+def test_results_identical_across_thread_counts(native, threads, dtype):
+    rng = np.random.default_rng(11)
+    bufs = [rand(rng, dtype, (BIG,)) for _ in range(4)]
+    grad = rand(rng, dtype, (BIG,))
+    results = []
+    for t in (1, 2, 3, 0):
+        set_num_threads(t)
+        got = [b.copy() for b in bufs]
+        native.all_reduce(got, "mean")
+        if dtype != "int64":
+            native.sgd(got, grad, lr=0.125)
+        results.append(got[3])
+    for r in results[1:]:
+        assert_bits_equal(r, results[0])
+
+
+def test_gil_is_released_during_a_large_kernel():
+    # With a huge switch interval, a thread that holds the GIL keeps it until it blocks, so the
+    # main thread can only run Python while the kernel runs if the kernel released the GIL.
+    dst = np.zeros(1 << 20, np.float32)
+    src = np.ones_like(dst)
+    dsts = (dst,) * 100
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        overlapped = False
+        for _ in range(5):
+            state = {"started": False, "done": False}
+
+            def work():
+                state["started"] = True
+                _core.broadcast(src, dsts)
+                state["done"] = True
+
+            t = threading.Thread(target=work)
+            t.start()
+            while not state["started"]:
+                time.sleep(0.0005)
+            seen_running = not state["done"]
+            t.join()
+            if seen_running:
+                overlapped = True
+                break
+    finally:
+        sys.setswitchinterval(old)
+    assert overlapped, "the main thread never ran while the kernel did: the GIL was not released"
+    assert np.all(dst == 1)
+
+
+def test_concurrent_callers_get_correct_results(native, ref):
+    # Two Python threads call large kernels at once: one gets the pool, the other runs inline.
+    rng = np.random.default_rng(5)
+    inputs = [[rand(rng, "float32", (BIG,)) for _ in range(4)] for _ in range(2)]
+    want = []
+    for bufs in inputs:
+        w = [b.copy() for b in bufs]
+        ref.all_reduce(w, "sum")
+        want.append(w[0])
+    errors = []
+
+    def worker(k):
+        try:
+            for _ in range(10):
+                got = [b.copy() for b in inputs[k]]
+                native.all_reduce(got, "sum")
+                for g in got:
+                    assert_bits_equal(g, want[k])
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(2)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+
+
+@pytest.mark.parametrize("shift", [1, 1000])
+def test_partially_overlapping_buffers(native, ref, shift):
+    rng = np.random.default_rng(shift)
+    n = 4000
+    for backend_out in ("all_reduce", "broadcast", "sgd"):
+        base = rand(rng, "float32", (n + shift,))
+        results = []
+        for backend in (ref, native):
+            x = base.copy()
+            a, b = x[:n], x[shift:]
+            if backend_out == "all_reduce":
+                backend.all_reduce([a, b], "sum")
+            elif backend_out == "broadcast":
+                backend.broadcast(a, [b])
+            else:
+                backend.sgd([b], a, lr=0.5)  # grad overlaps the copy it updates
+            results.append(x)
+        assert_bits_equal(results[1], results[0])
+
+
+def test_same_buffer_twice(native):
+    a = np.arange(10, dtype=np.int32)
+    native.all_reduce([a, a, a], "sum")
+    np.testing.assert_array_equal(a, 3 * np.arange(10))
+    x, y = np.arange(5.0), np.ones(5)
+    out = native.reduce_to_one([x, y], "sum", out=x)
+    assert out is x
+    np.testing.assert_array_equal(x, np.arange(5.0) + 1)
+    w = np.arange(6, dtype=np.float32)
+    native.sgd([w], w, lr=0.5)  # grad is the variable itself
+    np.testing.assert_array_equal(w, np.arange(6, dtype=np.float32) * np.float32(0.5))
+
+
+def test_float16_rounding_and_special_values(native, ref):
+    rng = np.random.default_rng(16)
+    # Every finite float16, as gradients scaled by several magnitudes: the float32 results cover
+    # overflow to inf, subnormals, exact ties and underflow to zero.
+    bits = np.arange(0, 1 << 16, dtype=np.uint16)
+    g = bits.view(np.float16)
+    g = g[np.isfinite(g)].copy()
+    for lr in (1.0, -0.37, 3.1, 1000.0, 1e-3, 2.0**-20):
+        w = rand(rng, "float16", g.shape)
+        with np.errstate(over="ignore"):  # overflowing to inf is part of what is checked
+            want = ref.sgd([w.copy(), w.copy()], g, lr=lr)
+        got = native.sgd([w.copy(), w.copy()], g, lr=lr)
+        assert_bits_equal(got[1], want[1])
+        assert_bits_equal(got[0], want[0])
+    big = np.full(8, 65504, np.float16)
+    tiny = np.full(8, 2.0**-24, np.float16)
+    for bufs in ([big, big], [tiny, tiny, tiny], [big, -big], [tiny, big]):
+        for op in ("sum", "mean"):
+            with np.errstate(over="ignore"):
+                want = ref.reduce_to_one(bufs, op)
+            got = native.reduce_to_one(bufs, op)
+            assert_bits_equal(got, want)
+    nan = native.reduce_to_one([np.full(3, np.nan, np.float16), np.ones(3, np.float16)], "sum")
+    assert np.isnan(nan).all()
+
+
+def test_extension_checks_its_arguments():
+    a = np.ones(4, np.float32)
+    with pytest.raises(TypeError, match="tuple or list"):
+        _core.all_reduce(a, 0)
+    with pytest.raises(ValueError, match="at least one"):
+        _core.all_reduce([], 0)
+    with pytest.raises(TypeError, match="not a numpy.ndarray"):
+        _core.all_reduce([a, [1.0, 2.0]], 0)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        _core.all_reduce([np.ones(4, np.uint8)], 0)
+    with pytest.raises(TypeError, match="byte order"):
+        _core.all_reduce([np.ones(4, ">f4")], 0)
+    with pytest.raises(TypeError, match="dtype float64"):
+        _core.all_reduce([a, np.ones(4)], 0)
+    with pytest.raises(ValueError, match="elements"):
+        _core.all_reduce([a, np.ones(5, np.float32)], 0)
+    with pytest.raises(ValueError, match="C-contiguous"):
+        _core.all_reduce([a, np.ones(8, np.float32)[::2]], 0)
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        _core.all_reduce([a, ro], 0)
+    _core.reduce_to_one([a, ro], 0, np.empty(4, np.float32))  # inputs may be read-only
+    with pytest.raises(ValueError, match="op must be"):
+        _core.all_reduce([a], 2)
+    with pytest.raises(TypeError, match="floating-point"):
+        _core.sgd([np.ones(4, np.int32)], np.ones(4, np.int32), 0.1)
+    with pytest.raises(ValueError, match="velocities"):
+        _core.momentum([a], [a, a], a, 0.1, 0.9, False)
+    with pytest.raises(ValueError, match="out of range"):
+        _core.all_gather([a], 1)
+
+
+def test_fast_path_falls_back_to_the_contract_messages(native):
+    a = np.ones((2, 3), np.float32)
+    with pytest.raises(TypeError, match="replica 1 has dtype float64"):
+        native.all_reduce([a, np.ones((2, 3))])
+    with pytest.raises(ValueError, match=r"replica 1 has shape \(3, 2\)"):
+        native.all_reduce([a, np.ones((3, 2), np.float32)])
+    ro = np.ones((2, 3), np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="replica 1 is read-only"):
+        native.all_reduce([a, ro], ReduceOp.MEAN)
+    with pytest.raises(ValueError, match="empty"):
+        native.all_reduce([])
+    b = np.full((2, 3), 3, np.float32)
+    assert native.all_reduce((a, b), "MEAN") == (a, b)
+    np.testing.assert_array_equal(a, 2)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # 3.12+ warns on forking with threads
+def test_kernels_work_in_a_forked_child(native, threads):
+    set_num_threads(2)
+    bufs = [np.full(1 << 20, 1.5, np.float32) for _ in range(3)]
+    native.all_reduce(bufs, "sum")  # the pool's workers now exist in the parent
+    pid = os.fork()
+    if pid == 0:  # child: its pool has no workers; the kernels must run, not wait for them
+        ok = False
+        try:
+            native.all_reduce(bufs, "sum")
+            ok = bool(np.all(bufs[0] == 13.5))
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung in a native kernel")
+        time.sleep(0.01)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
