@@ -230,6 +230,31 @@ def test_compare_tf_without_tensorflow_is_skipped(tmp_path, capsys, monkeypatch)
     assert all(r["api"] == "kernel" for r in _rows(doc))
 
 
+def test_json_to_stdout_keeps_stdout_pure(capsys):
+    assert main(["broadcast", *TINY, "--backend", "numpy", "--json", "-"]) == 0
+    captured = capsys.readouterr()
+    doc = json.loads(captured.out)
+    assert [r["size"] for r in _rows(doc)] == [4 << 10, 16 << 10]
+    assert "# Out of bounds values : 0 OK" in captured.err
+
+
+def test_time_calls_budget_limits_slow_points():
+    import time
+
+    from cudist.bench._timing import time_calls
+
+    calls = []
+
+    def slow():
+        calls.append(1)
+        time.sleep(0.01)
+
+    samples = time_calls(slow, 100, 1, budget_s=0.02)
+    assert len(samples) == 5 and len(calls) == 6  # the floor of 5 timed iterations, plus the warm-up
+    assert all(s >= 0.01e9 for s in samples)
+    assert len(time_calls(lambda: None, 50, 2, budget_s=1.0)) == 50
+
+
 def test_progress_line_fallback(capsys):
     from cudist.bench._progress import Progress
 

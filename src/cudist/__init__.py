@@ -42,13 +42,14 @@ _EXPORTS = {
     "ValueContext": "_input_lib",
     "DistributedDataset": "_input_lib",
     "DistributedIterator": "_input_lib",
+    "DistributedDatasetsFromFunction": "_input_lib",
     "CrossDeviceOps": "_cross_device_ops",
     "ReductionToOneDevice": "_cross_device_ops",
     "HierarchicalCopyAllReduce": "_cross_device_ops",
     "NcclAllReduce": "_cross_device_ops",
     "P2PAllReduce": "_cross_device_ops",
 }
-_SUBMODULES = ("data", "config", "experimental")
+_SUBMODULES = ("data", "config", "experimental", "errors")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["get_include", "get_cmake_dir", "__version__"]
 

@@ -38,7 +38,7 @@ class DistributedValues:
         return len(self._values)
 
     def __repr__(self) -> str:
-        body = "\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
+        body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__}:{{\n{body}\n}}"
 
     __str__ = __repr__

@@ -463,9 +463,7 @@ class Variable(metaclass=_VariableMeta):
         if type(value) is np.ndarray and type(ref) is np.ndarray and value.dtype == ref.dtype and value.shape == ref.shape:
             return value  # the common case, kept cheap: per-step updates of host variables
         what = f"{method} to variable '{self.name}'"
-        arr = _cast(value, self.dtype, what)
-        ref = self._array
-        arr = _like(arr, ref)
+        arr = _like(_cast(value, self.dtype, what), ref)
         if method == "assign":
             if not _compatible(self._shape_spec, arr.shape) or (self._shape_spec is None and arr.shape != ref.shape):
                 raise ValueError(

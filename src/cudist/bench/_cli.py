@@ -192,6 +192,12 @@ class Context:
     # --------------------------------------------------------------- header
     def backends(self) -> list:
         """The backends to run, loaded; unavailable ones named in --backend are an error."""
+        if getattr(self, "_backends", None) is not None:
+            return self._backends
+        self._backends = self._load_backends()
+        return self._backends
+
+    def _load_backends(self) -> list:
         from cudist._kernels import BackendUnavailableError, available_backends, get_backend
 
         want = self.args.backend
@@ -489,7 +495,8 @@ def main(argv=None) -> int:
         args._argv = argv
     if args.tf_python is None:
         args.tf_python = os.environ.get("CUDIST_BENCH_TF_PYTHON") or None
-    ctx = Context(args)
+    # With --json -, stdout carries only the JSON document; the human-readable table goes to stderr.
+    ctx = Context(args, out=sys.stderr if args.json == "-" else None)
     t0 = time.monotonic()
     try:
         if args.command in KERNEL_OPS:

@@ -284,6 +284,9 @@ def run_step(ctx) -> list:
             ctx.print(_step_line(row))
     if a.api in ("strategy", "both"):
         rows += _strategy_step(ctx, params, shards, ref, nparams)
+    if a.compare == "tf":
+        ctx.print("# tf: no TensorFlow counterpart for step (it would time Keras, not the strategy); use run-overhead "
+                  "and the kernel subcommands with --compare tf")
     ctx.add_table("step", rows, replicas=n, iters=a.iters, warmup=a.warmup_iters)
     return rows
 

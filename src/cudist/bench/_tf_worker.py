@@ -128,8 +128,20 @@ def _update(strategy, opt, host, count, dt, mode, rng):
                                             beta1=tf.constant(0.9, dt), beta2=tf.constant(0.999, dt),
                                             epsilon=tf.constant(1e-7, dt), grad=grad)
 
-    call = _wrap(lambda grad: strategy.extended.update(w, apply, args=(m, v, grad), group=True), mode)
-    return (lambda: call(g)), None
+    def step(grad):
+        strategy.extended.update(w, apply, args=(m, v, grad), group=True)
+
+    call = _wrap(step, mode)
+    check = None
+    if opt == "sgd":
+        expect = (w0 - np.asarray(lr) * host[1]).astype(w0.dtype)
+
+        def check():
+            w.assign(w0)
+            call(g)
+            return sum(_wrong(c, expect) for c in strategy.experimental_local_results(w))
+
+    return (lambda: call(g)), check
 
 
 def overhead_rows(spec):
