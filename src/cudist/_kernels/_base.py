@@ -66,7 +66,7 @@ class KernelBackend:
             )
         if not a.flags.c_contiguous:
             raise ValueError(f"{where}: {what} is not C-contiguous")
-        if writable and not a.flags.writeable:
+        if writable and not getattr(a.flags, "writeable", True):  # CuPy arrays have no such flag
             raise ValueError(f"{where}: {what} is read-only but is written by this operation")
         return a
 

@@ -113,12 +113,6 @@ class CupyBackend(KernelBackend):
         self._sms: dict[int, int] = {}
         self._source: str | None = None
 
-    # ------------------------------------------------------------------ validation
-    def _check_array(self, where, what, a, *, writable):
-        # CuPy arrays have no read-only flag (``flags`` has no ``writeable``): device memory is
-        # always writeable, so only the dtype / contiguity checks apply.
-        return super()._check_array(where, what, a, writable=False)
-
     # ------------------------------------------------------------------ compilation and launch
     def _function(self, device: int, dtype, kernel: str):
         dtype = np.dtype(dtype)

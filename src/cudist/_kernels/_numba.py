@@ -436,14 +436,21 @@ def _args(header, arrays):
     """The int64 argument block: ``header`` (up to _HDR values; slot 7 gets the itemsize) then
     the addresses of ``arrays`` (which all share one dtype and shape)."""
     k = len(arrays)
-    args = np.empty(_HDR + k, np.int64)
+    if arrays[0].dtype == np.float16:  # Numba has no float16 arrays; the addresses are the same
+        arrays = tuple(a.view(np.uint16) for a in arrays)
+    # Room for whole groups of 8; the padding repeats an address, which the overlap check allows.
+    args = np.empty(_HDR + (k + 7) // 8 * 8, np.int64)
     args[: len(header)] = header
     args[7] = arrays[0].itemsize
     for i in range(0, k, 8):
         grp = arrays[i : i + 8]
-        if len(grp) < 8:  # pad with a repeat so one specialisation serves every count
-            grp = grp + (grp[0],) * (8 - len(grp))
-        _pack8(args, _HDR + i, *grp)
+        if all(a.flags.writeable for a in grp):
+            if len(grp) < 8:  # pad with a repeat so one specialisation serves every count
+                grp = grp + (grp[0],) * (8 - len(grp))
+            _pack8(args, _HDR + i, *grp)
+        else:  # read-only arrays are another Numba type; not worth a specialisation per pattern
+            for j in range(8):
+                args[_HDR + i + j] = grp[min(j, len(grp) - 1)].ctypes.data
     return args
 
 
