@@ -26,7 +26,7 @@ class CallCounter:
         backend = _cpu_backend()
         real = getattr(backend, method)
 
-        def spy(bufs, *a, **k):
+        def spy(bufs, *a, **k):  # the public method or the hook the strategies call
             self.calls.append(tuple(b.size for b in bufs))
             return real(bufs, *a, **k)
 
@@ -115,7 +115,7 @@ def test_hundred_small_gradients_cost_one_reduce_call(monkeypatch):
 
 
 def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
-    spy = CallCounter(monkeypatch, "all_reduce")
+    spy = CallCounter(monkeypatch, "_all_reduce")
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(2)
     grads = [[rng.standard_normal(5).astype(np.float32) for _ in range(100)] for _ in range(2)]
@@ -127,7 +127,7 @@ def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
 
 
 def test_one_kernel_call_per_dtype_and_pack(monkeypatch):
-    spy = CallCounter(monkeypatch, "all_reduce")
+    spy = CallCounter(monkeypatch, "_all_reduce")
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     mixed = [np.ones(4, np.float32), np.ones(2, np.int64), np.ones(3, np.float32), np.ones(1, np.int64)]
     s.run(lambda: cudist.get_replica_context().all_reduce("sum", mixed))

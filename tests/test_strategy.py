@@ -141,6 +141,12 @@ def test_run_splits_per_replica_arguments(strategy):
         np.testing.assert_array_equal(local[i], np.full(3, 10.0 * (i + 1)))
 
 
+def test_run_with_too_few_components_raises():
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    with pytest.raises(ValueError, match="with 2 component\\(s\\), but the strategy has 3 replicas"):
+        s.run(lambda x: x, args=(PerReplica([1, 2]),))
+
+
 def test_run_args_must_be_a_sequence(strategy):
     with pytest.raises(ValueError, match="positional args must be a list or tuple"):
         strategy.run(lambda x: x, args=5)
@@ -261,6 +267,13 @@ def test_reduce_non_distributed_values():
     assert od.reduce("SUM", 3.0, axis=None) == 3.0
     assert ms.reduce("MEAN", np.array([1.0, 2.0], np.float32), axis=0) == 1.5
     assert od.reduce("MEAN", np.array([1.0, 2.0], np.float32), axis=0) == 1.5
+    # with an axis each replica reduces its own copy first: SUM counts the value once per replica
+    assert ms.reduce("SUM", np.array([1.0, 2.0], np.float32), axis=0) == 6.0
+    np.testing.assert_array_equal(ms.gather(np.array([1.0, 2.0]), axis=0), [1.0, 2.0])
+    int_mean = ms.reduce("MEAN", PerReplica([np.array([1, 2], np.int32)] * 2), axis=0)
+    assert int_mean == 1.5 and int_mean.dtype == np.float64
+    with pytest.raises(ValueError, match="0-d"):
+        ms.run(lambda: cudist.get_replica_context().all_gather(np.float32(1.0), axis=0))
 
 
 def test_reduce_inside_scope_is_allowed(strategy):

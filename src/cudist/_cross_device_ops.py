@@ -13,6 +13,7 @@ and say so clearly when given CPU devices.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -36,18 +37,51 @@ _backend_cache: dict = {}
 
 
 def _cpu_backend():
-    """The kernel backend for host buffers, memoized per ``CUDIST_BACKEND`` setting.
+    """The kernel backend for host buffers (``get_backend()``), chosen once per process.
 
-    ``get_backend()`` re-probes unavailable backends on every call (an import-spec lookup costing
-    microseconds); a collective runs at every training step, so the choice is remembered here.
+    ``get_backend()`` reads ``CUDIST_BACKEND`` and re-probes unavailable backends on every call
+    (microseconds); a collective runs at every training step, so the choice is made when the first
+    collective runs. :func:`_reset_backend_cache` makes a later ``CUDIST_BACKEND`` take effect.
     """
-    key = os.environ.get("CUDIST_BACKEND") or None
-    b = _backend_cache.get(key)
+    b = _backend_cache.get("cpu")
     if b is None:
         from cudist._kernels import get_backend
 
-        b = _backend_cache[key] = get_backend(key)
+        b = _backend_cache["cpu"] = get_backend()
     return b
+
+
+def _reset_backend_cache():
+    """Forgets the chosen CPU backend (tests changing ``CUDIST_BACKEND`` call this)."""
+    _backend_cache.clear()
+
+
+def _array_module(a):
+    """(array module, kernel backend) for a collective over arrays like ``a``.
+
+    Host arrays use the CPU backend; CUDA arrays (CuPy) the ``cupy`` backend, loaded only then.
+    """
+    if type(a) is np.ndarray:
+        return np, _cpu_backend()
+    if hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray):
+        from cudist._kernels import get_backend
+
+        b = get_backend("cupy")
+        return b.xp, b
+    return np, _cpu_backend()
+
+
+def _device_of(a):
+    """A context manager making ``a``'s GPU current (CuPy allocates there); a no-op for host arrays."""
+    dev = getattr(a, "device", None)
+    return dev if hasattr(dev, "__enter__") else contextlib.nullcontext()
+
+
+def _fallback_backend(xp, dt):
+    """The backend for a dtype the preferred one lacks: the NumPy reference on the host; none on GPUs."""
+    if xp is not np:
+        raise TypeError(f"all_reduce: dtype {dt} is not supported by the GPU kernels")
+    return _numpy_backend()
 
 
 def _numpy_backend():
@@ -162,12 +196,12 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
     by_dtype: dict = {}
     for j, a in enumerate(ref):
         by_dtype.setdefault(a.dtype, []).append(j)
-    backend = _cpu_backend()
+    xp, backend = _array_module(ref[0])
     for dt, leaf_ids in by_dtype.items():
         _check_reducible(where, dt)
         int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
         kop = ReduceOp.SUM if int_mean else op
-        b = backend if dt in backend.dtypes else _numpy_backend()
+        b = backend if dt in backend.dtypes else _fallback_backend(xp, dt)
         use_kernel = dt in b.dtypes
         sizes = [ref[j].size for j in leaf_ids]
         for group in _pack_groups(sizes, num_packs):
@@ -176,43 +210,44 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
             bufs = []
             for r in range(n):
                 leaves = per_replica_leaves[r]
-                if len(ids) == 1:
-                    buf = np.array(leaves[ids[0]], dtype=dt, copy=True, order="C").reshape(-1)
-                else:
-                    buf = np.empty(total, dtype=dt)
-                    off = 0
-                    for j in ids:
-                        s = leaves[j].size
-                        buf[off : off + s] = leaves[j].reshape(-1)
-                        off += s
+                with _device_of(leaves[ids[0]]):  # each replica's buffer on its own device
+                    if len(ids) == 1:
+                        buf = xp.array(leaves[ids[0]], dtype=dt, copy=True, order="C").reshape(-1)
+                    else:
+                        buf = xp.empty(total, dtype=dt)
+                        off = 0
+                        for j in ids:
+                            s = leaves[j].size
+                            buf[off : off + s] = leaves[j].reshape(-1)
+                            off += s
                 bufs.append(buf)
             if not all_reduce:
                 red = _reduce_arrays(where, bufs, op) if not use_kernel or n == 1 else b.reduce_to_one(bufs, kop)
                 if int_mean and use_kernel and n > 1:
-                    red = np.true_divide(red, n)
+                    red = xp.true_divide(red, n)
                 results = [red]
             elif via_one and n > 1:
                 red = b.reduce_to_one(bufs, kop) if use_kernel else _reduce_arrays(where, bufs, kop)
                 if int_mean:
-                    red = np.true_divide(red, n)
+                    red = xp.true_divide(red, n)
                     results = [red] + [red.copy() for _ in range(n - 1)]
                 else:
                     if use_kernel:
                         b.broadcast(red, bufs)
                     else:
                         for buf in bufs:
-                            np.copyto(buf, red)
+                            xp.copyto(buf, red)
                     results = bufs
             else:
                 if n > 1:
                     if use_kernel:
-                        b.all_reduce(bufs, kop)
+                        b._all_reduce(bufs, kop)  # fresh valid buffers: the hook, as above
                     else:
                         red = _reduce_arrays(where, bufs, kop)
                         for buf in bufs:
-                            np.copyto(buf, red)
+                            xp.copyto(buf, red)
                 if int_mean:
-                    bufs = [np.true_divide(buf, n) for buf in bufs]
+                    bufs = [xp.true_divide(buf, n) for buf in bufs]
                 results = bufs
             off = 0
             for j in ids:
@@ -231,24 +266,36 @@ def _single_all_reduce(where, op, per_replica_leaves):
     n = len(per_replica_leaves)
     a0 = per_replica_leaves[0][0]
     dt = a0.dtype
+    shape = a0.shape
+    for r in range(1, n):
+        a = per_replica_leaves[r][0]
+        if a.shape != shape or a.dtype != dt:
+            check_same_leaves(where, per_replica_leaves)  # raises, naming the replicas
     if dt.kind not in "iufc":
         _check_reducible(where, dt)
-    shape = a0.shape
-    bufs = [np.array(p[0], dtype=dt, copy=True, order="C").reshape(-1) for p in per_replica_leaves]
+    xp, b = _array_module(a0)
+    if xp is np:
+        bufs = [np.array(p[0], dtype=dt, copy=True, order="C").reshape(-1) for p in per_replica_leaves]
+    else:
+        bufs = []
+        for p in per_replica_leaves:
+            with _device_of(p[0]):
+                bufs.append(xp.array(p[0], dtype=dt, copy=True, order="C").reshape(-1))
     int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
     kop = ReduceOp.SUM if int_mean else op
     if n > 1:
-        b = _cpu_backend()
         if dt not in b.dtypes:
-            b = _numpy_backend()
+            b = _fallback_backend(xp, dt)
         if dt in b.dtypes:
-            b.all_reduce(bufs, kop)
+            # Straight to the backend's hook: these are fresh, valid buffers of one shape and dtype,
+            # so the public method's checks (a few microseconds per step) are skipped.
+            b._all_reduce(bufs, kop)
         else:
             red = _reduce_arrays(where, bufs, kop)
             for buf in bufs:
                 np.copyto(buf, red)
     if int_mean:
-        bufs = [np.true_divide(buf, n) for buf in bufs]
+        bufs = [xp.true_divide(buf, n) for buf in bufs]
     return [[buf.reshape(shape)] for buf in bufs]
 
 
@@ -371,6 +418,8 @@ class CrossDeviceOps:
 
     def _all_reduce(self, op, per_replica_leaves, paths=None):
         """The replica-context all-reduce: ``out[r][j]``, one packed kernel call per dtype and pack."""
+        if len(per_replica_leaves[0]) == 1 and not self._via_one:
+            return _single_all_reduce("all_reduce", op, per_replica_leaves)
         check_same_leaves("all_reduce", per_replica_leaves, paths)
         return packed_reduce(
             "all_reduce", op, per_replica_leaves, num_packs=self.num_packs, all_reduce=True, via_one=self._via_one

@@ -620,8 +620,15 @@ class StrategyExtended:
                 return fn(*args, **kwargs)
             finally:
                 _CTX.reset(token)
-        args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
-        kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
+        try:
+            args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
+            kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
+        except IndexError:
+            sizes = sorted({len(x.values) for x in optree.tree_leaves((args, kwargs), is_leaf=_is_dv) if _is_dv(x)})
+            raise ValueError(
+                f"strategy.run got a DistributedValues argument with {sizes[0]} component(s), "
+                f"but the strategy has {n} replicas"
+            ) from None
         results = _engine().run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers())
         return _regroup_results(results)
 

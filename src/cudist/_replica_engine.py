@@ -12,7 +12,8 @@ once (one packed kernel call) and switches each replica its share of the result.
 
 Errors never hang: if a replica raises, the others -- suspended at a collective or not yet started
 -- are unwound by throwing :class:`_Abort` into them, and the original exception propagates from
-``run``. Replicas that disagree (different collectives, a replica returning while others wait, or
+``run``. A replica reaches a collective by switching ``(kind, payload)`` to its parent greenlet
+(see ``ReplicaContext._collective``). Replicas that disagree (different collectives, a replica returning while others wait, or
 different shapes at the same collective) get an error naming the replicas and what differed.
 """
 
@@ -23,7 +24,7 @@ import threading
 
 import greenlet
 
-__all__ = ["run_replicas", "collective", "ReplicaMismatchError"]
+__all__ = ["run_replicas", "ReplicaMismatchError"]
 
 _DONE, _ERROR, _ABORTED = "done", "error", "aborted"
 
@@ -180,7 +181,3 @@ def _discard(n, pool):
     if pools.get(n) is pool:
         del pools[n]
 
-
-def collective(kind, payload):
-    """Called inside a replica: hands ``payload`` to the caller and waits for this replica's result."""
-    return greenlet.getcurrent().parent.switch((kind, payload))

@@ -28,36 +28,58 @@ namespace cudist {
 
 namespace detail {
 
+/// Reduces the K elements at ``i`` of the ``n_in`` inputs into ``res``. Compile-time trip counts,
+/// so the partial sums of the line live in vector registers.
+template <class T, std::size_t K>
+inline void reduce_line(const T* const* in, std::size_t n_in, std::size_t i, bool mean,
+                        typename arith<T>::acc_t cnt, T* res) noexcept {
+  using A = arith<T>;
+  typename A::acc_t acc[K];
+  const T* p0 = in[0] + i;
+  prefetch(p0);
+  for (std::size_t k = 0; k < K; ++k) acc[k] = A::load(p0[k]);
+  for (std::size_t r = 1; r < n_in; ++r) {
+    const T* p = in[r] + i;
+    prefetch(p);
+    for (std::size_t k = 0; k < K; ++k) acc[k] = A::add(acc[k], A::load(p[k]));
+  }
+  if (mean) {
+    for (std::size_t k = 0; k < K; ++k) acc[k] = A::div_n(acc[k], cnt);
+  }
+  for (std::size_t k = 0; k < K; ++k) res[k] = A::store(acc[k]);
+}
+
 /// Reduces elements [begin, end) of the ``n_in`` inputs and writes the result to the ``n_out``
-/// outputs. Works one cache line of every stream at a time, with compile-time trip counts, so the
-/// line's partial sums live in vector registers and the reads and writes of all streams stay
-/// interleaved as in a per-element loop (which keeps every hardware prefetch stream busy).
+/// outputs.
+///
+/// Without streaming it works one cache line of every stream at a time, so the reads and writes
+/// of all N streams stay interleaved as in a per-element loop (every hardware prefetch stream
+/// stays busy). With streaming it reduces a block into L1 first and then streams the block to
+/// each output, because non-temporal stores need long runs of whole lines to be fast.
 template <class T>
 void reduce_range(const T* const* in, std::size_t n_in, T* const* out, std::size_t n_out, reduce_op op,
                   std::size_t begin, std::size_t end, bool stream) {
   using A = arith<T>;
-  using acc_t = typename A::acc_t;
   constexpr std::size_t K = kLineBytes / sizeof(T);
-  const acc_t cnt = A::count(n_in);
+  constexpr std::size_t B = kBlockBytes / sizeof(T);
+  const auto cnt = A::count(n_in);
   const bool mean = op == reduce_op::mean;
   std::size_t i = begin;
-  for (; i + K <= end; i += K) {
-    acc_t acc[K];
-    const T* p0 = in[0] + i;
-    for (std::size_t k = 0; k < K; ++k) acc[k] = A::load(p0[k]);
-    for (std::size_t r = 1; r < n_in; ++r) {
-      const T* p = in[r] + i;
-      for (std::size_t k = 0; k < K; ++k) acc[k] = A::add(acc[k], A::load(p[k]));
+  if (stream) {
+    alignas(64) T res[B];
+    for (; i + B <= end; i += B) {
+      for (std::size_t j = 0; j < B; j += K) reduce_line<T, K>(in, n_in, i + j, mean, cnt, res + j);
+      for (std::size_t o = 0; o < n_out; ++o) copy_block(out[o] + i, res, sizeof res, true);
     }
-    if (mean) {
-      for (std::size_t k = 0; k < K; ++k) acc[k] = A::div_n(acc[k], cnt);
-    }
+  } else {
     alignas(64) T res[K];
-    for (std::size_t k = 0; k < K; ++k) res[k] = A::store(acc[k]);
-    for (std::size_t o = 0; o < n_out; ++o) store_line<T, K>(out[o] + i, res, stream);
+    for (; i + K <= end; i += K) {
+      reduce_line<T, K>(in, n_in, i, mean, cnt, res);
+      for (std::size_t o = 0; o < n_out; ++o) store_line<T, K>(out[o] + i, res);
+    }
   }
   for (; i < end; ++i) {
-    acc_t a = A::load(in[0][i]);
+    auto a = A::load(in[0][i]);
     for (std::size_t r = 1; r < n_in; ++r) a = A::add(a, A::load(in[r][i]));
     if (mean) a = A::div_n(a, cnt);
     const T v = A::store(a);

@@ -38,30 +38,42 @@ namespace detail {
 template <class T>
 constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_same<T, half>::value;
 
-/// Shared driver of the updates. ``compute(i, len, out)`` fills ``NSlots`` rows of ``len`` values
-/// (``out[s][k]``, storage type) for elements [i, i+len); row ``s`` is then written to the N copies
-/// of slot ``s``. ``len`` is a compile-time constant (one cache line) except at the tail, so the
-/// arithmetic vectorises and all streams advance together, line by line. Copy 0 of each slot was
-/// just read, so it is stored normally; copies 1.. stream when the update is large.
+/// Shared driver of the updates. ``compute(i, len, out, at)`` fills ``out[s][at + k]`` (storage
+/// type) for ``k < len`` and each slot ``s`` with the new values of elements [i, i+len);
+/// row ``s`` is then written to the N copies of slot ``s``. ``len`` is a compile-time constant
+/// (one cache line) except at the tail, so the arithmetic vectorises.
+///
+/// Small updates write each line to every copy at once (all streams advance together). Large ones
+/// compute a block into L1, store it normally into copy 0 (just read, so in cache) and stream it
+/// into copies 1.. (write-only: streaming saves reading them first).
 template <class T, std::size_t NSlots, class Compute>
 void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t count, std::size_t n_inputs,
                 thread_pool* pool, Compute&& compute) {
   constexpr std::size_t K = kLineBytes / sizeof(T);
+  constexpr std::size_t B = kBlockBytes / sizeof(T);
   const std::size_t bytes = count * sizeof(T);
-  run_blocks(pool, count, kBlockBytes / sizeof(T), bytes * (n_inputs + NSlots * n), bytes * NSlots * (n - 1),
+  run_blocks(pool, count, B, bytes * (n_inputs + NSlots * n), bytes * NSlots * (n - 1),
              [&](std::size_t b, std::size_t e, bool stream) {
-               alignas(64) T out[NSlots][K];
+               alignas(64) T out[NSlots][B];
                std::size_t i = b;
-               for (; i + K <= e; i += K) {
-                 compute(i, std::integral_constant<std::size_t, K>{}, out);
-                 for (std::size_t s = 0; s < NSlots; ++s) {
-                   store_line<T, K>(slots[s][0] + i, out[s], false);
-                   for (std::size_t c = 1; c < n; ++c) store_line<T, K>(slots[s][c] + i, out[s], stream);
+               if (stream) {
+                 for (; i + B <= e; i += B) {
+                   for (std::size_t j = 0; j < B; j += K) compute(i + j, std::integral_constant<std::size_t, K>{}, out, j);
+                   for (std::size_t s = 0; s < NSlots; ++s) {
+                     std::memcpy(slots[s][0] + i, out[s], sizeof out[s]);
+                     for (std::size_t c = 1; c < n; ++c) copy_block(slots[s][c] + i, out[s], sizeof out[s], true);
+                   }
+                 }
+               } else {
+                 for (; i + K <= e; i += K) {
+                   compute(i, std::integral_constant<std::size_t, K>{}, out, 0);
+                   for (std::size_t s = 0; s < NSlots; ++s)
+                     for (std::size_t c = 0; c < n; ++c) store_line<T, K>(slots[s][c] + i, out[s]);
                  }
                }
-               if (i < e) {
-                 const std::size_t len = e - i;
-                 compute(i, len, out);
+               for (; i < e; i += K) {
+                 const std::size_t len = std::min(K, e - i);
+                 compute(i, len, out, 0);
                  for (std::size_t s = 0; s < NSlots; ++s)
                    for (std::size_t c = 0; c < n; ++c) std::memcpy(slots[s][c] + i, out[s], len * sizeof(T));
                }
@@ -103,13 +115,15 @@ void assign_add(T* const* copies, std::size_t n, std::size_t count, const T* val
   const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
   value = detail::snapshot_if_overlapping<T>(value, {copies}, n, count, keep);
   T* const* const slots[1] = {copies};
-  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
     const T* w = w0 + b;
     const T* x = value + b;
+    detail::prefetch(w);
+    detail::prefetch(x);
     if (negate) {
-      for (std::size_t k = 0; k < len; ++k) out[0][k] = A::store(A::sub(A::load(w[k]), A::load(x[k])));
+      for (std::size_t k = 0; k < len; ++k) out[0][at + k] = A::store(A::sub(A::load(w[k]), A::load(x[k])));
     } else {
-      for (std::size_t k = 0; k < len; ++k) out[0][k] = A::store(A::add(A::load(w[k]), A::load(x[k])));
+      for (std::size_t k = 0; k < len; ++k) out[0][at + k] = A::store(A::add(A::load(w[k]), A::load(x[k])));
     }
   });
 }
@@ -134,13 +148,15 @@ void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, doub
   const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
   grad = detail::snapshot_if_overlapping<T>(grad, {copies}, n, count, keep);
   T* const* const slots[1] = {copies};
-  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
     const T* w = w0 + b;
     const T* g = grad + b;
+    detail::prefetch(w);
+    detail::prefetch(g);
     for (std::size_t k = 0; k < len; ++k) {
       const C wk = static_cast<C>(A::load(w[k]));
       const C gk = static_cast<C>(A::load(g[k]));
-      out[0][k] = static_cast<T>(wk - lr_c * gk);
+      out[0][at + k] = static_cast<T>(wk - lr_c * gk);
     }
   });
 }
@@ -161,17 +177,20 @@ void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t
   const T* v0 = detail::snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
   grad = detail::snapshot_if_overlapping<T>(grad, {copies, velocities}, n, count, keep);
   T* const* const slots[2] = {velocities, copies};
-  detail::run_update<T, 2>(slots, n, count, 3, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+  detail::run_update<T, 2>(slots, n, count, 3, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
     const T* w = w0 + b;
     const T* v = v0 + b;
     const T* g = grad + b;
+    detail::prefetch(w);
+    detail::prefetch(v);
+    detail::prefetch(g);
     for (std::size_t k = 0; k < len; ++k) {
       const C gk = static_cast<C>(A::load(g[k]));
       const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
       const C wk = static_cast<C>(A::load(w[k]));
       const C wn = nesterov ? wk + (mom * vk - lr_c * gk) : wk + vk;
-      out[0][k] = static_cast<T>(vk);
-      out[1][k] = static_cast<T>(wn);
+      out[0][at + k] = static_cast<T>(vk);
+      out[1][at + k] = static_cast<T>(wn);
     }
   });
 }
@@ -195,11 +214,15 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
   const T* v0 = detail::snapshot_if_overlapping<T>(vs[0], {copies, ms, vs}, n, count, keep);
   grad = detail::snapshot_if_overlapping<T>(grad, {copies, ms, vs}, n, count, keep);
   T* const* const slots[3] = {ms, vs, copies};
-  detail::run_update<T, 3>(slots, n, count, 4, pool, [&](std::size_t b, auto len, T (*out)[detail::kLineBytes / sizeof(T)]) {
+  detail::run_update<T, 3>(slots, n, count, 4, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
     const T* w = w0 + b;
     const T* m = m0 + b;
     const T* v = v0 + b;
     const T* g = grad + b;
+    detail::prefetch(w);
+    detail::prefetch(m);
+    detail::prefetch(v);
+    detail::prefetch(g);
     for (std::size_t k = 0; k < len; ++k) {
       const C gk = static_cast<C>(A::load(g[k]));
       const C mk = static_cast<C>(A::load(m[k]));
@@ -207,9 +230,9 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
       const C mn = mk + (gk - mk) * c1;
       const C vn = vk + (gk * gk - vk) * c2;
       const C wn = static_cast<C>(A::load(w[k])) - lr_c * mn / (std::sqrt(vn) + eps);
-      out[0][k] = static_cast<T>(mn);
-      out[1][k] = static_cast<T>(vn);
-      out[2][k] = static_cast<T>(wn);
+      out[0][at + k] = static_cast<T>(mn);
+      out[1][at + k] = static_cast<T>(vn);
+      out[2][at + k] = static_cast<T>(wn);
     }
   });
 }

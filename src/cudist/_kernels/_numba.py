@@ -2,22 +2,25 @@
 
 Design notes (why it looks the way it does):
 
-* Buffers are passed to the kernels as an ``int64`` array of their addresses plus one 0-length
-  "prototype" array that carries the element type. Inside, :func:`_view` turns an address back into
-  a 1-D array. So a kernel is specialised per dtype only, never per number of replicas: the whole
-  backend compiles 8 specialisations (5 dtypes for the reduce/copy kernel, 3 float dtypes for the
-  optimizer kernel), each once per machine thanks to ``cache=True``.
-* One kernel (``_k_reduce``) does all_reduce, reduce_to_one, broadcast, assign, assign_add and
+* Compile cost is kept to one specialisation per dtype and kind of operation, never one per
+  number of replicas or per shape: the buffers reach the kernels as addresses in an ``int64``
+  argument block, and :func:`_view` turns an address back into an array inside the kernel.
+  The per-dtype work functions (``_reduce_*`` for the 5 dtypes, ``_update_*`` for the 3 float
+  dtypes) are compiled as C callbacks (``cfunc``) on first use; the single multi-threaded driver
+  :func:`_k_par` calls them through a function pointer, so the expensive ``parallel=True``
+  compilation happens once, not once per dtype. Everything is cached on disk (``cache=True``).
+* One worker kind (reduce) does all_reduce, reduce_to_one, broadcast, assign, assign_add and
   assign_sub: each is "combine the inputs elementwise in order, write the result to M outputs".
   Work is done in blocks of ``_CHUNK`` elements: a block of the combination is built in a small
-  scratch array (L1/L2-resident) from every input, then written to every output, so main memory
+  cache-resident scratch array from every input, then written to every output, so main memory
   sees each input read once and each output written once, and an output that *is* an input
   (all_reduce in place) is safe.
-* float16 has no Numba arithmetic, so it is stored as ``uint16`` bits and converted in the kernel
-  with the same round-to-nearest-even rule as NumPy's ``npy_float_to_half``; every operation goes
-  through float32 and is rounded back, as NumPy's float16 loops do, so results are bit-identical.
-* Buffers that partially overlap, or are misaligned, are rare and would break the blockwise,
-  multi-threaded scheme; they are handed to the NumPy reference instead.
+* float16 has no Numba arithmetic, so it travels as ``uint16`` bits and is converted in the
+  kernel with NumPy's round-to-nearest-even rule (``npy_floatbits_to_halfbits``); every operation
+  goes through float32 and is rounded back, as NumPy's float16 loops do, so results are
+  bit-identical.
+* Buffers that partially overlap, or are misaligned, would break the blockwise multi-threaded
+  scheme; the driver detects them and the NumPy reference does those (rare) calls instead.
 """
 
 from __future__ import annotations
@@ -364,14 +367,18 @@ def _update_f64(argp, lo, hi):
 
 
 @njit(parallel=True, cache=True)
-def _k_par(fn, args, hp, nthreads):
+def _k_par(fn, args, hp, nthreads, itemsize, mode, size, h2, h3, h4):
     """Runs worker ``fn`` on the operation ``args`` describes, over contiguous block-aligned ranges.
 
     Returns False, doing nothing, when buffers partially overlap or are misaligned (the caller
     then falls back to NumPy): blocks would read data another block or thread already wrote.
     """
-    size = args[1]
-    isz = args[7]
+    args[0] = mode
+    args[1] = size
+    args[2] = h2
+    args[3] = h3
+    args[4] = h4
+    args[7] = isz = itemsize
     nbytes = size * isz
     k = args.size
     for i in range(_HDR, k):
@@ -432,23 +439,25 @@ def _worker(table, dtype) -> int:
     return addr
 
 
-def _args(header, arrays):
-    """The int64 argument block: ``header`` (up to _HDR values; slot 7 gets the itemsize) then
-    the addresses of ``arrays`` (which all share one dtype and shape)."""
+def _args(arrays, writable: bool):
+    """The int64 argument block with the addresses of ``arrays`` (one dtype and shape) filled in.
+
+    The header slots are left for :func:`_k_par` to fill. ``writable``: the caller knows every
+    array is writeable (read-only arrays are another Numba type, so they are packed in Python
+    rather than given a specialisation per pattern).
+    """
     k = len(arrays)
     if arrays[0].dtype == np.float16:  # Numba has no float16 arrays; the addresses are the same
         arrays = tuple(a.view(np.uint16) for a in arrays)
     # Room for whole groups of 8; the padding repeats an address, which the overlap check allows.
     args = np.empty(_HDR + (k + 7) // 8 * 8, np.int64)
-    args[: len(header)] = header
-    args[7] = arrays[0].itemsize
     for i in range(0, k, 8):
         grp = arrays[i : i + 8]
-        if all(a.flags.writeable for a in grp):
+        if writable or all(a.flags.writeable for a in grp):
             if len(grp) < 8:  # pad with a repeat so one specialisation serves every count
                 grp = grp + (grp[0],) * (8 - len(grp))
             _pack8(args, _HDR + i, *grp)
-        else:  # read-only arrays are another Numba type; not worth a specialisation per pattern
+        else:
             for j in range(8):
                 args[_HDR + i + j] = grp[min(j, len(grp) - 1)].ctypes.data
     return args
@@ -471,9 +480,10 @@ class NumbaBackend(KernelBackend):
         size = ref.size
         if size == 0:
             return
-        args = _args((mode, size, len(ins), len(outs)), tuple(ins) + tuple(outs))
+        args = _args(tuple(ins) + tuple(outs), ins is outs)
         moved = ref.nbytes * (len(ins) + len(outs))
-        if not _k_par(_worker(_REDUCE_PY, ref.dtype), args, _NO_HP, _nthreads(moved)):
+        fn = _worker(_REDUCE_PY, ref.dtype)
+        if not _k_par(fn, args, _NO_HP, _nthreads(moved), ref.itemsize, mode, size, len(ins), len(outs), 0):
             fallback()
 
     def _all_reduce(self, bufs, op):
@@ -500,10 +510,12 @@ class NumbaBackend(KernelBackend):
         size = ref.size
         if size == 0:
             return
-        args = _args((mode, size, len(copies), len(s1), len(s2)), tuple(copies) + tuple(s1) + tuple(s2) + (grad,))
+        # Copies and slots were checked writeable; only the gradient may be read-only.
+        args = _args(tuple(copies) + tuple(s1) + tuple(s2) + (grad,), grad.flags.writeable)
         hp = np.array(hp + (0.0,) * (5 - len(hp)), np.float64)
         moved = ref.nbytes * (2 + len(copies) + 2 * len(s1) + 2 * len(s2))
-        if not _k_par(_worker(_UPDATE_PY, ref.dtype), args, hp, _nthreads(moved)):
+        fn = _worker(_UPDATE_PY, ref.dtype)
+        if not _k_par(fn, args, hp, _nthreads(moved), ref.itemsize, mode, size, len(copies), len(s1), len(s2)):
             fallback()
 
     def _sgd(self, copies, grad, lr):

@@ -1,0 +1,331 @@
+"""Data-parallel training of a small MLP with a custom training loop, the tf.distribute way.
+
+This is TensorFlow's "Custom training with tf.distribute.Strategy" tutorial written for cudist:
+the dataset is built with ``cudist.data.Dataset``, distributed with
+``strategy.experimental_distribute_dataset``, the model's variables are created in
+``strategy.scope()``, each replica computes the loss of its share of the global batch (scaled by
+the *global* batch size) and its gradients, the gradients are summed over replicas with one
+``ReplicaContext.all_reduce`` call, and every replica applies the same optimizer update.
+
+The model (forward and backward pass) is plain NumPy: cudist does the distribution, not autodiff.
+
+Because the loss of each replica is scaled by the global batch size, the summed gradients equal
+the gradients of the whole batch: one device and N replicas follow the same trajectory up to
+floating-point summation order. ``tests/test_examples.py`` checks that.
+
+Run::
+
+    python examples/train_mlp.py                                   # MirroredStrategy, 2 CPU replicas
+    python examples/train_mlp.py --strategy one_device
+    python examples/train_mlp.py --strategy mirrored --replicas 4
+    python examples/train_mlp.py --strategy central --replicas 2 --optimizer adam
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+import numpy as np
+
+import cudist
+
+NUM_CLASSES = 4
+NUM_FEATURES = 2
+HIDDEN_UNITS = 32
+
+# Every variable here is updated in replica context with a value that is identical on all replicas
+# (it is computed from all-reduced gradients). ONLY_FIRST_REPLICA aggregation applies replica 0's
+# update once, to every copy, in one fused kernel pass; it is what Keras uses for its optimizer's
+# `iterations` counter. (AUTO/NONE would make each replica write its own copy under
+# MirroredStrategy, and is an error under CentralStorageStrategy, whose single copy must be updated
+# once.)
+UPDATE_ONCE = cudist.VariableAggregation.ONLY_FIRST_REPLICA
+
+
+# ------------------------------------------------------------------------------------------- data
+def make_blobs(num_examples: int, seed: int, dtype=np.float32):
+    """A learnable but not linearly separable classification problem (fixed by ``seed``).
+
+    Eight Gaussian blobs sit evenly on a circle; blob ``k`` belongs to class ``k % 4``, so every
+    class is two blobs on opposite sides of the circle and a linear model cannot separate them.
+
+    Returns:
+        ``(features, labels)``: a ``(num_examples, 2)`` array of ``dtype`` and an int32 array.
+    """
+    rng = np.random.default_rng(seed)
+    blob = rng.integers(0, 2 * NUM_CLASSES, size=num_examples)
+    angle = blob * (2 * np.pi / (2 * NUM_CLASSES))
+    centers = 4.0 * np.stack([np.cos(angle), np.sin(angle)], axis=1)
+    features = centers + 0.7 * rng.standard_normal((num_examples, NUM_FEATURES))
+    return features.astype(dtype), (blob % NUM_CLASSES).astype(np.int32)
+
+
+# ------------------------------------------------------------------------------------------- model
+class MLP:
+    """``logits = relu(x @ w1 + b1) @ w2 + b2``, its variables created in the current strategy scope."""
+
+    def __init__(self, seed: int, dtype):
+        rng = np.random.default_rng(seed + 1)
+        # He initialization for the ReLU layer, Glorot for the output layer.
+        w1 = rng.standard_normal((NUM_FEATURES, HIDDEN_UNITS)) * math.sqrt(2.0 / NUM_FEATURES)
+        w2 = rng.standard_normal((HIDDEN_UNITS, NUM_CLASSES)) * math.sqrt(2.0 / (HIDDEN_UNITS + NUM_CLASSES))
+        self.w1 = cudist.Variable(w1, dtype=dtype, name="dense/kernel", aggregation=UPDATE_ONCE)
+        self.b1 = cudist.Variable(np.zeros(HIDDEN_UNITS), dtype=dtype, name="dense/bias", aggregation=UPDATE_ONCE)
+        self.w2 = cudist.Variable(w2, dtype=dtype, name="dense_1/kernel", aggregation=UPDATE_ONCE)
+        self.b2 = cudist.Variable(np.zeros(NUM_CLASSES), dtype=dtype, name="dense_1/bias", aggregation=UPDATE_ONCE)
+
+    @property
+    def trainable_variables(self) -> list:
+        return [self.w1, self.b1, self.w2, self.b2]
+
+    def forward(self, x):
+        """Logits and the activations the backward pass needs."""
+        z1 = x @ self.w1 + self.b1
+        h = np.maximum(z1, 0)
+        return h @ self.w2 + self.b2, (x, z1, h)
+
+    def backward(self, dlogits, cache) -> list:
+        """Gradients of the loss w.r.t. the trainable variables, given d(loss)/d(logits)."""
+        x, z1, h = cache
+        dw2 = h.T @ dlogits
+        db2 = dlogits.sum(axis=0)
+        dz1 = (dlogits @ self.w2.read_value().T) * (z1 > 0)
+        dw1 = x.T @ dz1
+        db1 = dz1.sum(axis=0)
+        return [dw1, db1, dw2, db2]
+
+
+def softmax_cross_entropy(logits, labels):
+    """Per-example cross-entropy and its gradient w.r.t. the logits (per example, unscaled)."""
+    shifted = logits - logits.max(axis=1, keepdims=True)
+    exp = np.exp(shifted)
+    total = exp.sum(axis=1, keepdims=True)
+    rows = np.arange(len(labels))
+    per_example_loss = np.log(total[:, 0]) - shifted[rows, labels]
+    dlogits = exp / total
+    dlogits[rows, labels] -= 1
+    return per_example_loss, dlogits
+
+
+# ------------------------------------------------------------------------------------------- optimizers
+def _slot(var, name: str, dtype=None, initial=0):
+    """A slot variable shaped like ``var``, distributed the same way (call inside the strategy scope)."""
+    return cudist.Variable(
+        np.full(var.shape, initial, dtype=dtype or var.dtype),
+        name=f"{var.name.split(':')[0]}/{name}",
+        trainable=False,
+        aggregation=UPDATE_ONCE,
+    )
+
+
+class SGDMomentum:
+    """SGD with momentum, Keras's formulation: ``v = momentum * v - lr * g; w += v``.
+
+    ``apply_gradients`` is called in replica context with gradients that are already all-reduced.
+    The variables must have ``ONLY_FIRST_REPLICA`` aggregation (see ``UPDATE_ONCE``).
+    """
+
+    def __init__(self, variables, learning_rate: float, momentum: float):
+        self.learning_rate = learning_rate
+        self.momentum = momentum
+        self.velocities = [_slot(v, "momentum") for v in variables]
+
+    def apply_gradients(self, grads_and_vars):
+        for (grad, var), velocity in zip(grads_and_vars, self.velocities):
+            new_velocity = self.momentum * velocity - self.learning_rate * grad
+            velocity.assign(new_velocity, read_value=False)
+            var.assign_add(new_velocity, read_value=False)
+
+
+class Adam:
+    """Adam, Keras's formulation (bias correction folded into the step size)."""
+
+    def __init__(self, variables, learning_rate: float, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
+        self.learning_rate = learning_rate
+        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
+        self.iterations = cudist.Variable(
+            0, dtype=np.int64, name="iterations", trainable=False, aggregation=UPDATE_ONCE
+        )
+        self.ms = [_slot(v, "m") for v in variables]
+        self.vs = [_slot(v, "v") for v in variables]
+
+    def apply_gradients(self, grads_and_vars):
+        self.iterations.assign_add(1, read_value=False)
+        step = int(self.iterations)
+        lr_t = self.learning_rate * math.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
+        for (grad, var), m, v in zip(grads_and_vars, self.ms, self.vs):
+            new_m = m + (grad - m) * (1 - self.beta_1)
+            new_v = v + (grad * grad - v) * (1 - self.beta_2)
+            m.assign(new_m, read_value=False)
+            v.assign(new_v, read_value=False)
+            var.assign_sub(lr_t * new_m / (np.sqrt(new_v) + self.epsilon), read_value=False)
+
+
+# ------------------------------------------------------------------------------------------- strategy
+def make_strategy(kind: str, replicas: int):
+    """The strategy named on the command line, over ``replicas`` logical CPUs."""
+    from cudist import config
+
+    # Logical CPUs are only ever added: the configuration is process-wide (as in TF), and a caller
+    # (a test, a notebook) may already have configured more.
+    if len(config.list_logical_devices("CPU")) < replicas:
+        cpu = config.list_physical_devices("CPU")[0]
+        config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * replicas)
+    devices = [f"/cpu:{i}" for i in range(replicas)]
+    if kind == "one_device":
+        return cudist.OneDeviceStrategy(devices[0])
+    if kind == "mirrored":
+        return cudist.MirroredStrategy(devices)
+    if kind == "central":
+        return cudist.CentralStorageStrategy(compute_devices=devices, parameter_device="/cpu:0")
+    raise ValueError(f"unknown strategy {kind!r}; expected one_device, mirrored or central")
+
+
+# ------------------------------------------------------------------------------------------- training
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--strategy", choices=["one_device", "mirrored", "central"], default="mirrored")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="number of replicas (logical CPUs); default 1 for one_device, else 2")
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch size, split over the replicas")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--optimizer", choices=["momentum", "adam"], default="momentum")
+    p.add_argument("--learning-rate", type=float, default=None, help="default 0.05 (momentum) or 0.01 (adam)")
+    p.add_argument("--train-examples", type=int, default=2048)
+    p.add_argument("--test-examples", type=int, default=512)
+    p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    p.add_argument("--quiet", action="store_true", help="print nothing")
+    args = p.parse_args(argv)
+    if args.replicas is None:
+        args.replicas = 1 if args.strategy == "one_device" else 2
+    if args.replicas < 1:
+        p.error(f"--replicas must be at least 1, got {args.replicas}")
+    if args.strategy == "one_device" and args.replicas != 1:
+        p.error("--strategy one_device runs one replica; drop --replicas")
+    if args.batch_size < 1 or args.epochs < 0:
+        p.error("--batch-size must be >= 1 and --epochs >= 0")
+    if args.batch_size > args.train_examples:
+        p.error(f"--batch-size {args.batch_size} is larger than --train-examples {args.train_examples}")
+    if args.learning_rate is None:
+        args.learning_rate = 0.05 if args.optimizer == "momentum" else 0.01
+    return args
+
+
+def train(args):
+    """Trains the model as ``args`` (from :func:`parse_args`) say.
+
+    Returns:
+        ``(history, strategy, model)``. ``history`` is a dict of lists with one entry per epoch:
+        ``loss`` (mean training loss over the epoch's steps), ``accuracy`` (training accuracy over
+        the epoch), ``test_loss``, ``test_accuracy``; and ``step_losses`` (every step's loss, in order).
+    """
+    log = (lambda *a: None) if args.quiet else print
+    dtype = np.dtype(args.dtype)
+    GLOBAL_BATCH_SIZE = args.batch_size
+
+    strategy = make_strategy(args.strategy, args.replicas)
+    log(f"strategy: {type(strategy).__name__}, {strategy.num_replicas_in_sync} replica(s); "
+        f"global batch {GLOBAL_BATCH_SIZE}; optimizer {args.optimizer}; dtype {dtype.name}")
+
+    x_train, y_train = make_blobs(args.train_examples, args.seed, dtype)
+    x_test, y_test = make_blobs(args.test_examples, args.seed + 1000, dtype)
+    # drop_remainder: every step sees a full global batch, so scaling by GLOBAL_BATCH_SIZE is exact.
+    train_dataset = (
+        cudist.data.Dataset.from_tensor_slices((x_train, y_train))
+        .shuffle(len(x_train), seed=args.seed)
+        .batch(GLOBAL_BATCH_SIZE, drop_remainder=True)
+    )
+    test_dataset = cudist.data.Dataset.from_tensor_slices((x_test, y_test)).batch(GLOBAL_BATCH_SIZE)
+    train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
+    test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
+
+    with strategy.scope():
+        model = MLP(args.seed, dtype)
+        variables = model.trainable_variables
+        if args.optimizer == "momentum":
+            optimizer = SGDMomentum(variables, args.learning_rate, momentum=0.9)
+        else:
+            optimizer = Adam(variables, args.learning_rate)
+
+    def compute_loss_and_grads(x, y):
+        logits, cache = model.forward(x)
+        per_example_loss, dlogits = softmax_cross_entropy(logits, y)
+        # tf.nn.compute_average_loss(per_example_loss, global_batch_size=GLOBAL_BATCH_SIZE):
+        # each replica's loss is its share of the global mean, so the replicas' gradients add up
+        # to the gradient of the whole batch.
+        loss = per_example_loss.sum() / GLOBAL_BATCH_SIZE
+        grads = model.backward(dlogits / GLOBAL_BATCH_SIZE, cache)
+        correct = np.count_nonzero(logits.argmax(axis=1) == y)
+        return loss, grads, correct
+
+    def train_step(inputs):
+        x, y = inputs
+        loss, grads, correct = compute_loss_and_grads(x, y)
+        grads = cudist.get_replica_context().all_reduce(cudist.ReduceOp.SUM, grads)
+        optimizer.apply_gradients(zip(grads, variables))
+        return loss, correct
+
+    def test_step(inputs):
+        x, y = inputs
+        logits, _ = model.forward(x)
+        per_example_loss, _ = softmax_cross_entropy(logits, y)
+        return per_example_loss.sum(), np.count_nonzero(logits.argmax(axis=1) == y)
+
+    def distributed_train_step(inputs):
+        per_replica_loss, per_replica_correct = strategy.run(train_step, args=(inputs,))
+        return (
+            strategy.reduce(cudist.ReduceOp.SUM, per_replica_loss, axis=None),
+            strategy.reduce(cudist.ReduceOp.SUM, per_replica_correct, axis=None),
+        )
+
+    def distributed_test_step(inputs):
+        per_replica_loss, per_replica_correct = strategy.run(test_step, args=(inputs,))
+        return (
+            strategy.reduce(cudist.ReduceOp.SUM, per_replica_loss, axis=None),
+            strategy.reduce(cudist.ReduceOp.SUM, per_replica_correct, axis=None),
+        )
+
+    history = {"loss": [], "accuracy": [], "test_loss": [], "test_accuracy": [], "step_losses": []}
+    start = time.perf_counter()
+    for epoch in range(args.epochs):
+        epoch_start = time.perf_counter()
+        total_loss, num_batches, correct, seen = 0.0, 0, 0, 0
+        for inputs in train_dist_dataset:
+            loss, batch_correct = distributed_train_step(inputs)
+            history["step_losses"].append(float(loss))
+            total_loss += float(loss)
+            num_batches += 1
+            correct += int(batch_correct)
+            seen += GLOBAL_BATCH_SIZE
+
+        test_loss, test_correct = 0.0, 0
+        for inputs in test_dist_dataset:
+            batch_loss, batch_correct = distributed_test_step(inputs)
+            test_loss += float(batch_loss)
+            test_correct += int(batch_correct)
+
+        history["loss"].append(total_loss / num_batches)
+        history["accuracy"].append(correct / seen)
+        history["test_loss"].append(test_loss / len(x_test))
+        history["test_accuracy"].append(test_correct / len(x_test))
+        log(
+            f"Epoch {epoch + 1}, Loss: {history['loss'][-1]:.6f}, Accuracy: {100 * history['accuracy'][-1]:.2f}%, "
+            f"Test Loss: {history['test_loss'][-1]:.6f}, Test Accuracy: {100 * history['test_accuracy'][-1]:.2f}% "
+            f"({time.perf_counter() - epoch_start:.2f} s)"
+        )
+    log(f"trained {args.epochs} epoch(s) in {time.perf_counter() - start:.2f} s")
+    return history, strategy, model
+
+
+def main(argv=None) -> dict:
+    """Command-line entry point: trains, prints per-epoch results, returns the history (see :func:`train`)."""
+    history, _, _ = train(parse_args(argv))
+    return history
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,488 @@
+"""Every operation of every CPU kernel backend against the NumPy reference, bit for bit.
+
+The contract (``cudist/_kernels/_base.py``) fixes the summation order and the compute types, so the
+CPU backends must agree with NumPy exactly: results are compared as raw bytes, not with a tolerance.
+Data are random (never zeros), over every supported dtype, 1 to 8 replicas, sizes 0, 1, primes
+and sizes larger than one thread's block, 1-D and multi-dimensional.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cudist._kernels import SUPPORTED_DTYPES, get_backend
+from cudist._kernels._numpy import NumpyBackend, reference_reduce
+from cudist._reduce_util import ReduceOp
+
+CPU_BACKENDS = ["numpy", "numba", "native"]
+DTYPES = [d.name for d in SUPPORTED_DTYPES]
+FLOATS = ["float16", "float32", "float64"]
+# 0, 1, small primes, primes around the 8192-element block of the numba backend, and one size
+# larger than a thread's share so the multi-threaded path runs.
+SIZES = [0, 1, 2, 3, 5, 7, 13, 31, 127, 1021, 8191, 8209, 65537, 300007]
+REF = NumpyBackend()
+
+# Few examples each: every example of a new dtype can cost a compile in a fresh cache.
+FAST = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(params=CPU_BACKENDS, scope="module")
+def backend(request):
+    # Not skipped when missing: every CPU backend is part of the package and must load.
+    return get_backend(request.param)
+
+
+def random_array(rng, shape, dtype, *, scale=None):
+    """Random values of ``dtype`` with no zeros; integers span the whole range (sums wrap)."""
+    dt = np.dtype(dtype)
+    if dt.kind == "i":
+        info = np.iinfo(dt)
+        a = rng.integers(info.min, info.max, size=shape, dtype=dt, endpoint=True)
+        a[a == 0] = 1
+        return a
+    scale = {2: 8.0, 4: 1e3, 8: 1e6}[dt.itemsize] if scale is None else scale
+    a = rng.uniform(0.5, 1.0, size=shape) * rng.choice([-1.0, 1.0], size=shape)
+    a *= scale ** rng.uniform(-1.0, 1.0, size=shape)  # several binades, so rounding matters
+    return a.astype(dt)
+
+
+def assert_bitwise(actual, expected, what=""):
+    assert isinstance(actual, np.ndarray), f"{what}: got {type(actual).__name__}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    if actual.tobytes() != expected.tobytes():
+        bad = np.flatnonzero(actual.reshape(-1).view(f"u{actual.itemsize}") != expected.reshape(-1).view(f"u{actual.itemsize}"))
+        i = bad[0]
+        raise AssertionError(
+            f"{what}: {bad.size} of {actual.size} elements differ bitwise; first at flat index {i}: "
+            f"{actual.reshape(-1)[i]!r} != {expected.reshape(-1)[i]!r}"
+        )
+
+
+@st.composite
+def shapes(draw):
+    size = draw(st.sampled_from(SIZES))
+    if size > 1 and draw(st.booleans()):
+        # A multi-dimensional shape of the same size: size x 1 or a split of a composite.
+        return draw(st.sampled_from([(size, 1), (1, size), (1, size, 1)]))
+    if draw(st.booleans()):
+        return draw(st.sampled_from([(3, 4), (2, 3, 5), (6, 7, 11), (16, 1024, 3)]))
+    return (size,)
+
+
+case = dict(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 8),
+    shape=shapes(),
+    seed=st.integers(0, 2**32 - 1),
+)
+
+
+# ---------------------------------------------------------------------------- collectives
+@FAST
+@given(op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN, "sum", "Mean"]), **case)
+def test_all_reduce_matches_reference(backend, op, dtype, n, shape, seed):
+    rng = np.random.default_rng(seed)
+    bufs = [random_array(rng, shape, dtype) for _ in range(n)]
+    expected = reference_reduce([b.copy() for b in bufs], ReduceOp.parse(op))
+    out = backend.all_reduce(bufs, op)
+    assert isinstance(out, tuple) and len(out) == n
+    for i, (o, b) in enumerate(zip(out, bufs)):
+        assert o is b, "all_reduce reduces in place and returns the same buffers"
+        assert_bitwise(b, expected, f"{backend.name} all_reduce {op} replica {i}")
+
+
+@FAST
+@given(op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN]), out_kind=st.sampled_from(["new", "given", "replica"]), **case)
+def test_reduce_to_one_matches_reference(backend, op, out_kind, dtype, n, shape, seed):
+    rng = np.random.default_rng(seed)
+    bufs = [random_array(rng, shape, dtype) for _ in range(n)]
+    before = [b.copy() for b in bufs]
+    expected = reference_reduce(before, op)
+    if out_kind == "new":
+        out = backend.reduce_to_one(bufs, op)
+    elif out_kind == "given":
+        given_out = random_array(rng, shape, dtype)
+        out = backend.reduce_to_one(bufs, op, out=given_out)
+        assert out is given_out
+    else:
+        out = backend.reduce_to_one(bufs, op, out=bufs[-1])
+        assert out is bufs[-1]
+    assert_bitwise(out, expected, f"{backend.name} reduce_to_one {op}")
+    untouched = bufs[:-1] if out_kind == "replica" else bufs
+    for i, (b, b0) in enumerate(zip(untouched, before)):
+        assert_bitwise(b, b0, f"input {i} must not change")
+
+
+@FAST
+@given(src_kind=st.sampled_from(["separate", "first_dst", "read_only"]), **case)
+def test_broadcast_copies_into_every_destination(backend, src_kind, dtype, n, shape, seed):
+    rng = np.random.default_rng(seed)
+    dsts = [random_array(rng, shape, dtype) for _ in range(n)]
+    src = random_array(rng, shape, dtype)
+    if src_kind == "first_dst":
+        src = dsts[0]
+    elif src_kind == "read_only":
+        src.flags.writeable = False
+    expected = src.copy()
+    out = backend.broadcast(src, dsts)
+    assert isinstance(out, tuple) and all(o is d for o, d in zip(out, dsts))
+    for i, d in enumerate(dsts):
+        assert_bitwise(d, expected, f"{backend.name} broadcast dst {i}")
+    assert_bitwise(src, expected, "src must not change")
+
+
+@FAST
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 8),
+    rank=st.integers(1, 3),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_all_gather_concatenates_in_replica_order(backend, dtype, n, rank, data, seed):
+    rng = np.random.default_rng(seed)
+    axis = data.draw(st.integers(-rank, rank - 1), label="axis")
+    base = data.draw(st.lists(st.integers(1, 5), min_size=rank, max_size=rank), label="base shape")
+    sizes = data.draw(st.lists(st.integers(0, 7), min_size=n, max_size=n), label="sizes along axis")
+    bufs = []
+    for s in sizes:
+        shape = list(base)
+        shape[axis] = s  # partial batches: sizes differ along the gather axis only
+        bufs.append(random_array(rng, tuple(shape), dtype))
+    before = [b.copy() for b in bufs]
+    got = backend.all_gather(bufs, axis=axis)
+    assert_bitwise(got, np.concatenate(before, axis=axis), f"{backend.name} all_gather axis={axis}")
+    for b, b0 in zip(bufs, before):
+        assert_bitwise(b, b0, "inputs must not change")
+
+
+def test_all_gather_default_axis_is_zero(backend):
+    rng = np.random.default_rng(7)
+    bufs = [random_array(rng, (k, 3), "float32") for k in (2, 0, 3)]
+    assert_bitwise(backend.all_gather(bufs), np.concatenate(bufs, axis=0), "all_gather")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_all_reduce_large_multithreaded(backend, dtype, op):
+    # Big enough (>= 4 MiB moved) for the parallel paths, with a ragged last block.
+    rng = np.random.default_rng(11)
+    bufs = [random_array(rng, (300007,), dtype) for _ in range(4)]
+    expected = reference_reduce([b.copy() for b in bufs], op)
+    backend.all_reduce(bufs, op)
+    for i, b in enumerate(bufs):
+        assert_bitwise(b, expected, f"{backend.name} large all_reduce replica {i}")
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_integer_sum_wraps_and_mean_truncates_toward_zero(backend, dtype):
+    info = np.iinfo(dtype)
+    a = np.array([info.max, info.min, -7, 7, -9, 5], dtype)
+    b = np.array([1, -1, -2, 2, 1, -14], dtype)
+    s = [a.copy(), b.copy()]
+    backend.all_reduce(s, "sum")
+    assert s[0].tolist() == [info.min, info.max, -9, 9, -8, -9]  # overflow wraps around
+    m = [a.copy(), b.copy()]
+    backend.all_reduce(m, "mean")
+    # the wrapped sums, halved toward zero (C semantics), not floored
+    assert m[0].tolist() == [info.min // 2, info.max // 2, -4, 4, -4, -4]
+    assert m[1].tolist() == m[0].tolist()
+    three = [np.array([-7, 8, -1], dtype), np.array([-1, 1, -1], dtype), np.array([-3, 1, -1], dtype)]
+    backend.all_reduce(three, "mean")
+    assert three[2].tolist() == [-3, 3, -1]
+
+
+def test_float16_rounds_after_every_addition(backend):
+    # 2048 + 1 is not representable in float16 (ties to even 2048); three ones added one at a
+    # time give 2048 again, while float32 accumulation would give 2051 -> 2052.
+    bufs = [np.array([2048.0, 1.0], np.float16)] + [np.array([1.0, 2048.0], np.float16) for _ in range(3)]
+    backend.all_reduce(bufs, "sum")
+    assert bufs[0].tolist() == [2048.0, 6144.0]
+    assert_bitwise(bufs[3], bufs[0], "float16 replicas")
+
+
+def test_all_reduce_with_the_same_buffer_twice(backend):
+    rng = np.random.default_rng(3)
+    a = random_array(rng, (1000,), "float32")
+    expected = a + a
+    backend.all_reduce([a, a], "sum")
+    assert_bitwise(a, expected, "all_reduce([a, a])")
+
+
+@pytest.mark.parametrize("size", [5, 20000])
+def test_partially_overlapping_buffers_match_reference(backend, size):
+    rng = np.random.default_rng(5)
+    base = random_array(rng, (size + 3,), "float64")
+    ref = base.copy()
+    REF.all_reduce([ref[:size], ref[3:]], "sum")
+    backend.all_reduce([base[:size], base[3:]], "sum")
+    assert_bitwise(base, ref, f"{backend.name} all_reduce of overlapping views")
+    base = random_array(rng, (size + 1,), "float32")
+    ref = base.copy()
+    REF.broadcast(ref[1:], [ref[:size]])
+    backend.broadcast(base[1:], [base[:size]])
+    assert_bitwise(base, ref, f"{backend.name} broadcast between overlapping views")
+
+
+# ---------------------------------------------------------------------------- mirrored updates
+def mirrors(rng, shape, dtype, n, *, positive=False):
+    v = random_array(rng, shape, dtype)
+    if positive:
+        v = np.abs(v)
+    return [v.copy() for _ in range(n)]
+
+
+def check_updates(backend, what, got_lists, exp_lists):
+    for name, got, exp in zip(what, got_lists, exp_lists):
+        for i, (g, e) in enumerate(zip(got, exp)):
+            assert_bitwise(g, e, f"{backend.name} {name} copy {i}")
+
+
+@FAST
+@given(kind=st.sampled_from(["assign", "assign_add", "assign_sub"]), **case)
+def test_assign_family_matches_reference(backend, kind, dtype, n, shape, seed):
+    rng = np.random.default_rng(seed)
+    copies = mirrors(rng, shape, dtype, n)
+    value = random_array(rng, shape, dtype)
+    expected = [c.copy() for c in copies]
+    getattr(REF, kind)(expected, value.copy())
+    out = getattr(backend, kind)(copies, value)
+    assert isinstance(out, tuple) and all(o is c for o, c in zip(out, copies))
+    check_updates(backend, [kind], [copies], [expected])
+
+
+@pytest.mark.parametrize("kind", ["assign_add", "assign_sub"])
+def test_assign_add_reads_copy_zero(backend, kind):
+    # The copies are mirrors, so copy 0 stands for all of them: stale copies are overwritten.
+    rng = np.random.default_rng(2)
+    copies = [random_array(rng, (37,), "float64") for _ in range(3)]
+    value = random_array(rng, (37,), "float64")
+    expected = copies[0] + value if kind == "assign_add" else copies[0] - value
+    getattr(backend, kind)(copies, value)
+    for c in copies:
+        assert_bitwise(c, expected, kind)
+
+
+def test_assign_add_integers_wrap(backend):
+    copies = [np.array([np.iinfo(np.int32).max, 5], np.int32) for _ in range(2)]
+    backend.assign_add(copies, np.array([1, -6], np.int32))
+    assert copies[1].tolist() == [np.iinfo(np.int32).min, -1]
+
+
+float_case = dict(case, dtype=st.sampled_from(FLOATS))
+
+
+@FAST
+@given(lr=st.floats(1e-4, 1.0), **float_case)
+def test_sgd_matches_reference(backend, lr, dtype, n, shape, seed):
+    rng = np.random.default_rng(seed)
+    copies = mirrors(rng, shape, dtype, n)
+    grad = random_array(rng, shape, dtype)
+    expected = [c.copy() for c in copies]
+    REF.sgd(expected, grad, lr=lr)
+    assert backend.sgd(copies, grad, lr=lr) is not None
+    check_updates(backend, ["sgd"], [copies], [expected])
+
+
+@FAST
+@given(lr=st.floats(1e-4, 1.0), momentum=st.floats(0.0, 0.99), nesterov=st.booleans(), **float_case)
+def test_momentum_matches_reference(backend, lr, momentum, nesterov, dtype, n, shape, seed):
+    rng = np.random.default_rng(seed)
+    copies = mirrors(rng, shape, dtype, n)
+    vels = mirrors(rng, shape, dtype, n)
+    grad = random_array(rng, shape, dtype)
+    exp_w, exp_v = [c.copy() for c in copies], [v.copy() for v in vels]
+    REF.momentum(exp_w, exp_v, grad, lr=lr, momentum=momentum, nesterov=nesterov)
+    backend.momentum(copies, vels, grad, lr=lr, momentum=momentum, nesterov=nesterov)
+    check_updates(backend, ["momentum w", "momentum v"], [copies, vels], [exp_w, exp_v])
+
+
+@FAST
+@given(
+    lr=st.floats(1e-4, 0.1),
+    beta_1=st.floats(0.5, 0.99),
+    beta_2=st.floats(0.9, 0.9999),
+    epsilon=st.sampled_from([1e-7, 1e-3]),
+    step=st.integers(1, 10_000),
+    **float_case,
+)
+def test_adam_matches_reference(backend, lr, beta_1, beta_2, epsilon, step, dtype, n, shape, seed):
+    rng = np.random.default_rng(seed)
+    copies = mirrors(rng, shape, dtype, n)
+    ms = mirrors(rng, shape, dtype, n)
+    vs = mirrors(rng, shape, dtype, n, positive=True)  # second moments are never negative
+    grad = random_array(rng, shape, dtype)
+    exp = [[a.copy() for a in x] for x in (copies, ms, vs)]
+    kw = dict(lr=lr, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, step=step)
+    REF.adam(*exp, grad, **kw)
+    backend.adam(copies, ms, vs, grad, **kw)
+    check_updates(backend, ["adam w", "adam m", "adam v"], [copies, ms, vs], exp)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_updates_large_multithreaded(backend, dtype):
+    rng = np.random.default_rng(13)
+    shape = (300007,)
+    w, m, v = mirrors(rng, shape, dtype, 3), mirrors(rng, shape, dtype, 3), mirrors(rng, shape, dtype, 3, positive=True)
+    g = random_array(rng, shape, dtype)
+    exp = [[a.copy() for a in x] for x in (w, m, v)]
+    REF.adam(*exp, g, lr=1e-3, step=7)
+    backend.adam(w, m, v, g, lr=1e-3, step=7)
+    check_updates(backend, ["adam w", "adam m", "adam v"], [w, m, v], exp)
+    ew, ev = [a.copy() for a in w], [a.copy() for a in m]
+    REF.momentum(ew, ev, g, lr=0.05, momentum=0.9, nesterov=True)
+    backend.momentum(w, m, g, lr=0.05, momentum=0.9, nesterov=True)
+    check_updates(backend, ["nesterov w", "nesterov v"], [w, m], [ew, ev])
+
+
+# ---------------------------------------------------------------------------- errors
+def _f32(*shape, seed=0):
+    return random_array(np.random.default_rng(seed), shape, "float32")
+
+
+def test_error_mismatched_shapes(backend):
+    with pytest.raises(ValueError, match=r"replica 1 has shape \(5,\) but replica 0 has shape \(4,\)"):
+        backend.all_reduce([_f32(4), _f32(5)])
+    with pytest.raises(ValueError, match="shape"):
+        backend.reduce_to_one([_f32(4), _f32(4)], out=_f32(3))
+    with pytest.raises(ValueError, match="shape"):
+        backend.broadcast(_f32(3), [_f32(4)])
+    with pytest.raises(ValueError, match="outside the gather axis"):
+        backend.all_gather([_f32(2, 3), _f32(2, 4)], axis=0)
+    with pytest.raises(ValueError, match="grad has shape"):
+        backend.sgd([_f32(4)], _f32(5), lr=0.1)
+
+
+def test_error_mismatched_dtypes(backend):
+    with pytest.raises(TypeError, match="replica 1 has dtype float64 but replica 0 has dtype float32"):
+        backend.all_reduce([_f32(4), _f32(4).astype(np.float64)])
+    with pytest.raises(TypeError, match="dtype"):
+        backend.assign_add([_f32(4)], np.ones(4, np.int32))
+
+
+@pytest.mark.parametrize("dtype", ["complex64", "bool", "uint8", "int16"])
+def test_error_unsupported_dtype(backend, dtype):
+    bufs = [np.ones(4, dtype), np.ones(4, dtype)]
+    with pytest.raises(TypeError, match=f"unsupported dtype {dtype}"):
+        backend.all_reduce(bufs)
+
+
+def test_error_non_contiguous(backend):
+    a = _f32(8)
+    with pytest.raises(ValueError, match="replica 1 is not C-contiguous"):
+        backend.all_reduce([_f32(4), a[::2]])
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        backend.all_reduce([_f32(3, 4).T.copy().T, _f32(3, 4)])
+
+
+def test_error_read_only_output(backend):
+    a = _f32(4)
+    a.flags.writeable = False
+    with pytest.raises(ValueError, match="replica 0 is read-only"):
+        backend.all_reduce([a, _f32(4)])
+    with pytest.raises(ValueError, match="out is read-only"):
+        backend.reduce_to_one([_f32(4)], out=a)
+    with pytest.raises(ValueError, match="read-only"):
+        backend.sgd([_f32(4), a], _f32(4), lr=0.1)
+    assert a.tolist() == _f32(4).tolist(), "a rejected call must not write"
+
+
+def test_error_empty_replica_list(backend):
+    with pytest.raises(ValueError, match="empty list"):
+        backend.all_reduce([])
+    with pytest.raises(ValueError, match="empty list"):
+        backend.all_gather([])
+    with pytest.raises(ValueError, match="empty list"):
+        backend.broadcast(_f32(3), [])
+
+
+@pytest.mark.parametrize("op", ["max", "prod", None, 3])
+def test_error_unknown_op(backend, op):
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        backend.all_reduce([_f32(4), _f32(4)], op)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        backend.reduce_to_one([_f32(4)], op)
+
+
+def test_error_bad_axis(backend):
+    with pytest.raises(ValueError, match="axis 2 is out of range for arrays of rank 2"):
+        backend.all_gather([_f32(2, 3), _f32(2, 3)], axis=2)
+    with pytest.raises(ValueError, match="axis -3 is out of range"):
+        backend.all_gather([_f32(2, 3)], axis=-3)
+    with pytest.raises(TypeError, match="axis must be an int"):
+        backend.all_gather([_f32(2, 3)], axis=0.5)
+    with pytest.raises(ValueError, match="0-d"):
+        backend.all_gather([np.ones((), np.float32)], axis=0)
+
+
+def test_error_non_array_input(backend):
+    with pytest.raises(TypeError, match="replica 1 must be a numpy.ndarray, got list"):
+        backend.all_reduce([_f32(3), [1.0, 2.0, 3.0]])
+    with pytest.raises(TypeError, match="expected a list of replica arrays, got ndarray"):
+        backend.all_reduce(_f32(3))
+    with pytest.raises(TypeError, match="grad must be a numpy.ndarray"):
+        backend.sgd([_f32(3)], 0.5, lr=0.1)
+
+
+@pytest.mark.parametrize("step", [0, -1])
+def test_error_adam_step_below_one(backend, step):
+    w = [_f32(4)]
+    before = w[0].copy()
+    with pytest.raises(ValueError, match=f"step must be >= 1.*got {step}"):
+        backend.adam(w, [_f32(4)], [np.abs(_f32(4))], _f32(4), lr=0.1, step=step)
+    assert_bitwise(w[0], before, "rejected adam must not write")
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_error_integer_dtype_for_optimizers(backend, dtype):
+    c = [np.ones(4, dtype)]
+    with pytest.raises(TypeError, match=f"floating-point dtype, got {dtype}"):
+        backend.sgd(c, np.ones(4, dtype), lr=0.1)
+    with pytest.raises(TypeError, match="floating-point"):
+        backend.momentum(c, [np.ones(4, dtype)], np.ones(4, dtype), lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match="floating-point"):
+        backend.adam(c, [np.ones(4, dtype)], [np.ones(4, dtype)], np.ones(4, dtype), lr=0.1, step=1)
+
+
+def test_error_slot_count_mismatch(backend):
+    with pytest.raises(ValueError, match="2 variable copies but 1 velocity copies"):
+        backend.momentum([_f32(4), _f32(4)], [_f32(4)], _f32(4), lr=0.1, momentum=0.9)
+
+
+def test_backend_metadata(backend):
+    assert backend.name in CPU_BACKENDS
+    assert backend.xp is np
+    assert set(backend.dtypes) <= set(SUPPORTED_DTYPES)
+    assert {np.dtype("float32"), np.dtype("float64"), np.dtype("int32"), np.dtype("int64")} <= set(backend.dtypes)
+
+
+# ---------------------------------------------------------------------------- numba specifics
+def test_numba_supports_every_dtype():
+    assert set(get_backend("numba").dtypes) == set(SUPPORTED_DTYPES)
+
+
+def test_numba_float16_conversions_match_numpy():
+    from cudist._kernels import _numba
+
+    halves = np.arange(1 << 16, dtype=np.uint16)
+    as_f32 = halves.view(np.float16).astype(np.float32)
+    got = np.array([_numba._h2f(h) for h in halves.tolist()], np.float32)
+    finite = ~np.isnan(as_f32)
+    assert_bitwise(got[finite], as_f32[finite], "half -> float")
+    assert np.isnan(got[~finite]).all()
+
+    rng = np.random.default_rng(17)
+    bits = rng.integers(0, 1 << 32, size=20000, dtype=np.uint64).astype(np.uint32)
+    # Also every float16 value and the midpoints between neighbours (the ties), both signs.
+    f = as_f32[finite]
+    mids = ((f[:-1].astype(np.float64) + f[1:]) / 2).astype(np.float32)
+    floats = np.concatenate([bits.view(np.float32), f, mids, np.float32([65520.0, 65519.996, 1e-8, 2.9802322e-08])])
+    floats = floats[~np.isnan(floats)]
+    got = np.array([_numba._f2h(np.float32(x)) for x in floats.tolist()], np.uint16)
+    with np.errstate(over="ignore"):  # large floats become inf, as they should
+        expected = floats.astype(np.float16).view(np.uint16)
+    assert_bitwise(got, expected, "float -> half")
