@@ -172,3 +172,31 @@ def test_reduction_to_one_device_arguments():
     with pytest.raises(TypeError, match="accumulation_fn must be callable"):
         cudist.ReductionToOneDevice(accumulation_fn=3)
     assert "ReductionToOneDevice" in repr(r)
+
+
+def test_backends_agree_bitwise_through_the_strategy(monkeypatch):
+    from cudist._cross_device_ops import _reset_backend_cache
+    from cudist._kernels import available_backends
+
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    rng = np.random.default_rng(9)
+    x = PerReplica([(rng.standard_normal(37) * 3).astype(np.float32) for _ in range(3)])
+
+    def step(v):
+        return cudist.get_replica_context().all_reduce("mean", [v, v * 2])
+
+    results = {}
+    try:
+        for name in [b for b in available_backends() if b != "cupy"]:
+            monkeypatch.setenv("CUDIST_BACKEND", name)
+            _reset_backend_cache()
+            assert _cpu_backend().name == name
+            results[name] = s.experimental_local_results(s.run(step, args=(x,)))
+    finally:
+        monkeypatch.delenv("CUDIST_BACKEND", raising=False)
+        _reset_backend_cache()
+    ref = results.pop("numpy")
+    for name, res in results.items():
+        for r, rr in zip(res, ref):
+            for a, b in zip(r, rr):
+                assert a.tobytes() == b.tobytes(), name

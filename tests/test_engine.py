@@ -190,3 +190,21 @@ def test_runs_from_several_threads():
     assert len(results) == 150
     for k, vals in results:
         assert vals == (3.0 * k + 3.0,) * 3
+
+
+def test_replica_that_refuses_to_unwind_is_dropped():
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+    def fn():
+        if rid() == 1:
+            raise Boom("one")
+        while True:  # swallows every release: the engine gives up on this greenlet, never hangs
+            try:
+                return ctx().all_reduce("sum", 1.0)
+            except BaseException:
+                continue
+
+    with pytest.raises(Boom):
+        s.run(fn)
+    out = s.run(lambda: ctx().all_reduce("sum", 2.0))
+    assert [float(v) for v in s.experimental_local_results(out)] == [4.0, 4.0]

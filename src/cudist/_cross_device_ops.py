@@ -14,7 +14,6 @@ and say so clearly when given CPU devices.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 import optree

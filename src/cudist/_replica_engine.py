@@ -90,13 +90,13 @@ def _describe(ev):
     return f"called {kind}"
 
 
-def _abort(workers, events, skip=None):
+def _abort(workers, events):
     """Unwinds every replica suspended at a collective. Returns False if one refused to unwind."""
     ok = True
     for i, g in enumerate(workers):
-        if i == skip or events[i] is None or events[i][0] in (_DONE, _ERROR, _ABORTED):
+        if events[i] is None or events[i][0] in (_DONE, _ERROR, _ABORTED):
             continue
-        for _ in range(3):
+        for _ in range(3):  # a replica that catches the release and waits again gets it again
             ev = g.throw(_Abort())
             if ev[0] in (_DONE, _ERROR, _ABORTED):
                 break
@@ -147,7 +147,6 @@ def run_replicas(n, frames, fn, args_list, kwargs_list, handlers):
                     if n > 1 and sys.version_info >= (3, 11):
                         exc.add_note(f"(raised in replica {err} of {n})")
                     raise exc
-                first = kinds[0]
                 if any(k != first for k in kinds):
                     groups = {}
                     for i, ev in enumerate(events):
@@ -164,7 +163,8 @@ def run_replicas(n, frames, fn, args_list, kwargs_list, handlers):
                 for i in range(n):
                     events[i] = workers[i].switch(results[i])
                     if events[i][0] == _ERROR:
-                        # Others are resumed anyway only once the error is handled above: unwind them.
+                        # The replicas after it still wait at this collective, their results
+                        # undelivered: unwind them now; the loop above then raises the error.
                         for k in range(i + 1, n):
                             events[k] = workers[k].throw(_Abort())
                         break
