@@ -384,6 +384,13 @@ def test_extended_value_container_and_created_in_scope():
     assert not s.extended.variable_created_in_scope(comp)
 
 
+def test_value_container_of_real_variable_components(strategy):
+    with strategy.scope():
+        v = cudist.Variable(np.float32(1.0), name="vc")
+    for comp in getattr(v, "values", (v,)):
+        assert strategy.extended.value_container(comp) is v
+
+
 def test_extended_flags_and_call_for_each_replica(strategy):
     ext = strategy.extended
     assert ext.experimental_require_static_shapes is False

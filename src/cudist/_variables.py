@@ -30,6 +30,7 @@ import enum
 import inspect
 import itertools
 import threading
+import weakref
 
 import numpy as np
 
@@ -635,6 +636,8 @@ class DistributedVariable(DistributedValues, Variable):
 
     def _setup_distributed(self, strategy, components, *, trainable, synchronization, aggregation):
         DistributedValues.__init__(self, components)
+        for c in components:  # lets extended.value_container(component) find this variable (weakly: no cycle)
+            c._distributed_container = weakref.ref(self)
         self._distribute_strategy = strategy
         self._trainable = trainable
         self._synchronization = synchronization
