@@ -21,7 +21,8 @@ def gpu_count() -> int:
 def pytest_collection_modifyitems(config, items):
     n = None
     for item in items:
-        need = 2 if "multi_gpu" in item.keywords else 1 if "gpu" in item.keywords else 0
+        # Markers, not keywords: a parameter id containing "gpu" must not make a CPU test skip.
+        need = 2 if item.get_closest_marker("multi_gpu") else 1 if item.get_closest_marker("gpu") else 0
         if not need:
             continue
         if n is None:
