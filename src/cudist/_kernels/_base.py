@@ -49,6 +49,10 @@ class KernelBackend:
     #: Array module of the buffers this backend takes (numpy, or cupy for the GPU backend).
     xp = np
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls._dtype_set = frozenset(cls.dtypes)
+
     def __repr__(self) -> str:
         return f"<cudist kernel backend {self.name!r}>"
 
@@ -71,6 +75,22 @@ class KernelBackend:
         return a
 
     def _check_bufs(self, where: str, bufs, *, writable: bool, what: str = "replica", same_shape: bool = True):
+        # Fast path: one loop of cheap checks for the common valid call (a few replicas of small
+        # buffers must cost microseconds); any failure falls through to the detailed checks below,
+        # which name the problem.
+        if type(bufs) in (list, tuple) and bufs:
+            nd = self.xp.ndarray
+            first = bufs[0]
+            if type(first) is nd and first.dtype in self._dtype_set:
+                dt, shape = first.dtype, first.shape
+                for b in bufs:
+                    if type(b) is not nd or b.dtype != dt or (same_shape and b.shape != shape):
+                        break
+                    f = b.flags
+                    if not f.c_contiguous or (writable and not getattr(f, "writeable", True)):
+                        break
+                else:
+                    return tuple(bufs)
         if isinstance(bufs, self.xp.ndarray) or not isinstance(bufs, Sequence):
             raise TypeError(f"{where}: expected a list of {what} arrays, got {type(bufs).__name__}")
         bufs = tuple(bufs)
