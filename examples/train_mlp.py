@@ -4,8 +4,10 @@ This is TensorFlow's "Custom training with tf.distribute.Strategy" tutorial writ
 the dataset is built with ``cudist.data.Dataset``, distributed with
 ``strategy.experimental_distribute_dataset``, the model's variables are created in
 ``strategy.scope()``, each replica computes the loss of its share of the global batch (scaled by
-the *global* batch size) and its gradients, the gradients are summed over replicas with one
-``ReplicaContext.all_reduce`` call, and every replica applies the same optimizer update.
+the *global* batch size) and its gradients, and ``optimizer.apply_gradients`` (a
+``cudist.optimizers`` optimizer, Keras-like) sums the gradients over the replicas in one batched
+reduction and updates every variable once, with one fused kernel pass over all its mirrored copies
+and its slots.
 
 The model (forward and backward pass) is plain NumPy: cudist does the distribution, not autodiff.
 
@@ -31,19 +33,11 @@ import time
 import numpy as np
 
 import cudist
+import cudist.optimizers
 
 NUM_CLASSES = 4
 NUM_FEATURES = 2
 HIDDEN_UNITS = 32
-
-# Every variable here is updated in replica context with a value that is identical on all replicas
-# (it is computed from all-reduced gradients). ONLY_FIRST_REPLICA aggregation applies replica 0's
-# update once, to every copy, in one fused kernel pass; it is what Keras uses for its optimizer's
-# `iterations` counter. (AUTO/NONE would make each replica write its own copy under
-# MirroredStrategy, and is an error under CentralStorageStrategy, whose single copy must be updated
-# once.)
-UPDATE_ONCE = cudist.VariableAggregation.ONLY_FIRST_REPLICA
-
 
 # ------------------------------------------------------------------------------------------- data
 def make_blobs(num_examples: int, seed: int, dtype=np.float32):
@@ -72,10 +66,10 @@ class MLP:
         # He initialization for the ReLU layer, Glorot for the output layer.
         w1 = rng.standard_normal((NUM_FEATURES, HIDDEN_UNITS)) * math.sqrt(2.0 / NUM_FEATURES)
         w2 = rng.standard_normal((HIDDEN_UNITS, NUM_CLASSES)) * math.sqrt(2.0 / (HIDDEN_UNITS + NUM_CLASSES))
-        self.w1 = cudist.Variable(w1, dtype=dtype, name="dense/kernel", aggregation=UPDATE_ONCE)
-        self.b1 = cudist.Variable(np.zeros(HIDDEN_UNITS), dtype=dtype, name="dense/bias", aggregation=UPDATE_ONCE)
-        self.w2 = cudist.Variable(w2, dtype=dtype, name="dense_1/kernel", aggregation=UPDATE_ONCE)
-        self.b2 = cudist.Variable(np.zeros(NUM_CLASSES), dtype=dtype, name="dense_1/bias", aggregation=UPDATE_ONCE)
+        self.w1 = cudist.Variable(w1, dtype=dtype, name="dense/kernel")
+        self.b1 = cudist.Variable(np.zeros(HIDDEN_UNITS), dtype=dtype, name="dense/bias")
+        self.w2 = cudist.Variable(w2, dtype=dtype, name="dense_1/kernel")
+        self.b2 = cudist.Variable(np.zeros(NUM_CLASSES), dtype=dtype, name="dense_1/bias")
 
     @property
     def trainable_variables(self) -> list:
@@ -108,60 +102,6 @@ def softmax_cross_entropy(logits, labels):
     dlogits = exp / total
     dlogits[rows, labels] -= 1
     return per_example_loss, dlogits
-
-
-# ------------------------------------------------------------------------------------------- optimizers
-def _slot(var, name: str, dtype=None, initial=0):
-    """A slot variable shaped like ``var``, distributed the same way (call inside the strategy scope)."""
-    return cudist.Variable(
-        np.full(var.shape, initial, dtype=dtype or var.dtype),
-        name=f"{var.name.split(':')[0]}/{name}",
-        trainable=False,
-        aggregation=UPDATE_ONCE,
-    )
-
-
-class SGDMomentum:
-    """SGD with momentum, Keras's formulation: ``v = momentum * v - lr * g; w += v``.
-
-    ``apply_gradients`` is called in replica context with gradients that are already all-reduced.
-    The variables must have ``ONLY_FIRST_REPLICA`` aggregation (see ``UPDATE_ONCE``).
-    """
-
-    def __init__(self, variables, learning_rate: float, momentum: float):
-        self.learning_rate = learning_rate
-        self.momentum = momentum
-        self.velocities = [_slot(v, "momentum") for v in variables]
-
-    def apply_gradients(self, grads_and_vars):
-        for (grad, var), velocity in zip(grads_and_vars, self.velocities):
-            new_velocity = self.momentum * velocity - self.learning_rate * grad
-            velocity.assign(new_velocity, read_value=False)
-            var.assign_add(new_velocity, read_value=False)
-
-
-class Adam:
-    """Adam, Keras's formulation (bias correction folded into the step size)."""
-
-    def __init__(self, variables, learning_rate: float, beta_1=0.9, beta_2=0.999, epsilon=1e-7):
-        self.learning_rate = learning_rate
-        self.beta_1, self.beta_2, self.epsilon = beta_1, beta_2, epsilon
-        self.iterations = cudist.Variable(
-            0, dtype=np.int64, name="iterations", trainable=False, aggregation=UPDATE_ONCE
-        )
-        self.ms = [_slot(v, "m") for v in variables]
-        self.vs = [_slot(v, "v") for v in variables]
-
-    def apply_gradients(self, grads_and_vars):
-        self.iterations.assign_add(1, read_value=False)
-        step = int(self.iterations)
-        lr_t = self.learning_rate * math.sqrt(1 - self.beta_2**step) / (1 - self.beta_1**step)
-        for (grad, var), m, v in zip(grads_and_vars, self.ms, self.vs):
-            new_m = m + (grad - m) * (1 - self.beta_1)
-            new_v = v + (grad * grad - v) * (1 - self.beta_2)
-            m.assign(new_m, read_value=False)
-            v.assign(new_v, read_value=False)
-            var.assign_sub(lr_t * new_m / (np.sqrt(new_v) + self.epsilon), read_value=False)
 
 
 # ------------------------------------------------------------------------------------------- strategy
@@ -221,7 +161,8 @@ def train(args):
     Returns:
         ``(history, strategy, model)``. ``history`` is a dict of lists with one entry per epoch:
         ``loss`` (mean training loss over the epoch's steps), ``accuracy`` (training accuracy over
-        the epoch), ``test_loss``, ``test_accuracy``; and ``step_losses`` (every step's loss, in order).
+        the epoch), ``test_loss``, ``test_accuracy``; ``step_losses`` (every step's loss, in order) and
+        ``step_seconds`` (every training step's wall time).
     """
     log = (lambda *a: None) if args.quiet else print
     dtype = np.dtype(args.dtype)
@@ -247,9 +188,10 @@ def train(args):
         model = MLP(args.seed, dtype)
         variables = model.trainable_variables
         if args.optimizer == "momentum":
-            optimizer = SGDMomentum(variables, args.learning_rate, momentum=0.9)
+            optimizer = cudist.optimizers.SGD(args.learning_rate, momentum=0.9)
         else:
-            optimizer = Adam(variables, args.learning_rate)
+            optimizer = cudist.optimizers.Adam(args.learning_rate)
+        optimizer.build(variables)  # slots now, in the scope, rather than on the first step
 
     def compute_loss_and_grads(x, y):
         logits, cache = model.forward(x)
@@ -265,7 +207,7 @@ def train(args):
     def train_step(inputs):
         x, y = inputs
         loss, grads, correct = compute_loss_and_grads(x, y)
-        grads = cudist.get_replica_context().all_reduce(cudist.ReduceOp.SUM, grads)
+        # Per-replica gradients: apply_gradients sums them over the replicas (Keras's default).
         optimizer.apply_gradients(zip(grads, variables))
         return loss, correct
 
@@ -289,13 +231,15 @@ def train(args):
             strategy.reduce(cudist.ReduceOp.SUM, per_replica_correct, axis=None),
         )
 
-    history = {"loss": [], "accuracy": [], "test_loss": [], "test_accuracy": [], "step_losses": []}
+    history = {"loss": [], "accuracy": [], "test_loss": [], "test_accuracy": [], "step_losses": [], "step_seconds": []}
     start = time.perf_counter()
     for epoch in range(args.epochs):
         epoch_start = time.perf_counter()
         total_loss, num_batches, correct, seen = 0.0, 0, 0, 0
         for inputs in train_dist_dataset:
+            step_start = time.perf_counter()
             loss, batch_correct = distributed_train_step(inputs)
+            history["step_seconds"].append(time.perf_counter() - step_start)
             history["step_losses"].append(float(loss))
             total_loss += float(loss)
             num_batches += 1
@@ -317,7 +261,8 @@ def train(args):
             f"Test Loss: {history['test_loss'][-1]:.6f}, Test Accuracy: {100 * history['test_accuracy'][-1]:.2f}% "
             f"({time.perf_counter() - epoch_start:.2f} s)"
         )
-    log(f"trained {args.epochs} epoch(s) in {time.perf_counter() - start:.2f} s")
+    step_ms = 1e3 * float(np.median(history["step_seconds"])) if history["step_seconds"] else float("nan")
+    log(f"trained {args.epochs} epoch(s) in {time.perf_counter() - start:.2f} s; median train step {step_ms:.3f} ms")
     return history, strategy, model
 
 

@@ -7,13 +7,20 @@ buffer into several calls (TF's knob for overlapping communication with computat
 packing (one call per value).
 
 On the CPU every replica's memory is host memory, so the "devices" only decide how many copies a
-result gets. GPU devices will route the same packed buffers to the CuPy backend; NCCL and P2P need GPUs
-and say so clearly when given CPU devices.
+result gets. On GPUs the same packed buffers go to the CuPy backend's kernels (``P2PAllReduce``: one
+kernel reading the replicas' buffers over peer access) or to NCCL (``NcclAllReduce``: one
+communicator rank per physical GPU, ``cupy.cuda.nccl``). Logical GPUs carved out of one physical GPU
+cannot be separate ranks of one NCCL communicator, so NCCL falls back to P2P there (its ``repr`` says
+so). The default on GPUs (:class:`AutoGpuAllReduce`) takes P2P for small buffers or a single physical
+GPU and NCCL for large buffers over several. Strategies mixing CPU and GPU devices are refused: their
+replicas would hold arrays of two array modules that no kernel reduces together.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
+import warnings
 
 import numpy as np
 import optree
@@ -29,7 +36,9 @@ __all__ = [
     "NcclAllReduce",
     "P2PAllReduce",
     "KernelAllReduce",
+    "AutoGpuAllReduce",
     "select_cross_device_ops",
+    "gpu_layout",
 ]
 
 _backend_cache: dict = {}
@@ -99,8 +108,20 @@ def to_array(x):
 
 
 def _contig(a):
-    """``a`` as a C-contiguous array, keeping 0-d arrays 0-d (``np.ascontiguousarray`` makes them 1-d)."""
-    return a if a.flags.c_contiguous else np.array(a, order="C")
+    """``a`` as a C-contiguous array, keeping 0-d arrays 0-d (``np.ascontiguousarray`` makes them 1-d).
+
+    A CuPy array is copied on its own device (``ndarray.copy`` allocates on the current one).
+    """
+    if a.flags.c_contiguous:
+        return a
+    if isinstance(a, np.ndarray):
+        return np.array(a, order="C")
+    with _device_of(a):
+        return a.copy(order="C")
+
+
+def _is_device_array(a) -> bool:
+    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
 
 
 def _check_reducible(where, dtype):
@@ -117,6 +138,20 @@ def _reduce_arrays(where, arrs, op):
     _check_reducible(where, dt)
     int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
     kop = ReduceOp.SUM if int_mean else op
+    if _is_device_array(arrs[0]):
+        # GPU arrays: reduced by the CUDA kernels on the first array's GPU (the others are read over
+        # peer access or staged there by the backend).
+        xp, b = _array_module(arrs[0])
+        with _device_of(arrs[0]):
+            if len(arrs) == 1:
+                out = arrs[0].copy()
+            else:
+                if dt not in b.dtypes:
+                    _fallback_backend(xp, dt)  # raises, naming the dtype
+                out = b.reduce_to_one([_contig(a) for a in arrs], kop)
+            if int_mean:
+                out = xp.true_divide(out, len(arrs))
+        return out
     if len(arrs) == 1:
         out = np.array(arrs[0], copy=True)
     else:
@@ -171,7 +206,24 @@ def _pack_groups(sizes, num_packs):
     return groups
 
 
-def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True, via_one=False):
+def _divide(xp, bufs, n):
+    """Integer MEAN: each replica's sum / n as float64 (TF's ``x / n``), computed on its own device."""
+    if xp is np:
+        return [np.true_divide(buf, n) for buf in bufs]
+    out = []
+    for buf in bufs:
+        with _device_of(buf):
+            out.append(xp.true_divide(buf, n))
+    return out
+
+
+def _default_reducer(backend, bufs, op):
+    # Straight to the backend's hook: the callers pass fresh, valid buffers of one shape and dtype,
+    # so the public method's checks (a few microseconds per step) are skipped.
+    backend._all_reduce(bufs, op)
+
+
+def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True, via_one=False, reducer=None):
     """Reduces lists of per-replica arrays, packing leaves of one dtype into one buffer per replica.
 
     Args:
@@ -182,22 +234,28 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
         all_reduce: True gives every replica its own result (``out[r][j]``); False gives one result
             per leaf (``out[j]``).
         via_one: do an all-reduce as reduce-to-one-device then broadcast (ReductionToOneDevice).
+        reducer: ``reducer(backend, bufs, op)`` all-reduces fresh packed buffers in place (SUM or
+            float MEAN); default: the backend's fused all-reduce kernel. NCCL plugs in here.
 
     Returns:
         ``out[r][j]`` (all_reduce) or ``out[j]`` -- views into fresh buffers, never the inputs.
+
+    Host leaves and GPU leaves are packed separately (a nest may hold a Python number next to CuPy
+    arrays); each GPU replica's buffer is allocated on that replica's GPU.
     """
     n = len(per_replica_leaves)
     ref = per_replica_leaves[0]
     m = len(ref)
     if m == 1 and all_reduce and not via_one:
-        return _single_all_reduce(where, op, per_replica_leaves)
+        return _single_all_reduce(where, op, per_replica_leaves, reducer=reducer)
+    reducer = reducer or _default_reducer
     outs = [[None] * m for _ in range(n)] if all_reduce else [None] * m
-    by_dtype: dict = {}
+    groups_by_key: dict = {}
     for j, a in enumerate(ref):
-        by_dtype.setdefault(a.dtype, []).append(j)
-    xp, backend = _array_module(ref[0])
-    for dt, leaf_ids in by_dtype.items():
+        groups_by_key.setdefault((_is_device_array(a), a.dtype), []).append(j)
+    for (on_device, dt), leaf_ids in groups_by_key.items():
         _check_reducible(where, dt)
+        xp, backend = _array_module(ref[leaf_ids[0]])
         int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
         kop = ReduceOp.SUM if int_mean else op
         b = backend if dt in backend.dtypes else _fallback_backend(xp, dt)
@@ -217,19 +275,26 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
                         off = 0
                         for j in ids:
                             s = leaves[j].size
-                            buf[off : off + s] = leaves[j].reshape(-1)
+                            # asarray: a replica's leaf on another GPU (or the host) is moved here first
+                            buf[off : off + s] = (leaves[j] if xp is np else xp.asarray(leaves[j])).reshape(-1)
                             off += s
                 bufs.append(buf)
             if not all_reduce:
-                red = _reduce_arrays(where, bufs, op) if not use_kernel or n == 1 else b.reduce_to_one(bufs, kop)
-                if int_mean and use_kernel and n > 1:
-                    red = xp.true_divide(red, n)
+                if not use_kernel or n == 1:
+                    red = _reduce_arrays(where, bufs, op)
+                else:
+                    with _device_of(bufs[0]):
+                        red = b.reduce_to_one(bufs, kop)
+                        if int_mean:
+                            red = xp.true_divide(red, n)
                 results = [red]
             elif via_one and n > 1:
-                red = b.reduce_to_one(bufs, kop) if use_kernel else _reduce_arrays(where, bufs, kop)
+                with _device_of(bufs[0]):  # the reduction happens on the first replica's device
+                    red = b.reduce_to_one(bufs, kop) if use_kernel else _reduce_arrays(where, bufs, kop)
+                    if int_mean:
+                        red = xp.true_divide(red, n)
                 if int_mean:
-                    red = xp.true_divide(red, n)
-                    results = [red] + [red.copy() for _ in range(n - 1)]
+                    results = [red] + [_copy_like(red, buf) for buf in bufs[1:]]
                 else:
                     if use_kernel:
                         b.broadcast(red, bufs)
@@ -240,13 +305,13 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
             else:
                 if n > 1:
                     if use_kernel:
-                        b._all_reduce(bufs, kop)  # fresh valid buffers: the hook, as above
+                        reducer(b, bufs, kop)
                     else:
                         red = _reduce_arrays(where, bufs, kop)
                         for buf in bufs:
                             xp.copyto(buf, red)
                 if int_mean:
-                    bufs = [xp.true_divide(buf, n) for buf in bufs]
+                    bufs = _divide(xp, bufs, n)
                 results = bufs
             off = 0
             for j in ids:
@@ -260,7 +325,16 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
     return outs
 
 
-def _single_all_reduce(where, op, per_replica_leaves):
+def _copy_like(a, like):
+    """A copy of ``a`` on the device of ``like`` (a plain copy for host arrays)."""
+    if isinstance(a, np.ndarray):
+        return a.copy()
+    xp = _array_module(a)[0]
+    with _device_of(like):
+        return xp.array(a, copy=True)  # copies into the current device
+
+
+def _single_all_reduce(where, op, per_replica_leaves, reducer=None):
     """``packed_reduce`` for one leaf per replica: the per-step common case, kept lean."""
     n = len(per_replica_leaves)
     a0 = per_replica_leaves[0][0]
@@ -286,15 +360,18 @@ def _single_all_reduce(where, op, per_replica_leaves):
         if dt not in b.dtypes:
             b = _fallback_backend(xp, dt)
         if dt in b.dtypes:
-            # Straight to the backend's hook: these are fresh, valid buffers of one shape and dtype,
-            # so the public method's checks (a few microseconds per step) are skipped.
-            b._all_reduce(bufs, kop)
+            if reducer is None:
+                # Straight to the backend's hook: these are fresh, valid buffers of one shape and dtype,
+                # so the public method's checks (a few microseconds per step) are skipped.
+                b._all_reduce(bufs, kop)
+            else:
+                reducer(b, bufs, kop)
         else:
             red = _reduce_arrays(where, bufs, kop)
             for buf in bufs:
                 np.copyto(buf, red)
     if int_mean:
-        bufs = [xp.true_divide(buf, n) for buf in bufs]
+        bufs = _divide(xp, bufs, n)
     return [[buf.reshape(shape)] for buf in bufs]
 
 
@@ -335,26 +412,178 @@ def _to_host(x):
     return np.asarray(x)
 
 
-def _on_destinations(result, devices):
-    """One result per destination device: the array itself for one, a Mirrored of copies for many."""
-    if len(devices) == 1:
+def _place(result, device):
+    """``result`` as an array on ``device`` (canonical name): host for CPUs, that GPU's memory for GPUs.
+
+    Returns ``result`` itself when it already lives there.
+    """
+    spec = _devices.parse_device(device)
+    if not spec.is_gpu:
+        return _to_host(result)
+    gpu = _physical_gpu(spec)
+    from cudist._kernels import get_backend
+
+    cupy = get_backend("cupy").xp
+    if isinstance(result, cupy.ndarray) and result.device.id == gpu:
         return result
-    return Mirrored([result] + [result.copy() for _ in devices[1:]])
+    with cupy.cuda.Device(gpu):
+        return cupy.asarray(result)  # copies host arrays and arrays of other GPUs into this one
 
 
+def _on_destinations(result, devices):
+    """One result per destination device: the array itself for one, a Mirrored of copies for many.
+
+    Host results for CPU destinations stay host arrays (the first is ``result`` itself); GPU
+    destinations get a CuPy array on their physical GPU (``result`` itself where it already is).
+    """
+    if not any(_devices.parse_device(d).is_gpu for d in devices):
+        if len(devices) == 1:
+            return _to_host(result)
+        result = _to_host(result)
+        return Mirrored([result] + [result.copy() for _ in devices[1:]])
+    placed, seen = [], set()
+    for d in devices:
+        p = _place(result, d)
+        if id(p) in seen:  # two logical devices on one physical GPU: each gets its own copy
+            p = _copy_like(p, p)
+        seen.add(id(p))
+        placed.append(p)
+    return placed[0] if len(placed) == 1 else Mirrored(placed)
+
+
+# ---------------------------------------------------------------------------------------------- devices
+def _physical_gpu(spec) -> int:
+    """The physical GPU (CUDA device id) a logical "/gpu:N" device lives on."""
+    from cudist import config
+
+    mapping = config.logical_to_physical_gpu()
+    if spec.device_index >= len(mapping):
+        hint = "" if mapping else " (no GPU is visible through CuPy: is cudist[cuda] installed and a GPU present?)"
+        raise ValueError(f"device {spec.name} does not exist: {len(mapping)} logical GPU(s) are configured{hint}")
+    return mapping[spec.device_index]
+
+
+def gpu_layout(devices):
+    """The physical GPU of each device, or None when every device is a CPU.
+
+    Args:
+        devices: device names (any spelling :func:`cudist._devices.parse_device` accepts).
+
+    Returns:
+        None for CPU devices; for GPU devices a tuple with the CUDA device id of each (logical GPUs
+        split from one physical GPU share its id).
+
+    Raises:
+        ValueError: CPU and GPU devices are mixed, or a GPU does not exist.
+    """
+    specs = [_devices.parse_device(d) for d in devices]
+    gpus = [s for s in specs if s.is_gpu]
+    if not gpus:
+        return None
+    if len(gpus) != len(specs):
+        cpu = next(s for s in specs if not s.is_gpu)
+        raise ValueError(
+            f"cannot mix CPU and GPU devices in one strategy: got {cpu.name!r} and {gpus[0].name!r}; "
+            "replicas on CPUs hold NumPy arrays and replicas on GPUs CuPy arrays, which are not reduced together. "
+            "Use only GPU devices or only CPU devices"
+        )
+    return tuple(_physical_gpu(s) for s in specs)
+
+
+def _describe_layout(physical) -> str:
+    n, p = len(physical), len(set(physical))
+    if n == p:
+        return f"{n} GPU{'s' if n != 1 else ''}"
+    return f"{n} logical GPUs on {p} physical GPU{'s' if p != 1 else ''}"
+
+
+def _nccl_module():
+    """(``cupy.cuda.nccl``, None) when NCCL can be used, else (None, why not)."""
+    try:
+        from cupy.cuda import nccl  # noqa: PLC0415 - only when NCCL is about to be used
+    except Exception as e:  # noqa: BLE001 - no CuPy, or a broken one: say why
+        return None, f"cannot import cupy.cuda.nccl ({type(e).__name__}: {e}); install cudist[cuda]"
+    if not getattr(nccl, "available", False):
+        return None, (
+            "CuPy cannot load the NCCL library (cupy.cuda.nccl.available is False); install NCCL "
+            "(e.g. pip install nvidia-nccl-cu12)"
+        )
+    return nccl, None
+
+
+def _nccl_dtypes(nccl):
+    return {
+        np.dtype(np.float16): nccl.NCCL_FLOAT16,
+        np.dtype(np.float32): nccl.NCCL_FLOAT32,
+        np.dtype(np.float64): nccl.NCCL_FLOAT64,
+        np.dtype(np.int32): nccl.NCCL_INT32,
+        np.dtype(np.int64): nccl.NCCL_INT64,
+    }
+
+
+_comm_lock = threading.Lock()
+_communicators: dict = {}  # tuple of CUDA device ids -> list of NcclCommunicator, one rank per GPU
+
+
+def _communicators_for(nccl, physical):
+    """NCCL communicators over ``physical`` GPUs (distinct), created once per GPU tuple and kept."""
+    key = tuple(physical)
+    comms = _communicators.get(key)
+    if comms is None:
+        with _comm_lock:
+            comms = _communicators.get(key)
+            if comms is None:
+                comms = _communicators[key] = nccl.NcclCommunicator.initAll(list(key))
+    return comms
+
+
+def _nccl_all_reduce(nccl, bufs, op):
+    """All-reduces GPU buffers (one per distinct GPU) in place with NCCL, SUM or MEAN.
+
+    Each rank's call goes on its GPU's current stream, so it is ordered after the copies that
+    filled the buffer and before whatever reads it next, like any CuPy operation. MEAN is the NCCL
+    sum divided by N on each GPU (the kernels' definition; NCCL's own average needs NCCL 2.10).
+    """
+    import cupy  # noqa: PLC0415 - only reached with GPU arrays
+
+    physical = [b.device.id for b in bufs]
+    comms = _communicators_for(nccl, physical)
+    code = _nccl_dtypes(nccl)[bufs[0].dtype]
+    count = bufs[0].size
+    nccl.groupStart()
+    try:
+        for comm, buf in zip(comms, bufs):
+            with buf.device:
+                stream = cupy.cuda.get_current_stream()
+                comm.allReduce(buf.data.ptr, buf.data.ptr, count, code, nccl.NCCL_SUM, stream.ptr)
+    finally:
+        nccl.groupEnd()
+    if op is ReduceOp.MEAN:
+        n = len(bufs)
+        for buf in bufs:
+            with buf.device:
+                cupy.true_divide(buf, buf.dtype.type(n), out=buf)
+
+
+# ---------------------------------------------------------------------------------------------- classes
 class CrossDeviceOps:
     """Base class of cross-device reduction and broadcast algorithms.
 
     Subclasses choose how an all-reduce is carried out; the public methods are the same as TF's.
+    On GPU devices, reductions run on the GPUs and results are CuPy arrays on the destination
+    devices (host arrays for CPU destinations).
     """
 
     #: How many buffers per dtype a batch is packed into (0: no packing).
     num_packs = 1
     _via_one = False
     _needs_gpu = False
+    #: Set by :meth:`_bind` when a strategy chose this op by default: why, for ``repr``.
+    _default_note = None
 
     def __repr__(self) -> str:
-        return f"<cudist.{type(self).__name__} num_packs={self.num_packs}>"
+        extra = f" ({self._default_note})" if self._default_note else ""
+        return f"<cudist.{type(self).__name__} num_packs={self.num_packs}{extra}>"
 
     def _check_devices(self, devices):
         """Raises ValueError if this algorithm cannot run on ``devices`` (canonical names)."""
@@ -366,10 +595,19 @@ class CrossDeviceOps:
                     "cudist.ReductionToOneDevice() or the default cross_device_ops on CPUs"
                 )
 
+    def _bind(self, devices, physical):
+        """Called when a strategy over ``devices`` (physical GPU ids ``physical``, None on CPUs) adopts this op."""
+        del devices, physical
+
+    def _reducer(self, per_replica_leaves):
+        """The all-reduce of packed buffers (see ``packed_reduce``); None: the backend's kernel."""
+        del per_replica_leaves
+        return None
+
     def _values_of(self, where, value):
         if isinstance(value, DistributedValues):
-            return [_to_host(to_array(v)) for v in value.values]
-        return [_to_host(to_array(value))]
+            return [to_array(v) for v in value.values]
+        return [to_array(value)]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         """Reduces ``per_replica_value`` to ``destinations``.
@@ -381,9 +619,17 @@ class CrossDeviceOps:
         op = ReduceOp.parse(reduce_op, where="CrossDeviceOps.reduce")
         devices = resolve_destinations(destinations, "CrossDeviceOps.reduce")
         self._check_devices(devices)
-        comps = self._values_of("reduce", per_replica_value)
+        comps = self._uniform("reduce", self._values_of("reduce", per_replica_value))
         check_same_leaves("reduce", [[c] for c in comps])
         return _on_destinations(_reduce_arrays("reduce", comps, op), devices)
+
+    @staticmethod
+    def _uniform(where, comps):
+        """The components all on GPUs or all on the host: a mix is moved to the host."""
+        dev = [_is_device_array(c) for c in comps]
+        if any(dev) and not all(dev):
+            return [_to_host(c) for c in comps]
+        return comps
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
         """Reduces many (value, destinations) pairs, packed into one kernel call per dtype and pack."""
@@ -398,7 +644,7 @@ class CrossDeviceOps:
         devs = [resolve_destinations(d, "CrossDeviceOps.batch_reduce") for _, d in pairs]
         for d in devs:
             self._check_devices(d)
-        comps = [self._values_of("batch_reduce", v) for v, _ in pairs]
+        comps = [self._uniform("batch_reduce", self._values_of("batch_reduce", v)) for v, _ in pairs]
         n = len(comps[0])
         for j, c in enumerate(comps):
             if len(c) != n:
@@ -412,21 +658,29 @@ class CrossDeviceOps:
         """Copies ``tensor`` to every destination device."""
         devices = resolve_destinations(destinations, "CrossDeviceOps.broadcast")
         self._check_devices(devices)
-        arr = np.array(_to_host(to_array(tensor)), copy=True)
-        return _on_destinations(arr, devices)
+        arr = to_array(tensor)
+        if not any(_devices.parse_device(d).is_gpu for d in devices):
+            return _on_destinations(np.array(_to_host(arr), copy=True), devices)
+        return _on_destinations(_copy_like(arr, arr) if _is_device_array(arr) else arr, devices)
 
     def _all_reduce(self, op, per_replica_leaves, paths=None):
         """The replica-context all-reduce: ``out[r][j]``, one packed kernel call per dtype and pack."""
         if len(per_replica_leaves[0]) == 1 and not self._via_one:
-            return _single_all_reduce("all_reduce", op, per_replica_leaves)
+            return _single_all_reduce("all_reduce", op, per_replica_leaves, reducer=self._reducer(per_replica_leaves))
         check_same_leaves("all_reduce", per_replica_leaves, paths)
         return packed_reduce(
-            "all_reduce", op, per_replica_leaves, num_packs=self.num_packs, all_reduce=True, via_one=self._via_one
+            "all_reduce",
+            op,
+            per_replica_leaves,
+            num_packs=self.num_packs,
+            all_reduce=True,
+            via_one=self._via_one,
+            reducer=self._reducer(per_replica_leaves),
         )
 
 
 class KernelAllReduce(CrossDeviceOps):
-    """The default: one fused all-reduce kernel call per dtype (all of a step's values packed)."""
+    """The default on CPUs: one fused all-reduce kernel call per dtype (all of a step's values packed)."""
 
     def __init__(self, num_packs=1):
         self.num_packs = _check_num_packs(type(self).__name__, num_packs)
@@ -467,23 +721,19 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         self.num_packs = _check_num_packs("HierarchicalCopy", num_packs)
 
 
-class NcclAllReduce(CrossDeviceOps):
-    """NCCL all-reduce (``tf.distribute.NcclAllReduce``); GPU devices only.
-
-    CuPy's NCCL bindings are imported when the first reduction runs, not here.
-    """
-
-    _needs_gpu = True
-
-    def __init__(self, num_packs=1):
-        self.num_packs = _check_num_packs("NCCL all-reduce", num_packs)
-
-    def _all_reduce(self, op, per_replica_leaves, paths=None):
-        raise ValueError("NcclAllReduce needs GPU devices; the replicas hold host (numpy) arrays")
+def _all_device_arrays(per_replica_leaves, name):
+    a = per_replica_leaves[0][0] if per_replica_leaves and per_replica_leaves[0] else None
+    if a is None or not _is_device_array(a):
+        raise ValueError(f"{name} needs GPU devices; the replicas hold host (numpy) arrays")
 
 
 class P2PAllReduce(CrossDeviceOps):
-    """Peer-to-peer all-reduce over GPU memory (cudist extension); GPU devices only."""
+    """Peer-to-peer all-reduce over GPU memory (cudist extension); GPU devices only.
+
+    The CUDA kernels of the CuPy backend read every replica's buffer over peer access (one-shot), or,
+    for large buffers with one replica per GPU, each GPU reduces a chunk and pushes it to the others
+    (two-shot). Works for logical GPUs sharing a physical GPU, where it is a single local kernel.
+    """
 
     _needs_gpu = True
 
@@ -491,18 +741,157 @@ class P2PAllReduce(CrossDeviceOps):
         self.num_packs = _check_num_packs("P2PAllReduce", num_packs)
 
     def _all_reduce(self, op, per_replica_leaves, paths=None):
-        raise ValueError("P2PAllReduce needs GPU devices; the replicas hold host (numpy) arrays")
+        _all_device_arrays(per_replica_leaves, "P2PAllReduce")
+        return super()._all_reduce(op, per_replica_leaves, paths)
+
+
+class NcclAllReduce(CrossDeviceOps):
+    """NCCL all-reduce (``tf.distribute.NcclAllReduce``); GPU devices only.
+
+    One process drives every GPU: a communicator per set of physical GPUs
+    (``cupy.cuda.nccl.NcclCommunicator.initAll``), one grouped ``allReduce`` per packed buffer.
+    Logical GPUs split from one physical GPU cannot be separate ranks of one communicator, so there
+    the P2P kernels are used instead (``repr`` says so, and binding it to such a strategy warns).
+    CuPy's NCCL bindings are imported when the op is bound to GPU devices or first runs, not here.
+    """
+
+    _needs_gpu = True
+    _fallback = None  # why P2P is used instead of NCCL (None: NCCL is used)
+
+    def __init__(self, num_packs=1):
+        self.num_packs = _check_num_packs("NCCL all-reduce", num_packs)
+
+    def __repr__(self) -> str:
+        extra = f" (falls back to P2P: {self._fallback})" if self._fallback else ""
+        return f"<cudist.NcclAllReduce num_packs={self.num_packs}{extra}>"
+
+    def _bind(self, devices, physical):
+        if physical is None:
+            return
+        if len(set(physical)) != len(physical):
+            self._fallback = (
+                f"{_describe_layout(physical)}; logical GPUs on one physical GPU cannot share an NCCL communicator"
+            )
+            warnings.warn(
+                f"NcclAllReduce: {self._fallback}, so the P2P kernels (cudist.P2PAllReduce) do the all-reduce",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        if len(physical) > 1:
+            nccl, why = _nccl_module()
+            if nccl is None:
+                from cudist._kernels import BackendUnavailableError
+
+                raise BackendUnavailableError(f"NcclAllReduce cannot run: {why}; or use cudist.P2PAllReduce()")
+
+    def _reducer(self, per_replica_leaves):
+        _all_device_arrays(per_replica_leaves, "NcclAllReduce")
+        physical = [leaves[0].device.id for leaves in per_replica_leaves]
+        if len(set(physical)) != len(physical):
+            return None  # logical GPUs sharing a GPU: the P2P kernels
+        nccl, why = _nccl_module()
+        if nccl is None:
+            from cudist._kernels import BackendUnavailableError
+
+            raise BackendUnavailableError(f"NcclAllReduce cannot run: {why}; or use cudist.P2PAllReduce()")
+        dtypes = _nccl_dtypes(nccl)
+
+        def reduce(backend, bufs, op):
+            if bufs[0].dtype in dtypes and len({b.device.id for b in bufs}) == len(bufs):
+                _nccl_all_reduce(nccl, bufs, op)
+            else:
+                backend._all_reduce(bufs, op)
+
+        return reduce
+
+
+class AutoGpuAllReduce(CrossDeviceOps):
+    """The default on GPUs: P2P kernels for small buffers, NCCL for large ones over several GPUs.
+
+    On a single physical GPU (including logical GPUs split from it) or without NCCL, everything goes
+    through the P2P kernels. Otherwise a packed buffer of at least :attr:`NCCL_MIN_BYTES` goes
+    through NCCL, a smaller one through the P2P kernels (lower latency: one launch, no NCCL
+    protocol). ``repr`` says which applies.
+    """
+
+    _needs_gpu = True
+    #: Packed buffers of at least this many bytes use NCCL when the replicas are on distinct GPUs.
+    NCCL_MIN_BYTES = 8 << 20
+
+    def __init__(self, devices, physical, num_packs=1):
+        self.num_packs = _check_num_packs("AutoGpuAllReduce", num_packs)
+        self._physical = tuple(physical)
+        self._layout = _describe_layout(self._physical)
+        self._nccl = None
+        distinct = len(set(self._physical)) == len(self._physical) and len(self._physical) > 1
+        if not distinct:
+            self._why = "P2P only" if len(set(self._physical)) == 1 else "P2P only: several logical GPUs per physical GPU"
+        else:
+            nccl, why = _nccl_module()
+            if nccl is None:
+                self._why = f"P2P only: NCCL unavailable ({why})"
+            else:
+                self._nccl = nccl
+                self._why = f"P2P below {_format_bytes(self.NCCL_MIN_BYTES)} per buffer, NCCL from there"
+        self._default_note = f"default for {self._layout}"
+
+    @property
+    def uses_nccl(self) -> bool:
+        """Whether large buffers go through NCCL (several distinct physical GPUs and NCCL available)."""
+        return self._nccl is not None
+
+    def __repr__(self) -> str:
+        return f"<cudist.AutoGpuAllReduce num_packs={self.num_packs}: {self._why} ({self._default_note})>"
+
+    def _reducer(self, per_replica_leaves):
+        _all_device_arrays(per_replica_leaves, "AutoGpuAllReduce")
+        nccl = self._nccl
+        if nccl is None:
+            return None
+        dtypes = _nccl_dtypes(nccl)
+        threshold = self.NCCL_MIN_BYTES
+
+        def reduce(backend, bufs, op):
+            if (
+                bufs[0].nbytes >= threshold
+                and bufs[0].dtype in dtypes
+                and len({b.device.id for b in bufs}) == len(bufs)
+            ):
+                _nccl_all_reduce(nccl, bufs, op)
+            else:
+                backend._all_reduce(bufs, op)
+
+        return reduce
+
+
+def _format_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size} {unit}"
+    return f"{n} B"
 
 
 def select_cross_device_ops(devices, cross_device_ops=None):
-    """The cross-device ops a strategy over ``devices`` uses (the given one, checked, or the default)."""
-    if cross_device_ops is None:
-        return KernelAllReduce()
-    if not isinstance(cross_device_ops, CrossDeviceOps):
+    """The cross-device ops a strategy over ``devices`` uses (the given one, checked, or the default).
+
+    The default is :class:`KernelAllReduce` on CPUs and :class:`AutoGpuAllReduce` on GPUs.
+
+    Raises:
+        ValueError: CPU and GPU devices mixed, a GPU that does not exist, or an op that cannot run
+            on these devices (NcclAllReduce on CPUs).
+        TypeError: ``cross_device_ops`` is not a CrossDeviceOps.
+    """
+    if cross_device_ops is not None and not isinstance(cross_device_ops, CrossDeviceOps):
         raise TypeError(
             f"cross_device_ops must be a cudist.CrossDeviceOps instance, got {type(cross_device_ops).__name__}"
         )
-    cross_device_ops._check_devices(devices)
+    if cross_device_ops is not None:
+        cross_device_ops._check_devices(devices)
+    physical = gpu_layout(devices)
+    if cross_device_ops is None:
+        return KernelAllReduce() if physical is None else AutoGpuAllReduce(devices, physical)
+    cross_device_ops._bind(devices, physical)
     return cross_device_ops
 
 

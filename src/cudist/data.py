@@ -46,6 +46,7 @@ UNKNOWN_CARDINALITY = -2
 # The buffer size prefetch(AUTOTUNE) uses: enough to overlap one step's input with the step.
 _AUTOTUNE_BUFFER = 2
 _INT32 = np.iinfo(np.int32)
+_INT64 = np.iinfo(np.int64)
 
 
 class TensorSpec(NamedTuple):
@@ -164,6 +165,13 @@ def _normalize(element, where: str):
 def _readonly(a):
     if isinstance(a, np.ndarray) and a.flags.writeable:
         a = a.view()
+        a.flags.writeable = False
+    return a
+
+
+def _readonly_new(a):
+    """Makes a freshly made array (nothing else refers to it) read-only in place."""
+    if isinstance(a, np.ndarray):
         a.flags.writeable = False
     return a
 
@@ -310,8 +318,226 @@ def _batch_leaves(leaves_per_element, treedef, where: str):
                     f"{where}: cannot batch elements with different shapes in component {c}: element 0 has "
                     f"shape {first} but element {i} has shape {tuple(np.shape(leaf))}"
                 )
-        out.append(_array_module(column[0]).stack(column))
+        out.append(_readonly_new(_array_module(column[0]).stack(column)))
     return optree.tree_unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------------------------------------
+# the vectorized batch path: elements that are rows of in-memory arrays
+#
+# A dataset built only from from_tensor_slices / from_tensors / range and shuffle / take / skip /
+# shard / repeat carries a ``_Rows`` plan: its elements are row ``p`` of every source leaf, for the
+# positions ``p`` its ``positions()`` streams. ``batch`` then gathers B rows at once (a slice --
+# a view -- for consecutive rows, ``take`` otherwise) instead of stacking B elements one by one.
+# The position streams reproduce the element-wise iterators exactly, including *when* they pull
+# from upstream (so a shuffle's seed sequence is spawned at the same moments) and the random draws
+# of shuffle; tests/test_data.py compares the two paths on random pipelines.
+
+#: Tests set this to False to force the element-wise batch path (the reference for the fast one).
+_VECTORIZE = True
+# Positions a shuffle processes per vectorized step (bounds its temporary memory).
+_SHUFFLE_CHUNK = 1 << 14
+
+
+_LEAF_TREEDEF = optree.tree_flatten(0)[1]
+
+
+class _RangeLeaf:
+    """The virtual source of ``Dataset.range``: row ``p`` is ``start + step * p`` as ``dtype``."""
+
+    __slots__ = ("start", "step", "dtype")
+
+    def __init__(self, start: int, step: int, dtype: np.dtype):
+        self.start, self.step, self.dtype = start, step, dtype
+
+
+class _Rows:
+    """Elements are ``treedef.unflatten([leaf[p] for leaf in leaves])`` for ``p`` in ``positions()``.
+
+    ``positions()`` returns a fresh iterator of non-empty runs of row numbers, each a ``range``
+    with a positive step or an int64 array; iterating it has the same side effects, at the same
+    points, as iterating the dataset element by element.
+    """
+
+    __slots__ = ("leaves", "treedef", "positions")
+
+    def __init__(self, leaves, treedef, positions):
+        self.leaves, self.treedef, self.positions = leaves, treedef, positions
+
+    def with_positions(self, positions) -> "_Rows":
+        return _Rows(self.leaves, self.treedef, positions)
+
+
+def _row_source(leaf) -> bool:
+    # Only plain numeric native-endian NumPy arrays: their rows stack to exactly a slice of them.
+    # (Strings would stack to the widest element's width, objects re-infer a dtype, non-native
+    # byte order becomes native in 0-d rows; CuPy arrays keep the element-wise path.)
+    return type(leaf) is np.ndarray and leaf.dtype.kind in "biufc" and leaf.dtype.isnative
+
+
+def _positions_array(piece) -> np.ndarray:
+    if isinstance(piece, builtins.range):
+        return np.arange(piece.start, piece.stop, piece.step, dtype=np.int64)
+    return piece
+
+
+def _gather(leaf, piece):
+    """Rows ``piece`` (a range or an int64 array) of one source leaf, read-only and C-contiguous."""
+    if isinstance(leaf, _RangeLeaf):
+        out = (leaf.start + leaf.step * _positions_array(piece)).astype(leaf.dtype, copy=False)
+    elif isinstance(piece, builtins.range):
+        out = leaf[piece.start : piece.stop : piece.step]
+        if out.flags.c_contiguous:
+            return out  # a view of a read-only leaf: already read-only
+        out = np.ascontiguousarray(out)
+    else:
+        out = leaf.take(piece, axis=0)
+    out.flags.writeable = False
+    return out
+
+
+def _join(pieces):
+    """One run holding the positions of ``pieces`` in order."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return np.concatenate([_positions_array(p) for p in pieces])
+
+
+def _rows_batches(rows: _Rows, b: int, drop: bool):
+    """Batches of ``b`` consecutive elements of ``rows``, gathered leaf by leaf."""
+    leaves, unflatten = rows.leaves, rows.treedef.unflatten
+
+    def make(piece):
+        return unflatten([_gather(leaf, piece) for leaf in leaves])
+
+    pending, count = [], 0
+    for run in rows.positions():
+        start, k = 0, len(run)
+        if count:
+            head = run[: b - count]
+            pending.append(head)
+            count += len(head)
+            start = len(head)
+            if count < b:
+                continue
+            yield make(_join(pending))
+            pending, count = [], 0
+        while k - start >= b:
+            yield make(run[start : start + b])
+            start += b
+        if start < k:
+            pending, count = [run[start:]], k - start
+    if count and not drop:
+        yield make(_join(pending))
+
+
+def _no_positions():
+    return iter(())
+
+
+def _take_positions(upstream, count: int):
+    def positions():
+        left = count
+        if left <= 0:
+            return
+        for run in upstream():
+            if len(run) >= left:
+                yield run[:left]
+                return  # like islice: never pulls past the last element taken
+            yield run
+            left -= len(run)
+
+    return positions
+
+
+def _skip_positions(upstream, count: int):
+    def positions():
+        left = count
+        for run in upstream():
+            if left:
+                if len(run) <= left:
+                    left -= len(run)
+                    continue
+                run, left = run[left:], 0
+            yield run
+
+    return positions
+
+
+def _shard_positions(upstream, n: int, index: int):
+    def positions():
+        offset = 0  # the stream position of the run's first element
+        for run in upstream():
+            picked = run[(index - offset) % n :: n]
+            offset += len(run)
+            if len(picked):
+                yield picked
+
+    return positions
+
+
+def _repeat_positions(upstream, count: int):
+    def positions():
+        k = 0
+        while count < 0 or k < count:
+            got_any = False
+            for run in upstream():
+                got_any = True
+                yield run
+            if not got_any:
+                return
+            k += 1
+
+    return positions
+
+
+def _shuffle_step(buf: np.ndarray, incoming: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """The buffer shuffle for a run of inputs at once: input t replaces (and emits) ``buf[slots[t]]``.
+
+    Output t is what slot ``slots[t]`` holds at time t: the input last written there before t, or
+    the buffer's content if none was. Updates ``buf`` to its state after the run.
+    """
+    k = len(slots)
+    order = np.argsort(slots, kind="stable")  # by slot, then by time
+    s_slots, s_in = slots[order], incoming[order]
+    first = np.empty(k, bool)
+    first[0] = True
+    np.not_equal(s_slots[1:], s_slots[:-1], out=first[1:])
+    vals = np.empty(k, np.int64)
+    vals[first] = buf[s_slots[first]]
+    later = ~first[1:]
+    vals[1:][later] = s_in[:-1][later]
+    out = np.empty(k, np.int64)
+    out[order] = vals
+    last = np.empty(k, bool)
+    last[-1] = True
+    last[:-1] = first[1:]
+    buf[s_slots[last]] = s_in[last]
+    return out
+
+
+def _shuffle_positions(upstream, size: int, make_rng):
+    def positions():
+        rng = make_rng()
+        buf = np.empty(size, np.int64)
+        filled = 0
+        for run in upstream():
+            if filled < size:
+                head = _positions_array(run[: size - filled])
+                buf[filled : filled + len(head)] = head
+                filled += len(head)
+                run = run[len(head) :]
+            for s in builtins.range(0, len(run), _SHUFFLE_CHUNK):
+                piece = _positions_array(run[s : s + _SHUFFLE_CHUNK])
+                # One draw per input, as the element-wise loop's rng.integers(size) calls: NumPy
+                # draws the same numbers one at a time or as an array.
+                yield _shuffle_step(buf, piece, rng.integers(size, size=len(piece)))
+        rest = buf[:filled]
+        rng.shuffle(rest)  # the same permutation as rng.shuffle of the element-wise list
+        if filled:
+            yield rest
+
+    return positions
 
 
 class _OneShot:
@@ -340,11 +566,13 @@ class Dataset:
     constructor directly.
     """
 
-    def __init__(self, iter_fn: Callable[[], Any], spec_fn: Callable[[], Any], cardinality: int):
+    def __init__(self, iter_fn: Callable[[], Any], spec_fn: Callable[[], Any], cardinality: int, rows=None):
         self._iter_fn = iter_fn
         self._spec_fn = spec_fn
         self._spec = None
         self._card = int(cardinality)
+        # A _Rows plan when the elements are rows of in-memory arrays (lets batch gather at once).
+        self._rows = rows
 
     # ------------------------------------------------------------------ basics
     def __iter__(self):
@@ -382,8 +610,14 @@ class Dataset:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} element_spec={self.element_spec!r}>"
 
-    def _derive(self, iter_fn, spec_fn, cardinality) -> "Dataset":
-        return Dataset(iter_fn, spec_fn, cardinality)
+    def _derive(self, iter_fn, spec_fn, cardinality, rows=None) -> "Dataset":
+        return Dataset(iter_fn, spec_fn, cardinality, rows)
+
+    def _derive_rows(self, make_positions):
+        """The ``_Rows`` plan of a transformation of this dataset's positions (None without a plan)."""
+        if self._rows is None:
+            return None
+        return self._rows.with_positions(make_positions(self._rows.positions))
 
     # ------------------------------------------------------------------ sources
     @staticmethod
@@ -400,7 +634,14 @@ class Dataset:
         r = builtins.range(*args)
         dtype = np.dtype(output_type)
         scalar = dtype.type
-        return Dataset(lambda: map(scalar, r), lambda: TensorSpec((), dtype), len(r))
+        rows = None
+        if dtype.kind in "iu" and len(r):
+            lo, hi = min(r[0], r[-1]), max(r[0], r[-1])
+            bounds = np.iinfo(dtype)
+            if max(bounds.min, _INT64.min) <= lo and hi <= min(bounds.max, _INT64.max):
+                leaf = _RangeLeaf(r.start, r.step, dtype)
+                rows = _Rows([leaf], _LEAF_TREEDEF, lambda: iter((builtins.range(len(r)),)))
+        return Dataset(lambda: map(scalar, r), lambda: TensorSpec((), dtype), len(r), rows)
 
     @staticmethod
     def from_tensor_slices(tensors, name=None) -> "Dataset":
@@ -438,14 +679,23 @@ class Dataset:
 
         specs = [TensorSpec(tuple(leaf.shape[1:]), np.dtype(leaf.dtype)) for leaf in leaves]
         spec = optree.tree_unflatten(treedef, specs)
-        return Dataset(it, lambda: spec, n)
+        rows = None
+        if all(_row_source(leaf) for leaf in leaves):
+            rows = _Rows(leaves, treedef, lambda: iter((builtins.range(n),) if n else ()))
+        return Dataset(it, lambda: spec, n, rows)
 
     @staticmethod
     def from_tensors(tensors, name=None) -> "Dataset":
         """A dataset with ``tensors`` as its single element."""
         element = _map(_readonly, _normalize(tensors, "Dataset.from_tensors"))
         spec = _structure_spec(element)
-        return Dataset(lambda: iter((element,)), lambda: spec, 1)
+        leaves, treedef = _flatten(element)
+        rows = None
+        if leaves and all(isinstance(leaf, np.generic) or _row_source(leaf) for leaf in leaves):
+            sources = [_readonly(np.asarray(leaf)[None]) for leaf in leaves]
+            if all(_row_source(src) for src in sources):
+                rows = _Rows(sources, treedef, lambda: iter((builtins.range(1),)))
+        return Dataset(lambda: iter((element,)), lambda: spec, 1, rows)
 
     @staticmethod
     def from_generator(generator, output_types=None, output_shapes=None, args=None, output_signature=None, name=None):
@@ -504,6 +754,9 @@ class Dataset:
         src = self
 
         def it():
+            if _VECTORIZE and src._rows is not None:
+                yield from _rows_batches(src._rows, b, drop)
+                return
             buf = []
             for element in src:
                 buf.append(element)
@@ -555,7 +808,8 @@ class Dataset:
         src = self
         c = self._card
         card = c if c < 0 else c // n + (1 if i < c % n else 0)
-        return self._derive(lambda: itertools.islice(src, i, None, n), lambda: src.element_spec, card)
+        rows = self._derive_rows(lambda up: _shard_positions(up, n, i))
+        return self._derive(lambda: itertools.islice(src, i, None, n), lambda: src.element_spec, card, rows)
 
     def repeat(self, count=None, name=None):
         """Repeats the dataset ``count`` times (forever for None or -1), starting over each time."""
@@ -581,27 +835,29 @@ class Dataset:
             card = INFINITE_CARDINALITY if c != UNKNOWN_CARDINALITY else UNKNOWN_CARDINALITY
         else:
             card = c if c < 0 else c * count
-        return self._derive(it, lambda: src.element_spec, card)
+        return self._derive(it, lambda: src.element_spec, card, self._derive_rows(lambda up: _repeat_positions(up, count)))
 
     def take(self, count, name=None):
         """The first ``count`` elements (all of them for a negative count)."""
         count = _check_int(count, "count", "Dataset.take")
         src = self
         if count < 0:
-            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card)
+            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows)
         c = self._card
         card = count if c == INFINITE_CARDINALITY else (c if c == UNKNOWN_CARDINALITY else min(c, count))
-        return self._derive(lambda: itertools.islice(src, count), lambda: src.element_spec, card)
+        rows = self._derive_rows(lambda up: _take_positions(up, count))
+        return self._derive(lambda: itertools.islice(src, count), lambda: src.element_spec, card, rows)
 
     def skip(self, count, name=None):
         """All but the first ``count`` elements (none for a negative count)."""
         count = _check_int(count, "count", "Dataset.skip")
         src = self
         if count < 0:
-            return self._derive(lambda: iter(()), lambda: src.element_spec, 0)
+            return self._derive(lambda: iter(()), lambda: src.element_spec, 0, self._derive_rows(lambda up: _no_positions))
         c = self._card
         card = c if c < 0 else max(0, c - count)
-        return self._derive(lambda: itertools.islice(src, count, None), lambda: src.element_spec, card)
+        rows = self._derive_rows(lambda up: _skip_positions(up, count))
+        return self._derive(lambda: itertools.islice(src, count, None), lambda: src.element_spec, card, rows)
 
     def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None):
         """Applies ``map_func`` to each element.
@@ -664,8 +920,11 @@ class Dataset:
         src = self
         seeds = np.random.SeedSequence(seed)
 
+        def make_rng():
+            return np.random.default_rng(seeds.spawn(1)[0] if reshuffle_each_iteration else seeds)
+
         def it():
-            rng = np.random.default_rng(seeds.spawn(1)[0] if reshuffle_each_iteration else seeds)
+            rng = make_rng()
             buf = []
             for element in src:
                 if len(buf) < size:
@@ -677,7 +936,8 @@ class Dataset:
             rng.shuffle(buf)
             yield from buf
 
-        return self._derive(it, lambda: src.element_spec, self._card)
+        rows = self._derive_rows(lambda up: _shuffle_positions(up, size, make_rng))
+        return self._derive(it, lambda: src.element_spec, self._card, rows)
 
     def prefetch(self, buffer_size, name=None):
         """Computes up to ``buffer_size`` elements ahead in a background thread.
@@ -695,7 +955,7 @@ class Dataset:
             )
         src = self
         if size == 0:
-            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card)
+            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows)
         size = _AUTOTUNE_BUFFER if size == AUTOTUNE else size
         return self._derive(lambda: _PrefetchIterator(iter(src), size), lambda: src.element_spec, self._card)
 

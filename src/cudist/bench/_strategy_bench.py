@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import numpy as np
 
 __all__ = ["run_overhead", "run_step", "mlp_grads"]
@@ -17,6 +20,28 @@ def _ensure_logical_cpus(n: int) -> None:
     if len(config.list_logical_devices("CPU")) < n:
         cpu = config.list_physical_devices("CPU")[0]
         config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
+
+
+@contextlib.contextmanager
+def use_backend(name):
+    """Makes the strategies' collectives use kernel backend ``name`` (None: leave the default)."""
+    if name is None:
+        yield
+        return
+    from cudist import _cross_device_ops
+
+    reset = getattr(_cross_device_ops, "_reset_backend_cache", lambda: None)
+    old = os.environ.get("CUDIST_BACKEND")
+    os.environ["CUDIST_BACKEND"] = name
+    reset()
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDIST_BACKEND", None)
+        else:
+            os.environ["CUDIST_BACKEND"] = old
+        reset()
 
 
 def _strategies(ctx, n):
@@ -38,9 +63,7 @@ def _strategies(ctx, n):
 
 def run_overhead(ctx) -> list:
     """Times ``strategy.run`` with a no-op and with one scalar ``all_reduce``; prints and returns rows."""
-    import cudist
     from cudist._kernels import get_backend
-    from cudist.bench._timing import median_us, time_calls
 
     a = ctx.args
     n = a.replicas
@@ -48,12 +71,26 @@ def run_overhead(ctx) -> list:
     ctx.print()
     ctx.print(f"# run-overhead: strategy.run per call, median of {a.iters} after {a.warmup_iters} warm-up")
     ctx.print("#" + _OVH_FMT.format(*_OVH_COLS)[1:])
-    strategies = _strategies(ctx, n)
     rows = []
-    if strategies is None:
-        ctx.add_table("run-overhead", rows, skipped=True)
-        return rows
-    backend = get_backend().name
+    with use_backend(None if a.backend == "all" else a.backend):
+        strategies = _strategies(ctx, n)
+        if strategies is None:
+            ctx.add_table("run-overhead", rows, skipped=True)
+            return rows
+        backend = get_backend().name
+        _time_overhead(ctx, strategies, backend, rows)
+    if a.compare == "tf":
+        rows += _tf_overhead(ctx, n)
+        _overhead_ratios(ctx, rows)
+    ctx.add_table("run-overhead", rows, replicas=n, iters=a.iters, warmup=a.warmup_iters)
+    return rows
+
+
+def _time_overhead(ctx, strategies, backend, rows):
+    import cudist
+    from cudist.bench._timing import median_us, time_calls
+
+    a = ctx.args
 
     def noop():
         return None
@@ -75,11 +112,6 @@ def run_overhead(ctx) -> list:
                    "time_us": median_us(samples), "min_us": min(samples) / 1e3, "wrong": wrong}
             rows.append(row)
             ctx.print(_ovh_line(row))
-    if a.compare == "tf":
-        rows += _tf_overhead(ctx, n)
-        _overhead_ratios(ctx, rows)
-    ctx.add_table("run-overhead", rows, replicas=n, iters=a.iters, warmup=a.warmup_iters)
-    return rows
 
 
 def _ovh_line(r) -> str:
@@ -283,7 +315,9 @@ def run_step(ctx) -> list:
             rows.append(row)
             ctx.print(_step_line(row))
     if a.api in ("strategy", "both"):
-        rows += _strategy_step(ctx, params, shards, ref, nparams)
+        for be in backends:
+            with use_backend(be.name):
+                rows += _strategy_step(ctx, params, shards, ref, nparams)
     if a.compare == "tf":
         ctx.print("# tf: no TensorFlow counterpart for step (it would time Keras, not the strategy); use run-overhead "
                   "and the kernel subcommands with --compare tf")

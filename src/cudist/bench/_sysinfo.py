@@ -9,7 +9,10 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["cpu_model", "core_count", "backend_versions", "CopyBandwidth", "measure_copy_bandwidth"]
+__all__ = [
+    "cpu_model", "core_count", "backend_versions", "CopyBandwidth", "copy_methods", "measure_copy_bandwidth",
+    "measure_gpu_copy_bandwidth",
+]
 
 
 def cpu_model() -> str:
@@ -22,6 +25,31 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def last_level_cache() -> str | None:
+    """Size of the largest CPU cache, as /sys reports it ("48M"), or None where unknown."""
+    import glob
+
+    best = None
+    for path in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*/size"):
+        try:
+            with open(path, encoding="ascii") as f:
+                text = f.read().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        try:
+            n = int(text[:-1]) * units[text[-1].upper()] if text[-1].isalpha() else int(text)
+        except (ValueError, KeyError, IndexError):
+            continue
+        if best is None or n > best:
+            best = n
+    if best is None:
+        return None
+    from cudist.bench._sizes import format_size
+
+    return format_size(best)
 
 
 def core_count() -> int:
@@ -104,12 +132,12 @@ def _numba_prange_copy():
     return copy
 
 
-def measure_copy_bandwidth(nbytes: int = 64 << 20, iters: int = 10, backends=("native", "numba")) -> CopyBandwidth:
-    """Measures copying one ``nbytes`` host buffer into another, several ways; keeps every result.
+def copy_methods(nbytes: int = 64 << 20, backends=("native", "numba")) -> dict:
+    """Ways to copy one ``nbytes`` host buffer into another: method name -> zero-argument callable.
 
     Methods: a numba ``prange`` copy over uint64 words (all cores), the broadcast kernel of each fast
-    CPU backend to one destination, and ``numpy.copyto`` (one core). Each is the median of ``iters``
-    copies after one untimed call.
+    CPU backend to one destination, and ``numpy.copyto`` (one core, memcpy). Each callable copies the
+    same pair of buffers; ``nbytes`` is rounded down to a multiple of 8.
     """
     import numpy as np
 
@@ -118,12 +146,12 @@ def measure_copy_bandwidth(nbytes: int = 64 << 20, iters: int = 10, backends=("n
     nbytes = max(8, nbytes - nbytes % 8)
     src = np.random.default_rng(0).integers(0, 1 << 62, nbytes // 8, dtype=np.uint64)
     dst = np.empty_like(src)
-    bw = CopyBandwidth(nbytes)
+    out = {}
     avail = available_backends()
     if "numba" in avail:
         try:
             copy = _numba_prange_copy()
-            bw.results["numba prange copy"] = 2 * nbytes / _time_copy(lambda: copy(dst, src), iters) / 1e9
+            out["numba prange copy"] = lambda: copy(dst, src)
         except Exception:  # a broken numba must not stop the benchmark; the other methods remain
             pass
     src32, dst32 = src.view(np.float32), dst.view(np.float32)
@@ -134,12 +162,21 @@ def measure_copy_bandwidth(nbytes: int = 64 << 20, iters: int = 10, backends=("n
             be = get_backend(name)
         except BackendUnavailableError:
             continue
-        if np.dtype(np.float32) not in be.dtypes:
-            continue
-        bw.results[f"{name} broadcast (1 destination)"] = (
-            2 * nbytes / _time_copy(lambda be=be: be.broadcast(src32, [dst32]), iters) / 1e9
-        )
-    bw.results["numpy.copyto"] = 2 * nbytes / _time_copy(lambda: np.copyto(dst, src), iters) / 1e9
+        if np.dtype(np.float32) in be.dtypes:
+            out[f"{name} broadcast (1 destination)"] = lambda be=be: be.broadcast(src32, [dst32])
+    out["numpy.copyto"] = lambda: np.copyto(dst, src)
+    return out
+
+
+def measure_copy_bandwidth(nbytes: int = 64 << 20, iters: int = 10, backends=("native", "numba")) -> CopyBandwidth:
+    """Measures every :func:`copy_methods` way of copying an ``nbytes`` buffer; keeps every result.
+
+    Each is the median of ``iters`` copies after one untimed call (which also compiles numba).
+    """
+    nbytes = max(8, nbytes - nbytes % 8)
+    bw = CopyBandwidth(nbytes)
+    for name, fn in copy_methods(nbytes, backends).items():
+        bw.results[name] = 2 * nbytes / _time_copy(fn, iters) / 1e9
     return bw
 
 

@@ -15,7 +15,10 @@ namespace detail {
 
 /// Bytes of each buffer handled per inner block: small enough that the block's temporaries stay
 /// in L1 next to the streams, big enough to amortise the per-block loop over replicas.
-constexpr std::size_t kBlockBytes = 4096;
+#ifndef CUDIST_BLOCK_BYTES
+#define CUDIST_BLOCK_BYTES 4096
+#endif
+constexpr std::size_t kBlockBytes = CUDIST_BLOCK_BYTES;
 /// Below this many bytes moved in all, a kernel runs inline on the caller: waking a worker costs
 /// more than the work.
 constexpr std::size_t kParallelMinBytes = std::size_t{1} << 20;

@@ -1,0 +1,393 @@
+"""Optimizers over the fused mirrored-update kernels: ``cudist.optimizers.SGD`` and ``Adam``.
+
+They follow Keras 3 (the optimizers TensorFlow 2.21 ships): ``apply_gradients(grads_and_vars)``
+returns the ``iterations`` variable, slot variables are created on first use next to each variable,
+and the update formulas are Keras's (see the kernel contract in :mod:`cudist._kernels._base`).
+
+Distribution follows Keras's default (``experimental_aggregate_gradients=True``):
+
+* called in replica context (inside ``strategy.run``), the gradients are per-replica: they are
+  summed over the replicas with ONE ``merge_call`` and ONE batched reduction
+  (``extended.batch_reduce_to``) for all variables, then each variable is updated once;
+* called in cross-replica context (inside ``scope()``, or with no strategy), the gradients are final.
+
+Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` of the
+variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
+and of its slots in one pass, so the copies stay bitwise equal. Under CentralStorageStrategy the
+single copy on the parameter device is updated once.
+
+Deliberate differences from Keras: the learning rate is a Python number (or a callable taking the
+iteration count, like a Keras schedule), not a variable; gradients must have the variable's dtype
+(Keras casts them); no weight decay, clipping, EMA or gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+
+import numpy as np
+
+from cudist._reduce_util import ReduceOp
+from cudist._values import DistributedValues, Mirrored, PerReplica
+from cudist._variables import (
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    _cast,
+    _is_array,
+    _kernel_backend,
+    _like,
+    _xp,
+)
+
+__all__ = ["Optimizer", "SGD", "Adam"]
+
+
+def _check_real(name: str, value, *, low=None, high=None, high_open=False) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not np.isfinite(value):
+        raise ValueError(f"`{name}` must be finite, got {value}")
+    if low is not None and value < low:
+        raise ValueError(f"`{name}` must be >= {low}, got {value}")
+    if high is not None and (value >= high if high_open else value > high):
+        raise ValueError(f"`{name}` must be {'<' if high_open else '<='} {high}, got {value}")
+    return value
+
+
+def _base_name(var) -> str:
+    return var.name.split(":")[0]
+
+
+def _primary_device(var) -> str:
+    return var.values[0].device if isinstance(var, DistributedValues) else var.device
+
+
+def _device_groups(bufs):
+    """Indices of ``bufs`` grouped by the memory they live in (host, or one GPU each).
+
+    A fused kernel call writes copies in one memory; mirrored copies on several GPUs are updated
+    per GPU, each group from its own copy (the copies are equal, so the results are too).
+    """
+    if all(type(b) is np.ndarray for b in bufs):
+        return [tuple(range(len(bufs)))]
+    groups: dict = {}
+    for i, b in enumerate(bufs):
+        key = "host" if isinstance(b, np.ndarray) else ("gpu", int(b.device.id))
+        groups.setdefault(key, []).append(i)
+    return [tuple(g) for g in groups.values()]
+
+
+class Optimizer:
+    """Base class of the cudist optimizers (Keras 3's ``keras.optimizers.Optimizer`` API subset).
+
+    Subclasses name their slots in ``_slot_names`` and implement ``_fused_update``.
+
+    Args:
+        learning_rate: a real number, or a callable taking the iteration count (an int, 0 on the
+            first step) and returning one, like a Keras learning-rate schedule.
+        name: the optimizer's name; its variables are named under it.
+    """
+
+    _slot_names: tuple = ()
+
+    def __init__(self, learning_rate, name: str):
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"`name` must be a non-empty string, got {name!r}")
+        self.name = name
+        self.learning_rate = learning_rate
+        # Keras creates its iteration counter with ONLY_FIRST_REPLICA aggregation under the strategy
+        # current at construction: a replica-context update must be applied once, not N times.
+        self._iterations = Variable(
+            0,
+            dtype=np.int64,
+            name=f"{name}/iteration",
+            trainable=False,
+            aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        self._slots: dict = {}  # variable -> {slot name: slot variable}; variables hash by identity
+        self._variables = [self._iterations]
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def iterations(self):
+        """The number of ``apply_gradients`` calls so far (an int64 variable, as in Keras)."""
+        return self._iterations
+
+    @property
+    def learning_rate(self):
+        """The learning rate: a float, or the callable given."""
+        return self._learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value):
+        if not callable(value):
+            value = _check_real("learning_rate", value)
+        self._learning_rate = value
+
+    def _current_learning_rate(self, iteration: int) -> float:
+        lr = self._learning_rate
+        if callable(lr):
+            return _check_real(f"learning_rate({iteration})", lr(iteration))
+        return lr
+
+    @property
+    def variables(self) -> list:
+        """The optimizer's variables: ``iterations``, then the slots in creation order."""
+        return list(self._variables)
+
+    def get_slot(self, var, slot_name: str):
+        """The slot variable ``slot_name`` of ``var`` (created by :meth:`build` or a first update).
+
+        Raises:
+            KeyError: ``var`` has no slots yet, or no slot of that name.
+        """
+        slots = self._slots.get(var)
+        if slots is None:
+            raise KeyError(f"{self.name} has no slots for variable '{var.name}' (not built or updated yet)")
+        if slot_name not in slots:
+            raise KeyError(f"{self.name} has no slot {slot_name!r}; its slots are {list(slots)}")
+        return slots[slot_name]
+
+    # ------------------------------------------------------------------ slots
+    def build(self, var_list):
+        """Creates the slot variables of ``var_list`` now (otherwise done on the first update).
+
+        Call it in cross-replica context (inside ``strategy.scope()`` or outside any scope).
+        """
+        for var in var_list:
+            self._check_variable(var)
+            self._ensure_slots(var)
+
+    def _ensure_slots(self, var):
+        slots = self._slots.get(var)
+        if slots is not None:
+            return slots
+        from cudist import _distribute_lib
+
+        # The slot lives where the variable lives: the variable's strategy and devices, so a
+        # MirroredVariable gets mirrored slots and CentralStorage's variable a slot on the
+        # parameter device.
+        strategy = var._distribute_strategy or _distribute_lib.get_strategy()
+        slots = {}
+        with strategy.scope(), strategy.extended.colocate_vars_with(var):
+            for slot_name in self._slot_names:
+                slots[slot_name] = Variable(
+                    np.zeros(var.shape, dtype=var.dtype),
+                    name=f"{_base_name(var)}/{slot_name}",
+                    trainable=False,
+                    dtype=var.dtype,
+                )
+        self._slots[var] = slots
+        self._variables.extend(slots.values())
+        return slots
+
+    # ------------------------------------------------------------------ checks
+    def _check_variable(self, var):
+        if not isinstance(var, Variable):
+            raise TypeError(f"{self.name}: expected a cudist.Variable to update, got {type(var).__name__}")
+        if isinstance(var, SyncOnReadVariable):
+            raise ValueError(
+                f"{self.name}: cannot apply gradients to variable '{var.name}': it is a SyncOnReadVariable "
+                "(synchronization=ON_READ), whose components differ by design"
+            )
+        if var.dtype.kind != "f":
+            raise TypeError(
+                f"{self.name}: cannot update variable '{var.name}' of dtype {var.dtype.name}: the optimizer "
+                "kernels need a floating-point dtype (float16, float32, float64)"
+            )
+        if var._kernel() is None and _xp(var._primary_array()) is not np:
+            raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")
+
+    def _check_grad(self, grad, var, *, cross_replica: bool):
+        """``grad`` as an array of ``var``'s dtype and shape (not yet on its device)."""
+        if isinstance(grad, DistributedValues):
+            if not cross_replica:
+                raise ValueError(
+                    f"{self.name}: the gradient of variable '{var.name}' is a {type(grad).__name__}; inside "
+                    "strategy.run pass this replica's gradient (an array)"
+                )
+            if not isinstance(grad, Mirrored):
+                raise ValueError(
+                    f"{self.name}: the gradient of variable '{var.name}' is a {type(grad).__name__} in "
+                    "cross-replica context; reduce it first (strategy.reduce / extended.reduce_to) or call "
+                    "apply_gradients inside strategy.run"
+                )
+            grad = grad.values[0]
+        if isinstance(grad, Variable):
+            grad = grad.read_value()
+        if _is_array(grad):
+            if grad.dtype != var.dtype:
+                raise TypeError(
+                    f"{self.name}: the gradient of variable '{var.name}' has dtype {grad.dtype.name} but the "
+                    f"variable has dtype {var.dtype.name}"
+                )
+        else:  # Python numbers and lists convert under TF's rules
+            grad = _cast(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
+        if grad.shape != var.shape:
+            raise ValueError(
+                f"{self.name}: the gradient of variable '{var.name}' has shape {grad.shape} but the variable "
+                f"has shape {var.shape}"
+            )
+        return grad
+
+    # ------------------------------------------------------------------ applying
+    def apply_gradients(self, grads_and_vars, *, experimental_aggregate_gradients: bool = True):
+        """Applies gradients to variables, one fused kernel pass per variable.
+
+        Args:
+            grads_and_vars: (gradient, variable) pairs. A None gradient skips its variable (with a
+                warning, as in Keras). In replica context each replica passes its own gradients.
+            experimental_aggregate_gradients: in replica context, sum the per-replica gradients
+                over the replicas first (True, Keras's behaviour); False means they are already
+                all-reduced, and replica 0's are used.
+
+        Returns:
+            The ``iterations`` variable (Keras 3 returns it too), incremented by one.
+
+        Raises:
+            TypeError: a non-floating variable, or a gradient whose dtype is not the variable's.
+            ValueError: a gradient whose shape is not the variable's; no gradient at all; a
+                SyncOnReadVariable; a PerReplica gradient in cross-replica context.
+        """
+        from cudist import _distribute_lib
+
+        pairs = []
+        missing = []
+        for item in grads_and_vars:
+            try:
+                grad, var = item
+            except (TypeError, ValueError):
+                raise TypeError(f"{self.name}.apply_gradients expects (gradient, variable) pairs, got {item!r}") from None
+            self._check_variable(var)
+            if grad is None:
+                missing.append(var.name)
+                continue
+            pairs.append((grad, var))
+        if not pairs:
+            if missing:
+                raise ValueError("No gradients provided for any variable.")
+            return self._iterations
+        if missing:
+            warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss.", UserWarning, stacklevel=2)
+
+        ctx = _distribute_lib.get_replica_context()
+        variables = [v for _, v in pairs]
+        if ctx is None:  # cross-replica: the gradients are final
+            grads = [self._check_grad(g, v, cross_replica=True) for g, v in pairs]
+            self._apply(grads, variables)
+            return self._iterations
+        grads = tuple(self._check_grad(g, v, cross_replica=False) for g, v in pairs)
+        aggregate = bool(experimental_aggregate_gradients)
+
+        def merge_fn(strategy, per_replica_grads):
+            self._apply(self._aggregate(strategy, list(per_replica_grads), variables, aggregate), variables)
+
+        ctx.merge_call(merge_fn, args=(grads,))
+        return self._iterations
+
+    def _aggregate(self, strategy, grads, variables, aggregate: bool):
+        """Per-replica gradients (inside merge_call) -> one array per variable, summed in one batch."""
+        n = strategy.num_replicas_in_sync
+        if n == 1:
+            return grads
+        if not aggregate:
+            return [g.values[0] if isinstance(g, DistributedValues) else g for g in grads]
+        # The same object from every replica is regrouped unwrapped; its all-reduce is still N times it.
+        values = [g if isinstance(g, DistributedValues) else PerReplica([g] * n) for g in grads]
+        return strategy.extended.batch_reduce_to(
+            ReduceOp.SUM, [(g, _primary_device(v)) for g, v in zip(values, variables)]
+        )
+
+    def _apply(self, grads, variables):
+        """Updates every variable once from its final gradient (cross-replica context)."""
+        slots = [self._ensure_slots(v) for v in variables]  # all created before any variable changes
+        iteration = int(self._iterations)
+        lr = self._current_learning_rate(iteration)
+        for grad, var, var_slots in zip(grads, variables, slots):
+            bufs = var._buffers()
+            slot_bufs = [s._buffers() for s in var_slots.values()]
+            for idx in _device_groups(bufs):
+                copies = tuple(bufs[i] for i in idx)
+                ref = copies[0]
+                backend = var._kernel() if len(idx) == len(bufs) else _kernel_backend(ref)
+                if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
+                    from cudist._kernels import get_backend
+
+                    backend = get_backend("numpy")
+                g = _like(grad, ref)
+                if type(g) is np.ndarray:
+                    if not g.flags.c_contiguous or any(np.may_share_memory(g, c) for c in copies):
+                        g = np.array(g, order="C")  # kernels need contiguous grads that alias no copy
+                    self._fused_update(backend, copies, [tuple(s[i] for i in idx) for s in slot_bufs], g, lr, iteration + 1)
+                else:
+                    if not g.flags.c_contiguous:
+                        g = g.copy(order="C")
+                    with ref.device:
+                        self._fused_update(
+                            backend, copies, [tuple(s[i] for i in idx) for s in slot_bufs], g, lr, iteration + 1
+                        )
+        self._iterations.assign_add(1, read_value=False)
+
+    def _fused_update(self, backend, copies, slots, grad, lr: float, step: int):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<cudist.optimizers.{type(self).__name__} name={self.name!r} iterations={int(self._iterations)}>"
+
+
+class SGD(Optimizer):
+    """Gradient descent, with optional (Nesterov) momentum (``keras.optimizers.SGD``).
+
+    Without momentum: ``w -= learning_rate * g``. With momentum, one slot ``"momentum"`` (the
+    velocity) per variable: ``v = momentum * v - learning_rate * g``, then ``w += v`` or, with
+    Nesterov, ``w += momentum * v - learning_rate * g``.
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        momentum: in [0, 1]; 0 means plain SGD (no slot).
+        nesterov: use Nesterov momentum.
+        name: the optimizer's name.
+    """
+
+    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD"):
+        self.momentum = _check_real("momentum", momentum, low=0.0, high=1.0)
+        self.nesterov = bool(nesterov)
+        self._slot_names = ("momentum",) if self.momentum != 0 else ()
+        super().__init__(learning_rate, name)
+
+    def _fused_update(self, backend, copies, slots, grad, lr, step):
+        if slots:
+            backend.momentum(copies, slots[0], grad, lr=lr, momentum=self.momentum, nesterov=self.nesterov)
+        else:
+            backend.sgd(copies, grad, lr=lr)
+
+
+class Adam(Optimizer):
+    """Adam (``keras.optimizers.Adam``), with slots ``"momentum"`` (m) and ``"velocity"`` (v).
+
+    At step ``t`` (1-based): ``lr_t = learning_rate * sqrt(1 - beta_2**t) / (1 - beta_1**t)``;
+    ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
+    ``w -= lr_t * m / (sqrt(v) + epsilon)``.
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        beta_1, beta_2: decay rates of the moment estimates, in [0, 1).
+        epsilon: the small constant added to ``sqrt(v)``, >= 0.
+        name: the optimizer's name.
+    """
+
+    _slot_names = ("momentum", "velocity")
+
+    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="adam"):
+        self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
+        self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
+        self.epsilon = _check_real("epsilon", epsilon, low=0.0)
+        super().__init__(learning_rate, name)
+
+    def _fused_update(self, backend, copies, slots, grad, lr, step):
+        backend.adam(
+            copies, slots[0], slots[1], grad, lr=lr, beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon, step=step
+        )
