@@ -159,7 +159,7 @@ def train(args):
     """Trains the model as ``args`` (from :func:`parse_args`) say.
 
     Returns:
-        ``(history, strategy, model)``. ``history`` is a dict of lists with one entry per epoch:
+        ``(history, strategy, model, optimizer)``. ``history`` is a dict of lists with one entry per epoch:
         ``loss`` (mean training loss over the epoch's steps), ``accuracy`` (training accuracy over
         the epoch), ``test_loss``, ``test_accuracy``; ``step_losses`` (every step's loss, in order) and
         ``step_seconds`` (every training step's wall time).
@@ -263,12 +263,12 @@ def train(args):
         )
     step_ms = 1e3 * float(np.median(history["step_seconds"])) if history["step_seconds"] else float("nan")
     log(f"trained {args.epochs} epoch(s) in {time.perf_counter() - start:.2f} s; median train step {step_ms:.3f} ms")
-    return history, strategy, model
+    return history, strategy, model, optimizer
 
 
 def main(argv=None) -> dict:
     """Command-line entry point: trains, prints per-epoch results, returns the history (see :func:`train`)."""
-    history, _, _ = train(parse_args(argv))
+    history, _, _, _ = train(parse_args(argv))
     return history
 
 

@@ -200,3 +200,243 @@ def test_backends_agree_bitwise_through_the_strategy(monkeypatch):
         for r, rr in zip(res, ref):
             for a, b in zip(r, rr):
                 assert a.tobytes() == b.tobytes(), name
+
+
+# ---------------------------------------------------------------------------------------------- GPU device logic
+# Everything below runs without a GPU: the GPU count is faked, so the device parsing, the logical ->
+# physical mapping, the default op's choice and the error messages are checked on any machine.
+GPU = "/job:localhost/replica:0/task:0/device:GPU:{}"
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """``fake_gpus(k, split={physical: n})``: pretend CuPy sees ``k`` GPUs, some split into logical ones."""
+    from cudist import config
+
+    def make(k, split=None):
+        monkeypatch.setattr(config, "_gpu_count", lambda: k)
+        for p, n in (split or {}).items():
+            gpu = config.list_physical_devices("GPU")[p]
+            config.set_logical_device_configuration(gpu, [config.LogicalDeviceConfiguration(memory_limit=1024)] * n)
+
+    yield make
+    for name in [n for n in config._logical if "GPU" in n]:
+        config._logical.pop(name)
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    """``fake_nccl(available)``: what the NCCL probe reports (a stand-in module, or why it is missing)."""
+    import types
+
+    from cudist import _cross_device_ops as cdo
+
+    module = types.SimpleNamespace(
+        NCCL_SUM=0, NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT32=2, NCCL_INT64=4, available=True
+    )
+
+    def make(available=True):
+        result = (module, None) if available else (None, "CuPy cannot load the NCCL library (test)")
+        monkeypatch.setattr(cdo, "_nccl_module", lambda: result)
+        return module
+
+    return make
+
+
+@pytest.mark.parametrize("spelling", ["/gpu:1", "GPU:1", "gpu:1", "/device:GPU:1", GPU.format(1)])
+def test_gpu_device_spellings_parse(spelling):
+    from cudist._devices import canonicalize, parse_device
+
+    assert canonicalize(spelling) == GPU.format(1)
+    assert parse_device(spelling).is_gpu and parse_device(spelling).device_index == 1
+
+
+def test_logical_gpus_map_to_physical(fake_gpus):
+    from cudist import config
+    from cudist._cross_device_ops import gpu_layout
+
+    fake_gpus(2, split={0: 3})
+    assert config.logical_to_physical_gpu() == [0, 0, 0, 1]
+    assert [d.name for d in config.list_logical_devices("GPU")] == [f"/device:GPU:{i}" for i in range(4)]
+    assert gpu_layout(["/gpu:0", "/gpu:2", "/gpu:3"]) == (0, 0, 1)
+    assert gpu_layout(["/cpu:0", "/cpu:1"]) is None
+    with pytest.raises(ValueError, match=r"device:GPU:4 does not exist: 4 logical GPU\(s\) are configured"):
+        gpu_layout(["/gpu:4"])
+
+
+def test_memory_limit_is_validated(fake_gpus):
+    from cudist import config
+
+    fake_gpus(1)
+    gpu = config.list_physical_devices("GPU")[0]
+    with pytest.raises(ValueError, match="memory_limit must be a positive number of MiB"):
+        config.set_logical_device_configuration(gpu, [config.LogicalDeviceConfiguration(memory_limit=-5)])
+    assert config.get_logical_device_configuration(gpu) is None
+
+
+def test_mirrored_defaults_to_every_logical_gpu(fake_gpus):
+    fake_gpus(1, split={0: 4})
+    s = cudist.MirroredStrategy()
+    assert s.extended.worker_devices == tuple(GPU.format(i) for i in range(4))
+    assert s.extended._replica_gpus == (0, 0, 0, 0)
+    ops = s.extended._cross_device_ops
+    assert type(ops) is cudist.P2PAllReduce
+    assert repr(ops) == "<cudist.P2PAllReduce num_packs=1 (default for 4 logical GPUs on 1 physical GPU)>"
+
+
+def test_default_gpu_ops_choice(fake_gpus, fake_nccl):
+    from cudist._cross_device_ops import AutoGpuAllReduce
+
+    fake_gpus(4)
+    fake_nccl(available=True)
+    ops = cudist.MirroredStrategy([f"/gpu:{i}" for i in range(4)]).extended._cross_device_ops
+    assert type(ops) is AutoGpuAllReduce
+    assert repr(ops) == (
+        "<cudist.AutoGpuAllReduce num_packs=1: P2PAllReduce below 8 MiB per buffer, "
+        "NcclAllReduce from there (default for 4 GPUs)>"
+    )
+    one = cudist.MirroredStrategy(["/gpu:2"]).extended._cross_device_ops
+    assert repr(one) == "<cudist.P2PAllReduce num_packs=1 (default for 1 GPU)>"
+    fake_nccl(available=False)
+    ops = cudist.MirroredStrategy(["/gpu:0", "/gpu:1"]).extended._cross_device_ops
+    assert type(ops) is cudist.P2PAllReduce
+    assert "default for 2 GPUs; NCCL unavailable: CuPy cannot load the NCCL library" in repr(ops)
+
+
+def test_default_gpu_ops_with_split_and_whole_gpus(fake_gpus, fake_nccl):
+    fake_gpus(2, split={0: 2, 1: 2})
+    fake_nccl(available=True)
+    ops = cudist.MirroredStrategy().extended._cross_device_ops
+    assert repr(ops) == "<cudist.P2PAllReduce num_packs=1 (default for 4 logical GPUs on 2 physical GPUs)>"
+
+
+def test_mixed_cpu_and_gpu_devices_are_refused(fake_gpus):
+    fake_gpus(1)
+    with pytest.raises(ValueError, match=r"cannot mix CPU and GPU devices in one strategy: got '.*CPU:0' and '.*GPU:0'"):
+        cudist.MirroredStrategy(["/cpu:0", "/gpu:0"])
+    with pytest.raises(ValueError, match="NcclAllReduce needs GPU devices, but got '.*CPU:0'"):
+        cudist.MirroredStrategy(["/gpu:0", "/cpu:0"], cross_device_ops=cudist.NcclAllReduce())
+
+
+def test_missing_gpu_is_a_clear_error(fake_gpus):
+    fake_gpus(0)
+    with pytest.raises(ValueError, match=r"GPU:0 does not exist: 0 logical GPU\(s\).*no GPU is visible through CuPy"):
+        cudist.MirroredStrategy(["/gpu:0", "/gpu:1"])
+    with pytest.raises(ValueError, match="does not exist"):
+        cudist.OneDeviceStrategy("/gpu:0")
+
+
+def test_nccl_on_logical_gpus_falls_back_to_p2p_and_says_so(fake_gpus, fake_nccl):
+    fake_gpus(1, split={0: 2})
+    fake_nccl(available=True)
+    ops = cudist.NcclAllReduce()
+    with pytest.warns(UserWarning, match="logical GPUs on one physical GPU cannot share an NCCL communicator"):
+        s = cudist.MirroredStrategy(["/gpu:0", "/gpu:1"], cross_device_ops=ops)
+    assert s.extended._cross_device_ops is ops
+    assert repr(ops) == (
+        "<cudist.NcclAllReduce num_packs=1 (falls back to P2P: 2 logical GPUs on 1 physical GPU; "
+        "logical GPUs on one physical GPU cannot share an NCCL communicator)>"
+    )
+
+
+def test_nccl_unavailable_is_a_clear_error(fake_gpus, fake_nccl):
+    from cudist._kernels import BackendUnavailableError
+
+    fake_gpus(2)
+    fake_nccl(available=False)
+    with pytest.raises(BackendUnavailableError, match="NcclAllReduce cannot run: CuPy cannot load the NCCL library.*P2PAllReduce"):
+        cudist.MirroredStrategy(["/gpu:0", "/gpu:1"], cross_device_ops=cudist.NcclAllReduce())
+    fake_nccl(available=True)
+    ops = cudist.NcclAllReduce(num_packs=2)
+    cudist.MirroredStrategy(["/gpu:0", "/gpu:1"], cross_device_ops=ops)
+    assert repr(ops) == "<cudist.NcclAllReduce num_packs=2>"
+
+
+class _FakeDev:
+    def __init__(self, i):
+        self.id = i
+
+
+class _FakeBuf:
+    """Just enough of a CuPy array for the NCCL-or-P2P decision (which never touches the data)."""
+
+    __cuda_array_interface__ = {}
+
+    def __init__(self, nbytes, device, dtype=np.float32):
+        self.dtype = np.dtype(dtype)
+        self.nbytes = nbytes
+        self.size = nbytes // self.dtype.itemsize
+        self.device = _FakeDev(device)
+
+
+def test_auto_op_picks_nccl_by_size_and_layout(monkeypatch, fake_nccl):
+    from cudist import _cross_device_ops as cdo
+
+    nccl = fake_nccl(available=True)
+    calls = []
+    monkeypatch.setattr(cdo, "_nccl_all_reduce", lambda mod, bufs, op: calls.append(("nccl", mod, bufs[0].nbytes)))
+
+    class Backend:
+        def _all_reduce(self, bufs, op):
+            calls.append(("p2p", None, bufs[0].nbytes))
+
+    ops = cdo.AutoGpuAllReduce((0, 1), nccl)
+    big, small = ops.NCCL_MIN_BYTES, ops.NCCL_MIN_BYTES - 4
+    reduce = ops._reducer([[_FakeBuf(small, 0)], [_FakeBuf(small, 1)]])
+    reduce(Backend(), [_FakeBuf(small, 0), _FakeBuf(small, 1)], cudist.ReduceOp.SUM)
+    reduce(Backend(), [_FakeBuf(big, 0), _FakeBuf(big, 1)], cudist.ReduceOp.SUM)
+    reduce(Backend(), [_FakeBuf(big, 0), _FakeBuf(big, 0)], cudist.ReduceOp.SUM)  # one GPU: no NCCL ranks
+    reduce(Backend(), [_FakeBuf(big, 0, np.int8), _FakeBuf(big, 1, np.int8)], cudist.ReduceOp.SUM)
+    assert calls == [("p2p", None, small), ("nccl", nccl, big), ("p2p", None, big), ("p2p", None, big)]
+
+
+def test_nccl_op_uses_nccl_only_for_distinct_gpus(monkeypatch, fake_nccl):
+    from cudist import _cross_device_ops as cdo
+
+    fake_nccl(available=True)
+    ops = cudist.NcclAllReduce()
+    assert ops._reducer([[_FakeBuf(8, 0)], [_FakeBuf(8, 0)]]) is None  # logical GPUs: the P2P kernels
+    calls = []
+    monkeypatch.setattr(cdo, "_nccl_all_reduce", lambda mod, bufs, op: calls.append(op))
+    ops._reducer([[_FakeBuf(8, 0)], [_FakeBuf(8, 1)]])(None, [_FakeBuf(8, 0), _FakeBuf(8, 1)], cudist.ReduceOp.MEAN)
+    assert calls == [cudist.ReduceOp.MEAN]
+    # Host values under a GPU op (a Python loss next to GPU gradients) are reduced on the host.
+    assert ops._reducer([[1.0], [2.0]]) is None
+    out = ops._all_reduce(cudist.ReduceOp.SUM, [[np.float32(1.5), np.arange(3.0)], [np.float32(2.0), np.ones(3)]])
+    assert calls == [cudist.ReduceOp.MEAN]
+    for r in range(2):
+        assert out[r][0] == np.float32(3.5) and out[r][0].dtype == np.float32
+        np.testing.assert_array_equal(out[r][1], [1.0, 2.0, 3.0])
+
+
+def test_gpu_replicas_run_with_their_gpu_current(monkeypatch, fake_gpus):
+    """Each replica starts, and resumes after every collective, with its physical GPU current; the
+    caller's current GPU is restored. CuPy's runtime is replaced by a recorder (no GPU needed)."""
+    import sys
+    import types
+
+    fake_gpus(2, split={0: 2})
+    current = [1]
+    runtime = types.SimpleNamespace(getDevice=lambda: current[0], setDevice=lambda d: current.__setitem__(0, d))
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=types.SimpleNamespace(runtime=runtime)))
+    s = cudist.MirroredStrategy(["/gpu:0", "/gpu:1", "/gpu:2"])  # physical GPUs 0, 0, 1
+    seen = []
+
+    def step():
+        ctx = cudist.get_replica_context()
+        seen.append((ctx.replica_id_in_sync_group, "start", current[0]))
+        total = ctx.all_reduce("sum", 1.0)  # host values: reduced on the host, no CuPy needed
+        seen.append((ctx.replica_id_in_sync_group, "after", current[0]))
+        ctx.merge_call(lambda strategy: None)
+        seen.append((ctx.replica_id_in_sync_group, "merged", current[0]))
+        return total
+
+    out = s.run(step)
+    assert s.experimental_local_results(out) == (3.0, 3.0, 3.0)
+    want = {0: 0, 1: 0, 2: 1}
+    assert len(seen) == 9 and all(dev == want[r] for r, _, dev in seen)
+    assert current[0] == 1
+    one = cudist.OneDeviceStrategy("/gpu:2")
+    assert one.run(lambda: current[0]) == 1 and current[0] == 1
+    current[0] = 0
+    assert one.run(lambda: current[0]) == 1 and current[0] == 0

@@ -363,3 +363,244 @@ def test_as_dataset_iterables():
 def test_as_dataset_rejects(bad):
     with pytest.raises(TypeError, match="expected a cudist.data.Dataset or an iterable of batches"):
         data.as_dataset(bad)
+
+
+# --------------------------------------------------------------------------------- vectorized batch
+# Batches of row sources (from_tensor_slices / from_tensors / range through shuffle, take, skip,
+# shard, repeat) are gathered at once; everything else stacks element by element. Every test
+# below compares the two paths (data._VECTORIZE toggles the fast one) on the same pipelines.
+_DTYPES = [np.float32, np.float64, np.float16, np.int8, np.int32, np.int64, np.uint8, np.uint16, np.bool_, np.complex64]
+Pair = collections.namedtuple("Pair", "a b")
+
+
+def _random_leaf(rng, n):
+    dtype = np.dtype(_DTYPES[rng.integers(len(_DTYPES))])
+    shape = (n, *rng.integers(0, 4, size=rng.integers(0, 3)))
+    if dtype.kind == "b":
+        return rng.integers(0, 2, size=shape).astype(bool)
+    if dtype.kind == "c":
+        return (rng.standard_normal(shape) + 1j * rng.standard_normal(shape)).astype(dtype)
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        return rng.integers(max(info.min, -1000), min(info.max, 1000), size=shape, endpoint=True).astype(dtype)
+    a = (rng.standard_normal(shape) * 100).astype(dtype)
+    if a.ndim == 2 and a.shape[1] > 1 and rng.random() < 0.3:
+        a = np.asfortranarray(a)  # a non-C-contiguous source
+    return a
+
+
+def _random_structure(rng, n, depth=0):
+    kind = rng.integers(0, 5 if depth < 2 else 1)
+    if kind == 0:
+        return _random_leaf(rng, n)
+    if kind == 1:
+        return tuple(_random_structure(rng, n, depth + 1) for _ in range(rng.integers(1, 4)))
+    if kind == 2:
+        return {k: _random_structure(rng, n, depth + 1) for k in rng.permutation(["x", "y", "z"])[: rng.integers(1, 4)]}
+    if kind == 3:
+        return Pair(_random_structure(rng, n, depth + 1), _random_leaf(rng, n))
+    return (_random_leaf(rng, n), {"m": _random_leaf(rng, n)})
+
+
+def _random_pipeline(seed):
+    """(factory, description): the factory builds the same pipeline (same seeds) on every call."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 30))
+    kind = rng.integers(0, 4)
+    if kind == 0:
+        start, step = int(rng.integers(-20, 20)), int(rng.choice([-3, -1, 1, 2, 5]))
+        dtype = [np.int64, np.int32, np.int16, np.uint32][rng.integers(4)]
+        if np.dtype(dtype).kind == "u":
+            start, step = abs(start), abs(step)
+        src_args, desc = (start, start + step * n, step), f"range({start}, {start + step * n}, {step}, {dtype.__name__})"
+        source = lambda: Dataset.range(*src_args, output_type=dtype)  # noqa: E731
+    elif kind == 1:
+        struct = _random_structure(rng, 1)
+        source, desc = lambda: Dataset.from_tensors(optree_first(struct)), "from_tensors"  # noqa: E731
+    else:
+        struct = _random_structure(rng, n)
+        source, desc = lambda: Dataset.from_tensor_slices(struct), f"from_tensor_slices(n={n})"  # noqa: E731
+    ops = []
+    for _ in range(rng.integers(0, 5)):
+        op = rng.integers(0, 6)
+        if op == 0:
+            ops.append(("shuffle", int(rng.integers(1, 40)), int(rng.integers(1000)), bool(rng.random() < 0.7)))
+        elif op == 1:
+            ops.append(("take", int(rng.integers(-1, 40))))
+        elif op == 2:
+            ops.append(("skip", int(rng.integers(-1, 12))))
+        elif op == 3:
+            k = int(rng.integers(1, 5))
+            ops.append(("shard", k, int(rng.integers(k))))
+        elif op == 4:
+            ops.append(("repeat", int(rng.integers(0, 4))))
+        else:
+            ops.append(("repeat_take", int(rng.integers(0, 60))))
+    b, drop = int(rng.integers(1, 12)), bool(rng.random() < 0.5)
+    after = ["", "repeat", "take"][rng.integers(3)]
+
+    def build():
+        ds = source()
+        for op in ops:
+            if op[0] == "shuffle":
+                ds = ds.shuffle(op[1], seed=op[2], reshuffle_each_iteration=op[3])
+            elif op[0] == "take":
+                ds = ds.take(op[1])
+            elif op[0] == "skip":
+                ds = ds.skip(op[1])
+            elif op[0] == "shard":
+                ds = ds.shard(op[1], op[2])
+            elif op[0] == "repeat":
+                ds = ds.repeat(op[1])
+            else:
+                ds = ds.repeat().take(op[1])
+        ds = ds.batch(b, drop_remainder=drop)
+        if after == "repeat":
+            ds = ds.repeat(2)
+        elif after == "take":
+            ds = ds.take(2)
+        return ds
+
+    return build, f"{desc} {ops} batch({b}, drop={drop}) {after}"
+
+
+def optree_first(struct):
+    """Row 0 of every leaf of a structure (the element of a from_tensors source)."""
+    import optree
+
+    return optree.tree_map(lambda a: a[0], struct)
+
+
+def _epochs(ds, vectorize, monkeypatch, partial):
+    """Three passes: the first stopped after ``partial`` batches, the others complete."""
+    monkeypatch.setattr(data, "_VECTORIZE", vectorize)
+    out = []
+    it = iter(ds)
+    out.append([b for _, b in zip(range(partial), it)])
+    del it
+    out.append(list(ds))
+    out.append(list(ds))
+    return out
+
+
+def _assert_same_batches(fast, slow, what):
+    import optree
+
+    assert len(fast) == len(slow), f"{what}: {len(fast)} vs {len(slow)} batches"
+    for i, (f, s) in enumerate(zip(fast, slow)):
+        fl, ft = optree.tree_flatten(f)
+        sl, st = optree.tree_flatten(s)
+        assert ft == st, f"{what}: batch {i} structure {ft} vs {st}"
+        assert type(f) is type(s)
+        for fa, sa in zip(fl, sl):
+            assert type(fa) is type(sa) is np.ndarray, what
+            assert fa.dtype == sa.dtype and fa.shape == sa.shape, f"{what}: batch {i} {fa.dtype}{fa.shape} vs {sa.dtype}{sa.shape}"
+            np.testing.assert_array_equal(fa, sa, err_msg=f"{what}: batch {i}")
+            assert not fa.flags.writeable and not sa.flags.writeable, what
+            assert fa.flags.c_contiguous and sa.flags.c_contiguous, what
+
+
+@pytest.mark.parametrize("block", range(8))
+def test_vectorized_batch_matches_elementwise_on_random_pipelines(block, monkeypatch):
+    if block % 2:
+        monkeypatch.setattr(data, "_SHUFFLE_CHUNK", 3)  # long runs shuffled in several steps
+    for seed in range(block * 40, block * 40 + 40):
+        build, what = _random_pipeline(seed)
+        fast_ds, slow_ds = build(), build()
+        assert fast_ds.element_spec == slow_ds.element_spec and fast_ds.cardinality() == slow_ds.cardinality()
+        partial = seed % 4
+        fast = _epochs(fast_ds, True, monkeypatch, partial)
+        slow = _epochs(slow_ds, False, monkeypatch, partial)
+        for e, (f, s) in enumerate(zip(fast, slow)):
+            _assert_same_batches(f, s, f"seed {seed} epoch {e}: {what}")
+        if fast_ds.cardinality() >= 0:
+            assert len(fast[1]) == fast_ds.cardinality(), what
+
+
+def test_vectorized_batch_is_used_and_slices_views():
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((20, 3)).astype(np.float32)
+    y = rng.integers(0, 9, 20).astype(np.int32)
+    ds = Dataset.from_tensor_slices((x, y))
+    for pipeline in (ds, ds.shuffle(5, seed=1), ds.take(7), ds.skip(2), ds.shard(3, 1), ds.repeat(2), Dataset.range(5)):
+        assert pipeline._rows is not None
+    for pipeline in (ds.map(lambda a, b: (a, b)), ds.filter(lambda a, b: b > 0), ds.prefetch(1), ds.batch(2)):
+        assert pipeline._rows is None
+    xb, yb = next(iter(ds.batch(8)))
+    # Consecutive rows of a contiguous source are views of it (no copy), read-only like elements.
+    assert np.shares_memory(xb, x) and np.shares_memory(yb, y)
+    np.testing.assert_array_equal(xb, x[:8])
+    with pytest.raises(ValueError):
+        xb[0, 0] = 1.0
+    xs, _ = next(iter(ds.shuffle(20, seed=3).batch(8)))
+    assert not np.shares_memory(xs, x) and not xs.flags.writeable
+
+
+def test_vectorized_batch_repeat_boundaries():
+    x = np.arange(5, dtype=np.int32)
+    ds = Dataset.from_tensor_slices(x)
+    # repeat().batch() batches across epoch boundaries; batch().repeat() does not.
+    assert [b.tolist() for b in ds.repeat(2).batch(3)] == [[0, 1, 2], [3, 4, 0], [1, 2, 3], [4]]
+    assert [b.tolist() for b in ds.batch(3).repeat(2)] == [[0, 1, 2], [3, 4], [0, 1, 2], [3, 4]]
+    assert [b.tolist() for b in ds.repeat().batch(4, drop_remainder=True).take(3)] == [
+        [0, 1, 2, 3], [4, 0, 1, 2], [3, 4, 0, 1]
+    ]
+    assert [b.tolist() for b in Dataset.from_tensors(np.int32(7)).repeat(5).batch(2)] == [[7, 7], [7, 7], [7]]
+    assert [b.tolist() for b in Dataset.range(10, 0, -3).batch(2)] == [[10, 7], [4, 1]]
+
+
+@pytest.mark.parametrize("reshuffle", [True, False])
+def test_vectorized_shuffle_same_order_every_epoch_as_elementwise(reshuffle, monkeypatch):
+    x = np.arange(200, dtype=np.int64)
+
+    def build():
+        ds = Dataset.from_tensor_slices(x).shuffle(17, seed=5, reshuffle_each_iteration=reshuffle)
+        return ds.repeat(2).shuffle(9, seed=2, reshuffle_each_iteration=reshuffle).batch(16)
+
+    fast, slow = build(), build()
+    for epoch in range(3):
+        monkeypatch.setattr(data, "_VECTORIZE", True)
+        f = np.concatenate(list(fast))
+        monkeypatch.setattr(data, "_VECTORIZE", False)
+        s = np.concatenate(list(slow))
+        np.testing.assert_array_equal(f, s)
+        assert sorted(f.tolist()) == sorted(list(range(200)) * 2)
+        if epoch == 0:
+            first = f
+    assert (not np.array_equal(first, f)) == reshuffle
+
+
+def test_vectorized_shuffle_step_matches_the_buffer_loop(monkeypatch):
+    monkeypatch.setattr(data, "_SHUFFLE_CHUNK", 7)  # runs split into several vectorized steps
+    rng = np.random.default_rng(4)
+    for size in (1, 2, 5, 33):
+        buf = rng.permutation(1000)[:size].astype(np.int64)
+        incoming = rng.integers(1000, 2000, 50).astype(np.int64)
+        slots = rng.integers(size, size=50)
+        ref_buf, ref_out = buf.tolist(), []
+        for e, j in zip(incoming.tolist(), slots.tolist()):
+            ref_out.append(ref_buf[j])
+            ref_buf[j] = e
+        out = data._shuffle_step(buf, incoming, slots)
+        assert out.tolist() == ref_out and buf.tolist() == ref_buf
+    got = np.concatenate(list(Dataset.range(100).shuffle(10, seed=9).batch(13)))
+    monkeypatch.setattr(data, "_VECTORIZE", False)
+    np.testing.assert_array_equal(got, np.concatenate(list(Dataset.range(100).shuffle(10, seed=9).batch(13))))
+    assert got.tolist() != list(range(100)) and sorted(got.tolist()) == list(range(100))
+
+
+def test_elementwise_batch_kept_for_other_sources():
+    # Strings stack to the widest element *in the batch*, so they keep the element-wise path.
+    s = np.array([b"a", b"abcde", b"ab"])
+    ds = Dataset.from_tensor_slices(s)
+    assert ds._rows is None
+    assert [b.dtype for b in ds.batch(2)] == [np.dtype("S5"), np.dtype("S2")]
+    big_endian = np.arange(4, dtype=">i4")
+    assert Dataset.from_tensor_slices(big_endian)._rows is None
+    assert next(iter(Dataset.from_tensor_slices(big_endian).batch(4))).dtype == np.dtype("<i4")
+    # Out of the output type's range: elements raise at iteration, so range has no fast path.
+    assert Dataset.range(2**40, 2**40 + 2, output_type=np.int32)._rows is None
+    assert Dataset.range(3, output_type=np.float32)._rows is None
+    mapped = Dataset.range(6).map(lambda v: v * 2).batch(4)
+    assert [b.tolist() for b in mapped] == [[0, 2, 4, 6], [8, 10]]
+    assert not next(iter(mapped)).flags.writeable

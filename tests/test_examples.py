@@ -56,6 +56,7 @@ def test_training_reduces_loss_and_reaches_high_accuracy(train_mlp):
     assert h["accuracy"][-1] > 0.9 and h["test_accuracy"][-1] > 0.9
     assert h["test_loss"][-1] < 0.3
     assert all(np.isfinite(steps))
+    assert len(h["step_seconds"]) == len(steps) and all(t > 0 for t in h["step_seconds"])
 
 
 @pytest.mark.parametrize(
@@ -95,9 +96,12 @@ def test_trajectory_depends_on_the_seed(train_mlp):
 def test_variables_stay_in_sync(train_mlp, kind):
     import cudist
 
-    args = train_mlp.parse_args([*SMALL, "--strategy", kind, "--replicas", "3", "--epochs", "1"])
-    _, strategy, model = train_mlp.train(args)
-    for var in model.trainable_variables:
+    args = train_mlp.parse_args([*SMALL, "--strategy", kind, "--replicas", "3", "--epochs", "1", "--optimizer", "adam"])
+    history, strategy, model, optimizer = train_mlp.train(args)
+    assert int(optimizer.iterations) == len(history["step_losses"]) == 512 // 64
+    slots = [optimizer.get_slot(v, name) for v in model.trainable_variables for name in ("momentum", "velocity")]
+    assert len(optimizer.variables) == 1 + len(slots)
+    for var in model.trainable_variables + slots:
         copies = strategy.experimental_local_results(var)
         if kind == "mirrored":
             assert isinstance(var, cudist.MirroredVariable)
@@ -108,6 +112,7 @@ def test_variables_stay_in_sync(train_mlp, kind):
             assert len(copies) == 1
             assert var.device.endswith("device:CPU:0")
         assert np.all(np.isfinite(var.numpy()))
+        assert np.any(var.numpy() != 0), var.name  # trained (slots start at zero, biases too)
 
 
 def test_bad_flags_exit_with_usage_error(train_mlp, capsys):

@@ -49,7 +49,7 @@ _EXPORTS = {
     "NcclAllReduce": "_cross_device_ops",
     "P2PAllReduce": "_cross_device_ops",
 }
-_SUBMODULES = ("data", "config", "experimental", "errors")
+_SUBMODULES = ("data", "config", "experimental", "errors", "optimizers")
 
 __all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["get_include", "get_cmake_dir", "__version__"]
 

@@ -37,6 +37,7 @@ __all__ = [
     "P2PAllReduce",
     "KernelAllReduce",
     "AutoGpuAllReduce",
+    "default_gpu_ops",
     "select_cross_device_ops",
     "gpu_layout",
 ]
@@ -305,7 +306,7 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
             else:
                 if n > 1:
                     if use_kernel:
-                        reducer(b, bufs, kop)
+                        (reducer if on_device else _default_reducer)(b, bufs, kop)
                     else:
                         red = _reduce_arrays(where, bufs, kop)
                         for buf in bufs:
@@ -360,7 +361,7 @@ def _single_all_reduce(where, op, per_replica_leaves, reducer=None):
         if dt not in b.dtypes:
             b = _fallback_backend(xp, dt)
         if dt in b.dtypes:
-            if reducer is None:
+            if reducer is None or xp is np:
                 # Straight to the backend's hook: these are fresh, valid buffers of one shape and dtype,
                 # so the public method's checks (a few microseconds per step) are skipped.
                 b._all_reduce(bufs, kop)
@@ -373,6 +374,30 @@ def _single_all_reduce(where, op, per_replica_leaves, reducer=None):
     if int_mean:
         bufs = _divide(xp, bufs, n)
     return [[buf.reshape(shape)] for buf in bufs]
+
+
+def gather_arrays(arrs, axis):
+    """Concatenates per-replica arrays (same dtype) along ``axis`` in replica order into a new array.
+
+    Host arrays go through the CPU backend (the NumPy reference for dtypes outside the kernel
+    contract); GPU arrays through the CuPy backend, the result on the first array's GPU.
+    """
+    if _is_device_array(arrs[0]) and all(_is_device_array(a) for a in arrs):
+        xp, b = _array_module(arrs[0])
+        with _device_of(arrs[0]):
+            if arrs[0].dtype in b.dtypes:
+                return b.all_gather(arrs, axis)
+            # Validated like a kernel call (shapes, axis), then concatenated by CuPy.
+            _numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
+            return xp.concatenate([xp.asarray(a) for a in arrs], axis=axis)
+    arrs = [_contig(_to_host(a)) for a in arrs]
+    b = _cpu_backend()
+    if arrs[0].dtype not in b.dtypes:
+        b = _numpy_backend()
+    if arrs[0].dtype in b.dtypes:
+        return b.all_gather(arrs, axis)
+    _numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
+    return np.concatenate(arrs, axis=axis)
 
 
 def resolve_destinations(destinations, where="reduce"):
@@ -721,10 +746,16 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
         self.num_packs = _check_num_packs("HierarchicalCopy", num_packs)
 
 
-def _all_device_arrays(per_replica_leaves, name):
-    a = per_replica_leaves[0][0] if per_replica_leaves and per_replica_leaves[0] else None
-    if a is None or not _is_device_array(a):
-        raise ValueError(f"{name} needs GPU devices; the replicas hold host (numpy) arrays")
+def _replica_gpus_of(per_replica_leaves):
+    """The GPU of each replica's first GPU leaf, or None when every leaf is a host value.
+
+    Host leaves (Python numbers, NumPy arrays) next to GPU arrays are reduced on the host, as
+    TF reduces CPU tensors under GPU cross-device ops.
+    """
+    for j, a in enumerate(per_replica_leaves[0]):
+        if _is_device_array(a):
+            return [leaves[j].device.id for leaves in per_replica_leaves]
+    return None
 
 
 class P2PAllReduce(CrossDeviceOps):
@@ -739,10 +770,6 @@ class P2PAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs=1):
         self.num_packs = _check_num_packs("P2PAllReduce", num_packs)
-
-    def _all_reduce(self, op, per_replica_leaves, paths=None):
-        _all_device_arrays(per_replica_leaves, "P2PAllReduce")
-        return super()._all_reduce(op, per_replica_leaves, paths)
 
 
 class NcclAllReduce(CrossDeviceOps):
@@ -778,23 +805,29 @@ class NcclAllReduce(CrossDeviceOps):
                 stacklevel=4,
             )
             return
+        self._fallback = None
         if len(physical) > 1:
             nccl, why = _nccl_module()
             if nccl is None:
                 from cudist._kernels import BackendUnavailableError
 
                 raise BackendUnavailableError(f"NcclAllReduce cannot run: {why}; or use cudist.P2PAllReduce()")
+            self._nccl = nccl
 
     def _reducer(self, per_replica_leaves):
-        _all_device_arrays(per_replica_leaves, "NcclAllReduce")
-        physical = [leaves[0].device.id for leaves in per_replica_leaves]
-        if len(set(physical)) != len(physical):
+        if len(per_replica_leaves) < 2:
+            return None  # nothing to reduce
+        physical = _replica_gpus_of(per_replica_leaves)
+        if physical is None or len(set(physical)) != len(physical):
             return None  # logical GPUs sharing a GPU: the P2P kernels
-        nccl, why = _nccl_module()
+        nccl = self.__dict__.get("_nccl")
         if nccl is None:
-            from cudist._kernels import BackendUnavailableError
+            nccl, why = _nccl_module()
+            if nccl is None:
+                from cudist._kernels import BackendUnavailableError
 
-            raise BackendUnavailableError(f"NcclAllReduce cannot run: {why}; or use cudist.P2PAllReduce()")
+                raise BackendUnavailableError(f"NcclAllReduce cannot run: {why}; or use cudist.P2PAllReduce()")
+            self._nccl = nccl
         dtypes = _nccl_dtypes(nccl)
 
         def reduce(backend, bufs, op):
@@ -807,48 +840,33 @@ class NcclAllReduce(CrossDeviceOps):
 
 
 class AutoGpuAllReduce(CrossDeviceOps):
-    """The default on GPUs: P2P kernels for small buffers, NCCL for large ones over several GPUs.
+    """The default over several physical GPUs: P2P kernels for small buffers, NCCL for large ones.
 
-    On a single physical GPU (including logical GPUs split from it) or without NCCL, everything goes
-    through the P2P kernels. Otherwise a packed buffer of at least :attr:`NCCL_MIN_BYTES` goes
-    through NCCL, a smaller one through the P2P kernels (lower latency: one launch, no NCCL
-    protocol). ``repr`` says which applies.
+    A packed buffer of at least :attr:`NCCL_MIN_BYTES` goes through NCCL, a smaller one through the
+    P2P kernels (lower latency: one launch, no NCCL protocol). Strategies on a single physical GPU
+    (logical GPUs included), with several logical GPUs per physical GPU, or without NCCL get a plain
+    :class:`P2PAllReduce` by default instead (see :func:`select_cross_device_ops`).
     """
 
     _needs_gpu = True
-    #: Packed buffers of at least this many bytes use NCCL when the replicas are on distinct GPUs.
+    #: Packed buffers of at least this many bytes use NCCL (the replicas being on distinct GPUs).
     NCCL_MIN_BYTES = 8 << 20
 
-    def __init__(self, devices, physical, num_packs=1):
+    def __init__(self, physical, nccl, num_packs=1):
         self.num_packs = _check_num_packs("AutoGpuAllReduce", num_packs)
         self._physical = tuple(physical)
-        self._layout = _describe_layout(self._physical)
-        self._nccl = None
-        distinct = len(set(self._physical)) == len(self._physical) and len(self._physical) > 1
-        if not distinct:
-            self._why = "P2P only" if len(set(self._physical)) == 1 else "P2P only: several logical GPUs per physical GPU"
-        else:
-            nccl, why = _nccl_module()
-            if nccl is None:
-                self._why = f"P2P only: NCCL unavailable ({why})"
-            else:
-                self._nccl = nccl
-                self._why = f"P2P below {_format_bytes(self.NCCL_MIN_BYTES)} per buffer, NCCL from there"
-        self._default_note = f"default for {self._layout}"
-
-    @property
-    def uses_nccl(self) -> bool:
-        """Whether large buffers go through NCCL (several distinct physical GPUs and NCCL available)."""
-        return self._nccl is not None
+        self._nccl = nccl
+        self._default_note = f"default for {_describe_layout(self._physical)}"
 
     def __repr__(self) -> str:
-        return f"<cudist.AutoGpuAllReduce num_packs={self.num_packs}: {self._why} ({self._default_note})>"
+        return (
+            f"<cudist.AutoGpuAllReduce num_packs={self.num_packs}: P2PAllReduce below "
+            f"{_format_bytes(self.NCCL_MIN_BYTES)} per buffer, NcclAllReduce from there ({self._default_note})>"
+        )
 
     def _reducer(self, per_replica_leaves):
-        _all_device_arrays(per_replica_leaves, "AutoGpuAllReduce")
+        del per_replica_leaves
         nccl = self._nccl
-        if nccl is None:
-            return None
         dtypes = _nccl_dtypes(nccl)
         threshold = self.NCCL_MIN_BYTES
 
@@ -865,6 +883,25 @@ class AutoGpuAllReduce(CrossDeviceOps):
         return reduce
 
 
+def default_gpu_ops(physical):
+    """The default cross-device ops for replicas on the physical GPUs ``physical`` (one id per replica).
+
+    NCCL needs one replica per physical GPU and at least two of them; otherwise, or when NCCL cannot
+    be loaded, the P2P kernels do everything.
+    """
+    layout = _describe_layout(physical)
+    if len(physical) > 1 and len(set(physical)) == len(physical):
+        nccl, why = _nccl_module()
+        if nccl is not None:
+            return AutoGpuAllReduce(physical, nccl)
+        note = f"default for {layout}; NCCL unavailable: {why}"
+    else:
+        note = f"default for {layout}"
+    ops = P2PAllReduce()
+    ops._default_note = note
+    return ops
+
+
 def _format_bytes(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size and n % size == 0:
@@ -875,7 +912,8 @@ def _format_bytes(n: int) -> str:
 def select_cross_device_ops(devices, cross_device_ops=None):
     """The cross-device ops a strategy over ``devices`` uses (the given one, checked, or the default).
 
-    The default is :class:`KernelAllReduce` on CPUs and :class:`AutoGpuAllReduce` on GPUs.
+    The default is :class:`KernelAllReduce` on CPUs; on GPUs :class:`AutoGpuAllReduce` over several
+    physical GPUs with NCCL available, else :class:`P2PAllReduce` (see :func:`default_gpu_ops`).
 
     Raises:
         ValueError: CPU and GPU devices mixed, a GPU that does not exist, or an op that cannot run
@@ -890,7 +928,7 @@ def select_cross_device_ops(devices, cross_device_ops=None):
         cross_device_ops._check_devices(devices)
     physical = gpu_layout(devices)
     if cross_device_ops is None:
-        return KernelAllReduce() if physical is None else AutoGpuAllReduce(devices, physical)
+        return KernelAllReduce() if physical is None else default_gpu_ops(physical)
     cross_device_ops._bind(devices, physical)
     return cross_device_ops
 

@@ -271,7 +271,7 @@ def _h_all_reduce(strategy, payloads):
 
 
 def _h_all_gather(strategy, payloads):
-    from cudist._cross_device_ops import _contig, _cpu_backend, _numpy_backend, to_array, tree_leaves_with_paths
+    from cudist._cross_device_ops import _contig, _copy_like, gather_arrays, to_array, tree_leaves_with_paths
 
     axis = payloads[0][1]
     for r, (_, a) in enumerate(payloads[1:], 1):
@@ -292,17 +292,13 @@ def _h_all_gather(strategy, payloads):
                 raise ValueError(
                     f"all_gather: replicas disagree{where}: replica 0 has dtype {arrs[0].dtype}, replica {r} has dtype {a.dtype}"
                 )
-        b = _cpu_backend()
-        if arrs[0].dtype not in b.dtypes:
-            b = _numpy_backend()
-        if arrs[0].dtype in b.dtypes:
-            g = b.all_gather(arrs, axis)
-        else:  # dtypes outside the kernel contract: validate the same way, then concatenate
-            _numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
-            g = np.concatenate(arrs, axis=axis)
-        gathered.append(g)
-    # Each replica owns its result, as in TF (and so ``run`` returns a PerReplica, not one shared object).
-    return [optree.tree_unflatten(spec0, [g if r == 0 else g.copy() for g in gathered]) for r in range(n)]
+        gathered.append((gather_arrays(arrs, axis), arrs))
+    # Each replica owns its result, on its own device, as in TF (and so ``run`` returns a
+    # PerReplica, not one shared object).
+    return [
+        optree.tree_unflatten(spec0, [g if r == 0 else _copy_like(g, arrs[r]) for g, arrs in gathered])
+        for r in range(n)
+    ]
 
 
 def _h_merge_call(strategy, payloads):
@@ -410,6 +406,47 @@ class ReplicaContext:
         return self._collective("merge_call", (merge_fn, tuple(args), dict(kwargs or {})))
 
 
+class _GpuReplicaContext(ReplicaContext):
+    """The context of a replica on a GPU: that GPU is CUDA's current device while the replica runs.
+
+    CuPy allocates on, and launches on, the current device, and refuses (or warns about) arrays of
+    another one; so, as TF places a replica's ops on its device, the replica's physical GPU is made
+    current when it starts and again whenever it resumes after a collective (the collectives run in
+    the caller, which may leave another GPU current).
+    """
+
+    def __init__(self, strategy, replica_id_in_sync_group, gpu):
+        super().__init__(strategy, replica_id_in_sync_group)
+        self._gpu = int(gpu)
+
+    def _collective(self, kind, payload):
+        out = super()._collective(kind, payload)
+        _set_device(self._gpu)
+        return out
+
+
+def _set_device(gpu):
+    import cupy  # noqa: PLC0415 - GPU replicas only
+
+    cupy.cuda.runtime.setDevice(gpu)
+
+
+def _get_device():
+    import cupy  # noqa: PLC0415 - GPU replicas only
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def _on_replica_gpu(fn):
+    """``fn`` wrapped to make the running replica's GPU current first (see _GpuReplicaContext)."""
+
+    def run_on_gpu(*args, **kwargs):
+        _set_device(_CTX.get().replica_ctx._gpu)
+        return fn(*args, **kwargs)
+
+    return run_on_gpu
+
+
 class _DefaultReplicaContext(ReplicaContext):
     """The replica context outside any scope: one replica of the default strategy."""
 
@@ -437,6 +474,12 @@ class StrategyExtended:
         self._cross_device_ops = select_cross_device_ops(self._devices, cross_device_ops)
         self._cross_frame = _Frame(container_strategy, None)
         self._replica_frames = None
+        # The physical GPU of each replica (None on CPUs): made current while the replica runs.
+        self._replica_gpus = None
+        if any(_devices.parse_device(d).is_gpu for d in self._devices):
+            from cudist._cross_device_ops import gpu_layout
+
+            self._replica_gpus = gpu_layout(self._devices)
 
     def __repr__(self) -> str:
         return f"<cudist.{type(self).__name__} of {self._container_strategy_ref!r}>"
@@ -448,7 +491,12 @@ class StrategyExtended:
         frames = self._replica_frames
         if frames is None:
             s = self._container_strategy_ref
-            frames = self._replica_frames = [_Frame(s, ReplicaContext(s, i)) for i in range(self._num)]
+            gpus = self._replica_gpus
+            if gpus is None:
+                frames = [_Frame(s, ReplicaContext(s, i)) for i in range(self._num)]
+            else:
+                frames = [_Frame(s, _GpuReplicaContext(s, i, gpus[i])) for i in range(self._num)]
+            self._replica_frames = frames
         return frames
 
     # -------------------------------------------------------------- devices
@@ -589,7 +637,7 @@ class StrategyExtended:
                     f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}."
                 )
             return np.array(_host(value), copy=True)
-        return self._cross_device_ops.reduce(op, value, self._devices[0])
+        return _host(self._cross_device_ops.reduce(op, value, self._devices[0]))
 
     # -------------------------------------------------------------- running
     def call_for_each_replica(self, fn, args=(), kwargs=None):
@@ -610,6 +658,9 @@ class StrategyExtended:
         kwargs = kwargs or {}
         n = self._num
         frames = self._frames()
+        gpus = self._replica_gpus
+        if gpus is not None:
+            prev = _get_device()
         if n == 1:
             token = _CTX.set(frames[0])
             try:
@@ -617,9 +668,13 @@ class StrategyExtended:
                     args = select_replica(0, tuple(args))
                 if kwargs:
                     kwargs = select_replica(0, kwargs)
+                if gpus is not None:
+                    _set_device(gpus[0])
                 return fn(*args, **kwargs)
             finally:
                 _CTX.reset(token)
+                if gpus is not None:
+                    _set_device(prev)
         try:
             args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
             kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
@@ -629,7 +684,15 @@ class StrategyExtended:
                 f"strategy.run got a DistributedValues argument with {sizes[0]} component(s), "
                 f"but the strategy has {n} replicas"
             ) from None
-        results = _engine().run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers())
+        if gpus is None:
+            results = _engine().run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers())
+        else:
+            try:
+                results = _engine().run_replicas(
+                    n, frames, _on_replica_gpu(fn), args_list, kwargs_list, self._handlers()
+                )
+            finally:
+                _set_device(prev)  # the caller's current GPU, whatever the replicas left current
         return _regroup_results(results)
 
     def _handlers(self):

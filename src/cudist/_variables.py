@@ -103,6 +103,20 @@ def _is_device_array(a) -> bool:
     return type(a).__module__.split(".")[0] == "cupy"
 
 
+def _snapshot(a):
+    """A copy of ``a`` on its own device (CuPy's ``ndarray.copy`` copies into the current device)."""
+    if isinstance(a, np.ndarray) or not _is_device_array(a):
+        return a.copy()
+    with a.device:
+        return a.copy()
+
+
+def _device_overlap(a, b) -> bool:
+    """Whether two CuPy arrays share device memory."""
+    pa, pb = a.data.ptr, b.data.ptr
+    return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
 def _to_host(a):
     """A NumPy view or copy of an array from either module."""
     if isinstance(a, np.ndarray):
@@ -425,11 +439,11 @@ class Variable(metaclass=_VariableMeta):
 
     def value(self):
         """A snapshot of the current value (a NumPy or CuPy array)."""
-        return self._read_live().copy()
+        return _snapshot(self._read_live())
 
     def read_value(self):
         """A snapshot of the current value (a NumPy or CuPy array)."""
-        return self._read_live().copy()
+        return _snapshot(self._read_live())
 
     def numpy(self):
         """The value as a NumPy array (a NumPy scalar for 0-d variables), copied to the host."""
@@ -482,6 +496,13 @@ class Variable(metaclass=_VariableMeta):
         """Applies an already-coerced update to this single storage array."""
         ref = self._array
         xp = _xp(ref)
+        if xp is not np:
+            with ref.device:  # CuPy works on the current device: make it this component's
+                self._write_arrays(xp, method, ref, arr)
+            return
+        self._write_arrays(xp, method, ref, arr)
+
+    def _write_arrays(self, xp, method, ref, arr):
         if method == "assign":
             if arr.shape != ref.shape:  # allowed by a partially unknown `shape=`
                 self._array = xp.array(arr, order="C", copy=True)
@@ -731,7 +752,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
         if all(_xp(c._array) is np for c in self._values):
             snap = self._values[0]._array.copy()
             return (snap,) * len(self._values)
-        return tuple(c._array.copy() for c in self._values)
+        return tuple(_snapshot(c._array) for c in self._values)
 
     def _all_write(self, method, arr):
         """Applies a coerced update to every component with one fused kernel pass."""
@@ -750,16 +771,13 @@ class MirroredVariable(DistributedVariable, Mirrored):
         if _xp(arr) is np and any(np.may_share_memory(arr, c) for c in copies):
             arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
         backend = _kernel_backend(copies[0]) if all(_xp(c) is _xp(copies[0]) for c in copies) else None
-        same_device = backend is not None and (_xp(copies[0]) is np or all(c.device == copies[0].device for c in copies))
-        if backend is not None and same_device:
+        # The CuPy backend updates copies on several GPUs in one pass too (over peer access, or
+        # staged where there is none), so only a mix of host and device copies needs the loop below.
+        if backend is not None:
+            if _is_device_array(arr) and any(_device_overlap(arr, c) for c in copies):
+                with arr.device:
+                    arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
             getattr(backend, method)(copies, _contig(arr))
-            return
-        if backend is not None and method != "assign":
-            # Components on different GPUs: update the primary, then broadcast it.
-            self._values[0]._write(method, arr)
-            new = copies[0]
-            for c in self._values[1:]:
-                c._write("assign", _like(new, c._array))
             return
         new = arr
         if method != "assign":
@@ -789,7 +807,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             self._all_write(method, self._values[0]._coerce(_aggregate(strategy, v, self._aggregation, self), method))
 
         ctx.merge_call(merge_fn, args=(value,))
-        return self._local(ctx)._array.copy() if read_value else None
+        return _snapshot(self._local(ctx)._array) if read_value else None
 
 
 class SyncOnReadVariable(DistributedVariable):

@@ -46,13 +46,25 @@ _lock = threading.Lock()
 _logical: dict[str, list[LogicalDeviceConfiguration]] = {}
 
 
+_gpu_count_cache: list[int] = []
+
+
 def _gpu_count() -> int:
+    """How many physical GPUs CuPy sees (0 without CuPy, a driver or a device); counted once.
+
+    Input pipelines map logical to physical GPUs for every batch, so the count (an import attempt
+    and a driver call) is not repeated; tests fake other machines by replacing this function.
+    """
+    if _gpu_count_cache:
+        return _gpu_count_cache[0]
     try:
         import cupy  # noqa: PLC0415 - only when GPUs are asked about
 
-        return int(cupy.cuda.runtime.getDeviceCount())
+        n = int(cupy.cuda.runtime.getDeviceCount())
     except Exception:  # no CuPy, no driver, no device: no GPUs
-        return 0
+        n = 0
+    _gpu_count_cache.append(n)
+    return n
 
 
 def _check_type(device_type):
@@ -102,6 +114,11 @@ def set_logical_device_configuration(device, logical_devices) -> None:
         for c in confs:
             if not isinstance(c, LogicalDeviceConfiguration):
                 raise TypeError(f"expected LogicalDeviceConfiguration entries, got {type(c).__name__}")
+            m = c.memory_limit
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m <= 0):
+                raise ValueError(
+                    f"set_logical_device_configuration: memory_limit must be a positive number of MiB or None, got {m!r}"
+                )
         _logical[dev.name] = confs
 
 
@@ -114,7 +131,11 @@ def get_logical_device_configuration(device):
 
 
 def logical_to_physical_gpu() -> list[int]:
-    """For each logical GPU index, the physical GPU it lives on."""
+    """For each logical GPU index, the physical GPU (CUDA device id) it lives on.
+
+    Logical GPUs are numbered physical GPU by physical GPU: splitting GPU 0 into 4 gives
+    "/gpu:0".."/gpu:3" on GPU 0, and GPU 1 (unsplit) becomes "/gpu:4".
+    """
     out = []
     for i in range(_gpu_count()):
         confs = _logical.get(f"/physical_device:GPU:{i}")

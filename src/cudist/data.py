@@ -443,7 +443,8 @@ def _take_positions(upstream, count: int):
         for run in upstream():
             if len(run) >= left:
                 yield run[:left]
-                return  # like islice: never pulls past the last element taken
+                left = 0
+                continue  # like islice: never pulls past the last element taken
             yield run
             left -= len(run)
 

@@ -24,10 +24,13 @@ iteration count, like a Keras schedule), not a variable; gradients must have the
 from __future__ import annotations
 
 import numbers
+import operator
 import warnings
 
 import numpy as np
 
+from cudist import _distribute_lib
+from cudist._kernels._base import adam_lr_t
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica
 from cudist._variables import (
@@ -65,6 +68,11 @@ def _primary_device(var) -> str:
     return var.values[0].device if isinstance(var, DistributedValues) else var.device
 
 
+def _same_arrays(a: tuple, b: tuple) -> bool:
+    """Whether two tuples hold the very same arrays (identity, not values)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
 def _device_groups(bufs):
     """Indices of ``bufs`` grouped by the memory they live in (host, or one GPU each).
 
@@ -83,7 +91,8 @@ def _device_groups(bufs):
 class Optimizer:
     """Base class of the cudist optimizers (Keras 3's ``keras.optimizers.Optimizer`` API subset).
 
-    Subclasses name their slots in ``_slot_names`` and implement ``_fused_update``.
+    Subclasses name their slots in ``_slot_names`` and implement ``_kernel_update`` (and
+    ``_step_params`` when a step needs more scalars than the learning rate).
 
     Args:
         learning_rate: a real number, or a callable taking the iteration count (an int, 0 on the
@@ -108,6 +117,8 @@ class Optimizer:
             aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
         )
         self._slots: dict = {}  # variable -> {slot name: slot variable}; variables hash by identity
+        self._plans: dict = {}  # variable -> validated kernel work, see _plan
+        self._one = np.ones((), dtype=np.int64)
         self._variables = [self._iterations]
 
     # ------------------------------------------------------------------ properties
@@ -165,8 +176,6 @@ class Optimizer:
         slots = self._slots.get(var)
         if slots is not None:
             return slots
-        from cudist import _distribute_lib
-
         # The slot lives where the variable lives: the variable's strategy and devices, so a
         # MirroredVariable gets mirrored slots and CentralStorage's variable a slot on the
         # parameter device.
@@ -175,7 +184,7 @@ class Optimizer:
         with strategy.scope(), strategy.extended.colocate_vars_with(var):
             for slot_name in self._slot_names:
                 slots[slot_name] = Variable(
-                    np.zeros(var.shape, dtype=var.dtype),
+                    np.zeros(var._primary_array().shape, dtype=var.dtype),
                     name=f"{_base_name(var)}/{slot_name}",
                     trainable=False,
                     dtype=var.dtype,
@@ -226,10 +235,11 @@ class Optimizer:
                 )
         else:  # Python numbers and lists convert under TF's rules
             grad = _cast(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
-        if grad.shape != var.shape:
+        shape = var._primary_array().shape  # var.shape may have None dimensions (``shape=`` at creation)
+        if grad.shape != shape:
             raise ValueError(
                 f"{self.name}: the gradient of variable '{var.name}' has shape {grad.shape} but the variable "
-                f"has shape {var.shape}"
+                f"has shape {shape}"
             )
         return grad
 
@@ -252,8 +262,6 @@ class Optimizer:
             ValueError: a gradient whose shape is not the variable's; no gradient at all; a
                 SyncOnReadVariable; a PerReplica gradient in cross-replica context.
         """
-        from cudist import _distribute_lib
-
         pairs = []
         missing = []
         for item in grads_and_vars:
@@ -283,7 +291,9 @@ class Optimizer:
         aggregate = bool(experimental_aggregate_gradients)
 
         def merge_fn(strategy, per_replica_grads):
-            self._apply(self._aggregate(strategy, list(per_replica_grads), variables, aggregate), variables)
+            n = strategy.num_replicas_in_sync
+            reduced = self._aggregate(strategy, list(per_replica_grads), variables, aggregate)
+            self._apply(reduced, variables, fresh=n > 1 and aggregate)
 
         ctx.merge_call(merge_fn, args=(grads,))
         return self._iterations
@@ -301,37 +311,74 @@ class Optimizer:
             ReduceOp.SUM, [(g, _primary_device(v)) for g, v in zip(values, variables)]
         )
 
-    def _apply(self, grads, variables):
-        """Updates every variable once from its final gradient (cross-replica context)."""
-        slots = [self._ensure_slots(v) for v in variables]  # all created before any variable changes
+    def _apply(self, grads, variables, fresh: bool = False):
+        """Updates every variable once from its final gradient (cross-replica context).
+
+        ``fresh``: the gradients are new buffers (results of the reduction) that alias nothing.
+        """
+        plans = [self._plan(v) for v in variables]  # slots are all created before any variable changes
         iteration = int(self._iterations)
-        lr = self._current_learning_rate(iteration)
-        for grad, var, var_slots in zip(grads, variables, slots):
-            bufs = var._buffers()
-            slot_bufs = [s._buffers() for s in var_slots.values()]
-            for idx in _device_groups(bufs):
-                copies = tuple(bufs[i] for i in idx)
+        params = self._step_params(self._current_learning_rate(iteration), iteration + 1)
+        for grad, plan in zip(grads, plans):
+            for copies, slots, backend in plan[1]:
                 ref = copies[0]
-                backend = var._kernel() if len(idx) == len(bufs) else _kernel_backend(ref)
-                if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
-                    from cudist._kernels import get_backend
-
-                    backend = get_backend("numpy")
-                g = _like(grad, ref)
-                if type(g) is np.ndarray:
-                    if not g.flags.c_contiguous or any(np.may_share_memory(g, c) for c in copies):
-                        g = np.array(g, order="C")  # kernels need contiguous grads that alias no copy
-                    self._fused_update(backend, copies, [tuple(s[i] for i in idx) for s in slot_bufs], g, lr, iteration + 1)
-                else:
+                if type(ref) is np.ndarray:
+                    g = grad if type(grad) is np.ndarray else _like(grad, ref)
                     if not g.flags.c_contiguous:
-                        g = g.copy(order="C")
+                        g = np.array(g, order="C")
+                    elif not fresh and (g.base is not None or any(g is c for c in copies)):
+                        # A view may overlap a copy the kernel writes while reading the gradient.
+                        if any(np.may_share_memory(g, c) for c in copies):
+                            g = g.copy()
+                    self._kernel_update(backend, copies, slots, g, params)
+                else:
                     with ref.device:
-                        self._fused_update(
-                            backend, copies, [tuple(s[i] for i in idx) for s in slot_bufs], g, lr, iteration + 1
-                        )
-        self._iterations.assign_add(1, read_value=False)
+                        g = _like(grad, ref)
+                        if not g.flags.c_contiguous or any(g is c for c in copies):
+                            g = g.copy(order="C")
+                        self._kernel_update(backend, copies, slots, g, params)
+        self._iterations.assign_add(self._one, read_value=False)
 
-    def _fused_update(self, backend, copies, slots, grad, lr: float, step: int):  # pragma: no cover - abstract
+    def _plan(self, var):
+        """The validated kernel work of ``var``: per memory, (copies, slot copies, backend).
+
+        Validated once through the backends' own checks, then reused while the variable and its
+        slots keep the same storage arrays (an assign of a new shape reallocates them), so each step
+        calls the kernels' hooks directly instead of re-checking every buffer.
+        """
+        slots = self._ensure_slots(var)
+        bufs = var._buffers()
+        slot_bufs = tuple(s._buffers() for s in slots.values())
+        key = bufs + sum(slot_bufs, ())
+        plan = self._plans.get(var)
+        if plan is not None and _same_arrays(plan[0], key):
+            return plan
+        where = f"{self.name} update of '{var.name}'"
+        groups = []
+        for idx in _device_groups(bufs):
+            copies = tuple(bufs[i] for i in idx)
+            backend = var._kernel() if len(idx) == len(bufs) else _kernel_backend(copies[0])
+            if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
+                from cudist._kernels import get_backend
+
+                backend = get_backend("numpy")
+            backend._check_bufs(where, copies, writable=True, what="copy")
+            backend._check_float(where, copies[0])
+            group_slots = []
+            for name, sb in zip(slots, slot_bufs):
+                sc = backend._check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
+                backend._check_same_slots(where, copies, sc, name)
+                group_slots.append(sc)
+            groups.append((copies, tuple(group_slots), backend))
+        plan = (key, tuple(groups))
+        self._plans[var] = plan
+        return plan
+
+    def _step_params(self, lr: float, step: int):
+        """The scalars of one step (``step`` is 1-based), computed once for all variables."""
+        return (lr,)
+
+    def _kernel_update(self, backend, copies, slots, grad, params):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -358,11 +405,11 @@ class SGD(Optimizer):
         self._slot_names = ("momentum",) if self.momentum != 0 else ()
         super().__init__(learning_rate, name)
 
-    def _fused_update(self, backend, copies, slots, grad, lr, step):
+    def _kernel_update(self, backend, copies, slots, grad, params):
         if slots:
-            backend.momentum(copies, slots[0], grad, lr=lr, momentum=self.momentum, nesterov=self.nesterov)
+            backend._momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)
         else:
-            backend.sgd(copies, grad, lr=lr)
+            backend._sgd(copies, grad, params[0])
 
 
 class Adam(Optimizer):
@@ -387,7 +434,8 @@ class Adam(Optimizer):
         self.epsilon = _check_real("epsilon", epsilon, low=0.0)
         super().__init__(learning_rate, name)
 
-    def _fused_update(self, backend, copies, slots, grad, lr, step):
-        backend.adam(
-            copies, slots[0], slots[1], grad, lr=lr, beta_1=self.beta_1, beta_2=self.beta_2, epsilon=self.epsilon, step=step
-        )
+    def _step_params(self, lr, step):
+        return (adam_lr_t(lr, self.beta_1, self.beta_2, step),)
+
+    def _kernel_update(self, backend, copies, slots, grad, params):
+        backend._adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)
