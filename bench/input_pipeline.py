@@ -5,9 +5,12 @@ int32) -- plain, shuffled, through ``repeat().take()`` -- and the same pipeline 
 ``MirroredStrategy`` (2 logical CPUs) ``experimental_distribute_dataset``. "before" is
 ``src/cudist/data.py`` and ``src/cudist/_input_lib.py`` as of ``--ref`` (default HEAD, read with
 ``git show`` into a temporary directory and imported as separate modules); "after" is the working
-tree. Each case runs ``--repeat`` passes; the median per-batch time is reported.
+tree. The default ref, 469c5d5, is the input pipeline before the vectorized batch path. For the
+distributed rows, "old split" is the old ``_input_lib`` over the new ``data`` (the per-step cost of
+splitting and building PerReplica alone). Each case runs ``--repeat`` passes; the median per-batch
+time is reported.
 
-Usage: python bench/input_pipeline.py [--n 10000] [--batch 64] [--repeat 15] [--ref HEAD]
+Usage: python bench/input_pipeline.py [--n 10000] [--batch 64] [--repeat 15] [--ref 469c5d5]
 """
 
 from __future__ import annotations
@@ -26,25 +29,33 @@ import numpy as np
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _git_source(ref: str, name: str) -> str:
+    return subprocess.run(
+        ["git", "show", f"{ref}:src/cudist/{name}.py"], cwd=_ROOT, check=True, capture_output=True, text=True
+    ).stdout
+
+
+def _import_source(name: str, source: str, tmp: str):
+    path = os.path.join(tmp, name + ".py")
+    with open(path, "w") as f:
+        f.write(source)
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def _load_revision(ref: str, tmp: str):
-    """The ``data`` and ``_input_lib`` modules of git revision ``ref``, bound to each other."""
-    mods = {}
-    for name in ("data", "_input_lib"):
-        src = subprocess.run(
-            ["git", "show", f"{ref}:src/cudist/{name}.py"], cwd=_ROOT, check=True, capture_output=True, text=True
-        ).stdout
-        src = src.replace("from cudist import data as _data", "import _before_data as _data")
-        path = os.path.join(tmp, f"_before{name if name.startswith('_') else '_' + name}.py")
-        with open(path, "w") as f:
-            f.write(src)
-    sys.path.insert(0, tmp)
-    for name in ("_before_data", "_before_input_lib"):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(tmp, name + ".py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-        mods[name] = mod
-    return mods["_before_data"], mods["_before_input_lib"]
+    """``data`` and ``_input_lib`` of git revision ``ref`` bound to each other, and that
+    ``_input_lib`` bound to the working tree's ``cudist.data``."""
+    old_data = _import_source("_before_data", _git_source(ref, "data"), tmp)
+    input_src = _git_source(ref, "_input_lib")
+    old_input = _import_source(
+        "_before_input_lib", input_src.replace("from cudist import data as _data", "import _before_data as _data"), tmp
+    )
+    old_split = _import_source("_before_split_input_lib", input_src, tmp)
+    return old_data, old_input, old_split
 
 
 def _per_batch_us(make_iterable, repeat: int) -> float:
@@ -63,7 +74,7 @@ def main(argv=None) -> None:
     p.add_argument("--n", type=int, default=10_000)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--repeat", type=int, default=15)
-    p.add_argument("--ref", default="HEAD")
+    p.add_argument("--ref", default="469c5d5")
     args = p.parse_args(argv)
 
     import cudist
@@ -83,10 +94,14 @@ def main(argv=None) -> None:
         "shuffle(n).batch": lambda D: D.from_tensor_slices((x, y)).shuffle(args.n, seed=1).batch(b),
         "shuffle(1000).batch(drop)": lambda D: D.from_tensor_slices((x, y)).shuffle(1000, seed=1).batch(b, True),
         "repeat().batch.take": lambda D: D.from_tensor_slices((x, y)).repeat().batch(b).take(-(-args.n // b)),
+        "from_tensors.repeat().batch.take": lambda D: D.from_tensors((x[0], y[0])).repeat().batch(b).take(
+            -(-args.n // b)
+        ),
+        "range.shard(2,1).batch": lambda D: D.range(args.n).shard(2, 1).batch(b),
     }
 
     with tempfile.TemporaryDirectory() as tmp:
-        before_data, before_input = _load_revision(args.ref, tmp)
+        before_data, before_input, before_split = _load_revision(args.ref, tmp)
         rows = []
         for name, make in pipelines.items():
             old = _per_batch_us(lambda: make(before_data.Dataset), args.repeat)
@@ -99,6 +114,8 @@ def main(argv=None) -> None:
             )
             new = _per_batch_us(lambda: strategy.experimental_distribute_dataset(make(data.Dataset)), args.repeat)
             rows.append((f"distribute({name}) 2 CPUs", old, new))
+            old = _per_batch_us(lambda: before_split.DistributedDataset(make(data.Dataset), strategy), args.repeat)
+            rows.append(("  same, old split (new data)", old, new))
         assert _input_lib is not before_input
 
     print(f"n={args.n} batch={args.batch} x:(n,2) float32, y:(n,) int32; median of {args.repeat} passes; "

@@ -10,11 +10,11 @@ Targets (4 replicas, float32):
 * SGD and Adam updates of 4 mirrored copies of 64 MiB: >= 80% of the copy ceiling counting the bytes
   each must move (SGD (2+N)*size: var and grad read, N copies written; Adam (4+3N)*size).
 
-The machine these run on is shared and noisy, so every timed call of a large operation is paired
-with a timed copy of the copy-ceiling buffer right after it (interleaved), and the %copy of a row
-divides by the median copy bandwidth of *its own* interleaved samples: both medians come from the
-same seconds of machine time. Small (4 KiB) points are timed back to back. Each result is first
-checked against the NumPy reference (#wrong).
+The machine these run on is shared and noisy, so each large point is bracketed by two copy
+measurements (the fastest copy method found at start, median of 10, right before and right after
+the point), and its %copy divides by the higher of the two: the ceiling comes from the same
+seconds of machine time as the point. Small (4 KiB) points are timed back to back. Each result is
+first checked against the NumPy reference (#wrong).
 
 Usage::
 
@@ -36,25 +36,21 @@ from cudist.bench._ops import OPS, make_case
 from cudist.bench._sizes import format_size, parse_size
 
 
-def _interleaved(run, copy, iters, warmup):
-    """Median ns of ``run`` and of ``copy``, alternating one call of each per iteration."""
-    for _ in range(warmup):
-        run()
-        copy()
-    clock = time.perf_counter_ns
-    t_run, t_copy = [], []
-    for _ in range(iters):
-        t0 = clock()
-        run()
-        t1 = clock()
-        copy()
-        t2 = clock()
-        t_run.append(t1 - t0)
-        t_copy.append(t2 - t1)
-    return statistics.median(t_run), statistics.median(t_copy)
+def _bracketed(run, copy, iters, warmup, copy_iters=10):
+    """Median ns of ``run`` (``iters`` calls) and the higher of two copy medians taken right before
+    and right after it (``copy_iters`` calls each).
+
+    Not call-by-call alternation: a copy timed right after a large operation pays for writing back
+    the operation's dirty cache lines, which would understate the ceiling.
+    """
+    before = _back_to_back(copy, copy_iters, 1)
+    t_run = _back_to_back(run, iters, warmup)
+    after = _back_to_back(copy, copy_iters, 1)
+    return t_run, (min(before[0], after[0]), min(before[1], after[1]))
 
 
 def _back_to_back(run, iters, warmup):
+    """(median ns, fastest ns) of ``iters`` calls after ``warmup`` untimed ones."""
     for _ in range(warmup):
         run()
     clock = time.perf_counter_ns
@@ -63,7 +59,7 @@ def _back_to_back(run, iters, warmup):
         t0 = clock()
         run()
         out.append(clock() - t0)
-    return statistics.median(out)
+    return statistics.median(out), min(out)
 
 
 def main(argv=None) -> int:
@@ -100,12 +96,15 @@ def main(argv=None) -> int:
     method = start.best_method
     copy = _sysinfo.copy_methods(t.copy_size)[method]
     copy_bytes = start.nbytes
-    print(f"# ceiling method (interleaved with every large sample): {method}")
+    print(f"# ceiling method (timed right before and after every large point; the faster of the two is the "
+          f"row's ceiling): {method}")
 
     cases = [("all-reduce", size), ("all-reduce", t.small), ("update/sgd", size), ("update/adam", size)]
     rows = []
     print()
-    print(f"# {'case':<22} {'backend':>7} {'median(us)':>12} {'copy(GB/s)':>10} {'moved(GB/s)':>11} {'%copy':>6} {'#wrong':>6}")
+    print(f"# {'case':<22} {'backend':>7} {'median(us)':>12} {'best(us)':>10} {'copy(GB/s)':>10} {'moved(GB/s)':>11} "
+          f"{'%copy':>6} {'%copy best':>10} {'#wrong':>6}")
+    print("#   %copy: median bytes moved per second / median copy bandwidth; '%copy best': fastest call / fastest copy")
     for op, sz in cases:
         spec = OPS[op]
         for be in backends:
@@ -114,21 +113,24 @@ def main(argv=None) -> int:
             wrong = case.check()
             with np.errstate(over="ignore", invalid="ignore"):
                 if sz >= (1 << 20):
-                    t_run, t_copy = _interleaved(case.run, copy, t.iters, t.warmup)
-                    copy_bw = 2 * copy_bytes / t_copy
+                    (t_run, t_best), (t_copy, t_copy_best) = _bracketed(case.run, copy, t.iters, t.warmup)
+                    copy_bw, copy_best = 2 * copy_bytes / t_copy, 2 * copy_bytes / t_copy_best
                 else:
-                    t_run, copy_bw = _back_to_back(case.run, t.small_iters, 200), None
+                    (t_run, t_best), copy_bw, copy_best = _back_to_back(case.run, t.small_iters, 200), None, None
             del case
             moved = spec.moved_bytes(sz, n)
             moved_bw = moved / t_run
             pct = 100 * moved_bw / copy_bw if copy_bw else None
-            row = {"op": op, "size": sz, "backend": be.name, "time_us": t_run / 1e3, "copy_GBps": copy_bw,
-                   "moved_GBps": moved_bw, "pct_copy": pct, "wrong": wrong}
+            pct_best = 100 * (moved / t_best) / copy_best if copy_best else None
+            row = {"op": op, "size": sz, "backend": be.name, "time_us": t_run / 1e3, "best_us": t_best / 1e3,
+                   "copy_GBps": copy_bw, "moved_GBps": moved_bw, "pct_copy": pct, "pct_copy_best": pct_best,
+                   "wrong": wrong}
             rows.append(row)
             label = f"{op} {n}x{format_size(sz)}"
-            print(f"  {label:<22} {be.name:>7} {row['time_us']:>12.2f} "
+            print(f"  {label:<22} {be.name:>7} {row['time_us']:>12.2f} {row['best_us']:>10.2f} "
                   f"{'-' if copy_bw is None else format(copy_bw, '.1f'):>10} {moved_bw:>11.2f} "
-                  f"{'-' if pct is None else format(pct, '.1f'):>6} {wrong:>6}", flush=True)
+                  f"{'-' if pct is None else format(pct, '.1f'):>6} {'-' if pct_best is None else format(pct_best, '.1f'):>10} "
+                  f"{wrong:>6}", flush=True)
 
     tf_t = None
     if t.tf_python:
@@ -140,8 +142,8 @@ def main(argv=None) -> int:
                                   "check": 1}, python=t.tf_python)
             r = res["rows"][0]
             tf_t = r["time_us"]
-            print(f"  {'TF all-reduce ' + f'{n}x{format_size(size)}':<22} {'tf-fn':>7} {tf_t:>12.2f} {'-':>10} "
-                  f"{2 * n * size / (tf_t * 1e3):>11.2f} {'-':>6} {r['wrong']:>6}   "
+            print(f"  {'TF all-reduce ' + f'{n}x{format_size(size)}':<22} {'tf-fn':>7} {tf_t:>12.2f} "
+                  f"{r['min_us']:>10.2f} {'-':>10} {2 * n * size / (tf_t * 1e3):>11.2f} {'-':>6} {'-':>10} {r['wrong']:>6}   "
                   f"(TensorFlow {res['version']}, MirroredStrategy.run + all_reduce in tf.function, {n} logical CPUs)")
             rows.append({"op": "all-reduce", "size": size, "backend": "tf-fn", "time_us": tf_t, "wrong": r["wrong"]})
         except _tf.TFUnavailable as e:

@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import optree
 import pytest
 
 from cudist import data
@@ -369,7 +370,9 @@ def test_as_dataset_rejects(bad):
 # Batches of row sources (from_tensor_slices / from_tensors / range through shuffle, take, skip,
 # shard, repeat) are gathered at once; everything else stacks element by element. Every test
 # below compares the two paths (data._VECTORIZE toggles the fast one) on the same pipelines.
-_DTYPES = [np.float32, np.float64, np.float16, np.int8, np.int32, np.int64, np.uint8, np.uint16, np.bool_, np.complex64]
+_DTYPES = [
+    np.float32, np.float64, np.float16, np.int8, np.int32, np.int64, np.uint8, np.uint16, np.bool_, np.complex64
+]
 Pair = collections.namedtuple("Pair", "a b")
 
 
@@ -412,11 +415,12 @@ def _random_pipeline(seed):
         dtype = [np.int64, np.int32, np.int16, np.uint32][rng.integers(4)]
         if np.dtype(dtype).kind == "u":
             start, step = abs(start), abs(step)
-        src_args, desc = (start, start + step * n, step), f"range({start}, {start + step * n}, {step}, {dtype.__name__})"
+        src_args = (start, start + step * n, step)
+        desc = f"range{src_args} {dtype.__name__}"
         source = lambda: Dataset.range(*src_args, output_type=dtype)  # noqa: E731
     elif kind == 1:
         struct = _random_structure(rng, 1)
-        source, desc = lambda: Dataset.from_tensors(optree_first(struct)), "from_tensors"  # noqa: E731
+        source, desc = lambda: Dataset.from_tensors(_row0(struct)), "from_tensors"  # noqa: E731
     else:
         struct = _random_structure(rng, n)
         source, desc = lambda: Dataset.from_tensor_slices(struct), f"from_tensor_slices(n={n})"  # noqa: E731
@@ -464,10 +468,8 @@ def _random_pipeline(seed):
     return build, f"{desc} {ops} batch({b}, drop={drop}) {after}"
 
 
-def optree_first(struct):
+def _row0(struct):
     """Row 0 of every leaf of a structure (the element of a from_tensors source)."""
-    import optree
-
     return optree.tree_map(lambda a: a[0], struct)
 
 
@@ -484,8 +486,6 @@ def _epochs(ds, vectorize, monkeypatch, partial):
 
 
 def _assert_same_batches(fast, slow, what):
-    import optree
-
     assert len(fast) == len(slow), f"{what}: {len(fast)} vs {len(slow)} batches"
     for i, (f, s) in enumerate(zip(fast, slow)):
         fl, ft = optree.tree_flatten(f)
@@ -494,7 +494,9 @@ def _assert_same_batches(fast, slow, what):
         assert type(f) is type(s)
         for fa, sa in zip(fl, sl):
             assert type(fa) is type(sa) is np.ndarray, what
-            assert fa.dtype == sa.dtype and fa.shape == sa.shape, f"{what}: batch {i} {fa.dtype}{fa.shape} vs {sa.dtype}{sa.shape}"
+            assert fa.dtype == sa.dtype and fa.shape == sa.shape, (
+                f"{what}: batch {i} {fa.dtype}{fa.shape} vs {sa.dtype}{sa.shape}"
+            )
             np.testing.assert_array_equal(fa, sa, err_msg=f"{what}: batch {i}")
             assert not fa.flags.writeable and not sa.flags.writeable, what
             assert fa.flags.c_contiguous and sa.flags.c_contiguous, what
@@ -504,6 +506,8 @@ def _assert_same_batches(fast, slow, what):
 def test_vectorized_batch_matches_elementwise_on_random_pipelines(block, monkeypatch):
     if block % 2:
         monkeypatch.setattr(data, "_SHUFFLE_CHUNK", 3)  # long runs shuffled in several steps
+    # Repeated static passes are tiled up to _TILE positions; small values stream long passes.
+    monkeypatch.setattr(data, "_TILE", [1, 7, 4096, 12][block % 4])
     for seed in range(block * 40, block * 40 + 40):
         build, what = _random_pipeline(seed)
         fast_ds, slow_ds = build(), build()

@@ -121,6 +121,41 @@ def test_random_nested_batches_round_trip(strategy, n_rows, b):
     np.testing.assert_array_equal(np.concatenate(got["w"]), w)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_split_steps_equal_regroup_of_the_kernel_split(n):
+    # _split_steps builds each step directly (views into one PerReplica per leaf for host
+    # replicas); it must equal regrouping the kernel contract's split, for host and device putters.
+    import collections
+
+    import optree
+
+    from cudist._kernels import get_backend
+    from cudist._values import PerReplica, regroup
+
+    Pair = collections.namedtuple("Pair", "a b")
+    rng = np.random.default_rng(n)
+    batches = []
+    for b in (1, 2, 3, 5, 7, 8, 0):
+        batches.append((rng.standard_normal((b, 2)).astype(np.float32), {"z": rng.integers(0, 9, b), "w": Pair(
+            rng.standard_normal((b, 1, 3)), rng.integers(0, 2, b).astype(bool))}))
+    tagged = lambda v: optree.tree_map(lambda a: a.copy(), v)  # noqa: E731  (a device-style putter: copies)
+    for putters in ([_input_lib._identity] * n, [tagged] * n):
+        got = list(_input_lib._split_steps(batches, n, putters, "where"))
+        want = [regroup(get_backend().split(batch, n), PerReplica, always_wrap=True) for batch in batches]
+        assert len(got) == len(want)
+        for g, w in zip(got, want):
+            gl, gt = optree.tree_flatten(g, is_leaf=lambda v: isinstance(v, PerReplica))
+            wl, wt = optree.tree_flatten(w, is_leaf=lambda v: isinstance(v, PerReplica))
+            assert gt == wt
+            for gp, wp in zip(gl, wl):
+                assert type(gp) is PerReplica and len(gp.values) == n
+                for ga, wa in zip(gp.values, wp.values):
+                    assert ga.dtype == wa.dtype and ga.shape == wa.shape
+                    np.testing.assert_array_equal(ga, wa)
+    with pytest.raises(ValueError, match=r"where: cannot split.*leaf 1 has batch size 3 but leaf 0 has batch size 2"):
+        list(_input_lib._split_steps([(np.zeros(2), np.zeros(3))], n, [_input_lib._identity] * n, "where"))
+
+
 def test_partial_and_empty_batches_three_replicas():
     s = make_strategy("mirrored3")
     steps = [[v.tolist() for v in _local(s, x)] for x in s.experimental_distribute_dataset(Dataset.range(5).batch(4))]

@@ -334,27 +334,74 @@ def _any_gpu(strategy) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# step producers: each yields a list with one (device-placed) value per replica
+# step producers: each yields steps, a PerReplica at each leaf (the plain value for one replica)
+
+
+def _group(values: list, n: int):
+    """One step from the ``n`` per-replica values (each already on its replica's device)."""
+    if n == 1:
+        return values[0]
+    return regroup(values, PerReplica, always_wrap=True)
 
 
 def _split_steps(dataset, n: int, putters, where: str):
     """Each global batch split across the ``n`` replicas with the ceil rule."""
     if n == 1:
+        put = putters[0]
         for batch in dataset:
-            yield [putters[0](batch)]
+            yield put(batch)
         return
-    from cudist._kernels import get_backend
+    from cudist._kernels._split import split_sizes
 
-    split = get_backend().split
+    # Host replicas (identity putters) take their rows as views straight into one PerReplica per
+    # leaf; devices need each replica's whole piece to copy it. Either way a step is the same as
+    # regroup(split(batch, n)) -- the kernel contract's split -- would make.
+    on_host = all(put is _identity for put in putters)
+    bounds_of: dict = {}
     for batch in dataset:
+        leaves, treedef = optree.tree_flatten(batch)
         try:
-            pieces = split(batch, n)
+            arrays = _batch_leaves(leaves)
         except ValueError as e:
             raise ValueError(
                 f"{where}: cannot split the element across {n} replicas ({e}); the dataset must yield "
                 "batches with a leading batch dimension: use dataset.batch(global_batch_size)"
             ) from None
-        yield [put(p) for put, p in zip(putters, pieces)]
+        bsz = arrays[0].shape[0]
+        bounds = bounds_of.get(bsz)
+        if bounds is None:
+            ends = np.cumsum([0, *split_sizes(bsz, n)]).tolist()
+            bounds = bounds_of[bsz] = list(zip(ends[:-1], ends[1:]))
+        if on_host:
+            yield treedef.unflatten([PerReplica([a[s:e] for s, e in bounds]) for a in arrays])
+        else:
+            pieces = [treedef.unflatten([a[s:e] for a in arrays]) for s, e in bounds]
+            yield _group([put(p) for put, p in zip(putters, pieces)], n)
+
+
+def _batch_leaves(leaves) -> list:
+    """The leaves of a batch as arrays with one batch size (the checks of the kernels' split).
+
+    Raises:
+        ValueError: a leaf is a scalar, leaves disagree on the batch size, or there is no leaf.
+    """
+    if leaves and all(type(leaf) is np.ndarray and leaf.ndim for leaf in leaves):
+        bsz = leaves[0].shape[0]
+        if all(leaf.shape[0] == bsz for leaf in leaves):
+            return leaves  # the common case, checked with the fewest Python operations
+    arrays = []
+    for i, leaf in enumerate(leaves):
+        a = leaf if hasattr(leaf, "shape") and hasattr(leaf, "__getitem__") else np.asarray(leaf)
+        if len(a.shape) == 0:
+            raise ValueError(f"split: leaf {i} is a scalar and has no batch dimension to split")
+        arrays.append(a)
+    if not arrays:
+        raise ValueError("split: the batch has no array leaves to split")
+    bsz = arrays[0].shape[0]
+    for i, a in enumerate(arrays[1:], 1):
+        if a.shape[0] != bsz:
+            raise ValueError(f"split: leaf {i} has batch size {a.shape[0]} but leaf 0 has batch size {bsz}")
+    return arrays
 
 
 def _empty_like(value):
@@ -391,7 +438,7 @@ def _turn_steps(dataset, n: int, putters, partial: bool):
                 return
             while len(values) < n:
                 values.append(_empty_like(values[0]))
-            yield [put(v) for put, v in zip(putters, values)]
+            yield _group([put(v) for put, v in zip(putters, values)], n)
     finally:
         close = getattr(it, "close", None)
         if close is not None:
@@ -422,7 +469,7 @@ def _per_replica_steps(datasets, putters):
                     values[i] = _empty_like(last[i] if last[i] is not None else like)
                 else:
                     last[i] = v
-            yield [put(v) for put, v in zip(putters, values)]
+            yield _group([put(v) for put, v in zip(putters, values)], len(its))
     finally:
         for it in its:
             close = getattr(it, "close", None)
@@ -438,6 +485,8 @@ class DistributedIterator:
     """Iterates a distributed dataset: each step is a PerReplica per leaf (plain for one replica)."""
 
     def __init__(self, steps, n: int, element_spec, prefetch: int = 0):
+        # ``steps`` yields whole steps (see _group): the regrouping happens where they are made,
+        # in the prefetch thread when there is one.
         if prefetch > 0:
             # GPU replicas: produce (and copy) the next steps while the current one trains.
             steps = _data._PrefetchIterator(steps, prefetch, name="cudist-device-prefetch")
@@ -449,10 +498,7 @@ class DistributedIterator:
         return self
 
     def __next__(self):
-        values = next(self._steps)
-        if self._n == 1:
-            return values[0]
-        return regroup(values, PerReplica, always_wrap=True)
+        return next(self._steps)
 
     next = __next__
 

@@ -337,6 +337,8 @@ def _batch_leaves(leaves_per_element, treedef, where: str):
 _VECTORIZE = True
 # Positions a shuffle processes per vectorized step (bounds its temporary memory).
 _SHUFFLE_CHUNK = 1 << 14
+# A repeated static pass shorter than this many positions is tiled into runs of about this size.
+_TILE = 1 << 12
 
 
 _LEAF_TREEDEF = optree.tree_flatten(0)[1]
@@ -355,17 +357,19 @@ class _Rows:
     """Elements are ``treedef.unflatten([leaf[p] for leaf in leaves])`` for ``p`` in ``positions()``.
 
     ``positions()`` returns a fresh iterator of non-empty runs of row numbers, each a ``range``
-    with a positive step or an int64 array; iterating it has the same side effects, at the same
-    points, as iterating the dataset element by element.
+    with a positive step or an int64 array (never written to: runs may be shared); iterating it
+    has the same side effects, at the same points, as iterating the dataset element by element.
+    ``static``: iterating has no side effects at all and always gives the same positions (there
+    is no reshuffling shuffle upstream).
     """
 
-    __slots__ = ("leaves", "treedef", "positions")
+    __slots__ = ("leaves", "treedef", "positions", "static")
 
-    def __init__(self, leaves, treedef, positions):
-        self.leaves, self.treedef, self.positions = leaves, treedef, positions
+    def __init__(self, leaves, treedef, positions, static=True):
+        self.leaves, self.treedef, self.positions, self.static = leaves, treedef, positions, static
 
-    def with_positions(self, positions) -> "_Rows":
-        return _Rows(self.leaves, self.treedef, positions)
+    def with_positions(self, positions, static=True) -> "_Rows":
+        return _Rows(self.leaves, self.treedef, positions, self.static and static)
 
 
 def _row_source(leaf) -> bool:
@@ -406,8 +410,16 @@ def _join(pieces):
 def _rows_batches(rows: _Rows, b: int, drop: bool):
     """Batches of ``b`` consecutive elements of ``rows``, gathered leaf by leaf."""
     leaves, unflatten = rows.leaves, rows.treedef.unflatten
+    # Consecutive rows of a C-contiguous (read-only) leaf are a C-contiguous read-only view.
+    views = [isinstance(leaf, np.ndarray) and leaf.flags.c_contiguous for leaf in leaves]
+    all_views = all(views)
 
     def make(piece):
+        if type(piece) is builtins.range and piece.step == 1:
+            lo, hi = piece.start, piece.stop
+            if all_views:
+                return unflatten([leaf[lo:hi] for leaf in leaves])
+            return unflatten([leaf[lo:hi] if v else _gather(leaf, piece) for leaf, v in zip(leaves, views)])
         return unflatten([_gather(leaf, piece) for leaf in leaves])
 
     pending, count = [], 0
@@ -443,8 +455,7 @@ def _take_positions(upstream, count: int):
         for run in upstream():
             if len(run) >= left:
                 yield run[:left]
-                left = 0
-                continue  # like islice: never pulls past the last element taken
+                return  # like islice: never pulls past the last element taken
             yield run
             left -= len(run)
 
@@ -477,9 +488,32 @@ def _shard_positions(upstream, n: int, index: int):
     return positions
 
 
-def _repeat_positions(upstream, count: int):
+def _repeat_positions(upstream, count: int, static: bool):
     def positions():
         k = 0
+        if static and count != 0:
+            # A short pass (from_tensors, a few rows) would make one run per pass and batches that
+            # gather from many runs; a static pass can be computed once and tiled instead.
+            runs, total = [], 0
+            it = upstream()
+            for run in it:
+                runs.append(run)
+                total += len(run)
+                if total >= _TILE:
+                    break
+            else:
+                if not runs:
+                    return
+                per = _TILE // total
+                tiled = np.tile(_positions_array(_join(runs)), per)
+                while count < 0 or k < count:
+                    reps = per if count < 0 else min(per, count - k)
+                    yield tiled if reps == per else tiled[: reps * total]
+                    k += reps
+                return
+            yield from runs  # a long pass: streamed as usual
+            yield from it
+            k = 1
         while count < 0 or k < count:
             got_any = False
             for run in upstream():
@@ -614,11 +648,11 @@ class Dataset:
     def _derive(self, iter_fn, spec_fn, cardinality, rows=None) -> "Dataset":
         return Dataset(iter_fn, spec_fn, cardinality, rows)
 
-    def _derive_rows(self, make_positions):
+    def _derive_rows(self, make_positions, static=True):
         """The ``_Rows`` plan of a transformation of this dataset's positions (None without a plan)."""
         if self._rows is None:
             return None
-        return self._rows.with_positions(make_positions(self._rows.positions))
+        return self._rows.with_positions(make_positions(self._rows), static)
 
     # ------------------------------------------------------------------ sources
     @staticmethod
@@ -639,7 +673,8 @@ class Dataset:
         if dtype.kind in "iu" and len(r):
             lo, hi = min(r[0], r[-1]), max(r[0], r[-1])
             bounds = np.iinfo(dtype)
-            if max(bounds.min, _INT64.min) <= lo and hi <= min(bounds.max, _INT64.max):
+            fits = max(bounds.min, _INT64.min) <= lo and hi <= min(bounds.max, _INT64.max)
+            if fits and abs(r.start) + abs(r.step) * (len(r) - 1) <= _INT64.max:  # start + step * p can't overflow
                 leaf = _RangeLeaf(r.start, r.step, dtype)
                 rows = _Rows([leaf], _LEAF_TREEDEF, lambda: iter((builtins.range(len(r)),)))
         return Dataset(lambda: map(scalar, r), lambda: TensorSpec((), dtype), len(r), rows)
@@ -809,7 +844,7 @@ class Dataset:
         src = self
         c = self._card
         card = c if c < 0 else c // n + (1 if i < c % n else 0)
-        rows = self._derive_rows(lambda up: _shard_positions(up, n, i))
+        rows = self._derive_rows(lambda up: _shard_positions(up.positions, n, i))
         return self._derive(lambda: itertools.islice(src, i, None, n), lambda: src.element_spec, card, rows)
 
     def repeat(self, count=None, name=None):
@@ -836,7 +871,8 @@ class Dataset:
             card = INFINITE_CARDINALITY if c != UNKNOWN_CARDINALITY else UNKNOWN_CARDINALITY
         else:
             card = c if c < 0 else c * count
-        return self._derive(it, lambda: src.element_spec, card, self._derive_rows(lambda up: _repeat_positions(up, count)))
+        rows = self._derive_rows(lambda up: _repeat_positions(up.positions, count, up.static))
+        return self._derive(it, lambda: src.element_spec, card, rows)
 
     def take(self, count, name=None):
         """The first ``count`` elements (all of them for a negative count)."""
@@ -846,7 +882,7 @@ class Dataset:
             return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows)
         c = self._card
         card = count if c == INFINITE_CARDINALITY else (c if c == UNKNOWN_CARDINALITY else min(c, count))
-        rows = self._derive_rows(lambda up: _take_positions(up, count))
+        rows = self._derive_rows(lambda up: _take_positions(up.positions, count))
         return self._derive(lambda: itertools.islice(src, count), lambda: src.element_spec, card, rows)
 
     def skip(self, count, name=None):
@@ -854,10 +890,11 @@ class Dataset:
         count = _check_int(count, "count", "Dataset.skip")
         src = self
         if count < 0:
-            return self._derive(lambda: iter(()), lambda: src.element_spec, 0, self._derive_rows(lambda up: _no_positions))
+            rows = self._derive_rows(lambda up: _no_positions)
+            return self._derive(lambda: iter(()), lambda: src.element_spec, 0, rows)
         c = self._card
         card = c if c < 0 else max(0, c - count)
-        rows = self._derive_rows(lambda up: _skip_positions(up, count))
+        rows = self._derive_rows(lambda up: _skip_positions(up.positions, count))
         return self._derive(lambda: itertools.islice(src, count, None), lambda: src.element_spec, card, rows)
 
     def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None):
@@ -937,7 +974,10 @@ class Dataset:
             rng.shuffle(buf)
             yield from buf
 
-        rows = self._derive_rows(lambda up: _shuffle_positions(up, size, make_rng))
+        # Without reshuffling every pass draws the same numbers from the same seed: still static.
+        rows = self._derive_rows(
+            lambda up: _shuffle_positions(up.positions, size, make_rng), static=not reshuffle_each_iteration
+        )
         return self._derive(it, lambda: src.element_spec, self._card, rows)
 
     def prefetch(self, buffer_size, name=None):
