@@ -92,6 +92,7 @@ def main(argv=None) -> None:
     pipelines = {
         "batch": lambda D: D.from_tensor_slices((x, y)).batch(b),
         "shuffle(n).batch": lambda D: D.from_tensor_slices((x, y)).shuffle(args.n, seed=1).batch(b),
+        "batch.prefetch(AUTOTUNE)": lambda D: D.from_tensor_slices((x, y)).batch(b).prefetch(-1),
         "shuffle(1000).batch(drop)": lambda D: D.from_tensor_slices((x, y)).shuffle(1000, seed=1).batch(b, True),
         "repeat().batch.take": lambda D: D.from_tensor_slices((x, y)).repeat().batch(b).take(-(-args.n // b)),
         "from_tensors.repeat().batch.take": lambda D: D.from_tensors((x[0], y[0])).repeat().batch(b).take(

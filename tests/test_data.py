@@ -283,6 +283,9 @@ def test_prefetch_same_elements_and_sizes():
     for size in (AUTOTUNE, 0, 1, 3, 100):
         got = list(Dataset.from_tensor_slices(x).batch(4).prefetch(size))
         _eq_elements(got, ref)
+        # Through map the elements are made in a prefetch thread.
+        got = list(Dataset.from_tensor_slices(x).map(lambda r: r).batch(4).prefetch(size))
+        _eq_elements(got, ref)
     assert data.AUTOTUNE == -1
     with pytest.raises(ValueError, match="buffer_size must be >= 0 or AUTOTUNE"):
         Dataset.range(3).prefetch(-2)
@@ -295,12 +298,15 @@ def test_prefetch_early_break_stops_thread():
         if i == 5:
             break
     assert _wait_no_prefetch_threads() == []
-    # Nested prefetch over an infinite dataset, abandoned mid-way.
-    it = iter(Dataset.range(3).repeat().prefetch(1).batch(2).prefetch(AUTOTUNE))
+    # Nested prefetch over an infinite dataset, abandoned mid-way (map: elements worth a thread).
+    it = iter(Dataset.range(3).repeat().map(lambda v: v).prefetch(1).batch(2).prefetch(AUTOTUNE))
     assert next(it).tolist() == [0, 1]
-    assert _prefetch_threads()
+    assert len(_prefetch_threads()) == 2
     del it
     assert _wait_no_prefetch_threads() == []
+    # Rows of arrays and batches gathered from them cost less than a hand-off: no thread.
+    it = iter(Dataset.range(3).repeat().prefetch(1).batch(2).prefetch(AUTOTUNE))
+    assert next(it).tolist() == [0, 1] and _prefetch_threads() == []
 
 
 def test_prefetch_propagates_errors():
@@ -526,9 +532,10 @@ def test_vectorized_batch_is_used_and_slices_views():
     x = rng.standard_normal((20, 3)).astype(np.float32)
     y = rng.integers(0, 9, 20).astype(np.int32)
     ds = Dataset.from_tensor_slices((x, y))
-    for pipeline in (ds, ds.shuffle(5, seed=1), ds.take(7), ds.skip(2), ds.shard(3, 1), ds.repeat(2), Dataset.range(5)):
+    for pipeline in (ds, ds.shuffle(5, seed=1), ds.take(7), ds.skip(2), ds.shard(3, 1), ds.repeat(2), ds.prefetch(1)):
         assert pipeline._rows is not None
-    for pipeline in (ds.map(lambda a, b: (a, b)), ds.filter(lambda a, b: b > 0), ds.prefetch(1), ds.batch(2)):
+    assert Dataset.range(5)._rows is not None and Dataset.from_tensors(x)._rows is not None
+    for pipeline in (ds.map(lambda a, b: (a, b)), ds.filter(lambda a, b: b > 0), ds.batch(2), ds.enumerate()):
         assert pipeline._rows is None
     xb, yb = next(iter(ds.batch(8)))
     # Consecutive rows of a contiguous source are views of it (no copy), read-only like elements.

@@ -8,7 +8,13 @@ are NumPy arrays and NumPy scalars instead of tensors.
 Element structures follow ``tf.data``: tuples, namedtuples and dicts are structure; a Python list is
 *one* value (converted to an array), as ``tf.data`` converts lists to tensors. Python scalars and
 lists convert with TensorFlow's dtypes (int -> int32, float -> float32); NumPy values keep theirs.
-Elements sliced out of arrays are read-only views, as tensors are immutable.
+Elements sliced out of arrays are read-only views, as tensors are immutable, and batches are
+read-only too (as ``tf.data``'s ``as_numpy_iterator`` gives them).
+
+``batch`` over rows of in-memory arrays (``from_tensor_slices``, ``from_tensors`` or ``range``,
+through any of ``shuffle``, ``take``, ``skip``, ``shard``, ``repeat``) gathers each batch at once
+-- a view of the source for consecutive rows -- instead of stacking its elements one by one; the
+batches are the same either way.
 
 Every method returns a new Dataset; iterating a Dataset (``iter(ds)``) always starts over.
 Any Python iterable of batches (a list of arrays, a generator, a DataLoader) can be wrapped with
@@ -601,13 +607,18 @@ class Dataset:
     constructor directly.
     """
 
-    def __init__(self, iter_fn: Callable[[], Any], spec_fn: Callable[[], Any], cardinality: int, rows=None):
+    def __init__(
+        self, iter_fn: Callable[[], Any], spec_fn: Callable[[], Any], cardinality: int, rows=None, cheap=False
+    ):
         self._iter_fn = iter_fn
         self._spec_fn = spec_fn
         self._spec = None
         self._card = int(cardinality)
         # A _Rows plan when the elements are rows of in-memory arrays (lets batch gather at once).
         self._rows = rows
+        # Elements cost a few microseconds each (rows, vectorized batches and slicing/counting of
+        # them): a prefetch thread could only add its hand-off cost, so prefetch skips it.
+        self._cheap = bool(cheap) or rows is not None
 
     # ------------------------------------------------------------------ basics
     def __iter__(self):
@@ -645,8 +656,8 @@ class Dataset:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} element_spec={self.element_spec!r}>"
 
-    def _derive(self, iter_fn, spec_fn, cardinality, rows=None) -> "Dataset":
-        return Dataset(iter_fn, spec_fn, cardinality, rows)
+    def _derive(self, iter_fn, spec_fn, cardinality, rows=None, cheap=False) -> "Dataset":
+        return Dataset(iter_fn, spec_fn, cardinality, rows, cheap)
 
     def _derive_rows(self, make_positions, static=True):
         """The ``_Rows`` plan of a transformation of this dataset's positions (None without a plan)."""
@@ -777,7 +788,9 @@ class Dataset:
         """Stacks ``batch_size`` consecutive elements into one (a new leading dimension).
 
         The last batch may be smaller unless ``drop_remainder``; ``element_spec`` shows the batch
-        dimension as ``None`` unless ``drop_remainder``.
+        dimension as ``None`` unless ``drop_remainder``. Batches are read-only; over rows of
+        in-memory arrays they are gathered at once (slices of the source where the rows are
+        consecutive), otherwise stacked element by element.
 
         Raises:
             ValueError: ``batch_size`` <= 0; at iteration, elements of different shapes.
@@ -808,7 +821,7 @@ class Dataset:
 
         c = self._card
         card = c if c < 0 else (c // b if drop else -(-c // b))
-        return self._derive(it, spec, card)
+        return self._derive(it, spec, card, cheap=src._rows is not None)
 
     def unbatch(self, name=None):
         """Splits each element along dimension 0 into its rows (the inverse of ``batch``)."""
@@ -845,7 +858,7 @@ class Dataset:
         c = self._card
         card = c if c < 0 else c // n + (1 if i < c % n else 0)
         rows = self._derive_rows(lambda up: _shard_positions(up.positions, n, i))
-        return self._derive(lambda: itertools.islice(src, i, None, n), lambda: src.element_spec, card, rows)
+        return self._derive(lambda: itertools.islice(src, i, None, n), lambda: src.element_spec, card, rows, self._cheap)
 
     def repeat(self, count=None, name=None):
         """Repeats the dataset ``count`` times (forever for None or -1), starting over each time."""
@@ -872,18 +885,18 @@ class Dataset:
         else:
             card = c if c < 0 else c * count
         rows = self._derive_rows(lambda up: _repeat_positions(up.positions, count, up.static))
-        return self._derive(it, lambda: src.element_spec, card, rows)
+        return self._derive(it, lambda: src.element_spec, card, rows, self._cheap)
 
     def take(self, count, name=None):
         """The first ``count`` elements (all of them for a negative count)."""
         count = _check_int(count, "count", "Dataset.take")
         src = self
         if count < 0:
-            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows)
+            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows, self._cheap)
         c = self._card
         card = count if c == INFINITE_CARDINALITY else (c if c == UNKNOWN_CARDINALITY else min(c, count))
         rows = self._derive_rows(lambda up: _take_positions(up.positions, count))
-        return self._derive(lambda: itertools.islice(src, count), lambda: src.element_spec, card, rows)
+        return self._derive(lambda: itertools.islice(src, count), lambda: src.element_spec, card, rows, self._cheap)
 
     def skip(self, count, name=None):
         """All but the first ``count`` elements (none for a negative count)."""
@@ -891,11 +904,11 @@ class Dataset:
         src = self
         if count < 0:
             rows = self._derive_rows(lambda up: _no_positions)
-            return self._derive(lambda: iter(()), lambda: src.element_spec, 0, rows)
+            return self._derive(lambda: iter(()), lambda: src.element_spec, 0, rows, self._cheap)
         c = self._card
         card = c if c < 0 else max(0, c - count)
         rows = self._derive_rows(lambda up: _skip_positions(up.positions, count))
-        return self._derive(lambda: itertools.islice(src, count, None), lambda: src.element_spec, card, rows)
+        return self._derive(lambda: itertools.islice(src, count, None), lambda: src.element_spec, card, rows, self._cheap)
 
     def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None):
         """Applies ``map_func`` to each element.
@@ -985,6 +998,8 @@ class Dataset:
 
         ``AUTOTUNE`` (-1) picks a small buffer; 0 turns prefetching off. The thread stops when the
         iteration ends or its iterator is dropped (an early ``break``): it never hangs or leaks.
+        Over elements that take microseconds to make (rows of arrays, batches gathered from them)
+        there is no thread: handing each element over would cost more than making it.
 
         Raises:
             ValueError: ``buffer_size`` < -1.
@@ -995,8 +1010,8 @@ class Dataset:
                 f"Dataset.prefetch: buffer_size must be >= 0 or AUTOTUNE (-1) for auto-tuning, got {size}"
             )
         src = self
-        if size == 0:
-            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows)
+        if size == 0 or self._cheap:
+            return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows, self._cheap)
         size = _AUTOTUNE_BUFFER if size == AUTOTUNE else size
         return self._derive(lambda: _PrefetchIterator(iter(src), size), lambda: src.element_spec, self._card)
 
