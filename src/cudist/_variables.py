@@ -16,7 +16,7 @@ TensorFlow 2.21 is the reference for every rule here (what raises, with which me
 assign methods return).
 
 Storage is one NumPy array per component on CPU devices and one CuPy array per component on GPU
-devices; array work goes through :func:`_xp` so both work. Mirrored updates run through the kernel
+devices; array work goes through :func:`cudist._arrays.array_module` so both work. Mirrored updates run through the kernel
 layer's fused ``assign``/``assign_add``/``assign_sub`` (one pass writing all N copies).
 
 Deliberate differences from TF: dtypes are NumPy dtypes; reads return NumPy (or CuPy) arrays rather
@@ -34,7 +34,20 @@ import weakref
 
 import numpy as np
 
-from cudist._devices import canonicalize, parse_device
+from cudist._arrays import (
+    array_module,
+    contiguous,
+    device_context,
+    is_array,
+    is_device_array,
+    like,
+    may_share_memory,
+    place,
+    snapshot,
+    to_host,
+)
+from cudist._cross_device_ops import backend_for
+from cudist._devices import canonicalize
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, select_replica
 
@@ -87,92 +100,10 @@ def _next_uid() -> int:
 
 
 # ---------------------------------------------------------------------------- array helpers
-def _xp(a):
-    """The array module of ``a``: numpy for NumPy arrays, cupy for CuPy arrays."""
-    if isinstance(a, np.ndarray):
-        return np
-    mod = type(a).__module__.split(".")[0]
-    if mod == "cupy":
-        import cupy
-
-        return cupy
-    return np
-
-
-def _is_device_array(a) -> bool:
-    return type(a).__module__.split(".")[0] == "cupy"
-
-
-def _snapshot(a):
-    """A copy of ``a`` on its own device (CuPy's ``ndarray.copy`` copies into the current device)."""
-    if isinstance(a, np.ndarray) or not _is_device_array(a):
-        return a.copy()
-    with a.device:
-        return a.copy()
-
-
-def _device_overlap(a, b) -> bool:
-    """Whether two CuPy arrays share device memory."""
-    pa, pb = a.data.ptr, b.data.ptr
-    return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
-
-
-def _to_host(a):
-    """A NumPy view or copy of an array from either module."""
-    if isinstance(a, np.ndarray):
-        return a
-    if _is_device_array(a):
-        return a.get()
-    return np.asarray(a)
-
-
-def _gpu_context(spec):
-    import cupy
-
-    from cudist import config
-
-    mapping = config.logical_to_physical_gpu()
-    if spec.device_index >= len(mapping):
-        raise ValueError(f"device {spec.name} does not exist: {len(mapping)} logical GPU(s) are configured")
-    return cupy, cupy.cuda.Device(mapping[spec.device_index])
-
-
-def _place(host_or_device_array, device: str):
-    """A fresh, C-contiguous, writeable copy of an array on ``device``."""
-    spec = parse_device(device)
-    if spec.is_gpu:
-        cupy, dev = _gpu_context(spec)
-        with dev:
-            return cupy.array(host_or_device_array, order="C", copy=True)
-    return np.array(_to_host(host_or_device_array), order="C", copy=True)
-
-
-def _like(arr, ref):
-    """``arr`` as an array of ``ref``'s module on ``ref``'s device (no copy when it already is)."""
-    if _xp(ref) is np:
-        return _to_host(arr)
-    cupy = _xp(ref)
-    with ref.device:
-        return cupy.asarray(arr)
-
-
 def _kernel_backend(arr):
     """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
-    from cudist import _kernels
-
-    if _xp(arr) is np:
-        backend = _kernels.get_backend()
-        if backend.xp is not np:  # CUDIST_BACKEND=cupy must not break host variables
-            backend = _kernels.default_cpu_backend()
-    else:
-        backend = _kernels.get_backend("cupy")
+    backend = backend_for(arr)
     return backend if arr.dtype in backend.dtypes else None
-
-
-def _contig(a):
-    """``a`` C-contiguous, keeping 0-d arrays 0-d (``ascontiguousarray`` makes them 1-d)."""
-    a = _to_host(a) if not _is_device_array(a) else a
-    return a if a.flags.c_contiguous else a.copy(order="C")
 
 
 def _reduce_arrays(arrays, op: ReduceOp, backend=False):
@@ -188,14 +119,10 @@ def _reduce_arrays(arrays, op: ReduceOp, backend=False):
         return backend.reduce_to_one(arrays, op)
     from cudist._kernels._numpy import reference_reduce
 
-    return reference_reduce([_to_host(a) for a in arrays], op)
+    return reference_reduce([to_host(a) for a in arrays], op)
 
 
 # ---------------------------------------------------------------------------- value conversion
-def _is_array(x) -> bool:
-    return isinstance(x, (np.ndarray, np.generic)) or _is_device_array(x)
-
-
 def _unwrap(x):
     """Resolves variables (and objects convertible like them) to their current array value."""
     if isinstance(x, Variable):
@@ -211,7 +138,7 @@ def _infer_array(value):
     """
     if isinstance(value, Variable):
         return value._read_live().copy()
-    if _is_array(value):
+    if is_array(value):
         return value
     try:
         a = np.asarray(value)
@@ -239,7 +166,7 @@ def _cast(value, dtype, what: str):
     NumPy values too). Non-numeric values are a TypeError.
     """
     value = _unwrap(value)
-    if _is_array(value):
+    if is_array(value):
         if value.dtype.kind not in "biufc":
             raise TypeError(f"{what}: cannot convert a value of dtype {value.dtype.name} to {dtype.name}")
         if value.dtype.kind == "c" and dtype.kind != "c":
@@ -311,7 +238,7 @@ def _replica_context_of(strategy):
 
 
 def _format_numpy(a) -> str:
-    a = _to_host(a)
+    a = to_host(a)
     if a.ndim == 0:
         return repr(a[()].item())  # as TF prints it: float32 0.1 shows as 0.10000000149011612
     return "\n" + repr(a)
@@ -439,19 +366,19 @@ class Variable(metaclass=_VariableMeta):
 
     def value(self):
         """A snapshot of the current value (a NumPy or CuPy array)."""
-        return _snapshot(self._read_live())
+        return snapshot(self._read_live())
 
     def read_value(self):
         """A snapshot of the current value (a NumPy or CuPy array)."""
-        return _snapshot(self._read_live())
+        return snapshot(self._read_live())
 
     def numpy(self):
         """The value as a NumPy array (a NumPy scalar for 0-d variables), copied to the host."""
-        a = _to_host(self._read_live())
+        a = to_host(self._read_live())
         return a[()] if a.ndim == 0 else a.copy()
 
     def __array__(self, dtype=None, copy=None):
-        a = _to_host(self._read_live())
+        a = to_host(self._read_live())
         if dtype is not None and a.dtype != np.dtype(dtype):
             return a.astype(dtype)
         return a.copy()  # the caller may write the result; it must not alias the variable
@@ -478,7 +405,7 @@ class Variable(metaclass=_VariableMeta):
         if type(value) is np.ndarray and type(ref) is np.ndarray and value.dtype == ref.dtype and value.shape == ref.shape:
             return value  # the common case, kept cheap: per-step updates of host variables
         what = f"{method} to variable '{self.name}'"
-        arr = _like(_cast(value, self.dtype, what), ref)
+        arr = like(_cast(value, self.dtype, what), ref)
         if method == "assign":
             if not _compatible(self._shape_spec, arr.shape) or (self._shape_spec is None and arr.shape != ref.shape):
                 raise ValueError(
@@ -495,9 +422,9 @@ class Variable(metaclass=_VariableMeta):
     def _write(self, method: str, arr):
         """Applies an already-coerced update to this single storage array."""
         ref = self._array
-        xp = _xp(ref)
+        xp = array_module(ref)
         if xp is not np:
-            with ref.device:  # CuPy works on the current device: make it this component's
+            with device_context(ref):  # CuPy works on the current device: make it this component's
                 self._write_arrays(xp, method, ref, arr)
             return
         self._write_arrays(xp, method, ref, arr)
@@ -638,15 +565,15 @@ def _aggregate(strategy, value, aggregation: VariableAggregation, var):
     arrays = []
     for i, v in enumerate(value.values):
         if type(v) is np.ndarray and type(ref) is np.ndarray and v.dtype == ref.dtype and v.shape == ref.shape:
-            arrays.append(_contig(v))
+            arrays.append(contiguous(v))
             continue
-        a = _like(_cast(v, ref.dtype, f"{aggregation.name} of replica {i}'s update to '{var.name}'"), ref)
+        a = like(_cast(v, ref.dtype, f"{aggregation.name} of replica {i}'s update to '{var.name}'"), ref)
         if a.shape != ref.shape:
             raise ValueError(
                 f"replica {i}'s update to variable '{var.name}' has shape {a.shape} but the variable has shape {ref.shape}"
             )
-        arrays.append(_contig(a))
-    same_module = all(_xp(a) is _xp(ref) for a in arrays)
+        arrays.append(contiguous(a))
+    same_module = all(array_module(a) is array_module(ref) for a in arrays)
     return _reduce_arrays(arrays, op, var._kernel() if same_module else False)
 
 
@@ -749,10 +676,10 @@ class MirroredVariable(DistributedVariable, Mirrored):
         Host components share one snapshot (they are all in host memory); device components each
         get a copy on their own device.
         """
-        if all(_xp(c._array) is np for c in self._values):
+        if all(array_module(c._array) is np for c in self._values):
             snap = self._values[0]._array.copy()
             return (snap,) * len(self._values)
-        return tuple(_snapshot(c._array) for c in self._values)
+        return tuple(snapshot(c._array) for c in self._values)
 
     def _all_write(self, method, arr):
         """Applies a coerced update to every component with one fused kernel pass."""
@@ -762,29 +689,26 @@ class MirroredVariable(DistributedVariable, Mirrored):
             if backend is not None:
                 if any(np.may_share_memory(arr, c) for c in copies):
                     arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
-                getattr(backend, method)(copies, _contig(arr))
+                getattr(backend, method)(copies, contiguous(arr))
                 return
         if arr.shape != copies[0].shape:  # a shape change allowed by `shape=`: reallocate
             for c in self._values:
-                c._write(method, _like(arr, c._array))
+                c._write(method, like(arr, c._array))
             return
-        if _xp(arr) is np and any(np.may_share_memory(arr, c) for c in copies):
-            arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
-        backend = _kernel_backend(copies[0]) if all(_xp(c) is _xp(copies[0]) for c in copies) else None
+        if any(may_share_memory(arr, c) for c in copies):
+            arr = snapshot(arr)  # e.g. assigning one component to all: kernels may not allow aliasing
+        backend = _kernel_backend(copies[0]) if all(array_module(c) is array_module(copies[0]) for c in copies) else None
         # The CuPy backend updates copies on several GPUs in one pass too (over peer access, or
         # staged where there is none), so only a mix of host and device copies needs the loop below.
         if backend is not None:
-            if _is_device_array(arr) and any(_device_overlap(arr, c) for c in copies):
-                with arr.device:
-                    arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
-            getattr(backend, method)(copies, _contig(arr))
+            getattr(backend, method)(copies, contiguous(arr))
             return
         new = arr
         if method != "assign":
             new = copies[0] + arr if method == "assign_add" else copies[0] - arr
             new = new.astype(copies[0].dtype, copy=False)
         for c in self._values:
-            c._write("assign", _like(new, c._array))
+            c._write("assign", like(new, c._array))
 
     def _update(self, method, value, read_value):
         ctx = self._replica_ctx()
@@ -807,7 +731,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             self._all_write(method, self._values[0]._coerce(_aggregate(strategy, v, self._aggregation, self), method))
 
         ctx.merge_call(merge_fn, args=(value,))
-        return _snapshot(self._local(ctx)._array) if read_value else None
+        return snapshot(self._local(ctx)._array) if read_value else None
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -851,21 +775,21 @@ class SyncOnReadVariable(DistributedVariable):
         if method == "assign":
             if agg is VariableAggregation.SUM:
                 n = len(self._values)
-                xp = _xp(arr)
+                xp = array_module(arr)
                 if arr.dtype.kind == "f" or arr.dtype.kind == "c":
                     arr = arr / arr.dtype.type(n)
                 else:  # TF divides, then casts back (truncation toward zero)
                     arr = xp.trunc(arr / n).astype(arr.dtype)
             copies = self._buffers()
             backend = _kernel_backend(copies[0])
-            if backend is not None and _xp(copies[0]) is np and arr.shape == copies[0].shape:
-                backend.assign(copies, _contig(arr))
+            if backend is not None and array_module(copies[0]) is np and arr.shape == copies[0].shape:
+                backend.assign(copies, contiguous(arr))
             else:
                 for c in self._values:
-                    c._write("assign", _like(arr, c._array))
+                    c._write("assign", like(arr, c._array))
         else:
             for c in self._values:  # components differ: each gets the delta
-                c._write(method, _like(arr, c._array))
+                c._write(method, like(arr, c._array))
         return self._aggregated().copy() if read_value else None
 
 
@@ -972,7 +896,7 @@ def _create_variable(
 
     if policy == "plain":
         return Variable._build(
-            _place(arr, devices[0]),
+            place(arr, devices[0], copy=True),
             name=base,
             device=devices[0],
             synchronization=synchronization,
@@ -981,7 +905,7 @@ def _create_variable(
         )
     if policy == "central":
         return AggregatingVariable._build(
-            _place(arr, devices[0]), name=base, device=devices[0], synchronization=synchronization, strategy=strategy, **common
+            place(arr, devices[0], copy=True), name=base, device=devices[0], synchronization=synchronization, strategy=strategy, **common
         )
     if policy != "mirrored":
         raise ValueError(f"{type(strategy).__name__} has an unknown variable policy {policy!r}")
@@ -990,7 +914,7 @@ def _create_variable(
         synchronization = VariableSynchronization.ON_WRITE
     components = tuple(
         Variable._build(
-            _place(arr, dev),
+            place(arr, dev, copy=True),
             name=base if i == 0 else f"{base}/replica_{i}",
             device=dev,
             synchronization=synchronization,

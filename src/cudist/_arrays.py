@@ -1,0 +1,254 @@
+"""Array and device helpers: the one implementation of each, shared by every module.
+
+Host values are NumPy arrays; device values are GPU arrays, i.e. CuPy arrays or anything else
+exporting the CUDA array interface. Nothing here imports CuPy until a device array (or a GPU
+device) actually shows up, so ``import cudist`` stays free of CUDA.
+
+Each helper takes the cheapest route for plain ``np.ndarray`` first: several sit on the per-step
+paths of ``strategy.run``, collectives and variable updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from cudist import _devices
+
+__all__ = [
+    "is_device_array",
+    "is_array",
+    "array_module",
+    "as_array",
+    "to_host",
+    "device_context",
+    "gpu_of",
+    "physical_gpu",
+    "current_gpu",
+    "set_current_gpu",
+    "to_gpu",
+    "place",
+    "like",
+    "snapshot",
+    "contiguous",
+    "may_share_memory",
+]
+
+_NULL_CONTEXT = contextlib.nullcontext()
+
+
+def is_device_array(a) -> bool:
+    """Whether ``a`` is a GPU array.
+
+    Args:
+        a: any object.
+
+    Returns:
+        True for CuPy arrays and any other object exporting ``__cuda_array_interface__``; False
+        for NumPy arrays and scalars, Python numbers and everything else.
+    """
+    t = type(a)
+    if t is np.ndarray:
+        return False
+    if t.__name__ == "ndarray" and t.__module__ == "cupy":
+        return True  # without building CuPy's interface dict, as hasattr() below would
+    return hasattr(a, "__cuda_array_interface__")
+
+
+def is_array(x) -> bool:
+    """Whether ``x`` is an array or array scalar: a NumPy array, a NumPy scalar or a GPU array."""
+    return isinstance(x, (np.ndarray, np.generic)) or is_device_array(x)
+
+
+def array_module(a):
+    """The array module that works on ``a``: ``cupy`` for GPU arrays, ``numpy`` for everything else.
+
+    Args:
+        a: an array (or any value; non-GPU values get ``numpy``).
+
+    Returns:
+        The ``numpy`` or ``cupy`` module.
+    """
+    if type(a) is np.ndarray or not is_device_array(a):
+        return np
+    import cupy  # noqa: PLC0415 - only reached with GPU arrays
+
+    return cupy
+
+
+def as_array(x):
+    """``x`` as an array the kernels accept: NumPy and GPU arrays as they are, else ``np.asarray(x)``.
+
+    Python and NumPy scalars become 0-d NumPy arrays; nothing is copied that need not be.
+    """
+    if isinstance(x, np.ndarray) or is_device_array(x):
+        return x
+    return np.asarray(x)
+
+
+def to_host(a):
+    """``a`` as a NumPy array: NumPy arrays as they are, GPU arrays copied to the host.
+
+    Args:
+        a: a NumPy or GPU array, or anything ``np.asarray`` accepts (scalars, lists).
+
+    Returns:
+        ``a`` itself for NumPy arrays (subclasses included); a new host array for GPU arrays; else
+        ``np.asarray(a)`` (which may share memory with ``a``).
+    """
+    if isinstance(a, np.ndarray):
+        return a
+    if is_device_array(a):
+        import cupy  # noqa: PLC0415 - only reached with GPU arrays
+
+        return cupy.asnumpy(a)  # unlike ndarray.get(), also takes non-CuPy CUDA arrays
+    return np.asarray(a)
+
+
+def device_context(a):
+    """A context manager making ``a``'s GPU the current CUDA device; a no-op for host values.
+
+    CuPy allocates and launches on the current device, so anything created from a GPU array
+    (a copy, a reduction result) is made inside this context to land on that array's GPU.
+    """
+    dev = getattr(a, "device", None)  # NumPy 2 arrays have device == "cpu": no context manager
+    return dev if hasattr(dev, "__enter__") else _NULL_CONTEXT
+
+
+def gpu_of(a):
+    """The CUDA device id of the GPU holding ``a``, or None for host values."""
+    if type(a) is np.ndarray or not is_device_array(a):
+        return None
+    return int(a.device.id)
+
+
+def physical_gpu(spec) -> int:
+    """The physical GPU (CUDA device id) a logical ``/gpu:N`` device lives on.
+
+    Args:
+        spec: a GPU :class:`cudist._devices.DeviceSpec`.
+
+    Raises:
+        ValueError: there is no such logical GPU (none at all when CuPy sees no GPU).
+    """
+    from cudist import config
+
+    mapping = config.logical_to_physical_gpu()
+    if spec.device_index >= len(mapping):
+        hint = "" if mapping else " (no GPU is visible through CuPy: is cudist[cuda] installed and a GPU present?)"
+        raise ValueError(f"device {spec.name} does not exist: {len(mapping)} logical GPU(s) are configured{hint}")
+    return mapping[spec.device_index]
+
+
+def current_gpu() -> int:
+    """The current CUDA device id (the calling thread's)."""
+    import cupy  # noqa: PLC0415 - GPU strategies only
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def set_current_gpu(gpu: int) -> None:
+    """Makes physical GPU ``gpu`` the current CUDA device of the calling thread."""
+    import cupy  # noqa: PLC0415 - GPU strategies only
+
+    cupy.cuda.runtime.setDevice(gpu)
+
+
+def to_gpu(a, gpu: int, *, copy: bool = False):
+    """``a`` as a CuPy array on physical GPU ``gpu``.
+
+    Args:
+        a: a NumPy or GPU array, a NumPy scalar, or anything ``cupy.asarray`` accepts.
+        gpu: the CUDA device id.
+        copy: always make a new C-contiguous array (else ``a`` itself when it already is a CuPy
+            array on ``gpu``; host values and arrays of other GPUs are copied onto it).
+    """
+    import cupy  # noqa: PLC0415 - only reached with GPU devices
+
+    if not copy and isinstance(a, cupy.ndarray) and a.device.id == gpu:
+        return a
+    with cupy.cuda.Device(gpu):
+        return cupy.array(a, order="C", copy=True) if copy else cupy.asarray(a)
+
+
+def place(a, device, *, copy: bool = False):
+    """``a`` as an array on ``device``: host memory for CPUs, the memory of its physical GPU for GPUs.
+
+    Args:
+        a: a NumPy or GPU array (or anything ``np.asarray`` accepts).
+        device: a device name in any spelling :func:`cudist._devices.parse_device` accepts.
+        copy: always return a new, C-contiguous, writeable array; else ``a`` itself when it
+            already lives on ``device`` (and a host or GPU copy otherwise).
+
+    Raises:
+        ValueError: ``device`` is a GPU that does not exist.
+    """
+    spec = _devices.parse_device(device)
+    if spec.is_gpu:
+        return to_gpu(a, physical_gpu(spec), copy=copy)
+    host = to_host(a)
+    if copy and (host is a or not is_device_array(a)):  # a GPU array's host copy is new already
+        return np.array(host, order="C", copy=True)
+    return host
+
+
+def like(a, ref, *, copy: bool = False):
+    """``a`` as an array of ``ref``'s module on ``ref``'s device.
+
+    Args:
+        a: an array (or value) to convert.
+        ref: a NumPy or GPU array.
+        copy: always return a new array; else ``a`` itself when it already is one of ``ref``'s
+            module on ``ref``'s device.
+    """
+    if type(ref) is np.ndarray or not is_device_array(ref):
+        host = to_host(a)
+        return host.copy() if copy and (host is a or not is_device_array(a)) else host
+    xp = array_module(ref)
+    with device_context(ref):
+        return xp.array(a, copy=True) if copy else xp.asarray(a)
+
+
+def snapshot(a):
+    """A copy of array ``a`` on its own device.
+
+    CuPy's ``ndarray.copy`` allocates on the *current* device, so a GPU array is copied with its
+    own GPU made current.
+    """
+    if type(a) is np.ndarray:
+        return a.copy()
+    with device_context(a):
+        return a.copy()
+
+
+def contiguous(a):
+    """``a`` as a C-contiguous array, copied only if it is not; 0-d arrays stay 0-d.
+
+    (``np.ascontiguousarray`` makes 0-d arrays 1-d.) Values that are not arrays are converted by
+    ``np.asarray`` first; a GPU array is copied on its own GPU.
+    """
+    if not isinstance(a, np.ndarray) and not is_device_array(a):
+        a = np.asarray(a)
+    if a.flags.c_contiguous:
+        return a
+    if isinstance(a, np.ndarray):
+        return a.copy(order="C")
+    with device_context(a):
+        return a.copy(order="C")
+
+
+def may_share_memory(a, b) -> bool:
+    """Whether arrays ``a`` and ``b`` may overlap in memory (host with host, or GPU with GPU).
+
+    Host arrays are compared by ``np.may_share_memory``; CuPy arrays by their address ranges (GPU
+    addresses are unified, so arrays of different GPUs never overlap); a host and a GPU array never
+    overlap.
+    """
+    a_dev, b_dev = is_device_array(a), is_device_array(b)
+    if not a_dev and not b_dev:
+        return bool(np.may_share_memory(a, b))
+    if a_dev != b_dev or a.nbytes == 0 or b.nbytes == 0:
+        return False
+    pa, pb = a.data.ptr, b.data.ptr
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
