@@ -33,9 +33,11 @@ __all__ = [
     "snapshot",
     "contiguous",
     "may_share_memory",
+    "python_dtype",
 ]
 
 _NULL_CONTEXT = contextlib.nullcontext()
+_INT32 = np.iinfo(np.int32)
 
 
 def is_device_array(a) -> bool:
@@ -236,6 +238,25 @@ def contiguous(a):
         return a.copy(order="C")
     with device_context(a):
         return a.copy(order="C")
+
+
+def python_dtype(arr: np.ndarray) -> np.ndarray:
+    """``arr``, converted from Python numbers, with the dtype TF gives Python values.
+
+    ``tf.convert_to_tensor`` makes Python floats float32 and Python ints int32 (int64 when one does
+    not fit), where NumPy picks float64 and int64.
+
+    Args:
+        arr: a NumPy array made by ``np.asarray`` from Python numbers (or nested lists of them).
+
+    Returns:
+        ``arr`` cast to float32 / int32 accordingly, else ``arr`` itself.
+    """
+    if arr.dtype == np.float64:
+        return arr.astype(np.float32)
+    if arr.dtype == np.int64 and (arr.size == 0 or (arr.min() >= _INT32.min and arr.max() <= _INT32.max)):
+        return arr.astype(np.int32)
+    return arr
 
 
 def may_share_memory(a, b) -> bool:

@@ -18,7 +18,6 @@ replicas would hold arrays of two array modules that no kernel reduces together.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 
@@ -26,6 +25,18 @@ import numpy as np
 import optree
 
 from cudist import _devices
+from cudist._arrays import (
+    as_array,
+    contiguous,
+    device_context,
+    gpu_of,
+    is_device_array,
+    like,
+    physical_gpu,
+    place,
+    snapshot,
+    to_host,
+)
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored
 
@@ -54,9 +65,12 @@ def _cpu_backend():
     """
     b = _backend_cache.get("cpu")
     if b is None:
-        from cudist._kernels import get_backend
+        from cudist._kernels import default_cpu_backend, get_backend
 
-        b = _backend_cache["cpu"] = get_backend()
+        b = get_backend()
+        if b.xp is not np:  # CUDIST_BACKEND=cupy must not break host values: they get the CPU default
+            b = default_cpu_backend()
+        _backend_cache["cpu"] = b
     return b
 
 
@@ -65,25 +79,17 @@ def _reset_backend_cache():
     _backend_cache.clear()
 
 
-def _array_module(a):
-    """(array module, kernel backend) for a collective over arrays like ``a``.
+def backend_for(a):
+    """The kernel backend for buffers like ``a`` (its ``xp`` is their array module).
 
-    Host arrays use the CPU backend; CUDA arrays (CuPy) the ``cupy`` backend, loaded only then.
+    Host arrays get the CPU backend (:func:`_cpu_backend`); GPU arrays the ``cupy`` backend, loaded
+    only then.
     """
-    if type(a) is np.ndarray:
-        return np, _cpu_backend()
-    if hasattr(a, "__cuda_array_interface__") and not isinstance(a, np.ndarray):
-        from cudist._kernels import get_backend
+    if type(a) is np.ndarray or not is_device_array(a):
+        return _cpu_backend()
+    from cudist._kernels import get_backend
 
-        b = get_backend("cupy")
-        return b.xp, b
-    return np, _cpu_backend()
-
-
-def _device_of(a):
-    """A context manager making ``a``'s GPU current (CuPy allocates there); a no-op for host arrays."""
-    dev = getattr(a, "device", None)
-    return dev if hasattr(dev, "__enter__") else contextlib.nullcontext()
+    return get_backend("cupy")
 
 
 def _fallback_backend(xp, dt):
@@ -97,32 +103,6 @@ def _numpy_backend():
     from cudist._kernels import get_backend
 
     return get_backend("numpy")
-
-
-def to_array(x):
-    """``x`` as an array the kernels accept (numpy on the host; device arrays are kept)."""
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return x
-    return np.asarray(x)
-
-
-def _contig(a):
-    """``a`` as a C-contiguous array, keeping 0-d arrays 0-d (``np.ascontiguousarray`` makes them 1-d).
-
-    A CuPy array is copied on its own device (``ndarray.copy`` allocates on the current one).
-    """
-    if a.flags.c_contiguous:
-        return a
-    if isinstance(a, np.ndarray):
-        return np.array(a, order="C")
-    with _device_of(a):
-        return a.copy(order="C")
-
-
-def _is_device_array(a) -> bool:
-    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
 
 
 def _check_reducible(where, dtype):
@@ -139,17 +119,18 @@ def _reduce_arrays(where, arrs, op):
     _check_reducible(where, dt)
     int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
     kop = ReduceOp.SUM if int_mean else op
-    if _is_device_array(arrs[0]):
+    if is_device_array(arrs[0]):
         # GPU arrays: reduced by the CUDA kernels on the first array's GPU (the others are read over
         # peer access or staged there by the backend).
-        xp, b = _array_module(arrs[0])
-        with _device_of(arrs[0]):
+        b = backend_for(arrs[0])
+        xp = b.xp
+        with device_context(arrs[0]):
             if len(arrs) == 1:
                 out = arrs[0].copy()
             else:
                 if dt not in b.dtypes:
                     _fallback_backend(xp, dt)  # raises, naming the dtype
-                out = b.reduce_to_one([_contig(a) for a in arrs], kop)
+                out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
             if int_mean:
                 out = xp.true_divide(out, len(arrs))
         return out
@@ -160,7 +141,7 @@ def _reduce_arrays(where, arrs, op):
         if dt not in b.dtypes:
             b = _numpy_backend()
         if dt in b.dtypes:
-            out = b.reduce_to_one([_contig(a) for a in arrs], kop)
+            out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
         else:  # numeric dtypes outside the kernel contract (int8, uint*, complex): plain numpy
             out = np.array(arrs[0], copy=True)
             for a in arrs[1:]:
@@ -213,15 +194,29 @@ def _divide(xp, bufs, n):
         return [np.true_divide(buf, n) for buf in bufs]
     out = []
     for buf in bufs:
-        with _device_of(buf):
+        with device_context(buf):
             out.append(xp.true_divide(buf, n))
     return out
 
 
-def _default_reducer(backend, bufs, op):
-    # Straight to the backend's hook: the callers pass fresh, valid buffers of one shape and dtype,
-    # so the public method's checks (a few microseconds per step) are skipped.
-    backend._all_reduce(bufs, op)
+def _all_reduce_in_place(where, backend, bufs, op, reducer):
+    """All-reduces fresh buffers (one per replica, at least two) in place: SUM or float MEAN.
+
+    ``backend`` is the one for their dtype (the NumPy reference for host dtypes the fast backends
+    lack); a dtype outside the kernel contract is added up by NumPy. ``reducer`` (None: the
+    backend's kernel) all-reduces GPU buffers.
+    """
+    if bufs[0].dtype in backend.dtypes:
+        if reducer is None or backend.xp is np:
+            # Straight to the backend's hook: these are fresh, valid buffers of one shape and dtype,
+            # so the public method's checks (a few microseconds per step) are skipped.
+            backend._all_reduce(bufs, op)
+        else:
+            reducer(backend, bufs, op)
+    else:
+        red = _reduce_arrays(where, bufs, op)
+        for buf in bufs:
+            backend.xp.copyto(buf, red)
 
 
 def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True, via_one=False, reducer=None):
@@ -249,14 +244,14 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
     m = len(ref)
     if m == 1 and all_reduce and not via_one:
         return _single_all_reduce(where, op, per_replica_leaves, reducer=reducer)
-    reducer = reducer or _default_reducer
     outs = [[None] * m for _ in range(n)] if all_reduce else [None] * m
     groups_by_key: dict = {}
     for j, a in enumerate(ref):
-        groups_by_key.setdefault((_is_device_array(a), a.dtype), []).append(j)
-    for (on_device, dt), leaf_ids in groups_by_key.items():
+        groups_by_key.setdefault((is_device_array(a), a.dtype), []).append(j)
+    for (_, dt), leaf_ids in groups_by_key.items():
         _check_reducible(where, dt)
-        xp, backend = _array_module(ref[leaf_ids[0]])
+        backend = backend_for(ref[leaf_ids[0]])
+        xp = backend.xp
         int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
         kop = ReduceOp.SUM if int_mean else op
         b = backend if dt in backend.dtypes else _fallback_backend(xp, dt)
@@ -268,7 +263,7 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
             bufs = []
             for r in range(n):
                 leaves = per_replica_leaves[r]
-                with _device_of(leaves[ids[0]]):  # each replica's buffer on its own device
+                with device_context(leaves[ids[0]]):  # each replica's buffer on its own device
                     if len(ids) == 1:
                         buf = xp.array(leaves[ids[0]], dtype=dt, copy=True, order="C").reshape(-1)
                     else:
@@ -284,18 +279,18 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
                 if not use_kernel or n == 1:
                     red = _reduce_arrays(where, bufs, op)
                 else:
-                    with _device_of(bufs[0]):
+                    with device_context(bufs[0]):
                         red = b.reduce_to_one(bufs, kop)
                         if int_mean:
                             red = xp.true_divide(red, n)
                 results = [red]
             elif via_one and n > 1:
-                with _device_of(bufs[0]):  # the reduction happens on the first replica's device
+                with device_context(bufs[0]):  # the reduction happens on the first replica's device
                     red = b.reduce_to_one(bufs, kop) if use_kernel else _reduce_arrays(where, bufs, kop)
                     if int_mean:
                         red = xp.true_divide(red, n)
                 if int_mean:
-                    results = [red] + [_copy_like(red, buf) for buf in bufs[1:]]
+                    results = [red] + [like(red, buf, copy=True) for buf in bufs[1:]]
                 else:
                     if use_kernel:
                         b.broadcast(red, bufs)
@@ -305,12 +300,7 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
                     results = bufs
             else:
                 if n > 1:
-                    if use_kernel:
-                        (reducer if on_device else _default_reducer)(b, bufs, kop)
-                    else:
-                        red = _reduce_arrays(where, bufs, kop)
-                        for buf in bufs:
-                            xp.copyto(buf, red)
+                    _all_reduce_in_place(where, b, bufs, kop, reducer)
                 if int_mean:
                     bufs = _divide(xp, bufs, n)
                 results = bufs
@@ -326,15 +316,6 @@ def packed_reduce(where, op, per_replica_leaves, *, num_packs=1, all_reduce=True
     return outs
 
 
-def _copy_like(a, like):
-    """A copy of ``a`` on the device of ``like`` (a plain copy for host arrays)."""
-    if isinstance(a, np.ndarray):
-        return a.copy()
-    xp = _array_module(a)[0]
-    with _device_of(like):
-        return xp.array(a, copy=True)  # copies into the current device
-
-
 def _single_all_reduce(where, op, per_replica_leaves, reducer=None):
     """``packed_reduce`` for one leaf per replica: the per-step common case, kept lean."""
     n = len(per_replica_leaves)
@@ -347,30 +328,21 @@ def _single_all_reduce(where, op, per_replica_leaves, reducer=None):
             check_same_leaves(where, per_replica_leaves)  # raises, naming the replicas
     if dt.kind not in "iufc":
         _check_reducible(where, dt)
-    xp, b = _array_module(a0)
+    b = backend_for(a0)
+    xp = b.xp
     if xp is np:
         bufs = [np.array(p[0], dtype=dt, copy=True, order="C").reshape(-1) for p in per_replica_leaves]
     else:
         bufs = []
         for p in per_replica_leaves:
-            with _device_of(p[0]):
+            with device_context(p[0]):
                 bufs.append(xp.array(p[0], dtype=dt, copy=True, order="C").reshape(-1))
     int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
     kop = ReduceOp.SUM if int_mean else op
     if n > 1:
         if dt not in b.dtypes:
             b = _fallback_backend(xp, dt)
-        if dt in b.dtypes:
-            if reducer is None or xp is np:
-                # Straight to the backend's hook: these are fresh, valid buffers of one shape and dtype,
-                # so the public method's checks (a few microseconds per step) are skipped.
-                b._all_reduce(bufs, kop)
-            else:
-                reducer(b, bufs, kop)
-        else:
-            red = _reduce_arrays(where, bufs, kop)
-            for buf in bufs:
-                np.copyto(buf, red)
+        _all_reduce_in_place(where, b, bufs, kop, reducer)
     if int_mean:
         bufs = _divide(xp, bufs, n)
     return [[buf.reshape(shape)] for buf in bufs]
@@ -382,15 +354,16 @@ def gather_arrays(arrs, axis):
     Host arrays go through the CPU backend (the NumPy reference for dtypes outside the kernel
     contract); GPU arrays through the CuPy backend, the result on the first array's GPU.
     """
-    if _is_device_array(arrs[0]) and all(_is_device_array(a) for a in arrs):
-        xp, b = _array_module(arrs[0])
-        with _device_of(arrs[0]):
+    if is_device_array(arrs[0]) and all(is_device_array(a) for a in arrs):
+        b = backend_for(arrs[0])
+        xp = b.xp
+        with device_context(arrs[0]):
             if arrs[0].dtype in b.dtypes:
                 return b.all_gather(arrs, axis)
             # Validated like a kernel call (shapes, axis), then concatenated by CuPy.
             _numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
             return xp.concatenate([xp.asarray(a) for a in arrs], axis=axis)
-    arrs = [_contig(_to_host(a)) for a in arrs]
+    arrs = [contiguous(to_host(a)) for a in arrs]
     b = _cpu_backend()
     if arrs[0].dtype not in b.dtypes:
         b = _numpy_backend()
@@ -427,67 +400,28 @@ def resolve_destinations(destinations, where="reduce"):
                      "or a distributed value or variable")
 
 
-def _to_host(x):
-    if isinstance(x, np.ndarray):
-        return x
-    if hasattr(x, "__cuda_array_interface__"):
-        import cupy  # noqa: PLC0415 - only reached with GPU arrays
-
-        return cupy.asnumpy(x)
-    return np.asarray(x)
-
-
-def _place(result, device):
-    """``result`` as an array on ``device`` (canonical name): host for CPUs, that GPU's memory for GPUs.
-
-    Returns ``result`` itself when it already lives there.
-    """
-    spec = _devices.parse_device(device)
-    if not spec.is_gpu:
-        return _to_host(result)
-    gpu = _physical_gpu(spec)
-    from cudist._kernels import get_backend
-
-    cupy = get_backend("cupy").xp
-    if isinstance(result, cupy.ndarray) and result.device.id == gpu:
-        return result
-    with cupy.cuda.Device(gpu):
-        return cupy.asarray(result)  # copies host arrays and arrays of other GPUs into this one
-
-
 def _on_destinations(result, devices):
     """One result per destination device: the array itself for one, a Mirrored of copies for many.
 
     Host results for CPU destinations stay host arrays (the first is ``result`` itself); GPU
     destinations get a CuPy array on their physical GPU (``result`` itself where it already is).
     """
-    if not any(_devices.parse_device(d).is_gpu for d in devices):
+    if not _devices.any_gpu(devices):
         if len(devices) == 1:
-            return _to_host(result)
-        result = _to_host(result)
+            return to_host(result)
+        result = to_host(result)
         return Mirrored([result] + [result.copy() for _ in devices[1:]])
     placed, seen = [], set()
     for d in devices:
-        p = _place(result, d)
+        p = place(result, d)
         if id(p) in seen:  # two logical devices on one physical GPU: each gets its own copy
-            p = _copy_like(p, p)
+            p = snapshot(p)
         seen.add(id(p))
         placed.append(p)
     return placed[0] if len(placed) == 1 else Mirrored(placed)
 
 
 # ---------------------------------------------------------------------------------------------- devices
-def _physical_gpu(spec) -> int:
-    """The physical GPU (CUDA device id) a logical "/gpu:N" device lives on."""
-    from cudist import config
-
-    mapping = config.logical_to_physical_gpu()
-    if spec.device_index >= len(mapping):
-        hint = "" if mapping else " (no GPU is visible through CuPy: is cudist[cuda] installed and a GPU present?)"
-        raise ValueError(f"device {spec.name} does not exist: {len(mapping)} logical GPU(s) are configured{hint}")
-    return mapping[spec.device_index]
-
-
 def gpu_layout(devices):
     """The physical GPU of each device, or None when every device is a CPU.
 
@@ -512,7 +446,7 @@ def gpu_layout(devices):
             "replicas on CPUs hold NumPy arrays and replicas on GPUs CuPy arrays, which are not reduced together. "
             "Use only GPU devices or only CPU devices"
         )
-    return tuple(_physical_gpu(s) for s in specs)
+    return tuple(physical_gpu(s) for s in specs)
 
 
 def _describe_layout(physical) -> str:
@@ -631,8 +565,8 @@ class CrossDeviceOps:
 
     def _values_of(self, where, value):
         if isinstance(value, DistributedValues):
-            return [to_array(v) for v in value.values]
-        return [to_array(value)]
+            return [as_array(v) for v in value.values]
+        return [as_array(value)]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         """Reduces ``per_replica_value`` to ``destinations``.
@@ -651,9 +585,9 @@ class CrossDeviceOps:
     @staticmethod
     def _uniform(where, comps):
         """The components all on GPUs or all on the host: a mix is moved to the host."""
-        dev = [_is_device_array(c) for c in comps]
+        dev = [is_device_array(c) for c in comps]
         if any(dev) and not all(dev):
-            return [_to_host(c) for c in comps]
+            return [to_host(c) for c in comps]
         return comps
 
     def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
@@ -683,10 +617,10 @@ class CrossDeviceOps:
         """Copies ``tensor`` to every destination device."""
         devices = resolve_destinations(destinations, "CrossDeviceOps.broadcast")
         self._check_devices(devices)
-        arr = to_array(tensor)
-        if not any(_devices.parse_device(d).is_gpu for d in devices):
-            return _on_destinations(np.array(_to_host(arr), copy=True), devices)
-        return _on_destinations(_copy_like(arr, arr) if _is_device_array(arr) else arr, devices)
+        arr = as_array(tensor)
+        if not _devices.any_gpu(devices):
+            return _on_destinations(np.array(to_host(arr), copy=True), devices)
+        return _on_destinations(snapshot(arr) if is_device_array(arr) else arr, devices)
 
     def _all_reduce(self, op, per_replica_leaves, paths=None):
         """The replica-context all-reduce: ``out[r][j]``, one packed kernel call per dtype and pack."""
@@ -753,8 +687,8 @@ def _replica_gpus_of(per_replica_leaves):
     TF reduces CPU tensors under GPU cross-device ops.
     """
     for j, a in enumerate(per_replica_leaves[0]):
-        if _is_device_array(a):
-            return [leaves[j].device.id for leaves in per_replica_leaves]
+        if is_device_array(a):
+            return [gpu_of(leaves[j]) for leaves in per_replica_leaves]
     return None
 
 

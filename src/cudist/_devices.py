@@ -71,3 +71,8 @@ def parse_device(device) -> DeviceSpec:
 def canonicalize(device) -> str:
     """Returns the canonical long name of ``device``."""
     return parse_device(device).name
+
+
+def any_gpu(devices) -> bool:
+    """Whether any of ``devices`` (in any spelling :func:`parse_device` accepts) is a GPU."""
+    return any(parse_device(d).is_gpu for d in devices)

@@ -26,6 +26,7 @@ import numpy as np
 import optree
 
 from cudist import _devices
+from cudist._arrays import as_array, contiguous, current_gpu, is_device_array, like, set_current_gpu, snapshot, to_host
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
 
@@ -183,12 +184,6 @@ def _select_all(i, tree):
     return optree.tree_map(lambda x: x.values[i] if isinstance(x, DistributedValues) else x, tree, is_leaf=_is_dv)
 
 
-def _host(x):
-    from cudist._cross_device_ops import _to_host, to_array
-
-    return _to_host(to_array(x))
-
-
 def _scalarize(a):
     return a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a
 
@@ -241,8 +236,6 @@ class _LazyPaths:
 
 
 def _h_all_reduce(strategy, payloads):
-    from cudist._cross_device_ops import to_array
-
     op = payloads[0][0]
     for r, (o, _) in enumerate(payloads[1:], 1):
         if o is not op:
@@ -251,7 +244,7 @@ def _h_all_reduce(strategy, payloads):
     v0 = payloads[0][1]
     if isinstance(v0, _SIMPLE_LEAVES) and all(isinstance(p[1], _SIMPLE_LEAVES) for p in payloads):
         # One array or scalar per replica: the per-step common case, without tree flattening.
-        out = ops._all_reduce(op, [[to_array(p[1])] for p in payloads])
+        out = ops._all_reduce(op, [[as_array(p[1])] for p in payloads])
         if isinstance(v0, np.ndarray):
             return [o[0] for o in out]
         return [_scalarize(o[0]) for o in out]
@@ -260,9 +253,9 @@ def _h_all_reduce(strategy, payloads):
     for r, (_, spec) in enumerate(flat[1:], 1):
         if spec != spec0:
             raise ValueError(f"all_reduce: replica {r} passed a structure {spec} but replica 0 passed {spec0}")
-    arrays = [[to_array(x) for x in leaves] for leaves, _ in flat]
+    arrays = [[as_array(x) for x in leaves] for leaves, _ in flat]
     out = ops._all_reduce(op, arrays, _LazyPaths(v0))
-    scalar = [not isinstance(x, np.ndarray) and not hasattr(x, "__cuda_array_interface__") for x in leaves0]
+    scalar = [not isinstance(x, np.ndarray) and not is_device_array(x) for x in leaves0]
     results = []
     for r in range(len(payloads)):
         leaves = [_scalarize(a) if s else a for a, s in zip(out[r], scalar)]
@@ -271,7 +264,7 @@ def _h_all_reduce(strategy, payloads):
 
 
 def _h_all_gather(strategy, payloads):
-    from cudist._cross_device_ops import _contig, _copy_like, gather_arrays, to_array, tree_leaves_with_paths
+    from cudist._cross_device_ops import gather_arrays, tree_leaves_with_paths
 
     axis = payloads[0][1]
     for r, (_, a) in enumerate(payloads[1:], 1):
@@ -285,7 +278,7 @@ def _h_all_gather(strategy, payloads):
     n = len(payloads)
     gathered = []
     for j in range(len(leaves0)):
-        arrs = [_contig(to_array(flat[r][0][j])) for r in range(n)]
+        arrs = [contiguous(flat[r][0][j]) for r in range(n)]
         for r, a in enumerate(arrs[1:], 1):
             if a.dtype != arrs[0].dtype:
                 where = f" at {paths[j]!r}" if paths[j] else ""
@@ -294,10 +287,12 @@ def _h_all_gather(strategy, payloads):
                 )
         gathered.append((gather_arrays(arrs, axis), arrs))
     # Each replica owns its result, on its own device, as in TF (and so ``run`` returns a
-    # PerReplica, not one shared object).
+    # PerReplica, not one shared object). A host result (replicas passing host values) stays on the host.
+    def own_copy(g, ref):
+        return like(g, ref, copy=True) if is_device_array(g) else snapshot(g)
+
     return [
-        optree.tree_unflatten(spec0, [g if r == 0 else _copy_like(g, arrs[r]) for g, arrs in gathered])
-        for r in range(n)
+        optree.tree_unflatten(spec0, [g if r == 0 else own_copy(g, arrs[r]) for g, arrs in gathered]) for r in range(n)
     ]
 
 
@@ -421,27 +416,15 @@ class _GpuReplicaContext(ReplicaContext):
 
     def _collective(self, kind, payload):
         out = super()._collective(kind, payload)
-        _set_device(self._gpu)
+        set_current_gpu(self._gpu)
         return out
-
-
-def _set_device(gpu):
-    import cupy  # noqa: PLC0415 - GPU replicas only
-
-    cupy.cuda.runtime.setDevice(gpu)
-
-
-def _get_device():
-    import cupy  # noqa: PLC0415 - GPU replicas only
-
-    return cupy.cuda.runtime.getDevice()
 
 
 def _on_replica_gpu(fn):
     """``fn`` wrapped to make the running replica's GPU current first (see _GpuReplicaContext)."""
 
     def run_on_gpu(*args, **kwargs):
-        _set_device(_CTX.get().replica_ctx._gpu)
+        set_current_gpu(_CTX.get().replica_ctx._gpu)
         return fn(*args, **kwargs)
 
     return run_on_gpu
@@ -476,7 +459,7 @@ class StrategyExtended:
         self._replica_frames = None
         # The physical GPU of each replica (None on CPUs): made current while the replica runs.
         self._replica_gpus = None
-        if any(_devices.parse_device(d).is_gpu for d in self._devices):
+        if _devices.any_gpu(self._devices):
             from cudist._cross_device_ops import gpu_layout
 
             self._replica_gpus = gpu_layout(self._devices)
@@ -636,8 +619,8 @@ class StrategyExtended:
                 raise ValueError(
                     f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}."
                 )
-            return np.array(_host(value), copy=True)
-        return _host(self._cross_device_ops.reduce(op, value, self._devices[0]))
+            return np.array(to_host(value), copy=True)
+        return to_host(self._cross_device_ops.reduce(op, value, self._devices[0]))
 
     # -------------------------------------------------------------- running
     def call_for_each_replica(self, fn, args=(), kwargs=None):
@@ -660,7 +643,7 @@ class StrategyExtended:
         frames = self._frames()
         gpus = self._replica_gpus
         if gpus is not None:
-            prev = _get_device()
+            prev = current_gpu()
         if n == 1:
             token = _CTX.set(frames[0])
             try:
@@ -669,12 +652,12 @@ class StrategyExtended:
                 if kwargs:
                     kwargs = select_replica(0, kwargs)
                 if gpus is not None:
-                    _set_device(gpus[0])
+                    set_current_gpu(gpus[0])
                 return fn(*args, **kwargs)
             finally:
                 _CTX.reset(token)
                 if gpus is not None:
-                    _set_device(prev)
+                    set_current_gpu(prev)
         try:
             args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
             kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
@@ -692,7 +675,7 @@ class StrategyExtended:
                     n, frames, _on_replica_gpu(fn), args_list, kwargs_list, self._handlers()
                 )
             finally:
-                _set_device(prev)  # the caller's current GPU, whatever the replicas left current
+                set_current_gpu(prev)  # the caller's current GPU, whatever the replicas left current
         return _regroup_results(results)
 
     def _handlers(self):
@@ -780,7 +763,7 @@ class Strategy:
         comps = list(value.values) if isinstance(value, DistributedValues) else [value] * self.num_replicas_in_sync
         sums, counts = [], 0
         for r, c in enumerate(comps):
-            a = _host(c)
+            a = to_host(c)
             if not -a.ndim <= axis < a.ndim:
                 raise ValueError(
                     f"Strategy.reduce: invalid reduction axis {axis} for the value of replica {r}, "
@@ -804,17 +787,10 @@ class Strategy:
         _require_cross_replica(self, "Strategy.gather")
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise TypeError(f"Strategy.gather: axis must be an int, got {type(axis).__name__}")
-        from cudist._cross_device_ops import _contig, _cpu_backend, _numpy_backend
+        from cudist._cross_device_ops import gather_arrays
 
         comps = value.values if isinstance(value, DistributedValues) else (value,)
-        arrs = [_contig(_host(c)) for c in comps]
-        b = _cpu_backend()
-        if arrs[0].dtype not in b.dtypes:
-            b = _numpy_backend()
-        if arrs[0].dtype in b.dtypes:
-            return b.all_gather(arrs, int(axis))
-        _numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], int(axis))
-        return np.concatenate(arrs, axis=int(axis))
+        return gather_arrays([to_host(c) for c in comps], int(axis))
 
     def experimental_local_results(self, value):
         """The components of ``value`` on this worker's replicas, as a tuple (``(value,)`` if plain)."""

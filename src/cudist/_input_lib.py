@@ -23,7 +23,8 @@ import numpy as np
 import optree
 
 from cudist import data as _data
-from cudist._devices import parse_device
+from cudist._arrays import is_array, physical_gpu, to_gpu
+from cudist._devices import any_gpu, parse_device
 from cudist._values import PerReplica, regroup
 
 __all__ = [
@@ -295,28 +296,12 @@ def device_putter(device, fetch_to_device: bool = True):
     spec = parse_device(device)
     if not spec.is_gpu or not fetch_to_device:
         return _identity
-    return functools.partial(_put_on_gpu, spec.device_index)
+    return functools.partial(_put_on_gpu, spec)
 
 
-def _put_on_gpu(logical_index: int, value):
-    import cupy
-
-    from cudist import config
-
-    physical = config.logical_to_physical_gpu()
-    if logical_index >= len(physical):
-        raise ValueError(f"GPU:{logical_index} does not exist: {len(physical)} logical GPU(s) are configured")
-    gpu = physical[logical_index]
-
-    def put(leaf):
-        if isinstance(leaf, cupy.ndarray):
-            return leaf if leaf.device.id == gpu else cupy.array(leaf, copy=True)
-        if isinstance(leaf, (np.ndarray, np.generic)):
-            return cupy.asarray(leaf)
-        return leaf
-
-    with cupy.cuda.Device(gpu):
-        return optree.tree_map(put, value, none_is_leaf=True)
+def _put_on_gpu(spec, value):
+    gpu = physical_gpu(spec)
+    return optree.tree_map(lambda leaf: to_gpu(leaf, gpu) if is_array(leaf) else leaf, value, none_is_leaf=True)
 
 
 def _putters(strategy, fetch_to_device: bool):
@@ -327,10 +312,6 @@ def _putters(strategy, fetch_to_device: bool):
             f"the strategy has {n} replicas in sync but {len(devices)} worker devices {devices}; expected one each"
         )
     return [device_putter(d, fetch_to_device) for d in devices]
-
-
-def _any_gpu(strategy) -> bool:
-    return any(parse_device(d).is_gpu for d in strategy.extended.worker_devices)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -389,19 +370,11 @@ def _batch_leaves(leaves) -> list:
         bsz = leaves[0].shape[0]
         if all(leaf.shape[0] == bsz for leaf in leaves):
             return leaves  # the common case, checked with the fewest Python operations
-    arrays = []
-    for i, leaf in enumerate(leaves):
-        a = leaf if hasattr(leaf, "shape") and hasattr(leaf, "__getitem__") else np.asarray(leaf)
-        if len(a.shape) == 0:
-            raise ValueError(f"split: leaf {i} is a scalar and has no batch dimension to split")
-        arrays.append(a)
-    if not arrays:
-        raise ValueError("split: the batch has no array leaves to split")
-    bsz = arrays[0].shape[0]
-    for i, a in enumerate(arrays[1:], 1):
-        if a.shape[0] != bsz:
-            raise ValueError(f"split: leaf {i} has batch size {a.shape[0]} but leaf 0 has batch size {bsz}")
-    return arrays
+    from cudist._kernels._split import split
+
+    # Anything else goes through the kernel contract's own checks and conversions: a "split" into
+    # one piece is every leaf as an array (a view of all of it), or the error naming the leaf.
+    return split(list(leaves), 1)[0]
 
 
 def _empty_like(value):
@@ -540,7 +513,7 @@ class _DistributedBase:
         self._putters = _putters(strategy, self._options.experimental_fetch_to_device)
         self._prefetch = (
             self._options.experimental_per_replica_buffer_size
-            if self._options.experimental_fetch_to_device and _any_gpu(strategy)
+            if self._options.experimental_fetch_to_device and any_gpu(strategy.extended.worker_devices)
             else 0
         )
 

@@ -39,10 +39,10 @@ from cudist._arrays import (
     contiguous,
     device_context,
     is_array,
-    is_device_array,
     like,
     may_share_memory,
     place,
+    python_dtype,
     snapshot,
     to_host,
 )
@@ -144,13 +144,7 @@ def _infer_array(value):
         a = np.asarray(value)
     except (ValueError, TypeError) as e:
         raise TypeError(f"cannot convert {value!r} to an array: {e}") from None
-    if a.dtype == np.float64:
-        a = a.astype(np.float32)
-    elif a.dtype == np.int64:
-        info = np.iinfo(np.int32)
-        if a.size == 0 or (a.min() >= info.min and a.max() <= info.max):
-            a = a.astype(np.int32)
-    return a
+    return python_dtype(a)
 
 
 def _check_dtype_supported(dtype, what: str):

@@ -33,6 +33,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import optree
 
+from cudist._arrays import array_module, is_array, is_device_array, python_dtype
+
 __all__ = [
     "AUTOTUNE",
     "INFINITE_CARDINALITY",
@@ -105,11 +107,6 @@ def flatten_specs(spec_structure):
     return optree.tree_flatten(spec_structure, is_leaf=_is_spec)
 
 
-def _is_device_array(x) -> bool:
-    # CuPy (and other GPU) arrays pass through untouched: they are already what a replica wants.
-    return hasattr(x, "__cuda_array_interface__")
-
-
 def _only_python_scalars(seq) -> bool:
     """True if a nested list holds only Python numbers (TF then picks int32/float32)."""
     stack = [seq]
@@ -122,17 +119,9 @@ def _only_python_scalars(seq) -> bool:
     return True
 
 
-def _python_dtype(arr: np.ndarray) -> np.ndarray:
-    if arr.dtype == np.float64:
-        return arr.astype(np.float32)
-    if arr.dtype == np.int64 and (arr.size == 0 or (arr.min() >= _INT32.min and arr.max() <= _INT32.max)):
-        return arr.astype(np.int32)
-    return arr
-
-
 def _to_value(x, where: str):
     """Converts one leaf to what elements hold: a NumPy array/scalar (a device array stays)."""
-    if isinstance(x, (np.ndarray, np.generic)) or _is_device_array(x):
+    if is_array(x):  # GPU arrays pass through untouched: they are already what a replica wants
         return x
     if isinstance(x, bool):
         return np.bool_(x)
@@ -151,7 +140,7 @@ def _to_value(x, where: str):
             raise ValueError(f"{where}: can't convert a non-rectangular Python list to an array: {e}") from None
         if arr.dtype == object:
             raise ValueError(f"{where}: can't convert a non-rectangular Python list (or one of objects) to an array")
-        return _python_dtype(arr) if _only_python_scalars(x) else arr
+        return python_dtype(arr) if _only_python_scalars(x) else arr
     if x is None:
         raise TypeError(f"{where}: an element component is None; dataset elements must be arrays or numbers")
     try:
@@ -190,14 +179,6 @@ def _structure_spec(element):
     return _map(_spec_of, element)
 
 
-def _array_module(a):
-    if _is_device_array(a) and type(a).__module__.split(".")[0] == "cupy":
-        import cupy
-
-        return cupy
-    return np
-
-
 def _check_int(value, name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
@@ -221,6 +202,17 @@ _END = _End()
 _POLL_S = 0.05
 
 
+def _put_unless_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:
+    """Puts ``item`` on ``q``, polling ``stop`` while ``q`` is full; returns False once ``stop`` is set."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=_POLL_S)
+            break
+        except queue.Full:
+            pass
+    return not stop.is_set()
+
+
 def _prefetch_worker(source, q: queue.Queue, stop: threading.Event) -> None:
     # Holds no reference to the consuming iterator, so dropping that iterator (a ``break``) lets its
     # finalizer set ``stop``; every blocking put polls ``stop`` so the thread then exits promptly.
@@ -228,22 +220,11 @@ def _prefetch_worker(source, q: queue.Queue, stop: threading.Event) -> None:
         try:
             msg = _END
             for item in source:
-                while not stop.is_set():
-                    try:
-                        q.put(item, timeout=_POLL_S)
-                        break
-                    except queue.Full:
-                        pass
-                if stop.is_set():
+                if not _put_unless_stopped(q, item, stop):
                     return
         except BaseException as e:  # handed to the consumer, which re-raises it in its thread
             msg = _Raised(e)
-        while not stop.is_set():
-            try:
-                q.put(msg, timeout=_POLL_S)
-                return
-            except queue.Full:
-                pass
+        _put_unless_stopped(q, msg, stop)
     finally:
         close = getattr(source, "close", None)
         if close is not None:
@@ -324,7 +305,7 @@ def _batch_leaves(leaves_per_element, treedef, where: str):
                     f"{where}: cannot batch elements with different shapes in component {c}: element 0 has "
                     f"shape {first} but element {i} has shape {tuple(np.shape(leaf))}"
                 )
-        out.append(_readonly_new(_array_module(column[0]).stack(column)))
+        out.append(_readonly_new(array_module(column[0]).stack(column)))
     return optree.tree_unflatten(treedef, out)
 
 
@@ -1090,9 +1071,9 @@ def as_dataset(obj, where: str = "as_dataset") -> Dataset:
     """
     if isinstance(obj, Dataset):
         return obj
-    if isinstance(obj, (np.ndarray, str, bytes, dict)) or _is_device_array(obj) or not hasattr(obj, "__iter__"):
+    if isinstance(obj, (np.ndarray, str, bytes, dict)) or is_device_array(obj) or not hasattr(obj, "__iter__"):
         hint = ""
-        if isinstance(obj, np.ndarray) or _is_device_array(obj):
+        if isinstance(obj, np.ndarray) or is_device_array(obj):
             hint = "; wrap arrays with cudist.data.Dataset.from_tensor_slices(x).batch(global_batch_size)"
         raise TypeError(
             f"{where}: expected a cudist.data.Dataset or an iterable of batches, got {type(obj).__name__}{hint}"

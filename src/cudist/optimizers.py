@@ -30,6 +30,7 @@ import warnings
 import numpy as np
 
 from cudist import _distribute_lib
+from cudist._arrays import array_module, device_context, gpu_of, is_array, like
 from cudist._kernels._base import adam_lr_t
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -38,10 +39,7 @@ from cudist._variables import (
     Variable,
     VariableAggregation,
     _cast,
-    _is_array,
     _kernel_backend,
-    _like,
-    _xp,
 )
 
 __all__ = ["Optimizer", "SGD", "Adam"]
@@ -83,8 +81,7 @@ def _device_groups(bufs):
         return [tuple(range(len(bufs)))]
     groups: dict = {}
     for i, b in enumerate(bufs):
-        key = "host" if isinstance(b, np.ndarray) else ("gpu", int(b.device.id))
-        groups.setdefault(key, []).append(i)
+        groups.setdefault(gpu_of(b), []).append(i)  # None: host memory
     return [tuple(g) for g in groups.values()]
 
 
@@ -207,7 +204,7 @@ class Optimizer:
                 f"{self.name}: cannot update variable '{var.name}' of dtype {var.dtype.name}: the optimizer "
                 "kernels need a floating-point dtype (float16, float32, float64)"
             )
-        if var._kernel() is None and _xp(var._primary_array()) is not np:
+        if var._kernel() is None and array_module(var._primary_array()) is not np:
             raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")
 
     def _check_grad(self, grad, var, *, cross_replica: bool):
@@ -227,7 +224,7 @@ class Optimizer:
             grad = grad.values[0]
         if isinstance(grad, Variable):
             grad = grad.read_value()
-        if _is_array(grad):
+        if is_array(grad):
             if grad.dtype != var.dtype:
                 raise TypeError(
                     f"{self.name}: the gradient of variable '{var.name}' has dtype {grad.dtype.name} but the "
@@ -323,7 +320,7 @@ class Optimizer:
             for copies, slots, backend in plan[1]:
                 ref = copies[0]
                 if type(ref) is np.ndarray:
-                    g = grad if type(grad) is np.ndarray else _like(grad, ref)
+                    g = grad if type(grad) is np.ndarray else like(grad, ref)
                     if not g.flags.c_contiguous:
                         g = np.array(g, order="C")
                     elif not fresh and (g.base is not None or any(g is c for c in copies)):
@@ -332,8 +329,8 @@ class Optimizer:
                             g = g.copy()
                     self._kernel_update(backend, copies, slots, g, params)
                 else:
-                    with ref.device:
-                        g = _like(grad, ref)
+                    with device_context(ref):
+                        g = like(grad, ref)
                         if not g.flags.c_contiguous or any(g is c for c in copies):
                             g = g.copy(order="C")
                         self._kernel_update(backend, copies, slots, g, params)
