@@ -486,3 +486,169 @@ def test_numba_float16_conversions_match_numpy():
     with np.errstate(over="ignore"):  # large floats become inf, as they should
         expected = floats.astype(np.float16).view(np.uint16)
     assert_bitwise(got, expected, "float -> half")
+
+
+def _every_numba_op(backend, rng, dtype, size, n=3):
+    """Runs every operation of ``backend`` once on random data; returns (name, got, expected) triples."""
+    out = []
+    for op in (ReduceOp.SUM, ReduceOp.MEAN):
+        bufs = [random_array(rng, (size,), dtype) for _ in range(n)]
+        exp = reference_reduce([b.copy() for b in bufs], op)
+        backend.all_reduce(bufs, op)
+        out += [(f"all_reduce {op.name} {i}", b, exp) for i, b in enumerate(bufs)]
+        bufs = [random_array(rng, (size,), dtype) for _ in range(n)]
+        out.append((f"reduce_to_one {op.name}", backend.reduce_to_one(bufs, op), reference_reduce(bufs, op)))
+    src = random_array(rng, (size,), dtype)
+    dsts = [random_array(rng, (size,), dtype) for _ in range(n)]
+    backend.broadcast(src, dsts)
+    out += [(f"broadcast {i}", d, src) for i, d in enumerate(dsts)]
+    for kind in ("assign", "assign_add", "assign_sub"):
+        copies, value = mirrors(rng, (size,), dtype, n), random_array(rng, (size,), dtype)
+        exp = [c.copy() for c in copies]
+        getattr(REF, kind)(exp, value)
+        getattr(backend, kind)(copies, value)
+        out += [(f"{kind} {i}", c, e) for i, (c, e) in enumerate(zip(copies, exp))]
+    if np.dtype(dtype).kind != "f":
+        return out
+    g = random_array(rng, (size,), dtype)
+    w = mirrors(rng, (size,), dtype, n)
+    ew = [a.copy() for a in w]
+    REF.sgd(ew, g, lr=0.1)
+    backend.sgd(w, g, lr=0.1)
+    out += [(f"sgd {i}", a, e) for i, (a, e) in enumerate(zip(w, ew))]
+    for nesterov in (False, True):
+        w, v = mirrors(rng, (size,), dtype, n), mirrors(rng, (size,), dtype, n)
+        ew, ev = [a.copy() for a in w], [a.copy() for a in v]
+        REF.momentum(ew, ev, g, lr=0.1, momentum=0.9, nesterov=nesterov)
+        backend.momentum(w, v, g, lr=0.1, momentum=0.9, nesterov=nesterov)
+        out += [(f"momentum nesterov={nesterov} {i}", a, e) for i, (a, e) in enumerate(zip(w + v, ew + ev))]
+    w, m, v = mirrors(rng, (size,), dtype, n), mirrors(rng, (size,), dtype, n), mirrors(rng, (size,), dtype, n, positive=True)
+    exp = [[a.copy() for a in x] for x in (w, m, v)]
+    REF.adam(*exp, g, lr=1e-3, step=3)
+    backend.adam(w, m, v, g, lr=1e-3, step=3)
+    out += [(f"adam {i}", a, e) for i, (a, e) in enumerate(zip(w + m + v, sum(exp, [])))]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_numba_serial_and_parallel_paths_agree_bitwise(monkeypatch, dtype):
+    # Small calls run on the calling thread, large ones on the pool; the size threshold must not
+    # change a single bit. Forcing each path on the same odd size (4 blocks, ragged) checks both.
+    from cudist._kernels import _numba
+
+    backend = get_backend("numba")
+    size = 3 * _numba._CHUNK + 4099
+    results = {}
+    for path, threshold in (("serial", 1 << 62), ("parallel", 0)):
+        monkeypatch.setattr(_numba, "_PARALLEL_MIN_BYTES", threshold)
+        results[path] = _every_numba_op(backend, np.random.default_rng(23), dtype, size)
+    for (name, got_s, exp), (_, got_p, _) in zip(results["serial"], results["parallel"]):
+        assert_bitwise(got_s, exp, f"serial {name}")
+        assert_bitwise(got_p, exp, f"parallel {name}")
+
+
+def test_numba_small_calls_stay_on_the_calling_thread():
+    import numba
+
+    from cudist._kernels import _numba
+
+    assert _numba._nthreads(_numba._PARALLEL_MIN_BYTES - 1) == 1
+    assert _numba._nthreads(_numba._PARALLEL_MIN_BYTES) == numba.get_num_threads()
+    # A 4-replica all-reduce of 64 KiB buffers (512 KiB moved) is latency-bound: no thread pool.
+    assert _numba._nthreads(64 * 1024 * 8) == 1
+
+
+_OMP_PROBE = """
+import ctypes, json, os, sys
+from cudist._kernels import _numba
+import numba
+numba.get_num_threads()  # starts the layer where the module left it alone
+layer = numba.threading_layer()
+if layer == "omp":
+    ctypes.CDLL("libgomp.so.1").omp_display_env(1)  # the ICVs, on stderr
+print(json.dumps({"setup": _numba._THREADS_SETUP, "layer": layer, "env": os.environ.get("OMP_WAIT_POLICY")}))
+"""
+
+
+def _run_probe(code, env_changes, *args):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "NUMBA_THREADING_LAYER")}
+    env.update(env_changes)
+    proc = subprocess.run([sys.executable, "-W", "error", "-c", code, *args], capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, f"probe failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="passive waits are set on Linux only")
+def test_numba_starts_openmp_with_passive_waits_unless_the_user_chose():
+    got, err = _run_probe(_OMP_PROBE, {})
+    if got["layer"] != "omp":
+        assert got["setup"] != "passive"
+        pytest.skip(f"numba uses the {got['layer']} threading layer, not OpenMP")
+    assert got["setup"] == "passive"
+    assert "GOMP_SPINCOUNT = '0'" in err, err  # passive: idle workers sleep at once
+    assert got["env"] is None, "OMP_WAIT_POLICY must not stay in the environment (children would inherit it)"
+
+    got, err = _run_probe(_OMP_PROBE, {"OMP_WAIT_POLICY": "active"})
+    assert got["setup"].startswith("skipped: user set")
+    assert got["env"] == "active"
+    assert "OMP_WAIT_POLICY = 'ACTIVE'" in err, err
+
+    got, _ = _run_probe(_OMP_PROBE, {"NUMBA_THREADING_LAYER": "workqueue"})
+    assert (got["setup"], got["layer"]) == ("skipped: threading layer is not omp", "workqueue")
+
+
+_CACHE_PROBE = """
+import json, sys, warnings
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+from test_kernels import _every_numba_op, assert_bitwise
+from cudist._kernels import get_backend, _numba
+backend = get_backend("numba")
+rng = np.random.default_rng(5)
+for dtype in ("float16", "float32", "float64", "int32", "int64"):
+    for size in (37, 300007):  # the serial and the parallel path of the driver
+        for name, got, exp in _every_numba_op(backend, rng, dtype, size):
+            assert_bitwise(got, exp, name)
+stats = {}
+for name in ("_k_par", "_pack8"):
+    d = getattr(_numba, name)
+    stats[name] = {"hits": sum(d.stats.cache_hits.values()), "misses": sum(d.stats.cache_misses.values())}
+for key, compiled in _numba._workers.items():
+    if isinstance(key, tuple):
+        stats[key[0].__name__] = {"hits": compiled.cache_hits}
+print(json.dumps(stats))
+"""
+
+
+@pytest.mark.slow
+def test_numba_kernels_cache_without_warnings_and_load_from_the_cache(tmp_path):
+    # A fresh cache dir: every kernel compiles (under -W error, so a NumbaWarning such as "cannot
+    # cache ... dynamic globals" fails the run), then a second process must load all of them.
+    import os
+    import re
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = {"NUMBA_CACHE_DIR": str(tmp_path)}
+    workers = [f"_reduce_{s}" for s in ("f16", "f32", "f64", "i32", "i64")] + [f"_update_{s}" for s in ("f16", "f32", "f64")]
+
+    def listing():
+        return {p.relative_to(tmp_path).as_posix(): (p.stat().st_size, p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file()}
+
+    cold, _ = _run_probe(_CACHE_PROBE, env, here)
+    assert set(workers) <= set(cold), cold
+    assert cold["_k_par"]["misses"] == 1 and cold["_pack8"]["misses"] == 5, cold  # one per dtype
+    files = listing()
+    for fn in ["_k_par", "_pack8", *workers]:
+        assert any(re.search(rf"\.{fn}-\d+\..*\.nbi$", f) for f in files), f"no cache index for {fn}: {sorted(files)}"
+
+    warm, _ = _run_probe(_CACHE_PROBE, env, here)
+    assert warm["_k_par"] == {"hits": 1, "misses": 0}, warm
+    assert warm["_pack8"] == {"hits": 5, "misses": 0}, warm
+    for fn in workers:
+        assert warm[fn]["hits"] == 1, (fn, warm)
+    assert listing() == files, "the warm run wrote to the cache"

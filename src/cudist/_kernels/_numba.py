@@ -21,10 +21,23 @@ Design notes (why it looks the way it does):
   bit-identical.
 * Buffers that partially overlap, or are misaligned, would break the blockwise multi-threaded
   scheme; the driver detects them and the NumPy reference does those (rare) calls instead.
+* Calls moving fewer than ``_PARALLEL_MIN_BYTES`` run the worker on the calling thread (the same
+  driver, which skips its ``prange`` then; results are bitwise the same either way). Waking the
+  pool costs tens of microseconds, and on a busy machine a parallel region waits for every thread
+  of the team, so one descheduled worker stalls a call for a whole scheduler slice.
+* Numba picks the ``omp`` threading layer when TBB is absent, and GNU OpenMP's idle workers spin
+  for ~300000 iterations (2-3 ms of a core) after every parallel region unless told otherwise.
+  That spinning took a core from the caller's next NumPy call and, on a loaded machine, made every
+  parallel kernel take one scheduler slice (8 ms). So when this module loads, and only if nobody
+  chose yet (no ``OMP_WAIT_POLICY`` / ``GOMP_SPINCOUNT`` set, threading layer not started,
+  libgomp not loaded), the layer is started with ``OMP_WAIT_POLICY=PASSIVE`` in the environment,
+  which is restored once libgomp has read it. See :func:`_start_threads_passive`.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 
 import numba
@@ -41,8 +54,12 @@ __all__ = ["NumbaBackend"]
 
 #: Elements per block; the scratch block of the widest dtype (64 KiB) stays in L2.
 _CHUNK = 8192
-#: Below this many bytes moved, waking the thread pool costs more than it saves.
-_PARALLEL_MIN_BYTES = 1 << 18
+#: Below this many bytes moved (read + written), a call runs on the calling thread. Measured on
+#: 2 shared cores, float32 all-reduce of 4 buffers, 1 vs 2 threads: at best (minimum times) 2
+#: threads win from 0.5 MiB moved and by 1.6x at 4 MiB (119 vs 191 us); with the machine busy
+#: (passive waits, medians) 1 thread still wins at 4 MiB (211 vs 367 us), it is a wash at 8 MiB and
+#: 2 threads win by 1.4x at 32 MiB. Below 4 MiB a call takes ~200 us at most, so serial costs little.
+_PARALLEL_MIN_BYTES = 4 << 20
 
 # Modes of _k_reduce.
 _SUM, _MEAN, _SUB = 0, 1, 2
@@ -461,6 +478,55 @@ def _args(arrays, writable: bool):
             for j in range(8):
                 args[_HDR + i + j] = grp[min(j, len(grp) - 1)].ctypes.data
     return args
+
+
+def _libgomp_loaded() -> bool:
+    try:
+        with open("/proc/self/maps") as f:
+            return "libgomp" in f.read()
+    except OSError:
+        return True  # unknown: assume another library already started OpenMP
+
+
+def _start_threads_passive() -> str:
+    """Starts Numba's threading layer with passive OpenMP waits, unless someone already chose.
+
+    GNU OpenMP reads ``OMP_WAIT_POLICY`` once, when it is loaded, which for Numba is when its
+    threading layer starts; so the variable is set only around that start and restored right after
+    (child processes and OpenMP runtimes loaded later do not see it). Nothing is changed when the
+    user set ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` (their choice stands; ``active`` restores
+    the spinning), chose a layer other than OpenMP, or when the layer or libgomp is already
+    running (too late to matter). Linux only: other OpenMP runtimes read the environment lazily.
+
+    Returns:
+        What was done, for tests and diagnostics: "passive", or why not.
+    """
+    from numba.np.ufunc import parallel as _par
+
+    if not sys.platform.startswith("linux"):
+        return "skipped: not linux"
+    # Empty counts as unset, as libgomp reads it (``OMP_WAIT_POLICY= python ...``).
+    if os.environ.get("OMP_WAIT_POLICY") or os.environ.get("GOMP_SPINCOUNT"):
+        return "skipped: user set OMP_WAIT_POLICY/GOMP_SPINCOUNT"
+    if getattr(_par, "_is_initialized", True):
+        return "skipped: threading layer already started"
+    if str(numba.config.THREADING_LAYER).lower() in ("tbb", "workqueue"):
+        return "skipped: threading layer is not omp"
+    if _libgomp_loaded():
+        return "skipped: libgomp already loaded"
+    saved = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        numba.get_num_threads()  # loads the layer (and libgomp, which reads the variable now)
+    finally:
+        if saved is None:
+            del os.environ["OMP_WAIT_POLICY"]
+        else:
+            os.environ["OMP_WAIT_POLICY"] = saved
+    return "passive"
+
+
+_THREADS_SETUP = _start_threads_passive()
 
 
 def _nthreads(nbytes: int) -> int:
