@@ -40,42 +40,61 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 
 /// Shared driver of the updates. ``compute(i, len, out, at)`` fills ``out[s][at + k]`` (storage
 /// type) for ``k < len`` and each slot ``s`` with the new values of elements [i, i+len);
-/// row ``s`` is then written to the N copies of slot ``s``. ``len`` is a compile-time constant
+/// row ``s`` is then written to the copies of slot ``s``. ``len`` is a compile-time constant
 /// (one cache line) except at the tail, so the arithmetic vectorises.
 ///
-/// Small updates write each line to every copy at once (all streams advance together). Large ones
-/// compute a block into L1, store it normally into copy 0 (just read, so in cache) and stream it
-/// into copies 1.. (write-only: streaming saves reading them first).
+/// Work goes block by block: a block of every slot is computed into L1, then written to copy 0
+/// with ordinary stores (copy 0 was just read, so its lines are in cache) and to the other copies,
+/// with streaming stores when the update is large (they are write-only: streaming saves reading
+/// them first). Keeping the arithmetic and the stores in separate tight loops is faster than
+/// interleaving them per cache line (measured: ~1.6x on SGD and Adam, 4 x 64 KiB in cache, one
+/// thread), and in memory it is as fast.
+///
+/// A buffer passed more than once in a slot is written once: every copy gets the same values, so
+/// the result is the same for less traffic. It matters most with streaming stores, which would
+/// otherwise evict the lines just written to that buffer and write them again (measured: 4 copies
+/// that are one 64 MiB buffer, SGD 2.4x and Adam 3.5x faster).
 template <class T, std::size_t NSlots, class Compute>
 void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t count, std::size_t n_inputs,
                 thread_pool* pool, Compute&& compute) {
   constexpr std::size_t K = kLineBytes / sizeof(T);
   constexpr std::size_t B = kBlockBytes / sizeof(T);
+  constexpr std::size_t kInline = 32;
+  T* inline_dst[kInline];
+  std::vector<T*> heap_dst;
+  T** dst_ptrs = inline_dst;  // no allocation in the common case: a 4 KiB update takes ~0.5 us
+  if (NSlots * n > kInline) {
+    heap_dst.resize(NSlots * n);
+    dst_ptrs = heap_dst.data();
+  }
+  T** dst[NSlots];
+  std::size_t m[NSlots];
+  std::size_t distinct = 0;
+  for (std::size_t s = 0; s < NSlots; ++s) {
+    dst[s] = dst_ptrs + s * n;
+    std::size_t k = 0;
+    for (std::size_t c = 0; c < n; ++c) {
+      T* p = slots[s][c];
+      if (std::find(dst[s], dst[s] + k, p) == dst[s] + k) dst[s][k++] = p;
+    }
+    m[s] = k;
+    distinct += k;
+  }
   const std::size_t bytes = count * sizeof(T);
-  run_blocks(pool, count, B, bytes * (n_inputs + NSlots * n), bytes * NSlots * (n - 1),
+  run_blocks(pool, count, B, bytes * (n_inputs + distinct), bytes * (distinct - NSlots),
              [&](std::size_t b, std::size_t e, bool stream) {
                alignas(64) T out[NSlots][B];
-               std::size_t i = b;
-               if (stream) {
-                 for (; i + B <= e; i += B) {
+               for (std::size_t i = b; i < e; i += B) {
+                 const std::size_t len = std::min(B, e - i);
+                 if (len == B) {
                    for (std::size_t j = 0; j < B; j += K) compute(i + j, std::integral_constant<std::size_t, K>{}, out, j);
-                   for (std::size_t s = 0; s < NSlots; ++s) {
-                     std::memcpy(slots[s][0] + i, out[s], sizeof out[s]);
-                     for (std::size_t c = 1; c < n; ++c) copy_block(slots[s][c] + i, out[s], sizeof out[s], true);
-                   }
+                 } else {
+                   for (std::size_t j = 0; j < len; j += K) compute(i + j, std::min(K, len - j), out, j);
                  }
-               } else {
-                 for (; i + K <= e; i += K) {
-                   compute(i, std::integral_constant<std::size_t, K>{}, out, 0);
-                   for (std::size_t s = 0; s < NSlots; ++s)
-                     for (std::size_t c = 0; c < n; ++c) store_line<T, K>(slots[s][c] + i, out[s]);
+                 for (std::size_t s = 0; s < NSlots; ++s) {
+                   std::memcpy(dst[s][0] + i, out[s], len * sizeof(T));
+                   for (std::size_t c = 1; c < m[s]; ++c) copy_block(dst[s][c] + i, out[s], len * sizeof(T), stream);
                  }
-               }
-               for (; i < e; i += K) {
-                 const std::size_t len = std::min(K, e - i);
-                 compute(i, len, out, 0);
-                 for (std::size_t s = 0; s < NSlots; ++s)
-                   for (std::size_t c = 0; c < n; ++c) std::memcpy(slots[s][c] + i, out[s], len * sizeof(T));
                }
              });
 }
@@ -115,7 +134,7 @@ void assign_add(T* const* copies, std::size_t n, std::size_t count, const T* val
   const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
   value = detail::snapshot_if_overlapping<T>(value, {copies}, n, count, keep);
   T* const* const slots[1] = {copies};
-  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
+  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     const T* w = w0 + b;
     const T* x = value + b;
     detail::prefetch(w);
@@ -148,7 +167,7 @@ void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, doub
   const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
   grad = detail::snapshot_if_overlapping<T>(grad, {copies}, n, count, keep);
   T* const* const slots[1] = {copies};
-  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
+  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     const T* w = w0 + b;
     const T* g = grad + b;
     detail::prefetch(w);
@@ -177,7 +196,7 @@ void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t
   const T* v0 = detail::snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
   grad = detail::snapshot_if_overlapping<T>(grad, {copies, velocities}, n, count, keep);
   T* const* const slots[2] = {velocities, copies};
-  detail::run_update<T, 2>(slots, n, count, 3, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
+  detail::run_update<T, 2>(slots, n, count, 3, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     const T* w = w0 + b;
     const T* v = v0 + b;
     const T* g = grad + b;
@@ -214,7 +233,7 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
   const T* v0 = detail::snapshot_if_overlapping<T>(vs[0], {copies, ms, vs}, n, count, keep);
   grad = detail::snapshot_if_overlapping<T>(grad, {copies, ms, vs}, n, count, keep);
   T* const* const slots[3] = {ms, vs, copies};
-  detail::run_update<T, 3>(slots, n, count, 4, pool, [&](std::size_t b, auto len, T (*out)[detail::kBlockBytes / sizeof(T)], std::size_t at) {
+  detail::run_update<T, 3>(slots, n, count, 4, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     const T* w = w0 + b;
     const T* m = m0 + b;
     const T* v = v0 + b;
