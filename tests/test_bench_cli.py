@@ -332,3 +332,32 @@ def test_compare_tf(tmp_path):
     assert rc == 0
     tf_rows = [r for r in _rows(doc) if r["api"] == "tf"]
     assert len(tf_rows) == 1 and tf_rows[0]["wrong"] == 0 and tf_rows[0]["time_us"] > 0
+
+
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])
+def test_update_case_mirrors_are_distinct_buffers(opt):
+    # Aliased mirrors would let every copy's write hit the same cached lines and overstate bandwidth.
+    from cudist._kernels._numpy import NumpyBackend
+    from cudist.bench._ops import make_case
+
+    seen = []
+
+    class Spy(NumpyBackend):
+        def _sgd(self, copies, grad, lr):
+            seen.append([copies])
+            return super()._sgd(copies, grad, lr)
+
+        def _momentum(self, copies, vels, grad, lr, momentum, nesterov):
+            seen.append([copies, vels])
+            return super()._momentum(copies, vels, grad, lr, momentum, nesterov)
+
+        def _adam(self, copies, ms, vs, grad, lr_t, b1, b2, eps):
+            seen.append([copies, ms, vs])
+            return super()._adam(copies, ms, vs, grad, lr_t, b1, b2, eps)
+
+    case = make_case(f"update/{opt}", Spy(), 64, "float32", 4)
+    assert case.check() == 0
+    case.run()
+    for groups in seen:
+        bufs = [b for g in groups for b in g]
+        assert len({b.ctypes.data for b in bufs}) == len(bufs)

@@ -108,6 +108,10 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
     def dev(a):
         return a if xp is np else xp.asarray(a)
 
+    def fresh(a):
+        """A new buffer holding ``a``: mirrors must be distinct memory, or the bench measures cache hits."""
+        return a.copy() if xp is np else xp.asarray(a)
+
     if op == "all-reduce":
         rop = ReduceOp.parse(redop, where="all-reduce")
         bufs = [xp.empty(count, dtype=dtype) for _ in range(n)]
@@ -174,7 +178,7 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
         ref_be = NumpyBackend()
         w0 = random_array(rng, count, dtype)
         g_h = random_array(rng, count, dtype)
-        copies = [dev(w0) for _ in range(n)]
+        copies = [fresh(w0) for _ in range(n)]
         grad = dev(g_h)
         hp = dict(lr=0.01)
         slots_h = []
@@ -183,7 +187,7 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
             hp.update(momentum=0.9, nesterov=False)
         elif opt == "adam":
             slots_h = [random_array(rng, count, dtype), random_array(rng, count, dtype, nonneg=True)]
-        slots = [[dev(s) for _ in range(n)] for s in slots_h]
+        slots = [[fresh(s) for _ in range(n)] for s in slots_h]
         step = [0]
 
         def call(be, cps, sl, g):
