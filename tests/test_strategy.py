@@ -353,8 +353,13 @@ def test_extended_update_splits_args_per_component():
     assert s.extended.update(plain, lambda c, x: c.add(x), args=(cudist.Mirrored([5.0, 5.0]),)) == 5.0
     with pytest.raises(ValueError, match="reduce it first"):
         s.extended.update(plain, lambda c, x: c.add(x), args=(PerReplica([1.0, 2.0]),))
+    # TF 2.21 allows update in replica context: it goes through merge_call, so a value every
+    # replica passes (the same object) is applied once.
+    assert s.run(lambda: s.extended.update(plain, lambda c, x: c.add(x), args=(1.0,))) == 6.0
+    assert plain.value == 6.0
+    other = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with pytest.raises(RuntimeError, match="cross-replica"):
-        s.run(lambda: s.extended.update(plain, lambda c: None))
+        other.run(lambda: s.extended.update(plain, lambda c: None))
 
 
 def test_extended_colocate_vars_with_and_variable_devices():

@@ -177,6 +177,11 @@ def _contains_dv(tree):
     return any(isinstance(x, DistributedValues) for x in optree.tree_leaves(tree, is_leaf=_is_dv))
 
 
+def _is_nest_of_dv(value):
+    """Whether ``value`` is a (tuple/list/dict) nest holding DistributedValues, not one itself."""
+    return isinstance(value, (tuple, list, dict)) and not isinstance(value, DistributedValues) and _contains_dv(value)
+
+
 def _select_all(i, tree):
     """Component ``i`` of every DistributedValues in ``tree`` -- variables included (cross-replica split)."""
     if isinstance(tree, DistributedValues):
@@ -552,15 +557,24 @@ class StrategyExtended:
         return v.values[0] if isinstance(v, DistributedValues) else v
 
     def update(self, var, fn, args=(), kwargs=None, group=True):
-        """Runs ``fn(component, *args, **kwargs)`` on each component of ``var`` (cross-replica).
+        """Runs ``fn(component, *args, **kwargs)`` on each component of ``var``.
 
         DistributedValues in ``args``/``kwargs`` are split per component. Returns the results merged
-        (a Mirrored where they differ) when ``group``, else a tuple of them.
+        (a Mirrored where they differ) when ``group``, else a tuple of them. Called inside
+        ``run`` (this strategy's replica context) it does the same through ``merge_call``, as TF
+        does: the replicas' ``args`` become PerReplica values, one per component.
         """
-        _require_cross_replica(self._container_strategy_ref, "update")
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"update: args must be a list or tuple, got {type(args)}")
         kwargs = kwargs or {}
+        f = _CTX.get()
+        if f is not None and f.replica_ctx is not None and f.strategy is self._container_strategy_ref:
+
+            def merge_fn(strategy, *margs, **mkwargs):
+                return strategy.extended.update(var, fn, margs, mkwargs, group)
+
+            return f.replica_ctx.merge_call(merge_fn, args=tuple(args), kwargs=kwargs)
+        _require_cross_replica(self._container_strategy_ref, "update")
         if isinstance(var, DistributedValues):
             comps = var.values
             results = [fn(c, *_select_all(i, tuple(args)), **_select_all(i, kwargs)) for i, c in enumerate(comps)]
@@ -756,6 +770,9 @@ class Strategy:
         """
         _require_cross_replica(self, "Strategy.reduce")
         op = ReduceOp.parse(reduce_op, where="Strategy.reduce")
+        if _is_nest_of_dv(value):
+            # As TF: a nest of DistributedValues (e.g. what ``run`` returned) reduces leaf by leaf.
+            return optree.tree_map(lambda v: self.reduce(op, v, axis), value, is_leaf=_is_dv)
         if axis is None:
             return _scalarize(self._extended._reduce(op, value))
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
@@ -787,6 +804,8 @@ class Strategy:
         _require_cross_replica(self, "Strategy.gather")
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise TypeError(f"Strategy.gather: axis must be an int, got {type(axis).__name__}")
+        if _is_nest_of_dv(value):
+            return optree.tree_map(lambda v: self.gather(v, axis), value, is_leaf=_is_dv)
         from cudist._cross_device_ops import gather_arrays
 
         comps = value.values if isinstance(value, DistributedValues) else (value,)

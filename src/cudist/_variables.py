@@ -215,14 +215,23 @@ def _get_strategy():
     return _distribute_lib.get_strategy(), _distribute_lib.has_strategy()
 
 
-def _replica_context_of(strategy):
+def _replica_context_of(strategy, strict=True):
     """The ReplicaContext when called inside ``strategy.run``; None in cross-replica context.
 
     Outside the variable's strategy (e.g. after its scope closed) updates are cross-replica, as TF
     enters the variable's strategy for them.
+
+    Raises:
+        RuntimeError: (``strict``) inside another strategy's scope or ``run``, as TF does for reads
+            and updates of a distributed variable there; the other strategy's replicas would
+            otherwise each apply the update to the shared variable.
     """
     from cudist import _distribute_lib
 
+    if strict and _distribute_lib.has_strategy():
+        current = _distribute_lib.get_strategy()
+        if current is not strategy:
+            raise RuntimeError(f"Mixing different cudist.Strategy objects: {current!r} is not {strategy!r}")
     if _distribute_lib.in_cross_replica_context():
         return None
     ctx = _distribute_lib.get_replica_context()
@@ -612,7 +621,8 @@ class DistributedVariable(DistributedValues, Variable):
 
     @property
     def device(self) -> str:
-        return self._local().device
+        ctx = _replica_context_of(self._distribute_strategy, strict=False)
+        return self._values[0 if ctx is None else int(ctx.replica_id_in_sync_group)].device
 
     @property
     def dtype(self) -> np.dtype:
