@@ -491,3 +491,20 @@ def test_mirrored_variable_update_in_run_and_read_var():
         res = s.extended.update(v, lambda c, d: c.assign_add(d), args=(1.0,), group=False)
     assert len(res) == 2
     assert [float(np.asarray(c.read_value())) for c in v.values] == [5.0, 5.0]
+
+
+def test_update_non_slot_runs_once_per_non_slot_device(strategy):
+    calls = []
+    devices = strategy.extended.non_slot_devices([])
+    out = strategy.extended.update_non_slot(devices, lambda x: calls.append(x) or x + 1, args=(np.float32(2),))
+    n = 1 if isinstance(devices, str) else len(devices)
+    assert calls == [np.float32(2)] * n
+    vals = strategy.experimental_local_results(out)
+    assert all(v == 3 for v in vals)
+    assert strategy.extended.update_non_slot(devices, lambda: 7, group=False) == (7,) * n
+
+
+def test_update_non_slot_needs_cross_replica_context():
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with pytest.raises(RuntimeError, match="update_non_slot"):
+        s.run(lambda: s.extended.update_non_slot(s.extended.non_slot_devices([]), lambda: 1))

@@ -586,6 +586,27 @@ class StrategyExtended:
             return results[0]
         return regroup(results, Mirrored)
 
+    def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+        """Runs ``fn(*args, **kwargs)`` once per device of ``colocate_with`` (cross-replica only).
+
+        ``colocate_with`` is what :meth:`non_slot_devices` returned (one device or a sequence of
+        them). DistributedValues in ``args``/``kwargs`` are split per device, as TF does. Returns the
+        results merged (a Mirrored where they differ) when ``group``, else a tuple of them.
+        """
+        _require_cross_replica(self._container_strategy_ref, "update_non_slot")
+        if not isinstance(args, (list, tuple)):
+            raise ValueError(f"update_non_slot: args must be a list or tuple, got {type(args)}")
+        kwargs = kwargs or {}
+        devices = (colocate_with,) if isinstance(colocate_with, str) else tuple(colocate_with)
+        if not devices:
+            raise ValueError("update_non_slot: colocate_with names no device")
+        results = [fn(*_select_all(i, tuple(args)), **_select_all(i, kwargs)) for i in range(len(devices))]
+        if not group:
+            return tuple(results)
+        if len(results) == 1:
+            return results[0]
+        return regroup(results, Mirrored)
+
     @staticmethod
     def _single_values(tree):
         def one(x):
