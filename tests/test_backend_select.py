@@ -126,3 +126,16 @@ def test_info_reports_env_override():
     out = subprocess.run([sys.executable, "-m", "cudist", "--info"], capture_output=True, text=True, timeout=300,
                          check=True, env=env).stdout
     assert "default CPU backend: numpy (CUDIST_BACKEND=numpy)" in out
+
+
+@pytest.mark.parametrize("value", ["bogus", "cupy"])
+def test_info_reports_an_unusable_env_override_instead_of_failing(value):
+    env = dict(__import__("os").environ, CUDIST_BACKEND=value)
+    proc = subprocess.run([sys.executable, "-m", "cudist", "--info"], capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "kernel backends:" in proc.stdout
+    if value == "bogus":
+        assert "CUDIST_BACKEND=bogus is unusable: unknown kernel backend 'bogus'" in proc.stdout
+    else:  # named without loading it: --info must not initialise CUDA (or fail without CuPy)
+        assert "default backend: cupy (CUDIST_BACKEND=cupy; loads on first use)" in proc.stdout

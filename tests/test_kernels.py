@@ -8,6 +8,8 @@ and sizes larger than one thread's block, 1-D and multi-dimensional.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -369,6 +371,17 @@ def test_error_unsupported_dtype(backend, dtype):
     bufs = [np.ones(4, dtype), np.ones(4, dtype)]
     with pytest.raises(TypeError, match=f"unsupported dtype {dtype}"):
         backend.all_reduce(bufs)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "int64"])
+def test_error_non_native_byte_order_names_the_problem(backend, dtype):
+    swapped = np.dtype(dtype).newbyteorder("S")
+    bad = np.ones(4, swapped)
+    msg = rf"replica 1 has dtype '{re.escape(swapped.str)}', which is not in the machine's byte order.*astype\('{dtype}'\)"
+    with pytest.raises(TypeError, match=msg):
+        backend.all_reduce([np.ones(4, dtype), bad])
+    with pytest.raises(TypeError, match="grad has dtype .* byte order"):
+        backend.sgd([np.ones(4, "float32")], np.ones(4, ">f4" if np.little_endian else "<f4"), lr=0.1)
 
 
 def test_error_non_contiguous(backend):

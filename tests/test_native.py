@@ -2,7 +2,8 @@
 
 The property tests every backend shares live in test_kernels.py; here: bit-identity with the NumPy
 reference on the parallel and streaming paths, thread counts, the released GIL, concurrent callers,
-overlapping buffers, float16 rounding, the extension's own argument checks, and fork safety.
+overlapping buffers, float16 rounding, the extension's own argument checks, fork safety, resizing
+the pool while kernels run, and arrays kept alive while a kernel runs without the GIL.
 """
 
 from __future__ import annotations
@@ -384,3 +385,78 @@ def test_kernels_work_in_a_forked_child(native, threads):
             pytest.fail("the forked child hung in a native kernel")
         time.sleep(0.01)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+
+
+_RESIZE_RACE = """
+import sys, threading, time
+import numpy as np
+from cudist import _core
+bufs = [np.ones(1 << 19, np.float32) for _ in range(2)]  # 8 MiB moved: a parallel loop
+stop = threading.Event()
+def resizer():
+    while not stop.is_set():
+        _core.set_num_threads(1)
+        _core.set_num_threads(2)
+t = threading.Thread(target=resizer)
+t.start()
+deadline = time.monotonic() + float(sys.argv[1])
+try:
+    while time.monotonic() < deadline:
+        for b in bufs:
+            b.fill(1.5)
+        _core.all_reduce(bufs, _core.SUM)
+        assert np.all(bufs[1] == 3.0)
+finally:
+    stop.set()
+    t.join()
+print("done")
+"""
+
+
+def test_resizing_the_pool_while_kernels_run_does_not_hang():
+    # A loop that counted the pool's threads before a concurrent set_num_threads() shrank it used
+    # to wait forever for workers that no longer existed. Run in a child so a hang fails the test.
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _RESIZE_RACE, "4"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0 and "done" in proc.stdout, proc.stderr
+
+
+
+_LIST_CLEARED = """
+import sys, threading, time, weakref
+import numpy as np
+from cudist import _core
+src = np.ones(1 << 20, np.float32)
+sys.setswitchinterval(30.0)  # the kernel's thread keeps the GIL until the kernel releases it
+for _ in range(5):
+    dsts = [np.zeros(1 << 20, np.float32) for _ in range(2)] * 50
+    alive = [weakref.ref(d) for d in dsts[:2]]
+    state = {"started": False, "done": False}
+
+    def work(dsts=dsts):
+        state["started"] = True
+        _core.broadcast(src, dsts)
+        state["done"] = True
+
+    t = threading.Thread(target=work)
+    t.start()
+    while not state["started"]:
+        time.sleep(0.0005)
+    dsts.clear()
+    del dsts
+    freed_while_running = not state["done"] and any(r() is None for r in alive)
+    t.join()
+    assert not freed_while_running, "an array was freed while the kernel was writing it"
+    assert all(r() is None for r in alive), "the kernel leaked a reference"
+print("done")
+"""
+
+
+def test_arrays_of_a_list_stay_alive_while_the_kernel_runs_without_the_gil():
+    # The kernel runs without the GIL, so another thread may empty the list it was given; the
+    # arrays must live until the kernel is done (this used to write into freed memory: SIGSEGV).
+    import subprocess
+
+    proc = subprocess.run([sys.executable, "-c", _LIST_CLEARED], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "done" in proc.stdout, (proc.returncode, proc.stderr[-2000:])

@@ -23,6 +23,13 @@ enum class kind { f16, f32, f64, i32, i64 };
 // Below this many bytes moved, the GIL is kept: releasing and retaking it costs more than the work.
 constexpr std::size_t kReleaseGilBytes = std::size_t{64} << 10;
 
+// How NumPy marks the non-native byte order ('=' or '<'/'>' matching the machine are native).
+#if PY_LITTLE_ENDIAN
+constexpr char kSwappedByteOrder = '>';
+#else
+constexpr char kSwappedByteOrder = '<';
+#endif
+
 struct arr_info {
   void* data;
   std::size_t size;
@@ -47,7 +54,7 @@ arr_info inspect(py::handle h, const char* where, const char* what, std::size_t 
   auto* d = py::detail::array_descriptor_proxy(a->descr);
   const py::ssize_t itemsize = py::reinterpret_borrow<py::dtype>(a->descr).itemsize();
   kind k;
-  if (d->byteorder == '>') {
+  if (d->byteorder == kSwappedByteOrder) {
     throw py::type_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is not in native byte order");
   } else if (d->kind == 'f' && itemsize == 2) {
     k = kind::f16;
@@ -77,14 +84,24 @@ arr_info inspect(py::handle h, const char* where, const char* what, std::size_t 
 }
 
 // The arrays of a tuple or list, all of one dtype and size; their data pointers go to ``ptrs``.
-kind inspect_all(py::handle seq, const char* where, const char* what, bool writable, std::vector<void*>& ptrs,
-                 std::size_t& size, bool same_size = true) {
-  if (!PyTuple_Check(seq.ptr()) && !PyList_Check(seq.ptr())) {
+//
+// Returns a tuple of the arrays, which the caller must hold until the kernel is done: a kernel
+// that runs without the GIL must not depend on a list that another thread may empty meanwhile
+// (freeing the arrays under the kernel). A tuple argument is returned as is.
+py::tuple inspect_all(py::handle seq, const char* where, const char* what, bool writable, std::vector<void*>& ptrs,
+                      std::size_t& size, kind& k, bool same_size = true) {
+  py::tuple items_tuple;
+  if (PyTuple_Check(seq.ptr())) {
+    items_tuple = py::reinterpret_borrow<py::tuple>(seq);
+  } else if (PyList_Check(seq.ptr())) {
+    items_tuple = py::reinterpret_steal<py::tuple>(PyList_AsTuple(seq.ptr()));
+    if (!items_tuple) throw py::error_already_set();
+  } else {
     throw py::type_error(std::string(where) + ": expected a tuple or list of arrays");
   }
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seq.ptr());
+  const Py_ssize_t n = PyTuple_GET_SIZE(items_tuple.ptr());
   if (n == 0) throw py::value_error(std::string(where) + ": expected at least one array, got none");
-  PyObject** items = PySequence_Fast_ITEMS(seq.ptr());
+  PyObject** items = &PyTuple_GET_ITEM(items_tuple.ptr(), 0);
   ptrs.resize(static_cast<std::size_t>(n));
   kind k0 = kind::f32;
   for (Py_ssize_t i = 0; i < n; ++i) {
@@ -101,7 +118,8 @@ kind inspect_all(py::handle seq, const char* where, const char* what, bool writa
     }
     ptrs[static_cast<std::size_t>(i)] = info.data;
   }
-  return k0;
+  k = k0;
+  return items_tuple;
 }
 
 void* inspect_like(py::handle h, const char* where, const char* what, kind k, std::size_t size, bool writable) {
@@ -172,7 +190,8 @@ void all_reduce(py::handle bufs, int op_i) {
   const auto op = to_op(op_i);
   std::vector<void*> p;
   std::size_t size = 0;
-  const kind k = inspect_all(bufs, "all_reduce", "replica", true, p, size);
+  kind k;
+  const py::tuple keep = inspect_all(bufs, "all_reduce", "replica", true, p, size, k);
   maybe_nogil(2 * p.size() * size * itemsize(k), [&] {
     dispatch(k, [&](auto t) {
       using T = decltype(t);
@@ -185,7 +204,8 @@ void reduce_to_one(py::handle bufs, int op_i, py::handle out) {
   const auto op = to_op(op_i);
   std::vector<void*> p;
   std::size_t size = 0;
-  const kind k = inspect_all(bufs, "reduce_to_one", "replica", false, p, size);
+  kind k;
+  const py::tuple keep = inspect_all(bufs, "reduce_to_one", "replica", false, p, size, k);
   void* o = inspect_like(out, "reduce_to_one", "out", k, size, true);
   maybe_nogil((p.size() + 1) * size * itemsize(k), [&] {
     dispatch(k, [&](auto t) {
@@ -198,7 +218,8 @@ void reduce_to_one(py::handle bufs, int op_i, py::handle out) {
 void broadcast(py::handle src, py::handle dsts) {
   std::vector<void*> p;
   std::size_t size = 0;
-  const kind k = inspect_all(dsts, "broadcast", "destination", true, p, size);
+  kind k;
+  const py::tuple keep = inspect_all(dsts, "broadcast", "destination", true, p, size, k);
   const void* s = inspect_like(src, "broadcast", "src", k, size, false);
   maybe_nogil((p.size() + 1) * size * itemsize(k), [&] {
     dispatch(k, [&](auto t) {
@@ -211,8 +232,9 @@ void broadcast(py::handle src, py::handle dsts) {
 py::array all_gather(py::handle bufs, int axis) {
   std::vector<void*> p;
   std::size_t size = 0;
-  const kind k = inspect_all(bufs, "all_gather", "replica", false, p, size, false);
-  PyObject** items = PySequence_Fast_ITEMS(bufs.ptr());
+  kind k;
+  const py::tuple keep = inspect_all(bufs, "all_gather", "replica", false, p, size, k, false);
+  PyObject** items = &PyTuple_GET_ITEM(keep.ptr(), 0);
   auto* a0 = py::detail::array_proxy(items[0]);
   const int nd = a0->nd;
   if (axis < 0 || axis >= nd) throw py::value_error("all_gather: axis " + std::to_string(axis) + " is out of range");
@@ -246,7 +268,8 @@ py::array all_gather(py::handle bufs, int axis) {
 void assign_add(py::handle copies, py::handle value, bool negate) {
   std::vector<void*> p;
   std::size_t size = 0;
-  const kind k = inspect_all(copies, "assign_add", "copy", true, p, size);
+  kind k;
+  const py::tuple keep = inspect_all(copies, "assign_add", "copy", true, p, size, k);
   const void* v = inspect_like(value, "assign_add", "value", k, size, false);
   maybe_nogil((p.size() + 2) * size * itemsize(k), [&] {
     dispatch(k, [&](auto t) {
@@ -259,7 +282,8 @@ void assign_add(py::handle copies, py::handle value, bool negate) {
 void sgd(py::handle copies, py::handle grad, double lr) {
   std::vector<void*> p;
   std::size_t size = 0;
-  const kind k = inspect_all(copies, "sgd", "copy", true, p, size);
+  kind k;
+  const py::tuple keep = inspect_all(copies, "sgd", "copy", true, p, size, k);
   const void* g = inspect_like(grad, "sgd", "grad", k, size, false);
   dispatch_float(k, "sgd", [&](auto t) {
     using T = decltype(t);
@@ -271,8 +295,9 @@ void sgd(py::handle copies, py::handle grad, double lr) {
 void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, double mom, bool nesterov) {
   std::vector<void*> p, pv;
   std::size_t size = 0, vsize = 0;
-  const kind k = inspect_all(copies, "momentum", "copy", true, p, size);
-  const kind kv = inspect_all(vels, "momentum", "velocity copy", true, pv, vsize);
+  kind k, kv;
+  const py::tuple keep = inspect_all(copies, "momentum", "copy", true, p, size, k);
+  const py::tuple keep_v = inspect_all(vels, "momentum", "velocity copy", true, pv, vsize, kv);
   if (kv != k || vsize != size || pv.size() != p.size())
     throw py::value_error("momentum: velocities must match the variable copies in number, dtype and size");
   const void* g = inspect_like(grad, "momentum", "grad", k, size, false);
@@ -288,9 +313,10 @@ void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, doub
           double eps) {
   std::vector<void*> p, pm, pv;
   std::size_t size = 0, msize = 0, vsize = 0;
-  const kind k = inspect_all(copies, "adam", "copy", true, p, size);
-  const kind km = inspect_all(ms, "adam", "m copy", true, pm, msize);
-  const kind kv = inspect_all(vs, "adam", "v copy", true, pv, vsize);
+  kind k, km, kv;
+  const py::tuple keep = inspect_all(copies, "adam", "copy", true, p, size, k);
+  const py::tuple keep_m = inspect_all(ms, "adam", "m copy", true, pm, msize, km);
+  const py::tuple keep_v = inspect_all(vs, "adam", "v copy", true, pv, vsize, kv);
   if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
     throw py::value_error("adam: the m and v slots must match the variable copies in number, dtype and size");
   const void* g = inspect_like(grad, "adam", "grad", k, size, false);

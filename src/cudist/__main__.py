@@ -35,8 +35,16 @@ def _info() -> str:
         except BackendUnavailableError as e:
             lines.append(f"  {name:7s} broken: {e}")
     env = os.environ.get("CUDIST_BACKEND")
-    lines.append(f"default CPU backend: {get_backend(env).name if env else get_backend().name}"
-                 + (f" (CUDIST_BACKEND={env})" if env else ""))
+    if not env:
+        lines.append(f"default CPU backend: {get_backend().name}")
+    elif env.strip().lower() == "cupy":  # as above: name it without initialising CUDA
+        lines.append(f"default backend: cupy (CUDIST_BACKEND={env}; loads on first use)")
+    else:
+        # A diagnostic must report a bad setting, not die on it as every kernel call would.
+        try:
+            lines.append(f"default CPU backend: {get_backend(env).name} (CUDIST_BACKEND={env})")
+        except (ValueError, BackendUnavailableError) as e:
+            lines.append(f"CUDIST_BACKEND={env} is unusable: {e}")
     return "\n".join(lines)
 
 

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <exception>
 #include <mutex>
 #include <thread>
 #include <type_traits>
@@ -53,6 +54,8 @@ class thread_pool {
   /// ``align`` (except the last end), using at most ``max_threads`` threads (0: all of them).
   ///
   /// ``fn`` must be safe to call concurrently on disjoint ranges. Returns after every piece ran.
+  /// If ``fn`` throws, the pieces not yet started are skipped, the loop waits for the running
+  /// ones, and the first exception is rethrown on the caller.
   template <class F>
   void parallel_for(std::size_t n, std::size_t chunks, std::size_t align, F&& fn, unsigned max_threads = 0) {
     if (n == 0) return;
@@ -60,11 +63,18 @@ class thread_pool {
     std::size_t step = (n + std::max<std::size_t>(chunks, 1) - 1) / std::max<std::size_t>(chunks, 1);
     step = (step + align - 1) / align * align;
     const std::size_t nchunks = (n + step - 1) / step;
-    unsigned threads = size();
+    std::unique_lock<std::mutex> busy(run_mutex_, std::defer_lock);
+    if (nchunks <= 1 || size() <= 1 || max_threads == 1 || forked() || !busy.try_lock()) {
+      fn(std::size_t{0}, n);
+      return;
+    }
+    // Counted under run_mutex_, which resize() takes too: a count read before could include
+    // workers that a concurrent resize() has since stopped, and the loop would wait for them forever.
+    unsigned threads = static_cast<unsigned>(workers_.size()) + 1;
     if (max_threads != 0) threads = std::min(threads, max_threads);
     threads = static_cast<unsigned>(std::min<std::size_t>(threads, nchunks));
-    std::unique_lock<std::mutex> busy(run_mutex_, std::defer_lock);
-    if (threads <= 1 || forked() || !busy.try_lock()) {
+    if (threads <= 1) {
+      busy.unlock();
       fn(std::size_t{0}, n);
       return;
     }
@@ -86,6 +96,7 @@ class thread_pool {
     std::unique_lock<std::mutex> lk(mutex_);
     done_cv_.wait(lk, [&] { return job.pending == 0; });
     job_ = nullptr;
+    if (job.error) std::rethrow_exception(job.error);
   }
 
   /// The process-wide pool the kernels use by default (created on first use, never destroyed,
@@ -101,15 +112,24 @@ class thread_pool {
     std::atomic<std::size_t> next{0};
     void* ctx = nullptr;
     void (*call)(void*, std::size_t, std::size_t) = nullptr;
-    unsigned pending = 0;  // guarded by mutex_
+    unsigned pending = 0;        // guarded by mutex_
+    std::exception_ptr error;    // the first exception fn threw; guarded by error_mutex
+    std::mutex error_mutex;
   };
 
-  static void work(job_state& job) {
+  // Never throws: an exception escaping a worker thread would call std::terminate.
+  static void work(job_state& job) noexcept {
     for (;;) {
       const std::size_t c = job.next.fetch_add(1, std::memory_order_relaxed);
       if (c >= job.nchunks) break;
       const std::size_t b = c * job.step;
-      job.call(job.ctx, b, std::min(job.n, b + job.step));
+      try {
+        job.call(job.ctx, b, std::min(job.n, b + job.step));
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(job.error_mutex);
+        if (!job.error) job.error = std::current_exception();
+        job.next.store(job.nchunks, std::memory_order_relaxed);  // start no further pieces
+      }
     }
   }
 

@@ -61,6 +61,11 @@ class KernelBackend:
         if not isinstance(a, self.xp.ndarray):
             raise TypeError(f"{where}: {what} must be a {self.xp.__name__}.ndarray, got {type(a).__name__}")
         dt = a.dtype
+        if not dt.isnative:  # ">f4" != "float32", so it would otherwise read as "unsupported dtype float32"
+            raise TypeError(
+                f"{where}: {what} has dtype {dt.str!r}, which is not in the machine's byte order; "
+                f"convert it first with .astype({dt.newbyteorder('=').name!r})"
+            )
         if dt not in SUPPORTED_DTYPES:
             raise TypeError(f"{where}: unsupported dtype {dt.name} for {what} (supported: {_DTYPE_NAMES})")
         if dt not in self.dtypes:
