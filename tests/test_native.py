@@ -460,3 +460,14 @@ def test_arrays_of_a_list_stay_alive_while_the_kernel_runs_without_the_gil():
 
     proc = subprocess.run([sys.executable, "-c", _LIST_CLEARED], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "done" in proc.stdout, (proc.returncode, proc.stderr[-2000:])
+
+
+def test_set_num_threads_rejects_absurd_counts_before_starting_threads():
+    from cudist._kernels import _native
+
+    before = _native.num_threads()
+    with pytest.raises(ValueError, match="<= 1024"):
+        _native.set_num_threads(10**6)
+    with pytest.raises(ValueError, match=">= 0"):
+        _native.set_num_threads(-1)
+    assert _native.num_threads() == before

@@ -23,9 +23,21 @@ def num_threads() -> int:
     return _core.num_threads()
 
 
+#: Upper bound on the pool size: more threads than this only thrash (and a huge count would fail
+#: late, half-started, with an unclear "Resource temporarily unavailable").
+MAX_THREADS = 1024
+
+
 def set_num_threads(n: int) -> None:
-    """Sets the native kernels' thread count (0: all hardware threads)."""
-    _core.set_num_threads(int(n))
+    """Sets the native kernels' thread count (0: all hardware threads).
+
+    Raises:
+        ValueError: ``n`` is negative or above :data:`MAX_THREADS`.
+    """
+    n = int(n)
+    if n > MAX_THREADS:
+        raise ValueError(f"set_num_threads: n must be <= {MAX_THREADS}, got {n}")
+    _core.set_num_threads(n)
 
 
 class NativeBackend(KernelBackend):
