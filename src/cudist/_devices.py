@@ -16,7 +16,7 @@ __all__ = ["DeviceSpec", "parse_device", "canonicalize", "CPU", "GPU"]
 CPU = "CPU"
 GPU = "GPU"
 _PREFIX = "/job:localhost/replica:0/task:0"
-_JOB = re.compile(r"^/?job:localhost(?:/replica:0)?(?:/task:0)?(?=/|$)", re.IGNORECASE)
+_JOB = re.compile(r"^(?:/?job:localhost)?(?:/replica:0)?(?:/task:0)?(?=/|$)", re.IGNORECASE)
 _DEV = re.compile(r"^/?(?:device:)?(cpu|gpu)(?::(\d+))?$", re.IGNORECASE)
 
 
