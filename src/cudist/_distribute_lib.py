@@ -580,11 +580,7 @@ class StrategyExtended:
             results = [fn(c, *_select_all(i, tuple(args)), **_select_all(i, kwargs)) for i, c in enumerate(comps)]
         else:
             results = [fn(var, *self._single_values(args), **self._single_values(kwargs))]
-        if not group:
-            return tuple(results)
-        if len(results) == 1:
-            return results[0]
-        return regroup(results, Mirrored)
+        return self._group_results(results, group)
 
     def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
         """Runs ``fn(*args, **kwargs)`` once per device of ``colocate_with`` (cross-replica only).
@@ -601,6 +597,11 @@ class StrategyExtended:
         if not devices:
             raise ValueError("update_non_slot: colocate_with names no device")
         results = [fn(*_select_all(i, tuple(args)), **_select_all(i, kwargs)) for i in range(len(devices))]
+        return self._group_results(results, group)
+
+    @staticmethod
+    def _group_results(results, group):
+        """Per-component results as ``update`` returns them: a tuple, one value, or a Mirrored."""
         if not group:
             return tuple(results)
         if len(results) == 1:
