@@ -21,6 +21,26 @@ namespace cudist {
 namespace kernels {
 namespace detail {
 
+// (p[0][i..i+W) + p[1][i..] + ... + p[n-1][i..]) (/ divisor), summed in replica order. The loop
+// runs to kMaxReplicas with constant indices (unrolled) so that the pointers stay in registers.
+template <class T, int W>
+__device__ __forceinline__ Pack<T, W> reduce_packs(const Ptrs<T>& p, int n, int divisor, long long i) {
+  Pack<T, W> s = load<W>(p.p[0] + i);
+#pragma unroll
+  for (int r = 1; r < kMaxReplicas; ++r) {
+    if (r < n) {
+      const Pack<T, W> x = load<W>(p.p[r] + i);
+#pragma unroll
+      for (int k = 0; k < W; ++k) s.v[k] = add(s.v[k], x.v[k]);
+    }
+  }
+  if (divisor > 0) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) s.v[k] = divide_by(s.v[k], divisor);
+  }
+  return s;
+}
+
 // out[o][i] = (in[0][i] + in[1][i] + ... + in[n_in-1][i]) (/ divisor) for o < n_out.
 // In place (out == in) is fine: each element is read and written by the same thread.
 template <class T>
@@ -30,19 +50,7 @@ struct AllReduceOneShot {
 
   template <int W>
   __device__ __forceinline__ void apply(long long i) const {
-    Pack<T, W> s = load<W>(in.p[0] + i);
-#pragma unroll
-    for (int r = 1; r < kMaxReplicas; ++r) {
-      if (r < n_in) {
-        const Pack<T, W> x = load<W>(in.p[r] + i);
-#pragma unroll
-        for (int k = 0; k < W; ++k) s.v[k] = add(s.v[k], x.v[k]);
-      }
-    }
-    if (divisor > 0) {
-#pragma unroll
-      for (int k = 0; k < W; ++k) s.v[k] = divide_by(s.v[k], divisor);
-    }
+    const Pack<T, W> s = reduce_packs<T, W>(in, n_in, divisor, i);
 #pragma unroll
     for (int r = 0; r < kMaxReplicas; ++r)
       if (r < n_out) store<W>(out.p[r] + i, s);
@@ -84,19 +92,7 @@ struct ReduceScatter {
 
   template <int W>
   __device__ __forceinline__ void apply(long long i) const {
-    Pack<T, W> s = load<W>(bufs.p[0] + i);
-#pragma unroll
-    for (int r = 1; r < kMaxReplicas; ++r) {
-      if (r < n) {
-        const Pack<T, W> x = load<W>(bufs.p[r] + i);
-#pragma unroll
-        for (int k = 0; k < W; ++k) s.v[k] = add(s.v[k], x.v[k]);
-      }
-    }
-    if (divisor > 0) {
-#pragma unroll
-      for (int k = 0; k < W; ++k) s.v[k] = divide_by(s.v[k], divisor);
-    }
+    const Pack<T, W> s = reduce_packs<T, W>(bufs, n, divisor, i);
     store<W>(owner_ptr(bufs, n, chunk, i) + i, s);
   }
 };
