@@ -12,6 +12,12 @@
 #include "../kernels/kernels.cuh"
 #include "launch.hpp"
 
+// Every launch goes through this macro so that a host emulation (tests/emu) can run the very same
+// launchers without nvcc by defining it, before including this file, to a loop over the grid.
+#ifndef CUDIST_LAUNCH_KERNEL
+#define CUDIST_LAUNCH_KERNEL(kernel, grid, block, stream, ...) kernel<<<(grid), (block), 0, (stream)>>>(__VA_ARGS__)
+#endif
+
 namespace cudist {
 namespace cuda {
 namespace detail {
@@ -51,7 +57,8 @@ template <class T>
 cudaError_t broadcast_from(const T* src, T* const* dsts, int first, int n, long long count, cudaStream_t stream) {
   for (int g = first; g < n; g += kMaxReplicas) {
     const int m = n - g < kMaxReplicas ? n - g : kMaxReplicas;
-    kernels::broadcast_packed<T><<<grid_for<T>(count), kThreads, 0, stream>>>(src, pack(dsts + g, m), m, count);
+    CUDIST_LAUNCH_KERNEL(kernels::broadcast_packed<T>, grid_for<T>(count), kThreads, stream, src, pack(dsts + g, m), m,
+                         count);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -76,8 +83,8 @@ cudaError_t reduce_into(T* const* bufs, int n, T* out, T* const* extra, int n_ex
     outs.p[n_out++] = out;
     if (last)
       for (int i = 0; i < n_extra; ++i) outs.p[n_out++] = extra[i];
-    kernels::all_reduce_one_shot_packed<T><<<grid_for<T>(count), kThreads, 0, stream>>>(in, n_in, outs, n_out, count,
-                                                                                        last ? divisor : 0);
+    CUDIST_LAUNCH_KERNEL(kernels::all_reduce_one_shot_packed<T>, grid_for<T>(count), kThreads, stream, in, n_in, outs,
+                         n_out, count, last ? divisor : 0);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -92,8 +99,8 @@ cudaError_t all_reduce(T* const* bufs, int n, long long count, reduce_op op, cud
   if (n == 1 || count == 0) return cudaSuccess;
   const int divisor = detail::divisor_for(op, n);
   if (n <= detail::kMaxReplicas) {
-    kernels::all_reduce_one_shot_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
-        detail::pack(bufs, n), n, detail::pack(bufs, n), n, count, divisor);
+    CUDIST_LAUNCH_KERNEL(kernels::all_reduce_one_shot_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
+                         detail::pack(bufs, n), n, detail::pack(bufs, n), n, count, divisor);
     return cudaGetLastError();
   }
   // The running sum lives in bufs[0]: it is consumed by the first pass before being overwritten.
@@ -113,11 +120,11 @@ cudaError_t all_reduce_two_shot(T* const* bufs, int n, long long count, reduce_o
   chunk = (chunk + W - 1) / W * W;
   const detail::PtrPack<T> p = detail::pack(bufs, n);
   const dim3 grid = detail::grid_for<T>(count);
-  kernels::reduce_scatter_packed<T><<<grid, detail::kThreads, 0, stream>>>(p, n, chunk, 0, count,
-                                                                           detail::divisor_for(op, n));
+  CUDIST_LAUNCH_KERNEL(kernels::reduce_scatter_packed<T>, grid, detail::kThreads, stream, p, n, chunk, 0, count,
+                       detail::divisor_for(op, n));
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  kernels::all_gather_chunks_packed<T><<<grid, detail::kThreads, 0, stream>>>(p, n, chunk, 0, count);
+  CUDIST_LAUNCH_KERNEL(kernels::all_gather_chunks_packed<T>, grid, detail::kThreads, stream, p, n, chunk, 0, count);
   return cudaGetLastError();
 }
 
@@ -150,8 +157,8 @@ cudaError_t scatter_batch(const T* src, T* const* dsts, int n, long long batch, 
     const int m = n - g < detail::kMaxReplicas ? n - g : detail::kMaxReplicas;
     const long long begin = (long long)g * per;
     if (begin >= total) break;  // the remaining replicas get empty pieces
-    kernels::scatter_batch_packed<T><<<detail::grid_for<T>(per, (unsigned)m), detail::kThreads, 0, stream>>>(
-        src + begin, detail::pack(dsts + g, m), m, per, total - begin);
+    CUDIST_LAUNCH_KERNEL(kernels::scatter_batch_packed<T>, detail::grid_for<T>(per, (unsigned)m), detail::kThreads,
+                         stream, src + begin, detail::pack(dsts + g, m), m, per, total - begin);
     const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
@@ -163,8 +170,8 @@ cudaError_t assign_add(T* const* copies, int n, const T* value, long long count,
   if (detail::bad_args(copies, n, count) || value == nullptr) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  kernels::mirrored_assign_add_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
-      detail::pack(copies, m), m, value, count, negate ? 1 : 0);
+  CUDIST_LAUNCH_KERNEL(kernels::mirrored_assign_add_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
+                       detail::pack(copies, m), m, value, count, negate ? 1 : 0);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
@@ -176,8 +183,8 @@ cudaError_t sgd(T* const* copies, int n, const T* grad, double lr, long long cou
   if (detail::bad_args(copies, n, count) || grad == nullptr) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  kernels::mirrored_sgd_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
-      detail::pack(copies, m), m, grad, static_cast<C>(lr), count);
+  CUDIST_LAUNCH_KERNEL(kernels::mirrored_sgd_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
+                       detail::pack(copies, m), m, grad, static_cast<C>(lr), count);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
@@ -190,9 +197,9 @@ cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* gra
   if (detail::bad_args(copies, n, count) || velocities == nullptr || grad == nullptr) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  kernels::mirrored_momentum_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
-      detail::pack(copies, m), detail::pack(velocities, m), m, grad, static_cast<C>(lr), static_cast<C>(momentum),
-      nesterov ? 1 : 0, count);
+  CUDIST_LAUNCH_KERNEL(kernels::mirrored_momentum_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
+                       detail::pack(copies, m), detail::pack(velocities, m), m, grad, static_cast<C>(lr),
+                       static_cast<C>(momentum), nesterov ? 1 : 0, count);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   e = detail::broadcast_from<T>(velocities[0], velocities, m, n, count, stream);
@@ -208,9 +215,9 @@ cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* g
     return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
   const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  kernels::mirrored_adam_packed<T><<<detail::grid_for<T>(count), detail::kThreads, 0, stream>>>(
-      detail::pack(copies, m), detail::pack(ms, m), detail::pack(vs, m), m, grad, static_cast<C>(lr_t),
-      static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon), count);
+  CUDIST_LAUNCH_KERNEL(kernels::mirrored_adam_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
+                       detail::pack(copies, m), detail::pack(ms, m), detail::pack(vs, m), m, grad, static_cast<C>(lr_t),
+                       static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon), count);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   T* const* const slots[3] = {ms, vs, copies};

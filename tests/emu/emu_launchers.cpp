@@ -1,0 +1,62 @@
+// Emulated C++ launchers: the real <cudist/cuda/launch_impl.cuh>, its kernel launches run on the host
+// through CUDIST_LAUNCH_KERNEL (include/cuda_runtime_api.h), exposed for every dtype as
+//   int cudist_emu_launch_<launcher>_<dtype>(<the launcher's parameters>)
+// with reduce_op as an int (0 sum, 1 mean), bools as ints and the stream as a void*; the return
+// value is the launcher's cudaError_t.
+#include <cudist/cuda/launch_impl.cuh>
+
+namespace {
+namespace cc = cudist::cuda;
+inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+inline cudist::reduce_op as_op(int op) { return static_cast<cudist::reduce_op>(op); }
+}  // namespace
+
+#define CUDIST_EMU_LAUNCH_ALL(T, DT)                                                                              \
+  extern "C" int cudist_emu_launch_all_reduce_##DT(T* const* bufs, int n, long long count, int op, void* stream) { \
+    return cc::all_reduce<T>(bufs, n, count, as_op(op), as_stream(stream));                                        \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_all_reduce_two_shot_##DT(T* const* bufs, int n, long long count, int op,        \
+                                                            void* stream) {                                        \
+    return cc::all_reduce_two_shot<T>(bufs, n, count, as_op(op), as_stream(stream));                               \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_reduce_to_one_##DT(T* const* bufs, int n, T* out, long long count, int op,      \
+                                                      void* stream) {                                              \
+    return cc::reduce_to_one<T>(bufs, n, out, count, as_op(op), as_stream(stream));                                \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_broadcast_##DT(const T* src, T* const* dsts, int n, long long count,            \
+                                                  void* stream) {                                                  \
+    return cc::broadcast<T>(src, dsts, n, count, as_stream(stream));                                               \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_scatter_batch_##DT(const T* src, T* const* dsts, int n, long long batch,        \
+                                                      long long row_elems, void* stream) {                         \
+    return cc::scatter_batch<T>(src, dsts, n, batch, row_elems, as_stream(stream));                                \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_assign_add_##DT(T* const* copies, int n, const T* value, long long count,       \
+                                                   int negate, void* stream) {                                     \
+    return cc::assign_add<T>(copies, n, value, count, negate != 0, as_stream(stream));                             \
+  }
+
+#define CUDIST_EMU_LAUNCH_FLOAT(T, DT)                                                                            \
+  extern "C" int cudist_emu_launch_sgd_##DT(T* const* copies, int n, const T* grad, double lr, long long count,    \
+                                            void* stream) {                                                        \
+    return cc::sgd<T>(copies, n, grad, lr, count, as_stream(stream));                                              \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_momentum_##DT(T* const* copies, T* const* velocities, int n, const T* grad,     \
+                                                 double lr, double momentum, int nesterov, long long count,        \
+                                                 void* stream) {                                                   \
+    return cc::momentum<T>(copies, velocities, n, grad, lr, momentum, nesterov != 0, count, as_stream(stream));    \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_adam_##DT(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad,   \
+                                             double lr_t, double beta_1, double beta_2, double epsilon,            \
+                                             long long count, void* stream) {                                      \
+    return cc::adam<T>(copies, ms, vs, n, grad, lr_t, beta_1, beta_2, epsilon, count, as_stream(stream));          \
+  }
+
+CUDIST_EMU_LAUNCH_ALL(__half, float16)
+CUDIST_EMU_LAUNCH_ALL(float, float32)
+CUDIST_EMU_LAUNCH_ALL(double, float64)
+CUDIST_EMU_LAUNCH_ALL(int, int32)
+CUDIST_EMU_LAUNCH_ALL(long long, int64)
+CUDIST_EMU_LAUNCH_FLOAT(__half, float16)
+CUDIST_EMU_LAUNCH_FLOAT(float, float32)
+CUDIST_EMU_LAUNCH_FLOAT(double, float64)
