@@ -41,9 +41,10 @@ def _rand(rng, shape, dtype, scale=4.0):
     if dt.kind == "i":
         info = np.iinfo(dt)
         # Large magnitudes so that SUM wraps around, as the contract says it must.
-        return rng.integers(info.min // 2, info.max // 2, size=shape, dtype=dt)
+        # np.asarray: with shape () NumPy returns a scalar, not the 0-d array the kernels take.
+        return np.asarray(rng.integers(info.min // 2, info.max // 2, size=shape, dtype=dt))
     x = rng.standard_normal(shape) * scale
-    return x.astype(dt)
+    return np.asarray(x.astype(dt))
 
 
 def _host(cp, arrs):
@@ -179,7 +180,7 @@ def test_adam(cp, be, dtype, n):
     for shape in SHAPES:
         w0, g = _rand(rng, shape, dtype), _rand(rng, shape, dtype)
         m0 = _rand(rng, shape, dtype, scale=0.1)
-        v0 = np.abs(_rand(rng, shape, dtype, scale=0.1))
+        v0 = np.asarray(np.abs(_rand(rng, shape, dtype, scale=0.1)))  # a 0-d abs() is a scalar
         for step in (1, 5):
             ws, ms, vs = ([a.copy() for _ in range(n)] for a in (w0, m0, v0))
             REF.adam(ws, ms, vs, g, lr=0.001, step=step)

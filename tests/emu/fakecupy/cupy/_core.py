@@ -1,0 +1,524 @@
+"""The fake ``cupy.ndarray``: a NumPy array in emulated device memory, tagged with its device.
+
+It follows CuPy 13's rules where cudist can observe them:
+
+* Arrays are created on the *current* device (``empty_like``/``copy``/``asarray`` included).
+* Views (basic indexing, reshape, ravel, ``.T``) share memory and stay on their array's device.
+* An operation is a kernel on the current device: every array it reads or writes must be on that
+  device, or on one the current device can access as a peer (CuPy then enables peer access and
+  warns ``PerformanceWarning``); otherwise ``ValueError``. Plain copies (``copy``, ``get``,
+  ``set``, ``asarray`` of another device's array, ``copyto`` between devices) work across devices.
+* NumPy arrays do not mix: implicit conversion (``__array__``) and NumPy operands raise
+  ``TypeError``; Python and NumPy scalars are fine.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+
+import numpy as np
+
+from cupy import _emu
+from cupy.cuda import memory as _memory
+from cupy.cuda import runtime as _runtime
+
+
+class PerformanceWarning(RuntimeWarning):
+    """As ``cupy._util.PerformanceWarning``."""
+
+
+_SCALARS = (numbers.Number, np.generic, bool)
+_peer_warned: set = set()
+
+
+def _cur() -> int:
+    return _emu.THREAD.device
+
+
+def _check_peer(dev: int, cur: int) -> None:
+    """CuPy's _check_peer_access for an operand on ``dev`` of a kernel on ``cur``."""
+    if dev == cur:
+        return
+    msg = f"The device where the array resides ({dev}) is different from the current device ({cur})."
+    if not _emu.can_access_peer(cur, dev):
+        raise ValueError(f"{msg} Peer access is unavailable between these devices.")
+    _emu.PEER_ENABLED.add((cur, dev))
+    warnings.warn(f"{msg} Peer access has been activated automatically.", PerformanceWarning, stacklevel=3)
+
+
+def _alloc(shape, dtype, order="C", device=None) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    shape = (int(shape),) if isinstance(shape, (numbers.Integral, np.integer)) else tuple(int(s) for s in shape)
+    if any(s < 0 for s in shape):
+        raise ValueError(f"negative dimensions are not allowed: {shape}")
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    block, _ = _emu.allocate(nbytes, _cur() if device is None else device)
+    if nbytes == 0:
+        return np.empty(shape, dtype, order="F" if order == "F" else "C")
+    return np.ndarray(shape, dtype, buffer=block, order="F" if order == "F" else "C")
+
+
+def _to_device(host, device=None, order="C") -> ndarray:
+    """A new array on ``device`` (default: current) holding a copy of NumPy array ``host``."""
+    host = np.asarray(host)
+    if order in ("K", "A", None):
+        order = "F" if host.flags.f_contiguous and not host.flags.c_contiguous else "C"
+    dev = _cur() if device is None else device
+    a = _alloc(host.shape, host.dtype, order, dev)
+    if a.size:
+        a[...] = host
+    return ndarray._wrap(a, dev)
+
+
+def _unwrap(x, cur: int, *, allow_numpy: bool = False):
+    """The NumPy view behind an operand of a kernel on ``cur`` (nested lists/tuples too)."""
+    if isinstance(x, ndarray):
+        _check_peer(x._dev, cur)
+        return x._a
+    if isinstance(x, np.ndarray):
+        if allow_numpy:
+            return x
+        raise TypeError(f"Unsupported type {type(x)}")
+    if isinstance(x, (list, tuple)):
+        return type(x)(_unwrap(v, cur, allow_numpy=allow_numpy) for v in x)
+    if hasattr(x, "__cuda_array_interface__"):
+        return _unwrap(_from_cai(x), cur)
+    return x
+
+
+def _shares(res: np.ndarray, src: np.ndarray) -> bool:
+    return res.size > 0 and src.size > 0 and np.may_share_memory(res, src)
+
+
+def _wrap_result(res, cur: int, views_of=()):
+    """Wraps a NumPy result: views of an operand stay on its device, new data moves to ``cur``."""
+    if isinstance(res, tuple):
+        return tuple(_wrap_result(r, cur, views_of) for r in res)
+    if isinstance(res, list):
+        return [_wrap_result(r, cur, views_of) for r in res]
+    if isinstance(res, np.generic):
+        res = np.asarray(res)
+    if isinstance(res, np.ndarray):
+        for v in views_of:
+            if isinstance(v, ndarray) and _shares(res, v._a):
+                return ndarray._wrap(res, v._dev)
+        return _to_device(res, cur, order="K")
+    return res
+
+
+def _from_cai(obj) -> ndarray:
+    """A view of a foreign ``__cuda_array_interface__`` object (its memory must be registered)."""
+    cai = obj.__cuda_array_interface__
+    ptr = int(cai["data"][0])
+    a = _emu.find(ptr)
+    dev = a.device if a is not None and a.device is not None else _cur()
+    host = _emu.host_array(ptr, cai["shape"], np.dtype(cai["typestr"]), cai.get("strides"))
+    return ndarray._wrap(host, dev)
+
+
+def _is_basic_key(key) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return all(
+        k is None or k is Ellipsis or isinstance(k, (slice, numbers.Integral, np.integer)) and not isinstance(k, bool)
+        for k in keys
+    )
+
+
+class _Flags:
+    def __init__(self, a: np.ndarray):
+        self.c_contiguous = bool(a.flags.c_contiguous)
+        self.f_contiguous = bool(a.flags.f_contiguous)
+        self.owndata = False
+
+    def __getitem__(self, name):
+        return {"C_CONTIGUOUS": self.c_contiguous, "F_CONTIGUOUS": self.f_contiguous, "OWNDATA": self.owndata}[name]
+
+    def __repr__(self):
+        return f"  C_CONTIGUOUS : {self.c_contiguous}\n  F_CONTIGUOUS : {self.f_contiguous}\n  OWNDATA : {self.owndata}"
+
+
+class ndarray:  # noqa: N801 - CuPy's name
+    """Fake ``cupy.ndarray`` (see the module docstring)."""
+
+    __slots__ = ("_a", "_dev", "__weakref__")
+    __hash__ = None  # type: ignore[assignment]
+    __array_priority__ = 100
+
+    def __init__(self, shape, dtype=float, memptr=None, strides=None, order="C"):
+        if memptr is None:
+            self._a = _alloc(shape, dtype, order)
+            self._dev = _cur()
+        else:
+            shape = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+            self._a = _emu.host_array(memptr.ptr, shape, dtype, strides)
+            self._dev = memptr.device_id
+
+    @classmethod
+    def _wrap(cls, a: np.ndarray, dev: int) -> ndarray:
+        self = cls.__new__(cls)
+        self._a = a
+        self._dev = int(dev)
+        return self
+
+    # ------------------------------------------------------------------ attributes
+    shape = property(lambda self: self._a.shape)
+    dtype = property(lambda self: self._a.dtype)
+    size = property(lambda self: self._a.size)
+    ndim = property(lambda self: self._a.ndim)
+    itemsize = property(lambda self: self._a.itemsize)
+    nbytes = property(lambda self: self._a.nbytes)
+    strides = property(lambda self: self._a.strides)
+
+    @shape.setter
+    def shape(self, value):
+        self._a.shape = value
+
+    @property
+    def flags(self):
+        return _Flags(self._a)
+
+    @property
+    def T(self):  # noqa: N802
+        return ndarray._wrap(self._a.T, self._dev)
+
+    @property
+    def device(self):
+        from cupy.cuda import Device
+
+        return Device(self._dev)
+
+    @property
+    def _ptr(self) -> int:
+        return 0 if self._a.size == 0 else self._a.__array_interface__["data"][0]
+
+    @property
+    def data(self) -> _memory.MemoryPointer:
+        mem = _memory.UnownedMemory(self._ptr, self.nbytes, self, device_id=self._dev)
+        return _memory.MemoryPointer(mem, 0)
+
+    @property
+    def base(self):
+        return None
+
+    @property
+    def __cuda_array_interface__(self):
+        from cupy.cuda import get_current_stream
+
+        s = get_current_stream().ptr
+        return {
+            "shape": self.shape,
+            "typestr": self.dtype.str,
+            "descr": self.dtype.descr,
+            "data": (self._ptr, False),
+            "version": 3,
+            "strides": None if self._a.flags.c_contiguous else self.strides,
+            "stream": s if s else 1,
+        }
+
+    # ------------------------------------------------------------------ host interop
+    def __array__(self, dtype=None, copy=None):
+        raise TypeError(
+            "Implicit conversion to a NumPy array is not allowed. Please use `.get()` to construct a NumPy array explicitly."
+        )
+
+    def get(self, stream=None, order="C", out=None, blocking=True):
+        if out is not None:
+            if not isinstance(out, np.ndarray):
+                raise TypeError("Only numpy.ndarray can be obtained from cupy.ndarray")
+            if out.shape != self.shape or out.dtype != self.dtype:
+                raise ValueError(f"Shape/dtype mismatch: out {out.shape} {out.dtype}, array {self.shape} {self.dtype}")
+            out[...] = self._a
+            return out
+        return np.array(self._a, order=order, copy=True)
+
+    def set(self, arr, stream=None):
+        if not isinstance(arr, np.ndarray):
+            raise TypeError("Only numpy.ndarray can be set to cupy.ndarray")
+        if self.dtype != arr.dtype:
+            raise TypeError(f"{arr.dtype} array cannot be set to {self.dtype} array")
+        if self.shape != arr.shape:
+            raise ValueError(f"Shape mismatch. Old shape: {self.shape}, new shape: {arr.shape}")
+        if not (self._a.flags.c_contiguous or self._a.flags.f_contiguous):
+            raise RuntimeError("Cannot set to non-contiguous array")
+        if self.size:
+            self._a[...] = arr
+
+    def item(self, *args):
+        return self._a.item(*args)
+
+    def tolist(self):
+        return self._a.tolist()
+
+    def __float__(self):
+        return float(self._scalar_value())
+
+    def __int__(self):
+        return int(self._scalar_value())
+
+    def __complex__(self):
+        return complex(self._scalar_value())
+
+    def __bool__(self):
+        if self.size != 1:
+            raise ValueError(
+                "The truth value of an array with more than one element is ambiguous. Use a.any() or a.all()"
+            )
+        return bool(self._a.reshape(()).item())
+
+    def _scalar_value(self):
+        if self.size != 1:
+            raise TypeError("only length-1 arrays can be converted to Python scalars")
+        return self._a.reshape(()).item()
+
+    def __len__(self):
+        if self.ndim == 0:
+            raise TypeError("len() of unsized object")
+        return self.shape[0]
+
+    def __iter__(self):
+        if self.ndim == 0:
+            raise TypeError("iteration over a 0-d array")
+        return (self[i] for i in range(self.shape[0]))
+
+    def __repr__(self):
+        return repr(self._a)
+
+    def __str__(self):
+        return str(self._a)
+
+    def __format__(self, spec):
+        return format(self._a.reshape(()).item() if self.ndim == 0 else self._a, spec)
+
+    def __reduce__(self):
+        return (_to_device, (self.get(),))
+
+    # ------------------------------------------------------------------ copies and views
+    def copy(self, order="C"):
+        """A copy on the *current* device (a plain memcpy: works from any device)."""
+        cur = _cur()
+        if self._dev != cur and self.size:
+            _memory._set_peer_access(self._dev, cur)
+        return _to_device(self._a, cur, order=order)
+
+    def astype(self, dtype, order="K", casting=None, subok=None, copy=True):
+        dtype = np.dtype(dtype)
+        if not copy and dtype == self.dtype:
+            return self
+        cur = _cur()
+        if self.size:
+            _check_peer(self._dev, cur)
+        kw = {} if casting is None else {"casting": casting}
+        return _to_device(self._a.astype(dtype, order=order, **kw), cur, order=order)
+
+    def view(self, dtype=None):
+        return ndarray._wrap(self._a.view() if dtype is None else self._a.view(dtype), self._dev)
+
+    def _viewish(self, res):
+        cur = _cur()
+        if isinstance(res, np.ndarray) and (_shares(res, self._a) or res.size == 0 and self.size == 0):
+            return ndarray._wrap(res, self._dev)
+        if self.size:
+            _check_peer(self._dev, cur)
+        return _to_device(res, cur)
+
+    def reshape(self, *shape, order="C"):
+        if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+            shape = tuple(shape[0])
+        return self._viewish(self._a.reshape(shape, order=order))
+
+    def ravel(self, order="C"):
+        return self._viewish(self._a.ravel(order=order))
+
+    def flatten(self, order="C"):
+        return self.copy().ravel()
+
+    def squeeze(self, axis=None):
+        return ndarray._wrap(self._a.squeeze(axis), self._dev)
+
+    def transpose(self, *axes):
+        return ndarray._wrap(self._a.transpose(*axes), self._dev)
+
+    def swapaxes(self, a1, a2):
+        return ndarray._wrap(self._a.swapaxes(a1, a2), self._dev)
+
+    def fill(self, value):
+        if self.size:
+            _check_peer(self._dev, _cur())
+            self._a.fill(value)
+
+    def __getitem__(self, key):
+        if _is_basic_key(key):
+            keys = key if isinstance(key, tuple) else (key,)
+            if Ellipsis not in keys:
+                keys = keys + (Ellipsis,)
+            return ndarray._wrap(self._a[keys], self._dev)
+        cur = _cur()
+        _check_peer(self._dev, cur)
+        return _to_device(self._a[_unwrap(key, cur, allow_numpy=True)], cur)
+
+    def __setitem__(self, key, value):
+        cur = _cur()
+        if self.size:
+            _check_peer(self._dev, cur)
+        if isinstance(value, ndarray):
+            _check_peer(value._dev, cur)
+            value = value._a
+        k = _unwrap(key, cur, allow_numpy=True)
+        self._a[k] = value
+
+    # ------------------------------------------------------------------ arithmetic
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        return _apply_numpy(getattr(ufunc, method), inputs, kwargs)
+
+    def __array_function__(self, func, types, args, kwargs):
+        import cupy
+
+        impl = getattr(cupy, func.__name__, None)
+        if impl is None or not callable(impl):
+            return NotImplemented
+        return impl(*args, **kwargs)
+
+    def _binop(self, ufunc, other, reflected=False):
+        if other is None or not isinstance(other, (ndarray, *_SCALARS, np.ndarray)):
+            return NotImplemented
+        args = (other, self) if reflected else (self, other)
+        return _apply_numpy(ufunc, args, {})
+
+    def _inplace(self, ufunc, other):
+        _apply_numpy(ufunc, (self, other), {"out": (self,), "casting": "same_kind"})
+        return self
+
+    def __neg__(self):
+        return _apply_numpy(np.negative, (self,), {})
+
+    def __pos__(self):
+        return _apply_numpy(np.positive, (self,), {})
+
+    def __abs__(self):
+        return _apply_numpy(np.absolute, (self,), {})
+
+    def __invert__(self):
+        return _apply_numpy(np.invert, (self,), {})
+
+    # ------------------------------------------------------------------ reductions and friends
+    def _method(self, name, *args, **kwargs):
+        cur = _cur()
+        args = _unwrap(args, cur)
+        out = kwargs.get("out")
+        if isinstance(out, ndarray):
+            kwargs["out"] = _unwrap(out, cur)
+        _check_peer(self._dev, cur)
+        res = getattr(self._a, name)(*args, **kwargs)
+        return out if isinstance(out, ndarray) else _wrap_result(res, cur)
+
+    def sum(self, axis=None, dtype=None, out=None, keepdims=False):
+        return self._method("sum", axis=axis, dtype=dtype, out=out, keepdims=keepdims)
+
+    def mean(self, axis=None, dtype=None, out=None, keepdims=False):
+        return self._method("mean", axis=axis, dtype=dtype, out=out, keepdims=keepdims)
+
+    def prod(self, axis=None, dtype=None, out=None, keepdims=False):
+        return self._method("prod", axis=axis, dtype=dtype, out=out, keepdims=keepdims)
+
+    def max(self, axis=None, out=None, keepdims=False):
+        return self._method("max", axis=axis, out=out, keepdims=keepdims)
+
+    def min(self, axis=None, out=None, keepdims=False):
+        return self._method("min", axis=axis, out=out, keepdims=keepdims)
+
+    def all(self, axis=None, out=None, keepdims=False):
+        return self._method("all", axis=axis, out=out, keepdims=keepdims)
+
+    def any(self, axis=None, out=None, keepdims=False):
+        return self._method("any", axis=axis, out=out, keepdims=keepdims)
+
+    def std(self, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+        return self._method("std", axis=axis, dtype=dtype, out=out, ddof=ddof, keepdims=keepdims)
+
+    def var(self, axis=None, dtype=None, out=None, ddof=0, keepdims=False):
+        return self._method("var", axis=axis, dtype=dtype, out=out, ddof=ddof, keepdims=keepdims)
+
+    def argmax(self, axis=None, out=None, keepdims=False):
+        return self._method("argmax", axis=axis, out=out, keepdims=keepdims)
+
+    def argmin(self, axis=None, out=None, keepdims=False):
+        return self._method("argmin", axis=axis, out=out, keepdims=keepdims)
+
+    def cumsum(self, axis=None, dtype=None, out=None):
+        return self._method("cumsum", axis=axis, dtype=dtype, out=out)
+
+    def clip(self, min=None, max=None, out=None):  # noqa: A002
+        return self._method("clip", min, max, out=out)
+
+    def round(self, decimals=0, out=None):
+        return self._method("round", decimals=decimals, out=out)
+
+    def dot(self, b, out=None):
+        return self._method("dot", b, out=out)
+
+    def nonzero(self):
+        return self._method("nonzero")
+
+    def sort(self, axis=-1):
+        _check_peer(self._dev, _cur())
+        self._a.sort(axis=axis)
+
+    def argsort(self, axis=-1):
+        return self._method("argsort", axis=axis)
+
+
+def _apply_numpy(fn, args, kwargs):
+    """Runs NumPy function ``fn`` as a kernel on the current device (see the module docstring)."""
+    cur = _cur()
+    out = kwargs.get("out")
+    if out is not None:
+        outs = out if isinstance(out, tuple) else (out,)
+        for o in outs:
+            if not isinstance(o, ndarray):
+                raise TypeError(f"Output arguments must be cupy.ndarray, got {type(o)}")
+        kwargs = dict(kwargs, out=tuple(_unwrap(o, cur) for o in outs) if isinstance(out, tuple) else _unwrap(out, cur))
+    args = _unwrap(tuple(args), cur)
+    kwargs = {k: (_unwrap(v, cur) if k not in ("out",) else v) for k, v in kwargs.items()}
+    res = fn(*args, **kwargs)
+    if out is not None:
+        return out[0] if isinstance(out, tuple) and len(out) == 1 else out
+    return _wrap_result(res, cur)
+
+
+_BINOPS = {
+    "add": np.add,
+    "sub": np.subtract,
+    "mul": np.multiply,
+    "truediv": np.true_divide,
+    "floordiv": np.floor_divide,
+    "mod": np.remainder,
+    "pow": np.power,
+    "matmul": np.matmul,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+    "lshift": np.left_shift,
+    "rshift": np.right_shift,
+}
+
+
+def _install_ops():
+    for name, uf in _BINOPS.items():
+        setattr(ndarray, f"__{name}__", lambda self, o, _u=uf: self._binop(_u, o))
+        setattr(ndarray, f"__r{name}__", lambda self, o, _u=uf: self._binop(_u, o, reflected=True))
+        setattr(ndarray, f"__i{name}__", lambda self, o, _u=uf: self._inplace(_u, o))
+    for name, uf in {
+        "eq": np.equal,
+        "ne": np.not_equal,
+        "lt": np.less,
+        "le": np.less_equal,
+        "gt": np.greater,
+        "ge": np.greater_equal,
+    }.items():
+        setattr(ndarray, f"__{name}__", lambda self, o, _u=uf: self._binop(_u, o))
+
+
+_install_ops()
+ndarray.__module__ = "cupy"  # as CuPy: <class 'cupy.ndarray'>
+_ = _runtime  # the runtime module must be importable before arrays are used

@@ -1,0 +1,249 @@
+"""Fake ``cupy.cuda``: devices, streams and events of the emulated machine (all work is synchronous)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from cupy import _emu
+from cupy.cuda import driver, memory, runtime  # noqa: F401 - submodules, as in CuPy
+from cupy.cuda.memory import (  # noqa: F401
+    Memory,
+    MemoryPointer,
+    MemoryPool,
+    PinnedMemory,
+    PinnedMemoryPointer,
+    PinnedMemoryPool,
+    UnownedMemory,
+    alloc,
+    alloc_pinned_memory,
+)
+
+
+def is_available() -> bool:
+    return _emu.DEVICE_COUNT > 0
+
+
+class Device:
+    """A CUDA device; as a context manager it makes itself current and restores the previous one."""
+
+    def __init__(self, device=None):
+        if device is None:
+            device = runtime.getDevice()
+        elif isinstance(device, Device):
+            device = device.id
+        self.id = int(device)
+        self._prev: list[int] = []
+
+    def __int__(self):
+        return self.id
+
+    def __index__(self):
+        return self.id
+
+    def __eq__(self, other):
+        return isinstance(other, Device) and other.id == self.id
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash(("cupy.cuda.Device", self.id))
+
+    def __repr__(self):
+        return f"<CUDA Device {self.id}>"
+
+    def __enter__(self):
+        prev = runtime.getDevice()
+        self._prev.append(prev)
+        if prev != self.id:
+            runtime.setDevice(self.id)
+        return self
+
+    def __exit__(self, *exc):
+        runtime.setDevice(self._prev.pop())
+
+    def use(self) -> None:
+        runtime.setDevice(self.id)
+
+    def synchronize(self) -> None:
+        _emu.check_device_id(self.id)
+
+    @property
+    def compute_capability(self) -> str:
+        _emu.check_device_id(self.id)
+        return "90"
+
+    @property
+    def pci_bus_id(self) -> str:
+        return f"0000:{0x10 + self.id:02x}:00.0"
+
+    @property
+    def mem_info(self):
+        with self:
+            return runtime.memGetInfo()
+
+    def can_access_peer(self, peer) -> bool:
+        return bool(runtime.deviceCanAccessPeer(self.id, int(peer)))
+
+
+def get_device_id() -> int:
+    return runtime.getDevice()
+
+
+# ----------------------------------------------------------------------------------- streams
+_stream_ids = itertools.count(0x7000)
+_STREAM_DEVICE: dict[int, int] = {}  # stream ptr -> device it was created on
+
+
+class Stream:
+    """A CUDA stream; the emulator runs everything at once, so streams only keep bookkeeping."""
+
+    null: Stream  # set below
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        self.non_blocking = bool(non_blocking)
+        if null:
+            self.ptr = 0
+            self.device_id = -1  # the legacy null stream belongs to whichever device is current
+        else:
+            self.ptr = next(_stream_ids)
+            self.device_id = runtime.getDevice()
+            _STREAM_DEVICE[self.ptr] = self.device_id
+        self._prev: list = []
+
+    def __repr__(self):
+        return f"<Stream {self.ptr} (device {self.device_id})>"
+
+    def __eq__(self, other):
+        return isinstance(other, Stream) and other.ptr == self.ptr
+
+    def __hash__(self):
+        return hash(self.ptr)
+
+    def _device(self) -> int:
+        return runtime.getDevice() if self.ptr == 0 else self.device_id
+
+    def use(self) -> Stream:
+        _emu.THREAD.streams[self._device()] = self
+        return self
+
+    def __enter__(self):
+        dev = self._device()
+        self._prev.append((dev, _emu.THREAD.streams.get(dev)))
+        _emu.THREAD.streams[dev] = self
+        return self
+
+    def __exit__(self, *exc):
+        dev, prev = self._prev.pop()
+        if prev is None:
+            _emu.THREAD.streams.pop(dev, None)
+        else:
+            _emu.THREAD.streams[dev] = prev
+
+    def synchronize(self) -> None:
+        pass
+
+    @property
+    def done(self) -> bool:
+        return True
+
+    def record(self, event: Event | None = None) -> Event:
+        if event is None:
+            event = Event()
+        event.record(self)
+        return event
+
+    def wait_event(self, event: Event) -> None:
+        if not isinstance(event, Event):
+            raise TypeError(f"wait_event expects a cupy.cuda.Event, got {type(event).__name__}")
+        if not event._recorded:
+            # Waiting on a never-recorded event is a no-op in CUDA; in cudist it is always a bug.
+            raise RuntimeError("emulator: Stream.wait_event on an event that was never recorded")
+
+    def add_callback(self, callback, arg) -> None:
+        callback(self, None, arg)
+
+    def launch_host_func(self, callback, arg) -> None:
+        callback(arg)
+
+
+Stream.null = Stream(null=True)
+
+
+class ExternalStream(Stream):
+    def __init__(self, ptr: int, device_id: int = -1):
+        self.ptr, self.device_id, self.non_blocking, self._prev = int(ptr), device_id, False, []
+
+
+def get_current_stream(device_id: int | None = None) -> Stream:
+    dev = runtime.getDevice() if device_id is None else int(device_id)
+    return _emu.THREAD.streams.get(dev, Stream.null)
+
+
+def stream_device(ptr: int) -> int:
+    """The device a stream pointer belongs to (the null stream: the current device)."""
+    return runtime.getDevice() if ptr == 0 else _STREAM_DEVICE.get(ptr, -1)
+
+
+class Event:
+    """A CUDA event, created on the current device; it can only be recorded on that device's streams."""
+
+    def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False):
+        self.device_id = runtime.getDevice()
+        self.ptr = next(_stream_ids)
+        self._recorded = False
+        self._timing = not disable_timing
+        self._time = None  # host clock at record(): work is synchronous, so that is when it "ran"
+
+    def record(self, stream: Stream | None = None) -> None:
+        if stream is None:
+            stream = get_current_stream()
+        dev = stream._device()
+        if dev != self.device_id:
+            # cudaEventRecord with an event and a stream of different devices.
+            raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle)
+        self._recorded = True
+        self._time = time.perf_counter()
+
+    def synchronize(self) -> None:
+        pass
+
+    @property
+    def done(self) -> bool:
+        return True
+
+
+def get_elapsed_time(start: Event, end: Event) -> float:
+    """Milliseconds between two recorded timing events (host time: the emulator is synchronous)."""
+    for ev in (start, end):
+        if not ev._timing or ev._time is None:
+            # cudaEventElapsedTime on a disable_timing or never-recorded event.
+            raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle)
+    return (end._time - start._time) * 1e3
+
+
+def using_allocator(allocator=None):
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def set_allocator(allocator=None) -> None:
+    pass
+
+
+def set_pinned_memory_allocator(allocator=None) -> None:
+    pass
+
+
+class _Compiler:
+    pass
+
+
+def __getattr__(name):
+    if name == "nccl":
+        import importlib
+
+        return importlib.import_module("cupy.cuda.nccl")
+    raise AttributeError(f"module 'cupy.cuda' has no attribute {name!r}")

@@ -1,0 +1,83 @@
+"""cudist's whole GPU test suite on the CPU: every ``tests/test_gpu_*.py`` under the fake CuPy.
+
+The fake (tests/emu/fakecupy) backs CuPy arrays with host memory tagged by device, runs cudist's
+real CUDA kernels compiled for the host (tests/emu/build.py), and refuses what a GPU would refuse
+(touching another GPU's memory without enabled peer access, out-of-bounds pointers, wrongly typed
+kernel arguments). The gpu-marked tests run in a subprocess with 4 emulated GPUs: once with peer
+access between all of them, once with none (so cross-GPU work must be staged through copies).
+No gpu test may skip itself under the fake: the passed count must cover every collected test.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = ROOT / "tests" / "emu" / "fakecupy"
+GPU_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_gpu_*.py") if p.name != Path(__file__).name)
+
+
+def _compiler_or_skip():
+    sys.path.insert(0, str(ROOT / "tests" / "emu"))
+    try:
+        import build  # noqa: PLC0415 - tests/emu/build.py
+    finally:
+        sys.path.pop(0)
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler: the CUDA emulation cannot be built")
+
+
+def _run_gpu_suite(files, peer: str):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKE), *filter(None, [env.get("PYTHONPATH")])])
+    env["CUDIST_EMU_DEVICES"] = "4"
+    env["CUDIST_EMU_PEER"] = peer
+    env.pop("CUDIST_BACKEND", None)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or multi_gpu", *files]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    tail = out[-6000:]
+    assert proc.returncode == 0, f"gpu suite under the fake CuPy (peer={peer}) failed:\n{tail}"
+    passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", out)) else 0
+    for word in ("skipped", "deselected", "xfailed", "failed", "error"):
+        if re.search(rf"\d+ {word}", out) and word != "deselected":
+            pytest.fail(f"gpu suite (peer={peer}) reports {word} tests: none may skip or fail under the fake\n{tail}")
+    return passed, out
+
+
+@pytest.fixture(scope="module")
+def collected():
+    """How many gpu/multi_gpu tests the GPU files hold (collection needs no GPU)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(FAKE), *filter(None, [env.get("PYTHONPATH")])])
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--collect-only", "-m", "gpu or multi_gpu", *GPU_FILES]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    m = re.search(r"(\d+)(?:/\d+)? tests? collected", proc.stdout)
+    assert m, proc.stdout[-2000:]
+    return int(m.group(1))
+
+
+def test_gpu_files_exist():
+    assert "tests/test_gpu_kernels.py" in GPU_FILES and "tests/test_gpu_strategy.py" in GPU_FILES
+
+
+def test_whole_gpu_suite_passes_under_the_fake(collected):
+    _compiler_or_skip()
+    passed, out = _run_gpu_suite(GPU_FILES, "all")
+    assert collected > 0
+    assert passed >= collected, f"only {passed} of {collected} gpu tests passed:\n{out[-3000:]}"
+
+
+def test_kernel_and_strategy_suites_pass_without_peer_access():
+    """Without peer access every cross-GPU kernel operand must be staged: the multi_gpu tests check it."""
+    _compiler_or_skip()
+    files = ["tests/test_gpu_kernels.py", "tests/test_gpu_strategy.py"]
+    passed, _ = _run_gpu_suite(files, "none")
+    assert passed > 100
