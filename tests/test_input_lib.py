@@ -421,3 +421,136 @@ def test_gpu_device_put_and_prefetch():
     assert isinstance(y["x"], cupy.ndarray) and y["x"].device.id == 0 and y["k"] == 3
     np.testing.assert_array_equal(cupy.asnumpy(y["x"]), x)
     assert _input_lib.device_putter("/gpu:0", fetch_to_device=False)(x) is x
+
+
+# --------------------------------------------------------------------------------- GPU staging (host side)
+class _FakeEvent:
+    """Stands in for a CUDA event: records that the host waited on it."""
+
+    def __init__(self):
+        self.synchronized = 0
+
+    def synchronize(self):
+        self.synchronized += 1
+
+
+@pytest.fixture
+def host_pinned(monkeypatch):
+    """Pinned allocations replaced by NumPy memory (the staging logic is host-only); records sizes."""
+    sizes = []
+
+    def alloc(size):
+        sizes.append(size)
+        buf = np.full(size, 0xEE, dtype=np.uint8)  # not zeros: packing must overwrite what it uses
+        return buf, buf
+
+    monkeypatch.setattr(_input_lib, "_alloc_pinned", alloc)
+    return sizes
+
+
+def _staged_leaf(staged, r, j):
+    treedef, entries = staged.replicas[r]
+    kind, off, shape, dtype = entries[j]
+    assert kind == "h"
+    return staged.slot.buf[off : off + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize].view(dtype).reshape(shape)
+
+
+def test_gpu_feeder_stage_packs_leaves_aligned(host_pinned):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((7, 3)).astype(np.float32)
+    y = rng.integers(-50, 50, size=(7,)).astype(">i8")  # non-native byte order: staged native
+    feeder = _input_lib._GpuFeeder([0, 0])
+    values = [{"x": x[:4], "y": y[:4], "k": 3}, {"x": x[4:, ::2], "y": y[4:], "k": np.float64(2.5)}]
+    staged = feeder.stage(values)
+    assert len(host_pinned) == 1 and host_pinned[0] % _input_lib._STAGE_GRANULE == 0
+    for r, v in enumerate(values):
+        treedef, entries = staged.replicas[r]
+        assert treedef.unflatten(list(range(treedef.num_leaves))) == {"k": 0, "x": 1, "y": 2}
+        kinds = [e[0] for e in entries]
+        assert kinds == (["v", "h", "h"] if r == 0 else ["h", "h", "h"])  # a NumPy scalar is a 0-d array
+        for j, name in ((1, "x"), (2, "y")):
+            assert entries[j][1] % _input_lib._STAGE_ALIGN == 0
+            got = _staged_leaf(staged, r, j)
+            assert got.dtype.isnative and got.dtype == np.dtype(v[name].dtype).newbyteorder("=")
+            np.testing.assert_array_equal(got, v[name])
+    np.testing.assert_array_equal(_staged_leaf(staged, 1, 0), np.float64(2.5))
+
+
+def test_gpu_feeder_stage_rejects_non_numeric(host_pinned):
+    feeder = _input_lib._GpuFeeder([0])
+    with pytest.raises(TypeError, match=r"cannot copy an array of dtype <U3 to a GPU.*experimental_fetch_to_device=False"):
+        feeder.stage([np.array(["abc", "de"])])
+
+
+def test_gpu_feeder_ring_waits_before_reuse_and_stays_bounded(host_pinned):
+    feeder = _input_lib._GpuFeeder([0])
+    rng = np.random.default_rng(4)
+    events = []
+    for step in range(40):
+        x = rng.standard_normal((5 + step % 3, 4)).astype(np.float32)
+        staged = feeder.stage([x])
+        slot = staged.slot
+        # The slot is handed to the consumer, which enqueues the copies and returns it with their event.
+        ev = _FakeEvent()
+        events.append(ev)
+        np.testing.assert_array_equal(_staged_leaf(staged, 0, 0), x)
+        slot.events = (ev,)
+        feeder._free.append(slot)
+    # One slot suffices when each step is copied before the next is staged; it was reused every time
+    # and the host waited for each copy's event before overwriting the buffer.
+    assert len(feeder.slots) == 1 and len(host_pinned) == 1
+    assert [e.synchronized for e in events] == [1] * 39 + [0]
+
+
+def test_gpu_feeder_ring_grows_only_while_slots_are_held(host_pinned):
+    feeder = _input_lib._GpuFeeder([0])
+    held = [feeder.stage([np.arange(4.0)]) for _ in range(3)]  # e.g. queued in the prefetch thread
+    assert len({id(s.slot) for s in held}) == 3 and len(feeder.slots) == 3
+    for s in held:
+        feeder._free.append(s.slot)
+    for _ in range(10):
+        feeder._free.append(feeder.stage([np.arange(4.0)]).slot)
+    assert len(feeder.slots) == 3
+    # A bigger step regrows one slot's buffer (the old one is released), nothing else.
+    big = feeder.stage([np.zeros(_input_lib._STAGE_GRANULE, np.float64)])
+    assert len(feeder.slots) == 3 and big.slot.buf.nbytes >= _input_lib._STAGE_GRANULE * 8
+    assert feeder.pinned_allocations == 4
+
+
+def test_gpu_steps_drain_waits_for_copies_in_flight(host_pinned):
+    feeder = _input_lib._GpuFeeder([0])
+    pending, copy_ev = _FakeEvent(), _FakeEvent()
+    flight = _input_lib._InFlight("step", ((0, copy_ev),))
+    staged = feeder.stage([np.arange(3)])
+    staged.slot.events = (pending,)
+    feeder._free.append(staged.slot)
+    src = iter([])
+    steps = _input_lib._DeviceSteps(src, feeder, 2)
+    steps._inflight.append(flight)
+    steps.close()
+    assert copy_ev.synchronized == 1 and pending.synchronized == 1 and not steps._inflight
+    with pytest.raises(StopIteration):
+        next(steps)
+
+
+def test_gpu_steps_keep_depth_in_flight_and_raise_errors_in_order(host_pinned, monkeypatch):
+    enqueued = []
+
+    def enqueue(self, item):
+        enqueued.append(item)
+        return _input_lib._InFlight(item, ())
+
+    monkeypatch.setattr(_input_lib._GpuFeeder, "enqueue", enqueue)
+
+    def source():
+        yield from range(5)
+        raise RuntimeError("dataset broke")
+
+    steps = _input_lib._DeviceSteps(source(), _input_lib._GpuFeeder([0]), 2)
+    assert next(steps) == 0
+    assert enqueued == [0, 1, 2]  # step 0 handed out, steps 1 and 2 already copying
+    assert [next(steps) for _ in range(4)] == [1, 2, 3, 4]
+    with pytest.raises(RuntimeError, match="dataset broke"):
+        next(steps)
+    with pytest.raises(StopIteration):
+        next(steps)

@@ -1,4 +1,9 @@
-"""``CentralStorageStrategy``: replicated computation, variables stored once on a parameter device."""
+"""``CentralStorageStrategy``: replicated computation, variables stored once on a parameter device.
+
+With GPU compute devices and a CPU parameter device (TF's default with several GPUs) the variables
+are NumPy arrays in host memory; a replica reading one gets a CuPy copy on its own GPU (TF copies
+the variable to the compute device), and the replicas' updates are reduced and land on the host.
+"""
 
 from __future__ import annotations
 
@@ -35,7 +40,15 @@ class CentralStorageStrategy(Strategy):
             param = devs[0] if len(devs) == 1 else _devices.canonicalize("/cpu:0")
         else:
             param = _devices.canonicalize(parameter_device)
-        super().__init__(CentralStorageExtended(self, devs, parameter_devices=(param,)))
+        ops = None
+        if _devices.any_gpu(devs) and not _devices.parse_device(param).is_gpu:
+            # As TF (ReductionToOneDevice to the local CPU): the GPU-only P2P/NCCL ops cannot
+            # deliver a reduction to a variable in host memory. The reduction itself still runs
+            # on the GPUs' kernels; only its result is copied to the host.
+            from cudist._cross_device_ops import ReductionToOneDevice
+
+            ops = ReductionToOneDevice(reduce_to_device=param)
+        super().__init__(CentralStorageExtended(self, devs, cross_device_ops=ops, parameter_devices=(param,)))
 
     def __repr__(self) -> str:
         return (

@@ -44,6 +44,7 @@ from cudist._arrays import (
     place,
     python_dtype,
     snapshot,
+    to_gpu,
     to_host,
 )
 from cudist._cross_device_ops import backend_for
@@ -803,7 +804,53 @@ class AggregatingVariable(Variable):
     Its ``device`` is the parameter device. In replica context an update is first aggregated over
     the replicas (SUM, MEAN, ONLY_FIRST_REPLICA) and applied once; aggregation NONE is a ValueError
     there. In cross-replica context updates apply directly. Prints like a plain Variable, as in TF.
+
+    Reads inside a replica that runs on a GPU other than the storage's (e.g. GPU replicas with
+    the variable in host memory) give that replica a CuPy copy on its GPU, as TF copies the
+    variable to the compute device: ``value()``, ``read_value()``, operators and ufuncs. Each such
+    read copies (nothing is cached: optimizers write the storage in place). ``numpy()`` and
+    ``__array__`` read the storage directly.
     """
+
+    def _replica_gpu(self):
+        """The physical GPU of the calling replica, when reads must be copied there; else None."""
+        strategy = self._distribute_strategy
+        gpus = getattr(strategy.extended, "_replica_gpus", None) if strategy is not None else None
+        if gpus is None:
+            return None  # CPU replicas share host memory with a host variable
+        ctx = _replica_context_of(strategy, strict=False)
+        if ctx is None:
+            return None
+        gpu = gpus[int(ctx.replica_id_in_sync_group)]
+        arr = self._array
+        if type(arr) is not np.ndarray and int(arr.device.id) == gpu:
+            return None
+        return gpu
+
+    def _read_live(self):
+        gpu = self._replica_gpu()
+        if gpu is None:
+            return self._array
+        return to_gpu(self._array, gpu, copy=True)
+
+    def value(self):
+        """A snapshot of the current value; a CuPy array on the replica's GPU inside a GPU replica."""
+        gpu = self._replica_gpu()
+        if gpu is None:
+            return snapshot(self._array)
+        return to_gpu(self._array, gpu, copy=True)  # a fresh copy already
+
+    read_value = value
+
+    def numpy(self):
+        a = to_host(self._array)
+        return a[()] if a.ndim == 0 else a.copy()
+
+    def __array__(self, dtype=None, copy=None):
+        a = to_host(self._array)
+        if dtype is not None and a.dtype != np.dtype(dtype):
+            return a.astype(dtype)
+        return a.copy()
 
     def _update(self, method, value, read_value):
         ctx = _replica_context_of(self._distribute_strategy)

@@ -35,7 +35,21 @@ class LogicalDevice(NamedTuple):
 
 
 class LogicalDeviceConfiguration(NamedTuple):
-    """One logical device to carve out of a physical one (``memory_limit`` in MiB, GPUs only)."""
+    """One logical device to carve out of a physical one (``tf.config.LogicalDeviceConfiguration``).
+
+    Attributes:
+        memory_limit: MiB of GPU memory for the logical device (None: no limit). Checked (a
+            positive int or None) but **not enforced** -- a deliberate difference from TF, which gives
+            each logical GPU its own allocator capped at this size so one replica running out of
+            memory raises ResourceExhaustedError while the others are unaffected. Here every logical
+            GPU of a physical GPU allocates from CuPy's memory pool of that GPU: the replicas run as
+            greenlets on one thread and CuPy chooses its allocator per thread, so there is no point
+            where a per-replica cap could be applied robustly (arrays also outlive the replica step
+            that made them: input, variables, collective results). To cap the total, use CuPy's own
+            ``cupy.get_default_memory_pool().set_limit(size=...)`` on that GPU.
+        experimental_priority: accepted for TF compatibility; unused.
+        experimental_device_ordinal: accepted for TF compatibility; unused.
+    """
 
     memory_limit: int | None = None
     experimental_priority: int | None = None
@@ -99,6 +113,9 @@ def _physical(device) -> PhysicalDevice:
 
 def set_logical_device_configuration(device, logical_devices) -> None:
     """Splits a physical device into logical ones (None restores one logical device per physical).
+
+    Unlike TF, this may be called at any time (there is no runtime to initialize first), and GPU
+    ``memory_limit`` values are validated but not enforced (see :class:`LogicalDeviceConfiguration`).
 
     Raises:
         ValueError: the device is unknown, or the list is empty.
