@@ -11,7 +11,10 @@ Run on a machine with an NVIDIA GPU and CuPy:
 2. Fused mirrored Adam on N copies against the same update written as a chain of CuPy elementwise
    operations (what one would write without cudist).
 
-Times are medians over --repeats runs, taken with cupy.cuda.Event pairs after a warm-up.
+Times are medians over --repeats runs, taken with cupy.cuda.Event pairs after a warm-up. The
+"wrong" column counts elements that differ from the NumPy reference (all-reduce, bit for bit) or from
+the chained CuPy result (Adam, within 1e-6 relative: the chain may fuse differently), checked once on
+fresh data outside the timed loop.
 """
 
 from __future__ import annotations
@@ -39,6 +42,16 @@ def _time(cp, fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _wrong_all_reduce(cp, be, n: int, count: int) -> int:
+    """Elements of a one-off all-reduce that differ from the NumPy reference (bit for bit)."""
+    from cudist._kernels._numpy import reference_reduce
+
+    bufs = [cp.random.standard_normal(count, dtype=cp.float32) for _ in range(n)]
+    want = reference_reduce([cp.asnumpy(b) for b in bufs], "sum")
+    be.all_reduce(bufs, "sum")
+    return sum(int(np.count_nonzero(cp.asnumpy(b).view(np.uint32) != want.view(np.uint32))) for b in bufs)
+
+
 def bench_all_reduce(cp, be, mib: int, repeats: int) -> list[tuple]:
     nbytes = mib << 20
     count = nbytes // 4
@@ -47,12 +60,13 @@ def bench_all_reduce(cp, be, mib: int, repeats: int) -> list[tuple]:
     # Copy ceiling: one read + one write of `nbytes`.
     t_copy = _time(cp, lambda: cp.copyto(dst, src), repeats)
     copy_bw = 2 * nbytes / t_copy
-    rows = [("copy (ceiling)", 1, t_copy, copy_bw, 1.0)]
+    rows = [("copy (ceiling)", 1, t_copy, copy_bw, 1.0, 0)]
     for n in (2, 4, 8):
         bufs = [cp.random.standard_normal(count, dtype=cp.float32) for _ in range(n)]
         t = _time(cp, lambda: be.all_reduce(bufs, "sum"), repeats)
         bw = 2 * n * nbytes / t
-        rows.append((f"all_reduce sum N={n}", n, t, bw, bw / copy_bw))
+        del bufs
+        rows.append((f"all_reduce sum N={n}", n, t, bw, bw / copy_bw, _wrong_all_reduce(cp, be, n, count)))
     return rows
 
 
@@ -86,7 +100,24 @@ def bench_adam(cp, be, mib: int, repeats: int) -> list[tuple]:
         t_chain = _time(cp, chained, repeats)
         # Bytes the fused kernel must move: read w, m, v, g once; write 3 * n arrays.
         moved = (4 + 3 * n) * count * 4
-        rows.append((f"adam N={n}", n, t_fused, moved / t_fused, t_chain / t_fused))
+        # Correctness on fresh state: one fused step against one chained step from the same inputs.
+        for a in ms + vs:
+            a.fill(0)
+        for w in ws[1:]:
+            cp.copyto(w, ws[0])
+        w0 = ws[0].copy()
+        fused()
+        got = [x.copy() for x in (*ws, *ms, *vs)]
+        for k in range(n):
+            cp.copyto(ws[k], w0)
+            ms[k].fill(0)
+            vs[k].fill(0)
+        chained()
+        want = (*ws, *ms, *vs)
+        wrong = sum(
+            int(cp.count_nonzero(cp.abs(a - b) > 1e-6 * cp.maximum(cp.abs(b), 1e-30))) for a, b in zip(got, want)
+        )
+        rows.append((f"adam N={n}", n, t_fused, moved / t_fused, t_chain / t_fused, wrong))
     return rows
 
 
@@ -111,18 +142,21 @@ def main(argv=None) -> int:
         props = cp.cuda.runtime.getDeviceProperties(args.device)
         name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         print(f"device {args.device}: {name}; {args.mib} MiB float32 per buffer; median of {args.repeats}")
-        print(f"{'all-reduce':<24}{'N':>3}{'time ms':>12}{'GB/s':>10}{'vs copy':>10}")
+        print(f"{'all-reduce':<24}{'N':>3}{'time ms':>12}{'GB/s':>10}{'vs copy':>10}{'wrong':>8}")
         rows = bench_all_reduce(cp, be, args.mib, args.repeats)
-        for label, n, t, bw, ratio in rows:
-            print(f"{label:<24}{n:>3}{t * 1e3:>12.3f}{bw / 1e9:>10.1f}{ratio:>9.0%}")
+        for label, n, t, bw, ratio, wrong in rows:
+            print(f"{label:<24}{n:>3}{t * 1e3:>12.3f}{bw / 1e9:>10.1f}{ratio:>9.0%}{wrong:>8}")
         worst = min(r[4] for r in rows[1:])
         print(f"all-reduce worst ratio to copy bandwidth: {worst:.0%} (target >= 85%)")
         print()
-        print(f"{'fused adam':<24}{'N':>3}{'time ms':>12}{'GB/s':>10}{'speedup':>10}")
-        for label, n, t, bw, speedup in bench_adam(cp, be, max(1, args.mib // 4), args.repeats):
-            print(f"{label:<24}{n:>3}{t * 1e3:>12.3f}{bw / 1e9:>10.1f}{speedup:>9.1f}x")
+        print(f"{'fused adam':<24}{'N':>3}{'time ms':>12}{'GB/s':>10}{'speedup':>10}{'wrong':>8}")
+        adam_rows = bench_adam(cp, be, max(1, args.mib // 4), args.repeats)
+        for label, n, t, bw, speedup, wrong in adam_rows:
+            print(f"{label:<24}{n:>3}{t * 1e3:>12.3f}{bw / 1e9:>10.1f}{speedup:>9.1f}x{wrong:>8}")
         print("(speedup: time of the chain of CuPy elementwise ops / time of the fused kernel)")
-    return 0
+    total_wrong = sum(r[-1] for r in rows) + sum(r[-1] for r in adam_rows)
+    print(f"wrong elements: {total_wrong}")
+    return 0 if total_wrong == 0 else 1
 
 
 if __name__ == "__main__":
