@@ -206,3 +206,145 @@ def test_installed_headers_compile_strictly_and_pool_rethrows(tools, tmp_path, s
     flags = [f"-std={std}", "-O1", *STRICT_FLAGS.split(), "-Wshadow", "-Wconversion", "-Wsign-conversion"]
     _run([cxx, *flags, f"-I{cudist.get_include()}", str(src), "-o", str(exe), "-pthread"])
     assert _run([str(exe)]).strip().endswith("OK")
+
+
+# ------------------------------------------------------------------------------------------ CUDA
+CUDA_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "cpp_cuda"
+EXIT_NO_GPU = 77  # what examples/cpp_cuda returns when no GPU is usable
+
+
+def test_cuda_component_is_installed_exactly_when_built():
+    cmake_dir = Path(cudist.get_cmake_dir())
+    lib = cmake_dir.parents[2] / "lib" / "libcudist_cuda.a"
+    assert (cmake_dir / "cudistCudaTargets.cmake").is_file() == _core.cuda_built
+    if _core.cuda_built:
+        assert lib.is_file()
+        for header in ("launch.hpp", "p2p.hpp", "launch_impl.cuh", "p2p_impl.cuh"):
+            assert (Path(cudist.get_include()) / "cudist" / "cuda" / header).is_file(), header
+
+
+_FIND_CUDA_COMPONENT = """
+cmake_minimum_required(VERSION 3.18)
+project(find_cudist_cuda LANGUAGES CXX)
+find_package(cudist CONFIG REQUIRED OPTIONAL_COMPONENTS cuda)
+message(STATUS "cudist_cuda_FOUND=${cudist_cuda_FOUND}")
+if(TARGET cudist::cuda)
+  message(STATUS "has cudist::cuda")
+endif()
+find_package(cudist CONFIG COMPONENTS cuda QUIET)
+message(STATUS "required component: cudist_FOUND=${cudist_FOUND}")
+"""
+
+
+def test_find_package_cuda_component(tools, tmp_path):
+    # OPTIONAL_COMPONENTS cuda: found exactly when the package was built with CUDA (and the CUDA
+    # toolkit is here, which it is wherever nvcc built it); a required `cuda` component of a
+    # CPU-only package makes find_package fail, not the configure.
+    cmake, cxx, _ = tools
+    (tmp_path / "CMakeLists.txt").write_text(_FIND_CUDA_COMPONENT)
+    out = _run([cmake, "-S", str(tmp_path), "-B", str(tmp_path / "build"), f"-DCMAKE_CXX_COMPILER={cxx}",
+                f"-Dcudist_DIR={cudist.get_cmake_dir()}"])  # fmt: skip
+    found = "TRUE" if _core.cuda_built else "FALSE"
+    assert f"cudist_cuda_FOUND={found}" in out
+    assert ("has cudist::cuda" in out) == _core.cuda_built
+    assert f"required component: cudist_FOUND={'1' if _core.cuda_built else '0'}" in out
+
+
+@pytest.fixture(scope="module")
+def cuda_example(tools, tmp_path_factory):
+    """examples/cpp_cuda configured and built against the installed package (plain C++, strict warnings)."""
+    if not _core.cuda_built:
+        pytest.skip("this cudist was built without CUDA (no cudist::cuda to link)")
+    cmake, cxx, ninja = tools
+    build = tmp_path_factory.mktemp("cuda_example")
+    cfg = [cmake, "-S", str(CUDA_EXAMPLE), "-B", str(build), f"-DCMAKE_CXX_COMPILER={cxx}",
+           "-DCMAKE_BUILD_TYPE=Release", f"-DCMAKE_CXX_FLAGS={STRICT_FLAGS}", f"-Dcudist_DIR={cudist.get_cmake_dir()}"]  # fmt: skip
+    if ninja:
+        cfg += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+    _run(cfg)
+    _run([cmake, "--build", str(build)])
+    exe = build / ("cudist_cuda_example.exe" if os.name == "nt" else "cudist_cuda_example")
+    assert exe.is_file()
+    return exe
+
+
+def test_cuda_example_builds_and_fails_cleanly_without_a_gpu(cuda_example):
+    # CUDA_VISIBLE_DEVICES="" hides every GPU: the example must say so and exit 77, not crash.
+    proc = subprocess.run([str(cuda_example)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, CUDA_VISIBLE_DEVICES=""))  # fmt: skip
+    assert proc.returncode == EXIT_NO_GPU, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("no usable CUDA device")
+
+
+@pytest.mark.gpu
+def test_cuda_example_runs_on_gpus(cuda_example):
+    proc = subprocess.run([str(cuda_example)], capture_output=True, text=True, timeout=300)
+    if proc.returncode == EXIT_NO_GPU:
+        pytest.skip(f"the example's CUDA runtime sees no GPU: {proc.stdout.strip()}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "all_reduce sum: 4 replicas, element 5 = 7, ok" in proc.stdout  # 0+1+2+3 + 4 * 5/4
+    assert re.search(r"^p2p_all_reduce mean: \d+ replicas, element 5 = .*ok$|skipped", proc.stdout, re.M), proc.stdout
+    assert proc.stdout.strip().endswith("OK")
+
+
+# ------------------------------------------------------------------- configuring cudist with CUDA
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env_without_nvcc() -> dict[str, str]:
+    """The environment minus every way CMake could find nvcc (CPU-only CI machines look like this)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CUDACXX", "CUDA_PATH", "CUDA_HOME", "CUDAToolkit_ROOT")}
+    dirs = [d for d in env.get("PATH", "").split(os.pathsep) if d and not (Path(d) / "nvcc").exists()]
+    env["PATH"] = os.pathsep.join(dirs)
+    return env
+
+
+def _configure_cudist(tools, build: Path, *defs: str, env=None):
+    cmake, cxx, ninja = tools
+    cmd = [cmake, "-S", str(ROOT), "-B", str(build), f"-DCMAKE_CXX_COMPILER={cxx}", "-DCUDIST_BUILD_PYTHON=OFF", *defs]
+    if ninja:
+        cmd += ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.parametrize(
+    ("mode", "nvcc", "ok", "says"),
+    [
+        ("OFF", True, True, "cudist: building without CUDA (CUDIST_WITH_CUDA=OFF)"),
+        ("AUTO", False, True, "cudist: building without CUDA: no CUDA compiler was found"),
+        ("ON", False, False, "CUDIST_WITH_CUDA=ON but no CUDA compiler was found"),
+        ("maybe", True, False, "CUDIST_WITH_CUDA must be AUTO, ON or OFF, got 'maybe'"),
+        ("AUTO", True, True, "cudist: building cudist::cuda with CUDA"),
+    ],
+)
+def test_configure_cuda_modes(tools, tmp_path, mode, nvcc, ok, says):
+    if nvcc and mode == "AUTO" and shutil.which("nvcc") is None:
+        pytest.skip("needs nvcc on PATH")
+    proc = _configure_cudist(tools, tmp_path / "b", f"-DCUDIST_WITH_CUDA={mode}",
+                             env=None if nvcc else _env_without_nvcc())  # fmt: skip
+    out = " ".join((proc.stdout + proc.stderr).split())  # CMake wraps long messages
+    assert (proc.returncode == 0) == ok, out
+    assert says in out
+    if ok:
+        # The library target exists exactly when the configure says it builds it.
+        build_files = "".join(p.read_text() for p in (tmp_path / "b").glob("*") if p.name in ("build.ninja", "Makefile"))
+        assert ("cudist_cuda.dir" in build_files) == says.startswith("cudist: building cudist::cuda")
+
+
+def test_cpu_only_package_has_no_cuda_component(tools, tmp_path):
+    # A package built without CUDA: cudist::cudist works, `cuda` is reported missing, and the
+    # version file stays architecture-independent (header-only).
+    proc = _configure_cudist(tools, tmp_path / "b", "-DCUDIST_WITH_CUDA=OFF", f"-DCMAKE_INSTALL_PREFIX={tmp_path / 'p'}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    cmake, cxx, _ = tools
+    _run([cmake, "--build", str(tmp_path / "b")])
+    _run([cmake, "--install", str(tmp_path / "b")])
+    cmake_dir = tmp_path / "p" / "cudist" / "share" / "cmake" / "cudist"
+    assert (cmake_dir / "cudistConfig.cmake").is_file()
+    assert not (cmake_dir / "cudistCudaTargets.cmake").exists()
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "CMakeLists.txt").write_text(_FIND_CUDA_COMPONENT)
+    out = _run([cmake, "-S", str(proj), "-B", str(proj / "build"), f"-DCMAKE_CXX_COMPILER={cxx}", f"-Dcudist_DIR={cmake_dir}"])
+    assert "cudist_cuda_FOUND=FALSE" in out and "has cudist::cuda" not in out
+    assert "required component: cudist_FOUND=0" in out

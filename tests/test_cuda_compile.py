@@ -114,6 +114,11 @@ def test_nvcc_compiles_every_kernel_and_launcher_for_sm80_and_sm90(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, f"nvcc failed:\n{res.stdout}\n{res.stderr}"
     assert obj.stat().st_size > 0
+    # The multi-GPU launcher is in the library too, for every dtype.
+    if shutil.which("nm"):
+        symbols = subprocess.run(["nm", "-C", str(obj)], capture_output=True, text=True, timeout=60).stdout
+        for t in ("float", "double", "__half", "int", "long long"):
+            assert f"cudist::cuda::p2p_all_reduce<{t}>(" in symbols, t
     # Both architectures made it into the fat binary.
     cuobjdump = Path(_nvcc()).with_name("cuobjdump")
     if cuobjdump.is_file():
@@ -131,8 +136,12 @@ def test_launch_header_is_plain_cpp(tmp_path):
     src = tmp_path / "host.cpp"
     src.write_text(
         "#include <cudist/cuda/launch.hpp>\n"
+        "#include <cudist/cuda/p2p.hpp>\n"
         "cudaError_t f(float** b, __half** h) {\n"
         "  cudaError_t e = cudist::cuda::all_reduce<float>(b, 2, 10, cudist::reduce_op::mean);\n"
+        "  if (e != cudaSuccess) return e;\n"
+        "  const int devices[2] = {0, 1};\n"
+        "  e = cudist::cuda::p2p_all_reduce<__half>(h, devices, nullptr, 2, 10, cudist::reduce_op::sum);\n"
         "  return e != cudaSuccess ? e : cudist::cuda::sgd<__half>(h, 2, h[0], 0.1, 10);\n"
         "}\n"
     )

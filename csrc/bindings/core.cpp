@@ -9,10 +9,18 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <cudist/cudist.hpp>
+
+#ifdef CUDIST_CORE_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include <cudist/cuda/launch.hpp>
+#include <cudist/cuda/p2p.hpp>
+#endif
 
 namespace py = pybind11;
 
@@ -329,6 +337,177 @@ void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, doub
   });
 }
 
+
+#ifdef CUDIST_CORE_WITH_CUDA
+// ------------------------------------------------------------------------------------------ CUDA
+// The launchers of <cudist/cuda/launch.hpp> and <cudist/cuda/p2p.hpp> over raw device pointers
+// (Python ints, e.g. a CuPy array's ``data.ptr``). They enqueue work and return; the buffers must
+// stay alive until the streams have run it.
+
+enum class cuda_kind { f16, f32, f64, i32, i64 };
+
+cuda_kind parse_dtype(py::handle dt, const char* where) {
+  // Anything numpy.dtype() takes ("float32", "f4", np.float32, a dtype); judged by its name.
+  std::string name;
+  try {
+    name = py::str(py::dtype::from_args(py::reinterpret_borrow<py::object>(dt)).attr("name"));
+  } catch (py::error_already_set&) {
+    if (py::isinstance<py::str>(dt))
+      throw py::value_error(std::string(where) + ": unsupported dtype '" + dt.cast<std::string>() +
+                            "' (supported: float16, float32, float64, int32, int64)");
+    throw py::value_error(std::string(where) + ": dtype " + std::string(py::repr(dt)) + " is not a dtype");
+  }
+  if (name == "float16") return cuda_kind::f16;
+  if (name == "float32") return cuda_kind::f32;
+  if (name == "float64") return cuda_kind::f64;
+  if (name == "int32") return cuda_kind::i32;
+  if (name == "int64") return cuda_kind::i64;
+  throw py::value_error(std::string(where) + ": unsupported dtype '" + name +
+                        "' (supported: float16, float32, float64, int32, int64)");
+}
+
+// Calls fn(T{}) with T the CUDA-side type of k.
+template <class F>
+cudaError_t cuda_dispatch(cuda_kind k, F&& fn) {
+  switch (k) {
+    case cuda_kind::f16: return fn(__half{});
+    case cuda_kind::f32: return fn(float{});
+    case cuda_kind::f64: return fn(double{});
+    case cuda_kind::i32: return fn(int{});
+    default: return fn(static_cast<long long>(0));
+  }
+}
+
+[[noreturn]] void raise_cuda(const char* where, cudaError_t e) {
+  throw std::runtime_error(std::string(where) + ": CUDA error " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
+                           ")");
+}
+
+std::uintptr_t to_address(py::handle h, const char* where, const char* what, std::size_t i) {
+  if (!PyIndex_Check(h.ptr()))
+    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is not an integer");
+  long long v = 0;
+  try {
+    v = py::cast<long long>(py::int_(py::reinterpret_borrow<py::object>(h)));
+  } catch (py::error_already_set&) {
+    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is not an integer");
+  } catch (py::cast_error&) {
+    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is out of range");
+  }
+  if (v < 0) throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is negative");
+  return static_cast<std::uintptr_t>(v);
+}
+
+std::vector<py::object> items_of(py::handle seq, const char* where, const char* what) {
+  if (!PySequence_Check(seq.ptr()) || py::isinstance<py::str>(seq))
+    throw py::value_error(std::string(where) + ": " + what + " must be a sequence");
+  std::vector<py::object> out;
+  for (py::handle h : py::reinterpret_borrow<py::sequence>(seq)) out.push_back(py::reinterpret_borrow<py::object>(h));
+  return out;
+}
+
+std::vector<void*> device_pointers(py::handle seq, const char* where) {
+  std::vector<void*> ptrs;
+  for (const py::object& o : items_of(seq, where, "ptrs")) {
+    const std::uintptr_t a = to_address(o, where, "pointer", ptrs.size());
+    if (a == 0) throw py::value_error(std::string(where) + ": pointer " + std::to_string(ptrs.size()) + " is null");
+    ptrs.push_back(reinterpret_cast<void*>(a));
+  }
+  if (ptrs.empty()) throw py::value_error(std::string(where) + ": expected at least one device pointer, got none");
+  return ptrs;
+}
+
+void check_count(long long count, const char* where) {
+  if (count < 0) throw py::value_error(std::string(where) + ": count must be >= 0, got " + std::to_string(count));
+}
+
+int cuda_device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: report none, leave no error behind
+    return 0;
+  }
+  return n;
+}
+
+void cuda_all_reduce(py::handle ptrs_seq, long long count, py::handle dtype, int op_i, std::uintptr_t stream_i,
+                     int device, bool two_shot) {
+  const char* where = "cuda_all_reduce";
+  const auto op = to_op(op_i);
+  check_count(count, where);
+  const cuda_kind k = parse_dtype(dtype, where);
+  std::vector<void*> p = device_pointers(ptrs_seq, where);
+  if (p.size() > static_cast<std::size_t>(INT32_MAX)) throw py::value_error("cuda_all_reduce: too many buffers");
+  if (device < -1) throw py::value_error("cuda_all_reduce: device must be >= 0 (or -1 for the current one)");
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_i);
+  cudaError_t e = cudaSuccess;
+  {
+    py::gil_scoped_release nogil;
+    // Even a launch with nothing to do must find a usable device: an error here is the honest
+    // answer on a machine without one.
+    int saved = 0;
+    e = cudaGetDevice(&saved);
+    if (e == cudaSuccess && device >= 0) e = cudaSetDevice(device);
+    if (e == cudaSuccess) {
+      e = cuda_dispatch(k, [&](auto t) {
+        using T = decltype(t);
+        const int n = static_cast<int>(p.size());
+        return two_shot ? cudist::cuda::all_reduce_two_shot<T>(typed<T>(p), n, count, op, stream)
+                        : cudist::cuda::all_reduce<T>(typed<T>(p), n, count, op, stream);
+      });
+      if (device >= 0) cudaSetDevice(saved);
+    }
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    raise_cuda(where, e);
+  }
+}
+
+void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype, int op_i, py::handle streams_seq) {
+  const char* where = "cuda_p2p_all_reduce";
+  const auto op = to_op(op_i);
+  check_count(count, where);
+  const cuda_kind k = parse_dtype(dtype, where);
+  std::vector<void*> p;
+  std::vector<int> devices;
+  for (const py::object& pair : items_of(bufs_seq, where, "bufs")) {
+    const std::string i = std::to_string(p.size());
+    if (!PySequence_Check(pair.ptr()) || PySequence_Size(pair.ptr()) != 2)
+      throw py::value_error(std::string(where) + ": bufs " + i + " must be a (pointer, device) pair");
+    const std::uintptr_t a = to_address(pair[py::int_(0)], where, "pointer", p.size());
+    if (a == 0) throw py::value_error(std::string(where) + ": pointer " + i + " is null");
+    const std::uintptr_t d = to_address(pair[py::int_(1)], where, "device of buffer", p.size());
+    if (d > static_cast<std::uintptr_t>(INT32_MAX))
+      throw py::value_error(std::string(where) + ": device of buffer " + i + " is out of range");
+    p.push_back(reinterpret_cast<void*>(a));
+    devices.push_back(static_cast<int>(d));
+  }
+  if (p.empty()) throw py::value_error(std::string(where) + ": expected at least one (pointer, device) pair, got none");
+  std::vector<cudaStream_t> streams;
+  if (!streams_seq.is_none()) {
+    for (const py::object& o : items_of(streams_seq, where, "streams"))
+      streams.push_back(reinterpret_cast<cudaStream_t>(to_address(o, where, "stream", streams.size())));
+    if (streams.size() != p.size())
+      throw py::value_error(std::string(where) + ": got " + std::to_string(streams.size()) + " streams for " +
+                            std::to_string(p.size()) + " buffers");
+  }
+  cudaError_t e = cudaSuccess;
+  {
+    py::gil_scoped_release nogil;  // enabling peer access the first time takes milliseconds
+    e = cuda_dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      return cudist::cuda::p2p_all_reduce<T>(typed<T>(p), devices.data(), streams.empty() ? nullptr : streams.data(),
+                                             static_cast<int>(p.size()), count, op);
+    });
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    raise_cuda(where, e);
+  }
+}
+#endif  // CUDIST_CORE_WITH_CUDA
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -366,4 +545,28 @@ PYBIND11_MODULE(_core, m) {
   m.def("set_streaming_threshold", &cudist::set_streaming_threshold, py::arg("nbytes"),
         "Bytes written from which kernels use streaming stores (returns the previous value; for benchmarks).");
   m.def("hardware_threads", &cudist::thread_pool::hardware_threads, "Hardware threads of this machine.");
+
+  // The CUDA launchers, when the extension was built with a CUDA compiler (see cuda_built).
+#ifdef CUDIST_CORE_WITH_CUDA
+  m.attr("cuda_built") = true;
+  m.attr("cuda_architectures") = CUDIST_CUDA_ARCHITECTURES;
+  m.attr("cuda_runtime_version") = CUDART_VERSION;
+  m.def("cuda_device_count", &cuda_device_count,
+        "CUDA devices visible to the extension's (static) CUDA runtime; 0 without a driver or device.");
+  m.def("cuda_all_reduce", &cuda_all_reduce, py::arg("ptrs"), py::arg("count"), py::arg("dtype"), py::arg("op"),
+        py::arg("stream") = 0, py::arg("device") = -1, py::arg("two_shot") = false,
+        "Enqueues cudist::cuda::all_reduce (or all_reduce_two_shot) on ``stream`` of ``device`` (-1: the current "
+        "one) over the device buffers at the integer addresses ``ptrs``, ``count`` elements of ``dtype`` each; "
+        "op 0=SUM, 1=MEAN. Raises RuntimeError naming the CUDA error.");
+  m.def("cuda_p2p_all_reduce", &cuda_p2p_all_reduce, py::arg("bufs"), py::arg("count"), py::arg("dtype"),
+        py::arg("op"), py::arg("streams") = py::none(),
+        "Enqueues cudist::cuda::p2p_all_reduce over ``bufs``, a sequence of (pointer, device) pairs, with one "
+        "stream per buffer (None: the devices' default streams). Raises RuntimeError naming the CUDA error.");
+#else
+  m.attr("cuda_built") = false;
+  m.attr("cuda_architectures") = "";
+  m.attr("cuda_runtime_version") = 0;
+  m.def(
+      "cuda_device_count", [] { return 0; }, "Always 0: this extension was built without CUDA.");
+#endif
 }

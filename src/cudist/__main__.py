@@ -34,6 +34,7 @@ def _info() -> str:
             lines.append(f"  {name:7s} available")
         except BackendUnavailableError as e:
             lines.append(f"  {name:7s} broken: {e}")
+    lines.append(_extension_info())
     env = os.environ.get("CUDIST_BACKEND")
     if not env:
         lines.append(f"default CPU backend: {get_backend().name}")
@@ -46,6 +47,20 @@ def _info() -> str:
         except (ValueError, BackendUnavailableError) as e:
             lines.append(f"CUDIST_BACKEND={env} is unusable: {e}")
     return "\n".join(lines)
+
+
+def _extension_info() -> str:
+    """How the C++ extension was built: with the CUDA launchers or CPU only."""
+    try:
+        from cudist import _core
+    except ImportError as e:
+        return f"C++ extension: not importable ({e})"
+    if not getattr(_core, "cuda_built", False):
+        return "C++ extension: CPU only (built without a CUDA compiler)"
+    v = _core.cuda_runtime_version
+    archs = ", ".join(f"sm_{a}" for a in str(_core.cuda_architectures).split(",") if a)
+    # Counting devices would initialise CUDA, which a summary should not do (as for cupy above).
+    return f"C++ extension: with CUDA launchers (CUDA runtime {v // 1000}.{v % 1000 // 10}, static; {archs})"
 
 
 def main(argv=None) -> int:
