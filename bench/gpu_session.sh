@@ -7,12 +7,17 @@
 #
 # `run` installs cudist with the image's Python (which has CuPy, scikit-build-core, pybind11, nvcc),
 # runs the gpu/multi_gpu tests and the GPU benchmarks, writes full logs under $OUT (the device tool
-# brings that folder back) and prints a short summary last.
+# brings that folder back) and prints a short summary last. GPU_BENCH_MIB (default 256) and
+# GPU_BENCH_MAX (default 256M) shrink the benchmarks, e.g. for a dry run under the CuPy emulation:
+#   PYTHON=<venv>/bin/python PYTHONPATH=$PWD/tests/emu/fakecupy GPU_BENCH_MIB=1 GPU_BENCH_MAX=64K \
+#     bench/gpu_session.sh run
 set -u
 cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
 PY=${PYTHON:-python3}
 OUT=${OUT:-/tmp/cudist-gpu-out}
+MIB=${GPU_BENCH_MIB:-256}
+MAX=${GPU_BENCH_MAX:-256M}
 
 prepare() {
   mkdir -p "$WHEELS"
@@ -41,15 +46,15 @@ tests() {
 }
 
 bench() {
-  "$PY" bench/gpu_kernels.py --mib 256 --repeats 20 >"$OUT/gpu_kernels.txt" 2>&1
+  "$PY" bench/gpu_kernels.py --mib "$MIB" --repeats 20 >"$OUT/gpu_kernels.txt" 2>&1
   echo "gpu_kernels rc=$?"
   # nccl-tests style sweeps on one GPU (replicas = buffers on device 0).
   for n in 2 4 8; do
-    "$PY" -m cudist.bench all-reduce --backend cupy --replicas $n -b 4K -e 256M -f 4 -n 20 -w 5 --no-progress \
+    "$PY" -m cudist.bench all-reduce --backend cupy --replicas $n -b 4K -e "$MAX" -f 4 -n 20 -w 5 --no-progress \
       --json "$OUT/all-reduce-n$n.json" >"$OUT/all-reduce-n$n.txt" 2>&1
     echo "cudist-bench all-reduce N=$n rc=$?"
   done
-  "$PY" -m cudist.bench update --optimizer adam --backend cupy --replicas 4 -b 4K -e 256M -f 16 --no-progress \
+  "$PY" -m cudist.bench update --optimizer adam --backend cupy --replicas 4 -b 4K -e "$MAX" -f 16 --no-progress \
     --json "$OUT/adam.json" >"$OUT/adam.txt" 2>&1
   echo "cudist-bench update adam rc=$?"
   cat "$OUT/gpu_kernels.txt"
@@ -68,5 +73,5 @@ case "${1:-}" in
       *) echo "unknown: ${2}"; exit 2 ;;
     esac
     ;;
-  *) sed -n 2,11p "$0"; exit 2 ;;
+  *) sed -n 2,13p "$0"; exit 2 ;;
 esac

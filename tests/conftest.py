@@ -41,13 +41,37 @@ def _four_logical_cpus():
     yield
 
 
-STRATEGY_PARAMS = ["one_device", "mirrored1", "mirrored2", "mirrored3", "mirrored4", "central2"]
+#: The strategy kinds the common tests run over: on logical CPUs, and (marker ``gpu``) on logical
+#: GPUs split from physical GPU 0, where variables and values are CuPy arrays.
+STRATEGY_PARAMS = [
+    "one_device", "mirrored1", "mirrored2", "mirrored3", "mirrored4", "central2",
+    pytest.param("one_device_gpu", marks=pytest.mark.gpu),
+    pytest.param("mirrored_gpu3", marks=pytest.mark.gpu),
+    pytest.param("central_gpu2", marks=pytest.mark.gpu),  # GPU replicas, variables in host memory
+]
+
+
+def set_gpu0_split(n):
+    """Splits physical GPU 0 into ``n`` logical GPUs (None: back to one)."""
+    from cudist import config
+
+    gpu0 = config.list_physical_devices("GPU")[0]
+    config.set_logical_device_configuration(gpu0, None if n is None else [config.LogicalDeviceConfiguration()] * n)
 
 
 def make_strategy(kind: str):
-    """Builds the strategy named by a STRATEGY_PARAMS entry on logical CPUs."""
+    """Builds the strategy named by a STRATEGY_PARAMS entry (``*_gpu<n>`` kinds split GPU 0 first)."""
     import cudist
 
+    if "_gpu" in kind:
+        n = int(kind[-1]) if kind[-1].isdigit() else 1
+        set_gpu0_split(n)
+        gpus = [f"/gpu:{i}" for i in range(n)]
+        if kind.startswith("one_device"):
+            return cudist.OneDeviceStrategy(gpus[0])
+        if kind.startswith("mirrored"):
+            return cudist.MirroredStrategy(gpus)
+        return cudist.CentralStorageStrategy(compute_devices=gpus, parameter_device="/cpu:0")
     if kind == "one_device":
         return cudist.OneDeviceStrategy("/cpu:0")
     if kind.startswith("mirrored"):
@@ -61,4 +85,7 @@ def make_strategy(kind: str):
 @pytest.fixture(params=STRATEGY_PARAMS)
 def strategy(request):
     """Each strategy kind the common tests run over."""
-    return make_strategy(request.param)
+    s = make_strategy(request.param)
+    yield s
+    if "_gpu" in request.param:
+        set_gpu0_split(None)

@@ -8,17 +8,18 @@ import time
 
 import numpy as np
 import pytest
-from conftest import make_strategy
+from conftest import STRATEGY_PARAMS, make_strategy
 
 import cudist
 from cudist import _input_lib
+from cudist._arrays import is_device_array, to_host
 from cudist._kernels._split import split_sizes
 from cudist.data import Dataset, TensorSpec
 
 
 def _local(strategy, value):
-    """Per-replica components as a list (a plain value for one replica becomes [value])."""
-    return list(strategy.experimental_local_results(value))
+    """Per-replica components as a list (a plain value for one replica becomes [value]), on the host."""
+    return [to_host(x) if is_device_array(x) else x for x in strategy.experimental_local_results(value)]
 
 
 def _threads():
@@ -401,7 +402,9 @@ def test_experimental_make_numpy_dataset():
 
 
 # --------------------------------------------------------------------------------- devices
-def test_cpu_device_put_is_identity(strategy):
+@pytest.mark.parametrize("kind", [k for k in STRATEGY_PARAMS if isinstance(k, str)])  # the CPU kinds
+def test_cpu_device_put_is_identity(kind):
+    strategy = make_strategy(kind)
     for d in strategy.extended.worker_devices:
         x = np.arange(3)
         assert _input_lib.device_putter(d)(x) is x

@@ -7,6 +7,7 @@ import pytest
 
 import cudist
 from cudist import PerReplica
+from cudist._arrays import to_host
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}"
 
@@ -431,7 +432,7 @@ def test_tf1_iterators_warn(strategy):
         it = strategy.make_dataset_iterator(cudist.data.Dataset.range(8).batch(4))
     it.initialize()
     first = strategy.experimental_local_results(it.get_next())
-    got = np.concatenate([np.atleast_1d(np.asarray(x)) for x in first])
+    got = np.concatenate([np.atleast_1d(to_host(x)) for x in first])
     np.testing.assert_array_equal(got, [0, 1, 2, 3])
     with pytest.warns(DeprecationWarning, match="experimental_make_numpy_dataset"):
         ds = strategy.experimental_make_numpy_dataset(np.arange(3))

@@ -12,6 +12,7 @@ import pytest
 import cudist
 from cudist import VariableAggregation as VA
 from cudist import VariableSynchronization as VS
+from cudist._arrays import to_host
 from cudist._variables import AggregatingVariable
 
 from conftest import make_strategy
@@ -53,7 +54,7 @@ def _rid():
 
 
 def _local(strategy, result):
-    return [np.asarray(x) for x in strategy.experimental_local_results(result)]
+    return [to_host(x) for x in strategy.experimental_local_results(result)]
 
 
 # ---------------------------------------------------------------------------- plain variables
@@ -242,7 +243,7 @@ def test_creation_in_scope(strategy):
     assert v._distribute_strategy is strategy
     assert v.name == "v:0" and v.shape == (3, 2) and v.dtype == np.float32 and v.trainable
     np.testing.assert_array_equal(v.numpy(), x)
-    np.testing.assert_array_equal(v.read_value(), x)
+    np.testing.assert_array_equal(to_host(v.read_value()), x)
     local = strategy.experimental_local_results(v)
     assert len(local) == (n if kind == "mirrored" else 1)
     assert all(a is b for a, b in zip(local, _components(v), strict=True))
@@ -251,8 +252,8 @@ def test_creation_in_scope(strategy):
         assert isinstance(v, cudist.MirroredVariable) and isinstance(v, cudist.DistributedValues)
         assert v.synchronization is VS.ON_WRITE
         assert [c.name for c in v.values] == ["v:0"] + [f"v/replica_{i}:0" for i in range(1, n)]
-        assert [c.device for c in v.values] == [CPU.format(i) for i in range(n)]
-        assert v.device == CPU.format(0)
+        assert [c.device for c in v.values] == list(strategy.extended.worker_devices)
+        assert v.device == strategy.extended.worker_devices[0]
         assert len({id(c._array) for c in v.values}) == n  # one buffer per device
         assert all(not np.shares_memory(a._array, b._array) for a in v.values for b in v.values if a is not b)
         for c in v.values:
@@ -261,12 +262,12 @@ def test_creation_in_scope(strategy):
         assert len(v) == 3  # a variable's len is its first dimension, not the replica count
     elif kind == "central":
         assert isinstance(v, AggregatingVariable) and not isinstance(v, cudist.DistributedValues)
-        assert v.device == CPU.format(0)  # the parameter device
+        assert v.device == CPU.format(0) == strategy.extended.parameter_devices[0]
         assert repr(v).startswith("<cudist.Variable 'v:0' shape=(3, 2)")
         assert v.synchronization is VS.AUTO
     else:
         assert type(v) is cudist.Variable
-        assert v.device == CPU.format(0)
+        assert v.device == strategy.extended.worker_devices[0]
         assert v.synchronization is VS.AUTO
 
 
@@ -328,7 +329,7 @@ def test_cross_replica_updates_write_every_component(strategy, dtype):
             # TF returns a Mirrored of the updated values
             assert isinstance(r, cudist.Mirrored) and len(r.values) == _n(strategy)
             for a in r.values:
-                np.testing.assert_array_equal(a, want)
+                np.testing.assert_array_equal(to_host(a), want)
         v.assign_sub(d)
         v.assign_sub(d)
         want = want - d - d
