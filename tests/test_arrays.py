@@ -128,12 +128,22 @@ def _fake_cupy():
         return ndarray(np.array(raw(a), order=order, copy=True), current[0])
 
     runtime = types.SimpleNamespace(getDevice=lambda: current[0], setDevice=lambda d: current.__setitem__(0, d))
+
+    class _Event:  # this stand-in runs everything at once: ordering between devices is a no-op
+        def record(self, stream=None):
+            pass
+
+    class _Stream:
+        def wait_event(self, ev):
+            pass
+
     return types.SimpleNamespace(
         ndarray=ndarray,
         asarray=asarray,
         array=array,
         asnumpy=lambda a: raw(a).copy(),
-        cuda=types.SimpleNamespace(Device=Device, runtime=runtime),
+        cuda=types.SimpleNamespace(Device=Device, runtime=runtime, Event=lambda **kw: _Event(),
+                                   get_current_stream=lambda device_id=None: _Stream()),
     )
 
 

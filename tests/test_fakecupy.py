@@ -72,6 +72,7 @@ def test_arrays_are_device_tagged_wrappers_like_cupy(cp):
 
 def test_new_arrays_land_on_the_current_device(cp):
     a = cp.arange(4, dtype=cp.float32)
+    cp.cuda.Device(0).synchronize()  # a copy on device 3 is not ordered after device 0's queued work
     with cp.cuda.Device(3):
         assert cp.empty_like(a).device.id == 3  # CuPy: *_like use the current device, not a's
         assert a.copy().device.id == 3 and a[1:].device.id == 0  # a view stays where its memory is
@@ -86,6 +87,7 @@ def test_operands_on_other_devices_follow_cupys_peer_rules(cp):
         x = cp.ones(3, cp.float32)
     with cp.cuda.Device(2):
         y = cp.ones(3, cp.float32)
+        cp.cuda.runtime.deviceSynchronize()  # copies on device 0 are not ordered after device 2's work
     with pytest.warns(cp._util.PerformanceWarning, match="Peer access has been activated automatically"):
         z = x + 1  # device 0 may reach device 1: CuPy enables peer access and warns
     assert z.device.id == 0
@@ -200,10 +202,15 @@ def test_raw_kernel_refuses_what_a_gpu_would(cp, one_shot):
         far = cp.ones(100, cp.float32)  # device 0 can never reach device 2
     with cp.cuda.Device(3):
         peer = cp.ones(100, cp.float32)  # device 2 can reach device 3 once access is enabled
+        cp.cuda.Device(3).synchronize()  # kernels on device 2 are not ordered after device 3's work
+    # Pointer-table entries are checked when the kernel runs, so the error comes at the next
+    # synchronization, as CUDA reports illegal addresses.
+    one_shot((1,), (256,), _args(cp, [a, far], [a], 100))
     with pytest.raises(RuntimeError, match="cudaErrorIllegalAddress.*device 0 touched memory of device 2"):
-        one_shot((1,), (256,), _args(cp, [a, far], [a], 100))
+        cp.cuda.Device(0).synchronize()
+    one_shot((1,), (256,), _args(cp, [a], [a], 101))
     with pytest.raises(RuntimeError, match="past the end"):
-        one_shot((1,), (256,), _args(cp, [a], [a], 101))
+        cp.cuda.Device(0).synchronize()
     with pytest.raises(TypeError, match="int64"):
         one_shot((1,), (256,), (_table(cp, [a]), np.int32(1), _table(cp, [a]), np.int32(1), 100, np.int32(0)))
     with pytest.raises(ValueError, match="kMaxReplicas"):
@@ -211,8 +218,9 @@ def test_raw_kernel_refuses_what_a_gpu_would(cp, one_shot):
     with cp.cuda.Device(2):
         args = _args(cp, [far, peer], [far], 100)
         if (2, 3) not in cp._emu.PEER_ENABLED:
+            one_shot((1,), (256,), args)
             with pytest.raises(RuntimeError, match="peer access to it was never enabled"):
-                one_shot((1,), (256,), args)
+                cp.cuda.Device(2).synchronize()
             cp.cuda.runtime.deviceEnablePeerAccess(3)
         one_shot((1,), (256,), args)
     np.testing.assert_array_equal(cp.asnumpy(far), np.full(100, 2, np.float32))
@@ -225,3 +233,188 @@ def test_raw_kernel_refuses_what_a_gpu_would(cp, one_shot):
         host_table = cp.asarray(np.array([pinned.ctypes.data, a.data.ptr], dtype=np.uint64))
         one_shot((1,), (256,), (host_table, np.int32(2), _table(cp, [a]), np.int32(1), np.int64(100), np.int32(0)))
     np.testing.assert_array_equal(cp.asnumpy(a), np.full(100, 5, np.float32))
+
+
+# ----------------------------------------------------------------------------- asynchronous work
+# The fake queues device work per stream and runs it only when something waits for it, so the
+# races GPU code is prone to give wrong data every time instead of once in a while on a busy GPU.
+
+
+def _pinned(cp, values):
+    import cupyx
+
+    p = cupyx.empty_pinned(len(values), np.float32)
+    p[:] = values
+    return p
+
+
+def test_async_copy_reads_a_pinned_buffer_when_it_runs(cp):
+    s = cp.cuda.Stream(non_blocking=True)
+    host = _pinned(cp, [1, 2, 3])
+    d = cp.empty(3, cp.float32)
+    d.set(host, stream=s)
+    host[:] = 7  # the host overwrites the staging buffer before the copy ran: the race
+    s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(d), [7, 7, 7])
+    host[:] = [4, 5, 6]
+    d.set(host, stream=s)
+    ev = s.record()
+    ev.synchronize()  # the right way: wait for the copy before reusing the buffer
+    host[:] = 9
+    np.testing.assert_array_equal(cp.asnumpy(d), [4, 5, 6])
+    # From pageable memory the driver stages the data at once: no race.
+    d.set(np.array([1, 1, 2], np.float32), stream=s)
+    s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(d), [1, 1, 2])
+
+
+def test_a_consumer_stream_must_wait_for_the_copy_streams_event(cp):
+    copy_s = cp.cuda.Stream(non_blocking=True)
+    d = cp.zeros(4, cp.float32)
+    cp.cuda.Device(0).synchronize()
+    d.set(_pinned(cp, [1, 2, 3, 4]), stream=copy_s)
+    done = copy_s.record()
+    stale = d * 10  # on the null stream: a non-blocking stream's copy is not ordered before it
+    np.testing.assert_array_equal(cp.asnumpy(stale), [0, 0, 0, 0])
+    assert copy_s.done  # querying runs the queue (a polling loop terminates)
+    d2 = cp.zeros(4, cp.float32)
+    cp.cuda.Device(0).synchronize()
+    d2.set(_pinned(cp, [1, 2, 3, 4]), stream=copy_s)
+    done = copy_s.record()
+    cp.cuda.get_current_stream().wait_event(done)
+    np.testing.assert_array_equal(cp.asnumpy(d2 * 10), [10, 20, 30, 40])
+
+
+def test_legacy_null_stream_orders_against_blocking_streams_only(cp):
+    blocking, free = cp.cuda.Stream(), cp.cuda.Stream(non_blocking=True)
+    for s, want in ((blocking, [2, 4]), (free, [0, 0])):
+        d = cp.zeros(2, cp.float32)
+        cp.cuda.Device(0).synchronize()
+        d.set(_pinned(cp, [1, 2]), stream=s)
+        np.testing.assert_array_equal(cp.asnumpy(d * 2), want)  # get() syncs the null stream only
+        s.synchronize()
+    # ... and a blocking stream's work waits for the null stream's earlier work.
+    d = cp.zeros(2, cp.float32)
+    d += 5
+    with blocking:
+        e = d * 3
+    blocking.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(e), [15, 15])
+
+
+def test_get_synchronizes_only_the_current_stream(cp):
+    s = cp.cuda.Stream(non_blocking=True)
+    d = cp.zeros(3, cp.float32)
+    cp.cuda.Device(0).synchronize()
+    with s:
+        d += 1
+    np.testing.assert_array_equal(d.get(), [0, 0, 0])  # the null stream knows nothing of s
+    with s:
+        np.testing.assert_array_equal(d.get(), [1, 1, 1])  # get() on s syncs s
+    with s:
+        d += 1
+        assert float(d.sum()) == 6.0  # item()/float() sync the current stream too
+
+
+def test_pool_reuses_a_freed_block_on_its_stream_and_queued_work_on_another_races(cp):
+    copy_s = cp.cuda.Stream(non_blocking=True)
+    x = cp.asarray(np.arange(256, dtype=np.float32))
+    cp.cuda.Device(0).synchronize()
+    ptr = x.data.ptr
+    y = x * 2  # queued on the null stream, reads x when it runs
+    del x  # CuPy's pool takes the block back at once (stream-ordered for the null stream)
+    z = cp.empty(256, cp.float32)
+    assert z.data.ptr == ptr  # the next allocation of that size on the same stream gets it
+    z.set(_pinned(cp, np.full(256, -1)), stream=copy_s)  # written without waiting for y's kernel
+    copy_s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(y), np.full(256, -2))  # y read the new owner's data
+    # The fix: the copy stream waits for the work queued on the allocating stream first.
+    x = cp.asarray(np.arange(256, dtype=np.float32))
+    y = x * 2
+    del x
+    z = cp.empty(256, cp.float32)
+    copy_s.wait_event(cp.cuda.get_current_stream().record())
+    z.set(_pinned(cp, np.full(256, -1)), stream=copy_s)
+    copy_s.synchronize()
+    np.testing.assert_array_equal(cp.asnumpy(y), np.arange(256) * 2)
+    with copy_s:
+        w = cp.empty(256, cp.float32)  # another stream's allocation never gets a block freed on this one
+    assert w.data.ptr != z.data.ptr
+
+
+def test_sync_mode_runs_everything_at_once(cp):
+    cp._emu.SYNC = True
+    try:
+        s = cp.cuda.Stream(non_blocking=True)
+        host = _pinned(cp, [1, 2])
+        d = cp.empty(2, cp.float32)
+        d.set(host, stream=s)
+        host[:] = 0  # too late: the copy ran already
+        np.testing.assert_array_equal(cp.asnumpy(d), [1, 2])
+    finally:
+        cp._emu.SYNC = False
+
+
+def test_elapsed_time_needs_completed_events(cp):
+    a, b = cp.cuda.Event(), cp.cuda.Event()
+    a.record()
+    cp.ones(10) * 2
+    b.record()
+    with pytest.raises(cp.cuda.runtime.CUDARuntimeError, match="NotReady"):
+        cp.cuda.get_elapsed_time(a, b)
+    b.synchronize()
+    assert cp.cuda.get_elapsed_time(a, b) >= 0
+
+
+class _MiniFeeder:
+    """A small copy of cudist's GPU input pattern (_input_lib._GpuFeeder): host batches packed
+    into a ring of pinned slots, copied on a non-blocking copy stream into arrays allocated on the
+    consumer's stream, handed out after the consumer waits for the copy's event. ``bug`` drops
+    one of its three waits."""
+
+    def __init__(self, cp, bug=None, ring=2):
+        self.cp, self.bug = cp, bug
+        self.copy = cp.cuda.Stream(non_blocking=True)
+        self.slots = [[None, None] for _ in range(ring)]  # [pinned buffer, event of its last copy]
+        self.i = 0
+
+    def put(self, batch):
+        cp = self.cp
+        slot = self.slots[self.i % len(self.slots)]
+        self.i += 1
+        if slot[1] is not None and self.bug != "slot_wait":
+            slot[1].synchronize()  # the copy that read this buffer last time is done
+        if slot[0] is None:
+            import cupyx
+
+            slot[0] = cupyx.empty_pinned(batch.shape, batch.dtype)
+        slot[0][...] = batch
+        out = cp.empty(batch.shape, batch.dtype)
+        if self.bug != "ready_wait":
+            self.copy.wait_event(cp.cuda.get_current_stream().record())
+        out.set(slot[0], stream=self.copy)
+        slot[1] = self.copy.record()
+        return out, slot[1]
+
+    def hand_out(self, flight):
+        out, ev = flight
+        if self.bug != "consumer_wait":
+            self.cp.cuda.get_current_stream().wait_event(ev)
+        return out
+
+
+@pytest.mark.parametrize("bug", [None, "consumer_wait", "slot_wait", "ready_wait"])
+def test_a_race_planted_in_the_input_pipeline_pattern_is_caught(cp, bug):
+    feeder = _MiniFeeder(cp, bug)
+    batches = [np.arange(512, dtype=np.float32) + 1000 * k for k in range(6)]
+    ahead = [feeder.put(batches[0])]  # one step in flight ahead of the consumer, as cudist does
+    results = []
+    for k in range(len(batches)):
+        if k + 1 < len(batches):
+            ahead.append(feeder.put(batches[k + 1]))
+        x = feeder.hand_out(ahead.pop(0))
+        results.append(x * 2)  # the training step: queued on the consumer's stream
+        del x  # the batch is dropped: its block goes back to the pool for the next step
+    got = [cp.asnumpy(r) for r in results]
+    ok = all(np.array_equal(g, b * 2) for g, b in zip(got, batches))
+    assert ok == (bug is None), f"planted race {bug!r} {'went unnoticed' if ok else 'broke a correct pipeline'}"

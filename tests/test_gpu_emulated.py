@@ -1,9 +1,11 @@
-"""cudist's whole GPU test suite on the CPU: every ``tests/test_gpu_*.py`` under the fake CuPy.
+"""cudist's whole GPU test suite on the CPU: every gpu-marked test under the fake CuPy.
 
 The fake (tests/emu/fakecupy) backs CuPy arrays with host memory tagged by device, runs cudist's
 real CUDA kernels compiled for the host (tests/emu/build.py), and refuses what a GPU would refuse
 (touching another GPU's memory without enabled peer access, out-of-bounds pointers, wrongly typed
-kernel arguments). The gpu-marked tests run in a subprocess with 4 emulated GPUs: once with peer
+kernel arguments). Work is asynchronous as on a GPU (queued per stream, run when waited for), so a
+missing stream/event wait or a staging buffer reused too early gives wrong data, every time. The
+gpu-marked tests run in a subprocess with 4 emulated GPUs: once with peer
 access between all of them, once with none (so cross-GPU work must be staged through copies).
 No gpu test may skip itself under the fake: the passed count must cover every collected test.
 """
@@ -20,7 +22,13 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "emu" / "fakecupy"
-GPU_FILES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_gpu_*.py") if p.name != Path(__file__).name)
+# Every test file with gpu/multi_gpu tests (the test_gpu_* files, and the common strategy, variable,
+# input and optimizer tests over their GPU strategy kinds), except those that need a real CUDA
+# runtime of their own: cudist._core's CUDA launchers and the compiled C++ CUDA example.
+_REAL_GPU_ONLY = {"test_native_cuda.py", "test_cpp_example.py", Path(__file__).name}
+GPU_FILES = sorted(
+    str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if p.name not in _REAL_GPU_ONLY
+)
 
 
 def _compiler_or_skip():
@@ -33,8 +41,8 @@ def _compiler_or_skip():
         pytest.skip("no C++ compiler: the CUDA emulation cannot be built")
 
 
-def _run_gpu_suite(files, peer: str):
-    env = dict(os.environ)
+def _run_gpu_suite(files, peer: str, **extra_env):
+    env = dict(os.environ, **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(FAKE), *filter(None, [env.get("PYTHONPATH")])])
     env["CUDIST_EMU_DEVICES"] = "4"
     env["CUDIST_EMU_PEER"] = peer
@@ -81,3 +89,12 @@ def test_kernel_and_strategy_suites_pass_without_peer_access():
     files = ["tests/test_gpu_kernels.py", "tests/test_gpu_strategy.py"]
     passed, _ = _run_gpu_suite(files, "none")
     assert passed > 100
+
+
+def test_input_and_strategy_suites_pass_in_the_fakes_synchronous_mode():
+    """CUDIST_EMU_SYNC=1 runs every operation at once (the debugging switch): nothing may depend on
+    the queues (e.g. a test that only passes because some work never ran)."""
+    _compiler_or_skip()
+    files = ["tests/test_gpu_input.py", "tests/test_gpu_strategy.py"]
+    passed, _ = _run_gpu_suite(files, "0,1;2,3", CUDIST_EMU_SYNC="1")
+    assert passed > 50

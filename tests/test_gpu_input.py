@@ -111,6 +111,25 @@ def test_split_steps_on_devices_match_numpy_and_stay_intact(strategy, buffer_siz
     assert feeder.pinned_allocations <= len(feeder.slots) * 2
 
 
+@pytest.mark.parametrize("buffer_size", [0, 2])
+def test_steps_dropped_after_queued_compute_do_not_corrupt_it(strategy, buffer_size):
+    """The training pattern: each step's arrays feed work queued on the consumer's stream and are
+    dropped at once, so the pool hands their memory to the steps copied next. Those copies run on
+    the copy stream, which must wait for the consumer's queued work before overwriting it."""
+    import cupy
+
+    n = strategy.num_replicas_in_sync
+    batches = _batches(2, 12, sizes=(8,))
+    opts = cudist.InputOptions(experimental_per_replica_buffer_size=buffer_size)
+    results = []
+    for step in strategy.experimental_distribute_dataset(batches, opts):
+        results.append([p * 2 for p in _local(strategy, step["x"])])  # queued, reads the step's memory
+        del step
+    for got, batch in zip(results, batches):
+        for g, w in zip(got, _split_np(batch["x"], n)):
+            np.testing.assert_array_equal(cupy.asnumpy(g), w * 2)
+
+
 def test_host_arrays_when_not_fetching_to_device(strategy):
     batches = _batches(2, 3)
     opts = cudist.InputOptions(experimental_fetch_to_device=False)

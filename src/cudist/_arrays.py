@@ -168,10 +168,38 @@ def to_gpu(a, gpu: int, *, copy: bool = False):
     """
     import cupy  # noqa: PLC0415 - only reached with GPU devices
 
-    if not copy and isinstance(a, cupy.ndarray) and a.device.id == gpu:
+    if isinstance(a, cupy.ndarray) and a.device.id != gpu:
+        return _copy_across(cupy, a, gpu, copy)
+    if not copy and isinstance(a, cupy.ndarray):
         return a
     with cupy.cuda.Device(gpu):
         return cupy.array(a, order="C", copy=True) if copy else cupy.asarray(a)
+
+
+def order_streams(cupy, waiter: int, source: int) -> None:
+    """Makes GPU ``waiter``'s current stream wait for the work queued so far on ``source``'s.
+
+    CUDA orders nothing across devices by itself: a copy or kernel on one GPU that reads memory
+    another GPU's stream still writes reads stale data, and one GPU's later writes (or the pool
+    reusing freed memory) can overtake another GPU's queued read of it.
+    """
+    if waiter == source:
+        return
+    with cupy.cuda.Device(source):
+        ev = cupy.cuda.Event(disable_timing=True)
+        ev.record()
+    with cupy.cuda.Device(waiter):
+        cupy.cuda.get_current_stream().wait_event(ev)
+
+
+def _copy_across(cupy, a, gpu: int, copy: bool):
+    """A copy of CuPy array ``a`` onto another GPU, ordered both ways against both GPUs' streams."""
+    src = a.device.id
+    order_streams(cupy, gpu, src)  # the copy reads what a's GPU wrote
+    with cupy.cuda.Device(gpu):
+        out = cupy.array(a, order="C", copy=True) if copy else cupy.asarray(a)
+    order_streams(cupy, src, gpu)  # a's GPU may overwrite or free a only after the copy read it
+    return out
 
 
 def place(a, device, *, copy: bool = False):
@@ -208,6 +236,8 @@ def like(a, ref, *, copy: bool = False):
         host = to_host(a)
         return host.copy() if copy and (host is a or not is_device_array(a)) else host
     xp = array_module(ref)
+    if xp is not np and isinstance(a, xp.ndarray) and a.device.id != ref.device.id:
+        return _copy_across(xp, a, ref.device.id, copy)
     with device_context(ref):
         return xp.array(a, copy=True) if copy else xp.asarray(a)
 

@@ -2,8 +2,9 @@
 
 Arrays are NumPy arrays in emulated device memory (:mod:`cupy._core`); ``RawModule`` runs cudist's
 real CUDA kernels compiled for the host (tests/emu/build.py) after checking every pointer they get
-(:mod:`cupy._raw`); ``cupy.cuda`` has devices, peer access, streams, events and NCCL with
-synchronous semantics. It is put on ``sys.path`` only by tests/test_gpu_emulated.py (and by hand:
+(:mod:`cupy._raw`); ``cupy.cuda`` has devices, peer access, streams, events and NCCL. Work is
+asynchronous as on a GPU: queued per stream and run when something waits for it (:mod:`cupy._emu`;
+``CUDIST_EMU_SYNC=1`` runs it at once, for debugging). It is put on ``sys.path`` only by tests/test_gpu_emulated.py (and by hand:
 ``PYTHONPATH=tests/emu/fakecupy``), never installed.
 """
 
@@ -16,7 +17,7 @@ import numpy as _np
 
 from cupy import _emu  # noqa: F401
 from cupy import cuda  # noqa: F401
-from cupy._core import PerformanceWarning, _apply_numpy, _cur, _from_cai, _to_device, _unwrap, _wrap_result, ndarray
+from cupy._core import PerformanceWarning, _apply_numpy, _cur, _from_cai, _inplace_numpy, _lazy, _submit, _to_device, _unwrap, ndarray
 from cupy._raw import RawKernel, RawModule  # noqa: F401
 
 __version__ = "13.6.0"
@@ -132,7 +133,10 @@ def empty(shape, dtype=float, order="C"):
 def _fill(shape, dtype, order, value):
     a = empty(shape, dtype, order)
     if a.size:
-        a._a[...] = value
+        dst = a._a
+        if isinstance(value, _np.ndarray):
+            value = value.copy()
+        _submit(lambda: dst.__setitem__(Ellipsis, value), "fill")
     return a
 
 
@@ -205,12 +209,12 @@ def copyto(dst, src, casting="same_kind", where=None):
     if not ok:
         raise TypeError(f"Cannot cast {src_dtype} to {dst.dtype} in {casting} casting mode")
     if where is not None:
-        _apply_numpy(_np.copyto, (dst, src), {"where": where, "casting": "unsafe"})
+        _inplace_numpy(_np.copyto, (dst, src), {"where": where, "casting": "unsafe"}, "copyto")
         return
     if dst.size == 0:
         return
     if scalar:
-        _apply_numpy(_np.copyto, (dst, src), {"casting": "unsafe"})
+        _inplace_numpy(_np.copyto, (dst, src), {"casting": "unsafe"}, "copyto")
         return
     for s, d in zip(reversed(src.shape), reversed(dst.shape)):
         if s not in (d, 1):
@@ -223,7 +227,7 @@ def copyto(dst, src, casting="same_kind", where=None):
     with cuda.Device(dst._dev):
         if src._dev != dst._dev:
             src = src.copy()
-        _apply_numpy(_np.copyto, (dst, src), {"casting": "unsafe"})
+        _inplace_numpy(_np.copyto, (dst, src), {"casting": "unsafe"}, "copyto")
 
 
 def concatenate(tup, axis=0, out=None, dtype=None, casting="same_kind"):
@@ -267,7 +271,8 @@ def _view_function(name):
     def wrapper(a, *args, **kwargs):
         if not isinstance(a, ndarray):
             raise TypeError(f"Unsupported type {type(a)}")
-        return _wrap_result(fn(a._a, *args, **kwargs), _cur(), views_of=(a,))
+        src = a._a
+        return _lazy(lambda: fn(src, *args, **kwargs), _cur(), views_of=(a,))
 
     wrapper.__module__ = "cupy"
     return wrapper

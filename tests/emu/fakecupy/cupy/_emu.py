@@ -13,11 +13,28 @@ Configuration (environment, read once at import):
     CUDIST_EMU_SMS: multiprocessors per GPU (default 2: small grids make the kernels' grid-stride
         loops take several turns on the test sizes).
     CUDIST_EMU_NCCL: ``0`` makes ``cupy.cuda.nccl.available`` False.
+    CUDIST_EMU_SYNC: ``1`` runs every operation as soon as it is queued (for debugging: a test that
+        passes only with it set has a missing stream/event wait or a host buffer race).
+
+Work is asynchronous as on a GPU: every device operation is queued on a stream (:class:`Queue`)
+and runs only when something forces it (a synchronize, an event query, a host read that syncs,
+a queue that waits on it). So a missing wait gives stale data deterministically instead of by luck.
+Streams follow CUDA: one stream runs in order; ``wait_event`` orders against the prefix recorded
+by the event; the legacy null stream of a device and that device's *blocking* streams order
+against each other, non-blocking streams do not.
+
+Memory is pooled as CuPy's pools do it: a freed device block goes back to the free list of the
+stream that was current when it was allocated and is reused first by the next allocation of the
+same rounded size on that stream (stream-ordered reuse, so a block still used by queued work of
+*another* stream is really overwritten -- the race CuPy's pool leaves to the user); a freed pinned
+block is reused by the next pinned allocation of that size regardless of streams, as in CuPy's
+pinned pool. Queued operations keep the memory itself (not its ownership) alive.
 """
 
 from __future__ import annotations
 
 import bisect
+import collections
 import os
 import threading
 import weakref
@@ -43,6 +60,7 @@ def _device_count() -> int:
 DEVICE_COUNT = _device_count()
 SMS = int(os.environ.get("CUDIST_EMU_SMS", "2"))
 NCCL_AVAILABLE = os.environ.get("CUDIST_EMU_NCCL", "1") != "0"
+SYNC = os.environ.get("CUDIST_EMU_SYNC", "0") == "1"
 
 
 def _peer_groups():
@@ -90,24 +108,40 @@ def check_device_id(device: int) -> None:
 
 # --------------------------------------------------------------------------------------- memory
 class Allocation:
-    """One live block: device memory (``device`` set) or pinned host memory (``device`` None)."""
+    """One block: device memory (``device`` set) or pinned host memory (``device`` None).
 
-    __slots__ = ("ptr", "size", "device", "_raw", "guard_at", "__weakref__")
+    ``live`` while its owner (a :class:`Owner` token held by the arrays/Memory objects using it)
+    exists; afterwards it sits in the pool's free list until it is handed out again. The bytes
+    (``raw``) stay valid as long as the Allocation object exists, so queued work holding it never
+    touches unmapped memory.
+    """
 
-    def __init__(self, ptr, size, device, raw, guard_at):
-        # Weak: the memory lives exactly as long as some array (a view of `raw`) uses it.
-        self.ptr, self.size, self.device, self._raw, self.guard_at = ptr, size, device, weakref.ref(raw), guard_at
+    __slots__ = ("ptr", "size", "capacity", "device", "stream", "raw", "guard_at", "base_off", "live", "stamp", "__weakref__")
 
-    @property
-    def raw(self) -> np.ndarray:
-        raw = self._raw()
-        if raw is None:
-            raise IllegalAddress(f"allocation at {self.ptr:#x} was freed")
-        return raw
+    def __init__(self, ptr, capacity, device, stream, raw, base_off):
+        self.ptr, self.capacity, self.device, self.stream, self.raw = ptr, capacity, device, stream, raw
+        self.base_off = base_off
+        self.size = 0
+        self.guard_at = base_off
+        self.live = False
+        self.stamp = 0  # HANDOUTS when it was last handed out
+
+    def _hand_out(self, nbytes: int) -> None:
+        global HANDOUTS
+        HANDOUTS += 1
+        self.stamp = HANDOUTS
+        if self.size != nbytes:  # a fresh block (the pool reuses blocks of the same size only)
+            self.size = nbytes
+            self.guard_at = self.base_off + nbytes
+            self.raw[self.guard_at : self.guard_at + GUARD] = GUARD_BYTE
+        self.live = True
 
     @property
     def pinned(self) -> bool:
         return self.device is None
+
+    def block(self) -> np.ndarray:
+        return self.raw[self.base_off : self.base_off + self.size]
 
     def guard_intact(self) -> bool:
         g = self.raw[self.guard_at : self.guard_at + GUARD]
@@ -117,50 +151,86 @@ class Allocation:
         return "pinned host memory" if self.device is None else f"device {self.device}"
 
 
+class Owner:
+    """Ownership of an Allocation: when the last holder drops it, the block returns to the pool."""
+
+    __slots__ = ("alloc", "__weakref__")
+
+    def __init__(self, alloc: Allocation):
+        self.alloc = alloc
+        weakref.finalize(self, _release, alloc)
+
+
 _LOCK = threading.RLock()
+LOCK = _LOCK  # one lock for the whole machine: queues, pools, registry (several host threads use it)
 _STARTS: list[int] = []
 _ALLOCS: dict[int, Allocation] = {}
+_FREE: dict[tuple, list[Allocation]] = {}  # (device, stream key, size) -> free blocks, last freed last
+# CuPy's pools round sizes up to 512 bytes and reuse a block for any size that rounds alike; the
+# emulator reuses a block for the same size only: its guard bytes (checked after every kernel)
+# sit right after the data and must not move while queued work may still use the block.
+POOL_UNIT = 512
+HANDOUTS = 0  # blocks handed out so far: tells queued work whether a block changed owner since
 
 
-def _forget(ptr: int) -> None:
+def _pool_key(device, stream, size):
+    # Pinned memory: CuPy's pinned pool does not track streams.
+    return (device, None if device is None else stream, size)
+
+
+def _release(alloc: Allocation) -> None:
     with _LOCK:
-        if _ALLOCS.pop(ptr, None) is not None:
-            i = bisect.bisect_left(_STARTS, ptr)
-            if i < len(_STARTS) and _STARTS[i] == ptr:
-                del _STARTS[i]
+        if alloc.live and _ALLOCS.get(alloc.ptr) is alloc:
+            alloc.live = False
+            _FREE.setdefault(_pool_key(alloc.device, alloc.stream, alloc.size), []).append(alloc)
 
 
-def allocate(nbytes: int, device: int | None) -> tuple[np.ndarray, Allocation | None]:
-    """A fresh block of ``nbytes`` on ``device`` (None: pinned host memory).
+def free_all_blocks(device=..., pinned: bool = False) -> None:
+    """Gives the pool's free blocks back (``cudaFree``/``cudaFreeHost``); queued work keeps the bytes."""
+    with _LOCK:
+        for key in list(_FREE):
+            if (key[0] is None) == pinned and (device is ... or key[0] == device):
+                for a in _FREE.pop(key):
+                    _ALLOCS.pop(a.ptr, None)
+                    i = bisect.bisect_left(_STARTS, a.ptr)
+                    if i < len(_STARTS) and _STARTS[i] == a.ptr:
+                        del _STARTS[i]
 
-    Returns the block as a uint8 NumPy array (its memory stays registered while any view of it is
-    alive) and its Allocation; a zero-byte block is unregistered and has address 0, as in CuPy.
+
+def allocate(nbytes: int, device: int | None, stream_ptr: int = 0) -> tuple[np.ndarray, Allocation | None, Owner | None]:
+    """A block of ``nbytes`` on ``device`` (None: pinned host memory), from the pool when it can.
+
+    ``stream_ptr`` is the stream current when allocating (the pool's reuse key for device memory).
+    Returns the block as a uint8 NumPy array, its Allocation and the Owner token whose lifetime is
+    the block's ownership; a zero-byte block is unregistered and has address 0, as in CuPy.
     """
     nbytes = int(nbytes)
     if nbytes == 0:
-        return np.empty(0, np.uint8), None
-    raw = np.empty(nbytes + ALIGN + GUARD, np.uint8)
-    base = raw.__array_interface__["data"][0]
-    off = (-base) % ALIGN
-    raw[off + nbytes : off + nbytes + GUARD] = GUARD_BYTE
-    block = raw[off : off + nbytes]
-    ptr = base + off
-    alloc = Allocation(ptr, nbytes, device, raw, off + nbytes)
+        return np.empty(0, np.uint8), None, None
+    capacity = -(-nbytes // POOL_UNIT) * POOL_UNIT
     with _LOCK:
-        _ALLOCS[ptr] = alloc
-        bisect.insort(_STARTS, ptr)
-    weakref.finalize(raw, _forget, ptr)
-    return block, alloc
+        free = _FREE.get(_pool_key(device, stream_ptr, nbytes))
+        if free:
+            alloc = free.pop()
+        else:
+            raw = np.empty(capacity + ALIGN + GUARD, np.uint8)
+            base = raw.__array_interface__["data"][0]
+            off = (-base) % ALIGN
+            alloc = Allocation(base + off, capacity, device, stream_ptr, raw, off)
+            _ALLOCS[alloc.ptr] = alloc
+            bisect.insort(_STARTS, alloc.ptr)
+        alloc._hand_out(nbytes)
+        return alloc.block(), alloc, Owner(alloc)
 
 
-def find(ptr: int) -> Allocation | None:
-    """The live allocation containing address ``ptr`` (None when there is none)."""
+def find(ptr: int, *, pooled: bool = False) -> Allocation | None:
+    """The allocation containing address ``ptr``: live ones, and with ``pooled`` freed ones too."""
     with _LOCK:
         i = bisect.bisect_right(_STARTS, ptr) - 1
         if i < 0:
             return None
         a = _ALLOCS.get(_STARTS[i])
-        if a is None or not (a.ptr <= ptr < a.ptr + a.size):
+        if a is None or not (a.live or pooled) or not (a.ptr <= ptr < a.ptr + (a.size if a.live else a.capacity)):
             return None
         return a
 
@@ -170,21 +240,28 @@ def may_access(device: int, alloc: Allocation) -> bool:
     return alloc.device is None or alloc.device == device or (device, alloc.device) in PEER_ENABLED
 
 
-def check_range(ptr: int, nbytes: int, what: str, *, device: int | None = None) -> Allocation | None:
-    """Checks that [ptr, ptr + nbytes) lies in one live allocation (usable from ``device`` if given).
+def check_range(ptr: int, nbytes: int, what: str, *, device: int | None = None, pooled: bool = False,
+                since: int | None = None) -> Allocation | None:
+    """Checks that [ptr, ptr + nbytes) lies in one allocation (usable from ``device`` if given).
+
+    Live allocations only, unless ``pooled``: queued work runs after its operands may have been
+    freed (legal in CuPy: the pool reuses them in stream order), so run-time checks accept those,
+    and a block handed out again after ``since`` (a HANDOUTS value) is checked against its whole
+    capacity (the work was launched against its previous owner).
 
     Raises:
         RuntimeError: with CUDA's wording (illegal memory access / invalid argument) and the reason.
     """
     if nbytes <= 0:
         return None
-    a = find(ptr)
+    a = find(ptr, pooled=pooled)
     if a is None:
         raise IllegalAddress(f"{what}: address {ptr:#x} is not in any live GPU or pinned allocation")
-    if ptr + nbytes > a.ptr + a.size:
+    size = a.size if a.live and (since is None or a.stamp <= since) else a.capacity
+    if ptr + nbytes > a.ptr + size:
         raise IllegalAddress(
-            f"{what}: {nbytes} bytes at {ptr:#x} run {ptr + nbytes - a.ptr - a.size} bytes past the end of "
-            f"the {a.size}-byte allocation on {a.where()}"
+            f"{what}: {nbytes} bytes at {ptr:#x} run {ptr + nbytes - a.ptr - size} bytes past the end of "
+            f"the {size}-byte allocation on {a.where()}"
         )
     if device is not None and not may_access(device, a):
         why = (
@@ -203,14 +280,120 @@ class IllegalAddress(RuntimeError):
         super().__init__(f"cudaErrorIllegalAddress: an illegal memory access was encountered (emulator: {msg})")
 
 
-def host_array(ptr: int, shape, dtype, strides=None) -> np.ndarray:
-    """A NumPy view of live registered memory at ``ptr`` (C order unless ``strides`` is given)."""
+def host_array(ptr: int, shape, dtype, strides=None, *, pooled: bool = False) -> np.ndarray:
+    """A NumPy view of registered memory at ``ptr`` (C order unless ``strides`` is given)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(s) for s in shape)
     if int(np.prod(shape, dtype=np.int64)) == 0:
         return np.empty(shape, dtype)
     if strides is None:
-        a = check_range(ptr, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, "memory view")
+        a = check_range(ptr, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, "memory view", pooled=pooled)
     else:
-        a = check_range(ptr, dtype.itemsize, "memory view")
-    return np.ndarray(shape, dtype, buffer=a.raw, offset=ptr - a.ptr + (a.guard_at - a.size), strides=strides)
+        a = check_range(ptr, dtype.itemsize, "memory view", pooled=pooled)
+    return np.ndarray(shape, dtype, buffer=a.raw, offset=ptr - a.ptr + a.base_off, strides=strides)
+
+
+# --------------------------------------------------------------------------------------- streams
+class Op:
+    __slots__ = ("seq", "fn", "deps", "what")
+
+    def __init__(self, seq, fn, deps, what):
+        self.seq, self.fn, self.deps, self.what = seq, fn, deps, what
+
+
+class Queue:
+    """The work queued on one stream of one device, in order; ``done`` ops of ``enqueued`` ran."""
+
+    __slots__ = ("device", "ptr", "non_blocking", "ops", "enqueued", "done")
+
+    def __init__(self, device: int, ptr: int, non_blocking: bool):
+        self.device, self.ptr, self.non_blocking = device, ptr, non_blocking
+        self.ops: collections.deque = collections.deque()
+        self.enqueued = 0
+        self.done = 0
+
+    @property
+    def pending(self) -> bool:
+        return self.done < self.enqueued
+
+    def __repr__(self):
+        return f"<emulated stream {self.ptr:#x} of device {self.device}: {self.enqueued - self.done} queued>"
+
+
+_QUEUES: dict[tuple[int, int], Queue] = {}
+
+
+def queue(device: int, ptr: int, non_blocking: bool = False) -> Queue:
+    """The queue of stream ``ptr`` (0: the legacy null stream) on ``device`` (made on first use)."""
+    key = (int(device), int(ptr))
+    q = _QUEUES.get(key)
+    if q is None:
+        with _LOCK:
+            q = _QUEUES.get(key)
+            if q is None:
+                q = _QUEUES[key] = Queue(int(device), int(ptr), bool(non_blocking))
+    return q
+
+
+def current_queue(device: int | None = None) -> Queue:
+    """The queue of the current stream of ``device`` (default: the current device) in this thread."""
+    dev = THREAD.device if device is None else int(device)
+    s = THREAD.streams.get(dev)
+    if s is None or s.ptr == 0:
+        return queue(dev, 0)
+    return queue(s.device_id, s.ptr, s.non_blocking)
+
+
+def enqueue(q: Queue, fn, what: str, deps=()) -> int:
+    """Queues ``fn`` on ``q``; returns its position. ``deps``: (queue, position) prefixes it waits for."""
+    with _LOCK:
+        deps = [d for d in deps if d[0].done < d[1]]
+        if q.ptr == 0:
+            # Legacy null stream: waits for the device's blocking streams...
+            for (dev, ptr), other in _QUEUES.items():
+                if dev == q.device and ptr != 0 and not other.non_blocking and other.pending:
+                    deps.append((other, other.enqueued))
+        elif not q.non_blocking:
+            # ...and a blocking stream waits for the null stream.
+            null = _QUEUES.get((q.device, 0))
+            if null is not None and null.pending:
+                deps.append((null, null.enqueued))
+        q.enqueued += 1
+        q.ops.append(Op(q.enqueued, fn, deps, what))
+        if SYNC:
+            run_until(q, q.enqueued)
+        return q.enqueued
+
+
+def run_until(q: Queue, seq: int) -> None:
+    """Runs ``q``'s work up to position ``seq``, first running what each op waits for."""
+    with _LOCK:
+        while q.done < seq:
+            op = q.ops[0]
+            for dq, ds in op.deps:
+                run_until(dq, ds)
+            q.ops.popleft()
+            q.done = op.seq
+            op.fn()
+
+
+def synchronize_queue(q: Queue) -> None:
+    run_until(q, q.enqueued)
+
+
+def synchronize_device(device: int) -> None:
+    """cudaDeviceSynchronize: every stream of ``device``."""
+    with _LOCK:
+        for (dev, _), q in list(_QUEUES.items()):
+            if dev == device:
+                run_until(q, q.enqueued)
+
+
+def synchronize_all() -> None:
+    with _LOCK:
+        for q in list(_QUEUES.values()):
+            run_until(q, q.enqueued)
+
+
+def idle() -> bool:
+    return not any(q.pending for q in list(_QUEUES.values()))

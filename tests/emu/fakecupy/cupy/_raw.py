@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from cupy import _emu
-from cupy._core import ndarray
+from cupy._core import _queue_of, ndarray
 from cupy.cuda.driver import CUDA_ERROR_NOT_FOUND, CUDADriverError
 
 _BUILD_PY = Path(__file__).resolve().parents[2] / "build.py"
@@ -190,10 +190,14 @@ class RawKernel:
             cdefs.append(_CTYPES[want])
             cvals.append(a)
             scalars[pname] = a.item()
-        # Every pointer the kernel will dereference, with the elements it may touch.
-        touched = []
+        # Every pointer the kernel will dereference, with the elements it may touch. Direct
+        # pointers must be live now; pointer-table entries are read when the kernel runs (the
+        # table upload may still be queued), and then may point into blocks already freed back
+        # to the pool (legal: their users' work is stream-ordered before any reuse).
+        direct = []
         for pname, a in pointers.items():
-            touched.append((f"{pname}", a._ptr, self._extent(pname, None, scalars)))
+            direct.append((f"{pname}", a._ptr, self._extent(pname, None, scalars)))
+        table_reads = []
         for pname, t in tables.items():
             nname = _TABLE_COUNT.get(pname, "n")
             n = scalars.get(nname)
@@ -202,26 +206,47 @@ class RawKernel:
             if t.size < n:
                 raise ValueError(f"{self.name}: pointer table {pname!r} has {t.size} entries for {nname}={n}")
             _emu.check_range(t._ptr, n * 8, f"{self.name} pointer table {pname!r}", device=dev)
-            for r, p in enumerate(t._a[:n].tolist()):
-                touched.append((f"{pname}[{r}]", int(p), self._extent(pname, r, scalars)))
+            table_reads.append((pname, t._a[:n], n))
+        self._check_pointers(direct, dev, pooled=False)
+        if self.kernel == "scatter_batch" and gy < scalars["n_dst"]:
+            raise ValueError(f"{self.name}: grid y {gy} < n_dst {scalars['n_dst']}: replicas past the grid get nothing")
+        keep = [a for a in args if isinstance(a, ndarray)]  # their memory, not its ownership
+        launched = _emu.HANDOUTS
+
+        def run():
+            touched = list(direct)
+            for pname, entries, _ in table_reads:
+                for r, p in enumerate(entries.tolist()):
+                    touched.append((f"{pname}[{r}]", int(p), self._extent(pname, r, scalars)))
+            allocs = self._check_pointers(touched, dev, pooled=True, since=launched)
+            # A block reused since the launch has its new owner's guard inside the old extent.
+            allocs = [a for a in allocs if a is not None and a.live and a.stamp <= launched]
+            fn = self._fn
+            fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, *cdefs]
+            fn.restype = None
+            fn(gx, gy, bx, *cvals)
+            for a in allocs:
+                if not a.guard_intact():
+                    raise _emu.IllegalAddress(f"{self.name} wrote past the end of a {a.size}-byte allocation on {a.where()}")
+
+        raws = [a._a for a in keep]  # noqa: F841 - keeps the bytes mapped while queued
+        q = _emu.current_queue(dev) if stream is None else _queue_of(stream, dev)
+        if stream is not None and stream.ptr and getattr(stream, "device_id", dev) not in (dev, -1):
+            # cudaLaunchKernel on a stream of another device.
+            raise RuntimeError(f"cudaErrorInvalidResourceHandle: {self.name} launched on device {dev} into a stream of device {stream.device_id}")
+        _emu.enqueue(q, lambda: (raws, run()), f"kernel {self.name}")
+        self.launches += 1
+
+    def _check_pointers(self, touched, dev, *, pooled, since=None):
+        item = self.dtype.itemsize
         allocs = []
         for what, p, count in touched:
             if count <= 0:
                 continue
             if p % item:
                 raise RuntimeError(f"cudaErrorMisalignedAddress: {self.name} {what} = {p:#x} is not {item}-byte aligned")
-            a = _emu.check_range(p, count * item, f"{self.name} {what}", device=dev)
-            allocs.append(a)
-        if self.kernel == "scatter_batch" and gy < scalars["n_dst"]:
-            raise ValueError(f"{self.name}: grid y {gy} < n_dst {scalars['n_dst']}: replicas past the grid get nothing")
-        fn = self._fn
-        fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, *cdefs]
-        fn.restype = None
-        fn(gx, gy, bx, *cvals)
-        self.launches += 1
-        for a in allocs:
-            if not a.guard_intact():
-                raise _emu.IllegalAddress(f"{self.name} wrote past the end of a {a.size}-byte allocation on {a.where()}")
+            allocs.append(_emu.check_range(p, count * item, f"{self.name} {what}", device=dev, pooled=pooled, since=since))
+        return allocs
 
     def _extent(self, pname: str, r: int | None, s: dict) -> int:
         """How many elements from the pointer ``pname`` (entry ``r`` of a table) the kernel touches."""

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 import numpy as _np
 
-from cupy import _emu
 
 
 def empty_pinned(shape, dtype=float, order="C"):
+    """A NumPy array in pinned memory from the pinned pool; the array owns it (as in CuPy)."""
+    from cupy.cuda import alloc_pinned_memory
+
     dtype = _np.dtype(dtype)
     shape = (int(shape),) if isinstance(shape, (int, _np.integer)) else tuple(int(s) for s in shape)
     nbytes = int(_np.prod(shape, dtype=_np.int64)) * dtype.itemsize
-    block, _ = _emu.allocate(nbytes, None)
     if nbytes == 0:
         return _np.empty(shape, dtype, order=order)
-    return _np.ndarray(shape, dtype, buffer=block, order=order)
+    mem = alloc_pinned_memory(nbytes)
+    return _np.ndarray(shape, dtype, buffer=mem, order=order)
 
 
 def zeros_pinned(shape, dtype=float, order="C"):

@@ -1,4 +1,4 @@
-"""Fake ``cupy.cuda``: devices, streams and events of the emulated machine (all work is synchronous)."""
+"""Fake ``cupy.cuda``: devices, streams and events of the emulated machine (work is queued per stream, see :mod:`cupy._emu`)."""
 
 from __future__ import annotations
 
@@ -68,6 +68,7 @@ class Device:
 
     def synchronize(self) -> None:
         _emu.check_device_id(self.id)
+        _emu.synchronize_device(self.id)
 
     @property
     def compute_capability(self) -> str:
@@ -97,11 +98,17 @@ _STREAM_DEVICE: dict[int, int] = {}  # stream ptr -> device it was created on
 
 
 class Stream:
-    """A CUDA stream; the emulator runs everything at once, so streams only keep bookkeeping."""
+    """A CUDA stream: a queue of device work (see :mod:`cupy._emu`) that runs when something waits for it.
+
+    The null stream (``Stream.null``, ptr 0) is the legacy default stream of whichever device is
+    current; it orders against that device's blocking streams. ``non_blocking=True`` streams do not.
+    """
 
     null: Stream  # set below
 
     def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        if ptds:
+            raise NotImplementedError("emulator: per-thread default streams are not emulated")
         self.non_blocking = bool(non_blocking)
         if null:
             self.ptr = 0
@@ -110,6 +117,7 @@ class Stream:
             self.ptr = next(_stream_ids)
             self.device_id = runtime.getDevice()
             _STREAM_DEVICE[self.ptr] = self.device_id
+            _emu.queue(self.device_id, self.ptr, self.non_blocking)
         self._prev: list = []
 
     def __repr__(self):
@@ -123,6 +131,10 @@ class Stream:
 
     def _device(self) -> int:
         return runtime.getDevice() if self.ptr == 0 else self.device_id
+
+    @property
+    def _queue(self) -> _emu.Queue:
+        return _emu.queue(self._device(), self.ptr, self.non_blocking)
 
     def use(self) -> Stream:
         _emu.THREAD.streams[self._device()] = self
@@ -142,10 +154,12 @@ class Stream:
             _emu.THREAD.streams[dev] = prev
 
     def synchronize(self) -> None:
-        pass
+        _emu.synchronize_queue(self._queue)
 
     @property
     def done(self) -> bool:
+        # cudaStreamQuery: the emulator runs the work when asked (else a polling loop never ends).
+        _emu.synchronize_queue(self._queue)
         return True
 
     def record(self, event: Event | None = None) -> Event:
@@ -155,17 +169,23 @@ class Stream:
         return event
 
     def wait_event(self, event: Event) -> None:
+        """Later work on this stream runs after the work ``event`` was recorded behind."""
         if not isinstance(event, Event):
             raise TypeError(f"wait_event expects a cupy.cuda.Event, got {type(event).__name__}")
-        if not event._recorded:
+        if event._pos is None:
             # Waiting on a never-recorded event is a no-op in CUDA; in cudist it is always a bug.
             raise RuntimeError("emulator: Stream.wait_event on an event that was never recorded")
+        _emu.enqueue(self._queue, _noop, f"wait on event {event.ptr:#x}", deps=[event._pos])
 
     def add_callback(self, callback, arg) -> None:
-        callback(self, None, arg)
+        _emu.enqueue(self._queue, lambda: callback(self, None, arg), "host callback")
 
     def launch_host_func(self, callback, arg) -> None:
-        callback(arg)
+        _emu.enqueue(self._queue, lambda: callback(arg), "host function")
+
+
+def _noop() -> None:
+    pass
 
 
 Stream.null = Stream(null=True)
@@ -173,7 +193,14 @@ Stream.null = Stream(null=True)
 
 class ExternalStream(Stream):
     def __init__(self, ptr: int, device_id: int = -1):
-        self.ptr, self.device_id, self.non_blocking, self._prev = int(ptr), device_id, False, []
+        ptr = int(ptr)
+        if ptr in (1, 2):  # cudaStreamLegacy / cudaStreamPerThread: the null stream here
+            ptr = 0
+        if device_id < 0 and ptr:
+            device_id = _STREAM_DEVICE.get(ptr, -1)
+        q = _emu._QUEUES.get((device_id, ptr)) if ptr else None
+        self.ptr, self.device_id, self._prev = ptr, device_id, []
+        self.non_blocking = q.non_blocking if q is not None else False
 
 
 def get_current_stream(device_id: int | None = None) -> Stream:
@@ -187,14 +214,22 @@ def stream_device(ptr: int) -> int:
 
 
 class Event:
-    """A CUDA event, created on the current device; it can only be recorded on that device's streams."""
+    """A CUDA event, created on the current device; it can only be recorded on that device's streams.
+
+    Recording captures the stream's queue position: synchronizing or querying the event runs the
+    work before it; a stream waiting on it runs that work first.
+    """
 
     def __init__(self, block: bool = False, disable_timing: bool = False, interprocess: bool = False):
         self.device_id = runtime.getDevice()
         self.ptr = next(_stream_ids)
-        self._recorded = False
+        self._pos = None  # (queue, position) of the last record
         self._timing = not disable_timing
-        self._time = None  # host clock at record(): work is synchronous, so that is when it "ran"
+        self._time = None  # host clock when the queue reached the record
+
+    @property
+    def _recorded(self) -> bool:
+        return self._pos is not None
 
     def record(self, stream: Stream | None = None) -> None:
         if stream is None:
@@ -203,23 +238,37 @@ class Event:
         if dev != self.device_id:
             # cudaEventRecord with an event and a stream of different devices.
             raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle)
-        self._recorded = True
+        q = stream._queue
+        self._time = None
+        # A marker op (not just the position): on the legacy null stream it also waits for the
+        # device's blocking streams, as recording there does in CUDA.
+        seq = _emu.enqueue(q, self._stamp if self._timing else _noop, f"record event {self.ptr:#x}")
+        self._pos = (q, seq)
+
+    def _stamp(self) -> None:
         self._time = time.perf_counter()
 
     def synchronize(self) -> None:
-        pass
+        if self._pos is not None:
+            _emu.run_until(*self._pos)
 
     @property
     def done(self) -> bool:
+        # cudaEventQuery: the emulator runs the work when asked (else a polling loop never ends).
+        self.synchronize()
         return True
 
 
 def get_elapsed_time(start: Event, end: Event) -> float:
-    """Milliseconds between two recorded timing events (host time: the emulator is synchronous)."""
+    """Milliseconds between two recorded timing events (host time when the queue reached them)."""
     for ev in (start, end):
-        if not ev._timing or ev._time is None:
+        if not ev._timing or ev._pos is None:
             # cudaEventElapsedTime on a disable_timing or never-recorded event.
             raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle)
+        q, seq = ev._pos
+        if q.done < seq:
+            # cudaEventElapsedTime before the events completed: the caller forgot to synchronize.
+            raise runtime.CUDARuntimeError(runtime.cudaErrorNotReady)
     return (end._time - start._time) * 1e3
 
 

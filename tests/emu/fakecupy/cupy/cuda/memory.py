@@ -31,12 +31,13 @@ def _set_peer_access(device: int, peer: int) -> None:
 
 
 class Memory:
-    """A device allocation (``cupy.cuda.Memory``)."""
+    """A device allocation (``cupy.cuda.Memory``), from the emulated pool of the current stream."""
 
     def __init__(self, size: int):
         self.size = int(size)
         self.device_id = runtime.getDevice()
-        self._block, self._alloc = _emu.allocate(self.size, self.device_id)
+        s = _emu.THREAD.streams.get(self.device_id)
+        self._block, self._alloc, self._owner = _emu.allocate(self.size, self.device_id, 0 if s is None else s.ptr)
         self.ptr = 0 if self._alloc is None else self._alloc.ptr
 
     @property
@@ -65,16 +66,55 @@ def _addr(mem) -> int:
     raise TypeError(f"expected an int or ctypes.c_void_p address, got {type(mem).__name__}")
 
 
-def _memmove(dst: int, src: int, size: int, what: str) -> None:
-    if size <= 0:
-        return
-    _emu.check_range(dst, size, f"{what} destination")
-    _emu.check_range(src, size, f"{what} source")
-    ctypes.memmove(dst, src, size)
+def _stream_queue(stream):
+    """The queue a copy on ``stream`` (None: the current stream) goes to."""
+    if stream is None:
+        return _emu.current_queue()
+    ptr = int(getattr(stream, "ptr", 0) or 0)
+    if ptr in (0, 1):
+        return _emu.queue(runtime.getDevice(), 0)
+    return _emu.queue(stream.device_id, ptr, getattr(stream, "non_blocking", False))
+
+
+def _memmove_op(dst: int, src: int, size: int, keep):
+    """Queued ``memmove``; ``keep`` (the Allocations involved) keeps the bytes mapped until it runs."""
+
+    def run():
+        _ = keep
+        ctypes.memmove(dst, src, size)
+
+    return run
+
+
+def _enqueue_copy(q, dst: int, src: int, size: int, what: str, *, host_src=False, host_dst=False) -> int:
+    """Queues a copy of ``size`` bytes; device ends are checked now (live memory), as the driver does.
+
+    A pageable host source is read now (the driver stages it); pinned host memory is read or
+    written when the copy runs.
+    """
+    keep = []
+    for p, end, host in ((dst, "destination", host_dst), (src, "source", host_src)):
+        if host:
+            a = _emu.find(p)
+            if a is None:
+                continue  # pageable
+            keep.append(a)
+        else:
+            keep.append(_emu.check_range(p, size, f"{what} {end}"))
+    if host_src and _emu.find(src) is None:
+        staged = ctypes.create_string_buffer(ctypes.string_at(src, size), size)
+        keep.append(staged)
+        src = ctypes.addressof(staged)
+    return _emu.enqueue(q, _memmove_op(dst, src, size, keep), what)
 
 
 class MemoryPointer:
-    """A pointer into device memory (``cupy.cuda.MemoryPointer``)."""
+    """A pointer into device memory (``cupy.cuda.MemoryPointer``).
+
+    Copies are queued like on a GPU: ``*_async`` ones on the given (default: current) stream, the
+    synchronous ones (cudaMemcpy/cudaMemset) on the legacy null stream of the current device, and
+    those involving host memory then wait for that stream where CUDA makes the host wait.
+    """
 
     def __init__(self, mem, offset: int):
         self.mem = mem
@@ -99,24 +139,33 @@ class MemoryPointer:
     def __sub__(self, offset):
         return self + (-int(offset))
 
+    def _null(self):
+        return _emu.queue(runtime.getDevice(), 0)
+
     def copy_from_device(self, src: MemoryPointer, size: int) -> None:
+        self.copy_from_device_async(src, size, _NULL)
+
+    def copy_from_device_async(self, src: MemoryPointer, size: int, stream=None) -> None:
         if not isinstance(src, MemoryPointer):
             raise TypeError(f"Argument 'src' has incorrect type (expected cupy.cuda.memory.MemoryPointer, got {type(src).__name__})")
         if size > 0:
             _set_peer_access(src.device_id, self.device_id)
-            _memmove(self.ptr, src.ptr, size, "cudaMemcpy")
-
-    def copy_from_device_async(self, src: MemoryPointer, size: int, stream=None) -> None:
-        self.copy_from_device(src, size)
+            with _emu.LOCK:
+                _enqueue_copy(_stream_queue(stream), self.ptr, src.ptr, size, "cudaMemcpyAsync")
 
     def copy_from_host(self, mem, size: int) -> None:
         if size > 0:
-            src = _addr(mem)
-            _emu.check_range(self.ptr, size, "cudaMemcpy destination")
-            ctypes.memmove(self.ptr, src, size)
+            with _emu.LOCK:
+                q = self._null()
+                _emu.synchronize_queue(q)  # CUDA: a stream sync before a copy from host memory
+                seq = _enqueue_copy(q, self.ptr, _addr(mem), size, "cudaMemcpy", host_src=True)
+                if _emu.find(_addr(mem)) is not None:
+                    _emu.run_until(q, seq)  # from pinned memory cudaMemcpy returns when it is done
 
     def copy_from_host_async(self, mem, size: int, stream=None) -> None:
-        self.copy_from_host(mem, size)
+        if size > 0:
+            with _emu.LOCK:
+                _enqueue_copy(_stream_queue(stream), self.ptr, _addr(mem), size, "cudaMemcpyAsync", host_src=True)
 
     def copy_from(self, mem, size: int) -> None:
         if isinstance(mem, MemoryPointer):
@@ -125,24 +174,46 @@ class MemoryPointer:
             self.copy_from_host(mem, size)
 
     def copy_from_async(self, mem, size: int, stream=None) -> None:
-        self.copy_from(mem, size)
+        if isinstance(mem, MemoryPointer):
+            self.copy_from_device_async(mem, size, stream)
+        else:
+            self.copy_from_host_async(mem, size, stream)
 
     def copy_to_host(self, mem, size: int) -> None:
         if size > 0:
-            dst = _addr(mem)
-            _emu.check_range(self.ptr, size, "cudaMemcpy source")
-            ctypes.memmove(dst, self.ptr, size)
+            with _emu.LOCK:
+                q = self._null()
+                _emu.run_until(q, _enqueue_copy(q, _addr(mem), self.ptr, size, "cudaMemcpy", host_dst=True))
 
     def copy_to_host_async(self, mem, size: int, stream=None) -> None:
-        self.copy_to_host(mem, size)
+        if size > 0:
+            with _emu.LOCK:
+                q = _stream_queue(stream)
+                seq = _enqueue_copy(q, _addr(mem), self.ptr, size, "cudaMemcpyAsync", host_dst=True)
+                if _emu.find(_addr(mem)) is None:
+                    _emu.run_until(q, seq)  # into pageable memory it returns once the copy is done
 
     def memset(self, value: int, size: int) -> None:
-        if size > 0:
-            _emu.check_range(self.ptr, size, "cudaMemset")
-            ctypes.memset(self.ptr, int(value), size)
+        self.memset_async(value, size, _NULL)
 
     def memset_async(self, value: int, size: int, stream=None) -> None:
-        self.memset(value, size)
+        if size > 0:
+            with _emu.LOCK:
+                a = _emu.check_range(self.ptr, size, "cudaMemset")
+                ptr, v = self.ptr, int(value)
+
+                def run():
+                    _ = a
+                    ctypes.memset(ptr, v, size)
+
+                _emu.enqueue(_stream_queue(stream), run, "cudaMemset")
+
+
+class _NullStream:
+    ptr = 0
+
+
+_NULL = _NullStream()
 
 
 def alloc(size: int) -> MemoryPointer:
@@ -155,7 +226,7 @@ class PinnedMemory:
 
     def __init__(self, size: int, flags: int = 0):
         self.size = int(size)
-        self._block, self._alloc = _emu.allocate(self.size, None)
+        self._block, self._alloc, self._owner = _emu.allocate(self.size, None)
         self.ptr = 0 if self._alloc is None else self._alloc.ptr
 
 
@@ -194,19 +265,21 @@ def alloc_pinned_memory(size: int) -> PinnedMemoryPointer:
 
 
 class MemoryPool:
-    """Stand-in for ``cupy.cuda.MemoryPool`` (allocation goes straight to the emulator)."""
+    """Stand-in for ``cupy.cuda.MemoryPool`` over the emulator's stream-ordered pool."""
 
     def malloc(self, size: int) -> MemoryPointer:
         return alloc(size)
 
     def free_all_blocks(self, stream=None) -> None:
-        pass
+        _emu.free_all_blocks(runtime.getDevice())
 
     def used_bytes(self) -> int:
-        return 0
+        dev = runtime.getDevice()
+        return sum(a.capacity for a in list(_emu._ALLOCS.values()) if a.device == dev and a.live)
 
     def total_bytes(self) -> int:
-        return 0
+        dev = runtime.getDevice()
+        return sum(a.capacity for a in list(_emu._ALLOCS.values()) if a.device == dev)
 
 
 class PinnedMemoryPool:
@@ -214,4 +287,4 @@ class PinnedMemoryPool:
         return alloc_pinned_memory(size)
 
     def free_all_blocks(self) -> None:
-        pass
+        _emu.free_all_blocks(pinned=True)

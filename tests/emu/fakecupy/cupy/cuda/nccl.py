@@ -4,7 +4,9 @@ As with real NCCL driven from one thread, collectives of several ranks must sit 
 ``groupStart()`` and ``groupEnd()`` (one rank's call alone would block forever: the fake raises).
 At ``groupEnd`` every clique's calls are matched (count, dtype and op must agree) and reduced in
 rank order. Buffers must be device memory of the communicator's GPU (or pinned host memory), and
-the stream must belong to that GPU.
+the stream must belong to that GPU. As on GPUs, a collective is queued on every rank's stream: it
+runs (for all ranks at once) when any rank's stream reaches it, after the work queued before it
+on every rank's stream.
 """
 
 from __future__ import annotations
@@ -70,10 +72,11 @@ def groupEnd() -> None:  # noqa: N802
     _group_depth -= 1
     if _group_depth == 0:
         calls, _pending[:] = list(_pending), []
-        _run(calls)
+        _launch(calls)
 
 
-def _run(calls):
+def _launch(calls):
+    """Validates the calls now and queues each clique's collective on its ranks' streams."""
     by_clique: dict[int, list] = {}
     for c in calls:
         by_clique.setdefault(c[0]._clique, []).append(c)
@@ -84,24 +87,39 @@ def _run(calls):
             raise NcclError(5, f"NCCL_ERROR_INVALID_USAGE (emulator): allReduce called by ranks {ranks} of {size}: "
                                "the missing ranks would hang the collective")
         cs.sort(key=lambda c: c[0]._rank)
-        _, _, _, count, dtype, op = cs[0]
         for c in cs:
-            if (c[3], c[4], c[5]) != (count, dtype, op):
-                raise NcclError(5, f"NCCL_ERROR_INVALID_USAGE (emulator): mismatched allReduce calls {cs[0][3:]} vs {c[3:]}")
-        dt = np.dtype(_DTYPES[dtype])
-        ins = [_emu.host_array(c[1], (count,), dt) for c in cs]
-        if op == NCCL_AVG:
-            acc = ins[0].copy()
-            for x in ins[1:]:
-                acc = np.add(acc, x, dtype=dt)
-            res = (acc / len(ins)).astype(dt)
-        else:
-            acc = ins[0].copy()
-            for x in ins[1:]:
-                acc = _OPS[op](acc, x).astype(dt)
-            res = acc
-        for c in cs:
-            _emu.host_array(c[2], (count,), dt)[...] = res
+            if (c[3], c[4], c[5]) != cs[0][3:6]:
+                raise NcclError(5, f"NCCL_ERROR_INVALID_USAGE (emulator): mismatched allReduce calls {cs[0][3:6]} vs {c[3:6]}")
+        with _emu.LOCK:
+            queues = [c[6] for c in cs]
+            before = [(q, q.enqueued) for q in queues]  # each rank's work queued before the collective
+            state = {"ran": False}
+
+            def run(cs=cs, state=state):
+                if not state["ran"]:
+                    state["ran"] = True
+                    _reduce(cs)
+
+            for q in queues:
+                _emu.enqueue(q, run, "ncclAllReduce", deps=before)
+
+
+def _reduce(cs):
+    _, _, _, count, dtype, op, _ = cs[0]
+    dt = np.dtype(_DTYPES[dtype])
+    ins = [_emu.host_array(c[1], (count,), dt, pooled=True).copy() for c in cs]
+    if op == NCCL_AVG:
+        acc = ins[0].copy()
+        for x in ins[1:]:
+            acc = np.add(acc, x, dtype=dt)
+        res = (acc / len(ins)).astype(dt)
+    else:
+        acc = ins[0].copy()
+        for x in ins[1:]:
+            acc = _OPS[op](acc, x).astype(dt)
+        res = acc
+    for c in cs:
+        _emu.host_array(c[2], (count,), dt, pooled=True)[...] = res
 
 
 class NcclCommunicator:
@@ -150,10 +168,11 @@ class NcclCommunicator:
         nbytes = int(count) * np.dtype(_DTYPES[datatype]).itemsize
         for p, what in ((sendbuf, "sendbuf"), (recvbuf, "recvbuf")):
             _emu.check_range(int(p), nbytes, f"ncclAllReduce {what} of rank {self._rank}", device=self._device)
-        call = (self, int(sendbuf), int(recvbuf), int(count), int(datatype), int(op))
+        q = _emu.queue(self._device, int(stream))
+        call = (self, int(sendbuf), int(recvbuf), int(count), int(datatype), int(op), q)
         if _group_depth == 0:
             if self._size == 1:
-                _run([call])
+                _launch([call])
                 return
             raise NcclError(5, "NCCL_ERROR_INVALID_USAGE (emulator): allReduce of one rank outside groupStart/groupEnd "
                                "would block forever in a single-threaded multi-GPU program")

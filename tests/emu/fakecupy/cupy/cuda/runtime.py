@@ -11,6 +11,7 @@ cudaErrorInvalidDevice = 101
 cudaErrorNoDevice = 100
 cudaErrorPeerAccessUnsupported = 217
 cudaErrorInvalidResourceHandle = 400
+cudaErrorNotReady = 600
 cudaErrorPeerAccessAlreadyEnabled = 704
 cudaErrorPeerAccessNotEnabled = 705
 cudaErrorIllegalAddress = 700
@@ -23,6 +24,7 @@ _NAMES = {
     101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
     217: ("cudaErrorPeerAccessUnsupported", "peer access is not supported between these two devices"),
     400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+    600: ("cudaErrorNotReady", "device not ready"),
     700: ("cudaErrorIllegalAddress", "an illegal memory access was encountered"),
     704: ("cudaErrorPeerAccessAlreadyEnabled", "peer access is already enabled"),
     705: ("cudaErrorPeerAccessNotEnabled", "peer access has not been enabled"),
@@ -102,12 +104,12 @@ def getDeviceProperties(device: int) -> dict:
 
 
 def memGetInfo() -> tuple[int, int]:
-    used = sum(a.size for a in list(_emu._ALLOCS.values()) if a.device == _emu.THREAD.device)
+    used = sum(a.capacity for a in list(_emu._ALLOCS.values()) if a.device == _emu.THREAD.device)
     return _TOTAL_MEM - used, _TOTAL_MEM
 
 
 def deviceSynchronize() -> None:
-    return None
+    _emu.synchronize_device(_emu.THREAD.device)
 
 
 def driverGetVersion() -> int:
