@@ -9,7 +9,8 @@ the *global* batch size) and its gradients, and ``optimizer.apply_gradients`` (a
 reduction and updates every variable once, with one fused kernel pass over all its mirrored copies
 and its slots.
 
-The model (forward and backward pass) is plain NumPy: cudist does the distribution, not autodiff.
+The model (forward and backward pass) is plain NumPy, or CuPy with ``--device gpu`` (the same code:
+it asks the arrays for their module): cudist does the distribution, not autodiff.
 
 Because the loss of each replica is scaled by the global batch size, the summed gradients equal
 the gradients of the whole batch: one device and N replicas follow the same trajectory up to
@@ -21,6 +22,7 @@ Run::
     python examples/train_mlp.py --strategy one_device
     python examples/train_mlp.py --strategy mirrored --replicas 4
     python examples/train_mlp.py --strategy central --replicas 2 --optimizer adam
+    python examples/train_mlp.py --device gpu --replicas 4    # needs CuPy; logical GPUs if too few
 """
 
 from __future__ import annotations
@@ -58,6 +60,15 @@ def make_blobs(num_examples: int, seed: int, dtype=np.float32):
 
 
 # ------------------------------------------------------------------------------------------- model
+def array_module(x):
+    """``numpy`` for host arrays, ``cupy`` for GPU arrays (``cupy.get_array_module`` without CuPy)."""
+    if isinstance(x, np.ndarray):
+        return np
+    import cupy
+
+    return cupy
+
+
 class MLP:
     """``logits = relu(x @ w1 + b1) @ w2 + b2``, its variables created in the current strategy scope."""
 
@@ -77,8 +88,9 @@ class MLP:
 
     def forward(self, x):
         """Logits and the activations the backward pass needs."""
-        z1 = x @ self.w1 + self.b1
-        h = np.maximum(z1, 0)
+        xp = array_module(x)
+        z1 = x @ self.w1 + self.b1  # variables take part in arithmetic like arrays (TF's read)
+        h = xp.maximum(z1, 0)
         return h @ self.w2 + self.b2, (x, z1, h)
 
     def backward(self, dlogits, cache) -> list:
@@ -94,32 +106,41 @@ class MLP:
 
 def softmax_cross_entropy(logits, labels):
     """Per-example cross-entropy and its gradient w.r.t. the logits (per example, unscaled)."""
+    xp = array_module(logits)
     shifted = logits - logits.max(axis=1, keepdims=True)
-    exp = np.exp(shifted)
+    exp = xp.exp(shifted)
     total = exp.sum(axis=1, keepdims=True)
-    rows = np.arange(len(labels))
-    per_example_loss = np.log(total[:, 0]) - shifted[rows, labels]
+    rows = xp.arange(len(labels))
+    per_example_loss = xp.log(total[:, 0]) - shifted[rows, labels]
     dlogits = exp / total
     dlogits[rows, labels] -= 1
     return per_example_loss, dlogits
 
 
 # ------------------------------------------------------------------------------------------- strategy
-def make_strategy(kind: str, replicas: int):
-    """The strategy named on the command line, over ``replicas`` logical CPUs."""
+def make_strategy(kind: str, replicas: int, device: str = "cpu"):
+    """The strategy named on the command line, over ``replicas`` logical CPUs or GPUs.
+
+    With ``device="gpu"`` and fewer GPUs than replicas, GPU 0 is split into ``replicas`` logical
+    GPUs (what ``tf.config.set_logical_device_configuration`` does in TF's tutorials).
+    """
     from cudist import config
 
-    # Logical CPUs are only ever added: the configuration is process-wide (as in TF), and a caller
-    # (a test, a notebook) may already have configured more.
-    if len(config.list_logical_devices("CPU")) < replicas:
-        cpu = config.list_physical_devices("CPU")[0]
-        config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * replicas)
-    devices = [f"/cpu:{i}" for i in range(replicas)]
+    kind_name = device.upper()
+    # Logical devices are only ever added: the configuration is process-wide (as in TF), and a
+    # caller (a test, a notebook) may already have configured more.
+    if len(config.list_logical_devices(kind_name)) < replicas:
+        physical = config.list_physical_devices(kind_name)
+        if not physical:
+            raise RuntimeError(f"--device {device}: no {kind_name} found (GPUs need CuPy and a CUDA driver)")
+        config.set_logical_device_configuration(physical[0], [config.LogicalDeviceConfiguration()] * replicas)
+    devices = [f"/{device}:{i}" for i in range(replicas)]
     if kind == "one_device":
         return cudist.OneDeviceStrategy(devices[0])
     if kind == "mirrored":
         return cudist.MirroredStrategy(devices)
     if kind == "central":
+        # Variables in host memory, as TF's default with several GPUs.
         return cudist.CentralStorageStrategy(compute_devices=devices, parameter_device="/cpu:0")
     raise ValueError(f"unknown strategy {kind!r}; expected one_device, mirrored or central")
 
@@ -129,7 +150,8 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--strategy", choices=["one_device", "mirrored", "central"], default="mirrored")
     p.add_argument("--replicas", type=int, default=None,
-                   help="number of replicas (logical CPUs); default 1 for one_device, else 2")
+                   help="number of replicas (logical devices); default 1 for one_device, else 2")
+    p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the replicas run")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch size, split over the replicas")
     p.add_argument("--seed", type=int, default=0)
@@ -168,7 +190,7 @@ def train(args):
     dtype = np.dtype(args.dtype)
     GLOBAL_BATCH_SIZE = args.batch_size
 
-    strategy = make_strategy(args.strategy, args.replicas)
+    strategy = make_strategy(args.strategy, args.replicas, args.device)
     log(f"strategy: {type(strategy).__name__}, {strategy.num_replicas_in_sync} replica(s); "
         f"global batch {GLOBAL_BATCH_SIZE}; optimizer {args.optimizer}; dtype {dtype.name}")
 
@@ -201,7 +223,7 @@ def train(args):
         # to the gradient of the whole batch.
         loss = per_example_loss.sum() / GLOBAL_BATCH_SIZE
         grads = model.backward(dlogits / GLOBAL_BATCH_SIZE, cache)
-        correct = np.count_nonzero(logits.argmax(axis=1) == y)
+        correct = (logits.argmax(axis=1) == y).sum()
         return loss, grads, correct
 
     def train_step(inputs):
@@ -215,7 +237,7 @@ def train(args):
         x, y = inputs
         logits, _ = model.forward(x)
         per_example_loss, _ = softmax_cross_entropy(logits, y)
-        return per_example_loss.sum(), np.count_nonzero(logits.argmax(axis=1) == y)
+        return per_example_loss.sum(), (logits.argmax(axis=1) == y).sum()
 
     def distributed_train_step(inputs):
         per_replica_loss, per_replica_correct = strategy.run(train_step, args=(inputs,))
