@@ -51,12 +51,13 @@ STRATEGY_PARAMS = [
 ]
 
 
-def set_gpu0_split(n):
+def set_gpu0_split(n, memory_limit=None):
     """Splits physical GPU 0 into ``n`` logical GPUs (None: back to one)."""
     from cudist import config
 
     gpu0 = config.list_physical_devices("GPU")[0]
-    config.set_logical_device_configuration(gpu0, None if n is None else [config.LogicalDeviceConfiguration()] * n)
+    logical = None if n is None else [config.LogicalDeviceConfiguration(memory_limit=memory_limit)] * n
+    config.set_logical_device_configuration(gpu0, logical)
 
 
 def make_strategy(kind: str):

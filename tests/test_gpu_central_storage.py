@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import set_gpu0_split
 
 import cudist
 from cudist.optimizers import SGD, Adam
@@ -16,22 +17,15 @@ pytestmark = pytest.mark.gpu
 CPU0 = "/job:localhost/replica:0/task:0/device:CPU:0"
 
 
-def _set_gpu0_split(n):
-    from cudist import config
-
-    gpu0 = config.list_physical_devices("GPU")[0]
-    config.set_logical_device_configuration(gpu0, None if n is None else [config.LogicalDeviceConfiguration()] * n)
-
-
 @pytest.fixture(params=[2, 3], ids=["2logical", "3logical"])
 def strategy(request):
     """CentralStorageStrategy over ``n`` logical GPUs of physical GPU 0, parameters on the CPU."""
     n = request.param
-    _set_gpu0_split(n)
+    set_gpu0_split(n)
     try:
         yield cudist.CentralStorageStrategy([f"/gpu:{i}" for i in range(n)])
     finally:
-        _set_gpu0_split(None)
+        set_gpu0_split(None)
 
 
 def test_defaults_place_variables_on_the_cpu(strategy):

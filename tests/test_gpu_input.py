@@ -13,6 +13,7 @@ import time
 
 import numpy as np
 import pytest
+from conftest import set_gpu0_split
 
 import cudist
 from cudist import _input_lib
@@ -30,22 +31,15 @@ def _split_np(a, n):
     return out
 
 
-def _set_gpu0_split(n):
-    from cudist import config
-
-    gpu0 = config.list_physical_devices("GPU")[0]
-    config.set_logical_device_configuration(gpu0, None if n is None else [config.LogicalDeviceConfiguration()] * n)
-
-
 @pytest.fixture(params=[1, 2, 3], ids=["1logical", "2logical", "3logical"])
 def strategy(request):
     """MirroredStrategy over ``n`` logical GPUs of physical GPU 0."""
     n = request.param
-    _set_gpu0_split(n)
+    set_gpu0_split(n)
     try:
         yield cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
     finally:
-        _set_gpu0_split(None)
+        set_gpu0_split(None)
 
 
 def _threads():

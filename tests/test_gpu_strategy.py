@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import set_gpu0_split
 
 import cudist
 from cudist import PerReplica
@@ -25,22 +26,15 @@ def ref_sum(parts):
     return s
 
 
-def _set_gpu0_split(n):
-    from cudist import config
-
-    gpu0 = config.list_physical_devices("GPU")[0]
-    config.set_logical_device_configuration(gpu0, None if n is None else [config.LogicalDeviceConfiguration(memory_limit=1024)] * n)
-
-
 @pytest.fixture(params=[2, 4], ids=["2logical", "4logical"])
 def strategy(request):
     """MirroredStrategy over ``n`` logical GPUs, all on physical GPU 0."""
     n = request.param
-    _set_gpu0_split(n)
+    set_gpu0_split(n, memory_limit=1024)
     try:
         yield cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
     finally:
-        _set_gpu0_split(None)
+        set_gpu0_split(None)
 
 
 def _rng_parts(n, shape, dtype, seed):
