@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import functools
+import gc
+import importlib.util
+import threading
+import time
+from pathlib import Path
 
 import pytest
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 
 @functools.lru_cache(maxsize=None)
@@ -90,3 +97,26 @@ def strategy(request):
     yield s
     if "_gpu" in request.param:
         set_gpu0_split(None)
+
+
+def _cudist_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("cudist-") and t.is_alive()]
+
+
+@pytest.fixture
+def no_leaked_threads():
+    """Fails the test if a ``cudist-*`` thread (input prefetch, copy feeder) outlives it."""
+    yield
+    deadline = time.monotonic() + 5
+    while _cudist_threads() and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.01)
+    assert _cudist_threads() == []
+
+
+def load_example(name: str):
+    """Imports ``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"cudist_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -6,15 +6,13 @@ one device, N mirrored replicas and central storage must follow the same loss tr
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import EXAMPLES, load_example
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # Small sizes keep the file fast; 515 test examples make the last test batch 3 examples, which
 # four replicas split [1, 1, 1, 0] (an empty replica batch).
@@ -23,10 +21,7 @@ SMALL = ["--epochs", "2", "--train-examples", "512", "--test-examples", "515", "
 
 @pytest.fixture(scope="module")
 def train_mlp():
-    spec = importlib.util.spec_from_file_location("train_mlp_example", EXAMPLES / "train_mlp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_mlp")
 
 
 @pytest.fixture(autouse=True)

@@ -6,24 +6,18 @@ order on both, so only the matrix products (cuBLAS against the host BLAS) may ro
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import numpy as np
 import pytest
+from conftest import load_example
 
 pytestmark = pytest.mark.gpu
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SMALL = ["--epochs", "2", "--train-examples", "512", "--test-examples", "515", "--quiet"]
 
 
 @pytest.fixture(scope="module")
 def train_mlp():
-    spec = importlib.util.spec_from_file_location("train_mlp_example_gpu", EXAMPLES / "train_mlp.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_mlp")
 
 
 @pytest.fixture(autouse=True)

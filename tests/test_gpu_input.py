@@ -7,9 +7,6 @@ contents. Needs CuPy and a GPU (marker ``gpu``), or the fake CuPy of tests/emu.
 
 from __future__ import annotations
 
-import gc
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -42,18 +39,9 @@ def strategy(request):
         set_gpu0_split(None)
 
 
-def _threads():
-    return [t for t in threading.enumerate() if t.name.startswith("cudist-") and t.is_alive()]
-
-
 @pytest.fixture(autouse=True)
-def _no_leaked_threads():
+def _no_leaked_threads(no_leaked_threads):
     yield
-    deadline = time.monotonic() + 5
-    while _threads() and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.01)
-    assert _threads() == []
 
 
 def _local(strategy, value):

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import gc
-import threading
 import time
 
 import numpy as np
@@ -22,18 +20,9 @@ def _local(strategy, value):
     return [to_host(x) if is_device_array(x) else x for x in strategy.experimental_local_results(value)]
 
 
-def _threads():
-    return [t for t in threading.enumerate() if t.name.startswith("cudist-") and t.is_alive()]
-
-
 @pytest.fixture(autouse=True)
-def _no_leaked_threads():
+def _no_leaked_threads(no_leaked_threads):
     yield
-    deadline = time.monotonic() + 5
-    while _threads() and time.monotonic() < deadline:
-        gc.collect()
-        time.sleep(0.01)
-    assert _threads() == []
 
 
 # --------------------------------------------------------------------------------- contexts & options

@@ -30,6 +30,7 @@ import cupy
 import numpy as np
 import optree
 
+from cudist._arrays import order_streams
 from cudist._kernels._base import SUPPORTED_DTYPES, KernelBackend
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
@@ -194,13 +195,7 @@ class CupyBackend(KernelBackend):
     def _wait_for(self, waiter: int, devices) -> None:
         """Makes ``waiter``'s current stream wait for the work queued so far on ``devices``."""
         for d in devices:
-            if d == waiter:
-                continue
-            with cupy.cuda.Device(d):
-                ev = cupy.cuda.Event(disable_timing=True)
-                ev.record()
-            with cupy.cuda.Device(waiter):
-                cupy.cuda.get_current_stream().wait_event(ev)
+            order_streams(cupy, waiter, d)
 
     class _Staging:
         """Makes every array usable by kernels on ``device``: peer-accessible ones as they are,
