@@ -46,9 +46,15 @@ if(_cudist_cuda_wanted)
     enable_language(CUDA)
     find_package(CUDAToolkit)
   endif()
-  if(NOT CMAKE_CUDA_COMPILER OR NOT CUDAToolkit_FOUND)
+  # 11.8 is the first CUDA that compiles for sm_90; an older nvcc would fail the whole build.
+  set(_cudist_min_cuda 11.8)
+  if(NOT CMAKE_CUDA_COMPILER OR NOT CUDAToolkit_FOUND
+     OR CMAKE_CUDA_COMPILER_VERSION VERSION_LESS _cudist_min_cuda)
     set(_cudist_why "no CUDA compiler was found (put nvcc on PATH, or set CUDACXX or CMAKE_CUDA_COMPILER)")
-    if(CMAKE_CUDA_COMPILER)
+    if(CMAKE_CUDA_COMPILER AND CMAKE_CUDA_COMPILER_VERSION VERSION_LESS _cudist_min_cuda)
+      set(_cudist_why "${CMAKE_CUDA_COMPILER} is CUDA ${CMAKE_CUDA_COMPILER_VERSION}, older than the "
+                      "${_cudist_min_cuda} needed for ${CMAKE_CUDA_ARCHITECTURES}")
+    elseif(CMAKE_CUDA_COMPILER)
       set(_cudist_why "the CUDA toolkit of ${CMAKE_CUDA_COMPILER} was not found (set CUDAToolkit_ROOT)")
     endif()
     if(_cudist_cuda_required)
