@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 import cudist
+from cudist._kernels._cuda_headers import cuda_include_dirs
 
 ROOT = Path(__file__).resolve().parents[1]
 CUPY_MODULE = ROOT / "src" / "cudist" / "_kernels" / "_cupy.py"
@@ -59,12 +60,9 @@ def _cuda_include_dirs() -> list[str]:
         for line in (res.stdout + res.stderr).splitlines():
             if "INCLUDES=" in line:
                 dirs += re.findall(r'-I"?([^" ]+)', line)
-        root = Path(os.path.realpath(nvcc)).parent.parent
-        dirs += [str(root / "include")] + glob.glob(str(root / "targets" / "*" / "include"))
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            dirs.append(str(Path(os.environ[env]) / "include"))
-    return [d for d in dict.fromkeys(dirs) if (Path(d) / "cuda_fp16.h").is_file()]
+    dirs = [d for d in dict.fromkeys(dirs) if (Path(d) / "cuda_fp16.h").is_file()]
+    # ... and wherever the cupy backend looks (the CuPy-free part of its search).
+    return dirs + [d for d in cuda_include_dirs() if d not in dirs]
 
 
 def _instantiations(packed: bool) -> list[str]:
@@ -220,3 +218,21 @@ def test_nvrtc_compiles_every_name_expression():
         assert "fma.rn.f32" not in text and "fma.rn.f64" not in text
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+def test_cuda_include_dirs_search_order(tmp_path, monkeypatch):
+    """The cupy backend's header search: explicit roots first, then $CUDA_PATH/$CUDA_HOME; only
+    directories that hold cuda_fp16.h, each once."""
+    roots = {}
+    for name in ("explicit", "env", "empty"):
+        (tmp_path / name / "include").mkdir(parents=True)
+        roots[name] = tmp_path / name
+    for name in ("explicit", "env"):
+        (roots[name] / "include" / "cuda_fp16.h").write_text("// stand-in\n")
+    monkeypatch.setenv("CUDA_PATH", str(roots["env"]))
+    monkeypatch.setenv("CUDA_HOME", str(roots["env"]))
+    got = cuda_include_dirs([roots["explicit"], roots["empty"], tmp_path / "missing"])
+    assert got[:2] == [str(roots["explicit"] / "include"), str(roots["env"] / "include")]
+    assert str(roots["empty"] / "include") not in got
+    assert len(got) == len(set(got))
+    assert all((Path(d) / "cuda_fp16.h").is_file() for d in got)

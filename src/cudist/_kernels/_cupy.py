@@ -32,6 +32,7 @@ import optree
 
 from cudist._arrays import order_streams
 from cudist._kernels._base import SUPPORTED_DTYPES, KernelBackend
+from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
 
@@ -71,6 +72,13 @@ _VEC_BYTES = 16
 def name_expression(kernel: str, dtype) -> str:
     """The NVRTC name expression of a kernel instantiation, e.g. ``cudist::kernels::broadcast<float>``."""
     return f"cudist::kernels::{kernel}<{CTYPES[np.dtype(dtype).name]}>"
+
+
+def _cuda_include_dirs() -> list[str]:
+    """The CUDA headers' directories (<cuda_fp16.h>), CuPy's own CUDA first."""
+    get_cuda_path = getattr(cupy.cuda, "get_cuda_path", None)
+    root = get_cuda_path() if get_cuda_path is not None else None
+    return cuda_include_dirs([root] if root else [])
 
 
 def _include_dir() -> Path:
@@ -132,7 +140,7 @@ class CupyBackend(KernelBackend):
                     names = [name_expression(k, dtype) for k, dts in KERNELS.items() if dtype.name in dts]
                     mod = cupy.RawModule(
                         code=self._source,
-                        options=("-std=c++17", f"-I{inc}"),
+                        options=("-std=c++17", f"-I{inc}", *(f"-I{d}" for d in _cuda_include_dirs())),
                         name_expressions=names,
                     )
                     self._modules[dtype.name] = mod
