@@ -70,6 +70,32 @@ def test_arrays_are_device_tagged_wrappers_like_cupy(cp):
     assert cai["data"][0] == a.data.ptr and cai["shape"] == (10,) and cai["typestr"] == "<f4"
 
 
+def test_operators_dispatch_like_cupy(cp):
+    """CuPy's operators: an operand with __array_ufunc__ gets the NumPy ufunc (NEP 13) after CuPy's
+    own __array_ufunc__ declines it; __array_ufunc__ = None defers to its reflected operator; an
+    operand without either is an unsupported type."""
+    a = cp.asarray(np.arange(4.0))
+
+    class Ufuncs:  # like cudist.Variable: takes part in ufuncs by unwrapping itself
+        def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+            calls.append(ufunc.__name__)
+            inputs = tuple(a if x is self else x for x in inputs)
+            return getattr(ufunc, method)(*inputs, **kwargs)
+
+    class OptOut:
+        __array_ufunc__ = None
+
+        def __rmul__(self, other):
+            return "reflected"
+
+    calls = []
+    r = a * Ufuncs()
+    assert calls == ["multiply"] and isinstance(r, cp.ndarray) and cp.asnumpy(r).tolist() == [0, 1, 4, 9]
+    assert a * OptOut() == "reflected"
+    with pytest.raises(TypeError):
+        a * object()
+
+
 def test_new_arrays_land_on_the_current_device(cp):
     a = cp.arange(4, dtype=cp.float32)
     cp.cuda.Device(0).synchronize()  # a copy on device 3 is not ordered after device 0's queued work

@@ -560,6 +560,11 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     # ------------------------------------------------------------------ arithmetic
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        # As CuPy: operands that are neither arrays, scalars nor CUDA-array-interface objects are
+        # declined, so NumPy's dispatch (NEP 13) tries their own __array_ufunc__ next.
+        for x in inputs + tuple(kwargs.get("out", ()) or ()):
+            if not isinstance(x, (ndarray, np.ndarray, *_SCALARS)) and not hasattr(x, "__cuda_array_interface__"):
+                return NotImplemented
         return _apply_numpy(getattr(ufunc, method), inputs, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
@@ -571,10 +576,23 @@ class ndarray:  # noqa: N801 - CuPy's name
         return impl(*args, **kwargs)
 
     def _binop(self, ufunc, other, reflected=False):
-        if other is None or not isinstance(other, (ndarray, *_SCALARS, np.ndarray)):
-            return NotImplemented
         args = (other, self) if reflected else (self, other)
-        return _apply_numpy(ufunc, args, {})
+        if other is None or isinstance(other, (ndarray, *_SCALARS, np.ndarray)):
+            if other is None:
+                return NotImplemented
+            return _apply_numpy(ufunc, args, {})
+        # CuPy's _should_use_rop: defer to an operand that opts out of ufuncs (or, without
+        # __array_ufunc__, has a higher __array_priority__); otherwise call the NumPy ufunc, whose
+        # dispatch offers the operation to every operand's __array_ufunc__ (see above).
+        try:
+            other_ufunc = other.__array_ufunc__
+        except AttributeError:
+            if getattr(other, "__array_priority__", 0) > self.__array_priority__:
+                return NotImplemented
+        else:
+            if other_ufunc is None:
+                return NotImplemented
+        return ufunc(*args)
 
     def _inplace(self, ufunc, other):
         _apply_numpy(ufunc, (self, other), {"out": (self,), "casting": "same_kind"})
