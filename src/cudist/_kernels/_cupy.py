@@ -157,9 +157,15 @@ class CupyBackend(KernelBackend):
         return max(1, min(-(-groups // _THREADS), sms * _BLOCKS_PER_SM))
 
     def _table(self, device: int, arrays) -> cupy.ndarray:
-        """A device array (on ``device``) of the arrays' data pointers, cached by pointer set."""
+        """A device array (on ``device``) of the arrays' data pointers, cached by pointer set.
+
+        The cache is per stream: a table is allocated on the stream whose kernels read it, so when
+        it is evicted CuPy's pool hands its memory out again only on that stream, after those
+        kernels (a table shared by two streams could be overwritten under the other's kernel).
+        """
         ptrs = tuple(int(a.data.ptr) for a in arrays)
-        key = (device, ptrs)
+        with cupy.cuda.Device(device):
+            key = (device, cupy.cuda.get_current_stream().ptr, ptrs)
         with self._lock:
             t = self._tables.get(key)
             if t is not None:
