@@ -828,12 +828,22 @@ class DistributedIterator:
             close()
 
 
+def _new_iterator(strategy, fetch_to_device: bool, make_steps, n: int, element_spec, prefetch: int = 0):
+    """A :class:`DistributedIterator` over ``make_steps(placer)`` (see :func:`_placer`).
+
+    Each iterator gets its own GPU feeder (staging ring), so iterators never share buffers.
+    """
+    placer = _placer(strategy, fetch_to_device)
+    feeder = placer if type(placer) is _GpuFeeder else None
+    return DistributedIterator(make_steps(placer), n, element_spec, prefetch, feeder)
+
+
 class _DistributedBase:
     def __init__(self, strategy, options, where):
         self._strategy = strategy
         self._options = _check_options(options, where)
         self._n = int(strategy.num_replicas_in_sync)
-        self._putters = _putters(strategy, self._options.experimental_fetch_to_device)
+        _putters(strategy, self._options.experimental_fetch_to_device)  # bad worker devices fail here, not later
         self._prefetch = (
             self._options.experimental_per_replica_buffer_size
             if self._options.experimental_fetch_to_device and any_gpu(strategy.extended.worker_devices)
@@ -844,10 +854,10 @@ class _DistributedBase:
         raise NotImplementedError
 
     def __iter__(self) -> DistributedIterator:
-        # Each iterator gets its own GPU feeder (staging ring), so iterators never share buffers.
-        placer = _placer(self._strategy, self._options.experimental_fetch_to_device)
-        feeder = placer if type(placer) is _GpuFeeder else None
-        return DistributedIterator(self._steps(placer), self._n, self.element_spec, self._prefetch, feeder)
+        return _new_iterator(
+            self._strategy, self._options.experimental_fetch_to_device, self._steps, self._n, self.element_spec,
+            self._prefetch,
+        )
 
     def reduce(self, initial_state, reduce_func):
         """Folds the steps: ``state = reduce_func(state, step)`` for each step."""
@@ -959,7 +969,6 @@ class _V1Iterator:
     def __init__(self, strategy):
         self._strategy = strategy
         self._n = int(strategy.num_replicas_in_sync)
-        self._putters = _putters(strategy, True)
         self._iterator = None
         self.initialize()
 
@@ -970,9 +979,7 @@ class _V1Iterator:
         """(Re)starts the iteration from the beginning. Returns the (empty) list of init ops."""
         if self._iterator is not None:
             self._iterator.close()
-        placer = _placer(self._strategy, True)
-        feeder = placer if type(placer) is _GpuFeeder else None
-        self._iterator = DistributedIterator(self._make_steps(placer), self._n, None, 0, feeder)
+        self._iterator = _new_iterator(self._strategy, True, self._make_steps, self._n, None)
         return []
 
     def get_next(self):
