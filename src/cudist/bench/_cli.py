@@ -374,20 +374,15 @@ def _sync_for(be):
 
 
 def _compare_tf_kernel(ctx, opname, sizes, dtypes, n, spec, oplabel) -> list:
-    from cudist.bench import _tf
-
     a = ctx.args
     if opname == "split":
         ctx.print("# tf: no TensorFlow counterpart timed for split (its input pipeline is not a kernel)")
         return []
     spec_tf = {"op": opname, "sizes": sizes, "dtypes": dtypes, "replicas": n, "redop": a.op, "iters": a.iters,
                "warmup": a.warmup_iters, "modes": _tf_modes(a), "check": a.check, "seed": a.seed}
-    try:
-        res = _tf.run_worker(spec_tf, python=a.tf_python)
-    except _tf.TFUnavailable as e:
-        ctx.print(f"# tf: skipped ({e})")
+    res = _run_tf(ctx, spec_tf)
+    if res is None:
         return []
-    ctx.header.setdefault("tensorflow", res.get("version"))
     ctx.print(f"# tf: TensorFlow {res.get('version')} MirroredStrategy on {n} logical CPUs ({res.get('python')})")
     rows = []
     for r in res["rows"]:
@@ -400,6 +395,19 @@ def _compare_tf_kernel(ctx, opname, sizes, dtypes, n, spec, oplabel) -> list:
         rows.append(row)
         ctx.print(_row_line(row))
     return rows
+
+
+def _run_tf(ctx, spec: dict):
+    """The TensorFlow worker's result for ``spec``; None (said in the output) without TensorFlow."""
+    from cudist.bench import _tf
+
+    try:
+        res = _tf.run_worker(spec, python=ctx.args.tf_python)
+    except _tf.TFUnavailable as e:
+        ctx.print(f"# tf: skipped ({e})")
+        return None
+    ctx.header.setdefault("tensorflow", res.get("version"))
+    return res
 
 
 def _tf_modes(a):

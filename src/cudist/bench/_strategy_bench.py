@@ -120,17 +120,14 @@ def _ovh_line(r) -> str:
 
 
 def _tf_overhead(ctx, n) -> list:
-    from cudist.bench import _cli, _tf
+    from cudist.bench import _cli
 
     a = ctx.args
     spec = {"op": "run-overhead", "replicas": n, "iters": a.iters, "warmup": a.warmup_iters,
             "modes": _cli._tf_modes(a), "check": a.check}
-    try:
-        res = _tf.run_worker(spec, python=a.tf_python)
-    except _tf.TFUnavailable as e:
-        ctx.print(f"# tf: skipped ({e})")
+    res = _cli._run_tf(ctx, spec)
+    if res is None:
         return []
-    ctx.header.setdefault("tensorflow", res.get("version"))
     rows = []
     for r in res["rows"]:
         row = {"strategy": "tf." + r["strategy"], "replicas": r["replicas"], "fn": r["fn"],
