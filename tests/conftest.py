@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import importlib.util
@@ -65,6 +66,16 @@ def set_gpu0_split(n, memory_limit=None):
     gpu0 = config.list_physical_devices("GPU")[0]
     logical = None if n is None else [config.LogicalDeviceConfiguration(memory_limit=memory_limit)] * n
     config.set_logical_device_configuration(gpu0, logical)
+
+
+@contextlib.contextmanager
+def gpu0_split(n, memory_limit=None):
+    """Physical GPU 0 split into ``n`` logical GPUs for the ``with`` block, one again after it."""
+    set_gpu0_split(n, memory_limit)
+    try:
+        yield
+    finally:
+        set_gpu0_split(None)
 
 
 def make_strategy(kind: str):

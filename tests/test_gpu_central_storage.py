@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import set_gpu0_split
+from conftest import gpu0_split
 
 import cudist
 from cudist.optimizers import SGD, Adam
@@ -21,11 +21,8 @@ CPU0 = "/job:localhost/replica:0/task:0/device:CPU:0"
 def strategy(request):
     """CentralStorageStrategy over ``n`` logical GPUs of physical GPU 0, parameters on the CPU."""
     n = request.param
-    set_gpu0_split(n)
-    try:
+    with gpu0_split(n):
         yield cudist.CentralStorageStrategy([f"/gpu:{i}" for i in range(n)])
-    finally:
-        set_gpu0_split(None)
 
 
 def test_defaults_place_variables_on_the_cpu(strategy):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import set_gpu0_split
+from conftest import gpu0_split
 
 import cudist
 from cudist import _input_lib
@@ -32,11 +32,8 @@ def _split_np(a, n):
 def strategy(request):
     """MirroredStrategy over ``n`` logical GPUs of physical GPU 0."""
     n = request.param
-    set_gpu0_split(n)
-    try:
+    with gpu0_split(n):
         yield cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
-    finally:
-        set_gpu0_split(None)
 
 
 @pytest.fixture(autouse=True)

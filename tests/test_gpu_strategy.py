@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import set_gpu0_split
+from conftest import gpu0_split
 
 import cudist
 from cudist import PerReplica
@@ -30,11 +30,8 @@ def ref_sum(parts):
 def strategy(request):
     """MirroredStrategy over ``n`` logical GPUs, all on physical GPU 0."""
     n = request.param
-    set_gpu0_split(n, memory_limit=1024)
-    try:
+    with gpu0_split(n, memory_limit=1024):
         yield cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
-    finally:
-        set_gpu0_split(None)
 
 
 def _rng_parts(n, shape, dtype, seed):
