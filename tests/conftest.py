@@ -125,6 +125,17 @@ def no_leaked_threads():
     assert _cudist_threads() == []
 
 
+# Small sizes keep examples/train_mlp.py fast in tests; 515 test examples make the last test batch 3
+# examples, which four replicas split [1, 1, 1, 0] (an empty replica batch).
+TRAIN_MLP_SMALL = ["--epochs", "2", "--train-examples", "512", "--test-examples", "515", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def train_mlp():
+    """examples/train_mlp.py as a module."""
+    return load_example("train_mlp")
+
+
 def load_example(name: str):
     """Imports ``examples/<name>.py`` as a module (the examples are scripts, not a package)."""
     spec = importlib.util.spec_from_file_location(f"cudist_example_{name}", EXAMPLES / f"{name}.py")

@@ -11,17 +11,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import EXAMPLES, load_example
-
-
-# Small sizes keep the file fast; 515 test examples make the last test batch 3 examples, which
-# four replicas split [1, 1, 1, 0] (an empty replica batch).
-SMALL = ["--epochs", "2", "--train-examples", "512", "--test-examples", "515", "--quiet"]
-
-
-@pytest.fixture(scope="module")
-def train_mlp():
-    return load_example("train_mlp")
+from conftest import EXAMPLES, TRAIN_MLP_SMALL as SMALL
 
 
 @pytest.fixture(autouse=True)

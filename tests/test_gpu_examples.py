@@ -8,16 +8,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import load_example
+from conftest import TRAIN_MLP_SMALL as SMALL
 
 pytestmark = pytest.mark.gpu
-
-SMALL = ["--epochs", "2", "--train-examples", "512", "--test-examples", "515", "--quiet"]
-
-
-@pytest.fixture(scope="module")
-def train_mlp():
-    return load_example("train_mlp")
 
 
 @pytest.fixture(autouse=True)
