@@ -27,6 +27,8 @@ namespace py = pybind11;
 namespace {
 
 enum class kind { f16, f32, f64, i32, i64 };
+constexpr kind kKinds[] = {kind::f16, kind::f32, kind::f64, kind::i32, kind::i64};
+constexpr const char* kSupportedDtypes = "(supported: float16, float32, float64, int32, int64)";
 
 // Below this many bytes moved, the GIL is kept: releasing and retaking it costs more than the work.
 constexpr std::size_t kReleaseGilBytes = std::size_t{64} << 10;
@@ -75,8 +77,8 @@ arr_info inspect(py::handle h, const char* where, const char* what, std::size_t 
   } else if (d->kind == 'i' && itemsize == 8) {
     k = kind::i64;
   } else {
-    throw py::type_error(std::string(where) + ": unsupported dtype for " + what + " " + std::to_string(index) +
-                         " (supported: float16, float32, float64, int32, int64)");
+    throw py::type_error(std::string(where) + ": unsupported dtype for " + what + " " + std::to_string(index) + " " +
+                         kSupportedDtypes);
   }
   constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
   constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
@@ -337,48 +339,42 @@ void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, doub
   });
 }
 
-
 #ifdef CUDIST_CORE_WITH_CUDA
 // ------------------------------------------------------------------------------------------ CUDA
 // The launchers of <cudist/cuda/launch.hpp> and <cudist/cuda/p2p.hpp> over raw device pointers
 // (Python ints, e.g. a CuPy array's ``data.ptr``). They enqueue work and return; the buffers must
 // stay alive until the streams have run it.
 
-enum class cuda_kind { f16, f32, f64, i32, i64 };
-
-cuda_kind parse_dtype(py::handle dt, const char* where) {
+kind parse_dtype(py::handle dt, const char* where) {
   // Anything numpy.dtype() takes ("float32", "f4", np.float32, a dtype); judged by its name.
   std::string name;
   try {
     name = py::str(py::dtype::from_args(py::reinterpret_borrow<py::object>(dt)).attr("name"));
   } catch (py::error_already_set&) {
     if (py::isinstance<py::str>(dt))
-      throw py::value_error(std::string(where) + ": unsupported dtype '" + dt.cast<std::string>() +
-                            "' (supported: float16, float32, float64, int32, int64)");
+      throw py::value_error(std::string(where) + ": unsupported dtype '" + dt.cast<std::string>() + "' " +
+                            kSupportedDtypes);
     throw py::value_error(std::string(where) + ": dtype " + std::string(py::repr(dt)) + " is not a dtype");
   }
-  if (name == "float16") return cuda_kind::f16;
-  if (name == "float32") return cuda_kind::f32;
-  if (name == "float64") return cuda_kind::f64;
-  if (name == "int32") return cuda_kind::i32;
-  if (name == "int64") return cuda_kind::i64;
-  throw py::value_error(std::string(where) + ": unsupported dtype '" + name +
-                        "' (supported: float16, float32, float64, int32, int64)");
+  for (kind k : kKinds)
+    if (name == kind_name(k)) return k;
+  throw py::value_error(std::string(where) + ": unsupported dtype '" + name + "' " + kSupportedDtypes);
 }
 
 // Calls fn(T{}) with T the CUDA-side type of k.
 template <class F>
-cudaError_t cuda_dispatch(cuda_kind k, F&& fn) {
+cudaError_t cuda_dispatch(kind k, F&& fn) {
   switch (k) {
-    case cuda_kind::f16: return fn(__half{});
-    case cuda_kind::f32: return fn(float{});
-    case cuda_kind::f64: return fn(double{});
-    case cuda_kind::i32: return fn(int{});
+    case kind::f16: return fn(__half{});
+    case kind::f32: return fn(float{});
+    case kind::f64: return fn(double{});
+    case kind::i32: return fn(int{});
     default: return fn(static_cast<long long>(0));
   }
 }
 
 [[noreturn]] void raise_cuda(const char* where, cudaError_t e) {
+  cudaGetLastError();  // clear a sticky launch error so later calls start clean
   throw std::runtime_error(std::string(where) + ": CUDA error " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) +
                            ")");
 }
@@ -435,7 +431,7 @@ void cuda_all_reduce(py::handle ptrs_seq, long long count, py::handle dtype, int
   const char* where = "cuda_all_reduce";
   const auto op = to_op(op_i);
   check_count(count, where);
-  const cuda_kind k = parse_dtype(dtype, where);
+  const kind k = parse_dtype(dtype, where);
   std::vector<void*> p = device_pointers(ptrs_seq, where);
   if (p.size() > static_cast<std::size_t>(INT32_MAX)) throw py::value_error("cuda_all_reduce: too many buffers");
   if (device < -1) throw py::value_error("cuda_all_reduce: device must be >= 0 (or -1 for the current one)");
@@ -458,17 +454,14 @@ void cuda_all_reduce(py::handle ptrs_seq, long long count, py::handle dtype, int
       if (device >= 0) cudaSetDevice(saved);
     }
   }
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    raise_cuda(where, e);
-  }
+  if (e != cudaSuccess) raise_cuda(where, e);
 }
 
 void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype, int op_i, py::handle streams_seq) {
   const char* where = "cuda_p2p_all_reduce";
   const auto op = to_op(op_i);
   check_count(count, where);
-  const cuda_kind k = parse_dtype(dtype, where);
+  const kind k = parse_dtype(dtype, where);
   std::vector<void*> p;
   std::vector<int> devices;
   for (const py::object& pair : items_of(bufs_seq, where, "bufs")) {
@@ -501,10 +494,7 @@ void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype,
                                              static_cast<int>(p.size()), count, op);
     });
   }
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    raise_cuda(where, e);
-  }
+  if (e != cudaSuccess) raise_cuda(where, e);
 }
 #endif  // CUDIST_CORE_WITH_CUDA
 
