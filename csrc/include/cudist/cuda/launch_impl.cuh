@@ -52,6 +52,15 @@ inline int divisor_for(reduce_op op, int n) { return op == reduce_op::mean ? n :
 
 inline bool valid_op(reduce_op op) { return op == reduce_op::sum || op == reduce_op::mean; }
 
+// Two-shot chunk length: ceil(count / n) rounded up to whole 16-byte vectors, so that no vector
+// straddles two owners. Chunk r is owned by replica r (the last one also takes any remainder).
+template <class T>
+inline long long two_shot_chunk(long long count, int n) {
+  constexpr int W = kernels::detail::vec_width<T>::value;
+  const long long chunk = (count + n - 1) / n;
+  return (chunk + W - 1) / W * W;
+}
+
 // Copies dsts[first..n) from src, kMaxReplicas destinations per launch.
 template <class T>
 cudaError_t broadcast_from(const T* src, T* const* dsts, int first, int n, long long count, cudaStream_t stream) {
@@ -114,10 +123,7 @@ cudaError_t all_reduce_two_shot(T* const* bufs, int n, long long count, reduce_o
   if (detail::bad_args(bufs, n, count) || !detail::valid_op(op)) return cudaErrorInvalidValue;
   if (n == 1 || count == 0) return cudaSuccess;
   if (n > detail::kMaxReplicas) return all_reduce(bufs, n, count, op, stream);
-  constexpr int W = kernels::detail::vec_width<T>::value;
-  // Chunks of whole 16-byte vectors, so that no vector straddles two owners.
-  long long chunk = (count + n - 1) / n;
-  chunk = (chunk + W - 1) / W * W;
+  const long long chunk = detail::two_shot_chunk<T>(count, n);
   const detail::PtrPack<T> p = detail::pack(bufs, n);
   const dim3 grid = detail::grid_for<T>(count);
   CUDIST_LAUNCH_KERNEL(kernels::reduce_scatter_packed<T>, grid, detail::kThreads, stream, p, n, chunk, 0, count,

@@ -139,10 +139,7 @@ cudaError_t p2p_all_reduce(T* const* bufs, const int* devices, const cudaStream_
     e = cudaSetDevice(devices[0]);
     if (e == cudaSuccess) e = all_reduce<T>(bufs, n, count, op, streams[0]);
   } else {
-    // Chunks of whole 16-byte vectors, so that no vector straddles two owners (as all_reduce_two_shot).
-    constexpr int W = kernels::detail::vec_width<T>::value;
-    long long chunk = (count + n - 1) / n;
-    chunk = (chunk + W - 1) / W * W;
+    const long long chunk = detail::two_shot_chunk<T>(count, n);
     const detail::PtrPack<T> p = detail::pack(bufs, n);
     const int divisor = detail::divisor_for(op, n);
     // Chunk r is read and written only by stream r in both phases, so each stream needs no more
