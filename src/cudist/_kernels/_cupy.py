@@ -117,10 +117,10 @@ class CupyBackend(KernelBackend):
         self._lock = threading.Lock()
         self._modules: dict[str, cupy.RawModule] = {}  # per dtype; CuPy compiles per device
         self._functions: dict[tuple, object] = {}  # (device, dtype, kernel) -> RawKernel
-        self._tables: collections.OrderedDict = collections.OrderedDict()  # (device, ptrs) -> uint64 array
+        self._tables: collections.OrderedDict = collections.OrderedDict()  # (device, stream, ptrs) -> uint64 array
         self._peer: dict[tuple[int, int], bool] = {}  # (device, peer) -> peer access enabled
         self._sms: dict[int, int] = {}
-        self._source: str | None = None
+        self._program: tuple | None = None  # (NVRTC source, options): the same for every dtype
 
     # ------------------------------------------------------------------ compilation and launch
     def _function(self, device: int, dtype, kernel: str):
@@ -134,15 +134,13 @@ class CupyBackend(KernelBackend):
             if fn is None:
                 mod = self._modules.get(dtype.name)
                 if mod is None:
-                    inc = _include_dir()
-                    if self._source is None:
-                        self._source = kernel_source(inc)
+                    if self._program is None:
+                        inc = _include_dir()
+                        options = ("-std=c++17", f"-I{inc}", *(f"-I{d}" for d in _cuda_include_dirs()))
+                        self._program = (kernel_source(inc), options)
+                    source, options = self._program
                     names = [name_expression(k, dtype) for k, dts in KERNELS.items() if dtype.name in dts]
-                    mod = cupy.RawModule(
-                        code=self._source,
-                        options=("-std=c++17", f"-I{inc}", *(f"-I{d}" for d in _cuda_include_dirs())),
-                        name_expressions=names,
-                    )
+                    mod = cupy.RawModule(code=source, options=options, name_expressions=names)
                     self._modules[dtype.name] = mod
                 with cupy.cuda.Device(device):
                     fn = mod.get_function(name_expression(kernel, dtype))  # compiles for this device
