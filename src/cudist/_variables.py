@@ -376,13 +376,17 @@ class Variable(metaclass=_VariableMeta):
         """A snapshot of the current value (a NumPy or CuPy array)."""
         return snapshot(self._read_live())
 
+    def _read_host(self):
+        """What host reads (numpy(), __array__) copy from: the live storage, or a host copy of it."""
+        return to_host(self._read_live())
+
     def numpy(self):
         """The value as a NumPy array (a NumPy scalar for 0-d variables), copied to the host."""
-        a = to_host(self._read_live())
+        a = self._read_host()
         return a[()] if a.ndim == 0 else a.copy()
 
     def __array__(self, dtype=None, copy=None):
-        a = to_host(self._read_live())
+        a = self._read_host()
         if dtype is not None and a.dtype != np.dtype(dtype):
             return a.astype(dtype)
         return a.copy()  # the caller may write the result; it must not alias the variable
@@ -842,15 +846,8 @@ class AggregatingVariable(Variable):
 
     read_value = value
 
-    def numpy(self):
-        a = to_host(self._array)
-        return a[()] if a.ndim == 0 else a.copy()
-
-    def __array__(self, dtype=None, copy=None):
-        a = to_host(self._array)
-        if dtype is not None and a.dtype != np.dtype(dtype):
-            return a.astype(dtype)
-        return a.copy()
+    def _read_host(self):
+        return to_host(self._array)  # the storage itself, never a replica's GPU copy
 
     def _update(self, method, value, read_value):
         ctx = _replica_context_of(self._distribute_strategy)
