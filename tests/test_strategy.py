@@ -26,7 +26,8 @@ def test_mirrored_devices_and_repr():
     assert s.extended.parameter_devices == s.extended.worker_devices
     assert "MirroredStrategy" in repr(s) and CPU.format(1) in repr(s)
     assert s.cluster_resolver is None
-    assert s.extended._variable_policy == "mirrored"
+    with s.scope():
+        assert type(cudist.Variable(1.0)) is cudist.MirroredVariable
 
 
 def test_mirrored_default_devices_is_cpu0_without_gpus():
@@ -59,7 +60,8 @@ def test_one_device_strategy():
     assert s.extended.worker_devices == (CPU.format(1),)
     assert s.extended.parameter_devices == (CPU.format(1),)
     assert CPU.format(1) in repr(s)
-    assert s.extended._variable_policy == "plain"
+    with s.scope():
+        assert type(cudist.Variable(1.0)) is cudist.Variable
     with pytest.raises(ValueError, match="invalid device"):
         cudist.OneDeviceStrategy("/job:worker/task:1/device:CPU:0")
 
@@ -72,7 +74,9 @@ def test_central_storage_defaults():
     assert one.extended.parameter_devices == (CPU.format(3),)  # one compute device: that device
     p = cudist.CentralStorageStrategy(["/cpu:0", "/cpu:1"], parameter_device="/cpu:2")
     assert p.extended.parameter_devices == (CPU.format(2),)
-    assert p.extended._variable_policy == "central"
+    with p.scope():
+        v = cudist.Variable(1.0)
+    assert type(v).__name__ == "AggregatingVariable" and v.device == CPU.format(2)
     assert cudist.experimental.CentralStorageStrategy is cudist.CentralStorageStrategy
     assert "parameter_device" in repr(p)
 

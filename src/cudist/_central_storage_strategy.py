@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from cudist import _devices
 from cudist._distribute_lib import Strategy, StrategyExtended, _default_devices, _parse_devices
+from cudist._variables import create_aggregating_variable, create_in_replica_context
 
 __all__ = ["CentralStorageStrategy"]
 
@@ -16,7 +17,14 @@ __all__ = ["CentralStorageStrategy"]
 class CentralStorageExtended(StrategyExtended):
     """Extended API of :class:`CentralStorageStrategy`: one copy of each variable, on the parameter device."""
 
-    _variable_policy = "central"
+    def _create_variable(self, next_creator, **kwargs):
+        """An AggregatingVariable on the parameter device (one for all replicas, even inside ``run``)."""
+        del next_creator
+        strategy = self._container_strategy()
+        var = create_in_replica_context(strategy, kwargs)
+        if var is None:
+            var = create_aggregating_variable(strategy, self._variable_devices()[0], **kwargs)
+        return var
 
 
 class CentralStorageStrategy(Strategy):

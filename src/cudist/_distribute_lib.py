@@ -16,7 +16,6 @@ the replica greenlets of :mod:`cudist._replica_engine` each see their own replic
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import functools
 import warnings
@@ -26,6 +25,9 @@ import numpy as np
 import optree
 
 from cudist import _devices
+from cudist._context import COLOCATE as _COLOCATE
+from cudist._context import CTX as _CTX
+from cudist._context import Frame as _Frame
 from cudist._arrays import as_array, contiguous, current_gpu, is_device_array, like, set_current_gpu, snapshot, to_host
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
@@ -42,23 +44,6 @@ __all__ = [
     "get_cross_replica_context",
     "experimental_set_strategy",
 ]
-
-
-class _Frame:
-    """One entry of the context state: the current strategy and, in replica context, the replica's context."""
-
-    __slots__ = ("strategy", "replica_ctx", "is_set")
-
-    def __init__(self, strategy, replica_ctx=None, is_set=False):
-        self.strategy = strategy
-        self.replica_ctx = replica_ctx
-        self.is_set = is_set
-
-
-# None means "outside any scope": the default strategy, in its default replica context.
-_CTX: contextvars.ContextVar = contextvars.ContextVar("cudist_distribution_context", default=None)
-# (extended, devices) while inside ``extended.colocate_vars_with(v)``.
-_COLOCATE: contextvars.ContextVar = contextvars.ContextVar("cudist_colocate_vars_with", default=None)
 
 
 # ---------------------------------------------------------------------------------------------- contexts
@@ -449,9 +434,6 @@ class _DefaultReplicaContext(ReplicaContext):
 class StrategyExtended:
     """The strategy's additional API for library writers (``tf.distribute.StrategyExtended``)."""
 
-    #: How ``cudist.Variable`` places variables created in scope: "plain", "mirrored" or "central".
-    _variable_policy = "plain"
-
     def __init__(self, container_strategy, devices, cross_device_ops=None, parameter_devices=None):
         from cudist._cross_device_ops import select_cross_device_ops
 
@@ -486,6 +468,27 @@ class StrategyExtended:
                 frames = [_Frame(s, _GpuReplicaContext(s, i, gpus[i])) for i in range(self._num)]
             self._replica_frames = frames
         return frames
+
+    # -------------------------------------------------------------- hooks each strategy overrides
+    def _create_variable(self, next_creator, **kwargs):
+        """Creates the variable ``cudist.Variable(**kwargs)`` asks for in this strategy's scope.
+
+        ``next_creator(device=..., **kwargs)`` builds a plain variable; this default (the default
+        strategy, OneDeviceStrategy) places it on the first variable device. Strategies with
+        distributed variables override this, as TF's ``*Extended`` classes do.
+        """
+        return next_creator(device=self._variable_devices()[0], **kwargs)
+
+    def _gpu_of_replica(self, replica_id: int):
+        """The physical GPU replica ``replica_id`` runs on (made current while it runs); None on CPUs."""
+        gpus = self._replica_gpus
+        return None if gpus is None else gpus[replica_id]
+
+    def _distribute_values_from_function(self, value_fn):
+        """``experimental_distribute_values_from_function``: a PerReplica at each leaf, even for one replica."""
+        from cudist import _input_lib
+
+        return _input_lib.distribute_values_from_function(value_fn, self._container_strategy_ref)
 
     # -------------------------------------------------------------- devices
     @property
@@ -852,9 +855,7 @@ class Strategy:
 
     def experimental_distribute_values_from_function(self, value_fn):
         """A PerReplica of ``value_fn(ValueContext)`` for each replica."""
-        from cudist import _input_lib
-
-        return _input_lib.distribute_values_from_function(value_fn, self)
+        return self._extended._distribute_values_from_function(value_fn)
 
     def experimental_make_numpy_dataset(self, numpy_input):
         """A dataset of the slices of ``numpy_input`` (TF1-era)."""

@@ -939,15 +939,12 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         return self._spec
 
 
-def _is_one_device(strategy) -> bool:
-    return any(cls.__name__ == "OneDeviceStrategy" for cls in type(strategy).__mro__)
-
-
-def distribute_values_from_function(value_fn, strategy):
+def distribute_values_from_function(value_fn, strategy, *, wrap_single: bool = True):
     """Calls ``value_fn(ValueContext(i, N))`` for each replica and places each result on its device.
 
-    Returns a PerReplica at each leaf of the results (the plain result for OneDeviceStrategy; a
-    one-component PerReplica for a one-replica MirroredStrategy, as TF does).
+    Returns a PerReplica at each leaf of the results; with one replica, the plain result unless
+    ``wrap_single`` (TF: OneDeviceStrategy gives the plain value, a one-replica MirroredStrategy a
+    one-component PerReplica).
     """
     if not callable(value_fn):
         raise TypeError(
@@ -956,7 +953,7 @@ def distribute_values_from_function(value_fn, strategy):
     n = int(strategy.num_replicas_in_sync)
     putters = _putters(strategy, True)
     values = [putters[i](value_fn(ValueContext(i, n))) for i in range(n)]
-    if n == 1 and _is_one_device(strategy):
+    if n == 1 and not wrap_single:
         return values[0]
     return regroup(values, PerReplica, always_wrap=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from cudist._distribute_lib import Strategy, StrategyExtended, _default_devices, _parse_devices
+from cudist._variables import create_in_replica_context, create_mirrored_variable
 
 __all__ = ["MirroredStrategy"]
 
@@ -10,7 +11,17 @@ __all__ = ["MirroredStrategy"]
 class MirroredExtended(StrategyExtended):
     """Extended API of :class:`MirroredStrategy`: variables get one component per replica device."""
 
-    _variable_policy = "mirrored"
+    def _create_variable(self, next_creator, **kwargs):
+        """A MirroredVariable (SyncOnReadVariable for ON_READ) with one component per variable device.
+
+        Created inside ``run``, one variable is made in a ``merge_call`` and shared by every replica.
+        """
+        del next_creator  # every component is built here, one per device
+        strategy = self._container_strategy()
+        var = create_in_replica_context(strategy, kwargs)
+        if var is None:
+            var = create_mirrored_variable(strategy, self._variable_devices(), **kwargs)
+        return var
 
 
 class MirroredStrategy(Strategy):

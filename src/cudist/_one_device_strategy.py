@@ -4,14 +4,20 @@ from __future__ import annotations
 
 from cudist import _devices
 from cudist._distribute_lib import Strategy, StrategyExtended
+from cudist._input_lib import distribute_values_from_function
 
 __all__ = ["OneDeviceStrategy"]
 
 
 class OneDeviceExtended(StrategyExtended):
-    """Extended API of :class:`OneDeviceStrategy`: one replica; variables are plain, on the device."""
+    """Extended API of :class:`OneDeviceStrategy`: one replica; variables are plain, on the device.
 
-    _variable_policy = "plain"
+    Variable creation is the base class's (a plain variable on the device).
+    """
+
+    def _distribute_values_from_function(self, value_fn):
+        """As TF's OneDeviceStrategy: the value function's plain result, not a PerReplica."""
+        return distribute_values_from_function(value_fn, self._container_strategy(), wrap_single=False)
 
 
 class OneDeviceStrategy(Strategy):

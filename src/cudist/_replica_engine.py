@@ -24,6 +24,8 @@ import threading
 
 import greenlet
 
+from cudist._context import CTX as _CTX
+
 __all__ = ["run_replicas", "ReplicaMismatchError"]
 
 _DONE, _ERROR, _ABORTED = "done", "error", "aborted"
@@ -39,8 +41,6 @@ class _Abort(BaseException):
 
 def _worker_main(task):
     """Body of a pooled replica greenlet: run tasks forever, reporting each outcome to the parent."""
-    from cudist._distribute_lib import _CTX  # noqa: PLC0415 - circular at import time
-
     while True:
         frame, fn, args, kwargs = task
         token = _CTX.set(frame)

@@ -1,15 +1,18 @@
 """Variables: ``cudist.Variable`` and the distributed variables strategies create from it.
 
-``cudist.Variable(...)`` looks at the current strategy (``get_strategy()``) and its
-``extended._variable_policy``:
+``cudist.Variable(...)`` checks its arguments and hands them to the current strategy's
+``extended._create_variable(next_creator, **kwargs)`` (TF's variable creator pattern), so each
+strategy's rules live in its own module; the builders they call are here:
 
-* ``"plain"`` (the default strategy, OneDeviceStrategy): a plain :class:`Variable` on
-  ``extended._variable_devices()[0]``;
-* ``"mirrored"`` (MirroredStrategy): a :class:`MirroredVariable` with one component per device
-  (names ``"v:0"``, ``"v/replica_1:0"``, ...), or a :class:`SyncOnReadVariable` for
+* :func:`create_plain_variable` (the default strategy, OneDeviceStrategy): a plain :class:`Variable`;
+* :func:`create_mirrored_variable` (MirroredStrategy): a :class:`MirroredVariable` with one component
+  per device (names ``"v:0"``, ``"v/replica_1:0"``, ...), or a :class:`SyncOnReadVariable` for
   ``synchronization=ON_READ``;
-* ``"central"`` (CentralStorageStrategy): one :class:`AggregatingVariable` on the parameter device,
-  whose updates in replica context are aggregated across replicas first.
+* :func:`create_aggregating_variable` (CentralStorageStrategy): one :class:`AggregatingVariable` on
+  the parameter device, whose updates in replica context are aggregated across replicas first.
+
+Aggregation (replica-context updates, cross-replica reads of sync-on-read variables) goes through
+``strategy.extended.reduce_to`` and so through the strategy's cross-device ops, as in TF.
 
 All of them are instances of :class:`Variable`, as all of TF's are instances of ``tf.Variable``.
 TensorFlow 2.21 is the reference for every rule here (what raises, with which message, what the
@@ -27,6 +30,7 @@ than tensors; a plain ``assign*`` returns the variable itself (TF returns an equ
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
 import itertools
 import threading
@@ -50,7 +54,7 @@ from cudist._arrays import (
 from cudist._cross_device_ops import backend_for
 from cudist._devices import canonicalize
 from cudist._reduce_util import ReduceOp
-from cudist._values import DistributedValues, Mirrored, select_replica
+from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
 
 __all__ = [
     "Variable",
@@ -105,22 +109,6 @@ def _kernel_backend(arr):
     """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
     backend = backend_for(arr)
     return backend if arr.dtype in backend.dtypes else None
-
-
-def _reduce_arrays(arrays, op: ReduceOp, backend=False):
-    """Reduces same-shape, same-dtype arrays in replica order (the kernel contract's order).
-
-    ``backend``: the kernel backend to use (None: the NumPy reference); found from the arrays by default.
-    """
-    if len(arrays) == 1:
-        return arrays[0].copy()
-    if backend is False:
-        backend = _kernel_backend(arrays[0])
-    if backend is not None:
-        return backend.reduce_to_one(arrays, op)
-    from cudist._kernels._numpy import reference_reduce
-
-    return reference_reduce([to_host(a) for a in arrays], op)
 
 
 # ---------------------------------------------------------------------------- value conversion
@@ -581,8 +569,22 @@ def _aggregate(strategy, value, aggregation: VariableAggregation, var):
                 f"replica {i}'s update to variable '{var.name}' has shape {a.shape} but the variable has shape {ref.shape}"
             )
         arrays.append(contiguous(a))
-    same_module = all(array_module(a) is array_module(ref) for a in arrays)
-    return _reduce_arrays(arrays, op, var._kernel() if same_module else False)
+    return _reduce_components(strategy, arrays, op, var.device)
+
+
+def _reduce_components(strategy, arrays, op: ReduceOp, device):
+    """Reduces per-replica arrays of one dtype to ``device`` through ``strategy.extended.reduce_to``.
+
+    So the strategy's cross-device ops (a user's ``NcclAllReduce``, say) do the reduction, as in TF.
+    Integer MEAN keeps the dtype, truncating toward zero (the variable's dtype cannot change).
+    """
+    int_mean = op is ReduceOp.MEAN and arrays[0].dtype.kind in "iu"
+    red = strategy.extended.reduce_to(ReduceOp.SUM if int_mean else op, PerReplica(arrays), device)
+    if int_mean:
+        xp = array_module(red)
+        n = len(arrays)
+        red = (xp.sign(red) * (xp.abs(red) // n)).astype(arrays[0].dtype, copy=False)
+    return red
 
 
 class DistributedVariable(DistributedValues, Variable):
@@ -758,7 +760,7 @@ class SyncOnReadVariable(DistributedVariable):
         if agg is VariableAggregation.ONLY_FIRST_REPLICA:
             return self._values[0]._array
         op = ReduceOp.from_variable_aggregation(agg)  # NONE raises, as in TF
-        return _reduce_arrays(self._buffers(), op)
+        return _reduce_components(self._distribute_strategy, self._buffers(), op, self._values[0].device)
 
     def _read_live(self):
         ctx = self._replica_ctx()
@@ -819,13 +821,14 @@ class AggregatingVariable(Variable):
     def _replica_gpu(self):
         """The physical GPU of the calling replica, when reads must be copied there; else None."""
         strategy = self._distribute_strategy
-        gpus = getattr(strategy.extended, "_replica_gpus", None) if strategy is not None else None
-        if gpus is None:
-            return None  # CPU replicas share host memory with a host variable
+        if strategy is None:
+            return None
         ctx = _replica_context_of(strategy, strict=False)
         if ctx is None:
             return None
-        gpu = gpus[int(ctx.replica_id_in_sync_group)]
+        gpu = strategy.extended._gpu_of_replica(int(ctx.replica_id_in_sync_group))
+        if gpu is None:
+            return None  # CPU replicas share host memory with a host variable
         arr = self._array
         if type(arr) is not np.ndarray and int(arr.device.id) == gpu:
             return None
@@ -876,6 +879,12 @@ def _create_variable(
     aggregation=VariableAggregation.NONE,
     shape=None,
 ):
+    """``cudist.Variable(...)``: checks the arguments, then lets the current strategy build the variable.
+
+    As TF's variable creator stack: ``strategy.extended._create_variable(next_creator, **kwargs)``
+    decides what to build (each strategy's rules live in its own module); ``next_creator`` builds a
+    plain :class:`Variable`.
+    """
     synchronization = _parse_enum(VariableSynchronization, synchronization, "synchronization", name)
     aggregation = _parse_enum(VariableAggregation, aggregation, "aggregation", name)
     if trainable is not None and not isinstance(trainable, (bool, np.bool_)):
@@ -884,34 +893,21 @@ def _create_variable(
         raise TypeError(f"name must be a string, got {type(name).__name__}")
     if initial_value is None:
         raise ValueError("The `initial_value` arg to `cudist.Variable` must be specified.")
-
     strategy, has_strategy = _get_strategy()
-    extended = strategy.extended
-    policy = getattr(extended, "_variable_policy", "plain")
-    if policy != "plain":
-        ctx = _replica_context_of(strategy)
-        if ctx is not None:
-            # Created inside strategy.run: as in TF, one variable is created (from replica 0's
-            # initial value) and every replica gets that same variable.
-            if callable(initial_value):
-                initial_value = initial_value()  # in the replica, where replica-local state is visible
+    return strategy.extended._create_variable(
+        functools.partial(create_plain_variable, strategy if has_strategy else None),
+        initial_value=initial_value,
+        trainable=trainable,
+        name=name,
+        dtype=dtype,
+        synchronization=synchronization,
+        aggregation=aggregation,
+        shape=shape,
+    )
 
-            def merge_fn(_, init):
-                return _create_variable(
-                    select_replica(0, init), trainable, name, dtype, synchronization, aggregation, shape
-                )
 
-            return ctx.merge_call(merge_fn, args=(initial_value,))
-    devices = tuple(canonicalize(d) for d in extended._variable_devices())
-    if not devices:
-        raise ValueError(f"{type(strategy).__name__} reported no device to place variables on")
-
-    if policy == "mirrored" and synchronization is VariableSynchronization.NONE:
-        raise ValueError(
-            "`NONE` variable synchronization mode is not supported with cudist strategies. Please change the "
-            f"`synchronization` for variable: {name}"
-        )
-
+def initial_array(initial_value, dtype, shape):
+    """The initial value as an array (calling it if callable, cast to ``dtype``) and the shape spec."""
     if callable(initial_value):
         initial_value = initial_value()
     if dtype is not None:
@@ -930,36 +926,83 @@ def _create_variable(
             f"In this `cudist.Variable` creation, the initial value's shape ({arr.shape}) is not compatible with "
             f"the explicitly supplied `shape` argument ({spec})."
         )
-    if policy == "mirrored" and aggregation is VariableAggregation.MEAN and arr.dtype.kind not in "fc":
+    return arr, spec
+
+
+def _default_trainable(trainable, synchronization) -> bool:
+    if trainable is None:
+        return synchronization is not VariableSynchronization.ON_READ
+    return bool(trainable)
+
+
+def create_plain_variable(
+    strategy, *, initial_value, trainable, name, dtype, synchronization, aggregation, shape, device
+) -> Variable:
+    """Builds a plain :class:`Variable` on ``device`` (the end of every strategy's creator chain).
+
+    ``strategy``: the strategy it belongs to (None under the default strategy).
+    """
+    arr, spec = initial_array(initial_value, dtype, shape)
+    device = canonicalize(device)
+    return Variable._build(
+        place(arr, device, copy=True),
+        name=name if name is not None else "Variable",
+        device=device,
+        synchronization=synchronization,
+        strategy=strategy,
+        trainable=_default_trainable(trainable, synchronization),
+        aggregation=aggregation,
+        shape_spec=spec,
+    )
+
+
+def create_in_replica_context(strategy, kwargs):
+    """Inside ``strategy.run``: one variable for all replicas, created in a ``merge_call``; else None.
+
+    As in TF, the variable is created once (from replica 0's initial value) and every replica gets
+    that same variable. A callable initial value is called in each replica, where replica-local
+    state is visible.
+    """
+    ctx = _replica_context_of(strategy)
+    if ctx is None:
+        return None
+    initial_value = kwargs["initial_value"]
+    if callable(initial_value):
+        initial_value = initial_value()
+    rest = {k: v for k, v in kwargs.items() if k != "initial_value"}
+
+    def merge_fn(_, init):
+        return _create_variable(select_replica(0, init), **rest)
+
+    return ctx.merge_call(merge_fn, args=(initial_value,))
+
+
+def create_mirrored_variable(
+    strategy, devices, *, initial_value, trainable, name, dtype, synchronization, aggregation, shape
+) -> DistributedVariable:
+    """Builds a :class:`MirroredVariable` (or :class:`SyncOnReadVariable` for ON_READ) over ``devices``.
+
+    Components are named ``"v:0"``, ``"v/replica_1:0"``, ... Raises TF's ValueErrors for
+    synchronization NONE and for aggregation MEAN with a non-floating dtype.
+    """
+    if synchronization is VariableSynchronization.NONE:
+        raise ValueError(
+            "`NONE` variable synchronization mode is not supported with cudist strategies. Please change the "
+            f"`synchronization` for variable: {name}"
+        )
+    devices = tuple(canonicalize(d) for d in devices)
+    if not devices:
+        raise ValueError(f"{type(strategy).__name__} reported no device to place variables on")
+    arr, spec = initial_array(initial_value, dtype, shape)
+    if aggregation is VariableAggregation.MEAN and arr.dtype.kind not in "fc":
         raise ValueError(
             "creating distributed cudist.Variable with aggregation=MEAN and a non-floating dtype is not supported, "
             "please use a different aggregation or dtype"
         )
-
-    if trainable is None:
-        trainable = synchronization is not VariableSynchronization.ON_READ
-    trainable = bool(trainable)
-    base = name if name is not None else "Variable"
-    common = dict(trainable=trainable, aggregation=aggregation, shape_spec=spec)
-
-    if policy == "plain":
-        return Variable._build(
-            place(arr, devices[0], copy=True),
-            name=base,
-            device=devices[0],
-            synchronization=synchronization,
-            strategy=strategy if has_strategy else None,
-            **common,
-        )
-    if policy == "central":
-        return AggregatingVariable._build(
-            place(arr, devices[0], copy=True), name=base, device=devices[0], synchronization=synchronization, strategy=strategy, **common
-        )
-    if policy != "mirrored":
-        raise ValueError(f"{type(strategy).__name__} has an unknown variable policy {policy!r}")
-
+    trainable = _default_trainable(trainable, synchronization)
     if synchronization is VariableSynchronization.AUTO:
         synchronization = VariableSynchronization.ON_WRITE
+    base = name if name is not None else "Variable"
     components = tuple(
         Variable._build(
             place(arr, dev, copy=True),
@@ -967,13 +1010,33 @@ def _create_variable(
             device=dev,
             synchronization=synchronization,
             strategy=strategy,
-            **common,
+            trainable=trainable,
+            aggregation=aggregation,
+            shape_spec=spec,
         )
         for i, dev in enumerate(devices)
     )
     cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ else MirroredVariable
     return cls._build_distributed(
         strategy, components, trainable=trainable, synchronization=synchronization, aggregation=aggregation
+    )
+
+
+def create_aggregating_variable(
+    strategy, device, *, initial_value, trainable, name, dtype, synchronization, aggregation, shape
+) -> AggregatingVariable:
+    """Builds CentralStorageStrategy's :class:`AggregatingVariable` on the parameter ``device``."""
+    arr, spec = initial_array(initial_value, dtype, shape)
+    device = canonicalize(device)
+    return AggregatingVariable._build(
+        place(arr, device, copy=True),
+        name=name if name is not None else "Variable",
+        device=device,
+        synchronization=synchronization,
+        strategy=strategy,
+        trainable=_default_trainable(trainable, synchronization),
+        aggregation=aggregation,
+        shape_spec=spec,
     )
 
 
