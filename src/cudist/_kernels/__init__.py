@@ -12,6 +12,9 @@ import importlib.util
 import os
 import threading
 
+import numpy as np
+
+from cudist._arrays import is_device_array
 from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend
 
 __all__ = [
@@ -23,6 +26,10 @@ __all__ = [
     "available_backends",
     "get_backend",
     "default_cpu_backend",
+    "backend_for",
+    "cpu_backend",
+    "numpy_backend",
+    "reset_backend_cache",
 ]
 
 #: Every backend name, in order of preference for CPU buffers.
@@ -108,3 +115,44 @@ def default_cpu_backend() -> KernelBackend:
         except BackendUnavailableError:
             continue
     raise AssertionError("the numpy backend always loads")  # pragma: no cover
+
+
+_chosen: dict[str, KernelBackend] = {}
+
+
+def cpu_backend() -> KernelBackend:
+    """The kernel backend for host buffers (``get_backend()``), chosen once per process.
+
+    ``get_backend()`` reads ``CUDIST_BACKEND`` and re-probes unavailable backends on every call
+    (microseconds); a collective runs at every training step, so the choice is made when the first
+    one runs. :func:`reset_backend_cache` makes a later ``CUDIST_BACKEND`` take effect.
+    """
+    b = _chosen.get("cpu")
+    if b is None:
+        b = get_backend()
+        if b.xp is not np:  # CUDIST_BACKEND=cupy must not break host values: they get the CPU default
+            b = default_cpu_backend()
+        _chosen["cpu"] = b
+    return b
+
+
+def reset_backend_cache() -> None:
+    """Forgets the chosen CPU backend (tests changing ``CUDIST_BACKEND`` call this)."""
+    _chosen.clear()
+
+
+def numpy_backend() -> KernelBackend:
+    """The NumPy reference backend (every dtype of the contract, any host buffer)."""
+    return _load("numpy")
+
+
+def backend_for(a) -> KernelBackend:
+    """The kernel backend for buffers like ``a``: :func:`cpu_backend` for host arrays, ``cupy`` for GPU arrays.
+
+    The CuPy backend is loaded only when a GPU array shows up.
+    """
+    if type(a) is np.ndarray:
+        return cpu_backend()
+    if not is_device_array(a):
+        return cpu_backend()
+    return get_backend("cupy")
