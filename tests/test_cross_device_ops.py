@@ -7,7 +7,9 @@ import pytest
 
 import cudist
 from cudist import Mirrored, PerReplica
-from cudist._cross_device_ops import KernelAllReduce, _cpu_backend, _pack_groups
+from cudist._collectives.packing import pack_groups as _pack_groups
+from cudist._cross_device_ops import KernelAllReduce
+from cudist._kernels import cpu_backend as _cpu_backend
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}"
 CPU_OPS = [
@@ -115,7 +117,7 @@ def test_hundred_small_gradients_cost_one_reduce_call(monkeypatch):
 
 
 def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
-    spy = CallCounter(monkeypatch, "_all_reduce")
+    spy = CallCounter(monkeypatch, "all_reduce")
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(2)
     grads = [[rng.standard_normal(5).astype(np.float32) for _ in range(100)] for _ in range(2)]
@@ -127,7 +129,7 @@ def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
 
 
 def test_one_kernel_call_per_dtype_and_pack(monkeypatch):
-    spy = CallCounter(monkeypatch, "_all_reduce")
+    spy = CallCounter(monkeypatch, "all_reduce")
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     mixed = [np.ones(4, np.float32), np.ones(2, np.int64), np.ones(3, np.float32), np.ones(1, np.int64)]
     s.run(lambda: cudist.get_replica_context().all_reduce("sum", mixed))
@@ -175,7 +177,7 @@ def test_reduction_to_one_device_arguments():
 
 
 def test_backends_agree_bitwise_through_the_strategy(monkeypatch):
-    from cudist._cross_device_ops import _reset_backend_cache
+    from cudist._kernels import reset_backend_cache as _reset_backend_cache
     from cudist._kernels import available_backends
 
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
@@ -230,6 +232,7 @@ def fake_nccl(monkeypatch):
     import types
 
     from cudist import _cross_device_ops as cdo
+    from cudist._collectives import nccl as nccl_mod
 
     module = types.SimpleNamespace(
         NCCL_SUM=0, NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT32=2, NCCL_INT64=4, available=True
@@ -237,7 +240,7 @@ def fake_nccl(monkeypatch):
 
     def make(available=True):
         result = (module, None) if available else (None, "CuPy cannot load the NCCL library (test)")
-        monkeypatch.setattr(cdo, "_nccl_module", lambda: result)
+        monkeypatch.setattr(nccl_mod, "load", lambda: result)
         return module
 
     return make
@@ -253,7 +256,7 @@ def test_gpu_device_spellings_parse(spelling):
 
 def test_logical_gpus_map_to_physical(fake_gpus):
     from cudist import config
-    from cudist._cross_device_ops import gpu_layout
+    from cudist._collectives.placement import gpu_layout
 
     fake_gpus(2, split={0: 3})
     assert config.logical_to_physical_gpu() == [0, 0, 0, 1]
@@ -371,13 +374,14 @@ class _FakeBuf:
 
 def test_auto_op_picks_nccl_by_size_and_layout(monkeypatch, fake_nccl):
     from cudist import _cross_device_ops as cdo
+    from cudist._collectives import nccl as nccl_mod
 
     nccl = fake_nccl(available=True)
     calls = []
-    monkeypatch.setattr(cdo, "_nccl_all_reduce", lambda mod, bufs, op: calls.append(("nccl", mod, bufs[0].nbytes)))
+    monkeypatch.setattr(nccl_mod, "all_reduce", lambda mod, bufs, op: calls.append(("nccl", mod, bufs[0].nbytes)))
 
     class Backend:
-        def _all_reduce(self, bufs, op):
+        def all_reduce(self, bufs, op):
             calls.append(("p2p", None, bufs[0].nbytes))
 
     ops = cdo.AutoGpuAllReduce((0, 1), nccl)
@@ -392,17 +396,18 @@ def test_auto_op_picks_nccl_by_size_and_layout(monkeypatch, fake_nccl):
 
 def test_nccl_op_uses_nccl_only_for_distinct_gpus(monkeypatch, fake_nccl):
     from cudist import _cross_device_ops as cdo
+    from cudist._collectives import nccl as nccl_mod
 
     fake_nccl(available=True)
     ops = cudist.NcclAllReduce()
     assert ops._reducer([[_FakeBuf(8, 0)], [_FakeBuf(8, 0)]]) is None  # logical GPUs: the P2P kernels
     calls = []
-    monkeypatch.setattr(cdo, "_nccl_all_reduce", lambda mod, bufs, op: calls.append(op))
+    monkeypatch.setattr(nccl_mod, "all_reduce", lambda mod, bufs, op: calls.append(op))
     ops._reducer([[_FakeBuf(8, 0)], [_FakeBuf(8, 1)]])(None, [_FakeBuf(8, 0), _FakeBuf(8, 1)], cudist.ReduceOp.MEAN)
     assert calls == [cudist.ReduceOp.MEAN]
     # Host values under a GPU op (a Python loss next to GPU gradients) are reduced on the host.
     assert ops._reducer([[1.0], [2.0]]) is None
-    out = ops._all_reduce(cudist.ReduceOp.SUM, [[np.float32(1.5), np.arange(3.0)], [np.float32(2.0), np.ones(3)]])
+    out = ops._all_reduce_leaves(cudist.ReduceOp.SUM, [[np.float32(1.5), np.arange(3.0)], [np.float32(2.0), np.ones(3)]])
     assert calls == [cudist.ReduceOp.MEAN]
     for r in range(2):
         assert out[r][0] == np.float32(3.5) and out[r][0].dtype == np.float32

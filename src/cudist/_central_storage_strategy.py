@@ -50,12 +50,12 @@ class CentralStorageStrategy(Strategy):
             param = _devices.canonicalize(parameter_device)
         ops = None
         if _devices.any_gpu(devs) and not _devices.parse_device(param).is_gpu:
-            # As TF (ReductionToOneDevice to the local CPU): the GPU-only P2P/NCCL ops cannot
-            # deliver a reduction to a variable in host memory. The reduction itself still runs
-            # on the GPUs' kernels; only its result is copied to the host.
+            # As TF (ReductionToOneDevice): the GPU-only P2P/NCCL ops cannot deliver a reduction to
+            # a variable in host memory. TF reduces on the CPU; we reduce on the first GPU with the
+            # CUDA kernels and copy only the result to the host.
             from cudist._cross_device_ops import ReductionToOneDevice
 
-            ops = ReductionToOneDevice(reduce_to_device=param)
+            ops = ReductionToOneDevice()
         super().__init__(CentralStorageExtended(self, devs, cross_device_ops=ops, parameter_devices=(param,)))
 
     def __repr__(self) -> str:

@@ -216,7 +216,7 @@ class _LazyPaths:
 
     def __getitem__(self, j):
         if self._paths is None:
-            from cudist._cross_device_ops import tree_leaves_with_paths
+            from cudist._collectives.packing import tree_leaves_with_paths
 
             self._paths = tree_leaves_with_paths(self._tree)[2]
         return self._paths[j]
@@ -234,7 +234,7 @@ def _h_all_reduce(strategy, payloads):
     v0 = payloads[0][1]
     if isinstance(v0, _SIMPLE_LEAVES) and all(isinstance(p[1], _SIMPLE_LEAVES) for p in payloads):
         # One array or scalar per replica: the per-step common case, without tree flattening.
-        out = ops._all_reduce(op, [[as_array(p[1])] for p in payloads])
+        out = ops._all_reduce_leaves(op, [[as_array(p[1])] for p in payloads])
         if isinstance(v0, np.ndarray):
             return [o[0] for o in out]
         return [_scalarize(o[0]) for o in out]
@@ -244,7 +244,7 @@ def _h_all_reduce(strategy, payloads):
         if spec != spec0:
             raise ValueError(f"all_reduce: replica {r} passed a structure {spec} but replica 0 passed {spec0}")
     arrays = [[as_array(x) for x in leaves] for leaves, _ in flat]
-    out = ops._all_reduce(op, arrays, _LazyPaths(v0))
+    out = ops._all_reduce_leaves(op, arrays, _LazyPaths(v0))
     scalar = [not isinstance(x, np.ndarray) and not is_device_array(x) for x in leaves0]
     results = []
     for r in range(len(payloads)):
@@ -254,7 +254,7 @@ def _h_all_reduce(strategy, payloads):
 
 
 def _h_all_gather(strategy, payloads):
-    from cudist._cross_device_ops import gather_arrays, tree_leaves_with_paths
+    from cudist._collectives.packing import gather_arrays, tree_leaves_with_paths
 
     axis = payloads[0][1]
     for r, (_, a) in enumerate(payloads[1:], 1):
@@ -447,7 +447,7 @@ class StrategyExtended:
         # The physical GPU of each replica (None on CPUs): made current while the replica runs.
         self._replica_gpus = None
         if _devices.any_gpu(self._devices):
-            from cudist._cross_device_ops import gpu_layout
+            from cudist._collectives.placement import gpu_layout
 
             self._replica_gpus = gpu_layout(self._devices)
 
@@ -831,7 +831,7 @@ class Strategy:
             raise TypeError(f"Strategy.gather: axis must be an int, got {type(axis).__name__}")
         if _is_nest_of_dv(value):
             return optree.tree_map(lambda v: self.gather(v, axis), value, is_leaf=_is_dv)
-        from cudist._cross_device_ops import gather_arrays
+        from cudist._collectives.packing import gather_arrays
 
         comps = value.values if isinstance(value, DistributedValues) else (value,)
         return gather_arrays([to_host(c) for c in comps], int(axis))

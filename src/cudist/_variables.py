@@ -51,7 +51,7 @@ from cudist._arrays import (
     to_gpu,
     to_host,
 )
-from cudist._cross_device_ops import backend_for
+from cudist._kernels import backend_for
 from cudist._devices import canonicalize
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica

@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+from cudist.bench import _tf
+from cudist.bench._errors import BenchError
 from cudist.bench._sizes import format_size, parse_size, size_sweep
 
 __all__ = ["main", "build_parser"]
@@ -19,10 +21,6 @@ _DTYPE_ALIASES = {
     "fp64": "float64", "int": "int32", "int32": "int32", "int64": "int64", "long": "int64",
 }
 _BACKEND_CHOICES = ("numpy", "numba", "native", "cupy", "all")
-
-
-class BenchError(Exception):
-    """A problem with the request the user can fix (printed as ``cudist-bench: error: ...``, exit 2)."""
 
 
 # ---------------------------------------------------------------------------------------- parsing
@@ -379,8 +377,8 @@ def _compare_tf_kernel(ctx, opname, sizes, dtypes, n, spec, oplabel) -> list:
         ctx.print("# tf: no TensorFlow counterpart timed for split (its input pipeline is not a kernel)")
         return []
     spec_tf = {"op": opname, "sizes": sizes, "dtypes": dtypes, "replicas": n, "redop": a.op, "iters": a.iters,
-               "warmup": a.warmup_iters, "modes": _tf_modes(a), "check": a.check, "seed": a.seed}
-    res = _run_tf(ctx, spec_tf)
+               "warmup": a.warmup_iters, "modes": _tf.modes(a), "check": a.check, "seed": a.seed}
+    res = _tf.compare(ctx, spec_tf)
     if res is None:
         return []
     ctx.print(f"# tf: TensorFlow {res.get('version')} MirroredStrategy on {n} logical CPUs ({res.get('python')})")
@@ -395,23 +393,6 @@ def _compare_tf_kernel(ctx, opname, sizes, dtypes, n, spec, oplabel) -> list:
         rows.append(row)
         ctx.print(_row_line(row))
     return rows
-
-
-def _run_tf(ctx, spec: dict):
-    """The TensorFlow worker's result for ``spec``; None (said in the output) without TensorFlow."""
-    from cudist.bench import _tf
-
-    try:
-        res = _tf.run_worker(spec, python=ctx.args.tf_python)
-    except _tf.TFUnavailable as e:
-        ctx.print(f"# tf: skipped ({e})")
-        return None
-    ctx.header.setdefault("tensorflow", res.get("version"))
-    return res
-
-
-def _tf_modes(a):
-    return ["function", "eager"] if a.tf_mode == "both" else [a.tf_mode]
 
 
 def _print_ratios(ctx, rows) -> None:

@@ -28,9 +28,8 @@ def use_backend(name):
     if name is None:
         yield
         return
-    from cudist import _cross_device_ops
+    from cudist._kernels import reset_backend_cache as reset
 
-    reset = getattr(_cross_device_ops, "_reset_backend_cache", lambda: None)
     old = os.environ.get("CUDIST_BACKEND")
     os.environ["CUDIST_BACKEND"] = name
     reset()
@@ -120,12 +119,12 @@ def _ovh_line(r) -> str:
 
 
 def _tf_overhead(ctx, n) -> list:
-    from cudist.bench import _cli
+    from cudist.bench import _tf
 
     a = ctx.args
     spec = {"op": "run-overhead", "replicas": n, "iters": a.iters, "warmup": a.warmup_iters,
-            "modes": _cli._tf_modes(a), "check": a.check}
-    res = _cli._run_tf(ctx, spec)
+            "modes": _tf.modes(a), "check": a.check}
+    res = _tf.compare(ctx, spec)
     if res is None:
         return []
     rows = []
@@ -275,7 +274,7 @@ def run_step(ctx) -> list:
     a = ctx.args
     n = a.replicas
     if a.batch < n:
-        from cudist.bench._cli import BenchError
+        from cudist.bench._errors import BenchError
 
         raise BenchError(f"--batch {a.batch} is smaller than --replicas {n}: some replicas would get no data")
     backends = [b for b in ctx.backends() if b.xp is np]

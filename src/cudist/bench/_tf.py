@@ -15,7 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-__all__ = ["TFUnavailable", "find_tf_python", "run_worker", "WORKER"]
+__all__ = ["TFUnavailable", "find_tf_python", "run_worker", "compare", "modes", "WORKER"]
 
 WORKER = Path(__file__).with_name("_tf_worker.py")
 
@@ -58,3 +58,19 @@ def run_worker(spec: dict, python: str | None = None, timeout: float = 1800) -> 
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
         raise TFUnavailable(f"the TensorFlow worker failed (exit {proc.returncode}): {' | '.join(tail)}")
     return json.loads(lines[-1])
+
+
+def compare(ctx, spec: dict):
+    """The TensorFlow worker's result for ``spec``; None (said in the output) without TensorFlow."""
+    try:
+        res = run_worker(spec, python=ctx.args.tf_python)
+    except TFUnavailable as e:
+        ctx.print(f"# tf: skipped ({e})")
+        return None
+    ctx.header.setdefault("tensorflow", res.get("version"))
+    return res
+
+
+def modes(a) -> list:
+    """TF execution modes asked for by ``--tf-mode``."""
+    return ["function", "eager"] if a.tf_mode == "both" else [a.tf_mode]

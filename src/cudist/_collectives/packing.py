@@ -1,0 +1,286 @@
+"""Reductions of per-replica leaves through the kernel contract, packing leaves of one dtype together.
+
+A batch of values is *packed*: all leaves of one dtype go to one kernel call per replica buffer, so
+a hundred small gradients cost one fused call instead of a hundred. ``num_packs`` splits that into
+several calls (TF's knob); 0 means one call per leaf. Host leaves and GPU leaves are handled
+separately (a nest may hold a Python number next to CuPy arrays); each GPU replica's buffer is
+allocated on that replica's GPU.
+
+Three forms, one per cross-device algorithm:
+
+* :func:`all_reduce` -- every replica gets its own result (``out[r][j]``); GPU buffers may be
+  all-reduced by a ``reducer`` (NCCL plugs in there);
+* :func:`all_reduce_via_one` -- the same, as reduce-to-one-device then broadcast
+  (``ReductionToOneDevice``);
+* :func:`batch_reduce` -- one result per leaf (``out[j]``), for ``reduce_to`` / ``batch_reduce_to``.
+
+Integer MEAN is a true division giving float64, as TF's ``x / n`` on integer tensors does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import optree
+
+from cudist._arrays import contiguous, device_context, is_device_array, like, to_host
+from cudist._kernels import backend_for, cpu_backend, numpy_backend
+from cudist._reduce_util import ReduceOp
+
+__all__ = [
+    "all_reduce",
+    "all_reduce_via_one",
+    "batch_reduce",
+    "reduce_arrays",
+    "gather_arrays",
+    "check_same_leaves",
+    "pack_groups",
+    "tree_leaves_with_paths",
+]
+
+
+def check_reducible(where, dtype):
+    """Raises TypeError unless ``dtype`` can be summed."""
+    if dtype.kind not in "iufc":
+        raise TypeError(f"{where}: cannot reduce values of dtype {dtype} (only numeric dtypes can be summed)")
+
+
+def check_same_leaves(where, per_replica_leaves, paths=None):
+    """Raises a ValueError naming the replicas and leaf whose shapes or dtypes differ from replica 0's."""
+    ref = per_replica_leaves[0]
+    for r, leaves in enumerate(per_replica_leaves[1:], 1):
+        if len(leaves) != len(ref):
+            raise ValueError(f"{where}: replica {r} passed {len(leaves)} values but replica 0 passed {len(ref)}")
+        for j, (a, b) in enumerate(zip(ref, leaves)):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                name = f" at {paths[j]!r}" if paths and paths[j] else (f" (value {j})" if len(ref) > 1 else "")
+                raise ValueError(
+                    f"{where}: replicas disagree{name}: replica 0 has shape {a.shape} dtype {a.dtype}, "
+                    f"replica {r} has shape {b.shape} dtype {b.dtype}; every replica must pass the same shapes and dtypes"
+                )
+
+
+def tree_leaves_with_paths(tree):
+    """(leaves, treespec, paths) of a nest (None is an empty node, as in optree.tree_flatten)."""
+    paths, leaves, spec = optree.tree_flatten_with_path(tree)
+    return leaves, spec, ["/".join(str(p) for p in path) for path in paths]
+
+
+def pack_groups(sizes, num_packs):
+    """Splits leaf indices (in order) into ``num_packs`` contiguous groups of about equal total size."""
+    idx = list(range(len(sizes)))
+    if num_packs <= 0 or len(idx) <= 1:
+        return [[i] for i in idx] if num_packs <= 0 else [idx]
+    k = min(num_packs, len(idx))
+    total = sum(sizes) or 1
+    groups, cur, acc = [], [], 0
+    for i in idx:
+        cur.append(i)
+        acc += sizes[i]
+        remaining_groups = k - len(groups) - 1
+        if remaining_groups > 0 and (acc >= total * (len(groups) + 1) / k or len(idx) - i - 1 == remaining_groups):
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+def _kernel_backend(a, dt):
+    """The backend that reduces buffers like ``a`` of dtype ``dt``; None for host dtypes outside the contract."""
+    b = backend_for(a)
+    if dt in b.dtypes:
+        return b
+    if b.xp is not np:
+        raise TypeError(f"all_reduce: dtype {dt} is not supported by the GPU kernels")
+    b = numpy_backend()
+    return b if dt in b.dtypes else None
+
+
+def reduce_arrays(where, arrs, op):
+    """Reduces same-shape arrays in replica order into a new array (SUM, or MEAN as TF computes it)."""
+    dt = arrs[0].dtype
+    check_reducible(where, dt)
+    int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
+    kop = ReduceOp.SUM if int_mean else op
+    if is_device_array(arrs[0]):
+        # GPU arrays: reduced by the CUDA kernels on the first array's GPU (the others are read over
+        # peer access or staged there by the backend).
+        b = backend_for(arrs[0])
+        xp = b.xp
+        with device_context(arrs[0]):
+            if len(arrs) == 1:
+                out = arrs[0].copy()
+            else:
+                _kernel_backend(arrs[0], dt)  # raises, naming the dtype, if the GPU kernels lack it
+                out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
+            if int_mean:
+                out = xp.true_divide(out, len(arrs))
+        return out
+    if len(arrs) == 1:
+        out = np.array(arrs[0], copy=True)
+    else:
+        b = _kernel_backend(arrs[0], dt)
+        if b is not None:
+            out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
+        else:  # numeric dtypes outside the kernel contract (int8, uint*, complex): plain numpy
+            out = np.array(arrs[0], copy=True)
+            for a in arrs[1:]:
+                np.add(out, a, out=out)
+            if kop is ReduceOp.MEAN:
+                out = out / out.dtype.type(len(arrs))
+    if int_mean:
+        out = np.true_divide(out, len(arrs))
+    return out
+
+
+def _divide(xp, bufs, n):
+    """Integer MEAN: each replica's sum / n as float64 (TF's ``x / n``), computed on its own device."""
+    if xp is np:
+        return [np.true_divide(buf, n) for buf in bufs]
+    out = []
+    for buf in bufs:
+        with device_context(buf):
+            out.append(xp.true_divide(buf, n))
+    return out
+
+
+def _packs(where, op, per_replica_leaves, num_packs):
+    """Yields (leaf ids, per-replica packed copies, backend or None, kernel op, int_mean) per pack.
+
+    Each replica's pack is a fresh flat buffer on that replica's device holding its leaves ``ids``.
+    """
+    n = len(per_replica_leaves)
+    ref = per_replica_leaves[0]
+    groups_by_key: dict = {}
+    for j, a in enumerate(ref):
+        groups_by_key.setdefault((is_device_array(a), a.dtype), []).append(j)
+    for (_, dt), leaf_ids in groups_by_key.items():
+        check_reducible(where, dt)
+        b = _kernel_backend(ref[leaf_ids[0]], dt)
+        xp = backend_for(ref[leaf_ids[0]]).xp
+        int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
+        kop = ReduceOp.SUM if int_mean else op
+        for group in pack_groups([ref[j].size for j in leaf_ids], num_packs):
+            ids = [leaf_ids[g] for g in group]
+            total = sum(ref[j].size for j in ids)
+            bufs = []
+            for r in range(n):
+                leaves = per_replica_leaves[r]
+                with device_context(leaves[ids[0]]):  # each replica's buffer on its own device
+                    if len(ids) == 1:
+                        buf = xp.array(leaves[ids[0]], dtype=dt, copy=True, order="C").reshape(-1)
+                    else:
+                        buf = xp.empty(total, dtype=dt)
+                        off = 0
+                        for j in ids:
+                            s = leaves[j].size
+                            # asarray: a replica's leaf on another GPU (or the host) is moved here first
+                            buf[off : off + s] = (leaves[j] if xp is np else xp.asarray(leaves[j])).reshape(-1)
+                            off += s
+                bufs.append(buf)
+            yield ids, bufs, b, kop, int_mean
+
+
+def _unpack_all(ref, ids, results, outs):
+    off = 0
+    for j in ids:
+        shape, s = ref[j].shape, ref[j].size
+        for r, res in enumerate(results):
+            outs[r][j] = res[off : off + s].reshape(shape)
+        off += s
+
+
+def all_reduce(where, op, per_replica_leaves, *, num_packs=1, reducer=None):
+    """All-reduces ``per_replica_leaves[r][j]`` (leaf j of replica r): ``out[r][j]``, fresh arrays.
+
+    ``reducer(backend, bufs, op)``: all-reduces packed GPU buffers in place (SUM or float MEAN);
+    None: the backend's fused kernel.
+    """
+    n = len(per_replica_leaves)
+    ref = per_replica_leaves[0]
+    outs = [[None] * len(ref) for _ in range(n)]
+    for ids, bufs, b, kop, int_mean in _packs(where, op, per_replica_leaves, num_packs):
+        xp = backend_for(bufs[0]).xp
+        if n > 1:
+            if b is None:  # a host dtype outside the kernel contract
+                red = reduce_arrays(where, bufs, kop)
+                for buf in bufs:
+                    np.copyto(buf, red)
+            elif reducer is not None and b.xp is not np:
+                reducer(b, bufs, kop)
+            else:
+                b.all_reduce(bufs, kop)
+        if int_mean:
+            bufs = _divide(xp, bufs, n)
+        _unpack_all(ref, ids, bufs, outs)
+    return outs
+
+
+def all_reduce_via_one(where, op, per_replica_leaves, *, num_packs=1):
+    """:func:`all_reduce` as reduce-to-one-device (the first replica's) then broadcast."""
+    n = len(per_replica_leaves)
+    ref = per_replica_leaves[0]
+    outs = [[None] * len(ref) for _ in range(n)]
+    for ids, bufs, b, kop, int_mean in _packs(where, op, per_replica_leaves, num_packs):
+        xp = backend_for(bufs[0]).xp
+        if n > 1:
+            with device_context(bufs[0]):  # the reduction happens on the first replica's device
+                red = b.reduce_to_one(bufs, kop) if b is not None else reduce_arrays(where, bufs, kop)
+                if int_mean:
+                    red = xp.true_divide(red, n)
+            if int_mean:
+                bufs = [red] + [like(red, buf, copy=True) for buf in bufs[1:]]
+            elif b is not None:
+                b.broadcast(red, bufs)
+            else:
+                for buf in bufs:
+                    xp.copyto(buf, red)
+        elif int_mean:
+            bufs = _divide(xp, bufs, n)
+        _unpack_all(ref, ids, bufs, outs)
+    return outs
+
+
+def batch_reduce(where, op, per_replica_leaves, *, num_packs=1):
+    """Reduces ``per_replica_leaves[r][j]`` over replicas: ``out[j]``, one fresh array per leaf."""
+    n = len(per_replica_leaves)
+    ref = per_replica_leaves[0]
+    outs = [None] * len(ref)
+    for ids, bufs, b, kop, int_mean in _packs(where, op, per_replica_leaves, num_packs):
+        if b is None or n == 1:
+            red = reduce_arrays(where, bufs, op)
+        else:
+            with device_context(bufs[0]):
+                red = b.reduce_to_one(bufs, kop)
+                if int_mean:
+                    red = b.xp.true_divide(red, n)
+        off = 0
+        for j in ids:
+            outs[j] = red[off : off + ref[j].size].reshape(ref[j].shape)
+            off += ref[j].size
+    return outs
+
+
+def gather_arrays(arrs, axis):
+    """Concatenates per-replica arrays (same dtype) along ``axis`` in replica order into a new array.
+
+    Host arrays go through the CPU backend (the NumPy reference for dtypes outside the kernel
+    contract); GPU arrays through the CuPy backend, the result on the first array's GPU.
+    """
+    if is_device_array(arrs[0]) and all(is_device_array(a) for a in arrs):
+        b = backend_for(arrs[0])
+        xp = b.xp
+        with device_context(arrs[0]):
+            if arrs[0].dtype in b.dtypes:
+                return b.all_gather(arrs, axis)
+            # Validated like a kernel call (shapes, axis), then concatenated by CuPy.
+            numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
+            return xp.concatenate([xp.asarray(a) for a in arrs], axis=axis)
+    arrs = [contiguous(to_host(a)) for a in arrs]
+    b = cpu_backend()
+    if arrs[0].dtype not in b.dtypes:
+        b = numpy_backend()
+    if arrs[0].dtype in b.dtypes:
+        return b.all_gather(arrs, axis)
+    numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
+    return np.concatenate(arrs, axis=axis)
