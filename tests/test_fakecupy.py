@@ -393,7 +393,7 @@ def test_elapsed_time_needs_completed_events(cp):
 
 
 class _MiniFeeder:
-    """A small copy of cudist's GPU input pattern (_input_lib._GpuFeeder): host batches packed
+    """A small copy of cudist's GPU input pattern (_gpu_feeder.GpuFeeder): host batches packed
     into a ring of pinned slots, copied on a non-blocking copy stream into arrays allocated on the
     consumer's stream, handed out after the consumer waits for the copy's event. ``bug`` drops
     one of its three waits."""

@@ -13,7 +13,7 @@ import pytest
 from conftest import gpu0_split
 
 import cudist
-from cudist import _input_lib
+from cudist import _gpu_feeder, _input_lib
 from cudist._kernels._split import split_sizes
 from cudist.data import Dataset
 
@@ -239,18 +239,18 @@ def test_copies_run_on_a_non_default_stream_and_consumer_waits(strategy, monkeyp
     import cupy
 
     waits = []
-    real_hand_out = _input_lib._GpuFeeder.hand_out
+    real_hand_out = _gpu_feeder.GpuFeeder.hand_out
 
     def hand_out(flight):
         waits.append([(g, ev) for g, ev in flight.events])
         return real_hand_out(flight)
 
-    monkeypatch.setattr(_input_lib._GpuFeeder, "hand_out", staticmethod(hand_out))
+    monkeypatch.setattr(_gpu_feeder.GpuFeeder, "hand_out", staticmethod(hand_out))
     batches = _batches(6, 4)
     for step, batch in zip(strategy.experimental_distribute_dataset(batches), batches):
         _check_step(strategy, step, batch, [0] * strategy.num_replicas_in_sync)
-    stream = _input_lib._copy_stream(0)
-    assert stream is _input_lib._copy_stream(0)
+    stream = _gpu_feeder._copy_stream(0)
+    assert stream is _gpu_feeder._copy_stream(0)
     assert stream.ptr != cupy.cuda.Stream.null.ptr
     # One copy event per step (all replicas are on GPU 0), each already reached after the hand-out.
     assert [len(w) for w in waits] == [1] * 4

@@ -9,7 +9,7 @@ import pytest
 from conftest import STRATEGY_PARAMS, make_strategy
 
 import cudist
-from cudist import _input_lib
+from cudist import _gpu_feeder, _input_lib
 from cudist._arrays import is_device_array, to_host
 from cudist._kernels._split import split_sizes
 from cudist.data import Dataset, TensorSpec
@@ -130,7 +130,7 @@ def test_split_steps_equal_regroup_of_the_kernel_split(n):
             rng.standard_normal((b, 1, 3)), rng.integers(0, 2, b).astype(bool))}))
     tagged = lambda v: optree.tree_map(lambda a: a.copy(), v)  # noqa: E731  (a device-style putter: copies)
     for putters in ([_input_lib._identity] * n, [tagged] * n):
-        got = list(_input_lib._split_steps(batches, n, putters, "where"))
+        got = list(_input_lib.split_steps(batches, n, putters, "where"))
         want = [regroup(get_backend().split(batch, n), PerReplica, always_wrap=True) for batch in batches]
         assert len(got) == len(want)
         for g, w in zip(got, want):
@@ -143,7 +143,7 @@ def test_split_steps_equal_regroup_of_the_kernel_split(n):
                     assert ga.dtype == wa.dtype and ga.shape == wa.shape
                     np.testing.assert_array_equal(ga, wa)
     with pytest.raises(ValueError, match=r"where: cannot split.*leaf 1 has batch size 3 but leaf 0 has batch size 2"):
-        list(_input_lib._split_steps([(np.zeros(2), np.zeros(3))], n, [_input_lib._identity] * n, "where"))
+        list(_input_lib.split_steps([(np.zeros(2), np.zeros(3))], n, [_input_lib._identity] * n, "where"))
 
 
 def test_partial_and_empty_batches_three_replicas():
@@ -436,7 +436,7 @@ def host_pinned(monkeypatch):
         buf = np.full(size, 0xEE, dtype=np.uint8)  # not zeros: packing must overwrite what it uses
         return buf, buf
 
-    monkeypatch.setattr(_input_lib, "_alloc_pinned", alloc)
+    monkeypatch.setattr(_gpu_feeder, "_alloc_pinned", alloc)
     return sizes
 
 
@@ -451,17 +451,17 @@ def test_gpu_feeder_stage_packs_leaves_aligned(host_pinned):
     rng = np.random.default_rng(3)
     x = rng.standard_normal((7, 3)).astype(np.float32)
     y = rng.integers(-50, 50, size=(7,)).astype(">i8")  # non-native byte order: staged native
-    feeder = _input_lib._GpuFeeder([0, 0])
+    feeder = _gpu_feeder.GpuFeeder([0, 0])
     values = [{"x": x[:4], "y": y[:4], "k": 3}, {"x": x[4:, ::2], "y": y[4:], "k": np.float64(2.5)}]
     staged = feeder.stage(values)
-    assert len(host_pinned) == 1 and host_pinned[0] % _input_lib._STAGE_GRANULE == 0
+    assert len(host_pinned) == 1 and host_pinned[0] % _gpu_feeder.STAGE_GRANULE == 0
     for r, v in enumerate(values):
         treedef, entries = staged.replicas[r]
         assert treedef.unflatten(list(range(treedef.num_leaves))) == {"k": 0, "x": 1, "y": 2}
         kinds = [e[0] for e in entries]
         assert kinds == (["v", "h", "h"] if r == 0 else ["h", "h", "h"])  # a NumPy scalar is a 0-d array
         for j, name in ((1, "x"), (2, "y")):
-            assert entries[j][1] % _input_lib._STAGE_ALIGN == 0
+            assert entries[j][1] % _gpu_feeder.STAGE_ALIGN == 0
             got = _staged_leaf(staged, r, j)
             assert got.dtype.isnative and got.dtype == np.dtype(v[name].dtype).newbyteorder("=")
             np.testing.assert_array_equal(got, v[name])
@@ -469,13 +469,13 @@ def test_gpu_feeder_stage_packs_leaves_aligned(host_pinned):
 
 
 def test_gpu_feeder_stage_rejects_non_numeric(host_pinned):
-    feeder = _input_lib._GpuFeeder([0])
+    feeder = _gpu_feeder.GpuFeeder([0])
     with pytest.raises(TypeError, match=r"cannot copy an array of dtype <U3 to a GPU.*experimental_fetch_to_device=False"):
         feeder.stage([np.array(["abc", "de"])])
 
 
 def test_gpu_feeder_ring_waits_before_reuse_and_stays_bounded(host_pinned):
-    feeder = _input_lib._GpuFeeder([0])
+    feeder = _gpu_feeder.GpuFeeder([0])
     rng = np.random.default_rng(4)
     events = []
     for step in range(40):
@@ -495,7 +495,7 @@ def test_gpu_feeder_ring_waits_before_reuse_and_stays_bounded(host_pinned):
 
 
 def test_gpu_feeder_ring_grows_only_while_slots_are_held(host_pinned):
-    feeder = _input_lib._GpuFeeder([0])
+    feeder = _gpu_feeder.GpuFeeder([0])
     held = [feeder.stage([np.arange(4.0)]) for _ in range(3)]  # e.g. queued in the prefetch thread
     assert len({id(s.slot) for s in held}) == 3 and len(feeder.slots) == 3
     for s in held:
@@ -504,20 +504,20 @@ def test_gpu_feeder_ring_grows_only_while_slots_are_held(host_pinned):
         feeder._free.append(feeder.stage([np.arange(4.0)]).slot)
     assert len(feeder.slots) == 3
     # A bigger step regrows one slot's buffer (the old one is released), nothing else.
-    big = feeder.stage([np.zeros(_input_lib._STAGE_GRANULE, np.float64)])
-    assert len(feeder.slots) == 3 and big.slot.buf.nbytes >= _input_lib._STAGE_GRANULE * 8
+    big = feeder.stage([np.zeros(_gpu_feeder.STAGE_GRANULE, np.float64)])
+    assert len(feeder.slots) == 3 and big.slot.buf.nbytes >= _gpu_feeder.STAGE_GRANULE * 8
     assert feeder.pinned_allocations == 4
 
 
 def test_gpu_steps_drain_waits_for_copies_in_flight(host_pinned):
-    feeder = _input_lib._GpuFeeder([0])
+    feeder = _gpu_feeder.GpuFeeder([0])
     pending, copy_ev = _FakeEvent(), _FakeEvent()
-    flight = _input_lib._InFlight("step", ((0, copy_ev),))
+    flight = _gpu_feeder.InFlight("step", ((0, copy_ev),))
     staged = feeder.stage([np.arange(3)])
     staged.slot.events = (pending,)
     feeder._free.append(staged.slot)
     src = iter([])
-    steps = _input_lib._DeviceSteps(src, feeder, 2)
+    steps = _gpu_feeder.DeviceSteps(src, feeder, 2)
     steps._inflight.append(flight)
     steps.close()
     assert copy_ev.synchronized == 1 and pending.synchronized == 1 and not steps._inflight
@@ -530,15 +530,15 @@ def test_gpu_steps_keep_depth_in_flight_and_raise_errors_in_order(host_pinned, m
 
     def enqueue(self, item):
         enqueued.append(item)
-        return _input_lib._InFlight(item, ())
+        return _gpu_feeder.InFlight(item, ())
 
-    monkeypatch.setattr(_input_lib._GpuFeeder, "enqueue", enqueue)
+    monkeypatch.setattr(_gpu_feeder.GpuFeeder, "enqueue", enqueue)
 
     def source():
         yield from range(5)
         raise RuntimeError("dataset broke")
 
-    steps = _input_lib._DeviceSteps(source(), _input_lib._GpuFeeder([0]), 2)
+    steps = _gpu_feeder.DeviceSteps(source(), _gpu_feeder.GpuFeeder([0]), 2)
     assert next(steps) == 0
     assert enqueued == [0, 1, 2]  # step 0 handed out, steps 1 and 2 already copying
     assert [next(steps) for _ in range(4)] == [1, 2, 3, 4]

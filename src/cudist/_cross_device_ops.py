@@ -397,8 +397,3 @@ def select_cross_device_ops(devices, cross_device_ops=None):
     cross_device_ops._bind(devices, physical)
     return cross_device_ops
 
-
-def tree_leaves_with_paths(tree):
-    """(leaves, treespec, paths) of a nest (None is an empty node, as in optree.tree_flatten)."""
-    paths, leaves, spec = optree.tree_flatten_with_path(tree)
-    return leaves, spec, ["/".join(str(p) for p in path) for path in paths]

@@ -875,18 +875,18 @@ class Strategy:
     def make_dataset_iterator(self, dataset):
         """An initializable iterator over ``dataset`` split across replicas (TF1-era)."""
         _warn_deprecated("make_dataset_iterator", "experimental_distribute_dataset")
-        from cudist import _input_lib
+        from cudist import _tf1_iterators
 
-        return _input_lib.DatasetIterator(dataset, self)
+        return _tf1_iterators.DatasetIterator(dataset, self)
 
     def make_input_fn_iterator(self, input_fn, replication_mode=None):
         """An iterator over the datasets ``input_fn(InputContext)`` returns (TF1-era)."""
         _warn_deprecated("make_input_fn_iterator", "distribute_datasets_from_function")
-        from cudist import _input_lib
+        from cudist import _input_lib, _tf1_iterators
 
         if replication_mode is None:
             replication_mode = _input_lib.InputReplicationMode.PER_WORKER
-        return _input_lib.InputFunctionIterator(input_fn, self, replication_mode)
+        return _tf1_iterators.InputFunctionIterator(input_fn, self, replication_mode)
 
     def update_config_proto(self, config_proto):
         """Returns a copy of ``config_proto`` (nothing to configure here; TF1-era)."""

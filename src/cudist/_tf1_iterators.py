@@ -1,0 +1,71 @@
+"""TF1-era input iterators: ``make_dataset_iterator`` and ``make_input_fn_iterator`` (deprecated in TF).
+
+Iterators with ``initialize()`` and ``get_next()``, over the same step machinery as
+:mod:`cudist._input_lib`'s distributed datasets.
+"""
+
+from __future__ import annotations
+
+from cudist import data as _data
+from cudist._input_lib import InputContext, InputReplicationMode, new_iterator, split_steps, turn_steps
+
+__all__ = ["DatasetIterator", "InputFunctionIterator"]
+
+
+class _V1Iterator:
+    def __init__(self, strategy):
+        self._strategy = strategy
+        self._n = int(strategy.num_replicas_in_sync)
+        self._iterator = None
+        self.initialize()
+
+    def _make_steps(self, putters):
+        raise NotImplementedError
+
+    def initialize(self) -> list:
+        """(Re)starts the iteration from the beginning. Returns the (empty) list of init ops."""
+        if self._iterator is not None:
+            self._iterator.close()
+        self._iterator = new_iterator(self._strategy, True, self._make_steps, self._n, None)
+        return []
+
+    def get_next(self):
+        """The next step.
+
+        Raises:
+            OutOfRangeError: the input is exhausted.
+        """
+        return self._iterator.get_next()
+
+    def __iter__(self):
+        return self._iterator
+
+
+class DatasetIterator(_V1Iterator):
+    """``make_dataset_iterator(dataset)``: global batches split across the replicas, TF1 style."""
+
+    def __init__(self, dataset, strategy):
+        self._dataset = _data.as_dataset(dataset, "make_dataset_iterator")
+        super().__init__(strategy)
+
+    def _make_steps(self, putters):
+        return split_steps(self._dataset, self._n, putters, "make_dataset_iterator")
+
+
+class InputFunctionIterator(_V1Iterator):
+    """``make_input_fn_iterator(input_fn)``: the function's per-replica batches dealt in turn, TF1 style.
+
+    As in TF1, a step for which some replica has no batch left ends the iteration.
+    """
+
+    def __init__(self, input_fn, strategy, replication_mode=InputReplicationMode.PER_WORKER):
+        if replication_mode != InputReplicationMode.PER_WORKER:
+            raise ValueError(f"Input replication mode not supported: {replication_mode!r}")
+        if not callable(input_fn):
+            raise TypeError(f"make_input_fn_iterator: input_fn must be callable, got {type(input_fn).__name__}")
+        n = int(strategy.num_replicas_in_sync)
+        self._dataset = _data.as_dataset(input_fn(InputContext(1, 0, n)), "make_input_fn_iterator")
+        super().__init__(strategy)
+
+    def _make_steps(self, putters):
+        return turn_steps(self._dataset, self._n, putters, partial=False)
