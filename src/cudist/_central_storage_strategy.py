@@ -8,7 +8,7 @@ the variable to the compute device), and the replicas' updates are reduced and l
 from __future__ import annotations
 
 from cudist import _devices
-from cudist._distribute_lib import Strategy, StrategyExtended, _default_devices, _parse_devices
+from cudist._distribute_lib import Strategy, StrategyExtended, default_devices, parse_devices
 from cudist._variables import create_aggregating_variable, create_in_replica_context
 
 __all__ = ["CentralStorageStrategy"]
@@ -41,9 +41,9 @@ class CentralStorageStrategy(Strategy):
 
     def __init__(self, compute_devices=None, parameter_device=None):
         if compute_devices is None:
-            devs = _default_devices()
+            devs = default_devices()
         else:
-            devs = _parse_devices(compute_devices, "CentralStorageStrategy")
+            devs = parse_devices(compute_devices, "CentralStorageStrategy")
         if parameter_device is None:
             param = devs[0] if len(devs) == 1 else _devices.canonicalize("/cpu:0")
         else:

@@ -929,7 +929,7 @@ def _default_replica_context():
     return _DefaultReplicaContext(_default_strategy(), 0)
 
 
-def _parse_devices(devices, where):
+def parse_devices(devices, where):
     """Canonical device names from a list of device specs, rejecting empty lists and duplicates."""
     if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
         raise TypeError(f"{where}: devices must be a list or tuple of device strings, got {type(devices).__name__}")
@@ -944,7 +944,7 @@ def _parse_devices(devices, where):
     return names
 
 
-def _default_devices():
+def default_devices():
     """All logical GPUs, else the CPU (only called when a strategy is built without devices)."""
     from cudist import config
 

@@ -28,6 +28,7 @@ import optree
 from cudist import data as _data
 from cudist._arrays import is_array, is_device_array, physical_gpu, to_gpu
 from cudist._devices import any_gpu, parse_device
+from cudist.errors import OutOfRangeError
 from cudist._gpu_feeder import DeviceBatch, DeviceSteps, GpuFeeder, group_step
 from cudist._values import PerReplica, regroup
 
@@ -45,13 +46,6 @@ __all__ = [
     "distribute_values_from_function",
     "device_putter",
 ]
-
-
-class OutOfRangeError(StopIteration):
-    """``get_next()`` was called on an exhausted iterator (TF's ``tf.errors.OutOfRangeError``).
-
-    It is a ``StopIteration``, so code that catches either works.
-    """
 
 
 # ---------------------------------------------------------------------------------------------
@@ -349,7 +343,7 @@ def split_steps(dataset, n: int, putters, where: str):
         for batch in dataset:
             yield put(batch)
         return
-    from cudist._kernels._split import split_sizes
+    from cudist._kernels import split_sizes
 
     # Host replicas (identity putters) take their rows as views straight into one PerReplica per
     # leaf; devices need each replica's whole piece to copy it. Either way a step is the same as
@@ -390,7 +384,7 @@ def _batch_leaves(leaves) -> list:
         bsz = leaves[0].shape[0]
         if all(leaf.shape[0] == bsz for leaf in leaves):
             return leaves  # the common case, checked with the fewest Python operations
-    from cudist._kernels._split import split
+    from cudist._kernels import split
 
     # Anything else goes through the kernel contract's own checks and conversions: a "split" into
     # one piece is every leaf as an array (a view of all of it), or the error naming the leaf.
@@ -409,7 +403,7 @@ def _empty_like(value):
             )
         return leaf[:0]
 
-    return optree.tree_map(empty, value, is_leaf=_data._is_list)
+    return optree.tree_map(empty, value, is_leaf=_data.is_list_leaf)
 
 
 def turn_steps(dataset, n: int, putters, partial: bool):
@@ -482,7 +476,7 @@ class DistributedIterator:
         # pinned host memory that the feeder copies to the devices here, in the consumer's thread.
         if prefetch > 0:
             # Read (and stage) the next steps in a background thread while the current one trains.
-            steps = _data._PrefetchIterator(steps, prefetch, name="cudist-device-prefetch")
+            steps = _data.PrefetchIterator(steps, prefetch, name="cudist-device-prefetch")
         if feeder is not None:
             steps = DeviceSteps(steps, feeder, prefetch)
         self._steps = steps

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cudist._distribute_lib import Strategy, StrategyExtended, _default_devices, _parse_devices
+from cudist._distribute_lib import Strategy, StrategyExtended, default_devices, parse_devices
 from cudist._variables import create_in_replica_context, create_mirrored_variable
 
 __all__ = ["MirroredStrategy"]
@@ -40,5 +40,5 @@ class MirroredStrategy(Strategy):
     """
 
     def __init__(self, devices=None, cross_device_ops=None):
-        devs = _default_devices() if devices is None else _parse_devices(devices, "MirroredStrategy")
+        devs = default_devices() if devices is None else parse_devices(devices, "MirroredStrategy")
         super().__init__(MirroredExtended(self, devs, cross_device_ops))

@@ -105,7 +105,7 @@ def _next_uid() -> int:
 
 
 # ---------------------------------------------------------------------------- array helpers
-def _kernel_backend(arr):
+def kernel_backend(arr):
     """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
     backend = backend_for(arr)
     return backend if arr.dtype in backend.dtypes else None
@@ -141,7 +141,7 @@ def _check_dtype_supported(dtype, what: str):
         raise TypeError(f"{what}: unsupported dtype {dtype.name}; cudist variables hold numeric or bool arrays")
 
 
-def _cast(value, dtype, what: str):
+def cast_value(value, dtype, what: str):
     """Converts ``value`` to an array of ``dtype`` under TF's conversion rules.
 
     Python values (scalars, lists) convert only within their kind or upward (int -> float is fine,
@@ -391,7 +391,7 @@ class Variable(metaclass=_VariableMeta):
         try:
             return self._kernel_cached
         except AttributeError:
-            self._kernel_cached = _kernel_backend(self._primary_array())
+            self._kernel_cached = kernel_backend(self._primary_array())
             return self._kernel_cached
 
     # ---- updates
@@ -401,7 +401,7 @@ class Variable(metaclass=_VariableMeta):
         if type(value) is np.ndarray and type(ref) is np.ndarray and value.dtype == ref.dtype and value.shape == ref.shape:
             return value  # the common case, kept cheap: per-step updates of host variables
         what = f"{method} to variable '{self.name}'"
-        arr = like(_cast(value, self.dtype, what), ref)
+        arr = like(cast_value(value, self.dtype, what), ref)
         if method == "assign":
             if not _compatible(self._shape_spec, arr.shape) or (self._shape_spec is None and arr.shape != ref.shape):
                 raise ValueError(
@@ -563,7 +563,7 @@ def _aggregate(strategy, value, aggregation: VariableAggregation, var):
         if type(v) is np.ndarray and type(ref) is np.ndarray and v.dtype == ref.dtype and v.shape == ref.shape:
             arrays.append(contiguous(v))
             continue
-        a = like(_cast(v, ref.dtype, f"{aggregation.name} of replica {i}'s update to '{var.name}'"), ref)
+        a = like(cast_value(v, ref.dtype, f"{aggregation.name} of replica {i}'s update to '{var.name}'"), ref)
         if a.shape != ref.shape:
             raise ValueError(
                 f"replica {i}'s update to variable '{var.name}' has shape {a.shape} but the variable has shape {ref.shape}"
@@ -708,7 +708,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             return
         if any(may_share_memory(arr, c) for c in copies):
             arr = snapshot(arr)  # e.g. assigning one component to all: kernels may not allow aliasing
-        backend = _kernel_backend(copies[0]) if all(array_module(c) is array_module(copies[0]) for c in copies) else None
+        backend = kernel_backend(copies[0]) if all(array_module(c) is array_module(copies[0]) for c in copies) else None
         # The CuPy backend updates copies on several GPUs in one pass too (over peer access, or
         # staged where there is none), so only a mix of host and device copies needs the loop below.
         if backend is not None:
@@ -792,7 +792,7 @@ class SyncOnReadVariable(DistributedVariable):
                 else:  # TF divides, then casts back (truncation toward zero)
                     arr = xp.trunc(arr / n).astype(arr.dtype)
             copies = self._buffers()
-            backend = _kernel_backend(copies[0])
+            backend = kernel_backend(copies[0])
             if backend is not None and array_module(copies[0]) is np and arr.shape == copies[0].shape:
                 backend.assign(copies, contiguous(arr))
             else:
@@ -914,7 +914,7 @@ def initial_array(initial_value, dtype, shape):
         dtype = np.dtype(getattr(dtype, "as_numpy_dtype", dtype))
         _check_dtype_supported(dtype, "cudist.Variable")
         # Python values convert under TF's strict rules, arrays cast (see _cast).
-        arr = _cast(initial_value, dtype, "initial value of cudist.Variable")
+        arr = cast_value(initial_value, dtype, "initial value of cudist.Variable")
         if isinstance(initial_value, Variable) or arr is initial_value:
             arr = arr.copy()
     else:

@@ -28,10 +28,12 @@ import itertools
 import queue
 import threading
 import weakref
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from typing import Any, NamedTuple, Protocol, TypeAlias, TypeVar, cast
 
 import numpy as np
 import optree
+from numpy.typing import DTypeLike, NDArray
 
 from cudist._arrays import array_module, is_array, is_device_array, python_dtype
 
@@ -56,18 +58,36 @@ _AUTOTUNE_BUFFER = 2
 _INT32 = np.iinfo(np.int32)
 _INT64 = np.iinfo(np.int64)
 
+#: An int argument: a Python int or a NumPy integer (bools are refused).
+_IntLike: TypeAlias = "int | np.integer[Any]"
+#: One run of row positions (see ``_Rows``): a range with a positive step, or an int64 array.
+_Run: TypeAlias = "builtins.range | NDArray[np.int64]"
+#: A fresh iterator of runs each time it is called.
+_Positions: TypeAlias = "Callable[[], Iterator[_Run]]"
+_T = TypeVar("_T")
+
+
+class _ShapedLike(Protocol):
+    """An array, array scalar or :class:`TensorSpec`: anything with a shape and a dtype."""
+
+    @property
+    def shape(self) -> tuple[int | None, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
 
 class TensorSpec(NamedTuple):
     """The shape and dtype of one component of a dataset element (``None`` for an unknown dim)."""
 
-    shape: tuple
-    dtype: np.dtype
+    shape: tuple[int | None, ...]
+    dtype: DTypeLike
     name: str | None = None
 
     def __repr__(self) -> str:
         return f"TensorSpec(shape={self.shape!r}, dtype={np.dtype(self.dtype).name}, name={self.name!r})"
 
-    def is_compatible_with(self, value) -> bool:
+    def is_compatible_with(self, value: _ShapedLike) -> bool:
         """Whether ``value`` (an array or a spec) has this spec's dtype and a matching shape."""
         shape = tuple(getattr(value, "shape", ()))
         if np.dtype(value.dtype) != np.dtype(self.dtype) or len(shape) != len(self.shape):
@@ -79,37 +99,38 @@ class TensorSpec(NamedTuple):
 # structures and conversion
 
 
-def _is_list(x) -> bool:
+def is_list_leaf(x: object) -> bool:
+    """Lists are values in dataset elements (as in TF), not nested structures: optree `is_leaf`."""
     return isinstance(x, list)
 
 
-def _flatten(structure):
+def _flatten(structure: Any) -> tuple[list[Any], optree.PyTreeSpec]:
     """Leaves and treedef of an element; lists are leaves (one value each), as in tf.data."""
-    return optree.tree_flatten(structure, is_leaf=_is_list)
+    return optree.tree_flatten(structure, is_leaf=is_list_leaf)
 
 
-def _map(fn, structure):
-    return optree.tree_map(fn, structure, is_leaf=_is_list)
+def _map(fn: Callable[[Any], Any], structure: Any) -> Any:
+    return optree.tree_map(fn, structure, is_leaf=is_list_leaf)
 
 
-def _is_spec(x) -> bool:
+def _is_spec(x: object) -> bool:
     # TensorSpec is a namedtuple, which optree would otherwise open up as structure.
     return isinstance(x, TensorSpec)
 
 
-def map_specs(fn, spec_structure):
+def map_specs(fn: Callable[[TensorSpec], Any], spec_structure: Any) -> Any:
     """Applies ``fn`` to each :class:`TensorSpec` of an ``element_spec`` structure."""
     return optree.tree_map(fn, spec_structure, is_leaf=_is_spec)
 
 
-def flatten_specs(spec_structure):
+def flatten_specs(spec_structure: Any) -> tuple[list[TensorSpec], optree.PyTreeSpec]:
     """The :class:`TensorSpec` leaves and treedef of an ``element_spec`` structure."""
     return optree.tree_flatten(spec_structure, is_leaf=_is_spec)
 
 
-def _only_python_scalars(seq) -> bool:
+def _only_python_scalars(seq: Sequence[Any]) -> bool:
     """True if a nested list holds only Python numbers (TF then picks int32/float32)."""
-    stack = [seq]
+    stack: list[Any] = [seq]
     while stack:
         item = stack.pop()
         if isinstance(item, (list, tuple)):
@@ -119,7 +140,7 @@ def _only_python_scalars(seq) -> bool:
     return True
 
 
-def _to_value(x, where: str):
+def _to_value(x: Any, where: str) -> Any:
     """Converts one leaf to what elements hold: a NumPy array/scalar (a device array stays)."""
     if is_array(x):  # GPU arrays pass through untouched: they are already what a replica wants
         return x
@@ -152,34 +173,34 @@ def _to_value(x, where: str):
     return arr
 
 
-def _normalize(element, where: str):
+def _normalize(element: Any, where: str) -> Any:
     """Converts every leaf of an element; lists become arrays."""
     return _map(lambda leaf: _to_value(leaf, where), element)
 
 
-def _readonly(a):
+def _readonly(a: _T) -> _T:
     if isinstance(a, np.ndarray) and a.flags.writeable:
         a = a.view()
         a.flags.writeable = False
     return a
 
 
-def _readonly_new(a):
+def _readonly_new(a: _T) -> _T:
     """Makes a freshly made array (nothing else refers to it) read-only in place."""
     if isinstance(a, np.ndarray):
         a.flags.writeable = False
     return a
 
 
-def _spec_of(leaf) -> TensorSpec:
+def _spec_of(leaf: Any) -> TensorSpec:
     return TensorSpec(tuple(int(d) for d in getattr(leaf, "shape", ())), np.dtype(leaf.dtype))
 
 
-def _structure_spec(element):
+def _structure_spec(element: Any) -> Any:
     return _map(_spec_of, element)
 
 
-def _check_int(value, name: str, where: str) -> int:
+def _check_int(value: object, name: str, where: str) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{where}: {name} must be an int, got {type(value).__name__}")
     return int(value)
@@ -202,7 +223,7 @@ _END = _End()
 _POLL_S = 0.05
 
 
-def _put_unless_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:
+def _put_unless_stopped(q: queue.Queue[Any], item: object, stop: threading.Event) -> bool:
     """Puts ``item`` on ``q``, polling ``stop`` while ``q`` is full; returns False once ``stop`` is set."""
     while not stop.is_set():
         try:
@@ -213,12 +234,12 @@ def _put_unless_stopped(q: queue.Queue, item, stop: threading.Event) -> bool:
     return not stop.is_set()
 
 
-def _prefetch_worker(source, q: queue.Queue, stop: threading.Event) -> None:
+def _prefetch_worker(source: Iterator[Any], q: queue.Queue[Any], stop: threading.Event) -> None:
     # Holds no reference to the consuming iterator, so dropping that iterator (a ``break``) lets its
     # finalizer set ``stop``; every blocking put polls ``stop`` so the thread then exits promptly.
     try:
         try:
-            msg = _END
+            msg: _End | _Raised = _END
             for item in source:
                 if not _put_unless_stopped(q, item, stop):
                     return
@@ -234,7 +255,7 @@ def _prefetch_worker(source, q: queue.Queue, stop: threading.Event) -> None:
                 pass
 
 
-def _stop_prefetch(stop: threading.Event, q: queue.Queue) -> None:
+def _stop_prefetch(stop: threading.Event, q: queue.Queue[Any]) -> None:
     stop.set()
     try:  # unblock a producer waiting on a full queue
         while True:
@@ -243,15 +264,15 @@ def _stop_prefetch(stop: threading.Event, q: queue.Queue) -> None:
         pass
 
 
-class _PrefetchIterator:
+class PrefetchIterator:
     """Iterates ``source`` in a daemon thread, up to ``size`` elements ahead of the consumer.
 
     The thread stops when the source ends, when :meth:`close` is called, or when this iterator is
     garbage collected (an early ``break``), so it never hangs the program or outlives its use.
     """
 
-    def __init__(self, source, size: int, name: str = "cudist-prefetch"):
-        self._q: queue.Queue = queue.Queue(maxsize=max(1, size))
+    def __init__(self, source: Iterator[Any], size: int, name: str = "cudist-prefetch") -> None:
+        self._q: queue.Queue[Any] = queue.Queue(maxsize=max(1, size))
         self._stop = threading.Event()
         self._done = False
         self._thread = threading.Thread(
@@ -260,10 +281,10 @@ class _PrefetchIterator:
         self._finalizer = weakref.finalize(self, _stop_prefetch, self._stop, self._q)
         self._thread.start()
 
-    def __iter__(self):
+    def __iter__(self) -> PrefetchIterator:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         if self._done:
             raise StopIteration
         while True:
@@ -294,7 +315,7 @@ class _PrefetchIterator:
 # datasets
 
 
-def _batch_leaves(leaves_per_element, treedef, where: str):
+def _batch_leaves(leaves_per_element: Iterable[Sequence[Any]], treedef: optree.PyTreeSpec, where: str) -> Any:
     columns = list(zip(*leaves_per_element))
     out = []
     for c, column in enumerate(columns):
@@ -305,7 +326,8 @@ def _batch_leaves(leaves_per_element, treedef, where: str):
                     f"{where}: cannot batch elements with different shapes in component {c}: element 0 has "
                     f"shape {first} but element {i} has shape {tuple(np.shape(leaf))}"
                 )
-        out.append(_readonly_new(array_module(column[0]).stack(column)))
+        xp = array_module(column[0])  # type: ignore[no-untyped-call]  # _arrays is not annotated yet
+        out.append(_readonly_new(xp.stack(column)))
     return optree.tree_unflatten(treedef, out)
 
 
@@ -328,7 +350,7 @@ _SHUFFLE_CHUNK = 1 << 14
 _TILE = 1 << 12
 
 
-_LEAF_TREEDEF = optree.tree_flatten(0)[1]
+_LEAF_TREEDEF = _flatten(0)[1]
 
 
 class _RangeLeaf:
@@ -336,7 +358,7 @@ class _RangeLeaf:
 
     __slots__ = ("start", "step", "dtype")
 
-    def __init__(self, start: int, step: int, dtype: np.dtype):
+    def __init__(self, start: int, step: int, dtype: np.dtype[Any]) -> None:
         self.start, self.step, self.dtype = start, step, dtype
 
 
@@ -352,27 +374,29 @@ class _Rows:
 
     __slots__ = ("leaves", "treedef", "positions", "static")
 
-    def __init__(self, leaves, treedef, positions, static=True):
+    def __init__(
+        self, leaves: list[Any], treedef: optree.PyTreeSpec, positions: _Positions, static: bool = True
+    ) -> None:
         self.leaves, self.treedef, self.positions, self.static = leaves, treedef, positions, static
 
-    def with_positions(self, positions, static=True) -> "_Rows":
+    def with_positions(self, positions: _Positions, static: bool = True) -> _Rows:
         return _Rows(self.leaves, self.treedef, positions, self.static and static)
 
 
-def _row_source(leaf) -> bool:
+def _row_source(leaf: object) -> bool:
     # Only plain numeric native-endian NumPy arrays: their rows stack to exactly a slice of them.
     # (Strings would stack to the widest element's width, objects re-infer a dtype, non-native
     # byte order becomes native in 0-d rows; CuPy arrays keep the element-wise path.)
     return type(leaf) is np.ndarray and leaf.dtype.kind in "biufc" and leaf.dtype.isnative
 
 
-def _positions_array(piece) -> np.ndarray:
+def _positions_array(piece: _Run) -> NDArray[np.int64]:
     if isinstance(piece, builtins.range):
         return np.arange(piece.start, piece.stop, piece.step, dtype=np.int64)
     return piece
 
 
-def _gather(leaf, piece):
+def _gather(leaf: Any, piece: _Run) -> Any:
     """Rows ``piece`` (a range or an int64 array) of one source leaf, read-only and C-contiguous."""
     if isinstance(leaf, _RangeLeaf):
         out = (leaf.start + leaf.step * _positions_array(piece)).astype(leaf.dtype, copy=False)
@@ -387,29 +411,30 @@ def _gather(leaf, piece):
     return out
 
 
-def _join(pieces):
+def _join(pieces: Sequence[_Run]) -> _Run:
     """One run holding the positions of ``pieces`` in order."""
     if len(pieces) == 1:
         return pieces[0]
     return np.concatenate([_positions_array(p) for p in pieces])
 
 
-def _rows_batches(rows: _Rows, b: int, drop: bool):
+def _rows_batches(rows: _Rows, b: int, drop: bool) -> Iterator[Any]:
     """Batches of ``b`` consecutive elements of ``rows``, gathered leaf by leaf."""
     leaves, unflatten = rows.leaves, rows.treedef.unflatten
     # Consecutive rows of a C-contiguous (read-only) leaf are a C-contiguous read-only view.
     views = [isinstance(leaf, np.ndarray) and leaf.flags.c_contiguous for leaf in leaves]
     all_views = all(views)
 
-    def make(piece):
-        if type(piece) is builtins.range and piece.step == 1:
+    def make(piece: _Run) -> Any:
+        if isinstance(piece, builtins.range) and piece.step == 1:
             lo, hi = piece.start, piece.stop
             if all_views:
                 return unflatten([leaf[lo:hi] for leaf in leaves])
             return unflatten([leaf[lo:hi] if v else _gather(leaf, piece) for leaf, v in zip(leaves, views)])
         return unflatten([_gather(leaf, piece) for leaf in leaves])
 
-    pending, count = [], 0
+    pending: list[_Run] = []
+    count = 0
     for run in rows.positions():
         start, k = 0, len(run)
         if count:
@@ -430,12 +455,12 @@ def _rows_batches(rows: _Rows, b: int, drop: bool):
         yield make(_join(pending))
 
 
-def _no_positions():
+def _no_positions() -> Iterator[_Run]:
     return iter(())
 
 
-def _take_positions(upstream, count: int):
-    def positions():
+def _take_positions(upstream: _Positions, count: int) -> _Positions:
+    def positions() -> Iterator[_Run]:
         left = count
         if left <= 0:
             return
@@ -449,8 +474,8 @@ def _take_positions(upstream, count: int):
     return positions
 
 
-def _skip_positions(upstream, count: int):
-    def positions():
+def _skip_positions(upstream: _Positions, count: int) -> _Positions:
+    def positions() -> Iterator[_Run]:
         left = count
         for run in upstream():
             if left:
@@ -463,8 +488,8 @@ def _skip_positions(upstream, count: int):
     return positions
 
 
-def _shard_positions(upstream, n: int, index: int):
-    def positions():
+def _shard_positions(upstream: _Positions, n: int, index: int) -> _Positions:
+    def positions() -> Iterator[_Run]:
         offset = 0  # the stream position of the run's first element
         for run in upstream():
             picked = run[(index - offset) % n :: n]
@@ -475,13 +500,14 @@ def _shard_positions(upstream, n: int, index: int):
     return positions
 
 
-def _repeat_positions(upstream, count: int, static: bool):
-    def positions():
+def _repeat_positions(upstream: _Positions, count: int, static: bool) -> _Positions:
+    def positions() -> Iterator[_Run]:
         k = 0
         if static and count != 0:
             # A short pass (from_tensors, a few rows) would make one run per pass and batches that
             # gather from many runs; a static pass can be computed once and tiled instead.
-            runs, total = [], 0
+            runs: list[_Run] = []
+            total = 0
             it = upstream()
             for run in it:
                 runs.append(run)
@@ -513,7 +539,9 @@ def _repeat_positions(upstream, count: int, static: bool):
     return positions
 
 
-def _shuffle_step(buf: np.ndarray, incoming: np.ndarray, slots: np.ndarray) -> np.ndarray:
+def _shuffle_step(
+    buf: NDArray[np.int64], incoming: NDArray[np.int64], slots: NDArray[np.int64]
+) -> NDArray[np.int64]:
     """The buffer shuffle for a run of inputs at once: input t replaces (and emits) ``buf[slots[t]]``.
 
     Output t is what slot ``slots[t]`` holds at time t: the input last written there before t, or
@@ -538,8 +566,8 @@ def _shuffle_step(buf: np.ndarray, incoming: np.ndarray, slots: np.ndarray) -> n
     return out
 
 
-def _shuffle_positions(upstream, size: int, make_rng):
-    def positions():
+def _shuffle_positions(upstream: _Positions, size: int, make_rng: Callable[[], np.random.Generator]) -> _Positions:
+    def positions() -> Iterator[_Run]:
         rng = make_rng()
         buf = np.empty(size, np.int64)
         filled = 0
@@ -565,16 +593,16 @@ def _shuffle_positions(upstream, size: int, make_rng):
 class _OneShot:
     """Makes a one-pass iterator peekable (for ``element_spec``) without losing the peeked element."""
 
-    def __init__(self, iterator):
+    def __init__(self, iterator: Iterator[Any]) -> None:
         self._it = iterator
-        self._buffer: list = []
+        self._buffer: list[Any] = []
 
-    def peek(self):
+    def peek(self) -> Any:
         if not self._buffer:
             self._buffer.append(next(self._it))
         return self._buffer[0]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         while self._buffer:
             yield self._buffer.pop(0)
         yield from self._it
@@ -589,11 +617,16 @@ class Dataset:
     """
 
     def __init__(
-        self, iter_fn: Callable[[], Any], spec_fn: Callable[[], Any], cardinality: int, rows=None, cheap=False
-    ):
+        self,
+        iter_fn: Callable[[], Iterable[Any]],
+        spec_fn: Callable[[], Any],
+        cardinality: int,
+        rows: _Rows | None = None,
+        cheap: bool = False,
+    ) -> None:
         self._iter_fn = iter_fn
         self._spec_fn = spec_fn
-        self._spec = None
+        self._spec: Any = None
         self._card = int(cardinality)
         # A _Rows plan when the elements are rows of in-memory arrays (lets batch gather at once).
         self._rows = rows
@@ -602,15 +635,15 @@ class Dataset:
         self._cheap = bool(cheap) or rows is not None
 
     # ------------------------------------------------------------------ basics
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         return iter(self._iter_fn())
 
-    def as_numpy_iterator(self):
+    def as_numpy_iterator(self) -> Iterator[Any]:
         """An iterator over the elements (they already are NumPy values)."""
         return iter(self)
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """The structure of an element with a :class:`TensorSpec` per component.
 
         A dimension that can differ between elements (a batch that may be partial) is ``None``.
@@ -637,10 +670,17 @@ class Dataset:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} element_spec={self.element_spec!r}>"
 
-    def _derive(self, iter_fn, spec_fn, cardinality, rows=None, cheap=False) -> "Dataset":
+    def _derive(
+        self,
+        iter_fn: Callable[[], Iterable[Any]],
+        spec_fn: Callable[[], Any],
+        cardinality: int,
+        rows: _Rows | None = None,
+        cheap: bool = False,
+    ) -> Dataset:
         return Dataset(iter_fn, spec_fn, cardinality, rows, cheap)
 
-    def _derive_rows(self, make_positions, static=True):
+    def _derive_rows(self, make_positions: Callable[[_Rows], _Positions], static: bool = True) -> _Rows | None:
         """The ``_Rows`` plan of a transformation of this dataset's positions (None without a plan)."""
         if self._rows is None:
             return None
@@ -648,17 +688,17 @@ class Dataset:
 
     # ------------------------------------------------------------------ sources
     @staticmethod
-    def range(*args, output_type=np.int64, name=None) -> "Dataset":
+    def range(*args: _IntLike, output_type: DTypeLike = np.int64, name: str | None = None) -> Dataset:
         """Like Python's ``range``: ``range(stop)``, ``range(start, stop)``, ``range(start, stop, step)``.
 
         Elements are NumPy scalars of ``output_type`` (int64 by default, as in tf.data).
         """
         if not 1 <= len(args) <= 3:
             raise TypeError(f"Dataset.range takes 1 to 3 positional arguments, got {len(args)}")
-        args = [_check_int(a, n, "Dataset.range") for a, n in zip(args, ("start/stop", "stop", "step"))]
-        if len(args) == 3 and args[2] == 0:
+        ints = [_check_int(a, n, "Dataset.range") for a, n in zip(args, ("start/stop", "stop", "step"))]
+        if len(ints) == 3 and ints[2] == 0:
             raise ValueError("Dataset.range: step must be a non-zero integer")
-        r = builtins.range(*args)
+        r = builtins.range(*ints)
         dtype = np.dtype(output_type)
         scalar = dtype.type
         rows = None
@@ -672,7 +712,7 @@ class Dataset:
         return Dataset(lambda: map(scalar, r), lambda: TensorSpec((), dtype), len(r), rows)
 
     @staticmethod
-    def from_tensor_slices(tensors, name=None) -> "Dataset":
+    def from_tensor_slices(tensors: Any, name: str | None = None) -> Dataset:
         """A dataset of the slices of ``tensors`` along dimension 0 (every component must agree).
 
         ``tensors`` is an array, a Python list (one array) or a nested tuple/dict of them.
@@ -701,7 +741,7 @@ class Dataset:
         leaves = [_readonly(leaf) for leaf in leaves]
         unflatten = treedef.unflatten
 
-        def it():
+        def it() -> Iterator[Any]:
             for i in builtins.range(n):
                 yield unflatten([leaf[i] for leaf in leaves])
 
@@ -713,7 +753,7 @@ class Dataset:
         return Dataset(it, lambda: spec, n, rows)
 
     @staticmethod
-    def from_tensors(tensors, name=None) -> "Dataset":
+    def from_tensors(tensors: Any, name: str | None = None) -> Dataset:
         """A dataset with ``tensors`` as its single element."""
         element = _map(_readonly, _normalize(tensors, "Dataset.from_tensors"))
         spec = _structure_spec(element)
@@ -726,7 +766,14 @@ class Dataset:
         return Dataset(lambda: iter((element,)), lambda: spec, 1, rows)
 
     @staticmethod
-    def from_generator(generator, output_types=None, output_shapes=None, args=None, output_signature=None, name=None):
+    def from_generator(
+        generator: Callable[..., Iterable[Any]],
+        output_types: Any = None,
+        output_shapes: Any = None,
+        args: Iterable[Any] | None = None,
+        output_signature: Any = None,
+        name: str | None = None,
+    ) -> Dataset:
         """A dataset of what ``generator(*args)`` yields; each iteration calls it again.
 
         ``output_signature`` (a structure of :class:`TensorSpec`) gives ``element_spec`` without
@@ -736,10 +783,11 @@ class Dataset:
             raise TypeError(f"Dataset.from_generator: generator must be callable, got {type(generator).__name__}")
         call_args = tuple(args or ())
 
-        def it():
+        def it() -> Iterator[Any]:
             for element in generator(*call_args):
                 yield _normalize(element, "Dataset.from_generator")
 
+        spec_fn: Callable[[], Any]
         if output_signature is not None:
             spec_fn = lambda: output_signature  # noqa: E731
         else:
@@ -747,7 +795,7 @@ class Dataset:
         return Dataset(it, spec_fn, UNKNOWN_CARDINALITY)
 
     @staticmethod
-    def zip(*datasets) -> "Dataset":
+    def zip(*datasets: Iterable[Any]) -> Dataset:
         """Elements are tuples of the zipped datasets' elements; ends with the shortest."""
         if len(datasets) == 1 and isinstance(datasets[0], (tuple, list)):
             datasets = tuple(datasets[0])
@@ -765,7 +813,14 @@ class Dataset:
         return Dataset(lambda: zip(*dss), lambda: tuple(d.element_spec for d in dss), card)
 
     # ------------------------------------------------------------------ transformations
-    def batch(self, batch_size, drop_remainder=False, num_parallel_calls=None, deterministic=None, name=None):
+    def batch(
+        self,
+        batch_size: _IntLike,
+        drop_remainder: bool = False,
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+        name: str | None = None,
+    ) -> Dataset:
         """Stacks ``batch_size`` consecutive elements into one (a new leading dimension).
 
         The last batch may be smaller unless ``drop_remainder``; ``element_spec`` shows the batch
@@ -783,11 +838,11 @@ class Dataset:
         drop = bool(drop_remainder)
         src = self
 
-        def it():
+        def it() -> Iterator[Any]:
             if _VECTORIZE and src._rows is not None:
                 yield from _rows_batches(src._rows, b, drop)
                 return
-            buf = []
+            buf: list[Any] = []
             for element in src:
                 buf.append(element)
                 if len(buf) == b:
@@ -796,7 +851,7 @@ class Dataset:
             if buf and not drop:
                 yield _stack(buf, where)
 
-        def spec():
+        def spec() -> Any:
             lead = b if drop else None
             return map_specs(lambda s: TensorSpec((lead, *s.shape), s.dtype, s.name), src.element_spec)
 
@@ -804,11 +859,11 @@ class Dataset:
         card = c if c < 0 else (c // b if drop else -(-c // b))
         return self._derive(it, spec, card, cheap=src._rows is not None)
 
-    def unbatch(self, name=None):
+    def unbatch(self, name: str | None = None) -> Dataset:
         """Splits each element along dimension 0 into its rows (the inverse of ``batch``)."""
         src = self
 
-        def it():
+        def it() -> Iterator[Any]:
             for element in src:
                 leaves, treedef = _flatten(element)
                 if any(np.ndim(leaf) == 0 for leaf in leaves):
@@ -816,13 +871,13 @@ class Dataset:
                 for i in builtins.range(int(leaves[0].shape[0]) if leaves else 0):
                     yield treedef.unflatten([leaf[i] for leaf in leaves])
 
-        def spec():
+        def spec() -> Any:
             return map_specs(lambda s: TensorSpec(tuple(s.shape[1:]), s.dtype, s.name), src.element_spec)
 
         card = INFINITE_CARDINALITY if self._card == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
         return self._derive(it, spec, card)
 
-    def shard(self, num_shards, index, name=None):
+    def shard(self, num_shards: _IntLike, index: _IntLike, name: str | None = None) -> Dataset:
         """Keeps every ``num_shards``-th element starting at ``index``.
 
         Raises:
@@ -841,15 +896,15 @@ class Dataset:
         rows = self._derive_rows(lambda up: _shard_positions(up.positions, n, i))
         return self._derive(lambda: itertools.islice(src, i, None, n), lambda: src.element_spec, card, rows, self._cheap)
 
-    def repeat(self, count=None, name=None):
+    def repeat(self, count: _IntLike | None = None, name: str | None = None) -> Dataset:
         """Repeats the dataset ``count`` times (forever for None or -1), starting over each time."""
         where = "Dataset.repeat"
-        count = -1 if count is None else _check_int(count, "count", where)
+        times = -1 if count is None else _check_int(count, "count", where)
         src = self
 
-        def it():
+        def it() -> Iterator[Any]:
             k = 0
-            while count < 0 or k < count:
+            while times < 0 or k < times:
                 got_any = False
                 for element in src:
                     got_any = True
@@ -859,39 +914,45 @@ class Dataset:
                 k += 1
 
         c = self._card
-        if count == 0 or c == 0:
+        if times == 0 or c == 0:
             card = 0
-        elif count < 0:
+        elif times < 0:
             card = INFINITE_CARDINALITY if c != UNKNOWN_CARDINALITY else UNKNOWN_CARDINALITY
         else:
-            card = c if c < 0 else c * count
-        rows = self._derive_rows(lambda up: _repeat_positions(up.positions, count, up.static))
+            card = c if c < 0 else c * times
+        rows = self._derive_rows(lambda up: _repeat_positions(up.positions, times, up.static))
         return self._derive(it, lambda: src.element_spec, card, rows, self._cheap)
 
-    def take(self, count, name=None):
+    def take(self, count: _IntLike, name: str | None = None) -> Dataset:
         """The first ``count`` elements (all of them for a negative count)."""
-        count = _check_int(count, "count", "Dataset.take")
+        n = _check_int(count, "count", "Dataset.take")
         src = self
-        if count < 0:
+        if n < 0:
             return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows, self._cheap)
         c = self._card
-        card = count if c == INFINITE_CARDINALITY else (c if c == UNKNOWN_CARDINALITY else min(c, count))
-        rows = self._derive_rows(lambda up: _take_positions(up.positions, count))
-        return self._derive(lambda: itertools.islice(src, count), lambda: src.element_spec, card, rows, self._cheap)
+        card = n if c == INFINITE_CARDINALITY else (c if c == UNKNOWN_CARDINALITY else min(c, n))
+        rows = self._derive_rows(lambda up: _take_positions(up.positions, n))
+        return self._derive(lambda: itertools.islice(src, n), lambda: src.element_spec, card, rows, self._cheap)
 
-    def skip(self, count, name=None):
+    def skip(self, count: _IntLike, name: str | None = None) -> Dataset:
         """All but the first ``count`` elements (none for a negative count)."""
-        count = _check_int(count, "count", "Dataset.skip")
+        n = _check_int(count, "count", "Dataset.skip")
         src = self
-        if count < 0:
+        if n < 0:
             rows = self._derive_rows(lambda up: _no_positions)
             return self._derive(lambda: iter(()), lambda: src.element_spec, 0, rows, self._cheap)
         c = self._card
-        card = c if c < 0 else max(0, c - count)
-        rows = self._derive_rows(lambda up: _skip_positions(up.positions, count))
-        return self._derive(lambda: itertools.islice(src, count, None), lambda: src.element_spec, card, rows, self._cheap)
+        card = c if c < 0 else max(0, c - n)
+        rows = self._derive_rows(lambda up: _skip_positions(up.positions, n))
+        return self._derive(lambda: itertools.islice(src, n, None), lambda: src.element_spec, card, rows, self._cheap)
 
-    def map(self, map_func, num_parallel_calls=None, deterministic=None, name=None):
+    def map(
+        self,
+        map_func: Callable[..., Any],
+        num_parallel_calls: int | None = None,
+        deterministic: bool | None = None,
+        name: str | None = None,
+    ) -> Dataset:
         """Applies ``map_func`` to each element.
 
         A tuple element is passed as positional arguments (``map_func(*element)``), anything else
@@ -902,11 +963,11 @@ class Dataset:
             raise TypeError(f"Dataset.map: map_func must be callable, got {type(map_func).__name__}")
         src = self
 
-        def apply(element):
+        def apply(element: Any) -> Any:
             out = map_func(*element) if type(element) is tuple else map_func(element)
             return _normalize(out, "Dataset.map")
 
-        def spec():
+        def spec() -> Any:
             out_spec = _first_spec(lambda: map(apply, src), "Dataset.map")
             # A batch dimension that varies in the input varies in the output too.
             in_specs = flatten_specs(src.element_spec)[0]
@@ -916,13 +977,13 @@ class Dataset:
 
         return self._derive(lambda: map(apply, src), spec, self._card)
 
-    def filter(self, predicate, name=None):
+    def filter(self, predicate: Callable[..., Any], name: str | None = None) -> Dataset:
         """Keeps the elements for which ``predicate`` (called like a ``map`` function) is true."""
         if not callable(predicate):
             raise TypeError(f"Dataset.filter: predicate must be callable, got {type(predicate).__name__}")
         src = self
 
-        def keep(element):
+        def keep(element: Any) -> bool:
             r = predicate(*element) if type(element) is tuple else predicate(element)
             if np.ndim(r) != 0:
                 raise ValueError(f"Dataset.filter: predicate must return a scalar boolean, got shape {np.shape(r)}")
@@ -931,16 +992,22 @@ class Dataset:
         card = INFINITE_CARDINALITY if self._card == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
         return self._derive(lambda: filter(keep, src), lambda: src.element_spec, card)
 
-    def enumerate(self, start=0, name=None):
+    def enumerate(self, start: _IntLike = 0, name: str | None = None) -> Dataset:
         """Elements become ``(index, element)`` with an int64 index counting from ``start``."""
-        start = _check_int(start, "start", "Dataset.enumerate")
+        first = _check_int(start, "start", "Dataset.enumerate")
         src = self
         spec = lambda: (TensorSpec((), np.dtype(np.int64)), src.element_spec)  # noqa: E731
         return self._derive(
-            lambda: ((np.int64(i), e) for i, e in zip(itertools.count(start), src)), spec, self._card
+            lambda: ((np.int64(i), e) for i, e in zip(itertools.count(first), src)), spec, self._card
         )
 
-    def shuffle(self, buffer_size, seed=None, reshuffle_each_iteration=True, name=None):
+    def shuffle(
+        self,
+        buffer_size: _IntLike,
+        seed: int | None = None,
+        reshuffle_each_iteration: bool = True,
+        name: str | None = None,
+    ) -> Dataset:
         """Shuffles with a buffer of ``buffer_size`` elements (tf.data's algorithm, not its numbers).
 
         With a ``seed`` and ``reshuffle_each_iteration=False`` every iteration has the same order.
@@ -952,12 +1019,12 @@ class Dataset:
         src = self
         seeds = np.random.SeedSequence(seed)
 
-        def make_rng():
+        def make_rng() -> np.random.Generator:
             return np.random.default_rng(seeds.spawn(1)[0] if reshuffle_each_iteration else seeds)
 
-        def it():
+        def it() -> Iterator[Any]:
             rng = make_rng()
-            buf = []
+            buf: list[Any] = []
             for element in src:
                 if len(buf) < size:
                     buf.append(element)
@@ -974,7 +1041,7 @@ class Dataset:
         )
         return self._derive(it, lambda: src.element_spec, self._card, rows)
 
-    def prefetch(self, buffer_size, name=None):
+    def prefetch(self, buffer_size: _IntLike, name: str | None = None) -> Dataset:
         """Computes up to ``buffer_size`` elements ahead in a background thread.
 
         ``AUTOTUNE`` (-1) picks a small buffer; 0 turns prefetching off. The thread stops when the
@@ -994,15 +1061,15 @@ class Dataset:
         if size == 0 or self._cheap:
             return self._derive(lambda: iter(src), lambda: src.element_spec, self._card, self._rows, self._cheap)
         size = _AUTOTUNE_BUFFER if size == AUTOTUNE else size
-        return self._derive(lambda: _PrefetchIterator(iter(src), size), lambda: src.element_spec, self._card)
+        return self._derive(lambda: PrefetchIterator(iter(src), size), lambda: src.element_spec, self._card)
 
-    def cache(self, filename="", name=None):
+    def cache(self, filename: str = "", name: str | None = None) -> Dataset:
         """Returns the dataset itself (elements are already in memory; nothing to cache)."""
         if filename:
             raise NotImplementedError("Dataset.cache: caching to a file is not supported")
         return self
 
-    def reduce(self, initial_state, reduce_func, name=None):
+    def reduce(self, initial_state: _T, reduce_func: Callable[[_T, Any], _T], name: str | None = None) -> _T:
         """Folds the elements: ``state = reduce_func(state, element)`` for each element in order."""
         state = initial_state
         for element in self:
@@ -1010,7 +1077,7 @@ class Dataset:
         return state
 
 
-def _stack(elements, where):
+def _stack(elements: Sequence[Any], where: str) -> Any:
     flat = [_flatten(e) for e in elements]
     treedef = flat[0][1]
     for i, (_, t) in enumerate(flat[1:], 1):
@@ -1019,7 +1086,7 @@ def _stack(elements, where):
     return _batch_leaves([leaves for leaves, _ in flat], treedef, where)
 
 
-def _first_spec(iter_fn, where: str):
+def _first_spec(iter_fn: Callable[[], Iterable[Any]], where: str) -> Any:
     it = iter(iter_fn())
     try:
         first = next(it)
@@ -1032,16 +1099,16 @@ def _first_spec(iter_fn, where: str):
     return _structure_spec(first)
 
 
-def _iterable_dataset(obj, where: str) -> Dataset:
+def _iterable_dataset(obj: Iterable[Any], where: str) -> Dataset:
     """Wraps a Python iterable of elements (batches) as a Dataset (re-iterable if ``obj`` is)."""
     is_iterator = iter(obj) is obj
     if is_iterator:
-        source = _OneShot(obj)
+        source = _OneShot(cast("Iterator[Any]", obj))
 
-        def it():
+        def it() -> Iterator[Any]:
             return (_normalize(e, where) for e in source)
 
-        def spec():
+        def spec() -> Any:
             try:
                 return _structure_spec(_normalize(source.peek(), where))
             except StopIteration:
@@ -1049,17 +1116,17 @@ def _iterable_dataset(obj, where: str) -> Dataset:
 
         return Dataset(it, spec, UNKNOWN_CARDINALITY)
 
-    def it():
+    def it_all() -> Iterator[Any]:
         return (_normalize(e, where) for e in obj)
 
     try:
-        card = len(obj)
+        card = len(cast("Sized", obj))
     except TypeError:
         card = UNKNOWN_CARDINALITY
-    return Dataset(it, lambda: _first_spec(it, where), card)
+    return Dataset(it_all, lambda: _first_spec(it_all, where), card)
 
 
-def as_dataset(obj, where: str = "as_dataset") -> Dataset:
+def as_dataset(obj: Iterable[Any], where: str = "as_dataset") -> Dataset:
     """Returns ``obj`` if it is a Dataset, else wraps a Python iterable of elements as one.
 
     A list of arrays, a generator, or a DataLoader-like object each become a dataset whose elements

@@ -1,5 +1,12 @@
 """``cudist.errors``: the exception types ported tf.distribute code catches."""
 
-from cudist._input_lib import OutOfRangeError
+from __future__ import annotations
 
 __all__ = ["OutOfRangeError"]
+
+
+class OutOfRangeError(StopIteration):
+    """``get_next()`` was called on an exhausted iterator (TF's ``tf.errors.OutOfRangeError``).
+
+    It is a ``StopIteration``, so code that catches either works.
+    """

@@ -2,7 +2,7 @@
 
 They follow Keras 3 (the optimizers TensorFlow 2.21 ships): ``apply_gradients(grads_and_vars)``
 returns the ``iterations`` variable, slot variables are created on first use next to each variable,
-and the update formulas are Keras's (see the kernel contract in :mod:`cudist._kernels._base`).
+and the update formulas are Keras's (see the kernel contract, :class:`cudist._kernels.KernelBackend`).
 
 Distribution follows Keras's default (``experimental_aggregate_gradients=True``):
 
@@ -31,15 +31,15 @@ import numpy as np
 
 from cudist import _distribute_lib
 from cudist._arrays import array_module, device_context, gpu_of, is_array, like
-from cudist._kernels._base import adam_lr_t
+from cudist._kernels import adam_lr_t
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica
 from cudist._variables import (
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
-    _cast,
-    _kernel_backend,
+    cast_value,
+    kernel_backend,
 )
 
 __all__ = ["Optimizer", "SGD", "Adam"]
@@ -231,7 +231,7 @@ class Optimizer:
                     f"variable has dtype {var.dtype.name}"
                 )
         else:  # Python numbers and lists convert under TF's rules
-            grad = _cast(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
+            grad = cast_value(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
         shape = var._primary_array().shape  # var.shape may have None dimensions (``shape=`` at creation)
         if grad.shape != shape:
             raise ValueError(
@@ -354,7 +354,7 @@ class Optimizer:
         groups = []
         for idx in _device_groups(bufs):
             copies = tuple(bufs[i] for i in idx)
-            backend = var._kernel() if len(idx) == len(bufs) else _kernel_backend(copies[0])
+            backend = var._kernel() if len(idx) == len(bufs) else kernel_backend(copies[0])
             if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
                 from cudist._kernels import get_backend
 

@@ -15,7 +15,8 @@ import threading
 import numpy as np
 
 from cudist._arrays import is_device_array
-from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend
+from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend, adam_lr_t
+from cudist._kernels._split import split, split_sizes
 
 __all__ = [
     "BACKENDS",
@@ -30,6 +31,10 @@ __all__ = [
     "cpu_backend",
     "numpy_backend",
     "reset_backend_cache",
+    "adam_lr_t",
+    "split",
+    "split_sizes",
+    "reference_reduce",
 ]
 
 #: Every backend name, in order of preference for CPU buffers.
@@ -156,3 +161,10 @@ def backend_for(a) -> KernelBackend:
     if not is_device_array(a):
         return cpu_backend()
     return get_backend("cupy")
+
+
+def reference_reduce(arrays, op):
+    """The NumPy reference reduction (replica order) of same-shape host arrays into a new array."""
+    from cudist._kernels._numpy import reference_reduce as ref  # noqa: PLC0415 - the reference loads on demand
+
+    return ref(arrays, op)

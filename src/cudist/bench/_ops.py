@@ -93,11 +93,11 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
     """Allocates the buffers of one benchmark point and returns its timed call and check.
 
     The check refills the buffers with fresh random data, runs the operation once and compares every
-    output element with :mod:`cudist._kernels._numpy`'s reference; timing then reuses the buffers.
+    output element with the NumPy reference (:func:`cudist._kernels.reference_reduce`); timing then reuses the buffers.
     Comparisons are exact on CPU backends (the kernel contract is bitwise) and within a few ulps on
     the GPU.
     """
-    from cudist._kernels._numpy import NumpyBackend, reference_reduce
+    from cudist._kernels import numpy_backend, reference_reduce
     from cudist._reduce_util import ReduceOp
 
     xp = backend.xp
@@ -151,7 +151,7 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
         return Case(lambda: backend.broadcast(src, dsts), check)
 
     if op == "split":
-        from cudist._kernels._split import split_sizes
+        from cudist._kernels import split_sizes
 
         total = n * count - (1 if count > 1 and n > 1 else 0)  # uneven on purpose: the ceil rule's last piece
         hbatch = random_array(rng, total, dtype)
@@ -175,7 +175,7 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
         opt = op.split("/", 1)[1]
         if dtype.kind != "f":
             raise ValueError(f"update/{opt}: needs a floating-point dtype, got {dtype.name}")
-        ref_be = NumpyBackend()
+        ref_be = numpy_backend()
         w0 = random_array(rng, count, dtype)
         g_h = random_array(rng, count, dtype)
         copies = [fresh(w0) for _ in range(n)]

@@ -226,7 +226,7 @@ class _KernelStep:
 
 
 def _shards(x, y, n):
-    from cudist._kernels._split import split
+    from cudist._kernels import split
 
     return list(zip(split(x, n), split(y, n)))
 
@@ -268,7 +268,7 @@ def _max_wrong(copies_list, ref_params) -> int:
 
 def run_step(ctx) -> list:
     """Times the synthetic training step per backend (kernel API) and through MirroredStrategy."""
-    from cudist._kernels._numpy import NumpyBackend
+    from cudist._kernels import numpy_backend
     from cudist.bench._timing import median_us
 
     a = ctx.args
@@ -291,7 +291,7 @@ def run_step(ctx) -> list:
     ctx.print("#" + _STEP_FMT.format(*_STEP_COLS)[1:])
     ref = None
     if a.check:
-        r = _KernelStep(NumpyBackend(), params, shards, a.optimizer)
+        r = _KernelStep(numpy_backend(), params, shards, a.optimizer)
         r()
         ref = [c[0] for c in r.copies]
     rows = []
