@@ -9,6 +9,7 @@ import cudist
 from cudist import Mirrored, PerReplica
 from cudist._collectives.packing import pack_groups as _pack_groups
 from cudist._cross_device_ops import KernelAllReduce
+from cudist._reduce_util import ReduceOp
 from cudist._kernels import cpu_backend as _cpu_backend
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}"
@@ -445,3 +446,82 @@ def test_gpu_replicas_run_with_their_gpu_current(monkeypatch, fake_gpus):
     assert one.run(lambda: current[0]) == 1 and current[0] == 1
     current[0] = 0
     assert one.run(lambda: current[0]) == 1 and current[0] == 0
+
+
+# ----------------------------------------------------------------------------- one reduction path
+class SpyOps(KernelAllReduce):
+    """A user's cross-device ops that records every reduction it is asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+        self.calls.append(("reduce", ReduceOp.parse(reduce_op)))
+        return super().reduce(reduce_op, per_replica_value, destinations, options)
+
+    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+        pairs = list(value_destination_pairs)
+        self.calls.append(("batch_reduce", ReduceOp.parse(reduce_op), len(pairs)))
+        return super().batch_reduce(reduce_op, pairs, options)
+
+
+def _aggregating_updates(s):
+    """Replica-context updates that must aggregate (SUM, MEAN) and a sync-on-read read; returns the values."""
+    VA, VS = cudist.VariableAggregation, cudist.VariableSynchronization
+    with s.scope():
+        total = cudist.Variable(np.zeros(3, np.float32), aggregation=VA.SUM)
+        mean = cudist.Variable(np.zeros(3, np.float32), aggregation=VA.MEAN)
+
+    def step():
+        r = cudist.get_replica_context().replica_id_in_sync_group
+        total.assign_add(np.full(3, r + 1, np.float32))
+        mean.assign(np.full(3, 2.0 * (r + 1), np.float32))
+
+    s.run(step)
+    return total, mean
+
+
+def test_user_cross_device_ops_do_variable_aggregation():
+    """MirroredStrategy(cross_device_ops=...): variables aggregate through the user's ops (as in TF)."""
+    ops = SpyOps()
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"], cross_device_ops=ops)
+    total, mean = _aggregating_updates(s)
+    assert ("reduce", ReduceOp.SUM) in ops.calls and ("reduce", ReduceOp.MEAN) in ops.calls
+    np.testing.assert_array_equal(total.numpy(), np.full(3, 6, np.float32))
+    np.testing.assert_array_equal(mean.numpy(), np.full(3, 4, np.float32))
+    with s.scope():
+        counter = cudist.Variable(
+            np.zeros(2, np.float32), synchronization=cudist.VariableSynchronization.ON_READ,
+            aggregation=cudist.VariableAggregation.SUM,
+        )
+    s.run(lambda: counter.assign_add(np.ones(2, np.float32)))
+    ops.calls.clear()
+    np.testing.assert_array_equal(counter.read_value(), [3.0, 3.0])  # a cross-replica read aggregates
+    assert ops.calls == [("reduce", ReduceOp.SUM)]
+
+
+@pytest.mark.parametrize("make", [
+    lambda: cudist.MirroredStrategy(["/cpu:0", "/cpu:1"]),
+    lambda: cudist.CentralStorageStrategy(["/cpu:0", "/cpu:1"]),
+    lambda: cudist.OneDeviceStrategy("/cpu:0"),
+], ids=["mirrored", "central", "one_device"])
+def test_every_strategy_aggregates_variables_through_reduce_to(monkeypatch, make):
+    s = make()
+    spy = SpyOps()
+    monkeypatch.setattr(s.extended, "_cross_device_ops", spy)
+    seen = []
+    real = type(s.extended).reduce_to
+
+    def reduce_to(self, op, value, destinations, options=None):
+        seen.append(ReduceOp.parse(op))
+        return real(self, op, value, destinations, options)
+
+    monkeypatch.setattr(type(s.extended), "reduce_to", reduce_to)
+    total, mean = _aggregating_updates(s)
+    n = s.num_replicas_in_sync
+    np.testing.assert_array_equal(total.numpy(), np.full(3, n * (n + 1) / 2, np.float32))
+    np.testing.assert_array_equal(mean.numpy(), np.full(3, n + 1, np.float32))
+    if n > 1:
+        assert ReduceOp.SUM in seen and ReduceOp.MEAN in seen
+        assert [c[:2] for c in spy.calls] == [("reduce", op) for op in seen]
