@@ -186,9 +186,39 @@ void maybe_nogil(std::size_t bytes, F&& fn) {
   }
 }
 
+// cudist.ReduceOp.SUM and .MEAN, registered by cudist._kernels._native (register_reduce_ops), so
+// that the Python layer can pass its enum members straight through (no mapping on the hot path).
+PyObject* g_sum_op = nullptr;
+PyObject* g_mean_op = nullptr;
+
 cudist::reduce_op to_op(int op) {
   if (op != 0 && op != 1) throw py::value_error("op must be 0 (SUM) or 1 (MEAN), got " + std::to_string(op));
   return static_cast<cudist::reduce_op>(op);
+}
+
+// An op given as 0 / 1 or as a registered ReduceOp member.
+cudist::reduce_op to_op(py::handle op) {
+  if (op.ptr() == g_sum_op && op.ptr() != nullptr) return cudist::reduce_op::sum;
+  if (op.ptr() == g_mean_op && op.ptr() != nullptr) return cudist::reduce_op::mean;
+  if (PyLong_Check(op.ptr()) && !PyBool_Check(op.ptr())) {
+    const long v = PyLong_AsLong(op.ptr());
+    if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (v == 0 || v == 1) return static_cast<cudist::reduce_op>(v);
+  }
+  throw py::value_error("op must be ReduceOp.SUM or ReduceOp.MEAN (or 0 / 1), got " + std::string(py::repr(op)));
+}
+
+void register_reduce_ops(py::object sum, py::object mean) {
+  Py_XDECREF(g_sum_op);
+  Py_XDECREF(g_mean_op);
+  g_sum_op = sum.release().ptr();  // kept for the life of the process
+  g_mean_op = mean.release().ptr();
+}
+
+// True when the byte ranges of two buffers of `bytes` bytes overlap at all.
+bool ranges_overlap(const void* a, const void* b, std::size_t bytes) {
+  const auto x = reinterpret_cast<std::uintptr_t>(a), y = reinterpret_cast<std::uintptr_t>(b);
+  return bytes > 0 && x < y + bytes && y < x + bytes;
 }
 
 template <class T>
@@ -196,8 +226,8 @@ T* const* typed(std::vector<void*>& p) {
   return reinterpret_cast<T* const*>(p.data());
 }
 
-void all_reduce(py::handle bufs, int op_i) {
-  const auto op = to_op(op_i);
+void all_reduce(py::handle bufs, py::handle op_h) {
+  const auto op = to_op(op_h);
   std::vector<void*> p;
   std::size_t size = 0;
   kind k;
@@ -210,8 +240,8 @@ void all_reduce(py::handle bufs, int op_i) {
   });
 }
 
-void reduce_to_one(py::handle bufs, int op_i, py::handle out) {
-  const auto op = to_op(op_i);
+void reduce_to_one(py::handle bufs, py::handle op_h, py::handle out) {
+  const auto op = to_op(op_h);
   std::vector<void*> p;
   std::size_t size = 0;
   kind k;
@@ -235,6 +265,111 @@ void broadcast(py::handle src, py::handle dsts) {
     dispatch(k, [&](auto t) {
       using T = decltype(t);
       cudist::broadcast<T>(static_cast<const T*>(s), typed<T>(p), p.size(), size);
+    });
+  });
+}
+
+// Out of place: outputs[i] = reduce(inputs). With `strict`, any overlap other than outputs[i]
+// being exactly inputs[i] is refused (ValueError); without, the C++ kernel copes with it.
+void all_reduce_into(py::handle inputs, py::handle outputs, py::handle op_h, bool strict) {
+  const auto op = to_op(op_h);
+  std::vector<void*> pi, po;
+  std::size_t size = 0, osize = 0;
+  kind k, ko;
+  const py::tuple keep_i = inspect_all(inputs, "all_reduce", "input", false, pi, size, k);
+  const py::tuple keep_o = inspect_all(outputs, "all_reduce", "output", true, po, osize, ko);
+  if (po.size() != pi.size())
+    throw py::value_error("all_reduce: got " + std::to_string(pi.size()) + " inputs but " + std::to_string(po.size()) +
+                          " outputs");
+  if (ko != k)
+    throw py::type_error(std::string("all_reduce: the outputs have dtype ") + kind_name(ko) + " but the inputs have dtype " +
+                         kind_name(k));
+  if (osize != size)
+    throw py::value_error("all_reduce: the outputs have " + std::to_string(osize) + " elements but the inputs have " +
+                          std::to_string(size));
+  const std::size_t n = pi.size(), bytes = size * itemsize(k);
+  if (strict) {
+    for (std::size_t o = 0; o < n; ++o) {
+      for (std::size_t i = 0; i < n; ++i)
+        if (ranges_overlap(po[o], pi[i], bytes) && !(i == o && po[o] == pi[i]))
+          throw py::value_error("all_reduce: output " + std::to_string(o) + " overlaps input " + std::to_string(i));
+      for (std::size_t j = 0; j < o; ++j)
+        if (ranges_overlap(po[o], po[j], bytes))
+          throw py::value_error("all_reduce: output " + std::to_string(o) + " overlaps output " + std::to_string(j));
+    }
+  }
+  maybe_nogil(2 * n * bytes, [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::all_reduce<T>(reinterpret_cast<const T* const*>(pi.data()), typed<T>(po), n, size, op);
+    });
+  });
+}
+
+// inputs[r][j] / outputs[r][j]: leaf j of replica r; every leaf of one dtype, leaf j of one size
+// across replicas and outputs. One GIL release and one pool dispatch for all leaves.
+void batch_all_reduce(py::handle inputs, py::handle outputs, py::handle op_h) {
+  const char* where = "batch_all_reduce";
+  const auto op = to_op(op_h);
+  auto as_tuple = [&](py::handle seq, const char* what) {
+    if (PyTuple_Check(seq.ptr())) return py::reinterpret_borrow<py::tuple>(seq);
+    if (PyList_Check(seq.ptr())) {
+      auto t = py::reinterpret_steal<py::tuple>(PyList_AsTuple(seq.ptr()));
+      if (!t) throw py::error_already_set();
+      return t;
+    }
+    throw py::type_error(std::string(where) + ": " + what + " must be a tuple or list");
+  };
+  const py::tuple ins = as_tuple(inputs, "inputs"), outs = as_tuple(outputs, "outputs");
+  const std::size_t n = static_cast<std::size_t>(PyTuple_GET_SIZE(ins.ptr()));
+  if (n == 0) throw py::value_error(std::string(where) + ": expected at least one replica, got none");
+  if (static_cast<std::size_t>(PyTuple_GET_SIZE(outs.ptr())) != n)
+    throw py::value_error(std::string(where) + ": got " + std::to_string(n) + " input replicas but " +
+                          std::to_string(PyTuple_GET_SIZE(outs.ptr())) + " output replicas");
+  std::vector<py::tuple> keep;  // every replica's leaves, alive while the kernel runs without the GIL
+  keep.reserve(2 * n);
+  std::size_t m = 0;
+  for (std::size_t r = 0; r < 2 * n; ++r) {
+    py::handle h = r < n ? PyTuple_GET_ITEM(ins.ptr(), r) : PyTuple_GET_ITEM(outs.ptr(), r - n);
+    keep.push_back(as_tuple(h, r < n ? "inputs[r]" : "outputs[r]"));
+    const std::size_t mr = static_cast<std::size_t>(PyTuple_GET_SIZE(keep.back().ptr()));
+    if (r == 0) m = mr;
+    else if (mr != m)
+      throw py::value_error(std::string(where) + ": " + (r < n ? "input" : "output") + " replica " +
+                            std::to_string(r < n ? r : r - n) + " has " + std::to_string(mr) + " leaves but input replica 0 has " +
+                            std::to_string(m));
+  }
+  if (m == 0) return;
+  std::vector<void*> pi(m * n), po(m * n);
+  std::vector<std::size_t> counts(m);
+  kind k = kind::f32;
+  std::size_t total = 0;
+  for (std::size_t r = 0; r < 2 * n; ++r) {
+    const bool is_out = r >= n;
+    const std::size_t rep = is_out ? r - n : r;
+    PyObject** items = &PyTuple_GET_ITEM(keep[r].ptr(), 0);
+    for (std::size_t j = 0; j < m; ++j) {
+      const arr_info info = inspect(items[j], where, is_out ? "output leaf" : "input leaf", j, is_out);
+      if (r == 0 && j == 0) k = info.k;
+      if (info.k != k)
+        throw py::type_error(std::string(where) + ": leaf " + std::to_string(j) + " of replica " + std::to_string(rep) +
+                             " has dtype " + kind_name(info.k) + " but leaf 0 of replica 0 has dtype " + kind_name(k));
+      if (r == 0) {
+        counts[j] = info.size;
+        total += info.size;
+      } else if (info.size != counts[j]) {
+        throw py::value_error(std::string(where) + ": " + (is_out ? "output" : "input") + " leaf " + std::to_string(j) +
+                              " of replica " + std::to_string(rep) + " has " + std::to_string(info.size) +
+                              " elements but input leaf " + std::to_string(j) + " of replica 0 has " +
+                              std::to_string(counts[j]));
+      }
+      (is_out ? po : pi)[j * n + rep] = info.data;
+    }
+  }
+  maybe_nogil(2 * n * total * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::batch_all_reduce<T>(reinterpret_cast<const T* const*>(pi.data()), typed<T>(po), n, counts.data(), m, op);
     });
   });
 }
@@ -285,6 +420,89 @@ void assign_add(py::handle copies, py::handle value, bool negate) {
     dispatch(k, [&](auto t) {
       using T = decltype(t);
       cudist::assign_add<T>(typed<T>(p), p.size(), size, static_cast<const T*>(v), negate);
+    });
+  });
+}
+
+void assign(py::handle copies, py::handle value) {
+  std::vector<void*> p;
+  std::size_t size = 0;
+  kind k;
+  const py::tuple keep = inspect_all(copies, "assign", "copy", true, p, size, k);
+  const void* v = inspect_like(value, "assign", "value", k, size, false);
+  maybe_nogil((p.size() + 1) * size * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::assign<T>(typed<T>(p), p.size(), size, static_cast<const T*>(v));
+    });
+  });
+}
+
+// The gradients of a fused all-reduce + update: one or more arrays of the copies' dtype and size.
+py::tuple inspect_grads(py::handle grads, const char* where, kind k, std::size_t size, std::vector<void*>& pg) {
+  std::size_t gsize = 0;
+  kind kg;
+  py::tuple keep = inspect_all(grads, where, "gradient", false, pg, gsize, kg);
+  if (kg != k)
+    throw py::type_error(std::string(where) + ": the gradients have dtype " + kind_name(kg) + " but the copies have dtype " +
+                         kind_name(k));
+  if (gsize != size)
+    throw py::value_error(std::string(where) + ": the gradients have " + std::to_string(gsize) +
+                          " elements but the copies have " + std::to_string(size));
+  return keep;
+}
+
+void all_reduce_sgd(py::handle copies, py::handle grads, double lr) {
+  const char* where = "all_reduce_sgd";
+  std::vector<void*> p, pg;
+  std::size_t size = 0;
+  kind k;
+  const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg);
+  dispatch_float(k, where, [&](auto t) {
+    using T = decltype(t);
+    maybe_nogil((p.size() + pg.size() + 1) * size * sizeof(T), [&] {
+      cudist::all_reduce_sgd<T>(typed<T>(p), p.size(), size, reinterpret_cast<const T* const*>(pg.data()), pg.size(), lr);
+    });
+  });
+}
+
+void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, double lr, double mom, bool nesterov) {
+  const char* where = "all_reduce_momentum";
+  std::vector<void*> p, pv, pg;
+  std::size_t size = 0, vsize = 0;
+  kind k, kv;
+  const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
+  const py::tuple keep_v = inspect_all(vels, where, "velocity copy", true, pv, vsize, kv);
+  if (kv != k || vsize != size || pv.size() != p.size())
+    throw py::value_error("all_reduce_momentum: velocities must match the variable copies in number, dtype and size");
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg);
+  dispatch_float(k, where, [&](auto t) {
+    using T = decltype(t);
+    maybe_nogil((2 * p.size() + pg.size() + 2) * size * sizeof(T), [&] {
+      cudist::all_reduce_momentum<T>(typed<T>(p), typed<T>(pv), p.size(), size,
+                                     reinterpret_cast<const T* const*>(pg.data()), pg.size(), lr, mom, nesterov);
+    });
+  });
+}
+
+void all_reduce_adam(py::handle copies, py::handle ms, py::handle vs, py::handle grads, double lr_t, double b1,
+                     double b2, double eps) {
+  const char* where = "all_reduce_adam";
+  std::vector<void*> p, pm, pv, pg;
+  std::size_t size = 0, msize = 0, vsize = 0;
+  kind k, km, kv;
+  const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
+  const py::tuple keep_m = inspect_all(ms, where, "m copy", true, pm, msize, km);
+  const py::tuple keep_v = inspect_all(vs, where, "v copy", true, pv, vsize, kv);
+  if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
+    throw py::value_error("all_reduce_adam: the m and v slots must match the variable copies in number, dtype and size");
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg);
+  dispatch_float(k, where, [&](auto t) {
+    using T = decltype(t);
+    maybe_nogil((3 * p.size() + pg.size() + 3) * size * sizeof(T), [&] {
+      cudist::all_reduce_adam<T>(typed<T>(p), typed<T>(pm), typed<T>(pv), p.size(), size,
+                                 reinterpret_cast<const T* const*>(pg.data()), pg.size(), lr_t, b1, b2, eps);
     });
   });
 }
@@ -508,6 +726,14 @@ PYBIND11_MODULE(_core, m) {
 
   m.def("all_reduce", &all_reduce, py::arg("bufs"), py::arg("op"),
         "In place: every array of ``bufs`` (tuple/list) becomes their elementwise reduction; op 0=SUM, 1=MEAN.");
+  m.def("all_reduce_into", &all_reduce_into, py::arg("inputs"), py::arg("outputs"), py::arg("op"),
+        py::arg("strict") = false,
+        "Out of place: every array of ``outputs`` becomes the elementwise reduction of ``inputs`` (one pass; "
+        "outputs[i] may be inputs[i]). ``strict``: refuse any other overlap (ValueError).");
+  m.def("batch_all_reduce", &batch_all_reduce, py::arg("inputs"), py::arg("outputs"), py::arg("op"),
+        "outputs[r][j] = reduction over r of inputs[r][j], for every leaf j, in one dispatch (leaves of one dtype).");
+  m.def("register_reduce_ops", &register_reduce_ops, py::arg("sum"), py::arg("mean"),
+        "Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1.");
   m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),
         "Reduces ``bufs`` elementwise into ``out`` (which may be one of them).");
   m.def("broadcast", &broadcast, py::arg("src"), py::arg("dsts"), "Copies ``src`` into every array of ``dsts``.");
@@ -515,7 +741,16 @@ PYBIND11_MODULE(_core, m) {
         "Concatenates ``bufs`` along non-negative ``axis`` into a new array.");
   m.def("assign_add", &assign_add, py::arg("copies"), py::arg("value"), py::arg("negate"),
         "Every copy becomes copies[0] + value (or - value when ``negate``).");
+  m.def("assign", &assign, py::arg("copies"), py::arg("value"), "Writes ``value`` into every copy.");
   m.def("sgd", &sgd, py::arg("copies"), py::arg("grad"), py::arg("lr"), "Every copy becomes copies[0] - lr * grad.");
+  m.def("all_reduce_sgd", &all_reduce_sgd, py::arg("copies"), py::arg("grads"), py::arg("lr"),
+        "Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass.");
+  m.def("all_reduce_momentum", &all_reduce_momentum, py::arg("copies"), py::arg("velocities"), py::arg("grads"),
+        py::arg("lr"), py::arg("momentum"), py::arg("nesterov"),
+        "Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass.");
+  m.def("all_reduce_adam", &all_reduce_adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"),
+        py::arg("lr_t"), py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
+        "Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass.");
   m.def("momentum", &momentum, py::arg("copies"), py::arg("velocities"), py::arg("grad"), py::arg("lr"),
         py::arg("momentum"), py::arg("nesterov"), "Momentum SGD (Keras formulation) on N copies and N velocities.");
   m.def("adam", &adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"),

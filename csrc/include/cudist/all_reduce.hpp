@@ -186,6 +186,113 @@ void all_reduce(T* const* bufs, std::size_t n, std::size_t count, reduce_op op,
   });
 }
 
+/// All-reduce out of place: every one of the ``n`` outputs becomes the reduction of the ``n``
+/// inputs.
+///
+/// Fused: one pass reads each input element once and writes each output element once, so the
+/// memory traffic is 2 * n * count * sizeof(T) bytes; large outputs that are not inputs are written
+/// with streaming stores (no read for ownership). ``out[i] == in[i]`` for every i is the in-place
+/// all_reduce; an output may also be exactly an input. Outputs that partially overlap an input or
+/// another output are handled through a temporary copy (everything is reduced before anything is
+/// written, then the outputs are written in order, as NumPy would).
+///
+/// @param in     the input buffers, ``count`` elements each; only read.
+/// @param out    the output buffers, ``count`` elements each.
+/// @param n      number of inputs and of outputs.
+/// @param count  elements per buffer.
+/// @param op     reduce_op::sum or reduce_op::mean.
+/// @param pool   pool to parallelise over, or nullptr to run on the caller.
+template <class T>
+void all_reduce(const T* const* in, T* const* out, std::size_t n, std::size_t count, reduce_op op,
+                thread_pool* pool = &thread_pool::global()) {
+  if (n == 0 || count == 0) return;
+  bool in_place = true;
+  for (std::size_t i = 0; i < n && in_place; ++i) in_place = in[i] == out[i];
+  if (in_place) {
+    all_reduce(out, n, count, op, pool);
+    return;
+  }
+  const T* const* outs_c = const_cast<const T* const*>(out);
+  if (detail::any_partial_overlap(in, n, outs_c, n, count) || detail::any_partial_overlap(outs_c, n, outs_c, n, count)) {
+    std::vector<T> tmp(count);
+    reduce_to_one(in, n, count, op, tmp.data(), pool);
+    for (std::size_t o = 0; o < n; ++o) std::memcpy(out[o], tmp.data(), count * sizeof(T));
+    return;
+  }
+  bool out_is_input = false;
+  for (std::size_t o = 0; o < n && !out_is_input; ++o)
+    for (std::size_t i = 0; i < n; ++i) out_is_input |= in[i] == outs_c[o];
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  const std::size_t bytes = count * sizeof(T);
+  // Streaming only when no output is an input: an input's lines were just read into cache.
+  detail::run_blocks(pool, count, B, 2 * n * bytes, out_is_input ? 0 : n * bytes,
+                     [&](std::size_t b, std::size_t e, bool stream) {
+                       detail::reduce_range<T>(in, n, out, n, op, b, e, stream);
+                     });
+}
+
+/// Batched all-reduce: ``n_segs`` independent all-reduces (segments, e.g. the leaves of a nest)
+/// in one dispatch over the thread pool.
+///
+/// Segment ``s`` has ``counts[s]`` elements per buffer; its inputs are ``in[s * n + r]`` and its
+/// outputs ``out[s * n + r]`` for replica ``r < n``. Each segment follows all_reduce(in, out, ...)
+/// (outputs may be exactly their inputs; partial overlaps within a segment go through a temporary),
+/// but the segments share one parallel loop over their concatenated elements, so many small leaves
+/// cost one dispatch, not one each. Buffers of different segments must not overlap (except that a
+/// buffer may be read by several segments).
+///
+/// @param in      ``n_segs * n`` input pointers, segment-major.
+/// @param out     ``n_segs * n`` output pointers, segment-major.
+/// @param n       number of replicas.
+/// @param counts  elements per buffer of each segment.
+/// @param n_segs  number of segments.
+/// @param op      reduce_op::sum or reduce_op::mean.
+/// @param pool    pool to parallelise over, or nullptr to run on the caller.
+template <class T>
+void batch_all_reduce(const T* const* in, T* const* out, std::size_t n, const std::size_t* counts, std::size_t n_segs,
+                      reduce_op op, thread_pool* pool = &thread_pool::global()) {
+  if (n == 0 || n_segs == 0) return;
+  // Segments that need special handling (partial overlaps, or in place over one replica) are done
+  // on their own first; the others join the shared loop. `flags`: 0 skip, 1 plain, 2 streamable.
+  std::vector<unsigned char> flags(n_segs, 0);
+  std::vector<std::size_t> offset(n_segs + 1, 0);
+  std::size_t written = 0;
+  for (std::size_t s = 0; s < n_segs; ++s) {
+    const std::size_t count = counts[s];
+    offset[s + 1] = offset[s];
+    if (count == 0) continue;
+    const T* const* si = in + s * n;
+    T* const* so = out + s * n;
+    const T* const* so_c = const_cast<const T* const*>(so);
+    bool in_place = true;
+    for (std::size_t r = 0; r < n && in_place; ++r) in_place = si[r] == so[r];
+    if (in_place && n == 1) continue;  // one replica in place: nothing to do
+    if (detail::any_partial_overlap(si, n, so_c, n, count) || detail::any_partial_overlap(so_c, n, so_c, n, count)) {
+      all_reduce<T>(si, so, n, count, op, pool);  // through a temporary
+      continue;
+    }
+    bool out_is_input = in_place;
+    for (std::size_t o = 0; o < n && !out_is_input; ++o)
+      for (std::size_t r = 0; r < n; ++r) out_is_input |= si[r] == so_c[o];
+    flags[s] = out_is_input ? 1 : 2;
+    if (!out_is_input) written += n * count * sizeof(T);
+    offset[s + 1] = offset[s] + count;
+  }
+  const std::size_t total = offset[n_segs];
+  if (total == 0) return;
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  detail::run_blocks(pool, total, B, 2 * n * total * sizeof(T), written, [&](std::size_t b, std::size_t e, bool stream) {
+    std::size_t s = static_cast<std::size_t>(std::upper_bound(offset.begin(), offset.end(), b) - offset.begin()) - 1;
+    while (b < e) {
+      while (offset[s + 1] == offset[s] || offset[s + 1] <= b) ++s;  // skip empty and finished segments
+      const std::size_t lo = b - offset[s];
+      const std::size_t hi = std::min(e, offset[s + 1]) - offset[s];
+      detail::reduce_range<T>(in + s * n, n, out + s * n, n, op, lo, hi, stream && flags[s] == 2);
+      b = offset[s] + hi;
+    }
+  });
+}
+
 /// Convenience overload over a vector of buffer pointers.
 template <class T>
 void all_reduce(const std::vector<T*>& bufs, std::size_t count, reduce_op op,

@@ -1,6 +1,7 @@
 /// @file updates.hpp
 /// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
-/// momentum (optionally Nesterov) and Adam.
+/// momentum (optionally Nesterov) and Adam, and the fused all-reduce + update forms
+/// (all_reduce_sgd, all_reduce_momentum, all_reduce_adam) that sum M gradients in the same pass.
 ///
 /// Every update reads copy 0 (and slot copy 0), computes the new values once and writes all N
 /// copies in the same pass. The arithmetic follows cudist's NumPy reference operation by
@@ -154,28 +155,129 @@ void assign_sub(T* const* copies, std::size_t n, std::size_t count, const T* val
   assign_add(copies, n, count, value, true, pool);
 }
 
+namespace detail {
+
+/// Elements [b, b+len) of the sum of the ``m`` gradients, in replica order and with the
+/// reduction's arithmetic (float16 rounds after every addition), so they are exactly what
+/// reduce_to_one(grads, sum) would store. Summed into ``acc``; a single gradient that needs no
+/// conversion is returned in place.
+template <class T, class Len>
+inline const typename arith<T>::acc_t* sum_grads_line(const T* const* g, std::size_t m, std::size_t b, Len len,
+                                                      typename arith<T>::acc_t* acc) noexcept {
+  using A = arith<T>;
+  const T* p = g[0] + b;
+  prefetch(p);
+  if constexpr (std::is_same<typename A::acc_t, T>::value) {
+    if (m == 1) return p;
+  }
+  for (std::size_t k = 0; k < len; ++k) acc[k] = A::load(p[k]);
+  for (std::size_t r = 1; r < m; ++r) {
+    p = g[r] + b;
+    prefetch(p);
+    for (std::size_t k = 0; k < len; ++k) acc[k] = A::add(acc[k], A::load(p[k]));
+  }
+  return acc;
+}
+
+/// The gradient pointers of a fused update, each replaced by a private copy when it partially
+/// overlaps a buffer the update writes (no allocation for up to kInline gradients).
+template <class T>
+class grad_list {
+ public:
+  grad_list(const T* const* grads, std::size_t m, std::initializer_list<T* const*> slots, std::size_t n,
+            std::size_t count, std::vector<std::vector<T>>& keep) {
+    ptrs_ = inline_;
+    if (m > kInline) {
+      heap_.resize(m);
+      ptrs_ = heap_.data();
+    }
+    for (std::size_t r = 0; r < m; ++r) ptrs_[r] = snapshot_if_overlapping<T>(grads[r], slots, n, count, keep);
+  }
+  grad_list(const grad_list&) = delete;
+  grad_list& operator=(const grad_list&) = delete;
+  const T* const* data() const noexcept { return ptrs_; }
+
+ private:
+  static constexpr std::size_t kInline = 16;
+  const T* inline_[kInline];
+  std::vector<const T*> heap_;
+  const T** ptrs_;
+};
+
+}  // namespace detail
+
+/// Fused all-reduce + gradient descent: ``g = grads[0] + ... + grads[m-1]`` (in replica order, in
+/// T: float16 rounds after every addition), then every one of the ``n`` copies becomes
+/// ``copies[0] - lr * g``; one pass over memory (m + 1 buffers read, n written).
+///
+/// Bit-identical to reduce_to_one(grads, m, count, sum, g) followed by sgd(copies, n, count, g, lr).
+/// ``m`` need not equal ``n`` (a central variable updated from N replica gradients has n = 1).
+template <class T>
+void all_reduce_sgd(T* const* copies, std::size_t n, std::size_t count, const T* const* grads, std::size_t m,
+                    double lr, thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_sgd needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  using A = detail::arith<T>;
+  constexpr std::size_t K = detail::kLineBytes / sizeof(T);
+  const C lr_c = static_cast<C>(lr);
+  std::vector<std::vector<T>> keep;
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
+  const detail::grad_list<T> gl(grads, m, {copies}, n, count, keep);
+  const T* const* gp = gl.data();
+  T* const* const slots[1] = {copies};
+  detail::run_update<T, 1>(slots, n, count, m + 1, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+    typename A::acc_t acc[K];
+    const auto* g = detail::sum_grads_line<T>(gp, m, b, len, acc);
+    const T* w = w0 + b;
+    detail::prefetch(w);
+    for (std::size_t k = 0; k < len; ++k) {
+      const C wk = static_cast<C>(A::load(w[k]));
+      out[0][at + k] = static_cast<T>(wk - lr_c * static_cast<C>(g[k]));
+    }
+  });
+}
+
 /// Gradient descent: every copy becomes ``copies[0] - lr * grad``.
 template <class T>
 void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, double lr,
          thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::sgd needs a floating-point type");
-  if (n == 0 || count == 0) return;
+  all_reduce_sgd<T>(copies, n, count, &grad, 1, lr, pool);
+}
+
+/// Fused all-reduce + momentum: the ``m`` gradients summed as in all_reduce_sgd(), then the
+/// momentum() update of the ``n`` variable copies and ``n`` velocity copies, in one pass
+/// (m + 2 buffers read, 2n written). Bit-identical to reduce_to_one + momentum().
+template <class T>
+void all_reduce_momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t count,
+                         const T* const* grads, std::size_t m, double lr, double momentum, bool nesterov,
+                         thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_momentum needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
   using C = detail::compute_t<T>;
   using A = detail::arith<T>;
-  const C lr_c = static_cast<C>(lr);
+  constexpr std::size_t K = detail::kLineBytes / sizeof(T);
+  const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
   std::vector<std::vector<T>> keep;
-  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies}, n, count, keep);
-  grad = detail::snapshot_if_overlapping<T>(grad, {copies}, n, count, keep);
-  T* const* const slots[1] = {copies};
-  detail::run_update<T, 1>(slots, n, count, 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
+  const T* v0 = detail::snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
+  const detail::grad_list<T> gl(grads, m, {copies, velocities}, n, count, keep);
+  const T* const* gp = gl.data();
+  T* const* const slots[2] = {velocities, copies};
+  detail::run_update<T, 2>(slots, n, count, m + 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+    typename A::acc_t acc[K];
+    const auto* g = detail::sum_grads_line<T>(gp, m, b, len, acc);
     const T* w = w0 + b;
-    const T* g = grad + b;
+    const T* v = v0 + b;
     detail::prefetch(w);
-    detail::prefetch(g);
+    detail::prefetch(v);
     for (std::size_t k = 0; k < len; ++k) {
+      const C gk = static_cast<C>(g[k]);
+      const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
       const C wk = static_cast<C>(A::load(w[k]));
-      const C gk = static_cast<C>(A::load(g[k]));
-      out[0][at + k] = static_cast<T>(wk - lr_c * gk);
+      const C wn = nesterov ? wk + (mom * vk - lr_c * gk) : wk + vk;
+      out[0][at + k] = static_cast<T>(vk);
+      out[1][at + k] = static_cast<T>(wn);
     }
   });
 }
@@ -186,30 +288,49 @@ void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, doub
 template <class T>
 void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const T* grad, double lr,
               double momentum, bool nesterov, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::momentum needs a floating-point type");
-  if (n == 0 || count == 0) return;
+  all_reduce_momentum<T>(copies, velocities, n, count, &grad, 1, lr, momentum, nesterov, pool);
+}
+
+/// Fused all-reduce + Adam: the ``m`` gradients summed as in all_reduce_sgd(), then the adam()
+/// update of the ``n`` copies of the variable and of its slots m and v, in one pass (m + 3 buffers
+/// read, 3n written). Bit-identical to reduce_to_one + adam().
+template <class T>
+void all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count,
+                     const T* const* grads, std::size_t m, double lr_t, double beta_1, double beta_2, double epsilon,
+                     thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adam needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
   using C = detail::compute_t<T>;
   using A = detail::arith<T>;
-  const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
+  constexpr std::size_t K = detail::kLineBytes / sizeof(T);
+  const C one = static_cast<C>(1), lr_c = static_cast<C>(lr_t), eps = static_cast<C>(epsilon);
+  const C c1 = one - static_cast<C>(beta_1), c2 = one - static_cast<C>(beta_2);
   std::vector<std::vector<T>> keep;
-  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
-  const T* v0 = detail::snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
-  grad = detail::snapshot_if_overlapping<T>(grad, {copies, velocities}, n, count, keep);
-  T* const* const slots[2] = {velocities, copies};
-  detail::run_update<T, 2>(slots, n, count, 3, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, ms, vs}, n, count, keep);
+  const T* m0 = detail::snapshot_if_overlapping<T>(ms[0], {copies, ms, vs}, n, count, keep);
+  const T* v0 = detail::snapshot_if_overlapping<T>(vs[0], {copies, ms, vs}, n, count, keep);
+  const detail::grad_list<T> gl(grads, m, {copies, ms, vs}, n, count, keep);
+  const T* const* gp = gl.data();
+  T* const* const slots[3] = {ms, vs, copies};
+  detail::run_update<T, 3>(slots, n, count, m + 3, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+    typename A::acc_t acc[K];
+    const auto* g = detail::sum_grads_line<T>(gp, m, b, len, acc);
     const T* w = w0 + b;
-    const T* v = v0 + b;
-    const T* g = grad + b;
+    const T* mp = m0 + b;
+    const T* vp = v0 + b;
     detail::prefetch(w);
-    detail::prefetch(v);
-    detail::prefetch(g);
+    detail::prefetch(mp);
+    detail::prefetch(vp);
     for (std::size_t k = 0; k < len; ++k) {
-      const C gk = static_cast<C>(A::load(g[k]));
-      const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
-      const C wk = static_cast<C>(A::load(w[k]));
-      const C wn = nesterov ? wk + (mom * vk - lr_c * gk) : wk + vk;
-      out[0][at + k] = static_cast<T>(vk);
-      out[1][at + k] = static_cast<T>(wn);
+      const C gk = static_cast<C>(g[k]);
+      const C mk = static_cast<C>(A::load(mp[k]));
+      const C vk = static_cast<C>(A::load(vp[k]));
+      const C mn = mk + (gk - mk) * c1;
+      const C vn = vk + (gk * gk - vk) * c2;
+      const C wn = static_cast<C>(A::load(w[k])) - lr_c * mn / (std::sqrt(vn) + eps);
+      out[0][at + k] = static_cast<T>(mn);
+      out[1][at + k] = static_cast<T>(vn);
+      out[2][at + k] = static_cast<T>(wn);
     }
   });
 }
@@ -221,39 +342,7 @@ void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t
 template <class T>
 void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr_t,
           double beta_1, double beta_2, double epsilon, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::adam needs a floating-point type");
-  if (n == 0 || count == 0) return;
-  using C = detail::compute_t<T>;
-  using A = detail::arith<T>;
-  const C one = static_cast<C>(1), lr_c = static_cast<C>(lr_t), eps = static_cast<C>(epsilon);
-  const C c1 = one - static_cast<C>(beta_1), c2 = one - static_cast<C>(beta_2);
-  std::vector<std::vector<T>> keep;
-  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, ms, vs}, n, count, keep);
-  const T* m0 = detail::snapshot_if_overlapping<T>(ms[0], {copies, ms, vs}, n, count, keep);
-  const T* v0 = detail::snapshot_if_overlapping<T>(vs[0], {copies, ms, vs}, n, count, keep);
-  grad = detail::snapshot_if_overlapping<T>(grad, {copies, ms, vs}, n, count, keep);
-  T* const* const slots[3] = {ms, vs, copies};
-  detail::run_update<T, 3>(slots, n, count, 4, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
-    const T* w = w0 + b;
-    const T* m = m0 + b;
-    const T* v = v0 + b;
-    const T* g = grad + b;
-    detail::prefetch(w);
-    detail::prefetch(m);
-    detail::prefetch(v);
-    detail::prefetch(g);
-    for (std::size_t k = 0; k < len; ++k) {
-      const C gk = static_cast<C>(A::load(g[k]));
-      const C mk = static_cast<C>(A::load(m[k]));
-      const C vk = static_cast<C>(A::load(v[k]));
-      const C mn = mk + (gk - mk) * c1;
-      const C vn = vk + (gk * gk - vk) * c2;
-      const C wn = static_cast<C>(A::load(w[k])) - lr_c * mn / (std::sqrt(vn) + eps);
-      out[0][at + k] = static_cast<T>(mn);
-      out[1][at + k] = static_cast<T>(vn);
-      out[2][at + k] = static_cast<T>(wn);
-    }
-  });
+  all_reduce_adam<T>(copies, ms, vs, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, pool);
 }
 
 }  // namespace cudist

@@ -3,6 +3,13 @@
 ``numpy`` is the reference, ``numba`` and ``native`` (the C++ extension ``cudist._core``) are the
 fast CPU backends, ``cupy`` runs the shipped CUDA kernels on GPUs. Nothing here imports numba, the
 extension or CuPy until a backend is first asked for.
+
+Callers pick the backend for their buffers with :func:`backend_for` (host arrays: the CPU backend,
+chosen once per process; GPU arrays: ``cupy``), validate once with the backend's ``check_*``
+methods and then call its public methods or, on hot paths, ``backend.trusted``.
+
+This package imports nothing of cudist above it: only numpy, :mod:`cudist._reduce_util`,
+:mod:`cudist._devices`, :mod:`cudist._arrays` (lazily) and its own modules.
 """
 
 from __future__ import annotations
@@ -168,3 +175,50 @@ def reference_reduce(arrays, op):
     from cudist._kernels._numpy import reference_reduce as ref  # noqa: PLC0415 - the reference loads on demand
 
     return ref(arrays, op)
+
+
+# ---------------------------------------------------------------------------- backend for a buffer
+_backend_cache: dict = {}
+
+
+def cpu_backend() -> KernelBackend:
+    """The kernel backend for host buffers (``get_backend()``), chosen once per process.
+
+    ``get_backend()`` reads ``CUDIST_BACKEND`` and re-probes unavailable backends on every call
+    (microseconds); a collective runs at every training step, so the choice is made once, on first
+    use. A ``CUDIST_BACKEND`` naming a GPU backend (cupy) does not apply to host buffers: they get
+    the CPU default. :func:`reset_backend_cache` makes a later ``CUDIST_BACKEND`` take effect.
+    """
+    b = _backend_cache.get("cpu")
+    if b is None:
+        b = get_backend()
+        if b.xp is not np:  # CUDIST_BACKEND=cupy must not break host values: they get the CPU default
+            b = default_cpu_backend()
+        _backend_cache["cpu"] = b
+    return b
+
+
+def reset_backend_cache() -> None:
+    """Forgets the chosen CPU backend (tests changing ``CUDIST_BACKEND`` call this)."""
+    _backend_cache.clear()
+
+
+def numpy_backend() -> KernelBackend:
+    """The NumPy reference backend (every dtype of the contract, any host buffer)."""
+    b = _instances.get("numpy")
+    return b if b is not None else _load("numpy")
+
+
+def backend_for(a) -> KernelBackend:
+    """The kernel backend for buffers like ``a`` (its ``xp`` is their array module).
+
+    Host arrays (and anything that is not a GPU array) get :func:`cpu_backend`; GPU arrays the
+    ``cupy`` backend, loaded only then.
+    """
+    if type(a) is np.ndarray:
+        return _backend_cache.get("cpu") or cpu_backend()
+    from cudist._arrays import is_device_array
+
+    if not is_device_array(a):
+        return cpu_backend()
+    return _load("cupy")

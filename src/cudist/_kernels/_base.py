@@ -1,11 +1,19 @@
 """The kernel contract: one interface, several implementations.
 
-Every backend subclasses :class:`KernelBackend` and implements the ``_``-prefixed hooks. The public
-methods here validate arguments once, with errors that name the problem, so the hooks can assume:
+Every backend subclasses :class:`KernelBackend` and implements the ``_hook_*`` methods. The public
+methods here validate arguments once, with errors that name the problem, then call the hooks, which
+may assume:
 
-* ``bufs`` is a non-empty tuple of arrays of one shape and one supported dtype, C-contiguous;
-  buffers that are written are writeable;
+* buffer lists are non-empty tuples of arrays of one shape and one supported dtype, C-contiguous;
+  buffers that are written are writeable; inputs may be read-only;
+* an output is either exactly its own input (in place) or shares no memory with any other buffer
+  of the call (the public methods refuse other overlaps; the in-place ``all_reduce(bufs)`` and the
+  mirrored updates keep coping with overlapping buffers as they always did);
 * ``op`` is a :class:`~cudist._reduce_util.ReduceOp`.
+
+Callers that validated once (with :meth:`KernelBackend.check_bufs` and friends) and call the same
+kernels every step use :attr:`KernelBackend.trusted` (a :class:`TrustedKernels`), which goes straight
+to the hooks (the native backend: straight to the C++ extension).
 
 Semantics every backend must follow bit for bit on the CPU:
 
@@ -16,10 +24,21 @@ Semantics every backend must follow bit for bit on the CPU:
 * Mirrored updates read copy 0 (the copies are mirrors, so copy 0 stands for all of them) and write
   every copy. Arithmetic is in the variable dtype, except float16, which computes in float32 and
   rounds on store. Scalar hyper-parameters are converted to that compute type first.
+* The fused all-reduce + update forms (``all_reduce_sgd`` ...) first sum their M gradients exactly
+  as ``reduce_to_one(grads, SUM)`` does (in the gradients' dtype), then apply the update: the result
+  is bit-identical to ``g = reduce_to_one(grads, SUM); sgd(copies, g, ...)``, in one pass.
+
+Hook names are ``_hook_<operation>``. The names before them (``_all_reduce(bufs, op)``, ``_sgd``,
+``_momentum``, ``_adam``, ``_reduce_to_one``, ``_broadcast``, ``_assign_add``, ``_all_gather``) and
+``_check_bufs`` / ``_check_float`` / ``_check_same_slots`` / ``_check_like`` remain as deprecated
+aliases until their callers move to :attr:`KernelBackend.trusted` and the public ``check_*``
+methods; a subclass that still overrides an old hook name keeps working (the new hook is routed
+through it).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -27,7 +46,7 @@ import numpy as np
 
 from cudist._reduce_util import ReduceOp
 
-__all__ = ["KernelBackend", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "adam_lr_t"]
+__all__ = ["KernelBackend", "TrustedKernels", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "adam_lr_t"]
 
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 FLOAT_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
@@ -52,9 +71,22 @@ class KernelBackend:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._dtype_set = frozenset(cls.dtypes)
+        _bridge_legacy_hooks(cls)
 
     def __repr__(self) -> str:
         return f"<cudist kernel backend {self.name!r}>"
+
+    # ------------------------------------------------------------------ the trusted entry points
+    @functools.cached_property
+    def trusted(self) -> "TrustedKernels":
+        """The prepared entry points for callers that validated their arguments once.
+
+        See :class:`TrustedKernels` for the preconditions; nothing is checked on this path.
+        """
+        return self._make_trusted()
+
+    def _make_trusted(self) -> "TrustedKernels":
+        return TrustedKernels(self)
 
     # ------------------------------------------------------------------ validation
     def _check_array(self, where: str, what: str, a, *, writable: bool):
@@ -79,7 +111,17 @@ class KernelBackend:
             raise ValueError(f"{where}: {what} is read-only but is written by this operation")
         return a
 
-    def _check_bufs(self, where: str, bufs, *, writable: bool, what: str = "replica", same_shape: bool = True):
+    def check_bufs(self, where: str, bufs, *, writable: bool, what: str = "replica", same_shape: bool = True):
+        """Validates a list of buffers once; returns them as a tuple.
+
+        Checks: a non-empty list or tuple of this backend's arrays (``xp.ndarray``), of one supported
+        dtype in native byte order, C-contiguous, of one shape (unless ``same_shape`` is False), and
+        writeable when ``writable``. Errors name ``where`` and the offending ``what i``.
+
+        Raises:
+            TypeError: not arrays, unsupported or mismatched dtypes.
+            ValueError: empty, mismatched shapes, not C-contiguous, read-only but written.
+        """
         # Fast path: one loop of cheap checks for the common valid call (a few replicas of small
         # buffers must cost microseconds); any failure falls through to the detailed checks below,
         # which name the problem.
@@ -110,7 +152,8 @@ class KernelBackend:
                 raise ValueError(f"{where}: {what} {i} has shape {b.shape} but {what} 0 has shape {first.shape}")
         return bufs
 
-    def _check_like(self, where: str, what: str, a, ref, *, writable: bool):
+    def check_like(self, where: str, what: str, a, ref, *, writable: bool):
+        """Validates one array ``a`` (named ``what``) against ``ref``: same dtype and shape. Returns ``a``."""
         self._check_array(where, what, a, writable=writable)
         if a.dtype != ref.dtype:
             raise TypeError(f"{where}: {what} has dtype {a.dtype.name} but the replicas have dtype {ref.dtype.name}")
@@ -118,28 +161,175 @@ class KernelBackend:
             raise ValueError(f"{where}: {what} has shape {a.shape} but the replicas have shape {ref.shape}")
         return a
 
-    def _check_float(self, where: str, ref):
+    def check_float(self, where: str, ref):
+        """Raises TypeError unless ``ref`` has a floating-point dtype (the optimizer updates)."""
         if ref.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{where}: needs a floating-point dtype, got {ref.dtype.name}")
 
+    def check_same_slots(self, where, copies, slots, slot):
+        """Raises ValueError unless the slot copies ``slots`` (named ``slot``) match ``copies``."""
+        if len(slots) != len(copies):
+            raise ValueError(f"{where}: got {len(copies)} variable copies but {len(slots)} {slot} copies")
+        if slots[0].dtype != copies[0].dtype or slots[0].shape != copies[0].shape:
+            raise ValueError(
+                f"{where}: {slot} slots have shape {slots[0].shape} dtype {slots[0].dtype.name} but the variable "
+                f"copies have shape {copies[0].shape} dtype {copies[0].dtype.name}"
+            )
+
+    def check_outputs(self, where: str, inputs, outputs):
+        """Validates the outputs of an out-of-place all-reduce against its (checked) inputs.
+
+        ``outputs``: as many arrays as ``inputs``, of their shape and dtype, C-contiguous and
+        writeable; ``outputs[i]`` may be ``inputs[i]`` itself (in place), and no other output may
+        share memory with an input or with another output. Returns the outputs as a tuple.
+        """
+        outputs = self.check_bufs(where, outputs, writable=True, what="output")
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{where}: got {len(inputs)} inputs but {len(outputs)} outputs")
+        ref = inputs[0]
+        if outputs[0].dtype != ref.dtype:
+            raise TypeError(f"{where}: the outputs have dtype {outputs[0].dtype.name} but the inputs have dtype {ref.dtype.name}")
+        if outputs[0].shape != ref.shape:
+            raise ValueError(f"{where}: the outputs have shape {outputs[0].shape} but the inputs have shape {ref.shape}")
+        self._check_overlaps(
+            where,
+            [(a, ("input", i)) for i, a in enumerate(inputs)] + [(a, ("output", i)) for i, a in enumerate(outputs)],
+            _in_place_pair,
+            _IN_PLACE_HINT,
+        )
+        return outputs
+
+    def _span(self, a):
+        """The byte range [start, end) of a C-contiguous array."""
+        start = a.__array_interface__["data"][0]
+        return start, start + a.nbytes
+
+    def _check_overlaps(self, where, items, allowed, hint=""):
+        """Raises ValueError naming the first pair of ``items`` ((array, tag)) that shares memory,
+        unless ``allowed(tag_a, tag_b, identical)`` says the pair may (``identical``: the very same
+        byte range). Two inputs (tag ``("input", ...)``) always may. A sweep over the sorted byte
+        ranges: O(k log k) for k arrays when nothing overlaps."""
+        spans = []
+        for a, tag in items:
+            if a.nbytes:
+                start, end = self._span(a)
+                spans.append((start, end, tag))
+        spans.sort(key=lambda t: t[0])
+        active = []  # spans that may still overlap later ones
+        for start, end, tag in spans:
+            if active:
+                active = [x for x in active if x[1] > start]
+                for a_start, a_end, a_tag in active:
+                    if a_tag[0] == "input" and tag[0] == "input":
+                        continue
+                    if not allowed(a_tag, tag, a_start == start and a_end == end):
+                        first, second = sorted((a_tag, tag), key=_tag_order)
+                        raise ValueError(f"{where}: {_tag_name(second)} overlaps {_tag_name(first)}{hint}")
+            active.append((start, end, tag))
+
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, bufs, op=ReduceOp.SUM):
-        """Reduces N replica buffers elementwise and writes the result into every one of them.
+    def all_reduce(self, bufs, op=ReduceOp.SUM, outputs=None):
+        """Reduces N replica buffers elementwise and writes the result into every output.
 
         One fused pass: every input element is read once and every output element written once.
 
         Args:
-            bufs: N same-shape, same-dtype, C-contiguous, writeable arrays.
+            bufs: N same-shape, same-dtype, C-contiguous arrays. Without ``outputs`` they are
+                reduced in place (so must be writeable); with ``outputs`` they are only read (may be
+                read-only).
+            op: ReduceOp.SUM or ReduceOp.MEAN (or "sum" / "mean").
+            outputs: None (in place), or N writeable, C-contiguous arrays of the inputs' shape and
+                dtype. ``outputs[i]`` may be ``bufs[i]`` itself; any other overlap of an output with
+                an input or another output is a ValueError.
+
+        Returns:
+            The outputs as a tuple (``bufs`` when reduced in place).
+        """
+        op = ReduceOp.parse(op, where="all_reduce")
+        if outputs is None or outputs is bufs:
+            bufs = self.check_bufs("all_reduce", bufs, writable=True)
+            if len(bufs) > 1:  # one replica: the sum and the mean are the value itself
+                self._hook_all_reduce(bufs, bufs, op)
+            return bufs
+        if type(outputs) in (list, tuple) and type(bufs) in (list, tuple) and len(outputs) == len(bufs) and all(
+            o is b for o, b in zip(outputs, bufs)
+        ):
+            return self.all_reduce(outputs, op)  # every output is its input: in place
+        bufs = self.check_bufs("all_reduce", bufs, writable=False, what="input")
+        outputs = self.check_outputs("all_reduce", bufs, outputs)
+        self._hook_all_reduce(bufs, outputs, op)
+        return outputs
+
+    def batch_all_reduce(self, inputs, outputs, op=ReduceOp.SUM):
+        """All-reduces several leaves at once, out of place, without packing them first.
+
+        Args:
+            inputs: ``inputs[r][j]`` is leaf j of replica r (N replicas of M leaves). Every leaf has
+                one dtype; leaf j has one shape across replicas (leaves may differ in shape).
+            outputs: ``outputs[r][j]``, writeable, C-contiguous, the shape and dtype of
+                ``inputs[r][j]``; it may be ``inputs[r][j]`` itself (in place) but no other output
+                may share memory with an input or another output.
             op: ReduceOp.SUM or ReduceOp.MEAN (or "sum" / "mean").
 
         Returns:
-            ``bufs`` as a tuple (reduced in place).
+            ``outputs`` as a tuple of tuples: ``outputs[r][j]`` holds the reduction of leaf j.
         """
-        op = ReduceOp.parse(op, where="all_reduce")
-        bufs = self._check_bufs("all_reduce", bufs, writable=True)
-        if len(bufs) > 1:  # one replica: the sum and the mean are the value itself
-            self._all_reduce(bufs, op)
-        return bufs
+        where = "batch_all_reduce"
+        op = ReduceOp.parse(op, where=where)
+        inputs, outputs = self._check_batch(where, inputs, outputs)
+        if inputs[0]:
+            self._hook_batch_all_reduce(inputs, outputs, op)
+        return outputs
+
+    def _check_batch(self, where, inputs, outputs):
+        def replicas(x, what):
+            if isinstance(x, self.xp.ndarray) or not isinstance(x, Sequence):
+                raise TypeError(f"{where}: {what} must be a list with one list of leaves per replica, got {type(x).__name__}")
+            x = tuple(x)
+            for r, leaves in enumerate(x):
+                if isinstance(leaves, self.xp.ndarray) or not isinstance(leaves, Sequence):
+                    raise TypeError(f"{where}: {what}[{r}] must be a list of leaf arrays, got {type(leaves).__name__}")
+            return tuple(tuple(leaves) for leaves in x)
+
+        inputs, outputs = replicas(inputs, "inputs"), replicas(outputs, "outputs")
+        n = len(inputs)
+        if n == 0:
+            raise ValueError(f"{where}: expected at least one replica, got an empty list")
+        if len(outputs) != n:
+            raise ValueError(f"{where}: got {n} input replicas but {len(outputs)} output replicas")
+        m = len(inputs[0])
+        for what, x in (("input", inputs), ("output", outputs)):
+            for r, leaves in enumerate(x):
+                if len(leaves) != m:
+                    raise ValueError(f"{where}: {what} replica {r} has {len(leaves)} leaves but input replica 0 has {m}")
+        if m == 0:
+            return inputs, outputs
+        dt = None
+        for what, x, writable in (("input", inputs, False), ("output", outputs, True)):
+            for r, leaves in enumerate(x):
+                for j, a in enumerate(leaves):
+                    self._check_array(where, f"{what} leaf {j} of replica {r}", a, writable=writable)
+                    ref = inputs[0][j]
+                    if dt is None:
+                        dt = a.dtype
+                    elif a.dtype != dt:
+                        raise TypeError(
+                            f"{where}: {what} leaf {j} of replica {r} has dtype {a.dtype.name} but input leaf 0 of "
+                            f"replica 0 has dtype {dt.name} (every leaf of one batch must have one dtype)"
+                        )
+                    if a.shape != ref.shape:
+                        raise ValueError(
+                            f"{where}: {what} leaf {j} of replica {r} has shape {a.shape} but input leaf {j} of "
+                            f"replica 0 has shape {ref.shape}"
+                        )
+        self._check_overlaps(
+            where,
+            [(a, ("input", r, j)) for r, leaves in enumerate(inputs) for j, a in enumerate(leaves)]
+            + [(a, ("output", r, j)) for r, leaves in enumerate(outputs) for j, a in enumerate(leaves)],
+            _in_place_pair,
+            _IN_PLACE_HINT,
+        )
+        return inputs, outputs
 
     def reduce_to_one(self, bufs, op=ReduceOp.SUM, out=None):
         """Reduces N replica buffers elementwise into ``out`` (a new array when None).
@@ -147,19 +337,19 @@ class KernelBackend:
         ``out`` may be one of ``bufs``. Returns ``out``.
         """
         op = ReduceOp.parse(op, where="reduce_to_one")
-        bufs = self._check_bufs("reduce_to_one", bufs, writable=False)
+        bufs = self.check_bufs("reduce_to_one", bufs, writable=False)
         if out is None:
             out = self.xp.empty_like(bufs[0])
         else:
-            self._check_like("reduce_to_one", "out", out, bufs[0], writable=True)
-        self._reduce_to_one(bufs, op, out)
+            self.check_like("reduce_to_one", "out", out, bufs[0], writable=True)
+        self._hook_reduce_to_one(bufs, op, out)
         return out
 
     def broadcast(self, src, dsts):
         """Copies ``src`` into every array of ``dsts`` (same shape and dtype). Returns ``dsts``."""
-        dsts = self._check_bufs("broadcast", dsts, writable=True, what="destination")
-        self._check_like("broadcast", "src", src, dsts[0], writable=False)
-        self._broadcast(src, dsts)
+        dsts = self.check_bufs("broadcast", dsts, writable=True, what="destination")
+        self.check_like("broadcast", "src", src, dsts[0], writable=False)
+        self._hook_broadcast(src, dsts)
         return dsts
 
     def all_gather(self, bufs, axis=0):
@@ -168,7 +358,7 @@ class KernelBackend:
         The buffers may differ in size along ``axis`` only (partial batches). Negative axes count
         from the end.
         """
-        bufs = self._check_bufs("all_gather", bufs, writable=False, same_shape=False)
+        bufs = self.check_bufs("all_gather", bufs, writable=False, same_shape=False)
         ndim = bufs[0].ndim
         if not isinstance(axis, (int, np.integer)) or isinstance(axis, bool):
             raise TypeError(f"all_gather: axis must be an int, got {type(axis).__name__}")
@@ -184,7 +374,7 @@ class KernelBackend:
                     f"all_gather: replica {i} has shape {b.shape}, which differs from replica 0's {ref} "
                     f"outside the gather axis {axis}"
                 )
-        return self._all_gather(bufs, axis)
+        return self._hook_all_gather(bufs, axis)
 
     def split(self, batch, n):
         """Splits a (nested) batch into ``n`` per-replica pieces along dimension 0, ceil rule.
@@ -198,31 +388,31 @@ class KernelBackend:
     # ------------------------------------------------------------------ mirrored updates
     def assign(self, copies, value):
         """Writes ``value`` into every copy. Returns ``copies``."""
-        copies = self._check_bufs("assign", copies, writable=True, what="copy")
-        self._check_like("assign", "value", value, copies[0], writable=False)
-        self._broadcast(value, copies)
+        copies = self.check_bufs("assign", copies, writable=True, what="copy")
+        self.check_like("assign", "value", value, copies[0], writable=False)
+        self._hook_assign(copies, value)
         return copies
 
     def assign_add(self, copies, value):
         """Every copy becomes ``copies[0] + value``. Returns ``copies``."""
-        copies = self._check_bufs("assign_add", copies, writable=True, what="copy")
-        self._check_like("assign_add", "value", value, copies[0], writable=False)
-        self._assign_add(copies, value, False)
+        copies = self.check_bufs("assign_add", copies, writable=True, what="copy")
+        self.check_like("assign_add", "value", value, copies[0], writable=False)
+        self._hook_assign_add(copies, value, False)
         return copies
 
     def assign_sub(self, copies, value):
         """Every copy becomes ``copies[0] - value``. Returns ``copies``."""
-        copies = self._check_bufs("assign_sub", copies, writable=True, what="copy")
-        self._check_like("assign_sub", "value", value, copies[0], writable=False)
-        self._assign_add(copies, value, True)
+        copies = self.check_bufs("assign_sub", copies, writable=True, what="copy")
+        self.check_like("assign_sub", "value", value, copies[0], writable=False)
+        self._hook_assign_add(copies, value, True)
         return copies
 
     def sgd(self, copies, grad, *, lr):
         """Plain gradient descent: every copy becomes ``copies[0] - lr * grad``."""
-        copies = self._check_bufs("sgd", copies, writable=True, what="copy")
-        self._check_float("sgd", copies[0])
-        self._check_like("sgd", "grad", grad, copies[0], writable=False)
-        self._sgd(copies, grad, float(lr))
+        copies = self.check_bufs("sgd", copies, writable=True, what="copy")
+        self.check_float("sgd", copies[0])
+        self.check_like("sgd", "grad", grad, copies[0], writable=False)
+        self._hook_sgd(copies, grad, float(lr))
         return copies
 
     def momentum(self, copies, velocities, grad, *, lr, momentum, nesterov=False):
@@ -230,12 +420,12 @@ class KernelBackend:
 
         ``v = momentum * v - lr * g``; then ``w += momentum * v - lr * g`` (nesterov) or ``w += v``.
         """
-        copies = self._check_bufs("momentum", copies, writable=True, what="copy")
-        self._check_float("momentum", copies[0])
-        velocities = self._check_bufs("momentum", velocities, writable=True, what="velocity copy")
-        self._check_same_slots("momentum", copies, velocities, "velocity")
-        self._check_like("momentum", "grad", grad, copies[0], writable=False)
-        self._momentum(copies, velocities, grad, float(lr), float(momentum), bool(nesterov))
+        copies = self.check_bufs("momentum", copies, writable=True, what="copy")
+        self.check_float("momentum", copies[0])
+        velocities = self.check_bufs("momentum", velocities, writable=True, what="velocity copy")
+        self.check_same_slots("momentum", copies, velocities, "velocity")
+        self.check_like("momentum", "grad", grad, copies[0], writable=False)
+        self._hook_momentum(copies, velocities, grad, float(lr), float(momentum), bool(nesterov))
         return copies
 
     def adam(self, copies, ms, vs, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step):
@@ -245,49 +435,326 @@ class KernelBackend:
         ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
         ``w -= lr_t * m / (sqrt(v) + epsilon)``.
         """
-        copies = self._check_bufs("adam", copies, writable=True, what="copy")
-        self._check_float("adam", copies[0])
-        ms = self._check_bufs("adam", ms, writable=True, what="m copy")
-        vs = self._check_bufs("adam", vs, writable=True, what="v copy")
-        self._check_same_slots("adam", copies, ms, "m")
-        self._check_same_slots("adam", copies, vs, "v")
-        self._check_like("adam", "grad", grad, copies[0], writable=False)
-        if int(step) < 1:
-            raise ValueError(f"adam: step must be >= 1 (1-based), got {step}")
-        lr_t = adam_lr_t(float(lr), float(beta_1), float(beta_2), int(step))
-        self._adam(copies, ms, vs, grad, lr_t, float(beta_1), float(beta_2), float(epsilon))
+        copies = self.check_bufs("adam", copies, writable=True, what="copy")
+        self.check_float("adam", copies[0])
+        ms = self.check_bufs("adam", ms, writable=True, what="m copy")
+        vs = self.check_bufs("adam", vs, writable=True, what="v copy")
+        self.check_same_slots("adam", copies, ms, "m")
+        self.check_same_slots("adam", copies, vs, "v")
+        self.check_like("adam", "grad", grad, copies[0], writable=False)
+        lr_t = self._adam_lr_t("adam", lr, beta_1, beta_2, step)
+        self._hook_adam(copies, ms, vs, grad, lr_t, float(beta_1), float(beta_2), float(epsilon))
         return copies
 
-    def _check_same_slots(self, where, copies, slots, slot):
-        if len(slots) != len(copies):
-            raise ValueError(f"{where}: got {len(copies)} variable copies but {len(slots)} {slot} copies")
-        if slots[0].dtype != copies[0].dtype or slots[0].shape != copies[0].shape:
-            raise ValueError(
-                f"{where}: {slot} slots have shape {slots[0].shape} dtype {slots[0].dtype.name} but the variable "
-                f"copies have shape {copies[0].shape} dtype {copies[0].dtype.name}"
-            )
+    @staticmethod
+    def _adam_lr_t(where, lr, beta_1, beta_2, step):
+        if int(step) < 1:
+            raise ValueError(f"{where}: step must be >= 1 (1-based), got {step}")
+        return adam_lr_t(float(lr), float(beta_1), float(beta_2), int(step))
+
+    # ------------------------------------------------------------------ fused all-reduce + update
+    def check_grads(self, where, grads, copies, slots=()):
+        """Validates the gradients of a fused all-reduce + update against its (checked) copies.
+
+        ``grads``: one or more arrays of the copies' shape and dtype (C-contiguous; may be
+        read-only), none sharing memory with a copy or with a slot copy in ``slots`` (a sequence of
+        ``(name, slot copies)``). Returns the gradients as a tuple.
+        """
+        grads = self.check_bufs(where, grads, writable=False, what="gradient")
+        ref = copies[0]
+        if grads[0].dtype != ref.dtype:
+            raise TypeError(f"{where}: the gradients have dtype {grads[0].dtype.name} but the copies have dtype {ref.dtype.name}")
+        if grads[0].shape != ref.shape:
+            raise ValueError(f"{where}: the gradients have shape {grads[0].shape} but the copies have shape {ref.shape}")
+        items = [(g, ("input", "gradient", i)) for i, g in enumerate(grads)]
+        items += [(c, ("output", "copy", i)) for i, c in enumerate(copies)]
+        for name, group in slots:
+            items += [(c, ("output", f"{name} copy", i)) for i, c in enumerate(group)]
+        self._check_overlaps(
+            where, items, _written_may_overlap, "; the gradients must not share memory with what the update writes"
+        )
+        return grads
+
+    def _check_update(self, where, copies, slots):
+        copies = self.check_bufs(where, copies, writable=True, what="copy")
+        self.check_float(where, copies[0])
+        out = []
+        for name, group in slots:
+            group = self.check_bufs(where, group, writable=True, what=f"{name} copy")
+            self.check_same_slots(where, copies, group, name)
+            out.append(group)
+        return copies, out
+
+    def all_reduce_sgd(self, copies, grads, *, lr):
+        """Fused all-reduce + gradient descent: ``g = grads[0] + ... + grads[M-1]``, then every copy
+        becomes ``copies[0] - lr * g``, in one pass (M gradients and copy 0 read, N copies written).
+
+        Bit-identical to ``g = reduce_to_one(grads, SUM); sgd(copies, g, lr=lr)``. M need not be N
+        (one central variable updated from N replica gradients has one copy). Returns ``copies``.
+        """
+        where = "all_reduce_sgd"
+        copies, _ = self._check_update(where, copies, ())
+        grads = self.check_grads(where, grads, copies)
+        self._hook_all_reduce_sgd(copies, grads, float(lr))
+        return copies
+
+    def all_reduce_momentum(self, copies, velocities, grads, *, lr, momentum, nesterov=False):
+        """Fused all-reduce + momentum SGD: the M gradients summed as in :meth:`all_reduce_sgd`, then
+        :meth:`momentum` on the N copies and N velocities, in one pass. Returns ``copies``."""
+        where = "all_reduce_momentum"
+        copies, (velocities,) = self._check_update(where, copies, (("velocity", velocities),))
+        grads = self.check_grads(where, grads, copies, (("velocity", velocities),))
+        self._hook_all_reduce_momentum(copies, velocities, grads, float(lr), float(momentum), bool(nesterov))
+        return copies
+
+    def all_reduce_adam(self, copies, ms, vs, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step):
+        """Fused all-reduce + Adam: the M gradients summed as in :meth:`all_reduce_sgd`, then
+        :meth:`adam` on the N copies of the variable and of its slots, in one pass. Returns ``copies``."""
+        where = "all_reduce_adam"
+        copies, (ms, vs) = self._check_update(where, copies, (("m", ms), ("v", vs)))
+        grads = self.check_grads(where, grads, copies, (("m", ms), ("v", vs)))
+        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
+        self._hook_all_reduce_adam(copies, ms, vs, grads, lr_t, float(beta_1), float(beta_2), float(epsilon))
+        return copies
 
     # ------------------------------------------------------------------ hooks
-    def _all_reduce(self, bufs, op):  # pragma: no cover - abstract
+    def _hook_all_reduce(self, inputs, outputs, op):  # pragma: no cover - abstract
+        """outputs[i] = reduce(inputs) for every i; ``outputs`` may be ``inputs`` (in place)."""
         raise NotImplementedError
 
-    def _reduce_to_one(self, bufs, op, out):  # pragma: no cover - abstract
+    def _hook_batch_all_reduce(self, inputs, outputs, op):
+        """Every leaf j: outputs[r][j] = reduce over r of inputs[r][j]. Default: one call per leaf."""
+        n = len(inputs)
+        for j in range(len(inputs[0])):
+            self._hook_all_reduce(tuple(inputs[r][j] for r in range(n)), tuple(outputs[r][j] for r in range(n)), op)
+
+    def _hook_reduce_to_one(self, bufs, op, out):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _broadcast(self, src, dsts):  # pragma: no cover - abstract
+    def _hook_broadcast(self, src, dsts):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _all_gather(self, bufs, axis):  # pragma: no cover - abstract
+    def _hook_all_gather(self, bufs, axis):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _assign_add(self, copies, value, negate):  # pragma: no cover - abstract
+    def _hook_assign(self, copies, value):
+        self._hook_broadcast(value, copies)
+
+    def _hook_assign_add(self, copies, value, negate):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _sgd(self, copies, grad, lr):  # pragma: no cover - abstract
+    def _hook_sgd(self, copies, grad, lr):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):  # pragma: no cover - abstract
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):  # pragma: no cover - abstract
+    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):  # pragma: no cover - abstract
         raise NotImplementedError
+
+    # The fused forms default to the definition: reduce_to_one into a temporary, then the update.
+    def _sum_grads(self, grads):
+        if len(grads) == 1:
+            return grads[0]
+        g = self.xp.empty_like(grads[0])
+        self._hook_reduce_to_one(grads, ReduceOp.SUM, g)
+        return g
+
+    def _hook_all_reduce_sgd(self, copies, grads, lr):
+        self._hook_sgd(copies, self._sum_grads(grads), lr)
+
+    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
+        self._hook_momentum(copies, velocities, self._sum_grads(grads), lr, momentum, nesterov)
+
+    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
+        self._hook_adam(copies, ms, vs, self._sum_grads(grads), lr_t, beta_1, beta_2, epsilon)
+
+    # ------------------------------------------------------------------ deprecated names
+    # Kept only until the callers outside _kernels use `trusted` and the public check_* methods.
+    def _check_bufs(self, where: str, bufs, *, writable: bool, what: str = "replica", same_shape: bool = True):
+        """Deprecated: :meth:`check_bufs`."""
+        return self.check_bufs(where, bufs, writable=writable, what=what, same_shape=same_shape)
+
+    def _check_like(self, where: str, what: str, a, ref, *, writable: bool):
+        """Deprecated: :meth:`check_like`."""
+        return self.check_like(where, what, a, ref, writable=writable)
+
+    def _check_float(self, where: str, ref):
+        """Deprecated: :meth:`check_float`."""
+        return self.check_float(where, ref)
+
+    def _check_same_slots(self, where, copies, slots, slot):
+        """Deprecated: :meth:`check_same_slots`."""
+        return self.check_same_slots(where, copies, slots, slot)
+
+
+class TrustedKernels:
+    """A backend's kernels without argument checks, for callers that validated once.
+
+    Get it as ``backend.trusted``. The methods return None and check nothing; each call must meet
+    the preconditions a public method of :class:`KernelBackend` would have established:
+
+    * every buffer list is a non-empty tuple (or list) of this backend's arrays (``backend.xp``),
+      one supported dtype (one of ``backend.dtypes``), one shape, C-contiguous; buffers written are
+      writeable; a list may not change while a call runs;
+    * ``op`` is a :class:`~cudist._reduce_util.ReduceOp` member (not a string);
+    * an output is exactly its own input (in place) or shares no memory with any other buffer of the
+      call; gradients share no memory with the copies or slots an update writes;
+    * the updates (sgd, momentum, adam and their fused forms) get floating-point buffers; slot lists
+      are as long as the copy list; hyper-parameters are Python floats (``lr_t`` of ``adam`` is the
+      bias-corrected step size of :func:`adam_lr_t`) and ``nesterov`` a bool.
+
+    Breaking them is undefined behaviour on the fast backends (a wrong result, not necessarily an
+    error). Use :meth:`check_bufs` (and the backend's other ``check_*`` methods) once, then call these.
+
+    Methods (all return None):
+
+    * ``all_reduce(inputs, outputs, op)``: outputs[i] = reduce(inputs); ``outputs`` may be
+      ``inputs`` (in place).
+    * ``batch_all_reduce(inputs, outputs, op)``: ``inputs[r][j]`` leaf j of replica r (one dtype;
+      leaf j of one shape across replicas; at least one leaf), ``outputs[r][j]`` likewise.
+    * ``reduce_to_one(bufs, op, out)``; ``broadcast(src, dsts)``; ``assign(copies, value)``;
+      ``assign_add(copies, value, negate)``.
+    * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
+      ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
+    * ``all_reduce_sgd(copies, grads, lr)``;
+      ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``;
+      ``all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)``.
+    * ``check_bufs(where, bufs, *, writable, what="replica", same_shape=True)`` and the other
+      validators (``check_like``, ``check_float``, ``check_same_slots``, ``check_outputs``,
+      ``check_grads``): the backend's own, for validating once.
+    """
+
+    __slots__ = (
+        "backend",
+        "all_reduce",
+        "batch_all_reduce",
+        "reduce_to_one",
+        "broadcast",
+        "assign",
+        "assign_add",
+        "sgd",
+        "momentum",
+        "adam",
+        "all_reduce_sgd",
+        "all_reduce_momentum",
+        "all_reduce_adam",
+        "check_bufs",
+        "check_like",
+        "check_float",
+        "check_same_slots",
+        "check_outputs",
+        "check_grads",
+    )
+
+    def __init__(self, backend: KernelBackend):
+        self.backend = backend
+        # Bound methods stored once: a call is one attribute load and the hook itself.
+        self.all_reduce = backend._hook_all_reduce
+        self.batch_all_reduce = backend._hook_batch_all_reduce
+        self.reduce_to_one = backend._hook_reduce_to_one
+        self.broadcast = backend._hook_broadcast
+        self.assign = backend._hook_assign
+        self.assign_add = backend._hook_assign_add
+        self.sgd = backend._hook_sgd
+        self.momentum = backend._hook_momentum
+        self.adam = backend._hook_adam
+        self.all_reduce_sgd = backend._hook_all_reduce_sgd
+        self.all_reduce_momentum = backend._hook_all_reduce_momentum
+        self.all_reduce_adam = backend._hook_all_reduce_adam
+        self.check_bufs = backend.check_bufs
+        self.check_like = backend.check_like
+        self.check_float = backend.check_float
+        self.check_same_slots = backend.check_same_slots
+        self.check_outputs = backend.check_outputs
+        self.check_grads = backend.check_grads
+
+    def __repr__(self) -> str:
+        return f"<trusted kernels of {self.backend!r}>"
+
+
+# ---------------------------------------------------------------------------- overlap rules
+_IN_PLACE_HINT = " (an output may share memory only with its own input, and then be exactly that input)"
+
+def _in_place_pair(a, b, identical):
+    """all_reduce / batch_all_reduce: an output may be exactly its own input, nothing else."""
+    if a[0] == b[0]:
+        return False  # two outputs
+    return identical and a[1:] == b[1:]
+
+
+def _written_may_overlap(a, b, identical):
+    """Fused updates: gradients must not touch what is written; copies and slots may overlap each
+    other (the kernels cope, as the plain updates always did)."""
+    return a[0] == b[0] == "output"
+
+
+def _tag_order(tag):
+    return (tag[0] != "input", tag[1:])
+
+
+def _tag_name(tag):
+    kind, *idx = tag
+    if len(idx) == 2 and isinstance(idx[0], str):  # ("output", "velocity copy", 3)
+        return f"{idx[0]} {idx[1]}"
+    if len(idx) == 2:  # ("input", r, j)
+        return f"{kind} leaf {idx[1]} of replica {idx[0]}"
+    return f"{kind} {idx[0]}"
+
+
+# ---------------------------------------------------------------------------- legacy hook names
+def _legacy_all_reduce(hook):
+    def _all_reduce(self, bufs, op):
+        """Deprecated: the in-place all-reduce hook; use ``trusted.all_reduce(bufs, bufs, op)``."""
+        hook(self, bufs, bufs, op)
+
+    return _all_reduce
+
+
+def _bridge_all_reduce(self, inputs, outputs, op):
+    # A subclass overriding the old in-place hook: stage the inputs into the outputs, then reduce.
+    if outputs is not inputs and any(o is not i for o, i in zip(outputs, inputs)):
+        for o, i in zip(outputs, inputs):
+            if o is not i:
+                self.xp.copyto(o, i)
+    self._all_reduce(outputs, op)
+
+
+def _same_args_alias(hook):
+    def alias(self, *args):
+        return hook(self, *args)
+
+    alias.__doc__ = f"Deprecated: ``{hook.__name__}``."
+    return alias
+
+
+def _same_args_bridge(old):
+    def bridge(self, *args):
+        return getattr(self, old)(*args)
+
+    return bridge
+
+
+# old hook name -> (new hook name, make the old name from the new hook, bridge new -> old)
+_LEGACY_HOOKS = {
+    "_all_reduce": ("_hook_all_reduce", _legacy_all_reduce, lambda old: _bridge_all_reduce),
+    **{
+        f"_{name}": (f"_hook_{name}", _same_args_alias, _same_args_bridge)
+        for name in ("reduce_to_one", "broadcast", "all_gather", "assign_add", "sgd", "momentum", "adam")
+    },
+}
+
+
+def _bridge_legacy_hooks(cls):
+    """Keeps the old hook names of ``cls`` and its new ones in step.
+
+    A class that defines a new hook gets the old name as an alias bound to *its* hook (so that a
+    subclass calling ``super()._sgd(...)`` reaches it without coming back to itself); a class that
+    still overrides an old name gets the new hook routed through that override.
+    """
+    own = cls.__dict__
+    for old, (new, make_alias, make_bridge) in _LEGACY_HOOKS.items():
+        if new in own and old not in own:
+            setattr(cls, old, make_alias(own[new]))
+        elif old in own and new not in own:
+            setattr(cls, new, make_bridge(old))

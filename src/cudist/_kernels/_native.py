@@ -9,13 +9,15 @@ from __future__ import annotations
 import numpy as np
 
 from cudist import _core
-from cudist._kernels._base import KernelBackend
+from cudist._kernels._base import KernelBackend, TrustedKernels
 from cudist._reduce_util import ReduceOp
 
 __all__ = ["NativeBackend", "num_threads", "set_num_threads"]
 
 _SUM, _MEAN = ReduceOp.SUM, ReduceOp.MEAN
 _OP_CODES = {_SUM: _core.SUM, _MEAN: _core.MEAN}
+# The extension takes the ReduceOp members themselves as ops (no mapping on the hot path).
+_core.register_reduce_ops(_SUM, _MEAN)
 
 
 def num_threads() -> int:
@@ -45,41 +47,92 @@ class NativeBackend(KernelBackend):
 
     name = "native"
 
-    def all_reduce(self, bufs, op=ReduceOp.SUM):
-        # Fast path for the hot call: the extension checks arrays, dtypes, sizes, contiguity and
-        # writeability itself in well under a microsecond. Whatever it rejects (or any op given
-        # as a string) goes through the base class, which raises the contract's messages.
+    def all_reduce(self, bufs, op=ReduceOp.SUM, outputs=None):
+        # Fast path for the hot call: the extension checks arrays, dtypes, sizes, contiguity,
+        # writeability (and, out of place, overlaps) itself in well under a microsecond. Whatever it
+        # rejects (or any op given as a string) goes through the base class, which raises the
+        # contract's messages.
         if (op is _SUM or op is _MEAN) and type(bufs) in (tuple, list):
             shape = bufs[0].shape if bufs and type(bufs[0]) is np.ndarray else None
             if shape is not None and all(type(b) is np.ndarray and b.shape == shape for b in bufs):
                 try:
-                    _core.all_reduce(bufs, _OP_CODES[op])
+                    if outputs is None:
+                        _core.all_reduce(bufs, op)
+                        return tuple(bufs)
+                    if type(outputs) in (tuple, list) and all(
+                        type(o) is np.ndarray and o.shape == shape for o in outputs
+                    ):
+                        _core.all_reduce_into(bufs, outputs, op, True)
+                        return tuple(outputs)
                 except (TypeError, ValueError):
                     pass
-                else:
-                    return tuple(bufs)
-        return super().all_reduce(bufs, op)
+        return super().all_reduce(bufs, op, outputs)
 
-    def _all_reduce(self, bufs, op):
-        _core.all_reduce(bufs, _OP_CODES[op])
+    def _make_trusted(self):
+        if type(self) is NativeBackend:
+            return _NativeTrusted(self)
+        return super()._make_trusted()  # a subclass may override hooks: go through them
 
-    def _reduce_to_one(self, bufs, op, out):
-        _core.reduce_to_one(bufs, _OP_CODES[op], out)
+    def _hook_all_reduce(self, inputs, outputs, op):
+        if outputs is inputs:
+            _core.all_reduce(inputs, op)
+        else:
+            _core.all_reduce_into(inputs, outputs, op)
 
-    def _broadcast(self, src, dsts):
+    def _hook_batch_all_reduce(self, inputs, outputs, op):
+        _core.batch_all_reduce(inputs, outputs, op)
+
+    def _hook_reduce_to_one(self, bufs, op, out):
+        _core.reduce_to_one(bufs, op, out)
+
+    def _hook_broadcast(self, src, dsts):
         _core.broadcast(src, dsts)
 
-    def _all_gather(self, bufs, axis):
+    def _hook_all_gather(self, bufs, axis):
         return _core.all_gather(bufs, axis)
 
-    def _assign_add(self, copies, value, negate):
+    def _hook_assign(self, copies, value):
+        _core.assign(copies, value)
+
+    def _hook_assign_add(self, copies, value, negate):
         _core.assign_add(copies, value, negate)
 
-    def _sgd(self, copies, grad, lr):
+    def _hook_sgd(self, copies, grad, lr):
         _core.sgd(copies, grad, lr)
 
-    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
         _core.momentum(copies, velocities, grad, lr, momentum, nesterov)
 
-    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
+    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
         _core.adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)
+
+    def _hook_all_reduce_sgd(self, copies, grads, lr):
+        _core.all_reduce_sgd(copies, grads, lr)
+
+    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
+        _core.all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)
+
+    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
+        _core.all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)
+
+
+class _NativeTrusted(TrustedKernels):
+    """The native backend's trusted kernels: the extension's functions themselves (they take the
+    ReduceOp members as ops and run the same cheap checks that keep a bad call from crashing)."""
+
+    __slots__ = ()
+
+    def __init__(self, backend):
+        super().__init__(backend)
+        self.all_reduce = _core.all_reduce_into  # (inputs, outputs, op): in place when outputs is inputs
+        self.batch_all_reduce = _core.batch_all_reduce
+        self.reduce_to_one = _core.reduce_to_one
+        self.broadcast = _core.broadcast
+        self.assign = _core.assign
+        self.assign_add = _core.assign_add
+        self.sgd = _core.sgd
+        self.momentum = _core.momentum
+        self.adam = _core.adam
+        self.all_reduce_sgd = _core.all_reduce_sgd
+        self.all_reduce_momentum = _core.all_reduce_momentum
+        self.all_reduce_adam = _core.all_reduce_adam

@@ -245,8 +245,9 @@ def _ol_st(v, proto):
 
 # The argument block: a header of _HDR int64 slots, then buffer addresses.
 # Header: mode, size (elements), then for reduce: n_in, n_out; for update: n (copies), n_slot1,
-# n_slot2, unused, address of the float64[5] hyper-parameters; slot 7 is the itemsize.
-# Addresses: reduce: inputs then outputs; update: copies, first slots, second slots, gradient.
+# n_slot2, n_grad (gradients summed first; 0 means 1), address of the float64[5] hyper-parameters;
+# slot 7 is the itemsize.
+# Addresses: reduce: inputs then outputs; update: copies, first slots, second slots, gradients.
 _HDR = 8
 
 
@@ -285,9 +286,11 @@ def _reduce_range(argp, lo, hi, dtype):
 @njit(cache=True)
 def _update_range(argp, lo, hi, dtype, ctype):
     a = numba.carray(_ptr_like(argp, np.int64), (_HDR,))
-    mode, n, n1, n2, hpp = a[0], a[2], a[3], a[4], a[6]
-    a = numba.carray(_ptr_like(argp, np.int64), (_HDR + n + n1 + n2 + 1,))
-    gp = a[_HDR + n + n1 + n2]
+    mode, n, n1, n2, ng, hpp = a[0], a[2], a[3], a[4], a[5], a[6]
+    if ng < 1:
+        ng = 1
+    a = numba.carray(_ptr_like(argp, np.int64), (_HDR + n + n1 + n2 + ng,))
+    g0 = _HDR + n + n1 + n2
     # Hyper-parameters are rounded to the compute type first, as NumPy's ct.type(x) does.
     hp64 = numba.carray(_ptr_like(hpp, np.float64), (5,))
     hp = np.empty(5, ctype)
@@ -296,12 +299,23 @@ def _update_range(argp, lo, hi, dtype, ctype):
     tw = np.empty(_CHUNK, dtype)
     t1 = np.empty(_CHUNK, dtype)
     t2 = np.empty(_CHUNK, dtype)
+    tg = np.empty(_CHUNK if ng > 1 else 1, dtype)
     isz = tw.itemsize
     for start in range(lo, hi, _CHUNK):
         m = np.uint64(min(_CHUNK, hi - start))
         off = start * isz
         w = _view(a[_HDR] + off, m, dtype)
-        g = _view(gp + off, m, dtype)
+        g = _view(a[g0] + off, m, dtype)
+        if ng > 1:
+            # The fused all-reduce: the gradients summed in replica order in their dtype (float16
+            # rounds after every addition), exactly what reduce_to_one would store.
+            for j in range(m):
+                tg[j] = g[j]
+            for i in range(1, ng):
+                x = _view(a[g0 + i] + off, m, dtype)
+                for j in range(m):
+                    tg[j] = _add(tg[j], x[j])
+            g = _view(tg.ctypes.data, m, dtype)
         if mode == _SGD:
             lr = hp[0]
             for j in range(m):
@@ -419,6 +433,59 @@ def _k_par(fn, args, hp, nthreads, itemsize, mode, size, h2, h3, h4):
     return True
 
 
+@njit(parallel=True, cache=True)
+def _k_batch(fn, blocks, sizes, ok, nthreads, itemsize):
+    """Runs worker ``fn`` over several operations at once (a batched all-reduce): row ``s`` of
+    ``blocks`` is the argument block of operation ``s`` (``sizes[s]`` elements). The blocks of all
+    operations are dealt out to the threads as one list, so many small leaves cost one parallel
+    region. A row whose buffers partially overlap or are misaligned is skipped with ``ok[s] = 0``
+    (the caller does it through NumPy); returns how many were skipped.
+    """
+    nseg = blocks.shape[0]
+    width = blocks.shape[1]
+    skipped = 0
+    starts = np.zeros(nseg + 1, np.int64)
+    for s in range(nseg):
+        size = sizes[s]
+        good = size > 0
+        nbytes = size * itemsize
+        for i in range(_HDR, width):
+            if not good:
+                break
+            if blocks[s, i] % itemsize != 0:
+                good = False
+            for j in range(i + 1, width):
+                d = blocks[s, i] - blocks[s, j]
+                if d != 0 and -nbytes < d < nbytes:
+                    good = False
+        if size > 0 and not good:
+            skipped += 1
+        ok[s] = 1 if good else 0
+        starts[s + 1] = starts[s] + ((size + _CHUNK - 1) // _CHUNK if good else 0)
+    nchunks = starts[nseg]
+    base = blocks.ctypes.data
+    row = width * 8
+    nt = min(nthreads, nchunks)
+    if nt <= 1:
+        for s in range(nseg):
+            if ok[s]:
+                _call_worker(fn, base + s * row, 0, sizes[s])
+    else:
+        for t in prange(nt):
+            c = t * nchunks // nt
+            c1 = (t + 1) * nchunks // nt
+            s = 0
+            while c < c1:
+                while starts[s + 1] <= c:
+                    s += 1
+                cend = min(c1, starts[s + 1])
+                lo = (c - starts[s]) * _CHUNK
+                hi = min((cend - starts[s]) * _CHUNK, sizes[s])
+                _call_worker(fn, base + s * row, lo, hi)
+                c = cend
+    return skipped
+
+
 @njit(cache=True)
 def _pack8(args, off, a0, a1, a2, a3, a4, a5, a6, a7):
     # Reading addresses in compiled code costs ~0.1 us an array against ~1 us for .ctypes.data.
@@ -466,6 +533,8 @@ def _args(arrays, writable: bool):
     k = len(arrays)
     if arrays[0].dtype == np.float16:  # Numba has no float16 arrays; the addresses are the same
         arrays = tuple(a.view(np.uint16) for a in arrays)
+    # 1-D views, so that one specialisation of _pack8 serves leaves of every rank.
+    arrays = tuple(a if a.ndim == 1 else a.ravel() for a in arrays)
     # Room for whole groups of 8; the padding repeats an address, which the overlap check allows.
     args = np.empty(_HDR + (k + 7) // 8 * 8, np.int64)
     for i in range(0, k, 8):
@@ -552,59 +621,114 @@ class NumbaBackend(KernelBackend):
         if not _k_par(fn, args, _NO_HP, _nthreads(moved), ref.itemsize, mode, size, len(ins), len(outs), 0):
             fallback()
 
-    def _all_reduce(self, bufs, op):
+    def _hook_all_reduce(self, inputs, outputs, op):
         mode = _MEAN if op is ReduceOp.MEAN else _SUM
-        self._combine(bufs, bufs, mode, lambda: _NP._all_reduce(bufs, op))
+        self._combine(inputs, outputs, mode, lambda: _NP._hook_all_reduce(inputs, outputs, op))
 
-    def _reduce_to_one(self, bufs, op, out):
+    def _hook_batch_all_reduce(self, inputs, outputs, op):
+        n, m = len(inputs), len(inputs[0])
+        flat = []
+        for j in range(m):
+            flat += [inputs[r][j] for r in range(n)]
+            flat += [outputs[r][j] for r in range(n)]
+        ref = inputs[0][0]
+        addrs = _args(tuple(flat), False)
+        width = _HDR + 2 * n
+        blocks = np.empty((m, width), np.int64)
+        blocks[:, _HDR:] = addrs[_HDR : _HDR + len(flat)].reshape(m, 2 * n)
+        blocks[:, 0] = _MEAN if op is ReduceOp.MEAN else _SUM
+        sizes = np.fromiter((inputs[0][j].size for j in range(m)), np.int64, m)
+        blocks[:, 1] = sizes
+        blocks[:, 2] = n
+        blocks[:, 3] = n
+        blocks[:, 4:7] = 0
+        blocks[:, 7] = ref.itemsize
+        ok = np.empty(m, np.int8)
+        moved = int(sizes.sum()) * ref.itemsize * 2 * n
+        fn = _worker(_REDUCE_PY, ref.dtype)
+        if _k_batch(fn, blocks, sizes, ok, _nthreads(moved), ref.itemsize):
+            for j in np.flatnonzero(ok == 0).tolist():
+                if sizes[j]:
+                    _NP._hook_all_reduce(
+                        tuple(inputs[r][j] for r in range(n)), tuple(outputs[r][j] for r in range(n)), op
+                    )
+
+    def _hook_reduce_to_one(self, bufs, op, out):
         mode = _MEAN if op is ReduceOp.MEAN else _SUM
-        self._combine(bufs, (out,), mode, lambda: _NP._reduce_to_one(bufs, op, out))
+        self._combine(bufs, (out,), mode, lambda: _NP._hook_reduce_to_one(bufs, op, out))
 
-    def _broadcast(self, src, dsts):
-        self._combine((src,), dsts, _SUM, lambda: _NP._broadcast(src, dsts))
+    def _hook_broadcast(self, src, dsts):
+        self._combine((src,), dsts, _SUM, lambda: _NP._hook_broadcast(src, dsts))
 
-    def _all_gather(self, bufs, axis):
+    def _hook_all_gather(self, bufs, axis):
         return np.concatenate(bufs, axis=axis)
 
-    def _assign_add(self, copies, value, negate):
+    def _hook_assign_add(self, copies, value, negate):
         self._combine(
-            (copies[0], value), copies, _SUB if negate else _SUM, lambda: _NP._assign_add(copies, value, negate)
+            (copies[0], value), copies, _SUB if negate else _SUM, lambda: _NP._hook_assign_add(copies, value, negate)
         )
 
-    def _update(self, mode, copies, s1, s2, grad, hp, fallback):
+    def _update(self, mode, copies, s1, s2, grads, hp, fallback):
         ref = copies[0]
         size = ref.size
         if size == 0:
             return
-        # Copies and slots were checked writeable; only the gradient may be read-only.
-        args = _args(tuple(copies) + tuple(s1) + tuple(s2) + (grad,), grad.flags.writeable)
+        # Copies and slots were checked writeable; only the gradients may be read-only.
+        writable = all(g.flags.writeable for g in grads)
+        args = _args(tuple(copies) + tuple(s1) + tuple(s2) + tuple(grads), writable)
+        args[5] = len(grads)
         hp = np.array(hp + (0.0,) * (5 - len(hp)), np.float64)
-        moved = ref.nbytes * (2 + len(copies) + 2 * len(s1) + 2 * len(s2))
+        moved = ref.nbytes * (1 + len(grads) + len(copies) + 2 * len(s1) + 2 * len(s2))
         fn = _worker(_UPDATE_PY, ref.dtype)
         if not _k_par(fn, args, hp, _nthreads(moved), ref.itemsize, mode, size, len(copies), len(s1), len(s2)):
             fallback()
 
-    def _sgd(self, copies, grad, lr):
-        self._update(_SGD, copies, (), (), grad, (lr,), lambda: _NP._sgd(copies, grad, lr))
+    def _hook_sgd(self, copies, grad, lr):
+        self._update(_SGD, copies, (), (), (grad,), (lr,), lambda: _NP._hook_sgd(copies, grad, lr))
 
-    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
         self._update(
             _NESTEROV if nesterov else _MOMENTUM,
             copies,
             velocities,
             (),
-            grad,
+            (grad,),
             (lr, momentum),
-            lambda: _NP._momentum(copies, velocities, grad, lr, momentum, nesterov),
+            lambda: _NP._hook_momentum(copies, velocities, grad, lr, momentum, nesterov),
         )
 
-    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
+    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
         self._update(
             _ADAM,
             copies,
             ms,
             vs,
-            grad,
+            (grad,),
             (lr_t, beta_1, beta_2, epsilon, 1.0),
-            lambda: _NP._adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon),
+            lambda: _NP._hook_adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon),
+        )
+
+    def _hook_all_reduce_sgd(self, copies, grads, lr):
+        self._update(_SGD, copies, (), (), grads, (lr,), lambda: _NP._hook_all_reduce_sgd(copies, grads, lr))
+
+    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
+        self._update(
+            _NESTEROV if nesterov else _MOMENTUM,
+            copies,
+            velocities,
+            (),
+            grads,
+            (lr, momentum),
+            lambda: _NP._hook_all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov),
+        )
+
+    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
+        self._update(
+            _ADAM,
+            copies,
+            ms,
+            vs,
+            grads,
+            (lr_t, beta_1, beta_2, epsilon, 1.0),
+            lambda: _NP._hook_all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon),
         )

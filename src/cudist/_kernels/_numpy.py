@@ -25,6 +25,12 @@ def reference_reduce(bufs, op):
     return s
 
 
+def _copy_to_all(src, dsts):
+    src = src.copy() if any(np.shares_memory(src, d) for d in dsts) else src
+    for d in dsts:
+        np.copyto(d, src)
+
+
 def _compute_dtype(dtype):
     return np.dtype(np.float32) if dtype == np.float16 else dtype
 
@@ -34,42 +40,41 @@ class NumpyBackend(KernelBackend):
 
     name = "numpy"
 
-    def _all_reduce(self, bufs, op):
-        s = reference_reduce(bufs, op)
-        for b in bufs:
+    def _hook_all_reduce(self, inputs, outputs, op):
+        # Everything is reduced before anything is written: outputs may be (or overlap) inputs.
+        s = reference_reduce(inputs, op)
+        for b in outputs:
             np.copyto(b, s)
 
-    def _reduce_to_one(self, bufs, op, out):
+    def _hook_reduce_to_one(self, bufs, op, out):
         np.copyto(out, reference_reduce(bufs, op))
 
-    def _broadcast(self, src, dsts):
-        src = src.copy() if any(np.shares_memory(src, d) for d in dsts) else src
-        for d in dsts:
-            np.copyto(d, src)
+    def _hook_broadcast(self, src, dsts):
+        _copy_to_all(src, dsts)
 
-    def _all_gather(self, bufs, axis):
+    def _hook_all_gather(self, bufs, axis):
         return np.concatenate(bufs, axis=axis)
 
-    def _assign_add(self, copies, value, negate):
+    def _hook_assign_add(self, copies, value, negate):
         new = np.subtract(copies[0], value) if negate else np.add(copies[0], value)
-        self._broadcast(new, copies)
+        _copy_to_all(new, copies)
 
-    def _sgd(self, copies, grad, lr):
+    def _hook_sgd(self, copies, grad, lr):
         ct = _compute_dtype(copies[0].dtype)
         w = copies[0].astype(ct) - ct.type(lr) * grad.astype(ct)
-        self._broadcast(w.astype(copies[0].dtype), copies)
+        _copy_to_all(w.astype(copies[0].dtype), copies)
 
-    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
         ct = _compute_dtype(copies[0].dtype)
         lr, mom = ct.type(lr), ct.type(momentum)
         g = grad.astype(ct)
         v = mom * velocities[0].astype(ct) - lr * g
         w = copies[0].astype(ct)
         w = w + (mom * v - lr * g) if nesterov else w + v
-        self._broadcast(v.astype(copies[0].dtype), velocities)
-        self._broadcast(w.astype(copies[0].dtype), copies)
+        _copy_to_all(v.astype(copies[0].dtype), velocities)
+        _copy_to_all(w.astype(copies[0].dtype), copies)
 
-    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
+    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
         ct = _compute_dtype(copies[0].dtype)
         one = ct.type(1)
         lr_t, b1, b2, eps = ct.type(lr_t), ct.type(beta_1), ct.type(beta_2), ct.type(epsilon)
@@ -80,6 +85,9 @@ class NumpyBackend(KernelBackend):
         v = v + (g * g - v) * (one - b2)
         w = copies[0].astype(ct) - lr_t * m / (np.sqrt(v) + eps)
         dt = copies[0].dtype
-        self._broadcast(m.astype(dt), ms)
-        self._broadcast(v.astype(dt), vs)
-        self._broadcast(w.astype(dt), copies)
+        _copy_to_all(m.astype(dt), ms)
+        _copy_to_all(v.astype(dt), vs)
+        _copy_to_all(w.astype(dt), copies)
+
+    # The fused all-reduce + update hooks are the base class's definition: reduce_to_one into a
+    # temporary (the plain sum above), then the update.
