@@ -21,14 +21,14 @@ import threading
 
 import numpy as np
 
-from cudist._arrays import is_device_array
-from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend, adam_lr_t
+from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend, TrustedKernels, adam_lr_t
 from cudist._kernels._split import split, split_sizes
 
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
     "KernelBackend",
+    "TrustedKernels",
     "SUPPORTED_DTYPES",
     "FLOAT_DTYPES",
     "available_backends",
@@ -155,7 +155,7 @@ def reset_backend_cache() -> None:
 
 def numpy_backend() -> KernelBackend:
     """The NumPy reference backend (every dtype of the contract, any host buffer)."""
-    return _load("numpy")
+    return _instances.get("numpy") or _load("numpy")
 
 
 def backend_for(a) -> KernelBackend:
@@ -164,7 +164,9 @@ def backend_for(a) -> KernelBackend:
     The CuPy backend is loaded only when a GPU array shows up.
     """
     if type(a) is np.ndarray:
-        return cpu_backend()
+        return _chosen.get("cpu") or cpu_backend()
+    from cudist._arrays import is_device_array  # noqa: PLC0415 - only for what is not a NumPy array
+
     if not is_device_array(a):
         return cpu_backend()
     return get_backend("cupy")
@@ -176,49 +178,3 @@ def reference_reduce(arrays, op):
 
     return ref(arrays, op)
 
-
-# ---------------------------------------------------------------------------- backend for a buffer
-_backend_cache: dict = {}
-
-
-def cpu_backend() -> KernelBackend:
-    """The kernel backend for host buffers (``get_backend()``), chosen once per process.
-
-    ``get_backend()`` reads ``CUDIST_BACKEND`` and re-probes unavailable backends on every call
-    (microseconds); a collective runs at every training step, so the choice is made once, on first
-    use. A ``CUDIST_BACKEND`` naming a GPU backend (cupy) does not apply to host buffers: they get
-    the CPU default. :func:`reset_backend_cache` makes a later ``CUDIST_BACKEND`` take effect.
-    """
-    b = _backend_cache.get("cpu")
-    if b is None:
-        b = get_backend()
-        if b.xp is not np:  # CUDIST_BACKEND=cupy must not break host values: they get the CPU default
-            b = default_cpu_backend()
-        _backend_cache["cpu"] = b
-    return b
-
-
-def reset_backend_cache() -> None:
-    """Forgets the chosen CPU backend (tests changing ``CUDIST_BACKEND`` call this)."""
-    _backend_cache.clear()
-
-
-def numpy_backend() -> KernelBackend:
-    """The NumPy reference backend (every dtype of the contract, any host buffer)."""
-    b = _instances.get("numpy")
-    return b if b is not None else _load("numpy")
-
-
-def backend_for(a) -> KernelBackend:
-    """The kernel backend for buffers like ``a`` (its ``xp`` is their array module).
-
-    Host arrays (and anything that is not a GPU array) get :func:`cpu_backend`; GPU arrays the
-    ``cupy`` backend, loaded only then.
-    """
-    if type(a) is np.ndarray:
-        return _backend_cache.get("cpu") or cpu_backend()
-    from cudist._arrays import is_device_array
-
-    if not is_device_array(a):
-        return cpu_backend()
-    return _load("cupy")
