@@ -1,4 +1,4 @@
-"""Shared fixtures: hardware markers and the ``strategy`` fixture."""
+"""Shared fixtures: hardware markers, the default deselection of `heavy` tests, and the ``strategy`` fixture."""
 
 from __future__ import annotations
 
@@ -26,7 +26,44 @@ def gpu_count() -> int:
         return 0
 
 
+#: How many ``heavy`` tests the run deselected (reported at the end).
+_HEAVY_DESELECTED = pytest.StashKey[int]()
+
+
+def _files_named_on_the_command_line(config) -> set[Path]:
+    """Test files given as arguments (``tests/test_x.py`` or ``tests/test_x.py::test_y``), not directories."""
+    named = set()
+    for arg in config.args:
+        path = Path(config.invocation_params.dir, arg.split("::", 1)[0])
+        if path.is_file():
+            named.add(path.resolve())
+    return named
+
+
+def _deselect_heavy(config, items):
+    """Without ``-m``, tests marked ``heavy`` (compilers, subprocess suites) are deselected, except in
+    test files named on the command line; any ``-m`` expression decides for itself (``-m heavy``)."""
+    if config.option.markexpr:
+        return
+    named = _files_named_on_the_command_line(config)
+    keep, heavy = [], []
+    for item in items:
+        is_heavy = item.get_closest_marker("heavy") is not None and Path(item.path).resolve() not in named
+        (heavy if is_heavy else keep).append(item)
+    if heavy:
+        config.hook.pytest_deselected(items=heavy)
+        items[:] = keep
+        config.stash[_HEAVY_DESELECTED] = len(heavy)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    n = config.stash.get(_HEAVY_DESELECTED, 0)
+    if n:
+        terminalreporter.write_line(f"{n} heavy tests deselected; `python -m pytest -m heavy` runs them")
+
+
 def pytest_collection_modifyitems(config, items):
+    _deselect_heavy(config, items)
     n = None
     for item in items:
         # Markers, not keywords: a parameter id containing "gpu" must not make a CPU test skip.

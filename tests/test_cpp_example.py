@@ -69,6 +69,7 @@ def test_cmake_dir_is_installed():
     assert Path(out.strip()) == cmake_dir
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", ["cudist_DIR", "CMAKE_PREFIX_PATH"])
 def test_downstream_project_builds_and_runs(tools, tmp_path, how):
     cmake, cxx, ninja = tools
@@ -195,6 +196,7 @@ int main() {
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("std", ["c++17", "c++20"])
 def test_installed_headers_compile_strictly_and_pool_rethrows(tools, tmp_path, std):
     # Every kernel for every type (the example instantiates only float), with the installed headers
@@ -268,6 +270,7 @@ def cuda_example(tools, tmp_path_factory):
     return exe
 
 
+@pytest.mark.heavy
 def test_cuda_example_builds_and_fails_cleanly_without_a_gpu(cuda_example):
     # CUDA_VISIBLE_DEVICES="" hides every GPU: the example must say so and exit 77, not crash.
     proc = subprocess.run([str(cuda_example)], capture_output=True, text=True, timeout=120,
@@ -277,6 +280,7 @@ def test_cuda_example_builds_and_fails_cleanly_without_a_gpu(cuda_example):
 
 
 @pytest.mark.gpu
+@pytest.mark.heavy
 def test_cuda_example_runs_on_gpus(cuda_example):
     proc = subprocess.run([str(cuda_example)], capture_output=True, text=True, timeout=300)
     if proc.returncode == EXIT_NO_GPU:
@@ -314,7 +318,8 @@ def _configure_cudist(tools, build: Path, *defs: str, env=None):
         ("AUTO", False, True, "cudist: building without CUDA: no CUDA compiler was found"),
         ("ON", False, False, "CUDIST_WITH_CUDA=ON but no CUDA compiler was found"),
         ("maybe", True, False, "CUDIST_WITH_CUDA must be AUTO, ON or OFF, got 'maybe'"),
-        ("AUTO", True, True, "cudist: building cudist::cuda with CUDA"),
+        # CMake's CUDA compiler checks compile with nvcc: seconds.
+        pytest.param("AUTO", True, True, "cudist: building cudist::cuda with CUDA", marks=pytest.mark.heavy),
     ],
 )
 def test_configure_cuda_modes(tools, tmp_path, mode, nvcc, ok, says):
@@ -331,6 +336,7 @@ def test_configure_cuda_modes(tools, tmp_path, mode, nvcc, ok, says):
         assert ("cudist_cuda.dir" in build_files) == says.startswith("cudist: building cudist::cuda")
 
 
+@pytest.mark.heavy
 def test_cpu_only_package_has_no_cuda_component(tools, tmp_path):
     # A package built without CUDA: cudist::cudist works, `cuda` is reported missing, and the
     # version file stays architecture-independent (header-only).

@@ -90,6 +90,7 @@ nvcc_required = pytest.mark.skipif(_nvcc() is None, reason="needs nvcc (the CUDA
 
 
 @nvcc_required
+@pytest.mark.heavy
 def test_nvcc_compiles_every_kernel_and_launcher_for_sm80_and_sm90(tmp_path):
     """Every kernel x dtype, both entry-point forms, plus the C++ launcher library, in one nvcc run."""
     src = tmp_path / "cudist_all.cu"
@@ -177,6 +178,7 @@ def _load_nvrtc(path: str):
 
 
 @pytest.mark.skipif(_find_nvrtc() is None, reason="needs libnvrtc (pip install nvidia-cuda-nvrtc, or the CUDA toolkit)")
+@pytest.mark.heavy
 def test_nvrtc_compiles_every_name_expression():
     """The source the cupy backend hands to RawModule compiles under NVRTC (__CUDACC_RTC__, no host
     headers) with CuPy's forced -ftz=true, and every name expression resolves to a kernel."""

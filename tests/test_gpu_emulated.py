@@ -41,21 +41,43 @@ def _compiler_or_skip():
         pytest.skip("no C++ compiler: the CUDA emulation cannot be built")
 
 
+# The inner run's short summary (-rfEsx): "FAILED <nodeid> - <message>", "ERROR <nodeid> ...",
+# "XFAIL <nodeid> ...", "SKIPPED [n] <file>:<line>: <reason>".
+_SUMMARY_LINE = re.compile(r"^(?:FAILED|ERROR|XFAIL|XPASS|SKIPPED) .*$", re.M)
+# The node id of a FAILED/ERROR line: a path and names without spaces, then maybe a parameter id in
+# brackets (which may hold spaces, even " - ") up to the "]" that ends it before " - " or the line's end.
+_FAILING = re.compile(r"^(?:FAILED|ERROR) ([^\s\[]+(?:\[.*?\])?(?= - |$)|\S+)", re.M)
+
+
+def _report(peer: str, why: str, out: str) -> str:
+    """A failure message naming every test that failed, erred or skipped in the inner run."""
+    failing = _FAILING.findall(out)
+    head = f"gpu suite under the fake CuPy (peer={peer}) {why}"
+    if failing:
+        shown = ", ".join(failing[:5]) + (f", ... ({len(failing)} in all)" if len(failing) > 5 else "")
+        head += f": {shown}"
+    summary = "\n".join(_SUMMARY_LINE.findall(out)) or "(no short test summary: see the output)"
+    return f"{head}\n{summary}\n--- the last 6000 characters of its output ---\n{out[-6000:]}"
+
+
 def _run_gpu_suite(files, peer: str, **extra_env):
     env = dict(os.environ, **extra_env)
     env["PYTHONPATH"] = os.pathsep.join([str(FAKE), *filter(None, [env.get("PYTHONPATH")])])
     env["CUDIST_EMU_DEVICES"] = "4"
     env["CUDIST_EMU_PEER"] = peer
+    env["COLUMNS"] = "160"  # the short summary keeps more of each failure's message
     env.pop("CUDIST_BACKEND", None)
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu or multi_gpu", *files]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEsx", "--tb=short",
+           "-m", "gpu or multi_gpu", *files]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
-    tail = out[-6000:]
-    assert proc.returncode == 0, f"gpu suite under the fake CuPy (peer={peer}) failed:\n{tail}"
+    if proc.returncode != 0:
+        pytest.fail(_report(peer, f"failed (exit {proc.returncode})", out), pytrace=False)
     passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", out)) else 0
     for word in ("skipped", "deselected", "xfailed", "failed", "error"):
         if re.search(rf"\d+ {word}", out) and word != "deselected":
-            pytest.fail(f"gpu suite (peer={peer}) reports {word} tests: none may skip or fail under the fake\n{tail}")
+            why = f"reports {word} tests: none may skip or fail under the fake"
+            pytest.fail(_report(peer, why, out), pytrace=False)
     return passed, out
 
 
@@ -76,6 +98,7 @@ def test_gpu_files_exist():
     assert "tests/test_gpu_kernels.py" in GPU_FILES and "tests/test_gpu_strategy.py" in GPU_FILES
 
 
+@pytest.mark.heavy
 def test_whole_gpu_suite_passes_under_the_fake(collected):
     _compiler_or_skip()
     passed, out = _run_gpu_suite(GPU_FILES, "all")
@@ -83,6 +106,7 @@ def test_whole_gpu_suite_passes_under_the_fake(collected):
     assert passed >= collected, f"only {passed} of {collected} gpu tests passed:\n{out[-3000:]}"
 
 
+@pytest.mark.heavy
 def test_kernel_and_strategy_suites_pass_without_peer_access():
     """Without peer access every cross-GPU kernel operand must be staged: the multi_gpu tests check it."""
     _compiler_or_skip()
@@ -91,6 +115,7 @@ def test_kernel_and_strategy_suites_pass_without_peer_access():
     assert passed > 100
 
 
+@pytest.mark.heavy
 def test_input_and_strategy_suites_pass_in_the_fakes_synchronous_mode():
     """CUDIST_EMU_SYNC=1 runs every operation at once (the debugging switch): nothing may depend on
     the queues (e.g. a test that only passes because some work never ran)."""

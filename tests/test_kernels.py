@@ -639,6 +639,7 @@ print(json.dumps(stats))
 
 
 @pytest.mark.slow
+@pytest.mark.heavy  # two cold Numba processes compiling every kernel
 def test_numba_kernels_cache_without_warnings_and_load_from_the_cache(tmp_path):
     # A fresh cache dir: every kernel compiles (under -W error, so a NumbaWarning such as "cannot
     # cache ... dynamic globals" fails the run), then a second process must load all of them.
