@@ -36,6 +36,29 @@ class CallCounter:
         monkeypatch.setattr(backend, method, spy)
 
 
+class KernelPassCounter:
+    """Counts the all-reduce kernel passes of the user's path (``backend.trusted``: one call each).
+
+    Each call is recorded as the element count per replica it reduces (all leaves of a batched call).
+    """
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        trusted = _cpu_backend().trusted
+        one, batch = trusted.all_reduce, trusted.batch_all_reduce
+
+        def spy_one(inputs, outputs, op):
+            self.calls.append(tuple(b.size for b in inputs))
+            return one(inputs, outputs, op)
+
+        def spy_batch(inputs, outputs, op):
+            self.calls.append(tuple(sum(a.size for a in leaves) for leaves in inputs))
+            return batch(inputs, outputs, op)
+
+        monkeypatch.setattr(trusted, "all_reduce", spy_one)
+        monkeypatch.setattr(trusted, "batch_all_reduce", spy_batch)
+
+
 def ref_sum(parts):
     s = parts[0].copy()
     for p in parts[1:]:
@@ -118,7 +141,7 @@ def test_hundred_small_gradients_cost_one_reduce_call(monkeypatch):
 
 
 def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
-    spy = CallCounter(monkeypatch, "all_reduce")
+    spy = KernelPassCounter(monkeypatch)
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(2)
     grads = [[rng.standard_normal(5).astype(np.float32) for _ in range(100)] for _ in range(2)]
@@ -130,7 +153,7 @@ def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
 
 
 def test_one_kernel_call_per_dtype_and_pack(monkeypatch):
-    spy = CallCounter(monkeypatch, "all_reduce")
+    spy = KernelPassCounter(monkeypatch)
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     mixed = [np.ones(4, np.float32), np.ones(2, np.int64), np.ones(3, np.float32), np.ones(1, np.int64)]
     s.run(lambda: cudist.get_replica_context().all_reduce("sum", mixed))

@@ -209,15 +209,19 @@ def test_same_gradient_object_on_every_replica_is_summed(strategy):
         np.testing.assert_array_equal(c, -0.25 * n * g)
 
 
-def test_one_merge_call_one_batched_reduction_one_kernel_call_per_variable(monkeypatch):
+@pytest.mark.parametrize("ops", [None, "to_one"])
+def test_one_merge_call_one_kernel_pass_per_variable(monkeypatch, ops):
+    """Default ops: each variable's N gradients are summed inside its fused Adam pass (no separate
+    reduction). A user's cross-device ops: ONE batched reduction through them, then one fused pass."""
     n = 3
-    strategy = make_strategy(f"mirrored{n}")
+    cross = cudist.ReductionToOneDevice() if ops else None
+    strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)], cross_device_ops=cross)
     rng = np.random.default_rng(3)
     with strategy.scope():
         variables = [cudist.Variable(_random(s, np.float32, rng)) for s in [(8,), (2, 3), (5, 1)]]
         opt = optimizers.Adam(0.01)
-    backend = variables[0]._kernel()
-    calls = {"merge": 0, "batch_reduce": 0, "adam": []}
+    kernels = variables[0]._kernel().trusted
+    calls = {"merge": 0, "batch_reduce": 0, "adam": [], "fused": []}
 
     real_merge = cudist.ReplicaContext.merge_call
 
@@ -233,21 +237,58 @@ def test_one_merge_call_one_batched_reduction_one_kernel_call_per_variable(monke
         assert op is cudist.ReduceOp.SUM and len(pairs) == len(variables)
         return real_batch(op, pairs, options)
 
-    real_adam = backend._adam
+    real_adam, real_fused = kernels.adam, kernels.all_reduce_adam
 
     def adam(copies, ms, vs, grad, *hyper):
         calls["adam"].append((len(copies), len(ms), len(vs)))
         return real_adam(copies, ms, vs, grad, *hyper)
 
+    def fused(copies, ms, vs, grads, *hyper):
+        calls["fused"].append((len(copies), len(ms), len(vs), len(grads)))
+        return real_fused(copies, ms, vs, grads, *hyper)
+
     monkeypatch.setattr(cudist.ReplicaContext, "merge_call", merge_call)
     monkeypatch.setattr(strategy.extended, "batch_reduce_to", batch_reduce_to)
-    monkeypatch.setattr(backend, "_adam", adam)
+    monkeypatch.setattr(kernels, "adam", adam)
+    monkeypatch.setattr(kernels, "all_reduce_adam", fused)
     grads = [[_random(v.shape, np.float32, rng) for v in variables] for _ in range(n)]
     strategy.run(lambda: opt.apply_gradients(zip(grads[_rid()], variables)))
     assert calls["merge"] == n  # one merge_call per replica: merge_fn runs once
-    assert calls["batch_reduce"] == 1
-    # one fused pass over all N copies of the variable and of its two slots, per variable
-    assert calls["adam"] == [(n, n, n)] * len(variables)
+    if ops is None:
+        assert calls["batch_reduce"] == 0 and calls["adam"] == []
+        assert calls["fused"] == [(n, n, n, n)] * len(variables)
+    else:
+        assert calls["batch_reduce"] == 1 and calls["fused"] == []
+        # one fused pass over all N copies of the variable and of its two slots, per variable
+        assert calls["adam"] == [(n, n, n)] * len(variables)
+
+
+@pytest.mark.parametrize("make", ["mirrored2", "mirrored3", "central2"])
+@pytest.mark.parametrize("opt_name", ["sgd", "momentum", "nesterov", "adam"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_fused_reduce_update_is_bit_identical_to_reduce_then_update(make, opt_name, dtype):
+    """The one-pass path (default ops) and the reduce-first path (a user's ops) agree bit for bit."""
+    results = []
+    for ops in (None, cudist.ReductionToOneDevice()):
+        strategy = make_strategy(make)
+        if ops is not None:
+            strategy.extended._cross_device_ops = ops
+        rng = np.random.default_rng(7)
+        n = strategy.num_replicas_in_sync
+        with strategy.scope():
+            var = cudist.Variable(_random((37, 5), dtype, rng))
+            opt = {
+                "sgd": lambda: optimizers.SGD(0.1),
+                "momentum": lambda: optimizers.SGD(0.1, momentum=0.9),
+                "nesterov": lambda: optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+                "adam": lambda: optimizers.Adam(0.01),
+            }[opt_name]()
+        steps = [[_random((37, 5), dtype, rng) for _ in range(n)] for _ in range(3)]
+        for g in steps:
+            strategy.run(lambda: opt.apply_gradients([(g[_rid()], var)]))
+        results.append([np.array(c) for c in _local(strategy, var)])
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
 
 
 def test_already_aggregated_gradients(strategy):

@@ -27,7 +27,7 @@ from cudist._arrays import as_array, gpu_of, is_device_array, like, place, snaps
 from cudist._collectives import nccl as _nccl
 from cudist._collectives import packing
 from cudist._collectives.placement import describe_layout, gpu_layout, on_destinations, resolve_destinations
-from cudist._kernels import BackendUnavailableError
+from cudist._kernels import BackendUnavailableError, cpu_backend
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues
 
@@ -80,6 +80,17 @@ class CrossDeviceOps:
     def _reducer(self, per_replica_leaves):
         """``reducer(backend, bufs, op)``: all-reduces packed GPU buffers in place; None: the backend's kernel."""
         del per_replica_leaves
+        return None
+
+    def _fused_sum_backend(self, arrays):
+        """The kernel backend that may sum these per-replica arrays fused into an optimizer update.
+
+        A fused all-reduce + update (one pass: N gradients in, every copy and slot out) is exactly
+        this algorithm's reduction only for the fused-kernel algorithms; for the others (and for
+        any subclass that overrides the reductions) None, and optimizers reduce through
+        ``extended.batch_reduce_to`` first.
+        """
+        del arrays
         return None
 
     def _values_of(self, where, value):
@@ -163,6 +174,16 @@ class KernelAllReduce(CrossDeviceOps):
 
     def __init__(self, num_packs=1):
         self.num_packs = _check_num_packs(type(self).__name__, num_packs)
+
+    def _fused_sum_backend(self, arrays):
+        cls = type(self)
+        if cls.batch_reduce is not CrossDeviceOps.batch_reduce or cls.reduce is not CrossDeviceOps.reduce:
+            return None  # a user's override is always the one that reduces
+        b = cpu_backend()
+        for a in arrays:
+            if type(a) is not np.ndarray or a.dtype not in b.dtypes:
+                return None
+        return b
 
 
 def _check_num_packs(name, num_packs):

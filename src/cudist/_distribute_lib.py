@@ -484,6 +484,14 @@ class StrategyExtended:
         gpus = self._replica_gpus
         return None if gpus is None else gpus[replica_id]
 
+    def _fused_sum_backend(self, arrays):
+        """The kernel backend that may sum per-replica ``arrays`` inside a fused optimizer update.
+
+        None unless this strategy's cross-device ops reduce with exactly that kernel sum (see
+        ``CrossDeviceOps._fused_sum_backend``); optimizers then use ``batch_reduce_to``.
+        """
+        return self._cross_device_ops._fused_sum_backend(arrays)
+
     def _distribute_values_from_function(self, value_fn):
         """``experimental_distribute_values_from_function``: a PerReplica at each leaf, even for one replica."""
         from cudist import _input_lib

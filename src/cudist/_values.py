@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any, TypeGuard
+
+import numpy as np
 import optree
 
 __all__ = ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "is_distributed"]
@@ -17,21 +21,21 @@ class DistributedValues:
     #: ``select_replica`` leaves objects with this flag set untouched.
     _keep_in_replica = False
 
-    def __init__(self, values):
-        self._values = tuple(values)
+    def __init__(self, values: Iterable[Any]) -> None:
+        self._values: tuple[Any, ...] = tuple(values)
         if not self._values:
             raise ValueError(f"{type(self).__name__} needs at least one component")
 
     @property
-    def values(self) -> tuple:
+    def values(self) -> tuple[Any, ...]:
         """The per-replica components, in replica order."""
         return self._values
 
-    def _get_replica(self, replica_id: int):
+    def _get_replica(self, replica_id: int) -> Any:
         return self._values[replica_id]
 
     @property
-    def _primary(self):
+    def _primary(self) -> Any:
         return self._values[0]
 
     def __len__(self) -> int:
@@ -52,31 +56,36 @@ class Mirrored(DistributedValues):
     """Holds the same value on every replica; the components are copies, one per device."""
 
 
-def is_distributed(x) -> bool:
+def is_distributed(x: object) -> TypeGuard[DistributedValues]:
+    """Whether ``x`` is a :class:`DistributedValues` (a per-replica value, a mirrored value or variable)."""
     return isinstance(x, DistributedValues)
 
 
-def _is_leaf_dv(x) -> bool:
+def _is_leaf_dv(x: object) -> bool:
     return isinstance(x, DistributedValues)
 
 
-def select_replica(replica_id: int, structured):
+def select_replica(replica_id: int, structured: Any) -> Any:
     """Replaces each DistributedValues leaf of ``structured`` by its ``replica_id`` component.
 
     Distributed variables are kept whole: they pick their local component themselves.
     """
 
-    def pick(x):
+    def pick(x: Any) -> Any:
         if isinstance(x, DistributedValues) and not x._keep_in_replica:
             return x._get_replica(replica_id)
         return x
 
     if isinstance(structured, DistributedValues):
         return pick(structured)
+    if type(structured) is tuple and all(type(x) is np.ndarray or isinstance(x, DistributedValues) for x in structured):
+        return tuple(map(pick, structured))  # run()'s common args: arrays and per-replica values, no nesting
     return optree.tree_map(pick, structured, is_leaf=_is_leaf_dv, none_is_leaf=True)
 
 
-def regroup(per_replica_values, wrap_class=PerReplica, always_wrap=False):
+def regroup(
+    per_replica_values: Iterable[Any], wrap_class: type[DistributedValues] = PerReplica, always_wrap: bool = False
+) -> Any:
     """Merges N per-replica structures into one structure of DistributedValues.
 
     The structures must match. At each leaf, the same object from every replica stays unwrapped
@@ -85,11 +94,12 @@ def regroup(per_replica_values, wrap_class=PerReplica, always_wrap=False):
     Raises:
         ValueError: the replicas returned structures of different shapes.
     """
-    per_replica_values = list(per_replica_values)
-    if len(per_replica_values) == 1 and not always_wrap:
-        return per_replica_values[0]
-    flat, specs = [], []
-    for i, v in enumerate(per_replica_values):
+    replicas = list(per_replica_values)
+    if len(replicas) == 1 and not always_wrap:
+        return replicas[0]
+    flat: list[list[Any]] = []
+    specs: list[optree.PyTreeSpec] = []
+    for i, v in enumerate(replicas):
         leaves, spec = optree.tree_flatten(v, is_leaf=_is_leaf_dv, none_is_leaf=True)
         if specs and spec != specs[0]:
             raise ValueError(
@@ -98,11 +108,11 @@ def regroup(per_replica_values, wrap_class=PerReplica, always_wrap=False):
             )
         flat.append(leaves)
         specs.append(spec)
-    out = []
-    for leaves in zip(*flat):
-        first = leaves[0]
-        if not always_wrap and all(x is first for x in leaves):
+    out: list[Any] = []
+    for column in zip(*flat):
+        first = column[0]
+        if not always_wrap and all(x is first for x in column):
             out.append(first)
         else:
-            out.append(wrap_class(leaves))
+            out.append(wrap_class(column))
     return optree.tree_unflatten(specs[0], out)

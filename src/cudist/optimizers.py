@@ -7,8 +7,11 @@ and the update formulas are Keras's (see the kernel contract, :class:`cudist._ke
 Distribution follows Keras's default (``experimental_aggregate_gradients=True``):
 
 * called in replica context (inside ``strategy.run``), the gradients are per-replica: they are
-  summed over the replicas with ONE ``merge_call`` and ONE batched reduction
-  (``extended.batch_reduce_to``) for all variables, then each variable is updated once;
+  summed over the replicas in ONE ``merge_call``. With host arrays and the default cross-device
+  ops, each variable's N gradients are summed inside its update kernel (one pass: the gradients
+  and copy 0 read, every copy and slot written; bit-identical to reducing first); otherwise ONE
+  batched reduction (``extended.batch_reduce_to``, so a user's cross-device ops) for all variables,
+  then each variable is updated once;
 * called in cross-replica context (inside ``scope()``, or with no strategy), the gradients are final.
 
 Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` of the
@@ -31,7 +34,7 @@ import numpy as np
 
 from cudist import _distribute_lib
 from cudist._arrays import array_module, device_context, gpu_of, is_array, like
-from cudist._kernels import adam_lr_t
+from cudist._kernels import adam_lr_t, numpy_backend
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica
 from cudist._variables import (
@@ -289,6 +292,8 @@ class Optimizer:
 
         def merge_fn(strategy, per_replica_grads):
             n = strategy.num_replicas_in_sync
+            if n > 1 and aggregate and self._apply_fused(strategy, list(per_replica_grads), variables):
+                return
             reduced = self._aggregate(strategy, list(per_replica_grads), variables, aggregate)
             self._apply(reduced, variables, fresh=n > 1 and aggregate)
 
@@ -307,6 +312,48 @@ class Optimizer:
         return strategy.extended.batch_reduce_to(
             ReduceOp.SUM, [(g, _primary_device(v)) for g, v in zip(values, variables)]
         )
+
+    def _apply_fused(self, strategy, grads, variables) -> bool:
+        """Sums each variable's per-replica gradients and updates it in ONE kernel pass, if it can.
+
+        Possible when every gradient and every copy is in host memory and the strategy's
+        cross-device ops reduce with the kernels' own replica-order sum (the default ops; see
+        ``extended._fused_sum_backend``): then the pass reads the N gradients and copy 0 of the
+        variable and slots and writes every copy -- bit-identical to reducing first, then
+        updating. Returns False (nothing done) otherwise, for the general path.
+        """
+        n = strategy.num_replicas_in_sync
+        work = []
+        for g, var in zip(grads, variables):
+            comps = list(g.values) if isinstance(g, DistributedValues) else [g] * n
+            if len(comps) != n:
+                return False
+            backend = strategy.extended._fused_sum_backend(comps)
+            if backend is None:
+                return False
+            plan = self._plan(var)
+            if len(plan[1]) != 1:
+                return False
+            copies, slots, var_backend = plan[1][0]
+            if var_backend is not backend or type(copies[0]) is not np.ndarray:
+                return False
+            work.append((backend, copies, slots, comps))
+        iteration = int(self._iterations)
+        params = self._step_params(self._current_learning_rate(iteration), iteration + 1)
+        for backend, copies, slots, comps in work:
+            written = copies + sum(slots, ())
+            ins = []
+            for c in comps:
+                if not c.flags.c_contiguous:
+                    c = np.ascontiguousarray(c)
+                elif any(c is w for w in written) or (
+                    c.base is not None and any(np.may_share_memory(c, w) for w in written)
+                ):
+                    c = c.copy()  # a gradient overlapping what the pass writes
+                ins.append(c)
+            self._kernel_update_reduced(backend.trusted, copies, slots, ins, params)
+        self._iterations.assign_add(self._one, read_value=False)
+        return True
 
     def _apply(self, grads, variables, fresh: bool = False):
         """Updates every variable once from its final gradient (cross-replica context).
@@ -327,13 +374,13 @@ class Optimizer:
                         # A view may overlap a copy the kernel writes while reading the gradient.
                         if any(np.may_share_memory(g, c) for c in copies):
                             g = g.copy()
-                    self._kernel_update(backend, copies, slots, g, params)
+                    self._kernel_update(backend.trusted, copies, slots, g, params)
                 else:
                     with device_context(ref):
                         g = like(grad, ref)
                         if not g.flags.c_contiguous or any(g is c for c in copies):
                             g = g.copy(order="C")
-                        self._kernel_update(backend, copies, slots, g, params)
+                        self._kernel_update(backend.trusted, copies, slots, g, params)
         self._iterations.assign_add(self._one, read_value=False)
 
     def _plan(self, var):
@@ -356,15 +403,13 @@ class Optimizer:
             copies = tuple(bufs[i] for i in idx)
             backend = var._kernel() if len(idx) == len(bufs) else kernel_backend(copies[0])
             if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
-                from cudist._kernels import get_backend
-
-                backend = get_backend("numpy")
-            backend._check_bufs(where, copies, writable=True, what="copy")
-            backend._check_float(where, copies[0])
+                backend = numpy_backend()
+            copies = backend.check_bufs(where, copies, writable=True, what="copy")
+            backend.check_float(where, copies[0])
             group_slots = []
             for name, sb in zip(slots, slot_bufs):
-                sc = backend._check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
-                backend._check_same_slots(where, copies, sc, name)
+                sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
+                backend.check_same_slots(where, copies, sc, name)
                 group_slots.append(sc)
             groups.append((copies, tuple(group_slots), backend))
         plan = (key, tuple(groups))
@@ -375,7 +420,12 @@ class Optimizer:
         """The scalars of one step (``step`` is 1-based), computed once for all variables."""
         return (lr,)
 
-    def _kernel_update(self, backend, copies, slots, grad, params):  # pragma: no cover - abstract
+    def _kernel_update(self, kernels, copies, slots, grad, params):  # pragma: no cover - abstract
+        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``)."""
+        raise NotImplementedError
+
+    def _kernel_update_reduced(self, kernels, copies, slots, grads, params):  # pragma: no cover - abstract
+        """As :meth:`_kernel_update`, from per-replica ``grads`` summed in the same pass."""
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -402,11 +452,17 @@ class SGD(Optimizer):
         self._slot_names = ("momentum",) if self.momentum != 0 else ()
         super().__init__(learning_rate, name)
 
-    def _kernel_update(self, backend, copies, slots, grad, params):
+    def _kernel_update(self, kernels, copies, slots, grad, params):
         if slots:
-            backend._momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)
+            kernels.momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)
         else:
-            backend._sgd(copies, grad, params[0])
+            kernels.sgd(copies, grad, params[0])
+
+    def _kernel_update_reduced(self, kernels, copies, slots, grads, params):
+        if slots:
+            kernels.all_reduce_momentum(copies, slots[0], grads, params[0], self.momentum, self.nesterov)
+        else:
+            kernels.all_reduce_sgd(copies, grads, params[0])
 
 
 class Adam(Optimizer):
@@ -434,5 +490,8 @@ class Adam(Optimizer):
     def _step_params(self, lr, step):
         return (adam_lr_t(lr, self.beta_1, self.beta_2, step),)
 
-    def _kernel_update(self, backend, copies, slots, grad, params):
-        backend._adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)
+    def _kernel_update(self, kernels, copies, slots, grad, params):
+        kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)
+
+    def _kernel_update_reduced(self, kernels, copies, slots, grads, params):
+        kernels.all_reduce_adam(copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon)

@@ -23,6 +23,7 @@ import numpy as np
 import optree
 
 from cudist._arrays import contiguous, device_context, is_device_array, like, to_host
+from cudist._collectives import pool
 from cudist._kernels import backend_for, cpu_backend, numpy_backend
 from cudist._reduce_util import ReduceOp
 
@@ -191,13 +192,19 @@ def _unpack_all(ref, ids, results, outs):
 
 
 def all_reduce(where, op, per_replica_leaves, *, num_packs=1, reducer=None):
-    """All-reduces ``per_replica_leaves[r][j]`` (leaf j of replica r): ``out[r][j]``, fresh arrays.
+    """All-reduces ``per_replica_leaves[r][j]`` (leaf j of replica r): ``out[r][j]``, new arrays.
 
-    ``reducer(backend, bufs, op)``: all-reduces packed GPU buffers in place (SUM or float MEAN);
-    None: the backend's fused kernel.
+    The shapes and dtypes must agree across replicas (:func:`check_same_leaves`). Host leaves of a
+    kernel dtype are reduced out of place in one pass, straight from the inputs into pooled result
+    buffers (:mod:`.pool`): no staging copy, no fresh pages per step. ``reducer(backend, bufs, op)``
+    all-reduces packed GPU buffers in place (SUM or float MEAN); None: the backend's fused kernel.
     """
     n = len(per_replica_leaves)
     ref = per_replica_leaves[0]
+    if n > 1:
+        host = _host_all_reduce(op, per_replica_leaves, num_packs)
+        if host is not None:
+            return host
     outs = [[None] * len(ref) for _ in range(n)]
     for ids, bufs, b, kop, int_mean in _packs(where, op, per_replica_leaves, num_packs):
         xp = backend_for(bufs[0]).xp
@@ -214,6 +221,60 @@ def all_reduce(where, op, per_replica_leaves, *, num_packs=1, reducer=None):
             bufs = _divide(xp, bufs, n)
         _unpack_all(ref, ids, bufs, outs)
     return outs
+
+
+def _host_all_reduce(op, per_replica_leaves, num_packs):
+    """The user's hot path: host leaves of kernel dtypes, reduced out of place into pooled buffers.
+
+    One leaf per replica: one fused kernel call (N inputs -> N outputs, 2·N·S bytes moved). Several
+    leaves: per dtype (and pack) one batched call whose outputs are views of one pooled buffer per
+    replica. None when some leaf is not a host array of a kernel dtype (the general path then
+    takes them all).
+    """
+    b = cpu_backend()
+    kdtypes = b.dtypes
+    ref = per_replica_leaves[0]
+    n = len(per_replica_leaves)
+    for a in ref:
+        if type(a) is not np.ndarray or a.dtype not in kdtypes:
+            return None
+    trusted = b.trusted
+    if len(ref) == 1:
+        a0 = ref[0]
+        int_mean = op is ReduceOp.MEAN and a0.dtype.kind in "iu"
+        kop = ReduceOp.SUM if int_mean else op
+        ins = [p[0] if p[0].flags.c_contiguous else np.ascontiguousarray(p[0]) for p in per_replica_leaves]
+        outs = pool.take_many(n, a0.shape, a0.dtype)
+        trusted.all_reduce(ins, outs, kop)
+        if int_mean:
+            return [[np.true_divide(o, n)] for o in outs]
+        return [[o] for o in outs]
+    result = [[None] * len(ref) for _ in range(n)]
+    by_dtype: dict = {}
+    for j, a in enumerate(ref):
+        by_dtype.setdefault(a.dtype, []).append(j)
+    for dt, leaf_ids in by_dtype.items():
+        int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
+        kop = ReduceOp.SUM if int_mean else op
+        for group in pack_groups([ref[j].size for j in leaf_ids], num_packs):
+            ids = [leaf_ids[g] for g in group]
+            total = sum(ref[j].size for j in ids)
+            ins, outs = [], []
+            for r in range(n):
+                leaves = per_replica_leaves[r]
+                ins.append([np.ascontiguousarray(leaves[j]) for j in ids])
+                flat = pool.take((total,), dt)
+                views, off = [], 0
+                for j in ids:
+                    s = ref[j].size
+                    views.append(flat[off : off + s].reshape(ref[j].shape))
+                    off += s
+                outs.append(views)
+            trusted.batch_all_reduce(ins, outs, kop)
+            for r in range(n):
+                for j, o in zip(ids, outs[r]):
+                    result[r][j] = np.true_divide(o, n) if int_mean else o
+    return result
 
 
 def all_reduce_via_one(where, op, per_replica_leaves, *, num_packs=1):
