@@ -1,7 +1,9 @@
 """cudist: tf.distribute's Strategy API over NumPy (CPU) and CuPy (GPU) arrays.
 
 The public names are re-exported lazily from private modules so that ``import cudist`` stays fast:
-nothing here imports numba, CuPy or the native extension, and nothing is compiled.
+nothing here imports numba, CuPy or the native extension, and nothing is compiled. Type checkers
+and IDEs see the same names as real imports (the ``TYPE_CHECKING`` block below), so
+``cudist.MirroredStrategy`` is the class itself to them, not ``Any``.
 """
 
 from __future__ import annotations
@@ -9,8 +11,55 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+if TYPE_CHECKING:
+    # What the lazy ``__getattr__`` below returns, for type checkers only; keep in step with
+    # _EXPORTS and _SUBMODULES (tests/test_typing.py checks that they agree).
+    from cudist import config, data, errors, experimental, optimizers
+    from cudist._central_storage_strategy import CentralStorageStrategy
+    from cudist._cross_device_ops import (
+        CrossDeviceOps,
+        HierarchicalCopyAllReduce,
+        NcclAllReduce,
+        P2PAllReduce,
+        ReductionToOneDevice,
+    )
+    from cudist._distribute_lib import (
+        ReplicaContext,
+        RunOptions,
+        Strategy,
+        StrategyExtended,
+        experimental_set_strategy,
+        get_cross_replica_context,
+        get_replica_context,
+        get_strategy,
+        has_strategy,
+        in_cross_replica_context,
+    )
+    from cudist._input_lib import (
+        DistributedDataset,
+        DistributedDatasetsFromFunction,
+        DistributedIterator,
+        InputContext,
+        InputOptions,
+        InputReplicationMode,
+        ValueContext,
+    )
+    from cudist._mirrored_strategy import MirroredStrategy
+    from cudist._one_device_strategy import OneDeviceStrategy
+    from cudist._reduce_util import ReduceOp
+    from cudist._values import DistributedValues, Mirrored, PerReplica
+    from cudist._variables import (
+        MirroredVariable,
+        SyncOnReadVariable,
+        Variable,
+        VariableAggregation,
+        VariableSynchronization,
+    )
+
+    #: The installed distribution's version (read lazily; see ``_read_version``).
+    __version__: str
 
 # public name -> private module that defines it
 _EXPORTS = {
@@ -51,23 +100,98 @@ _EXPORTS = {
 }
 _SUBMODULES = ("data", "config", "experimental", "errors", "optimizers")
 
-__all__ = sorted(_EXPORTS) + list(_SUBMODULES) + ["get_include", "get_cmake_dir", "__version__"]
+# Written out (not computed from _EXPORTS) so that type checkers read it; tests/test_typing.py
+# checks that it holds exactly _EXPORTS, _SUBMODULES, get_include, get_cmake_dir and __version__.
+__all__ = [
+    "CentralStorageStrategy",
+    "CrossDeviceOps",
+    "DistributedDataset",
+    "DistributedDatasetsFromFunction",
+    "DistributedIterator",
+    "DistributedValues",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "InputReplicationMode",
+    "Mirrored",
+    "MirroredStrategy",
+    "MirroredVariable",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "P2PAllReduce",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "RunOptions",
+    "Strategy",
+    "StrategyExtended",
+    "SyncOnReadVariable",
+    "ValueContext",
+    "Variable",
+    "VariableAggregation",
+    "VariableSynchronization",
+    "experimental_set_strategy",
+    "get_cross_replica_context",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "data",
+    "config",
+    "experimental",
+    "errors",
+    "optimizers",
+    "get_include",
+    "get_cmake_dir",
+    "__version__",
+]
 
 
-def __getattr__(name):
-    mod = _EXPORTS.get(name)
-    if mod is not None:
-        value = getattr(importlib.import_module(f"cudist.{mod}"), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"cudist.{name}")
-    else:
-        raise AttributeError(f"module 'cudist' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:  # hidden from type checkers: a misspelt name must be an error to them
+
+    def __getattr__(name: str) -> object:
+        mod = _EXPORTS.get(name)
+        if mod is not None:
+            value = getattr(importlib.import_module(f"cudist.{mod}"), name)
+        elif name in _SUBMODULES:
+            value = importlib.import_module(f"cudist.{name}")
+        elif name == "__version__":
+            value = _read_version()
+        else:
+            raise AttributeError(f"module 'cudist' has no attribute {name!r}")
+        globals()[name] = value
+        return value
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+def _read_version() -> str:
+    """The installed distribution's version (``cudist.__version__``, read on first use).
+
+    scikit-build-core took it at build time from the CUDIST_VERSION_* macros of
+    ``csrc/include/cudist/version.hpp``, the one place it is written. A source tree used without
+    installing it has no distribution metadata; the version then comes from that header itself.
+    """
+    import importlib.metadata  # noqa: PLC0415 - only when the version is asked for
+
+    try:
+        return importlib.metadata.version("cudist")
+    except importlib.metadata.PackageNotFoundError:
+        return _header_version(Path(get_include()) / "cudist" / "version.hpp")
+
+
+def _header_version(path: Path) -> str:
+    """``MAJOR.MINOR.PATCH`` from the ``CUDIST_VERSION_*`` macros of a ``version.hpp``."""
+    import re  # noqa: PLC0415
+
+    text = path.read_text(encoding="utf-8")
+    parts = [re.search(rf"^#define CUDIST_VERSION_{p} (\d+)$", text, re.M) for p in ("MAJOR", "MINOR", "PATCH")]
+    if not all(parts):
+        raise RuntimeError(f"no CUDIST_VERSION_MAJOR/MINOR/PATCH macros in {path}")
+    return ".".join(m.group(1) for m in parts if m)
 
 
 def _install_dir() -> Path:

@@ -6,6 +6,7 @@ import argparse
 import os
 import platform
 import sys
+from collections.abc import Sequence
 
 
 def _info() -> str:
@@ -63,7 +64,7 @@ def _extension_info() -> str:
     return f"C++ extension: with CUDA launchers (CUDA runtime {v // 1000}.{v % 1000 // 10}, static; {archs})"
 
 
-def main(argv=None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     import cudist
 
     p = argparse.ArgumentParser(prog="python -m cudist", description=__doc__)

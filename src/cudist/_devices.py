@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import functools
 import re
-from typing import NamedTuple
+from collections.abc import Iterable
+from typing import NamedTuple, Protocol, TypeAlias
 
-__all__ = ["DeviceSpec", "parse_device", "canonicalize", "CPU", "GPU"]
+__all__ = ["DeviceSpec", "DeviceLike", "parse_device", "canonicalize", "any_gpu", "CPU", "GPU"]
 
 CPU = "CPU"
 GPU = "GPU"
@@ -38,7 +39,19 @@ class DeviceSpec(NamedTuple):
 
     @property
     def is_gpu(self) -> bool:
+        """Whether this is a GPU."""
         return self.device_type == GPU
+
+
+class _Named(Protocol):
+    """An object naming a device by its ``name`` (a DeviceSpec, a LogicalDevice)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+#: What names a device: a string in any spelling above, a DeviceSpec, or an object with a ``name``.
+DeviceLike: TypeAlias = "str | _Named"
 
 
 @functools.lru_cache(maxsize=256)
@@ -53,7 +66,7 @@ def _parse(text: str) -> DeviceSpec:
     return DeviceSpec(m.group(1).upper(), int(m.group(2) or 0))
 
 
-def parse_device(device) -> DeviceSpec:
+def parse_device(device: DeviceLike) -> DeviceSpec:
     """Parses a device string (or DeviceSpec, or an object with a ``name``, such as LogicalDevice).
 
     Raises:
@@ -68,11 +81,11 @@ def parse_device(device) -> DeviceSpec:
     return _parse(name)
 
 
-def canonicalize(device) -> str:
+def canonicalize(device: DeviceLike) -> str:
     """Returns the canonical long name of ``device``."""
     return parse_device(device).name
 
 
-def any_gpu(devices) -> bool:
+def any_gpu(devices: Iterable[DeviceLike]) -> bool:
     """Whether any of ``devices`` (in any spelling :func:`parse_device` accepts) is a GPU."""
     return any(parse_device(d).is_gpu for d in devices)

@@ -18,7 +18,7 @@ class ReduceOp(enum.Enum):
     MEAN = "MEAN"
 
     @staticmethod
-    def from_variable_aggregation(aggregation) -> "ReduceOp":
+    def from_variable_aggregation(aggregation: object) -> ReduceOp:
         """Maps a ``VariableAggregation`` (SUM / MEAN) to the matching op.
 
         Raises:
@@ -30,7 +30,7 @@ class ReduceOp(enum.Enum):
         raise ValueError(f"Could not convert from `tf.VariableAggregation` {aggregation} to `tf.distribute.ReduceOp` type")
 
     @classmethod
-    def parse(cls, op, *, where: str = "reduce") -> "ReduceOp":
+    def parse(cls, op: ReduceOp | str, *, where: str = "reduce") -> ReduceOp:
         """Returns the ReduceOp named by ``op`` (a ReduceOp or a case-insensitive string).
 
         Raises:

@@ -8,7 +8,9 @@ through CuPy only when GPUs are asked about, never at ``import cudist``.
 
 from __future__ import annotations
 
+import importlib
 import threading
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from cudist._devices import CPU, GPU
@@ -25,11 +27,15 @@ __all__ = [
 
 
 class PhysicalDevice(NamedTuple):
+    """A physical device (``tf.config.PhysicalDevice``), e.g. "/physical_device:GPU:0"."""
+
     name: str
     device_type: str
 
 
 class LogicalDevice(NamedTuple):
+    """A logical device (``tf.config.LogicalDevice``), e.g. "/device:CPU:1"; what replicas run on."""
+
     name: str
     device_type: str
 
@@ -72,8 +78,8 @@ def _gpu_count() -> int:
     if _gpu_count_cache:
         return _gpu_count_cache[0]
     try:
-        import cupy  # noqa: PLC0415 - only when GPUs are asked about
-
+        # Only when GPUs are asked about; by name, so type checkers need no CuPy stubs.
+        cupy = importlib.import_module("cupy")
         n = int(cupy.cuda.runtime.getDeviceCount())
     except Exception:  # no CuPy, no driver, no device: no GPUs
         n = 0
@@ -81,7 +87,7 @@ def _gpu_count() -> int:
     return n
 
 
-def _check_type(device_type):
+def _check_type(device_type: str | None) -> str | None:
     if device_type is None:
         return None
     t = str(device_type).upper()
@@ -90,10 +96,10 @@ def _check_type(device_type):
     return t
 
 
-def list_physical_devices(device_type=None) -> list[PhysicalDevice]:
+def list_physical_devices(device_type: str | None = None) -> list[PhysicalDevice]:
     """The physical devices: one CPU, and each GPU CuPy sees."""
     t = _check_type(device_type)
-    out = []
+    out: list[PhysicalDevice] = []
     if t in (None, CPU):
         out.append(PhysicalDevice("/physical_device:CPU:0", CPU))
     if t in (None, GPU):
@@ -101,7 +107,7 @@ def list_physical_devices(device_type=None) -> list[PhysicalDevice]:
     return out
 
 
-def _physical(device) -> PhysicalDevice:
+def _physical(device: PhysicalDevice | str) -> PhysicalDevice:
     if isinstance(device, PhysicalDevice):
         return device
     if isinstance(device, str):
@@ -111,7 +117,9 @@ def _physical(device) -> PhysicalDevice:
     raise ValueError(f"unknown physical device {device!r}; list them with cudist.config.list_physical_devices()")
 
 
-def set_logical_device_configuration(device, logical_devices) -> None:
+def set_logical_device_configuration(
+    device: PhysicalDevice | str, logical_devices: Iterable[LogicalDeviceConfiguration] | None
+) -> None:
     """Splits a physical device into logical ones (None restores one logical device per physical).
 
     Unlike TF, this may be called at any time (there is no runtime to initialize first), and GPU
@@ -139,7 +147,7 @@ def set_logical_device_configuration(device, logical_devices) -> None:
         _logical[dev.name] = confs
 
 
-def get_logical_device_configuration(device):
+def get_logical_device_configuration(device: PhysicalDevice | str) -> list[LogicalDeviceConfiguration] | None:
     """The logical configuration set for a physical device, or None."""
     dev = _physical(device)
     with _lock:
@@ -153,17 +161,17 @@ def logical_to_physical_gpu() -> list[int]:
     Logical GPUs are numbered physical GPU by physical GPU: splitting GPU 0 into 4 gives
     "/gpu:0".."/gpu:3" on GPU 0, and GPU 1 (unsplit) becomes "/gpu:4".
     """
-    out = []
+    out: list[int] = []
     for i in range(_gpu_count()):
         confs = _logical.get(f"/physical_device:GPU:{i}")
         out.extend([i] * (len(confs) if confs else 1))
     return out
 
 
-def list_logical_devices(device_type=None) -> list[LogicalDevice]:
+def list_logical_devices(device_type: str | None = None) -> list[LogicalDevice]:
     """The logical devices, named "/device:CPU:N" and "/device:GPU:N"."""
     t = _check_type(device_type)
-    out = []
+    out: list[LogicalDevice] = []
     if t in (None, CPU):
         n = len(_logical.get("/physical_device:CPU:0") or [None])
         out.extend(LogicalDevice(f"/device:CPU:{i}", CPU) for i in range(n))

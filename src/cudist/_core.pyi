@@ -1,0 +1,154 @@
+"""Type stub of ``cudist._core``, the pybind11 extension built from ``csrc/bindings/core.cpp``.
+
+Keep it in step with the bindings: tests/test_typing.py compares its names with the module's and
+with the ``m.def``/``m.attr`` calls of core.cpp, and its parameter names with pybind11's signatures.
+
+Arrays are NumPy arrays of float16, float32, float64, int32 or int64, C-contiguous and in native
+byte order; the ones written to must be writeable. Sequences of arrays must be tuples or lists.
+"""
+
+from collections.abc import Sequence
+from typing import Any, Final, SupportsFloat, SupportsIndex, SupportsInt, TypeAlias
+
+from numpy.typing import DTypeLike, NDArray
+
+from cudist._reduce_util import ReduceOp
+
+_Array: TypeAlias = NDArray[Any]
+_Arrays: TypeAlias = tuple[_Array, ...] | list[_Array]
+_Int: TypeAlias = SupportsInt | SupportsIndex
+_Float: TypeAlias = SupportsFloat | SupportsIndex
+#: A reduction: SUM (0) or MEAN (1), or the ReduceOp members given to register_reduce_ops.
+_Op: TypeAlias = int | ReduceOp
+
+__version__: Final[str]
+#: ``op`` codes of the reductions.
+SUM: Final[int]
+MEAN: Final[int]
+
+#: Whether the extension was built with the CUDA launchers (``cuda_all_reduce``,
+#: ``cuda_p2p_all_reduce``); without them those two functions do not exist.
+cuda_built: Final[bool]
+#: The CUDA architectures compiled for, e.g. "80,90" ("" without CUDA).
+cuda_architectures: Final[str]
+#: CUDART_VERSION of the (static) CUDA runtime, e.g. 13000 (0 without CUDA).
+cuda_runtime_version: Final[int]
+
+def all_reduce(bufs: _Arrays, op: _Op) -> None:
+    """In place: every array of ``bufs`` becomes their elementwise reduction; op 0=SUM, 1=MEAN."""
+
+def all_reduce_into(inputs: _Arrays, outputs: _Arrays, op: _Op, strict: bool = False) -> None:
+    """Out of place: every array of ``outputs`` becomes the elementwise reduction of ``inputs``.
+
+    One pass; outputs[i] may be inputs[i]. ``strict``: refuse any other overlap (ValueError).
+    """
+
+def batch_all_reduce(inputs: Sequence[_Arrays], outputs: Sequence[_Arrays], op: _Op) -> None:
+    """outputs[r][j] = reduction over r of inputs[r][j], for every leaf j, in one dispatch.
+
+    ``inputs`` and ``outputs`` are tuples or lists (one per replica) of tuples or lists of arrays
+    (the leaves, all of one dtype).
+    """
+
+def register_reduce_ops(sum: object, mean: object) -> None:
+    """Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1."""
+
+def reduce_to_one(bufs: _Arrays, op: _Op, out: _Array) -> None:
+    """Reduces ``bufs`` elementwise into ``out`` (which may be one of them)."""
+
+def broadcast(src: _Array, dsts: _Arrays) -> None:
+    """Copies ``src`` into every array of ``dsts``."""
+
+def all_gather(bufs: _Arrays, axis: _Int) -> _Array:
+    """Concatenates ``bufs`` along non-negative ``axis`` into a new array."""
+
+def assign_add(copies: _Arrays, value: _Array, negate: bool) -> None:
+    """Every copy becomes copies[0] + value (or - value when ``negate``)."""
+
+def assign(copies: _Arrays, value: _Array) -> None:
+    """Writes ``value`` into every copy."""
+
+def sgd(copies: _Arrays, grad: _Array, lr: _Float) -> None:
+    """Every copy becomes copies[0] - lr * grad."""
+
+def all_reduce_sgd(copies: _Arrays, grads: _Arrays, lr: _Float) -> None:
+    """Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass."""
+
+def all_reduce_momentum(
+    copies: _Arrays, velocities: _Arrays, grads: _Arrays, lr: _Float, momentum: _Float, nesterov: bool
+) -> None:
+    """Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass."""
+
+def all_reduce_adam(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    grads: _Arrays,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass."""
+
+def momentum(
+    copies: _Arrays, velocities: _Arrays, grad: _Array, lr: _Float, momentum: _Float, nesterov: bool
+) -> None:
+    """Momentum SGD (Keras formulation) on N copies and N velocities."""
+
+def adam(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    grad: _Array,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+) -> None:
+    """Adam (Keras formulation) with the bias-corrected step size ``lr_t``."""
+
+def num_threads() -> int:
+    """Threads the kernels use (the calling thread included)."""
+
+def set_num_threads(n: _Int) -> None:
+    """Sets the number of threads (0 = all hardware threads)."""
+
+def set_streaming_threshold(nbytes: _Int) -> int:
+    """Bytes written from which kernels use streaming stores (returns the previous value)."""
+
+def hardware_threads() -> int:
+    """Hardware threads of this machine."""
+
+def cuda_device_count() -> int:
+    """CUDA devices visible to the extension's CUDA runtime; 0 without a driver, device or CUDA build."""
+
+# CUDA builds only (``cuda_built``): the launchers over raw device pointers (Python ints).
+
+def cuda_all_reduce(
+    ptrs: Sequence[int],
+    count: _Int,
+    dtype: DTypeLike,
+    op: _Int,
+    stream: _Int = 0,
+    device: _Int = -1,
+    two_shot: bool = False,
+) -> None:
+    """Enqueues cudist::cuda::all_reduce (or all_reduce_two_shot) on ``stream`` of ``device``.
+
+    ``device`` -1 is the current one; ``ptrs`` are the device buffers' addresses, ``count``
+    elements of ``dtype`` each; op 0=SUM, 1=MEAN. Raises RuntimeError naming the CUDA error.
+    """
+
+def cuda_p2p_all_reduce(
+    bufs: Sequence[tuple[int, int]],
+    count: _Int,
+    dtype: DTypeLike,
+    op: _Int,
+    streams: Sequence[int] | None = None,
+) -> None:
+    """Enqueues cudist::cuda::p2p_all_reduce over ``bufs``, (pointer, device) pairs.
+
+    One stream per buffer (None: the devices' default streams). Raises RuntimeError naming the
+    CUDA error.
+    """

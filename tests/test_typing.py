@@ -1,0 +1,440 @@
+"""The public API as type checkers and IDEs see it.
+
+One ``mypy --strict`` run (shared by the tests below) checks a user's training script written
+against the public API, with ``reveal_type`` lines, together with the modules that are annotated
+(:data:`ANNOTATED_MODULES`, reported in full). The tests then read its output:
+
+* :data:`CHECKS`: what mypy must reveal, exactly -- concrete classes, never ``Any``;
+* :data:`PENDING_CHECKS`: method returns of the modules that are not annotated yet. Each is
+  expected to fail *on Any* (an xfail that raises :class:`RevealedAny`); once its module is
+  annotated it passes, the strict xfail turns that into a failure, and the check moves to CHECKS
+  (with the exact type). Failing for another reason (a concrete but different type) fails at once;
+* no error anywhere, except on script lines marked ``# untyped: <module>`` (calls into modules
+  not annotated yet, which ``--strict`` reports); a marked line without errors fails too, so the
+  markers go away as the modules get annotated.
+
+Also here: the ``cudist._core`` stub against the extension and its bindings source, and
+``cudist/__init__.py``'s lazy exports against what type checkers see.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import os
+import re
+import site
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+from typing import NamedTuple
+
+import pytest
+
+import cudist
+
+pytest.importorskip("mypy", reason="mypy is in the test extra: pip install '.[test]'")
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = Path(cudist.__file__).resolve().parent
+
+#: Modules annotated for ``mypy --strict``: checked (and any error reported) in the run. Add a
+#: module here once it is annotated; the others are followed silently.
+ANNOTATED_MODULES = [
+    "cudist",
+    "cudist.__main__",
+    "cudist._core",  # the stub, src/cudist/_core.pyi
+    "cudist._devices",
+    "cudist._reduce_util",
+    "cudist._values",
+    "cudist.config",
+    "cudist.data",
+    "cudist.errors",
+    "cudist.experimental",
+]
+
+#: A user's script. ``# untyped: <module>`` marks a line whose errors come from that module not
+#: being annotated yet; remove the marker when it is (the test then insists the line is clean).
+SCRIPT = '''
+from __future__ import annotations
+
+import numpy as np
+import numpy.typing as npt
+
+import cudist
+from cudist import _core, optimizers
+
+cpu = cudist.config.list_physical_devices("CPU")[0]
+cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * 2)
+logical = cudist.config.list_logical_devices("CPU")
+
+strategy = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])  # untyped: _mirrored_strategy
+with strategy.scope():  # untyped: _distribute_lib
+    # _VariableMeta.__call__ hides Variable's parameters from type checkers ("too many arguments")
+    w = cudist.Variable(np.zeros(3, np.float32), name="w")  # untyped: _variables
+    opt = optimizers.SGD(0.1)  # untyped: optimizers
+
+ds = (
+    cudist.data.Dataset.from_tensor_slices(np.arange(24, dtype=np.float32).reshape(8, 3))
+    .shuffle(8, seed=1)
+    .map(lambda x: x * 2)
+    .batch(4, drop_remainder=True)
+    .prefetch(cudist.data.AUTOTUNE)
+)
+dist = strategy.experimental_distribute_dataset(ds)  # untyped: _distribute_lib
+dist_iter = iter(dist)
+
+
+def step(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
+    ctx = cudist.get_replica_context()  # untyped: _distribute_lib
+    total = ctx.all_reduce(cudist.ReduceOp.SUM, x)
+    w.assign_sub(0.01 * total)  # untyped: _variables
+    return x
+
+
+for batch in dist:
+    out = strategy.run(step, args=(batch,))  # untyped: _distribute_lib
+    loss = strategy.reduce("sum", out, axis=None)  # untyped: _distribute_lib
+
+a = np.ones(4, np.float32)
+_core.all_reduce([a, a.copy()], _core.SUM)
+'''
+
+
+class Check(NamedTuple):
+    """``reveal_type(expr)`` at the end of :data:`SCRIPT` must show ``expected``.
+
+    ``returns``: compare only the return type of a callable (a class: what calling it makes), so
+    that the class itself is checked while its constructor's parameters are not annotated yet.
+    ``expected`` None (pending checks only): any type without ``Any``.
+    """
+
+    expr: str
+    expected: str | None
+    returns: bool = False
+
+
+#: Strict now: each must be revealed exactly (the public names resolve to their real classes).
+CHECKS = [
+    # the classes behind the lazy exports, and instances of them
+    Check("cudist.MirroredStrategy", "cudist._mirrored_strategy.MirroredStrategy", returns=True),
+    Check("strategy", "cudist._mirrored_strategy.MirroredStrategy"),
+    Check("cudist.OneDeviceStrategy", "cudist._one_device_strategy.OneDeviceStrategy", returns=True),
+    Check("cudist.CentralStorageStrategy", "cudist._central_storage_strategy.CentralStorageStrategy", returns=True),
+    Check(
+        "cudist.experimental.CentralStorageStrategy",
+        "cudist._central_storage_strategy.CentralStorageStrategy",
+        returns=True,
+    ),
+    Check("cudist.Variable", "cudist._variables.Variable", returns=True),
+    Check("w", "cudist._variables.Variable"),
+    Check("cudist.data.Dataset", "cudist.data.Dataset", returns=True),
+    Check("cudist.PerReplica", "cudist._values.PerReplica", returns=True),
+    Check("cudist.Mirrored", "cudist._values.Mirrored", returns=True),
+    Check("opt", "cudist.optimizers.SGD"),
+    Check("optimizers.Adam", "cudist.optimizers.Adam", returns=True),
+    Check("cudist.ReduceOp.SUM", "Literal[cudist._reduce_util.ReduceOp.SUM]?"),
+    Check("cudist.__version__", "str"),
+    Check("cudist.get_include()", "str"),
+    # methods already annotated in the strategy modules
+    Check("strategy.num_replicas_in_sync", "int"),
+    Check("strategy.extended", "cudist._distribute_lib.StrategyExtended"),
+    Check("cudist.get_strategy()", "cudist._distribute_lib.Strategy"),
+    Check("cudist.has_strategy()", "bool"),
+    Check("w.name", "str"),
+    Check("w.device", "str"),
+    # cudist.data
+    Check("ds", "cudist.data.Dataset"),
+    Check("cudist.data.Dataset.range(10).repeat(2).take(5).skip(1).shard(2, 0)", "cudist.data.Dataset"),
+    Check("cudist.data.Dataset.zip(ds, ds).enumerate().unbatch().filter(lambda i, e: i > 0)", "cudist.data.Dataset"),
+    Check("ds.cardinality()", "int"),
+    Check("ds.reduce(0, lambda n, e: n + 1)", "int"),
+    Check("cudist.data.as_dataset([a, a])", "cudist.data.Dataset"),
+    Check("cudist.data.TensorSpec((None, 3), np.float32).is_compatible_with(a)", "bool"),
+    # ReduceOp, config, values, _core
+    Check("cudist.ReduceOp.parse('sum')", "cudist._reduce_util.ReduceOp"),
+    Check("logical[0].name", "str"),
+    Check("cudist.config.list_physical_devices()[0].device_type", "str"),
+    Check("_core.num_threads()", "int"),
+    Check("_core.cuda_built", "bool"),
+    Check("_core.set_streaming_threshold(1 << 20)", "int"),
+]
+
+#: Method returns of modules that are not annotated yet (_distribute_lib, _variables, _input_lib,
+#: optimizers, the strategies). Each reveals Any today; extend the list as you annotate, and move
+#: a check to CHECKS (with its exact type) once it passes.
+PENDING_CHECKS = [
+    Check("cudist.MirroredStrategy", None),  # the constructor's parameters
+    Check("optimizers.SGD", None),  # the constructor's parameters
+    Check("strategy.scope()", None),
+    Check("strategy.experimental_distribute_dataset(ds)", "cudist._input_lib.DistributedDataset"),
+    Check("dist_iter", "cudist._input_lib.DistributedIterator"),
+    Check("strategy.extended.worker_devices", "tuple[str, ...]"),
+    Check("cudist.get_replica_context()", None),
+    Check(
+        "cudist.get_replica_context().all_reduce(cudist.ReduceOp.SUM, a)",
+        "numpy.ndarray[tuple[Any, ...], numpy.dtype[numpy.float32]]",
+    ),
+    Check("w.assign_add(1.0)", None),
+    Check("opt.apply_gradients([(a, w)])", None),
+]
+
+
+class RevealedAny(AssertionError):
+    """A check failed because mypy revealed ``Any`` (what a pending check expects)."""
+
+
+# numpy's arrays carry their shape as tuple[Any, ...]: that Any is numpy's, not a missing annotation.
+_NUMPY_SHAPE = "numpy.ndarray[tuple[Any, ...], "
+
+
+def _has_any(revealed: str) -> bool:
+    return re.search(r"\bAny\b", revealed.replace(_NUMPY_SHAPE, "numpy.ndarray[<shape>, ")) is not None
+
+
+def _returns(revealed: str) -> str:
+    """The return type of a revealed callable ``def (...) -> T``."""
+    return revealed.rsplit(" -> ", 1)[1] if revealed.startswith("def ") else revealed
+
+
+def _normalize(revealed: str) -> str:
+    # Older mypy versions spell out builtins.; numpy 1.x arrays have the shape type Any.
+    return revealed.replace("builtins.", "").replace("numpy.ndarray[Any, ", _NUMPY_SHAPE)
+
+
+class MypyRun(NamedTuple):
+    script_lines: list[str]
+    revealed: dict[int, str]  # script line number -> revealed type
+    errors: list[tuple[str, int, str]]  # (file, line, message)
+    reveal_lines: dict[str, int]  # check key -> script line
+    pending_lines: set[int]  # the reveal_type lines of PENDING_CHECKS
+    output: str
+
+
+def _check_key(group: str, check: Check) -> str:
+    return f"{group}:{check.expr}"
+
+
+def _mypy_search_path() -> str | None:
+    """Where mypy finds the imported cudist, when that is not an installed copy.
+
+    An installed cudist (``pip install .``) sits in site-packages, which mypy searches by itself.
+    An editable install points Python at the source tree through an import hook, which mypy
+    cannot follow; it is then given the source tree.
+    """
+    parent = PACKAGE.parent
+    site_dirs = {Path(p).resolve() for p in [*site.getsitepackages(), site.getusersitepackages()]}
+    return None if parent in site_dirs else str(parent)
+
+
+def _run_mypy(tmp: Path) -> MypyRun:
+    script = textwrap.dedent(SCRIPT).lstrip("\n")
+    lines = script.splitlines()
+    reveal_lines: dict[str, int] = {}
+    for group, checks in (("check", CHECKS), ("pending", PENDING_CHECKS)):
+        for check in checks:
+            lines.append(f"reveal_type({check.expr})")
+            reveal_lines[_check_key(group, check)] = len(lines)
+    (tmp / "user_script.py").write_text("\n".join(lines) + "\n")
+    env = dict(os.environ)
+    path = _mypy_search_path()
+    if path:
+        env["MYPYPATH"] = path
+    else:
+        env.pop("MYPYPATH", None)
+    cmd = [
+        sys.executable, "-m", "mypy", "--strict", "--follow-imports=silent", "--no-error-summary",
+        "--show-absolute-path", "--hide-error-context", "--no-color-output", "--no-pretty",
+        "--cache-dir", str(tmp / "mypy_cache"), "-m", "user_script",
+    ]
+    for module in ANNOTATED_MODULES:
+        cmd += ["-m", module]
+    proc = subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode not in (0, 1) or proc.stderr.strip():
+        pytest.fail(f"mypy did not run (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    script_file = str((tmp / "user_script.py").resolve())
+    revealed: dict[int, str] = {}
+    errors: list[tuple[str, int, str]] = []
+    for row in proc.stdout.splitlines():
+        m = re.match(r"^(.*?):(\d+): (error|note): (.*)$", row)
+        if not m:
+            continue
+        file, line, kind, message = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+        note = re.match(r'^Revealed type is "(.*)"$', message)
+        if kind == "note" and note and file == script_file:
+            revealed[line] = _normalize(note.group(1))
+        elif kind == "error":
+            errors.append((file, line, message))
+    pending = {line for key, line in reveal_lines.items() if key.startswith("pending:")}
+    return MypyRun(lines, revealed, errors, reveal_lines, pending, proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def mypy_run(tmp_path_factory: pytest.TempPathFactory) -> MypyRun:
+    return _run_mypy(tmp_path_factory.mktemp("typing"))
+
+
+def _verify(run: MypyRun, group: str, check: Check) -> None:
+    line = run.reveal_lines[_check_key(group, check)]
+    got = run.revealed.get(line)
+    assert got is not None, f"mypy revealed nothing for {check.expr!r} (line {line}):\n{run.output}"
+    if check.returns:
+        got = _returns(got)
+    if _has_any(got):
+        raise RevealedAny(f"reveal_type({check.expr}) is {got!r}: it contains Any")
+    if check.expected is not None:
+        assert got == check.expected, f"reveal_type({check.expr}) is {got!r}, expected {check.expected!r}"
+
+
+@pytest.mark.parametrize("check", CHECKS, ids=[c.expr for c in CHECKS])
+def test_revealed_type(mypy_run: MypyRun, check: Check) -> None:
+    _verify(mypy_run, "check", check)
+
+
+@pytest.mark.parametrize(
+    "check",
+    [pytest.param(c, marks=pytest.mark.xfail(raises=RevealedAny, strict=True, reason="module not annotated yet"))
+     for c in PENDING_CHECKS],
+    ids=[c.expr for c in PENDING_CHECKS],
+)
+def test_revealed_type_pending(mypy_run: MypyRun, check: Check) -> None:
+    _verify(mypy_run, "pending", check)
+
+
+def test_no_errors_outside_untyped_lines(mypy_run: MypyRun) -> None:
+    untyped = {i for i, text in enumerate(mypy_run.script_lines, 1) if re.search(r"#\s*untyped:", text)}
+    tolerated = untyped | mypy_run.pending_lines  # a pending reveal_type(...) may call untyped code too
+    unexpected = [
+        f"{file}:{line}: {message}"
+        for file, line, message in mypy_run.errors
+        if not (file.endswith("user_script.py") and line in tolerated)
+    ]
+    assert not unexpected, "mypy --strict reports errors:\n" + "\n".join(unexpected)
+    errored = {line for file, line, _ in mypy_run.errors if file.endswith("user_script.py")}
+    clean = sorted(untyped - errored)
+    assert not clean, "these lines are marked '# untyped' but type-check cleanly; remove the markers:\n" + "\n".join(
+        f"{i}: {mypy_run.script_lines[i - 1].strip()}" for i in clean
+    )
+
+
+# ------------------------------------------------------------------------------ cudist/__init__.py
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """Name -> module of the imports under ``if TYPE_CHECKING:`` in cudist/__init__.py."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    out: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for stmt in node.body:
+                if isinstance(stmt, ast.ImportFrom) and stmt.module:
+                    for alias in stmt.names:
+                        out[alias.asname or alias.name] = stmt.module
+    return out
+
+
+def test_type_checkers_see_every_lazy_export() -> None:
+    seen = _type_checking_imports()
+    expected = {name: f"cudist.{mod}" for name, mod in cudist._EXPORTS.items()}
+    expected.update({name: "cudist" for name in cudist._SUBMODULES})
+    assert seen == expected
+
+
+def test_all_is_complete_and_resolves() -> None:
+    assert len(cudist.__all__) == len(set(cudist.__all__))
+    assert set(cudist.__all__) == {*cudist._EXPORTS, *cudist._SUBMODULES, "get_include", "get_cmake_dir", "__version__"}
+    for name in cudist.__all__:
+        assert getattr(cudist, name) is not None, name
+    assert cudist.MirroredStrategy is importlib.import_module("cudist._mirrored_strategy").MirroredStrategy
+
+
+# ------------------------------------------------------------------------------ the _core stub
+
+STUB = PACKAGE / "_core.pyi"
+BINDINGS = ROOT / "csrc" / "bindings" / "core.cpp"
+
+
+def _stub_names() -> tuple[dict[str, ast.FunctionDef], set[str]]:
+    """The stub's public functions (name -> def) and public attributes."""
+    tree = ast.parse(STUB.read_text())
+    functions = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")}
+    attributes = {
+        n.target.id
+        for n in tree.body
+        if isinstance(n, ast.AnnAssign)
+        and isinstance(n.target, ast.Name)
+        and (not n.target.id.startswith("_") or n.target.id == "__version__")
+    }
+    return functions, attributes
+
+
+def _bindings_source() -> tuple[set[str], set[str], set[str]]:
+    """From core.cpp: (functions defined, attributes set, functions defined only with CUDA)."""
+    text = BINDINGS.read_text()
+    body = text[text.index("PYBIND11_MODULE(") :]
+    defined = re.compile(r'\bm\.def\(\s*"(\w+)"')
+    functions = set(defined.findall(body))
+    attributes = set(re.findall(r'\bm\.attr\(\s*"(\w+)"\)', body))
+    cuda_only: set[str] = set()
+    m = re.search(r"#ifdef CUDIST_CORE_WITH_CUDA(.*?)#else(.*?)#endif", body, re.S)
+    if m:
+        cuda_only = set(defined.findall(m.group(1))) - set(defined.findall(m.group(2)))
+    return functions, attributes, cuda_only
+
+
+def _core_module() -> ModuleType:
+    return pytest.importorskip("cudist._core", reason="the C++ extension is not built")
+
+
+def test_core_stub_matches_the_extension() -> None:
+    core = _core_module()
+    functions, attributes = _stub_names()
+    public = {n for n in dir(core) if not n.startswith("_")}
+    callables = {n for n in public if callable(getattr(core, n))}
+    # Functions that only a CUDA build defines may be missing from a CPU-only build.
+    cuda_only = _bindings_source()[2] if BINDINGS.is_file() else {"cuda_all_reduce", "cuda_p2p_all_reduce"}
+    optional = set() if core.cuda_built else cuda_only
+    assert callables - set(functions) == set(), "in cudist._core but not in _core.pyi"
+    assert set(functions) - callables - optional == set(), "in _core.pyi but not in cudist._core"
+    assert (public - callables) | {"__version__"} == attributes, "module attributes differ from the stub's"
+
+
+def test_core_stub_matches_the_bindings_source() -> None:
+    # Catches a binding added to core.cpp before any build has it (and CUDA-only ones on CPU).
+    if not BINDINGS.is_file():
+        pytest.skip("no source tree")
+    functions, attributes, _ = _bindings_source()
+    stub_functions, stub_attributes = _stub_names()
+    assert functions == set(stub_functions), "core.cpp's m.def names differ from _core.pyi's functions"
+    assert attributes == stub_attributes, "core.cpp's m.attr names differ from _core.pyi's attributes"
+
+
+def _pybind_parameters(doc: str, name: str) -> list[tuple[str, bool]]:
+    """(name, has a default) per parameter of pybind11's signature line ``name(a: T, b: U = x) -> R``."""
+    first = doc.splitlines()[0]
+    assert first.startswith(name + "("), first
+    inner = first[len(name) + 1 : first.rindex(") -> ")]
+    params, depth, current = [], 0, ""
+    for ch in inner + ",":
+        if ch == "," and depth == 0:
+            if current.strip():
+                params.append(current.strip())
+            current = ""
+            continue
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        current += ch
+    return [(p.split(":")[0].strip(), "=" in p) for p in params]
+
+
+def test_core_stub_parameters_match_the_extension() -> None:
+    core = _core_module()
+    functions, _ = _stub_names()
+    for name, fn in functions.items():
+        if not hasattr(core, name):
+            continue  # CUDA-only in a CPU build: covered by the source check above
+        args = fn.args.posonlyargs + fn.args.args
+        stub = [(a.arg, i >= len(args) - len(fn.args.defaults)) for i, a in enumerate(args)]
+        assert stub == _pybind_parameters(getattr(core, name).__doc__, name), name
