@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudist._kernels import SUPPORTED_DTYPES, get_backend
+from cudist._kernels import SUPPORTED_DTYPES, adam_lr_t, get_backend
 from cudist._kernels._numpy import NumpyBackend, reference_reduce
 from cudist._reduce_util import ReduceOp
 
@@ -511,6 +511,19 @@ def _every_numba_op(backend, rng, dtype, size, n=3):
         out += [(f"all_reduce {op.name} {i}", b, exp) for i, b in enumerate(bufs)]
         bufs = [random_array(rng, (size,), dtype) for _ in range(n)]
         out.append((f"reduce_to_one {op.name}", backend.reduce_to_one(bufs, op), reference_reduce(bufs, op)))
+        ins = [random_array(rng, (size,), dtype) for _ in range(n)]
+        for a in ins:
+            a.flags.writeable = False
+        outs = [random_array(rng, (size,), dtype) for _ in range(n)]
+        backend.all_reduce(ins, op, outputs=outs)
+        exp = reference_reduce(ins, op)
+        out += [(f"all_reduce out of place {op.name} {i}", o, exp) for i, o in enumerate(outs)]
+        leaves = [[random_array(rng, (size,), dtype), random_array(rng, (size // 3, 3), dtype)] for _ in range(n)]
+        louts = [[np.empty_like(x) for x in lv] for lv in leaves]
+        backend.batch_all_reduce(leaves, louts, op)
+        for j in range(2):
+            exp = reference_reduce([lv[j] for lv in leaves], op)
+            out += [(f"batch_all_reduce {op.name} leaf {j} replica {r}", lo[j], exp) for r, lo in enumerate(louts)]
     src = random_array(rng, (size,), dtype)
     dsts = [random_array(rng, (size,), dtype) for _ in range(n)]
     backend.broadcast(src, dsts)
@@ -540,6 +553,23 @@ def _every_numba_op(backend, rng, dtype, size, n=3):
     REF.adam(*exp, g, lr=1e-3, step=3)
     backend.adam(w, m, v, g, lr=1e-3, step=3)
     out += [(f"adam {i}", a, e) for i, (a, e) in enumerate(zip(w + m + v, sum(exp, [])))]
+    grads = [random_array(rng, (size,), dtype) for _ in range(n + 1)]
+    gs = reference_reduce(grads, ReduceOp.SUM)
+    w, m, v = mirrors(rng, (size,), dtype, n), mirrors(rng, (size,), dtype, n), mirrors(rng, (size,), dtype, n, positive=True)
+    exp = [[a.copy() for a in x] for x in (w, m, v)]
+    REF.adam(*exp, gs, lr=1e-3, step=4)
+    backend.all_reduce_adam(w, m, v, grads, lr=1e-3, step=4)
+    out += [(f"all_reduce_adam {i}", a, e) for i, (a, e) in enumerate(zip(w + m + v, sum(exp, [])))]
+    w, m = mirrors(rng, (size,), dtype, n), mirrors(rng, (size,), dtype, n)
+    exp = [[a.copy() for a in x] for x in (w, m)]
+    REF.momentum(*exp, gs, lr=0.1, momentum=0.9)
+    backend.all_reduce_momentum(w, m, grads, lr=0.1, momentum=0.9)
+    out += [(f"all_reduce_momentum {i}", a, e) for i, (a, e) in enumerate(zip(w + m, sum(exp, [])))]
+    w = mirrors(rng, (size,), dtype, n)
+    ew = [a.copy() for a in w]
+    REF.sgd(ew, gs, lr=0.1)
+    backend.all_reduce_sgd(w, grads, lr=0.1)
+    out += [(f"all_reduce_sgd {i}", a, e) for i, (a, e) in enumerate(zip(w, ew))]
     return out
 
 
@@ -628,7 +658,7 @@ for dtype in ("float16", "float32", "float64", "int32", "int64"):
         for name, got, exp in _every_numba_op(backend, rng, dtype, size):
             assert_bitwise(got, exp, name)
 stats = {}
-for name in ("_k_par", "_pack8"):
+for name in ("_k_par", "_k_batch", "_pack8"):
     d = getattr(_numba, name)
     stats[name] = {"hits": sum(d.stats.cache_hits.values()), "misses": sum(d.stats.cache_misses.values())}
 for key, compiled in _numba._workers.items():
@@ -655,14 +685,504 @@ def test_numba_kernels_cache_without_warnings_and_load_from_the_cache(tmp_path):
 
     cold, _ = _run_probe(_CACHE_PROBE, env, here)
     assert set(workers) <= set(cold), cold
-    assert cold["_k_par"]["misses"] == 1 and cold["_pack8"]["misses"] == 5, cold  # one per dtype
+    assert cold["_k_par"]["misses"] == 1 and cold["_k_batch"]["misses"] == 1, cold
+    assert cold["_pack8"]["misses"] == 5, cold  # one per dtype
     files = listing()
-    for fn in ["_k_par", "_pack8", *workers]:
+    for fn in ["_k_par", "_k_batch", "_pack8", *workers]:
         assert any(re.search(rf"\.{fn}-\d+\..*\.nbi$", f) for f in files), f"no cache index for {fn}: {sorted(files)}"
 
     warm, _ = _run_probe(_CACHE_PROBE, env, here)
     assert warm["_k_par"] == {"hits": 1, "misses": 0}, warm
+    assert warm["_k_batch"] == {"hits": 1, "misses": 0}, warm
     assert warm["_pack8"] == {"hits": 5, "misses": 0}, warm
     for fn in workers:
         assert warm[fn]["hits"] == 1, (fn, warm)
     assert listing() == files, "the warm run wrote to the cache"
+
+
+# ---------------------------------------------------------------------------- out of place, batched, fused
+# Where a buffer lives: a fresh array, one element past a 64-byte boundary (an offset view into a
+# larger array), or one byte past it (not even aligned to the element size).
+LAYOUTS = ["fresh", "offset", "unaligned"]
+
+
+def placed(a, layout):
+    """A copy of ``a`` (same shape and dtype, C-contiguous) laid out as ``layout`` says."""
+    a = np.asarray(a)  # random_array gives a NumPy scalar for shape ()
+    if layout == "fresh":
+        return a.copy()
+    skip_bytes = a.itemsize if layout == "offset" else 1
+    raw = np.empty(a.nbytes + 64 + skip_bytes, np.uint8)
+    start = (-raw.ctypes.data) % 64 + skip_bytes
+    out = np.ndarray(a.shape, a.dtype, raw.data, start)
+    out[...] = a
+    assert out.flags.c_contiguous and out.flags.writeable
+    return out
+
+
+def read_only(a):
+    a.flags.writeable = False
+    return a
+
+
+def bits(a):
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+out_case = dict(
+    case,
+    op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN, "sum", "mean"]),
+    layout=st.sampled_from(LAYOUTS),
+    ro=st.booleans(),
+    in_place=st.sampled_from(["none", "some", "all"]),
+)
+
+
+@FAST
+@given(**out_case)
+def test_all_reduce_out_of_place_matches_reference(backend, op, dtype, n, shape, seed, layout, ro, in_place):
+    rng = np.random.default_rng(seed)
+    bufs = [placed(random_array(rng, shape, dtype), layout) for _ in range(n)]
+    before = [b.copy() for b in bufs]
+    expected = reference_reduce(before, ReduceOp.parse(op))
+    outs = [placed(random_array(rng, shape, dtype), layout) for _ in range(n)]
+    aliased = {"none": set(), "some": set(range(0, n, 2)), "all": set(range(n))}[in_place]
+    for i in aliased:
+        outs[i] = bufs[i]
+    if ro and in_place == "none":
+        bufs = [read_only(b) for b in bufs]  # out of place, inputs are only read
+    got = backend.all_reduce(bufs, op, outputs=outs)
+    assert isinstance(got, tuple) and len(got) == n and all(g is o for g, o in zip(got, outs))
+    for i, o in enumerate(outs):
+        assert_bitwise(o, expected, f"{backend.name} all_reduce out of place {op} output {i}")
+    for i, (b, b0) in enumerate(zip(bufs, before)):
+        if i not in aliased:
+            assert_bitwise(b, b0, f"input {i} must not change")
+
+
+@FAST
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 8),
+    leaf_shapes=st.lists(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (1023,), (4097,), (2, 3, 7)]), min_size=1, max_size=6),
+    op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN]),
+    layout=st.sampled_from(LAYOUTS),
+    ro=st.booleans(),
+    in_place=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_batch_all_reduce_matches_reference(backend, dtype, n, leaf_shapes, op, layout, ro, in_place, seed):
+    rng = np.random.default_rng(seed)
+    inputs = [[placed(random_array(rng, s, dtype), layout) for s in leaf_shapes] for _ in range(n)]
+    before = [[a.copy() for a in leaves] for leaves in inputs]
+    expected = [reference_reduce([before[r][j] for r in range(n)], op) for j in range(len(leaf_shapes))]
+    if in_place:
+        outputs = [list(leaves) for leaves in inputs]
+    else:
+        outputs = [[placed(random_array(rng, s, dtype), layout) for s in leaf_shapes] for _ in range(n)]
+        if ro:
+            inputs = [[read_only(a) for a in leaves] for leaves in inputs]
+    got = backend.batch_all_reduce(inputs, outputs, op)
+    assert isinstance(got, tuple) and len(got) == n
+    for r in range(n):
+        assert all(g is o for g, o in zip(got[r], outputs[r]))
+        for j, exp in enumerate(expected):
+            assert_bitwise(outputs[r][j], exp, f"{backend.name} batch_all_reduce {op} replica {r} leaf {j}")
+            if not in_place:
+                assert_bitwise(inputs[r][j], before[r][j], f"input leaf {j} of replica {r} must not change")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_batch_all_reduce_many_leaves_one_call(backend, dtype):
+    # Many small leaves and a few large ones (more than 4 MiB moved: the parallel paths), ragged.
+    rng = np.random.default_rng(31)
+    shapes = [(k % 13,) for k in range(60)] + [(300007,), (5, 8209)]
+    n = 3
+    inputs = [[random_array(rng, s, dtype) for s in shapes] for _ in range(n)]
+    outputs = [[np.empty(s, dtype) for s in shapes] for _ in range(n)]
+    backend.batch_all_reduce(inputs, outputs, "sum")
+    for j in range(len(shapes)):
+        exp = reference_reduce([inputs[r][j] for r in range(n)], ReduceOp.SUM)
+        for r in range(n):
+            assert_bitwise(outputs[r][j], exp, f"leaf {j} replica {r}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_all_reduce_out_of_place_large_multithreaded(backend, dtype, op):
+    rng = np.random.default_rng(12)
+    bufs = [read_only(random_array(rng, (300007,), dtype)) for _ in range(4)]
+    outs = [np.empty(300007, dtype) for _ in range(4)]
+    expected = reference_reduce(bufs, op)
+    backend.all_reduce(bufs, op, outputs=outs)
+    for i, o in enumerate(outs):
+        assert_bitwise(o, expected, f"{backend.name} large out-of-place all_reduce output {i}")
+
+
+def _grads_case(rng, shape, dtype, m, layout, ro):
+    grads = [placed(random_array(rng, shape, dtype), layout) for _ in range(m)]
+    return [read_only(g) for g in grads] if ro else grads
+
+
+fused_case = dict(
+    dtype=st.sampled_from(FLOATS),
+    n=st.integers(1, 8),
+    m=st.integers(1, 8),
+    shape=shapes(),
+    seed=st.integers(0, 2**32 - 1),
+    layout=st.sampled_from(LAYOUTS),
+    ro=st.booleans(),
+)
+
+
+def _check_fused(backend, what, got, expected):
+    for name, g_list, e_list in zip(what, got, expected):
+        for i, (g, e) in enumerate(zip(g_list, e_list)):
+            assert_bitwise(g, e, f"{backend.name} {name} copy {i}")
+
+
+@FAST
+@given(lr=st.floats(1e-4, 1.0), **fused_case)
+def test_all_reduce_sgd_matches_reduce_then_sgd(backend, lr, dtype, n, m, shape, seed, layout, ro):
+    rng = np.random.default_rng(seed)
+    copies = [placed(c, layout) for c in mirrors(rng, shape, dtype, n)]
+    grads = _grads_case(rng, shape, dtype, m, layout, ro)
+    exp = [c.copy() for c in copies]
+    REF.sgd(exp, REF.reduce_to_one(grads, "sum"), lr=lr)
+    # The same backend's two-step form must agree too (it is the definition).
+    two = [c.copy() for c in copies]
+    backend.sgd(two, backend.reduce_to_one(grads, "sum"), lr=lr)
+    out = backend.all_reduce_sgd(copies, grads, lr=lr)
+    assert isinstance(out, tuple) and all(o is c for o, c in zip(out, copies))
+    _check_fused(backend, ["all_reduce_sgd", "two-step sgd"], [copies, two], [exp, exp])
+
+
+@FAST
+@given(lr=st.floats(1e-4, 1.0), momentum=st.floats(0.0, 0.99), nesterov=st.booleans(), **fused_case)
+def test_all_reduce_momentum_matches_reduce_then_momentum(backend, lr, momentum, nesterov, dtype, n, m, shape, seed, layout, ro):
+    rng = np.random.default_rng(seed)
+    copies = [placed(c, layout) for c in mirrors(rng, shape, dtype, n)]
+    vels = [placed(v, layout) for v in mirrors(rng, shape, dtype, n)]
+    grads = _grads_case(rng, shape, dtype, m, layout, ro)
+    exp_w, exp_v = [c.copy() for c in copies], [v.copy() for v in vels]
+    REF.momentum(exp_w, exp_v, REF.reduce_to_one(grads, "sum"), lr=lr, momentum=momentum, nesterov=nesterov)
+    backend.all_reduce_momentum(copies, vels, grads, lr=lr, momentum=momentum, nesterov=nesterov)
+    _check_fused(backend, ["all_reduce_momentum w", "all_reduce_momentum v"], [copies, vels], [exp_w, exp_v])
+
+
+@FAST
+@given(
+    lr=st.floats(1e-4, 0.1),
+    beta_1=st.floats(0.5, 0.99),
+    beta_2=st.floats(0.9, 0.9999),
+    epsilon=st.sampled_from([1e-7, 1e-3]),
+    step=st.integers(1, 10_000),
+    **fused_case,
+)
+def test_all_reduce_adam_matches_reduce_then_adam(backend, lr, beta_1, beta_2, epsilon, step, dtype, n, m, shape, seed, layout, ro):
+    rng = np.random.default_rng(seed)
+    copies = [placed(c, layout) for c in mirrors(rng, shape, dtype, n)]
+    ms = [placed(c, layout) for c in mirrors(rng, shape, dtype, n)]
+    vs = [placed(c, layout) for c in mirrors(rng, shape, dtype, n, positive=True)]
+    grads = _grads_case(rng, shape, dtype, m, layout, ro)
+    exp = [[a.copy() for a in x] for x in (copies, ms, vs)]
+    kw = dict(lr=lr, beta_1=beta_1, beta_2=beta_2, epsilon=epsilon, step=step)
+    REF.adam(*exp, REF.reduce_to_one(grads, "sum"), **kw)
+    backend.all_reduce_adam(copies, ms, vs, grads, **kw)
+    _check_fused(backend, ["all_reduce_adam w", "all_reduce_adam m", "all_reduce_adam v"], [copies, ms, vs], exp)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n, m", [(4, 4), (1, 4), (4, 1), (3, 7)])
+def test_fused_updates_large_multithreaded(backend, dtype, n, m):
+    rng = np.random.default_rng(17)
+    shape = (300007,)
+    grads = [random_array(rng, shape, dtype) for _ in range(m)]
+    g = REF.reduce_to_one(grads, "sum")
+    w, v, s = mirrors(rng, shape, dtype, n), mirrors(rng, shape, dtype, n), mirrors(rng, shape, dtype, n, positive=True)
+    exp = [[a.copy() for a in x] for x in (w, v, s)]
+    REF.adam(*exp, g, lr=1e-3, step=9)
+    backend.all_reduce_adam(w, v, s, grads, lr=1e-3, step=9)
+    _check_fused(backend, ["adam w", "adam m", "adam v"], [w, v, s], exp)
+    ew, ev = [a.copy() for a in w], [a.copy() for a in v]
+    REF.momentum(ew, ev, g, lr=0.05, momentum=0.9)
+    backend.all_reduce_momentum(w, v, grads, lr=0.05, momentum=0.9)
+    _check_fused(backend, ["momentum w", "momentum v"], [w, v], [ew, ev])
+    ew = [a.copy() for a in w]
+    REF.sgd(ew, g, lr=0.3)
+    backend.all_reduce_sgd(w, grads, lr=0.3)
+    _check_fused(backend, ["sgd w"], [w], [ew])
+
+
+def test_fused_float16_gradient_sum_rounds_after_every_addition(backend):
+    # The gradient sum is taken in float16, as reduce_to_one does (2048 + 1 + 1 + 1 = 2048 there).
+    grads = [np.array([2048.0], np.float16)] + [np.array([1.0], np.float16)] * 3
+    w = [np.array([0.0], np.float16) for _ in range(2)]
+    backend.all_reduce_sgd(w, grads, lr=1.0)
+    assert w[0].tolist() == [-2048.0] and w[1].tolist() == [-2048.0]
+
+
+def test_fused_update_with_the_same_gradient_object_from_every_replica(backend):
+    rng = np.random.default_rng(4)
+    g = random_array(rng, (1000,), "float32")
+    w = mirrors(rng, (1000,), "float32", 2)
+    exp = [c.copy() for c in w]
+    REF.sgd(exp, REF.reduce_to_one([g, g, g], "sum"), lr=0.1)
+    backend.all_reduce_sgd(w, [g, g, g], lr=0.1)
+    _check_fused(backend, ["sgd"], [w], [exp])
+
+
+# ---------------------------------------------------------------------------- the trusted entry points
+def test_trusted_kernels_match_the_public_methods(backend):
+    t = backend.trusted
+    assert t is backend.trusted, "one TrustedKernels per backend"
+    rng = np.random.default_rng(8)
+    shape, n, S = (3, 37), 3, ReduceOp.SUM
+    for dtype in DTYPES:
+        ins = tuple(random_array(rng, shape, dtype) for _ in range(n))
+        exp = reference_reduce(ins, ReduceOp.MEAN)
+        outs = tuple(np.empty(shape, dtype) for _ in range(n))
+        assert t.all_reduce(ins, outs, ReduceOp.MEAN) is None
+        for o in outs:
+            assert_bitwise(o, exp, f"{backend.name} trusted all_reduce")
+        inplace = tuple(a.copy() for a in ins)
+        t.all_reduce(inplace, inplace, ReduceOp.MEAN)
+        for o in inplace:
+            assert_bitwise(o, exp, f"{backend.name} trusted all_reduce in place")
+        leaves = [(a, a[1:].copy()) for a in ins]
+        louts = [tuple(np.empty_like(x) for x in lv) for lv in leaves]
+        t.batch_all_reduce(leaves, louts, S)
+        for lo in louts:
+            assert_bitwise(lo[0], reference_reduce(ins, S), "trusted batch leaf 0")
+            assert_bitwise(lo[1], reference_reduce([lv[1] for lv in leaves], S), "trusted batch leaf 1")
+        out = np.empty(shape, dtype)
+        t.reduce_to_one(ins, S, out)
+        assert_bitwise(out, reference_reduce(ins, S), "trusted reduce_to_one")
+        dsts = tuple(np.empty(shape, dtype) for _ in range(n))
+        t.broadcast(ins[0], dsts)
+        t.assign(dsts, ins[1])
+        for d in dsts:
+            assert_bitwise(d, ins[1], "trusted assign")
+        t.assign_add(dsts, ins[2], True)
+        for d in dsts:
+            assert_bitwise(d, ins[1] - ins[2], "trusted assign_add(negate)")
+        if dtype not in FLOATS:
+            continue
+        grads = tuple(random_array(rng, shape, dtype) for _ in range(2))
+        g = reference_reduce(grads, S)
+        for fused in (False, True):
+            w, v, s = (tuple(mirrors(rng, shape, dtype, n, positive=k == 2)) for k in range(3))
+            ew, ev, es = ([a.copy() for a in x] for x in (w, v, s))
+            REF.adam(ew, ev, es, g, lr=0.01, step=4)
+            lr_t = adam_lr_t(0.01, 0.9, 0.999, 4)
+            if fused:
+                t.all_reduce_adam(w, v, s, grads, lr_t, 0.9, 0.999, 1e-7)
+            else:
+                t.adam(w, v, s, g, lr_t, 0.9, 0.999, 1e-7)
+            _check_fused(backend, ["trusted adam w", "m", "v"], [w, v, s], [ew, ev, es])
+            REF.momentum(ew, ev, g, lr=0.1, momentum=0.9, nesterov=True)
+            if fused:
+                t.all_reduce_momentum(w, v, grads, 0.1, 0.9, True)
+            else:
+                t.momentum(w, v, g, 0.1, 0.9, True)
+            _check_fused(backend, ["trusted momentum w", "v"], [w, v], [ew, ev])
+            REF.sgd(ew, g, lr=0.2)
+            if fused:
+                t.all_reduce_sgd(w, grads, 0.2)
+            else:
+                t.sgd(w, g, 0.2)
+            _check_fused(backend, ["trusted sgd w"], [w], [ew])
+
+
+def test_trusted_check_bufs_is_the_public_validation(backend):
+    t = backend.trusted
+    a, b = _f32(4), _f32(4)
+    assert t.check_bufs("x", [a, b], writable=True) == (a, b)
+    assert backend.check_bufs("x", (a,), writable=False) == (a,)
+    with pytest.raises(ValueError, match=r"step: velocity 1 has shape \(5,\) but velocity 0 has shape \(4,\)"):
+        t.check_bufs("step", [a, _f32(5)], writable=True, what="velocity")
+    assert t.check_bufs("x", [a, _f32(5)], writable=False, same_shape=False)[1].shape == (5,)
+    ro = read_only(_f32(4))
+    with pytest.raises(ValueError, match="replica 1 is read-only"):
+        t.check_bufs("x", [a, ro], writable=True)
+
+
+def test_trusted_call_is_cheap(backend):
+    # The point of the trusted path: no per-call validation. Generous bound (shared, loaded CI cores).
+    import time
+
+    t = backend.trusted
+    ins = tuple(np.ones(1024, np.float32) for _ in range(4))
+    outs = tuple(np.empty(1024, np.float32) for _ in range(4))
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(200):
+            t.all_reduce(ins, outs, ReduceOp.SUM)
+        best = min(best, (time.perf_counter() - t0) / 200)
+    limit = {"native": 20e-6, "numba": 100e-6, "numpy": 200e-6}[backend.name]
+    assert best < limit, f"{backend.name}: trusted 4 x 4 KiB all_reduce took {best * 1e6:.1f} us"
+
+
+# ---------------------------------------------------------------------------- errors of the new forms
+def test_error_out_of_place_overlaps_are_named(backend):
+    a, b, c = _f32(8, seed=1), _f32(8, seed=2), _f32(8, seed=3)
+    with pytest.raises(ValueError, match=r"all_reduce: output 1 overlaps input 0 \(an output may share memory only"):
+        backend.all_reduce([a, b], outputs=[c, a])
+    with pytest.raises(ValueError, match="output 1 overlaps output 0"):
+        backend.all_reduce([a, b], outputs=[c, c])
+    base = _f32(9)
+    with pytest.raises(ValueError, match="output 0 overlaps input 0"):  # its own input, but shifted
+        backend.all_reduce([base[:8], b], outputs=[base[1:], c])
+    with pytest.raises(ValueError, match="output 1 overlaps output 0"):
+        backend.all_reduce([a, b], outputs=[base[:8], base[1:]])
+    assert backend.all_reduce([a, a], outputs=[b, c]) == (b, c)  # inputs may overlap each other
+    assert_bitwise(b, a + a, "the same input twice")
+
+
+def test_error_out_of_place_shape_dtype_count(backend):
+    a, b = _f32(4), _f32(4)
+    with pytest.raises(ValueError, match="got 2 inputs but 1 outputs"):
+        backend.all_reduce([a, b], outputs=[_f32(4)])
+    with pytest.raises(ValueError, match=r"the outputs have shape \(5,\) but the inputs have shape \(4,\)"):
+        backend.all_reduce([a, b], outputs=[_f32(5), _f32(5)])
+    with pytest.raises(TypeError, match="the outputs have dtype float64 but the inputs have dtype float32"):
+        backend.all_reduce([a, b], outputs=[np.ones(4), np.ones(4)])
+    with pytest.raises(ValueError, match=r"output 1 has shape \(5,\) but output 0 has shape \(4,\)"):
+        backend.all_reduce([a, b], outputs=[_f32(4), _f32(5)])
+    with pytest.raises(ValueError, match="output 0 is read-only"):
+        backend.all_reduce([a, b], outputs=[read_only(_f32(4)), _f32(4)])
+    with pytest.raises(ValueError, match="output 1 is not C-contiguous"):
+        backend.all_reduce([a, b], outputs=[_f32(4), _f32(8)[::2]])
+    with pytest.raises(TypeError, match="expected a list of output arrays"):
+        backend.all_reduce([a, b], outputs=_f32(4))
+    ro = read_only(_f32(4))
+    with pytest.raises(ValueError, match="replica 0 is read-only"):  # in place needs writeable buffers
+        backend.all_reduce([ro, b], outputs=[ro, b])
+
+
+def test_error_batch_all_reduce_names_the_leaf(backend):
+    a, b = _f32(4), _f32(3)
+    ok_out = [[_f32(4), _f32(3)], [_f32(4), _f32(3)]]
+    with pytest.raises(ValueError, match="got 2 input replicas but 1 output replicas"):
+        backend.batch_all_reduce([[a, b], [a, b]], [[_f32(4), _f32(3)]])
+    with pytest.raises(ValueError, match="input replica 1 has 1 leaves but input replica 0 has 2"):
+        backend.batch_all_reduce([[a, b], [a]], ok_out)
+    with pytest.raises(ValueError, match="output replica 0 has 1 leaves"):
+        backend.batch_all_reduce([[a, b], [a, b]], [[_f32(4)], [_f32(4), _f32(3)]])
+    with pytest.raises(ValueError, match=r"input leaf 1 of replica 1 has shape \(4,\) but input leaf 1 of replica 0 has shape \(3,\)"):
+        backend.batch_all_reduce([[a, b], [a, _f32(4)]], ok_out)
+    with pytest.raises(ValueError, match=r"output leaf 0 of replica 1 has shape \(3,\)"):
+        backend.batch_all_reduce([[a, b], [a, b]], [[_f32(4), _f32(3)], [_f32(3), _f32(3)]])
+    with pytest.raises(TypeError, match="input leaf 1 of replica 0 has dtype float64 .* one dtype"):
+        backend.batch_all_reduce([[a, np.ones(3)], [a, np.ones(3)]], ok_out)
+    with pytest.raises(ValueError, match="output leaf 1 of replica 0 is read-only"):
+        backend.batch_all_reduce([[a, b], [a, b]], [[_f32(4), read_only(_f32(3))], [_f32(4), _f32(3)]])
+    with pytest.raises(ValueError, match="output leaf 0 of replica 1 overlaps input leaf 0 of replica 0"):
+        backend.batch_all_reduce([[a, b], [_f32(4), b]], [[_f32(4), _f32(3)], [a, _f32(3)]])
+    with pytest.raises(ValueError, match="expected at least one replica"):
+        backend.batch_all_reduce([], [])
+    with pytest.raises(TypeError, match=r"inputs\[1\] must be a list of leaf arrays"):
+        backend.batch_all_reduce([[a], a], ok_out)
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        backend.batch_all_reduce([[a]], [[_f32(4)]], "max")
+    assert backend.batch_all_reduce([[], []], [[], []]) == ((), ())  # no leaves: nothing to do
+
+
+def test_error_fused_updates_name_the_problem(backend):
+    w = [_f32(4), _f32(4)]
+    v = [_f32(4), _f32(4)]
+    with pytest.raises(ValueError, match=r"all_reduce_sgd: the gradients have shape \(5,\) but the copies have shape \(4,\)"):
+        backend.all_reduce_sgd(w, [_f32(5)], lr=0.1)
+    with pytest.raises(TypeError, match="all_reduce_sgd: the gradients have dtype float64 but the copies have dtype float32"):
+        backend.all_reduce_sgd(w, [np.ones(4)], lr=0.1)
+    with pytest.raises(ValueError, match=r"gradient 1 has shape \(5,\) but gradient 0 has shape \(4,\)"):
+        backend.all_reduce_sgd(w, [_f32(4), _f32(5)], lr=0.1)
+    with pytest.raises(ValueError, match="expected at least one gradient array"):
+        backend.all_reduce_sgd(w, [], lr=0.1)
+    with pytest.raises(ValueError, match="all_reduce_momentum: velocity copy 1 overlaps gradient 0; the gradients must not"):
+        backend.all_reduce_momentum(w, v, [v[1]], lr=0.1, momentum=0.9)
+    with pytest.raises(ValueError, match="copy 0 overlaps gradient 1"):
+        backend.all_reduce_sgd(w, [_f32(4), w[0]], lr=0.1)
+    with pytest.raises(ValueError, match="got 2 variable copies but 1 velocity copies"):
+        backend.all_reduce_momentum(w, [_f32(4)], [_f32(4)], lr=0.1, momentum=0.9)
+    with pytest.raises(TypeError, match="needs a floating-point dtype, got int32"):
+        backend.all_reduce_sgd([np.ones(4, np.int32)], [np.ones(4, np.int32)], lr=0.1)
+    with pytest.raises(ValueError, match="all_reduce_adam: step must be >= 1"):
+        backend.all_reduce_adam(w, [_f32(4)] * 2, [_f32(4)] * 2, [_f32(4)], lr=0.1, step=0)
+    with pytest.raises(ValueError, match="copy 1 is read-only"):
+        backend.all_reduce_sgd([_f32(4), read_only(_f32(4))], [_f32(4)], lr=0.1)
+    before = [c.copy() for c in w]
+    with pytest.raises(ValueError):
+        backend.all_reduce_sgd(w, [_f32(4), w[1]], lr=0.1)
+    for c, c0 in zip(w, before):
+        assert_bitwise(c, c0, "a rejected call must not write")
+
+
+# ---------------------------------------------------------------------------- old names keep working
+def test_deprecated_hook_names_still_work(backend):
+    rng = np.random.default_rng(6)
+    bufs = [random_array(rng, (50,), "float64") for _ in range(3)]
+    exp = reference_reduce(bufs, ReduceOp.SUM)
+    backend._all_reduce(bufs, ReduceOp.SUM)
+    for b in bufs:
+        assert_bitwise(b, exp, "_all_reduce")
+    assert backend._check_bufs("x", bufs, writable=True) == tuple(bufs)
+    g = random_array(rng, (50,), "float64")
+    w = mirrors(rng, (50,), "float64", 2)
+    ew = [c.copy() for c in w]
+    REF.sgd(ew, g, lr=0.5)
+    backend._sgd(w, g, 0.5)
+    _check_fused(backend, ["_sgd"], [w], [ew])
+
+
+def test_a_subclass_overriding_old_hook_names_is_still_used():
+    from cudist._kernels._numpy import NumpyBackend
+
+    seen = []
+
+    class Old(NumpyBackend):
+        def _all_reduce(self, bufs, op):
+            seen.append(("all_reduce", len(bufs)))
+            super()._all_reduce(bufs, op)
+
+        def _sgd(self, copies, grad, lr):
+            seen.append(("sgd", len(copies)))
+            return super()._sgd(copies, grad, lr)
+
+    be = Old()
+    a, b = np.ones(3), np.full(3, 2.0)
+    be.all_reduce([a, b])
+    assert a.tolist() == [3.0] * 3 and seen == [("all_reduce", 2)]
+    outs = [np.empty(3), np.empty(3)]
+    be.all_reduce([np.ones(3), np.ones(3)], outputs=outs)  # out of place, through the old in-place hook
+    assert outs[1].tolist() == [2.0] * 3 and seen[-1] == ("all_reduce", 2)
+    w = [np.ones(3)]
+    be.sgd(w, np.ones(3), lr=0.5)
+    be.trusted.sgd(w, np.ones(3), 0.5)
+    assert w[0].tolist() == [0.0] * 3 and seen[-2:] == [("sgd", 1), ("sgd", 1)]
+
+
+# ---------------------------------------------------------------------------- backend_for
+def test_backend_for_picks_the_cpu_backend_once(monkeypatch):
+    import cudist._kernels as K
+
+    K.reset_backend_cache()
+    try:
+        monkeypatch.setenv("CUDIST_BACKEND", "numpy")
+        assert K.backend_for(np.ones(2)).name == "numpy"
+        monkeypatch.setenv("CUDIST_BACKEND", "numba")
+        assert K.backend_for(np.ones(2)).name == "numpy", "chosen once per process"
+        assert K.cpu_backend() is K.backend_for(1.5)  # not a GPU array: the CPU backend
+        K.reset_backend_cache()
+        assert K.backend_for(np.ones(2)).name == "numba"
+        K.reset_backend_cache()
+        monkeypatch.setenv("CUDIST_BACKEND", "cupy")  # a GPU choice does not apply to host buffers
+        if "cupy" not in K.available_backends():
+            with pytest.raises(K.BackendUnavailableError):
+                K.cpu_backend()
+        else:
+            assert K.cpu_backend() is K.default_cpu_backend()
+        assert K.numpy_backend().name == "numpy"
+    finally:
+        K.reset_backend_cache()

@@ -471,3 +471,201 @@ def test_set_num_threads_rejects_absurd_counts_before_starting_threads():
     with pytest.raises(ValueError, match=">= 0"):
         _native.set_num_threads(-1)
     assert _native.num_threads() == before
+
+
+# ---------------------------------------------------------------------------- out of place, batched, fused
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_out_of_place_and_batched_all_reduce_large(native, ref, streaming, dtype, n, op):
+    # The parallel and the streaming paths (the outputs are not inputs, so they stream).
+    rng = np.random.default_rng(hash((dtype, n, op.name, 2)) % 2**32)
+    bufs = [rand(rng, dtype, (BIG,)) for _ in range(n)]
+    want = ref.reduce_to_one(bufs, op)
+    outs = [np.empty_like(b) for b in bufs]
+    native.all_reduce(bufs, op, outputs=outs)
+    for o in outs:
+        assert_bits_equal(o, want)
+    # Mixed: some outputs are their inputs.
+    mixed = [b.copy() if i % 2 else np.empty_like(b) for i, b in enumerate(bufs)]
+    ins = [m if i % 2 else b for i, (b, m) in enumerate(zip(bufs, mixed))]
+    native.all_reduce(ins, op, outputs=mixed)
+    for o in mixed:
+        assert_bits_equal(o, want)
+    leaves = [[b, b[: BIG // 3].copy(), b[:5].copy()] for b in bufs]
+    louts = [[np.empty_like(x) for x in lv] for lv in leaves]
+    native.batch_all_reduce(leaves, louts, op)
+    for j in range(3):
+        w = ref.reduce_to_one([lv[j] for lv in leaves], op)
+        for lo in louts:
+            assert_bits_equal(lo[j], w)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n, m", [(1, 4), (4, 4), (3, 1), (2, 20)])  # 20 gradients: past the inline list
+def test_fused_updates_large_match_reference(native, ref, streaming, dtype, n, m):
+    rng = np.random.default_rng(n * 100 + m)
+    w = rand(rng, dtype, (BIG,))
+    s1, s2 = rand(rng, dtype, (BIG,)), np.abs(rand(rng, dtype, (BIG,)))
+    grads = [rand(rng, dtype, (BIG,)) for _ in range(m)]
+    cases = [
+        ("sgd", 0, dict(lr=0.01)),
+        ("momentum", 1, dict(lr=0.01, momentum=0.9, nesterov=True)),
+        ("adam", 2, dict(lr=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step=5)),
+    ]
+    g = ref.reduce_to_one(grads, "sum")
+    for method, nslots, kw in cases:
+        want = [[x.copy() for _ in range(n)] for x in (w, s1, s2)[: nslots + 1]]
+        getattr(ref, method)(*want, g, **kw)
+        got = [[x.copy() for _ in range(n)] for x in (w, s1, s2)[: nslots + 1]]
+        getattr(native, "all_reduce_" + method)(*got, grads, **kw)
+        for wl, gl in zip(want, got):
+            for a, b in zip(wl, gl):
+                assert_bits_equal(b, a)
+
+
+def test_fused_updates_with_copies_passed_more_than_once(native, ref, streaming):
+    rng = np.random.default_rng(9)
+    w, v, g1, g2 = (rand(rng, "float32", (BIG,)) for _ in range(4))
+    want_w, want_v = [w.copy() for _ in range(4)], [v.copy() for _ in range(4)]
+    ref.momentum(want_w, want_v, ref.reduce_to_one([g1, g2], "sum"), lr=0.1, momentum=0.9)
+    bw, bv = [w.copy(), w.copy()], [v.copy(), v.copy()]
+    copies, vels = [bw[0], bw[1], bw[0], bw[1]], [bv[1], bv[1], bv[0], bv[0]]
+    native.all_reduce_momentum(copies, vels, [g1, g2], lr=0.1, momentum=0.9)
+    for a, b in zip(want_w + want_v, copies + vels):
+        assert_bits_equal(b, a)
+
+
+def test_core_takes_reduce_op_members_and_ints():
+    a, b = np.ones(4, np.float32), np.full(4, 3.0, np.float32)
+    out = np.empty(4, np.float32)
+    _core.reduce_to_one([a, b], ReduceOp.MEAN, out)
+    assert out.tolist() == [2.0] * 4
+    _core.reduce_to_one([a, b], 0, out)
+    assert out.tolist() == [4.0] * 4
+    for bad in ("sum", 2, True, None, 1.0):
+        with pytest.raises(ValueError, match="op must be ReduceOp.SUM or ReduceOp.MEAN"):
+            _core.reduce_to_one([a, b], bad, out)
+
+
+def test_core_out_of_place_and_batch_check_their_arguments():
+    a, b = np.ones(4, np.float32), np.ones(4, np.float32)
+    o1, o2 = np.empty(4, np.float32), np.empty(4, np.float32)
+    with pytest.raises(ValueError, match="got 2 inputs but 1 outputs"):
+        _core.all_reduce_into([a, b], [o1], 0)
+    with pytest.raises(TypeError, match="outputs have dtype float64"):
+        _core.all_reduce_into([a, b], [np.empty(4), np.empty(4)], 0)
+    with pytest.raises(ValueError, match="outputs have 5 elements"):
+        _core.all_reduce_into([a, b], [np.empty(5, np.float32)] * 2, 0)
+    ro = np.empty(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="output 1 is read-only"):
+        _core.all_reduce_into([a, b], [o1, ro], 0)
+    _core.all_reduce_into([ro, ro], [o1, o2], 0)  # inputs may be read-only
+    with pytest.raises(ValueError, match="output 1 overlaps input 0"):
+        _core.all_reduce_into([a, b], [o1, a], 0, True)
+    with pytest.raises(ValueError, match="output 1 overlaps output 0"):
+        _core.all_reduce_into([a, b], [o1, o1], 0, True)
+    _core.all_reduce_into([a, b], [a, o2], 0, True)  # exactly its own input: fine
+    with pytest.raises(ValueError, match="got 2 input replicas but 1 output replicas"):
+        _core.batch_all_reduce([[a], [b]], [[o1]], 0)
+    with pytest.raises(ValueError, match="input replica 1 has 2 leaves but input replica 0 has 1"):
+        _core.batch_all_reduce([[a], [b, b]], [[o1], [o2]], 0)
+    with pytest.raises(ValueError, match="input leaf 0 of replica 1 has 3 elements"):
+        _core.batch_all_reduce([[a], [b[:3]]], [[o1], [o2]], 0)
+    with pytest.raises(TypeError, match="leaf 0 of replica 1 has dtype float64"):
+        _core.batch_all_reduce([[a], [np.ones(4)]], [[o1], [o2]], 0)
+    with pytest.raises(ValueError, match="output leaf 0 1 is read-only|output leaf 0 is read-only"):
+        _core.batch_all_reduce([[a], [b]], [[ro], [o2]], 0)
+    with pytest.raises(TypeError, match=r"inputs\[r\] must be a tuple or list"):
+        _core.batch_all_reduce([a, b], [[o1], [o2]], 0)
+    with pytest.raises(ValueError, match="gradients have 5 elements"):
+        _core.all_reduce_sgd([o1], [np.ones(5, np.float32)], 0.1)
+    with pytest.raises(TypeError, match="gradients have dtype float64"):
+        _core.all_reduce_sgd([o1], [np.ones(4)], 0.1)
+    with pytest.raises(ValueError, match="at least one"):
+        _core.all_reduce_adam([o1], [o2], [o2], [], 0.1, 0.9, 0.999, 1e-7)
+
+
+def test_core_overlapping_buffers_go_through_a_temporary(ref):
+    # Without the strict check (the trusted path), partially overlapping outputs and batch segments
+    # still give NumPy's answer: everything reduced first, then the outputs written in order.
+    rng = np.random.default_rng(21)
+    for size in (7, BIG):
+        base = rand(rng, "float64", (size + 3,))
+        x = base.copy()
+        ins = [x[:size], rand(rng, "float64", (size,))]
+        outs = [x[3:], np.empty(size)]
+        want_x = x.copy()
+        ref.trusted.all_reduce([want_x[:size], ins[1]], [want_x[3:], np.empty(size)], ReduceOp.SUM)
+        _core.all_reduce_into(ins, outs, ReduceOp.SUM)
+        assert_bits_equal(x, want_x)
+        y = base.copy()
+        want_y = y.copy()
+        other = rand(rng, "float64", (size,))
+        ref.trusted.batch_all_reduce([[want_y[:size]], [other]], [[want_y[3:]], [np.empty(size)]], ReduceOp.SUM)
+        _core.batch_all_reduce([[y[:size]], [other]], [[y[3:]], [np.empty(size)]], ReduceOp.SUM)
+        assert_bits_equal(y, want_y)
+
+
+def test_results_of_new_kernels_identical_across_thread_counts(native, threads):
+    rng = np.random.default_rng(33)
+    ins = [rand(rng, "float32", (BIG,)) for _ in range(3)]
+    grads = [rand(rng, "float32", (BIG,)) for _ in range(3)]
+    results = []
+    for t in (1, 2, 3, 8):
+        set_num_threads(t)
+        outs = [np.empty(BIG, np.float32) for _ in range(3)]
+        native.all_reduce(ins, "mean", outputs=outs)
+        louts = [[np.empty(BIG, np.float32), np.empty(7, np.float32)] for _ in range(3)]
+        native.batch_all_reduce([[a, a[:7].copy()] for a in ins], louts, "sum")
+        w = [ins[0].copy() for _ in range(2)]
+        native.all_reduce_sgd(w, grads, lr=0.25)
+        results.append([outs[2], louts[1][0], louts[2][1], w[1]])
+    for r in results[1:]:
+        for a, b in zip(r, results[0]):
+            assert_bits_equal(a, b)
+
+
+def test_gil_is_released_during_a_large_batch():
+    dst = np.zeros(1 << 20, np.float32)
+    src = np.ones_like(dst)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(30.0)
+    try:
+        overlapped = False
+        for _ in range(5):
+            state = {"started": False, "done": False}
+
+            def work():
+                state["started"] = True
+                for _ in range(20):
+                    _core.batch_all_reduce([[src] * 8] * 4, [[dst] * 8] * 4, 0)
+                state["done"] = True
+
+            t = threading.Thread(target=work)
+            t.start()
+            while not state["started"]:
+                time.sleep(0.0005)
+            seen_running = not state["done"]
+            t.join()
+            if seen_running:
+                overlapped = True
+                break
+    finally:
+        sys.setswitchinterval(old)
+    assert overlapped, "the main thread never ran while the batch kernel did: the GIL was not released"
+    assert np.all(dst == 4)
+
+
+def test_trusted_calls_the_extension_directly(native):
+    t = native.trusted
+    assert t.all_reduce is _core.all_reduce_into and t.all_reduce_adam is _core.all_reduce_adam
+    assert t.batch_all_reduce is _core.batch_all_reduce and t.sgd is _core.sgd
+
+    class Sub(NativeBackend):
+        def _hook_sgd(self, copies, grad, lr):  # a subclass's hooks are honoured
+            raise RuntimeError("sub")
+
+    with pytest.raises(RuntimeError, match="sub"):
+        Sub().trusted.sgd((np.ones(2, np.float32),), np.ones(2, np.float32), 0.1)
