@@ -11,8 +11,11 @@ paths of ``strategy.run``, collectives and variable updates.
 from __future__ import annotations
 
 import contextlib
+from types import ModuleType
+from typing import Any, TypeAlias, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from cudist import _devices
 
@@ -36,11 +39,17 @@ __all__ = [
     "python_dtype",
 ]
 
+#: What the helpers below return for an array that may be on the host or on a GPU: a NumPy array,
+#: or a GPU array (a CuPy array, or any object exporting ``__cuda_array_interface__``). CuPy ships
+#: no type information, so to a type checker a GPU array is ``Any``: the alias reads
+#: ``NDArray[Any] | Any``. Parameters taking any array (or any value) are typed ``Any``.
+Array: TypeAlias = "npt.NDArray[Any] | Any"
+
 _NULL_CONTEXT = contextlib.nullcontext()
 _INT32 = np.iinfo(np.int32)
 
 
-def is_device_array(a) -> bool:
+def is_device_array(a: object) -> bool:
     """Whether ``a`` is a GPU array.
 
     Args:
@@ -58,12 +67,12 @@ def is_device_array(a) -> bool:
     return hasattr(a, "__cuda_array_interface__")
 
 
-def is_array(x) -> bool:
+def is_array(x: object) -> bool:
     """Whether ``x`` is an array or array scalar: a NumPy array, a NumPy scalar or a GPU array."""
     return isinstance(x, (np.ndarray, np.generic)) or is_device_array(x)
 
 
-def array_module(a):
+def array_module(a: object) -> ModuleType:
     """The array module that works on ``a``: ``cupy`` for GPU arrays, ``numpy`` for everything else.
 
     Args:
@@ -74,22 +83,28 @@ def array_module(a):
     """
     if type(a) is np.ndarray or not is_device_array(a):
         return np
-    import cupy  # noqa: PLC0415 - only reached with GPU arrays
+    import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - only reached with GPU arrays
 
-    return cupy
+    return cast(ModuleType, cupy)
 
 
-def as_array(x):
+def as_array(x: object) -> Array:
     """``x`` as an array the kernels accept: NumPy and GPU arrays as they are, else ``np.asarray(x)``.
 
     Python and NumPy scalars become 0-d NumPy arrays; nothing is copied that need not be.
+
+    Args:
+        x: an array, a scalar, or anything ``np.asarray`` accepts.
+
+    Returns:
+        ``x`` itself for NumPy and GPU arrays, else a NumPy array.
     """
     if isinstance(x, np.ndarray) or is_device_array(x):
         return x
     return np.asarray(x)
 
 
-def to_host(a):
+def to_host(a: object) -> npt.NDArray[Any]:
     """``a`` as a NumPy array: NumPy arrays as they are, GPU arrays copied to the host.
 
     Args:
@@ -102,30 +117,40 @@ def to_host(a):
     if isinstance(a, np.ndarray):
         return a
     if is_device_array(a):
-        import cupy  # noqa: PLC0415 - only reached with GPU arrays
+        import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - only reached with GPU arrays
 
-        return cupy.asnumpy(a)  # unlike ndarray.get(), also takes non-CuPy CUDA arrays
+        return cast("npt.NDArray[Any]", cupy.asnumpy(a))  # unlike ndarray.get(), also takes non-CuPy CUDA arrays
     return np.asarray(a)
 
 
-def device_context(a):
+def device_context(a: object) -> contextlib.AbstractContextManager[object]:
     """A context manager making ``a``'s GPU the current CUDA device; a no-op for host values.
 
     CuPy allocates and launches on the current device, so anything created from a GPU array
     (a copy, a reduction result) is made inside this context to land on that array's GPU.
+
+    Args:
+        a: any value; only GPU arrays (whose ``device`` is a context manager) have an effect.
+
+    Returns:
+        ``a.device`` for CuPy arrays, else a null context.
     """
-    dev = getattr(a, "device", None)  # NumPy 2 arrays have device == "cpu": no context manager
+    dev: Any = getattr(a, "device", None)  # NumPy 2 arrays have device == "cpu": no context manager
     return dev if hasattr(dev, "__enter__") else _NULL_CONTEXT
 
 
-def gpu_of(a):
-    """The CUDA device id of the GPU holding ``a``, or None for host values."""
+def gpu_of(a: Any) -> int | None:
+    """The CUDA device id of the GPU holding ``a``, or None for host values.
+
+    Args:
+        a: any value (an array, typically).
+    """
     if type(a) is np.ndarray or not is_device_array(a):
         return None
     return int(a.device.id)
 
 
-def physical_gpu(spec) -> int:
+def physical_gpu(spec: _devices.DeviceSpec) -> int:
     """The physical GPU (CUDA device id) a logical ``/gpu:N`` device lives on.
 
     Args:
@@ -145,19 +170,19 @@ def physical_gpu(spec) -> int:
 
 def current_gpu() -> int:
     """The current CUDA device id (the calling thread's)."""
-    import cupy  # noqa: PLC0415 - GPU strategies only
+    import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - GPU strategies only
 
-    return cupy.cuda.runtime.getDevice()
+    return cast(int, cupy.cuda.runtime.getDevice())
 
 
 def set_current_gpu(gpu: int) -> None:
     """Makes physical GPU ``gpu`` the current CUDA device of the calling thread."""
-    import cupy  # noqa: PLC0415 - GPU strategies only
+    import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - GPU strategies only
 
     cupy.cuda.runtime.setDevice(gpu)
 
 
-def to_gpu(a, gpu: int, *, copy: bool = False):
+def to_gpu(a: Any, gpu: int, *, copy: bool = False) -> Any:
     """``a`` as a CuPy array on physical GPU ``gpu``.
 
     Args:
@@ -165,8 +190,11 @@ def to_gpu(a, gpu: int, *, copy: bool = False):
         gpu: the CUDA device id.
         copy: always make a new C-contiguous array (else ``a`` itself when it already is a CuPy
             array on ``gpu``; host values and arrays of other GPUs are copied onto it).
+
+    Returns:
+        A CuPy array (``Any`` to type checkers: CuPy ships no type information).
     """
-    import cupy  # noqa: PLC0415 - only reached with GPU devices
+    import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - only reached with GPU devices
 
     if isinstance(a, cupy.ndarray) and a.device.id != gpu:
         return _copy_across(cupy, a, gpu, copy)
@@ -176,12 +204,17 @@ def to_gpu(a, gpu: int, *, copy: bool = False):
         return cupy.array(a, order="C", copy=True) if copy else cupy.asarray(a)
 
 
-def order_streams(cupy, waiter: int, source: int) -> None:
+def order_streams(cupy: ModuleType, waiter: int, source: int) -> None:
     """Makes GPU ``waiter``'s current stream wait for the work queued so far on ``source``'s.
 
     CUDA orders nothing across devices by itself: a copy or kernel on one GPU that reads memory
     another GPU's stream still writes reads stale data, and one GPU's later writes (or the pool
     reusing freed memory) can overtake another GPU's queued read of it.
+
+    Args:
+        cupy: the ``cupy`` module.
+        waiter: the CUDA device id whose current stream waits.
+        source: the CUDA device id whose queued work is waited for.
     """
     if waiter == source:
         return
@@ -192,7 +225,7 @@ def order_streams(cupy, waiter: int, source: int) -> None:
         cupy.cuda.get_current_stream().wait_event(ev)
 
 
-def _copy_across(cupy, a, gpu: int, copy: bool):
+def _copy_across(cupy: ModuleType, a: Any, gpu: int, copy: bool) -> Any:
     """A copy of CuPy array ``a`` onto another GPU, ordered both ways against both GPUs' streams."""
     src = a.device.id
     order_streams(cupy, gpu, src)  # the copy reads what a's GPU wrote
@@ -202,7 +235,7 @@ def _copy_across(cupy, a, gpu: int, copy: bool):
     return out
 
 
-def place(a, device, *, copy: bool = False):
+def place(a: Any, device: _devices.DeviceLike, *, copy: bool = False) -> Array:
     """``a`` as an array on ``device``: host memory for CPUs, the memory of its physical GPU for GPUs.
 
     Args:
@@ -210,6 +243,9 @@ def place(a, device, *, copy: bool = False):
         device: a device name in any spelling :func:`cudist._devices.parse_device` accepts.
         copy: always return a new, C-contiguous, writeable array; else ``a`` itself when it
             already lives on ``device`` (and a host or GPU copy otherwise).
+
+    Returns:
+        A NumPy array for CPU devices, a CuPy array for GPU devices.
 
     Raises:
         ValueError: ``device`` is a GPU that does not exist.
@@ -223,7 +259,7 @@ def place(a, device, *, copy: bool = False):
     return host
 
 
-def like(a, ref, *, copy: bool = False):
+def like(a: Any, ref: Any, *, copy: bool = False) -> Array:
     """``a`` as an array of ``ref``'s module on ``ref``'s device.
 
     Args:
@@ -231,6 +267,9 @@ def like(a, ref, *, copy: bool = False):
         ref: a NumPy or GPU array.
         copy: always return a new array; else ``a`` itself when it already is one of ``ref``'s
             module on ``ref``'s device.
+
+    Returns:
+        A NumPy array when ``ref`` is one (or any host value), else a CuPy array on ``ref``'s GPU.
     """
     if type(ref) is np.ndarray or not is_device_array(ref):
         host = to_host(a)
@@ -242,11 +281,17 @@ def like(a, ref, *, copy: bool = False):
         return xp.array(a, copy=True) if copy else xp.asarray(a)
 
 
-def snapshot(a):
+def snapshot(a: Any) -> Array:
     """A copy of array ``a`` on its own device.
 
     CuPy's ``ndarray.copy`` allocates on the *current* device, so a GPU array is copied with its
     own GPU made current.
+
+    Args:
+        a: a NumPy or GPU array.
+
+    Returns:
+        A new array of ``a``'s module on ``a``'s device.
     """
     if type(a) is np.ndarray:
         return a.copy()
@@ -254,11 +299,17 @@ def snapshot(a):
         return a.copy()
 
 
-def contiguous(a):
+def contiguous(a: Any) -> Array:
     """``a`` as a C-contiguous array, copied only if it is not; 0-d arrays stay 0-d.
 
     (``np.ascontiguousarray`` makes 0-d arrays 1-d.) Values that are not arrays are converted by
     ``np.asarray`` first; a GPU array is copied on its own GPU.
+
+    Args:
+        a: a NumPy or GPU array, or anything ``np.asarray`` accepts.
+
+    Returns:
+        ``a`` itself when it already is a C-contiguous array, else a C-contiguous copy.
     """
     if not isinstance(a, np.ndarray) and not is_device_array(a):
         a = np.asarray(a)
@@ -270,7 +321,7 @@ def contiguous(a):
         return a.copy(order="C")
 
 
-def python_dtype(arr: np.ndarray) -> np.ndarray:
+def python_dtype(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """``arr``, converted from Python numbers, with the dtype TF gives Python values.
 
     ``tf.convert_to_tensor`` makes Python floats float32 and Python ints int32 (int64 when one does
@@ -289,12 +340,16 @@ def python_dtype(arr: np.ndarray) -> np.ndarray:
     return arr
 
 
-def may_share_memory(a, b) -> bool:
+def may_share_memory(a: Any, b: Any) -> bool:
     """Whether arrays ``a`` and ``b`` may overlap in memory (host with host, or GPU with GPU).
 
     Host arrays are compared by ``np.may_share_memory``; CuPy arrays by their address ranges (GPU
     addresses are unified, so arrays of different GPUs never overlap); a host and a GPU array never
     overlap.
+
+    Args:
+        a: a NumPy or GPU array.
+        b: a NumPy or GPU array.
     """
     a_dev, b_dev = is_device_array(a), is_device_array(b)
     if not a_dev and not b_dev:
@@ -302,4 +357,4 @@ def may_share_memory(a, b) -> bool:
     if a_dev != b_dev or a.nbytes == 0 or b.nbytes == 0:
         return False
     pa, pb = a.data.ptr, b.data.ptr
-    return pa < pb + b.nbytes and pb < pa + a.nbytes
+    return cast(bool, pa < pb + b.nbytes and pb < pa + a.nbytes)

@@ -326,7 +326,7 @@ def _batch_leaves(leaves_per_element: Iterable[Sequence[Any]], treedef: optree.P
                     f"{where}: cannot batch elements with different shapes in component {c}: element 0 has "
                     f"shape {first} but element {i} has shape {tuple(np.shape(leaf))}"
                 )
-        xp = array_module(column[0])  # type: ignore[no-untyped-call]  # _arrays is not annotated yet
+        xp = array_module(column[0])
         out.append(_readonly_new(xp.stack(column)))
     return optree.tree_unflatten(treedef, out)
 
