@@ -15,7 +15,7 @@ from cudist.bench._sizes import format_size, parse_size, size_sweep
 __all__ = ["main", "build_parser"]
 
 KERNEL_OPS = ("all-reduce", "all-gather", "broadcast", "split", "update")
-SUBCOMMANDS = KERNEL_OPS + ("run-overhead", "step", "suite")
+SUBCOMMANDS = KERNEL_OPS + ("run-overhead", "step", "user-path", "suite")
 _DTYPE_ALIASES = {
     "half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32", "double": "float64",
     "fp64": "float64", "int": "int32", "int32": "int32", "int64": "int64", "long": "int64",
@@ -70,7 +70,17 @@ def _dtype_list(text):
     return out
 
 
-def _common_parser(*, sizes=True, defaults=None):
+def _groups_arg(text):
+    names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
+    allowed = ("all-reduce", "momentum", "adam")
+    bad = [t for t in names if t not in allowed]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown group(s) {', '.join(bad) or '(none)'}; expected a comma list of "
+                                         + ", ".join(allowed))
+    return names
+
+
+def _common_parser(*, sizes=True, defaults=None, dtype_op=True):
     d = {"b": "4K", "e": "64M", "f": 4, "n": 20, "w": 5, "replicas": 4, **(defaults or {})}
     p = argparse.ArgumentParser(add_help=False)
     g = p.add_argument_group("common options")
@@ -81,6 +91,7 @@ def _common_parser(*, sizes=True, defaults=None):
                        help=f"largest size in bytes per replica (default {d['e']})")
         g.add_argument("-f", "--stepfactor", type=_positive_int("-f"), default=d["f"],
                        help=f"multiplication factor between sizes (default {d['f']})")
+    if sizes and dtype_op:
         g.add_argument("-d", "--datatype", type=_dtype_list, default=["float32"],
                        help="dtype(s): float16, float32, float64, int32, int64, a comma list, or 'all' (default float32)")
         g.add_argument("-o", "--op", type=str.lower, choices=("sum", "mean"), default="sum",
@@ -157,6 +168,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--optimizer", type=str.lower, choices=("sgd", "adam"), default="sgd", help="(default sgd)")
     sp.add_argument("--api", choices=("kernel", "strategy", "both"), default="both",
                     help="drive the step through the kernel layer, the strategy API, or both (default both)")
+    sp = sub.add_parser(
+        "user-path",
+        parents=[_common_parser(defaults={"b": "256K", "e": "64M", "f": 16, "n": 10, "w": 2}, dtype_op=False)],
+        help="the user's path (strategy.run + all_reduce, apply_gradients) next to the kernels",
+        description="Per size (float32 bytes per replica): the bare in-place all-reduce kernel, strategy.run with "
+        "ReplicaContext.all_reduce('sum') on a PerReplica array, the plain NumPy loop and, with --compare tf, "
+        "TensorFlow's strategy.run + all_reduce in tf.function; then optimizer.apply_gradients inside "
+        "strategy.run (SGD momentum 0.9, Adam) next to the kernels and a NumPy loop doing the same update. "
+        "Rows take turns in interleaved rounds (-n rounds after -w warm-up rounds) with a copy of "
+        "--copy-size bytes, whose median is the ceiling of %%copy. --backend picks the kernels of both the "
+        "kernel rows and the strategy (all: the default backend).",
+    )
+    sp.add_argument("--groups", type=_groups_arg, default=["all-reduce", "momentum", "adam"],
+                    help="comma list of all-reduce, momentum, adam (default all three)")
+    sp.add_argument("--round-ms", type=float, default=20.0, metavar="MS",
+                    help="time of one row's block of calls in a round; fast calls repeat to fill it (default 20)")
     sub.add_parser(
         "suite",
         parents=[_common_parser(sizes=False, defaults={"n": 20, "w": 3, "budget": 0.5})],
@@ -510,6 +537,10 @@ def main(argv=None) -> int:
             from cudist.bench import _strategy_bench
 
             _strategy_bench.run_step(ctx)
+        elif args.command == "user-path":
+            from cudist.bench import _user_path
+
+            _user_path.run_user_path(ctx)
         else:
             run_suite(ctx)
     except BenchError as e:

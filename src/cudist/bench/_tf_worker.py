@@ -3,6 +3,15 @@
 Usage: ``python _tf_worker.py '<json spec>'``; prints one JSON line ``{"version", "python", "rows"}``.
 Times the same work as the cudist benchmark with ``tf.distribute.MirroredStrategy`` on N logical CPUs,
 inside ``tf.function`` (mode "function") and/or eagerly (mode "eager").
+
+``python _tf_worker.py --serve`` (``cudist-bench user-path --compare tf``) stays up and answers one
+JSON line per JSON line read from stdin, so its rows take turns with cudist's in interleaved rounds:
+first ``{"replicas", "modes", "seed"}`` (answer ``{"version", "python"}``), then ``{"cmd": "setup",
+"group", "size", "check"}`` builds one case (all-reduce: ``strategy.run`` + ``all_reduce``; momentum /
+adam: Keras's optimizer ``apply_gradients`` inside ``strategy.run``), checked on fresh data (answer
+``{"wrong": {mode: n}}``), ``{"cmd": "time", "mode", "calls"}`` times that many calls (answer
+``{"samples": [ns...], "minflt": page faults}``), ``{"cmd": "quit"}`` ends it. A failure is answered
+``{"error": "..."}``.
 """
 
 import json
@@ -172,7 +181,144 @@ def overhead_rows(spec):
     return rows
 
 
+def _minflt():
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            text = f.read()
+        return int(text[text.rindex(b")") + 2 :].split()[7])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+_LR, _MOMENTUM, _B1, _B2, _EPS = 0.01, 0.9, 0.9, 0.999, 1e-7
+
+
+def _update_ref(group, w0, grad_steps):
+    w = w0.astype(np.float64)
+    s1, s2 = np.zeros_like(w), np.zeros_like(w)
+    for t, grads in enumerate(grad_steps, start=1):
+        g = np.sum([x.astype(np.float64) for x in grads], axis=0)
+        if group == "momentum":
+            s1 = _MOMENTUM * s1 - _LR * g
+            w = w + s1
+        else:
+            s1 += (g - s1) * (1 - _B1)
+            s2 += (g * g - s2) * (1 - _B2)
+            w = w - _LR * np.sqrt(1 - _B2**t) / (1 - _B1**t) * s1 / (np.sqrt(s2) + _EPS)
+    return w
+
+
+class _Serve:
+    """One case at a time of ``cudist-bench user-path``: the user's path through TF's MirroredStrategy."""
+
+    def __init__(self, hello):
+        self.n = hello["replicas"]
+        self.modes = hello["modes"]
+        self.rng = np.random.default_rng(hello.get("seed", 0))
+        cpu = tf.config.list_physical_devices("CPU")[0]
+        tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * max(self.n, 1))
+        self.strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(self.n)])
+        self.calls = {}
+
+    def _rand(self, count):
+        return (self.rng.random(count, dtype=np.float32) * 2 - 1).astype(np.float32)
+
+    def _pr(self, host):
+        return _per_replica(self.strategy, host)
+
+    def setup(self, group, size, check):
+        self.calls = {}
+        count = size // 4
+        s = self.strategy
+        wrong = {}
+        for mode in self.modes:
+            if group == "all-reduce":
+                call = _wrap(lambda x: s.run(
+                    lambda t: tf.distribute.get_replica_context().all_reduce(tf.distribute.ReduceOp.SUM, t),
+                    args=(x,)), mode)
+                if check:
+                    host = [self._rand(count) for _ in range(self.n)]
+                    ref = host[0].copy()
+                    for h in host[1:]:
+                        ref += h
+                    got = s.experimental_local_results(call(self._pr(host)))
+                    wrong[mode] = sum(_wrong(g, ref) for g in got) + abs(len(got) - self.n) * count
+                x = self._pr([self._rand(count) for _ in range(self.n)])
+                self.calls[mode] = (lambda call=call, x=x: call(x))
+            else:
+                import keras
+
+                def build(w0):
+                    with s.scope():
+                        var = tf.Variable(w0)
+                        opt = (keras.optimizers.SGD(learning_rate=_LR, momentum=_MOMENTUM) if group == "momentum"
+                               else keras.optimizers.Adam(learning_rate=_LR, beta_1=_B1, beta_2=_B2, epsilon=_EPS))
+                        opt.build([var])
+                    step = _wrap(lambda g: s.run(lambda gr: opt.apply_gradients([(gr, var)]), args=(g,)), mode)
+                    return var, step
+
+                if check:
+                    w0 = self._rand(count)
+                    steps = [[self._rand(count) for _ in range(self.n)] for _ in range(2)]
+                    var, step = build(w0)
+                    for gs in steps:
+                        step(self._pr(gs))
+                    ref = _update_ref(group, w0, steps)
+                    comps = s.experimental_local_results(var)
+                    wrong[mode] = sum(int(np.count_nonzero(~np.isclose(np.asarray(c), ref, rtol=1e-5, atol=1e-6)))
+                                      for c in comps) + abs(len(comps) - self.n) * count
+                var, step = build(self._rand(count))
+                g = self._pr([self._rand(count) for _ in range(self.n)])
+                self.calls[mode] = (lambda step=step, g=g: step(g))
+        for fn in self.calls.values():
+            fn()  # traces the tf.function: the first timed block must not pay for it
+        return {"wrong": wrong}
+
+    def time(self, mode, calls):
+        fn = self.calls[mode]
+        out = []
+        f0 = _minflt()
+        for _ in range(calls):
+            t0 = time.perf_counter_ns()
+            fn()
+            out.append(time.perf_counter_ns() - t0)
+        f1 = _minflt()
+        return {"samples": out, "minflt": None if f0 is None or f1 is None else f1 - f0}
+
+
+def serve():
+    # Answers go to the real stdout; anything else printed (TF's C++ side included) goes to stderr.
+    reply = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    server = None
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        msg = json.loads(line)
+        try:
+            if server is None:
+                server = _Serve(msg)
+                res = {"version": tf.__version__, "python": sys.executable}
+            elif msg.get("cmd") == "setup":
+                res = server.setup(msg["group"], msg["size"], msg.get("check", 1))
+            elif msg.get("cmd") == "time":
+                res = server.time(msg["mode"], msg["calls"])
+            elif msg.get("cmd") == "quit":
+                break
+            else:
+                res = {"error": f"unknown command {msg!r}"}
+        except Exception as e:  # noqa: BLE001 - reported to the parent, which says the row was skipped
+            res = {"error": f"{type(e).__name__}: {e}"}
+        reply.write(json.dumps(res) + "\n")
+        reply.flush()
+
+
 def main():
+    if sys.argv[1:] == ["--serve"]:
+        serve()
+        return
     spec = json.loads(sys.argv[1])
     n = spec["replicas"]
     cpu = tf.config.list_physical_devices("CPU")[0]

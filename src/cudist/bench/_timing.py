@@ -6,7 +6,7 @@ import gc
 import statistics
 import time
 
-__all__ = ["time_calls", "median_us"]
+__all__ = ["time_calls", "median_us", "minor_faults"]
 
 
 def time_calls(fn, iters: int, warmup: int, sync=None, budget_s: float | None = None, min_iters: int = 5) -> list[int]:
@@ -48,3 +48,23 @@ def time_calls(fn, iters: int, warmup: int, sync=None, budget_s: float | None = 
 def median_us(samples_ns) -> float:
     """Median of nanosecond samples, in microseconds."""
     return statistics.median(samples_ns) / 1e3
+
+
+def minor_faults() -> int | None:
+    """Minor page faults of this process so far (``/proc/self/stat`` field 10, all threads), or None.
+
+    A minor fault is a first touch of a page that needs no disk read: allocating a large buffer
+    afresh (NumPy's large arrays come from mmap, returned to the OS when freed) costs one fault per
+    4 KiB page on its first write, so faults per call count per-call allocations of big buffers.
+    None where the file does not exist (not Linux).
+    """
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            text = f.read()
+    except OSError:
+        return None
+    # Field 2 (comm) is in parentheses and may hold spaces; fields after the last ')' start at 3.
+    try:
+        return int(text[text.rindex(b")") + 2 :].split()[7])
+    except (ValueError, IndexError):
+        return None
