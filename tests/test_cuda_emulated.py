@@ -171,6 +171,9 @@ def _kernel(lib, name: str, dtype: str):
         "mirrored_sgd": (P, I, P, C, L),
         "mirrored_momentum": (P, P, I, P, C, C, I, L),
         "mirrored_adam": (P, P, P, I, P, C, C, C, C, L),
+        "mirrored_all_reduce_sgd": (P, I, P, I, C, L),
+        "mirrored_all_reduce_momentum": (P, P, I, P, I, C, C, I, L),
+        "mirrored_all_reduce_adam": (P, P, P, I, P, I, C, C, C, C, L),
     }[name]
     fn = getattr(lib, f"cudist_emu_{name}_{dtype}")
     fn.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, *params)
@@ -191,6 +194,10 @@ def _launcher(lib, name: str, dtype: str):
         "sgd": (P, I, P, D, L, P),
         "momentum": (P, P, I, P, D, D, I, L, P),
         "adam": (P, P, P, I, P, D, D, D, D, L, P),
+        "all_reduce_into": (P, P, I, L, I, P),
+        "all_reduce_sgd": (P, I, P, I, D, L, P),
+        "all_reduce_momentum": (P, P, I, P, I, D, D, I, L, P),
+        "all_reduce_adam": (P, P, P, I, P, I, D, D, D, D, L, P),
     }[name]
     fn = getattr(lib, f"cudist_emu_launch_{name}_{dtype}")
     fn.argtypes = params
@@ -214,10 +221,11 @@ def test_every_kernel_and_launcher_has_an_entry_point(lib):
     for kernel, dtypes in KERNELS.items():
         for dt in dtypes:
             assert hasattr(lib, f"cudist_emu_{kernel}_{dt}"), (kernel, dt)
-    for launcher in ("all_reduce", "all_reduce_two_shot", "reduce_to_one", "broadcast", "scatter_batch", "assign_add"):
+    for launcher in ("all_reduce", "all_reduce_into", "all_reduce_two_shot", "reduce_to_one", "broadcast",
+                     "scatter_batch", "assign_add"):
         for dt in DTYPES:
             assert hasattr(lib, f"cudist_emu_launch_{launcher}_{dt}"), (launcher, dt)
-    for launcher in ("sgd", "momentum", "adam"):
+    for launcher in ("sgd", "momentum", "adam", "all_reduce_sgd", "all_reduce_momentum", "all_reduce_adam"):
         for dt in FLOATS:
             assert hasattr(lib, f"cudist_emu_launch_{launcher}_{dt}"), (launcher, dt)
 
@@ -707,4 +715,183 @@ def test_launchers_reject_bad_arguments(lib):
     assert L["all_reduce"](t, 1, count, 1, None) == CUDA_SUCCESS
     for r in range(len(bufs)):
         _assert_bits(bufs[r], orig[r], f"no-op call: buffer {r} written")
+    assert lib.cudist_emu_get_last_error() == CUDA_SUCCESS
+
+
+# ------------------------------------------------------------------------------------- out of place and fused
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_one_shot_kernel_out_of_place(lib, dtype):
+    """N inputs -> N separate outputs in one launch (the inputs untouched), and with every other
+    output being its own input."""
+    rng = np.random.default_rng(21)
+    fn = _kernel(lib, "all_reduce_one_shot", dtype)
+    item = np.dtype(dtype).itemsize
+    for n, count, layout in _cases(KERNEL_REPLICAS):
+        for op, divisor in ((ReduceOp.SUM, 0), (ReduceOp.MEAN, n)):
+            for gx, bx in _grids(count, item):
+                what = f"{dtype} n={n} count={count} {layout} {op.name} grid={gx}x{bx}"
+                ins = _buffers(rng, n, count, dtype, layout)
+                orig = [b.copy() for b in ins]
+                want = REF.reduce_to_one(orig, op)
+                outs = _buffers(rng, n, count, dtype, layout)
+                fn(gx, 1, bx, _table(ins), n, _table(outs), n, count, divisor)
+                for r in range(n):
+                    _assert_bits(outs[r], want, f"out of place {what} output {r}")
+                    _assert_bits(ins[r], orig[r], f"out of place {what}: input {r} modified")
+                mixed = [ins[r] if r % 2 else outs[r] for r in range(n)]
+                ins = _like(orig, layout)
+                mixed = [ins[r] if r % 2 else _like([orig[r]], layout)[0] for r in range(n)]
+                fn(gx, 1, bx, _table(ins), n, _table(mixed), n, count, divisor)
+                for r in range(n):
+                    _assert_bits(mixed[r], want, f"half in place {what} output {r}")
+
+
+FUSED_GRADS = (1, 2, 3, 5, 8)
+
+
+def _fused_case(rng, n, m, count, dtype, layout):
+    off = 1 if layout == "offset" else 0
+    grads = [_random(rng, count, dtype, offset=off if (layout != "last_offset" or i == m - 1) else 0) for i in range(m)]
+    groups = (
+        _fresh_mirrors(rng, n, count, dtype, layout),
+        _fresh_mirrors(rng, n, count, dtype, layout),
+        _fresh_mirrors(rng, n, count, dtype, layout, positive=True),
+    )
+    return grads, groups
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_mirrored_all_reduce_update_kernels(lib, dtype):
+    """The fused all-reduce + sgd / momentum (plain and nesterov) / adam kernels: bit for bit the
+    reference's reduce_to_one(grads, SUM) followed by the update, for 1..8 gradients and copies."""
+    rng = np.random.default_rng(22)
+    sgd = _kernel(lib, "mirrored_all_reduce_sgd", dtype)
+    mom = _kernel(lib, "mirrored_all_reduce_momentum", dtype)
+    adam = _kernel(lib, "mirrored_all_reduce_adam", dtype)
+    item = np.dtype(dtype).itemsize
+    for n, count, layout in _cases(KERNEL_REPLICAS, sizes=(0, 1, 7, 165)):
+        for m in FUSED_GRADS:
+            lr, mu = float(rng.uniform(1e-3, 0.5)), float(rng.uniform(0.5, 0.99))
+            step = int(rng.integers(1, 50))
+            b1, b2, eps = 0.9, 0.999, 1e-7
+            lr_t = adam_lr_t(lr, b1, b2, step)
+            for gx, bx in _grids(count, item)[1:]:
+                what = f"{dtype} n={n} m={m} count={count} {layout} grid={gx}x{bx}"
+                grads, (w, v, s2) = _fused_case(rng, n, m, count, dtype, layout)
+                g = REF.reduce_to_one([x.copy() for x in grads], "sum") if count else grads[0].copy()
+                want = [[a.copy() for a in x] for x in (w, v, s2)]
+                REF.adam(*want, g, lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step)
+                adam(gx, 1, bx, _table(w), _table(v), _table(s2), n, _table(grads), m, lr_t, b1, b2, eps, count)
+                for name, got, exp in zip(("copy", "m", "v"), (w, v, s2), want):
+                    for r in range(n):
+                        _assert_bits(got[r], exp[r], f"all_reduce_adam {what} {name} {r}")
+                for nesterov in (False, True):
+                    want = [[a.copy() for a in x] for x in (w, v)]
+                    REF.momentum(*want, g, lr=lr, momentum=mu, nesterov=nesterov)
+                    mom(gx, 1, bx, _table(w), _table(v), n, _table(grads), m, lr, mu, int(nesterov), count)
+                    for name, got, exp in zip(("copy", "velocity"), (w, v), want):
+                        for r in range(n):
+                            _assert_bits(got[r], exp[r], f"all_reduce_momentum nesterov={nesterov} {what} {name} {r}")
+                want = [a.copy() for a in w]
+                REF.sgd(want, g, lr=lr)
+                sgd(gx, 1, bx, _table(w), n, _table(grads), m, lr, count)
+                for r in range(n):
+                    _assert_bits(w[r], want[r], f"all_reduce_sgd {what} copy {r}")
+
+
+def test_mirrored_all_reduce_float16_sums_in_float16(lib):
+    """2048 + 1 + 1 + 1 is 2048 in float16 (each addition rounds), not 2051."""
+    grads = [np.array([2048.0, 1.0], np.float16)] + [np.array([1.0, 2048.0], np.float16) for _ in range(3)]
+    w = [np.zeros(2, np.float16) for _ in range(2)]
+    _kernel(lib, "mirrored_all_reduce_sgd", "float16")(1, 1, THREADS, _table(w), 2, _table(grads), 4, 1.0, 2)
+    assert w[0].tolist() == [-2048.0, -6144.0] and w[1].tolist() == [-2048.0, -6144.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_all_reduce_into_launcher(lib, dtype):
+    """Out of place over 1..17 replicas (several passes above 8), SUM and MEAN; also with some
+    outputs being their inputs."""
+    rng = np.random.default_rng(23)
+    fn = _launcher(lib, "all_reduce_into", dtype)
+    for n, count, layout in _cases(LAUNCH_REPLICAS, LAUNCH_LAYOUTS):
+        for op in (ReduceOp.SUM, ReduceOp.MEAN):
+            what = f"{dtype} n={n} count={count} {layout} {op.name}"
+            ins = _buffers(rng, n, count, dtype, layout)
+            orig = [b.copy() for b in ins]
+            want = REF.reduce_to_one(orig, op)
+            outs = _buffers(rng, n, count, dtype, layout)
+            assert fn(_table(ins), _table(outs), n, count, int(op is ReduceOp.MEAN), None) == CUDA_SUCCESS
+            for r in range(n):
+                _assert_bits(outs[r], want, f"all_reduce_into {what} output {r}")
+                _assert_bits(ins[r], orig[r], f"all_reduce_into {what}: input {r} modified")
+            ins = _like(orig, layout)
+            mixed = [ins[r] if r % 3 == 0 else _like([orig[r]], layout)[0] for r in range(n)]
+            assert fn(_table(ins), _table(mixed), n, count, int(op is ReduceOp.MEAN), None) == CUDA_SUCCESS
+            for r in range(n):
+                _assert_bits(mixed[r], want, f"all_reduce_into (outputs 0, 3, ... in place) {what} output {r}")
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_fused_update_launchers(lib, dtype):
+    """all_reduce_sgd / _momentum / _adam on 1..17 copies with 1..17 gradients (more than 8: a
+    stream-ordered temporary, freed again), bit for bit reduce_to_one + the update."""
+    rng = np.random.default_rng(24)
+    sgd, mom, adam = (_launcher(lib, name, dtype) for name in ("all_reduce_sgd", "all_reduce_momentum", "all_reduce_adam"))
+    live = lib.cudist_emu_async_allocations
+    live.restype = ctypes.c_longlong
+    before = live()
+    for n, count, layout in _cases((1, 3, 9, 17), LAUNCH_LAYOUTS, sizes=(0, 7, 165)):
+        for m in (1, 3, 8, 9, 11, 17):
+            what = f"{dtype} n={n} m={m} count={count} {layout}"
+            grads, (w, v, s2) = _fused_case(rng, n, m, count, dtype, layout)
+            g = REF.reduce_to_one([x.copy() for x in grads], "sum")
+            lr, mu, step = float(rng.uniform(1e-3, 0.5)), float(rng.uniform(0.5, 0.99)), int(rng.integers(1, 50))
+            want = [[a.copy() for a in x] for x in (w, v, s2)]
+            REF.adam(*want, g, lr=lr, step=step)
+            rc = adam(_table(w), _table(v), _table(s2), n, _table(grads), m, adam_lr_t(lr, 0.9, 0.999, step), 0.9,
+                      0.999, 1e-7, count, None)
+            assert rc == CUDA_SUCCESS
+            for name, got, exp in zip(("copy", "m", "v"), (w, v, s2), want):
+                for r in range(n):
+                    _assert_bits(got[r], exp[r], f"all_reduce_adam {what} {name} {r}")
+            want = [[a.copy() for a in x] for x in (w, v)]
+            REF.momentum(*want, g, lr=lr, momentum=mu, nesterov=True)
+            assert mom(_table(w), _table(v), n, _table(grads), m, lr, mu, 1, count, None) == CUDA_SUCCESS
+            for name, got, exp in zip(("copy", "velocity"), (w, v), want):
+                for r in range(n):
+                    _assert_bits(got[r], exp[r], f"all_reduce_momentum {what} {name} {r}")
+            want = [a.copy() for a in w]
+            REF.sgd(want, g, lr=lr)
+            assert sgd(_table(w), n, _table(grads), m, lr, count, None) == CUDA_SUCCESS
+            for r in range(n):
+                _assert_bits(w[r], want[r], f"all_reduce_sgd {what} copy {r}")
+    assert live() == before, "a launcher left a cudaMallocAsync temporary behind"
+
+
+def test_new_launchers_reject_bad_arguments(lib):
+    rng = np.random.default_rng(25)
+    count = 33
+    bufs = _buffers(rng, 4, count, "float32", "aligned")
+    orig = [b.copy() for b in bufs]
+    t = _table(bufs)
+    into = _launcher(lib, "all_reduce_into", "float32")
+    sgd, mom, adam = (_launcher(lib, name, "float32") for name in ("all_reduce_sgd", "all_reduce_momentum", "all_reduce_adam"))
+    bad = {
+        "into null in": lambda: into(None, t, 2, count, 0, None),
+        "into null out": lambda: into(t, None, 2, count, 0, None),
+        "into n=0": lambda: into(t, t, 0, count, 0, None),
+        "into count=-1": lambda: into(t, t, 2, -1, 0, None),
+        "into op=2": lambda: into(t, t, 2, count, 2, None),
+        "sgd null grads": lambda: sgd(t, 2, None, 1, 0.1, count, None),
+        "sgd m=0": lambda: sgd(t, 2, t, 0, 0.1, count, None),
+        "sgd null copies": lambda: sgd(None, 2, t, 1, 0.1, count, None),
+        "momentum null velocities": lambda: mom(t, None, 2, t, 1, 0.1, 0.9, 0, count, None),
+        "momentum m=-1": lambda: mom(t, t, 2, t, -1, 0.1, 0.9, 0, count, None),
+        "adam null vs": lambda: adam(t, t, None, 2, t, 1, 0.1, 0.9, 0.999, 1e-7, count, None),
+        "adam count=-1": lambda: adam(t, t, t, 2, t, 1, 0.1, 0.9, 0.999, 1e-7, -1, None),
+    }
+    for what, call in bad.items():
+        assert call() == CUDA_ERROR_INVALID_VALUE, what
+        for r in range(len(bufs)):
+            _assert_bits(bufs[r], orig[r], f"{what}: buffer {r} written")
     assert lib.cudist_emu_get_last_error() == CUDA_SUCCESS

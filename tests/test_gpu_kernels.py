@@ -262,6 +262,126 @@ def test_bad_input_is_rejected(cp, be):
         be.adam([a], [a.copy()], [a.copy()], a, lr=0.1, step=0)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_all_reduce_out_of_place(cp, be, dtype, n, op):
+    """N inputs -> N separate outputs (inputs untouched); with every other output its own input."""
+    rng = np.random.default_rng(zlib.crc32(f"oop/{dtype}/{n}/{op}".encode()))
+    for shape in SHAPES:
+        host = [_rand(rng, shape, dtype) for _ in range(n)]
+        want = REF.reduce_to_one([h.copy() for h in host], op)
+        ins = [cp.asarray(h) for h in host]
+        outs = [cp.asarray(_rand(rng, shape, dtype)) for _ in range(n)]
+        got = be.all_reduce(ins, op, outputs=outs)
+        assert all(g is o for g, o in zip(got, outs))
+        for o in outs:
+            _assert_same(cp.asnumpy(o), want)
+        for i, h in zip(ins, host):
+            _assert_same(cp.asnumpy(i), h)
+        mixed = [ins[r] if r % 2 else cp.empty_like(ins[r]) for r in range(n)]
+        be.all_reduce(ins, op, outputs=mixed)
+        for o in mixed:
+            _assert_same(cp.asnumpy(o), want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 11])
+def test_batch_all_reduce(cp, be, dtype, n):
+    rng = np.random.default_rng(n + 600)
+    shapes = [(7,), (), (33, 5), (0,), (1031,)]
+    host = [[_rand(rng, s, dtype) for s in shapes] for _ in range(n)]
+    ins = [[cp.asarray(h) for h in hs] for hs in host]
+    outs = [[cp.empty(s, dtype) for s in shapes] for _ in range(n)]
+    be.batch_all_reduce(ins, outs, "mean")
+    for j in range(len(shapes)):
+        want = REF.reduce_to_one([host[r][j] for r in range(n)], "mean")
+        for r in range(n):
+            _assert_same(cp.asnumpy(outs[r][j]), want)
+
+
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n, m", [(1, 1), (1, 4), (3, 3), (8, 8), (2, 11), (11, 2)])
+def test_fused_all_reduce_updates(cp, be, dtype, n, m):
+    """all_reduce_sgd / _momentum / _adam: bit for bit reduce_to_one(grads, SUM) then the update
+    (m > 8 gradients: a temporary holds the first sums)."""
+    rng = np.random.default_rng(n * 100 + m)
+    for shape in SHAPES:
+        grads = [_rand(rng, shape, dtype) for _ in range(m)]
+        g = REF.reduce_to_one([x.copy() for x in grads], "sum")
+        dgrads = [cp.asarray(x) for x in grads]
+        w0, m0 = _rand(rng, shape, dtype), _rand(rng, shape, dtype, scale=0.1)
+        v0 = np.asarray(np.abs(_rand(rng, shape, dtype, scale=0.1)))
+        ws, ms, vs = ([a.copy() for _ in range(n)] for a in (w0, m0, v0))
+        REF.adam(ws, ms, vs, g, lr=0.001, step=3)
+        dw, dm, dv = ([cp.asarray(a) for _ in range(n)] for a in (w0, m0, v0))
+        be.all_reduce_adam(dw, dm, dv, dgrads, lr=0.001, step=3)
+        for a, b in zip(_host(cp, dw) + _host(cp, dm) + _host(cp, dv), ws + ms + vs):
+            _assert_same(a, b)
+        REF.momentum(ws, ms, g, lr=0.05, momentum=0.9, nesterov=True)
+        be.all_reduce_momentum(dw, dm, dgrads, lr=0.05, momentum=0.9, nesterov=True)
+        for a, b in zip(_host(cp, dw) + _host(cp, dm), ws + ms):
+            _assert_same(a, b)
+        REF.sgd(ws, g, lr=0.25)
+        be.all_reduce_sgd(dw, dgrads, lr=0.25)
+        for a, b in zip(_host(cp, dw), ws):
+            _assert_same(a, b)
+        for x, h in zip(dgrads, grads):
+            _assert_same(cp.asnumpy(x), h)
+
+
+def test_trusted_kernels_on_gpu(cp, be):
+    from cudist._reduce_util import ReduceOp
+
+    t = be.trusted
+    rng = np.random.default_rng(12)
+    host = [_rand(rng, (257,), "float32") for _ in range(3)]
+    ins = tuple(cp.asarray(h) for h in host)
+    outs = tuple(cp.empty(257, cp.float32) for _ in range(3))
+    t.all_reduce(ins, outs, ReduceOp.SUM)
+    want = REF.reduce_to_one(host, "sum")
+    for o in outs:
+        _assert_same(cp.asnumpy(o), want)
+    w = tuple(cp.asarray(host[0]) for _ in range(2))
+    t.all_reduce_sgd(w, ins, 0.5)
+    exp = [host[0].copy() for _ in range(2)]
+    REF.sgd(exp, want, lr=0.5)
+    for a, b in zip(_host(cp, w), exp):
+        _assert_same(a, b)
+    with pytest.raises(ValueError, match="output 1 overlaps input 0"):
+        be.all_reduce(list(ins[:2]), "sum", outputs=[outs[0], ins[0]])
+    with pytest.raises(ValueError, match="copy 0 overlaps gradient 0"):
+        be.all_reduce_sgd([ins[0]], [ins[0]], lr=0.1)
+
+
+@pytest.mark.multi_gpu
+def test_out_of_place_and_fused_across_gpus(cp, be):
+    ndev = cp.cuda.runtime.getDeviceCount()
+    rng = np.random.default_rng(13)
+    host = [_rand(rng, (1031,), "float32") for _ in range(ndev)]
+    want = REF.reduce_to_one(host, "mean")
+    ins, outs = [], []
+    for d, h in enumerate(host):
+        with cp.cuda.Device(d):
+            ins.append(cp.asarray(h))
+            outs.append(cp.empty(1031, cp.float32))
+    be.all_reduce(ins, "mean", outputs=outs)
+    for d, o in enumerate(outs):
+        assert o.device.id == d
+        _assert_same(cp.asnumpy(o), want)
+    w0 = _rand(rng, (1031,), "float32")
+    ws = []
+    for d in range(ndev):
+        with cp.cuda.Device(d):
+            ws.append(cp.asarray(w0))
+    be.all_reduce_sgd(ws, ins, lr=0.125)  # gradients on every GPU, copies on every GPU
+    exp = [w0.copy() for _ in range(ndev)]
+    REF.sgd(exp, REF.reduce_to_one(host, "sum"), lr=0.125)
+    for d, (a, b) in enumerate(zip(ws, exp)):
+        assert a.device.id == d
+        _assert_same(cp.asnumpy(a), b)
+
+
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("size", [1031, 1 << 20])  # small: one-shot over peers; large: two-shot
 def test_all_reduce_across_gpus(cp, be, size):

@@ -58,6 +58,25 @@ void run(void (*kernel)(P...), unsigned gx, unsigned gy, unsigned bx, A... args)
                                                  T* const* ms, T* const* vs, int n, const T* grad, C lr_t,         \
                                                  C beta_1, C beta_2, C epsilon, long long count) {                 \
     run(&k::mirrored_adam<T>, gx, gy, bx, copies, ms, vs, n, grad, lr_t, beta_1, beta_2, epsilon, count);          \
+  }                                                                                                                \
+  extern "C" void cudist_emu_mirrored_all_reduce_sgd_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies, \
+                                                           int n, T* const* grads, int n_grads, C lr,              \
+                                                           long long count) {                                      \
+    run(&k::mirrored_all_reduce_sgd<T>, gx, gy, bx, copies, n, grads, n_grads, lr, count);                         \
+  }                                                                                                                \
+  extern "C" void cudist_emu_mirrored_all_reduce_momentum_##DT(unsigned gx, unsigned gy, unsigned bx,              \
+                                                                T* const* copies, T* const* vels, int n,           \
+                                                                T* const* grads, int n_grads, C lr, C momentum,    \
+                                                                int nesterov, long long count) {                   \
+    run(&k::mirrored_all_reduce_momentum<T>, gx, gy, bx, copies, vels, n, grads, n_grads, lr, momentum, nesterov,  \
+        count);                                                                                                    \
+  }                                                                                                                \
+  extern "C" void cudist_emu_mirrored_all_reduce_adam_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies, \
+                                                            T* const* ms, T* const* vs, int n, T* const* grads,    \
+                                                            int n_grads, C lr_t, C beta_1, C beta_2, C epsilon,    \
+                                                            long long count) {                                     \
+    run(&k::mirrored_all_reduce_adam<T>, gx, gy, bx, copies, ms, vs, n, grads, n_grads, lr_t, beta_1, beta_2,      \
+        epsilon, count);                                                                                           \
   }
 
 CUDIST_EMU_ALL_DTYPES(__half, float16)
@@ -88,5 +107,7 @@ extern "C" int cudist_emu_device_enable_peer_access(int peer, unsigned flags) {
   return cudaDeviceEnablePeerAccess(peer, flags);
 }
 extern "C" int cudist_emu_device_disable_peer_access(int peer) { return cudaDeviceDisablePeerAccess(peer); }
+/// Stream-ordered allocations (cudaMallocAsync) not yet freed (cudaFreeAsync).
+extern "C" long long cudist_emu_async_allocations() { return cudist_emu::async_allocations.load(); }
 /// Forgets the enabled peer pairs and the calling thread's current device and last error.
 extern "C" void cudist_emu_reset() { cudist_emu::reset(); }

@@ -15,6 +15,10 @@ inline cudist::reduce_op as_op(int op) { return static_cast<cudist::reduce_op>(o
   extern "C" int cudist_emu_launch_all_reduce_##DT(T* const* bufs, int n, long long count, int op, void* stream) { \
     return cc::all_reduce<T>(bufs, n, count, as_op(op), as_stream(stream));                                        \
   }                                                                                                                \
+  extern "C" int cudist_emu_launch_all_reduce_into_##DT(const T* const* in, T* const* out, int n, long long count,  \
+                                                        int op, void* stream) {                                    \
+    return cc::all_reduce<T>(in, out, n, count, as_op(op), as_stream(stream));                                     \
+  }                                                                                                                \
   extern "C" int cudist_emu_launch_all_reduce_two_shot_##DT(T* const* bufs, int n, long long count, int op,        \
                                                             void* stream) {                                        \
     return cc::all_reduce_two_shot<T>(bufs, n, count, as_op(op), as_stream(stream));                               \
@@ -50,6 +54,24 @@ inline cudist::reduce_op as_op(int op) { return static_cast<cudist::reduce_op>(o
                                              double lr_t, double beta_1, double beta_2, double epsilon,            \
                                              long long count, void* stream) {                                      \
     return cc::adam<T>(copies, ms, vs, n, grad, lr_t, beta_1, beta_2, epsilon, count, as_stream(stream));          \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_all_reduce_sgd_##DT(T* const* copies, int n, const T* const* grads, int m,      \
+                                                       double lr, long long count, void* stream) {                 \
+    return cc::all_reduce_sgd<T>(copies, n, grads, m, lr, count, as_stream(stream));                               \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_all_reduce_momentum_##DT(T* const* copies, T* const* velocities, int n,         \
+                                                            const T* const* grads, int m, double lr,               \
+                                                            double momentum, int nesterov, long long count,        \
+                                                            void* stream) {                                        \
+    return cc::all_reduce_momentum<T>(copies, velocities, n, grads, m, lr, momentum, nesterov != 0, count,         \
+                                      as_stream(stream));                                                          \
+  }                                                                                                                \
+  extern "C" int cudist_emu_launch_all_reduce_adam_##DT(T* const* copies, T* const* ms, T* const* vs, int n,       \
+                                                        const T* const* grads, int m, double lr_t, double beta_1,  \
+                                                        double beta_2, double epsilon, long long count,            \
+                                                        void* stream) {                                            \
+    return cc::all_reduce_adam<T>(copies, ms, vs, n, grads, m, lr_t, beta_1, beta_2, epsilon, count,               \
+                                  as_stream(stream));                                                              \
   }
 
 CUDIST_EMU_LAUNCH_ALL(__half, float16)

@@ -10,6 +10,7 @@ namespace cuda {
 
 #define CUDIST_CUDA_DEFINE_ALL(T)                                                                                \
   template cudaError_t all_reduce<T>(T* const*, int, long long, reduce_op, cudaStream_t);                        \
+  template cudaError_t all_reduce<T>(const T* const*, T* const*, int, long long, reduce_op, cudaStream_t);       \
   template cudaError_t all_reduce_two_shot<T>(T* const*, int, long long, reduce_op, cudaStream_t);               \
   template cudaError_t reduce_to_one<T>(T* const*, int, T*, long long, reduce_op, cudaStream_t);                 \
   template cudaError_t broadcast<T>(const T*, T* const*, int, long long, cudaStream_t);                          \
@@ -21,7 +22,12 @@ namespace cuda {
   template cudaError_t momentum<T>(T* const*, T* const*, int, const T*, double, double, bool, long long,        \
                                    cudaStream_t);                                                               \
   template cudaError_t adam<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double, double, \
-                               long long, cudaStream_t);
+                               long long, cudaStream_t);                                                        \
+  template cudaError_t all_reduce_sgd<T>(T* const*, int, const T* const*, int, double, long long, cudaStream_t); \
+  template cudaError_t all_reduce_momentum<T>(T* const*, T* const*, int, const T* const*, int, double, double,  \
+                                              bool, long long, cudaStream_t);                                   \
+  template cudaError_t all_reduce_adam<T>(T* const*, T* const*, T* const*, int, const T* const*, int, double,   \
+                                          double, double, double, long long, cudaStream_t);
 
 CUDIST_CUDA_DEFINE_ALL(float)
 CUDIST_CUDA_DEFINE_ALL(double)

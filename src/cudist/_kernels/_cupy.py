@@ -58,6 +58,9 @@ KERNELS = {
     "mirrored_sgd": ("float16", "float32", "float64"),
     "mirrored_momentum": ("float16", "float32", "float64"),
     "mirrored_adam": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_sgd": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_momentum": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_adam": ("float16", "float32", "float64"),
 }
 #: Most replica buffers one launch touches (cudist::kernels::kMaxReplicas).
 MAX_REPLICAS = 8
@@ -121,6 +124,10 @@ class CupyBackend(KernelBackend):
         self._peer: dict[tuple[int, int], bool] = {}  # (device, peer) -> peer access enabled
         self._sms: dict[int, int] = {}
         self._program: tuple | None = None  # (NVRTC source, options): the same for every dtype
+
+    def _span(self, a):
+        start = int(a.data.ptr)
+        return start, start + a.nbytes
 
     # ------------------------------------------------------------------ compilation and launch
     def _function(self, device: int, dtype, kernel: str):
@@ -331,11 +338,43 @@ class CupyBackend(KernelBackend):
         return all(self._peer_ok(d, e) for d in devices for e in devices)
 
     # ------------------------------------------------------------------ hooks
-    def _all_reduce(self, bufs, op):
-        n, count = len(bufs), bufs[0].size
+    def _hook_all_reduce(self, inputs, outputs, op):
+        n, count = len(inputs), inputs[0].size
         if count == 0:
             return
         divisor = n if op is ReduceOp.MEAN else 0
+        if outputs is inputs or all(o is i for o, i in zip(outputs, inputs)):
+            self._all_reduce_in_place(outputs, divisor)
+            return
+        # Out of place: one-shot on the first output's GPU (the others over peer access, or
+        # staged), reading each input once and writing each output once.
+        device = outputs[0].device.id
+        st = self._Staging(self, device, list(inputs) + list(outputs), [False] * n + [True] * n)
+        ins, outs = st.arrays[:n], st.arrays[n:]
+        if n <= MAX_REPLICAS:
+            self._launch(
+                device,
+                "all_reduce_one_shot",
+                outs[0].dtype,
+                count,
+                (
+                    self._table(device, ins),
+                    np.int32(n),
+                    self._table(device, outs),
+                    np.int32(n),
+                    np.int64(count),
+                    np.int32(divisor),
+                ),
+            )
+        else:
+            # The running sum lives in outs[0], which is no later input (it is at most ins[0],
+            # which the first pass consumes).
+            self._reduce_into(device, ins, outs[0], outs[1:MAX_REPLICAS], divisor)
+            self._broadcast_from(device, outs[0], outs[MAX_REPLICAS:])
+        st.finish()
+
+    def _all_reduce_in_place(self, bufs, divisor):
+        n = len(bufs)
         if self._use_two_shot(bufs):
             self._all_reduce_two_shot(bufs, divisor)
             return
@@ -350,7 +389,7 @@ class CupyBackend(KernelBackend):
             self._broadcast_from(device, b[0], b[MAX_REPLICAS:])
         st.finish()
 
-    def _reduce_to_one(self, bufs, op, out):
+    def _hook_reduce_to_one(self, bufs, op, out):
         if out.size == 0:
             return
         n = len(bufs)
@@ -368,7 +407,7 @@ class CupyBackend(KernelBackend):
             self._reduce_into(device, b, o, [], divisor)
         st.finish()
 
-    def _broadcast(self, src, dsts):
+    def _hook_broadcast(self, src, dsts):
         if src.size == 0:
             return
         device = src.device.id
@@ -382,32 +421,45 @@ class CupyBackend(KernelBackend):
         self._broadcast_from(device, s, ds)
         st.finish()
 
-    def _all_gather(self, bufs, axis):
+    def _hook_all_gather(self, bufs, axis):
         device = bufs[0].device.id
         with cupy.cuda.Device(device):
             self._wait_for(device, {b.device.id for b in bufs})
             local = [b if b.device.id == device else b.copy() for b in bufs]
             return cupy.concatenate(local, axis=axis)
 
-    def _mirrored(self, kernel, copies, slots, grad, scalars):
+    def _mirrored(self, kernel, copies, slots, grad, scalars, grads=None):
         """Runs a mirrored-update kernel on copies[:MAX_REPLICAS] (and the slots), then broadcasts
-        copy 0 of each to the rest."""
+        copy 0 of each to the rest. With ``grads`` (a list), the fused all-reduce form: the kernel
+        sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary."""
         n, count, dtype = len(copies), copies[0].size, copies[0].dtype
         if count == 0:
             return
         device = copies[0].device.id
         groups = [list(copies)] + [list(s) for s in slots]
-        flat = [a for g in groups for a in g] + [grad]
-        st = self._Staging(self, device, flat, [True] * (len(flat) - 1) + [False])
+        inputs = [grad] if grads is None else list(grads)
+        flat = [a for g in groups for a in g] + inputs
+        k = len(inputs)
+        st = self._Staging(self, device, flat, [True] * (len(flat) - k) + [False] * k)
         staged = st.arrays
-        g_arr = staged[-1]
+        g_arrs = staged[len(flat) - k :]
         staged_groups = [staged[i * n : (i + 1) * n] for i in range(len(groups))]
         m = min(n, MAX_REPLICAS)
         tables = [self._table(device, g[:m]) for g in staged_groups]
         if kernel == "mirrored_assign_add":
-            args = (tables[0], np.int32(m), g_arr, np.int64(count), *scalars)
+            args = (tables[0], np.int32(m), g_arrs[0], np.int64(count), *scalars)
+        elif grads is None:
+            args = (*tables, np.int32(m), g_arrs[0], *scalars, np.int64(count))
         else:
-            args = (*tables, np.int32(m), g_arr, *scalars, np.int64(count))
+            if k > MAX_REPLICAS:
+                # Replica order kept: the head summed into a temporary, the kernel adds the rest.
+                head = k - (MAX_REPLICAS - 1)
+                with cupy.cuda.Device(device):
+                    tmp = cupy.empty_like(g_arrs[0])
+                self._reduce_into(device, g_arrs[:head], tmp, [], 0)
+                g_arrs = [tmp, *g_arrs[head:]]
+            gt = self._table(device, g_arrs)
+            args = (*tables, np.int32(m), gt, np.int32(len(g_arrs)), *scalars, np.int64(count))
         self._launch(device, kernel, dtype, count, args)
         if n > m:
             for group in staged_groups:
@@ -418,22 +470,36 @@ class CupyBackend(KernelBackend):
     def _ct(dtype):
         return np.float32 if dtype == np.float16 else np.dtype(dtype).type
 
-    def _assign_add(self, copies, value, negate):
+    def _hook_assign_add(self, copies, value, negate):
         self._mirrored("mirrored_assign_add", copies, [], value, (np.int32(1 if negate else 0),))
 
-    def _sgd(self, copies, grad, lr):
+    def _hook_sgd(self, copies, grad, lr):
         ct = self._ct(copies[0].dtype)
         self._mirrored("mirrored_sgd", copies, [], grad, (ct(lr),))
 
-    def _momentum(self, copies, velocities, grad, lr, momentum, nesterov):
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
         ct = self._ct(copies[0].dtype)
         self._mirrored(
             "mirrored_momentum", copies, [velocities], grad, (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
         )
 
-    def _adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
+    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
         ct = self._ct(copies[0].dtype)
         self._mirrored("mirrored_adam", copies, [ms, vs], grad, (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon)))
+
+    def _hook_all_reduce_sgd(self, copies, grads, lr):
+        ct = self._ct(copies[0].dtype)
+        self._mirrored("mirrored_all_reduce_sgd", copies, [], None, (ct(lr),), grads=grads)
+
+    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
+        ct = self._ct(copies[0].dtype)
+        scalars = (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
+        self._mirrored("mirrored_all_reduce_momentum", copies, [velocities], None, scalars, grads=grads)
+
+    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
+        ct = self._ct(copies[0].dtype)
+        scalars = (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon))
+        self._mirrored("mirrored_all_reduce_adam", copies, [ms, vs], None, scalars, grads=grads)
 
     # ------------------------------------------------------------------ batch scatter
     def scatter(self, batch, devices):

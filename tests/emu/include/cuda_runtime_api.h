@@ -18,6 +18,7 @@
 // of the emulation library share one runtime.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
@@ -277,6 +278,25 @@ inline cudaError_t cudaMalloc(T** ptr, std::size_t size) {
   return cudaMalloc(reinterpret_cast<void**>(ptr), size);
 }
 inline cudaError_t cudaFree(void* ptr) {
+  std::free(ptr);
+  return cudaSuccess;
+}
+// Stream-ordered allocation: emulated launches run at once, so memory freed "after the stream's
+// work so far" is free now. The live count lets tests check that the launchers free what they take.
+namespace cudist_emu {
+inline std::atomic<long long> async_allocations{0};
+}  // namespace cudist_emu
+inline cudaError_t cudaMallocAsync(void** ptr, std::size_t size, cudaStream_t) {
+  const cudaError_t e = cudaMalloc(ptr, size);
+  if (e == cudaSuccess) ++cudist_emu::async_allocations;
+  return e;
+}
+template <class T>
+inline cudaError_t cudaMallocAsync(T** ptr, std::size_t size, cudaStream_t stream) {
+  return cudaMallocAsync(reinterpret_cast<void**>(ptr), size, stream);
+}
+inline cudaError_t cudaFreeAsync(void* ptr, cudaStream_t) {
+  if (ptr != nullptr) --cudist_emu::async_allocations;
   std::free(ptr);
   return cudaSuccess;
 }

@@ -33,6 +33,13 @@ namespace cuda {
 template <class T>
 cudaError_t all_reduce(T* const* bufs, int n, long long count, reduce_op op, cudaStream_t stream = nullptr);
 
+/// Out of place: reduces the n buffers `in` elementwise and writes the result into the n buffers
+/// `out`, in one fused pass (each input read once, each output written once). `out[i]` may be
+/// `in[i]` itself; outputs must not otherwise overlap inputs or each other.
+template <class T>
+cudaError_t all_reduce(const T* const* in, T* const* out, int n, long long count, reduce_op op,
+                       cudaStream_t stream = nullptr);
+
 /// The same result as all_reduce, as a reduce-scatter followed by an all-gather (two launches).
 /// Moves the same bytes on one GPU; across GPUs it spreads the traffic over the links.
 template <class T>
@@ -72,8 +79,29 @@ template <class T>
 cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
                  double beta_2, double epsilon, long long count, cudaStream_t stream = nullptr);
 
+/// Fused all-reduce + SGD: g = grads[0] + ... + grads[m-1] (replica order, in T), then every copy
+/// becomes copies[0] - lr * g; bit-identical to reduce_to_one then sgd. Any m >= 1 (more than
+/// kMaxReplicas gradients are first reduced into a stream-ordered temporary, cudaMallocAsync).
+/// Gradients must not overlap the copies.
+template <class T>
+cudaError_t all_reduce_sgd(T* const* copies, int n, const T* const* grads, int m, double lr, long long count,
+                           cudaStream_t stream = nullptr);
+
+/// Fused all-reduce + momentum: the m gradients summed as in all_reduce_sgd, then momentum().
+template <class T>
+cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, const T* const* grads, int m,
+                                double lr, double momentum, bool nesterov, long long count,
+                                cudaStream_t stream = nullptr);
+
+/// Fused all-reduce + Adam: the m gradients summed as in all_reduce_sgd, then adam().
+template <class T>
+cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
+                            double lr_t, double beta_1, double beta_2, double epsilon, long long count,
+                            cudaStream_t stream = nullptr);
+
 #define CUDIST_CUDA_DECLARE_ALL(T)                                                                             \
   extern template cudaError_t all_reduce<T>(T* const*, int, long long, reduce_op, cudaStream_t);              \
+  extern template cudaError_t all_reduce<T>(const T* const*, T* const*, int, long long, reduce_op, cudaStream_t); \
   extern template cudaError_t all_reduce_two_shot<T>(T* const*, int, long long, reduce_op, cudaStream_t);     \
   extern template cudaError_t reduce_to_one<T>(T* const*, int, T*, long long, reduce_op, cudaStream_t);       \
   extern template cudaError_t broadcast<T>(const T*, T* const*, int, long long, cudaStream_t);                \
@@ -84,7 +112,13 @@ cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* g
   extern template cudaError_t momentum<T>(T* const*, T* const*, int, const T*, double, double, bool, long long, \
                                           cudaStream_t);                                                     \
   extern template cudaError_t adam<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double,  \
-                                      double, long long, cudaStream_t);
+                                      double, long long, cudaStream_t);                                      \
+  extern template cudaError_t all_reduce_sgd<T>(T* const*, int, const T* const*, int, double, long long,       \
+                                                cudaStream_t);                                               \
+  extern template cudaError_t all_reduce_momentum<T>(T* const*, T* const*, int, const T* const*, int, double,  \
+                                                     double, bool, long long, cudaStream_t);                 \
+  extern template cudaError_t all_reduce_adam<T>(T* const*, T* const*, T* const*, int, const T* const*, int,  \
+                                                 double, double, double, double, long long, cudaStream_t);
 
 // The definitions live in the cudist::cuda library (csrc/src/cuda/launch.cu).
 #ifndef CUDIST_CUDA_IMPLEMENTATION

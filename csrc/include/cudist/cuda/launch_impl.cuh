@@ -78,14 +78,14 @@ cudaError_t broadcast_from(const T* src, T* const* dsts, int first, int n, long 
 // kMaxReplicas). More than kMaxReplicas inputs: the running sum is kept in `out` between passes,
 // which preserves the order ((b0 + b1) + ...) exactly since every partial sum is rounded to T anyway.
 template <class T>
-cudaError_t reduce_into(T* const* bufs, int n, T* out, T* const* extra, int n_extra, long long count, int divisor,
-                        cudaStream_t stream) {
+cudaError_t reduce_into(const T* const* bufs, int n, T* out, T* const* extra, int n_extra, long long count,
+                        int divisor, cudaStream_t stream) {
   int done = 0;
   while (done < n) {
     PtrPack<T> in{};
     int n_in = 0;
     if (done > 0) in.p[n_in++] = out;  // the running sum
-    while (n_in < kMaxReplicas && done < n) in.p[n_in++] = bufs[done++];
+    while (n_in < kMaxReplicas && done < n) in.p[n_in++] = const_cast<T*>(bufs[done++]);  // only read
     const bool last = done == n;
     PtrPack<T> outs{};
     int n_out = 0;
@@ -113,9 +113,29 @@ cudaError_t all_reduce(T* const* bufs, int n, long long count, reduce_op op, cud
     return cudaGetLastError();
   }
   // The running sum lives in bufs[0]: it is consumed by the first pass before being overwritten.
-  const cudaError_t e = detail::reduce_into(bufs, n, bufs[0], bufs + 1, detail::kMaxReplicas - 1, count, divisor, stream);
+  const cudaError_t e =
+      detail::reduce_into<T>(bufs, n, bufs[0], bufs + 1, detail::kMaxReplicas - 1, count, divisor, stream);
   if (e != cudaSuccess) return e;
   return detail::broadcast_from<T>(bufs[0], bufs, detail::kMaxReplicas, n, count, stream);
+}
+
+template <class T>
+cudaError_t all_reduce(const T* const* in, T* const* out, int n, long long count, reduce_op op, cudaStream_t stream) {
+  if (detail::bad_args(in, n, count) || out == nullptr || !detail::valid_op(op)) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int divisor = detail::divisor_for(op, n);
+  if (n <= detail::kMaxReplicas) {
+    detail::PtrPack<T> ins{};
+    for (int i = 0; i < n; ++i) ins.p[i] = const_cast<T*>(in[i]);  // only read
+    CUDIST_LAUNCH_KERNEL(kernels::all_reduce_one_shot_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
+                         ins, n, detail::pack(out, n), n, count, divisor);
+    return cudaGetLastError();
+  }
+  // The running sum lives in out[0], which is no input of a later pass (outputs are their own
+  // inputs at most, and in[0] is consumed by the first pass).
+  const cudaError_t e = detail::reduce_into<T>(in, n, out[0], out + 1, detail::kMaxReplicas - 1, count, divisor, stream);
+  if (e != cudaSuccess) return e;
+  return detail::broadcast_from<T>(out[0], out, detail::kMaxReplicas, n, count, stream);
 }
 
 template <class T>
@@ -141,7 +161,7 @@ cudaError_t reduce_to_one(T* const* bufs, int n, T* out, long long count, reduce
   for (int i = detail::kMaxReplicas; i < n; ++i)
     if (bufs[i] == out) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
-  return detail::reduce_into(bufs, n, out, bufs, 0, count, detail::divisor_for(op, n), stream);
+  return detail::reduce_into<T>(bufs, n, out, bufs, 0, count, detail::divisor_for(op, n), stream);
 }
 
 template <class T>
@@ -229,6 +249,113 @@ cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* g
   T* const* const slots[3] = {ms, vs, copies};
   for (T* const* slot : slots) {
     e = detail::broadcast_from<T>(slot[0], slot, m, n, count, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+
+namespace detail {
+
+// The gradients of a fused update as at most kMaxReplicas pointers: more are first reduced (in
+// replica order, so bit-identical) into a stream-ordered temporary `*tmp`, which the caller frees
+// with cudaFreeAsync after its launch.
+template <class T>
+cudaError_t grads_pack(const T* const* grads, int m, long long count, cudaStream_t stream, PtrPack<T>& pack,
+                       int& n_pack, T** tmp) {
+  *tmp = nullptr;
+  if (m <= kMaxReplicas) {
+    for (int i = 0; i < m; ++i) pack.p[i] = const_cast<T*>(grads[i]);  // only read
+    n_pack = m;
+    return cudaSuccess;
+  }
+  // Reduce all but the last kMaxReplicas - 1 into the temporary; the kernel adds those in order.
+  const int head = m - (kMaxReplicas - 1);
+  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(tmp), static_cast<size_t>(count) * sizeof(T), stream);
+  if (e != cudaSuccess) return e;
+  e = reduce_into<T>(grads, head, *tmp, nullptr, 0, count, 0, stream);
+  if (e != cudaSuccess) {
+    cudaFreeAsync(*tmp, stream);
+    *tmp = nullptr;
+    return e;
+  }
+  pack.p[0] = *tmp;
+  for (int i = 0; i < kMaxReplicas - 1; ++i) pack.p[1 + i] = const_cast<T*>(grads[head + i]);
+  n_pack = kMaxReplicas;
+  return cudaSuccess;
+}
+
+inline bool bad_grads(const void* grads, int m) { return grads == nullptr || m < 1; }
+
+}  // namespace detail
+
+template <class T>
+cudaError_t all_reduce_sgd(T* const* copies, int n, const T* const* grads, int m, double lr, long long count,
+                           cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || detail::bad_grads(grads, m)) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  detail::PtrPack<T> g{};
+  int ng = 0;
+  T* tmp = nullptr;
+  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
+  if (e != cudaSuccess) return e;
+  const int k = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
+  CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_sgd_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
+                       detail::pack(copies, k), k, g, ng, static_cast<C>(lr), count);
+  e = cudaGetLastError();
+  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
+  if (e != cudaSuccess) return e;
+  return detail::broadcast_from<T>(copies[0], copies, k, n, count, stream);
+}
+
+template <class T>
+cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, const T* const* grads, int m, double lr,
+                                double momentum, bool nesterov, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || velocities == nullptr || detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  detail::PtrPack<T> g{};
+  int ng = 0;
+  T* tmp = nullptr;
+  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
+  if (e != cudaSuccess) return e;
+  const int k = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
+  CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_momentum_packed<T>, detail::grid_for<T>(count), detail::kThreads,
+                       stream, detail::pack(copies, k), detail::pack(velocities, k), k, g, ng, static_cast<C>(lr),
+                       static_cast<C>(momentum), nesterov ? 1 : 0, count);
+  e = cudaGetLastError();
+  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
+  if (e != cudaSuccess) return e;
+  e = detail::broadcast_from<T>(velocities[0], velocities, k, n, count, stream);
+  if (e != cudaSuccess) return e;
+  return detail::broadcast_from<T>(copies[0], copies, k, n, count, stream);
+}
+
+template <class T>
+cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
+                            double lr_t, double beta_1, double beta_2, double epsilon, long long count,
+                            cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  detail::PtrPack<T> g{};
+  int ng = 0;
+  T* tmp = nullptr;
+  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
+  if (e != cudaSuccess) return e;
+  const int k = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
+  CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adam_packed<T>, detail::grid_for<T>(count), detail::kThreads,
+                       stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k), k, g, ng,
+                       static_cast<C>(lr_t), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
+                       count);
+  e = cudaGetLastError();
+  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
+  if (e != cudaSuccess) return e;
+  T* const* const slots[3] = {ms, vs, copies};
+  for (T* const* slot : slots) {
+    e = detail::broadcast_from<T>(slot[0], slot, k, n, count, stream);
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;

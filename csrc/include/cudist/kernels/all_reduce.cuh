@@ -21,28 +21,9 @@ namespace cudist {
 namespace kernels {
 namespace detail {
 
-// (p[0][i..i+W) + p[1][i..] + ... + p[n-1][i..]) (/ divisor), summed in replica order. The loop
-// runs to kMaxReplicas with constant indices (unrolled) so that the pointers stay in registers.
-template <class T, int W>
-__device__ __forceinline__ Pack<T, W> reduce_packs(const Ptrs<T>& p, int n, int divisor, long long i) {
-  Pack<T, W> s = load<W>(p.p[0] + i);
-#pragma unroll
-  for (int r = 1; r < kMaxReplicas; ++r) {
-    if (r < n) {
-      const Pack<T, W> x = load<W>(p.p[r] + i);
-#pragma unroll
-      for (int k = 0; k < W; ++k) s.v[k] = add(s.v[k], x.v[k]);
-    }
-  }
-  if (divisor > 0) {
-#pragma unroll
-    for (int k = 0; k < W; ++k) s.v[k] = divide_by(s.v[k], divisor);
-  }
-  return s;
-}
-
 // out[o][i] = (in[0][i] + in[1][i] + ... + in[n_in-1][i]) (/ divisor) for o < n_out.
-// In place (out == in) is fine: each element is read and written by the same thread.
+// In place (out == in) is fine, and so is out of place (out[i] separate buffers, or some of them
+// the inputs themselves): each element is read and written by the same thread, reads first.
 template <class T>
 struct AllReduceOneShot {
   Ptrs<T> in, out;
@@ -161,6 +142,8 @@ __device__ __forceinline__ void broadcast_body(const T* src, const Ptrs<T>& dst,
 }  // namespace detail
 
 /// One-shot all-reduce / reduce-to-one: reads n_in inputs, writes the (divided) sum to n_out outputs.
+/// In place (`out` the same table as `in`), out of place (n_out separate outputs, any of them
+/// possibly its own input), or reduce-to-one (n_out = 1).
 template <class T>
 __global__ void all_reduce_one_shot(T* const* in, int n_in, T* const* out, int n_out, long long count, int divisor) {
   detail::all_reduce_one_shot_body<T>(detail::load_ptrs(in, n_in), n_in, detail::load_ptrs(out, n_out), n_out, count,

@@ -153,6 +153,26 @@ __device__ __forceinline__ void for_each(long long begin, long long end, bool ve
   for (long long i = begin + groups * W + tid; i < end; i += stride) f.template apply<1>(i);
 }
 
+// (p[0][i..i+W) + p[1][i..] + ... + p[n-1][i..]) (/ divisor), summed in replica order. The loop
+// runs to kMaxReplicas with constant indices (unrolled) so that the pointers stay in registers.
+template <class T, int W>
+__device__ __forceinline__ Pack<T, W> reduce_packs(const Ptrs<T>& p, int n, int divisor, long long i) {
+  Pack<T, W> s = load<W>(p.p[0] + i);
+#pragma unroll
+  for (int r = 1; r < kMaxReplicas; ++r) {
+    if (r < n) {
+      const Pack<T, W> x = load<W>(p.p[r] + i);
+#pragma unroll
+      for (int k = 0; k < W; ++k) s.v[k] = add(s.v[k], x.v[k]);
+    }
+  }
+  if (divisor > 0) {
+#pragma unroll
+    for (int k = 0; k < W; ++k) s.v[k] = divide_by(s.v[k], divisor);
+  }
+  return s;
+}
+
 }  // namespace detail
 }  // namespace kernels
 }  // namespace cudist

@@ -38,7 +38,7 @@ _build = None
 _CTYPE_TO_DTYPE = {"__half": "float16", "float": "float32", "double": "float64", "int": "int32", "long long": "int64"}
 _SCALAR_TYPES = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64}
 _CTYPES = {np.int32: ctypes.c_int, np.int64: ctypes.c_longlong, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
-_TABLE_COUNT = {"in": "n_in", "out": "n_out", "dst": "n_dst"}
+_TABLE_COUNT = {"in": "n_in", "out": "n_out", "dst": "n_dst", "grads": "n_grads"}
 
 
 def _build_module():
