@@ -19,12 +19,17 @@ Integer MEAN is a true division giving float64, as TF's ``x / n`` on integer ten
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
+from types import ModuleType
+from typing import Any, Protocol, TypeAlias
+
 import numpy as np
 import optree
 
-from cudist._arrays import contiguous, device_context, is_device_array, like, to_host
+from cudist._arrays import Array, contiguous, device_context, is_device_array, like, to_host
 from cudist._collectives import pool
-from cudist._kernels import backend_for, cpu_backend, numpy_backend
+# cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
+from cudist._kernels import KernelBackend, backend_for, cpu_backend, numpy_backend
 from cudist._reduce_util import ReduceOp
 
 __all__ = [
@@ -38,15 +43,33 @@ __all__ = [
     "tree_leaves_with_paths",
 ]
 
+#: ``reducer(backend, bufs, op)``: all-reduces packed GPU buffers (one per replica) in place, in
+#: place of ``backend``'s own kernel (NCCL plugs in here; see :func:`all_reduce`).
+Reducer: TypeAlias = "Callable[[KernelBackend, list[Any], ReduceOp], None]"
 
-def check_reducible(where, dtype):
+
+class LeafPaths(Protocol):
+    """Names of the leaves of a nest, by leaf index (a list of str, or one computed on demand)."""
+
+    def __getitem__(self, j: int, /) -> str: ...
+
+
+def check_reducible(where: str, dtype: np.dtype[Any]) -> None:
     """Raises TypeError unless ``dtype`` can be summed."""
     if dtype.kind not in "iufc":
         raise TypeError(f"{where}: cannot reduce values of dtype {dtype} (only numeric dtypes can be summed)")
 
 
-def check_same_leaves(where, per_replica_leaves, paths=None):
-    """Raises a ValueError naming the replicas and leaf whose shapes or dtypes differ from replica 0's."""
+def check_same_leaves(
+    where: str, per_replica_leaves: Sequence[Sequence[Any]], paths: LeafPaths | None = None
+) -> None:
+    """Raises a ValueError naming the replicas and leaf whose shapes or dtypes differ from replica 0's.
+
+    Args:
+        where: the caller's name, for the message.
+        per_replica_leaves: ``per_replica_leaves[r][j]`` is leaf ``j`` (an array) of replica ``r``.
+        paths: the leaves' names, for the message (else they are numbered).
+    """
     ref = per_replica_leaves[0]
     for r, leaves in enumerate(per_replica_leaves[1:], 1):
         if len(leaves) != len(ref):
@@ -60,19 +83,26 @@ def check_same_leaves(where, per_replica_leaves, paths=None):
                 )
 
 
-def tree_leaves_with_paths(tree):
+def tree_leaves_with_paths(tree: Any) -> tuple[list[Any], optree.PyTreeSpec, list[str]]:
     """(leaves, treespec, paths) of a nest (None is an empty node, as in optree.tree_flatten)."""
     paths, leaves, spec = optree.tree_flatten_with_path(tree)
     return leaves, spec, ["/".join(str(p) for p in path) for path in paths]
 
 
-def pack_groups(sizes, num_packs):
-    """Splits leaf indices (in order) into ``num_packs`` contiguous groups of about equal total size."""
+def pack_groups(sizes: Sequence[int], num_packs: int) -> list[list[int]]:
+    """Splits leaf indices (in order) into ``num_packs`` contiguous groups of about equal total size.
+
+    Args:
+        sizes: each leaf's size (elements).
+        num_packs: how many groups; 0 or less: one group per leaf.
+    """
     idx = list(range(len(sizes)))
     if num_packs <= 0 or len(idx) <= 1:
         return [[i] for i in idx] if num_packs <= 0 else [idx]
     k = min(num_packs, len(idx))
     total = sum(sizes) or 1
+    groups: list[list[int]]
+    cur: list[int]
     groups, cur, acc = [], [], 0
     for i in idx:
         cur.append(i)
@@ -86,7 +116,7 @@ def pack_groups(sizes, num_packs):
     return groups
 
 
-def _kernel_backend(a, dt):
+def _kernel_backend(a: Any, dt: np.dtype[Any]) -> KernelBackend | None:
     """The backend that reduces buffers like ``a`` of dtype ``dt``; None for host dtypes outside the contract."""
     b = backend_for(a)
     if dt in b.dtypes:
@@ -97,8 +127,18 @@ def _kernel_backend(a, dt):
     return b if dt in b.dtypes else None
 
 
-def reduce_arrays(where, arrs, op):
-    """Reduces same-shape arrays in replica order into a new array (SUM, or MEAN as TF computes it)."""
+def reduce_arrays(where: str, arrs: Sequence[Any], op: ReduceOp) -> Array:
+    """Reduces same-shape arrays in replica order into a new array (SUM, or MEAN as TF computes it).
+
+    Args:
+        where: the caller's name, for error messages.
+        arrs: one array per replica (all NumPy, or all GPU arrays), one shape and dtype.
+        op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
+
+    Returns:
+        A new array on the first array's device.
+    """
+    b: KernelBackend | None
     dt = arrs[0].dtype
     check_reducible(where, dt)
     int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
@@ -113,7 +153,7 @@ def reduce_arrays(where, arrs, op):
                 out = arrs[0].copy()
             else:
                 _kernel_backend(arrs[0], dt)  # raises, naming the dtype, if the GPU kernels lack it
-                out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
+                out = b.reduce_to_one([contiguous(a) for a in arrs], kop)  # type: ignore[no-untyped-call]
             if int_mean:
                 out = xp.true_divide(out, len(arrs))
         return out
@@ -122,7 +162,7 @@ def reduce_arrays(where, arrs, op):
     else:
         b = _kernel_backend(arrs[0], dt)
         if b is not None:
-            out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
+            out = b.reduce_to_one([contiguous(a) for a in arrs], kop)  # type: ignore[no-untyped-call]
         else:  # numeric dtypes outside the kernel contract (int8, uint*, complex): plain numpy
             out = np.array(arrs[0], copy=True)
             for a in arrs[1:]:
@@ -134,25 +174,27 @@ def reduce_arrays(where, arrs, op):
     return out
 
 
-def _divide(xp, bufs, n):
+def _divide(xp: ModuleType, bufs: Sequence[Any], n: int) -> list[Array]:
     """Integer MEAN: each replica's sum / n as float64 (TF's ``x / n``), computed on its own device."""
     if xp is np:
         return [np.true_divide(buf, n) for buf in bufs]
-    out = []
+    out: list[Array] = []
     for buf in bufs:
         with device_context(buf):
             out.append(xp.true_divide(buf, n))
     return out
 
 
-def _packs(where, op, per_replica_leaves, num_packs):
+def _packs(
+    where: str, op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], num_packs: int
+) -> Iterator[tuple[list[int], list[Any], KernelBackend | None, ReduceOp, bool]]:
     """Yields (leaf ids, per-replica packed copies, backend or None, kernel op, int_mean) per pack.
 
     Each replica's pack is a fresh flat buffer on that replica's device holding its leaves ``ids``.
     """
     n = len(per_replica_leaves)
     ref = per_replica_leaves[0]
-    groups_by_key: dict = {}
+    groups_by_key: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
     for j, a in enumerate(ref):
         groups_by_key.setdefault((is_device_array(a), a.dtype), []).append(j)
     for (_, dt), leaf_ids in groups_by_key.items():
@@ -164,7 +206,7 @@ def _packs(where, op, per_replica_leaves, num_packs):
         for group in pack_groups([ref[j].size for j in leaf_ids], num_packs):
             ids = [leaf_ids[g] for g in group]
             total = sum(ref[j].size for j in ids)
-            bufs = []
+            bufs: list[Any] = []
             for r in range(n):
                 leaves = per_replica_leaves[r]
                 with device_context(leaves[ids[0]]):  # each replica's buffer on its own device
@@ -182,7 +224,7 @@ def _packs(where, op, per_replica_leaves, num_packs):
             yield ids, bufs, b, kop, int_mean
 
 
-def _unpack_all(ref, ids, results, outs):
+def _unpack_all(ref: Sequence[Any], ids: Sequence[int], results: Sequence[Any], outs: list[list[Any]]) -> None:
     off = 0
     for j in ids:
         shape, s = ref[j].shape, ref[j].size
@@ -191,7 +233,14 @@ def _unpack_all(ref, ids, results, outs):
         off += s
 
 
-def all_reduce(where, op, per_replica_leaves, *, num_packs=1, reducer=None):
+def all_reduce(
+    where: str,
+    op: ReduceOp,
+    per_replica_leaves: Sequence[Sequence[Any]],
+    *,
+    num_packs: int = 1,
+    reducer: Reducer | None = None,
+) -> list[list[Array]]:
     """All-reduces ``per_replica_leaves[r][j]`` (leaf j of replica r): ``out[r][j]``, new arrays.
 
     The shapes and dtypes must agree across replicas (:func:`check_same_leaves`). Host leaves of a
@@ -205,7 +254,7 @@ def all_reduce(where, op, per_replica_leaves, *, num_packs=1, reducer=None):
         host = _host_all_reduce(op, per_replica_leaves, num_packs)
         if host is not None:
             return host
-    outs = [[None] * len(ref) for _ in range(n)]
+    outs: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
     for ids, bufs, b, kop, int_mean in _packs(where, op, per_replica_leaves, num_packs):
         xp = backend_for(bufs[0]).xp
         if n > 1:
@@ -216,14 +265,16 @@ def all_reduce(where, op, per_replica_leaves, *, num_packs=1, reducer=None):
             elif reducer is not None and b.xp is not np:
                 reducer(b, bufs, kop)
             else:
-                b.all_reduce(bufs, kop)
+                b.all_reduce(bufs, kop)  # type: ignore[no-untyped-call]
         if int_mean:
             bufs = _divide(xp, bufs, n)
         _unpack_all(ref, ids, bufs, outs)
     return outs
 
 
-def _host_all_reduce(op, per_replica_leaves, num_packs):
+def _host_all_reduce(
+    op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], num_packs: int
+) -> list[list[Array]] | None:
     """The user's hot path: host leaves of kernel dtypes, reduced out of place into pooled buffers.
 
     One leaf per replica: one fused kernel call (N inputs -> N outputs, 2·N·S bytes moved). Several
@@ -239,18 +290,20 @@ def _host_all_reduce(op, per_replica_leaves, num_packs):
         if type(a) is not np.ndarray or a.dtype not in kdtypes:
             return None
     trusted = b.trusted
+    ins: list[Any]
+    outs: list[Any]
     if len(ref) == 1:
         a0 = ref[0]
         int_mean = op is ReduceOp.MEAN and a0.dtype.kind in "iu"
         kop = ReduceOp.SUM if int_mean else op
         ins = [p[0] if p[0].flags.c_contiguous else np.ascontiguousarray(p[0]) for p in per_replica_leaves]
         outs = pool.take_many(n, a0.shape, a0.dtype)
-        trusted.all_reduce(ins, outs, kop)
+        trusted.all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
         if int_mean:
             return [[np.true_divide(o, n)] for o in outs]
         return [[o] for o in outs]
-    result = [[None] * len(ref) for _ in range(n)]
-    by_dtype: dict = {}
+    result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
+    by_dtype: dict[np.dtype[Any], list[int]] = {}
     for j, a in enumerate(ref):
         by_dtype.setdefault(a.dtype, []).append(j)
     for dt, leaf_ids in by_dtype.items():
@@ -264,35 +317,38 @@ def _host_all_reduce(op, per_replica_leaves, num_packs):
                 leaves = per_replica_leaves[r]
                 ins.append([np.ascontiguousarray(leaves[j]) for j in ids])
                 flat = pool.take((total,), dt)
+                views: list[Array]
                 views, off = [], 0
                 for j in ids:
                     s = ref[j].size
                     views.append(flat[off : off + s].reshape(ref[j].shape))
                     off += s
                 outs.append(views)
-            trusted.batch_all_reduce(ins, outs, kop)
+            trusted.batch_all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
             for r in range(n):
                 for j, o in zip(ids, outs[r]):
                     result[r][j] = np.true_divide(o, n) if int_mean else o
     return result
 
 
-def all_reduce_via_one(where, op, per_replica_leaves, *, num_packs=1):
+def all_reduce_via_one(
+    where: str, op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], *, num_packs: int = 1
+) -> list[list[Array]]:
     """:func:`all_reduce` as reduce-to-one-device (the first replica's) then broadcast."""
     n = len(per_replica_leaves)
     ref = per_replica_leaves[0]
-    outs = [[None] * len(ref) for _ in range(n)]
+    outs: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
     for ids, bufs, b, kop, int_mean in _packs(where, op, per_replica_leaves, num_packs):
         xp = backend_for(bufs[0]).xp
         if n > 1:
             with device_context(bufs[0]):  # the reduction happens on the first replica's device
-                red = b.reduce_to_one(bufs, kop) if b is not None else reduce_arrays(where, bufs, kop)
+                red = b.reduce_to_one(bufs, kop) if b is not None else reduce_arrays(where, bufs, kop)  # type: ignore[no-untyped-call]
                 if int_mean:
                     red = xp.true_divide(red, n)
             if int_mean:
                 bufs = [red] + [like(red, buf, copy=True) for buf in bufs[1:]]
             elif b is not None:
-                b.broadcast(red, bufs)
+                b.broadcast(red, bufs)  # type: ignore[no-untyped-call]
             else:
                 for buf in bufs:
                     xp.copyto(buf, red)
@@ -302,17 +358,26 @@ def all_reduce_via_one(where, op, per_replica_leaves, *, num_packs=1):
     return outs
 
 
-def batch_reduce(where, op, per_replica_leaves, *, num_packs=1):
-    """Reduces ``per_replica_leaves[r][j]`` over replicas: ``out[j]``, one fresh array per leaf."""
+def batch_reduce(
+    where: str, op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], *, num_packs: int = 1
+) -> list[Array]:
+    """Reduces ``per_replica_leaves[r][j]`` over replicas: ``out[j]``, one fresh array per leaf.
+
+    Args:
+        where: the caller's name, for error messages.
+        op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
+        per_replica_leaves: ``per_replica_leaves[r][j]`` is leaf ``j`` of replica ``r``.
+        num_packs: how many kernel calls per dtype (0: one per leaf).
+    """
     n = len(per_replica_leaves)
     ref = per_replica_leaves[0]
-    outs = [None] * len(ref)
+    outs: list[Any] = [None] * len(ref)
     for ids, bufs, b, kop, int_mean in _packs(where, op, per_replica_leaves, num_packs):
         if b is None or n == 1:
             red = reduce_arrays(where, bufs, op)
         else:
             with device_context(bufs[0]):
-                red = b.reduce_to_one(bufs, kop)
+                red = b.reduce_to_one(bufs, kop)  # type: ignore[no-untyped-call]
                 if int_mean:
                     red = b.xp.true_divide(red, n)
         off = 0
@@ -322,7 +387,7 @@ def batch_reduce(where, op, per_replica_leaves, *, num_packs=1):
     return outs
 
 
-def gather_arrays(arrs, axis):
+def gather_arrays(arrs: Sequence[Any], axis: int) -> Array:
     """Concatenates per-replica arrays (same dtype) along ``axis`` in replica order into a new array.
 
     Host arrays go through the CPU backend (the NumPy reference for dtypes outside the kernel
@@ -333,15 +398,15 @@ def gather_arrays(arrs, axis):
         xp = b.xp
         with device_context(arrs[0]):
             if arrs[0].dtype in b.dtypes:
-                return b.all_gather(arrs, axis)
+                return b.all_gather(arrs, axis)  # type: ignore[no-untyped-call]
             # Validated like a kernel call (shapes, axis), then concatenated by CuPy.
-            numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
+            numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)  # type: ignore[no-untyped-call]
             return xp.concatenate([xp.asarray(a) for a in arrs], axis=axis)
     arrs = [contiguous(to_host(a)) for a in arrs]
     b = cpu_backend()
     if arrs[0].dtype not in b.dtypes:
         b = numpy_backend()
     if arrs[0].dtype in b.dtypes:
-        return b.all_gather(arrs, axis)
-    numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
+        return b.all_gather(arrs, axis)  # type: ignore[no-untyped-call]
+    numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)  # type: ignore[no-untyped-call]
     return np.concatenate(arrs, axis=axis)

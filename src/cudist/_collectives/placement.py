@@ -2,16 +2,39 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import Any, Protocol, TypeAlias
+
 from cudist import _devices
-from cudist._arrays import physical_gpu, place, snapshot, to_host
+from cudist._arrays import Array, physical_gpu, place, snapshot, to_host
 from cudist._values import DistributedValues, Mirrored
 
 __all__ = ["resolve_destinations", "on_destinations", "gpu_layout", "describe_layout"]
 
 
-def resolve_destinations(destinations, where="reduce"):
+class _OnDevice(Protocol):
+    """Anything with a ``device`` name (a variable, a component of a distributed value)."""
+
+    @property
+    def device(self) -> str: ...
+
+
+#: Where a reduction goes (TF's ``destinations``): a device string, a list of them, a
+#: DistributedValues or variable (the devices of its components), or anything with a ``device``.
+Destinations: TypeAlias = "str | Sequence[_devices.DeviceLike] | DistributedValues | _OnDevice"
+
+
+def resolve_destinations(destinations: Destinations | None, where: str = "reduce") -> tuple[str, ...]:
     """Canonical device names of ``destinations``: a device string, a list of them, a DistributedValues
-    or variable (the devices of its components), or anything with a ``device``."""
+    or variable (the devices of its components), or anything with a ``device``.
+
+    Args:
+        destinations: see :data:`Destinations`.
+        where: the caller's name, for error messages.
+
+    Raises:
+        ValueError: None, an empty list, or destinations naming no device.
+    """
     if destinations is None:
         raise ValueError(f"{where}: destinations must not be None")
     if isinstance(destinations, str):
@@ -36,7 +59,7 @@ def resolve_destinations(destinations, where="reduce"):
                      "or a distributed value or variable")
 
 
-def on_destinations(result, devices):
+def on_destinations(result: Any, devices: Sequence[str]) -> Array | Mirrored:
     """One result per destination device: the array itself for one, a Mirrored of copies for many.
 
     Host results for CPU destinations stay host arrays (the first is ``result`` itself); GPU
@@ -47,6 +70,8 @@ def on_destinations(result, devices):
             return to_host(result)
         result = to_host(result)
         return Mirrored([result] + [result.copy() for _ in devices[1:]])
+    placed: list[Array]
+    seen: set[int]
     placed, seen = [], set()
     for d in devices:
         p = place(result, d)
@@ -57,7 +82,7 @@ def on_destinations(result, devices):
     return placed[0] if len(placed) == 1 else Mirrored(placed)
 
 
-def gpu_layout(devices):
+def gpu_layout(devices: Iterable[_devices.DeviceLike]) -> tuple[int, ...] | None:
     """The physical GPU of each device, or None when every device is a CPU.
 
     Args:
@@ -84,7 +109,7 @@ def gpu_layout(devices):
     return tuple(physical_gpu(s) for s in specs)
 
 
-def describe_layout(physical) -> str:
+def describe_layout(physical: Sequence[int]) -> str:
     """"4 GPUs" or "4 logical GPUs on 2 physical GPUs"."""
     n, p = len(physical), len(set(physical))
     if n == p:

@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 __all__ = ["take", "take_many", "clear", "stats"]
 
@@ -32,14 +34,14 @@ _empty = np.empty
 _u8 = np.uint8
 
 
-def _buffers() -> dict:
-    d = getattr(_local, "buffers", None)
+def _buffers() -> dict[int, list[npt.NDArray[np.uint8]]]:
+    d: dict[int, list[npt.NDArray[np.uint8]]] | None = getattr(_local, "buffers", None)
     if d is None:
         d = _local.buffers = {}
     return d
 
 
-def _free_buffer(nbytes: int):
+def _free_buffer(nbytes: int) -> npt.NDArray[np.uint8] | None:
     """A pooled uint8 buffer of ``nbytes`` nobody else refers to (made if none is free); None if the size is full."""
     lst = _buffers().get(nbytes)
     if lst is None:
@@ -55,8 +57,17 @@ def _free_buffer(nbytes: int):
     return buf
 
 
-def take(shape, dtype):
-    """An uninitialized C-contiguous array of ``shape`` and ``dtype``, from the pool when large enough."""
+def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
+    """An uninitialized C-contiguous array of ``shape`` and ``dtype``, from the pool when large enough.
+
+    Args:
+        shape: the array's shape.
+        dtype: its dtype (anything ``np.dtype`` accepts).
+
+    Returns:
+        A view of a pooled buffer nobody else holds, or a fresh array (small sizes, or the size's
+        buffers all in use).
+    """
     dtype = np.dtype(dtype)
     count = 1
     for d in shape:
@@ -70,8 +81,18 @@ def take(shape, dtype):
     return buf.view(dtype).reshape(shape)
 
 
-def take_many(n: int, shape, dtype) -> list:
-    """``n`` arrays of ``shape`` and ``dtype`` (one per replica), each its own buffer; one scan of the pool."""
+def take_many(n: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> list[npt.NDArray[Any]]:
+    """``n`` arrays of ``shape`` and ``dtype`` (one per replica), each its own buffer; one scan of the pool.
+
+    Args:
+        n: how many arrays.
+        shape: their shape.
+        dtype: their dtype (anything ``np.dtype`` accepts).
+
+    Returns:
+        ``n`` uninitialized C-contiguous arrays, as :func:`take` makes them.
+    """
+    d: Any  # a dimension in the loop below, then this thread's buffers
     dtype = np.dtype(dtype)
     count = 1
     for d in shape:
@@ -99,9 +120,9 @@ def clear() -> None:
     _buffers().clear()
 
 
-def stats() -> dict:
+def stats() -> dict[int, tuple[int, int]]:
     """{byte size: (buffers, buffers in use)} for this thread, for tests and benchmarks."""
-    out = {}
+    out: dict[int, tuple[int, int]] = {}
     for nbytes, lst in _buffers().items():
         out[nbytes] = (len(lst), sum(1 for b in lst if _getrefcount(b) > 3))
     return out
