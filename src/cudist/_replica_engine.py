@@ -21,14 +21,25 @@ from __future__ import annotations
 
 import sys
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn, TypeAlias
 
-import greenlet
+import greenlet  # type: ignore[import-untyped]
 
 from cudist._context import CTX as _CTX
+from cudist._context import Frame
 
 __all__ = ["run_replicas", "ReplicaMismatchError"]
 
 _DONE, _ERROR, _ABORTED = "done", "error", "aborted"
+
+#: What a replica greenlet is switched into: (frame, fn, args, kwargs).
+_Task: TypeAlias = "tuple[Frame, Callable[..., Any], Sequence[Any], Mapping[str, Any]]"
+#: What a replica switches back: (_DONE, result), (_ERROR, exception), (_ABORTED, None), or, at a
+#: collective, (kind, payload).
+_Event: TypeAlias = "tuple[str, Any]"
+#: ``kind -> handler(payloads) -> per-replica results`` (see :func:`run_replicas`).
+Handlers: TypeAlias = "Mapping[str, Callable[[list[Any]], Sequence[Any]]]"
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -39,7 +50,7 @@ class _Abort(BaseException):
     """Thrown into a suspended replica to unwind it (BaseException so ``except Exception`` lets it pass)."""
 
 
-def _worker_main(task):
+def _worker_main(task: _Task) -> NoReturn:
     """Body of a pooled replica greenlet: run tasks forever, reporting each outcome to the parent."""
     while True:
         frame, fn, args, kwargs = task
@@ -61,16 +72,16 @@ def _worker_main(task):
 class _Pool:
     __slots__ = ("workers", "busy")
 
-    def __init__(self, n):
-        self.workers = [greenlet.greenlet(_worker_main) for _ in range(n)]
+    def __init__(self, n: int) -> None:
+        self.workers: list[Any] = [greenlet.greenlet(_worker_main) for _ in range(n)]  # greenlets
         self.busy = False
 
 
 _local = threading.local()
 
 
-def _get_pool(n):
-    pools = getattr(_local, "pools", None)
+def _get_pool(n: int) -> _Pool:
+    pools: dict[int, _Pool] | None = getattr(_local, "pools", None)
     if pools is None:
         pools = _local.pools = {}
     pool = pools.get(n)
@@ -83,14 +94,14 @@ def _get_pool(n):
     return pool
 
 
-def _describe(ev):
+def _describe(ev: _Event) -> str:
     kind = ev[0]
     if kind == _DONE:
         return "returned"
     return f"called {kind}"
 
 
-def _abort(workers, events):
+def _abort(workers: Sequence[Any], events: list[Any]) -> bool:
     """Unwinds every replica suspended at a collective. Returns False if one refused to unwind."""
     ok = True
     for i, g in enumerate(workers):
@@ -106,7 +117,14 @@ def _abort(workers, events):
     return ok
 
 
-def run_replicas(n, frames, fn, args_list, kwargs_list, handlers):
+def run_replicas(
+    n: int,
+    frames: Sequence[Frame],
+    fn: Callable[..., Any],
+    args_list: Sequence[Sequence[Any]],
+    kwargs_list: Sequence[Mapping[str, Any]],
+    handlers: Handlers,
+) -> list[Any]:
     """Runs ``fn`` once per replica in the current thread's greenlet pool.
 
     Args:
@@ -127,7 +145,7 @@ def run_replicas(n, frames, fn, args_list, kwargs_list, handlers):
         if g.parent is not me:
             g.parent = me
     pool.busy = True
-    events = [None] * n
+    events: list[Any] = [None] * n  # per replica its last _Event (None: not started); checked by kind
     try:
         try:
             for i in range(n):
@@ -148,7 +166,7 @@ def run_replicas(n, frames, fn, args_list, kwargs_list, handlers):
                         exc.add_note(f"(raised in replica {err} of {n})")
                     raise exc
                 if any(k != first for k in kinds):
-                    groups = {}
+                    groups: dict[str, list[int]] = {}
                     for i, ev in enumerate(events):
                         groups.setdefault(_describe(ev), []).append(i)
                     desc = "; ".join(
@@ -159,7 +177,7 @@ def run_replicas(n, frames, fn, args_list, kwargs_list, handlers):
                         f"replicas disagree at the same step: {desc}; every replica must make the same "
                         "collective calls (all_reduce, all_gather, merge_call) in the same order"
                     )
-                results = handlers[first]([ev[1] for ev in events])
+                results = handlers[first]([ev[1] for ev in events])  # type: ignore[index]  # no None: all ran
                 for i in range(n):
                     events[i] = workers[i].switch(results[i])
                     if events[i][0] == _ERROR:
@@ -176,8 +194,8 @@ def run_replicas(n, frames, fn, args_list, kwargs_list, handlers):
         pool.busy = False
 
 
-def _discard(n, pool):
-    pools = getattr(_local, "pools", {})
+def _discard(n: int, pool: _Pool) -> None:
+    pools: dict[int, _Pool] = getattr(_local, "pools", {})
     if pools.get(n) is pool:
         del pools[n]
 
