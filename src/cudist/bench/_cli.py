@@ -492,7 +492,8 @@ def _write_json(ctx, s, path) -> None:
 
 # ---------------------------------------------------------------------------------------- suite
 def run_suite(ctx) -> None:
-    """The default suite: the headline kernel tables, then the strategy-level ones when they exist."""
+    """The default suite: the headline kernel tables, the user's path next to the kernels, then the
+    strategy-level ones (run overhead, a training step)."""
     a = ctx.args
     sizes_big = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
     sizes_mid = size_sweep(4 << 10, 16 << 20, 64)
@@ -503,8 +504,14 @@ def run_suite(ctx) -> None:
     for opt in ("sgd", "adam"):
         a.optimizer = opt
         run_kernel_op(ctx, "update", sizes=[4 << 10, 1 << 20, 64 << 20], dtypes=["float32"])
-    from cudist.bench import _strategy_bench
+    from cudist.bench import _strategy_bench, _user_path
 
+    # The user's path next to the kernels (strategy.run + all_reduce, apply_gradients): small sizes and
+    # few rounds, so the suite stays about a minute; `cudist-bench user-path` runs the full sweep.
+    iters, warmup = a.iters, a.warmup_iters
+    a.iters, a.warmup_iters, a.groups, a.round_ms = 5, 1, ["all-reduce", "momentum", "adam"], 10.0
+    _user_path.run_user_path(ctx, sizes=[256 << 10, 4 << 20])
+    a.iters, a.warmup_iters = iters, warmup
     a.iters, a.warmup_iters = max(a.iters, 100), max(a.warmup_iters, 10)
     _strategy_bench.run_overhead(ctx)
     a.iters, a.warmup_iters = 5, 1
@@ -516,7 +523,11 @@ def run_suite(ctx) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = parser.parse_args(argv)
+    # Options without a subcommand (`cudist-bench -n 5 --no-progress`) are the default suite's.
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version"):
+        args = parser.parse_args(["suite"] + argv)
+    else:
+        args = parser.parse_args(argv)
     args._argv = argv
     if args.command is None:
         args = parser.parse_args(["suite"] + argv)

@@ -288,6 +288,8 @@ def run_step(ctx) -> list:
               f"over {n} replicas, {a.optimizer}; median of {a.iters} after {a.warmup_iters} warm-up")
     ctx.print("# per step: forward/backward per replica (NumPy), MEAN all-reduce of the gradients, mirrored update;"
               " #wrong = parameters off the NumPy-backend reference after one step (rtol 1e-5)")
+    ctx.print("# the user's path: api=strategy rows (MirroredStrategy.run + cudist.optimizers apply_gradients, what a "
+              "training loop calls); api=kernel rows call the kernels directly (the floor the user's path can reach)")
     ctx.print("#" + _STEP_FMT.format(*_STEP_COLS)[1:])
     ref = None
     if a.check:
@@ -314,11 +316,21 @@ def run_step(ctx) -> list:
         for be in backends:
             with use_backend(be.name):
                 rows += _strategy_step(ctx, params, shards, ref, nparams)
+    _user_vs_kernel(ctx, rows)
     if a.compare == "tf":
         ctx.print("# tf: no TensorFlow counterpart for step (it would time Keras, not the strategy); use run-overhead "
                   "and the kernel subcommands with --compare tf")
     ctx.add_table("step", rows, replicas=n, iters=a.iters, warmup=a.warmup_iters)
     return rows
+
+
+def _user_vs_kernel(ctx, rows) -> None:
+    """One line: the user's path (api=strategy) step time over the kernel step time, per backend."""
+    kern = {r["backend"]: r["time_us"] for r in rows if r["api"] == "kernel" and r.get("time_us")}
+    parts = [f"{r['backend']} {r['time_us'] / kern[r['backend']]:.2f}x" for r in rows
+             if r["api"] == "strategy" and r.get("time_us") and r["backend"] in kern]
+    if parts:
+        ctx.print("# user's path / kernel step time (median; 1.00x = the strategy API costs nothing): " + ", ".join(parts))
 
 
 def _strategy_step(ctx, params, shards, ref, nparams) -> list:

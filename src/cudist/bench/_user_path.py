@@ -15,8 +15,10 @@ comes from the same rounds. Groups:
   kernels the same work takes today (in-place ``all_reduce`` of the N gradients, then the mirrored
   ``momentum`` / ``adam`` update: two passes); the NumPy loop; Keras's optimizer under TF's
   ``strategy.run`` in ``tf.function`` with ``--compare tf``.
-* ``copy``: the copy method that won the header's measurement, on a ``--copy-size`` buffer, timed in
-  the same rounds: its median is the ceiling ``%copy`` divides by.
+* ``copy``: the ceiling ``%copy`` divides by: the copy method that won the header's measurement, on a
+  ``--copy-size`` buffer, timed as the header does (median of back-to-back copies after an untimed
+  one) right before and right after the point's rounds; the faster of the two counts (as in
+  ``bench/targets.py``: the ceiling comes from the same minutes as the point).
 
 Bytes moved (``%copy``, ``GB/s``): all-reduce 2*N*S (N inputs read, N outputs written). The update
 counts what one fused all-reduce + update pass must move: momentum (3N+2)*S (N gradients, variable
@@ -462,6 +464,7 @@ def _ratio_text(num, den):
 
 
 _BLOCK_CAP = 200
+_COPY_ITERS = 10
 
 
 def _block_size(c, target_ns, cap):
@@ -529,12 +532,15 @@ def run_user_path(ctx, *, sizes=None, groups=None) -> list:
                   f"every row in turn (about {a.round_ms:g} ms each); time = median over all calls; check "
                   f"{'on (fresh random data vs the NumPy reference)' if a.check else 'off'}")
         ctx.print("# bytes moved (GB/s, %copy): all-reduce 2N*S; apply_gradients what one fused all-reduce + update "
-                  "must move: momentum (3N+2)*S, adam (4N+3)*S; %copy divides by the copy row's GB/s of the same "
-                  "rounds; flt/call = minor page faults per call")
+                  "must move: momentum (3N+2)*S, adam (4N+3)*S; %copy divides by the point's copy row; "
+                  "flt/call = minor page faults per call (fresh large buffers touched)")
         copy_method = _copy_method(ctx, a.copy_size)
-        ctx.print(f"# copy row: {copy_method[0]} of a {format_size(copy_method[2] // 2)} buffer (the header's fastest "
-                  "method); ratio lines: a/b = median time of a over median time of b ([rounds] = the spread of the "
-                  "per-round ratios), so run/kernel > 1 means the user's path is slower than the kernel")
+        ctx.print(f"# copy row (the ceiling): {copy_method[0]} of a {format_size(copy_method[2] // 2)} buffer, the "
+                  f"header's fastest method timed as there (median of {_COPY_ITERS} back-to-back copies) right before "
+                  "and right after the point's rounds; the faster of the two counts")
+        ctx.print("# ratio lines: a/b = median time of a over median time of b, [rounds] = the spread of the per-round "
+                  "ratios; run/kernel > 1: the user's path is slower than the kernel; numpy-loop/run and tf-*/run > 1: "
+                  "the user's path is faster")
         ctx.print("#" + _FMT.format(*_COLS)[1:])
         points = [(s, g) for s in sizes for g in groups]
         with Progress(len(points) * (rounds + warm), "user-path", enabled=ctx.progress_enabled()) as prog:
@@ -577,10 +583,12 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
                                      wrong=wrong, remote=(tf_server, mode)))
         except TFUnavailable as e:
             ctx.print(f"# tf: {group} {format_size(size)} skipped ({e})")
-    name, fn, nbytes = copy_method
-    copy = Contestant(f"copy ceiling ({format_size(nbytes // 2)})", "copy", "-", fn)
-    copy.copy_bytes = nbytes
-    cs.append(copy)
+    from cudist.bench._sysinfo import _time_copy
+
+    _, copy_fn, copy_bytes = copy_method
+    # The copy ceiling of this point: the header's method and way (median of back-to-back copies after
+    # an untimed one), right before and right after the rounds; the faster of the two counts.
+    before = _time_copy(copy_fn, _COPY_ITERS)
     # Warm-up rounds: two calls each in the first (the faster one estimates the block size; the first
     # call may pay for first touches), then full blocks.
     for c in cs:
@@ -598,19 +606,19 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
         for c in order:
             c.run_block(c.block)
         prog.update(f"{group} {format_size(size)} round {r + 1}")
-    copy_gbps = copy.copy_bytes / (statistics.median(copy.samples) * 1e-9) / 1e9
-    ceiling = copy_gbps
+    after = _time_copy(copy_fn, _COPY_ITERS)
+    ceiling = copy_bytes / min(before, after) / 1e9
     moved = moved_bytes(group, size, n)
     rows = []
     for c in cs:
-        if c is copy:
-            continue
         rows.append(_line(size, group, c, moved, ceiling))
         ctx.print(_fmt_row(rows[-1]))
-    crow = _line(size, "copy", copy, copy.copy_bytes, ceiling)
-    crow["group"], crow["op_name"], crow["size"], crow["count"] = "copy", "user-path/copy", size, None
-    crow["copy_buffer_bytes"] = copy.copy_bytes // 2
-    crow["header_ceiling_GBps"] = ceiling0
+    crow = {"op_name": "user-path/copy", "group": "copy", "size": size, "count": None, "dtype": None,
+            "path": f"copy ceiling ({format_size(copy_bytes // 2)}, before|after)", "api": "copy", "backend": "-",
+            "iters": 2 * _COPY_ITERS, "time_us": min(before, after) * 1e6, "min_us": None, "moved_bytes": copy_bytes,
+            "GBps": ceiling, "pct_copy": 100.0, "faults_per_call": None, "wrong": None, "user_path": False,
+            "copy_before_GBps": copy_bytes / before / 1e9, "copy_after_GBps": copy_bytes / after / 1e9,
+            "header_ceiling_GBps": ceiling0}
     ctx.print(_fmt_row(crow))
     rows.append(crow)
     # ratios of the same rounds
