@@ -19,17 +19,28 @@ replicas would hold arrays of two array modules that no kernel reduces together.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType
+from typing import Any
 
 import numpy as np
 
 from cudist import _devices
-from cudist._arrays import as_array, gpu_of, is_device_array, like, place, snapshot, to_host
+from cudist._arrays import Array, as_array, gpu_of, is_device_array, like, place, snapshot, to_host
 from cudist._collectives import nccl as _nccl
 from cudist._collectives import packing
-from cudist._collectives.placement import describe_layout, gpu_layout, on_destinations, resolve_destinations
-from cudist._kernels import BackendUnavailableError, cpu_backend
+from cudist._collectives.packing import LeafPaths, Reducer
+from cudist._collectives.placement import (
+    Destinations,
+    describe_layout,
+    gpu_layout,
+    on_destinations,
+    resolve_destinations,
+)
+# cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
+from cudist._kernels import BackendUnavailableError, KernelBackend, cpu_backend
 from cudist._reduce_util import ReduceOp
-from cudist._values import DistributedValues
+from cudist._values import DistributedValues, Mirrored
 
 __all__ = [
     "CrossDeviceOps",
@@ -57,13 +68,13 @@ class CrossDeviceOps:
     num_packs = 1
     _needs_gpu = False
     #: Set by :meth:`_bind` when a strategy chose this op by default: why, for ``repr``.
-    _default_note = None
+    _default_note: str | None = None
 
     def __repr__(self) -> str:
         extra = f" ({self._default_note})" if self._default_note else ""
         return f"<cudist.{type(self).__name__} num_packs={self.num_packs}{extra}>"
 
-    def _check_devices(self, devices):
+    def _check_devices(self, devices: Sequence[str]) -> None:
         """Raises ValueError if this algorithm cannot run on ``devices`` (canonical names)."""
         if self._needs_gpu:
             bad = [d for d in devices if not _devices.parse_device(d).is_gpu]
@@ -73,16 +84,16 @@ class CrossDeviceOps:
                     "cudist.ReductionToOneDevice() or the default cross_device_ops on CPUs"
                 )
 
-    def _bind(self, devices, physical):
+    def _bind(self, devices: Sequence[str], physical: Sequence[int] | None) -> None:
         """Called when a strategy over ``devices`` (physical GPU ids ``physical``, None on CPUs) adopts this op."""
         del devices, physical
 
-    def _reducer(self, per_replica_leaves):
+    def _reducer(self, per_replica_leaves: Sequence[Sequence[Any]]) -> Reducer | None:
         """``reducer(backend, bufs, op)``: all-reduces packed GPU buffers in place; None: the backend's kernel."""
         del per_replica_leaves
         return None
 
-    def _fused_sum_backend(self, arrays):
+    def _fused_sum_backend(self, arrays: Sequence[Any]) -> KernelBackend | None:
         """The kernel backend that may sum these per-replica arrays fused into an optimizer update.
 
         A fused all-reduce + update (one pass: N gradients in, every copy and slot out) is exactly
@@ -93,16 +104,35 @@ class CrossDeviceOps:
         del arrays
         return None
 
-    def _values_of(self, where, value):
+    def _values_of(self, where: str, value: Any) -> list[Array]:
         if isinstance(value, DistributedValues):
             return [as_array(v) for v in value.values]
         return [as_array(value)]
 
-    def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+    def reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        per_replica_value: Any,
+        destinations: Destinations,
+        options: object = None,
+    ) -> Array | Mirrored:
         """Reduces ``per_replica_value`` to ``destinations``.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
+            per_replica_value: a DistributedValues of arrays (or scalars), or a plain array, which
+                is one replica's value.
+            destinations: a device string, a list of them, or a distributed value or variable
+                (the devices of its components).
+            options: accepted for TF compatibility (``CommunicationOptions``); ignored.
 
         Returns:
             An array when there is one destination device, else a Mirrored with a copy per device.
+
+        Raises:
+            ValueError: invalid destinations, replicas with different shapes or dtypes, or
+                devices this algorithm cannot run on.
+            TypeError: a dtype that cannot be summed.
         """
         del options
         op = ReduceOp.parse(reduce_op, where="CrossDeviceOps.reduce")
@@ -112,20 +142,37 @@ class CrossDeviceOps:
         packing.check_same_leaves("reduce", [[c] for c in comps])
         return on_destinations(packing.reduce_arrays("reduce", self._to_reduce_device(comps), op), devices)
 
-    def _to_reduce_device(self, comps):
+    def _to_reduce_device(self, comps: Sequence[Any]) -> Sequence[Any]:
         """The components where the reduction happens (as they are; ReductionToOneDevice moves them)."""
         return comps
 
     @staticmethod
-    def _uniform(where, comps):
+    def _uniform(where: str, comps: list[Any]) -> list[Any]:
         """The components all on GPUs or all on the host: a mix is moved to the host."""
         dev = [is_device_array(c) for c in comps]
         if any(dev) and not all(dev):
             return [to_host(c) for c in comps]
         return comps
 
-    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
-        """Reduces many (value, destinations) pairs, packed into one kernel call per dtype and pack."""
+    def batch_reduce(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Iterable[tuple[Any, Destinations]],
+        options: object = None,
+    ) -> list[Array | Mirrored]:
+        """Reduces many (value, destinations) pairs, packed into one kernel call per dtype and pack.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
+            value_destination_pairs: (value, destinations) pairs, each as :meth:`reduce` takes them.
+            options: accepted for TF compatibility (``CommunicationOptions``); ignored.
+
+        Returns:
+            One result per pair, in order, as :meth:`reduce` returns it.
+
+        Raises:
+            ValueError: a malformed pair, or the errors of :meth:`reduce`.
+        """
         del options
         op = ReduceOp.parse(reduce_op, where="CrossDeviceOps.batch_reduce")
         pairs = list(value_destination_pairs)
@@ -142,14 +189,22 @@ class CrossDeviceOps:
         for j, c in enumerate(comps):
             if len(c) != n:
                 raise ValueError(f"batch_reduce: value {j} has {len(c)} components but value 0 has {n}")
-        per_replica = [[c[r] for c in comps] for r in range(n)]
+        per_replica: list[Sequence[Any]] = [[c[r] for c in comps] for r in range(n)]
         packing.check_same_leaves("batch_reduce", per_replica)
         per_replica = [self._to_reduce_device(leaves) for leaves in per_replica]
         outs = packing.batch_reduce("batch_reduce", op, per_replica, num_packs=self.num_packs)
         return [on_destinations(o, d) for o, d in zip(outs, devs)]
 
-    def broadcast(self, tensor, destinations):
-        """Copies ``tensor`` to every destination device."""
+    def broadcast(self, tensor: Any, destinations: Destinations) -> Array | Mirrored:
+        """Copies ``tensor`` to every destination device.
+
+        Args:
+            tensor: an array or scalar.
+            destinations: as :meth:`reduce` takes them.
+
+        Returns:
+            A new array for one destination device, else a Mirrored with a copy per device.
+        """
         devices = resolve_destinations(destinations, "CrossDeviceOps.broadcast")
         self._check_devices(devices)
         arr = as_array(tensor)
@@ -157,7 +212,9 @@ class CrossDeviceOps:
             return on_destinations(np.array(to_host(arr), copy=True), devices)
         return on_destinations(snapshot(arr) if is_device_array(arr) else arr, devices)
 
-    def _all_reduce_leaves(self, op, per_replica_leaves, paths=None):
+    def _all_reduce_leaves(
+        self, op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], paths: LeafPaths | None = None
+    ) -> list[list[Array]]:
         """The replica-context all-reduce (``ReplicaContext.all_reduce``): ``out[r][j]``, fresh arrays.
 
         ``per_replica_leaves[r][j]`` is leaf ``j`` of replica ``r``; ``paths`` names the leaves in
@@ -170,12 +227,19 @@ class CrossDeviceOps:
 
 
 class KernelAllReduce(CrossDeviceOps):
-    """The default on CPUs: one fused all-reduce kernel call per dtype (all of a step's values packed)."""
+    """The default on CPUs: one fused all-reduce kernel call per dtype (all of a step's values packed).
 
-    def __init__(self, num_packs=1):
+    Args:
+        num_packs: how many kernel calls per dtype a batch is split into (0: one per value).
+
+    Raises:
+        ValueError: ``num_packs`` is negative or not an int.
+    """
+
+    def __init__(self, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs(type(self).__name__, num_packs)
 
-    def _fused_sum_backend(self, arrays):
+    def _fused_sum_backend(self, arrays: Sequence[Any]) -> KernelBackend | None:
         cls = type(self)
         if cls.batch_reduce is not CrossDeviceOps.batch_reduce or cls.reduce is not CrossDeviceOps.reduce:
             return None  # a user's override is always the one that reduces
@@ -186,7 +250,7 @@ class KernelAllReduce(CrossDeviceOps):
         return b
 
 
-def _check_num_packs(name, num_packs):
+def _check_num_packs(name: str, num_packs: int | np.integer[Any]) -> int:
     if isinstance(num_packs, bool) or not isinstance(num_packs, (int, np.integer)) or num_packs < 0:
         raise ValueError(f"{name} requires num_packs >= 0, but {num_packs!r} is specified")
     return int(num_packs)
@@ -199,21 +263,29 @@ class ReductionToOneDevice(CrossDeviceOps):
         reduce_to_device: the device the reduction happens on: the values are copied there first
             (default: where the first value is).
         accumulation_fn: accepted for TF compatibility; the kernels' fixed-order sum is always used.
+
+    Raises:
+        ValueError: ``reduce_to_device`` is not a valid device string.
+        TypeError: ``accumulation_fn`` is not callable.
     """
 
-    def __init__(self, reduce_to_device=None, accumulation_fn=None):
+    def __init__(
+        self, reduce_to_device: _devices.DeviceLike | None = None, accumulation_fn: Callable[..., Any] | None = None
+    ) -> None:
         self.reduce_to_device = None if reduce_to_device is None else _devices.canonicalize(reduce_to_device)
         if accumulation_fn is not None and not callable(accumulation_fn):
             raise TypeError(f"accumulation_fn must be callable, got {type(accumulation_fn).__name__}")
         self.accumulation_fn = accumulation_fn
         self.num_packs = 1
 
-    def _to_reduce_device(self, comps):
+    def _to_reduce_device(self, comps: Sequence[Any]) -> Sequence[Any]:
         if self.reduce_to_device is None:
             return comps
         return [place(c, self.reduce_to_device) for c in comps]
 
-    def _all_reduce_leaves(self, op, per_replica_leaves, paths=None):
+    def _all_reduce_leaves(
+        self, op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], paths: LeafPaths | None = None
+    ) -> list[list[Array]]:
         """Reduce to one device (``reduce_to_device``, else the first replica's), then broadcast."""
         packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
         outs = packing.all_reduce_via_one(
@@ -230,13 +302,16 @@ class HierarchicalCopyAllReduce(KernelAllReduce):
     TF's algorithm reduces within groups of GPUs, then across groups, to follow a DGX-1's links.
     Our fused kernel reads every replica's buffer in one pass (host memory, or peer access on
     GPUs), which leaves no hierarchy to exploit, so this is :class:`KernelAllReduce` by TF's name.
+
+    Args:
+        num_packs: as :class:`KernelAllReduce`'s.
     """
 
-    def __init__(self, num_packs=1):
+    def __init__(self, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs("HierarchicalCopy", num_packs)
 
 
-def _replica_gpus_of(per_replica_leaves):
+def _replica_gpus_of(per_replica_leaves: Sequence[Sequence[Any]]) -> list[int | None] | None:
     """The GPU of each replica's first GPU leaf, or None when every leaf is a host value.
 
     Host leaves (Python numbers, NumPy arrays) next to GPU arrays are reduced on the host, as
@@ -254,11 +329,14 @@ class P2PAllReduce(CrossDeviceOps):
     The CUDA kernels of the CuPy backend read every replica's buffer over peer access (one-shot), or,
     for large buffers with one replica per GPU, each GPU reduces a chunk and pushes it to the others
     (two-shot). Works for logical GPUs sharing a physical GPU, where it is a single local kernel.
+
+    Args:
+        num_packs: how many kernel calls per dtype a batch is split into (0: one per value).
     """
 
     _needs_gpu = True
 
-    def __init__(self, num_packs=1):
+    def __init__(self, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs("P2PAllReduce", num_packs)
 
 
@@ -270,19 +348,23 @@ class NcclAllReduce(CrossDeviceOps):
     Logical GPUs split from one physical GPU cannot be separate ranks of one communicator, so there
     the P2P kernels are used instead (``repr`` says so, and binding it to such a strategy warns).
     CuPy's NCCL bindings are imported when the op is bound to GPU devices or first runs, not here.
+
+    Args:
+        num_packs: how many NCCL calls per dtype a batch is split into (0: one per value).
     """
 
     _needs_gpu = True
-    _fallback = None  # why P2P is used instead of NCCL (None: NCCL is used)
+    _fallback: str | None = None  # why P2P is used instead of NCCL (None: NCCL is used)
+    _nccl: ModuleType  # cupy.cuda.nccl, once loaded
 
-    def __init__(self, num_packs=1):
+    def __init__(self, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs("NCCL all-reduce", num_packs)
 
     def __repr__(self) -> str:
         extra = f" (falls back to P2P: {self._fallback})" if self._fallback else ""
         return f"<cudist.NcclAllReduce num_packs={self.num_packs}{extra}>"
 
-    def _bind(self, devices, physical):
+    def _bind(self, devices: Sequence[str], physical: Sequence[int] | None) -> None:
         if physical is None:
             return
         if len(set(physical)) != len(physical):
@@ -302,7 +384,7 @@ class NcclAllReduce(CrossDeviceOps):
                 raise BackendUnavailableError(f"NcclAllReduce cannot run: {why}; or use cudist.P2PAllReduce()")
             self._nccl = nccl
 
-    def _reducer(self, per_replica_leaves):
+    def _reducer(self, per_replica_leaves: Sequence[Sequence[Any]]) -> Reducer | None:
         if len(per_replica_leaves) < 2:
             return None  # nothing to reduce
         physical = _replica_gpus_of(per_replica_leaves)
@@ -316,11 +398,11 @@ class NcclAllReduce(CrossDeviceOps):
             self._nccl = nccl
         dtypes = _nccl.dtype_codes(nccl)
 
-        def reduce(backend, bufs, op):
+        def reduce(backend: KernelBackend, bufs: list[Any], op: ReduceOp) -> None:
             if bufs[0].dtype in dtypes and len({b.device.id for b in bufs}) == len(bufs):
                 _nccl.all_reduce(nccl, bufs, op)
             else:
-                backend.all_reduce(bufs, op)
+                backend.all_reduce(bufs, op)  # type: ignore[no-untyped-call]
 
         return reduce
 
@@ -332,13 +414,18 @@ class AutoGpuAllReduce(CrossDeviceOps):
     P2P kernels (lower latency: one launch, no NCCL protocol). Strategies on a single physical GPU
     (logical GPUs included), with several logical GPUs per physical GPU, or without NCCL get a plain
     :class:`P2PAllReduce` by default instead (see :func:`select_cross_device_ops`).
+
+    Args:
+        physical: the CUDA device id of each replica (distinct).
+        nccl: the ``cupy.cuda.nccl`` module (see :func:`cudist._collectives.nccl.load`).
+        num_packs: how many buffers per dtype a batch is split into (0: one per value).
     """
 
     _needs_gpu = True
     #: Packed buffers of at least this many bytes use NCCL (the replicas being on distinct GPUs).
     NCCL_MIN_BYTES = 8 << 20
 
-    def __init__(self, physical, nccl, num_packs=1):
+    def __init__(self, physical: Sequence[int], nccl: ModuleType, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs("AutoGpuAllReduce", num_packs)
         self._physical = tuple(physical)
         self._nccl = nccl
@@ -350,13 +437,13 @@ class AutoGpuAllReduce(CrossDeviceOps):
             f"{_format_bytes(self.NCCL_MIN_BYTES)} per buffer, NcclAllReduce from there ({self._default_note})>"
         )
 
-    def _reducer(self, per_replica_leaves):
+    def _reducer(self, per_replica_leaves: Sequence[Sequence[Any]]) -> Reducer | None:
         del per_replica_leaves
         nccl = self._nccl
         dtypes = _nccl.dtype_codes(nccl)
         threshold = self.NCCL_MIN_BYTES
 
-        def reduce(backend, bufs, op):
+        def reduce(backend: KernelBackend, bufs: list[Any], op: ReduceOp) -> None:
             if (
                 bufs[0].nbytes >= threshold
                 and bufs[0].dtype in dtypes
@@ -364,12 +451,12 @@ class AutoGpuAllReduce(CrossDeviceOps):
             ):
                 _nccl.all_reduce(nccl, bufs, op)
             else:
-                backend.all_reduce(bufs, op)
+                backend.all_reduce(bufs, op)  # type: ignore[no-untyped-call]
 
         return reduce
 
 
-def default_gpu_ops(physical):
+def default_gpu_ops(physical: Sequence[int]) -> CrossDeviceOps:
     """The default cross-device ops for replicas on the physical GPUs ``physical`` (one id per replica).
 
     NCCL needs one replica per physical GPU and at least two of them; otherwise, or when NCCL cannot
@@ -395,7 +482,7 @@ def _format_bytes(n: int) -> str:
     return f"{n} B"
 
 
-def select_cross_device_ops(devices, cross_device_ops=None):
+def select_cross_device_ops(devices: Sequence[str], cross_device_ops: CrossDeviceOps | None = None) -> CrossDeviceOps:
     """The cross-device ops a strategy over ``devices`` uses (the given one, checked, or the default).
 
     The default is :class:`KernelAllReduce` on CPUs; on GPUs :class:`AutoGpuAllReduce` over several
