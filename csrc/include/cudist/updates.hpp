@@ -44,12 +44,13 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// row ``s`` is then written to the copies of slot ``s``. ``len`` is a compile-time constant
 /// (one cache line) except at the tail, so the arithmetic vectorises.
 ///
-/// Work goes block by block: a block of every slot is computed into L1, then written to copy 0
-/// with ordinary stores (copy 0 was just read, so its lines are in cache) and to the other copies,
-/// with streaming stores when the update is large (they are write-only: streaming saves reading
-/// them first). Keeping the arithmetic and the stores in separate tight loops is faster than
+/// In cache, work goes block by block: a block of every slot is computed into L1, then written to
+/// copy 0 with ordinary stores (copy 0 was just read, so its lines are in cache) and to the other
+/// copies. Keeping the arithmetic and the stores in separate tight loops is faster than
 /// interleaving them per cache line (measured: ~1.6x on SGD and Adam, 4 x 64 KiB in cache, one
-/// thread), and in memory it is as fast.
+/// thread). When the update is large, the other copies are written with streaming stores (they
+/// are write-only: streaming saves reading them first), two whole cache lines at a time right
+/// after they are computed, which in memory beats the block scheme.
 ///
 /// A buffer passed more than once in a slot is written once: every copy gets the same values, so
 /// the result is the same for less traffic. It matters most with streaming stores, which would
@@ -81,9 +82,49 @@ void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t cou
     m[s] = k;
     distinct += k;
   }
+  // The first buffer written with streaming stores (a copy other than copy 0), whose cache lines
+  // the streaming loop lines up with.
+  T* stream_ref = nullptr;
+  for (std::size_t s = 0; s < NSlots && stream_ref == nullptr; ++s)
+    if (m[s] > 1) stream_ref = dst[s][1];
   const std::size_t bytes = count * sizeof(T);
   run_blocks(pool, count, B, bytes * (n_inputs + distinct), bytes * (distinct - NSlots),
              [&](std::size_t b, std::size_t e, bool stream) {
+               const auto mis = reinterpret_cast<std::uintptr_t>(stream_ref + b) & (kLineBytes - 1);
+               if (stream && stream_ref != nullptr && mis % sizeof(T) == 0) {
+                 // In memory: two lines of every slot at a time, written at once to every copy (copy 0
+                 // with ordinary stores, the others streamed as whole lines where they line up with
+                 // stream_ref): measured ~1.3x faster than a block computed first, then streamed.
+                 alignas(64) T out2[NSlots][2 * K];
+                 auto piece = [&](std::size_t i, std::size_t len) {  // ordinary stores, any length <= 2K
+                   for (std::size_t j = 0; j < len; j += K) compute(i + j, std::min(K, len - j), out2, j);
+                   for (std::size_t s = 0; s < NSlots; ++s)
+                     for (std::size_t c = 0; c < m[s]; ++c) std::memcpy(dst[s][c] + i, out2[s], len * sizeof(T));
+                 };
+                 std::size_t i = b;
+                 if (mis) {
+                   const std::size_t head = std::min<std::size_t>((kLineBytes - mis) / sizeof(T), e - i);
+                   piece(i, head);
+                   i += head;
+                 }
+                 for (; i + 2 * K <= e; i += 2 * K) {
+                   compute(i, std::integral_constant<std::size_t, K>{}, out2, 0);
+                   compute(i + K, std::integral_constant<std::size_t, K>{}, out2, K);
+                   for (std::size_t s = 0; s < NSlots; ++s) {
+                     std::memcpy(dst[s][0] + i, out2[s], sizeof out2[s]);
+                     for (std::size_t c = 1; c < m[s]; ++c) {
+                       T* d = dst[s][c] + i;
+                       if (line_aligned(d)) {
+                         stream_lines<2>(d, out2[s]);
+                       } else {
+                         std::memcpy(d, out2[s], sizeof out2[s]);
+                       }
+                     }
+                   }
+                 }
+                 if (i < e) piece(i, e - i);
+                 return;
+               }
                alignas(64) T out[NSlots][B];
                for (std::size_t i = b; i < e; i += B) {
                  const std::size_t len = std::min(B, e - i);

@@ -69,6 +69,23 @@ inline void copy_block(void* dst, const void* src, std::size_t bytes, bool strea
 /// Size of a cache line, the unit of the fused loops.
 constexpr std::size_t kLineBytes = 64;
 
+/// Writes ``Lines`` whole cache lines from ``src`` (64-byte aligned) to ``dst`` with non-temporal
+/// stores; ``dst`` must be 64-byte aligned (ordinary stores without SSE2). Each line is written
+/// completely and at once, so the write-combining buffer goes to memory as one full line.
+template <std::size_t Lines>
+inline void stream_lines(void* dst, const void* src) noexcept {
+#ifdef CUDIST_HAVE_SSE2
+  auto* d = static_cast<__m128i*>(dst);
+  auto* s = static_cast<const __m128i*>(src);
+  for (std::size_t q = 0; q < 4 * Lines; ++q) _mm_stream_si128(d + q, _mm_load_si128(s + q));
+#else
+  std::memcpy(dst, src, Lines * kLineBytes);
+#endif
+}
+
+/// Whether ``p`` starts a cache line.
+inline bool line_aligned(const void* p) noexcept { return (reinterpret_cast<std::uintptr_t>(p) & (kLineBytes - 1)) == 0; }
+
 /// Writes K values (one cache line's worth) with ordinary stores; an inline loop, since a memcpy
 /// call per line costs more than the copy.
 template <class T, std::size_t K>
