@@ -18,24 +18,24 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "cudist"
 LAYERS = [
     # 0: no cudist imports above these: device names, ops, the context stack, values, arrays, errors
     ["cudist._core", "cudist._devices", "cudist._reduce_util", "cudist._context", "cudist._values",
-     "cudist.errors", "cudist.config", "cudist._arrays"],
+     "cudist.errors", "cudist.config", "cudist._arrays", "cudist._collective_util"],
     # 1: the kernel contract and its backends
     ["cudist._kernels"],
     # 2: cross-device utilities, datasets, the replica engine, the GPU input feeder
-    ["cudist._collectives", "cudist.data", "cudist._replica_engine", "cudist._gpu_feeder"],
+    ["cudist._collectives", "cudist.data", "cudist._replica_engine", "cudist._gpu_feeder", "cudist.cluster_resolver"],
     # 3: cross-device ops, distributed input
-    ["cudist._cross_device_ops", "cudist._input_lib", "cudist._tf1_iterators"],
+    ["cudist._cross_device_ops", "cudist._input_lib", "cudist._tf1_iterators", "cudist._collective_ops"],
     # 4: Strategy, StrategyExtended, ReplicaContext
     ["cudist._distribute_lib"],
     # 5: variables (built by the strategies' _create_variable hooks)
     ["cudist._variables"],
     # 6: the strategies
     ["cudist._one_device_strategy", "cudist._mirrored_strategy", "cudist._central_storage_strategy",
-     "cudist.experimental"],
+     "cudist._collective_all_reduce_strategy", "cudist.experimental"],
     # 7: training
     ["cudist.optimizers"],
     # 8: the public package, its CLI and the benchmarks
-    ["cudist", "cudist.__main__", "cudist.bench"],
+    ["cudist", "cudist.__main__", "cudist.bench", "cudist.launch"],
 ]
 
 #: Packages whose ``_``-prefixed submodules are private to the package.

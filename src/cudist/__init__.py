@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     # What the lazy ``__getattr__`` below returns, for type checkers only; keep in step with
     # _EXPORTS and _SUBMODULES (tests/test_typing.py checks that they agree).
-    from cudist import config, data, errors, experimental, optimizers
+    from cudist import cluster_resolver, config, data, errors, experimental, launch, optimizers
     from cudist._central_storage_strategy import CentralStorageStrategy
+    from cudist._collective_all_reduce_strategy import MultiWorkerMirroredStrategy
     from cudist._cross_device_ops import (
         CrossDeviceOps,
         HierarchicalCopyAllReduce,
@@ -76,6 +77,7 @@ _EXPORTS = {
     "OneDeviceStrategy": "_one_device_strategy",
     "MirroredStrategy": "_mirrored_strategy",
     "CentralStorageStrategy": "_central_storage_strategy",
+    "MultiWorkerMirroredStrategy": "_collective_all_reduce_strategy",
     "ReduceOp": "_reduce_util",
     "DistributedValues": "_values",
     "PerReplica": "_values",
@@ -98,7 +100,7 @@ _EXPORTS = {
     "NcclAllReduce": "_cross_device_ops",
     "P2PAllReduce": "_cross_device_ops",
 }
-_SUBMODULES = ("data", "config", "experimental", "errors", "optimizers")
+_SUBMODULES = ("data", "config", "experimental", "errors", "optimizers", "cluster_resolver", "launch")
 
 # Written out (not computed from _EXPORTS) so that type checkers read it; tests/test_typing.py
 # checks that it holds exactly _EXPORTS, _SUBMODULES, get_include, get_cmake_dir and __version__.
@@ -116,6 +118,7 @@ __all__ = [
     "Mirrored",
     "MirroredStrategy",
     "MirroredVariable",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "P2PAllReduce",
@@ -142,6 +145,8 @@ __all__ = [
     "experimental",
     "errors",
     "optimizers",
+    "cluster_resolver",
+    "launch",
     "get_include",
     "get_cmake_dir",
     "__version__",

@@ -275,7 +275,7 @@ def _h_all_gather(strategy, payloads):
                 raise ValueError(
                     f"all_gather: replicas disagree{where}: replica 0 has dtype {arrs[0].dtype}, replica {r} has dtype {a.dtype}"
                 )
-        gathered.append((gather_arrays(arrs, axis), arrs))
+        gathered.append((strategy._extended._gather_across_workers(gather_arrays(arrs, axis), axis), arrs))
     # Each replica owns its result, on its own device, as in TF (and so ``run`` returns a
     # PerReplica, not one shared object). A host result (replicas passing host values) stays on the host.
     def own_copy(g, ref):
@@ -315,11 +315,14 @@ class ReplicaContext:
 
     def __init__(self, strategy, replica_id_in_sync_group):
         self._strategy = strategy
-        self._replica_id = int(replica_id_in_sync_group)
-        self._num = strategy.num_replicas_in_sync
+        self._replica_id = int(replica_id_in_sync_group)  # local: this worker's replica index
+        self._num = len(strategy.extended.worker_devices)  # local replicas (the engine's count)
 
     def __repr__(self) -> str:
-        return f"<cudist.ReplicaContext replica {self._replica_id} of {self._num} of {self._strategy!r}>"
+        return (
+            f"<cudist.ReplicaContext replica {self.replica_id_in_sync_group} of {self.num_replicas_in_sync} "
+            f"of {self._strategy!r}>"
+        )
 
     @property
     def strategy(self):
@@ -328,13 +331,14 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> int:
-        """This replica's index, 0 .. num_replicas_in_sync - 1."""
-        return self._replica_id
+        """This replica's index, 0 .. num_replicas_in_sync - 1 (over every worker of a multi-worker job)."""
+        ext = self._strategy.extended
+        return ext._worker_index * self._num + self._replica_id
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many replicas run in sync."""
-        return self._num
+        """How many replicas run in sync (over every worker of a multi-worker job)."""
+        return self._strategy.num_replicas_in_sync
 
     @property
     def devices(self) -> tuple:
@@ -498,6 +502,37 @@ class StrategyExtended:
 
         return _input_lib.distribute_values_from_function(value_fn, self._container_strategy_ref)
 
+    # -------------------------------------------------------------- multi-worker hooks (one worker here)
+    #: Workers of the job and this one's index (MultiWorkerMirroredStrategy sets them).
+    _num_workers = 1
+    _worker_index = 0
+
+    @property
+    def _num_replicas_in_sync(self) -> int:
+        """Replicas over every worker: local replicas x workers."""
+        return self._num * self._num_workers
+
+    def _first_replica_value(self, value):
+        """ONLY_FIRST_REPLICA aggregation's value: replica 0's component."""
+        return value.values[0] if isinstance(value, DistributedValues) else value
+
+    def _gather_across_workers(self, array, axis):
+        """This worker's gathered ``array`` concatenated with the other workers' along ``axis``."""
+        del axis
+        return array
+
+    def _global_count(self, count):
+        """``count`` summed over the workers."""
+        return count
+
+    def _any_worker(self, has_value: bool) -> bool:
+        """Whether any worker has a value (input steps end together on every worker)."""
+        return has_value
+
+    def _local_value_of(self, value):
+        """How a replica-context value that is not distributed counts in a reduction (as it is here)."""
+        return value
+
     # -------------------------------------------------------------- devices
     @property
     def worker_devices(self) -> tuple:
@@ -640,12 +675,13 @@ class StrategyExtended:
         del options
         _require_cross_replica(self._container_strategy_ref, "reduce_to")
         op = ReduceOp.parse(reduce_op, where="reduce_to")
+        value = self._local_value_of(value)
         if isinstance(value, DistributedValues):
             return self._cross_device_ops.reduce(op, value, destinations)
         return self._reduce_non_distributed(op, value, destinations)
 
     def _reduce_non_distributed(self, op, value, destinations):
-        if op is ReduceOp.SUM and self._num != 1:
+        if op is ReduceOp.SUM and self._num_replicas_in_sync != 1:
             raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}.")
         return self._cross_device_ops.broadcast(value, destinations)
 
@@ -661,8 +697,9 @@ class StrategyExtended:
 
     def _reduce(self, op, value):
         """Reduces to the host, returning one host array (Strategy.reduce with axis=None)."""
+        value = self._local_value_of(value)
         if not isinstance(value, DistributedValues):
-            if op is ReduceOp.SUM and self._num != 1:
+            if op is ReduceOp.SUM and self._num_replicas_in_sync != 1:
                 raise ValueError(
                     f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}."
                 )
@@ -757,8 +794,8 @@ class Strategy:
 
     @property
     def num_replicas_in_sync(self) -> int:
-        """How many replicas a ``run`` call runs in sync."""
-        return self._extended._num
+        """How many replicas a ``run`` call runs in sync (over every worker of a multi-worker job)."""
+        return self._extended._num_replicas_in_sync
 
     @property
     def cluster_resolver(self):
@@ -810,7 +847,7 @@ class Strategy:
             return _scalarize(self._extended._reduce(op, value))
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise TypeError(f"Strategy.reduce: axis must be an int or None, got {type(axis).__name__}")
-        comps = list(value.values) if isinstance(value, DistributedValues) else [value] * self.num_replicas_in_sync
+        comps = list(value.values) if isinstance(value, DistributedValues) else [value] * self._extended._num
         sums, counts = [], 0
         for r, c in enumerate(comps):
             a = to_host(c)
@@ -823,7 +860,9 @@ class Strategy:
                 raise TypeError(f"Strategy.reduce: cannot reduce values of dtype {a.dtype}")
             sums.append(np.sum(a, axis=axis))
             counts += a.shape[axis]
-        total = self._extended._reduce(ReduceOp.SUM, PerReplica(sums)) if len(sums) > 1 else sums[0]
+        multi_worker = self._extended._num_workers > 1
+        total = self._extended._reduce(ReduceOp.SUM, PerReplica(sums)) if len(sums) > 1 or multi_worker else sums[0]
+        counts = self._extended._global_count(counts)
         if op is ReduceOp.MEAN:
             total = np.asarray(total)
             if total.dtype.kind == "f":
@@ -842,7 +881,7 @@ class Strategy:
         from cudist._collectives.packing import gather_arrays
 
         comps = value.values if isinstance(value, DistributedValues) else (value,)
-        return gather_arrays([to_host(c) for c in comps], int(axis))
+        return self._extended._gather_across_workers(gather_arrays([to_host(c) for c in comps], int(axis)), int(axis))
 
     def experimental_local_results(self, value):
         """The components of ``value`` on this worker's replicas, as a tuple (``(value,)`` if plain)."""

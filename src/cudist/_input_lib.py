@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+import logging
 
 import numpy as np
 import optree
@@ -302,7 +303,7 @@ def _put_on_gpu(spec, value):
 
 def _putters(strategy, fetch_to_device: bool):
     devices = tuple(strategy.extended.worker_devices)
-    n = strategy.num_replicas_in_sync
+    n = strategy.num_replicas_in_sync // strategy.extended._num_workers  # this worker's replicas
     if len(devices) != n:
         raise ValueError(
             f"the strategy has {n} replicas in sync but {len(devices)} worker devices {devices}; expected one each"
@@ -331,9 +332,16 @@ def _make_step(putters, values: list, n: int):
     return group_step([put(v) for put, v in zip(putters, values)], n)
 
 
-def split_steps(dataset, n: int, putters, where: str):
-    """Each global batch split across the ``n`` replicas with the ceil rule."""
+def split_steps(dataset, n: int, putters, where: str, total=None, offsets=(0,)):
+    """Each global batch split across the ``n`` replicas with the ceil rule.
+
+    Multi-worker: the batch is split over ``total`` replicas (every worker's) and this worker's
+    ``n`` take the pieces from each replica offset of ``offsets`` (one step per offset).
+    """
     feeder = putters if type(putters) is GpuFeeder else None
+    if total is not None and total != n:
+        yield from _worker_split_steps(dataset, n, putters, where, total, offsets)
+        return
     if n == 1:
         if feeder is not None:
             for batch in dataset:
@@ -372,6 +380,39 @@ def split_steps(dataset, n: int, putters, where: str):
         else:
             pieces = [treedef.unflatten([a[s:e] for a in arrays]) for s, e in bounds]
             yield _make_step(putters, pieces, n)
+
+
+def _worker_split_steps(dataset, n: int, putters, where: str, total: int, offsets):
+    """This worker's replicas' pieces of each global batch split over ``total`` replicas (see split_steps)."""
+    from cudist._kernels import split_sizes
+
+    feeder = putters if type(putters) is GpuFeeder else None
+    on_host = feeder is None and all(put is _identity for put in putters)
+    bounds_of: dict = {}
+    for batch in dataset:
+        leaves, treedef = optree.tree_flatten(batch)
+        try:
+            arrays = _batch_leaves(leaves)
+        except ValueError as e:
+            raise ValueError(
+                f"{where}: cannot split the element across {total} replicas ({e}); the dataset must yield "
+                "batches with a leading batch dimension: use dataset.batch(global_batch_size)"
+            ) from None
+        bsz = arrays[0].shape[0]
+        bounds = bounds_of.get(bsz)
+        if bounds is None:
+            ends = np.cumsum([0, *split_sizes(bsz, total)]).tolist()
+            bounds = bounds_of[bsz] = list(zip(ends[:-1], ends[1:]))
+        for off in offsets:
+            mine = bounds[off : off + n]
+            if n == 1 and on_host:
+                s, e = mine[0]
+                yield treedef.unflatten([a[s:e] for a in arrays])
+            elif on_host:
+                yield treedef.unflatten([PerReplica([a[s:e] for s, e in mine]) for a in arrays])
+            else:
+                pieces = [treedef.unflatten([a[s:e] for a in arrays]) for s, e in mine]
+                yield _make_step(putters, pieces, n)
 
 
 def _batch_leaves(leaves) -> list:
@@ -471,7 +512,7 @@ def _per_replica_steps(datasets, putters):
 class DistributedIterator:
     """Iterates a distributed dataset: each step is a PerReplica per leaf (plain for one replica)."""
 
-    def __init__(self, steps, n: int, element_spec, prefetch: int = 0, feeder=None):
+    def __init__(self, steps, n: int, element_spec, prefetch: int = 0, feeder=None, any_worker=None):
         # ``steps`` yields whole steps (see group_step), or, with a GPU ``feeder``, steps staged in
         # pinned host memory that the feeder copies to the devices here, in the consumer's thread.
         if prefetch > 0:
@@ -479,6 +520,9 @@ class DistributedIterator:
             steps = _data.PrefetchIterator(steps, prefetch, name="cudist-device-prefetch")
         if feeder is not None:
             steps = DeviceSteps(steps, feeder, prefetch)
+        if any_worker is not None:
+            # Multi-worker: steps end together on every worker (a worker out of data gets empty batches).
+            steps = _synced_steps(steps, any_worker, element_spec)
         self._steps = steps
         self._n = n
         self._element_spec = element_spec
@@ -528,14 +572,69 @@ def new_iterator(strategy, fetch_to_device: bool, make_steps, n: int, element_sp
     """
     placer = _placer(strategy, fetch_to_device)
     feeder = placer if type(placer) is GpuFeeder else None
-    return DistributedIterator(make_steps(placer), n, element_spec, prefetch, feeder)
+    ext = strategy.extended
+    any_worker = ext._any_worker if ext._num_workers > 1 else None
+    return DistributedIterator(make_steps(placer), n, element_spec, prefetch, feeder, any_worker)
+
+
+def _synced_steps(steps, any_worker, element_spec):
+    """``steps`` ending on every worker together: while any worker has a step, one without gets empty batches."""
+    last = None
+    it = iter(steps)
+    try:
+        while True:
+            try:
+                step = next(it)
+                has = True
+            except StopIteration:
+                step, has = None, False
+            if not any_worker(has):
+                return
+            if has:
+                last = step
+                yield step
+            else:
+                yield _empty_step(last, element_spec)
+    finally:
+        close = getattr(it, "close", None)
+        if close is not None:
+            close()
+
+
+def _empty_step(last, element_spec):
+    """A step of empty batches shaped like ``last`` (or, before any step, like ``element_spec``)."""
+
+    def empty(x):
+        if isinstance(x, PerReplica):
+            return PerReplica([empty(v) for v in x.values])
+        if np.ndim(x) == 0:
+            raise ValueError(
+                "multi-worker input: this worker ran out of data before the others and its elements have no "
+                "batch dimension, so it cannot take part with an empty batch; batch the dataset"
+            )
+        return x[:0]
+
+    if last is not None:
+        return optree.tree_map(empty, last, is_leaf=lambda x: isinstance(x, PerReplica))
+
+    def from_spec(s):
+        if isinstance(s, PerReplicaSpec):
+            return PerReplica([from_spec(c) for c in s._component_specs])
+        shape = tuple(0 if d is None else d for d in s.shape)
+        return np.zeros((0, *shape[1:]) if shape else (0,), s.dtype)
+
+    return optree.tree_map(
+        from_spec, element_spec, is_leaf=lambda x: isinstance(x, (PerReplicaSpec, _data.TensorSpec))
+    )
 
 
 class _DistributedBase:
     def __init__(self, strategy, options, where):
         self._strategy = strategy
         self._options = _check_options(options, where)
-        self._n = int(strategy.num_replicas_in_sync)
+        ext = strategy.extended
+        self._workers, self._worker_index = ext._num_workers, ext._worker_index
+        self._n = int(strategy.num_replicas_in_sync) // self._workers  # this worker's replicas
         _putters(strategy, self._options.experimental_fetch_to_device)  # bad worker devices fail here, not later
         self._prefetch = (
             self._options.experimental_per_replica_buffer_size
@@ -580,9 +679,21 @@ class DistributedDataset(_DistributedBase):
             )
         self._dataset = _data.as_dataset(dataset, where)
         self._spec = None
+        #: The AutoShardPolicy used over the workers (None in a one-worker job).
+        self.auto_shard_policy = None
+        if self._workers > 1:
+            self.auto_shard_policy = _resolve_shard_policy(self._dataset, self._workers, self._worker_index)
 
     def _steps(self, putters):
-        return split_steps(self._dataset, self._n, putters, "experimental_distribute_dataset")
+        where = "experimental_distribute_dataset"
+        if self._workers == 1:
+            return split_steps(self._dataset, self._n, putters, where)
+        total = self._n * self._workers
+        if self.auto_shard_policy is _data.AutoShardPolicy.OFF:
+            offsets = tuple(range(0, total, self._n))  # every worker takes every piece, in turn
+        else:
+            offsets = (self._worker_index * self._n,)  # DATA: this worker's share of each global batch
+        return split_steps(self._dataset, self._n, putters, where, total, offsets)
 
     @property
     def element_spec(self):
@@ -611,10 +722,12 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         if not callable(dataset_fn):
             raise TypeError(f"{where}: dataset_fn must be callable, got {type(dataset_fn).__name__}")
         n = self._n
+        total = n * self._workers
         if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
-            contexts = [InputContext(n, i, n) for i in range(n)]
-        else:
-            contexts = [InputContext(1, 0, n)]
+            first = self._worker_index * n
+            contexts = [InputContext(total, first + i, total) for i in range(n)]
+        else:  # once per worker
+            contexts = [InputContext(self._workers, self._worker_index, total)]
         what = f"{where} (the value dataset_fn returned)"
         self._datasets = [_data.as_dataset(dataset_fn(ctx), what) for ctx in contexts]
         self._spec = None
@@ -632,6 +745,27 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         return self._spec
 
 
+_log = logging.getLogger("cudist")
+
+
+def _resolve_shard_policy(dataset, workers: int, index: int):
+    """The AutoShardPolicy a multi-worker DistributedDataset uses (AUTO is DATA: no file sources here)."""
+    policy = dataset.options().experimental_distribute.auto_shard_policy
+    P = _data.AutoShardPolicy
+    if policy is P.FILE:
+        raise ValueError(
+            "experimental_distribute_dataset: AutoShardPolicy.FILE needs a dataset that reads files, but this "
+            "dataset has no file source (an unshardable source dataset, as TF says); use AutoShardPolicy.DATA "
+            "(or AUTO), or OFF"
+        )
+    used = P.DATA if policy in (P.AUTO, P.HINT) else policy
+    _log.info(
+        "experimental_distribute_dataset: worker %d of %d: auto_shard_policy %s%s", index, workers, policy.name,
+        f" -> {used.name} (the dataset has no file source)" if used is not policy else "",
+    )
+    return used
+
+
 def distribute_values_from_function(value_fn, strategy, *, wrap_single: bool = True):
     """Calls ``value_fn(ValueContext(i, N))`` for each replica and places each result on its device.
 
@@ -643,9 +777,12 @@ def distribute_values_from_function(value_fn, strategy, *, wrap_single: bool = T
         raise TypeError(
             f"experimental_distribute_values_from_function: value_fn must be callable, got {type(value_fn).__name__}"
         )
-    n = int(strategy.num_replicas_in_sync)
+    total = int(strategy.num_replicas_in_sync)
+    ext = strategy.extended
+    n = total // ext._num_workers  # this worker's replicas; their ids count over every worker
+    first = ext._worker_index * n
     putters = _putters(strategy, True)
-    values = [putters[i](value_fn(ValueContext(i, n))) for i in range(n)]
+    values = [putters[i](value_fn(ValueContext(first + i, total))) for i in range(n)]
     if n == 1 and not wrap_single:
         return values[0]
     return regroup(values, PerReplica, always_wrap=True)

@@ -15,7 +15,7 @@ __all__ = ["DatasetIterator", "InputFunctionIterator"]
 class _V1Iterator:
     def __init__(self, strategy):
         self._strategy = strategy
-        self._n = int(strategy.num_replicas_in_sync)
+        self._n = int(strategy.num_replicas_in_sync) // strategy.extended._num_workers
         self._iterator = None
         self.initialize()
 
@@ -63,7 +63,7 @@ class InputFunctionIterator(_V1Iterator):
             raise ValueError(f"Input replication mode not supported: {replication_mode!r}")
         if not callable(input_fn):
             raise TypeError(f"make_input_fn_iterator: input_fn must be callable, got {type(input_fn).__name__}")
-        n = int(strategy.num_replicas_in_sync)
+        n = int(strategy.num_replicas_in_sync) // strategy.extended._num_workers
         self._dataset = _data.as_dataset(input_fn(InputContext(1, 0, n)), "make_input_fn_iterator")
         super().__init__(strategy)
 

@@ -546,16 +546,19 @@ def _aggregate(strategy, value, aggregation: VariableAggregation, var):
     Python constant) cannot be summed: TF raises, as the sum would silently be N times it.
     """
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-        return value.values[0] if isinstance(value, DistributedValues) else value
+        return strategy.extended._first_replica_value(value)
     op = ReduceOp.from_variable_aggregation(aggregation)
     n = strategy.num_replicas_in_sync
+    value = strategy.extended._local_value_of(value)  # multi-worker: a worker's plain value is its contribution
     if not isinstance(value, DistributedValues):
         if op is ReduceOp.SUM and n > 1:
             raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}.")
         return value
-    if len(value.values) != n:
+    n_local = len(strategy.extended.worker_devices)
+    if len(value.values) != n_local:
         raise ValueError(
-            f"update to variable '{var.name}' has {len(value.values)} per-replica values but the strategy has {n} replicas"
+            f"update to variable '{var.name}' has {len(value.values)} per-replica values but the strategy has "
+            f"{n_local} local replicas"
         )
     ref = var._primary_array()
     arrays = []
@@ -582,7 +585,7 @@ def _reduce_components(strategy, arrays, op: ReduceOp, device):
     red = strategy.extended.reduce_to(ReduceOp.SUM if int_mean else op, PerReplica(arrays), device)
     if int_mean:
         xp = array_module(red)
-        n = len(arrays)
+        n = strategy.num_replicas_in_sync  # over every worker of a multi-worker job
         red = (xp.sign(red) * (xp.abs(red) // n)).astype(arrays[0].dtype, copy=False)
     return red
 
@@ -619,7 +622,7 @@ class DistributedVariable(DistributedValues, Variable):
             ctx = self._replica_ctx()
         if ctx is None:
             return self._values[0]
-        return self._values[int(ctx.replica_id_in_sync_group)]
+        return self._values[ctx._replica_id]  # this worker's replica index
 
     # ---- properties resolve to the primary (or the local component where TF does)
     @property
@@ -629,7 +632,7 @@ class DistributedVariable(DistributedValues, Variable):
     @property
     def device(self) -> str:
         ctx = _replica_context_of(self._distribute_strategy, strict=False)
-        return self._values[0 if ctx is None else int(ctx.replica_id_in_sync_group)].device
+        return self._values[0 if ctx is None else ctx._replica_id].device
 
     @property
     def dtype(self) -> np.dtype:
@@ -785,7 +788,7 @@ class SyncOnReadVariable(DistributedVariable):
         arr = self._values[0]._coerce(value, method)
         if method == "assign":
             if agg is VariableAggregation.SUM:
-                n = len(self._values)
+                n = self._distribute_strategy.num_replicas_in_sync  # over every worker, as TF
                 xp = array_module(arr)
                 if arr.dtype.kind == "f" or arr.dtype.kind == "c":
                     arr = arr / arr.dtype.type(n)

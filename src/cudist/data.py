@@ -24,6 +24,7 @@ Any Python iterable of batches (a list of arrays, a generator, a DataLoader) can
 from __future__ import annotations
 
 import builtins
+import enum
 import itertools
 import queue
 import threading
@@ -39,6 +40,10 @@ from cudist._arrays import array_module, is_array, is_device_array, python_dtype
 
 __all__ = [
     "AUTOTUNE",
+    "AutoShardPolicy",
+    "DistributeOptions",
+    "Options",
+    "experimental",
     "INFINITE_CARDINALITY",
     "UNKNOWN_CARDINALITY",
     "Dataset",
@@ -590,6 +595,83 @@ def _shuffle_positions(upstream: _Positions, size: int, make_rng: Callable[[], n
     return positions
 
 
+class AutoShardPolicy(enum.IntEnum):
+    """How a multi-worker strategy shards a dataset over workers (``tf.data.experimental.AutoShardPolicy``).
+
+    AUTO: FILE if the dataset reads files, else DATA (cudist's datasets are in memory: DATA).
+    FILE: shard the input files (cudist's datasets have none: an error, as TF's "unshardable source").
+    DATA: every worker reads the whole dataset and keeps its share of each global batch.
+    OFF: no sharding: every worker reads the whole dataset and its replicas take every global batch's
+    pieces in turn (each element is seen once per worker).
+    HINT: as DATA here (TF shards at its ``shard(SHARD_HINT)`` placeholders).
+    """
+
+    OFF = -1
+    AUTO = 0
+    FILE = 1
+    DATA = 2
+    HINT = 3
+
+
+class DistributeOptions:
+    """``Options().experimental_distribute``: how a dataset is distributed (``tf.data.experimental.DistributeOptions``)."""
+
+    def __init__(self) -> None:
+        self._auto_shard_policy: AutoShardPolicy | None = None
+        self.num_devices: int | None = None
+
+    @property
+    def auto_shard_policy(self) -> AutoShardPolicy:
+        """The :class:`AutoShardPolicy` (default AUTO)."""
+        return AutoShardPolicy.AUTO if self._auto_shard_policy is None else self._auto_shard_policy
+
+    @auto_shard_policy.setter
+    def auto_shard_policy(self, policy: AutoShardPolicy | int) -> None:
+        try:
+            self._auto_shard_policy = AutoShardPolicy(policy)
+        except ValueError:
+            raise ValueError(f"auto_shard_policy must be a cudist.data.AutoShardPolicy, got {policy!r}") from None
+
+    def __repr__(self) -> str:
+        return f"DistributeOptions(auto_shard_policy={self.auto_shard_policy.name})"
+
+
+class Options:
+    """Options of a dataset (``tf.data.Options``); set them with ``Dataset.with_options``.
+
+    Only ``experimental_distribute.auto_shard_policy`` has an effect (multi-worker input);
+    ``deterministic`` is accepted for TF compatibility (cudist's pipelines are deterministic).
+    """
+
+    def __init__(self) -> None:
+        self.experimental_distribute = DistributeOptions()
+        self.deterministic: bool | None = None
+
+    def merge(self, options: Options | None) -> Options:
+        """A new Options with ``options``' explicitly set values taken over this one's."""
+        out = Options()
+        for src in (self, options):
+            if src is None:
+                continue
+            if src.experimental_distribute._auto_shard_policy is not None:
+                out.experimental_distribute.auto_shard_policy = src.experimental_distribute.auto_shard_policy
+            if src.experimental_distribute.num_devices is not None:
+                out.experimental_distribute.num_devices = src.experimental_distribute.num_devices
+            if src.deterministic is not None:
+                out.deterministic = src.deterministic
+        return out
+
+    def __repr__(self) -> str:
+        return f"Options(experimental_distribute={self.experimental_distribute!r})"
+
+
+class experimental:  # noqa: N801 - TF's module name, a namespace here
+    """``cudist.data.experimental``: ``AutoShardPolicy`` and ``DistributeOptions`` by TF's names."""
+
+    AutoShardPolicy = AutoShardPolicy
+    DistributeOptions = DistributeOptions
+
+
 class _OneShot:
     """Makes a one-pass iterator peekable (for ``element_spec``) without losing the peeked element."""
 
@@ -678,7 +760,24 @@ class Dataset:
         rows: _Rows | None = None,
         cheap: bool = False,
     ) -> Dataset:
-        return Dataset(iter_fn, spec_fn, cardinality, rows, cheap)
+        out = Dataset(iter_fn, spec_fn, cardinality, rows, cheap)
+        out._options = self._options  # options hold for the whole pipeline, as tf.data's
+        return out
+
+    _options: Options | None = None
+
+    def with_options(self, options: Options) -> Dataset:
+        """This dataset with ``options`` set (merged over any set before), as ``tf.data.Dataset.with_options``."""
+        if not isinstance(options, Options):
+            raise TypeError(f"Dataset.with_options: options must be a cudist.data.Options, got {type(options).__name__}")
+        src = self
+        out = Dataset(lambda: iter(src), lambda: src.element_spec, self._card, self._rows, self._cheap)
+        out._options = (self._options or Options()).merge(options)
+        return out
+
+    def options(self) -> Options:
+        """The dataset's options (defaults where none were set)."""
+        return Options().merge(self._options)
 
     def _derive_rows(self, make_positions: Callable[[_Rows], _Positions], static: bool = True) -> _Rows | None:
         """The ``_Rows`` plan of a transformation of this dataset's positions (None without a plan)."""

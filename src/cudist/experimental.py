@@ -1,5 +1,12 @@
 """``cudist.experimental``: names tf.distribute keeps under ``experimental``."""
 
 from cudist._central_storage_strategy import CentralStorageStrategy
+from cudist._collective_all_reduce_strategy import MultiWorkerMirroredStrategy
+from cudist._collective_util import CommunicationImplementation, CommunicationOptions
 
-__all__ = ["CentralStorageStrategy"]
+__all__ = [
+    "CentralStorageStrategy",
+    "CommunicationImplementation",
+    "CommunicationOptions",
+    "MultiWorkerMirroredStrategy",
+]

@@ -302,12 +302,12 @@ class Optimizer:
 
     def _aggregate(self, strategy, grads, variables, aggregate: bool):
         """Per-replica gradients (inside merge_call) -> one array per variable, summed in one batch."""
-        n = strategy.num_replicas_in_sync
-        if n == 1:
+        if strategy.num_replicas_in_sync == 1:
             return grads
         if not aggregate:
             return [g.values[0] if isinstance(g, DistributedValues) else g for g in grads]
         # The same object from every replica is regrouped unwrapped; its all-reduce is still N times it.
+        n = len(strategy.extended.worker_devices)  # this worker's replicas (the others' come through the reduction)
         values = [g if isinstance(g, DistributedValues) else PerReplica([g] * n) for g in grads]
         return strategy.extended.batch_reduce_to(
             ReduceOp.SUM, [(g, _primary_device(v)) for g, v in zip(values, variables)]
@@ -322,7 +322,7 @@ class Optimizer:
         variable and slots and writes every copy -- bit-identical to reducing first, then
         updating. Returns False (nothing done) otherwise, for the general path.
         """
-        n = strategy.num_replicas_in_sync
+        n = len(strategy.extended.worker_devices)
         work = []
         for g, var in zip(grads, variables):
             comps = list(g.values) if isinstance(g, DistributedValues) else [g] * n

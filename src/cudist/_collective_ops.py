@@ -1,0 +1,217 @@
+"""``CollectiveAllReduce``: the cross-device ops of MultiWorkerMirroredStrategy (TF's ``CollectiveAllReduce``).
+
+A hierarchical all-reduce over the workers of an MPI job:
+
+1. the worker's local replicas are summed by the kernels (one fused pass per leaf, straight into a
+   packed host buffer; a single local replica's single leaf is sent as it is, without a copy);
+2. one non-blocking MPI ``Iallreduce`` (SUM) per packed buffer of about ``bytes_per_pack`` bytes
+   (0: one buffer per dtype), all started before any is waited for, polled with the
+   communicator's deadline (see :mod:`cudist._collectives.mpi`);
+3. MEAN divides the global sum by the GLOBAL replica count (integers: a float64 true division, as
+   TF; variables keep their dtype, see ``cudist._variables``), then each local replica gets its
+   own copy of the result on its own device (the local broadcast).
+
+GPU replicas are summed on their GPUs first and staged through the host for MPI (cross-worker
+NCCL is not implemented yet).
+
+Summation order: the local replicas in replica order, then MPI's order across workers, which is
+pairwise ((w0 + w1) + (w2 + w3)), not replica order. With one replica per worker and two workers
+the result is a single addition, bit-identical to a MirroredStrategy over two replicas; otherwise
+it can differ from it in the last bits (float tolerance).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cudist._arrays import contiguous, is_device_array, like, to_host
+from cudist._collectives import packing, pool
+from cudist._collectives.mpi import describe
+from cudist._collectives.placement import on_destinations, resolve_destinations
+from cudist._cross_device_ops import CrossDeviceOps
+from cudist._kernels import cpu_backend
+from cudist._reduce_util import ReduceOp
+from cudist._values import DistributedValues
+
+__all__ = ["CollectiveAllReduce"]
+
+
+class CollectiveAllReduce(CrossDeviceOps):
+    """All-reduce across the workers of a multi-worker job, hierarchically (``tf.distribute`` internal).
+
+    Args:
+        communicator: the workers' :class:`cudist._collectives.mpi.Communicator` (None: one worker).
+        local_ops: the cross-device ops of the worker's local replicas (what MirroredStrategy picks).
+        bytes_per_pack: the size of the packed buffers each MPI all-reduce carries (0: one per dtype).
+    """
+
+    def __init__(self, communicator, local_ops, bytes_per_pack=0):
+        self._comm = communicator
+        self._local = local_ops
+        self.bytes_per_pack = int(bytes_per_pack)
+        self.num_packs = local_ops.num_packs
+        self._workers = 1 if communicator is None else communicator.size
+
+    def __repr__(self) -> str:
+        return (
+            f"<cudist.CollectiveAllReduce workers={self._workers} bytes_per_pack={self.bytes_per_pack} "
+            f"local={self._local!r}>"
+        )
+
+    @property
+    def num_workers(self) -> int:
+        return self._workers
+
+    def _check_devices(self, devices):
+        self._local._check_devices(devices)
+
+    def _bind(self, devices, physical):
+        self._local._bind(devices, physical)
+
+    def _fused_sum_backend(self, arrays):
+        # A fused local sum + update would skip the other workers: optimizers reduce through
+        # batch_reduce_to (and so through MPI) instead. One worker: exactly the local ops.
+        if self._workers > 1:
+            return None
+        return self._local._fused_sum_backend(arrays)
+
+    # ------------------------------------------------------------------ the global sum
+    def _global_sums(self, where, kind, per_replica_leaves):
+        """The global SUM of leaf ``j`` over every replica of every worker: ``sums[j]``, fresh host arrays."""
+        n = len(per_replica_leaves)
+        ref = per_replica_leaves[0]
+        host = []  # per leaf: the arrays to sum locally, all on the host
+        for j, a in enumerate(ref):
+            arrs = [per_replica_leaves[r][j] for r in range(n)]
+            packing.check_reducible(where, a.dtype)
+            if any(is_device_array(x) for x in arrs):
+                # GPU leaves: summed on the GPUs first, then one copy to the host for MPI.
+                local = packing.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
+                arrs = [to_host(local)]
+            host.append(arrs)
+        sums = [None] * len(ref)
+        by_dtype: dict = {}
+        for j, arrs in enumerate(host):
+            by_dtype.setdefault(arrs[0].dtype, []).append(j)
+        backend = cpu_backend()
+        trusted = backend.trusted
+        pairs, unpack = [], []
+        for dt, leaf_ids in by_dtype.items():
+            for ids in _byte_packs([host[j][0].size * dt.itemsize for j in leaf_ids], self.bytes_per_pack):
+                ids = [leaf_ids[i] for i in ids]
+                total = sum(host[j][0].size for j in ids)
+                if len(ids) == 1 and len(host[ids[0]]) == 1:
+                    # One leaf of one local replica: sent as it is, received into a pooled buffer.
+                    send = contiguous(host[ids[0]][0]).reshape(-1)
+                    recv = pool.take((total,), dt)
+                else:
+                    send = recv = pool.take((total,), dt)
+                    off = 0
+                    for j in ids:
+                        arrs = host[j]
+                        s = arrs[0].size
+                        view = send[off : off + s]
+                        if len(arrs) == 1:
+                            np.copyto(view, arrs[0].reshape(-1))
+                        elif dt in backend.dtypes:
+                            trusted.reduce_to_one([contiguous(x).reshape(-1) for x in arrs], ReduceOp.SUM, view)
+                        else:
+                            np.copyto(view, arrs[0].reshape(-1))
+                            for x in arrs[1:]:
+                                np.add(view, x.reshape(-1), out=view)
+                        off += s
+                pairs.append((send, recv))
+                unpack.append((ids, recv))
+        self._comm.allreduce(pairs, kind, describe(host[j][0] for j in range(len(host))))
+        for ids, recv in unpack:
+            off = 0
+            for j in ids:
+                shape = host[j][0].shape
+                s = host[j][0].size
+                sums[j] = recv[off : off + s].reshape(shape)
+                off += s
+        return sums
+
+    def _global_results(self, where, kind, op, per_replica_leaves):
+        """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
+        sums = self._global_sums(where, kind, per_replica_leaves)
+        if op is ReduceOp.MEAN:
+            total = len(per_replica_leaves) * self._workers
+            for j, s in enumerate(sums):
+                if s.dtype.kind in "iu":
+                    sums[j] = np.true_divide(s, total)
+                else:
+                    np.divide(s, s.dtype.type(total), out=s)
+        return sums
+
+    # ------------------------------------------------------------------ CrossDeviceOps
+    def _all_reduce_leaves(self, op, per_replica_leaves, paths=None):
+        if self._workers == 1:
+            return self._local._all_reduce_leaves(op, per_replica_leaves, paths)
+        packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
+        results = self._global_results("all_reduce", f"all_reduce {op.name}", op, per_replica_leaves)
+        outs = []
+        for r, leaves in enumerate(per_replica_leaves):
+            mine = []
+            for res, leaf in zip(results, leaves):
+                if is_device_array(leaf):
+                    mine.append(like(res, leaf, copy=True))
+                else:
+                    mine.append(res if r == 0 else res.copy())
+            outs.append(mine)
+        return outs
+
+    def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+        if self._workers == 1:
+            return self._local.reduce(reduce_op, per_replica_value, destinations, options)
+        op = ReduceOp.parse(reduce_op, where="CrossDeviceOps.reduce")
+        devices = resolve_destinations(destinations, "CrossDeviceOps.reduce")
+        self._check_devices(devices)
+        comps = self._values_of("reduce", per_replica_value)
+        packing.check_same_leaves("reduce", [[c] for c in comps])
+        res = self._global_results("reduce", f"reduce {op.name}", op, [[c] for c in comps])[0]
+        return on_destinations(res, devices)
+
+    def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+        if self._workers == 1:
+            return self._local.batch_reduce(reduce_op, value_destination_pairs, options)
+        op = ReduceOp.parse(reduce_op, where="CrossDeviceOps.batch_reduce")
+        pairs = list(value_destination_pairs)
+        if not pairs:
+            return []
+        for p in pairs:
+            if not (isinstance(p, (tuple, list)) and len(p) == 2):
+                raise ValueError(f"batch_reduce: expected (value, destinations) pairs, got {p!r}")
+        devs = [resolve_destinations(d, "CrossDeviceOps.batch_reduce") for _, d in pairs]
+        for d in devs:
+            self._check_devices(d)
+        comps = [self._values_of("batch_reduce", v) for v, _ in pairs]
+        n = len(comps[0])
+        for j, c in enumerate(comps):
+            if len(c) != n:
+                raise ValueError(f"batch_reduce: value {j} has {len(c)} components but value 0 has {n}")
+        per_replica = [[c[r] for c in comps] for r in range(n)]
+        packing.check_same_leaves("batch_reduce", per_replica)
+        res = self._global_results("batch_reduce", f"batch_reduce {op.name}", op, per_replica)
+        return [on_destinations(o, d) for o, d in zip(res, devs)]
+
+    def _values_of(self, where, value):
+        if isinstance(value, DistributedValues):
+            return [np.asarray(v) if not is_device_array(v) else v for v in value.values]
+        return [np.asarray(value) if not is_device_array(value) else value]
+
+
+def _byte_packs(nbytes, bytes_per_pack):
+    """Leaf indices (in order) in groups of about ``bytes_per_pack`` bytes (0: one group)."""
+    if bytes_per_pack <= 0 or len(nbytes) <= 1:
+        return [list(range(len(nbytes)))]
+    groups, cur, acc = [], [], 0
+    for i, b in enumerate(nbytes):
+        if cur and acc + b > bytes_per_pack:
+            groups.append(cur)
+            cur, acc = [], 0
+        cur.append(i)
+        acc += b
+    if cur:
+        groups.append(cur)
+    return groups

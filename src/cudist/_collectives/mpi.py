@@ -1,0 +1,359 @@
+"""MPI for multi-worker strategies: the world, a communicator with deadline-polled collectives.
+
+``mpi4py`` is imported only when a process was started by an MPI launcher (``mpiexec``, ``srun``,
+``python -m cudist.launch``) or when something asks for MPI explicitly (:func:`load`); a plain
+``python script.py`` is a one-worker job and never loads MPI. ``import cudist`` imports nothing here.
+
+Every cross-worker collective of a :class:`Communicator` is non-blocking (``Iallreduce``,
+``Iallgatherv``, ``Ibcast``) and polled until it completes, so that:
+
+* ``timeout_seconds`` (TF's ``CommunicationOptions.timeout_seconds``; default None: wait forever,
+  as TF) ends a wait with :class:`DeadlineExceededError` naming the workers that never arrived;
+* after :data:`STALL_WARNING_SECONDS` a :class:`CollectiveStallWarning` names them too;
+* with ``CUDIST_CHECK_COLLECTIVES=1`` each collective is preceded by an all-gather of its
+  fingerprint (sequence number, kind, shapes, dtypes), and workers that disagree get a
+  :class:`~cudist._replica_engine.ReplicaMismatchError` naming the difference instead of a hang or
+  a garbled result.
+
+Who arrived is learnt from small notices: a worker that has waited a little while (a fraction of a
+second) tells the others, on a separate communicator, the sequence number it is waiting in. A
+worker stuck in its own code never sends one, which is how it gets named.
+
+:func:`install_abort_hook` makes an uncaught exception in any worker end the whole job
+(``MPI_Abort``), as ``python -m mpi4py`` does; without it the other workers would wait forever.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import warnings
+
+import numpy as np
+
+from cudist._replica_engine import ReplicaMismatchError
+
+__all__ = [
+    "ENV_CHECK",
+    "STALL_WARNING_SECONDS",
+    "Communicator",
+    "CollectiveStallWarning",
+    "DeadlineExceededError",
+    "ReplicaMismatchError",
+    "launched_by_mpi",
+    "load",
+    "world",
+    "install_abort_hook",
+]
+
+#: Set to 1 to check every cross-worker collective's fingerprint first (debug mode).
+ENV_CHECK = "CUDIST_CHECK_COLLECTIVES"
+#: Seconds a worker waits in one collective before a CollectiveStallWarning names the missing workers.
+STALL_WARNING_SECONDS = 60.0
+#: Environment variables MPI launchers set in the processes they start (MPICH/Hydra, PMIx, Open MPI, Slurm).
+LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+_FINGERPRINT_BYTES = 512
+_NOTICE_TAG = 7
+
+
+class DeadlineExceededError(TimeoutError):
+    """A cross-worker collective did not complete within ``CommunicationOptions.timeout_seconds``."""
+
+
+class CollectiveStallWarning(RuntimeWarning):
+    """A worker has waited unusually long in a cross-worker collective."""
+
+
+def launched_by_mpi() -> bool:
+    """Whether this process was started by an MPI launcher (so that it has peers)."""
+    return any(k in os.environ for k in LAUNCHER_ENV)
+
+
+_MPI = None
+_MPI_ERROR = None
+
+
+def load():
+    """``(mpi4py.MPI, None)``, or ``(None, why)`` when mpi4py cannot be imported."""
+    global _MPI, _MPI_ERROR
+    if _MPI is None and _MPI_ERROR is None:
+        try:
+            from mpi4py import MPI  # noqa: PLC0415 - imported only for multi-worker jobs
+
+            _MPI = MPI
+        except ImportError as e:  # pragma: no cover - depends on the installation
+            _MPI_ERROR = f"mpi4py is not installed ({e}); install cudist with `pip install \"cudist[mpi]\"`"
+    return _MPI, _MPI_ERROR
+
+
+def world():
+    """``MPI.COMM_WORLD`` when this process was started by an MPI launcher, else None (one worker).
+
+    Raises:
+        RuntimeError: started by a launcher of several processes, but mpi4py is missing.
+    """
+    if not launched_by_mpi():
+        return None
+    MPI, why = load()
+    if MPI is None:
+        size = os.environ.get("PMI_SIZE") or os.environ.get("OMPI_COMM_WORLD_SIZE") or "1"
+        if size.isdigit() and int(size) > 1:
+            raise RuntimeError(f"this process is one of {size} MPI workers, but {why}")
+        return None
+    return MPI.COMM_WORLD
+
+
+_HOOK_LOCK = threading.Lock()
+_HOOK_INSTALLED = False
+
+
+def install_abort_hook() -> bool:
+    """Makes an uncaught exception print its traceback, then ``MPI_Abort`` the whole job.
+
+    Installed (once) when a strategy is created in a job of several workers. Returns whether it was
+    installed by this call.
+    """
+    global _HOOK_INSTALLED
+    MPI, _ = load()
+    if MPI is None:
+        return False
+    with _HOOK_LOCK:
+        if _HOOK_INSTALLED:
+            return False
+        _HOOK_INSTALLED = True
+        previous = sys.excepthook
+
+        def abort_on_exception(exc_type, exc, tb):
+            try:
+                previous(exc_type, exc, tb)
+                comm = MPI.COMM_WORLD
+                sys.stderr.write(
+                    f"cudist: worker {comm.Get_rank()} of {comm.Get_size()} raised {exc_type.__name__}; "
+                    "aborting every worker of the job (MPI_Abort)\n"
+                )
+                sys.stderr.flush()
+                sys.stdout.flush()
+            finally:
+                MPI.COMM_WORLD.Abort(1)
+
+        sys.excepthook = abort_on_exception
+        return True
+
+
+def _check_enabled() -> bool:
+    return os.environ.get(ENV_CHECK, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _dtype_of_num(num: int):
+    for code in np.typecodes["All"]:
+        try:
+            dt = np.dtype(code)
+        except TypeError:
+            continue
+        if dt.num == num:
+            return dt
+    return f"<dtype #{num}>"
+
+
+def describe(arrays) -> str:
+    """``float32(3, 4) int64()``: the shapes and dtypes of ``arrays``, for fingerprints and errors."""
+    return " ".join(f"{a.dtype}{tuple(a.shape)}" for a in arrays)
+
+
+class Communicator:
+    """A strategy's cross-worker communicator (a duplicate of the given one: its own message space).
+
+    Args:
+        comm: an mpi4py intracommunicator whose ranks are the workers, in worker order.
+        timeout_seconds: how long one collective may wait for the others (None: forever).
+        check: check each collective's fingerprint first (default: ``CUDIST_CHECK_COLLECTIVES``).
+    """
+
+    def __init__(self, comm, *, timeout_seconds=None, check=None, stall_warning_seconds=None):
+        MPI, why = load()
+        if MPI is None:
+            raise RuntimeError(why)
+        self._MPI = MPI
+        self.comm = comm.Dup()
+        self._side = comm.Dup()  # arrival notices, apart from the collectives
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
+        self.check = _check_enabled() if check is None else bool(check)
+        self.stall_warning_seconds = STALL_WARNING_SECONDS if stall_warning_seconds is None else stall_warning_seconds
+        self.seq = 0
+        self._broken = None
+        self._arrived = [0] * self.size  # latest sequence number each worker said it waits in
+        self._notice_buf = np.zeros(1, np.int64)
+        self._sends: list = []
+
+    def __repr__(self) -> str:
+        return f"<cudist MPI communicator: worker {self.rank} of {self.size}, timeout {self.timeout_seconds}>"
+
+    # ------------------------------------------------------------------ waiting
+    def _begin(self, kind: str, detail: str) -> int:
+        if self._broken is not None:
+            raise RuntimeError(
+                f"cudist: cross-worker collectives cannot continue after {self._broken}; restart the job"
+            )
+        self.seq += 1
+        if self.check and self.size > 1:
+            self._check_fingerprint(kind, detail)
+        return self.seq
+
+    def _check_fingerprint(self, kind: str, detail: str) -> None:
+        mine = f"{self.seq}|{kind}|{detail}".encode()[:_FINGERPRINT_BYTES]
+        buf = np.zeros(_FINGERPRINT_BYTES, np.uint8)
+        buf[: len(mine)] = np.frombuffer(mine, np.uint8)
+        out = np.empty((self.size, _FINGERPRINT_BYTES), np.uint8)
+        req = self.comm.Iallgather(buf, out)
+        self._wait([req], f"the fingerprint check of collective #{self.seq} ({kind})", self.seq)
+        prints = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
+        if any(p != prints[0] for p in prints):
+            lines = []
+            for w, p in enumerate(prints):
+                s, k, d = (p.split("|", 2) + ["", ""])[:3]
+                lines.append(f"worker {w}: collective #{s} {k} {d}".rstrip())
+            raise ReplicaMismatchError(
+                "cross-worker collectives differ across workers (every worker must make the same collective calls, "
+                "in the same order, with the same shapes and dtypes):\n  " + "\n  ".join(lines)
+            )
+
+    def _post_notice(self, seq: int) -> None:
+        self._notice_buf[0] = seq
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._sends.append(self._side.Isend(self._notice_buf, dest=peer, tag=_NOTICE_TAG))
+
+    def _drain_notices(self) -> None:
+        MPI = self._MPI
+        status = MPI.Status()
+        buf = np.zeros(1, np.int64)
+        while self._side.Iprobe(source=MPI.ANY_SOURCE, tag=_NOTICE_TAG, status=status):
+            src = status.Get_source()
+            self._side.Recv(buf, source=src, tag=_NOTICE_TAG)
+            self._arrived[src] = max(self._arrived[src], int(buf[0]))
+        if self._sends:
+            self._sends = [r for r in self._sends if not r.Test()]
+
+    def missing_workers(self, seq: int) -> list:
+        """Workers not known to have reached collective ``seq`` (from their notices)."""
+        self._drain_notices()
+        return [w for w in range(self.size) if w != self.rank and self._arrived[w] < seq]
+
+    def _wait(self, reqs, what: str, seq: int) -> None:
+        MPI = self._MPI
+        if MPI.Request.Testall(reqs):
+            return
+        start = time.monotonic()
+        timeout = self.timeout_seconds
+        deadline = None if timeout is None else start + timeout
+        notice_at = start + (0.25 if timeout is None else min(0.25, timeout / 4))
+        warn_at = start + self.stall_warning_seconds
+        noticed = False
+        testall = MPI.Request.Testall
+        monotonic = time.monotonic
+        sleep = time.sleep
+        while not testall(reqs):
+            now = monotonic()
+            if now - start < 0.02:
+                continue  # spin: MPI progresses inside Testall, and most waits are short
+            sleep(0.0002)
+            if not noticed and now >= notice_at:
+                self._post_notice(seq)
+                noticed = True
+            if now >= warn_at:
+                warn_at = float("inf")
+                missing = self.missing_workers(seq)
+                warnings.warn(
+                    f"cudist: worker {self.rank} has waited {now - start:.0f} s in {what}, collective #{seq}, for "
+                    f"worker(s) {missing or 'unknown'}; a worker may be stuck or have diverged "
+                    "(set CUDIST_CHECK_COLLECTIVES=1 to check that workers make the same collective calls)",
+                    CollectiveStallWarning,
+                    stacklevel=4,
+                )
+            if deadline is not None and now >= deadline:
+                missing = self.missing_workers(seq)
+                self._broken = f"a timeout in collective #{seq}"
+                raise DeadlineExceededError(
+                    f"cudist: worker {self.rank} of {self.size} timed out after {timeout:g} s "
+                    f"(CommunicationOptions.timeout_seconds) in {what}, collective #{seq}: "
+                    f"worker(s) {missing if missing else '(unknown)'} did not join it"
+                )
+
+    # ------------------------------------------------------------------ collectives
+    def allreduce(self, pairs, kind: str = "all_reduce", detail: str = "") -> None:
+        """SUM all-reduces each ``(send, recv)`` pair (contiguous host arrays; ``send is recv``: in place).
+
+        One non-blocking ``Iallreduce`` per pair, all started before any is waited for.
+        """
+        MPI = self._MPI
+        seq = self._begin(kind, detail or describe([p[1] for p in pairs]))
+        reqs = []
+        for send, recv in pairs:
+            reqs.append(self.comm.Iallreduce(MPI.IN_PLACE if send is recv else send, recv, MPI.SUM))
+        self._wait(reqs, kind, seq)
+
+    def allreduce_value(self, value, op: str = "max", kind: str = "input sync"):
+        """All-reduces one int64 (``op``: "max", "min" or "sum")."""
+        MPI = self._MPI
+        seq = self._begin(kind, op)
+        send = np.array([value], np.int64)
+        recv = np.empty(1, np.int64)
+        req = self.comm.Iallreduce(send, recv, {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op])
+        self._wait([req], kind, seq)
+        return int(recv[0])
+
+    def bcast(self, arr, root: int = 0, kind: str = "broadcast") -> None:
+        """Broadcasts the contiguous host array ``arr`` from worker ``root`` into everyone's ``arr``."""
+        seq = self._begin(kind, describe([arr]))
+        req = self.comm.Ibcast(arr, root=root)
+        self._wait([req], kind, seq)
+
+    def allgather_rows(self, arr, axis: int, kind: str = "all_gather"):
+        """Concatenates every worker's host array along ``axis``, in worker order (sizes may differ there).
+
+        Raises:
+            ValueError: the workers' arrays differ in anything but the size along ``axis``.
+        """
+        arr = np.asarray(arr)
+        seq = self._begin(kind, f"axis {axis} {arr.dtype} ndim {arr.ndim}")
+        ndim = arr.ndim
+        meta = np.zeros(ndim + 2, np.int64)
+        meta[0] = ndim
+        meta[1] = arr.dtype.num
+        meta[2:] = arr.shape
+        # The ranks could pass arrays of different ndim: gather a fixed-size header first.
+        head = np.zeros(34, np.int64)
+        head[: min(34, ndim + 2)] = meta[:34]
+        heads = np.empty((self.size, 34), np.int64)
+        self._wait([self.comm.Iallgather(head, heads)], f"{kind} (shapes)", seq)
+        mine = heads[self.rank]
+        for w in range(self.size):
+            h = heads[w]
+            same = h[0] == mine[0] and h[1] == mine[1]
+            if same:
+                dims = [d for i, d in enumerate(h[2 : 2 + ndim]) if i != axis]
+                same = dims == [d for i, d in enumerate(mine[2 : 2 + ndim]) if i != axis]
+            if not same:
+                shape = tuple(int(x) for x in h[2 : 2 + int(h[0])])
+                raise ValueError(
+                    f"{kind}: workers disagree: worker {self.rank} has dtype {arr.dtype} shape {arr.shape}, "
+                    f"worker {w} has dtype {_dtype_of_num(int(h[1]))} shape {shape}; "
+                    f"only the size along axis {axis} may differ"
+                )
+        rows = [int(h[2 + axis]) for h in heads]
+        moved = np.ascontiguousarray(np.moveaxis(arr, axis, 0)) if axis != 0 else np.ascontiguousarray(arr)
+        rest = moved.shape[1:]
+        per_row = int(np.prod(rest, dtype=np.int64)) if rest else 1
+        counts = [r * per_row for r in rows]
+        out = np.empty((sum(rows), *rest), arr.dtype)
+        req = self.comm.Iallgatherv(moved.reshape(-1), [out.reshape(-1), counts])
+        self._wait([req], kind, seq)
+        return np.moveaxis(out, 0, axis) if axis != 0 else out
+
+    def barrier(self, kind: str = "barrier") -> None:
+        seq = self._begin(kind, "")
+        self._wait([self.comm.Ibarrier()], kind, seq)

@@ -1,0 +1,238 @@
+"""``python -m cudist.launch -n N script.py args...``: runs a multi-worker job (thin over ``mpiexec``).
+
+Starts N workers of ``script.py`` with the ``mpiexec`` of the ``mpich`` wheel (``pip install
+"cudist[mpi]"``), each a process whose :class:`cudist.MultiWorkerMirroredStrategy` finds the others
+through MPI. Options:
+
+* ``--tf-config``: give each worker a ``TF_CONFIG`` naming the cluster (``worker`` tasks
+  ``localhost:<port>``) and its own task index (= its MPI rank), for scripts that read TF_CONFIG
+  (``TFConfigClusterResolver``);
+* ``--mpiexec PATH``: the launcher to use (default: the one next to this Python, else on PATH);
+* ``--timeout S``: end the job after S seconds (exit code 124).
+
+When there are more workers than CPU cores, ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` is set so that
+waiting workers yield the CPU instead of spinning. The exit code is the job's; when it fails, the
+launcher says which worker failed and how (raised an exception, exited with a code, was killed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import runpy
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+__all__ = ["main", "find_mpiexec", "build_command"]
+
+_STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
+_BASE_PORT = 23456
+
+
+def find_mpiexec(explicit: str | None = None) -> str | None:
+    """The ``mpiexec`` to use: ``explicit``, else the one next to this Python (a venv's), else PATH's."""
+    if explicit:
+        return explicit
+    here = Path(sys.executable).parent / "mpiexec"
+    if here.is_file() and os.access(here, os.X_OK):
+        return str(here)
+    return shutil.which("mpiexec")
+
+
+def _rank() -> int:
+    for k in ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK"):
+        v = os.environ.get(k)
+        if v is not None and v.isdigit():
+            return int(v)
+    return 0
+
+
+def _size() -> int:
+    for k in ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        v = os.environ.get(k)
+        if v is not None and v.isdigit():
+            return int(v)
+    return 1
+
+
+def tf_config(num_workers: int, index: int, base_port: int = _BASE_PORT) -> str:
+    """The TF_CONFIG of worker ``index`` of a ``num_workers`` cluster on this machine."""
+    cluster = {"worker": [f"localhost:{base_port + i}" for i in range(num_workers)]}
+    return json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+
+
+def _write_status(directory: str | None, rank: int, text: str) -> None:
+    if not directory:
+        return
+    try:
+        Path(directory, f"{rank}.status").write_text(text)
+    except OSError:
+        pass
+
+
+def _worker(args) -> int:
+    """One worker's bootstrap (inside mpiexec): records its pid and outcome, then runs the script."""
+    rank = _rank()
+    directory = os.environ.get(_STATUS_DIR)
+    if directory:
+        Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
+    if args.tf_config:
+        os.environ["TF_CONFIG"] = tf_config(_size(), rank)
+    sys.argv = [args.script, *args.args]
+    script_dir = str(Path(args.script).resolve().parent)
+    if sys.path[0] != script_dir:
+        sys.path.insert(0, script_dir)
+    try:
+        if args.module:
+            runpy.run_module(args.script, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(args.script, run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        _write_status(directory, rank, "ok" if code == 0 else f"exited with code {code}")
+        raise
+    except BaseException as e:
+        _write_status(directory, rank, f"raised {type(e).__name__}: {e}".splitlines()[0][:500])
+        raise
+    _write_status(directory, rank, "ok")
+    return 0
+
+
+def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_flag=False, module=False) -> list:
+    """The mpiexec command line that starts ``n`` workers of ``script``."""
+    cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "cudist.launch", "--worker"]
+    if tf_config_flag:
+        cmd.append("--tf-config")
+    if module:
+        cmd.append("-m")
+    return [*cmd, "--", script, *script_args]
+
+
+def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code) -> list:
+    lines = []
+    statuses = {}
+    for r in range(n):
+        p = Path(directory, f"{r}.status")
+        statuses[r] = p.read_text() if p.is_file() else None
+    culprit = None
+    if bad_pid is not None:
+        for r, pid in pids.items():
+            if pid == bad_pid:
+                culprit = r
+    failed = [r for r, s in statuses.items() if s is not None and s != "ok"]
+    if failed:
+        for r in failed:
+            lines.append(f"worker {r} {statuses[r]}")
+    elif culprit is not None:
+        how = f"exit code {bad_code}"
+        if bad_code is not None and bad_code > 128:
+            try:
+                how = f"killed by {signal.Signals(bad_code - 128).name}"
+            except ValueError:
+                pass
+        elif bad_code == 9:
+            how = "killed by SIGKILL"
+        lines.append(f"worker {culprit} (pid {bad_pid}) ended abnormally ({how})")
+    silent = [r for r, s in statuses.items() if s is None and r != culprit]
+    if silent and (failed or culprit is not None):
+        lines.append(f"worker(s) {silent} were ended by the launcher")
+    elif silent:
+        lines.append(f"worker(s) {silent} ended without reporting (killed, or ended by the launcher)")
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m cudist.launch",
+        description="Run a cudist multi-worker job: N worker processes of a script, over MPI (mpiexec).",
+    )
+    parser.add_argument("-n", "--num-workers", type=int, default=None, help="number of workers (processes)")
+    parser.add_argument("--tf-config", action="store_true", help="give each worker a TF_CONFIG (task index = rank)")
+    parser.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to python, else PATH)")
+    parser.add_argument("--timeout", type=float, default=None, help="end the job after this many seconds (exit 124)")
+    parser.add_argument("-m", dest="module", action="store_true", help="run a module (as python -m) instead of a script")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("script", help="the script (or module with -m) every worker runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
+    args = parser.parse_args(argv)
+    if args.args and args.args[0] == "--":
+        args.args = args.args[1:]
+    if args.worker:
+        return _worker(args)
+    n = args.num_workers
+    if n is None or n < 1:
+        parser.error("-n N (N >= 1 workers) is required")
+    mpiexec = find_mpiexec(args.mpiexec)
+    if mpiexec is None:
+        sys.stderr.write(
+            "cudist.launch: no mpiexec found; install the MPI extra: pip install \"cudist[mpi]\" "
+            "(mpi4py and the mpich wheel)\n"
+        )
+        return 127
+    env = dict(os.environ)
+    if n > (os.cpu_count() or 1):
+        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # oversubscribed: waiting ranks yield the CPU
+    with tempfile.TemporaryDirectory(prefix="cudist-launch-") as directory:
+        env[_STATUS_DIR] = directory
+        cmd = build_command(mpiexec, n, args.script, args.args, tf_config_flag=args.tf_config, module=args.module)
+        start = time.monotonic()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, errors="replace", bufsize=1)
+        bad = {"pid": None, "code": None}
+
+        def pump():
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                m = re.search(r"PID (\d+) RUNNING AT", line)
+                if m and bad["pid"] is None:
+                    bad["pid"] = int(m.group(1))
+                m = re.search(r"EXIT CODE: (\d+)", line)
+                if m and bad["code"] is None:
+                    bad["code"] = int(m.group(1))
+                sys.stdout.write(line)
+                sys.stdout.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            code = proc.wait(timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            reader.join(timeout=2)
+            sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
+            return 124
+        except KeyboardInterrupt:
+            proc.send_signal(signal.SIGINT)
+            code = proc.wait()
+        reader.join(timeout=5)
+        if code != 0:
+            pids = {}
+            for r in range(n):
+                p = Path(directory, f"{r}.pid")
+                if p.is_file():
+                    try:
+                        pids[r] = int(p.read_text())
+                    except ValueError:
+                        pass
+            lines = _describe_failure(directory, n, pids, bad["pid"], bad["code"])
+            sys.stderr.write(
+                f"cudist.launch: the job of {n} worker(s) failed after {time.monotonic() - start:.1f} s "
+                f"(exit code {code}):\n" + "".join(f"  {line}\n" for line in lines)
+            )
+        return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
