@@ -37,6 +37,9 @@ __all__ = [
     "contiguous",
     "may_share_memory",
     "python_dtype",
+    "is_foreign_array",
+    "from_dlpack",
+    "array_namespace",
 ]
 
 #: What the helpers below return for an array that may be on the host or on a GPU: a NumPy array,
@@ -91,15 +94,22 @@ def array_module(a: object) -> ModuleType:
 def as_array(x: object) -> Array:
     """``x`` as an array the kernels accept: NumPy and GPU arrays as they are, else ``np.asarray(x)``.
 
-    Python and NumPy scalars become 0-d NumPy arrays; nothing is copied that need not be.
+    Python and NumPy scalars become 0-d NumPy arrays; nothing is copied that need not be. Other
+    frameworks' arrays (JAX, PyTorch: see :func:`is_foreign_array`) come in through DLPack,
+    zero-copy: NumPy arrays for host memory, CuPy arrays for CUDA memory (:func:`from_dlpack`).
 
     Args:
         x: an array, a scalar, or anything ``np.asarray`` accepts.
 
     Returns:
-        ``x`` itself for NumPy and GPU arrays, else a NumPy array.
+        ``x`` itself for NumPy and GPU arrays, a NumPy or CuPy array sharing a framework array's
+        memory, else a NumPy array.
     """
-    if isinstance(x, np.ndarray) or is_device_array(x):
+    if isinstance(x, np.ndarray):
+        return x
+    if is_foreign_array(x):  # JAX, PyTorch, ...: the one place their arrays come in (DLPack, zero-copy)
+        return from_dlpack(x)
+    if is_device_array(x):
         return x
     return np.asarray(x)
 
@@ -116,6 +126,10 @@ def to_host(a: object) -> npt.NDArray[Any]:
     """
     if isinstance(a, np.ndarray):
         return a
+    if is_foreign_array(a):
+        a = from_dlpack(a)
+        if isinstance(a, np.ndarray):
+            return a
     if is_device_array(a):
         import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - only reached with GPU arrays
 
@@ -311,8 +325,8 @@ def contiguous(a: Any) -> Array:
     Returns:
         ``a`` itself when it already is a C-contiguous array, else a C-contiguous copy.
     """
-    if not isinstance(a, np.ndarray) and not is_device_array(a):
-        a = np.asarray(a)
+    if not isinstance(a, np.ndarray):
+        a = as_array(a)
     if a.flags.c_contiguous:
         return a
     if isinstance(a, np.ndarray):
@@ -358,3 +372,79 @@ def may_share_memory(a: Any, b: Any) -> bool:
         return False
     pa, pb = a.data.ptr, b.data.ptr
     return cast(bool, pa < pb + b.nbytes and pb < pa + a.nbytes)
+
+
+# ---------------------------------------------------------------------------- other frameworks' arrays
+#: DLPack device types (``__dlpack_device__()[0]``) whose memory CuPy imports.
+_DLPACK_GPU = (2, 13)  # kDLCUDA, kDLCUDAManaged
+
+
+def is_foreign_array(x: object) -> bool:
+    """Whether ``x`` is another framework's array (a JAX array, a PyTorch tensor, ...).
+
+    That is: its type exports DLPack (``__dlpack__`` and ``__dlpack_device__``) and it is neither a
+    NumPy nor a CuPy array nor a cudist object (cudist Variables export DLPack too, but convert
+    through ``__array__``, a copy, as they always did).
+    """
+    if isinstance(x, (np.ndarray, np.generic)):
+        return False
+    t = type(x)
+    if not (hasattr(t, "__dlpack__") and hasattr(t, "__dlpack_device__")):
+        return False
+    top = (t.__module__ or "").partition(".")[0]
+    return top not in ("cupy", "cudist")
+
+
+def from_dlpack(x: Any) -> Array:
+    """Another framework's array as a NumPy (host) or CuPy (GPU) array sharing its memory.
+
+    The exchange goes through DLPack (``numpy.from_dlpack`` / ``cupy.from_dlpack``): nothing is
+    copied, and the result may be read-only (JAX arrays are immutable). Host memory gives NumPy
+    arrays, CUDA memory CuPy arrays.
+
+    NumPy imports no bfloat16 through DLPack; where the framework's own NumPy conversion can hold it
+    (JAX gives an ``ml_dtypes.bfloat16`` array) that conversion is used instead.
+
+    Raises:
+        TypeError: the array cannot be held by NumPy (a PyTorch bfloat16 tensor, a tensor that
+            requires grad, ...); the message names its type and dtype.
+    """
+    device_type = int(x.__dlpack_device__()[0])
+    if device_type in _DLPACK_GPU:
+        import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - GPU arrays only
+
+        return cupy.from_dlpack(x)
+    try:
+        return np.from_dlpack(x)
+    except (BufferError, RuntimeError, TypeError, ValueError) as e:
+        error = e
+    a: npt.NDArray[Any] | None
+    try:
+        a = np.asarray(x)
+    except Exception:  # noqa: BLE001 - the DLPack error below says more
+        a = None
+    if a is not None and a.dtype != object:
+        return a
+    name = f"{type(x).__module__}.{type(x).__qualname__}"
+    raise TypeError(
+        f"cannot convert a {name} of dtype {getattr(x, 'dtype', '?')} to a NumPy array: {error}. cudist takes "
+        "other frameworks' arrays through DLPack; NumPy holds no PyTorch bfloat16 (cast it, e.g. tensor.float()), "
+        "and a PyTorch tensor that requires grad needs .detach() first"
+    ) from None
+
+
+def array_namespace(x: object) -> ModuleType:
+    """The array module whose functions work on ``x``.
+
+    ``numpy`` for NumPy arrays and scalars, ``cupy`` for CuPy arrays, the array's own Array API
+    namespace where it has one (``jax.numpy`` for JAX arrays and tracers), else ``numpy``.
+    """
+    if isinstance(x, (np.ndarray, np.generic)):
+        return np
+    t = type(x)
+    if t.__name__ == "ndarray" and t.__module__ == "cupy":
+        return array_module(x)
+    namespace = getattr(x, "__array_namespace__", None)
+    if namespace is not None:
+        return cast(ModuleType, namespace())
+    return array_module(x)
