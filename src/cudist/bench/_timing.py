@@ -6,7 +6,7 @@ import gc
 import statistics
 import time
 
-__all__ = ["time_calls", "median_us", "minor_faults"]
+__all__ = ["time_calls", "median_us", "minor_faults", "parse_minor_faults"]
 
 
 def time_calls(fn, iters: int, warmup: int, sync=None, budget_s: float | None = None, min_iters: int = 5) -> list[int]:
@@ -55,16 +55,26 @@ def minor_faults() -> int | None:
 
     A minor fault is a first touch of a page that needs no disk read: allocating a large buffer
     afresh (NumPy's large arrays come from mmap, returned to the OS when freed) costs one fault per
-    4 KiB page on its first write, so faults per call count per-call allocations of big buffers.
-    None where the file does not exist (not Linux).
+    page on its first write, so faults per call count per-call allocations of big buffers. None where
+    the file does not exist (not Linux).
     """
     try:
         with open("/proc/self/stat", "rb") as f:
-            text = f.read()
-    except OSError:
+            return parse_minor_faults(f.read())
+    except (OSError, ValueError):
         return None
-    # Field 2 (comm) is in parentheses and may hold spaces; fields after the last ')' start at 3.
+
+
+def parse_minor_faults(stat: bytes) -> int:
+    """Field 10 (minflt) of a ``/proc/<pid>/stat`` line.
+
+    Field 2 (the command name) is in parentheses and may itself hold spaces and parentheses, so the
+    fields are counted from the last ``)``: the one after it is field 3.
+
+    Raises:
+        ValueError: not a stat line.
+    """
     try:
-        return int(text[text.rindex(b")") + 2 :].split()[7])
-    except (ValueError, IndexError):
-        return None
+        return int(stat[stat.rindex(b")") + 2 :].split()[7])
+    except IndexError:
+        raise ValueError("not a /proc/<pid>/stat line") from None

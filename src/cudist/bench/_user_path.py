@@ -413,7 +413,11 @@ class TFServer:
             self.proc.kill()
             self.proc.wait()
         finally:
-            self._err.close()
+            for f in (self.proc.stdin, self.proc.stdout, self._err):
+                try:
+                    f.close()
+                except (OSError, ValueError):
+                    pass
 
 
 # ------------------------------------------------------------------------------------------ driver
@@ -593,18 +597,32 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
     # call may pay for first touches), then full blocks.
     for c in cs:
         c.samples_warm = []
+    def turn(c, k, record=True):
+        """One block of ``c``; a TensorFlow worker that fails drops its rows (said), not the run."""
+        if c.remote is None:
+            return c.run_block(k, record)
+        from cudist.bench._tf import TFUnavailable
+
+        try:
+            return c.run_block(k, record)
+        except TFUnavailable as e:
+            ctx.print(f"# tf: {group} {format_size(size)} dropped ({e})")
+            cs.remove(c)
+            return None
+
     for w in range(max(warm, 1)):
-        for c in cs:
+        for c in list(cs):
             k = 2 if w == 0 else c.block
-            s = c.run_block(k, record=False)
-            c.samples_warm = s
-            c.block = _block_size(c, target_ns, _BLOCK_CAP)
+            s = turn(c, k, record=False)
+            if s is not None:
+                c.samples_warm = s
+                c.block = _block_size(c, target_ns, _BLOCK_CAP)
         if w < warm:
             prog.update(f"{group} {format_size(size)} warm-up")
     for r in range(rounds):
-        order = cs if r % 2 == 0 else cs[::-1]  # alternate the order so no row always follows the same one
+        order = list(cs) if r % 2 == 0 else cs[::-1]  # alternate the order so no row always follows the same one
         for c in order:
-            c.run_block(c.block)
+            turn(c, c.block)
         prog.update(f"{group} {format_size(size)} round {r + 1}")
     after = _time_copy(copy_fn, _COPY_ITERS)
     ceiling = copy_bytes / min(before, after) / 1e9

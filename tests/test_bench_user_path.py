@@ -1,0 +1,256 @@
+"""The user's-path instruments: ``cudist-bench user-path``, the page-fault reader, the suite's and
+``step``'s user-path rows, and ``bench/step_compare.py``. Speed is never asserted."""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cudist.bench import main
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["-b", "4K", "-e", "8K", "-f", "2", "-n", "2", "-w", "1", "--no-progress", "--copy-size", "1M",
+        "--round-ms", "1"]
+
+
+def _run(tmp_path, *argv):
+    out = tmp_path / "bench.json"
+    rc = main([*argv, "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+def _rows(doc):
+    return [r for t in doc["tables"] for r in t["rows"]]
+
+
+# ------------------------------------------------------------------------------------------ user-path
+@pytest.mark.parametrize("backend", ["numpy", "all"])
+def test_user_path_tiny(tmp_path, capsys, backend):
+    rc, doc = _run(tmp_path, "user-path", *TINY, "--replicas", "2", "--backend", backend)
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    rows = _rows(doc)
+    assert doc["summary"]["ok"] and doc["summary"]["out_of_bounds"] == 0
+    assert "# Out of bounds values : 0 OK" in text
+    for size in (4 << 10, 8 << 10):
+        for group in ("all-reduce", "momentum", "adam"):
+            got = {r["api"]: r for r in rows if r["size"] == size and r["group"] == group}
+            assert set(got) == {"kernel", "user", "numpy"}, (size, group, got.keys())
+            for r in got.values():
+                assert r["wrong"] == 0 and r["time_us"] > 0 and r["iters"] >= 2
+                assert r["moved_bytes"] > 0 and r["pct_copy"] > 0
+            user = got["user"]
+            assert user["user_path"] and "[user]" in text
+            assert user["faults_per_call"] is not None and user["faults_per_call"] >= 0
+            assert user["run_over_kernel"] > 0 and user["numpy_loop_over_run"] > 0
+            assert len(user["run_over_kernel_rounds"]) == 2
+        copy = [r for r in rows if r["size"] == size and r["group"] == "copy"]
+        assert len(copy) == 3 and all(r["GBps"] > 0 for r in copy)  # one bracketed ceiling per point
+    assert "run/kernel" in text and "numpy-loop/run" in text
+
+
+def test_user_path_bytes_moved(tmp_path):
+    rc, doc = _run(tmp_path, "user-path", *TINY, "-e", "4K", "--replicas", "3", "--backend", "numpy")
+    assert rc == 0
+    n, s = 3, 4 << 10
+    moved = {r["group"]: r["moved_bytes"] for r in _rows(doc) if r["api"] == "user"}
+    assert moved == {"all-reduce": 2 * n * s, "momentum": (3 * n + 2) * s, "adam": (4 * n + 3) * s}
+    for r in _rows(doc):
+        if r["api"] != "copy":
+            ceiling = next(c["GBps"] for c in _rows(doc) if c["api"] == "copy" and c["size"] == r["size"]
+                           and _rows(doc).index(c) > _rows(doc).index(r))
+            assert r["pct_copy"] == pytest.approx(100 * r["moved_bytes"] / (r["time_us"] * 1e-6) / 1e9 / ceiling)
+
+
+def test_user_path_groups_option(tmp_path):
+    rc, doc = _run(tmp_path, "user-path", *TINY, "-e", "4K", "--replicas", "2", "--backend", "numpy",
+                   "--groups", "momentum")
+    assert rc == 0
+    assert {r["group"] for r in _rows(doc)} == {"momentum", "copy"}
+
+
+def test_user_path_check_is_live(tmp_path, monkeypatch, capsys):
+    """A wrong reference makes every checked row wrong (a check that cannot fail proves nothing)."""
+    from cudist.bench import _user_path
+
+    real = _user_path._reference_sum
+    monkeypatch.setattr(_user_path, "_reference_sum", lambda host: real(host) + 1)
+    rc, doc = _run(tmp_path, "user-path", *TINY, "-e", "4K", "--replicas", "2", "--backend", "numpy",
+                   "--groups", "all-reduce")
+    assert rc == 1
+    rows = [r for r in _rows(doc) if r["api"] in ("kernel", "user", "numpy")]
+    assert rows and all(r["wrong"] == 2 * 1024 for r in rows)
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_wrong_counts_nan_and_far_values():
+    import numpy as np
+
+    from cudist.bench._user_path import _CHUNK, _wrong
+
+    ref = np.ones(_CHUNK + 10, np.float32)
+    got = ref.copy()
+    assert _wrong(got, ref) == 0
+    got[3] = np.nan
+    got[-1] = 1.001
+    got[-2] = np.nextafter(np.float32(1), np.float32(2))  # one ulp: within tolerance
+    assert _wrong(got, ref) == 2
+    assert _wrong(got[:5], ref) == ref.size
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["user-path", "--groups", "rmsprop"], "unknown group"),
+    (["user-path", "-b", "2", "-e", "2"], "smaller than one float32"),
+    (["user-path", "-d", "float64"], "unrecognized arguments"),
+])
+def test_user_path_bad_flags(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--backend", "numpy", "--no-progress"])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _tf_python():
+    for p in (os.environ.get("CUDIST_BENCH_TF_PYTHON"), "/work/peers/tf/bin/python", "/tmp/tfvenv/bin/python"):
+        if p and os.path.isfile(p):
+            return p
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.heavy
+@pytest.mark.skipif(_tf_python() is None, reason="no python with TensorFlow (set CUDIST_BENCH_TF_PYTHON)")
+def test_user_path_compare_tf(tmp_path):
+    rc, doc = _run(tmp_path, "user-path", *TINY, "-e", "4K", "--replicas", "2", "--backend", "numpy",
+                   "--compare", "tf", "--tf-python", _tf_python())
+    assert rc == 0
+    tf = [r for r in _rows(doc) if r["api"] == "tf-user"]
+    assert {r["group"] for r in tf} == {"all-reduce", "momentum", "adam"}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 and r["backend"] == "tf-fn" for r in tf)
+    assert all(r["tf-fn_over_run"] > 0 for r in _rows(doc) if r["api"] == "user")
+
+
+def test_user_path_without_tensorflow_is_skipped(tmp_path, capsys):
+    rc, doc = _run(tmp_path, "user-path", *TINY, "-e", "4K", "--replicas", "2", "--backend", "numpy",
+                   "--groups", "all-reduce", "--compare", "tf", "--tf-python", str(tmp_path / "no-python"))
+    assert rc == 0
+    assert "# tf: skipped" in capsys.readouterr().out
+    assert not [r for r in _rows(doc) if r["api"] == "tf-user"]
+
+
+# ------------------------------------------------------------------------------------------ page faults
+def test_minor_faults_reader():
+    from cudist.bench._timing import minor_faults, parse_minor_faults
+
+    before = minor_faults()
+    if before is None:
+        pytest.skip("no /proc/self/stat here")
+    m = mmap.mmap(-1, 4 << 20)  # fresh anonymous pages: each first write is a minor fault
+    try:
+        for off in range(0, len(m), mmap.PAGESIZE):
+            m[off] = 1
+        after = minor_faults()
+    finally:
+        m.close()
+    assert after > before
+    # the command name may hold spaces and parentheses: fields count from the last ')'
+    line = b"4242 (a b) c)) S 1 4242 4242 0 -1 4194560 12345 0 7 0 9 3 0 0 20 0 1 0 100 1000 10"
+    assert parse_minor_faults(line) == 12345
+    with pytest.raises(ValueError):
+        parse_minor_faults(b"garbage")
+
+
+# ------------------------------------------------------------------------------------------ suite / step
+def test_suite_runs_user_path_rows(monkeypatch):
+    from cudist.bench import _cli, _strategy_bench, _user_path
+
+    calls = []
+    monkeypatch.setattr(_cli, "run_kernel_op", lambda ctx, op, **kw: calls.append(op))
+    monkeypatch.setattr(_strategy_bench, "run_overhead", lambda ctx: calls.append("run-overhead"))
+    monkeypatch.setattr(_strategy_bench, "run_step", lambda ctx: calls.append("step"))
+    monkeypatch.setattr(_user_path, "run_user_path",
+                        lambda ctx, sizes=None, groups=None: calls.append(("user-path", tuple(sizes), tuple(ctx.args.groups))))
+    assert main(["suite", "--no-progress"]) == 0
+    assert ("user-path", (256 << 10, 4 << 20), ("all-reduce", "momentum", "adam")) in calls
+    assert calls.index("step") > calls.index("run-overhead")
+
+
+def test_options_without_subcommand_go_to_the_suite(monkeypatch):
+    from cudist.bench import _cli
+
+    seen = []
+    monkeypatch.setattr(_cli, "run_suite", lambda ctx: seen.append((ctx.args.command, ctx.args.iters)))
+    assert main(["-n", "3", "--no-progress"]) == 0
+    assert seen == [("suite", 3)]
+
+
+def test_step_names_the_users_path(tmp_path, capsys):
+    rc, doc = _run(tmp_path, "step", "-n", "2", "-w", "1", "--replicas", "2", "--batch", "16", "--features", "8",
+                   "--hidden", "16", "--classes", "3", "--backend", "numpy", "--no-progress", "--copy-size", "1M")
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "# the user's path: api=strategy rows" in text
+    if any(r["api"] == "strategy" and r.get("time_us") for r in _rows(doc)):
+        assert "# user's path / kernel step time" in text
+
+
+# ------------------------------------------------------------------------------------------ step_compare
+def test_step_compare_model_gradients():
+    """The script's hand-written backward pass is the gradient of its loss (finite differences)."""
+    import numpy as np
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import step_compare
+    finally:
+        sys.path.pop(0)
+    rng = np.random.default_rng(3)
+    params = [rng.standard_normal(s) * 0.3 for s in ((5, 4), (4,), (4, 4), (4,), (4, 3), (3,))]
+    x, y = rng.standard_normal((6, 5)), rng.integers(0, 3, 6)
+    grads, _ = step_compare.mlp_grads(params, x, y, 1 / 6)
+    eps = 1e-6
+    for p, g in zip(params, grads):
+        idx = tuple(rng.integers(0, s) for s in p.shape)
+        old = p[idx]
+        p[idx] = old + eps
+        up = step_compare.mlp_grads(params, x, y, 1 / 6)[1]
+        p[idx] = old - eps
+        down = step_compare.mlp_grads(params, x, y, 1 / 6)[1]
+        p[idx] = old
+        assert g[idx] == pytest.approx((up - down) / (2 * eps), rel=1e-4, abs=1e-8)
+
+
+@pytest.mark.heavy
+def test_step_compare_runs(tmp_path):
+    out = tmp_path / "sc.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_compare.py"), "--rounds", "1", "--steps", "2", "--warmup", "1",
+         "--replicas", "2", "--no-peers", "--gap-ms", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    rows = doc["groups"][0]["rows"]
+    assert [r["key"] for r in rows] == ["cudist", "cudist-1dev"]
+    assert all(r["wrong"] == 0 and r["steps"] == 2 and r["median_ms"] > 0 for r in rows)
+    assert rows[1]["ratio_vs_cudist"] > 0
+    assert "skipped (--no-peers)" in proc.stdout
+
+
+@pytest.mark.heavy
+def test_step_compare_reports_a_missing_peer(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_compare.py"), "--rounds", "1", "--steps", "1", "--warmup", "0",
+         "--replicas", "1", "--gap-ms", "0", "--tf-python", str(tmp_path / "nope"), "--torch-python", sys.executable],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "# tf: skipped" in proc.stdout
+    if "# torch: skipped" not in proc.stdout:  # this python has torch after all
+        assert "torch" in proc.stdout
