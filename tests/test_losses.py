@@ -258,3 +258,23 @@ def test_compute_average_loss_under_jax_grad():
     out = strategy.run(fn)  # the global batch is 3 x 2 replicas
     for g in strategy.experimental_local_results(out):
         np.testing.assert_allclose(g, 2 * np.arange(3.0) / 6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["sum_over_batch_size", "none"])
+def test_losses_and_helpers_on_cupy_arrays_match_numpy(reduction):
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(11)
+    w = rng.uniform(0.5, 2.0, 5).astype(np.float32)
+    for cls, kwargs, kind in LOSSES:
+        y_true, y_pred = (a.astype(np.float32) if a.dtype == np.float64 else a for a in _inputs(kind, rng))
+        loss = getattr(cudist.losses, cls)(reduction=reduction, **kwargs)
+        want_value, want_grad = loss.value_and_gradient(y_true, y_pred, sample_weight=w)
+        value, grad = loss.value_and_gradient(cupy.asarray(y_true), cupy.asarray(y_pred), sample_weight=cupy.asarray(w))
+        assert isinstance(grad, cupy.ndarray) and grad.dtype == np.float32
+        np.testing.assert_allclose(cupy.asnumpy(value), want_value, rtol=1e-5, atol=1e-7, err_msg=cls)
+        np.testing.assert_allclose(cupy.asnumpy(grad), want_grad, rtol=1e-5, atol=1e-7, err_msg=cls)
+    per_example = rng.standard_normal(6).astype(np.float32)
+    got = cudist.nn.compute_average_loss(cupy.asarray(per_example), sample_weight=cupy.asarray(w[:1]), global_batch_size=8)
+    assert isinstance(got, cupy.ndarray)
+    np.testing.assert_allclose(cupy.asnumpy(got), cudist.nn.compute_average_loss(per_example, sample_weight=w[:1], global_batch_size=8), rtol=1e-6)
