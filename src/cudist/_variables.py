@@ -42,7 +42,9 @@ from cudist._arrays import (
     array_module,
     contiguous,
     device_context,
+    from_dlpack,
     is_array,
+    is_foreign_array,
     like,
     may_share_memory,
     place,
@@ -116,6 +118,8 @@ def _unwrap(x):
     """Resolves variables (and objects convertible like them) to their current array value."""
     if isinstance(x, Variable):
         return x._read_live()
+    if is_foreign_array(x):  # a JAX array, a PyTorch tensor: through DLPack, as collectives take them
+        return from_dlpack(x)
     return x
 
 
@@ -378,6 +382,20 @@ class Variable(metaclass=_VariableMeta):
         if dtype is not None and a.dtype != np.dtype(dtype):
             return a.astype(dtype)
         return a.copy()  # the caller may write the result; it must not alias the variable
+
+    def __dlpack__(self, **kwargs):
+        """DLPack export of the value, so ``jax.numpy.from_dlpack(v)``, ``torch.from_dlpack(v)``,
+        ``np.from_dlpack(v)`` or ``cupy.from_dlpack(v)`` take the variable without a copy.
+
+        The result shares the variable's live storage (what :meth:`value` would snapshot: this
+        replica's component inside ``run``, the aggregate of a sync-on-read variable outside it):
+        later updates of the variable show through it. Use ``read_value()`` for a snapshot.
+        """
+        return self._read_live().__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        """The DLPack device of the storage :meth:`__dlpack__` exports: (1, 0) on the host, (2, gpu) on a GPU."""
+        return self._read_live().__dlpack_device__()
 
     def _buffers(self) -> tuple:
         """The live storage arrays, one per component (for fused optimizer kernels)."""

@@ -33,7 +33,7 @@ import warnings
 import numpy as np
 
 from cudist import _distribute_lib
-from cudist._arrays import array_module, device_context, gpu_of, is_array, like
+from cudist._arrays import array_module, device_context, from_dlpack, gpu_of, is_array, is_foreign_array, like
 from cudist._kernels import adam_lr_t, numpy_backend
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -227,6 +227,8 @@ class Optimizer:
             grad = grad.values[0]
         if isinstance(grad, Variable):
             grad = grad.read_value()
+        elif is_foreign_array(grad):  # a JAX array, a PyTorch tensor: NumPy/CuPy through DLPack, no copy
+            grad = from_dlpack(grad)
         if is_array(grad):
             if grad.dtype != var.dtype:
                 raise TypeError(
