@@ -627,6 +627,8 @@ class NumbaBackend(KernelBackend):
 
     def _hook_batch_all_reduce(self, inputs, outputs, op):
         n, m = len(inputs), len(inputs[0])
+        if m == 0:
+            return
         flat = []
         for j in range(m):
             flat += [inputs[r][j] for r in range(n)]
