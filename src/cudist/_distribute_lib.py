@@ -19,9 +19,13 @@ import contextlib
 import dataclasses
 import functools
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
 
-import greenlet
+import greenlet  # type: ignore[import-untyped]
 import numpy as np
+import numpy.typing as npt
 import optree
 
 from cudist import _devices
@@ -31,6 +35,27 @@ from cudist._context import Frame as _Frame
 from cudist._arrays import as_array, contiguous, current_gpu, is_device_array, like, set_current_gpu, snapshot, to_host
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
+
+if TYPE_CHECKING:
+    import contextvars
+
+    from cudist._arrays import Array
+    from cudist._collectives.placement import Destinations
+    from cudist._cross_device_ops import CrossDeviceOps
+    from cudist._input_lib import (
+        DistributedDataset,
+        DistributedDatasetsFromFunction,
+        DistributedIterator,
+        InputContext,
+        InputOptions,
+        InputReplicationMode,
+        ValueContext,
+    )
+    from cudist._kernels import KernelBackend
+    from cudist._tf1_iterators import DatasetIterator, InputFunctionIterator
+    from cudist.data import Dataset
+
+_T = TypeVar("_T")
 
 __all__ = [
     "Strategy",
@@ -59,13 +84,18 @@ def has_strategy() -> bool:
     return f is not None and not isinstance(f.strategy, _DefaultDistributionStrategy)
 
 
-def get_replica_context():
+def get_replica_context() -> ReplicaContext | None:
     """The current ReplicaContext: the default one outside any scope, None in cross-replica context
-    (inside ``scope()``), the replica's own inside ``run``."""
+    (inside ``scope()``), the replica's own inside ``run``.
+
+    Returns:
+        A :class:`ReplicaContext`, or None in cross-replica context (check for it before calling
+        collectives: inside ``strategy.run`` it is never None).
+    """
     f = _CTX.get()
     if f is None:
         return _default_replica_context()
-    return f.replica_ctx
+    return f.replica_ctx  # type: ignore[no-any-return]  # Frame.replica_ctx: Any
 
 
 def in_cross_replica_context() -> bool:
@@ -74,19 +104,23 @@ def in_cross_replica_context() -> bool:
     return f is not None and f.replica_ctx is None
 
 
-def get_cross_replica_context():
+def get_cross_replica_context() -> Strategy | None:
     """The strategy in cross-replica context, else None (in replica context or outside any scope)."""
     f = _CTX.get()
     if f is None or f.replica_ctx is not None:
         return None
-    return f.strategy
+    return f.strategy  # type: ignore[no-any-return]  # Frame.strategy: Any
 
 
-def experimental_set_strategy(strategy) -> None:
+def experimental_set_strategy(strategy: Strategy | None) -> None:
     """Makes ``strategy`` current for this thread outside any ``with scope()`` (None resets it).
+
+    Args:
+        strategy: the strategy, or None for the default strategy.
 
     Raises:
         RuntimeError: called inside a strategy's scope.
+        TypeError: ``strategy`` is neither a :class:`Strategy` nor None.
     """
     f = _CTX.get()
     if f is not None and not f.is_set:
@@ -99,7 +133,7 @@ def experimental_set_strategy(strategy) -> None:
     _CTX.set(None if isinstance(strategy, _DefaultDistributionStrategy) else _Frame(strategy, None, is_set=True))
 
 
-def _require_cross_replica(strategy, what):
+def _require_cross_replica(strategy: Strategy, what: str) -> None:
     """Raises RuntimeError unless in ``strategy``'s cross-replica context or outside any scope."""
     f = _CTX.get()
     if f is None:
@@ -117,11 +151,11 @@ class _Scope:
 
     __slots__ = ("_strategy", "_token")
 
-    def __init__(self, strategy):
+    def __init__(self, strategy: Strategy) -> None:
         self._strategy = strategy
-        self._token = None
+        self._token: contextvars.Token[_Frame | None] | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> Strategy:
         s = self._strategy
         f = _CTX.get()
         if f is not None and f.strategy is not s:
@@ -132,7 +166,7 @@ class _Scope:
             self._token = _CTX.set(s._extended._cross_frame)
         return s
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         if self._token is not None:
             _CTX.reset(self._token)
             self._token = None
@@ -152,33 +186,33 @@ class RunOptions:
 _OPS = {k: v for name, v in ReduceOp.__members__.items() for k in (name, name.lower(), name.capitalize())}
 
 
-def _is_dv(x):
+def _is_dv(x: object) -> TypeGuard[DistributedValues]:
     return isinstance(x, DistributedValues)
 
 
-def _contains_dv(tree):
+def _contains_dv(tree: Any) -> bool:
     if isinstance(tree, DistributedValues):
         return True
     return any(isinstance(x, DistributedValues) for x in optree.tree_leaves(tree, is_leaf=_is_dv))
 
 
-def _is_nest_of_dv(value):
+def _is_nest_of_dv(value: object) -> bool:
     """Whether ``value`` is a (tuple/list/dict) nest holding DistributedValues, not one itself."""
     return isinstance(value, (tuple, list, dict)) and not isinstance(value, DistributedValues) and _contains_dv(value)
 
 
-def _select_all(i, tree):
+def _select_all(i: int, tree: Any) -> Any:
     """Component ``i`` of every DistributedValues in ``tree`` -- variables included (cross-replica split)."""
     if isinstance(tree, DistributedValues):
         return tree.values[i]
     return optree.tree_map(lambda x: x.values[i] if isinstance(x, DistributedValues) else x, tree, is_leaf=_is_dv)
 
 
-def _scalarize(a):
+def _scalarize(a: Any) -> Any:
     return a[()] if isinstance(a, np.ndarray) and a.ndim == 0 else a
 
 
-def _regroup_results(results):
+def _regroup_results(results: Sequence[Any]) -> Any:
     first = results[0]
     if all(r is first for r in results):
         return first
@@ -187,7 +221,7 @@ def _regroup_results(results):
     return PerReplica(results)
 
 
-def _engine():
+def _engine() -> ModuleType:
     global _ENGINE
     if _ENGINE is None:
         from cudist import _replica_engine
@@ -196,10 +230,10 @@ def _engine():
     return _ENGINE
 
 
-_ENGINE = None
+_ENGINE: ModuleType | None = None
 
 
-def _warn_deprecated(name, instead):
+def _warn_deprecated(name: str, instead: str) -> None:
     warnings.warn(f"{name} is deprecated (a TF1-era method); use {instead} instead", DeprecationWarning, stacklevel=3)
 
 
@@ -210,22 +244,22 @@ _SIMPLE_LEAVES = (np.ndarray, np.generic, float, int, complex)
 class _LazyPaths:
     """Leaf paths of a nest, computed only when an error message needs them."""
 
-    def __init__(self, tree):
+    def __init__(self, tree: Any) -> None:
         self._tree = tree
-        self._paths = None
+        self._paths: list[str] | None = None
 
-    def __getitem__(self, j):
+    def __getitem__(self, j: int) -> str:
         if self._paths is None:
             from cudist._collectives.packing import tree_leaves_with_paths
 
             self._paths = tree_leaves_with_paths(self._tree)[2]
         return self._paths[j]
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return True
 
 
-def _h_all_reduce(strategy, payloads):
+def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) -> list[Any]:
     op = payloads[0][0]
     for r, (o, _) in enumerate(payloads[1:], 1):
         if o is not op:
@@ -246,16 +280,17 @@ def _h_all_reduce(strategy, payloads):
     arrays = [[as_array(x) for x in leaves] for leaves, _ in flat]
     out = ops._all_reduce_leaves(op, arrays, _LazyPaths(v0))
     scalar = [not isinstance(x, np.ndarray) and not is_device_array(x) for x in leaves0]
-    results = []
+    results: list[Any] = []
     for r in range(len(payloads)):
         leaves = [_scalarize(a) if s else a for a, s in zip(out[r], scalar)]
         results.append(optree.tree_unflatten(spec0, leaves))
     return results
 
 
-def _h_all_gather(strategy, payloads):
+def _h_all_gather(strategy: Strategy, payloads: Sequence[tuple[Any, int]]) -> list[Any]:
     from cudist._collectives.packing import gather_arrays, tree_leaves_with_paths
 
+    a: Any  # a replica's axis, then a replica's array
     axis = payloads[0][1]
     for r, (_, a) in enumerate(payloads[1:], 1):
         if a != axis:
@@ -266,7 +301,7 @@ def _h_all_gather(strategy, payloads):
         if spec != spec0:
             raise ValueError(f"all_gather: replica {r} passed a structure {spec} but replica 0 passed {spec0}")
     n = len(payloads)
-    gathered = []
+    gathered: list[tuple[Array, list[Array]]] = []
     for j in range(len(leaves0)):
         arrs = [contiguous(flat[r][0][j]) for r in range(n)]
         for r, a in enumerate(arrs[1:], 1):
@@ -278,7 +313,7 @@ def _h_all_gather(strategy, payloads):
         gathered.append((strategy._extended._gather_across_workers(gather_arrays(arrs, axis), axis), arrs))
     # Each replica owns its result, on its own device, as in TF (and so ``run`` returns a
     # PerReplica, not one shared object). A host result (replicas passing host values) stays on the host.
-    def own_copy(g, ref):
+    def own_copy(g: Any, ref: Any) -> Array:
         return like(g, ref, copy=True) if is_device_array(g) else snapshot(g)
 
     return [
@@ -286,7 +321,9 @@ def _h_all_gather(strategy, payloads):
     ]
 
 
-def _h_merge_call(strategy, payloads):
+def _h_merge_call(
+    strategy: Strategy, payloads: Sequence[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]]
+) -> list[Any]:
     fn = payloads[0][0]
     n = len(payloads)
     if n == 1:
@@ -302,7 +339,11 @@ def _h_merge_call(strategy, payloads):
     return [select_replica(i, result) for i in range(n)]
 
 
-_HANDLERS = {"all_reduce": _h_all_reduce, "all_gather": _h_all_gather, "merge_call": _h_merge_call}
+_HANDLERS: dict[str, Callable[[Strategy, Any], list[Any]]] = {
+    "all_reduce": _h_all_reduce,
+    "all_gather": _h_all_gather,
+    "merge_call": _h_merge_call,
+}
 
 
 # ---------------------------------------------------------------------------------------------- ReplicaContext
@@ -313,7 +354,7 @@ class ReplicaContext:
     the same order, with matching shapes; they return this replica's share of the result.
     """
 
-    def __init__(self, strategy, replica_id_in_sync_group):
+    def __init__(self, strategy: Strategy, replica_id_in_sync_group: int) -> None:
         self._strategy = strategy
         self._replica_id = int(replica_id_in_sync_group)  # local: this worker's replica index
         self._num = len(strategy.extended.worker_devices)  # local replicas (the engine's count)
@@ -325,7 +366,7 @@ class ReplicaContext:
         )
 
     @property
-    def strategy(self):
+    def strategy(self) -> Strategy:
         """The strategy this replica belongs to."""
         return self._strategy
 
@@ -341,11 +382,11 @@ class ReplicaContext:
         return self._strategy.num_replicas_in_sync
 
     @property
-    def devices(self) -> tuple:
+    def devices(self) -> tuple[str, ...]:
         """The device of this replica (a 1-tuple of its canonical name)."""
         return (self._strategy._extended.worker_devices[self._replica_id],)
 
-    def _collective(self, kind, payload):
+    def _collective(self, kind: str, payload: Any) -> Any:
         f = _CTX.get()
         if f is None or f.replica_ctx is not self:
             raise RuntimeError(
@@ -357,36 +398,78 @@ class ReplicaContext:
         # The replica greenlet's parent is the caller of run(), which performs the collective.
         return greenlet.getcurrent().parent.switch((kind, payload))
 
-    def all_reduce(self, reduce_op, value, options=None):
+    def all_reduce(self, reduce_op: ReduceOp | str, value: _T, options: object = None) -> _T:
         """All-reduces ``value`` (a nested structure of arrays or scalars) across replicas.
 
         All leaves of one dtype are packed into one buffer, so the whole nest costs about one kernel
         call. Integer MEAN gives float64, as in TF.
 
+        Args:
+            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
+            value: this replica's value: an array, a scalar, or a nest (tuple, list, dict) of them;
+                every replica passes the same structure, shapes and dtypes.
+            options: accepted for TF compatibility (``CommunicationOptions``); ignored.
+
         Returns:
-            This replica's copy of the result, in ``value``'s structure.
+            This replica's copy of the result, in ``value``'s structure (typed as ``value``'s type:
+            arrays stay arrays of their kind, Python scalars come back as NumPy scalars, and an
+            integer MEAN has dtype float64).
+
+        Raises:
+            RuntimeError: called outside ``strategy.run``, or by another replica's context.
+            ValueError: an unknown op, or replicas passing different structures, shapes or dtypes.
         """
         del options
         op = _OPS.get(reduce_op) if isinstance(reduce_op, str) else reduce_op
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(reduce_op, where="ReplicaContext.all_reduce")
-        return self._collective("all_reduce", (op, value))
+        return self._collective("all_reduce", (op, value))  # type: ignore[no-any-return]  # value's structure
 
-    def all_gather(self, value, axis, options=None):
+    def all_gather(self, value: _T, axis: int, options: object = None) -> _T:
         """Concatenates ``value`` (nested ok) from every replica along ``axis``, in replica order.
 
         Replicas may differ in size along ``axis`` (partial batches) but nowhere else.
+
+        Args:
+            value: this replica's array, or a nest (tuple, list, dict) of arrays.
+            axis: the axis to concatenate along.
+            options: accepted for TF compatibility (``CommunicationOptions``); ignored.
+
+        Returns:
+            This replica's copy of the gathered arrays, in ``value``'s structure.
+
+        Raises:
+            TypeError: ``axis`` is not an int.
+            ValueError: replicas passing different structures or dtypes.
         """
         del options
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise TypeError(f"all_gather: axis must be an int, got {type(axis).__name__}")
-        return self._collective("all_gather", (value, int(axis)))
+        return self._collective("all_gather", (value, int(axis)))  # type: ignore[no-any-return]  # value's structure
 
-    def merge_call(self, merge_fn, args=(), kwargs=None):
+    def merge_call(
+        self,
+        merge_fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
         """Runs ``merge_fn(strategy, *args, **kwargs)`` once, in cross-replica context.
 
         The arguments of all replicas are merged (PerReplica where they differ); every replica gets
         the result, with PerReplica results resolved to its own component.
+
+        Args:
+            merge_fn: called as ``merge_fn(strategy, *args, **kwargs)``.
+            args: this replica's positional arguments.
+            kwargs: this replica's keyword arguments.
+
+        Returns:
+            ``merge_fn``'s result (whatever it returns: typed ``Any``), this replica's component
+            where it is a PerReplica.
+
+        Raises:
+            TypeError: ``merge_fn`` is not callable.
+            ValueError: ``args`` is not a list or tuple.
         """
         if not callable(merge_fn):
             raise TypeError(f"merge_call: merge_fn must be callable, got {type(merge_fn).__name__}")
@@ -404,21 +487,21 @@ class _GpuReplicaContext(ReplicaContext):
     the caller, which may leave another GPU current).
     """
 
-    def __init__(self, strategy, replica_id_in_sync_group, gpu):
+    def __init__(self, strategy: Strategy, replica_id_in_sync_group: int, gpu: int) -> None:
         super().__init__(strategy, replica_id_in_sync_group)
         self._gpu = int(gpu)
 
-    def _collective(self, kind, payload):
+    def _collective(self, kind: str, payload: Any) -> Any:
         out = super()._collective(kind, payload)
         set_current_gpu(self._gpu)
         return out
 
 
-def _on_replica_gpu(fn):
+def _on_replica_gpu(fn: Callable[..., _T]) -> Callable[..., _T]:
     """``fn`` wrapped to make the running replica's GPU current first (see _GpuReplicaContext)."""
 
-    def run_on_gpu(*args, **kwargs):
-        set_current_gpu(_CTX.get().replica_ctx._gpu)
+    def run_on_gpu(*args: Any, **kwargs: Any) -> _T:
+        set_current_gpu(_CTX.get().replica_ctx._gpu)  # type: ignore[union-attr]  # a replica's frame is set
         return fn(*args, **kwargs)
 
     return run_on_gpu
@@ -430,15 +513,30 @@ class _DefaultReplicaContext(ReplicaContext):
     def __repr__(self) -> str:
         return "<cudist default ReplicaContext>"
 
-    def _collective(self, kind, payload):
+    def _collective(self, kind: str, payload: Any) -> Any:
         return _HANDLERS[kind](self._strategy, [payload])[0]
 
 
 # ---------------------------------------------------------------------------------------------- extended
 class StrategyExtended:
-    """The strategy's additional API for library writers (``tf.distribute.StrategyExtended``)."""
+    """The strategy's additional API for library writers (``tf.distribute.StrategyExtended``).
 
-    def __init__(self, container_strategy, devices, cross_device_ops=None, parameter_devices=None):
+    Args:
+        container_strategy: the :class:`Strategy` this belongs to.
+        devices: canonical names of the replicas' devices, one per replica.
+        cross_device_ops: the :class:`cudist.CrossDeviceOps` to reduce with (default: chosen for
+            ``devices``, see :func:`cudist._cross_device_ops.select_cross_device_ops`).
+        parameter_devices: canonical names of the devices variables are placed on (default:
+            ``devices``).
+    """
+
+    def __init__(
+        self,
+        container_strategy: Strategy,
+        devices: Iterable[str],
+        cross_device_ops: CrossDeviceOps | None = None,
+        parameter_devices: Iterable[str] | None = None,
+    ) -> None:
         from cudist._cross_device_ops import select_cross_device_ops
 
         self._container_strategy_ref = container_strategy
@@ -447,9 +545,9 @@ class StrategyExtended:
         self._parameter_devices = tuple(parameter_devices) if parameter_devices else self._devices
         self._cross_device_ops = select_cross_device_ops(self._devices, cross_device_ops)
         self._cross_frame = _Frame(container_strategy, None)
-        self._replica_frames = None
+        self._replica_frames: list[_Frame] | None = None
         # The physical GPU of each replica (None on CPUs): made current while the replica runs.
-        self._replica_gpus = None
+        self._replica_gpus: tuple[int, ...] | None = None
         if _devices.any_gpu(self._devices):
             from cudist._collectives.placement import gpu_layout
 
@@ -458,10 +556,10 @@ class StrategyExtended:
     def __repr__(self) -> str:
         return f"<cudist.{type(self).__name__} of {self._container_strategy_ref!r}>"
 
-    def _container_strategy(self):
+    def _container_strategy(self) -> Strategy:
         return self._container_strategy_ref
 
-    def _frames(self):
+    def _frames(self) -> list[_Frame]:
         frames = self._replica_frames
         if frames is None:
             s = self._container_strategy_ref
@@ -474,21 +572,25 @@ class StrategyExtended:
         return frames
 
     # -------------------------------------------------------------- hooks each strategy overrides
-    def _create_variable(self, next_creator, **kwargs):
+    def _create_variable(self, next_creator: Callable[..., object], **kwargs: Any) -> object:
         """Creates the variable ``cudist.Variable(**kwargs)`` asks for in this strategy's scope.
 
         ``next_creator(device=..., **kwargs)`` builds a plain variable; this default (the default
         strategy, OneDeviceStrategy) places it on the first variable device. Strategies with
         distributed variables override this, as TF's ``*Extended`` classes do.
+
+        Returns:
+            A :class:`cudist.Variable` (typed ``object`` here: the variables sit a layer above
+            this module; ``cudist.Variable(...)`` gives it its type).
         """
         return next_creator(device=self._variable_devices()[0], **kwargs)
 
-    def _gpu_of_replica(self, replica_id: int):
+    def _gpu_of_replica(self, replica_id: int) -> int | None:
         """The physical GPU replica ``replica_id`` runs on (made current while it runs); None on CPUs."""
         gpus = self._replica_gpus
         return None if gpus is None else gpus[replica_id]
 
-    def _fused_sum_backend(self, arrays):
+    def _fused_sum_backend(self, arrays: Sequence[Any]) -> KernelBackend | None:
         """The kernel backend that may sum per-replica ``arrays`` inside a fused optimizer update.
 
         None unless this strategy's cross-device ops reduce with exactly that kernel sum (see
@@ -496,7 +598,7 @@ class StrategyExtended:
         """
         return self._cross_device_ops._fused_sum_backend(arrays)
 
-    def _distribute_values_from_function(self, value_fn):
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """``experimental_distribute_values_from_function``: a PerReplica at each leaf, even for one replica."""
         from cudist import _input_lib
 
@@ -512,16 +614,16 @@ class StrategyExtended:
         """Replicas over every worker: local replicas x workers."""
         return self._num * self._num_workers
 
-    def _first_replica_value(self, value):
+    def _first_replica_value(self, value: Any) -> Any:
         """ONLY_FIRST_REPLICA aggregation's value: replica 0's component."""
         return value.values[0] if isinstance(value, DistributedValues) else value
 
-    def _gather_across_workers(self, array, axis):
+    def _gather_across_workers(self, array: Array, axis: int) -> Array:
         """This worker's gathered ``array`` concatenated with the other workers' along ``axis``."""
         del axis
         return array
 
-    def _global_count(self, count):
+    def _global_count(self, count: int) -> int:
         """``count`` summed over the workers."""
         return count
 
@@ -529,30 +631,34 @@ class StrategyExtended:
         """Whether any worker has a value (input steps end together on every worker)."""
         return has_value
 
-    def _local_value_of(self, value):
+    def _local_value_of(self, value: Any) -> Any:
         """How a replica-context value that is not distributed counts in a reduction (as it is here)."""
         return value
 
     # -------------------------------------------------------------- devices
     @property
-    def worker_devices(self) -> tuple:
+    def worker_devices(self) -> tuple[str, ...]:
         """Canonical names of the devices the replicas run on, one per replica."""
         return self._devices
 
     @property
-    def parameter_devices(self) -> tuple:
+    def parameter_devices(self) -> tuple[str, ...]:
         """Canonical names of the devices variables are placed on."""
         return self._parameter_devices
 
-    def _variable_devices(self) -> tuple:
+    def _variable_devices(self) -> tuple[str, ...]:
         """Devices of a variable created now: the colocated variable's, else the policy's."""
         c = _COLOCATE.get()
         if c is not None and c[0] is self:
             return c[1]
         return self._parameter_devices
 
-    def non_slot_devices(self, var_list):
-        """Devices for non-slot variables (the parameter devices)."""
+    def non_slot_devices(self, var_list: object) -> tuple[str, ...]:
+        """Devices for non-slot variables (the parameter devices).
+
+        Args:
+            var_list: the variables (unused: every non-slot variable goes to the parameter devices).
+        """
         del var_list
         return self._parameter_devices
 
@@ -564,11 +670,21 @@ class StrategyExtended:
 
     # -------------------------------------------------------------- variables
     @contextlib.contextmanager
-    def colocate_vars_with(self, colocate_with_variable):
-        """Variables created inside are placed on the devices of ``colocate_with_variable``."""
+    def colocate_vars_with(self, colocate_with_variable: object) -> Iterator[None]:
+        """Variables created inside are placed on the devices of ``colocate_with_variable``.
+
+        Args:
+            colocate_with_variable: a variable or distributed value whose components have devices.
+
+        Returns:
+            A context manager (this is a ``contextlib.contextmanager``).
+
+        Raises:
+            ValueError: ``colocate_with_variable`` (or a component of it) has no device.
+        """
         v = colocate_with_variable
         comps = v.values if isinstance(v, DistributedValues) else (v,)
-        devices = []
+        devices: list[str] = []
         for c in comps:
             d = getattr(c, "device", None)
             if not isinstance(d, str) or not d:
@@ -580,19 +696,34 @@ class StrategyExtended:
         finally:
             _COLOCATE.reset(token)
 
-    def variable_created_in_scope(self, v) -> bool:
+    def variable_created_in_scope(self, v: object) -> bool:
         """Whether ``v`` was created inside this strategy's scope."""
         return getattr(v, "_distribute_strategy", None) is self._container_strategy_ref
 
-    def value_container(self, value):
-        """The distributed variable a component belongs to, else ``value`` itself."""
+    def value_container(self, value: Any) -> Any:
+        """The distributed variable a component belongs to, else ``value`` itself.
+
+        Args:
+            value: any value; a component of a distributed variable resolves to that variable.
+        """
         c = getattr(value, "_distributed_container", None)
         if callable(c):
             c = c()
         return c if c is not None else value
 
-    def read_var(self, v):
-        """Reads a variable in cross-replica context (aggregating sync-on-read variables)."""
+    def read_var(self, v: Any) -> Any:
+        """Reads a variable in cross-replica context (aggregating sync-on-read variables).
+
+        Args:
+            v: a variable (other values: a DistributedValues gives its first component, anything
+                else itself).
+
+        Returns:
+            The variable's value, an array (typed ``Any``, as what other values give is).
+
+        Raises:
+            RuntimeError: called in replica context.
+        """
         _require_cross_replica(self._container_strategy_ref, "read_var")
         getter = getattr(v, "_get_cross_replica", None)
         if getter is not None:
@@ -602,13 +733,34 @@ class StrategyExtended:
             return rv()
         return v.values[0] if isinstance(v, DistributedValues) else v
 
-    def update(self, var, fn, args=(), kwargs=None, group=True):
+    def update(
+        self,
+        var: Any,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
         """Runs ``fn(component, *args, **kwargs)`` on each component of ``var``.
 
         DistributedValues in ``args``/``kwargs`` are split per component. Returns the results merged
         (a Mirrored where they differ) when ``group``, else a tuple of them. Called inside
         ``run`` (this strategy's replica context) it does the same through ``merge_call``, as TF
         does: the replicas' ``args`` become PerReplica values, one per component.
+
+        Args:
+            var: a variable (distributed or not) or another value with components.
+            fn: called as ``fn(component, *args, **kwargs)``.
+            args: positional arguments (a list or tuple).
+            kwargs: keyword arguments.
+            group: merge the results (True) or return a tuple of them.
+
+        Returns:
+            ``fn``'s results (whatever it returns: typed ``Any``), merged or as a tuple.
+
+        Raises:
+            ValueError: ``args`` is not a list or tuple.
+            RuntimeError: inside another strategy's scope or ``run``.
         """
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"update: args must be a list or tuple, got {type(args)}")
@@ -616,7 +768,7 @@ class StrategyExtended:
         f = _CTX.get()
         if f is not None and f.replica_ctx is not None and f.strategy is self._container_strategy_ref:
 
-            def merge_fn(strategy, *margs, **mkwargs):
+            def merge_fn(strategy: Strategy, *margs: Any, **mkwargs: Any) -> Any:
                 return strategy.extended.update(var, fn, margs, mkwargs, group)
 
             return f.replica_ctx.merge_call(merge_fn, args=tuple(args), kwargs=kwargs)
@@ -628,12 +780,33 @@ class StrategyExtended:
             results = [fn(var, *self._single_values(args), **self._single_values(kwargs))]
         return self._group_results(results, group)
 
-    def update_non_slot(self, colocate_with, fn, args=(), kwargs=None, group=True):
+    def update_non_slot(
+        self,
+        colocate_with: str | Sequence[str],
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        group: bool = True,
+    ) -> Any:
         """Runs ``fn(*args, **kwargs)`` once per device of ``colocate_with`` (cross-replica only).
 
         ``colocate_with`` is what :meth:`non_slot_devices` returned (one device or a sequence of
         them). DistributedValues in ``args``/``kwargs`` are split per device, as TF does. Returns the
         results merged (a Mirrored where they differ) when ``group``, else a tuple of them.
+
+        Args:
+            colocate_with: a device name or a sequence of them (what :meth:`non_slot_devices` gave).
+            fn: called as ``fn(*args, **kwargs)`` once per device.
+            args: positional arguments (a list or tuple).
+            kwargs: keyword arguments.
+            group: merge the results (True) or return a tuple of them.
+
+        Returns:
+            ``fn``'s results (whatever it returns: typed ``Any``), merged or as a tuple.
+
+        Raises:
+            RuntimeError: called in replica context.
+            ValueError: ``args`` is not a list or tuple, or ``colocate_with`` names no device.
         """
         _require_cross_replica(self._container_strategy_ref, "update_non_slot")
         if not isinstance(args, (list, tuple)):
@@ -646,7 +819,7 @@ class StrategyExtended:
         return self._group_results(results, group)
 
     @staticmethod
-    def _group_results(results, group):
+    def _group_results(results: list[Any], group: bool) -> Any:
         """Per-component results as ``update`` returns them: a tuple, one value, or a Mirrored."""
         if not group:
             return tuple(results)
@@ -655,8 +828,8 @@ class StrategyExtended:
         return regroup(results, Mirrored)
 
     @staticmethod
-    def _single_values(tree):
-        def one(x):
+    def _single_values(tree: Any) -> Any:
+        def one(x: Any) -> Any:
             if not isinstance(x, DistributedValues):
                 return x
             vals = x.values
@@ -670,8 +843,25 @@ class StrategyExtended:
         return optree.tree_map(one, tree, is_leaf=_is_dv)
 
     # -------------------------------------------------------------- reductions
-    def reduce_to(self, reduce_op, value, destinations, options=None):
-        """Reduces ``value`` across replicas to ``destinations`` (array for one device, else Mirrored)."""
+    def reduce_to(
+        self, reduce_op: ReduceOp | str, value: Any, destinations: Destinations, options: object = None
+    ) -> Array | Mirrored:
+        """Reduces ``value`` across replicas to ``destinations`` (array for one device, else Mirrored).
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
+            value: a DistributedValues (e.g. from ``run``), or a plain value (which SUM cannot
+                reduce over several replicas).
+            destinations: a device string, a list of them, or a distributed value or variable.
+            options: accepted for TF compatibility (``CommunicationOptions``); ignored.
+
+        Returns:
+            An array (NumPy, or CuPy on a GPU) for one destination device, else a Mirrored.
+
+        Raises:
+            RuntimeError: called in replica context.
+            ValueError: an unknown op, or SUM of a plain value over several replicas.
+        """
         del options
         _require_cross_replica(self._container_strategy_ref, "reduce_to")
         op = ReduceOp.parse(reduce_op, where="reduce_to")
@@ -680,13 +870,27 @@ class StrategyExtended:
             return self._cross_device_ops.reduce(op, value, destinations)
         return self._reduce_non_distributed(op, value, destinations)
 
-    def _reduce_non_distributed(self, op, value, destinations):
+    def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: Destinations) -> Array | Mirrored:
         if op is ReduceOp.SUM and self._num_replicas_in_sync != 1:
             raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}.")
         return self._cross_device_ops.broadcast(value, destinations)
 
-    def batch_reduce_to(self, reduce_op, value_destination_pairs, options=None):
-        """Reduces many (value, destinations) pairs, packing them into about one kernel call per dtype."""
+    def batch_reduce_to(
+        self,
+        reduce_op: ReduceOp | str,
+        value_destination_pairs: Iterable[tuple[Any, Destinations]],
+        options: object = None,
+    ) -> list[Array | Mirrored]:
+        """Reduces many (value, destinations) pairs, packing them into about one kernel call per dtype.
+
+        Args:
+            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
+            value_destination_pairs: (value, destinations) pairs, each as :meth:`reduce_to` takes them.
+            options: accepted for TF compatibility (``CommunicationOptions``); ignored.
+
+        Returns:
+            One result per pair, in order, as :meth:`reduce_to` returns it.
+        """
         del options
         _require_cross_replica(self._container_strategy_ref, "batch_reduce_to")
         op = ReduceOp.parse(reduce_op, where="batch_reduce_to")
@@ -695,7 +899,7 @@ class StrategyExtended:
             return self._cross_device_ops.batch_reduce(op, pairs)
         return [self.reduce_to(op, v, d) for v, d in pairs]
 
-    def _reduce(self, op, value):
+    def _reduce(self, op: ReduceOp, value: Any) -> npt.NDArray[Any]:
         """Reduces to the host, returning one host array (Strategy.reduce with axis=None)."""
         value = self._local_value_of(value)
         if not isinstance(value, DistributedValues):
@@ -707,8 +911,18 @@ class StrategyExtended:
         return to_host(self._cross_device_ops.reduce(op, value, self._devices[0]))
 
     # -------------------------------------------------------------- running
-    def call_for_each_replica(self, fn, args=(), kwargs=None):
-        """Runs ``fn`` once per replica (what ``Strategy.run`` does), returning the merged results."""
+    def call_for_each_replica(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Runs ``fn`` once per replica (what ``Strategy.run`` does), returning the merged results.
+
+        Returns:
+            As :meth:`Strategy.run`: ``fn``'s result structure (typed ``Any``), with a PerReplica
+            at each leaf where the replicas returned different values.
+        """
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
         f = _CTX.get()
@@ -746,7 +960,7 @@ class StrategyExtended:
             args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
             kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
         except IndexError:
-            sizes = sorted({len(x.values) for x in optree.tree_leaves((args, kwargs), is_leaf=_is_dv) if _is_dv(x)})
+            sizes = sorted({len(x.values) for x in optree.tree_leaves((args, kwargs), is_leaf=_is_dv) if _is_dv(x)})  # type: ignore[arg-type]  # optree's PyTree type
             raise ValueError(
                 f"strategy.run got a DistributedValues argument with {sizes[0]} component(s), "
                 f"but the strategy has {n} replicas"
@@ -762,14 +976,14 @@ class StrategyExtended:
                 set_current_gpu(prev)  # the caller's current GPU, whatever the replicas left current
         return _regroup_results(results)
 
-    def _handlers(self):
-        h = self.__dict__.get("_handlers_cache")
+    def _handlers(self) -> dict[str, Callable[[list[Any]], list[Any]]]:
+        h: dict[str, Callable[[list[Any]], list[Any]]] | None = self.__dict__.get("_handlers_cache")
         if h is None:
             s = self._container_strategy_ref
             h = self.__dict__["_handlers_cache"] = {k: functools.partial(v, s) for k, v in _HANDLERS.items()}
         return h
 
-    def _local_results(self, value):
+    def _local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, DistributedValues):
             return tuple(value.values)
         if self._num > 1 and _contains_dv(value):
@@ -779,9 +993,13 @@ class StrategyExtended:
 
 # ---------------------------------------------------------------------------------------------- Strategy
 class Strategy:
-    """A way to distribute computation over devices (``tf.distribute.Strategy``)."""
+    """A way to distribute computation over devices (``tf.distribute.Strategy``).
 
-    def __init__(self, extended):
+    Args:
+        extended: the strategy's :class:`StrategyExtended` (each strategy builds its own).
+    """
+
+    def __init__(self, extended: StrategyExtended) -> None:
         self._extended = extended
 
     def __repr__(self) -> str:
@@ -798,24 +1016,44 @@ class Strategy:
         return self._extended._num_replicas_in_sync
 
     @property
-    def cluster_resolver(self):
+    def cluster_resolver(self) -> None:
         """None: cudist strategies are single-worker."""
         return None
 
-    def scope(self):
+    def scope(self) -> contextlib.AbstractContextManager[Strategy, Literal[False]]:
         """A context manager entering this strategy's cross-replica context.
 
         Variables created inside are distributed by this strategy. Entering another strategy's scope
         inside it raises RuntimeError.
+
+        Returns:
+            The context manager; ``with strategy.scope() as s`` binds ``s`` to the strategy.
         """
         return _Scope(self)
 
-    def run(self, fn, args=(), kwargs=None, options=None):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> Any:
         """Runs ``fn(*args, **kwargs)`` once per replica and merges the results.
 
         DistributedValues in ``args``/``kwargs`` are replaced by each replica's component. The result
         keeps ``fn``'s structure; at each leaf the same object from every replica stays as is,
         different values become a PerReplica.
+
+        Args:
+            fn: the replica function.
+            args: positional arguments (a list or tuple), DistributedValues split per replica.
+            kwargs: keyword arguments, likewise.
+            options: a :class:`RunOptions` (accepted for TF compatibility; changes nothing).
+
+        Returns:
+            ``fn``'s result structure with a PerReplica at each leaf where the replicas returned
+            different values (the plain value with one replica). Typed ``Any``: it is whatever
+            nest ``fn`` returns, with leaves replaced.
 
         Raises:
             ValueError: ``args`` is not a list or tuple.
@@ -824,7 +1062,7 @@ class Strategy:
         del options
         return self._extended.call_for_each_replica(fn, args, kwargs)
 
-    def reduce(self, reduce_op, value, axis=None):
+    def reduce(self, reduce_op: ReduceOp | str, value: Any, axis: int | None = None) -> npt.NDArray[Any] | Any:
         """Reduces ``value`` across replicas to one host (numpy) array.
 
         Args:
@@ -833,6 +1071,10 @@ class Strategy:
             axis: None to reduce across replicas only; an int to first reduce within each replica
                 along that axis. MEAN then divides by the total number of elements along it over all
                 replicas, so partial (even empty) batches are weighted right.
+
+        Returns:
+            A NumPy array (a NumPy scalar for a 0-d result); for a nest of DistributedValues, the
+            same nest of them (hence the ``Any`` in the type).
 
         Raises:
             ValueError: unknown op, out-of-range axis, or replicas with different shapes.
@@ -848,6 +1090,7 @@ class Strategy:
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise TypeError(f"Strategy.reduce: axis must be an int or None, got {type(axis).__name__}")
         comps = list(value.values) if isinstance(value, DistributedValues) else [value] * self._extended._num
+        sums: list[Any]
         sums, counts = [], 0
         for r, c in enumerate(comps):
             a = to_host(c)
@@ -871,8 +1114,21 @@ class Strategy:
                 total = np.true_divide(total, counts)
         return _scalarize(np.asarray(total))
 
-    def gather(self, value, axis):
-        """Concatenates the replicas' components of ``value`` along ``axis`` into one host array."""
+    def gather(self, value: Any, axis: int) -> npt.NDArray[Any] | Any:
+        """Concatenates the replicas' components of ``value`` along ``axis`` into one host array.
+
+        Args:
+            value: a DistributedValues (e.g. from ``run``), a nest of them, or a plain array.
+            axis: the axis to concatenate along.
+
+        Returns:
+            A NumPy array; for a nest of DistributedValues, the same nest of them (hence the
+            ``Any`` in the type).
+
+        Raises:
+            TypeError: ``axis`` is not an int.
+            RuntimeError: called in replica context.
+        """
         _require_cross_replica(self, "Strategy.gather")
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
             raise TypeError(f"Strategy.gather: axis must be an int, got {type(axis).__name__}")
@@ -883,28 +1139,57 @@ class Strategy:
         comps = value.values if isinstance(value, DistributedValues) else (value,)
         return self._extended._gather_across_workers(gather_arrays([to_host(c) for c in comps], int(axis)), int(axis))
 
-    def experimental_local_results(self, value):
-        """The components of ``value`` on this worker's replicas, as a tuple (``(value,)`` if plain)."""
+    def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
+        """The components of ``value`` on this worker's replicas, as a tuple (``(value,)`` if plain).
+
+        Args:
+            value: a DistributedValues, a nest holding some, or a plain value.
+        """
         return self._extended._local_results(value)
 
     # -------------------------------------------------------------- input
-    def experimental_distribute_dataset(self, dataset, options=None):
-        """Splits each batch of ``dataset`` over the replicas (see :class:`cudist.DistributedDataset`)."""
+    def experimental_distribute_dataset(
+        self, dataset: Iterable[Any], options: InputOptions | None = None
+    ) -> DistributedDataset:
+        """Splits each batch of ``dataset`` over the replicas (see :class:`cudist.DistributedDataset`).
+
+        Args:
+            dataset: a :class:`cudist.data.Dataset` of global batches, or any iterable of them.
+            options: a :class:`cudist.InputOptions`.
+
+        Returns:
+            The distributed dataset; ``iter()`` of it gives a :class:`cudist.DistributedIterator`.
+        """
         from cudist import _input_lib
 
         return _input_lib.DistributedDataset(dataset, self, options)
 
-    def distribute_datasets_from_function(self, dataset_fn, options=None):
-        """Calls ``dataset_fn(InputContext)`` per input pipeline; its batches are per-replica already."""
+    def distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
+    ) -> DistributedDatasetsFromFunction:
+        """Calls ``dataset_fn(InputContext)`` per input pipeline; its batches are per-replica already.
+
+        Args:
+            dataset_fn: returns a :class:`cudist.data.Dataset` (or an iterable) of per-replica
+                batches for the :class:`cudist.InputContext` it gets.
+            options: a :class:`cudist.InputOptions`.
+        """
         from cudist import _input_lib
 
         return _input_lib.DistributedDatasetsFromFunction(dataset_fn, self, options)
 
-    def experimental_distribute_values_from_function(self, value_fn):
-        """A PerReplica of ``value_fn(ValueContext)`` for each replica."""
+    def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """A PerReplica of ``value_fn(ValueContext)`` for each replica.
+
+        Args:
+            value_fn: called once per replica with its :class:`cudist.ValueContext`.
+
+        Returns:
+            A PerReplica at each leaf of the results (whatever ``value_fn`` returns: typed ``Any``).
+        """
         return self._extended._distribute_values_from_function(value_fn)
 
-    def experimental_make_numpy_dataset(self, numpy_input):
+    def experimental_make_numpy_dataset(self, numpy_input: Any) -> Dataset:
         """A dataset of the slices of ``numpy_input`` (TF1-era)."""
         _warn_deprecated("experimental_make_numpy_dataset", "cudist.data.Dataset.from_tensor_slices")
         from cudist import data
@@ -912,21 +1197,29 @@ class Strategy:
         return data.Dataset.from_tensor_slices(numpy_input)
 
     # -------------------------------------------------------------- TF1-era
-    def experimental_run(self, fn, input_iterator=None):
+    def experimental_run(
+        self,
+        fn: Callable[..., Any],
+        input_iterator: DistributedIterator | DatasetIterator | InputFunctionIterator | None = None,
+    ) -> Any:
         """Runs ``fn(inputs)`` on each replica with the next element of ``input_iterator`` (TF1-era)."""
         _warn_deprecated("experimental_run", "Strategy.run")
         if input_iterator is None:
             return self.run(fn)
         return self.run(fn, args=(input_iterator.get_next(),))
 
-    def make_dataset_iterator(self, dataset):
+    def make_dataset_iterator(self, dataset: Iterable[Any]) -> DatasetIterator:
         """An initializable iterator over ``dataset`` split across replicas (TF1-era)."""
         _warn_deprecated("make_dataset_iterator", "experimental_distribute_dataset")
         from cudist import _tf1_iterators
 
         return _tf1_iterators.DatasetIterator(dataset, self)
 
-    def make_input_fn_iterator(self, input_fn, replication_mode=None):
+    def make_input_fn_iterator(
+        self,
+        input_fn: Callable[[InputContext], Iterable[Any]],
+        replication_mode: InputReplicationMode | None = None,
+    ) -> InputFunctionIterator:
         """An iterator over the datasets ``input_fn(InputContext)`` returns (TF1-era)."""
         _warn_deprecated("make_input_fn_iterator", "distribute_datasets_from_function")
         from cudist import _input_lib, _tf1_iterators
@@ -935,7 +1228,7 @@ class Strategy:
             replication_mode = _input_lib.InputReplicationMode.PER_WORKER
         return _tf1_iterators.InputFunctionIterator(input_fn, self, replication_mode)
 
-    def update_config_proto(self, config_proto):
+    def update_config_proto(self, config_proto: _T) -> _T:
         """Returns a copy of ``config_proto`` (nothing to configure here; TF1-era)."""
         _warn_deprecated("update_config_proto", "nothing (there is no session config)")
         import copy
@@ -947,7 +1240,12 @@ class Strategy:
 class _DefaultDistributionExtended(StrategyExtended):
     """The default strategy's extended: one replica, no distribution."""
 
-    def call_for_each_replica(self, fn, args=(), kwargs=None):
+    def call_for_each_replica(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
         f = _CTX.get()
@@ -959,7 +1257,7 @@ class _DefaultDistributionExtended(StrategyExtended):
 class _DefaultDistributionStrategy(Strategy):
     """The strategy in effect outside any scope: runs everything on one device, unchanged."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         super().__init__(_DefaultDistributionExtended(self, (_devices.canonicalize("/cpu:0"),)))
 
     def __repr__(self) -> str:
@@ -967,23 +1265,32 @@ class _DefaultDistributionStrategy(Strategy):
 
 
 @functools.lru_cache(maxsize=None)
-def _default_strategy():
+def _default_strategy() -> _DefaultDistributionStrategy:
     return _DefaultDistributionStrategy()
 
 
 @functools.lru_cache(maxsize=None)
-def _default_replica_context():
+def _default_replica_context() -> _DefaultReplicaContext:
     return _DefaultReplicaContext(_default_strategy(), 0)
 
 
-def parse_devices(devices, where):
-    """Canonical device names from a list of device specs, rejecting empty lists and duplicates."""
+def parse_devices(devices: Sequence[_devices.DeviceLike], where: str) -> tuple[str, ...]:
+    """Canonical device names from a list of device specs, rejecting empty lists and duplicates.
+
+    Args:
+        devices: a list or tuple of device names (any spelling ``canonicalize`` accepts).
+        where: the caller's name, for error messages.
+
+    Raises:
+        TypeError: ``devices`` is not a list or tuple.
+        ValueError: no devices, a duplicate, or an invalid device name.
+    """
     if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
         raise TypeError(f"{where}: devices must be a list or tuple of device strings, got {type(devices).__name__}")
     if not devices:
         raise ValueError(f"{where}: devices must not be empty")
     names = tuple(_devices.canonicalize(d) for d in devices)
-    seen = set()
+    seen: set[str] = set()
     for d, name in zip(devices, names):
         if name in seen:
             raise ValueError(f"{where}: no duplicates allowed in `devices` argument: {d!r} appears more than once")
@@ -991,7 +1298,7 @@ def parse_devices(devices, where):
     return names
 
 
-def default_devices():
+def default_devices() -> tuple[str, ...]:
     """All logical GPUs, else the CPU (only called when a strategy is built without devices)."""
     from cudist import config
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import collections
 import enum
 import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeVar
 import logging
 
 import numpy as np
@@ -28,10 +30,14 @@ import optree
 
 from cudist import data as _data
 from cudist._arrays import is_array, is_device_array, physical_gpu, to_gpu
-from cudist._devices import any_gpu, parse_device
+from cudist._devices import DeviceLike, DeviceSpec, any_gpu, parse_device
 from cudist.errors import OutOfRangeError
+# cudist._gpu_feeder is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._gpu_feeder import DeviceBatch, DeviceSteps, GpuFeeder, group_step
 from cudist._values import PerReplica, regroup
+
+_T = TypeVar("_T")
+_S = TypeVar("_S")
 
 __all__ = [
     "InputContext",
@@ -51,6 +57,36 @@ __all__ = [
 
 # ---------------------------------------------------------------------------------------------
 # contexts and options
+
+
+class _ExtendedLike(Protocol):
+    @property
+    def worker_devices(self) -> tuple[str, ...]: ...
+
+    @property
+    def _num_workers(self) -> int: ...
+
+    @property
+    def _worker_index(self) -> int: ...
+
+    def _any_worker(self, has_value: bool) -> bool: ...
+
+
+class StrategyLike(Protocol):
+    """What distributed input needs of a strategy (a :class:`cudist.Strategy`; this module sits below
+    the strategies, so it names the attributes it reads instead of the class)."""
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+    @property
+    def extended(self) -> _ExtendedLike: ...
+
+
+#: Moves one replica's (nested) value onto its device (see :func:`device_putter`).
+Putter: TypeAlias = "Callable[[Any], Any]"
+#: How an iterator places its steps: a :class:`GpuFeeder` (GPU replicas) or one putter per replica.
+Placer: TypeAlias = "GpuFeeder | list[Putter]"
 
 
 class InputReplicationMode(enum.Enum):
@@ -74,7 +110,7 @@ class InputContext:
         num_replicas_in_sync: the number of replicas consuming the input.
     """
 
-    def __init__(self, num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=1):
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0, num_replicas_in_sync: int = 1) -> None:
         self._num_input_pipelines = int(num_input_pipelines)
         self._input_pipeline_id = int(input_pipeline_id)
         self._num_replicas_in_sync = int(num_replicas_in_sync)
@@ -94,8 +130,11 @@ class InputContext:
         """The number of input pipelines."""
         return self._num_input_pipelines
 
-    def get_per_replica_batch_size(self, global_batch_size) -> int:
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
         """The per-replica batch size: ``global_batch_size // num_replicas_in_sync``.
+
+        Args:
+            global_batch_size: the batch size over all replicas.
 
         Raises:
             ValueError: ``num_replicas_in_sync`` does not divide ``global_batch_size``.
@@ -115,9 +154,14 @@ class InputContext:
 
 
 class ValueContext:
-    """What a value function (``experimental_distribute_values_from_function``) gets per replica."""
+    """What a value function (``experimental_distribute_values_from_function``) gets per replica.
 
-    def __init__(self, replica_id_in_sync_group=0, num_replicas_in_sync=1):
+    Args:
+        replica_id_in_sync_group: the replica the value is for.
+        num_replicas_in_sync: the number of replicas in sync.
+    """
+
+    def __init__(self, replica_id_in_sync_group: int = 0, num_replicas_in_sync: int = 1) -> None:
         self._replica_id_in_sync_group = int(replica_id_in_sync_group)
         self._num_replicas_in_sync = int(num_replicas_in_sync)
 
@@ -165,11 +209,11 @@ class InputOptions(
 
     def __new__(
         cls,
-        experimental_fetch_to_device=None,
-        experimental_replication_mode=InputReplicationMode.PER_WORKER,
-        experimental_place_dataset_on_device=False,
-        experimental_per_replica_buffer_size=1,
-    ):
+        experimental_fetch_to_device: bool | None = None,
+        experimental_replication_mode: InputReplicationMode = InputReplicationMode.PER_WORKER,
+        experimental_place_dataset_on_device: bool = False,
+        experimental_per_replica_buffer_size: int = 1,
+    ) -> InputOptions:
         if experimental_fetch_to_device is None:
             experimental_fetch_to_device = True
         if not isinstance(experimental_replication_mode, InputReplicationMode):
@@ -186,7 +230,7 @@ class InputOptions(
         )
 
 
-def _check_options(options, where: str) -> InputOptions:
+def _check_options(options: InputOptions | None, where: str) -> InputOptions:
     if options is None:
         return InputOptions()
     if not isinstance(options, InputOptions):
@@ -215,12 +259,16 @@ def _check_placement(options: InputOptions, where: str) -> None:
 
 
 class PerReplicaSpec:
-    """The ``element_spec`` of a distributed leaf: one :class:`~cudist.data.TensorSpec` per replica."""
+    """The ``element_spec`` of a distributed leaf: one :class:`~cudist.data.TensorSpec` per replica.
 
-    def __init__(self, *component_specs):
+    Args:
+        *component_specs: each replica's :class:`~cudist.data.TensorSpec`.
+    """
+
+    def __init__(self, *component_specs: _data.TensorSpec) -> None:
         self._component_specs = tuple(component_specs)
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, PerReplicaSpec) and self._component_specs == other._component_specs
 
     def __hash__(self) -> int:
@@ -230,12 +278,12 @@ class PerReplicaSpec:
         return f"PerReplicaSpec({', '.join(map(repr, self._component_specs))})"
 
 
-def _per_replica_spec(spec, n: int, split: bool):
+def _per_replica_spec(spec: Any, n: int, split: bool) -> Any:
     """Wraps each TensorSpec of ``spec`` for ``n`` replicas (identity for one replica)."""
     if n == 1:
         return spec
 
-    def wrap(s):
+    def wrap(s: _data.TensorSpec) -> PerReplicaSpec:
         if split and s.shape:
             b = s.shape[0]
             s = _data.TensorSpec((b // n if b is not None and b % n == 0 else None, *s.shape[1:]), s.dtype, s.name)
@@ -245,9 +293,15 @@ def _per_replica_spec(spec, n: int, split: bool):
 
 
 class DistributedOptional:
-    """An optional step (``get_next_as_optional``): ``has_value()`` then ``get_value()``."""
+    """An optional step (``get_next_as_optional``): ``has_value()`` then ``get_value()``.
 
-    def __init__(self, value, has_value: bool, element_spec):
+    Args:
+        value: the step (None without one).
+        has_value: whether there was a step.
+        element_spec: the iterator's ``element_spec``.
+    """
+
+    def __init__(self, value: Any, has_value: bool, element_spec: Any) -> None:
         self._value = value
         self._has_value = bool(has_value)
         self._element_spec = element_spec
@@ -256,8 +310,11 @@ class DistributedOptional:
         """Whether there was a next step."""
         return self._has_value
 
-    def get_value(self):
+    def get_value(self) -> Any:
         """The step.
+
+        Returns:
+            The step: a PerReplica at each leaf of the element (the plain value for one replica).
 
         Raises:
             ValueError: there was no next step.
@@ -267,7 +324,8 @@ class DistributedOptional:
         return self._value
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
+        """The structure of the step, as the iterator's ``element_spec``."""
         return self._element_spec
 
     def __repr__(self) -> str:
@@ -278,12 +336,12 @@ class DistributedOptional:
 # devices
 
 
-def _identity(x):
+def _identity(x: _T) -> _T:
     return x
 
 
 @functools.lru_cache(maxsize=None)
-def device_putter(device, fetch_to_device: bool = True):
+def device_putter(device: DeviceLike, fetch_to_device: bool = True) -> Putter:
     """The function that moves one replica's (nested) value onto ``device``.
 
     Identity for CPU devices: logical CPUs share host memory, so no copy is made. For a GPU it
@@ -296,12 +354,12 @@ def device_putter(device, fetch_to_device: bool = True):
     return functools.partial(_put_on_gpu, spec)
 
 
-def _put_on_gpu(spec, value):
+def _put_on_gpu(spec: DeviceSpec, value: Any) -> Any:
     gpu = physical_gpu(spec)
     return optree.tree_map(lambda leaf: to_gpu(leaf, gpu) if is_array(leaf) else leaf, value, none_is_leaf=True)
 
 
-def _putters(strategy, fetch_to_device: bool):
+def _putters(strategy: StrategyLike, fetch_to_device: bool) -> list[Putter]:
     devices = tuple(strategy.extended.worker_devices)
     n = strategy.num_replicas_in_sync // strategy.extended._num_workers  # this worker's replicas
     if len(devices) != n:
@@ -311,13 +369,13 @@ def _putters(strategy, fetch_to_device: bool):
     return [device_putter(d, fetch_to_device) for d in devices]
 
 
-def _placer(strategy, fetch_to_device: bool):
+def _placer(strategy: StrategyLike, fetch_to_device: bool) -> Placer:
     """What a new iterator places each step with: a :class:`GpuFeeder` for GPU replicas when
     fetching to the device, else the per-replica putters (identity on CPUs)."""
     putters = _putters(strategy, fetch_to_device)
     devices = strategy.extended.worker_devices
     if fetch_to_device and any_gpu(devices):
-        return GpuFeeder([physical_gpu(parse_device(d)) for d in devices])
+        return GpuFeeder([physical_gpu(parse_device(d)) for d in devices])  # type: ignore[no-untyped-call]
     return putters
 
 
@@ -325,14 +383,21 @@ def _placer(strategy, fetch_to_device: bool):
 # step producers: each yields steps, a PerReplica at each leaf (the plain value for one replica)
 
 
-def _make_step(putters, values: list, n: int):
+def _make_step(putters: Placer, values: list[Any], n: int) -> Any:
     """A step from per-replica host values: placed now, or staged for a :class:`GpuFeeder`."""
     if type(putters) is GpuFeeder:
         return putters.stage(values)
-    return group_step([put(v) for put, v in zip(putters, values)], n)
+    return group_step([put(v) for put, v in zip(putters, values)], n)  # type: ignore[arg-type]  # putters: a list here
 
 
-def split_steps(dataset, n: int, putters, where: str, total=None, offsets=(0,)):
+def split_steps(
+    dataset: Iterable[Any],
+    n: int,
+    putters: Placer,
+    where: str,
+    total: int | None = None,
+    offsets: Sequence[int] = (0,),
+) -> Iterator[Any]:
     """Each global batch split across the ``n`` replicas with the ceil rule.
 
     Multi-worker: the batch is split over ``total`` replicas (every worker's) and this worker's
@@ -347,7 +412,7 @@ def split_steps(dataset, n: int, putters, where: str, total=None, offsets=(0,)):
             for batch in dataset:
                 yield feeder.stage([batch])
             return
-        put = putters[0]
+        put = putters[0]  # type: ignore[index]  # a list here (no feeder)
         for batch in dataset:
             yield put(batch)
         return
@@ -356,8 +421,8 @@ def split_steps(dataset, n: int, putters, where: str, total=None, offsets=(0,)):
     # Host replicas (identity putters) take their rows as views straight into one PerReplica per
     # leaf; devices need each replica's whole piece to copy it. Either way a step is the same as
     # regroup(split(batch, n)) -- the kernel contract's split -- would make.
-    on_host = feeder is None and all(put is _identity for put in putters)
-    bounds_of: dict = {}
+    on_host = feeder is None and all(put is _identity for put in putters)  # type: ignore[union-attr]  # a list unless feeder
+    bounds_of: dict[int, list[tuple[int, int]]] = {}
     for batch in dataset:
         leaves, treedef = optree.tree_flatten(batch)
         try:
@@ -376,19 +441,21 @@ def split_steps(dataset, n: int, putters, where: str, total=None, offsets=(0,)):
             yield treedef.unflatten([PerReplica([a[s:e] for s, e in bounds]) for a in arrays])
         elif feeder is not None and any(is_device_array(a) for a in arrays):
             # Already on a GPU: split there by the scatter kernel (in the consumer's stream order).
-            yield DeviceBatch(treedef.unflatten(arrays))
+            yield DeviceBatch(treedef.unflatten(arrays))  # type: ignore[no-untyped-call]
         else:
             pieces = [treedef.unflatten([a[s:e] for a in arrays]) for s, e in bounds]
             yield _make_step(putters, pieces, n)
 
 
-def _worker_split_steps(dataset, n: int, putters, where: str, total: int, offsets):
+def _worker_split_steps(
+    dataset: Iterable[Any], n: int, putters: Placer, where: str, total: int, offsets: Sequence[int]
+) -> Iterator[Any]:
     """This worker's replicas' pieces of each global batch split over ``total`` replicas (see split_steps)."""
     from cudist._kernels import split_sizes
 
     feeder = putters if type(putters) is GpuFeeder else None
-    on_host = feeder is None and all(put is _identity for put in putters)
-    bounds_of: dict = {}
+    on_host = feeder is None and all(put is _identity for put in putters)  # type: ignore[union-attr]  # a list unless feeder
+    bounds_of: dict[int, list[tuple[int, int]]] = {}
     for batch in dataset:
         leaves, treedef = optree.tree_flatten(batch)
         try:
@@ -406,7 +473,7 @@ def _worker_split_steps(dataset, n: int, putters, where: str, total: int, offset
         for off in offsets:
             mine = bounds[off : off + n]
             if n == 1 and on_host:
-                s, e = mine[0]
+                s, e = mine[0]  # type: ignore[misc]  # `e` is also the name of the except clause above
                 yield treedef.unflatten([a[s:e] for a in arrays])
             elif on_host:
                 yield treedef.unflatten([PerReplica([a[s:e] for s, e in mine]) for a in arrays])
@@ -415,7 +482,7 @@ def _worker_split_steps(dataset, n: int, putters, where: str, total: int, offset
                 yield _make_step(putters, pieces, n)
 
 
-def _batch_leaves(leaves) -> list:
+def _batch_leaves(leaves: list[Any]) -> list[Any]:
     """The leaves of a batch as arrays with one batch size (the checks of the kernels' split).
 
     Raises:
@@ -429,13 +496,13 @@ def _batch_leaves(leaves) -> list:
 
     # Anything else goes through the kernel contract's own checks and conversions: a "split" into
     # one piece is every leaf as an array (a view of all of it), or the error naming the leaf.
-    return split(list(leaves), 1)[0]
+    return split(list(leaves), 1)[0]  # type: ignore[no-any-return]  # _kernels' split: list
 
 
-def _empty_like(value):
+def _empty_like(value: Any) -> Any:
     """A batch of zero rows shaped like ``value`` (what a replica gets when the data ran out)."""
 
-    def empty(leaf):
+    def empty(leaf: Any) -> Any:
         if np.ndim(leaf) == 0:
             raise ValueError(
                 "distribute_datasets_from_function: the dataset ran out in the middle of a step and its "
@@ -447,7 +514,7 @@ def _empty_like(value):
     return optree.tree_map(empty, value, is_leaf=_data.is_list_leaf)
 
 
-def turn_steps(dataset, n: int, putters, partial: bool):
+def turn_steps(dataset: Iterable[Any], n: int, putters: Placer, partial: bool) -> Iterator[Any]:
     """The dataset's elements dealt to the replicas in turn, one each per step.
 
     If the data runs out in the middle of a step the remaining replicas get empty batches
@@ -456,7 +523,7 @@ def turn_steps(dataset, n: int, putters, partial: bool):
     it = iter(dataset)
     try:
         while True:
-            values = []
+            values: list[Any] = []
             for _ in range(n):
                 try:
                     values.append(next(it))
@@ -473,13 +540,13 @@ def turn_steps(dataset, n: int, putters, partial: bool):
             close()
 
 
-def _per_replica_steps(datasets, putters):
+def _per_replica_steps(datasets: Sequence[Iterable[Any]], putters: Placer) -> Iterator[Any]:
     """One dataset per replica; an exhausted replica gets empty batches until all are exhausted."""
-    its = [iter(d) for d in datasets]
-    last = [None] * len(its)
+    its: list[Iterator[Any] | None] = [iter(d) for d in datasets]
+    last: list[Any] = [None] * len(its)
     try:
         while True:
-            values = []
+            values: list[Any] = []
             for i, it in enumerate(its):
                 if it is None:
                     values.append(None)
@@ -510,9 +577,29 @@ def _per_replica_steps(datasets, putters):
 
 
 class DistributedIterator:
-    """Iterates a distributed dataset: each step is a PerReplica per leaf (plain for one replica)."""
+    """Iterates a distributed dataset: each step is a PerReplica per leaf (plain for one replica).
 
-    def __init__(self, steps, n: int, element_spec, prefetch: int = 0, feeder=None, any_worker=None):
+    Made by ``iter()`` of a distributed dataset.
+
+    Args:
+        steps: the steps (see ``group_step``), or, with a GPU ``feeder``, steps staged for it.
+        n: this worker's number of replicas.
+        element_spec: the structure of a step (see :attr:`element_spec`).
+        prefetch: how many steps to read ahead in a background thread (0: none).
+        feeder: the :class:`cudist._gpu_feeder.GpuFeeder` that copies staged steps to the GPUs.
+        any_worker: multi-worker: ``any_worker(has_step)`` tells whether any worker has a step
+            (steps then end together on every worker); None with one worker.
+    """
+
+    def __init__(
+        self,
+        steps: Iterator[Any],
+        n: int,
+        element_spec: Any,
+        prefetch: int = 0,
+        feeder: GpuFeeder | None = None,
+        any_worker: Callable[[bool], bool] | None = None,
+    ) -> None:
         # ``steps`` yields whole steps (see group_step), or, with a GPU ``feeder``, steps staged in
         # pinned host memory that the feeder copies to the devices here, in the consumer's thread.
         if prefetch > 0:
@@ -527,16 +614,20 @@ class DistributedIterator:
         self._n = n
         self._element_spec = element_spec
 
-    def __iter__(self):
+    def __iter__(self) -> DistributedIterator:
         return self
 
-    def __next__(self):
+    def __next__(self) -> Any:
         return next(self._steps)
 
     next = __next__
 
-    def get_next(self):
+    def get_next(self) -> Any:
         """The next step.
+
+        Returns:
+            A PerReplica at each leaf of the element (the plain value for one replica); typed
+            ``Any``, as the element's structure is the dataset's.
 
         Raises:
             OutOfRangeError: the input is exhausted (it is also a StopIteration).
@@ -554,7 +645,7 @@ class DistributedIterator:
             return DistributedOptional(None, False, self._element_spec)
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """The structure of a step, with a PerReplicaSpec per leaf for several replicas."""
         return self._element_spec
 
@@ -565,7 +656,14 @@ class DistributedIterator:
             close()
 
 
-def new_iterator(strategy, fetch_to_device: bool, make_steps, n: int, element_spec, prefetch: int = 0):
+def new_iterator(
+    strategy: StrategyLike,
+    fetch_to_device: bool,
+    make_steps: Callable[[Placer], Iterator[Any]],
+    n: int,
+    element_spec: Any,
+    prefetch: int = 0,
+) -> DistributedIterator:
     """A :class:`DistributedIterator` over ``make_steps(placer)`` (see :func:`_placer`).
 
     Each iterator gets its own GPU feeder (staging ring), so iterators never share buffers.
@@ -577,9 +675,9 @@ def new_iterator(strategy, fetch_to_device: bool, make_steps, n: int, element_sp
     return DistributedIterator(make_steps(placer), n, element_spec, prefetch, feeder, any_worker)
 
 
-def _synced_steps(steps, any_worker, element_spec):
+def _synced_steps(steps: Iterator[Any], any_worker: Callable[[bool], bool], element_spec: Any) -> Iterator[Any]:
     """``steps`` ending on every worker together: while any worker has a step, one without gets empty batches."""
-    last = None
+    last: Any = None
     it = iter(steps)
     try:
         while True:
@@ -601,10 +699,10 @@ def _synced_steps(steps, any_worker, element_spec):
             close()
 
 
-def _empty_step(last, element_spec):
+def _empty_step(last: Any, element_spec: Any) -> Any:
     """A step of empty batches shaped like ``last`` (or, before any step, like ``element_spec``)."""
 
-    def empty(x):
+    def empty(x: Any) -> Any:
         if isinstance(x, PerReplica):
             return PerReplica([empty(v) for v in x.values])
         if np.ndim(x) == 0:
@@ -617,7 +715,7 @@ def _empty_step(last, element_spec):
     if last is not None:
         return optree.tree_map(empty, last, is_leaf=lambda x: isinstance(x, PerReplica))
 
-    def from_spec(s):
+    def from_spec(s: Any) -> Any:
         if isinstance(s, PerReplicaSpec):
             return PerReplica([from_spec(c) for c in s._component_specs])
         shape = tuple(0 if d is None else d for d in s.shape)
@@ -629,7 +727,7 @@ def _empty_step(last, element_spec):
 
 
 class _DistributedBase:
-    def __init__(self, strategy, options, where):
+    def __init__(self, strategy: StrategyLike, options: InputOptions | None, where: str) -> None:
         self._strategy = strategy
         self._options = _check_options(options, where)
         ext = strategy.extended
@@ -642,8 +740,13 @@ class _DistributedBase:
             else 0
         )
 
-    def _steps(self, putters):
+    def _steps(self, putters: Placer) -> Iterator[Any]:
         raise NotImplementedError
+
+    if TYPE_CHECKING:
+
+        @property
+        def element_spec(self) -> Any: ...  # each dataset's own
 
     def __iter__(self) -> DistributedIterator:
         return new_iterator(
@@ -651,14 +754,22 @@ class _DistributedBase:
             self._prefetch,
         )
 
-    def reduce(self, initial_state, reduce_func):
-        """Folds the steps: ``state = reduce_func(state, step)`` for each step."""
+    def reduce(self, initial_state: _S, reduce_func: Callable[[_S, Any], _S]) -> _S:
+        """Folds the steps: ``state = reduce_func(state, step)`` for each step.
+
+        Args:
+            initial_state: the state before the first step.
+            reduce_func: ``(state, step) -> state``.
+
+        Returns:
+            The state after the last step.
+        """
         state = initial_state
         for step in self:
             state = reduce_func(state, step)
         return state
 
-    def build(self):
+    def build(self) -> None:
         """Nothing to build ahead of time; kept for API compatibility."""
 
 
@@ -668,9 +779,18 @@ class DistributedDataset(_DistributedBase):
     Built by ``Strategy.experimental_distribute_dataset(dataset, options)``. ``dataset`` is a
     :class:`cudist.data.Dataset` or any Python iterable of batches. Every ``iter()`` starts over
     (a one-pass iterable, such as a generator, can be iterated once).
+
+    Args:
+        dataset: a :class:`cudist.data.Dataset` of global batches, or any iterable of them.
+        strategy: the :class:`cudist.Strategy` whose replicas get the pieces.
+        options: a :class:`cudist.InputOptions`.
+
+    Raises:
+        NotImplementedError: PER_REPLICA replication (only ``distribute_datasets_from_function``).
+        TypeError: ``options`` is not an InputOptions.
     """
 
-    def __init__(self, dataset, strategy, options=None):
+    def __init__(self, dataset: Iterable[Any], strategy: StrategyLike, options: InputOptions | None = None) -> None:
         where = "experimental_distribute_dataset"
         super().__init__(strategy, options, where)
         if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
@@ -678,13 +798,13 @@ class DistributedDataset(_DistributedBase):
                 "InputReplicationMode.PER_REPLICA is only supported in `distribute_datasets_from_function`."
             )
         self._dataset = _data.as_dataset(dataset, where)
-        self._spec = None
+        self._spec: Any = None
         #: The AutoShardPolicy used over the workers (None in a one-worker job).
         self.auto_shard_policy = None
         if self._workers > 1:
             self.auto_shard_policy = _resolve_shard_policy(self._dataset, self._workers, self._worker_index)
 
-    def _steps(self, putters):
+    def _steps(self, putters: Placer) -> Iterator[Any]:
         where = "experimental_distribute_dataset"
         if self._workers == 1:
             return split_steps(self._dataset, self._n, putters, where)
@@ -696,7 +816,7 @@ class DistributedDataset(_DistributedBase):
         return split_steps(self._dataset, self._n, putters, where, total, offsets)
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """The dataset's element_spec with a PerReplicaSpec per leaf (unchanged for one replica)."""
         if self._spec is None:
             self._spec = _per_replica_spec(self._dataset.element_spec, self._n, split=True)
@@ -713,9 +833,24 @@ class DistributedDatasetsFromFunction(_DistributedBase):
     Built by ``Strategy.distribute_datasets_from_function(dataset_fn, options)``. ``dataset_fn`` is
     called here, once, with an :class:`InputContext` (once per replica with PER_REPLICA
     replication), and must return a Dataset or an iterable of per-replica batches.
+
+    Args:
+        dataset_fn: returns a :class:`cudist.data.Dataset` (or an iterable) of per-replica batches
+            for the :class:`InputContext` it gets.
+        strategy: the :class:`cudist.Strategy` whose replicas get the batches.
+        options: a :class:`cudist.InputOptions`.
+
+    Raises:
+        TypeError: ``dataset_fn`` is not callable, or ``options`` is not an InputOptions.
+        ValueError: inconsistent placement options.
     """
 
-    def __init__(self, dataset_fn, strategy, options=None):
+    def __init__(
+        self,
+        dataset_fn: Callable[[InputContext], Iterable[Any]],
+        strategy: StrategyLike,
+        options: InputOptions | None = None,
+    ) -> None:
         where = "distribute_datasets_from_function"
         super().__init__(strategy, options, where)
         _check_placement(self._options, where)
@@ -730,15 +865,15 @@ class DistributedDatasetsFromFunction(_DistributedBase):
             contexts = [InputContext(self._workers, self._worker_index, total)]
         what = f"{where} (the value dataset_fn returned)"
         self._datasets = [_data.as_dataset(dataset_fn(ctx), what) for ctx in contexts]
-        self._spec = None
+        self._spec: Any = None
 
-    def _steps(self, putters):
+    def _steps(self, putters: Placer) -> Iterator[Any]:
         if len(self._datasets) > 1:
             return _per_replica_steps(self._datasets, putters)
         return turn_steps(self._datasets[0], self._n, putters, partial=True)
 
     @property
-    def element_spec(self):
+    def element_spec(self) -> Any:
         """The function's dataset element_spec, with a PerReplicaSpec per leaf for several replicas."""
         if self._spec is None:
             self._spec = _per_replica_spec(self._datasets[0].element_spec, self._n, split=False)
@@ -748,7 +883,7 @@ class DistributedDatasetsFromFunction(_DistributedBase):
 _log = logging.getLogger("cudist")
 
 
-def _resolve_shard_policy(dataset, workers: int, index: int):
+def _resolve_shard_policy(dataset: _data.Dataset, workers: int, index: int) -> _data.AutoShardPolicy:
     """The AutoShardPolicy a multi-worker DistributedDataset uses (AUTO is DATA: no file sources here)."""
     policy = dataset.options().experimental_distribute.auto_shard_policy
     P = _data.AutoShardPolicy
@@ -766,7 +901,9 @@ def _resolve_shard_policy(dataset, workers: int, index: int):
     return used
 
 
-def distribute_values_from_function(value_fn, strategy, *, wrap_single: bool = True):
+def distribute_values_from_function(
+    value_fn: Callable[[ValueContext], Any], strategy: StrategyLike, *, wrap_single: bool = True
+) -> Any:
     """Calls ``value_fn(ValueContext(i, N))`` for each replica and places each result on its device.
 
     Returns a PerReplica at each leaf of the results; with one replica, the plain result unless
