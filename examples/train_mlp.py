@@ -23,6 +23,11 @@ Run::
     python examples/train_mlp.py --strategy mirrored --replicas 4
     python examples/train_mlp.py --strategy central --replicas 2 --optimizer adam
     python examples/train_mlp.py --device gpu --replicas 4    # needs CuPy; logical GPUs if too few
+    python -m cudist.launch -n 2 examples/train_mlp.py --strategy multi_worker   # 2 worker processes (MPI)
+
+With ``--strategy multi_worker`` each worker process runs the same loop under
+``MultiWorkerMirroredStrategy`` (``--replicas`` local replicas each, default 1); the global batch is
+split over the workers, then their replicas; only the chief prints the epochs.
 """
 
 from __future__ import annotations
@@ -139,18 +144,22 @@ def make_strategy(kind: str, replicas: int, device: str = "cpu"):
         return cudist.OneDeviceStrategy(devices[0])
     if kind == "mirrored":
         return cudist.MirroredStrategy(devices)
+    if kind == "multi_worker":
+        # One process per worker (python -m cudist.launch -n N ...), `replicas` local replicas each.
+        return cudist.MultiWorkerMirroredStrategy(devices=devices)
     if kind == "central":
         # Variables in host memory, as TF's default with several GPUs.
         return cudist.CentralStorageStrategy(compute_devices=devices, parameter_device="/cpu:0")
-    raise ValueError(f"unknown strategy {kind!r}; expected one_device, mirrored or central")
+    raise ValueError(f"unknown strategy {kind!r}; expected one_device, mirrored, central or multi_worker")
 
 
 # ------------------------------------------------------------------------------------------- training
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--strategy", choices=["one_device", "mirrored", "central"], default="mirrored")
+    p.add_argument("--strategy", choices=["one_device", "mirrored", "central", "multi_worker"], default="mirrored")
     p.add_argument("--replicas", type=int, default=None,
-                   help="number of replicas (logical devices); default 1 for one_device, else 2")
+                   help="number of replicas (logical devices; per worker for multi_worker); "
+                        "default 1 for one_device and multi_worker, else 2")
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="where the replicas run")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch size, split over the replicas")
@@ -163,7 +172,7 @@ def parse_args(argv):
     p.add_argument("--quiet", action="store_true", help="print nothing")
     args = p.parse_args(argv)
     if args.replicas is None:
-        args.replicas = 1 if args.strategy == "one_device" else 2
+        args.replicas = 1 if args.strategy in ("one_device", "multi_worker") else 2
     if args.replicas < 1:
         p.error(f"--replicas must be at least 1, got {args.replicas}")
     if args.strategy == "one_device" and args.replicas != 1:
@@ -191,6 +200,8 @@ def train(args):
     GLOBAL_BATCH_SIZE = args.batch_size
 
     strategy = make_strategy(args.strategy, args.replicas, args.device)
+    if not strategy.extended.should_save_summary:  # multi-worker: only the chief reports
+        log = lambda *a: None  # noqa: E731
     log(f"strategy: {type(strategy).__name__}, {strategy.num_replicas_in_sync} replica(s); "
         f"global batch {GLOBAL_BATCH_SIZE}; optimizer {args.optimizer}; dtype {dtype.name}")
 
@@ -285,6 +296,9 @@ def train(args):
         )
     step_ms = 1e3 * float(np.median(history["step_seconds"])) if history["step_seconds"] else float("nan")
     log(f"trained {args.epochs} epoch(s) in {time.perf_counter() - start:.2f} s; median train step {step_ms:.3f} ms")
+    if args.strategy == "multi_worker" and not args.quiet and history["loss"]:
+        ext = strategy.extended
+        print(f"worker {ext._worker_index} of {ext._num_workers} final loss {history['loss'][-1]:.6f}", flush=True)
     return history, strategy, model, optimizer
 
 

@@ -778,8 +778,8 @@ class SyncOnReadVariable(DistributedVariable):
 
     def _aggregated(self):
         agg = self._aggregation
-        if agg is VariableAggregation.ONLY_FIRST_REPLICA:
-            return self._values[0]._array
+        if agg is VariableAggregation.ONLY_FIRST_REPLICA:  # replica 0 of the job (of every worker)
+            return self._distribute_strategy.extended._first_replica_value(PerReplica(self._buffers()))
         op = ReduceOp.from_variable_aggregation(agg)  # NONE raises, as in TF
         return _reduce_components(self._distribute_strategy, self._buffers(), op, self._values[0].device)
 

@@ -84,6 +84,7 @@ def _worker(args) -> int:
     directory = os.environ.get(_STATUS_DIR)
     if directory:
         Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
+        _record_shm(directory, rank)
     if args.tf_config:
         os.environ["TF_CONFIG"] = tf_config(_size(), rank)
     sys.argv = [args.script, *args.args]
@@ -104,6 +105,31 @@ def _worker(args) -> int:
         raise
     _write_status(directory, rank, "ok")
     return 0
+
+
+def _record_shm(directory: str, rank: int) -> None:
+    """Starts MPI now and notes its shared-memory files, so the launcher can remove them if the job dies."""
+    try:
+        from mpi4py import MPI  # noqa: F401, PLC0415 - initializes MPI (the script would anyway)
+
+        from cudist._collectives.mpi import shm_segments  # noqa: PLC0415
+    except ImportError:
+        return
+    segments = shm_segments()
+    if segments:
+        Path(directory, f"{rank}.shm").write_text("\n".join(segments))
+
+
+def _remove_recorded_shm(directory: str) -> None:
+    """Removes the MPICH shared-memory files the workers noted (a killed or aborted job leaves them)."""
+    paths = []
+    for p in Path(directory).glob("*.shm"):
+        paths += [x for x in p.read_text().splitlines() if x.startswith("/dev/shm/mpich_shm_")]
+    for path in set(paths):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
 
 
 def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_flag=False, module=False) -> list:
@@ -211,12 +237,14 @@ def main(argv=None) -> int:
                 proc.kill()
                 proc.wait()
             reader.join(timeout=2)
+            _remove_recorded_shm(directory)
             sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
             return 124
         except KeyboardInterrupt:
             proc.send_signal(signal.SIGINT)
             code = proc.wait()
         reader.join(timeout=5)
+        _remove_recorded_shm(directory)
         if code != 0:
             pids = {}
             for r in range(n):

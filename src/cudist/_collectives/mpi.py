@@ -46,6 +46,8 @@ __all__ = [
     "load",
     "world",
     "install_abort_hook",
+    "shm_segments",
+    "remove_shm_segments",
 ]
 
 #: Set to 1 to check every cross-worker collective's fingerprint first (debug mode).
@@ -105,6 +107,33 @@ def world():
     return MPI.COMM_WORLD
 
 
+def shm_segments(pid="self") -> list:
+    """The MPICH shared-memory files (``/dev/shm/mpich_shm_*``) process ``pid`` has mapped and not yet removed.
+
+    An aborted or killed MPICH job leaves them behind (a clean ``MPI_Finalize`` removes them).
+    """
+    found = []
+    try:
+        with open(f"/proc/{pid}/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith("/dev/shm/mpich_shm_") and not path.endswith("(deleted)") and path not in found:
+                    found.append(path)
+    except OSError:
+        pass
+    return found
+
+
+def remove_shm_segments(paths) -> None:
+    """Unlinks MPICH shared-memory files (processes that mapped them keep their memory)."""
+    for path in paths:
+        if os.path.basename(path).startswith("mpich_shm_"):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
 _HOOK_LOCK = threading.Lock()
 _HOOK_INSTALLED = False
 
@@ -136,6 +165,7 @@ def install_abort_hook() -> bool:
                 sys.stderr.flush()
                 sys.stdout.flush()
             finally:
+                remove_shm_segments(shm_segments())  # an aborted job would leave them in /dev/shm
                 MPI.COMM_WORLD.Abort(1)
 
         sys.excepthook = abort_on_exception

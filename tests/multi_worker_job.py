@@ -1,0 +1,352 @@
+"""One worker of the multi-worker test jobs (``tests/test_multi_worker.py`` starts them under mpiexec).
+
+``python multi_worker_job.py parity R``: every check of MultiWorkerMirroredStrategy (R local replicas
+per worker) against a MirroredStrategy over all W*R replicas computed in the same process; prints
+``RESULT <rank> <json>`` with one entry per check: [ok, detail].
+``python multi_worker_job.py raise|kill|hang``: a worker that fails; the job must end, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import cudist
+from cudist import data
+
+
+def _rank_size():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+
+
+class Checks:
+    def __init__(self):
+        self.results = {}
+
+    def check(self, name, ok, detail=""):
+        self.results[name] = [bool(ok), str(detail)[:400]]
+
+    def run(self, name, fn):
+        try:
+            fn()
+        except Exception:  # noqa: BLE001 - reported, so that one failure does not hide the others
+            self.results[name] = [False, traceback.format_exc()[-1500:]]
+
+
+def same(a, b, exact):
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False, f"shape/dtype {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    if exact:
+        ok = np.array_equal(a, b, equal_nan=True)
+    else:
+        tol = 2e-2 if a.dtype == np.float16 else 1e-5
+        ok = np.allclose(a, b, rtol=tol, atol=tol)
+    return ok, "" if ok else f"{a.ravel()[:6]} vs {b.ravel()[:6]}"
+
+
+def report(rank, payload):
+    """Rank 0 prints every worker's results, one ``RESULT <rank> <json>`` line each (no interleaving)."""
+    from mpi4py import MPI
+
+    everything = MPI.COMM_WORLD.gather(payload, root=0)
+    if rank == 0:
+        for r, p in enumerate(everything):
+            print("RESULT", r, json.dumps(p), flush=True)
+
+
+def parity(R):
+    rank, W = _rank_size()
+    G = W * R
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * G)
+    exact = R == 1 and W == 2  # 2 workers x 1 replica: one addition per element, as MirroredStrategy
+    mw = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(G)])
+    mine = [rank * R + r for r in range(R)]  # this worker's global replica ids
+    c = Checks()
+
+    def local(strategy, x):
+        return strategy.experimental_local_results(x)
+
+    def compare(name, got, want_all, exact_=None):
+        got = local(mw, got)
+        want = [local(ref, want_all)[g] for g in mine]
+        for r, (a, b) in enumerate(zip(got, want)):
+            ok, why = same(a, b, exact if exact_ is None else exact_)
+            if not ok:
+                c.check(name, False, f"replica {mine[r]}: {why}")
+                return
+        c.check(name, True)
+
+    # ---- cluster facts
+    ext = mw.extended
+    c.check("num_replicas_in_sync", mw.num_replicas_in_sync == G, mw.num_replicas_in_sync)
+    c.check("chief", ext.should_checkpoint == (rank == 0) and ext.should_save_summary == (rank == 0), rank)
+    c.check("resolver", mw.cluster_resolver.task_type == "worker" and mw.cluster_resolver.task_id == rank,
+            repr(mw.cluster_resolver))
+    ids = mw.run(lambda: cudist.get_replica_context().replica_id_in_sync_group)
+    c.check("replica_ids", list(local(mw, ids)) == mine, local(mw, ids))
+
+    # ---- run + all_reduce
+    def values(g, dt, shape=(5, 3)):
+        rng = np.random.default_rng(100 + g)
+        if np.dtype(dt).kind in "iu":
+            return rng.integers(-50, 50, shape).astype(dt)
+        return (rng.standard_normal(shape) * 10).astype(dt)
+
+    for dt in (np.float32, np.float64, np.float16, np.int32, np.int64):
+        for op in ("sum", "mean"):
+
+            def step(dt=dt, op=op):
+                ctx = cudist.get_replica_context()
+                return ctx.all_reduce(op, values(ctx.replica_id_in_sync_group, dt))
+
+            compare(f"all_reduce_{op}_{np.dtype(dt).name}", mw.run(step), ref.run(step))
+
+    def nest_step():
+        ctx = cudist.get_replica_context()
+        g = ctx.replica_id_in_sync_group
+        return ctx.all_reduce("sum", {"a": values(g, np.float32, (7,)), "b": (np.float32(g), values(g, np.int32, (2, 2))),
+                                     "c": values(g, np.float32, (300,))})
+
+    got, want = mw.run(nest_step), ref.run(nest_step)
+    for key in ("a", "c"):
+        compare(f"all_reduce_nest_{key}", got[key], want[key])
+    compare("all_reduce_nest_scalar", got["b"][0], want["b"][0])
+    compare("all_reduce_nest_int", got["b"][1], want["b"][1])
+
+    # packed into several buffers (bytes_per_pack): the same result
+    mw_packs = cudist.MultiWorkerMirroredStrategy(
+        communication_options=cudist.experimental.CommunicationOptions(bytes_per_pack=64),
+        devices=[f"/cpu:{i}" for i in range(R)],
+    )
+    got = mw_packs.run(nest_step)
+    compare("all_reduce_bytes_per_pack", got["c"], want["c"])
+
+    # ---- all_gather (ragged along axis 0)
+    def gather_step():
+        ctx = cudist.get_replica_context()
+        g = ctx.replica_id_in_sync_group
+        return ctx.all_gather(values(g, np.float32, (g + 1, 2)), 0), ctx.all_gather(values(g, np.float32, (2, 3)), 1)
+
+    got, want = mw.run(gather_step), ref.run(gather_step)
+    compare("all_gather_axis0_ragged", got[0], want[0], True)
+    compare("all_gather_axis1", got[1], want[1], True)
+
+    # ---- reduce / gather in cross-replica context
+    def per_replica(strategy, shape_of):
+        return strategy.experimental_distribute_values_from_function(
+            lambda vc: values(vc.replica_id_in_sync_group, np.float32, shape_of(vc.replica_id_in_sync_group))
+        )
+
+    for axis in (None, 0):
+        for op in ("sum", "mean"):
+            shape_of = (lambda g: (g + 1, 3)) if axis == 0 else (lambda g: (4, 3))
+            a = mw.reduce(op, per_replica(mw, shape_of), axis=axis)
+            b = ref.reduce(op, per_replica(ref, shape_of), axis=axis)
+            ok, why = same(a, b, exact)
+            c.check(f"reduce_{op}_axis{axis}", ok, why)
+    a = mw.gather(per_replica(mw, lambda g: (g + 1, 3)), 0)
+    b = ref.gather(per_replica(ref, lambda g: (g + 1, 3)), 0)
+    c.check("gather", *same(a, b, True))
+
+    # ---- variables
+    S, A = cudist.VariableSynchronization, cudist.VariableAggregation
+
+    def make(strategy, sync, agg, dtype=np.float32):
+        with strategy.scope():
+            # A worker-dependent initial value: the chief's must win.
+            init = np.full(4, 1.5 + (rank if strategy is mw else 0), dtype)
+            return cudist.Variable(init, synchronization=sync, aggregation=agg)
+
+    for agg in (A.NONE, A.SUM, A.MEAN, A.ONLY_FIRST_REPLICA):
+        vm, vr = make(mw, S.ON_WRITE, agg), make(ref, S.ON_WRITE, agg)
+
+        def upd(v):
+            ctx = cudist.get_replica_context()
+            g = ctx.replica_id_in_sync_group
+            v.assign_add(values(g, np.float32, (4,)))
+            return v.read_value()
+
+        mw.run(upd, args=(vm,))
+        ref.run(upd, args=(vr,))
+        got = [x.numpy() for x in vm.values]
+        want = [vr.values[g].numpy() for g in mine]
+        ok = all(same(a, b, exact)[0] for a, b in zip(got, want))
+        c.check(f"var_on_write_{agg.name}", ok, f"{got[0]} vs {want[0]}")
+
+    for agg in (A.SUM, A.MEAN, A.ONLY_FIRST_REPLICA):
+        vm, vr = make(mw, S.ON_READ, agg), make(ref, S.ON_READ, agg)
+
+        def upd_local(v):
+            g = cudist.get_replica_context().replica_id_in_sync_group
+            v.assign(values(g, np.float32, (4,)))
+
+        mw.run(upd_local, args=(vm,))
+        ref.run(upd_local, args=(vr,))
+        c.check(f"var_on_read_{agg.name}_read", *same(vm.numpy(), vr.numpy(), exact))
+        if agg is not A.ONLY_FIRST_REPLICA:
+            with mw.scope():
+                vm.assign(np.full(4, 6.0, np.float32))
+            with ref.scope():
+                vr.assign(np.full(4, 6.0, np.float32))
+            c.check(f"var_on_read_{agg.name}_assign", *same(vm.numpy(), vr.numpy(), exact))
+    vi_m, vi_r = make(mw, S.ON_WRITE, A.SUM, np.int32), make(ref, S.ON_WRITE, A.SUM, np.int32)
+    step_i = lambda v: v.assign_add(np.full(4, cudist.get_replica_context().replica_id_in_sync_group + 1, np.int32))  # noqa: E731
+    mw.run(step_i, args=(vi_m,))
+    ref.run(step_i, args=(vi_r,))
+    c.check("var_int_sum", *same(vi_m.numpy(), vi_r.numpy(), True))
+
+    # ---- optimizers
+    for name, make_opt in (
+        ("sgd_momentum", lambda: cudist.optimizers.SGD(0.1, momentum=0.9)),
+        ("adam", lambda: cudist.optimizers.Adam(0.01)),
+    ):
+        finals = []
+        for strategy in (mw, ref):
+            with strategy.scope():
+                w = cudist.Variable(np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8) + (rank if strategy is mw else 0))
+                b = cudist.Variable(np.zeros(8, np.float32))
+                opt = make_opt()
+
+            def train_step(it, w=w, b=b, opt=opt):
+                g = cudist.get_replica_context().replica_id_in_sync_group
+                gw = values(10 * it + g, np.float32, (8, 8))
+                gb = values(10 * it + g + 5, np.float32, (8,))
+                opt.apply_gradients([(gw, w), (gb, b)])
+
+            for it in range(3):
+                strategy.run(train_step, args=(it,))
+            finals.append((w.numpy(), b.numpy(), int(opt.iterations.numpy())))
+        (wm, bm, im), (wr, br, ir) = finals
+        ok = same(wm, wr, exact)[0] and same(bm, br, exact)[0] and im == ir
+        c.check(f"optimizer_{name}", ok, f"{wm.ravel()[:3]} vs {wr.ravel()[:3]}, iterations {im} vs {ir}")
+
+    # ---- datasets: each shard policy
+    B = 7  # not a multiple of G: partial pieces
+    source = np.arange(5 * B * 2, dtype=np.float32).reshape(5 * B, 2)
+
+    def dataset(policy=None):
+        ds = data.Dataset.from_tensor_slices(source).batch(B)
+        if policy is not None:
+            o = data.Options()
+            o.experimental_distribute.auto_shard_policy = policy
+            ds = ds.with_options(o)
+        return ds
+
+    def steps_of(strategy, ds):
+        return [[np.asarray(x) for x in local(strategy, step)] for step in strategy.experimental_distribute_dataset(ds)]
+
+    P = data.AutoShardPolicy
+    want_steps = steps_of(ref, dataset())
+    want_mine = [[s[g] for g in mine] for s in want_steps]
+    for policy in (None, P.AUTO, P.DATA):
+        got = steps_of(mw, dataset(policy))
+        ok = len(got) == len(want_mine) and all(
+            same(a, b, True)[0] for gs, ws in zip(got, want_mine) for a, b in zip(gs, ws)
+        )
+        c.check(f"dataset_{'default' if policy is None else policy.name}", ok, f"{len(got)} vs {len(want_mine)} steps")
+    dd = mw.experimental_distribute_dataset(dataset(P.AUTO))
+    c.check("dataset_policy_said", dd.auto_shard_policy is P.DATA, dd.auto_shard_policy)
+    # OFF: every worker reads every batch; its replicas take the G pieces of each in turn.
+    got = steps_of(mw, dataset(P.OFF))
+    expect = []
+    for s in want_steps:  # the G pieces of each global batch, W steps of R pieces
+        for k in range(W):
+            expect.append([s[k * R + r] for r in range(R)])
+    ok = len(got) == len(expect) and all(same(a, b, True)[0] for gs, ws in zip(got, expect) for a, b in zip(gs, ws))
+    c.check("dataset_OFF", ok, f"{len(got)} vs {len(expect)} steps")
+    try:
+        mw.experimental_distribute_dataset(dataset(P.FILE))
+        c.check("dataset_FILE_refused", False, "no error")
+    except ValueError as e:
+        c.check("dataset_FILE_refused", "FILE" in str(e), e)
+
+    # ---- distribute_datasets_from_function: once per worker, its InputContext; uneven lengths
+    seen = []
+
+    def dataset_fn(ctx):
+        seen.append((ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync))
+        per_replica = ctx.get_per_replica_batch_size(2 * G)
+        n_rows = 4 * G * 2 - 2 * ctx.input_pipeline_id  # the last worker has less data
+        rows = np.arange(n_rows * 2, dtype=np.float32).reshape(n_rows, 2) + 1000 * ctx.input_pipeline_id
+        return data.Dataset.from_tensor_slices(rows).shard(1, 0).batch(per_replica)
+
+    steps = [[np.asarray(x) for x in local(mw, s)] for s in mw.distribute_datasets_from_function(dataset_fn)]
+    c.check("from_function_context", seen == [(W, rank, G)], seen)
+    counts = mw.extended._communicator.comm.allgather(len(steps))
+    c.check("from_function_steps_together", len(set(counts)) == 1, counts)
+    rows = sum(int(x.shape[0]) for s in steps for x in s)
+    c.check("from_function_rows", rows == 4 * G * 2 - 2 * rank, rows)
+
+    # ---- values from function: global ids
+    v = mw.experimental_distribute_values_from_function(
+        lambda vc: np.array([vc.replica_id_in_sync_group, vc.num_replicas_in_sync])
+    )
+    c.check("values_from_function", [x.tolist() for x in local(mw, v)] == [[g, G] for g in mine], local(mw, v))
+
+    # ---- debug mode: mismatched collectives are named
+    os.environ["CUDIST_CHECK_COLLECTIVES"] = "1"
+    checked = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
+    del os.environ["CUDIST_CHECK_COLLECTIVES"]
+    try:
+        checked.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(3 + rank, np.float32)))
+        c.check("mismatch_detected", False, "no error")
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+        c.check("mismatch_detected", type(e).__name__ == "ReplicaMismatchError" and "worker 1" in msg
+                and "float32(3,)" in msg and "float32(4,)" in msg, msg)
+    checked.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(3, np.float32)))  # still usable
+
+    report(rank, c.results)
+
+
+def failing(mode):
+    rank, _ = _rank_size()
+    options = cudist.experimental.CommunicationOptions(timeout_seconds=2 if mode == "hang" else None)
+    strategy = cudist.MultiWorkerMirroredStrategy(communication_options=options)
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+    if rank == 1:
+        if mode == "raise":
+            raise ZeroDivisionError("worker 1 fails on purpose")
+        if mode == "kill":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        if mode == "hang":
+            time.sleep(60)
+    strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(4, np.float32)))
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
+def tfconfig():
+    """Under ``cudist.launch --tf-config``: the default resolver reads TF_CONFIG; task index = rank."""
+    rank, W = _rank_size()
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    r = strategy.cluster_resolver
+    total = strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.float32(rank + 1)))
+    out = {
+        "resolver": type(r).__name__,
+        "task": [r.task_type, r.task_id],
+        "workers": len(r.cluster_spec().as_dict()["worker"]),
+        "chief": strategy.extended.should_checkpoint,
+        "sum": float(total),
+    }
+    report(rank, out)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "parity":
+        parity(int(sys.argv[2]))
+    elif sys.argv[1] == "tfconfig":
+        tfconfig()
+    else:
+        failing(sys.argv[1])

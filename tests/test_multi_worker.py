@@ -1,0 +1,259 @@
+"""MultiWorkerMirroredStrategy: real 2-worker MPI jobs (``mpiexec -n 2``), and the pieces that need no MPI.
+
+The jobs run ``tests/multi_worker_job.py``; each worker prints ``RESULT <rank> <json>`` and the tests
+compare. Each job runs under a timeout; together they take a few seconds on 2 cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cudist
+from cudist.cluster_resolver import (
+    ClusterSpec,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+    id_in_cluster,
+    is_chief,
+    worker_count,
+)
+
+HERE = Path(__file__).resolve().parent
+JOB = str(HERE / "multi_worker_job.py")
+
+
+def _mpi_missing():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install \".[mpi]\")"
+    from cudist.launch import find_mpiexec
+
+    if find_mpiexec() is None:
+        return "no mpiexec (pip install mpich, or \".[mpi]\")"
+    return None
+
+
+MISSING = _mpi_missing()
+needs_mpi = pytest.mark.skipif(MISSING is not None, reason=f"multi-worker jobs need MPI: {MISSING}")
+
+
+def _shm():
+    return {p.name for p in Path("/dev/shm").glob("mpich_shm_*")} if Path("/dev/shm").is_dir() else set()
+
+
+@pytest.fixture
+def no_shm_left():
+    before = _shm()
+    yield
+    left = _shm() - before
+    assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "CUDIST_CHECK_COLLECTIVES")}
+    env.update(extra)
+    return env
+
+
+def _mpiexec(*args, timeout=90):
+    from cudist.launch import find_mpiexec
+
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, JOB, *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=HERE)
+
+
+def _launch(*args, timeout=60, flags=()):
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", *flags, JOB, *args]
+    start = time.monotonic()
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=HERE)
+    return p, time.monotonic() - start
+
+
+def _results(proc):
+    out = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            _, rank, payload = line.split(" ", 2)
+            out[int(rank)] = json.loads(payload)
+    assert sorted(out) == [0, 1], f"missing worker results:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- jobs
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("local_replicas", [1, 2], ids=["2x1-bit-exact", "2x2-tolerance"])
+def test_parity_with_mirrored_strategy(local_replicas, no_shm_left):
+    """run+all_reduce, reduce, gather, variables, optimizers, datasets (each policy), from_function, debug mode."""
+    proc = _mpiexec("parity", str(local_replicas))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = _results(proc)
+    failed = {f"worker {r}: {name}": detail for r, res in results.items() for name, (ok, detail) in res.items() if not ok}
+    assert not failed, failed
+    assert len(results[0]) >= 45  # every check ran
+
+
+def _ready_time(proc, started):
+    """When the first worker had its strategy (the output of a worker that was killed may be lost)."""
+    times = [float(t) for t in re.findall(r"READY \d ([0-9.]+)", proc.stdout)]
+    return min(times) if times else started
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_a_worker_that_raises_ends_the_job(no_shm_left):
+    started = time.time()
+    proc, _ = _launch("raise")
+    end = time.time()
+    assert proc.returncode != 0
+    assert "UNREACHABLE" not in proc.stdout
+    assert end - _ready_time(proc, started) < 5
+    assert "worker 1 raised ZeroDivisionError: worker 1 fails on purpose" in proc.stderr, proc.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_a_killed_worker_ends_the_job(no_shm_left):
+    started = time.time()
+    proc, _ = _launch("kill")
+    end = time.time()
+    assert proc.returncode != 0
+    assert end - _ready_time(proc, started) < 5
+    assert re.search(r"worker 1 \(pid \d+\) ended abnormally \(killed by SIGKILL\)", proc.stderr), proc.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_a_hung_worker_times_out(no_shm_left):
+    """timeout_seconds=2: worker 0 raises DeadlineExceededError naming worker 1; the job ends by timeout + 5 s."""
+    started = time.time()
+    proc, _ = _launch("hang")
+    end = time.time()
+    assert proc.returncode != 0
+    assert end - _ready_time(proc, started) < 2 + 5
+    assert "DeadlineExceededError" in proc.stderr
+    assert "worker(s) [1] did not join it" in proc.stderr, proc.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_launcher_writes_tf_config(no_shm_left):
+    proc, _ = _launch("tfconfig", flags=("--tf-config",))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = _results(proc)
+    for rank in (0, 1):
+        assert res[rank] == {
+            "resolver": "TFConfigClusterResolver", "task": ["worker", rank], "workers": 2, "chief": rank == 0, "sum": 3.0,
+        }
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_example_trains_multi_worker(no_shm_left):
+    """examples/train_mlp.py --strategy multi_worker under the launcher: both workers end with the same loss."""
+    example = HERE.parent / "examples" / "train_mlp.py"
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", str(example), "--strategy", "multi_worker",
+           "--epochs", "2", "--train-examples", "512", "--test-examples", "128", "--batch-size", "64"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env(), cwd=HERE.parent)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    losses = re.findall(r"worker (\d) of 2 final loss ([0-9.]+)", p.stdout)
+    assert sorted(w for w, _ in losses) == ["0", "1"], p.stdout[-2000:]
+    assert losses[0][1] == losses[1][1]
+
+
+# ---------------------------------------------------------------------------------------------- one process
+def test_plain_python_is_one_worker_without_mpi():
+    code = (
+        "import sys, numpy as np, cudist\n"
+        "s = cudist.MultiWorkerMirroredStrategy()\n"
+        "out = s.run(lambda: cudist.get_replica_context().all_reduce('sum', np.ones(3, np.float32)))\n"
+        "assert s.num_replicas_in_sync == 1 and s.extended.should_checkpoint and out.tolist() == [1, 1, 1]\n"
+        "assert 'mpi4py' not in sys.modules, 'a one-worker job must not load MPI'\n"
+        "print('ok')\n"
+    )
+    env = {k: v for k, v in _env().items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_"))}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert p.returncode == 0 and p.stdout.strip() == "ok", p.stderr[-2000:]
+
+
+def test_import_does_not_load_mpi():
+    code = "import sys, cudist, cudist.experimental, cudist.cluster_resolver; print('mpi4py' in sys.modules)"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=_env())
+    assert p.stdout.strip() == "False", p.stderr
+
+
+def test_one_worker_matches_mirrored_strategy():
+    s = cudist.MultiWorkerMirroredStrategy()
+    assert s.extended._num_workers == 1 and s.extended.experimental_should_init
+    with s.scope():
+        v = cudist.Variable(np.arange(3, dtype=np.float32))
+    opt = cudist.optimizers.SGD(0.5)
+    s.run(lambda: opt.apply_gradients([(np.ones(3, np.float32), v)]))
+    np.testing.assert_array_equal(v.numpy(), np.arange(3, dtype=np.float32) - 0.5)
+    assert cudist.experimental.MultiWorkerMirroredStrategy is cudist.MultiWorkerMirroredStrategy
+
+
+def test_tf_config_cluster_without_launcher_is_refused(monkeypatch):
+    for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 0}}
+    ))
+    with pytest.raises(RuntimeError, match="cudist.launch -n 2"):
+        cudist.MultiWorkerMirroredStrategy()
+
+
+def test_communication_options():
+    CO, CI = cudist.experimental.CommunicationOptions, cudist.experimental.CommunicationImplementation
+    o = CO(bytes_per_pack=1 << 20, timeout_seconds=5, implementation="ring")
+    assert (o.bytes_per_pack, o.timeout_seconds, o.implementation) == (1 << 20, 5, CI.RING)
+    with pytest.raises(ValueError, match="bytes_per_pack"):
+        CO(bytes_per_pack=-1)
+    with pytest.raises(ValueError, match="implementation"):
+        CO(implementation="gloo")
+    with pytest.raises(ValueError, match="NCCL"):
+        cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL))
+    with pytest.raises(ValueError, match="communication_options"):
+        cudist.MultiWorkerMirroredStrategy(communication_options={"bytes_per_pack": 1})
+
+
+def test_cluster_spec_and_chief_rules():
+    spec = ClusterSpec({"chief": ["h0:1"], "worker": ["h1:1", "h2:1"], "ps": {3: "p:1"}})
+    assert spec.jobs == ["chief", "ps", "worker"] and spec.num_tasks("worker") == 2
+    assert spec.task_address("worker", 1) == "h2:1" and spec.task_indices("ps") == [3]
+    assert spec.as_dict()["ps"] == {3: "p:1"} and ClusterSpec(spec) == spec
+    assert is_chief(spec, "chief", 0) and not is_chief(spec, "worker", 0)
+    assert worker_count(spec, "worker") == 3
+    assert [id_in_cluster(spec, "chief", 0), id_in_cluster(spec, "worker", 0), id_in_cluster(spec, "worker", 1)] == [0, 1, 2]
+    no_chief = {"worker": ["a:1", "b:1"]}
+    assert is_chief(no_chief, "worker", 0) and not is_chief(no_chief, "worker", 1)
+    with pytest.raises(ValueError, match="task_id"):
+        is_chief(no_chief, "worker", 2)
+    with pytest.raises(ValueError, match="at most one 'chief'"):
+        is_chief({"chief": ["a", "b"]}, "chief", 0)
+
+
+def test_tf_config_resolver(monkeypatch):
+    monkeypatch.setenv("TF_CONFIG", json.dumps({
+        "cluster": {"chief": ["c:2222"], "worker": ["w0:2222", "w1:2222"]},
+        "task": {"type": "worker", "index": 1}, "rpc_layer": "grpc",
+    }))
+    r = TFConfigClusterResolver()
+    assert (r.task_type, r.task_id, r.rpc_layer) == ("worker", 1, "grpc")
+    assert r.cluster_spec().as_dict() == {"chief": ["c:2222"], "worker": ["w0:2222", "w1:2222"]}
+    assert r.master() == "grpc://w1:2222" and r.master("chief", 0, rpc_layer="") == "grpc://c:2222"
+    r.task_type, r.task_id = "chief", 0
+    assert r.master() == "grpc://c:2222"
+    s = SimpleClusterResolver(ClusterSpec({"worker": ["a:1"]}), master="a:1", task_type="worker", task_id=0,
+                              num_accelerators={"GPU": 2})
+    assert s.num_accelerators() == {"GPU": 2} and s.master() == "a:1" and s.environment == ""
