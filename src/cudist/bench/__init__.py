@@ -1,8 +1,9 @@
 """``cudist-bench``: nccl-tests-style microbenchmarks of cudist's kernels and strategies.
 
 Run ``cudist-bench`` (or ``python -m cudist.bench``) for the default suite, or a subcommand
-(``all-reduce``, ``all-gather``, ``broadcast``, ``split``, ``update``, ``run-overhead``, ``step``)
-with ``--help`` for its flags. Importing this package costs nothing beyond argparse: NumPy, numba,
+(``all-reduce``, ``all-gather``, ``broadcast``, ``split``, ``update``, ``run-overhead``, ``step``,
+``user-path``: ``strategy.run`` + ``all_reduce`` and ``apply_gradients`` next to the kernels) with
+``--help`` for its flags. Importing this package costs nothing beyond argparse: NumPy, numba,
 the native extension and CuPy are loaded only by the subcommands that use them.
 """
 

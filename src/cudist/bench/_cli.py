@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cudist-bench",
         description="nccl-tests-style microbenchmarks of cudist's kernels (all-reduce, all-gather, broadcast, "
-        "split, mirrored updates) and strategies (run overhead, a data-parallel training step). "
+        "split, mirrored updates) and strategies (run overhead, a data-parallel training step, the user's path: "
+        "strategy.run + all_reduce and apply_gradients next to the kernels). "
         "Without a subcommand: the default suite (about a minute on 2 cores).",
     )
     parser.add_argument("-V", "--version", action="version", version=f"cudist-bench {cudist.__version__}")
