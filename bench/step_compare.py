@@ -252,7 +252,8 @@ class TFWorker(_Worker):
 
 
 class TorchWorker(_Worker):
-    """Plain torch (world 1, no process group) or one rank of DDP over gloo on 127.0.0.1."""
+    """Plain torch (kind "torch": one process, no process group) or one rank of DDP over gloo on 127.0.0.1
+    (kind "torch-ddp", N processes; rank 0 talks to the driver)."""
 
     framework = "torch"
 
@@ -275,7 +276,7 @@ class TorchWorker(_Worker):
             layers += [lin, torch.nn.ReLU()]
         model = torch.nn.Sequential(*layers[:-1])
         self.dist = None
-        if self.world > 1:
+        if args.worker == "torch-ddp":  # DDP even on one rank: the same code path as the user's N-rank run
             import datetime
 
             import torch.distributed as dist
@@ -309,8 +310,12 @@ class TorchWorker(_Worker):
         return {"intra": self.torch.get_num_threads(), "ranks": self.world}
 
     def serve(self, read, write):
-        if self.dist is None:
-            return super().serve(read, write)
+        if self.dist is None or self.world == 1:
+            try:
+                return super().serve(read, write)
+            finally:
+                if self.dist is not None:
+                    self.dist.destroy_process_group()
         # Rank 0 talks to the driver and hands each command to the other ranks.
         dist = self.dist
 
@@ -369,10 +374,11 @@ class Contestant:
         self.errs = []
         self.hello = None
         here = os.path.abspath(__file__)
-        port = _free_port() if world > 1 else 0
+        port = _free_port() if kind == "torch-ddp" else 0
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME="lo",
                    MASTER_ADDR="127.0.0.1")
-        threads = args.torch_threads or (max(1, (os.cpu_count() or 1) // world) if world > 1 else 0)
+        threads = args.torch_threads if args.torch_threads else (
+            max(1, (os.cpu_count() or 1) // world) if kind == "torch-ddp" else 0)
         for rank in range(world):
             err = tempfile.TemporaryFile(mode="w+")
             cmd = [python, here, "--worker", kind, "--replicas", str(replicas), "--data", args.data_file,
