@@ -524,6 +524,11 @@ def run_suite(ctx) -> None:
 def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a == "--workers" or a.startswith("--workers=") for a in argv):
+        # Across worker processes (MultiWorkerMirroredStrategy against raw mpi4py, under mpiexec).
+        from cudist.bench import _multi_worker
+
+        return _multi_worker.main(argv)
     # Options without a subcommand (`cudist-bench -n 5 --no-progress`) are the default suite's.
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version"):
         args = parser.parse_args(["suite"] + argv)

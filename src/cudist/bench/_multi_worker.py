@@ -1,0 +1,180 @@
+"""``cudist-bench all-reduce --workers N``: the cross-worker all-reduce against raw mpi4py, same run.
+
+Started as a plain process, it re-runs itself under ``mpiexec -n N`` (the mpich wheel's); each
+worker then times, size by size and interleaved (A, B, A, B, ...), the same SUM all-reduce of a
+float32 buffer of S bytes:
+
+* ``mpi4py``: ``comm.Allreduce(send, recv, MPI.SUM)`` (blocking; the floor cudist builds on);
+* ``cudist``: ``strategy.run`` + ``ReplicaContext.all_reduce`` under MultiWorkerMirroredStrategy
+  (``--replicas`` local replicas per worker: the local kernel sum, the non-blocking MPI
+  all-reduce polled with a deadline, each replica's result).
+
+A sample is the slowest worker's time for one call, each call started after a barrier; the table
+shows medians, the algorithm bandwidth S/t and cudist's speed as a percentage of mpi4py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+__all__ = ["main"]
+
+
+def _parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B")
+    mult = 1
+    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
+        if text.endswith(suffix):
+            text, mult = text[:-1], m
+    return int(float(text) * mult)
+
+
+def _fmt_size(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="cudist-bench all-reduce --workers N",
+        description="Cross-worker all-reduce: MultiWorkerMirroredStrategy against raw mpi4py Allreduce, same run.",
+    )
+    p.add_argument("command", choices=["all-reduce"])
+    p.add_argument("--workers", type=int, required=True, help="number of worker processes (mpiexec -n)")
+    p.add_argument("-b", "--minbytes", type=_parse_size, default=_parse_size("4K"))
+    p.add_argument("-e", "--maxbytes", type=_parse_size, default=_parse_size("64M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("-n", "--iters", type=int, default=20, help="timed calls per size and variant (default 20)")
+    p.add_argument("-w", "--warmup_iters", type=int, default=3)
+    p.add_argument("--replicas", type=int, default=1, help="local replicas per worker (default 1)")
+    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="check the results (default 1)")
+    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
+    p.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to python, else PATH)")
+    return p
+
+
+def _relaunch(args, argv) -> int:
+    from cudist.launch import find_mpiexec
+
+    mpiexec = find_mpiexec(args.mpiexec)
+    if mpiexec is None:
+        sys.stderr.write("cudist-bench: --workers needs mpiexec: pip install \"cudist[mpi]\"\n")
+        return 2
+    env = dict(os.environ)
+    if args.workers > (os.cpu_count() or 1):
+        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    cmd = [mpiexec, "-n", str(args.workers), sys.executable, "-m", "cudist.bench", *argv]
+    return subprocess.call(cmd, env=env)
+
+
+def _run(args) -> int:
+    from mpi4py import MPI
+
+    import cudist
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.Get_rank(), comm.Get_size()
+    R = args.replicas
+    if R > 1:
+        cpu = cudist.config.list_physical_devices("CPU")[0]
+        cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * R)
+    strategy = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
+    G = strategy.num_replicas_in_sync
+    sizes = []
+    s = args.minbytes
+    while s <= args.maxbytes:
+        sizes.append(s)
+        s *= max(2, args.stepfactor)
+
+    def timed(fn, iters):
+        out = np.empty(iters)
+        for i in range(iters):
+            comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            out[i] = time.perf_counter() - t
+        slowest = np.empty_like(out)
+        comm.Allreduce(out, slowest, MPI.MAX)
+        return slowest
+
+    rows = []
+    ok_all = True
+    if rank == 0:
+        print(f"# cudist-bench all-reduce --workers {size}: {R} local replica(s) per worker, {G} in sync; "
+              f"float32 SUM; {args.iters} calls per size and variant, interleaved; times are medians of the "
+              "slowest worker per call", flush=True)
+        print(f"# {'size':>8} {'mpi4py us':>11} {'cudist us':>11} {'mpi4py GB/s':>12} {'cudist GB/s':>12} "
+              f"{'cudist/mpi4py':>14} {'check':>6}", flush=True)
+    for nbytes in sizes:
+        count = nbytes // 4
+        send = np.full(count, float(rank + 1), np.float32)
+        recv = np.empty_like(send)
+        locals_ = [np.full(count, float(rank * R + r + 1), np.float32) for r in range(R)]
+        values = strategy.experimental_distribute_values_from_function(lambda vc: locals_[vc.replica_id_in_sync_group - rank * R])
+
+        def raw():
+            comm.Allreduce(send, recv, MPI.SUM)
+
+        def step(x):
+            return cudist.get_replica_context().all_reduce("sum", x)
+
+        def ours():
+            return strategy.run(step, args=(values,))
+
+        for _ in range(args.warmup_iters):
+            raw()
+            ours()
+        raw_t, ours_t = [], []
+        per_round = max(1, args.iters // 4)
+        done = 0
+        while done < args.iters:
+            k = min(per_round, args.iters - done)
+            raw_t.append(timed(raw, k))
+            ours_t.append(timed(ours, k))
+            done += k
+        raw_us = float(np.median(np.concatenate(raw_t))) * 1e6
+        ours_us = float(np.median(np.concatenate(ours_t))) * 1e6
+        ok = True
+        if args.check:
+            res = strategy.experimental_local_results(ours())
+            want = G * (G + 1) / 2
+            ok = all(float(r[0]) == want and float(r[-1]) == want for r in res)
+            ok = bool(comm.allreduce(int(ok), MPI.MIN))
+            raw()
+            ok = ok and float(recv[0]) == size * (size + 1) / 2
+        ok_all = ok_all and ok
+        row = {
+            "bytes": nbytes, "mpi4py_us": raw_us, "cudist_us": ours_us,
+            "mpi4py_GBps": nbytes / raw_us / 1e3, "cudist_GBps": nbytes / ours_us / 1e3,
+            "ratio": raw_us / ours_us, "check": ok,
+        }
+        rows.append(row)
+        if rank == 0:
+            print(f"  {_fmt_size(nbytes):>8} {raw_us:11.1f} {ours_us:11.1f} {row['mpi4py_GBps']:12.2f} "
+                  f"{row['cudist_GBps']:12.2f} {100 * row['ratio']:13.1f}% {'ok' if ok else 'FAIL':>6}", flush=True)
+    if rank == 0 and args.json:
+        doc = {"workers": size, "replicas_per_worker": R, "rows": rows, "ok": ok_all}
+        with open(args.json, "w") as f:
+            json.dump(doc, f, indent=1)
+    return 0 if ok_all else 1
+
+
+def main(argv) -> int:
+    args = build_parser().parse_args(argv)
+    if args.workers < 1 or args.replicas < 1:
+        sys.stderr.write("cudist-bench: --workers and --replicas must be >= 1\n")
+        return 2
+    from cudist._collectives.mpi import launched_by_mpi
+
+    if not launched_by_mpi():
+        return _relaunch(args, argv)
+    return _run(args)
