@@ -613,12 +613,16 @@ class DistributedIterator:
         self._steps = steps
         self._n = n
         self._element_spec = element_spec
+        self._consumed = 0  # steps handed out: the position cudist.train.Checkpoint saves
+        self._remake = None  # builds a fresh iterator over the same input (set by the dataset's __iter__)
 
     def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
-        return next(self._steps)
+        step = next(self._steps)
+        self._consumed += 1
+        return step
 
     next = __next__
 
@@ -654,6 +658,45 @@ class DistributedIterator:
         close = getattr(self._steps, "close", None)
         if close is not None:
             close()
+
+    # -- checkpoints: cudist.train.Checkpoint saves and restores the position through these two
+    def _checkpoint_state(self) -> dict:
+        """The iterator's position: how many steps it has handed out."""
+        return {"position": self._consumed}
+
+    def _restore_state(self, state: dict) -> None:
+        """Moves the iterator to ``state["position"]`` steps from the start by replaying the input.
+
+        An iterator that has handed out nothing skips that many steps; any other is first re-created
+        over the same input (so the result does not depend on where it was). Skipped steps are read,
+        split and placed like any other, then dropped: the position is exact for a deterministic input
+        pipeline (a shuffle needs a seed), and restoring costs reading that many steps.
+
+        Raises:
+            ValueError: the input ends before that position, or this iterator cannot be re-created.
+        """
+        target = int(state["position"])
+        if target < 0:
+            raise ValueError(f"an iterator position must be >= 0, got {target}")
+        broken = getattr(self, "_broken", None) is not None  # an input that raised cannot resume
+        if target == self._consumed and not broken:
+            return
+        if self._consumed or broken:
+            if self._remake is None:
+                raise ValueError("this iterator cannot be re-created to restore an earlier position")
+            self.close()
+            self._steps = self._remake()._steps
+            self._consumed = 0
+            if broken:
+                self._broken = None
+        while self._consumed < target:
+            try:
+                next(self._steps)
+            except StopIteration:
+                raise ValueError(
+                    f"cannot restore the iterator to step {target}: its input ends after {self._consumed} steps"
+                ) from None
+            self._consumed += 1
 
 
 def new_iterator(
@@ -749,10 +792,12 @@ class _DistributedBase:
         def element_spec(self) -> Any: ...  # each dataset's own
 
     def __iter__(self) -> DistributedIterator:
-        return new_iterator(
+        it = new_iterator(
             self._strategy, self._options.experimental_fetch_to_device, self._steps, self._n, self.element_spec,
             self._prefetch,
         )
+        it._remake = self.__iter__  # for restoring a checkpointed position
+        return it
 
     def reduce(self, initial_state: _S, reduce_func: Callable[[_S, Any], _S]) -> _S:
         """Folds the steps: ``state = reduce_func(state, step)`` for each step.

@@ -488,6 +488,38 @@ class Variable(metaclass=_VariableMeta):
     def __hash__(self):
         return id(self)
 
+    def __deepcopy__(self, memo):
+        """An independent variable with a copy of the value: same name, device, settings and strategy."""
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        state = {k: v for k, v in vars(self).items() if k not in ("_kernel_cached", "_distributed_container")}
+        state["_array"] = snapshot(self._array)
+        state["_unique_id"] = f"{self._base_name.split('/')[0]}_{_next_uid()}"
+        new.__dict__.update(state)
+        return new
+
+    def __reduce__(self):
+        """Pickles a plain variable as its value and settings (unpickled outside any strategy, on its
+        device); distributed variables refuse."""
+        if type(self) is not Variable:
+            raise TypeError(
+                f"cannot pickle {type(self).__name__} '{self.name}': it belongs to its strategy's devices; save it "
+                "with cudist.train.Checkpoint (or pickle its value, variable.numpy()); copy.deepcopy works in-process"
+            )
+        rebuild = functools.partial(
+            create_plain_variable,
+            None,
+            initial_value=to_host(self._array),
+            trainable=self._trainable,
+            name=self._base_name,
+            dtype=self._array.dtype,
+            synchronization=self._synchronization,
+            aggregation=self._aggregation,
+            shape=self._shape_spec,
+            device=self._device,
+        )
+        return (rebuild, ())
+
     def __bool__(self):
         return bool(self._read_live())
 
@@ -679,6 +711,19 @@ class DistributedVariable(DistributedValues, Variable):
 
     def __hash__(self):
         return id(self)
+
+    def __deepcopy__(self, memo):
+        """An independent distributed variable of the same strategy, each component copied."""
+        components = tuple(memo.get(id(c)) or c.__deepcopy__(memo) for c in self._values)
+        new = type(self)._build_distributed(
+            self._distribute_strategy,
+            components,
+            trainable=self._trainable,
+            synchronization=self._synchronization,
+            aggregation=self._aggregation,
+        )
+        memo[id(self)] = new
+        return new
 
     def __repr__(self) -> str:
         body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))

@@ -430,6 +430,57 @@ class Optimizer:
         """As :meth:`_kernel_update`, from per-replica ``grads`` summed in the same pass."""
         raise NotImplementedError
 
+    # ------------------------------------------------------------------ checkpoints, copies
+    def _checkpoint_state(self) -> dict:
+        """What ``cudist.train.Checkpoint`` saves: ``{"hyperparameters": {...}, "iterations": variable,
+        "slots": [(variable, slot name, slot variable), ...]}``.
+
+        The hyperparameters are the public numeric/bool/str attributes and the learning rate (None
+        when it is a callable).
+        """
+        lr = self._learning_rate
+        hyper = {"learning_rate": None if callable(lr) else lr}
+        for k, v in vars(self).items():
+            if not k.startswith("_") and isinstance(v, (bool, int, float, str)):
+                hyper[k] = v
+        slots = [(var, name, slot) for var, named in self._slots.items() for name, slot in named.items()]
+        return {"hyperparameters": hyper, "iterations": self._iterations, "slots": slots}
+
+    def _restore_state(self, hyperparameters: dict, var_list=()) -> None:
+        """Creates the slots of ``var_list`` (the checkpoint then restores their values) and restores a
+        numeric learning rate, as Keras 3 restores its learning-rate variable. Other hyperparameters
+        are constructor arguments and stay as constructed."""
+        self.build(var_list)
+        lr = hyperparameters.get("learning_rate")
+        if lr is not None and not callable(self._learning_rate):
+            self.learning_rate = lr
+
+    def __deepcopy__(self, memo):
+        """An independent optimizer: same hyperparameters, copies of ``iterations`` and the slots.
+
+        Its slots are keyed by deep copies of the variables they belong to (the same copies as the
+        rest of one ``copy.deepcopy`` call makes: deep-copy a model and its optimizer together).
+        """
+        import copy  # noqa: PLC0415
+
+        new = object.__new__(type(self))
+        memo[id(self)] = new
+        for k, v in vars(self).items():
+            if k == "_plans":
+                new._plans = {}  # kernel work validated for the original's buffers
+            elif k == "_slots":
+                new._slots = {copy.deepcopy(var, memo): copy.deepcopy(named, memo) for var, named in v.items()}
+            else:
+                new.__dict__[k] = copy.deepcopy(v, memo)
+        return new
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"cannot pickle optimizer {self.name!r}: its slots are keyed by the variables it trains, which "
+            "belong to their strategy's devices; save it with cudist.train.Checkpoint(optimizer=..., model=...) "
+            "(copy.deepcopy works in-process)"
+        )
+
     def __repr__(self) -> str:
         return f"<cudist.optimizers.{type(self).__name__} name={self.name!r} iterations={int(self._iterations)}>"
 
