@@ -1,0 +1,671 @@
+"""``cudist.train.Checkpoint``: saves and restores training state (``tf.train.Checkpoint``).
+
+What is tracked (the object graph). ``Checkpoint(**objects)`` names its children; from them the
+graph is walked breadth-first, the first path found to an object naming it (as TF):
+
+* a cudist ``Variable`` of any kind is a leaf with one tensor: a plain variable its value; a
+  ``MirroredVariable`` ONE value (component 0; the components are equal); an
+  ``AggregatingVariable`` (CentralStorageStrategy) its storage; a ``SyncOnReadVariable`` its
+  aggregate (the cross-replica read: SUM, MEAN or replica 0's value), plus its per-replica
+  components, so that a restore onto the same number of replicas continues bit for bit (aggregation
+  NONE has no aggregate and cannot be saved, as in TF);
+* a cudist optimizer (``cudist.optimizers.SGD``/``Adam``): its ``iterations`` variable (at
+  ``<optimizer>/iterations``), its hyperparameters (in the index), and one slot variable per
+  (tracked variable, slot name) at ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>``, linked to the
+  variable's path. As in TF, slots of variables that are not themselves in the checkpoint are not
+  saved. Restoring into an optimizer that has no slots yet creates them;
+* a distributed iterator (``iter(strategy.experimental_distribute_dataset(ds))``): its position,
+  the number of steps it has handed out. Restoring re-creates it over the same input and replays
+  that many steps (read and dropped): exact for a deterministic pipeline, and it costs reading them;
+* containers: a list or tuple names its items ``0``, ``1``, ...; a dict its (string) keys;
+* any other object with attributes (a model class, a metric): its instance attributes, by name
+  (TF's AutoTrackable). Plain Python values and arrays are not tracked (as in TF), nor cudist's
+  internal objects (strategies, datasets).
+
+Names are escaped as TF escapes them ("." -> "..", "/" -> "./"), so a path like
+``model/dense/kernel`` is unambiguous.
+
+Restore works under another strategy or replica count than the save: a saved value is assigned to
+every component; a SyncOnRead SUM variable's components get ``value / N`` each (TF's rule; for
+integer dtypes the remainder goes to the first components, so the sum reads back exactly, where TF
+truncates), MEAN / ONLY_FIRST_REPLICA ones the value each; with as many replicas as at the save,
+its saved components are restored as they were.
+
+The status a restore returns follows TF 2.21 (observed there): ``assert_consumed()`` raises
+AssertionError if a checkpointed object was not matched by the Python program or a Python object
+got no value; ``assert_existing_objects_matched()`` only for the second; ``expect_partial()``
+returns the status. ``restore()`` creates ``save_counter`` first (so a checkpoint written without
+one leaves it unbound); ``read()`` does not (so a checkpoint's ``save_counter`` stays unresolved,
+and is applied if ``save_counter`` is created later). Values are assigned when ``restore``
+returns: there is no deferred restoration of objects created afterwards, except ``save_counter``.
+
+In a multi-worker job every worker calls ``save`` (a sync-on-read variable's aggregate is a
+collective) but only the chief writes (``strategy.extended.should_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import functools
+import json
+import os
+import types
+from collections.abc import Mapping
+
+import numpy as np
+
+from cudist import _distribute_lib
+from cudist._input_lib import DistributedIterator
+from cudist._values import DistributedValues
+from cudist._variables import (
+    SyncOnReadVariable,
+    Variable,
+    VariableAggregation,
+    VariableSynchronization,
+    create_plain_variable,
+)
+from cudist.data import Dataset
+from cudist.optimizers import Optimizer
+from cudist.train import _format
+
+__all__ = ["Checkpoint", "CheckpointLoadStatus", "InitializationOnlyStatus"]
+
+_SLOT = ".OPTIMIZER_SLOT"
+_PER_REPLICA = ".PER_REPLICA"
+
+
+def _escape(name: str) -> str:
+    """TF's escaping of a local name in a checkpoint key."""
+    return name.replace(".", "..").replace("/", "./")
+
+
+def _join(path: str, name: str) -> str:
+    return f"{path}/{name}" if path else name
+
+
+_ATOMS = (
+    type(None), bool, int, float, complex, str, bytes, bytearray, np.ndarray, np.generic, enum.Enum, type,
+    types.ModuleType, types.FunctionType, types.BuiltinFunctionType, types.MethodType, functools.partial,
+    set, frozenset, Dataset, DistributedValues,
+)
+
+
+def _walkable(obj) -> bool:
+    """Whether an object's instance attributes are walked (TF's AutoTrackable)."""
+    if isinstance(obj, _ATOMS) or not hasattr(obj, "__dict__"):
+        return False
+    parts = (type(obj).__module__ or "").split(".")
+    # cudist's internal objects (strategies, contexts, datasets, cross-device ops) hold no state to save.
+    return not (parts[0] == "cudist" and (len(parts) == 1 or parts[1].startswith("_")))
+
+
+def _kind(obj) -> str | None:
+    if isinstance(obj, Variable):
+        return "variable"
+    if isinstance(obj, Optimizer):
+        return "optimizer"
+    if isinstance(obj, DistributedIterator):
+        return "iterator"
+    if isinstance(obj, Checkpoint):
+        return "checkpoint"
+    if isinstance(obj, (list, tuple)):
+        return "list"
+    if isinstance(obj, Mapping):
+        return "dict"
+    if _walkable(obj):
+        return "object"
+    return None
+
+
+class _Graph:
+    """The tracked objects reachable from a checkpoint, by path.
+
+    ``leaves``: path -> (kind, object) with kind "variable", "slot", "optimizer" or "iterator";
+    ``slots``: slot path -> (optimizer path, variable path, slot name).
+    """
+
+    def __init__(self, root: Checkpoint):
+        self.leaves: dict = {}
+        self.slots: dict = {}
+        self.path_of: dict = {}
+        self._alive: list = []  # keeps every visited object alive, so ids stay unique
+        seen: set = set()
+        optimizers = []
+        queue = collections.deque(("", child, name) for name, child in root._graph_children())
+        while queue:
+            parent, obj, name = queue.popleft()
+            kind = _kind(obj)
+            if kind is None or id(obj) in seen:
+                continue
+            path = _join(parent, _escape(name))
+            seen.add(id(obj))
+            self._alive.append(obj)
+            if kind in ("variable", "optimizer", "iterator"):
+                self.leaves[path] = (kind, obj)
+                self.path_of[id(obj)] = path
+                if kind == "optimizer":
+                    state = obj._checkpoint_state()
+                    optimizers.append((path, state))
+                    queue.append((path, state["iterations"], "iterations"))
+                continue
+            if kind == "checkpoint":
+                children = obj._graph_children()
+            elif kind == "list":
+                children = [(str(i), v) for i, v in enumerate(obj)]
+            elif kind == "dict":
+                children = []
+                for k, v in obj.items():
+                    if not isinstance(k, str):
+                        if _kind(v) is not None:
+                            raise ValueError(
+                                f"cannot checkpoint the dict at {path!r}: its key {k!r} is not a string (a key "
+                                "names the value in the checkpoint)"
+                            )
+                        continue
+                    children.append((k, v))
+            else:
+                children = list(vars(obj).items())
+            queue.extend((path, child, child_name) for child_name, child in children)
+        for opt_path, state in optimizers:  # slots of the tracked variables, linked to their paths
+            for var, slot_name, slot in state["slots"]:
+                var_path = self.path_of.get(id(var))
+                if var_path is None:
+                    continue
+                key = f"{var_path}/{_SLOT}/{opt_path}/{_escape(slot_name)}"
+                self.leaves[key] = ("slot", slot)
+                self.slots[key] = (opt_path, var_path, slot_name)
+        self.optimizers = {path: state for path, state in optimizers}
+
+    def strategies(self) -> list:
+        out = []
+        for kind, obj in self.leaves.values():
+            if kind in ("variable", "slot"):
+                s = getattr(obj, "_distribute_strategy", None)
+                if s is not None and all(s is not o for o in out):
+                    out.append(s)
+        return out
+
+
+# ------------------------------------------------------------------------------------- variables
+def _shape_dtype(var) -> tuple:
+    arr = var._primary_array()
+    return tuple(int(d) for d in arr.shape), np.dtype(arr.dtype)
+
+
+def _save_entries(path: str, var, record: dict) -> list:
+    """The tensor specs (key, dtype, shape, get) of a variable, filling its index ``record``."""
+    shape, dtype = _shape_dtype(var)
+    record.update(
+        tensor=path,
+        dtype=dtype.name,
+        shape=list(shape),
+        variable_class=type(var).__name__,
+        name=var.name,
+        trainable=bool(var.trainable),
+        synchronization=var.synchronization.name,
+        aggregation=var.aggregation.name,
+        replicas=len(var.values) if isinstance(var, DistributedValues) else 1,
+    )
+    if isinstance(var, SyncOnReadVariable):
+        if var.aggregation is VariableAggregation.NONE:
+            raise ValueError(
+                f"cannot checkpoint SyncOnReadVariable '{var.name}' (at {path!r}): with aggregation NONE it has no "
+                "cross-replica value to save (TF raises too); give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"
+            )
+        specs = [(path, dtype, shape, var._read_host)]  # the aggregate: a cross-replica read
+        keys = []
+        for i, c in enumerate(var.values):
+            key = f"{path}/{_PER_REPLICA}/{i}"
+            keys.append(key)
+            specs.append((key, dtype, shape, c._read_host))
+        record["per_replica"] = keys
+        return specs
+    if isinstance(var, DistributedValues):  # MirroredVariable: one value, component 0's
+        return [(path, dtype, shape, var.values[0]._read_host)]
+    return [(path, dtype, shape, var._read_host)]  # plain, AggregatingVariable: the storage
+
+
+def _check_compatible(path: str, var, record: dict) -> None:
+    dtype = np.dtype(record["dtype"])
+    shape = tuple(record["shape"])
+    if dtype != var.dtype:
+        raise ValueError(
+            f"Received incompatible tensor with dtype {dtype.name} when attempting to restore variable '{var.name}' "
+            f"of dtype {var.dtype.name} (checkpoint key {path!r})"
+        )
+    spec = var.shape  # may hold None dimensions (a variable created with shape=)
+    if len(spec) != len(shape) or any(s is not None and s != d for s, d in zip(spec, shape)):
+        raise ValueError(
+            f"Received incompatible tensor with shape {shape} when attempting to restore variable with shape "
+            f"{tuple(spec)} and name {var.name} (checkpoint key {path!r})"
+        )
+
+
+def _split_sum(value: np.ndarray, n: int) -> list:
+    """Components whose sum is ``value``: value / n each (TF); integers exactly (remainder first)."""
+    if value.dtype.kind in "iub":
+        if value.dtype.kind == "b":
+            return [value] + [np.zeros_like(value)] * (n - 1)
+        q, r = np.divmod(value, n)
+        return [(q + (i < r)).astype(value.dtype) for i in range(n)]
+    return [value / value.dtype.type(n)] * n
+
+
+def _assign_components(var, arrays) -> None:
+    for c, a in zip(var.values, arrays):
+        c.assign(a, read_value=False)
+
+
+def _restore_variable(var, record: dict, read) -> None:
+    """Assigns the saved value (``read(key)`` gives a tensor) to every component of ``var``."""
+    value = read(record["tensor"])
+    if isinstance(var, SyncOnReadVariable):
+        n = len(var.values)
+        keys = record.get("per_replica") or []
+        if len(keys) == n:  # as many replicas as at the save: the components as they were
+            del value
+            for c, key in zip(var.values, keys):
+                c.assign(read(key), read_value=False)
+            return
+        agg = var.aggregation
+        if agg is VariableAggregation.SUM:
+            _assign_components(var, _split_sum(value, n))
+        else:  # MEAN, ONLY_FIRST_REPLICA, NONE: every component the value (as TF)
+            _assign_components(var, [value] * n)
+        return
+    if isinstance(var, DistributedValues):
+        _assign_components(var, [value] * len(var.values))
+        return
+    var.assign(value, read_value=False)
+
+
+# ------------------------------------------------------------------------------------- status
+def _describe(objs) -> str:
+    shown = objs[:10]
+    return f"Showing {len(shown)} of {len(objs)} unmatched objects: {shown!r}"
+
+
+class CheckpointLoadStatus:
+    """What a :meth:`Checkpoint.restore` / :meth:`Checkpoint.read` matched (TF's ``CheckpointLoadStatus``)."""
+
+    def __init__(self, save_path: str, unresolved: list, unbound: list, matched: int):
+        self._save_path = save_path
+        self._unresolved = unresolved  # (path, kind) of checkpointed objects the program did not match
+        self._unbound = unbound  # (path, object) of the program's objects the checkpoint had no value for
+        self._matched = matched
+        self._partial = False
+
+    def assert_consumed(self):
+        """Every object in the checkpoint was matched, and every tracked Python object got a value.
+
+        Raises:
+            AssertionError: otherwise (naming the first unresolved checkpoint object, or the unbound
+                Python objects).
+        """
+        if self._unresolved:
+            path, kind = self._unresolved[0]
+            others = f" (and {len(self._unresolved) - 1} more)" if len(self._unresolved) > 1 else ""
+            raise AssertionError(f"Unresolved object in checkpoint {self._save_path}: {kind} {path!r}{others}")
+        return self.assert_existing_objects_matched()
+
+    def assert_existing_objects_matched(self):
+        """Every tracked Python object got a value from the checkpoint (extra checkpointed objects are fine).
+
+        Raises:
+            AssertionError: some tracked Python object has no value in the checkpoint.
+        """
+        if self._unbound:
+            objs = [obj for _, obj in self._unbound]
+            raise AssertionError(
+                f"Found {len(objs)} Python objects that were not bound to checkpointed values, likely due to "
+                f"changes in the Python program. {_describe(objs)} (paths: {[p for p, _ in self._unbound][:10]})"
+            )
+        return self
+
+    def assert_nontrivial_match(self):
+        """At least one object was matched.
+
+        Raises:
+            AssertionError: nothing in the checkpoint matched the program.
+        """
+        if not self._matched:
+            raise AssertionError(f"Nothing except the root object matched a checkpointed value in {self._save_path}.")
+        return self
+
+    def expect_partial(self):
+        """Marks the restore as intentionally partial; returns the status."""
+        self._partial = True
+        return self
+
+    def run_restore_ops(self, session=None) -> None:
+        """Nothing to run: values were assigned when restore returned (TF1 graph-mode API)."""
+
+    def initialize_or_restore(self, session=None) -> None:
+        """Nothing to run: values were assigned when restore returned (TF1 graph-mode API)."""
+
+    def __repr__(self) -> str:
+        return (
+            f"<CheckpointLoadStatus {self._save_path!r} matched={self._matched} "
+            f"unresolved={len(self._unresolved)} unbound={len(self._unbound)}>"
+        )
+
+
+class InitializationOnlyStatus:
+    """The status of ``restore(None)``: nothing restored (TF's ``InitializationOnlyStatus``)."""
+
+    _MESSAGE = "No checkpoint specified (save_path=None); nothing is being restored."
+
+    def assert_consumed(self):
+        raise AssertionError(self._MESSAGE)
+
+    def assert_existing_objects_matched(self):
+        raise AssertionError(self._MESSAGE)
+
+    def assert_nontrivial_match(self):
+        raise AssertionError(self._MESSAGE)
+
+    def expect_partial(self):
+        return self
+
+    def run_restore_ops(self, session=None) -> None:
+        """Nothing to run."""
+
+    def initialize_or_restore(self, session=None) -> None:
+        """Nothing to run."""
+
+
+# ------------------------------------------------------------------------------------- Checkpoint
+def require_cross_replica(what: str) -> None:
+    if _distribute_lib.has_strategy() and not _distribute_lib.in_cross_replica_context():
+        raise RuntimeError(f"{what} must be called in cross-replica context, not inside strategy.run")
+
+
+def _prefix_of(save_path) -> str:
+    path = os.fspath(save_path)
+    if path.endswith(_format.INDEX_SUFFIX):
+        path = path[: -len(_format.INDEX_SUFFIX)]
+    return path
+
+
+class Checkpoint:
+    """Groups trackable objects and saves / restores them (``tf.train.Checkpoint``).
+
+    ``Checkpoint(model=model, optimizer=opt, iterator=it, ...)``: each keyword names an object in
+    the checkpoint (a variable, an optimizer, a distributed iterator, a container of them or any
+    object whose attributes hold them; see the module docstring). They are also attributes
+    (``ckpt.model``); assigning a new attribute adds a dependency, as in TF.
+
+    On disk a checkpoint is ``<prefix>.index.json`` (the object graph) and
+    ``<prefix>.data-<hex>.safetensors`` (the tensors); see :mod:`cudist.train` for the format.
+
+    Raises:
+        ValueError: a value that cannot be tracked (a number, a string, an array).
+    """
+
+    def __init__(self, **kwargs):
+        self.__dict__["_children"] = {}
+        self.__dict__["_save_counter"] = None
+        self.__dict__["_pending_save_counter"] = None
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    # -- dependencies
+    def __setattr__(self, name: str, value) -> None:
+        if name.startswith("_"):
+            object.__setattr__(self, name, value)
+            return
+        if name == "save_counter":
+            raise AttributeError("save_counter is created and managed by the Checkpoint")
+        if _kind(value) is None:
+            raise ValueError(
+                f"`Checkpoint` was expecting {name} to be a trackable object (a cudist Variable, an optimizer, a "
+                f"distributed iterator, a Checkpoint, or a container or object holding them), got {value!r}."
+            )
+        self._children[name] = value
+
+    def __getattr__(self, name: str):
+        children = self.__dict__.get("_children", {})
+        if name in children:
+            return children[name]
+        raise AttributeError(f"'Checkpoint' object has no attribute {name!r}")
+
+    def __delattr__(self, name: str) -> None:
+        if name in self._children:
+            del self._children[name]
+        else:
+            object.__delattr__(self, name)
+
+    def _graph_children(self) -> list:
+        children = list(self._children.items())
+        if self._save_counter is not None:
+            children.append(("save_counter", self._save_counter))
+        return children
+
+    @property
+    def save_counter(self):
+        """An int64 variable counting :meth:`save` calls (numbers the checkpoints); created on first use."""
+        if self._save_counter is None:
+            counter = create_plain_variable(
+                None,
+                initial_value=0,
+                trainable=False,
+                name="save_counter",
+                dtype=np.int64,
+                synchronization=VariableSynchronization.AUTO,
+                aggregation=VariableAggregation.NONE,
+                shape=None,
+                device="/cpu:0",
+            )
+            if self._pending_save_counter is not None:  # a read() before the counter existed
+                counter.assign(self._pending_save_counter, read_value=False)
+                self._pending_save_counter = None
+            self._save_counter = counter
+        return self._save_counter
+
+    # -- saving
+    def save(self, file_prefix, options=None) -> str:
+        """Saves a numbered checkpoint ``<file_prefix>-<save_counter>`` and makes it the latest one.
+
+        Increments ``save_counter`` (saved with it), writes the checkpoint atomically, then records
+        it in the directory's ``checkpoint`` state file (see :func:`cudist.train.latest_checkpoint`).
+
+        Returns:
+            The checkpoint's path prefix, e.g. ``"/tmp/ckpt-3"`` (pass it to :meth:`restore`).
+        """
+        require_cross_replica("Checkpoint.save")
+        counter = self.save_counter
+        counter.assign_add(1, read_value=False)
+        path = f"{os.fspath(file_prefix)}-{int(counter)}"
+        wrote = self._write(path)
+        if wrote:
+            _format.write_state(os.path.dirname(path) or ".", path, [path])
+        return path
+
+    def write(self, file_prefix, options=None) -> str:
+        """Writes a checkpoint at exactly ``file_prefix`` (no numbering, no state file; ``save_counter``
+        is saved if it exists but not incremented). Returns ``file_prefix``."""
+        require_cross_replica("Checkpoint.write")
+        path = os.fspath(file_prefix)
+        self._write(path)
+        return path
+
+    def _should_write(self, graph: _Graph) -> bool:
+        """Only the chief writes in a multi-worker job (every strategy involved must agree)."""
+        strategies = graph.strategies()
+        if _distribute_lib.has_strategy():
+            strategies.append(_distribute_lib.get_strategy())
+        return all(getattr(s.extended, "should_checkpoint", True) for s in strategies)
+
+    def _write(self, prefix: str) -> bool:
+        """Writes the checkpoint at ``prefix`` atomically; False when this worker must not write."""
+        graph = _Graph(self)
+        objects: dict = {}
+        specs: list = []
+        for path, (kind, obj) in graph.leaves.items():
+            if kind == "variable":
+                record = {"kind": "variable"}
+                specs += _save_entries(path, obj, record)
+            elif kind == "slot":
+                opt_path, var_path, slot_name = graph.slots[path]
+                record = {"kind": "slot", "optimizer": opt_path, "variable": var_path, "slot": slot_name}
+                specs += _save_entries(path, obj, record)
+            elif kind == "optimizer":
+                state = graph.optimizers[path]
+                slots: dict = {}
+                for key, (opt_path, var_path, slot_name) in graph.slots.items():
+                    if opt_path == path:
+                        slots.setdefault(var_path, {})[slot_name] = key
+                record = {
+                    "kind": "optimizer",
+                    "optimizer_class": type(obj).__name__,
+                    "hyperparameters": state["hyperparameters"],
+                    "iterations": _join(path, "iterations"),
+                    "slots": slots,
+                }
+            else:  # iterator
+                record = {"kind": "iterator", **obj._checkpoint_state()}
+            objects[path] = record
+        if not self._should_write(graph):
+            for *_, get in specs:  # still take part in the collectives a read may be (sync-on-read aggregates)
+                get()
+            return False
+        directory = os.path.dirname(prefix) or "."
+        base = os.path.basename(prefix)
+        if not base:
+            raise ValueError(f"a checkpoint prefix must name a file, got {prefix!r}")
+        os.makedirs(directory, exist_ok=True)
+        data = _format.write_tensors(directory, base, specs, metadata={"index": base + _format.INDEX_SUFFIX})
+        index = {
+            "format": _format.FORMAT,
+            "version": _format.VERSION,
+            "tensors": data,
+            "save_counter": None if self._save_counter is None else int(self._save_counter),
+            "objects": objects,
+        }
+        _format.before_commit(prefix)
+        _format.atomic_write_json(prefix + _format.INDEX_SUFFIX, index)  # the commit point
+        _format.remove_stale(directory, base, keep=data)
+        return True
+
+    # -- restoring
+    def restore(self, save_path, options=None):
+        """Restores a checkpoint written by :meth:`save` or :meth:`write` (``save_counter`` included).
+
+        Args:
+            save_path: a checkpoint prefix (as :meth:`save` and :func:`cudist.train.latest_checkpoint`
+                return), or None to restore nothing.
+
+        Returns:
+            A :class:`CheckpointLoadStatus` (``assert_consumed()``, ``assert_existing_objects_matched()``,
+            ``expect_partial()``); for None an :class:`InitializationOnlyStatus`.
+
+        Raises:
+            FileNotFoundError: no checkpoint at ``save_path``.
+            ValueError: a saved value's dtype or shape does not fit its variable (nothing is assigned
+                then), a damaged checkpoint, or an iterator whose input is shorter than the saved position.
+        """
+        if save_path is None:
+            return InitializationOnlyStatus()
+        require_cross_replica("Checkpoint.restore")
+        self.save_counter  # noqa: B018 - TF creates the counter before restoring, so it is matched
+        return self._read(save_path)
+
+    def read(self, save_path, options=None):
+        """Restores a checkpoint like :meth:`restore`, without creating ``save_counter`` first (the
+        counterpart of :meth:`write`; a saved counter is applied if the counter is created later)."""
+        if save_path is None:
+            return InitializationOnlyStatus()
+        require_cross_replica("Checkpoint.read")
+        return self._read(save_path)
+
+    def _read(self, save_path):
+        prefix = _prefix_of(save_path)
+        index_path = prefix + _format.INDEX_SUFFIX
+        try:
+            with open(index_path, encoding="utf-8") as f:
+                index = json.load(f)
+        except FileNotFoundError:
+            raise FileNotFoundError(
+                f"Failed to find any matching files for {prefix}: no {os.path.basename(index_path)} there. A checkpoint "
+                "prefix is what save()/write() return, e.g. 'path/to/ckpt-1'."
+            ) from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{index_path}: not a cudist checkpoint index ({e})") from None
+        if not isinstance(index, dict) or index.get("format") != _format.FORMAT:
+            raise ValueError(f"{index_path}: not a cudist checkpoint index")
+        if index.get("version") != _format.VERSION:
+            raise ValueError(f"{index_path}: checkpoint format version {index.get('version')}, this cudist reads {_format.VERSION}")
+        saved = index["objects"]
+
+        # Optimizers first: create the slots the checkpoint has for variables the program tracks.
+        graph = _Graph(self)
+        built = False
+        for path, (kind, opt) in graph.leaves.items():
+            record = saved.get(path)
+            if kind != "optimizer" or record is None or record.get("kind") != "optimizer":
+                continue
+            var_list = []
+            for var_path in record.get("slots", {}):
+                leaf = graph.leaves.get(var_path)
+                if leaf is not None and leaf[0] == "variable":
+                    var_list.append(leaf[1])
+            for var in var_list:
+                try:
+                    opt._restore_state({}, [var])
+                    built = True
+                except (TypeError, ValueError):
+                    pass  # a variable the optimizer cannot train now: its slots stay unmatched
+        if built:
+            graph = _Graph(self)
+
+        matched, unbound = [], []
+        for path, (kind, obj) in graph.leaves.items():
+            record = saved.get(path)
+            if record is not None and record.get("kind") == kind:
+                matched.append((path, kind, obj, record))
+            else:
+                unbound.append((path, obj))
+        matched_paths = {m[0] for m in matched}
+        unresolved = [(p, r.get("kind")) for p, r in saved.items() if p not in matched_paths]
+        if self._save_counter is None and "save_counter" in saved:
+            unresolved = [u for u in unresolved if u[0] != "save_counter"] + [("save_counter", "variable")]
+
+        # Check everything before assigning anything.
+        for path, kind, obj, record in matched:
+            if kind in ("variable", "slot"):
+                _check_compatible(path, obj, record)
+
+        tensors_path = os.path.join(os.path.dirname(prefix) or ".", index["tensors"])
+        with _format.TensorReader(tensors_path) as reader:
+            shapes = {}
+            for record in saved.values():
+                if "tensor" in record:
+                    shapes[record["tensor"]] = (record["dtype"], record["shape"])
+                    for key in record.get("per_replica") or ():
+                        shapes[key] = (record["dtype"], record["shape"])
+
+            def read(key):
+                if key not in reader:
+                    raise ValueError(f"{tensors_path}: the index names tensor {key!r}, which the tensors file lacks")
+                dtype, shape = shapes[key]
+                return reader.read(key, dtype, shape)
+
+            for path, kind, obj, record in matched:
+                if kind in ("variable", "slot"):
+                    _restore_variable(obj, record, read)
+            if self._save_counter is None and "save_counter" in saved:
+                rec = saved["save_counter"]
+                self._pending_save_counter = read(rec["tensor"]) if "tensor" in rec else None
+        for path, kind, obj, record in matched:
+            if kind == "optimizer":
+                obj._restore_state(record.get("hyperparameters", {}))
+            elif kind == "iterator":
+                obj._restore_state(record)
+        return CheckpointLoadStatus(prefix, unresolved, unbound, len(matched))
+
+    def sync(self) -> None:
+        """Waits for pending writes: there are none (saves are synchronous)."""
+
+    def __repr__(self) -> str:
+        return f"<cudist.train.Checkpoint {list(self._children)}>"

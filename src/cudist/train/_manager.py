@@ -1,0 +1,206 @@
+"""``CheckpointManager`` and ``latest_checkpoint`` (``tf.train.CheckpointManager``, ``tf.train.latest_checkpoint``).
+
+The manager numbers checkpoints ``<directory>/<checkpoint_name>-<n>``, keeps the ``max_to_keep``
+newest (older ones are deleted, index first, unless ``keep_checkpoint_every_n_hours`` preserves
+them), and records its state in ``<directory>/checkpoint`` after each save, atomically and only
+once the new checkpoint is committed: a crash at any point leaves ``latest_checkpoint`` naming a
+complete checkpoint. A new manager on the same directory picks the state up (TF's rules, timestamps
+included).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import time
+
+from cudist.train import _format
+from cudist.train._checkpoint import require_cross_replica
+
+__all__ = ["CheckpointManager", "latest_checkpoint"]
+
+_log = logging.getLogger("cudist")
+
+
+def latest_checkpoint(checkpoint_dir, latest_filename=None):
+    """The prefix of the newest checkpoint recorded in ``checkpoint_dir``, or None.
+
+    Reads the directory's state file (written by :meth:`Checkpoint.save` and by
+    :class:`CheckpointManager`), and returns its latest checkpoint if that checkpoint exists.
+    """
+    directory = os.fspath(checkpoint_dir)
+    state = _format.read_state(directory, latest_filename or _format.STATE_FILE)
+    if state is None:
+        return None
+    path = state["model_checkpoint_path"]
+    if _format.exists(path):
+        return path
+    _log.error("Couldn't match files for checkpoint %s", path)
+    return None
+
+
+class CheckpointManager:
+    """Manages the checkpoints of one :class:`Checkpoint` in a directory (``tf.train.CheckpointManager``).
+
+    Args:
+        checkpoint: the :class:`Checkpoint` to save.
+        directory: where checkpoints and the ``checkpoint`` state file go (created if missing).
+        max_to_keep: how many checkpoints to keep (the newest); None keeps all.
+        keep_checkpoint_every_n_hours: when a checkpoint leaves the kept set, it is preserved anyway
+            if it is at least this many hours newer than the last preserved one.
+        checkpoint_name: the checkpoints' file name before ``-<number>``.
+        step_counter, checkpoint_interval: with both, :meth:`save` only saves when ``step_counter``
+            has advanced by ``checkpoint_interval`` since the last save.
+        init_fn: called by :meth:`restore_or_initialize` when there is no checkpoint.
+        last_checkpoint_step: the step of the last save, for ``checkpoint_interval``.
+
+    Raises:
+        ValueError: ``max_to_keep`` not a positive integer or None; ``checkpoint_interval`` without
+            ``step_counter``.
+    """
+
+    def __init__(
+        self,
+        checkpoint,
+        directory,
+        max_to_keep=5,
+        keep_checkpoint_every_n_hours=None,
+        checkpoint_name="ckpt",
+        step_counter=None,
+        checkpoint_interval=None,
+        init_fn=None,
+        last_checkpoint_step=None,
+    ):
+        if max_to_keep is not None and (isinstance(max_to_keep, bool) or int(max_to_keep) != max_to_keep or max_to_keep <= 0):
+            raise ValueError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep}.")
+        if checkpoint_interval is not None and step_counter is None:
+            raise ValueError("`step_counter` should be passed if `checkpoint_interval` is not None.")
+        self._checkpoint = checkpoint
+        self._max_to_keep = max_to_keep
+        self._keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
+        self._directory = os.fspath(directory)
+        self._checkpoint_prefix = os.path.join(self._directory, checkpoint_name)
+        self._init_fn = init_fn
+        self._step_counter = step_counter
+        self._checkpoint_interval = checkpoint_interval
+        self._last_checkpoint_step = last_checkpoint_step
+        now = time.time()
+        self._maybe_delete: collections.OrderedDict = collections.OrderedDict()
+        state = _format.read_state(self._directory)
+        if state is None:
+            self._latest_checkpoint = None
+            self._last_preserved_timestamp = now - 1.0
+        else:
+            self._latest_checkpoint = state["model_checkpoint_path"]
+            self._last_preserved_timestamp = state.get("last_preserved_timestamp", now - 1.0)
+            if now < self._last_preserved_timestamp:
+                _log.warning(
+                    "time.time() returned a value %f seconds behind the last preserved checkpoint timestamp.",
+                    self._last_preserved_timestamp - now,
+                )
+                self._last_preserved_timestamp = now
+            paths = state["all_model_checkpoint_paths"]
+            stamps = state.get("all_model_checkpoint_timestamps") or [self._last_preserved_timestamp] * len(paths)
+            for path, stamp in zip(paths, stamps):
+                stamp = min(stamp, now)
+                if stamp > self._last_preserved_timestamp:
+                    self._maybe_delete[path] = stamp
+
+    # -- properties
+    @property
+    def directory(self) -> str:
+        return self._directory
+
+    @property
+    def checkpoint(self):
+        """The managed :class:`Checkpoint`."""
+        return self._checkpoint
+
+    @property
+    def checkpoint_interval(self):
+        return self._checkpoint_interval
+
+    @property
+    def latest_checkpoint(self):
+        """The prefix of the newest checkpoint in ``directory`` (None if there is none)."""
+        return self._latest_checkpoint
+
+    @property
+    def checkpoints(self) -> list:
+        """The managed checkpoints, oldest first (those kept by ``keep_checkpoint_every_n_hours`` are not listed)."""
+        return list(self._maybe_delete)
+
+    # -- saving
+    def _sweep(self) -> None:
+        if not self._max_to_keep:
+            return
+        while len(self._maybe_delete) > self._max_to_keep:
+            path, stamp = self._maybe_delete.popitem(last=False)
+            hours = self._keep_checkpoint_every_n_hours
+            if hours and stamp - hours * 3600.0 >= self._last_preserved_timestamp:
+                self._last_preserved_timestamp = stamp
+                continue
+            _format.remove_checkpoint(path)
+
+    def _record_state(self) -> None:
+        _format.write_state(
+            self._directory,
+            self._latest_checkpoint,
+            list(self._maybe_delete),
+            list(self._maybe_delete.values()),
+            self._last_preserved_timestamp,
+        )
+
+    def save(self, checkpoint_number=None, check_interval=True, options=None):
+        """Saves a new checkpoint, records it as the latest, and deletes the ones no longer kept.
+
+        Args:
+            checkpoint_number: the number to give it (an int or an integer variable); by default the
+                checkpoint's ``save_counter``, which is incremented either way.
+            check_interval: with ``checkpoint_interval``, save only if the step counter advanced by it.
+
+        Returns:
+            The new checkpoint's prefix, or None when ``checkpoint_interval`` skipped the save.
+        """
+        require_cross_replica("CheckpointManager.save")
+        if self._checkpoint_interval is not None:
+            step = int(self._step_counter)
+            if self._last_checkpoint_step is not None:
+                if step == self._last_checkpoint_step:
+                    return None
+                if check_interval and step < self._last_checkpoint_step + self._checkpoint_interval:
+                    return None
+            self._last_checkpoint_step = step
+        counter = self._checkpoint.save_counter
+        counter.assign_add(1, read_value=False)
+        number = int(counter) if checkpoint_number is None else int(checkpoint_number)
+        path = f"{self._checkpoint_prefix}-{number}"
+        if not self._checkpoint._write(path):
+            return path  # not the chief: nothing was written, nothing to record
+        stamp = time.time()
+        self._maybe_delete.pop(path, None)
+        self._maybe_delete[path] = stamp
+        self._latest_checkpoint = path
+        self._record_state()
+        self._sweep()
+        self._record_state()
+        return path
+
+    def restore_or_initialize(self):
+        """Restores the latest checkpoint if there is one (returns its path), else calls ``init_fn``
+        (returns None)."""
+        if self._latest_checkpoint is not None:
+            self._checkpoint.restore(self._latest_checkpoint)
+            if self._checkpoint_interval is not None:
+                self._last_checkpoint_step = int(self._step_counter)
+            return self._latest_checkpoint
+        if self._init_fn is not None:
+            self._init_fn()
+        return None
+
+    def sync(self) -> None:
+        """Waits for pending saves: there are none (saves are synchronous)."""
+
+    def __repr__(self) -> str:
+        return f"<cudist.train.CheckpointManager {self._checkpoint_prefix!r} latest={self._latest_checkpoint!r}>"
