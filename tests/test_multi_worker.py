@@ -72,10 +72,10 @@ def _mpiexec(*args, timeout=90):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=HERE)
 
 
-def _launch(*args, timeout=60, flags=()):
+def _launch(*args, timeout=60, flags=(), env=None):
     cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", *flags, JOB, *args]
     start = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(), cwd=HERE)
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=_env(**(env or {})), cwd=HERE)
     return p, time.monotonic() - start
 
 
@@ -135,14 +135,19 @@ def test_a_killed_worker_ends_the_job(no_shm_left):
 @needs_mpi
 @pytest.mark.multi_worker
 def test_a_hung_worker_times_out(no_shm_left):
-    """timeout_seconds=2: worker 0 raises DeadlineExceededError naming worker 1; the job ends by timeout + 5 s."""
+    """timeout_seconds=2: worker 0 raises DeadlineExceededError naming worker 1; the job ends by timeout + 5 s.
+
+    The stall warning (after 60 s by default; 1 s here) names the missing worker first.
+    """
     started = time.time()
-    proc, _ = _launch("hang")
+    proc, _ = _launch("hang", env={"CUDIST_STALL_WARNING_SECONDS": "1"})
     end = time.time()
     assert proc.returncode != 0
     assert end - _ready_time(proc, started) < 2 + 5
     assert "DeadlineExceededError" in proc.stderr
     assert "worker(s) [1] did not join it" in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"CollectiveStallWarning: cudist: worker 0 has waited 1 s in all_reduce SUM, collective #\d+, "
+                     r"for worker\(s\) \[1\]", proc.stderr), proc.stderr[-2000:]
 
 
 @needs_mpi

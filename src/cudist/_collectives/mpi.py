@@ -33,6 +33,7 @@ import warnings
 
 import numpy as np
 
+from cudist import errors
 from cudist._replica_engine import ReplicaMismatchError
 
 __all__ = [
@@ -52,7 +53,8 @@ __all__ = [
 
 #: Set to 1 to check every cross-worker collective's fingerprint first (debug mode).
 ENV_CHECK = "CUDIST_CHECK_COLLECTIVES"
-#: Seconds a worker waits in one collective before a CollectiveStallWarning names the missing workers.
+#: Seconds a worker waits in one collective before a CollectiveStallWarning names the missing workers
+#: (env ``CUDIST_STALL_WARNING_SECONDS`` overrides it).
 STALL_WARNING_SECONDS = 60.0
 #: Environment variables MPI launchers set in the processes they start (MPICH/Hydra, PMIx, Open MPI, Slurm).
 LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
@@ -60,8 +62,9 @@ _FINGERPRINT_BYTES = 512
 _NOTICE_TAG = 7
 
 
-class DeadlineExceededError(TimeoutError):
-    """A cross-worker collective did not complete within ``CommunicationOptions.timeout_seconds``."""
+# A cross-worker collective did not complete within ``CommunicationOptions.timeout_seconds``: TF's
+# DeadlineExceededError (cudist.errors, also a TimeoutError), re-exported here under its old home.
+DeadlineExceededError = errors.DeadlineExceededError
 
 
 class CollectiveStallWarning(RuntimeWarning):
@@ -212,7 +215,9 @@ class Communicator:
         self.size = self.comm.Get_size()
         self.timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
         self.check = _check_enabled() if check is None else bool(check)
-        self.stall_warning_seconds = STALL_WARNING_SECONDS if stall_warning_seconds is None else stall_warning_seconds
+        if stall_warning_seconds is None:
+            stall_warning_seconds = float(os.environ.get("CUDIST_STALL_WARNING_SECONDS", STALL_WARNING_SECONDS))
+        self.stall_warning_seconds = stall_warning_seconds
         self.seq = 0
         self._broken = None
         self._arrived = [0] * self.size  # latest sequence number each worker said it waits in
