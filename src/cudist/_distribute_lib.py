@@ -16,6 +16,7 @@ the replica greenlets of :mod:`cudist._replica_engine` each see their own replic
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import warnings
@@ -23,7 +24,6 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
 
-import greenlet  # type: ignore[import-untyped]
 import numpy as np
 import numpy.typing as npt
 import optree
@@ -37,8 +37,6 @@ from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
 
 if TYPE_CHECKING:
-    import contextvars
-
     from cudist._arrays import Array
     from cudist._collectives.placement import Destinations
     from cudist._cross_device_ops import CrossDeviceOps
@@ -331,12 +329,20 @@ def _h_merge_call(
     else:
         margs = regroup([p[1] for p in payloads], PerReplica)
         mkwargs = regroup([p[2] for p in payloads], PerReplica)
-    token = _CTX.set(strategy._extended._cross_frame)
-    try:
-        result = fn(strategy, *margs, **mkwargs)
-    finally:
-        _CTX.reset(token)
+    # In a copy of the caller's context: the cross-replica frame can never outlive the call, even
+    # when an interrupt lands between setting and resetting it (the copy is simply dropped).
+    result = contextvars.copy_context().run(_in_frame, strategy._extended._cross_frame, fn, strategy, margs, mkwargs)
     return [select_replica(i, result) for i in range(n)]
+
+
+def _call_in_frame(frame: _Frame, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    _CTX.set(frame)
+    return fn(*args, **kwargs)
+
+
+def _in_frame(frame: _Frame, fn: Callable[..., Any], strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    _CTX.set(frame)
+    return fn(strategy, *args, **kwargs)
 
 
 _HANDLERS: dict[str, Callable[[Strategy, Any], list[Any]]] = {
@@ -395,8 +401,7 @@ class ReplicaContext:
             )
         if self._num == 1:
             return _HANDLERS[kind](self._strategy, [payload])[0]
-        # The replica greenlet's parent is the caller of run(), which performs the collective.
-        return greenlet.getcurrent().parent.switch((kind, payload))
+        return _engine().meet(kind, payload)  # the caller of run() performs it once all are there
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: _T, options: object = None) -> _T:
         """All-reduces ``value`` (a nested structure of arrays or scalars) across replicas.
@@ -943,17 +948,16 @@ class StrategyExtended:
         if gpus is not None:
             prev = current_gpu()
         if n == 1:
-            token = _CTX.set(frames[0])
+            if args:
+                args = select_replica(0, tuple(args))
+            if kwargs:
+                kwargs = select_replica(0, kwargs)
             try:
-                if args:
-                    args = select_replica(0, tuple(args))
-                if kwargs:
-                    kwargs = select_replica(0, kwargs)
                 if gpus is not None:
                     set_current_gpu(gpus[0])
-                return fn(*args, **kwargs)
+                # In a copy of the context: the replica frame cannot leak, whatever interrupts the call.
+                return contextvars.copy_context().run(_call_in_frame, frames[0], fn, args, kwargs)
             finally:
-                _CTX.reset(token)
                 if gpus is not None:
                     set_current_gpu(prev)
         try:

@@ -614,13 +614,29 @@ class DistributedIterator:
         self._n = n
         self._element_spec = element_spec
         self._consumed = 0  # steps handed out: the position cudist.train.Checkpoint saves
+        self._broken: BaseException | None = None  # what interrupted a step's read (see __next__)
         self._remake = None  # builds a fresh iterator over the same input (set by the dataset's __iter__)
 
     def __iter__(self) -> DistributedIterator:
         return self
 
     def __next__(self) -> Any:
-        step = next(self._steps)
+        if self._broken is not None:
+            raise RuntimeError(
+                f"this distributed iterator was interrupted by {type(self._broken).__name__} while it read step "
+                f"{self._consumed + 1}; its input pipeline cannot resume from there. Create a new iterator "
+                "(iter(dataset)), or restore a cudist.train.Checkpoint that tracks the iterator to continue "
+                "from a saved position"
+            ) from self._broken
+        try:
+            step = next(self._steps)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            # An exception escaping a generator finishes it: without this, the next call would
+            # end the iteration silently and a training loop would stop early without an error.
+            self._broken = e
+            raise
         self._consumed += 1
         return step
 

@@ -29,7 +29,7 @@ import greenlet  # type: ignore[import-untyped]
 from cudist._context import CTX as _CTX
 from cudist._context import Frame
 
-__all__ = ["run_replicas", "ReplicaMismatchError"]
+__all__ = ["run_replicas", "meet", "ReplicaMismatchError"]
 
 _DONE, _ERROR, _ABORTED = "done", "error", "aborted"
 
@@ -50,31 +50,45 @@ class _Abort(BaseException):
     """Thrown into a suspended replica to unwind it (BaseException so ``except Exception`` lets it pass)."""
 
 
-def _worker_main(task: _Task) -> NoReturn:
-    """Body of a pooled replica greenlet: run tasks forever, reporting each outcome to the parent."""
+def _worker_main(box: list[Any]) -> NoReturn:
+    """Body of a pooled replica greenlet: run tasks forever, reporting each outcome to the parent.
+
+    Tasks and outcomes travel in one-element lists (boxes) that the receiver empties, so an idle
+    replica holds no reference to the last step's arguments or results (on a GPU: device memory).
+    A ``GreenletExit`` raised by the replica function is an error of that replica like any other;
+    only one thrown at the idle switch (the pool being discarded) ends the greenlet.
+    """
     while True:
-        frame, fn, args, kwargs = task
+        frame, fn, args, kwargs = box.pop()
         token = _CTX.set(frame)
         try:
-            out = (_DONE, fn(*args, **kwargs))
+            out = [fn(*args, **kwargs)]
+            kind = _DONE
         except _Abort:
-            out = (_ABORTED, None)
-        except greenlet.GreenletExit:
-            raise
+            out, kind = [None], _ABORTED
         except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
-            out = (_ERROR, e)
+            out, kind = [e], _ERROR
         finally:
             _CTX.reset(token)
         del frame, fn, args, kwargs
-        task = greenlet.getcurrent().parent.switch(out)
+        box = greenlet.getcurrent().parent.switch((kind, out))
+        del out
 
 
 class _Pool:
-    __slots__ = ("workers", "busy")
+    """N long-lived replica greenlets of one thread.
+
+    ``clean`` is True only while every worker is known to sit idle at its task switch; a ``run``
+    that ends any other way (an interrupt at an unlucky moment, a replica that would not unwind)
+    leaves it False, and the next ``run`` throws the pool away instead of trusting it.
+    """
+
+    __slots__ = ("workers", "busy", "clean")
 
     def __init__(self, n: int) -> None:
         self.workers: list[Any] = [greenlet.greenlet(_worker_main) for _ in range(n)]  # greenlets
         self.busy = False
+        self.clean = True
 
 
 _local = threading.local()
@@ -85,6 +99,10 @@ def _get_pool(n: int) -> _Pool:
     if pools is None:
         pools = _local.pools = {}
     pool = pools.get(n)
+    if pool is not None and not pool.busy and not pool.clean:
+        _kill(pool.workers)  # left in an unknown state by an interrupted run: never reused
+        del pools[n]
+        pool = None
     if pool is None or pool.busy:
         # A busy pool means run() is being called again while one is in progress on this thread
         # (e.g. from a merge_call function); that call gets a pool of its own.
@@ -92,6 +110,40 @@ def _get_pool(n: int) -> _Pool:
         if n not in pools:
             pools[n] = pool
     return pool
+
+
+def _kill(workers: Sequence[Any]) -> None:
+    """Ends greenlets of a discarded pool, unwinding any replica function still suspended in them."""
+    for g in workers:
+        for _ in range(4):
+            if g.dead:
+                break
+            try:
+                g.throw(_Abort())  # inside fn: unwinds it (-> _ABORTED); at the idle switch: ends it
+            except _Abort:
+                pass
+            except BaseException:  # noqa: BLE001 - a replica that raised while unwinding: it is dead now
+                pass
+
+
+def meet(kind: str, payload: Any) -> Any:
+    """Called by a replica (in its greenlet) at a collective: hands ``payload`` to the caller of
+    ``run``, which performs the collective once every replica is there; returns this replica's result."""
+    return greenlet.getcurrent().parent.switch((kind, [payload]))
+
+
+def _switch(g: Any, task: tuple[Any, ...] | None, result: Any = None) -> _Event:
+    """Switches a task (a new step) or a collective's result into replica ``g``; returns its next event."""
+    if task is not None:
+        kind, out = g.switch([task])
+    else:
+        kind, out = g.switch(result)
+    return (kind, out.pop())
+
+
+def _throw_abort(g: Any) -> _Event:
+    kind, out = g.throw(_Abort())
+    return (kind, out.pop())
 
 
 def _describe(ev: _Event) -> str:
@@ -108,13 +160,19 @@ def _abort(workers: Sequence[Any], events: list[Any]) -> bool:
         if events[i] is None or events[i][0] in (_DONE, _ERROR, _ABORTED):
             continue
         for _ in range(3):  # a replica that catches the release and waits again gets it again
-            ev = g.throw(_Abort())
+            ev = _throw_abort(g)
             if ev[0] in (_DONE, _ERROR, _ABORTED):
                 break
         else:
             ok = False
         events[i] = ev
     return ok
+
+
+def _note(exc: BaseException, text: str) -> None:
+    """Adds ``text`` to the exception's notes once (a re-raised exception object must not pile them up)."""
+    if sys.version_info >= (3, 11) and text not in getattr(exc, "__notes__", ()):
+        exc.add_note(text)
 
 
 def run_replicas(
@@ -126,6 +184,12 @@ def run_replicas(
     handlers: Handlers,
 ) -> list[Any]:
     """Runs ``fn`` once per replica in the current thread's greenlet pool.
+
+    A failed step follows TF's rule: every replica runs (as TF's replica threads do) until it
+    returns, raises, or reaches a collective that can no longer complete; those are then unwound,
+    and the error of the lowest-numbered failing replica propagates. So each replica's local work
+    up to that point (e.g. writes to its own component of a variable with aggregation NONE) is
+    done, on every replica alike.
 
     Args:
         n: number of replicas (>= 2).
@@ -145,57 +209,52 @@ def run_replicas(
         if g.parent is not me:
             g.parent = me
     pool.busy = True
+    pool.clean = False  # until every worker is back at its idle switch
     events: list[Any] = [None] * n  # per replica its last _Event (None: not started); checked by kind
     try:
-        try:
+        for i in range(n):
+            events[i] = _switch(workers[i], (frames[i], fn, args_list[i], kwargs_list[i]))
+        while True:
+            kinds = [ev[0] for ev in events]
+            first = kinds[0]
+            if first == _DONE and kinds.count(_DONE) == n:
+                pool.clean = True
+                return [ev[1] for ev in events]
+            if _ERROR in kinds:
+                err = kinds.index(_ERROR)
+                exc = events[err][1]
+                events[err] = (_ERROR, None)
+                if _abort(workers, events):
+                    pool.clean = True
+                _note(exc, f"(raised in replica {err} of {n})")
+                raise exc
+            if any(k != first for k in kinds):
+                groups: dict[str, list[int]] = {}
+                for i, ev in enumerate(events):
+                    groups.setdefault(_describe(ev), []).append(i)
+                desc = "; ".join(
+                    f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} {what}"
+                    for what, ids in groups.items()
+                )
+                if _abort(workers, events):
+                    pool.clean = True
+                raise ReplicaMismatchError(
+                    f"replicas disagree at the same step: {desc}; every replica must make the same "
+                    "collective calls (all_reduce, all_gather, merge_call) in the same order"
+                )
+            payloads = [ev[1] for ev in events]
+            events = [(first, None)] * n  # the payloads are the handler's now
+            try:
+                results = handlers[first](payloads)
+            except BaseException:
+                events = [(first, None)] * n
+                if _abort(workers, events):
+                    pool.clean = True
+                raise
+            del payloads
             for i in range(n):
-                events[i] = workers[i].switch((frames[i], fn, args_list[i], kwargs_list[i]))
-                if events[i][0] == _ERROR:
-                    break  # the replicas after it never start
-            while True:
-                kinds = [ev[0] if ev is not None else None for ev in events]
-                first = kinds[0]
-                if first == _DONE and kinds.count(_DONE) == n:
-                    return [ev[1] for ev in events]
-                if _ERROR in kinds:
-                    err = kinds.index(_ERROR)
-                    exc = events[err][1]
-                    if not _abort(workers, events):
-                        _discard(n, pool)
-                    if n > 1 and sys.version_info >= (3, 11):
-                        exc.add_note(f"(raised in replica {err} of {n})")
-                    raise exc
-                if any(k != first for k in kinds):
-                    groups: dict[str, list[int]] = {}
-                    for i, ev in enumerate(events):
-                        groups.setdefault(_describe(ev), []).append(i)
-                    desc = "; ".join(
-                        f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} {what}"
-                        for what, ids in groups.items()
-                    )
-                    raise ReplicaMismatchError(
-                        f"replicas disagree at the same step: {desc}; every replica must make the same "
-                        "collective calls (all_reduce, all_gather, merge_call) in the same order"
-                    )
-                results = handlers[first]([ev[1] for ev in events])  # type: ignore[index]  # no None: all ran
-                for i in range(n):
-                    events[i] = workers[i].switch(results[i])
-                    if events[i][0] == _ERROR:
-                        # The replicas after it still wait at this collective, their results
-                        # undelivered: unwind them now; the loop above then raises the error.
-                        for k in range(i + 1, n):
-                            events[k] = workers[k].throw(_Abort())
-                        break
-        except BaseException:
-            if not _abort(workers, events):
-                _discard(n, pool)
-            raise
+                # Every replica gets its result and runs on, even after another one raised (TF's rule).
+                events[i] = _switch(workers[i], None, results[i])
+            del results
     finally:
         pool.busy = False
-
-
-def _discard(n: int, pool: _Pool) -> None:
-    pools: dict[int, _Pool] = getattr(_local, "pools", {})
-    if pools.get(n) is pool:
-        del pools[n]
-
