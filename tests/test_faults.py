@@ -253,3 +253,54 @@ def test_thousands_of_real_sigints_never_break_run_or_variables():
     vals = [c.numpy() for c in slots.values]
     for v in vals[1:]:
         np.testing.assert_array_equal(v, vals[0])
+
+
+# ----------------------------------------------------------------------------- processes and installs
+def _child_all_reduce(q):
+    from cudist._kernels import get_backend
+
+    bufs = [np.full(1 << 20, r + 1, np.float32) for r in range(3)]  # large: the parallel path in the parent
+    get_backend("numba").all_reduce(bufs)
+    q.put([float(b[12345]) for b in bufs])
+
+
+def test_numba_kernels_work_in_a_forked_child():
+    """After the parent ran parallel Numba kernels (GNU OpenMP), a fork child still computes (serially)."""
+    import multiprocessing as mp
+
+    from cudist._kernels import get_backend
+
+    parent = [np.full(1 << 20, r + 1, np.float32) for r in range(3)]
+    get_backend("numba").all_reduce(parent)  # OpenMP threads started here
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_all_reduce, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, f"the forked child died (exit code {p.exitcode})"
+    assert q.get(timeout=5) == [6.0, 6.0, 6.0]
+
+
+def test_numba_compiles_without_a_cache_where_none_can_be_written():
+    """A read-only install under a read-only HOME: Numba's 'cannot cache' becomes an uncached compile."""
+    from cudist._kernels import _numba
+
+    calls = []
+
+    def fake_decorator(*args, cache, **kwargs):
+        calls.append(cache)
+        if cache:
+            raise RuntimeError("cannot cache function 'f': no locator available for file '/ro/f.py'")
+        return lambda fn: fn
+
+    def f():
+        return 42
+
+    assert _numba._cached(fake_decorator)(f)() == 42
+    assert calls == [True, False]
+
+    def other_error(*args, cache, **kwargs):
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        _numba._cached(other_error)(f)

@@ -67,6 +67,40 @@ _SUM, _MEAN, _SUB = 0, 1, 2
 _SGD, _MOMENTUM, _NESTEROV, _ADAM = 0, 1, 2, 3
 
 
+# ---------------------------------------------------------------------------- compiling and forking
+def _cached(decorator, *args, **kwargs):
+    """``decorator(*args, cache=True, **kwargs)``, or without the on-disk cache where there is none.
+
+    Numba refuses to cache ("cannot cache function ...: no locator available") when neither the
+    package directory nor a user cache directory (``NUMBA_CACHE_DIR``, ``~/.cache``) is writable,
+    e.g. a read-only install under a read-only HOME. Compiling on every start beats failing.
+    """
+
+    def wrap(fn):
+        try:
+            return decorator(*args, cache=True, **kwargs)(fn)
+        except RuntimeError as e:
+            if "cannot cache" not in str(e):
+                raise
+            return decorator(*args, cache=False, **kwargs)(fn)
+
+    return wrap
+
+
+_IN_FORK_CHILD = False
+
+
+def _after_fork_in_child() -> None:
+    # GNU OpenMP cannot be used again in a child forked from a process that used it (Numba's
+    # OpenMP layer terminates the child on its next parallel region). The kernels' serial path
+    # computes the same bits (the work split never changes a result), so the child uses it.
+    global _IN_FORK_CHILD
+    _IN_FORK_CHILD = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 # ---------------------------------------------------------------------------- low-level helpers
 @intrinsic
 def _ptr_like(typingctx, addr, dtype):
@@ -131,12 +165,12 @@ def _sdiv(typingctx, a, b):
     return a(a, b), codegen
 
 
-@njit(cache=True)
+@_cached(njit)
 def _view(addr, size, dtype):
     return numba.carray(_ptr_like(addr, dtype), (size,))
 
 
-@njit(cache=True)
+@_cached(njit)
 def _h2f(h):
     """float16 bits (uint16) -> float32; exact."""
     h = np.int64(h)
@@ -149,7 +183,7 @@ def _h2f(h):
     return _bits_f32(((h & 0x8000) << 16) | (((h & 0x7FFF) + 0x1C000) << 13))
 
 
-@njit(cache=True)
+@_cached(njit)
 def _f2h(f):
     """float32 -> float16 bits (uint16), round to nearest even; NumPy's npy_floatbits_to_halfbits."""
     x = _f32_bits(f)
@@ -251,7 +285,7 @@ def _ol_st(v, proto):
 _HDR = 8
 
 
-@njit(cache=True)
+@_cached(njit)
 def _reduce_range(argp, lo, hi, dtype):
     a = numba.carray(_ptr_like(argp, np.int64), (_HDR,))
     mode, nin, nout = a[0], a[2], a[3]
@@ -283,7 +317,7 @@ def _reduce_range(argp, lo, hi, dtype):
                 y[j] = tmp[j]
 
 
-@njit(cache=True)
+@_cached(njit)
 def _update_range(argp, lo, hi, dtype, ctype):
     a = numba.carray(_ptr_like(argp, np.int64), (_HDR,))
     mode, n, n1, n2, ng, hpp = a[0], a[2], a[3], a[4], a[5], a[6]
@@ -397,7 +431,7 @@ def _update_f64(argp, lo, hi):
     _update_range(argp, lo, hi, np.float64, np.float64)
 
 
-@njit(parallel=True, cache=True)
+@_cached(njit, parallel=True)
 def _k_par(fn, args, hp, nthreads, itemsize, mode, size, h2, h3, h4):
     """Runs worker ``fn`` on the operation ``args`` describes, over contiguous block-aligned ranges.
 
@@ -433,7 +467,7 @@ def _k_par(fn, args, hp, nthreads, itemsize, mode, size, h2, h3, h4):
     return True
 
 
-@njit(parallel=True, cache=True)
+@_cached(njit, parallel=True)
 def _k_batch(fn, blocks, sizes, ok, nthreads, itemsize):
     """Runs worker ``fn`` over several operations at once (a batched all-reduce): row ``s`` of
     ``blocks`` is the argument block of operation ``s`` (``sizes[s]`` elements). The blocks of all
@@ -486,7 +520,7 @@ def _k_batch(fn, blocks, sizes, ok, nthreads, itemsize):
     return skipped
 
 
-@njit(cache=True)
+@_cached(njit)
 def _pack8(args, off, a0, a1, a2, a3, a4, a5, a6, a7):
     # Reading addresses in compiled code costs ~0.1 us an array against ~1 us for .ctypes.data.
     args[off] = a0.ctypes.data
@@ -517,7 +551,7 @@ def _worker(table, dtype) -> int:
         with _workers_lock:
             addr = _workers.get(fn)
             if addr is None:
-                compiled = cfunc(_WORKER_SIG, cache=True)(fn)
+                compiled = _cached(cfunc, _WORKER_SIG)(fn)
                 _workers[(fn, "cfunc")] = compiled  # keeps the machine code alive
                 addr = _workers[fn] = compiled.address
     return addr
@@ -601,6 +635,8 @@ _THREADS_SETUP = _start_threads_passive()
 def _nthreads(nbytes: int) -> int:
     # Asked per call: numba.set_num_threads may change it (the kernel itself must not ask, as the
     # threading layer's function pointer would make it uncacheable).
+    if _IN_FORK_CHILD:
+        return 1
     return numba.get_num_threads() if nbytes >= _PARALLEL_MIN_BYTES else 1
 
 
