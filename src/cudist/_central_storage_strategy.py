@@ -7,9 +7,15 @@ the variable to the compute device), and the replicas' updates are reduced and l
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 from cudist import _devices
 from cudist._distribute_lib import Strategy, StrategyExtended, default_devices, parse_devices
-from cudist._variables import create_aggregating_variable, create_in_replica_context
+from cudist._variables import Variable, create_aggregating_variable, create_in_replica_context
+
+if TYPE_CHECKING:
+    from cudist._cross_device_ops import CrossDeviceOps
 
 __all__ = ["CentralStorageStrategy"]
 
@@ -17,11 +23,11 @@ __all__ = ["CentralStorageStrategy"]
 class CentralStorageExtended(StrategyExtended):
     """Extended API of :class:`CentralStorageStrategy`: one copy of each variable, on the parameter device."""
 
-    def _create_variable(self, next_creator, **kwargs):
+    def _create_variable(self, next_creator: Callable[..., object], **kwargs: Any) -> Variable:
         """An AggregatingVariable on the parameter device (one for all replicas, even inside ``run``)."""
         del next_creator
         strategy = self._container_strategy()
-        var = create_in_replica_context(strategy, kwargs)
+        var: Variable | None = create_in_replica_context(strategy, kwargs)
         if var is None:
             var = create_aggregating_variable(strategy, self._variable_devices()[0], **kwargs)
         return var
@@ -39,7 +45,11 @@ class CentralStorageStrategy(Strategy):
         ValueError: empty or duplicate compute devices, or an invalid device string.
     """
 
-    def __init__(self, compute_devices=None, parameter_device=None):
+    def __init__(
+        self,
+        compute_devices: Sequence[_devices.DeviceLike] | None = None,
+        parameter_device: _devices.DeviceLike | None = None,
+    ) -> None:
         if compute_devices is None:
             devs = default_devices()
         else:
@@ -48,7 +58,7 @@ class CentralStorageStrategy(Strategy):
             param = devs[0] if len(devs) == 1 else _devices.canonicalize("/cpu:0")
         else:
             param = _devices.canonicalize(parameter_device)
-        ops = None
+        ops: CrossDeviceOps | None = None
         if _devices.any_gpu(devs) and not _devices.parse_device(param).is_gpu:
             # As TF (ReductionToOneDevice): the GPU-only P2P/NCCL ops cannot deliver a reduction to
             # a variable in host memory. TF reduces on the CPU; we reduce on the first GPU with the

@@ -615,7 +615,8 @@ class DistributedIterator:
         self._element_spec = element_spec
         self._consumed = 0  # steps handed out: the position cudist.train.Checkpoint saves
         self._broken: BaseException | None = None  # what interrupted a step's read (see __next__)
-        self._remake = None  # builds a fresh iterator over the same input (set by the dataset's __iter__)
+        # builds a fresh iterator over the same input (set by the dataset's __iter__)
+        self._remake: Callable[[], DistributedIterator] | None = None
 
     def __iter__(self) -> DistributedIterator:
         return self
@@ -676,11 +677,11 @@ class DistributedIterator:
             close()
 
     # -- checkpoints: cudist.train.Checkpoint saves and restores the position through these two
-    def _checkpoint_state(self) -> dict:
+    def _checkpoint_state(self) -> dict[str, int]:
         """The iterator's position: how many steps it has handed out."""
         return {"position": self._consumed}
 
-    def _restore_state(self, state: dict) -> None:
+    def _restore_state(self, state: dict[str, Any]) -> None:
         """Moves the iterator to ``state["position"]`` steps from the start by replaying the input.
 
         An iterator that has handed out nothing skips that many steps; any other is first re-created

@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
 from cudist._distribute_lib import Strategy, StrategyExtended, default_devices, parse_devices
-from cudist._variables import create_in_replica_context, create_mirrored_variable
+from cudist._variables import Variable, create_in_replica_context, create_mirrored_variable
+
+if TYPE_CHECKING:
+    from cudist._cross_device_ops import CrossDeviceOps
+    from cudist._devices import DeviceLike
 
 __all__ = ["MirroredStrategy"]
 
@@ -11,14 +18,14 @@ __all__ = ["MirroredStrategy"]
 class MirroredExtended(StrategyExtended):
     """Extended API of :class:`MirroredStrategy`: variables get one component per replica device."""
 
-    def _create_variable(self, next_creator, **kwargs):
+    def _create_variable(self, next_creator: Callable[..., object], **kwargs: Any) -> Variable:
         """A MirroredVariable (SyncOnReadVariable for ON_READ) with one component per variable device.
 
         Created inside ``run``, one variable is made in a ``merge_call`` and shared by every replica.
         """
         del next_creator  # every component is built here, one per device
         strategy = self._container_strategy()
-        var = create_in_replica_context(strategy, kwargs)
+        var: Variable | None = create_in_replica_context(strategy, kwargs)
         if var is None:
             var = create_mirrored_variable(strategy, self._variable_devices(), **kwargs)
         return var
@@ -39,6 +46,8 @@ class MirroredStrategy(Strategy):
             (NcclAllReduce on CPUs).
     """
 
-    def __init__(self, devices=None, cross_device_ops=None):
+    def __init__(
+        self, devices: Sequence[DeviceLike] | None = None, cross_device_ops: CrossDeviceOps | None = None
+    ) -> None:
         devs = default_devices() if devices is None else parse_devices(devices, "MirroredStrategy")
         super().__init__(MirroredExtended(self, devs, cross_device_ops))

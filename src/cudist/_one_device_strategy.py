@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from cudist import _devices
 from cudist._distribute_lib import Strategy, StrategyExtended
-from cudist._input_lib import distribute_values_from_function
+from cudist._input_lib import ValueContext, distribute_values_from_function
 
 __all__ = ["OneDeviceStrategy"]
 
@@ -15,7 +18,7 @@ class OneDeviceExtended(StrategyExtended):
     Variable creation is the base class's (a plain variable on the device).
     """
 
-    def _distribute_values_from_function(self, value_fn):
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """As TF's OneDeviceStrategy: the value function's plain result, not a PerReplica."""
         return distribute_values_from_function(value_fn, self._container_strategy(), wrap_single=False)
 
@@ -33,7 +36,7 @@ class OneDeviceStrategy(Strategy):
         ValueError: ``device`` is not a local CPU/GPU device string.
     """
 
-    def __init__(self, device):
+    def __init__(self, device: _devices.DeviceLike) -> None:
         super().__init__(OneDeviceExtended(self, (_devices.canonicalize(device),)))
 
     def __repr__(self) -> str:

@@ -35,8 +35,12 @@ import inspect
 import itertools
 import threading
 import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, TypeAlias, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from cudist._arrays import (
     array_module,
@@ -58,6 +62,20 @@ from cudist._devices import canonicalize
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from cudist._arrays import Array
+    from cudist._devices import DeviceLike
+    from cudist._distribute_lib import ReplicaContext, Strategy
+    from cudist._kernels import KernelBackend
+
+_E = TypeVar("_E", bound=enum.Enum)
+
+#: A variable's declared shape (``shape=`` at creation): None (unknown), or a tuple of ints and
+#: None for unknown dimensions.
+_ShapeSpec: TypeAlias = "tuple[int | None, ...] | None"
+
 __all__ = [
     "Variable",
     "VariableSynchronization",
@@ -67,6 +85,14 @@ __all__ = [
     "SyncOnReadVariable",
     "AggregatingVariable",
 ]
+
+#: What ``assign`` / ``assign_add`` / ``assign_sub`` return: the updated variable (a plain or
+#: aggregating variable, or the component a replica updated), the updated value of a distributed
+#: variable (a Mirrored in cross-replica context, this replica's array in replica context; the
+#: aggregated array of a sync-on-read variable), or None with ``read_value=False``.
+UpdateResult: TypeAlias = "Variable | Mirrored | Array | None"
+#: What ``Variable.numpy()`` returns: a NumPy array, or a NumPy scalar for a 0-d variable.
+HostValue: TypeAlias = "npt.NDArray[Any] | np.number[Any] | np.bool_"
 
 
 class VariableSynchronization(enum.Enum):
@@ -107,14 +133,14 @@ def _next_uid() -> int:
 
 
 # ---------------------------------------------------------------------------- array helpers
-def kernel_backend(arr):
+def kernel_backend(arr: Any) -> KernelBackend | None:
     """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
     backend = backend_for(arr)
     return backend if arr.dtype in backend.dtypes else None
 
 
 # ---------------------------------------------------------------------------- value conversion
-def _unwrap(x):
+def _unwrap(x: Any) -> Any:
     """Resolves variables (and objects convertible like them) to their current array value."""
     if isinstance(x, Variable):
         return x._read_live()
@@ -123,7 +149,7 @@ def _unwrap(x):
     return x
 
 
-def _infer_array(value):
+def _infer_array(value: Any) -> Array:
     """Turns an initial value into an array, inferring the dtype as TF does for Python values.
 
     Python floats become float32 and Python ints int32 (int64 when they do not fit), as
@@ -140,17 +166,29 @@ def _infer_array(value):
     return python_dtype(a)
 
 
-def _check_dtype_supported(dtype, what: str):
+def _check_dtype_supported(dtype: np.dtype[Any], what: str) -> None:
     if dtype.kind not in "biufc":
         raise TypeError(f"{what}: unsupported dtype {dtype.name}; cudist variables hold numeric or bool arrays")
 
 
-def cast_value(value, dtype, what: str):
+def cast_value(value: Any, dtype: np.dtype[Any], what: str) -> Array:
     """Converts ``value`` to an array of ``dtype`` under TF's conversion rules.
 
     Python values (scalars, lists) convert only within their kind or upward (int -> float is fine,
     1.5 -> int32 is a TypeError, as in TF); NumPy/CuPy arrays of any numeric dtype cast (TF casts
     NumPy values too). Non-numeric values are a TypeError.
+
+    Args:
+        value: a variable, an array, or a Python value (scalar, nested list).
+        dtype: the dtype to convert to.
+        what: names the conversion in error messages.
+
+    Returns:
+        A NumPy or CuPy array of ``dtype`` (``value`` itself when it already is one).
+
+    Raises:
+        TypeError: a non-numeric value, or a Python value that does not convert within its kind.
+        ValueError: a Python integer out of ``dtype``'s range.
     """
     value = _unwrap(value)
     if is_array(value):
@@ -175,13 +213,13 @@ def cast_value(value, dtype, what: str):
     return a.astype(dtype, copy=False)
 
 
-def _parse_enum(enum_cls, value, kind: str, name):
+def _parse_enum(enum_cls: type[_E], value: object, kind: str, name: str | None) -> _E:
     if isinstance(value, enum_cls):
         return value
     raise ValueError(f"Invalid variable {kind} mode: {value} for variable: {name}")
 
 
-def _shape_spec(shape):
+def _shape_spec(shape: Any) -> _ShapeSpec:
     """Normalizes a ``shape`` argument: None (unknown), or a tuple of ints / None (unknown dims)."""
     if shape is None:
         return None
@@ -196,19 +234,19 @@ def _shape_spec(shape):
         raise TypeError(f"shape must be a tuple of ints (None for an unknown dimension), got {shape!r}") from None
 
 
-def _compatible(spec, shape) -> bool:
+def _compatible(spec: _ShapeSpec, shape: tuple[int, ...]) -> bool:
     if spec is None:
         return True
     return len(spec) == len(shape) and all(s is None or s == d for s, d in zip(spec, shape))
 
 
-def _get_strategy():
+def _get_strategy() -> tuple[Strategy, bool]:
     from cudist import _distribute_lib
 
     return _distribute_lib.get_strategy(), _distribute_lib.has_strategy()
 
 
-def _replica_context_of(strategy, strict=True):
+def _replica_context_of(strategy: Strategy | None, strict: bool = True) -> ReplicaContext | None:
     """The ReplicaContext when called inside ``strategy.run``; None in cross-replica context.
 
     Outside the variable's strategy (e.g. after its scope closed) updates are cross-replica, as TF
@@ -233,7 +271,7 @@ def _replica_context_of(strategy, strict=True):
     return ctx
 
 
-def _format_numpy(a) -> str:
+def _format_numpy(a: Any) -> str:
     a = to_host(a)
     if a.ndim == 0:
         return repr(a[()].item())  # as TF prints it: float32 0.1 shows as 0.10000000149011612
@@ -244,7 +282,7 @@ def _format_numpy(a) -> str:
 class _VariableMeta(type):
     """Routes ``Variable(...)`` to the factory, which asks the current strategy what to build."""
 
-    def __call__(cls, *args, **kwargs):
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if cls is Variable:
             return _create_variable(*args, **kwargs)
         raise TypeError(
@@ -293,8 +331,40 @@ class Variable(metaclass=_VariableMeta):
         TypeError: the initial value cannot be converted to ``dtype``.
     """
 
+    #: ``cudist.Variable``'s parameters for ``inspect`` (set below the class: those of the factory).
+    __signature__: ClassVar[inspect.Signature]
+    #: Set on each component of a distributed variable: a weak reference to that variable.
+    _distributed_container: weakref.ref[DistributedVariable]
+    #: The kernel backend, chosen on first use (see :meth:`_kernel`).
+    _kernel_cached: KernelBackend | None
+
+    if TYPE_CHECKING:
+        # ``Variable(...)`` goes through _VariableMeta.__call__ to the factory; this is the
+        # signature type checkers see for it (the factory's, :func:`_create_variable`).
+        def __init__(
+            self,
+            initial_value: npt.ArrayLike | Callable[[], npt.ArrayLike],
+            trainable: bool | None = None,
+            name: str | None = None,
+            dtype: npt.DTypeLike | None = None,
+            synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+            aggregation: VariableAggregation = VariableAggregation.NONE,
+            shape: int | Sequence[int | None] | None = None,
+        ) -> None: ...
+
     # ---- construction (only through the factory)
-    def _setup(self, array, *, name, device, trainable, synchronization, aggregation, shape_spec, strategy):
+    def _setup(
+        self,
+        array: Array,
+        *,
+        name: str,
+        device: str,
+        trainable: bool,
+        synchronization: VariableSynchronization,
+        aggregation: VariableAggregation,
+        shape_spec: _ShapeSpec,
+        strategy: Strategy | None,
+    ) -> None:
         self._array = array
         self._base_name = name
         self._name = f"{name}:0"
@@ -307,7 +377,7 @@ class Variable(metaclass=_VariableMeta):
         self._unique_id = f"{name.split('/')[0]}_{_next_uid()}"
 
     @classmethod
-    def _build(cls, array, **kwargs):
+    def _build(cls, array: Array, **kwargs: Any) -> Self:
         obj = object.__new__(cls)
         obj._setup(array, **kwargs)
         return obj
@@ -324,87 +394,95 @@ class Variable(metaclass=_VariableMeta):
         return self._device
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[Any]:
         """The NumPy dtype."""
         return self._array.dtype
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple[int | None, ...]:
         """The shape (a tuple; None entries for dimensions left unknown through ``shape=``)."""
         if self._shape_spec is not None:
             return self._shape_spec
         return self._array.shape
 
-    def get_shape(self) -> tuple:
+    def get_shape(self) -> tuple[int | None, ...]:
         """Same as :attr:`shape`."""
         return self.shape
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return self._array.ndim
 
     @property
     def trainable(self) -> bool:
+        """Whether optimizers should train it."""
         return self._trainable
 
     @property
     def synchronization(self) -> VariableSynchronization:
+        """When a distributed variable's components are synchronized."""
         return self._synchronization
 
     @property
     def aggregation(self) -> VariableAggregation:
+        """How replica-context updates are combined."""
         return self._aggregation
 
     # ---- reads
-    def _read_live(self):
+    def _read_live(self) -> Array:
         """The live storage (no copy); callers must not keep or write it."""
         return self._array
 
-    def value(self):
+    def value(self) -> Array:
         """A snapshot of the current value (a NumPy or CuPy array)."""
         return snapshot(self._read_live())
 
-    def read_value(self):
+    def read_value(self) -> Array:
         """A snapshot of the current value (a NumPy or CuPy array)."""
         return snapshot(self._read_live())
 
-    def _read_host(self):
+    def _read_host(self) -> npt.NDArray[Any]:
         """What host reads (numpy(), __array__) copy from: the live storage, or a host copy of it."""
         return to_host(self._read_live())
 
-    def numpy(self):
+    def numpy(self) -> HostValue:
         """The value as a NumPy array (a NumPy scalar for 0-d variables), copied to the host."""
         a = self._read_host()
         return a[()] if a.ndim == 0 else a.copy()
 
-    def __array__(self, dtype=None, copy=None):
+    def __array__(self, dtype: npt.DTypeLike | None = None, copy: bool | None = None) -> npt.NDArray[Any]:
         a = self._read_host()
         if dtype is not None and a.dtype != np.dtype(dtype):
             return a.astype(dtype)
         return a.copy()  # the caller may write the result; it must not alias the variable
 
-    def __dlpack__(self, **kwargs):
+    def __dlpack__(self, **kwargs: Any) -> Any:
         """DLPack export of the value, so ``jax.numpy.from_dlpack(v)``, ``torch.from_dlpack(v)``,
         ``np.from_dlpack(v)`` or ``cupy.from_dlpack(v)`` take the variable without a copy.
 
         The result shares the variable's live storage (what :meth:`value` would snapshot: this
         replica's component inside ``run``, the aggregate of a sync-on-read variable outside it):
         later updates of the variable show through it. Use ``read_value()`` for a snapshot.
+
+        Returns:
+            The storage array's DLPack capsule (``Any``: a ``PyCapsule``, which has no type before
+            Python 3.13's ``types.CapsuleType``).
         """
         return self._read_live().__dlpack__(**kwargs)
 
-    def __dlpack_device__(self):
+    def __dlpack_device__(self) -> tuple[int, int]:
         """The DLPack device of the storage :meth:`__dlpack__` exports: (1, 0) on the host, (2, gpu) on a GPU."""
         return self._read_live().__dlpack_device__()
 
-    def _buffers(self) -> tuple:
+    def _buffers(self) -> tuple[Array, ...]:
         """The live storage arrays, one per component (for fused optimizer kernels)."""
         return (self._array,)
 
-    def _primary_array(self):
+    def _primary_array(self) -> Array:
         return self._array
 
-    def _kernel(self):
+    def _kernel(self) -> KernelBackend | None:
         """The kernel backend for this variable's arrays (None if none handles its dtype), chosen once."""
         try:
             return self._kernel_cached
@@ -413,7 +491,7 @@ class Variable(metaclass=_VariableMeta):
             return self._kernel_cached
 
     # ---- updates
-    def _coerce(self, value, method: str):
+    def _coerce(self, value: Any, method: str) -> Array:
         """``value`` as an array of this variable's dtype and shape on its device."""
         ref = self._array
         if type(value) is np.ndarray and type(ref) is np.ndarray and value.dtype == ref.dtype and value.shape == ref.shape:
@@ -433,7 +511,7 @@ class Variable(metaclass=_VariableMeta):
             )
         return arr
 
-    def _write(self, method: str, arr):
+    def _write(self, method: str, arr: Array) -> None:
         """Applies an already-coerced update to this single storage array."""
         ref = self._array
         xp = array_module(ref)
@@ -443,7 +521,7 @@ class Variable(metaclass=_VariableMeta):
             return
         self._write_arrays(xp, method, ref, arr)
 
-    def _write_arrays(self, xp, method, ref, arr):
+    def _write_arrays(self, xp: ModuleType, method: str, ref: Array, arr: Array) -> None:
         if method == "assign":
             if arr.shape != ref.shape:  # allowed by a partially unknown `shape=`
                 self._array = xp.array(arr, order="C", copy=True)
@@ -454,15 +532,30 @@ class Variable(metaclass=_VariableMeta):
         else:
             xp.subtract(ref, arr, out=ref, casting="unsafe")
 
-    def _update(self, method, value, read_value):
+    def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         self._write(method, self._coerce(value, method))
         return self if read_value else None
 
-    def assign(self, value, use_locking=False, name=None, read_value=True):
+    def assign(
+        self,
+        value: npt.ArrayLike | DistributedValues,
+        use_locking: bool = False,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> UpdateResult:
         """Writes ``value`` (same shape; cast to the dtype) into the variable.
+
+        Args:
+            value: an array or Python value; a Mirrored in cross-replica context. Inside
+                ``strategy.run`` each replica passes its own (combined by ``aggregation``).
+            use_locking: accepted for TF compatibility; ignored.
+            name: accepted for TF compatibility; ignored.
+            read_value: return the result (True) or None.
 
         Returns:
             The variable (TF returns an equivalent view of it), or None when ``read_value=False``.
+            A distributed variable returns its updated value instead: a Mirrored in cross-replica
+            context, this replica's array inside ``run`` (see :data:`UpdateResult`).
 
         Raises:
             ValueError: the shapes differ.
@@ -470,12 +563,38 @@ class Variable(metaclass=_VariableMeta):
         """
         return self._update("assign", value, read_value)
 
-    def assign_add(self, delta, use_locking=False, name=None, read_value=True):
-        """Adds ``delta`` (same shape) to the variable; returns it as :meth:`assign` does."""
+    def assign_add(
+        self,
+        delta: npt.ArrayLike | DistributedValues,
+        use_locking: bool = False,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> UpdateResult:
+        """Adds ``delta`` (same shape) to the variable; returns it as :meth:`assign` does.
+
+        Args:
+            delta: an array or Python value, as :meth:`assign`'s ``value``.
+            use_locking: accepted for TF compatibility; ignored.
+            name: accepted for TF compatibility; ignored.
+            read_value: return the result (True) or None.
+        """
         return self._update("assign_add", delta, read_value)
 
-    def assign_sub(self, delta, use_locking=False, name=None, read_value=True):
-        """Subtracts ``delta`` (same shape) from the variable; returns it as :meth:`assign` does."""
+    def assign_sub(
+        self,
+        delta: npt.ArrayLike | DistributedValues,
+        use_locking: bool = False,
+        name: str | None = None,
+        read_value: bool = True,
+    ) -> UpdateResult:
+        """Subtracts ``delta`` (same shape) from the variable; returns it as :meth:`assign` does.
+
+        Args:
+            delta: an array or Python value, as :meth:`assign`'s ``value``.
+            use_locking: accepted for TF compatibility; ignored.
+            name: accepted for TF compatibility; ignored.
+            read_value: return the result (True) or None.
+        """
         return self._update("assign_sub", delta, read_value)
 
     # ---- Python protocol
@@ -485,10 +604,10 @@ class Variable(metaclass=_VariableMeta):
     def __str__(self) -> str:
         return repr(self)
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return id(self)
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """An independent variable with a copy of the value: same name, device, settings and strategy."""
         new = object.__new__(type(self))
         memo[id(self)] = new
@@ -498,7 +617,7 @@ class Variable(metaclass=_VariableMeta):
         new.__dict__.update(state)
         return new
 
-    def __reduce__(self):
+    def __reduce__(self) -> tuple[Callable[[], Variable], tuple[()]]:
         """Pickles a plain variable as its value and settings (unpickled outside any strategy, on its
         device); distributed variables refuse."""
         if type(self) is not Variable:
@@ -520,58 +639,90 @@ class Variable(metaclass=_VariableMeta):
         )
         return (rebuild, ())
 
-    def __bool__(self):
+    def __bool__(self) -> bool:
         return bool(self._read_live())
 
-    def __len__(self):
-        shape = self._read_live().shape
+    def __len__(self) -> int:
+        shape: tuple[int, ...] = self._read_live().shape
         if not shape:
             raise TypeError("len() of a 0-d (scalar) variable")
         return shape[0]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:
         a = self._read_live().copy()
         if a.ndim == 0:
             raise TypeError("iteration over a 0-d (scalar) variable")
         return iter(a)
 
-    def __getitem__(self, index):
-        out = self._read_live()[_unwrap(index)]
-        return out.copy() if hasattr(out, "copy") and getattr(out, "ndim", 0) else out
+    def __getitem__(self, index: Any) -> Any:
+        out: Any = self._read_live()[_unwrap(index)]
+        return out.copy() if hasattr(out, "copy") and getattr(out, "ndim", 0) else out  # type: ignore[arg-type]  # mypy takes getattr's bool overload
 
-    def __format__(self, spec):
+    def __format__(self, spec: str) -> str:
         return format(self.numpy(), spec)
 
-    def __float__(self):
+    def __float__(self) -> float:
         return float(self._read_live())
 
-    def __int__(self):
+    def __int__(self) -> int:
         return int(self._read_live())
 
-    def __index__(self):
+    def __index__(self) -> int:
         return int(self._read_live().__index__())
 
-    def __neg__(self):
+    def __neg__(self) -> Array:
         return -self._read_live()
 
-    def __pos__(self):
+    def __pos__(self) -> Array:
         return +self._read_live()
 
-    def __abs__(self):
+    def __abs__(self) -> Array:
         return abs(self._read_live())
 
-    def __invert__(self):
+    def __invert__(self) -> Array:
         return ~self._read_live()
 
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+    def __array_ufunc__(self, ufunc: np.ufunc, method: str, *inputs: Any, **kwargs: Any) -> Any:
         if any(isinstance(o, Variable) for o in kwargs.get("out", ()) or ()):
             raise TypeError("a Variable cannot be a ufunc's `out`; update it with assign/assign_add/assign_sub")
         inputs = tuple(_unwrap(x) for x in inputs)
         return getattr(ufunc, method)(*inputs, **kwargs)
 
+    if TYPE_CHECKING:
+        # Arithmetic and comparisons, installed below the class (see _BINARY, _COMPARE): each reads
+        # the value and applies the NumPy (CuPy) operator, giving an array.
+        def __add__(self, other: Any) -> Array: ...
+        def __radd__(self, other: Any) -> Array: ...
+        def __sub__(self, other: Any) -> Array: ...
+        def __rsub__(self, other: Any) -> Array: ...
+        def __mul__(self, other: Any) -> Array: ...
+        def __rmul__(self, other: Any) -> Array: ...
+        def __truediv__(self, other: Any) -> Array: ...
+        def __rtruediv__(self, other: Any) -> Array: ...
+        def __floordiv__(self, other: Any) -> Array: ...
+        def __rfloordiv__(self, other: Any) -> Array: ...
+        def __mod__(self, other: Any) -> Array: ...
+        def __rmod__(self, other: Any) -> Array: ...
+        def __pow__(self, other: Any) -> Array: ...
+        def __rpow__(self, other: Any) -> Array: ...
+        def __matmul__(self, other: Any) -> Array: ...
+        def __rmatmul__(self, other: Any) -> Array: ...
+        def __and__(self, other: Any) -> Array: ...
+        def __rand__(self, other: Any) -> Array: ...
+        def __or__(self, other: Any) -> Array: ...
+        def __ror__(self, other: Any) -> Array: ...
+        def __xor__(self, other: Any) -> Array: ...
+        def __rxor__(self, other: Any) -> Array: ...
+        def __lt__(self, other: Any) -> Array: ...
+        def __le__(self, other: Any) -> Array: ...
+        def __gt__(self, other: Any) -> Array: ...
+        def __ge__(self, other: Any) -> Array: ...
+        def __eq__(self, other: object) -> Array: ...  # type: ignore[override]  # elementwise, as NumPy
+        def __ne__(self, other: object) -> Array: ...  # type: ignore[override]  # elementwise, as NumPy
 
-def _binary(fn, reflected):
-    def op(self, other):
+
+def _binary(fn: Callable[[Any, Any], Any], reflected: bool) -> Callable[[Variable, Any], Any]:
+    def op(self: Variable, other: Any) -> Any:
         if reflected:
             return fn(_unwrap(other), self._read_live())
         return fn(self._read_live(), _unwrap(other))
@@ -588,7 +739,7 @@ del _name, _fn
 
 
 # ---------------------------------------------------------------------------- distributed
-def _aggregate(strategy, value, aggregation: VariableAggregation, var):
+def _aggregate(strategy: Strategy, value: Any, aggregation: VariableAggregation, var: Variable) -> Any:
     """Combines a regrouped replica-context update value (inside merge_call) into one array.
 
     Mirrors TF's ``apply_aggregation``: ONLY_FIRST_REPLICA takes replica 0's value; SUM/MEAN reduce
@@ -611,7 +762,7 @@ def _aggregate(strategy, value, aggregation: VariableAggregation, var):
             f"{n_local} local replicas"
         )
     ref = var._primary_array()
-    arrays = []
+    arrays: list[Array] = []
     for i, v in enumerate(value.values):
         if type(v) is np.ndarray and type(ref) is np.ndarray and v.dtype == ref.dtype and v.shape == ref.shape:
             arrays.append(contiguous(v))
@@ -625,7 +776,7 @@ def _aggregate(strategy, value, aggregation: VariableAggregation, var):
     return _reduce_components(strategy, arrays, op, var.device)
 
 
-def _reduce_components(strategy, arrays, op: ReduceOp, device):
+def _reduce_components(strategy: Strategy, arrays: Sequence[Any], op: ReduceOp, device: str) -> Array:
     """Reduces per-replica arrays of one dtype to ``device`` through ``strategy.extended.reduce_to``.
 
     So the strategy's cross-device ops (a user's ``NcclAllReduce``, say) do the reduction, as in TF.
@@ -644,8 +795,18 @@ class DistributedVariable(DistributedValues, Variable):
     """Base of variables with one component (a plain :class:`Variable`) per replica device."""
 
     _keep_in_replica = True
+    _values: tuple[Variable, ...]  # the components
+    _distribute_strategy: Strategy  # always set for distributed variables
 
-    def _setup_distributed(self, strategy, components, *, trainable, synchronization, aggregation):
+    def _setup_distributed(
+        self,
+        strategy: Strategy,
+        components: Sequence[Variable],
+        *,
+        trainable: bool,
+        synchronization: VariableSynchronization,
+        aggregation: VariableAggregation,
+    ) -> None:
         DistributedValues.__init__(self, components)
         for c in components:  # lets extended.value_container(component) find this variable (weakly: no cycle)
             c._distributed_container = weakref.ref(self)
@@ -655,18 +816,18 @@ class DistributedVariable(DistributedValues, Variable):
         self._aggregation = aggregation
 
     @classmethod
-    def _build_distributed(cls, strategy, components, **kwargs):
+    def _build_distributed(cls, strategy: Strategy, components: Sequence[Variable], **kwargs: Any) -> Self:
         obj = object.__new__(cls)
         obj._setup_distributed(strategy, components, **kwargs)
         return obj
 
-    def _primary_array(self):
+    def _primary_array(self) -> Array:
         return self._values[0]._array
 
-    def _replica_ctx(self):
+    def _replica_ctx(self) -> ReplicaContext | None:
         return _replica_context_of(self._distribute_strategy)
 
-    def _local(self, ctx=None):
+    def _local(self, ctx: ReplicaContext | None = None) -> Variable:
         """The component of the calling replica (the primary in cross-replica context)."""
         if ctx is None:
             ctx = self._replica_ctx()
@@ -685,11 +846,11 @@ class DistributedVariable(DistributedValues, Variable):
         return self._values[0 if ctx is None else ctx._replica_id].device
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[Any]:
         return self._values[0].dtype
 
     @property
-    def shape(self) -> tuple:
+    def shape(self) -> tuple[int | None, ...]:
         return self._values[0].shape
 
     @property
@@ -697,22 +858,22 @@ class DistributedVariable(DistributedValues, Variable):
         return self._values[0].ndim
 
     @property
-    def _unique_id(self) -> str:
+    def _unique_id(self) -> str:  # type: ignore[override]  # Variable's is set in _setup; a component's here
         return self._values[0]._unique_id
 
-    def _buffers(self) -> tuple:
+    def _buffers(self) -> tuple[Array, ...]:
         return tuple(c._array for c in self._values)
 
-    def _read_live(self):
+    def _read_live(self) -> Array:
         return self._local()._array
 
-    def __len__(self):
+    def __len__(self) -> int:
         return Variable.__len__(self)
 
-    def __hash__(self):
+    def __hash__(self) -> int:
         return id(self)
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """An independent distributed variable of the same strategy, each component copied."""
         components = tuple(memo.get(id(c)) or c.__deepcopy__(memo) for c in self._values)
         new = type(self)._build_distributed(
@@ -747,7 +908,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
         """Whether every component is a NumPy array (CPU devices)."""
         return all(type(c._array) is np.ndarray for c in self._values)
 
-    def _snapshots(self) -> tuple:
+    def _snapshots(self) -> tuple[Array, ...]:
         """A snapshot of the (identical) value per component, as TF's update results are.
 
         Host components share one snapshot (they are all in host memory); device components each
@@ -758,7 +919,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             return (snap,) * len(self._values)
         return tuple(snapshot(c._array) for c in self._values)
 
-    def _all_write(self, method, arr):
+    def _all_write(self, method: str, arr: Array) -> None:
         """Applies a coerced update to every component with one fused kernel pass."""
         copies = self._buffers()
         if self._host and type(arr) is np.ndarray and arr.shape == copies[0].shape:
@@ -787,7 +948,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
         for c in self._values:
             c._write("assign", like(new, c._array))
 
-    def _update(self, method, value, read_value):
+    def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         ctx = self._replica_ctx()
         if ctx is None:
             if isinstance(value, DistributedValues):
@@ -804,7 +965,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
         if self._aggregation is VariableAggregation.NONE:
             return self._local(ctx)._update(method, value, read_value)
 
-        def merge_fn(strategy, v):
+        def merge_fn(strategy: Strategy, v: Any) -> None:
             self._all_write(method, self._values[0]._coerce(_aggregate(strategy, v, self._aggregation, self), method))
 
         ctx.merge_call(merge_fn, args=(value,))
@@ -821,20 +982,20 @@ class SyncOnReadVariable(DistributedVariable):
     add to every component (not allowed for SUM). ``trainable`` defaults to False.
     """
 
-    def _aggregated(self):
+    def _aggregated(self) -> Array:
         agg = self._aggregation
         if agg is VariableAggregation.ONLY_FIRST_REPLICA:  # replica 0 of the job (of every worker)
             return self._distribute_strategy.extended._first_replica_value(PerReplica(self._buffers()))
         op = ReduceOp.from_variable_aggregation(agg)  # NONE raises, as in TF
         return _reduce_components(self._distribute_strategy, self._buffers(), op, self._values[0].device)
 
-    def _read_live(self):
+    def _read_live(self) -> Array:
         ctx = self._replica_ctx()
         if ctx is not None:
             return self._local(ctx)._array
         return self._aggregated()
 
-    def _update(self, method, value, read_value):
+    def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         ctx = self._replica_ctx()
         if ctx is not None:
             return self._local(ctx)._update(method, value, read_value)
@@ -860,7 +1021,7 @@ class SyncOnReadVariable(DistributedVariable):
             copies = self._buffers()
             backend = kernel_backend(copies[0])
             if backend is not None and array_module(copies[0]) is np and arr.shape == copies[0].shape:
-                backend.assign(copies, contiguous(arr))
+                backend.assign(copies, contiguous(arr))  # type: ignore[no-untyped-call]  # _kernels
             else:
                 for c in self._values:
                     c._write("assign", like(arr, c._array))
@@ -884,7 +1045,7 @@ class AggregatingVariable(Variable):
     ``__array__`` read the storage directly.
     """
 
-    def _replica_gpu(self):
+    def _replica_gpu(self) -> int | None:
         """The physical GPU of the calling replica, when reads must be copied there; else None."""
         strategy = self._distribute_strategy
         if strategy is None:
@@ -896,17 +1057,17 @@ class AggregatingVariable(Variable):
         if gpu is None:
             return None  # CPU replicas share host memory with a host variable
         arr = self._array
-        if type(arr) is not np.ndarray and int(arr.device.id) == gpu:
+        if type(arr) is not np.ndarray and int(arr.device.id) == gpu:  # type: ignore[union-attr]  # CuPy's device
             return None
         return gpu
 
-    def _read_live(self):
+    def _read_live(self) -> Array:
         gpu = self._replica_gpu()
         if gpu is None:
             return self._array
         return to_gpu(self._array, gpu, copy=True)
 
-    def value(self):
+    def value(self) -> Array:
         """A snapshot of the current value; a CuPy array on the replica's GPU inside a GPU replica."""
         gpu = self._replica_gpu()
         if gpu is None:
@@ -915,10 +1076,10 @@ class AggregatingVariable(Variable):
 
     read_value = value
 
-    def _read_host(self):
+    def _read_host(self) -> npt.NDArray[Any]:
         return to_host(self._array)  # the storage itself, never a replica's GPU copy
 
-    def _update(self, method, value, read_value):
+    def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         ctx = _replica_context_of(self._distribute_strategy)
         if ctx is None:
             if isinstance(value, DistributedValues):
@@ -927,7 +1088,7 @@ class AggregatingVariable(Variable):
         if self._aggregation is VariableAggregation.NONE:
             raise ValueError(_AGGREGATION_ERROR.format(variable_type="AggregatingVariable"))
 
-        def merge_fn(strategy, v):
+        def merge_fn(strategy: Strategy, v: Any) -> None:
             Variable._update(self, method, _aggregate(strategy, v, self._aggregation, self), False)
 
         ctx.merge_call(merge_fn, args=(value,))
@@ -937,14 +1098,14 @@ class AggregatingVariable(Variable):
 
 # ---------------------------------------------------------------------------- the factory
 def _create_variable(
-    initial_value=None,
-    trainable=None,
-    name=None,
-    dtype=None,
-    synchronization=VariableSynchronization.AUTO,
-    aggregation=VariableAggregation.NONE,
-    shape=None,
-):
+    initial_value: Any = None,
+    trainable: bool | None = None,
+    name: str | None = None,
+    dtype: npt.DTypeLike | None = None,
+    synchronization: VariableSynchronization = VariableSynchronization.AUTO,
+    aggregation: VariableAggregation = VariableAggregation.NONE,
+    shape: object = None,
+) -> Variable:
     """``cudist.Variable(...)``: checks the arguments, then lets the current strategy build the variable.
 
     As TF's variable creator stack: ``strategy.extended._create_variable(next_creator, **kwargs)``
@@ -960,7 +1121,7 @@ def _create_variable(
     if initial_value is None:
         raise ValueError("The `initial_value` arg to `cudist.Variable` must be specified.")
     strategy, has_strategy = _get_strategy()
-    return strategy.extended._create_variable(
+    return cast(Variable, strategy.extended._create_variable(
         functools.partial(create_plain_variable, strategy if has_strategy else None),
         initial_value=initial_value,
         trainable=trainable,
@@ -969,11 +1130,21 @@ def _create_variable(
         synchronization=synchronization,
         aggregation=aggregation,
         shape=shape,
-    )
+    ))
 
 
-def initial_array(initial_value, dtype, shape):
-    """The initial value as an array (calling it if callable, cast to ``dtype``) and the shape spec."""
+def initial_array(initial_value: Any, dtype: npt.DTypeLike | None, shape: object) -> tuple[Array, _ShapeSpec]:
+    """The initial value as an array (calling it if callable, cast to ``dtype``) and the shape spec.
+
+    Args:
+        initial_value: an array, a Python value, a variable, or a callable returning one.
+        dtype: the dtype to cast to, or None to infer it (TF's rules for Python values).
+        shape: the ``shape=`` argument (see :class:`Variable`).
+
+    Raises:
+        TypeError: an unsupported dtype, or a value that does not convert to ``dtype``.
+        ValueError: the value's shape does not fit ``shape``.
+    """
     if callable(initial_value):
         initial_value = initial_value()
     if dtype is not None:
@@ -995,14 +1166,23 @@ def initial_array(initial_value, dtype, shape):
     return arr, spec
 
 
-def _default_trainable(trainable, synchronization) -> bool:
+def _default_trainable(trainable: bool | None, synchronization: VariableSynchronization) -> bool:
     if trainable is None:
         return synchronization is not VariableSynchronization.ON_READ
     return bool(trainable)
 
 
 def create_plain_variable(
-    strategy, *, initial_value, trainable, name, dtype, synchronization, aggregation, shape, device
+    strategy: Strategy | None,
+    *,
+    initial_value: Any,
+    trainable: bool | None,
+    name: str | None,
+    dtype: npt.DTypeLike,
+    synchronization: VariableSynchronization,
+    aggregation: VariableAggregation,
+    shape: object,
+    device: DeviceLike,
 ) -> Variable:
     """Builds a plain :class:`Variable` on ``device`` (the end of every strategy's creator chain).
 
@@ -1022,7 +1202,7 @@ def create_plain_variable(
     )
 
 
-def create_in_replica_context(strategy, kwargs):
+def create_in_replica_context(strategy: Strategy, kwargs: dict[str, Any]) -> Variable | None:
     """Inside ``strategy.run``: one variable for all replicas, created in a ``merge_call``; else None.
 
     As in TF, the variable is created once (from replica 0's initial value) and every replica gets
@@ -1037,14 +1217,23 @@ def create_in_replica_context(strategy, kwargs):
         initial_value = initial_value()
     rest = {k: v for k, v in kwargs.items() if k != "initial_value"}
 
-    def merge_fn(_, init):
+    def merge_fn(_: Strategy, init: Any) -> Variable:
         return _create_variable(select_replica(0, init), **rest)
 
-    return ctx.merge_call(merge_fn, args=(initial_value,))
+    return cast(Variable, ctx.merge_call(merge_fn, args=(initial_value,)))
 
 
 def create_mirrored_variable(
-    strategy, devices, *, initial_value, trainable, name, dtype, synchronization, aggregation, shape
+    strategy: Strategy,
+    devices: Iterable[DeviceLike],
+    *,
+    initial_value: Any,
+    trainable: bool | None,
+    name: str | None,
+    dtype: npt.DTypeLike,
+    synchronization: VariableSynchronization,
+    aggregation: VariableAggregation,
+    shape: object,
 ) -> DistributedVariable:
     """Builds a :class:`MirroredVariable` (or :class:`SyncOnReadVariable` for ON_READ) over ``devices``.
 
@@ -1089,7 +1278,16 @@ def create_mirrored_variable(
 
 
 def create_aggregating_variable(
-    strategy, device, *, initial_value, trainable, name, dtype, synchronization, aggregation, shape
+    strategy: Strategy,
+    device: DeviceLike,
+    *,
+    initial_value: Any,
+    trainable: bool | None,
+    name: str | None,
+    dtype: npt.DTypeLike,
+    synchronization: VariableSynchronization,
+    aggregation: VariableAggregation,
+    shape: object,
 ) -> AggregatingVariable:
     """Builds CentralStorageStrategy's :class:`AggregatingVariable` on the parameter ``device``."""
     arr, spec = initial_array(initial_value, dtype, shape)

@@ -29,8 +29,11 @@ from __future__ import annotations
 import numbers
 import operator
 import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 
 from cudist import _distribute_lib
 from cudist._arrays import array_module, device_context, from_dlpack, gpu_of, is_array, is_foreign_array, like
@@ -45,10 +48,27 @@ from cudist._variables import (
     kernel_backend,
 )
 
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+    from cudist._arrays import Array
+    from cudist._distribute_lib import Strategy
+    # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
+    from cudist._kernels import KernelBackend, TrustedKernels
+
 __all__ = ["Optimizer", "SGD", "Adam"]
 
+#: A learning rate: a number, or a schedule called with the iteration count (0 on the first step).
+LearningRate: TypeAlias = "float | Callable[[int], float]"
+#: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend).
+_Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
+#: A variable's validated kernel work: (the storage arrays it was validated for, its groups).
+_Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[_Group, ...]]"
 
-def _check_real(name: str, value, *, low=None, high=None, high_open=False) -> float:
+
+def _check_real(
+    name: str, value: object, *, low: float | None = None, high: float | None = None, high_open: bool = False
+) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"`{name}` must be a real number, got {type(value).__name__} {value!r}")
     value = float(value)
@@ -61,20 +81,20 @@ def _check_real(name: str, value, *, low=None, high=None, high_open=False) -> fl
     return value
 
 
-def _base_name(var) -> str:
+def _base_name(var: Variable) -> str:
     return var.name.split(":")[0]
 
 
-def _primary_device(var) -> str:
+def _primary_device(var: Variable) -> str:
     return var.values[0].device if isinstance(var, DistributedValues) else var.device
 
 
-def _same_arrays(a: tuple, b: tuple) -> bool:
+def _same_arrays(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
     """Whether two tuples hold the very same arrays (identity, not values)."""
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-def _device_groups(bufs):
+def _device_groups(bufs: Sequence[Any]) -> list[tuple[int, ...]]:
     """Indices of ``bufs`` grouped by the memory they live in (host, or one GPU each).
 
     A fused kernel call writes copies in one memory; mirrored copies on several GPUs are updated
@@ -82,7 +102,7 @@ def _device_groups(bufs):
     """
     if all(type(b) is np.ndarray for b in bufs):
         return [tuple(range(len(bufs)))]
-    groups: dict = {}
+    groups: dict[int | None, list[int]] = {}
     for i, b in enumerate(bufs):
         groups.setdefault(gpu_of(b), []).append(i)  # None: host memory
     return [tuple(g) for g in groups.values()]
@@ -100,9 +120,9 @@ class Optimizer:
         name: the optimizer's name; its variables are named under it.
     """
 
-    _slot_names: tuple = ()
+    _slot_names: tuple[str, ...] = ()
 
-    def __init__(self, learning_rate, name: str):
+    def __init__(self, learning_rate: LearningRate, name: str) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"`name` must be a non-empty string, got {name!r}")
         self.name = name
@@ -116,24 +136,24 @@ class Optimizer:
             trainable=False,
             aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        self._slots: dict = {}  # variable -> {slot name: slot variable}; variables hash by identity
-        self._plans: dict = {}  # variable -> validated kernel work, see _plan
+        self._slots: dict[Variable, dict[str, Variable]] = {}  # {slot name: slot} per variable (by identity)
+        self._plans: dict[Variable, _Plan] = {}  # variable -> validated kernel work, see _plan
         self._one = np.ones((), dtype=np.int64)
         self._variables = [self._iterations]
 
     # ------------------------------------------------------------------ properties
     @property
-    def iterations(self):
+    def iterations(self) -> Variable:
         """The number of ``apply_gradients`` calls so far (an int64 variable, as in Keras)."""
         return self._iterations
 
     @property
-    def learning_rate(self):
+    def learning_rate(self) -> LearningRate:
         """The learning rate: a float, or the callable given."""
         return self._learning_rate
 
     @learning_rate.setter
-    def learning_rate(self, value):
+    def learning_rate(self, value: LearningRate) -> None:
         if not callable(value):
             value = _check_real("learning_rate", value)
         self._learning_rate = value
@@ -145,12 +165,16 @@ class Optimizer:
         return lr
 
     @property
-    def variables(self) -> list:
+    def variables(self) -> list[Variable]:
         """The optimizer's variables: ``iterations``, then the slots in creation order."""
         return list(self._variables)
 
-    def get_slot(self, var, slot_name: str):
+    def get_slot(self, var: Variable, slot_name: str) -> Variable:
         """The slot variable ``slot_name`` of ``var`` (created by :meth:`build` or a first update).
+
+        Args:
+            var: a variable the optimizer updates.
+            slot_name: one of the optimizer's slots ("momentum", "velocity").
 
         Raises:
             KeyError: ``var`` has no slots yet, or no slot of that name.
@@ -163,16 +187,23 @@ class Optimizer:
         return slots[slot_name]
 
     # ------------------------------------------------------------------ slots
-    def build(self, var_list):
+    def build(self, var_list: Iterable[Variable]) -> None:
         """Creates the slot variables of ``var_list`` now (otherwise done on the first update).
 
         Call it in cross-replica context (inside ``strategy.scope()`` or outside any scope).
+
+        Args:
+            var_list: the variables the optimizer will update.
+
+        Raises:
+            TypeError: a value that is not a floating-point cudist.Variable.
+            ValueError: a SyncOnReadVariable.
         """
         for var in var_list:
             self._check_variable(var)
             self._ensure_slots(var)
 
-    def _ensure_slots(self, var):
+    def _ensure_slots(self, var: Variable) -> dict[str, Variable]:
         slots = self._slots.get(var)
         if slots is not None:
             return slots
@@ -194,7 +225,7 @@ class Optimizer:
         return slots
 
     # ------------------------------------------------------------------ checks
-    def _check_variable(self, var):
+    def _check_variable(self, var: object) -> None:
         if not isinstance(var, Variable):
             raise TypeError(f"{self.name}: expected a cudist.Variable to update, got {type(var).__name__}")
         if isinstance(var, SyncOnReadVariable):
@@ -210,7 +241,7 @@ class Optimizer:
         if var._kernel() is None and array_module(var._primary_array()) is not np:
             raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")
 
-    def _check_grad(self, grad, var, *, cross_replica: bool):
+    def _check_grad(self, grad: Any, var: Variable, *, cross_replica: bool) -> Array:
         """``grad`` as an array of ``var``'s dtype and shape (not yet on its device)."""
         if isinstance(grad, DistributedValues):
             if not cross_replica:
@@ -246,7 +277,12 @@ class Optimizer:
         return grad
 
     # ------------------------------------------------------------------ applying
-    def apply_gradients(self, grads_and_vars, *, experimental_aggregate_gradients: bool = True):
+    def apply_gradients(
+        self,
+        grads_and_vars: Iterable[tuple[npt.ArrayLike | DistributedValues | None, Variable]],
+        *,
+        experimental_aggregate_gradients: bool = True,
+    ) -> Variable:
         """Applies gradients to variables, one fused kernel pass per variable.
 
         Args:
@@ -264,8 +300,8 @@ class Optimizer:
             ValueError: a gradient whose shape is not the variable's; no gradient at all; a
                 SyncOnReadVariable; a PerReplica gradient in cross-replica context.
         """
-        pairs = []
-        missing = []
+        pairs: list[tuple[Any, Variable]] = []
+        missing: list[str] = []
         for item in grads_and_vars:
             try:
                 grad, var = item
@@ -285,6 +321,7 @@ class Optimizer:
 
         ctx = _distribute_lib.get_replica_context()
         variables = [v for _, v in pairs]
+        grads: Sequence[Array]
         if ctx is None:  # cross-replica: the gradients are final
             grads = [self._check_grad(g, v, cross_replica=True) for g, v in pairs]
             self._apply(grads, variables)
@@ -292,7 +329,7 @@ class Optimizer:
         grads = tuple(self._check_grad(g, v, cross_replica=False) for g, v in pairs)
         aggregate = bool(experimental_aggregate_gradients)
 
-        def merge_fn(strategy, per_replica_grads):
+        def merge_fn(strategy: Strategy, per_replica_grads: Sequence[Any]) -> None:
             n = strategy.num_replicas_in_sync
             if n > 1 and aggregate and self._apply_fused(strategy, list(per_replica_grads), variables):
                 return
@@ -302,7 +339,9 @@ class Optimizer:
         ctx.merge_call(merge_fn, args=(grads,))
         return self._iterations
 
-    def _aggregate(self, strategy, grads, variables, aggregate: bool):
+    def _aggregate(
+        self, strategy: Strategy, grads: list[Any], variables: Sequence[Variable], aggregate: bool
+    ) -> Sequence[Any]:
         """Per-replica gradients (inside merge_call) -> one array per variable, summed in one batch."""
         if strategy.num_replicas_in_sync == 1:
             return grads
@@ -315,7 +354,7 @@ class Optimizer:
             ReduceOp.SUM, [(g, _primary_device(v)) for g, v in zip(values, variables)]
         )
 
-    def _apply_fused(self, strategy, grads, variables) -> bool:
+    def _apply_fused(self, strategy: Strategy, grads: list[Any], variables: Sequence[Variable]) -> bool:
         """Sums each variable's per-replica gradients and updates it in ONE kernel pass, if it can.
 
         Possible when every gradient and every copy is in host memory and the strategy's
@@ -325,7 +364,7 @@ class Optimizer:
         updating. Returns False (nothing done) otherwise, for the general path.
         """
         n = len(strategy.extended.worker_devices)
-        work = []
+        work: list[tuple[KernelBackend, tuple[Any, ...], tuple[tuple[Any, ...], ...], list[Any]]] = []
         for g, var in zip(grads, variables):
             comps = list(g.values) if isinstance(g, DistributedValues) else [g] * n
             if len(comps) != n:
@@ -344,7 +383,7 @@ class Optimizer:
         params = self._step_params(self._current_learning_rate(iteration), iteration + 1)
         for backend, copies, slots, comps in work:
             written = copies + sum(slots, ())
-            ins = []
+            ins: list[Any] = []
             for c in comps:
                 if not c.flags.c_contiguous:
                     c = np.ascontiguousarray(c)
@@ -357,7 +396,7 @@ class Optimizer:
         self._iterations.assign_add(self._one, read_value=False)
         return True
 
-    def _apply(self, grads, variables, fresh: bool = False):
+    def _apply(self, grads: Sequence[Any], variables: Sequence[Variable], fresh: bool = False) -> None:
         """Updates every variable once from its final gradient (cross-replica context).
 
         ``fresh``: the gradients are new buffers (results of the reduction) that alias nothing.
@@ -385,7 +424,7 @@ class Optimizer:
                         self._kernel_update(backend.trusted, copies, slots, g, params)
         self._iterations.assign_add(self._one, read_value=False)
 
-    def _plan(self, var):
+    def _plan(self, var: Variable) -> _Plan:
         """The validated kernel work of ``var``: per memory, (copies, slot copies, backend).
 
         Validated once through the backends' own checks, then reused while the variable and its
@@ -400,7 +439,7 @@ class Optimizer:
         if plan is not None and _same_arrays(plan[0], key):
             return plan
         where = f"{self.name} update of '{var.name}'"
-        groups = []
+        groups: list[_Group] = []
         for idx in _device_groups(bufs):
             copies = tuple(bufs[i] for i in idx)
             backend = var._kernel() if len(idx) == len(bufs) else kernel_backend(copies[0])
@@ -408,30 +447,44 @@ class Optimizer:
                 backend = numpy_backend()
             copies = backend.check_bufs(where, copies, writable=True, what="copy")
             backend.check_float(where, copies[0])
-            group_slots = []
+            group_slots: list[tuple[Any, ...]] = []
             for name, sb in zip(slots, slot_bufs):
                 sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
-                backend.check_same_slots(where, copies, sc, name)
+                backend.check_same_slots(where, copies, sc, name)  # type: ignore[no-untyped-call]
                 group_slots.append(sc)
             groups.append((copies, tuple(group_slots), backend))
         plan = (key, tuple(groups))
         self._plans[var] = plan
         return plan
 
-    def _step_params(self, lr: float, step: int):
+    def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         """The scalars of one step (``step`` is 1-based), computed once for all variables."""
         return (lr,)
 
-    def _kernel_update(self, kernels, copies, slots, grad, params):  # pragma: no cover - abstract
+    def _kernel_update(  # pragma: no cover - abstract
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+    ) -> None:
         """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``)."""
         raise NotImplementedError
 
-    def _kernel_update_reduced(self, kernels, copies, slots, grads, params):  # pragma: no cover - abstract
+    def _kernel_update_reduced(  # pragma: no cover - abstract
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+    ) -> None:
         """As :meth:`_kernel_update`, from per-replica ``grads`` summed in the same pass."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoints, copies
-    def _checkpoint_state(self) -> dict:
+    def _checkpoint_state(self) -> dict[str, Any]:
         """What ``cudist.train.Checkpoint`` saves: ``{"hyperparameters": {...}, "iterations": variable,
         "slots": [(variable, slot name, slot variable), ...]}``.
 
@@ -439,14 +492,14 @@ class Optimizer:
         when it is a callable).
         """
         lr = self._learning_rate
-        hyper = {"learning_rate": None if callable(lr) else lr}
+        hyper: dict[str, bool | int | float | str | None] = {"learning_rate": None if callable(lr) else lr}
         for k, v in vars(self).items():
             if not k.startswith("_") and isinstance(v, (bool, int, float, str)):
                 hyper[k] = v
         slots = [(var, name, slot) for var, named in self._slots.items() for name, slot in named.items()]
         return {"hyperparameters": hyper, "iterations": self._iterations, "slots": slots}
 
-    def _restore_state(self, hyperparameters: dict, var_list=()) -> None:
+    def _restore_state(self, hyperparameters: dict[str, Any], var_list: Iterable[Variable] = ()) -> None:
         """Creates the slots of ``var_list`` (the checkpoint then restores their values) and restores a
         numeric learning rate, as Keras 3 restores its learning-rate variable. Other hyperparameters
         are constructor arguments and stay as constructed."""
@@ -455,7 +508,7 @@ class Optimizer:
         if lr is not None and not callable(self._learning_rate):
             self.learning_rate = lr
 
-    def __deepcopy__(self, memo):
+    def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """An independent optimizer: same hyperparameters, copies of ``iterations`` and the slots.
 
         Its slots are keyed by deep copies of the variables they belong to (the same copies as the
@@ -474,7 +527,7 @@ class Optimizer:
                 new.__dict__[k] = copy.deepcopy(v, memo)
         return new
 
-    def __reduce_ex__(self, protocol):
+    def __reduce_ex__(self, protocol: SupportsIndex) -> NoReturn:
         raise TypeError(
             f"cannot pickle optimizer {self.name!r}: its slots are keyed by the variables it trains, which "
             "belong to their strategy's devices; save it with cudist.train.Checkpoint(optimizer=..., model=...) "
@@ -499,23 +552,39 @@ class SGD(Optimizer):
         name: the optimizer's name.
     """
 
-    def __init__(self, learning_rate=0.01, momentum=0.0, nesterov=False, name="SGD"):
+    def __init__(
+        self, learning_rate: LearningRate = 0.01, momentum: float = 0.0, nesterov: bool = False, name: str = "SGD"
+    ) -> None:
         self.momentum = _check_real("momentum", momentum, low=0.0, high=1.0)
         self.nesterov = bool(nesterov)
         self._slot_names = ("momentum",) if self.momentum != 0 else ()
         super().__init__(learning_rate, name)
 
-    def _kernel_update(self, kernels, copies, slots, grad, params):
+    def _kernel_update(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+    ) -> None:
         if slots:
-            kernels.momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)
+            kernels.momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
         else:
-            kernels.sgd(copies, grad, params[0])
+            kernels.sgd(copies, grad, params[0])  # type: ignore[no-untyped-call]
 
-    def _kernel_update_reduced(self, kernels, copies, slots, grads, params):
+    def _kernel_update_reduced(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+    ) -> None:
         if slots:
-            kernels.all_reduce_momentum(copies, slots[0], grads, params[0], self.momentum, self.nesterov)
+            kernels.all_reduce_momentum(copies, slots[0], grads, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
         else:
-            kernels.all_reduce_sgd(copies, grads, params[0])
+            kernels.all_reduce_sgd(copies, grads, params[0])  # type: ignore[no-untyped-call]
 
 
 class Adam(Optimizer):
@@ -534,17 +603,40 @@ class Adam(Optimizer):
 
     _slot_names = ("momentum", "velocity")
 
-    def __init__(self, learning_rate=0.001, beta_1=0.9, beta_2=0.999, epsilon=1e-7, name="adam"):
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        name: str = "adam",
+    ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
         self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
         self.epsilon = _check_real("epsilon", epsilon, low=0.0)
         super().__init__(learning_rate, name)
 
-    def _step_params(self, lr, step):
+    def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         return (adam_lr_t(lr, self.beta_1, self.beta_2, step),)
 
-    def _kernel_update(self, kernels, copies, slots, grad, params):
-        kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)
+    def _kernel_update(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+    ) -> None:
+        kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)  # type: ignore[no-untyped-call]
 
-    def _kernel_update_reduced(self, kernels, copies, slots, grads, params):
-        kernels.all_reduce_adam(copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon)
+    def _kernel_update_reduced(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+    ) -> None:
+        kernels.all_reduce_adam(  # type: ignore[no-untyped-call]
+            copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon
+        )
