@@ -31,7 +31,7 @@ import optree
 from cudist import data as _data
 from cudist._arrays import is_array, is_device_array, physical_gpu, to_gpu
 from cudist._devices import DeviceLike, DeviceSpec, any_gpu, parse_device
-from cudist.errors import OutOfRangeError
+from cudist.errors import InvalidArgumentError, OutOfRangeError
 # cudist._gpu_feeder is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._gpu_feeder import DeviceBatch, DeviceSteps, GpuFeeder, group_step
 from cudist._values import PerReplica, regroup
@@ -207,6 +207,20 @@ class InputOptions(
 
     __slots__ = ()
 
+    if TYPE_CHECKING:  # the fields' types (the namedtuple base declares them untyped)
+
+        @property
+        def experimental_fetch_to_device(self) -> bool: ...
+
+        @property
+        def experimental_replication_mode(self) -> InputReplicationMode: ...
+
+        @property
+        def experimental_place_dataset_on_device(self) -> bool: ...
+
+        @property
+        def experimental_per_replica_buffer_size(self) -> int: ...
+
     def __new__(
         cls,
         experimental_fetch_to_device: bool | None = None,
@@ -317,10 +331,10 @@ class DistributedOptional:
             The step: a PerReplica at each leaf of the element (the plain value for one replica).
 
         Raises:
-            ValueError: there was no next step.
+            InvalidArgumentError: (a ValueError, as TF) there was no next step.
         """
         if not self._has_value:
-            raise ValueError("The given optional does not have a value.")
+            raise InvalidArgumentError("The given optional does not have a value.")
         return self._value
 
     @property
@@ -514,11 +528,20 @@ def _empty_like(value: Any) -> Any:
     return optree.tree_map(empty, value, is_leaf=_data.is_list_leaf)
 
 
-def turn_steps(dataset: Iterable[Any], n: int, putters: Placer, partial: bool) -> Iterator[Any]:
+def _paddable(value: Any) -> bool:
+    """Whether a replica's empty batch can be made like ``value`` (no leaf is a scalar)."""
+    return all(np.ndim(leaf) > 0 for leaf in optree.tree_leaves(value, is_leaf=_data.is_list_leaf))
+
+
+def turn_steps(
+    dataset: Iterable[Any], n: int, putters: Placer, partial: bool | Callable[[], bool]
+) -> Iterator[Any]:
     """The dataset's elements dealt to the replicas in turn, one each per step.
 
     If the data runs out in the middle of a step the remaining replicas get empty batches
-    (``partial``) or the step is dropped (TF1 iterators); iteration ends when no replica gets data.
+    (``partial``: True, or a function asked then) or the step is dropped (TF1 iterators, datasets
+    of static shapes); elements without a batch dimension (a scalar leaf) cannot be padded, so
+    such a step is dropped too. Iteration ends when no replica gets data.
     """
     it = iter(dataset)
     try:
@@ -529,7 +552,11 @@ def turn_steps(dataset: Iterable[Any], n: int, putters: Placer, partial: bool) -
                     values.append(next(it))
                 except StopIteration:
                     break
-            if not values or (len(values) < n and not partial):
+            if not values:
+                return
+            if len(values) < n and (
+                not (partial() if callable(partial) else partial) or not _paddable(values[0])
+            ):
                 return
             while len(values) < n:
                 values.append(_empty_like(values[0]))
@@ -786,6 +813,20 @@ def _empty_step(last: Any, element_spec: Any) -> Any:
     )
 
 
+class _Cardinality(int):
+    """A distributed dataset's cardinality: an int that may still be called, as the old method was."""
+
+    def __call__(self) -> int:
+        import warnings
+
+        warnings.warn(
+            "DistributedDataset.cardinality is a property (as in TF); drop the call parentheses",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return int(self)
+
+
 class _DistributedBase:
     def __init__(self, strategy: StrategyLike, options: InputOptions | None, where: str) -> None:
         self._strategy = strategy
@@ -884,9 +925,13 @@ class DistributedDataset(_DistributedBase):
             self._spec = _per_replica_spec(self._dataset.element_spec, self._n, split=True)
         return self._spec
 
+    @property
     def cardinality(self) -> int:
-        """The number of steps (the global batches), or -1 (infinite) / -2 (unknown)."""
-        return self._dataset.cardinality()
+        """The number of steps (the global batches), or -1 (infinite) / -2 (unknown).
+
+        A property, as in TF 2.21 (calling it, the old form, still works and warns).
+        """
+        return _Cardinality(self._dataset.cardinality())
 
 
 class DistributedDatasetsFromFunction(_DistributedBase):
@@ -926,13 +971,36 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         else:  # once per worker
             contexts = [InputContext(self._workers, self._worker_index, total)]
         what = f"{where} (the value dataset_fn returned)"
-        self._datasets = [_data.as_dataset(dataset_fn(ctx), what) for ctx in contexts]
+        returned = [dataset_fn(ctx) for ctx in contexts]
+        self._datasets = [_data.as_dataset(r, what) for r in returned]
+        self._given_datasets = isinstance(returned[0], _data.Dataset)
         self._spec: Any = None
+
+    def _pads_partial_steps(self) -> bool:
+        """Whether a step the data runs out in gets empty batches for the remaining replicas.
+
+        As TF 2.21: only if the dataset's element_spec has an unknown dimension (batches that may
+        be partial) or the job has several workers; a dataset of static shapes (unbatched
+        elements, ``drop_remainder`` batches) drops that last, incomplete step. A Python iterable
+        (which has no element_spec of its own) is padded wherever its elements have a batch dimension.
+        """
+        if self._workers > 1 or not self._given_datasets:
+            return True
+        specs = _data.flatten_specs(self._datasets[0].element_spec)[0]
+        return any(d is None for s in specs for d in s.shape)
 
     def _steps(self, putters: Placer) -> Iterator[Any]:
         if len(self._datasets) > 1:
             return _per_replica_steps(self._datasets, putters)
-        return turn_steps(self._datasets[0], self._n, putters, partial=True)
+        return turn_steps(self._datasets[0], self._n, putters, partial=self._pads_partial_steps)
+
+    @property
+    def cardinality(self) -> int:
+        """The cardinality of the dataset ``dataset_fn`` returned (TF 2.21 gives that, not the steps).
+
+        -1 is infinite, -2 unknown; a property, as in TF.
+        """
+        return _Cardinality(self._datasets[0].cardinality())
 
     @property
     def element_spec(self) -> Any:

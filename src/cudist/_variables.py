@@ -61,6 +61,7 @@ from cudist._kernels import backend_for
 from cudist._devices import canonicalize
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
+from cudist.errors import InvalidArgumentError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -505,7 +506,7 @@ class Variable(metaclass=_VariableMeta):
                     f"{self.shape}, and the assigned value shape {arr.shape} are incompatible."
                 )
         elif arr.shape != ref.shape:
-            raise ValueError(
+            raise InvalidArgumentError(  # a ValueError too; TF's error for assign_add/assign_sub
                 f"Cannot update variable '{self.name}' with shape {ref.shape} using a value with shape "
                 f"{arr.shape} ({method}): shapes must be equal."
             )

@@ -37,6 +37,7 @@ import optree
 from numpy.typing import DTypeLike, NDArray
 
 from cudist._arrays import array_module, is_array, is_device_array, python_dtype
+from cudist.errors import InvalidArgumentError
 
 __all__ = [
     "AUTOTUNE",
@@ -351,6 +352,8 @@ def _batch_leaves(leaves_per_element: Iterable[Sequence[Any]], treedef: optree.P
 _VECTORIZE = True
 # Positions a shuffle processes per vectorized step (bounds its temporary memory).
 _SHUFFLE_CHUNK = 1 << 14
+#: Dataset.shuffle's buffer_size for UNKNOWN_CARDINALITY: no bound (every element is buffered).
+_UNBOUNDED_BUFFER = np.iinfo(np.int64).max
 # A repeated static pass shorter than this many positions is tiled into runs of about this size.
 _TILE = 1 << 12
 
@@ -574,11 +577,16 @@ def _shuffle_step(
 def _shuffle_positions(upstream: _Positions, size: int, make_rng: Callable[[], np.random.Generator]) -> _Positions:
     def positions() -> Iterator[_Run]:
         rng = make_rng()
-        buf = np.empty(size, np.int64)
+        # The buffer grows as it fills: a buffer_size beyond the dataset allocates only what exists.
+        buf = np.empty(min(size, _SHUFFLE_CHUNK), np.int64)
         filled = 0
         for run in upstream():
             if filled < size:
                 head = _positions_array(run[: size - filled])
+                if filled + len(head) > len(buf):
+                    grown = np.empty(min(size, max(2 * len(buf), filled + len(head))), np.int64)
+                    grown[:filled] = buf[:filled]
+                    buf = grown
                 buf[filled : filled + len(head)] = head
                 filled += len(head)
                 run = run[len(head) :]
@@ -928,12 +936,13 @@ class Dataset:
         consecutive), otherwise stacked element by element.
 
         Raises:
-            ValueError: ``batch_size`` <= 0; at iteration, elements of different shapes.
+            InvalidArgumentError: (a ValueError, as TF) ``batch_size`` <= 0.
+            ValueError: at iteration, elements of different shapes.
         """
         where = "Dataset.batch"
         b = _check_int(batch_size, "batch_size", where)
         if b <= 0:
-            raise ValueError(f"{where}: batch_size must be greater than zero, got {b}")
+            raise InvalidArgumentError(f"{where}: batch_size must be greater than zero, got {b}")
         drop = bool(drop_remainder)
         src = self
 
@@ -980,15 +989,16 @@ class Dataset:
         """Keeps every ``num_shards``-th element starting at ``index``.
 
         Raises:
-            ValueError: ``num_shards`` <= 0 or ``index`` outside [0, num_shards).
+            InvalidArgumentError: (a ValueError, as TF) ``num_shards`` <= 0 or ``index`` outside
+                [0, num_shards).
         """
         where = "Dataset.shard"
         n = _check_int(num_shards, "num_shards", where)
         i = _check_int(index, "index", where)
         if n <= 0:
-            raise ValueError(f"{where}: num_shards must be greater than zero (currently num_shards = {n})")
+            raise InvalidArgumentError(f"{where}: num_shards must be greater than zero (currently num_shards = {n})")
         if not 0 <= i < n:
-            raise ValueError(f"{where}: index must be between 0 and {n - 1} (currently index = {i})")
+            raise InvalidArgumentError(f"{where}: index must be between 0 and {n - 1} (currently index = {i})")
         src = self
         c = self._card
         card = c if c < 0 else c // n + (1 if i < c % n else 0)
@@ -1057,6 +1067,10 @@ class Dataset:
         A tuple element is passed as positional arguments (``map_func(*element)``), anything else
         (an array, a dict, a namedtuple) as one argument, as tf.data does. Results are converted
         like elements (lists and Python numbers become arrays).
+
+        Raises:
+            InvalidArgumentError: (a ValueError) at iteration, ``map_func`` returned None (TF
+                raises it when ``map`` traces the function).
         """
         if not callable(map_func):
             raise TypeError(f"Dataset.map: map_func must be callable, got {type(map_func).__name__}")
@@ -1064,6 +1078,11 @@ class Dataset:
 
         def apply(element: Any) -> Any:
             out = map_func(*element) if type(element) is tuple else map_func(element)
+            if out is None:
+                raise InvalidArgumentError(
+                    f"Dataset.map: map_func {getattr(map_func, '__qualname__', map_func)!r} returned None; "
+                    "a dataset element must hold at least one value (did the function forget to return?)"
+                )
             return _normalize(out, "Dataset.map")
 
         def spec() -> Any:
@@ -1110,11 +1129,21 @@ class Dataset:
         """Shuffles with a buffer of ``buffer_size`` elements (tf.data's algorithm, not its numbers).
 
         With a ``seed`` and ``reshuffle_each_iteration=False`` every iteration has the same order.
+        Only the elements that exist are buffered: ``buffer_size`` may exceed the dataset (as TF's
+        documentation says, a buffer at least the dataset's size shuffles it completely), and
+        ``UNKNOWN_CARDINALITY`` (-2), as in TF, buffers the whole dataset.
+
+        Raises:
+            InvalidArgumentError: (a ValueError, as TF) ``buffer_size`` is 0 or negative other than -2.
         """
         where = "Dataset.shuffle"
         size = _check_int(buffer_size, "buffer_size", where)
+        if size == UNKNOWN_CARDINALITY:
+            size = _UNBOUNDED_BUFFER
         if size <= 0:
-            raise ValueError(f"{where}: buffer_size must be greater than zero, got {size}")
+            raise InvalidArgumentError(
+                f"{where}: buffer_size must be greater than zero or UNKNOWN_CARDINALITY (-2), got {size}"
+            )
         src = self
         seeds = np.random.SeedSequence(seed)
 

@@ -59,6 +59,8 @@ STALL_WARNING_SECONDS = 60.0
 #: Environment variables MPI launchers set in the processes they start (MPICH/Hydra, PMIx, Open MPI, Slurm).
 LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 _FINGERPRINT_BYTES = 512
+#: A wait polls MPI without pause this long, then every half millisecond.
+_SPIN_SECONDS = 1.0
 _NOTICE_TAG = 7
 
 
@@ -293,9 +295,9 @@ class Communicator:
         sleep = time.sleep
         while not testall(reqs):
             now = monotonic()
-            if now - start < 0.02:
-                continue  # spin: MPI progresses inside Testall, and most waits are short
-            sleep(0.0002)
+            if now - start < _SPIN_SECONDS:
+                continue  # spin: MPI progresses only inside Testall (a large all-reduce needs every call)
+            sleep(0.0005)  # a long wait (a slow or stuck worker): poll without burning a core
             if not noticed and now >= notice_at:
                 self._post_notice(seq)
                 noticed = True

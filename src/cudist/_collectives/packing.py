@@ -27,6 +27,7 @@ import numpy as np
 import optree
 
 from cudist._arrays import Array, contiguous, device_context, is_device_array, like, to_host
+from cudist.errors import InvalidArgumentError
 from cudist._collectives import pool
 # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._kernels import KernelBackend, backend_for, cpu_backend, numpy_backend
@@ -63,7 +64,8 @@ def check_reducible(where: str, dtype: np.dtype[Any]) -> None:
 def check_same_leaves(
     where: str, per_replica_leaves: Sequence[Sequence[Any]], paths: LeafPaths | None = None
 ) -> None:
-    """Raises a ValueError naming the replicas and leaf whose shapes or dtypes differ from replica 0's.
+    """Raises InvalidArgumentError (a ValueError; TF's error for a collective's shape mismatch) naming
+    the replicas and leaf whose shapes or dtypes differ from replica 0's.
 
     Args:
         where: the caller's name, for the message.
@@ -73,11 +75,11 @@ def check_same_leaves(
     ref = per_replica_leaves[0]
     for r, leaves in enumerate(per_replica_leaves[1:], 1):
         if len(leaves) != len(ref):
-            raise ValueError(f"{where}: replica {r} passed {len(leaves)} values but replica 0 passed {len(ref)}")
+            raise InvalidArgumentError(f"{where}: replica {r} passed {len(leaves)} values but replica 0 passed {len(ref)}")
         for j, (a, b) in enumerate(zip(ref, leaves)):
             if a.shape != b.shape or a.dtype != b.dtype:
                 name = f" at {paths[j]!r}" if paths and paths[j] else (f" (value {j})" if len(ref) > 1 else "")
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{where}: replicas disagree{name}: replica 0 has shape {a.shape} dtype {a.dtype}, "
                     f"replica {r} has shape {b.shape} dtype {b.dtype}; every replica must pass the same shapes and dtypes"
                 )
@@ -387,12 +389,31 @@ def batch_reduce(
     return outs
 
 
+def _check_gather_shapes(arrs: Sequence[Any], axis: int) -> None:
+    ndim = arrs[0].ndim
+    if not ndim or not -ndim <= axis < ndim:
+        return  # the kernel contract's own checks name these
+    axis = int(axis) % ndim
+    ref = arrs[0].shape
+    for i, a in enumerate(arrs[1:], 1):
+        if a.ndim != ndim or any(a.shape[d] != ref[d] for d in range(ndim) if d != axis):
+            raise InvalidArgumentError(
+                f"all_gather: replica {i} has shape {a.shape}, which differs from replica 0's {ref} "
+                f"outside the gather axis {axis}"
+            )
+
+
 def gather_arrays(arrs: Sequence[Any], axis: int) -> Array:
     """Concatenates per-replica arrays (same dtype) along ``axis`` in replica order into a new array.
 
     Host arrays go through the CPU backend (the NumPy reference for dtypes outside the kernel
     contract); GPU arrays through the CuPy backend, the result on the first array's GPU.
+
+    Raises:
+        InvalidArgumentError: (a ValueError, as TF) the arrays differ in rank, or in shape outside ``axis``.
+        ValueError: ``axis`` is out of range, or the arrays are 0-d.
     """
+    _check_gather_shapes(arrs, axis)
     if is_device_array(arrs[0]) and all(is_device_array(a) for a in arrs):
         b = backend_for(arrs[0])
         xp = b.xp
