@@ -106,7 +106,7 @@ def squeeze_or_expand_to_same_rank(x1: Any, x2: Any, expand_rank_1: bool = True)
     return x1, x2
 
 
-def _unbroadcast(xp: Any, g: Any, shape: tuple) -> Any:
+def _unbroadcast(xp: Any, g: Any, shape: tuple[int, ...]) -> Any:
     """Sums ``g`` down to ``shape`` (the reverse of NumPy broadcasting)."""
     shape = tuple(shape)
     if tuple(g.shape) == shape:
@@ -146,7 +146,7 @@ def _clip_mask(xp: Any, p: Any) -> tuple[Any, Any]:
 
 
 # ---------------------------------------------------------------------- per-example losses (+ grads)
-def _sparse_cce(y_true: Any, y_pred: Any, from_logits: bool, axis: int, grad: bool, dtype: Any = None):
+def _sparse_cce(y_true: Any, y_pred: Any, from_logits: bool, axis: int, grad: bool, dtype: Any = None) -> tuple[Any, Any, Any]:
     xp = array_namespace(y_pred)
     y_pred = _floating(xp, y_pred, dtype)
     labels = y_true if array_namespace(y_true) is xp and hasattr(y_true, "ndim") else xp.asarray(y_true)
@@ -183,7 +183,7 @@ def _sparse_cce(y_true: Any, y_pred: Any, from_logits: bool, axis: int, grad: bo
     return values, xp.where(mask, g, 0), y_pred.shape
 
 
-def _cce(y_true: Any, y_pred: Any, from_logits: bool, label_smoothing: float, axis: int, grad: bool, dtype: Any = None):
+def _cce(y_true: Any, y_pred: Any, from_logits: bool, label_smoothing: float, axis: int, grad: bool, dtype: Any = None) -> tuple[Any, Any, Any]:
     xp = array_namespace(y_pred)
     y_pred = _floating(xp, y_pred, dtype)
     target = _like(xp, y_true, y_pred.dtype)
@@ -217,7 +217,7 @@ def _cce(y_true: Any, y_pred: Any, from_logits: bool, label_smoothing: float, ax
     return values, dq / total - xp.sum(dq * y_pred, axis=-1, keepdims=True) / (total * total), y_pred.shape
 
 
-def _bce(y_true: Any, y_pred: Any, from_logits: bool, label_smoothing: float, axis: int, grad: bool, dtype: Any = None):
+def _bce(y_true: Any, y_pred: Any, from_logits: bool, label_smoothing: float, axis: int, grad: bool, dtype: Any = None) -> tuple[Any, Any, Any]:
     xp = array_namespace(y_pred)
     y_pred = _floating(xp, y_pred, dtype)
     target = _like(xp, y_true, y_pred.dtype)
@@ -246,7 +246,7 @@ def _bce(y_true: Any, y_pred: Any, from_logits: bool, label_smoothing: float, ax
     return values, d_elem / np.dtype(y_pred.dtype).type(elem.shape[-1]), y_pred.shape
 
 
-def _mse(y_true: Any, y_pred: Any, grad: bool, dtype: Any = None):
+def _mse(y_true: Any, y_pred: Any, grad: bool, dtype: Any = None) -> tuple[Any, Any, Any]:
     xp = array_namespace(y_pred)
     y_pred = _floating(xp, y_pred, dtype)
     target = _like(xp, y_true, y_pred.dtype)
@@ -383,7 +383,7 @@ class Loss:
             dvalues = _unbroadcast(xp, dweighted, tuple(v2.shape)).reshape(values.shape).astype(dtype)
         return out, (dvalues[..., None] * jacobian).reshape(pred_shape)
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {"name": self.name, "reduction": self.reduction}
 
     def __repr__(self) -> str:
@@ -423,7 +423,7 @@ class SparseCategoricalCrossentropy(Loss):
     def _values(self, y_true: Any, y_pred: Any, grad: bool) -> tuple[Any, Any, Any]:
         return _sparse_cce(y_true, y_pred, self.from_logits, -1, grad, self.dtype)
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "from_logits": self.from_logits}
 
 
@@ -446,7 +446,7 @@ class CategoricalCrossentropy(Loss):
     def _values(self, y_true: Any, y_pred: Any, grad: bool) -> tuple[Any, Any, Any]:
         return _cce(y_true, y_pred, self.from_logits, self.label_smoothing, -1, grad, self.dtype)
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "from_logits": self.from_logits, "label_smoothing": self.label_smoothing}
 
 
@@ -468,7 +468,7 @@ class BinaryCrossentropy(Loss):
     def _values(self, y_true: Any, y_pred: Any, grad: bool) -> tuple[Any, Any, Any]:
         return _bce(y_true, y_pred, self.from_logits, self.label_smoothing, -1, grad, self.dtype)
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {**super().get_config(), "from_logits": self.from_logits, "label_smoothing": self.label_smoothing}
 
 

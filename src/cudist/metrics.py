@@ -97,7 +97,7 @@ class Metric:
         return list(self._variables)
 
     # ---- state
-    def add_variable(self, shape: tuple = (), dtype: Any = None, aggregation: str = "sum", name: str | None = None) -> Variable:
+    def add_variable(self, shape: tuple[int, ...] = (), dtype: Any = None, aggregation: str = "sum", name: str | None = None) -> Variable:
         """Creates a zero-initialized state variable as Keras does: in the current strategy's scope,
         not trainable, ``synchronization=ON_READ`` with ``aggregation`` (default SUM)."""
         dtype = self._dtype if dtype is None else np.dtype(dtype)
@@ -153,7 +153,7 @@ class Metric:
         self.update_state(*args, **kwargs)
         return self.result()
 
-    def get_config(self) -> dict:
+    def get_config(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype.name}
 
     def __repr__(self) -> str:
