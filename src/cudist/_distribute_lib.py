@@ -21,14 +21,13 @@ import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal, TypeGuard, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 import optree
 
-from cudist import _devices
+from cudist import _devices, _replica_engine
 from cudist._context import COLOCATE as _COLOCATE
 from cudist._context import CTX as _CTX
 from cudist._context import Frame as _Frame
@@ -219,16 +218,6 @@ def _regroup_results(results: Sequence[Any]) -> Any:
     return PerReplica(results)
 
 
-def _engine() -> ModuleType:
-    global _ENGINE
-    if _ENGINE is None:
-        from cudist import _replica_engine
-
-        _ENGINE = _replica_engine
-    return _ENGINE
-
-
-_ENGINE: ModuleType | None = None
 
 
 def _warn_deprecated(name: str, instead: str) -> None:
@@ -401,7 +390,7 @@ class ReplicaContext:
             )
         if self._num == 1:
             return _HANDLERS[kind](self._strategy, [payload])[0]
-        return _engine().meet(kind, payload)  # the caller of run() performs it once all are there
+        return _replica_engine.meet(kind, payload)  # the caller of run() performs it once all are there
 
     def all_reduce(self, reduce_op: ReduceOp | str, value: _T, options: object = None) -> _T:
         """All-reduces ``value`` (a nested structure of arrays or scalars) across replicas.
@@ -970,10 +959,10 @@ class StrategyExtended:
                 f"but the strategy has {n} replicas"
             ) from None
         if gpus is None:
-            results = _engine().run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers())
+            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers())
         else:
             try:
-                results = _engine().run_replicas(
+                results = _replica_engine.run_replicas(
                     n, frames, _on_replica_gpu(fn), args_list, kwargs_list, self._handlers()
                 )
             finally:

@@ -132,15 +132,6 @@ def meet(kind: str, payload: Any) -> Any:
     return greenlet.getcurrent().parent.switch((kind, [payload]))
 
 
-def _switch(g: Any, task: tuple[Any, ...] | None, result: Any = None) -> _Event:
-    """Switches a task (a new step) or a collective's result into replica ``g``; returns its next event."""
-    if task is not None:
-        kind, out = g.switch([task])
-    else:
-        kind, out = g.switch(result)
-    return (kind, out.pop())
-
-
 def _throw_abort(g: Any) -> _Event:
     kind, out = g.throw(_Abort())
     return (kind, out.pop())
@@ -212,12 +203,14 @@ def run_replicas(
     pool.clean = False  # until every worker is back at its idle switch
     events: list[Any] = [None] * n  # per replica its last _Event (None: not started); checked by kind
     try:
-        for i in range(n):
-            events[i] = _switch(workers[i], (frames[i], fn, args_list[i], kwargs_list[i]))
+        for i, g in enumerate(workers):
+            kind, out = g.switch([(frames[i], fn, args_list[i], kwargs_list[i])])
+            events[i] = (kind, out.pop())
         while True:
             kinds = [ev[0] for ev in events]
             first = kinds[0]
-            if first == _DONE and kinds.count(_DONE) == n:
+            same = kinds.count(first) == n
+            if same and first == _DONE:
                 pool.clean = True
                 return [ev[1] for ev in events]
             if _ERROR in kinds:
@@ -228,7 +221,7 @@ def run_replicas(
                     pool.clean = True
                 _note(exc, f"(raised in replica {err} of {n})")
                 raise exc
-            if any(k != first for k in kinds):
+            if not same:
                 groups: dict[str, list[int]] = {}
                 for i, ev in enumerate(events):
                     groups.setdefault(_describe(ev), []).append(i)
@@ -252,9 +245,10 @@ def run_replicas(
                     pool.clean = True
                 raise
             del payloads
-            for i in range(n):
-                # Every replica gets its result and runs on, even after another one raised (TF's rule).
-                events[i] = _switch(workers[i], None, results[i])
+            # Every replica gets its result and runs on, even after another one raised (TF's rule).
+            for i, g in enumerate(workers):
+                kind, out = g.switch(results[i])
+                events[i] = (kind, out.pop())
             del results
     finally:
         pool.busy = False
