@@ -44,11 +44,7 @@ import cudist.losses
 import cudist.metrics
 import cudist.nn
 import cudist.optimizers
-
-try:  # checkpoints (cudist.train) arrived after this example; without them that section is skipped
-    import cudist.train as cudist_train
-except ImportError:  # pragma: no cover - older cudist
-    cudist_train = None
+import cudist.train
 
 NUM_CLASSES = 10
 IMAGE_SHAPE = (28, 28, 1)
@@ -327,7 +323,7 @@ def main(argv=None) -> dict:
     with strategy.scope():
         model = Model(args.seed)
         optimizer = cudist.optimizers.Adam(learning_rate=args.learning_rate)
-        checkpoint = cudist_train.Checkpoint(optimizer=optimizer, model=model) if cudist_train else None
+        checkpoint = cudist.train.Checkpoint(optimizer=optimizer, model=model)
     compute_gradients = make_gradient_fn(backend, model, compute_loss, loss_object)
 
     def train_step(inputs):
@@ -368,7 +364,7 @@ def main(argv=None) -> dict:
         for x in test_dist_dataset:
             distributed_test_step(x)
 
-        if epoch % 2 == 0 and checkpoint is not None:
+        if epoch % 2 == 0:
             checkpoint.save(checkpoint_prefix)
 
         history["loss"].append(train_loss)
@@ -384,7 +380,7 @@ def main(argv=None) -> dict:
     history["train_seconds"] = time.perf_counter() - start
 
     # Restore the latest checkpoint and test: a new model, outside the strategy.
-    if checkpoint is not None and EPOCHS > 0:
+    if EPOCHS > 0:
         eval_accuracy = cudist.metrics.SparseCategoricalAccuracy(name="eval_accuracy")
         new_model = Model(args.seed + 1)
         new_optimizer = cudist.optimizers.Adam()
@@ -394,14 +390,12 @@ def main(argv=None) -> dict:
             predictions = new_model(images, training=False)
             eval_accuracy(labels, predictions)
 
-        checkpoint = cudist_train.Checkpoint(optimizer=new_optimizer, model=new_model)
-        checkpoint.restore(cudist_train.latest_checkpoint(checkpoint_dir))
+        checkpoint = cudist.train.Checkpoint(optimizer=new_optimizer, model=new_model)
+        checkpoint.restore(cudist.train.latest_checkpoint(checkpoint_dir))
         for images, labels in test_dataset:
             eval_step(images, labels)
         history["eval_accuracy"] = float(eval_accuracy.result())
         log(f"Accuracy after restoring the saved model without strategy: {eval_accuracy.result() * 100:.2f}")
-    elif checkpoint is None:
-        log("(cudist.train is not available: checkpoints skipped)")
 
     # Alternate ways of iterating over a dataset: using iterators
     for epoch in range(args.alternate_epochs):

@@ -182,3 +182,31 @@ def test_metrics_take_jax_arrays():
     strategy.run(step)
     assert acc.result() == pytest.approx(5 / 6) and isinstance(acc.result(), np.float32)
     assert mean.result() == pytest.approx(1.5)
+
+
+def test_metrics_are_checkpointable_across_replica_counts(tmp_path):
+    import cudist.train
+
+    two = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with two.scope():
+        acc = cudist.metrics.SparseCategoricalAccuracy()
+        loss = cudist.metrics.Mean(name="loss")
+    logits = np.eye(4, dtype=np.float32)
+
+    def step(labels):
+        acc.update_state(labels, logits[: len(labels)])
+        loss.update_state(np.asarray(labels, np.float32))
+
+    per_replica = two.experimental_distribute_values_from_function(lambda c: [np.array([0, 1, 3]), np.array([2, 2])][c.replica_id_in_sync_group])
+    two.run(step, args=(per_replica,))
+    want = (acc.result(), loss.result())
+    path = cudist.train.Checkpoint(acc=acc, loss=loss).save(str(tmp_path / "ckpt"))
+
+    three = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    with three.scope():
+        acc2 = cudist.metrics.SparseCategoricalAccuracy()
+        loss2 = cudist.metrics.Mean(name="loss")
+    cudist.train.Checkpoint(acc=acc2, loss=loss2).restore(path).assert_consumed()
+    assert (acc2.result(), loss2.result()) == want == (np.float32(2 / 5), np.float32(8 / 5))
+    three.run(lambda: acc2.update_state(np.array([0]), logits[:1]))  # 3 more hits, 3 more examples
+    assert acc2.result() == pytest.approx(5 / 8, rel=1e-6)  # restored as value / 3 per replica: float rounding
