@@ -321,6 +321,9 @@ def write_state(
     if last_preserved is not None:
         state["last_preserved_timestamp"] = last_preserved
     atomic_write_json(os.path.join(directory, state_file), state)
+    for stale in glob.glob(os.path.join(glob.escape(directory), "." + glob.escape(state_file) + ".*.tmp")):
+        with contextlib.suppress(OSError):
+            os.remove(stale)  # left by a process killed while writing the state file
 
 
 def read_state(directory: str, state_file: str = STATE_FILE) -> dict | None:
