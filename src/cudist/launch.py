@@ -10,8 +10,11 @@ through MPI. Options:
 * ``--mpiexec PATH``: the launcher to use (default: the one next to this Python, else on PATH);
 * ``--timeout S``: end the job after S seconds (exit code 124).
 
-When there are more workers than CPU cores, ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1`` is set so that
-waiting workers yield the CPU instead of spinning. The exit code is the job's; when it fails, the
+Each worker's BLAS/OpenMP/Numba thread count is set to cores / N (``OMP_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ``NUMBA_NUM_THREADS``, unless already set, as
+``torchrun`` does): N workers each running a matmul over every core would slow each other down
+several times over. When there are more workers than CPU cores, ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``
+is set so that waiting workers yield the CPU instead of spinning. The exit code is the job's; when it fails, the
 launcher says which worker failed and how (raised an exception, exited with a code, was killed).
 """
 
@@ -31,9 +34,10 @@ import threading
 import time
 from pathlib import Path
 
-__all__ = ["main", "find_mpiexec", "build_command"]
+__all__ = ["main", "find_mpiexec", "build_command", "worker_env"]
 
 _STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 _BASE_PORT = 23456
 
 
@@ -45,6 +49,17 @@ def find_mpiexec(explicit: str | None = None) -> str | None:
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
     return shutil.which("mpiexec")
+
+
+def worker_env(n: int, env=None) -> dict:
+    """The environment for ``n`` workers on this machine: thread counts of cores / n, heavy yield if oversubscribed."""
+    env = dict(os.environ if env is None else env)
+    cores = os.cpu_count() or 1
+    for var in _THREAD_VARS:  # the workers share the cores (as torchrun does)
+        env.setdefault(var, str(max(1, cores // n)))
+    if n > cores:
+        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # oversubscribed: waiting ranks yield the CPU
+    return env
 
 
 def _rank() -> int:
@@ -203,9 +218,7 @@ def main(argv=None) -> int:
             "(mpi4py and the mpich wheel)\n"
         )
         return 127
-    env = dict(os.environ)
-    if n > (os.cpu_count() or 1):
-        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")  # oversubscribed: waiting ranks yield the CPU
+    env = worker_env(n)
     with tempfile.TemporaryDirectory(prefix="cudist-launch-") as directory:
         env[_STATUS_DIR] = directory
         cmd = build_command(mpiexec, n, args.script, args.args, tf_config_flag=args.tf_config, module=args.module)

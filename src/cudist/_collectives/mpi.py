@@ -293,10 +293,12 @@ class Communicator:
         testall = MPI.Request.Testall
         monotonic = time.monotonic
         sleep = time.sleep
+        sched_yield = os.sched_yield
         while not testall(reqs):
             now = monotonic()
             if now - start < _SPIN_SECONDS:
-                continue  # spin: MPI progresses only inside Testall (a large all-reduce needs every call)
+                sched_yield()  # spin, letting a busy core go: MPI progresses only inside Testall
+                continue
             sleep(0.0005)  # a long wait (a slow or stuck worker): poll without burning a core
             if not noticed and now >= notice_at:
                 self._post_notice(seq)

@@ -48,7 +48,7 @@ def build_parser():
         prog="cudist-bench all-reduce --workers N",
         description="Cross-worker all-reduce: MultiWorkerMirroredStrategy against raw mpi4py Allreduce, same run.",
     )
-    p.add_argument("command", choices=["all-reduce"])
+    p.add_argument("command", choices=["all-reduce", "step"])
     p.add_argument("--workers", type=int, required=True, help="number of worker processes (mpiexec -n)")
     p.add_argument("-b", "--minbytes", type=_parse_size, default=_parse_size("4K"))
     p.add_argument("-e", "--maxbytes", type=_parse_size, default=_parse_size("64M"))
@@ -59,6 +59,8 @@ def build_parser():
     p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="check the results (default 1)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to python, else PATH)")
+    p.add_argument("--steps", type=int, default=50, help="step: timed steps (default 50)")
+    p.add_argument("--batch", type=int, default=256, help="step: global batch (default 256)")
     return p
 
 
@@ -69,9 +71,9 @@ def _relaunch(args, argv) -> int:
     if mpiexec is None:
         sys.stderr.write("cudist-bench: --workers needs mpiexec: pip install \"cudist[mpi]\"\n")
         return 2
-    env = dict(os.environ)
-    if args.workers > (os.cpu_count() or 1):
-        env.setdefault("MPIR_CVAR_ENABLE_HEAVY_YIELD", "1")
+    from cudist.launch import worker_env
+
+    env = worker_env(args.workers)
     cmd = [mpiexec, "-n", str(args.workers), sys.executable, "-m", "cudist.bench", *argv]
     return subprocess.call(cmd, env=env)
 
@@ -168,6 +170,85 @@ def _run(args) -> int:
     return 0 if ok_all else 1
 
 
+# The training step of bench/step_compare.py (its torch DDP gloo contestant is the comparison):
+# MLP 784-512-512-10, ReLU, softmax cross-entropy, SGD momentum 0.9, lr 0.01, float32.
+_LAYERS = (784, 512, 512, 10)
+
+
+def _problem(batch):
+    rng = np.random.default_rng(0)
+    params = []
+    for fan_in, fan_out in zip(_LAYERS[:-1], _LAYERS[1:]):
+        lim = np.sqrt(6.0 / (fan_in + fan_out))
+        params += [rng.uniform(-lim, lim, (fan_in, fan_out)).astype(np.float32), np.zeros(fan_out, np.float32)]
+    x = rng.standard_normal((batch, _LAYERS[0])).astype(np.float32)
+    y = rng.integers(0, _LAYERS[-1], batch).astype(np.int64)
+    return params, x, y
+
+
+def _grads(params, x, y, scale):
+    w1, b1, w2, b2, w3, b3 = params
+    z1 = x @ w1 + b1
+    h1 = np.maximum(z1, 0)
+    z2 = h1 @ w2 + b2
+    h2 = np.maximum(z2, 0)
+    logits = h2 @ w3 + b3
+    m = logits.max(axis=1, keepdims=True)
+    e = np.exp(logits - m)
+    se = e.sum(axis=1, keepdims=True)
+    rows = np.arange(len(y))
+    loss = float(scale * np.sum(np.log(se[:, 0]) + m[:, 0] - logits[rows, y]))
+    d = e / se
+    d[rows, y] -= 1
+    d *= d.dtype.type(scale)
+    dh2 = (d @ w3.T) * (z2 > 0)
+    dh1 = (dh2 @ w2.T) * (z1 > 0)
+    return [x.T @ dh1, dh1.sum(axis=0), h1.T @ dh2, dh2.sum(axis=0), h2.T @ d, d.sum(axis=0)], loss
+
+
+def _run_step(args) -> int:
+    from mpi4py import MPI
+
+    import cudist
+    import cudist.optimizers
+
+    comm = MPI.COMM_WORLD
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    rank, W = strategy.extended._worker_index, strategy.extended._num_workers
+    params, x, y = _problem(args.batch)
+    with strategy.scope():
+        variables = [cudist.Variable(p) for p in params]
+        opt = cudist.optimizers.SGD(0.01, momentum=0.9)
+    per = -(-len(x) // W)
+    mine = (x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
+    scale = 1.0 / len(x)
+
+    def replica_step(xy):
+        grads, loss = _grads([np.asarray(v) for v in variables], xy[0], xy[1], scale)
+        opt.apply_gradients(zip(grads, variables))
+        return loss
+
+    losses = [comm.allreduce(strategy.run(replica_step, args=(mine,))) for _ in range(3)]
+    samples = np.empty(args.steps)
+    for i in range(args.steps):
+        t = time.perf_counter()
+        strategy.run(replica_step, args=(mine,))
+        samples[i] = time.perf_counter() - t
+    slowest = np.empty_like(samples)
+    comm.Allreduce(samples, slowest, MPI.MAX)
+    if rank == 0:
+        ms = float(np.median(slowest)) * 1e3
+        print(f"# cudist-bench step --workers {W}: MLP 784-512-512-10, global batch {args.batch}, SGD momentum; "
+              f"threads per worker {os.environ.get('OMP_NUM_THREADS', '?')}", flush=True)
+        print(f"  MultiWorkerMirroredStrategy ({W} workers): median step {ms:.2f} ms (slowest worker per step), "
+              f"min {float(slowest.min()) * 1e3:.2f} ms, {args.batch / ms * 1e3:.0f} samples/s; "
+              f"first losses {', '.join(f'{v:.6f}' for v in losses)}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"workers": W, "median_ms": ms, "losses": losses}, f)
+    return 0
+
+
 def main(argv) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1 or args.replicas < 1:
@@ -177,4 +258,4 @@ def main(argv) -> int:
 
     if not launched_by_mpi():
         return _relaunch(args, argv)
-    return _run(args)
+    return _run_step(args) if args.command == "step" else _run(args)
