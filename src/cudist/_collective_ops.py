@@ -7,7 +7,7 @@ A hierarchical all-reduce over the workers of an MPI job:
 2. one non-blocking MPI ``Iallreduce`` (SUM) per packed buffer of about ``bytes_per_pack`` bytes
    (0: one buffer per dtype), all started before any is waited for, polled with the
    communicator's deadline (see :mod:`cudist._collectives.mpi`);
-3. MEAN divides the global sum by the GLOBAL replica count (integers: a float64 true division, as
+3. MEAN divides the global sum by the GLOBAL replica count (integers: a true division, float64 or float32 as
    TF; variables keep their dtype, see ``cudist._variables``), then each local replica gets its
    own copy of the result on its own device (the local broadcast).
 
@@ -30,10 +30,12 @@ from cudist._collectives.mpi import describe
 from cudist._collectives.placement import on_destinations, resolve_destinations
 from cudist._cross_device_ops import CrossDeviceOps
 from cudist._kernels import cpu_backend
-from cudist._reduce_util import ReduceOp
+from cudist._reduce_util import ReduceOp, int_mean_dtype
 from cudist._values import DistributedValues
 
 __all__ = ["CollectiveAllReduce"]
+
+_KINDS = {op: f"all_reduce {op.name}" for op in ReduceOp}
 
 
 class CollectiveAllReduce(CrossDeviceOps):
@@ -122,7 +124,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                         off += s
                 pairs.append((send, recv))
                 unpack.append((ids, recv))
-        self._comm.allreduce(pairs, kind, describe(host[j][0] for j in range(len(host))))
+        self._comm.allreduce(pairs, kind, lambda: describe(host[j][0] for j in range(len(host))))
         for ids, recv in unpack:
             off = 0
             for j in ids:
@@ -132,14 +134,26 @@ class CollectiveAllReduce(CrossDeviceOps):
                 off += s
         return sums
 
+    def _one_sum(self, kind, a):
+        """The global SUM of one host array of the only local replica: sent as it is, into a pooled buffer."""
+        if a.dtype.kind not in "iufc":
+            packing.check_reducible(kind, a.dtype)
+        send = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        recv = pool.take(a.shape, a.dtype)
+        self._comm.allreduce(((send, recv),), kind, lambda: describe((a,)))
+        return recv
+
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
-        sums = self._global_sums(where, kind, per_replica_leaves)
+        if len(per_replica_leaves) == 1 and len(per_replica_leaves[0]) == 1 and type(per_replica_leaves[0][0]) is np.ndarray:
+            sums = [self._one_sum(kind, per_replica_leaves[0][0])]  # the per-step common case, kept short
+        else:
+            sums = self._global_sums(where, kind, per_replica_leaves)
         if op is ReduceOp.MEAN:
             total = len(per_replica_leaves) * self._workers
             for j, s in enumerate(sums):
                 if s.dtype.kind in "iu":
-                    sums[j] = np.true_divide(s, total)
+                    sums[j] = np.true_divide(s, total, dtype=int_mean_dtype(s.dtype))
                 else:
                     np.divide(s, s.dtype.type(total), out=s)
         return sums
@@ -148,8 +162,9 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _all_reduce_leaves(self, op, per_replica_leaves, paths=None):
         if self._workers == 1:
             return self._local._all_reduce_leaves(op, per_replica_leaves, paths)
-        packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
-        results = self._global_results("all_reduce", f"all_reduce {op.name}", op, per_replica_leaves)
+        if len(per_replica_leaves) > 1:
+            packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
+        results = self._global_results("all_reduce", _KINDS[op], op, per_replica_leaves)
         outs = []
         for r, leaves in enumerate(per_replica_leaves):
             mine = []

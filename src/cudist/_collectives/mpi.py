@@ -237,7 +237,7 @@ class Communicator:
             )
         self.seq += 1
         if self.check and self.size > 1:
-            self._check_fingerprint(kind, detail)
+            self._check_fingerprint(kind, detail() if callable(detail) else detail)
         return self.seq
 
     def _check_fingerprint(self, kind: str, detail: str) -> None:
@@ -323,13 +323,14 @@ class Communicator:
                 )
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, pairs, kind: str = "all_reduce", detail: str = "") -> None:
+    def allreduce(self, pairs, kind: str = "all_reduce", detail=None) -> None:
         """SUM all-reduces each ``(send, recv)`` pair (contiguous host arrays; ``send is recv``: in place).
 
-        One non-blocking ``Iallreduce`` per pair, all started before any is waited for.
+        One non-blocking ``Iallreduce`` per pair, all started before any is waited for. ``detail``
+        (a string, or a function giving one) describes the call in fingerprints.
         """
         MPI = self._MPI
-        seq = self._begin(kind, detail or describe([p[1] for p in pairs]))
+        seq = self._begin(kind, detail if detail is not None else (lambda: describe([p[1] for p in pairs])))
         reqs = []
         for send, recv in pairs:
             reqs.append(self.comm.Iallreduce(MPI.IN_PLACE if send is recv else send, recv, MPI.SUM))
