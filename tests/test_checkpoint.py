@@ -32,7 +32,7 @@ from cudist import VariableSynchronization as Sync
 
 HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parent))
-from conftest import make_strategy  # noqa: E402
+from conftest import make_strategy, set_gpu0_split  # noqa: E402
 
 train = cudist.train
 ON_READ = Sync.ON_READ
@@ -56,12 +56,15 @@ class Model:
 
 
 # ================================================================================ round trips
-KINDS = [
-    "one_device", "mirrored2", "mirrored3", "central2",
-    pytest.param("mirrored_gpu3", marks=pytest.mark.gpu),
-    pytest.param("central_gpu2", marks=pytest.mark.gpu),
-]
 DTYPES = [np.float32, np.float16, np.float64, np.int32, np.int64, np.complex128]
+# GPU kinds (CuPy arrays; run under the CuPy emulation too): the GPU kernels lack complex128, which
+# a sync-on-read variable's aggregate read needs.
+ROUND_TRIPS = [
+    *[pytest.param(k, d, id=f"{np.dtype(d).name}-{k}") for k in ("one_device", "mirrored2", "mirrored3", "central2")
+      for d in DTYPES],
+    *[pytest.param(k, d, id=f"{np.dtype(d).name}-{k}", marks=pytest.mark.gpu) for k in ("mirrored_gpu3", "central_gpu2")
+      for d in DTYPES if d is not np.complex128],
+]
 
 
 def _make_vars(strategy, dtype, seed):
@@ -101,8 +104,16 @@ def _bump_sync_on_read(strategy, m):
     strategy.run(fn)
 
 
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.fixture
+def gpu_split_reset():
+    """Physical GPU 0 back to one logical GPU after a test that split it (through make_strategy)."""
+    yield
+    if cudist.config.list_physical_devices("GPU"):
+        set_gpu0_split(None)
+
+
+@pytest.mark.parametrize("kind, dtype", ROUND_TRIPS)
+@pytest.mark.usefixtures("gpu_split_reset")
 def test_round_trip_every_variable_kind(tmp_path, kind, dtype):
     strategy = make_strategy(kind)
     src = _make_vars(strategy, dtype, 0)
@@ -168,6 +179,33 @@ def test_sync_on_read_restore_onto_another_replica_count(tmp_path):
         i1 = cudist.Variable(np.int64(0))
     train.Checkpoint(f=f1, i=i1).read(path).expect_partial()
     assert f1.numpy() == np.float32(1.5) and int(i1.numpy()) == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("gpu_split_reset")
+def test_restore_between_gpu_and_cpu_replicas(tmp_path):
+    # GPU Mirrored 3 -> CPU Mirrored 2 and CPU CentralStorage -> GPU Mirrored 3, optimizer state included.
+    src_strategy = make_strategy("mirrored_gpu3")
+    m, opt = _opt_model(src_strategy, cudist.optimizers.Adam, learning_rate=0.01)
+    _opt_steps(src_strategy, m, opt, range(3))
+    path = train.Checkpoint(model=m, optimizer=opt).write(str(tmp_path / "gpu"))
+    expected = _opt_state(m, opt)
+    cpu = make_strategy("mirrored2")
+    m2, opt2 = _opt_model(cpu, cudist.optimizers.Adam, learning_rate=0.01)
+    train.Checkpoint(model=m2, optimizer=opt2).read(path).assert_consumed()
+    for k, v in _opt_state(m2, opt2).items():
+        _assert_same(v, expected[k], k)
+    central = make_strategy("central2")
+    m3, opt3 = _opt_model(central, cudist.optimizers.Adam, learning_rate=0.01)
+    _opt_steps(central, m3, opt3, range(2))
+    path = train.Checkpoint(model=m3, optimizer=opt3).write(str(tmp_path / "cpu"))
+    gpu = make_strategy("mirrored_gpu3")
+    m4, opt4 = _opt_model(gpu, cudist.optimizers.Adam, learning_rate=0.01)
+    train.Checkpoint(model=m4, optimizer=opt4).read(path).assert_consumed()
+    for k, v in _opt_state(m3, opt3).items():
+        _assert_same(_opt_state(m4, opt4)[k], v, k)
+    for c in m4.w.values:
+        assert type(c.read_value()) is not np.ndarray  # restored onto the GPUs
 
 
 def test_sync_on_read_with_aggregation_none_cannot_be_saved(tmp_path):
@@ -882,5 +920,79 @@ def test_sigkill_then_resume_on_another_replica_count(tmp_path):
     _assert_states_equal(state, _reference(2, switch_to=3, at=at), f"SIGKILL after step {kill_at}, 2 -> 3 replicas")
 
 
+# ================================================================================ multi-worker
+def _multi_worker_main(directory: str):
+    """One worker of ``python -m cudist.launch -n 2 tests/test_checkpoint.py multi_worker DIR``."""
+    from mpi4py import MPI
+
+    from cudist.train import _format
+
+    strategy = cudist.MultiWorkerMirroredStrategy(devices=["/cpu:0"])
+    chief = bool(strategy.extended.should_checkpoint)
+    if not chief:
+        def refuse(*args, **kwargs):
+            raise AssertionError("a worker that is not the chief wrote checkpoint files")
+
+        _format.write_tensors = _format.write_state = _format.atomic_write_json = refuse
+
+    def build():
+        with strategy.scope():
+            w = cudist.Variable(np.arange(4, dtype=np.float32))
+            total = cudist.Variable(np.float32(0), synchronization=ON_READ, aggregation=Agg.SUM)
+            count = cudist.Variable(np.int64(0), synchronization=ON_READ, aggregation=Agg.SUM)
+            opt = cudist.optimizers.SGD(0.1, momentum=0.9)
+        return train.Checkpoint(w=w, total=total, count=count, optimizer=opt), w, total, count, opt
+
+    ckpt, w, total, count, opt = build()
+
+    def step():
+        r = cudist.get_replica_context().replica_id_in_sync_group
+        opt.apply_gradients([(np.full(4, r + 1, np.float32), w)])
+        total.assign_add(np.float32(0.5 * (r + 1)))
+        count.assign_add(np.int64(2 * r + 1))
+
+    for _ in range(3):
+        strategy.run(step)
+    path = train.CheckpointManager(ckpt, directory).save()  # every worker saves; the chief writes
+    strategy.reduce("sum", np.ones(1, np.float32), axis=None)  # a barrier: the chief has committed
+    want = [w.numpy(), opt.get_slot(w, "momentum").numpy(), opt.iterations.numpy(), total.numpy(), count.numpy()]
+    ckpt2, w2, total2, count2, opt2 = build()
+    ckpt2.restore(train.latest_checkpoint(directory)).assert_consumed()
+    got = [w2.numpy(), opt2.get_slot(w2, "momentum").numpy(), opt2.iterations.numpy(), total2.numpy(), count2.numpy()]
+    ok = all(_bits(a) == _bits(b) for a, b in zip(got, want))
+    local = [int(c.numpy()) for c in count2.values]
+    results = MPI.COMM_WORLD.gather([chief, path, ok, local, [np.asarray(x).tolist() for x in got]], root=0)
+    if MPI.COMM_WORLD.Get_rank() == 0:
+        print("RESULT", json.dumps(results), flush=True)
+
+
+def _mpi_missing():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed"
+    from cudist.launch import find_mpiexec
+
+    return None if find_mpiexec() is not None else "no mpiexec"
+
+
+@pytest.mark.multi_worker
+@pytest.mark.skipif(_mpi_missing() is not None, reason=f"multi-worker jobs need MPI: {_mpi_missing()}")
+def test_multi_worker_only_the_chief_writes_and_every_worker_restores(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "CUDIST_CHECK_COLLECTIVES")}
+    proc = subprocess.run([sys.executable, "-m", "cudist.launch", "-n", "2", str(HERE), "multi_worker", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))
+    (chief0, path0, ok0, local0, got0), (chief1, path1, ok1, local1, got1) = json.loads(line[len("RESULT "):])
+    assert (chief0, chief1) == (True, False)
+    assert path0 == path1 == str(tmp_path / "ckpt-1") and ok0 and ok1 and got0 == got1
+    assert got0[3] == 4.5 and got0[4] == 12  # total: 3 x (0.5 + 1.0); count: 3 x (1 + 3)
+    assert local0 + local1 == [6, 6]  # the integer sum split over the job's 2 replicas
+    assert sorted(p.name.split(".")[0] for p in tmp_path.iterdir()) == ["checkpoint", "ckpt-1", "ckpt-1"]
+
+
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "train":
     _train_main(sys.argv[2:])
+elif __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "multi_worker":
+    _multi_worker_main(sys.argv[2])

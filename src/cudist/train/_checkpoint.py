@@ -40,7 +40,9 @@ and is applied if ``save_counter`` is created later). Values are assigned when `
 returns: there is no deferred restoration of objects created afterwards, except ``save_counter``.
 
 In a multi-worker job every worker calls ``save`` (a sync-on-read variable's aggregate is a
-collective) but only the chief writes (``strategy.extended.should_checkpoint``).
+collective) but only the chief writes (``strategy.extended.should_checkpoint``). A sync-on-read
+variable's per-replica components are saved only when this process holds every replica; a worker
+of several restores its share of the job-wide split (its global replica ids).
 """
 
 from __future__ import annotations
@@ -205,7 +207,7 @@ def _save_entries(path: str, var, record: dict) -> list:
         trainable=bool(var.trainable),
         synchronization=var.synchronization.name,
         aggregation=var.aggregation.name,
-        replicas=len(var.values) if isinstance(var, DistributedValues) else 1,
+        replicas=_replica_counts(var)[0],
     )
     if isinstance(var, SyncOnReadVariable):
         if var.aggregation is VariableAggregation.NONE:
@@ -214,16 +216,27 @@ def _save_entries(path: str, var, record: dict) -> list:
                 "cross-replica value to save (TF raises too); give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"
             )
         specs = [(path, dtype, shape, var._read_host)]  # the aggregate: a cross-replica read
-        keys = []
-        for i, c in enumerate(var.values):
-            key = f"{path}/{_PER_REPLICA}/{i}"
-            keys.append(key)
-            specs.append((key, dtype, shape, c._read_host))
-        record["per_replica"] = keys
+        total, local = _replica_counts(var)
+        if local == total:  # every replica's component is here (not so for one worker of several)
+            keys = []
+            for i, c in enumerate(var.values):
+                key = f"{path}/{_PER_REPLICA}/{i}"
+                keys.append(key)
+                specs.append((key, dtype, shape, c._read_host))
+            record["per_replica"] = keys
         return specs
     if isinstance(var, DistributedValues):  # MirroredVariable: one value, component 0's
         return [(path, dtype, shape, var.values[0]._read_host)]
     return [(path, dtype, shape, var._read_host)]  # plain, AggregatingVariable: the storage
+
+
+def _replica_counts(var) -> tuple:
+    """(replicas in sync over the whole job, components held here) of a variable."""
+    if not isinstance(var, DistributedValues):
+        return 1, 1
+    local = len(var.values)
+    strategy = var._distribute_strategy
+    return (local if strategy is None else int(strategy.num_replicas_in_sync)), local
 
 
 def _check_compatible(path: str, var, record: dict) -> None:
@@ -261,18 +274,19 @@ def _restore_variable(var, record: dict, read) -> None:
     """Assigns the saved value (``read(key)`` gives a tensor) to every component of ``var``."""
     value = read(record["tensor"])
     if isinstance(var, SyncOnReadVariable):
-        n = len(var.values)
+        total, local = _replica_counts(var)
         keys = record.get("per_replica") or []
-        if len(keys) == n:  # as many replicas as at the save: the components as they were
+        if len(keys) == total == local:  # as many replicas as at the save: the components as they were
             del value
             for c, key in zip(var.values, keys):
                 c.assign(read(key), read_value=False)
             return
-        agg = var.aggregation
-        if agg is VariableAggregation.SUM:
-            _assign_components(var, _split_sum(value, n))
+        if var.aggregation is VariableAggregation.SUM:
+            # This worker's share of the split over every replica of the job (its global replica ids).
+            first = 0 if total == local else getattr(var._distribute_strategy.extended, "_worker_index", 0) * local
+            _assign_components(var, _split_sum(value, total)[first : first + local])
         else:  # MEAN, ONLY_FIRST_REPLICA, NONE: every component the value (as TF)
-            _assign_components(var, [value] * n)
+            _assign_components(var, [value] * local)
         return
     if isinstance(var, DistributedValues):
         _assign_components(var, [value] * len(var.values))

@@ -132,7 +132,7 @@ class CheckpointManager:
         return list(self._maybe_delete)
 
     # -- saving
-    def _sweep(self) -> None:
+    def _sweep(self, delete: bool = True) -> None:
         if not self._max_to_keep:
             return
         while len(self._maybe_delete) > self._max_to_keep:
@@ -141,7 +141,8 @@ class CheckpointManager:
             if hours and stamp - hours * 3600.0 >= self._last_preserved_timestamp:
                 self._last_preserved_timestamp = stamp
                 continue
-            _format.remove_checkpoint(path)
+            if delete:
+                _format.remove_checkpoint(path)
 
     def _record_state(self) -> None:
         _format.write_state(
@@ -176,12 +177,14 @@ class CheckpointManager:
         counter.assign_add(1, read_value=False)
         number = int(counter) if checkpoint_number is None else int(checkpoint_number)
         path = f"{self._checkpoint_prefix}-{number}"
-        if not self._checkpoint._write(path):
-            return path  # not the chief: nothing was written, nothing to record
+        wrote = self._checkpoint._write(path)
         stamp = time.time()
         self._maybe_delete.pop(path, None)
         self._maybe_delete[path] = stamp
         self._latest_checkpoint = path
+        if not wrote:  # not the chief: the same bookkeeping in memory, no files touched
+            self._sweep(delete=False)
+            return path
         self._record_state()
         self._sweep()
         self._record_state()
