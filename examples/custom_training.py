@@ -18,7 +18,9 @@ returns goes to ``optimizer.apply_gradients`` as it is (through DLPack, no copy)
 synthetic and shaped like Fashion-MNIST (28x28 grayscale images, 10 classes, uint8 pixels
 scaled to [0, 1]): each class is a pattern of blobs, shifted, dimmed and noised per image. The
 model is a small MLP (the tutorial's convolutions replaced by one dense layer, its L2
-regularization kept); ``tf.function`` has no counterpart (the steps are plain Python).
+regularization kept); ``tf.function`` has no counterpart (the steps are plain Python). The
+PyTorch path has not been run where cudist is developed (PyTorch is not installed there); JAX,
+autograd and NumPy are tested.
 
 Run::
 
@@ -297,7 +299,9 @@ def main(argv=None) -> dict:
     train_dist_dataset = strategy.experimental_distribute_dataset(train_dataset)
     test_dist_dataset = strategy.experimental_distribute_dataset(test_dataset)
 
-    checkpoint_dir = args.checkpoint_dir or tempfile.mkdtemp(prefix="cudist_custom_training_")
+    # The tutorial writes ./training_checkpoints; by default we use a directory removed at the end.
+    scratch = None if args.checkpoint_dir else tempfile.TemporaryDirectory(prefix="cudist_custom_training_")
+    checkpoint_dir = args.checkpoint_dir or scratch.name
     checkpoint_prefix = os.path.join(checkpoint_dir, "ckpt")
 
     # Define the loss function
@@ -427,6 +431,8 @@ def main(argv=None) -> dict:
         train_loss = distributed_train_epoch(train_dist_dataset)
         log(f"Epoch {epoch + 1}, Loss: {train_loss:.4f}, Accuracy: {train_accuracy.result() * 100:.2f}")
         train_accuracy.reset_state()
+    if scratch is not None:
+        scratch.cleanup()
     return history
 
 
