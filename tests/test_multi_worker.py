@@ -176,6 +176,30 @@ def test_example_trains_multi_worker(no_shm_left):
     assert losses[0][1] == losses[1][1]
 
 
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.heavy
+def test_gpu_workers_under_the_cupy_emulation(no_shm_left):
+    """2 workers x 2 emulated GPUs (tests/emu/fakecupy) against a MirroredStrategy over 4 GPUs."""
+    sys.path.insert(0, str(HERE / "emu"))
+    try:
+        import build  # noqa: PLC0415 - tests/emu/build.py
+    finally:
+        sys.path.pop(0)
+    if build.compiler() is None:
+        pytest.skip("no C++ compiler: the CUDA emulation cannot be built")
+    env = _env(CUDIST_EMU_DEVICES="4", CUDIST_EMU_PEER="all")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "emu" / "fakecupy"), *filter(None, [env.get("PYTHONPATH")])])
+    env.pop("CUDIST_BACKEND", None)
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", JOB, "gpu"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = _results(p)
+    failed = {f"worker {r}: {k}": d for r, rr in res.items() for k, (ok, d) in rr.items() if not ok}
+    assert not failed, failed
+    assert len(res[0]) == 6
+
+
 # ---------------------------------------------------------------------------------------------- one process
 def test_plain_python_is_one_worker_without_mpi():
     code = (
