@@ -147,6 +147,10 @@ class Check(NamedTuple):
     any_ok: bool = False
 
 
+# An array of a dtype known only at run time; the script's ``a`` (np.ones(4, np.float32)).
+_ARRAY = "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]]"
+_A = "numpy.ndarray[tuple[int], numpy.dtype[numpy.floating[numpy._typing._nbit_base._32Bit]]]"
+
 #: Strict now: each must be revealed exactly (the public names resolve to their real classes).
 CHECKS = [
     # the classes behind the lazy exports, and instances of them
@@ -187,18 +191,16 @@ CHECKS = [
     Check("cudist.MirroredStrategy().extended.worker_devices", "tuple[str, ...]"),
     Check("cudist.CentralStorageStrategy(['/cpu:0', '/cpu:1']).extended.parameter_devices", "tuple[str, ...]"),
     Check("strategy.run(step, args=(a,))", "Any", any_ok=True),  # the replica function's nest, PerReplica leaves
-    Check("strategy.reduce('sum', out, axis=None)", "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | Any", any_ok=True),  # an array; a nest for a nest
-    Check("strategy.gather(out, axis=0)", "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | Any", any_ok=True),
+    Check("strategy.reduce('sum', out, axis=None)", f"{_ARRAY} | Any", any_ok=True),  # a nest for a nest
+    Check("strategy.gather(out, axis=0)", f"{_ARRAY} | Any", any_ok=True),
     Check("strategy.experimental_local_results(out)", "tuple[Any, ...]", any_ok=True),
-    Check(
-        "strategy.extended.reduce_to('mean', out, '/cpu:0')", "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | Any | cudist._values.Mirrored", any_ok=True
-    ),
+    Check("strategy.extended.reduce_to('mean', out, '/cpu:0')", f"{_ARRAY} | Any | cudist._values.Mirrored", any_ok=True),
     Check("cudist.get_strategy()", "cudist._distribute_lib.Strategy"),
     Check("cudist.has_strategy()", "bool"),
     # replica context
     Check("cudist.get_replica_context()", "cudist._distribute_lib.ReplicaContext | None"),
-    Check("rctx.all_reduce(cudist.ReduceOp.SUM, a)", "numpy.ndarray[tuple[int], numpy.dtype[numpy.floating[numpy._typing._nbit_base._32Bit]]]"),  # the value's type
-    Check("rctx.all_gather(a, axis=0)", "numpy.ndarray[tuple[int], numpy.dtype[numpy.floating[numpy._typing._nbit_base._32Bit]]]"),
+    Check("rctx.all_reduce(cudist.ReduceOp.SUM, a)", _A),  # the value's type
+    Check("rctx.all_gather(a, axis=0)", _A),
     Check("rctx.replica_id_in_sync_group", "int"),
     # distributed input
     Check("strategy.experimental_distribute_dataset(ds)", "cudist._input_lib.DistributedDataset"),
@@ -216,12 +218,12 @@ CHECKS = [
     Check("w.device", "str"),
     Check("w.dtype", "numpy.dtype[Any]"),
     Check("w.shape", "tuple[int | None, ...]"),
-    Check("w.numpy()", "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | numpy.number[Any, int | float | complex] | numpy.bool[bool]"),
-    Check("w.read_value()", "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | Any", any_ok=True),  # NumPy, or CuPy on a GPU
-    Check("w * 2", "numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | Any", any_ok=True),
+    Check("w.numpy()", f"{_ARRAY} | numpy.number[Any, int | float | complex] | numpy.bool[bool]"),
+    Check("w.read_value()", f"{_ARRAY} | Any", any_ok=True),  # NumPy, or CuPy on a GPU
+    Check("w * 2", f"{_ARRAY} | Any", any_ok=True),
     Check(
         "w.assign_add(1.0)",  # the variable; a distributed one's updated value; None with read_value=False
-        "cudist._variables.Variable | cudist._values.Mirrored | numpy.ndarray[tuple[Any, ...], numpy.dtype[Any]] | Any | None",
+        f"cudist._variables.Variable | cudist._values.Mirrored | {_ARRAY} | Any | None",
         any_ok=True,
     ),
     Check("opt.apply_gradients([(a, w)])", "cudist._variables.Variable"),

@@ -43,6 +43,8 @@ class Frame:
 #: default replica context.
 CTX: contextvars.ContextVar[Frame | None] = contextvars.ContextVar("cudist_distribution_context", default=None)
 #: ``(extended, devices)`` while inside ``extended.colocate_vars_with(v)``.
-COLOCATE: contextvars.ContextVar[tuple[Any, tuple[str, ...]] | None] = contextvars.ContextVar("cudist_colocate_vars_with", default=None)
+COLOCATE: contextvars.ContextVar[tuple[Any, tuple[str, ...]] | None] = contextvars.ContextVar(
+    "cudist_colocate_vars_with", default=None
+)
 
 current_frame = CTX.get

@@ -953,7 +953,7 @@ class StrategyExtended:
             args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
             kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
         except IndexError:
-            sizes = sorted({len(x.values) for x in optree.tree_leaves((args, kwargs), is_leaf=_is_dv) if _is_dv(x)})  # type: ignore[arg-type]  # optree's PyTree type
+            sizes = sorted({len(x.values) for x in optree.tree_leaves((args, kwargs), is_leaf=_is_dv) if _is_dv(x)})  # type: ignore[arg-type]  # PyTree
             raise ValueError(
                 f"strategy.run got a DistributedValues argument with {sizes[0]} component(s), "
                 f"but the strategy has {n} replicas"

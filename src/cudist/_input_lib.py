@@ -77,10 +77,14 @@ class StrategyLike(Protocol):
     the strategies, so it names the attributes it reads instead of the class)."""
 
     @property
-    def num_replicas_in_sync(self) -> int: ...
+    def num_replicas_in_sync(self) -> int:
+        """Replicas over every worker."""
+        ...
 
     @property
-    def extended(self) -> _ExtendedLike: ...
+    def extended(self) -> _ExtendedLike:
+        """The strategy's extended part: its devices and worker hooks."""
+        ...
 
 
 #: Moves one replica's (nested) value onto its device (see :func:`device_putter`).

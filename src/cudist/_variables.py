@@ -657,7 +657,7 @@ class Variable(metaclass=_VariableMeta):
 
     def __getitem__(self, index: Any) -> Any:
         out: Any = self._read_live()[_unwrap(index)]
-        return out.copy() if hasattr(out, "copy") and getattr(out, "ndim", 0) else out  # type: ignore[arg-type]  # mypy takes getattr's bool overload
+        return out.copy() if hasattr(out, "copy") and getattr(out, "ndim", 0) else out  # type: ignore[arg-type]  # getattr overload
 
     def __format__(self, spec: str) -> str:
         return format(self.numpy(), spec)
@@ -839,23 +839,28 @@ class DistributedVariable(DistributedValues, Variable):
     # ---- properties resolve to the primary (or the local component where TF does)
     @property
     def name(self) -> str:
+        """The primary component's name, "v:0" style."""
         return self._values[0].name
 
     @property
     def device(self) -> str:
+        """The calling replica's component's device inside ``run``; else the primary's."""
         ctx = _replica_context_of(self._distribute_strategy, strict=False)
         return self._values[0 if ctx is None else ctx._replica_id].device
 
     @property
     def dtype(self) -> np.dtype[Any]:
+        """The NumPy dtype (every component's)."""
         return self._values[0].dtype
 
     @property
     def shape(self) -> tuple[int | None, ...]:
+        """The shape (every component's), as :attr:`Variable.shape`."""
         return self._values[0].shape
 
     @property
     def ndim(self) -> int:
+        """The number of dimensions."""
         return self._values[0].ndim
 
     @property
