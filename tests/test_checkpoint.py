@@ -723,9 +723,10 @@ def test_import_cudist_does_not_import_train_or_safetensors():
 # ================================================================================ kill tests
 #
 # The training run: MirroredStrategy, a linear model trained with SGD momentum on a dataset
-# iterator, a metric-like pair of sync-on-read variables (a float loss sum and an integer example
-# count), a CheckpointManager saving every K steps. It stops after T steps and writes its final
-# state (variables, slots, iterations, metric components, iterator position and next batch).
+# iterator, a cudist.metrics.Mean of the loss (float32 sync-on-read total and count) and an integer
+# sync-on-read example count, a CheckpointManager saving every K steps. It stops after T steps and
+# writes its final state (variables, slots, iterations, metric components, iterator position and
+# next batch).
 
 T, K, BATCH = 12, 3, 8
 
@@ -739,14 +740,14 @@ class Trainer:
             self.model.w = cudist.Variable(rng.standard_normal((6, 3)).astype(np.float32), name="w")
             self.model.b = cudist.Variable(np.zeros(3, np.float32), name="b")
             self.opt = cudist.optimizers.SGD(0.05, momentum=0.9)
-            self.loss_sum = cudist.Variable(np.float32(0), synchronization=ON_READ, aggregation=Agg.SUM)
+            self.loss = cudist.metrics.Mean(name="loss")
             self.seen = cudist.Variable(np.int64(0), synchronization=ON_READ, aggregation=Agg.SUM)
         x = rng.standard_normal(((T + 2) * BATCH, 6)).astype(np.float32)
         y = (x @ rng.standard_normal((6, 3)) + 0.1).astype(np.float32)
         ds = cudist.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
         self.iterator = iter(self.strategy.experimental_distribute_dataset(ds))
         self.ckpt = train.Checkpoint(model=self.model, optimizer=self.opt, iterator=self.iterator,
-                                     metrics={"loss_sum": self.loss_sum, "seen": self.seen})
+                                     metrics={"loss": self.loss, "seen": self.seen})
         self.manager = None if directory is None else train.CheckpointManager(self.ckpt, directory, max_to_keep=2)
 
     def step(self):
@@ -757,7 +758,7 @@ class Trainer:
             gw = (np.float32(2) * (x.T @ err) / np.float32(BATCH)).astype(np.float32)
             gb = (np.float32(2) * err.sum(axis=0) / np.float32(BATCH)).astype(np.float32)
             opt.apply_gradients([(gw, m.w), (gb, m.b)])
-            self.loss_sum.assign_add(np.float32((err * err).sum() / BATCH))
+            self.loss.update_state((err * err).sum(axis=1))
             self.seen.assign_add(np.int64(len(x)))
 
         x, y = next(self.iterator)
@@ -766,13 +767,13 @@ class Trainer:
 
     def state(self) -> dict:
         m, opt = self.model, self.opt
-        out = {"iterations": opt.iterations.numpy(), "loss_sum": self.loss_sum.numpy(), "seen": self.seen.numpy(),
+        out = {"iterations": opt.iterations.numpy(), "loss": np.asarray(self.loss.result()), "seen": self.seen.numpy(),
                "position": np.int64(self.iterator._checkpoint_state()["position"])}
         for name, v in (("w", m.w), ("b", m.b), ("w/momentum", opt.get_slot(m.w, "momentum")),
                         ("b/momentum", opt.get_slot(m.b, "momentum"))):
             for i, c in enumerate(_components(v)):
                 out[f"{name}/{i}"] = c
-        for name, v in (("loss_sum", self.loss_sum), ("seen", self.seen)):
+        for name, v in (("loss/total", self.loss.total), ("loss/count", self.loss.count), ("seen", self.seen)):
             for i, c in enumerate(_components(v)):
                 out[f"{name}/replica_{i}"] = c
         nxt = next(self.iterator)[0]
@@ -784,14 +785,16 @@ class Trainer:
         n = self.strategy.num_replicas_in_sync
         values = {name: getattr(other.model, name).numpy() for name in ("w", "b")}
         slots = {name: other.opt.get_slot(getattr(other.model, name), "momentum").numpy() for name in ("w", "b")}
-        iterations, loss_sum, seen = other.opt.iterations.numpy(), other.loss_sum.numpy(), int(other.seen.numpy())
+        iterations, seen = other.opt.iterations.numpy(), int(other.seen.numpy())
+        loss = [other.loss.total.numpy(), other.loss.count.numpy()]
         with self.strategy.scope():
             self.opt.build([self.model.w, self.model.b])
             for name in ("w", "b"):
                 getattr(self.model, name).assign(values[name])
                 self.opt.get_slot(getattr(self.model, name), "momentum").assign(slots[name])
             self.opt.iterations.assign(iterations)
-            self.loss_sum.assign(loss_sum)  # cross-replica assign of a SUM: value / N each (TF)
+            self.loss.total.assign(loss[0])  # cross-replica assigns of SUMs: value / N each (TF)
+            self.loss.count.assign(loss[1])
         q, r = divmod(seen, n)  # the documented integer split: the remainder first
         for i, c in enumerate(self.seen.values):
             c.assign(np.int64(q + (i < r)))
