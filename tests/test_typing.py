@@ -50,6 +50,7 @@ ANNOTATED_MODULES = [
     "cudist._arrays",
     "cudist._central_storage_strategy",
     "cudist._collectives",
+    "cudist._collectives.mpi",
     "cudist._collectives.nccl",
     "cudist._collectives.packing",
     "cudist._collectives.placement",

@@ -30,8 +30,12 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterable, Sequence
+from types import ModuleType, TracebackType
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from cudist import errors
 from cudist._replica_engine import ReplicaMismatchError
@@ -78,16 +82,16 @@ def launched_by_mpi() -> bool:
     return any(k in os.environ for k in LAUNCHER_ENV)
 
 
-_MPI = None
-_MPI_ERROR = None
+_MPI: ModuleType | None = None
+_MPI_ERROR: str | None = None
 
 
-def load():
+def load() -> tuple[ModuleType | None, str | None]:
     """``(mpi4py.MPI, None)``, or ``(None, why)`` when mpi4py cannot be imported."""
     global _MPI, _MPI_ERROR
     if _MPI is None and _MPI_ERROR is None:
         try:
-            from mpi4py import MPI  # noqa: PLC0415 - imported only for multi-worker jobs
+            from mpi4py import MPI  # type: ignore[import-not-found, unused-ignore]  # noqa: PLC0415 - multi-worker jobs only
 
             _MPI = MPI
         except ImportError as e:  # pragma: no cover - depends on the installation
@@ -95,8 +99,12 @@ def load():
     return _MPI, _MPI_ERROR
 
 
-def world():
+def world() -> Any:
     """``MPI.COMM_WORLD`` when this process was started by an MPI launcher, else None (one worker).
+
+    Returns:
+        mpi4py's ``Intracomm`` (typed ``Any``: reached through the module :func:`load` returns), or
+        None.
 
     Raises:
         RuntimeError: started by a launcher of several processes, but mpi4py is missing.
@@ -112,12 +120,12 @@ def world():
     return MPI.COMM_WORLD
 
 
-def shm_segments(pid="self") -> list:
+def shm_segments(pid: int | str = "self") -> list[str]:
     """The MPICH shared-memory files (``/dev/shm/mpich_shm_*``) process ``pid`` has mapped and not yet removed.
 
     An aborted or killed MPICH job leaves them behind (a clean ``MPI_Finalize`` removes them).
     """
-    found = []
+    found: list[str] = []
     try:
         with open(f"/proc/{pid}/maps") as f:
             for line in f:
@@ -129,7 +137,7 @@ def shm_segments(pid="self") -> list:
     return found
 
 
-def remove_shm_segments(paths) -> None:
+def remove_shm_segments(paths: Iterable[str]) -> None:
     """Unlinks MPICH shared-memory files (processes that mapped them keep their memory)."""
     for path in paths:
         if os.path.basename(path).startswith("mpich_shm_"):
@@ -159,7 +167,7 @@ def install_abort_hook() -> bool:
         _HOOK_INSTALLED = True
         previous = sys.excepthook
 
-        def abort_on_exception(exc_type, exc, tb):
+        def abort_on_exception(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
             try:
                 previous(exc_type, exc, tb)
                 comm = MPI.COMM_WORLD
@@ -181,7 +189,7 @@ def _check_enabled() -> bool:
     return os.environ.get(ENV_CHECK, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _dtype_of_num(num: int):
+def _dtype_of_num(num: int) -> np.dtype[Any] | str:
     for code in np.typecodes["All"]:
         try:
             dt = np.dtype(code)
@@ -192,7 +200,7 @@ def _dtype_of_num(num: int):
     return f"<dtype #{num}>"
 
 
-def describe(arrays) -> str:
+def describe(arrays: Iterable[Any]) -> str:
     """``float32(3, 4) int64()``: the shapes and dtypes of ``arrays``, for fingerprints and errors."""
     return " ".join(f"{a.dtype}{tuple(a.shape)}" for a in arrays)
 
@@ -204,9 +212,21 @@ class Communicator:
         comm: an mpi4py intracommunicator whose ranks are the workers, in worker order.
         timeout_seconds: how long one collective may wait for the others (None: forever).
         check: check each collective's fingerprint first (default: ``CUDIST_CHECK_COLLECTIVES``).
+        stall_warning_seconds: how long one collective waits before a :class:`CollectiveStallWarning`
+            (default: ``CUDIST_STALL_WARNING_SECONDS``, else :data:`STALL_WARNING_SECONDS`).
+
+    Raises:
+        RuntimeError: mpi4py cannot be imported.
     """
 
-    def __init__(self, comm, *, timeout_seconds=None, check=None, stall_warning_seconds=None):
+    def __init__(
+        self,
+        comm: Any,
+        *,
+        timeout_seconds: float | None = None,
+        check: bool | None = None,
+        stall_warning_seconds: float | None = None,
+    ) -> None:
         MPI, why = load()
         if MPI is None:
             raise RuntimeError(why)
@@ -221,16 +241,16 @@ class Communicator:
             stall_warning_seconds = float(os.environ.get("CUDIST_STALL_WARNING_SECONDS", STALL_WARNING_SECONDS))
         self.stall_warning_seconds = stall_warning_seconds
         self.seq = 0
-        self._broken = None
+        self._broken: str | None = None
         self._arrived = [0] * self.size  # latest sequence number each worker said it waits in
         self._notice_buf = np.zeros(1, np.int64)
-        self._sends: list = []
+        self._sends: list[Any] = []  # mpi4py Requests
 
     def __repr__(self) -> str:
         return f"<cudist MPI communicator: worker {self.rank} of {self.size}, timeout {self.timeout_seconds}>"
 
     # ------------------------------------------------------------------ waiting
-    def _begin(self, kind: str, detail: str) -> int:
+    def _begin(self, kind: str, detail: str | Callable[[], str]) -> int:
         if self._broken is not None:
             raise RuntimeError(
                 f"cudist: cross-worker collectives cannot continue after {self._broken}; restart the job"
@@ -249,7 +269,7 @@ class Communicator:
         self._wait([req], f"the fingerprint check of collective #{self.seq} ({kind})", self.seq)
         prints = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
         if any(p != prints[0] for p in prints):
-            lines = []
+            lines: list[str] = []
             for w, p in enumerate(prints):
                 s, k, d = (p.split("|", 2) + ["", ""])[:3]
                 lines.append(f"worker {w}: collective #{s} {k} {d}".rstrip())
@@ -275,12 +295,16 @@ class Communicator:
         if self._sends:
             self._sends = [r for r in self._sends if not r.Test()]
 
-    def missing_workers(self, seq: int) -> list:
-        """Workers not known to have reached collective ``seq`` (from their notices)."""
+    def missing_workers(self, seq: int) -> list[int]:
+        """Workers not known to have reached collective ``seq`` (from their notices).
+
+        Args:
+            seq: the collective's sequence number.
+        """
         self._drain_notices()
         return [w for w in range(self.size) if w != self.rank and self._arrived[w] < seq]
 
-    def _wait(self, reqs, what: str, seq: int) -> None:
+    def _wait(self, reqs: Sequence[Any], what: str, seq: int) -> None:
         MPI = self._MPI
         if MPI.Request.Testall(reqs):
             return
@@ -323,21 +347,41 @@ class Communicator:
                 )
 
     # ------------------------------------------------------------------ collectives
-    def allreduce(self, pairs, kind: str = "all_reduce", detail=None) -> None:
+    def allreduce(
+        self,
+        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        kind: str = "all_reduce",
+        detail: str | Callable[[], str] | None = None,
+    ) -> None:
         """SUM all-reduces each ``(send, recv)`` pair (contiguous host arrays; ``send is recv``: in place).
 
         One non-blocking ``Iallreduce`` per pair, all started before any is waited for. ``detail``
         (a string, or a function giving one) describes the call in fingerprints.
+
+        Args:
+            pairs: (send, recv) arrays, one pair per buffer.
+            kind: names the collective in fingerprints and errors.
+            detail: see above (default: the buffers' shapes and dtypes).
+
+        Raises:
+            DeadlineExceededError: a worker did not join within ``timeout_seconds``.
+            ReplicaMismatchError: (fingerprint checks) the workers called different collectives.
         """
         MPI = self._MPI
         seq = self._begin(kind, detail if detail is not None else (lambda: describe([p[1] for p in pairs])))
-        reqs = []
+        reqs: list[Any] = []
         for send, recv in pairs:
             reqs.append(self.comm.Iallreduce(MPI.IN_PLACE if send is recv else send, recv, MPI.SUM))
         self._wait(reqs, kind, seq)
 
-    def allreduce_value(self, value, op: str = "max", kind: str = "input sync"):
-        """All-reduces one int64 (``op``: "max", "min" or "sum")."""
+    def allreduce_value(self, value: int, op: str = "max", kind: str = "input sync") -> int:
+        """All-reduces one int64 (``op``: "max", "min" or "sum").
+
+        Args:
+            value: this worker's value.
+            op: "max", "min" or "sum".
+            kind: names the collective in fingerprints and errors.
+        """
         MPI = self._MPI
         seq = self._begin(kind, op)
         send = np.array([value], np.int64)
@@ -346,14 +390,25 @@ class Communicator:
         self._wait([req], kind, seq)
         return int(recv[0])
 
-    def bcast(self, arr, root: int = 0, kind: str = "broadcast") -> None:
-        """Broadcasts the contiguous host array ``arr`` from worker ``root`` into everyone's ``arr``."""
+    def bcast(self, arr: npt.NDArray[Any], root: int = 0, kind: str = "broadcast") -> None:
+        """Broadcasts the contiguous host array ``arr`` from worker ``root`` into everyone's ``arr``.
+
+        Args:
+            arr: the array (read on ``root``, written on the others).
+            root: the worker whose array is broadcast.
+            kind: names the collective in fingerprints and errors.
+        """
         seq = self._begin(kind, describe([arr]))
         req = self.comm.Ibcast(arr, root=root)
         self._wait([req], kind, seq)
 
-    def allgather_rows(self, arr, axis: int, kind: str = "all_gather"):
+    def allgather_rows(self, arr: npt.ArrayLike, axis: int, kind: str = "all_gather") -> npt.NDArray[Any]:
         """Concatenates every worker's host array along ``axis``, in worker order (sizes may differ there).
+
+        Args:
+            arr: this worker's array.
+            axis: the axis to concatenate along.
+            kind: names the collective in fingerprints and errors.
 
         Raises:
             ValueError: the workers' arrays differ in anything but the size along ``axis``.
@@ -395,5 +450,6 @@ class Communicator:
         return np.moveaxis(out, 0, axis) if axis != 0 else out
 
     def barrier(self, kind: str = "barrier") -> None:
+        """Waits until every worker has reached this barrier (``kind`` names it in errors)."""
         seq = self._begin(kind, "")
         self._wait([self.comm.Ibarrier()], kind, seq)
