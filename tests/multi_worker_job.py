@@ -334,9 +334,10 @@ def tfconfig():
     r = strategy.cluster_resolver
     total = strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.float32(rank + 1)))
     out = {
+        "rank": rank,
         "resolver": type(r).__name__,
         "task": [r.task_type, r.task_id],
-        "workers": len(r.cluster_spec().as_dict()["worker"]),
+        "workers": strategy.extended._num_workers,
         "chief": strategy.extended.should_checkpoint,
         "sum": float(total),
     }

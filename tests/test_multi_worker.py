@@ -158,8 +158,39 @@ def test_launcher_writes_tf_config(no_shm_left):
     res = _results(proc)
     for rank in (0, 1):
         assert res[rank] == {
-            "resolver": "TFConfigClusterResolver", "task": ["worker", rank], "workers": 2, "chief": rank == 0, "sum": 3.0,
+            "rank": rank, "resolver": "TFConfigClusterResolver", "task": ["worker", rank], "workers": 2,
+            "chief": rank == 0, "sum": 3.0,
         }
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_one_tf_config_for_all_ranks_maps_tasks_to_ranks(no_shm_left):
+    """A TF_CONFIG with a cluster but no task (as a scheduler may set one for all): task k is rank k."""
+    cluster = {"chief": ["host0:2222"], "worker": ["host1:2222"]}
+    from cudist.launch import find_mpiexec
+
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, JOB, "tfconfig"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=HERE,
+                       env=_env(TF_CONFIG=json.dumps({"cluster": cluster})))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    res = _results(p)
+    assert res[0]["resolver"] == res[1]["resolver"] == "MPIClusterResolver"
+    assert [res[0]["task"], res[1]["task"]] == [["chief", 0], ["worker", 0]]
+    assert [res[0]["chief"], res[1]["chief"]] == [True, False] and res[0]["sum"] == 3.0
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_two_processes_claiming_one_task_are_refused(no_shm_left):
+    tf_config = {"cluster": {"worker": ["a:1", "b:1"]}, "task": {"type": "worker", "index": 0}}
+    from cudist.launch import find_mpiexec
+
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, JOB, "tfconfig"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=HERE,
+                       env=_env(TF_CONFIG=json.dumps(tf_config)))
+    assert p.returncode != 0
+    assert "claim worker ids [0, 0]" in p.stderr, p.stderr[-2000:]
 
 
 @needs_mpi

@@ -108,6 +108,14 @@ class CollectiveAllReduceExtended(MirroredExtended):
                 "start one process per chief/worker task"
             )
         # Ranks ordered as the workers (TF_CONFIG's task index maps to the rank order).
+        claimed = comm.allgather(self._worker_index)
+        if sorted(claimed) != list(range(size)):
+            dup = sorted({w for w in claimed if claimed.count(w) > 1})
+            raise ValueError(
+                f"the MPI job's processes claim worker ids {claimed} (from their tasks {self._task_type}:{self._task_id}"
+                f" here); every chief/worker task must be claimed once{f', {dup} more than once' if dup else ''}: "
+                "give each process its own TF_CONFIG task (python -m cudist.launch --tf-config does), or none"
+            )
         ordered = comm.Split(0, self._worker_index)
         communicator = mpi.Communicator(ordered, timeout_seconds=self._communication_options.timeout_seconds)
         ordered.Free()
