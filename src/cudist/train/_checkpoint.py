@@ -53,9 +53,11 @@ import functools
 import json
 import os
 import types
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NoReturn
 
 import numpy as np
+import numpy.typing as npt
 
 from cudist import _distribute_lib
 from cudist._input_lib import DistributedIterator
@@ -93,7 +95,7 @@ _ATOMS = (
 )
 
 
-def _walkable(obj) -> bool:
+def _walkable(obj: object) -> bool:
     """Whether an object's instance attributes are walked (TF's AutoTrackable)."""
     if isinstance(obj, _ATOMS) or not hasattr(obj, "__dict__"):
         return False
@@ -102,7 +104,7 @@ def _walkable(obj) -> bool:
     return not (parts[0] == "cudist" and (len(parts) == 1 or parts[1].startswith("_")))
 
 
-def _kind(obj) -> str | None:
+def _kind(obj: object) -> str | None:
     if isinstance(obj, Variable):
         return "variable"
     if isinstance(obj, Optimizer):
@@ -128,12 +130,12 @@ class _Graph:
     """
 
     def __init__(self, root: Checkpoint):
-        self.leaves: dict = {}
-        self.slots: dict = {}
-        self.path_of: dict = {}
-        self._alive: list = []  # keeps every visited object alive, so ids stay unique
-        seen: set = set()
-        optimizers = []
+        self.leaves: dict[str, tuple[str, Any]] = {}
+        self.slots: dict[str, tuple[str, str, str]] = {}
+        self.path_of: dict[int, str] = {}
+        self._alive: list[object] = []  # keeps every visited object alive, so ids stay unique
+        seen: set[int] = set()
+        optimizers: list[tuple[str, dict[str, Any]]] = []
         queue = collections.deque(("", child, name) for name, child in root._graph_children())
         while queue:
             parent, obj, name = queue.popleft()
@@ -151,6 +153,7 @@ class _Graph:
                     optimizers.append((path, state))
                     queue.append((path, state["iterations"], "iterations"))
                 continue
+            children: list[tuple[str, Any]]
             if kind == "checkpoint":
                 children = obj._graph_children()
             elif kind == "list":
@@ -179,8 +182,8 @@ class _Graph:
                 self.slots[key] = (opt_path, var_path, slot_name)
         self.optimizers = {path: state for path, state in optimizers}
 
-    def strategies(self) -> list:
-        out = []
+    def strategies(self) -> list[Any]:
+        out: list[Any] = []
         for kind, obj in self.leaves.values():
             if kind in ("variable", "slot"):
                 s = getattr(obj, "_distribute_strategy", None)
@@ -190,12 +193,12 @@ class _Graph:
 
 
 # ------------------------------------------------------------------------------------- variables
-def _shape_dtype(var) -> tuple:
+def _shape_dtype(var: Variable) -> tuple[tuple[int, ...], np.dtype[Any]]:
     arr = var._primary_array()
     return tuple(int(d) for d in arr.shape), np.dtype(arr.dtype)
 
 
-def _save_entries(path: str, var, record: dict) -> list:
+def _save_entries(path: str, var: Variable, record: dict[str, Any]) -> list[_format.TensorSpec]:
     """The tensor specs (key, dtype, shape, get) of a variable, filling its index ``record``."""
     shape, dtype = _shape_dtype(var)
     record.update(
@@ -230,7 +233,7 @@ def _save_entries(path: str, var, record: dict) -> list:
     return [(path, dtype, shape, var._read_host)]  # plain, AggregatingVariable: the storage
 
 
-def _replica_counts(var) -> tuple:
+def _replica_counts(var: Variable) -> tuple[int, int]:
     """(replicas in sync over the whole job, components held here) of a variable."""
     if not isinstance(var, DistributedValues):
         return 1, 1
@@ -239,7 +242,7 @@ def _replica_counts(var) -> tuple:
     return (local if strategy is None else int(strategy.num_replicas_in_sync)), local
 
 
-def _check_compatible(path: str, var, record: dict) -> None:
+def _check_compatible(path: str, var: Variable, record: dict[str, Any]) -> None:
     dtype = np.dtype(record["dtype"])
     shape = tuple(record["shape"])
     if dtype != var.dtype:
@@ -255,7 +258,7 @@ def _check_compatible(path: str, var, record: dict) -> None:
         )
 
 
-def _split_sum(value: np.ndarray, n: int) -> list:
+def _split_sum(value: npt.NDArray[Any], n: int) -> list[Any]:
     """Components whose sum is ``value``: value / n each (TF); integers exactly (remainder first)."""
     if value.dtype.kind in "iub":
         if value.dtype.kind == "b":
@@ -265,12 +268,12 @@ def _split_sum(value: np.ndarray, n: int) -> list:
     return [value / value.dtype.type(n)] * n
 
 
-def _assign_components(var, arrays) -> None:
+def _assign_components(var: DistributedValues, arrays: Sequence[Any]) -> None:
     for c, a in zip(var.values, arrays):
         c.assign(a, read_value=False)
 
 
-def _restore_variable(var, record: dict, read) -> None:
+def _restore_variable(var: Variable, record: dict[str, Any], read: Callable[[str], npt.NDArray[Any]]) -> None:
     """Assigns the saved value (``read(key)`` gives a tensor) to every component of ``var``."""
     value = read(record["tensor"])
     if isinstance(var, SyncOnReadVariable):
@@ -295,7 +298,7 @@ def _restore_variable(var, record: dict, read) -> None:
 
 
 # ------------------------------------------------------------------------------------- status
-def _describe(objs) -> str:
+def _describe(objs: list[object]) -> str:
     shown = objs[:10]
     return f"Showing {len(shown)} of {len(objs)} unmatched objects: {shown!r}"
 
@@ -303,14 +306,16 @@ def _describe(objs) -> str:
 class CheckpointLoadStatus:
     """What a :meth:`Checkpoint.restore` / :meth:`Checkpoint.read` matched (TF's ``CheckpointLoadStatus``)."""
 
-    def __init__(self, save_path: str, unresolved: list, unbound: list, matched: int):
+    def __init__(
+        self, save_path: str, unresolved: list[tuple[str, Any]], unbound: list[tuple[str, object]], matched: int
+    ) -> None:
         self._save_path = save_path
         self._unresolved = unresolved  # (path, kind) of checkpointed objects the program did not match
         self._unbound = unbound  # (path, object) of the program's objects the checkpoint had no value for
         self._matched = matched
         self._partial = False
 
-    def assert_consumed(self):
+    def assert_consumed(self) -> CheckpointLoadStatus:
         """Every object in the checkpoint was matched, and every tracked Python object got a value.
 
         Raises:
@@ -323,7 +328,7 @@ class CheckpointLoadStatus:
             raise AssertionError(f"Unresolved object in checkpoint {self._save_path}: {kind} {path!r}{others}")
         return self.assert_existing_objects_matched()
 
-    def assert_existing_objects_matched(self):
+    def assert_existing_objects_matched(self) -> CheckpointLoadStatus:
         """Every tracked Python object got a value from the checkpoint (extra checkpointed objects are fine).
 
         Raises:
@@ -337,7 +342,7 @@ class CheckpointLoadStatus:
             )
         return self
 
-    def assert_nontrivial_match(self):
+    def assert_nontrivial_match(self) -> CheckpointLoadStatus:
         """At least one object was matched.
 
         Raises:
@@ -347,15 +352,15 @@ class CheckpointLoadStatus:
             raise AssertionError(f"Nothing except the root object matched a checkpointed value in {self._save_path}.")
         return self
 
-    def expect_partial(self):
+    def expect_partial(self) -> CheckpointLoadStatus:
         """Marks the restore as intentionally partial; returns the status."""
         self._partial = True
         return self
 
-    def run_restore_ops(self, session=None) -> None:
+    def run_restore_ops(self, session: object = None) -> None:
         """Nothing to run: values were assigned when restore returned (TF1 graph-mode API)."""
 
-    def initialize_or_restore(self, session=None) -> None:
+    def initialize_or_restore(self, session: object = None) -> None:
         """Nothing to run: values were assigned when restore returned (TF1 graph-mode API)."""
 
     def __repr__(self) -> str:
@@ -370,22 +375,22 @@ class InitializationOnlyStatus:
 
     _MESSAGE = "No checkpoint specified (save_path=None); nothing is being restored."
 
-    def assert_consumed(self):
+    def assert_consumed(self) -> NoReturn:
         raise AssertionError(self._MESSAGE)
 
-    def assert_existing_objects_matched(self):
+    def assert_existing_objects_matched(self) -> NoReturn:
         raise AssertionError(self._MESSAGE)
 
-    def assert_nontrivial_match(self):
+    def assert_nontrivial_match(self) -> NoReturn:
         raise AssertionError(self._MESSAGE)
 
-    def expect_partial(self):
+    def expect_partial(self) -> InitializationOnlyStatus:
         return self
 
-    def run_restore_ops(self, session=None) -> None:
+    def run_restore_ops(self, session: object = None) -> None:
         """Nothing to run."""
 
-    def initialize_or_restore(self, session=None) -> None:
+    def initialize_or_restore(self, session: object = None) -> None:
         """Nothing to run."""
 
 
@@ -395,7 +400,7 @@ def require_cross_replica(what: str) -> None:
         raise RuntimeError(f"{what} must be called in cross-replica context, not inside strategy.run")
 
 
-def _prefix_of(save_path) -> str:
+def _prefix_of(save_path: str | os.PathLike[str]) -> str:
     path = os.fspath(save_path)
     if path.endswith(_format.INDEX_SUFFIX):
         path = path[: -len(_format.INDEX_SUFFIX)]
@@ -417,7 +422,11 @@ class Checkpoint:
         ValueError: a value that cannot be tracked (a number, a string, an array).
     """
 
-    def __init__(self, **kwargs):
+    _children: dict[str, Any]
+    _save_counter: Variable | None
+    _pending_save_counter: Any
+
+    def __init__(self, **kwargs: Any) -> None:
         self.__dict__["_children"] = {}
         self.__dict__["_save_counter"] = None
         self.__dict__["_pending_save_counter"] = None
@@ -425,7 +434,7 @@ class Checkpoint:
             setattr(self, name, value)
 
     # -- dependencies
-    def __setattr__(self, name: str, value) -> None:
+    def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):
             object.__setattr__(self, name, value)
             return
@@ -438,7 +447,7 @@ class Checkpoint:
             )
         self._children[name] = value
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         children = self.__dict__.get("_children", {})
         if name in children:
             return children[name]
@@ -450,14 +459,14 @@ class Checkpoint:
         else:
             object.__delattr__(self, name)
 
-    def _graph_children(self) -> list:
+    def _graph_children(self) -> list[tuple[str, Any]]:
         children = list(self._children.items())
         if self._save_counter is not None:
             children.append(("save_counter", self._save_counter))
         return children
 
     @property
-    def save_counter(self):
+    def save_counter(self) -> Variable:
         """An int64 variable counting :meth:`save` calls (numbers the checkpoints); created on first use."""
         if self._save_counter is None:
             counter = create_plain_variable(
@@ -478,7 +487,7 @@ class Checkpoint:
         return self._save_counter
 
     # -- saving
-    def save(self, file_prefix, options=None) -> str:
+    def save(self, file_prefix: str | os.PathLike[str], options: object = None) -> str:
         """Saves a numbered checkpoint ``<file_prefix>-<save_counter>`` and makes it the latest one.
 
         Increments ``save_counter`` (saved with it), writes the checkpoint atomically, then records
@@ -496,7 +505,7 @@ class Checkpoint:
             _format.write_state(os.path.dirname(path) or ".", path, [path])
         return path
 
-    def write(self, file_prefix, options=None) -> str:
+    def write(self, file_prefix: str | os.PathLike[str], options: object = None) -> str:
         """Writes a checkpoint at exactly ``file_prefix`` (no numbering, no state file; ``save_counter``
         is saved if it exists but not incremented). Returns ``file_prefix``."""
         require_cross_replica("Checkpoint.write")
@@ -514,9 +523,10 @@ class Checkpoint:
     def _write(self, prefix: str) -> bool:
         """Writes the checkpoint at ``prefix`` atomically; False when this worker must not write."""
         graph = _Graph(self)
-        objects: dict = {}
-        specs: list = []
+        objects: dict[str, dict[str, Any]] = {}
+        specs: list[_format.TensorSpec] = []
         for path, (kind, obj) in graph.leaves.items():
+            record: dict[str, Any]
             if kind == "variable":
                 record = {"kind": "variable"}
                 specs += _save_entries(path, obj, record)
@@ -526,7 +536,7 @@ class Checkpoint:
                 specs += _save_entries(path, obj, record)
             elif kind == "optimizer":
                 state = graph.optimizers[path]
-                slots: dict = {}
+                slots: dict[str, dict[str, str]] = {}
                 for key, (opt_path, var_path, slot_name) in graph.slots.items():
                     if opt_path == path:
                         slots.setdefault(var_path, {})[slot_name] = key
@@ -563,7 +573,9 @@ class Checkpoint:
         return True
 
     # -- restoring
-    def restore(self, save_path, options=None):
+    def restore(
+        self, save_path: str | os.PathLike[str] | None, options: object = None
+    ) -> CheckpointLoadStatus | InitializationOnlyStatus:
         """Restores a checkpoint written by :meth:`save` or :meth:`write` (``save_counter`` included).
 
         Args:
@@ -585,7 +597,9 @@ class Checkpoint:
         self.save_counter  # noqa: B018 - TF creates the counter before restoring, so it is matched
         return self._read(save_path)
 
-    def read(self, save_path, options=None):
+    def read(
+        self, save_path: str | os.PathLike[str] | None, options: object = None
+    ) -> CheckpointLoadStatus | InitializationOnlyStatus:
         """Restores a checkpoint like :meth:`restore`, without creating ``save_counter`` first (the
         counterpart of :meth:`write`; a saved counter is applied if the counter is created later)."""
         if save_path is None:
@@ -593,7 +607,7 @@ class Checkpoint:
         require_cross_replica("Checkpoint.read")
         return self._read(save_path)
 
-    def _read(self, save_path):
+    def _read(self, save_path: str | os.PathLike[str]) -> CheckpointLoadStatus:
         prefix = _prefix_of(save_path)
         index_path = prefix + _format.INDEX_SUFFIX
         try:
@@ -659,7 +673,7 @@ class Checkpoint:
                     for key in record.get("per_replica") or ():
                         shapes[key] = (record["dtype"], record["shape"])
 
-            def read(key):
+            def read(key: str) -> npt.NDArray[Any]:
                 if key not in reader:
                     raise ValueError(f"{tensors_path}: the index names tensor {key!r}, which the tensors file lacks")
                 dtype, shape = shapes[key]

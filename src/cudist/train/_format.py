@@ -41,8 +41,14 @@ import json
 import os
 import secrets
 import struct
+from collections.abc import Callable, Iterable, KeysView, Sequence
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
+
+#: What a checkpoint writes of one tensor: (key, dtype, shape, a function returning its host array).
+TensorSpec = tuple[str, "np.dtype[Any]", tuple[int, ...], Callable[[], Any]]
 
 #: NumPy dtype -> safetensors dtype code.
 _CODES = {
@@ -70,7 +76,7 @@ FORMAT = "cudist-checkpoint"
 VERSION = 1
 
 
-def _stored(dtype: np.dtype, shape: tuple) -> tuple[str, list]:
+def _stored(dtype: npt.DTypeLike, shape: Sequence[int]) -> tuple[str, list[int]]:
     """The safetensors code and shape a tensor of ``dtype``/``shape`` is stored with."""
     dtype = np.dtype(dtype)
     if dtype == _COMPLEX128:
@@ -81,7 +87,7 @@ def _stored(dtype: np.dtype, shape: tuple) -> tuple[str, list]:
     return code, list(shape)
 
 
-def _little(arr: np.ndarray) -> np.ndarray:
+def _little(arr: npt.NDArray[Any]) -> npt.NDArray[Any]:
     """``arr`` C-contiguous and little-endian (itself when it already is)."""
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and not _LITTLE):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
@@ -125,12 +131,12 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
-def atomic_write_json(path: str, obj) -> None:
+def atomic_write_json(path: str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1) + "\n").encode("utf-8"))
 
 
 # ------------------------------------------------------------------------------------- writing
-def write_tensors(directory: str, base: str, specs, *, metadata: dict | None = None) -> str:
+def write_tensors(directory: str, base: str, specs: Sequence[TensorSpec], *, metadata: dict[str, str] | None = None) -> str:
     """Streams tensors into a new safetensors file ``<base>.data-<random>.safetensors`` in ``directory``.
 
     ``specs``: (key, dtype, shape, get) tuples; ``get()`` returns the host array, called once per
@@ -138,7 +144,7 @@ def write_tensors(directory: str, base: str, specs, *, metadata: dict | None = N
     straight from their storage). The file is complete, fsynced and under its final name (and the
     directory fsynced) when this returns its name.
     """
-    header: dict = {}
+    header: dict[str, Any] = {}
     offset = 0
     for key, dtype, shape, _ in specs:
         code, stored_shape = _stored(dtype, shape)
@@ -169,7 +175,7 @@ def write_tensors(directory: str, base: str, specs, *, metadata: dict | None = N
                     )
                 arr = _little(arr)
                 if arr.size:
-                    f.write(arr.reshape(-1).view(np.uint8))
+                    f.write(arr.reshape(-1).view(np.uint8).data)
                 del arr
                 tensor_written(key)
             f.flush()
@@ -232,7 +238,7 @@ class TensorReader:
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise ValueError(f"{path}: not a safetensors file (bad header: {e})") from None
             self.metadata = header.pop("__metadata__", {}) or {}
-            self._entries = header
+            self._entries: dict[str, Any] = header
             self._start = 8 + n
             end = max((e["data_offsets"][1] for e in header.values()), default=0)
             if self._start + end != size:
@@ -246,10 +252,10 @@ class TensorReader:
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def keys(self):
+    def keys(self) -> KeysView[str]:
         return self._entries.keys()
 
-    def read(self, key: str, dtype, shape) -> np.ndarray:
+    def read(self, key: str, dtype: npt.DTypeLike, shape: Sequence[int]) -> npt.NDArray[Any]:
         """The tensor ``key`` as a new host array of ``dtype`` and ``shape`` (as the index records them)."""
         entry = self._entries[key]
         dtype = np.dtype(dtype)
@@ -265,7 +271,7 @@ class TensorReader:
             raise ValueError(f"{self.path}: tensor {key!r} has {end - begin} bytes, expected {out.nbytes}")
         if out.nbytes:
             self._file.seek(self._start + begin)
-            got = self._file.readinto(out.reshape(-1).view(np.uint8))
+            got = self._file.readinto(out.reshape(-1).view(np.uint8).data)
             if got != out.nbytes:
                 raise ValueError(f"{self.path}: tensor {key!r} is truncated ({got} of {out.nbytes} bytes)")
         return out if _LITTLE else out.astype(dtype.newbyteorder("="))
@@ -273,10 +279,10 @@ class TensorReader:
     def close(self) -> None:
         self._file.close()
 
-    def __enter__(self):
+    def __enter__(self) -> TensorReader:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -301,8 +307,8 @@ def _relative(path: str, directory: str) -> str:
 def write_state(
     directory: str,
     latest: str,
-    all_paths,
-    timestamps=None,
+    all_paths: Iterable[str],
+    timestamps: Iterable[float] | None = None,
     last_preserved: float | None = None,
     state_file: str = STATE_FILE,
 ) -> None:
@@ -312,7 +318,7 @@ def write_state(
     ``all_model_checkpoint_paths``, ``all_model_checkpoint_timestamps``, ``last_preserved_timestamp``);
     paths inside ``directory`` are stored relative to it, as TF stores them.
     """
-    state = {
+    state: dict[str, Any] = {
         "model_checkpoint_path": _relative(latest, directory),
         "all_model_checkpoint_paths": [_relative(p, directory) for p in all_paths],
     }
@@ -326,7 +332,7 @@ def write_state(
             os.remove(stale)  # left by a process killed while writing the state file
 
 
-def read_state(directory: str, state_file: str = STATE_FILE) -> dict | None:
+def read_state(directory: str, state_file: str = STATE_FILE) -> dict[str, Any] | None:
     """``directory``'s state file with paths joined to it, or None if there is none (or it is not ours)."""
     try:
         with open(os.path.join(directory, state_file), encoding="utf-8") as f:

@@ -14,16 +14,18 @@ import collections
 import logging
 import os
 import time
+from collections.abc import Callable
+from typing import Any
 
 from cudist.train import _format
-from cudist.train._checkpoint import require_cross_replica
+from cudist.train._checkpoint import Checkpoint, require_cross_replica
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
 _log = logging.getLogger("cudist")
 
 
-def latest_checkpoint(checkpoint_dir, latest_filename=None):
+def latest_checkpoint(checkpoint_dir: str | os.PathLike[str], latest_filename: str | None = None) -> str | None:
     """The prefix of the newest checkpoint recorded in ``checkpoint_dir``, or None.
 
     Reads the directory's state file (written by :meth:`Checkpoint.save` and by
@@ -33,7 +35,7 @@ def latest_checkpoint(checkpoint_dir, latest_filename=None):
     state = _format.read_state(directory, latest_filename or _format.STATE_FILE)
     if state is None:
         return None
-    path = state["model_checkpoint_path"]
+    path = str(state["model_checkpoint_path"])
     if _format.exists(path):
         return path
     _log.error("Couldn't match files for checkpoint %s", path)
@@ -62,16 +64,16 @@ class CheckpointManager:
 
     def __init__(
         self,
-        checkpoint,
-        directory,
-        max_to_keep=5,
-        keep_checkpoint_every_n_hours=None,
-        checkpoint_name="ckpt",
-        step_counter=None,
-        checkpoint_interval=None,
-        init_fn=None,
-        last_checkpoint_step=None,
-    ):
+        checkpoint: Checkpoint,
+        directory: str | os.PathLike[str],
+        max_to_keep: int | None = 5,
+        keep_checkpoint_every_n_hours: float | None = None,
+        checkpoint_name: str = "ckpt",
+        step_counter: Any = None,
+        checkpoint_interval: int | None = None,
+        init_fn: Callable[[], object] | None = None,
+        last_checkpoint_step: int | None = None,
+    ) -> None:
         if max_to_keep is not None and (isinstance(max_to_keep, bool) or int(max_to_keep) != max_to_keep or max_to_keep <= 0):
             raise ValueError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep}.")
         if checkpoint_interval is not None and step_counter is None:
@@ -86,14 +88,14 @@ class CheckpointManager:
         self._checkpoint_interval = checkpoint_interval
         self._last_checkpoint_step = last_checkpoint_step
         now = time.time()
-        self._maybe_delete: collections.OrderedDict = collections.OrderedDict()
+        self._maybe_delete: collections.OrderedDict[str, float] = collections.OrderedDict()
         state = _format.read_state(self._directory)
         if state is None:
-            self._latest_checkpoint = None
+            self._latest_checkpoint: str | None = None
             self._last_preserved_timestamp = now - 1.0
         else:
-            self._latest_checkpoint = state["model_checkpoint_path"]
-            self._last_preserved_timestamp = state.get("last_preserved_timestamp", now - 1.0)
+            self._latest_checkpoint = str(state["model_checkpoint_path"])
+            self._last_preserved_timestamp = float(state.get("last_preserved_timestamp", now - 1.0))
             if now < self._last_preserved_timestamp:
                 _log.warning(
                     "time.time() returned a value %f seconds behind the last preserved checkpoint timestamp.",
@@ -113,21 +115,21 @@ class CheckpointManager:
         return self._directory
 
     @property
-    def checkpoint(self):
+    def checkpoint(self) -> Checkpoint:
         """The managed :class:`Checkpoint`."""
         return self._checkpoint
 
     @property
-    def checkpoint_interval(self):
+    def checkpoint_interval(self) -> int | None:
         return self._checkpoint_interval
 
     @property
-    def latest_checkpoint(self):
+    def latest_checkpoint(self) -> str | None:
         """The prefix of the newest checkpoint in ``directory`` (None if there is none)."""
         return self._latest_checkpoint
 
     @property
-    def checkpoints(self) -> list:
+    def checkpoints(self) -> list[str]:
         """The managed checkpoints, oldest first (those kept by ``keep_checkpoint_every_n_hours`` are not listed)."""
         return list(self._maybe_delete)
 
@@ -145,6 +147,7 @@ class CheckpointManager:
                 _format.remove_checkpoint(path)
 
     def _record_state(self) -> None:
+        assert self._latest_checkpoint is not None
         _format.write_state(
             self._directory,
             self._latest_checkpoint,
@@ -153,7 +156,7 @@ class CheckpointManager:
             self._last_preserved_timestamp,
         )
 
-    def save(self, checkpoint_number=None, check_interval=True, options=None):
+    def save(self, checkpoint_number: Any = None, check_interval: bool = True, options: object = None) -> str | None:
         """Saves a new checkpoint, records it as the latest, and deletes the ones no longer kept.
 
         Args:
@@ -190,7 +193,7 @@ class CheckpointManager:
         self._record_state()
         return path
 
-    def restore_or_initialize(self):
+    def restore_or_initialize(self) -> str | None:
         """Restores the latest checkpoint if there is one (returns its path), else calls ``init_fn``
         (returns None)."""
         if self._latest_checkpoint is not None:
