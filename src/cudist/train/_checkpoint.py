@@ -170,7 +170,10 @@ class _Graph:
                         continue
                     children.append((k, v))
             else:
-                children = list(vars(obj).items())
+                try:
+                    children = list(vars(obj).items())
+                except TypeError:  # an object whose __dict__ is not a plain instance dict
+                    continue
             queue.extend((path, child, child_name) for child_name, child in children)
         for opt_path, state in optimizers:  # slots of the tracked variables, linked to their paths
             for var, slot_name, slot in state["slots"]:
