@@ -62,7 +62,8 @@ def test_all_reduce_matches_numpy_over_fixture(strategy, dtype):
         if op == "sum":
             want = ref
         elif np.dtype(dtype).kind in "iu":
-            want = ref / n  # integer MEAN is a true division (float64), as TF's
+            # Integer MEAN is a true division, as TF's: float32 for 8/16-bit ints, else float64.
+            want = np.true_divide(ref, n, dtype=np.float32 if ref.dtype.itemsize <= 2 else np.float64)
         else:
             want = (ref / np.dtype(dtype).type(n)).astype(dtype)
         for r in res:

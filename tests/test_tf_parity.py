@@ -363,3 +363,295 @@ def test_datasets_from_function_unbatched_and_static_shapes_drop_the_tail():
     assert steps(lambda c: D.from_tensor_slices(np.arange(10).reshape(5, 2))) == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
     assert steps(lambda c: D.range(6).batch(2, drop_remainder=True)) == [[[0, 1], [2, 3]]]
     assert steps(lambda c: D.range(5).batch(2)) == [[[0, 1], [2, 3]], [[4], []]]
+
+
+# ------------------------------------------------------------------ bad input: per-replica values, devices
+def test_per_replica_value_of_the_wrong_length_raises():
+    # TF 2.21 with 2 replicas: run(lambda x: x * 2, args=(PerReplica((1., 2., 3.)),)) silently drops the
+    # third component (PerReplica {0: 2.0, 1: 4.0}); reduce("SUM", that, axis=None) sums all three (6.0)
+    # and with axis=0 ([1.], [2.], [3.]) gives 3.0; a 1-component PerReplica: run raises IndexError
+    # "tuple index out of range", reduce returns 1.0. We deliberately refuse every count but the
+    # replicas' with a ValueError naming both (a value for a replica that does not exist is a bug).
+    s = _mirrored(2)
+    three = cudist.PerReplica([np.float32(1), np.float32(2), np.float32(3)])
+    with pytest.raises(ValueError, match="PerReplica with 3 component.*the strategy has 2 replicas"):
+        s.run(lambda x: x * 2, args=(three,))
+    with pytest.raises(ValueError, match="PerReplica with 3 component"):
+        s.run(lambda x: x * 2, kwargs={"x": [three]})
+    for axis in (None, 0):
+        with pytest.raises(ValueError, match="Strategy.reduce got a PerReplica with 3 component"):
+            s.reduce("SUM", cudist.PerReplica([np.ones(1, np.float32)] * 3), axis=axis)
+    with pytest.raises(ValueError, match="with 1 component"):
+        s.run(lambda x: x, args=(cudist.PerReplica([np.float32(1)]),))
+    with pytest.raises(ValueError, match="PerReplica with 2 component.*the strategy has 1 replicas"):
+        cudist.OneDeviceStrategy("/cpu:0").run(lambda x: x, args=(cudist.PerReplica([1.0, 2.0]),))
+    assert s.reduce("SUM", _per_replica(s, lambda i: np.float32(i + 1)), axis=None) == 3.0
+
+
+def test_devices_that_are_not_configured_raise_at_construction():
+    # TF 2.21 with 2 logical CPUs accepts all three and soft placement runs their work on CPU:0:
+    # MirroredStrategy(["/cpu:0", "/cpu:99"]).extended.worker_devices = (...CPU:0, ...CPU:99), its run
+    # and variables work; OneDeviceStrategy("/cpu:7") places variables and run results on CPU:0;
+    # CentralStorageStrategy(parameter_device="/gpu:3") reports parameter_devices ('/gpu:3',) and puts
+    # variables on CPU:0. A replica's device is where its values live here, so we raise a ValueError
+    # naming the device at construction (conftest configures 4 logical CPUs, and there is no GPU).
+    with pytest.raises(ValueError, match=r"MirroredStrategy: device '.*CPU:99' does not exist: 4 logical CPU"):
+        cudist.MirroredStrategy(["/cpu:0", "/cpu:99"])
+    with pytest.raises(ValueError, match=r"OneDeviceStrategy: device '.*CPU:7' does not exist"):
+        cudist.OneDeviceStrategy("/cpu:7")
+    with pytest.raises(ValueError, match=r"CentralStorageStrategy: device .*GPU:3 does not exist"):
+        cudist.CentralStorageStrategy(["/cpu:0", "/cpu:1"], parameter_device="/gpu:3")
+    with pytest.raises(ValueError, match=r"CentralStorageStrategy: device '.*CPU:4' does not exist"):
+        cudist.CentralStorageStrategy(["/cpu:0", "/cpu:1"], parameter_device="/cpu:4")
+    assert cudist.OneDeviceStrategy("/cpu:3").extended.worker_devices == ("/job:localhost/replica:0/task:0/device:CPU:3",)
+
+
+def test_mirrored_without_devices_takes_every_logical_cpu():
+    # TF 2.21 with 2 logical CPUs and no GPU: MirroredStrategy(), MirroredStrategy(None) and
+    # MirroredStrategy([]) all have worker_devices (...CPU:0, ...CPU:1); CentralStorageStrategy() has
+    # one compute device, CPU:0 (its parameter device too).
+    from tests.conftest import gpu_count
+
+    if gpu_count():
+        pytest.skip("a GPU is visible: MirroredStrategy() takes the GPUs")
+    cpus = tuple(f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(4))
+    for s in (cudist.MirroredStrategy(), cudist.MirroredStrategy(None), cudist.MirroredStrategy([])):
+        assert s.extended.worker_devices == cpus and s.num_replicas_in_sync == 4
+    cs = cudist.CentralStorageStrategy()
+    assert cs.extended.worker_devices == cpus[:1] and cs.extended.parameter_devices == cpus[:1]
+
+
+# ------------------------------------------------------------------ optimizers outside the scope
+def test_apply_gradients_outside_scope_says_what_to_do():
+    # TF 2.21 + Keras 3, variables made in a MirroredStrategy's scope, apply_gradients outside it:
+    # SGD(0.1) (no slots) works: [1, 1] -> [0.9, 0.9]; Adam created in the scope, slots not yet built:
+    # RuntimeError 'Need to be inside "with strategy.scope()" for <...MirroredStrategy object ...>';
+    # Adam built in the scope (opt.build([v])) applies outside fine.
+    import cudist.optimizers as O
+
+    s = _mirrored(2)
+    with s.scope():
+        v = cudist.Variable(np.ones(2, np.float32))
+        sgd = O.SGD(0.1)
+    sgd.apply_gradients([(np.ones(2, np.float32), v)])
+    np.testing.assert_allclose(v.numpy(), [0.9, 0.9], rtol=1e-6)
+    with s.scope():
+        w = cudist.Variable(np.ones(2, np.float32))
+        adam = O.Adam(0.1)
+    with pytest.raises(RuntimeError, match=r'Need to be inside "with strategy.scope\(\)" for .*MirroredStrategy.*'
+                                           r"optimizer.build\(var_list\)"):
+        adam.apply_gradients([(np.ones(2, np.float32), w)])
+    np.testing.assert_array_equal(w.numpy(), [1.0, 1.0])
+    with s.scope():
+        adam.build([w])
+    adam.apply_gradients([(np.ones(2, np.float32), w)])
+    np.testing.assert_allclose(w.numpy(), [0.9, 0.9], rtol=1e-5)
+    np.testing.assert_array_equal(w.values[0].numpy(), w.values[1].numpy())
+
+
+# ------------------------------------------------------------------ TF 1.15 names
+def test_tf115_names_are_deprecated_aliases():
+    # TF 1.15's tf.compat.v2.distribute.Strategy has experimental_run_v2 and
+    # experimental_distribute_datasets_from_function. TF 2.21 no longer has experimental_run_v2 and
+    # keeps experimental_distribute_datasets_from_function, logging "rename to
+    # distribute_datasets_from_function". Here both exist and warn DeprecationWarning.
+    s = _mirrored(2)
+    with pytest.warns(DeprecationWarning, match="experimental_run_v2 is deprecated.*Strategy.run"):
+        out = s.experimental_run_v2(lambda x: x + 1, args=(_per_replica(s, lambda i: np.float32(i)),))
+    assert [float(x) for x in s.experimental_local_results(out)] == [1.0, 2.0]
+    with pytest.warns(DeprecationWarning, match="experimental_distribute_datasets_from_function is deprecated"):
+        dist = s.experimental_distribute_datasets_from_function(lambda c: cudist.data.Dataset.range(4).batch(1))
+    assert [[v.tolist() for v in s.experimental_local_results(x)] for x in dist] == [[[0], [1]], [[2], [3]]]
+
+
+# ------------------------------------------------------------------ variables
+def test_distributed_variables_have_distribute_strategy():
+    # TF 2.21: MirroredVariable and SyncOnReadVariable .distribute_strategy is the strategy, as is a
+    # CentralStorageStrategy AggregatingVariable's (2 compute devices); a plain tf.Variable (default
+    # strategy, OneDeviceStrategy) has no such attribute (AttributeError).
+    s = _mirrored(2)
+    with s.scope():
+        mv = cudist.Variable(np.zeros(2, np.float32))
+        ov = cudist.Variable(np.zeros(2, np.float32), synchronization=VS.ON_READ, aggregation=VA.SUM)
+    assert mv.distribute_strategy is s and ov.distribute_strategy is s
+    cs = cudist.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with cs.scope():
+        av = cudist.Variable(np.float32(1))
+    assert type(av).__name__ == "AggregatingVariable" and av.distribute_strategy is cs
+    o = cudist.OneDeviceStrategy("/cpu:0")
+    with o.scope():
+        pv = cudist.Variable(np.float32(1))
+    for plain in (pv, cudist.Variable(np.float32(1))):
+        with pytest.raises(AttributeError):
+            plain.distribute_strategy  # noqa: B018
+
+
+def test_replicas_creating_one_variable_under_different_names_raise():
+    # TF 2.21: run(lambda: tf.Variable(1., name="v%d" % replica_id)) -> RuntimeError "Tried to create
+    # variable v1 with mismatching name on device 1"; the same name works ('w:0', 'w/replica_1:0');
+    # different initial values: replica 0's is used for every component (0.0 and 0.0).
+    s = _mirrored(2)
+
+    def make(name_of, value_of=lambda i: 1.0):
+        def fn():
+            i = cudist.get_replica_context().replica_id_in_sync_group
+            return cudist.Variable(np.float32(value_of(i)), name=name_of(i))
+
+        return s.run(fn)
+
+    with pytest.raises(RuntimeError, match="Tried to create variable v1 with mismatching name on device 1"):
+        make(lambda i: f"v{i}")
+    w = make(lambda i: f"w{''}")  # equal names made separately (different objects) are the same name
+    assert [c.name for c in w.values] == ["w:0", "w/replica_1:0"]
+    u = make(lambda i: "u", lambda i: float(i))
+    assert [float(c.numpy()) for c in u.values] == [0.0, 0.0]
+
+
+def test_cross_replica_assign_of_per_replica_writes_each_component():
+    # TF 2.21: in cross-replica context mv.assign(pr) with pr = ([1, 2], [2, 4]) writes component i
+    # with pr's value i and returns Mirrored {0: [1, 2], 1: [2, 4]}; then mv.assign_add(pr) gives
+    # components [2, 4] and [4, 8].
+    s = _mirrored(2)
+    with s.scope():
+        mv = cudist.Variable(np.array([1.0, 2.0], np.float32))
+    pr = _per_replica(s, lambda i: np.array([1.0, 2.0], np.float32) * (i + 1))
+    out = mv.assign(pr)
+    assert [x.tolist() for x in out.values] == [[1, 2], [2, 4]]
+    assert [c.numpy().tolist() for c in mv.values] == [[1, 2], [2, 4]]
+    mv.assign_add(pr)
+    assert [c.numpy().tolist() for c in mv.values] == [[2, 4], [4, 8]]
+    assert mv.assign_sub(pr, read_value=False) is None
+    assert [c.numpy().tolist() for c in mv.values] == [[1, 2], [2, 4]]
+    with pytest.raises(ValueError, match="PerReplica of 3 components for its 2 components"):
+        mv.assign(cudist.PerReplica([np.zeros(2, np.float32)] * 3))
+
+
+def test_on_read_aggregation_none_in_cross_replica_context():
+    # TF 2.21: an ON_READ variable with aggregation NONE, outside run (with or without its scope):
+    # assign, assign_add, assign_sub, read_value() and numpy() all raise ValueError "Could not convert
+    # from `tf.VariableAggregation` VariableAggregationV2.NONE to`tf.distribute.ReduceOp` type".
+    s = _mirrored(2)
+    with s.scope():
+        nv = cudist.Variable(np.array([1.0, 2.0], np.float32), synchronization=VS.ON_READ, aggregation=VA.NONE)
+    calls = [lambda: nv.assign(np.ones(2, np.float32)), lambda: nv.assign_add(np.ones(2, np.float32)),
+             lambda: nv.assign_sub(np.ones(2, np.float32)), nv.read_value, nv.numpy]
+    for call in calls:
+        with pytest.raises(ValueError, match="Could not convert from `tf.VariableAggregation`.*NONE"):
+            call()
+        with s.scope():
+            with pytest.raises(ValueError, match="Could not convert"):
+                call()
+    # In replica context it is each replica's own (TF: writes stay local).
+    s.run(lambda: nv.assign(np.full(2, cudist.get_replica_context().replica_id_in_sync_group, np.float32)))
+    assert [c.numpy().tolist() for c in nv.values] == [[0, 0], [1, 1]]
+
+
+def test_central_storage_with_one_compute_device_makes_plain_variables():
+    # TF 2.21: CentralStorageStrategy(["/cpu:1"]) has parameter_devices (CPU:1,); a variable in its scope
+    # is a plain ResourceVariable on CPU:1 (aggregation NONE, no distribute_strategy), and
+    # run(lambda: v.assign_add(2.)) works (1 -> 3); with compute ["/cpu:0"] and parameter_device
+    # "/cpu:1" it is a plain variable on CPU:1; CentralStorageStrategy() (one CPU) too, on CPU:0.
+    cs1 = cudist.CentralStorageStrategy(["/cpu:1"])
+    with cs1.scope():
+        v = cudist.Variable(np.float32(1))
+    assert type(v) is cudist.Variable and v.device.endswith("CPU:1") and v.aggregation is VA.NONE
+    cs1.run(lambda: v.assign_add(np.float32(2)))
+    assert float(v.numpy()) == 3.0
+    cs2 = cudist.CentralStorageStrategy(["/cpu:0"], parameter_device="/cpu:1")
+    with cs2.scope():
+        v2 = cudist.Variable(np.float32(1))
+    assert type(v2) is cudist.Variable and v2.device.endswith("CPU:1")
+    with cudist.CentralStorageStrategy().scope():
+        assert type(cudist.Variable(np.float32(1))) is cudist.Variable
+
+
+def test_reduce_to_of_a_plain_value():
+    # TF 2.21, MirroredStrategy on 2 CPUs: extended.reduce_to("MEAN", tf.constant([1., 2.]), d) returns
+    # the value itself ([1., 2.], a plain tensor) for d a MirroredVariable, a SyncOnReadVariable or
+    # "/cpu:0", in or out of scope; "SUM" raises ValueError "A non-DistributedValues value ... cannot be
+    # reduced with the given reduce op ReduceOp.SUM."
+    s = _mirrored(2)
+    with s.scope():
+        mv = cudist.Variable(np.zeros(2, np.float32))
+        ov = cudist.Variable(np.zeros(2, np.float32), synchronization=VS.ON_READ, aggregation=VA.SUM)
+    x = np.array([1.0, 2.0], np.float32)
+    for dest in (mv, ov, "/cpu:0"):
+        out = s.extended.reduce_to("MEAN", x, dest)
+        assert type(out) is np.ndarray and out.tolist() == [1.0, 2.0]
+        with s.scope():
+            assert s.extended.reduce_to("MEAN", x, dest).tolist() == [1.0, 2.0]
+        with pytest.raises(ValueError, match="A non-DistributedValues value .* cannot be reduced with the given reduce op"):
+            s.extended.reduce_to("SUM", x, dest)
+
+
+def test_scope_inside_run():
+    # TF 2.21: inside s.run, `with s.scope():` raises RuntimeError "Method requires being in cross-replica
+    # context, use get_replica_context().merge_call()" (also when it would create a variable); another
+    # strategy's scope there: RuntimeError "Mixing different tf.distribute.Strategy objects: ...".
+    s = _mirrored(2)
+
+    def own():
+        with s.scope():
+            return 1
+
+    with pytest.raises(RuntimeError, match="requires being in cross-replica context, use get_replica_context"):
+        s.run(own)
+
+    def other():
+        with cudist.OneDeviceStrategy("/cpu:0").scope():
+            return 1
+
+    with pytest.raises(RuntimeError, match="Mixing different cudist.Strategy objects"):
+        s.run(other)
+    # merge_call is the way in: there the scope is the strategy's own cross-replica context.
+    out = s.run(lambda: cudist.get_replica_context().merge_call(lambda st: st.scope().__enter__() is st))
+    assert out is True
+
+
+def test_default_strategy_devices_are_unsupported():
+    # TF 2.21: tf.distribute.get_strategy().extended.worker_devices -> RuntimeError "worker_devices()
+    # method unsupported by default tf.distribute.Strategy."; parameter_devices likewise; its
+    # num_replicas_in_sync is 1 and its run / reduce / distributed datasets work.
+    d = cudist.get_strategy()
+    with pytest.raises(RuntimeError, match=r"worker_devices\(\) method unsupported by default cudist.Strategy"):
+        d.extended.worker_devices  # noqa: B018
+    with pytest.raises(RuntimeError, match=r"parameter_devices\(\) method unsupported by default"):
+        d.extended.parameter_devices  # noqa: B018
+    assert d.num_replicas_in_sync == 1
+    assert d.run(lambda x: x + 1, args=(np.int32(1),)) == 2
+    assert d.reduce("SUM", np.array([1.0, 2.0], np.float32), axis=0) == 3.0
+    assert [x.tolist() for x in d.experimental_distribute_dataset(cudist.data.Dataset.range(4).batch(2))] == [[0, 1], [2, 3]]
+    assert cudist.get_replica_context().num_replicas_in_sync == 1
+
+
+# ------------------------------------------------------------------ reduce keeps TF's dtypes
+# TF 2.21, 2 replicas each holding [200, 100] cast to the dtype: (result dtype, value) per reduction.
+_REDUCE_DTYPES = {
+    # dtype: (SUM axis=None, SUM axis=0, MEAN axis=None, MEAN axis=0)
+    "uint8": (("uint8", [144, 200]), ("uint8", 88), ("float32", [72.0, 100.0]), ("float32", 22.0)),
+    "int8": (("int8", [-112, -56]), ("int8", 88), ("float32", [-56.0, -28.0]), ("float32", 22.0)),
+    "int16": (("int16", [400, 200]), ("int16", 600), ("float32", [200.0, 100.0]), ("float32", 150.0)),
+    "uint16": (("uint16", [400, 200]), ("uint16", 600), ("float32", [200.0, 100.0]), ("float32", 150.0)),
+    "int32": (("int32", [400, 200]), ("int32", 600), ("float64", [200.0, 100.0]), ("float64", 150.0)),
+    "int64": (("int64", [400, 200]), ("int64", 600), ("float64", [200.0, 100.0]), ("float64", 150.0)),
+    "uint32": (("uint32", [400, 200]), ("uint32", 600), ("float64", [200.0, 100.0]), ("float64", 150.0)),
+    "uint64": (("uint64", [400, 200]), ("uint64", 600), ("float64", [200.0, 100.0]), ("float64", 150.0)),
+    "float16": (("float16", [400.0, 200.0]), ("float16", 600.0), ("float16", [200.0, 100.0]), ("float16", 150.0)),
+    "float64": (("float64", [400.0, 200.0]), ("float64", 600.0), ("float64", [200.0, 100.0]), ("float64", 150.0)),
+    "complex64": (("complex64", [400, 200]), ("complex64", 600), ("complex64", [200, 100]), ("complex64", 150)),
+}
+
+
+@pytest.mark.parametrize("dtype", sorted(_REDUCE_DTYPES))
+def test_reduce_result_dtypes_like_tf(dtype):
+    # Also TF: int32 per-replica [1, 2, 3] and [2, 4, 6]: reduce("SUM", axis=0) -> int32 18 (was int64
+    # here), "MEAN" axis=0 -> float64 3.0; bool with an axis -> TypeError (not in the allowed list).
+    s = _mirrored(2)
+    pr = _per_replica(s, lambda i: np.array([200, 100]).astype(dtype))
+    got = [np.asarray(s.reduce(op, pr, axis=axis)) for op in ("SUM", "MEAN") for axis in (None, 0)]
+    for (want_dtype, want), g in zip(_REDUCE_DTYPES[dtype], got):
+        assert g.dtype == np.dtype(want_dtype) and g.tolist() == want
+    ints = _per_replica(s, lambda i: np.array([1, 2, 3], np.int32) * np.int32(i + 1))
+    assert np.asarray(s.reduce("SUM", ints, axis=0)).dtype == np.int32 and s.reduce("SUM", ints, axis=0) == 18
+    with pytest.raises(TypeError, match="bool"):
+        s.reduce("SUM", _per_replica(s, lambda i: np.array([True, False])), axis=0)

@@ -611,7 +611,9 @@ def test_tf_docs_central_storage_example():
     got = [np.concatenate([np.atleast_1d(np.asarray(r)) for r in strategy.experimental_local_results(o)]) for o in outs]
     assert [g.tolist() for g in got] == [[1, 2], [3, 4], [5]]
     assert total.numpy() == 10
-    assert isinstance(total, AggregatingVariable)
+    # Without GPUs CentralStorageStrategy() has one compute device: TF 2.21 makes a plain variable
+    # (see test_tf_parity.py), on the parameter device.
+    assert type(total) is cudist.Variable
     assert total.device == CPU.format(0)
 
 

@@ -24,7 +24,14 @@ class CentralStorageExtended(StrategyExtended):
     """Extended API of :class:`CentralStorageStrategy`: one copy of each variable, on the parameter device."""
 
     def _create_variable(self, next_creator: Callable[..., object], **kwargs: Any) -> Variable:
-        """An AggregatingVariable on the parameter device (one for all replicas, even inside ``run``)."""
+        """An AggregatingVariable on the parameter device (one for all replicas, even inside ``run``).
+
+        With one compute device TF 2.21 makes a plain variable on the parameter device (there is
+        nothing to aggregate), and so do we -- unless the replica is a GPU and the variable is kept
+        elsewhere, where the AggregatingVariable's copy to the replica's GPU is still needed.
+        """
+        if self._num == 1 and (not self._replica_gpus or self._variable_devices()[0] == self._devices[0]):
+            return next_creator(device=self._variable_devices()[0], **kwargs)  # type: ignore[return-value]
         del next_creator
         strategy = self._container_strategy()
         var: Variable | None = create_in_replica_context(strategy, kwargs)
@@ -39,10 +46,11 @@ class CentralStorageStrategy(Strategy):
     Args:
         compute_devices: devices the replicas run on; default: every logical GPU, else "/cpu:0".
         parameter_device: where variables live; default: the compute device if there is exactly
-            one, else "/cpu:0".
+            one, else "/cpu:0". With one compute device variables are plain (as TF).
 
     Raises:
-        ValueError: empty or duplicate compute devices, or an invalid device string.
+        ValueError: empty or duplicate compute devices, an invalid device string, or a device
+            that is not configured (``parameter_device="/gpu:3"`` without that GPU, say).
     """
 
     def __init__(

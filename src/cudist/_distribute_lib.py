@@ -31,8 +31,18 @@ from cudist import _devices, _replica_engine
 from cudist._context import COLOCATE as _COLOCATE
 from cudist._context import CTX as _CTX
 from cudist._context import Frame as _Frame
-from cudist._arrays import as_array, contiguous, current_gpu, is_device_array, like, set_current_gpu, snapshot, to_host
-from cudist._reduce_util import ReduceOp
+from cudist._arrays import (
+    as_array,
+    contiguous,
+    current_gpu,
+    is_device_array,
+    like,
+    physical_gpu,
+    set_current_gpu,
+    snapshot,
+    to_host,
+)
+from cudist._reduce_util import ReduceOp, int_mean_dtype
 from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
 
 if TYPE_CHECKING:
@@ -155,6 +165,12 @@ class _Scope:
     def __enter__(self) -> Strategy:
         s = self._strategy
         f = _CTX.get()
+        if f is not None and f.strategy is s and f.replica_ctx is not None:
+            # As TF: a strategy's scope is its cross-replica context, which replicas reach by merge_call.
+            raise RuntimeError(
+                f"{s!r}.scope() entered inside its own strategy.run (in replica context): method requires "
+                "being in cross-replica context, use get_replica_context().merge_call()"
+            )
         if f is not None and f.strategy is not s:
             if isinstance(s, _DefaultDistributionStrategy):
                 raise RuntimeError(f"Must not nest cudist.Strategy scopes: the default strategy inside {f.strategy!r}")
@@ -203,6 +219,27 @@ def _select_all(i: int, tree: Any) -> Any:
     if isinstance(tree, DistributedValues):
         return tree.values[i]
     return optree.tree_map(lambda x: x.values[i] if isinstance(x, DistributedValues) else x, tree, is_leaf=_is_dv)
+
+
+def _check_component_counts(where: str, tree: Any, n: int) -> None:
+    """Raises ValueError if a DistributedValues in ``tree`` (variables aside) has other than ``n`` components.
+
+    TF 2.21 silently uses the first ``n`` components of a longer PerReplica in ``run`` and sums all
+    of them in ``reduce``; we refuse, as a value for replicas that do not exist is a mistake.
+    """
+    if isinstance(tree, DistributedValues):
+        leaves: Iterable[Any] = (tree,)
+    elif type(tree) is tuple and all(type(x) is np.ndarray or isinstance(x, DistributedValues) for x in tree):
+        leaves = tree  # run()'s common args, without flattening
+    else:
+        leaves = optree.tree_leaves(tree, is_leaf=_is_dv)
+    for x in leaves:
+        if isinstance(x, DistributedValues) and not getattr(x, "_keep_in_replica", False) and len(x.values) != n:
+            raise ValueError(
+                f"{where} got a {type(x).__name__} with {len(x.values)} component(s), but the strategy has {n} "
+                f"replicas (on this worker); build per-replica values with "
+                "strategy.experimental_distribute_values_from_function or take them from strategy.run"
+            )
 
 
 def _scalarize(a: Any) -> Any:
@@ -352,7 +389,7 @@ class ReplicaContext:
     def __init__(self, strategy: Strategy, replica_id_in_sync_group: int) -> None:
         self._strategy = strategy
         self._replica_id = int(replica_id_in_sync_group)  # local: this worker's replica index
-        self._num = len(strategy.extended.worker_devices)  # local replicas (the engine's count)
+        self._num = len(strategy.extended._devices)  # local replicas (the engine's count)
 
     def __repr__(self) -> str:
         return (
@@ -379,7 +416,7 @@ class ReplicaContext:
     @property
     def devices(self) -> tuple[str, ...]:
         """The device of this replica (a 1-tuple of its canonical name)."""
-        return (self._strategy._extended.worker_devices[self._replica_id],)
+        return (self._strategy._extended._devices[self._replica_id],)
 
     def _collective(self, kind: str, payload: Any) -> Any:
         f = _CTX.get()
@@ -546,9 +583,37 @@ class StrategyExtended:
             from cudist._collectives.placement import gpu_layout
 
             self._replica_gpus = gpu_layout(self._devices)
+        self._check_devices_exist()
 
     def __repr__(self) -> str:
         return f"<cudist.{type(self).__name__} of {self._container_strategy_ref!r}>"
+
+    def _check_devices_exist(self) -> None:
+        """Raises ValueError naming a worker or parameter device that is not configured.
+
+        TF 2.21 accepts such devices (``MirroredStrategy(["/cpu:0", "/cpu:99"])``, a
+        ``parameter_device="/gpu:3"`` without GPUs) and soft placement quietly runs their work on
+        CPU:0; here a replica device is where the replica's values live, so we refuse at construction.
+        """
+        from cudist import config
+
+        where = type(self._container_strategy_ref).__name__
+        cpus: int | None = None
+        for name in dict.fromkeys(self._devices + self._parameter_devices):
+            spec = _devices.parse_device(name)
+            if spec.is_gpu:
+                try:
+                    physical_gpu(spec)
+                except ValueError as e:
+                    raise ValueError(f"{where}: {e}") from None
+                continue
+            if cpus is None:
+                cpus = len(config.list_logical_devices("CPU"))
+            if spec.device_index >= cpus:
+                raise ValueError(
+                    f"{where}: device {name!r} does not exist: {cpus} logical CPU(s) are configured "
+                    "(cudist.config.set_logical_device_configuration on the physical CPU makes more)"
+                )
 
     def _container_strategy(self) -> Strategy:
         return self._container_strategy_ref
@@ -865,7 +930,9 @@ class StrategyExtended:
         return self._reduce_non_distributed(op, value, destinations)
 
     def _reduce_non_distributed(self, op: ReduceOp, value: Any, destinations: Destinations) -> Array | Mirrored:
-        if op is ReduceOp.SUM and self._num_replicas_in_sync != 1:
+        if op is ReduceOp.MEAN:
+            return value  # as TF: the one value is the mean, whatever the destinations
+        if self._num_replicas_in_sync != 1:
             raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}.")
         return self._cross_device_ops.broadcast(value, destinations)
 
@@ -932,6 +999,10 @@ class StrategyExtended:
                 )
         kwargs = kwargs or {}
         n = self._num
+        if args:
+            _check_component_counts("strategy.run", args, n)
+        if kwargs:
+            _check_component_counts("strategy.run", kwargs, n)
         frames = self._frames()
         gpus = self._replica_gpus
         if gpus is not None:
@@ -1078,6 +1149,7 @@ class Strategy:
         if _is_nest_of_dv(value):
             # As TF: a nest of DistributedValues (e.g. what ``run`` returned) reduces leaf by leaf.
             return optree.tree_map(lambda v: self.reduce(op, v, axis), value, is_leaf=_is_dv)
+        _check_component_counts("Strategy.reduce", value, self._extended._num)
         if axis is None:
             return _scalarize(self._extended._reduce(op, value))
         if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)):
@@ -1092,19 +1164,19 @@ class Strategy:
                     f"Strategy.reduce: invalid reduction axis {axis} for the value of replica {r}, "
                     f"which has {a.ndim} dimensions (shape {a.shape})"
                 )
-            if a.dtype.kind not in "iufcb":
+            if a.dtype.kind not in "iufc":  # TF: bool (and strings) cannot be summed
                 raise TypeError(f"Strategy.reduce: cannot reduce values of dtype {a.dtype}")
-            sums.append(np.sum(a, axis=axis))
+            sums.append(np.sum(a, axis=axis, dtype=a.dtype))  # as TF: an int32 sum stays int32
             counts += a.shape[axis]
         multi_worker = self._extended._num_workers > 1
         total = self._extended._reduce(ReduceOp.SUM, PerReplica(sums)) if len(sums) > 1 or multi_worker else sums[0]
         counts = self._extended._global_count(counts)
         if op is ReduceOp.MEAN:
             total = np.asarray(total)
-            if total.dtype.kind == "f":
-                total = total / total.dtype.type(counts)
+            if total.dtype.kind in "iu":  # TF's true division: float32 for 8/16-bit ints, else float64
+                total = np.true_divide(total, counts, dtype=int_mean_dtype(total.dtype))
             else:
-                total = np.true_divide(total, counts)
+                total = total / total.dtype.type(counts)
         return _scalarize(np.asarray(total))
 
     def gather(self, value: Any, axis: int) -> npt.NDArray[Any] | Any:
@@ -1182,6 +1254,24 @@ class Strategy:
         """
         return self._extended._distribute_values_from_function(value_fn)
 
+    def experimental_run_v2(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...] | list[Any] = (),
+        kwargs: dict[str, Any] | None = None,
+        options: RunOptions | None = None,
+    ) -> Any:
+        """TF 1.15's name of :meth:`run` (deprecated: warns, then runs ``fn`` as ``run`` does)."""
+        _warn_deprecated("experimental_run_v2", "Strategy.run")
+        return self.run(fn, args, kwargs, options)
+
+    def experimental_distribute_datasets_from_function(
+        self, dataset_fn: Callable[[InputContext], Iterable[Any]], options: InputOptions | None = None
+    ) -> DistributedDatasetsFromFunction:
+        """TF 1.15/2.x's old name of :meth:`distribute_datasets_from_function` (deprecated: warns)."""
+        _warn_deprecated("experimental_distribute_datasets_from_function", "Strategy.distribute_datasets_from_function")
+        return self.distribute_datasets_from_function(dataset_fn, options)
+
     def experimental_make_numpy_dataset(self, numpy_input: Any) -> Dataset:
         """A dataset of the slices of ``numpy_input`` (TF1-era)."""
         _warn_deprecated("experimental_make_numpy_dataset", "cudist.data.Dataset.from_tensor_slices")
@@ -1232,6 +1322,16 @@ class Strategy:
 # ---------------------------------------------------------------------------------------------- default
 class _DefaultDistributionExtended(StrategyExtended):
     """The default strategy's extended: one replica, no distribution."""
+
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """Unsupported, as in TF (the default strategy places nothing)."""
+        raise RuntimeError("worker_devices() method unsupported by default cudist.Strategy.")
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Unsupported, as in TF (the default strategy places nothing)."""
+        raise RuntimeError("parameter_devices() method unsupported by default cudist.Strategy.")
 
     def call_for_each_replica(
         self,

@@ -61,7 +61,7 @@ __all__ = [
 
 class _ExtendedLike(Protocol):
     @property
-    def worker_devices(self) -> tuple[str, ...]: ...
+    def _devices(self) -> tuple[str, ...]: ...  # the worker devices (the default strategy's too)
 
     @property
     def _num_workers(self) -> int: ...
@@ -392,7 +392,7 @@ def _put_on_gpu(spec: DeviceSpec, value: Any) -> Any:
 
 
 def _putters(strategy: StrategyLike, fetch_to_device: bool) -> list[Putter]:
-    devices = tuple(strategy.extended.worker_devices)
+    devices = tuple(strategy.extended._devices)
     n = strategy.num_replicas_in_sync // strategy.extended._num_workers  # this worker's replicas
     if len(devices) != n:
         raise ValueError(
@@ -405,7 +405,7 @@ def _placer(strategy: StrategyLike, fetch_to_device: bool) -> Placer:
     """What a new iterator places each step with: a :class:`GpuFeeder` for GPU replicas when
     fetching to the device, else the per-replica putters (identity on CPUs)."""
     putters = _putters(strategy, fetch_to_device)
-    devices = strategy.extended.worker_devices
+    devices = strategy.extended._devices
     if fetch_to_device and any_gpu(devices):
         return GpuFeeder([physical_gpu(parse_device(d)) for d in devices])  # type: ignore[no-untyped-call]
     return putters
@@ -855,7 +855,7 @@ class _DistributedBase:
         _putters(strategy, self._options.experimental_fetch_to_device)  # bad worker devices fail here, not later
         self._prefetch = (
             self._options.experimental_per_replica_buffer_size
-            if self._options.experimental_fetch_to_device and any_gpu(strategy.extended.worker_devices)
+            if self._options.experimental_fetch_to_device and any_gpu(strategy.extended._devices)
             else 0
         )
 

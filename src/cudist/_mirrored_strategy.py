@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from cudist._distribute_lib import Strategy, StrategyExtended, default_devices, parse_devices
+from cudist._devices import canonicalize
+from cudist._distribute_lib import Strategy, StrategyExtended, parse_devices
 from cudist._variables import Variable, create_in_replica_context, create_mirrored_variable
 
 if TYPE_CHECKING:
@@ -38,16 +39,28 @@ class MirroredStrategy(Strategy):
     device) and kept in sync by all-reduce.
 
     Args:
-        devices: device strings, one replica each; default: every logical GPU, else "/cpu:0".
+        devices: device strings, one replica each; None or an empty list (as TF 2.21): every
+            logical GPU, else every logical CPU.
         cross_device_ops: a :class:`cudist.CrossDeviceOps` (default: the fused all-reduce kernels).
 
     Raises:
-        ValueError: empty or duplicate devices, or cross-device ops that cannot run on them
-            (NcclAllReduce on CPUs).
+        ValueError: duplicate devices, a device that is not configured (see
+            ``cudist.config.set_logical_device_configuration``), or cross-device ops that cannot
+            run on them (NcclAllReduce on CPUs).
     """
 
     def __init__(
         self, devices: Sequence[DeviceLike] | None = None, cross_device_ops: CrossDeviceOps | None = None
     ) -> None:
-        devs = default_devices() if devices is None else parse_devices(devices, "MirroredStrategy")
+        if devices is None or (isinstance(devices, (list, tuple)) and not devices):
+            devs = _all_local_devices()
+        else:
+            devs = parse_devices(devices, "MirroredStrategy")
         super().__init__(MirroredExtended(self, devs, cross_device_ops))
+
+
+def _all_local_devices() -> tuple[str, ...]:
+    """TF's default for MirroredStrategy: every logical GPU, else every logical CPU."""
+    from cudist import config
+
+    return tuple(canonicalize(d.name) for d in config.list_logical_devices("GPU") or config.list_logical_devices("CPU"))

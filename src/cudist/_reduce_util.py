@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import enum
 
-__all__ = ["ReduceOp"]
+import numpy as np
+
+__all__ = ["ReduceOp", "int_mean_dtype"]
+
+
+def int_mean_dtype(dtype: np.dtype | type) -> np.dtype:
+    """The dtype of an integer MEAN (a sum divided by a count), as TF's true division gives it.
+
+    float32 for 8- and 16-bit integers, float64 for 32- and 64-bit ones (TF 2.21: a MEAN of uint8
+    or int16 values is float32, of int32 or uint64 values float64).
+    """
+    return np.dtype(np.float32) if np.dtype(dtype).itemsize <= 2 else np.dtype(np.float64)
 
 
 class ReduceOp(enum.Enum):

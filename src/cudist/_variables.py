@@ -828,6 +828,11 @@ class DistributedVariable(DistributedValues, Variable):
     def _replica_ctx(self) -> ReplicaContext | None:
         return _replica_context_of(self._distribute_strategy)
 
+    @property
+    def distribute_strategy(self) -> Strategy:
+        """The strategy this variable was created in (TF's ``distribute_strategy``)."""
+        return self._distribute_strategy
+
     def _local(self, ctx: ReplicaContext | None = None) -> Variable:
         """The component of the calling replica (the primary in cross-replica context)."""
         if ctx is None:
@@ -957,12 +962,17 @@ class MirroredVariable(DistributedVariable, Mirrored):
     def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         ctx = self._replica_ctx()
         if ctx is None:
-            if isinstance(value, DistributedValues):
-                if not isinstance(value, Mirrored):
+            if isinstance(value, DistributedValues) and not isinstance(value, Mirrored):
+                # As TF 2.21: each component gets its own replica's value (the copies may then differ).
+                if len(value.values) != len(self._values):
                     raise ValueError(
                         f"{method} of variable '{self.name}' in cross-replica context got a {type(value).__name__} "
-                        "value; reduce it first (strategy.reduce) or update inside strategy.run"
+                        f"of {len(value.values)} components for its {len(self._values)} components"
                     )
+                for c, v in zip(self._values, value.values):
+                    c._write(method, c._coerce(v, method))
+                return Mirrored(tuple(snapshot(c._array) for c in self._values)) if read_value else None
+            if isinstance(value, DistributedValues):
                 value = value.values[0]
             self._all_write(method, self._values[0]._coerce(value, method))
             if not read_value:
@@ -1050,6 +1060,11 @@ class AggregatingVariable(Variable):
     read copies (nothing is cached: optimizers write the storage in place). ``numpy()`` and
     ``__array__`` read the storage directly.
     """
+
+    @property
+    def distribute_strategy(self) -> Strategy:
+        """The CentralStorageStrategy this variable was created in (TF's ``distribute_strategy``)."""
+        return cast("Strategy", self._distribute_strategy)
 
     def _replica_gpu(self) -> int | None:
         """The physical GPU of the calling replica, when reads must be copied there; else None."""
@@ -1223,10 +1238,14 @@ def create_in_replica_context(strategy: Strategy, kwargs: dict[str, Any]) -> Var
         initial_value = initial_value()
     rest = {k: v for k, v in kwargs.items() if k != "initial_value"}
 
-    def merge_fn(_: Strategy, init: Any) -> Variable:
+    def merge_fn(_: Strategy, init: Any, name: Any) -> Variable:
+        if isinstance(name, DistributedValues):  # the replicas passed different name objects
+            for i, other in enumerate(name.values):
+                if other != name.values[0]:  # as TF 2.21
+                    raise RuntimeError(f"Tried to create variable {other} with mismatching name on device {i}")
         return _create_variable(select_replica(0, init), **rest)
 
-    return cast(Variable, ctx.merge_call(merge_fn, args=(initial_value,)))
+    return cast(Variable, ctx.merge_call(merge_fn, args=(initial_value, kwargs.get("name"))))
 
 
 def create_mirrored_variable(

@@ -26,6 +26,7 @@ iteration count, like a Keras schedule), not a variable; gradients must have the
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 import operator
 import warnings
@@ -210,9 +211,25 @@ class Optimizer:
         # The slot lives where the variable lives: the variable's strategy and devices, so a
         # MirroredVariable gets mirrored slots and CentralStorage's variable a slot on the
         # parameter device.
+        if not self._slot_names:  # nothing to create (plain SGD): no strategy to enter, as Keras
+            slots = self._slots[var] = {}
+            return slots
         strategy = var._distribute_strategy or _distribute_lib.get_strategy()
         slots = {}
-        with strategy.scope(), strategy.extended.colocate_vars_with(var):
+        scope = contextlib.ExitStack()  # holds the strategy's scope until the slots are made
+        try:
+            scope.enter_context(strategy.scope())
+        except RuntimeError as e:
+            # E.g. apply_gradients outside any scope: it runs in the default strategy's merge_call,
+            # where the variable's strategy cannot be entered (TF/Keras: 'Need to be inside "with
+            # strategy.scope()"'). Say what to do.
+            raise RuntimeError(
+                f'Need to be inside "with strategy.scope()" for {strategy!r}: {self.name} creates the slot '
+                f"variables of {var.name!r} on first use, in that variable's strategy, and it cannot be entered "
+                f"here ({e}). Call apply_gradients inside `with strategy.scope():` or `strategy.run`, or create "
+                "the slots first with optimizer.build(var_list) inside `with strategy.scope():`"
+            ) from e
+        with scope, strategy.extended.colocate_vars_with(var):
             for slot_name in self._slot_names:
                 slots[slot_name] = Variable(
                     np.zeros(var._primary_array().shape, dtype=var.dtype),

@@ -14,7 +14,8 @@ Three forms, one per cross-device algorithm:
   (``ReductionToOneDevice``);
 * :func:`batch_reduce` -- one result per leaf (``out[j]``), for ``reduce_to`` / ``batch_reduce_to``.
 
-Integer MEAN is a true division giving float64, as TF's ``x / n`` on integer tensors does.
+Integer MEAN is a true division, as TF's ``x / n`` on integer tensors: float32 for 8- and 16-bit
+integers, float64 for wider ones (:func:`cudist._reduce_util.int_mean_dtype`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from cudist.errors import InvalidArgumentError
 from cudist._collectives import pool
 # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._kernels import KernelBackend, backend_for, cpu_backend, numpy_backend
-from cudist._reduce_util import ReduceOp
+from cudist._reduce_util import ReduceOp, int_mean_dtype
 
 __all__ = [
     "all_reduce",
@@ -157,7 +158,7 @@ def reduce_arrays(where: str, arrs: Sequence[Any], op: ReduceOp) -> Array:
                 _kernel_backend(arrs[0], dt)  # raises, naming the dtype, if the GPU kernels lack it
                 out = b.reduce_to_one([contiguous(a) for a in arrs], kop)  # type: ignore[no-untyped-call]
             if int_mean:
-                out = xp.true_divide(out, len(arrs))
+                out = _int_mean(xp, out, len(arrs))
         return out
     if len(arrs) == 1:
         out = np.array(arrs[0], copy=True)
@@ -172,18 +173,23 @@ def reduce_arrays(where: str, arrs: Sequence[Any], op: ReduceOp) -> Array:
             if kop is ReduceOp.MEAN:
                 out = out / out.dtype.type(len(arrs))
     if int_mean:
-        out = np.true_divide(out, len(arrs))
+        out = _int_mean(np, out, len(arrs))
     return out
 
 
+def _int_mean(xp: ModuleType, total: Any, n: int) -> Array:
+    """An integer sum divided by ``n`` in TF's true-division dtype (float32 for 8/16-bit integers)."""
+    return xp.true_divide(total, n, dtype=int_mean_dtype(total.dtype))
+
+
 def _divide(xp: ModuleType, bufs: Sequence[Any], n: int) -> list[Array]:
-    """Integer MEAN: each replica's sum / n as float64 (TF's ``x / n``), computed on its own device."""
+    """Integer MEAN: each replica's sum / n as TF's ``x / n`` gives it, computed on its own device."""
     if xp is np:
-        return [np.true_divide(buf, n) for buf in bufs]
+        return [_int_mean(np, buf, n) for buf in bufs]
     out: list[Array] = []
     for buf in bufs:
         with device_context(buf):
-            out.append(xp.true_divide(buf, n))
+            out.append(_int_mean(xp, buf, n))
     return out
 
 
@@ -302,7 +308,7 @@ def _host_all_reduce(
         outs = pool.take_many(n, a0.shape, a0.dtype)
         trusted.all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
         if int_mean:
-            return [[np.true_divide(o, n)] for o in outs]
+            return [[_int_mean(np, o, n)] for o in outs]
         return [[o] for o in outs]
     result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
     by_dtype: dict[np.dtype[Any], list[int]] = {}
@@ -329,7 +335,7 @@ def _host_all_reduce(
             trusted.batch_all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
             for r in range(n):
                 for j, o in zip(ids, outs[r]):
-                    result[r][j] = np.true_divide(o, n) if int_mean else o
+                    result[r][j] = _int_mean(np, o, n) if int_mean else o
     return result
 
 
@@ -346,7 +352,7 @@ def all_reduce_via_one(
             with device_context(bufs[0]):  # the reduction happens on the first replica's device
                 red = b.reduce_to_one(bufs, kop) if b is not None else reduce_arrays(where, bufs, kop)  # type: ignore[no-untyped-call]
                 if int_mean:
-                    red = xp.true_divide(red, n)
+                    red = _int_mean(xp, red, n)
             if int_mean:
                 bufs = [red] + [like(red, buf, copy=True) for buf in bufs[1:]]
             elif b is not None:
@@ -381,7 +387,7 @@ def batch_reduce(
             with device_context(bufs[0]):
                 red = b.reduce_to_one(bufs, kop)  # type: ignore[no-untyped-call]
                 if int_mean:
-                    red = b.xp.true_divide(red, n)
+                    red = _int_mean(b.xp, red, n)
         off = 0
         for j in ids:
             outs[j] = red[off : off + ref[j].size].reshape(ref[j].shape)
