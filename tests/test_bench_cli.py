@@ -236,6 +236,36 @@ def test_bad_flags_exit_2(capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("cmd", ["all-reduce", "split", "update", "user-path"])
+def test_sizes_beyond_the_machine_are_a_clear_error(capsys, cmd):
+    # `-b 1T` used to end in a traceback (numpy's "Unable to allocate 1.00 TiB").
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "-b", "1T", "-e", "1T", "--backend", "numpy"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "size 1T needs at least 1T of memory, more than this machine's" in err and "Traceback" not in err
+
+
+def test_replicas_times_size_beyond_the_machine_and_out_of_memory_exit_2(capsys, monkeypatch):
+    from cudist.bench import _ops, _sizes
+
+    monkeypatch.setattr(_sizes, "physical_memory", lambda: 1 << 20)
+    with pytest.raises(SystemExit) as e:
+        main(["all-reduce", "-b", "512K", "-e", "512K", "--replicas", "4", "--backend", "numpy", "--no-progress"])
+    assert e.value.code == 2
+    assert "all-reduce of 512K on 4 replicas needs at least 4 x 512K of memory, more than this machine's 1M" in capsys.readouterr().err
+    monkeypatch.undo()
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError("Unable to allocate 16.0 GiB")
+
+    monkeypatch.setattr(_ops, "make_case", no_memory)
+    with pytest.raises(SystemExit) as e:
+        main(["all-reduce", *TINY, "--backend", "numpy"])
+    assert e.value.code == 2
+    assert "out of memory (Unable to allocate 16.0 GiB); use smaller sizes" in capsys.readouterr().err
+
+
 def test_unavailable_backend_is_a_clear_error(capsys, monkeypatch):
     from cudist import _kernels
 

@@ -10,7 +10,7 @@ import time
 
 from cudist.bench import _tf
 from cudist.bench._errors import BenchError
-from cudist.bench._sizes import format_size, parse_size, size_sweep
+from cudist.bench._sizes import check_fits_in_memory, format_size, parse_size, size_sweep
 
 __all__ = ["main", "build_parser"]
 
@@ -26,7 +26,9 @@ _BACKEND_CHOICES = ("numpy", "numba", "native", "cupy", "all")
 # ---------------------------------------------------------------------------------------- parsing
 def _size_arg(text):
     try:
-        return parse_size(text)
+        size = parse_size(text)
+        check_fits_in_memory(size, 1, f"size {text}")  # e.g. -b 1T: not even one buffer fits
+        return size
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -343,6 +345,10 @@ def run_kernel_op(ctx: Context, op: str, *, sizes=None, dtypes=None, title=None)
         small = [s for s in sizes if s < np.dtype(d).itemsize]
         if small:
             raise BenchError(f"size {format_size(small[0])} is smaller than one {d} element ({np.dtype(d).itemsize} bytes)")
+    try:  # every replica holds at least one buffer of the size
+        check_fits_in_memory(max(sizes), n, f"{opname} of {format_size(max(sizes))} on {n} replicas")
+    except ValueError as e:
+        raise BenchError(str(e)) from None
     backends = ctx.backends()
     ctx.print_header()
     oplabel = a.optimizer if op == "update" else (a.op if op == "all-reduce" else "-")
@@ -562,6 +568,8 @@ def main(argv=None) -> int:
             run_suite(ctx)
     except BenchError as e:
         parser.exit(2, f"cudist-bench: error: {e}\n")
+    except MemoryError as e:  # a point that fits the machine but not what is free now
+        parser.exit(2, f"cudist-bench: error: out of memory ({e}); use smaller sizes (-b/--minbytes, -e/--maxbytes)\n")
     except KeyboardInterrupt:
         print("cudist-bench: interrupted", file=sys.stderr)
         return 130

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["parse_size", "format_size", "size_sweep"]
+__all__ = ["parse_size", "format_size", "size_sweep", "physical_memory", "check_fits_in_memory"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*$", re.IGNORECASE)
@@ -40,6 +40,32 @@ def format_size(n: int) -> str:
         if n >= m and n % m == 0:
             return f"{n // m}{unit}"
     return str(n)
+
+
+def physical_memory() -> int | None:
+    """This machine's physical memory in bytes (None where the OS does not say)."""
+    import os
+
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits_in_memory(nbytes: int, buffers: int = 1, what: str = "a buffer") -> None:
+    """Raises ValueError if ``buffers`` buffers of ``nbytes`` bytes each cannot fit in physical memory.
+
+    A benchmark point bigger than the machine would fail allocating (or, with memory overcommit,
+    be killed while filling its buffers): say so before anything is allocated.
+    """
+    total = physical_memory()
+    if total is not None and nbytes * buffers > total:
+        need = f"{buffers} x {format_size(nbytes)}" if buffers > 1 else format_size(nbytes)
+        have = f"{total / 2**30:.1f} GiB" if total >= 1 << 30 else format_size(total)
+        raise ValueError(
+            f"{what} needs at least {need} of memory, more than this machine's {have}; "
+            "use smaller sizes (-b/--minbytes, -e/--maxbytes)"
+        )
 
 
 def size_sweep(min_bytes: int, max_bytes: int, factor: int) -> list[int]:
