@@ -36,6 +36,8 @@ def _info() -> str:
         except BackendUnavailableError as e:
             lines.append(f"  {name:7s} broken: {e}")
     lines.append(_extension_info())
+    if "cupy" in installed:
+        lines.append(_cuda_info())
     env = os.environ.get("CUDIST_BACKEND")
     if not env:
         lines.append(f"default CPU backend: {get_backend().name}")
@@ -47,6 +49,25 @@ def _info() -> str:
             lines.append(f"default CPU backend: {get_backend(env).name} (CUDIST_BACKEND={env})")
         except (ValueError, BackendUnavailableError) as e:
             lines.append(f"CUDIST_BACKEND={env} is unusable: {e}")
+    return "\n".join(lines)
+
+
+def _cuda_info() -> str:
+    """CuPy, CUDA runtime, driver, NVRTC and NCCL versions; a warning when the driver is too old."""
+    from cudist import config
+
+    v = config.cuda_versions()
+    lines = ["CUDA (through CuPy; no device is initialised here):"]
+    lines += [f"  {k:12s} {v[k]}" for k in ("cupy", "cuda_runtime", "driver", "nvrtc", "nccl") if k in v]
+    try:
+        drv, rt = (int(v[k].split(".")[0]) for k in ("driver", "cuda_runtime"))
+    except (KeyError, ValueError):
+        return "\n".join(lines)
+    if drv < rt:
+        other = config.CUDA_EXTRAS.get(drv)
+        fix = f" or install {other}" if other else ""
+        lines.append(f"  WARNING: the driver supports CUDA {v['driver']} < CuPy's CUDA {v['cuda_runtime']}: every CUDA "
+                     f"call will fail (cudaErrorInsufficientDriver); update the driver{fix}")
     return "\n".join(lines)
 
 

@@ -177,7 +177,7 @@ def physical_gpu(spec: _devices.DeviceSpec) -> int:
 
     mapping = config.logical_to_physical_gpu()
     if spec.device_index >= len(mapping):
-        hint = "" if mapping else " (no GPU is visible through CuPy: is cudist[cuda] installed and a GPU present?)"
+        hint = f" ({config.gpu_unavailable_reason()})" if not mapping else ""
         raise ValueError(f"device {spec.name} does not exist: {len(mapping)} logical GPU(s) are configured{hint}")
     return mapping[spec.device_index]
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import importlib
 import threading
+import warnings
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from cudist._devices import CPU, GPU
 
@@ -23,6 +24,9 @@ __all__ = [
     "list_logical_devices",
     "set_logical_device_configuration",
     "get_logical_device_configuration",
+    "gpu_unavailable_reason",
+    "cuda_versions",
+    "nccl_package",
 ]
 
 
@@ -67,24 +71,130 @@ _logical: dict[str, list[LogicalDeviceConfiguration]] = {}
 
 
 _gpu_count_cache: list[int] = []
+_gpu_error: list[str] = []  # why _gpu_count() found no GPU (set with the count)
+
+#: The pip extra matching each CUDA major version of CuPy (see the README's GPUs section).
+CUDA_EXTRAS = {12: "cudist[cuda12]", 13: "cudist[cuda13]"}
+
+
+def _version(v: int) -> str:
+    """A CUDA version number (``13020``) as CUDA prints it (``13.2``)."""
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def cuda_versions() -> dict[str, str]:
+    """CuPy's and the CUDA driver's versions, without initialising CUDA (no context, no device count).
+
+    Returns:
+        Keys ``cupy``, ``cuda_runtime`` (the CUDA runtime CuPy was built with), ``driver`` (the
+        newest CUDA the installed driver supports, or "none found"), ``nvrtc`` and ``nccl`` where
+        they can be read; ``cupy`` says why when CuPy cannot be imported. Empty values are left out.
+    """
+    out: dict[str, str] = {}
+    try:
+        cupy = importlib.import_module("cupy")
+    except Exception as e:  # noqa: BLE001 - a diagnostic reports any failure
+        out["cupy"] = f"not importable ({type(e).__name__}: {e})"
+        return out
+    out["cupy"] = str(getattr(cupy, "__version__", "?"))
+    rt = getattr(getattr(cupy, "cuda", None), "runtime", None)
+    for key, fn in (("cuda_runtime", "runtimeGetVersion"), ("driver", "driverGetVersion")):
+        try:
+            v = int(getattr(rt, fn)())
+        except Exception as e:  # noqa: BLE001
+            out[key] = f"unknown ({type(e).__name__}: {e})"
+            continue
+        out[key] = _version(v) if v else "none found (no libcuda.so.1: is the NVIDIA driver installed?)"
+    try:
+        nvrtc = getattr(cupy.cuda, "nvrtc", None) or importlib.import_module("cupy_backends.cuda.libs.nvrtc")
+        out["nvrtc"] = ".".join(str(x) for x in nvrtc.getVersion())
+    except Exception as e:  # noqa: BLE001
+        out["nvrtc"] = f"not loadable ({type(e).__name__}: {e})"
+    try:
+        with warnings.catch_warnings():  # CuPy warns when libnccl is missing; the line below says so
+            warnings.simplefilter("ignore")
+            nccl = importlib.import_module("cupy.cuda.nccl")
+        if getattr(nccl, "available", False):
+            v = int(nccl.get_version())
+            out["nccl"] = f"{v // 10000}.{v // 100 % 100}.{v % 100}" if v >= 10000 else str(v)
+        else:
+            out["nccl"] = f"not loadable ({nccl_package()} installs it)"
+    except Exception as e:  # noqa: BLE001
+        out["nccl"] = f"not importable ({type(e).__name__}: {e})"
+    return out
+
+
+def cuda_major() -> int | None:
+    """The CUDA major version CuPy was built for (12, 13), or None without a working CuPy."""
+    try:
+        cupy = importlib.import_module("cupy")
+        return int(cupy.cuda.runtime.runtimeGetVersion()) // 1000
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def nccl_package() -> str:
+    """The pip package with the NCCL that this CuPy loads (``nvidia-nccl-cu13`` for CUDA 13)."""
+    major = cuda_major()
+    return f"nvidia-nccl-cu{major}" if major else "nvidia-nccl-cu13 (CUDA 13) or nvidia-nccl-cu12 (CUDA 12)"
+
+
+def _driver_hint(cupy: Any) -> str:
+    """What the driver and CuPy versions say about a failed CUDA call ("" when nothing)."""
+    try:
+        rt = cupy.cuda.runtime
+        drv, built = int(rt.driverGetVersion()), int(rt.runtimeGetVersion())
+    except Exception:  # noqa: BLE001
+        return ""
+    if drv == 0:
+        return "; no NVIDIA driver was found (libcuda.so.1 is not loadable)"
+    if drv // 1000 < built // 1000:
+        need = " (CUDA 13 needs driver R580 or newer)" if built // 1000 == 13 else ""
+        other = CUDA_EXTRAS.get(drv // 1000)
+        fix = f", or install the CuPy for CUDA {drv // 1000}: pip install '{other}'" if other else ""
+        return (
+            f"; the driver supports CUDA {_version(drv)} but CuPy {getattr(cupy, '__version__', '?')} is built for "
+            f"CUDA {_version(built)}: update the driver{need}{fix}"
+        )
+    return f"; driver CUDA {_version(drv)}, CuPy built for CUDA {_version(built)}"
 
 
 def _gpu_count() -> int:
     """How many physical GPUs CuPy sees (0 without CuPy, a driver or a device); counted once.
 
     Input pipelines map logical to physical GPUs for every batch, so the count (an import attempt
-    and a driver call) is not repeated; tests fake other machines by replacing this function.
+    and a driver call) is not repeated; tests fake other machines by replacing this function. Why
+    the count is 0 is kept for :func:`gpu_unavailable_reason`.
     """
     if _gpu_count_cache:
         return _gpu_count_cache[0]
+    why = ""
     try:
         # Only when GPUs are asked about; by name, so type checkers need no CuPy stubs.
         cupy = importlib.import_module("cupy")
-        n = int(cupy.cuda.runtime.getDeviceCount())
-    except Exception:  # no CuPy, no driver, no device: no GPUs
-        n = 0
+    except ImportError as e:
+        n, why = 0, f"CuPy is not installed ({e}): pip install 'cudist[cuda13]' (or 'cudist[cuda12]' for a CUDA 12 driver)"
+    except Exception as e:  # noqa: BLE001 - a broken CuPy install: say how it broke
+        n, why = 0, f"importing CuPy failed ({type(e).__name__}: {e})"
+    else:
+        try:
+            n = int(cupy.cuda.runtime.getDeviceCount())
+        except Exception as e:  # noqa: BLE001 - no driver, an old driver, no device: keep CUDA's own words
+            n, why = 0, f"CUDA failed to count the GPUs ({e}){_driver_hint(cupy)}"
+        else:
+            if n == 0:
+                why = "CUDA reports no GPU"
     _gpu_count_cache.append(n)
+    if why:
+        _gpu_error.append(why)
     return n
+
+
+def gpu_unavailable_reason() -> str | None:
+    """Why no GPU is visible through CuPy (CUDA's own error and what to do), or None when one is."""
+    if _gpu_count():
+        return None
+    return _gpu_error[0] if _gpu_error else "no GPU is visible through CuPy"
 
 
 def _check_type(device_type: str | None) -> str | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from cudist import config
 from cudist._reduce_util import ReduceOp
 
 __all__ = ["load", "dtype_codes", "communicators_for", "all_reduce"]
@@ -22,11 +23,11 @@ def load() -> tuple[ModuleType, None] | tuple[None, str]:
     try:
         from cupy.cuda import nccl  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - only when NCCL is about to be used
     except Exception as e:  # noqa: BLE001 - no CuPy, or a broken one: say why
-        return None, f"cannot import cupy.cuda.nccl ({type(e).__name__}: {e}); install cudist[cuda]"
+        return None, f"cannot import cupy.cuda.nccl ({type(e).__name__}: {e}); install cudist[cuda13] or cudist[cuda12]"
     if not getattr(nccl, "available", False):
         return None, (
-            "CuPy cannot load the NCCL library (cupy.cuda.nccl.available is False); install NCCL "
-            "(e.g. pip install nvidia-nccl-cu12)"
+            "CuPy cannot load the NCCL library (cupy.cuda.nccl.available is False); install NCCL for "
+            f"CuPy's CUDA: pip install {config.nccl_package()}"
         )
     return nccl, None
 

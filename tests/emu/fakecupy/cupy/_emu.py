@@ -13,6 +13,9 @@ Configuration (environment, read once at import):
     CUDIST_EMU_SMS: multiprocessors per GPU (default 2: small grids make the kernels' grid-stride
         loops take several turns on the test sizes).
     CUDIST_EMU_NCCL: ``0`` makes ``cupy.cuda.nccl.available`` False.
+    CUDIST_EMU_DRIVER / CUDIST_EMU_RUNTIME: the CUDA versions the driver supports and CuPy was built
+        for (default 12080 both, e.g. 13000 for CUDA 13.0); a driver of an older major version makes
+        ``getDeviceCount`` raise cudaErrorInsufficientDriver, as CUDA does.
     CUDIST_EMU_SYNC: ``1`` runs every operation as soon as it is queued (for debugging: a test that
         passes only with it set has a missing stream/event wait or a host buffer race).
 
@@ -61,6 +64,8 @@ DEVICE_COUNT = _device_count()
 SMS = int(os.environ.get("CUDIST_EMU_SMS", "2"))
 NCCL_AVAILABLE = os.environ.get("CUDIST_EMU_NCCL", "1") != "0"
 SYNC = os.environ.get("CUDIST_EMU_SYNC", "0") == "1"
+DRIVER_VERSION = int(os.environ.get("CUDIST_EMU_DRIVER", "12080"))
+RUNTIME_VERSION = int(os.environ.get("CUDIST_EMU_RUNTIME", "12080"))
 
 
 def _peer_groups():

@@ -7,6 +7,7 @@ from cupy import _emu
 cudaSuccess = 0
 cudaErrorInvalidValue = 1
 cudaErrorMemoryAllocation = 2
+cudaErrorInsufficientDriver = 35
 cudaErrorInvalidDevice = 101
 cudaErrorNoDevice = 100
 cudaErrorPeerAccessUnsupported = 217
@@ -20,6 +21,7 @@ _NAMES = {
     0: ("cudaSuccess", "no error"),
     1: ("cudaErrorInvalidValue", "invalid argument"),
     2: ("cudaErrorMemoryAllocation", "out of memory"),
+    35: ("cudaErrorInsufficientDriver", "CUDA driver version is insufficient for CUDA runtime version"),
     100: ("cudaErrorNoDevice", "no CUDA-capable device is detected"),
     101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
     217: ("cudaErrorPeerAccessUnsupported", "peer access is not supported between these two devices"),
@@ -46,6 +48,9 @@ class CUDARuntimeError(RuntimeError):
 
 
 def getDeviceCount() -> int:
+    # As CUDA: a driver older than the runtime's major version fails every call that needs it.
+    if _emu.DRIVER_VERSION // 1000 < _emu.RUNTIME_VERSION // 1000:
+        raise CUDARuntimeError(cudaErrorInsufficientDriver)
     return _emu.DEVICE_COUNT
 
 
@@ -113,11 +118,11 @@ def deviceSynchronize() -> None:
 
 
 def driverGetVersion() -> int:
-    return 12080
+    return _emu.DRIVER_VERSION
 
 
 def runtimeGetVersion() -> int:
-    return 12080
+    return _emu.RUNTIME_VERSION
 
 
 is_hip = False
