@@ -10,7 +10,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
+#include <initializer_list>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <cudist/cudist.hpp>
@@ -557,6 +559,139 @@ void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, doub
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: one inspection for the plain form (``grad``, one
+// array) and the fused all-reduce form (``grads``, one or more).
+struct update_args {
+  std::vector<void*> p;                 // the variable's copies
+  std::vector<void*> slot[3];           // slot copies (empty: the slot is absent)
+  std::vector<void*> pg;                // the gradients (one for the plain form)
+  std::vector<py::tuple> keep;          // the arrays, held while the kernel runs
+  std::size_t size = 0;
+  kind k = kind::f32;
+
+  template <class T>
+  T* const* slot_ptrs(int s) {
+    return slot[s].empty() ? nullptr : typed<T>(slot[s]);
+  }
+  template <class T>
+  const T* const* grads() const {
+    return reinterpret_cast<const T* const*>(pg.data());
+  }
+  std::size_t bytes_moved() const {
+    std::size_t buffers = p.size() + pg.size() + 1;
+    for (const auto& s : slot)
+      if (!s.empty()) buffers += s.size() + 1;
+    return buffers * size * itemsize(k);
+  }
+};
+
+// ``slots``: (array list or None, name); None is allowed only where ``optional``.
+update_args inspect_update(const char* where, py::handle copies,
+                           std::initializer_list<std::tuple<py::handle, const char*, bool>> slots, py::handle g,
+                           bool fused) {
+  update_args u;
+  u.keep.push_back(inspect_all(copies, where, "copy", true, u.p, u.size, u.k));
+  int s = 0;
+  for (const auto& [h, name, optional] : slots) {
+    if (h.is_none()) {
+      if (!optional) throw py::type_error(std::string(where) + ": the " + name + " slot copies are required");
+      ++s;
+      continue;
+    }
+    std::size_t ssize = 0;
+    kind ks;
+    u.keep.push_back(inspect_all(h, where, (std::string(name) + " copy").c_str(), true, u.slot[s], ssize, ks));
+    if (ks != u.k || ssize != u.size || u.slot[s].size() != u.p.size())
+      throw py::value_error(std::string(where) + ": the " + name +
+                            " slot copies must match the variable copies in number, dtype and size");
+    ++s;
+  }
+  if (fused) {
+    u.keep.push_back(inspect_grads(g, where, u.k, u.size, u.pg));
+  } else {
+    u.pg.push_back(const_cast<void*>(inspect_like(g, where, "grad", u.k, u.size, false)));
+  }
+  if (u.k != kind::f16 && u.k != kind::f32 && u.k != kind::f64)
+    throw py::type_error(std::string(where) + ": needs a floating-point dtype, got " + kind_name(u.k));
+  return u;
+}
+
+// Runs ``fn(T{})`` for the update's float type, without the GIL when it moves enough bytes.
+template <class F>
+void run_update_call(update_args& u, const char* where, F&& fn) {
+  dispatch_float(u.k, where, [&](auto t) { maybe_nogil(u.bytes_moved(), [&] { fn(t); }); });
+}
+
+void adamw_any(bool fused, py::handle copies, py::handle ms, py::handle vs, py::handle g, double lr_t, double b1,
+               double b2, double eps, double decay) {
+  const char* where = fused ? "all_reduce_adamw" : "adamw";
+  update_args u = inspect_update(where, copies, {{ms, "m", false}, {vs, "v", false}}, g, fused);
+  run_update_call(u, where, [&](auto t) {
+    using T = decltype(t);
+    cudist::all_reduce_adamw<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.slot_ptrs<T>(1),
+                                u.p.size(), u.size, u.grads<T>(), u.pg.size(), lr_t, b1, b2, eps, decay);
+  });
+}
+
+void rmsprop_any(bool fused, py::handle copies, py::handle vels, py::handle moms, py::handle avgs, py::handle g,
+                 double lr, double rho, double momentum, double eps, double decay) {
+  const char* where = fused ? "all_reduce_rmsprop" : "rmsprop";
+  update_args u = inspect_update(
+      where, copies, {{vels, "velocity", false}, {moms, "momentum", true}, {avgs, "average_gradient", true}}, g, fused);
+  run_update_call(u, where, [&](auto t) {
+    using T = decltype(t);
+    cudist::all_reduce_rmsprop<T>(typed<T>(u.p), u.slot_ptrs<T>(0),
+                                  u.slot_ptrs<T>(1), u.slot_ptrs<T>(2), u.p.size(), u.size, u.grads<T>(), u.pg.size(),
+                                  lr, rho, momentum, eps, decay);
+  });
+}
+
+void adagrad_any(bool fused, py::handle copies, py::handle accs, py::handle g, double lr, double eps, double decay) {
+  const char* where = fused ? "all_reduce_adagrad" : "adagrad";
+  update_args u = inspect_update(where, copies, {{accs, "accumulator", false}}, g, fused);
+  run_update_call(u, where, [&](auto t) {
+    using T = decltype(t);
+    cudist::all_reduce_adagrad<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.p.size(),
+                                  u.size, u.grads<T>(), u.pg.size(), lr, eps, decay);
+  });
+}
+
+void adamax_any(bool fused, py::handle copies, py::handle ms, py::handle us, py::handle g, double lr_t, double b1,
+                double b2, double eps, double decay) {
+  const char* where = fused ? "all_reduce_adamax" : "adamax";
+  update_args u = inspect_update(where, copies, {{ms, "m", false}, {us, "u", false}}, g, fused);
+  run_update_call(u, where, [&](auto t) {
+    using T = decltype(t);
+    cudist::all_reduce_adamax<T>(typed<T>(u.p), u.slot_ptrs<T>(0),
+                                 u.slot_ptrs<T>(1), u.p.size(), u.size, u.grads<T>(), u.pg.size(), lr_t, b1, b2, eps,
+                                 decay);
+  });
+}
+
+void nadam_any(bool fused, py::handle copies, py::handle ms, py::handle vs, py::handle g, double lr, double b1,
+               double b2, double eps, double c_m, double c_g, double c_v, double decay) {
+  const char* where = fused ? "all_reduce_nadam" : "nadam";
+  update_args u = inspect_update(where, copies, {{ms, "m", false}, {vs, "v", false}}, g, fused);
+  run_update_call(u, where, [&](auto t) {
+    using T = decltype(t);
+    cudist::all_reduce_nadam<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.slot_ptrs<T>(1),
+                                u.p.size(), u.size, u.grads<T>(), u.pg.size(), lr, b1, b2, eps, c_m, c_g, c_v, decay);
+  });
+}
+
+void lion_any(bool fused, py::handle copies, py::handle ms, py::handle g, double lr, double b1, double b2,
+              double decay) {
+  const char* where = fused ? "all_reduce_lion" : "lion";
+  update_args u = inspect_update(where, copies, {{ms, "m", false}}, g, fused);
+  run_update_call(u, where, [&](auto t) {
+    using T = decltype(t);
+    cudist::all_reduce_lion<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.p.size(), u.size,
+                               u.grads<T>(), u.pg.size(), lr, b1, b2, decay);
+  });
+}
+
+
 #ifdef CUDIST_CORE_WITH_CUDA
 // ------------------------------------------------------------------------------------------ CUDA
 // The launchers of <cudist/cuda/launch.hpp> and <cudist/cuda/p2p.hpp> over raw device pointers
@@ -756,6 +891,70 @@ PYBIND11_MODULE(_core, m) {
   m.def("adam", &adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"),
         py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
         "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
+
+  // AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: the plain form and the fused all-reduce form.
+  m.def("adamw", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr_t, double b1, double b2,
+                    double eps, double decay) { adamw_any(false, c, ms, vs, g, lr_t, b1, b2, eps, decay); },
+        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"), py::arg("beta_1"),
+        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"),
+        "AdamW: w -= w * decay, then Adam with the bias-corrected step size ``lr_t``.");
+  m.def("all_reduce_adamw", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr_t, double b1,
+                               double b2, double eps, double decay) { adamw_any(true, c, ms, vs, g, lr_t, b1, b2, eps, decay); },
+        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"), py::arg("lr_t"), py::arg("beta_1"),
+        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"), "Fused: the sum of ``grads``, then AdamW; one pass.");
+  m.def("rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr, double rho,
+                      double mom, double eps, double decay) { rmsprop_any(false, c, v, mo, a, g, lr, rho, mom, eps, decay); },
+        py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grad"),
+        py::arg("lr"), py::arg("rho"), py::arg("momentum"), py::arg("epsilon"), py::arg("decay"),
+        "RMSprop (Keras formulation); ``momentums`` / ``average_grads`` None when absent.");
+  m.def("all_reduce_rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr,
+                                 double rho, double mom, double eps, double decay) {
+          rmsprop_any(true, c, v, mo, a, g, lr, rho, mom, eps, decay);
+        },
+        py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grads"),
+        py::arg("lr"), py::arg("rho"), py::arg("momentum"), py::arg("epsilon"), py::arg("decay"),
+        "Fused: the sum of ``grads``, then RMSprop; one pass.");
+  m.def("adagrad", [](py::handle c, py::handle acc, py::handle g, double lr, double eps, double decay) {
+          adagrad_any(false, c, acc, g, lr, eps, decay);
+        },
+        py::arg("copies"), py::arg("accumulators"), py::arg("grad"), py::arg("lr"), py::arg("epsilon"), py::arg("decay"),
+        "Adagrad: acc += g*g; w -= lr * g / sqrt(acc + epsilon).");
+  m.def("all_reduce_adagrad", [](py::handle c, py::handle acc, py::handle g, double lr, double eps, double decay) {
+          adagrad_any(true, c, acc, g, lr, eps, decay);
+        },
+        py::arg("copies"), py::arg("accumulators"), py::arg("grads"), py::arg("lr"), py::arg("epsilon"),
+        py::arg("decay"), "Fused: the sum of ``grads``, then Adagrad; one pass.");
+  m.def("adamax", [](py::handle c, py::handle ms, py::handle us, py::handle g, double lr_t, double b1, double b2,
+                     double eps, double decay) { adamax_any(false, c, ms, us, g, lr_t, b1, b2, eps, decay); },
+        py::arg("copies"), py::arg("ms"), py::arg("us"), py::arg("grad"), py::arg("lr_t"), py::arg("beta_1"),
+        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"),
+        "Adamax with the bias-corrected step size ``lr_t = lr / (1 - beta_1**step)``.");
+  m.def("all_reduce_adamax", [](py::handle c, py::handle ms, py::handle us, py::handle g, double lr_t, double b1,
+                                double b2, double eps, double decay) { adamax_any(true, c, ms, us, g, lr_t, b1, b2, eps, decay); },
+        py::arg("copies"), py::arg("ms"), py::arg("us"), py::arg("grads"), py::arg("lr_t"), py::arg("beta_1"),
+        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"), "Fused: the sum of ``grads``, then Adamax; one pass.");
+  m.def("nadam", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr, double b1, double b2,
+                    double eps, double c_m, double c_g, double c_v,
+                    double decay) { nadam_any(false, c, ms, vs, g, lr, b1, b2, eps, c_m, c_g, c_v, decay); },
+        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr"), py::arg("beta_1"),
+        py::arg("beta_2"), py::arg("epsilon"), py::arg("c_m"), py::arg("c_g"), py::arg("c_v"), py::arg("decay"),
+        "Nadam (Keras 3) with the step's coefficients of cudist._kernels.nadam_step.");
+  m.def("all_reduce_nadam", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr, double b1,
+                               double b2, double eps, double c_m, double c_g, double c_v,
+                               double decay) { nadam_any(true, c, ms, vs, g, lr, b1, b2, eps, c_m, c_g, c_v, decay); },
+        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"), py::arg("lr"), py::arg("beta_1"),
+        py::arg("beta_2"), py::arg("epsilon"), py::arg("c_m"), py::arg("c_g"), py::arg("c_v"), py::arg("decay"),
+        "Fused: the sum of ``grads``, then Nadam; one pass.");
+  m.def("lion", [](py::handle c, py::handle ms, py::handle g, double lr, double b1, double b2, double decay) {
+          lion_any(false, c, ms, g, lr, b1, b2, decay);
+        },
+        py::arg("copies"), py::arg("ms"), py::arg("grad"), py::arg("lr"), py::arg("beta_1"), py::arg("beta_2"),
+        py::arg("decay"), "Lion: w -= lr * sign(m * beta_1 + g * (1 - beta_1)); m = m * beta_2 + g * (1 - beta_2).");
+  m.def("all_reduce_lion", [](py::handle c, py::handle ms, py::handle g, double lr, double b1, double b2, double decay) {
+          lion_any(true, c, ms, g, lr, b1, b2, decay);
+        },
+        py::arg("copies"), py::arg("ms"), py::arg("grads"), py::arg("lr"), py::arg("beta_1"), py::arg("beta_2"),
+        py::arg("decay"), "Fused: the sum of ``grads``, then Lion; one pass.");
   m.def(
       "num_threads", [] { return cudist::thread_pool::global().size(); },
       "Threads the kernels use (the calling thread included).");

@@ -108,6 +108,162 @@ def adam(
 ) -> None:
     """Adam (Keras formulation) with the bias-corrected step size ``lr_t``."""
 
+# AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: ``decay`` is weight_decay * lr (0: none).
+
+def adamw(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    grad: _Array,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """AdamW: ``w -= w * decay``, then Adam with the bias-corrected step size ``lr_t``."""
+
+def all_reduce_adamw(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    grads: _Arrays,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then AdamW; one pass."""
+
+def rmsprop(
+    copies: _Arrays,
+    velocities: _Arrays,
+    momentums: _Arrays | None,
+    average_grads: _Arrays | None,
+    grad: _Array,
+    lr: _Float,
+    rho: _Float,
+    momentum: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """RMSprop (Keras formulation); ``momentums`` / ``average_grads`` None when absent."""
+
+def all_reduce_rmsprop(
+    copies: _Arrays,
+    velocities: _Arrays,
+    momentums: _Arrays | None,
+    average_grads: _Arrays | None,
+    grads: _Arrays,
+    lr: _Float,
+    rho: _Float,
+    momentum: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then RMSprop; one pass."""
+
+def adagrad(
+    copies: _Arrays,
+    accumulators: _Arrays,
+    grad: _Array,
+    lr: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """Adagrad: acc += g*g; w -= lr * g / sqrt(acc + epsilon)."""
+
+def all_reduce_adagrad(
+    copies: _Arrays,
+    accumulators: _Arrays,
+    grads: _Arrays,
+    lr: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then Adagrad; one pass."""
+
+def adamax(
+    copies: _Arrays,
+    ms: _Arrays,
+    us: _Arrays,
+    grad: _Array,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """Adamax with the bias-corrected step size ``lr_t = lr / (1 - beta_1**step)``."""
+
+def all_reduce_adamax(
+    copies: _Arrays,
+    ms: _Arrays,
+    us: _Arrays,
+    grads: _Arrays,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then Adamax; one pass."""
+
+def nadam(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    grad: _Array,
+    lr: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    c_m: _Float,
+    c_g: _Float,
+    c_v: _Float,
+    decay: _Float,
+) -> None:
+    """Nadam (Keras 3) with the step's coefficients of cudist._kernels.nadam_step."""
+
+def all_reduce_nadam(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    grads: _Arrays,
+    lr: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    c_m: _Float,
+    c_g: _Float,
+    c_v: _Float,
+    decay: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then Nadam; one pass."""
+
+def lion(
+    copies: _Arrays,
+    ms: _Arrays,
+    grad: _Array,
+    lr: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    decay: _Float,
+) -> None:
+    """Lion: w -= lr * sign(m * beta_1 + g * (1 - beta_1)); m = m * beta_2 + g * (1 - beta_2)."""
+
+def all_reduce_lion(
+    copies: _Arrays,
+    ms: _Arrays,
+    grads: _Arrays,
+    lr: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    decay: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then Lion; one pass."""
+
 def num_threads() -> int:
     """Threads the kernels use (the calling thread included)."""
 

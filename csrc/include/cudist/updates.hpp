@@ -1,7 +1,8 @@
 /// @file updates.hpp
 /// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
-/// momentum (optionally Nesterov) and Adam, and the fused all-reduce + update forms
-/// (all_reduce_sgd, all_reduce_momentum, all_reduce_adam) that sum M gradients in the same pass.
+/// momentum (optionally Nesterov), Adam, AdamW, RMSprop, Adagrad, Adamax, Nadam and Lion, and the
+/// fused all-reduce + update forms (all_reduce_sgd, ..., all_reduce_lion) that sum M gradients in
+/// the same pass.
 ///
 /// Every update reads copy 0 (and slot copy 0), computes the new values once and writes all N
 /// copies in the same pass. The arithmetic follows cudist's NumPy reference operation by
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "all_reduce.hpp"
@@ -384,6 +386,294 @@ template <class T>
 void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr_t,
           double beta_1, double beta_2, double epsilon, thread_pool* pool = &thread_pool::global()) {
   all_reduce_adam<T>(copies, ms, vs, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, pool);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The optimizers of Keras 3 beyond SGD and Adam: AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion.
+//
+// Each follows cudist's NumPy reference (src/cudist/_kernels/_numpy.py) operation by operation, in
+// the compute type (float32 for half): copy 0 of the variable and of every slot is read, the
+// decoupled weight decay ``w - w * decay`` is applied first when ``decay`` (= weight_decay * lr)
+// is not 0, then the update; every slot and the variable are written to all n copies in one pass.
+// The ``all_reduce_*`` forms first sum m gradients as all_reduce_sgd() does.
+
+namespace detail {
+
+/// Calls ``f(dec)`` with ``dec(w)`` the decoupled weight decay ``w - w * decay`` in C, or the
+/// identity when ``decay`` is 0 (two instantiations, so the common case carries no branch).
+template <class C, class F>
+void with_decay(double decay, F&& f) {
+  if (decay != 0.0) {
+    const C d = static_cast<C>(decay);
+    f([d](C w) { return w - w * d; });
+  } else {
+    f([](C w) { return w; });
+  }
+}
+
+/// NumPy's maximum: a NaN in either operand wins; of two equal values the second.
+template <class C>
+inline C np_maximum(C a, C b) noexcept {
+  return (a > b || a != a) ? a : b;
+}
+
+/// NumPy's sign: +1, -1, +0 for either zero, a NaN unchanged.
+template <class C>
+inline C np_sign(C x) noexcept {
+  return x > C(0) ? C(1) : (x < C(0) ? C(-1) : (x == C(0) ? C(0) : x));
+}
+
+template <class T, std::size_t NS, class Rule, std::size_t... I>
+void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const T* const* grads,
+                       std::size_t m, thread_pool* pool, Rule& rule, std::index_sequence<I...>) {
+  using C = compute_t<T>;
+  using A = arith<T>;
+  constexpr std::size_t K = kLineBytes / sizeof(T);
+  std::vector<std::vector<T>> keep;
+  const T* const s0[NS] = {snapshot_if_overlapping<T>(state[I][0], {state[I]...}, n, count, keep)...};
+  const grad_list<T> gl(grads, m, {state[I]...}, n, count, keep);
+  const T* const* gp = gl.data();
+  run_update<T, NS>(state, n, count, m + NS, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+    typename A::acc_t acc[K];
+    const auto* g = sum_grads_line<T>(gp, m, b, len, acc);
+    for (std::size_t s = 0; s < NS; ++s) prefetch(s0[s] + b);
+    for (std::size_t k = 0; k < len; ++k) {
+      C x[NS] = {static_cast<C>(A::load(s0[I][b + k]))...};
+      rule(static_cast<C>(g[k]), x);
+      ((out[I][at + k] = static_cast<T>(x[I])), ...);
+    }
+  });
+}
+
+/// The shared driver of these optimizers: ``state`` lists the slot groups then the variable's
+/// copies (last); ``rule(g, x)`` turns x (copy 0 of each, in the compute type) into the new values.
+template <class T, std::size_t NS, class Rule>
+void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const T* const* grads,
+                       std::size_t m, thread_pool* pool, Rule&& rule) {
+  fused_rule_update<T, NS>(state, n, count, grads, m, pool, rule, std::make_index_sequence<NS>{});
+}
+
+}  // namespace detail
+
+/// Fused all-reduce + AdamW: the m gradients summed as in all_reduce_sgd(), then the decoupled
+/// weight decay and Adam with the bias-corrected ``lr_t`` (see adam_lr_t()) on the n copies of the
+/// variable and of its slots m and v: ``w -= w * decay``; ``m += (g - m) * (1 - beta_1)``;
+/// ``v += (g*g - v) * (1 - beta_2)``; ``w -= lr_t * m / (sqrt(v) + epsilon)``.
+template <class T>
+void all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count,
+                      const T* const* grads, std::size_t m, double lr_t, double beta_1, double beta_2, double epsilon,
+                      double decay, thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adamw needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  const C one = static_cast<C>(1), lr = static_cast<C>(lr_t), eps = static_cast<C>(epsilon);
+  const C c1 = one - static_cast<C>(beta_1), c2 = one - static_cast<C>(beta_2);
+  T* const* const state[3] = {ms, vs, copies};
+  detail::with_decay<C>(decay, [&](auto dec) {
+    detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[3]) {
+      const C mn = x[0] + (g - x[0]) * c1;
+      const C vn = x[1] + (g * g - x[1]) * c2;
+      x[2] = dec(x[2]) - lr * mn / (std::sqrt(vn) + eps);
+      x[0] = mn;
+      x[1] = vn;
+    });
+  });
+}
+
+/// AdamW on N copies (see all_reduce_adamw()).
+template <class T>
+void adamw(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr_t,
+           double beta_1, double beta_2, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
+  all_reduce_adamw<T>(copies, ms, vs, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, pool);
+}
+
+/// Fused all-reduce + RMSprop (Keras formulation). ``momentums`` (momentum > 0) and
+/// ``average_grads`` (centered) may be null when the optimizer has no such slot:
+/// ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a + (1 - rho) * g``,
+/// ``d = v - a*a + epsilon``, else ``d = v + epsilon``; ``inc = lr * g / sqrt(d)``; with momentums
+/// ``mo = momentum * mo + inc; w -= mo``, else ``w -= inc`` (after ``w -= w * decay``).
+template <class T>
+void all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
+                        std::size_t n, std::size_t count, const T* const* grads, std::size_t m, double lr, double rho,
+                        double momentum, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_rmsprop needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  const C one = static_cast<C>(1), lr_c = static_cast<C>(lr), rho_c = static_cast<C>(rho);
+  const C omr = one - rho_c, mom = static_cast<C>(momentum), eps = static_cast<C>(epsilon);
+  detail::with_decay<C>(decay, [&](auto dec) {
+    auto step = [&](C g, C v, C* a) {  // the new velocity, and the increment (a: the average, if centered)
+      const C vn = rho_c * v + omr * (g * g);
+      C d;
+      if (a != nullptr) {
+        *a = rho_c * *a + omr * g;
+        d = vn - *a * *a + eps;
+      } else {
+        d = vn + eps;
+      }
+      return std::pair<C, C>(vn, lr_c * g / std::sqrt(d));
+    };
+    if (momentums != nullptr && average_grads != nullptr) {
+      T* const* const state[4] = {velocities, momentums, average_grads, copies};
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[4]) {
+        const auto [vn, inc] = step(g, x[0], &x[2]);
+        x[0] = vn;
+        x[1] = mom * x[1] + inc;
+        x[3] = dec(x[3]) - x[1];
+      });
+    } else if (momentums != nullptr) {
+      T* const* const state[3] = {velocities, momentums, copies};
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[3]) {
+        const auto [vn, inc] = step(g, x[0], nullptr);
+        x[0] = vn;
+        x[1] = mom * x[1] + inc;
+        x[2] = dec(x[2]) - x[1];
+      });
+    } else if (average_grads != nullptr) {
+      T* const* const state[3] = {velocities, average_grads, copies};
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[3]) {
+        const auto [vn, inc] = step(g, x[0], &x[1]);
+        x[0] = vn;
+        x[2] = dec(x[2]) - inc;
+      });
+    } else {
+      T* const* const state[2] = {velocities, copies};
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[2]) {
+        const auto [vn, inc] = step(g, x[0], nullptr);
+        x[0] = vn;
+        x[1] = dec(x[1]) - inc;
+      });
+    }
+  });
+}
+
+/// RMSprop on N copies (see all_reduce_rmsprop()).
+template <class T>
+void rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, std::size_t n,
+             std::size_t count, const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
+             thread_pool* pool = &thread_pool::global()) {
+  all_reduce_rmsprop<T>(copies, velocities, momentums, average_grads, n, count, &grad, 1, lr, rho, momentum, epsilon,
+                        decay, pool);
+}
+
+/// Fused all-reduce + Adagrad: ``acc += g*g``; ``w -= lr * g / sqrt(acc + epsilon)`` (after
+/// ``w -= w * decay``).
+template <class T>
+void all_reduce_adagrad(T* const* copies, T* const* accumulators, std::size_t n, std::size_t count,
+                        const T* const* grads, std::size_t m, double lr, double epsilon, double decay,
+                        thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adagrad needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  const C lr_c = static_cast<C>(lr), eps = static_cast<C>(epsilon);
+  T* const* const state[2] = {accumulators, copies};
+  detail::with_decay<C>(decay, [&](auto dec) {
+    detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[2]) {
+      x[0] = x[0] + g * g;
+      x[1] = dec(x[1]) - lr_c * g / std::sqrt(x[0] + eps);
+    });
+  });
+}
+
+/// Adagrad on N copies (see all_reduce_adagrad()).
+template <class T>
+void adagrad(T* const* copies, T* const* accumulators, std::size_t n, std::size_t count, const T* grad, double lr,
+             double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
+  all_reduce_adagrad<T>(copies, accumulators, n, count, &grad, 1, lr, epsilon, decay, pool);
+}
+
+/// Adamax's bias-corrected step size ``lr / (1 - beta_1^step)`` for the 1-based ``step``, in double.
+inline double adamax_lr_t(double lr, double beta_1, long long step) {
+  return lr / (1.0 - std::pow(beta_1, static_cast<double>(step)));
+}
+
+/// Fused all-reduce + Adamax: ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``
+/// (NumPy's maximum); ``w -= lr_t * m / (u + epsilon)`` with ``lr_t`` from adamax_lr_t() (after
+/// ``w -= w * decay``).
+template <class T>
+void all_reduce_adamax(T* const* copies, T* const* ms, T* const* us, std::size_t n, std::size_t count,
+                       const T* const* grads, std::size_t m, double lr_t, double beta_1, double beta_2, double epsilon,
+                       double decay, thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adamax needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  const C one = static_cast<C>(1), lr = static_cast<C>(lr_t), eps = static_cast<C>(epsilon);
+  const C c1 = one - static_cast<C>(beta_1), b2 = static_cast<C>(beta_2);
+  T* const* const state[3] = {ms, us, copies};
+  detail::with_decay<C>(decay, [&](auto dec) {
+    detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[3]) {
+      x[0] = x[0] + (g - x[0]) * c1;
+      x[1] = detail::np_maximum(b2 * x[1], std::abs(g));
+      x[2] = dec(x[2]) - lr * x[0] / (x[1] + eps);
+    });
+  });
+}
+
+/// Adamax on N copies (see all_reduce_adamax()).
+template <class T>
+void adamax(T* const* copies, T* const* ms, T* const* us, std::size_t n, std::size_t count, const T* grad, double lr_t,
+            double beta_1, double beta_2, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
+  all_reduce_adamax<T>(copies, ms, us, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, pool);
+}
+
+/// Fused all-reduce + Nadam (Keras 3): ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
+/// ``m_hat = c_m * m + c_g * g``; ``v_hat = v / c_v``; ``w -= m_hat * lr / (sqrt(v_hat) + epsilon)``
+/// (after ``w -= w * decay``), with the step's scalars c_m, c_g, c_v of cudist.nadam_step (Python).
+template <class T>
+void all_reduce_nadam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count,
+                      const T* const* grads, std::size_t m, double lr, double beta_1, double beta_2, double epsilon,
+                      double c_m, double c_g, double c_v, double decay, thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_nadam needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  const C one = static_cast<C>(1), lr_c = static_cast<C>(lr), eps = static_cast<C>(epsilon);
+  const C c1 = one - static_cast<C>(beta_1), c2 = one - static_cast<C>(beta_2);
+  const C cm = static_cast<C>(c_m), cg = static_cast<C>(c_g), cv = static_cast<C>(c_v);
+  T* const* const state[3] = {ms, vs, copies};
+  detail::with_decay<C>(decay, [&](auto dec) {
+    detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[3]) {
+      x[0] = x[0] + (g - x[0]) * c1;
+      x[1] = x[1] + (g * g - x[1]) * c2;
+      const C m_hat = cm * x[0] + cg * g;
+      const C v_hat = x[1] / cv;
+      x[2] = dec(x[2]) - m_hat * lr_c / (std::sqrt(v_hat) + eps);
+    });
+  });
+}
+
+/// Nadam on N copies (see all_reduce_nadam()).
+template <class T>
+void nadam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr,
+           double beta_1, double beta_2, double epsilon, double c_m, double c_g, double c_v, double decay,
+           thread_pool* pool = &thread_pool::global()) {
+  all_reduce_nadam<T>(copies, ms, vs, n, count, &grad, 1, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay, pool);
+}
+
+/// Fused all-reduce + Lion: ``w -= lr * sign(m * beta_1 + g * (1 - beta_1))`` (NumPy's sign, after
+/// ``w -= w * decay``); ``m = m * beta_2 + g * (1 - beta_2)``.
+template <class T>
+void all_reduce_lion(T* const* copies, T* const* ms, std::size_t n, std::size_t count, const T* const* grads,
+                     std::size_t m, double lr, double beta_1, double beta_2, double decay,
+                     thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_lion needs a floating-point type");
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  const C one = static_cast<C>(1), lr_c = static_cast<C>(lr), b1 = static_cast<C>(beta_1), b2 = static_cast<C>(beta_2);
+  const C c1 = one - b1, c2 = one - b2;
+  T* const* const state[2] = {ms, copies};
+  detail::with_decay<C>(decay, [&](auto dec) {
+    detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[2]) {
+      x[1] = dec(x[1]) - lr_c * detail::np_sign(x[0] * b1 + g * c1);
+      x[0] = x[0] * b2 + g * c2;
+    });
+  });
+}
+
+/// Lion on N copies (see all_reduce_lion()).
+template <class T>
+void lion(T* const* copies, T* const* ms, std::size_t n, std::size_t count, const T* grad, double lr, double beta_1,
+          double beta_2, double decay, thread_pool* pool = &thread_pool::global()) {
+  all_reduce_lion<T>(copies, ms, n, count, &grad, 1, lr, beta_1, beta_2, decay, pool);
 }
 
 }  // namespace cudist

@@ -21,7 +21,16 @@ import threading
 
 import numpy as np
 
-from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend, TrustedKernels, adam_lr_t
+from cudist._kernels._base import (
+    FLOAT_DTYPES,
+    SUPPORTED_DTYPES,
+    UPDATE_KERNELS,
+    KernelBackend,
+    TrustedKernels,
+    adam_lr_t,
+    adamax_lr_t,
+    nadam_step,
+)
 from cudist._kernels._split import split, split_sizes
 
 __all__ = [
@@ -39,6 +48,9 @@ __all__ = [
     "numpy_backend",
     "reset_backend_cache",
     "adam_lr_t",
+    "adamax_lr_t",
+    "nadam_step",
+    "UPDATE_KERNELS",
     "split",
     "split_sizes",
     "reference_reduce",

@@ -46,7 +46,16 @@ import numpy as np
 
 from cudist._reduce_util import ReduceOp
 
-__all__ = ["KernelBackend", "TrustedKernels", "SUPPORTED_DTYPES", "FLOAT_DTYPES", "adam_lr_t"]
+__all__ = [
+    "KernelBackend",
+    "TrustedKernels",
+    "SUPPORTED_DTYPES",
+    "FLOAT_DTYPES",
+    "adam_lr_t",
+    "adamax_lr_t",
+    "nadam_step",
+    "UPDATE_KERNELS",
+]
 
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 FLOAT_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
@@ -56,6 +65,46 @@ _DTYPE_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
 def adam_lr_t(lr: float, beta_1: float, beta_2: float, step: int) -> float:
     """Adam's bias-corrected step size for 1-based ``step`` (computed once, in float64)."""
     return lr * math.sqrt(1.0 - beta_2**step) / (1.0 - beta_1**step)
+
+
+def adamax_lr_t(lr: float, beta_1: float, step: int) -> float:
+    """Adamax's bias-corrected step size ``lr / (1 - beta_1**step)`` for 1-based ``step`` (float64)."""
+    return lr / (1.0 - beta_1**step)
+
+
+def nadam_step(beta_1: float, beta_2: float, step: int, u_product: float) -> tuple[float, float, float, float]:
+    """Nadam's scalars for 1-based ``step`` (Keras 3's schedule of the momentum decay), in float64.
+
+    ``u_product`` is the product ``u_1 * ... * u_(step-1)`` of the earlier steps (1.0 before the
+    first), Keras's ``_u_product`` before this step. With ``u_t = beta_1 * (1 - 0.5 * 0.96**t)``:
+
+    Returns:
+        ``(u_product_t, c_m, c_g, c_v)``: the product through ``u_step`` (the state to keep),
+        ``c_m = u_(t+1) / (1 - u_product_t * u_(t+1))``, ``c_g = (1 - u_t) / (1 - u_product_t)`` and
+        ``c_v = 1 - beta_2**t``, the coefficients of ``m_hat = c_m * m + c_g * g`` and
+        ``v_hat = v / c_v``.
+    """
+    u_t = beta_1 * (1.0 - 0.5 * 0.96**step)
+    u_t1 = beta_1 * (1.0 - 0.5 * 0.96 ** (step + 1))
+    u_product_t = u_product * u_t
+    return u_product_t, u_t1 / (1.0 - u_product_t * u_t1), (1.0 - u_t) / (1.0 - u_product_t), 1.0 - beta_2**step
+
+
+#: The optimizer update kernels of the contract: name -> (slot names, trusted hyper-parameters).
+#: Each has a plain form ``name(copies, *slots, grad, *hyper)`` and a fused all-reduce form
+#: ``all_reduce_<name>(copies, *slots, grads, *hyper)``; a slot given as None is absent (rmsprop's
+#: optional momentum and average-gradient slots).
+UPDATE_KERNELS = {
+    "sgd": ((), ("lr",)),
+    "momentum": (("velocity",), ("lr", "momentum", "nesterov")),
+    "adam": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon")),
+    "adamw": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
+    "rmsprop": (("velocity", "momentum", "average_gradient"), ("lr", "rho", "momentum", "epsilon", "decay")),
+    "adagrad": (("accumulator",), ("lr", "epsilon", "decay")),
+    "adamax": (("m", "u"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
+    "nadam": (("m", "v"), ("lr", "beta_1", "beta_2", "epsilon", "c_m", "c_g", "c_v", "decay")),
+    "lion": (("m",), ("lr", "beta_1", "beta_2", "decay")),
+}
 
 
 class KernelBackend:
@@ -452,6 +501,125 @@ class KernelBackend:
             raise ValueError(f"{where}: step must be >= 1 (1-based), got {step}")
         return adam_lr_t(float(lr), float(beta_1), float(beta_2), int(step))
 
+    # ------------------------------------------------------------------ more optimizer updates
+    # Every one reads copy 0 of the variable and of its slots and writes all N copies in one pass;
+    # ``weight_decay`` (Keras's decoupled weight decay) first makes the variable
+    # ``w - w * (weight_decay * lr)`` in the compute type, within the same pass (skipped when 0).
+    # Each has a fused all-reduce form (``all_reduce_<name>``, see :meth:`all_reduce_sgd`).
+    def _check_opt(self, where, copies, slots, *, grad=None, grads=None):
+        """Validates an update: the copies, each ``(name, slot copies or None)``, and either the
+        final ``grad`` or the fused form's ``grads``. Returns (copies, slot groups, grad or grads)."""
+        copies = self.check_bufs(where, copies, writable=True, what="copy")
+        self.check_float(where, copies[0])
+        groups = []
+        for name, group in slots:
+            if group is not None:
+                group = self.check_bufs(where, group, writable=True, what=f"{name} copy")
+                self.check_same_slots(where, copies, group, name)
+            groups.append(group)
+        if grads is None:
+            return copies, groups, self.check_like(where, "grad", grad, copies[0], writable=False)
+        named = [(name, group) for (name, _), group in zip(slots, groups) if group is not None]
+        return copies, groups, self.check_grads(where, grads, copies, named)
+
+    @staticmethod
+    def _step(where, step):
+        if int(step) < 1:
+            raise ValueError(f"{where}: step must be >= 1 (1-based), got {step}")
+        return int(step)
+
+    def _adamw(self, where, fused, copies, ms, vs, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
+        copies, (ms, vs), g = self._check_opt(where, copies, (("m", ms), ("v", vs)), **{"grads" if fused else "grad": g})
+        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
+        hook = self._hook_all_reduce_adamw if fused else self._hook_adamw
+        hook(copies, ms, vs, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
+        return copies
+
+    def adamw(self, copies, ms, vs, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.004):
+        """AdamW (Keras): decoupled weight decay ``w -= w * (weight_decay * lr)``, then :meth:`adam`.
+
+        The trusted form takes the bias-corrected ``lr_t`` (:func:`adam_lr_t`) and
+        ``decay = weight_decay * lr``. Returns ``copies``.
+        """
+        return self._adamw("adamw", False, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
+
+    def rmsprop(self, copies, velocities, momentums, average_grads, grad, *, lr, rho=0.9, momentum=0.0,
+                epsilon=1e-7, weight_decay=0.0):
+        """RMSprop (Keras formulation) on N copies and their slots.
+
+        ``v = rho * v + (1 - rho) * g*g``; centered (``average_grads`` given):
+        ``a = rho * a + (1 - rho) * g`` and ``d = v - a*a + epsilon``, else ``d = v + epsilon``;
+        ``inc = lr * g / sqrt(d)``; with ``momentums`` given: ``mo = momentum * mo + inc`` and
+        ``w -= mo``, else ``w -= inc``. ``momentums`` / ``average_grads``: N slot copies, or None
+        when the optimizer has no such slot (momentum 0, not centered). Returns ``copies``.
+        """
+        return self._rmsprop("rmsprop", False, copies, velocities, momentums, average_grads, grad, lr, rho,
+                             momentum, epsilon, weight_decay)
+
+    def _rmsprop(self, where, fused, copies, vels, moms, avgs, g, lr, rho, momentum, epsilon, weight_decay):
+        slots = (("velocity", vels), ("momentum", moms), ("average_gradient", avgs))
+        copies, (vels, moms, avgs), g = self._check_opt(where, copies, slots, **{"grads" if fused else "grad": g})
+        hook = self._hook_all_reduce_rmsprop if fused else self._hook_rmsprop
+        hook(copies, vels, moms, avgs, g, float(lr), float(rho), float(momentum), float(epsilon),
+             float(weight_decay) * float(lr))
+        return copies
+
+    def adagrad(self, copies, accumulators, grad, *, lr, epsilon=1e-7, weight_decay=0.0):
+        """Adagrad (Keras): ``acc += g*g``; ``w -= lr * g / sqrt(acc + epsilon)``. Returns ``copies``."""
+        return self._adagrad("adagrad", False, copies, accumulators, grad, lr, epsilon, weight_decay)
+
+    def _adagrad(self, where, fused, copies, accs, g, lr, epsilon, weight_decay):
+        copies, (accs,), g = self._check_opt(where, copies, (("accumulator", accs),), **{"grads" if fused else "grad": g})
+        hook = self._hook_all_reduce_adagrad if fused else self._hook_adagrad
+        hook(copies, accs, g, float(lr), float(epsilon), float(weight_decay) * float(lr))
+        return copies
+
+    def adamax(self, copies, ms, us, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.0):
+        """Adamax (Keras): ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``;
+        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`adamax_lr_t`,
+        what the trusted form takes). ``maximum`` is NumPy's (a NaN wins). Returns ``copies``."""
+        return self._adamax("adamax", False, copies, ms, us, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
+
+    def _adamax(self, where, fused, copies, ms, us, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
+        copies, (ms, us), g = self._check_opt(where, copies, (("m", ms), ("u", us)), **{"grads" if fused else "grad": g})
+        lr_t = adamax_lr_t(float(lr), float(beta_1), self._step(where, step))
+        hook = self._hook_all_reduce_adamax if fused else self._hook_adamax
+        hook(copies, ms, us, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
+        return copies
+
+    def nadam(self, copies, ms, vs, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, u_product,
+              weight_decay=0.0):
+        """Nadam (Keras 3 formulation).
+
+        ``u_product``: Keras's ``_u_product`` before this step (1.0 before the first); the caller
+        keeps the new one, the first value :func:`nadam_step` returns. With that function's
+        ``c_m, c_g, c_v`` (what the trusted form takes): ``m += (g - m) * (1 - beta_1)``;
+        ``v += (g*g - v) * (1 - beta_2)``; ``m_hat = c_m * m + c_g * g``; ``v_hat = v / c_v``;
+        ``w -= m_hat * lr / (sqrt(v_hat) + epsilon)``. Returns ``copies``.
+        """
+        return self._nadam("nadam", False, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, step, u_product,
+                           weight_decay)
+
+    def _nadam(self, where, fused, copies, ms, vs, g, lr, beta_1, beta_2, epsilon, step, u_product, weight_decay):
+        copies, (ms, vs), g = self._check_opt(where, copies, (("m", ms), ("v", vs)), **{"grads" if fused else "grad": g})
+        _, c_m, c_g, c_v = nadam_step(float(beta_1), float(beta_2), self._step(where, step), float(u_product))
+        hook = self._hook_all_reduce_nadam if fused else self._hook_nadam
+        hook(copies, ms, vs, g, float(lr), float(beta_1), float(beta_2), float(epsilon), c_m, c_g, c_v,
+             float(weight_decay) * float(lr))
+        return copies
+
+    def lion(self, copies, ms, grad, *, lr, beta_1=0.9, beta_2=0.99, weight_decay=0.0):
+        """Lion (Keras): ``w -= lr * sign(m * beta_1 + g * (1 - beta_1))``;
+        ``m = m * beta_2 + g * (1 - beta_2)``. ``sign`` is NumPy's (+0 for zeros, NaN stays NaN).
+        Returns ``copies``."""
+        return self._lion("lion", False, copies, ms, grad, lr, beta_1, beta_2, weight_decay)
+
+    def _lion(self, where, fused, copies, ms, g, lr, beta_1, beta_2, weight_decay):
+        copies, (ms,), g = self._check_opt(where, copies, (("m", ms),), **{"grads" if fused else "grad": g})
+        hook = self._hook_all_reduce_lion if fused else self._hook_lion
+        hook(copies, ms, g, float(lr), float(beta_1), float(beta_2), float(weight_decay) * float(lr))
+        return copies
+
     # ------------------------------------------------------------------ fused all-reduce + update
     def check_grads(self, where, grads, copies, slots=()):
         """Validates the gradients of a fused all-reduce + update against its (checked) copies.
@@ -517,6 +685,38 @@ class KernelBackend:
         self._hook_all_reduce_adam(copies, ms, vs, grads, lr_t, float(beta_1), float(beta_2), float(epsilon))
         return copies
 
+    def all_reduce_adamw(self, copies, ms, vs, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step,
+                         weight_decay=0.004):
+        """Fused all-reduce + :meth:`adamw` (the M gradients summed as in :meth:`all_reduce_sgd`)."""
+        return self._adamw("all_reduce_adamw", True, copies, ms, vs, grads, lr, beta_1, beta_2, epsilon, step,
+                           weight_decay)
+
+    def all_reduce_rmsprop(self, copies, velocities, momentums, average_grads, grads, *, lr, rho=0.9, momentum=0.0,
+                           epsilon=1e-7, weight_decay=0.0):
+        """Fused all-reduce + :meth:`rmsprop`."""
+        return self._rmsprop("all_reduce_rmsprop", True, copies, velocities, momentums, average_grads, grads, lr,
+                             rho, momentum, epsilon, weight_decay)
+
+    def all_reduce_adagrad(self, copies, accumulators, grads, *, lr, epsilon=1e-7, weight_decay=0.0):
+        """Fused all-reduce + :meth:`adagrad`."""
+        return self._adagrad("all_reduce_adagrad", True, copies, accumulators, grads, lr, epsilon, weight_decay)
+
+    def all_reduce_adamax(self, copies, ms, us, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step,
+                          weight_decay=0.0):
+        """Fused all-reduce + :meth:`adamax`."""
+        return self._adamax("all_reduce_adamax", True, copies, ms, us, grads, lr, beta_1, beta_2, epsilon, step,
+                            weight_decay)
+
+    def all_reduce_nadam(self, copies, ms, vs, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, u_product,
+                         weight_decay=0.0):
+        """Fused all-reduce + :meth:`nadam`."""
+        return self._nadam("all_reduce_nadam", True, copies, ms, vs, grads, lr, beta_1, beta_2, epsilon, step,
+                           u_product, weight_decay)
+
+    def all_reduce_lion(self, copies, ms, grads, *, lr, beta_1=0.9, beta_2=0.99, weight_decay=0.0):
+        """Fused all-reduce + :meth:`lion`."""
+        return self._lion("all_reduce_lion", True, copies, ms, grads, lr, beta_1, beta_2, weight_decay)
+
     # ------------------------------------------------------------------ hooks
     def _hook_all_reduce(self, inputs, outputs, op):  # pragma: no cover - abstract
         """outputs[i] = reduce(inputs) for every i; ``outputs`` may be ``inputs`` (in place)."""
@@ -552,6 +752,24 @@ class KernelBackend:
     def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _hook_rmsprop(self, copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay):  # pragma: no cover
+        raise NotImplementedError
+
+    def _hook_adagrad(self, copies, accs, grad, lr, epsilon, decay):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _hook_adamax(self, copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay):  # pragma: no cover
+        raise NotImplementedError
+
+    def _hook_nadam(self, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay):  # pragma: no cover
+        raise NotImplementedError
+
+    def _hook_lion(self, copies, ms, grad, lr, beta_1, beta_2, decay):  # pragma: no cover - abstract
+        raise NotImplementedError
+
     # The fused forms default to the definition: reduce_to_one into a temporary, then the update.
     def _sum_grads(self, grads):
         if len(grads) == 1:
@@ -568,6 +786,24 @@ class KernelBackend:
 
     def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
         self._hook_adam(copies, ms, vs, self._sum_grads(grads), lr_t, beta_1, beta_2, epsilon)
+
+    def _hook_all_reduce_adamw(self, copies, ms, vs, grads, *hyper):
+        self._hook_adamw(copies, ms, vs, self._sum_grads(grads), *hyper)
+
+    def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, *hyper):
+        self._hook_rmsprop(copies, vels, moms, avgs, self._sum_grads(grads), *hyper)
+
+    def _hook_all_reduce_adagrad(self, copies, accs, grads, *hyper):
+        self._hook_adagrad(copies, accs, self._sum_grads(grads), *hyper)
+
+    def _hook_all_reduce_adamax(self, copies, ms, us, grads, *hyper):
+        self._hook_adamax(copies, ms, us, self._sum_grads(grads), *hyper)
+
+    def _hook_all_reduce_nadam(self, copies, ms, vs, grads, *hyper):
+        self._hook_nadam(copies, ms, vs, self._sum_grads(grads), *hyper)
+
+    def _hook_all_reduce_lion(self, copies, ms, grads, *hyper):
+        self._hook_lion(copies, ms, self._sum_grads(grads), *hyper)
 
     # ------------------------------------------------------------------ deprecated names
     # Kept only until the callers outside _kernels use `trusted` and the public check_* methods.
@@ -620,6 +856,14 @@ class TrustedKernels:
     * ``all_reduce_sgd(copies, grads, lr)``;
       ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``;
       ``all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)``.
+    * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)``;
+      ``rmsprop(copies, velocities, momentums, average_grads, grad, lr, rho, momentum, epsilon, decay)``
+      (``momentums`` / ``average_grads`` None when absent); ``adagrad(copies, accs, grad, lr, epsilon,
+      decay)``; ``adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (``lr_t`` of
+      :func:`adamax_lr_t`); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
+      decay)`` (:func:`nadam_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
+      an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
+      ``weight_decay * lr`` (0.0: none).
     * ``check_bufs(where, bufs, *, writable, what="replica", same_shape=True)`` and the other
       validators (``check_like``, ``check_float``, ``check_same_slots``, ``check_outputs``,
       ``check_grads``): the backend's own, for validating once.
@@ -639,6 +883,18 @@ class TrustedKernels:
         "all_reduce_sgd",
         "all_reduce_momentum",
         "all_reduce_adam",
+        "adamw",
+        "all_reduce_adamw",
+        "rmsprop",
+        "all_reduce_rmsprop",
+        "adagrad",
+        "all_reduce_adagrad",
+        "adamax",
+        "all_reduce_adamax",
+        "nadam",
+        "all_reduce_nadam",
+        "lion",
+        "all_reduce_lion",
         "check_bufs",
         "check_like",
         "check_float",
@@ -662,6 +918,18 @@ class TrustedKernels:
         self.all_reduce_sgd = backend._hook_all_reduce_sgd
         self.all_reduce_momentum = backend._hook_all_reduce_momentum
         self.all_reduce_adam = backend._hook_all_reduce_adam
+        self.adamw = backend._hook_adamw
+        self.all_reduce_adamw = backend._hook_all_reduce_adamw
+        self.rmsprop = backend._hook_rmsprop
+        self.all_reduce_rmsprop = backend._hook_all_reduce_rmsprop
+        self.adagrad = backend._hook_adagrad
+        self.all_reduce_adagrad = backend._hook_all_reduce_adagrad
+        self.adamax = backend._hook_adamax
+        self.all_reduce_adamax = backend._hook_all_reduce_adamax
+        self.nadam = backend._hook_nadam
+        self.all_reduce_nadam = backend._hook_all_reduce_nadam
+        self.lion = backend._hook_lion
+        self.all_reduce_lion = backend._hook_all_reduce_lion
         self.check_bufs = backend.check_bufs
         self.check_like = backend.check_like
         self.check_float = backend.check_float

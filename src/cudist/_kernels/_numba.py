@@ -65,6 +65,12 @@ _PARALLEL_MIN_BYTES = 4 << 20
 _SUM, _MEAN, _SUB = 0, 1, 2
 # Modes of _k_update.
 _SGD, _MOMENTUM, _NESTEROV, _ADAM = 0, 1, 2, 3
+# The optimizers with decoupled weight decay (hyper-parameter _DECAY) and up to three slots.
+_ADAMW, _RMSPROP, _ADAGRAD, _ADAMAX, _NADAM, _LION = 4, 5, 6, 7, 8, 9
+#: Hyper-parameters per update call (float64 in, rounded to the compute type in the kernel);
+#: the last one is the weight-decay factor of the modes from _ADAMW on.
+_NHP = 12
+_DECAY = _NHP - 1
 
 
 # ---------------------------------------------------------------------------- compiling and forking
@@ -279,10 +285,10 @@ def _ol_st(v, proto):
 
 # The argument block: a header of _HDR int64 slots, then buffer addresses.
 # Header: mode, size (elements), then for reduce: n_in, n_out; for update: n (copies), n_slot1,
-# n_slot2, n_grad (gradients summed first; 0 means 1), address of the float64[5] hyper-parameters;
-# slot 7 is the itemsize.
-# Addresses: reduce: inputs then outputs; update: copies, first slots, second slots, gradients.
-_HDR = 8
+# n_slot2, n_grad (gradients summed first; 0 means 1), address of the float64[_NHP]
+# hyper-parameters; slot 7 is the itemsize; slot 8 n_slot3 (update).
+# Addresses: reduce: inputs then outputs; update: copies, first, second, third slots, gradients.
+_HDR = 9
 
 
 @_cached(njit)
@@ -318,21 +324,137 @@ def _reduce_range(argp, lo, hi, dtype):
 
 
 @_cached(njit)
+def _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, zero, one, tc, t1, t2, t3, tw, dtype):
+    """One block of the optimizers with weight decay (modes from _ADAMW): the new slot values into
+    t1..t3 and the variable's into tw (storage type), as NumPy's reference computes them."""
+    dec = hp[_DECAY]
+    if dec != zero:
+        for j in range(m):
+            x = _ld(w[j])
+            tc[j] = x - x * dec
+    else:
+        for j in range(m):
+            tc[j] = _ld(w[j])
+    s1 = _view(a[_HDR + n] + off, m, dtype)
+    if mode == _ADAMW or mode == _NADAM:
+        b1, b2, eps = hp[1], hp[2], hp[3]
+        c1 = one - b1
+        c2 = one - b2
+        s2 = _view(a[_HDR + n + n1] + off, m, dtype)
+        if mode == _ADAMW:
+            lr_t = hp[0]
+            for j in range(m):
+                gg = _ld(g[j])
+                mm = _ld(s1[j])
+                vv = _ld(s2[j])
+                mm = mm + (gg - mm) * c1
+                vv = vv + (gg * gg - vv) * c2
+                t1[j] = _st(mm, dtype)
+                t2[j] = _st(vv, dtype)
+                tw[j] = _st(tc[j] - lr_t * mm / (np.sqrt(vv) + eps), dtype)
+        else:
+            lr, c_m, c_g, c_v = hp[0], hp[4], hp[5], hp[6]
+            for j in range(m):
+                gg = _ld(g[j])
+                mm = _ld(s1[j])
+                vv = _ld(s2[j])
+                mm = mm + (gg - mm) * c1
+                vv = vv + (gg * gg - vv) * c2
+                mh = c_m * mm + c_g * gg
+                vh = vv / c_v
+                t1[j] = _st(mm, dtype)
+                t2[j] = _st(vv, dtype)
+                tw[j] = _st(tc[j] - mh * lr / (np.sqrt(vh) + eps), dtype)
+    elif mode == _RMSPROP:
+        lr, rho, mom, eps = hp[0], hp[1], hp[2], hp[3]
+        omr = one - rho
+        smo = s1
+        sa = s1
+        if n2 > 0:
+            smo = _view(a[_HDR + n + n1] + off, m, dtype)
+        if n3 > 0:
+            sa = _view(a[_HDR + n + n1 + n2] + off, m, dtype)
+        for j in range(m):
+            gg = _ld(g[j])
+            vv = rho * _ld(s1[j]) + omr * (gg * gg)
+            if n3 > 0:
+                aa = rho * _ld(sa[j]) + omr * gg
+                d = vv - aa * aa + eps
+                t3[j] = _st(aa, dtype)
+            else:
+                d = vv + eps
+            inc = lr * gg / np.sqrt(d)
+            if n2 > 0:
+                mo = mom * _ld(smo[j]) + inc
+                t2[j] = _st(mo, dtype)
+                ww = tc[j] - mo
+            else:
+                ww = tc[j] - inc
+            t1[j] = _st(vv, dtype)
+            tw[j] = _st(ww, dtype)
+    elif mode == _ADAGRAD:
+        lr, eps = hp[0], hp[1]
+        for j in range(m):
+            gg = _ld(g[j])
+            acc = _ld(s1[j]) + gg * gg
+            t1[j] = _st(acc, dtype)
+            tw[j] = _st(tc[j] - lr * gg / np.sqrt(acc + eps), dtype)
+    elif mode == _ADAMAX:
+        lr_t, b1, b2, eps = hp[0], hp[1], hp[2], hp[3]
+        c1 = one - b1
+        s2 = _view(a[_HDR + n + n1] + off, m, dtype)
+        for j in range(m):
+            gg = _ld(g[j])
+            mm = _ld(s1[j])
+            mm = mm + (gg - mm) * c1
+            x = b2 * _ld(s2[j])
+            y = abs(gg)
+            uu = x if (x > y or x != x) else y  # np.maximum: a NaN wins, equal values give y
+            t1[j] = _st(mm, dtype)
+            t2[j] = _st(uu, dtype)
+            tw[j] = _st(tc[j] - lr_t * mm / (uu + eps), dtype)
+    else:  # _LION
+        lr, b1, b2 = hp[0], hp[1], hp[2]
+        c1 = one - b1
+        c2 = one - b2
+        for j in range(m):
+            gg = _ld(g[j])
+            mm = _ld(s1[j])
+            u = mm * b1 + gg * c1
+            if u > zero:
+                sg = one
+            elif u < zero:
+                sg = -one
+            elif u == zero:
+                sg = zero
+            else:
+                sg = u  # np.sign keeps a NaN
+            t1[j] = _st(mm * b2 + gg * c2, dtype)
+            tw[j] = _st(tc[j] - lr * sg, dtype)
+
+
+@_cached(njit)
 def _update_range(argp, lo, hi, dtype, ctype):
     a = numba.carray(_ptr_like(argp, np.int64), (_HDR,))
-    mode, n, n1, n2, ng, hpp = a[0], a[2], a[3], a[4], a[5], a[6]
+    mode, n, n1, n2, ng, hpp, n3 = a[0], a[2], a[3], a[4], a[5], a[6], a[8]
     if ng < 1:
         ng = 1
-    a = numba.carray(_ptr_like(argp, np.int64), (_HDR + n + n1 + n2 + ng,))
-    g0 = _HDR + n + n1 + n2
+    a = numba.carray(_ptr_like(argp, np.int64), (_HDR + n + n1 + n2 + n3 + ng,))
+    g0 = _HDR + n + n1 + n2 + n3
     # Hyper-parameters are rounded to the compute type first, as NumPy's ct.type(x) does.
-    hp64 = numba.carray(_ptr_like(hpp, np.float64), (5,))
-    hp = np.empty(5, ctype)
-    for i in range(5):
+    hp64 = numba.carray(_ptr_like(hpp, np.float64), (_NHP,))
+    hp = np.empty(_NHP, ctype)
+    for i in range(_NHP):
         hp[i] = hp64[i]
+    cst = np.empty(2, ctype)  # 0 and 1 in the compute type (a Python literal would widen float32)
+    cst[0] = 0
+    cst[1] = 1
+    zero, one = cst[0], cst[1]
     tw = np.empty(_CHUNK, dtype)
     t1 = np.empty(_CHUNK, dtype)
     t2 = np.empty(_CHUNK, dtype)
+    t3 = np.empty(_CHUNK if n3 > 0 else 1, dtype)
+    tc = np.empty(_CHUNK if mode >= _ADAMW else 1, ctype)  # copy 0 after the weight decay
     tg = np.empty(_CHUNK if ng > 1 else 1, dtype)
     isz = tw.itemsize
     for start in range(lo, hi, _CHUNK):
@@ -367,6 +489,8 @@ def _update_range(argp, lo, hi, dtype, ctype):
                     ww = _ld(w[j]) + vv
                 t1[j] = _st(vv, dtype)
                 tw[j] = _st(ww, dtype)
+        elif mode >= _ADAMW:
+            _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, zero, one, tc, t1, t2, t3, tw, dtype)
         else:
             lr_t = hp[0]
             c1 = hp[4] - hp[1]  # one - beta_1, in the compute type as NumPy does
@@ -392,6 +516,10 @@ def _update_range(argp, lo, hi, dtype, ctype):
             y = _view(a[_HDR + n + n1 + i] + off, m, dtype)
             for j in range(m):
                 y[j] = t2[j]
+        for i in range(n3):
+            y = _view(a[_HDR + n + n1 + n2 + i] + off, m, dtype)
+            for j in range(m):
+                y[j] = t3[j]
         for i in range(n):
             y = _view(a[_HDR + i] + off, m, dtype)
             for j in range(m):
@@ -539,7 +667,7 @@ _REDUCE_PY = dict(zip(SUPPORTED_DTYPES, (_reduce_f16, _reduce_f32, _reduce_f64, 
 _UPDATE_PY = dict(zip(FLOAT_DTYPES, (_update_f16, _update_f32, _update_f64)))
 _workers: dict = {}
 _workers_lock = threading.Lock()
-_NO_HP = np.zeros(5, np.float64)
+_NO_HP = np.zeros(_NHP, np.float64)
 _NP = NumpyBackend()
 
 
@@ -681,6 +809,7 @@ class NumbaBackend(KernelBackend):
         blocks[:, 3] = n
         blocks[:, 4:7] = 0
         blocks[:, 7] = ref.itemsize
+        blocks[:, 8:_HDR] = 0
         ok = np.empty(m, np.int8)
         moved = int(sizes.sum()) * ref.itemsize * 2 * n
         fn = _worker(_REDUCE_PY, ref.dtype)
@@ -706,17 +835,18 @@ class NumbaBackend(KernelBackend):
             (copies[0], value), copies, _SUB if negate else _SUM, lambda: _NP._hook_assign_add(copies, value, negate)
         )
 
-    def _update(self, mode, copies, s1, s2, grads, hp, fallback):
+    def _update(self, mode, copies, s1, s2, grads, hp, fallback, s3=(), decay=0.0):
         ref = copies[0]
         size = ref.size
         if size == 0:
             return
         # Copies and slots were checked writeable; only the gradients may be read-only.
         writable = all(g.flags.writeable for g in grads)
-        args = _args(tuple(copies) + tuple(s1) + tuple(s2) + tuple(grads), writable)
+        args = _args(tuple(copies) + tuple(s1) + tuple(s2) + tuple(s3) + tuple(grads), writable)
         args[5] = len(grads)
-        hp = np.array(hp + (0.0,) * (5 - len(hp)), np.float64)
-        moved = ref.nbytes * (1 + len(grads) + len(copies) + 2 * len(s1) + 2 * len(s2))
+        args[8] = len(s3)
+        hp = np.array(hp + (0.0,) * (_NHP - 1 - len(hp)) + (decay,), np.float64)
+        moved = ref.nbytes * (1 + len(grads) + len(copies) + 2 * len(s1) + 2 * len(s2) + 2 * len(s3))
         fn = _worker(_UPDATE_PY, ref.dtype)
         if not _k_par(fn, args, hp, _nthreads(moved), ref.itemsize, mode, size, len(copies), len(s1), len(s2)):
             fallback()
@@ -770,3 +900,50 @@ class NumbaBackend(KernelBackend):
             (lr_t, beta_1, beta_2, epsilon, 1.0),
             lambda: _NP._hook_all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon),
         )
+
+    # ------------------------------------------------------------------ the optimizers with weight decay
+    def _opt(self, mode, copies, slots, grads, hp, decay, fallback):
+        s1, s2, s3 = (tuple(x) if x is not None else () for x in slots + (None,) * (3 - len(slots)))
+        self._update(mode, copies, s1, s2, grads, hp, fallback, s3, decay)
+
+    def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):
+        self._hook_all_reduce_adamw(copies, ms, vs, (grad,), lr_t, beta_1, beta_2, epsilon, decay)
+
+    def _hook_all_reduce_adamw(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon, decay):
+        self._opt(_ADAMW, copies, (ms, vs), grads, (lr_t, beta_1, beta_2, epsilon), decay,
+                  lambda: _NP._hook_all_reduce_adamw(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon, decay))
+
+    def _hook_rmsprop(self, copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay):
+        self._hook_all_reduce_rmsprop(copies, vels, moms, avgs, (grad,), lr, rho, momentum, epsilon, decay)
+
+    def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, lr, rho, momentum, epsilon, decay):
+        self._opt(_RMSPROP, copies, (vels, moms, avgs), grads, (lr, rho, momentum, epsilon), decay,
+                  lambda: _NP._hook_all_reduce_rmsprop(copies, vels, moms, avgs, grads, lr, rho, momentum, epsilon, decay))
+
+    def _hook_adagrad(self, copies, accs, grad, lr, epsilon, decay):
+        self._hook_all_reduce_adagrad(copies, accs, (grad,), lr, epsilon, decay)
+
+    def _hook_all_reduce_adagrad(self, copies, accs, grads, lr, epsilon, decay):
+        self._opt(_ADAGRAD, copies, (accs,), grads, (lr, epsilon), decay,
+                  lambda: _NP._hook_all_reduce_adagrad(copies, accs, grads, lr, epsilon, decay))
+
+    def _hook_adamax(self, copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay):
+        self._hook_all_reduce_adamax(copies, ms, us, (grad,), lr_t, beta_1, beta_2, epsilon, decay)
+
+    def _hook_all_reduce_adamax(self, copies, ms, us, grads, lr_t, beta_1, beta_2, epsilon, decay):
+        self._opt(_ADAMAX, copies, (ms, us), grads, (lr_t, beta_1, beta_2, epsilon), decay,
+                  lambda: _NP._hook_all_reduce_adamax(copies, ms, us, grads, lr_t, beta_1, beta_2, epsilon, decay))
+
+    def _hook_nadam(self, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay):
+        self._hook_all_reduce_nadam(copies, ms, vs, (grad,), lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay)
+
+    def _hook_all_reduce_nadam(self, copies, ms, vs, grads, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay):
+        self._opt(_NADAM, copies, (ms, vs), grads, (lr, beta_1, beta_2, epsilon, c_m, c_g, c_v), decay,
+                  lambda: _NP._hook_all_reduce_nadam(copies, ms, vs, grads, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay))
+
+    def _hook_lion(self, copies, ms, grad, lr, beta_1, beta_2, decay):
+        self._hook_all_reduce_lion(copies, ms, (grad,), lr, beta_1, beta_2, decay)
+
+    def _hook_all_reduce_lion(self, copies, ms, grads, lr, beta_1, beta_2, decay):
+        self._opt(_LION, copies, (ms,), grads, (lr, beta_1, beta_2), decay,
+                  lambda: _NP._hook_all_reduce_lion(copies, ms, grads, lr, beta_1, beta_2, decay))

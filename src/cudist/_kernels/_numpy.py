@@ -89,5 +89,84 @@ class NumpyBackend(KernelBackend):
         _copy_to_all(v.astype(dt), vs)
         _copy_to_all(w.astype(dt), copies)
 
+    # The optimizers below share one shape: copy 0 of the variable and of each slot read in the
+    # compute type, the decoupled weight decay first (``w - w * decay``, skipped when decay is 0),
+    # the update, then every slot and the variable written to all their copies.
+    @staticmethod
+    def _start(copies, grad, decay, *hyper):
+        ct = _compute_dtype(copies[0].dtype)
+        w = copies[0].astype(ct)
+        if decay != 0.0:
+            w = w - w * ct.type(decay)
+        return ct, ct.type(1), w, grad.astype(ct), tuple(ct.type(h) for h in hyper)
+
+    @staticmethod
+    def _finish(copies, *pairs):
+        dt = copies[0].dtype
+        for new, group in pairs:
+            _copy_to_all(new.astype(dt), group)
+
+    def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):
+        ct, one, w, g, (lr_t, b1, b2, eps) = self._start(copies, grad, decay, lr_t, beta_1, beta_2, epsilon)
+        m = ms[0].astype(ct)
+        v = vs[0].astype(ct)
+        m = m + (g - m) * (one - b1)
+        v = v + (g * g - v) * (one - b2)
+        w = w - lr_t * m / (np.sqrt(v) + eps)
+        self._finish(copies, (m, ms), (v, vs), (w, copies))
+
+    def _hook_rmsprop(self, copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay):
+        ct, one, w, g, (lr, rho, mom, eps) = self._start(copies, grad, decay, lr, rho, momentum, epsilon)
+        v = rho * vels[0].astype(ct) + (one - rho) * (g * g)
+        out = [(v, vels)]
+        if avgs is not None:
+            a = rho * avgs[0].astype(ct) + (one - rho) * g
+            d = v - a * a + eps
+            out.append((a, avgs))
+        else:
+            d = v + eps
+        inc = lr * g / np.sqrt(d)
+        if moms is not None:
+            mo = mom * moms[0].astype(ct) + inc
+            w = w - mo
+            out.append((mo, moms))
+        else:
+            w = w - inc
+        self._finish(copies, *out, (w, copies))
+
+    def _hook_adagrad(self, copies, accs, grad, lr, epsilon, decay):
+        ct, one, w, g, (lr, eps) = self._start(copies, grad, decay, lr, epsilon)
+        acc = accs[0].astype(ct) + g * g
+        w = w - lr * g / np.sqrt(acc + eps)
+        self._finish(copies, (acc, accs), (w, copies))
+
+    def _hook_adamax(self, copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay):
+        ct, one, w, g, (lr_t, b1, b2, eps) = self._start(copies, grad, decay, lr_t, beta_1, beta_2, epsilon)
+        m = ms[0].astype(ct)
+        m = m + (g - m) * (one - b1)
+        u = np.maximum(b2 * us[0].astype(ct), np.abs(g))
+        w = w - lr_t * m / (u + eps)
+        self._finish(copies, (m, ms), (u, us), (w, copies))
+
+    def _hook_nadam(self, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay):
+        ct, one, w, g, (lr, b1, b2, eps, c_m, c_g, c_v) = self._start(
+            copies, grad, decay, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v
+        )
+        m = ms[0].astype(ct)
+        v = vs[0].astype(ct)
+        m = m + (g - m) * (one - b1)
+        v = v + (g * g - v) * (one - b2)
+        m_hat = c_m * m + c_g * g
+        v_hat = v / c_v
+        w = w - m_hat * lr / (np.sqrt(v_hat) + eps)
+        self._finish(copies, (m, ms), (v, vs), (w, copies))
+
+    def _hook_lion(self, copies, ms, grad, lr, beta_1, beta_2, decay):
+        ct, one, w, g, (lr, b1, b2) = self._start(copies, grad, decay, lr, beta_1, beta_2)
+        m = ms[0].astype(ct)
+        w = w - lr * np.sign(m * b1 + g * (one - b1))
+        m = m * b2 + g * (one - b2)
+        self._finish(copies, (m, ms), (w, copies))
+
     # The fused all-reduce + update hooks are the base class's definition: reduce_to_one into a
     # temporary (the plain sum above), then the update.
