@@ -264,6 +264,7 @@ def _child_all_reduce(q):
     q.put([float(b[12345]) for b in bufs])
 
 
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX warns at every fork once imported
 def test_numba_kernels_work_in_a_forked_child():
     """After the parent ran parallel Numba kernels (GNU OpenMP), a fork child still computes (serially)."""
     import multiprocessing as mp

@@ -362,6 +362,7 @@ def test_fast_path_falls_back_to_the_contract_messages(native):
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # 3.12+ warns on forking with threads
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX warns at every fork once imported
 def test_kernels_work_in_a_forked_child(native, threads):
     set_num_threads(2)
     bufs = [np.full(1 << 20, 1.5, np.float32) for _ in range(3)]
