@@ -660,3 +660,46 @@ def test_reduce_result_dtypes_like_tf(dtype):
     assert np.asarray(s.reduce("SUM", ints, axis=0)).dtype == np.int32 and s.reduce("SUM", ints, axis=0) == 18
     with pytest.raises(TypeError, match="bool"):
         s.reduce("SUM", _per_replica(s, lambda i: np.array([True, False])), axis=0)
+
+
+# ------------------------------------------------------------------ found running TF's distribute test ideas side by side
+def test_local_results_of_a_nest_has_one_entry_per_replica():
+    # TF 2.21 (StrategyExtended._local_results): a nest gives one copy per replica even when it holds no
+    # DistributedValues: MirroredStrategy on 2 CPUs: experimental_local_results((1, {"a": 2})) ->
+    # ((1, {'a': 2}), (1, {'a': 2})), [1, 2] -> ([1, 2], [1, 2]); run(lambda: (True, False)) returns
+    # (True, False) and its local results ((True, False), (True, False)); CentralStorageStrategy on 2
+    # CPUs: ((1, 2), (1, 2)); OneDeviceStrategy: ((1, 2),); a plain value: (value,).
+    s = _mirrored(2)
+    assert s.experimental_local_results((1, {"a": 2})) == ((1, {"a": 2}), (1, {"a": 2}))
+    assert s.experimental_local_results([1, 2]) == ([1, 2], [1, 2])
+    r = s.run(lambda: (True, False))
+    assert r == (True, False) and s.experimental_local_results(r) == ((True, False), (True, False))
+    assert cudist.CentralStorageStrategy(["/cpu:0", "/cpu:1"]).experimental_local_results((1, 2)) == ((1, 2), (1, 2))
+    assert cudist.OneDeviceStrategy("/cpu:0").experimental_local_results((1, 2)) == ((1, 2),)
+    assert s.experimental_local_results(3.0) == (3.0,)
+
+
+def test_extended_broadcast_to():
+    # TF 2.21 MirroredStrategy on 2 CPUs: extended.broadcast_to(tf.constant([3., 4.]), mirrored_var) ->
+    # Mirrored {0: [3, 4], 1: [3, 4]}; to "/cpu:1" -> the plain tensor [3, 4]; to a list of devices ->
+    # AssertionError (we raise ValueError); inside run -> RuntimeError "Method requires being in
+    # cross-replica context, use get_replica_context().merge_call()".
+    s = _mirrored(2)
+    with s.scope():
+        v = cudist.Variable(np.array([1.0, 2.0], np.float32))
+    x = np.array([3.0, 4.0], np.float32)
+    out = s.extended.broadcast_to(x, v)
+    assert isinstance(out, cudist.Mirrored) and [c.tolist() for c in out.values] == [[3, 4], [3, 4]]
+    assert s.extended.broadcast_to(x, "/cpu:1").tolist() == [3, 4]
+    with pytest.raises(ValueError, match="destinations must be a device string or a variable"):
+        s.extended.broadcast_to(x, ["/cpu:0", "/cpu:1"])
+    with pytest.raises(RuntimeError, match="requires being in cross-replica context"):
+        s.run(lambda: s.extended.broadcast_to(x, v))
+
+
+def test_default_strategy_values_from_function_is_the_plain_value():
+    # TF 2.21: tf.distribute.get_strategy().experimental_distribute_values_from_function(
+    # lambda c: c.replica_id_in_sync_group) -> 0 (not a PerReplica), as OneDeviceStrategy's.
+    d = cudist.get_strategy()
+    assert d.experimental_distribute_values_from_function(lambda c: c.replica_id_in_sync_group) == 0
+    assert d.experimental_distribute_values_from_function(lambda c: (c.num_replicas_in_sync, 5)) == (1, 5)

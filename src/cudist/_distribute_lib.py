@@ -902,6 +902,28 @@ class StrategyExtended:
         return optree.tree_map(one, tree, is_leaf=_is_dv)
 
     # -------------------------------------------------------------- reductions
+    def broadcast_to(self, tensor: Any, destinations: Destinations) -> Array | Mirrored:
+        """Copies ``tensor`` to ``destinations`` (TF1-era ``StrategyExtended.broadcast_to``).
+
+        Args:
+            tensor: the value to copy.
+            destinations: a device string or a (distributed) variable, as for :meth:`reduce_to`.
+
+        Returns:
+            The value on the one destination device, or a Mirrored over several (TF 2.21: a
+            MirroredVariable destination gives a Mirrored, "/cpu:1" a plain value).
+
+        Raises:
+            RuntimeError: called in replica context.
+            ValueError: ``destinations`` is a list or tuple (TF asserts it is not).
+        """
+        _require_cross_replica(self._container_strategy_ref, "broadcast_to")
+        if destinations is None or isinstance(destinations, (list, tuple)):
+            raise ValueError(
+                f"broadcast_to: destinations must be a device string or a variable, got {type(destinations).__name__}"
+            )
+        return self._cross_device_ops.broadcast(tensor, destinations)
+
     def reduce_to(
         self, reduce_op: ReduceOp | str, value: Any, destinations: Destinations, options: object = None
     ) -> Array | Mirrored:
@@ -1050,7 +1072,8 @@ class StrategyExtended:
     def _local_results(self, value: Any) -> tuple[Any, ...]:
         if isinstance(value, DistributedValues):
             return tuple(value.values)
-        if self._num > 1 and _contains_dv(value):
+        if self._num > 1 and (isinstance(value, (tuple, list, dict)) or _contains_dv(value)):
+            # As TF: a nest gives one result per replica, even with no DistributedValues inside.
             return tuple(_select_all(i, value) for i in range(self._num))
         return (value,)
 
@@ -1332,6 +1355,12 @@ class _DefaultDistributionExtended(StrategyExtended):
     def parameter_devices(self) -> tuple[str, ...]:
         """Unsupported, as in TF (the default strategy places nothing)."""
         raise RuntimeError("parameter_devices() method unsupported by default cudist.Strategy.")
+
+    def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
+        """As TF's default strategy (and OneDeviceStrategy): the value function's plain result."""
+        from cudist import _input_lib
+
+        return _input_lib.distribute_values_from_function(value_fn, self._container_strategy_ref, wrap_single=False)
 
     def call_for_each_replica(
         self,
