@@ -703,3 +703,26 @@ def test_default_strategy_values_from_function_is_the_plain_value():
     d = cudist.get_strategy()
     assert d.experimental_distribute_values_from_function(lambda c: c.replica_id_in_sync_group) == 0
     assert d.experimental_distribute_values_from_function(lambda c: (c.num_replicas_in_sync, 5)) == (1, 5)
+
+
+def test_variable_repr_and_ref():
+    # TF 2.21: repr(tf.Variable([1., 2.], name="w")) is "<tf.Variable 'w:0' shape=(2,) dtype=float32,
+    # numpy=array([1., 2.], dtype=float32)>" (a new line after "numpy=" only when the array prints on
+    # several lines); v.ref().deref() is v, refs hash and compare by identity (TF variables themselves
+    # are unhashable: "Variable is unhashable. Instead, use variable.ref() as the key."; ours stay
+    # hashable), for plain, Mirrored and SyncOnRead variables alike.
+    v = cudist.Variable(np.array([1.0, 2.0], np.float32), name="w")
+    assert repr(v) == "<cudist.Variable 'w:0' shape=(2,) dtype=float32, numpy=array([1., 2.], dtype=float32)>"
+    assert repr(cudist.Variable(np.ones((2, 2), np.float32), name="m")).startswith(
+        "<cudist.Variable 'm:0' shape=(2, 2) dtype=float32, numpy=\narray([[1., 1.],"
+    )
+    s = _mirrored(2)
+    with s.scope():
+        mv = cudist.Variable(np.zeros(2, np.float32))
+        ov = cudist.Variable(np.zeros(2, np.float32), synchronization=VS.ON_READ, aggregation=VA.SUM)
+    for var in (v, mv, ov):
+        r = var.ref()
+        assert r.deref() is var and r == var.ref() and {r: 1}[var.ref()] == 1
+        assert r != cudist.Variable(1.0).ref()
+    with pytest.warns(DeprecationWarning, match="use ref"):
+        assert v.experimental_ref().deref() is v

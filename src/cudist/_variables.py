@@ -276,10 +276,33 @@ def _format_numpy(a: Any) -> str:
     a = to_host(a)
     if a.ndim == 0:
         return repr(a[()].item())  # as TF prints it: float32 0.1 shows as 0.10000000149011612
-    return "\n" + repr(a)
+    text = repr(a)
+    return "\n" + text if "\n" in text else text  # as TF's numpy_text: a new line only before several
 
 
 # ---------------------------------------------------------------------------- Variable
+class VariableRef:
+    """What ``Variable.ref()`` returns: hashable, equal only to a reference to the same variable."""
+
+    __slots__ = ("_wrapped",)
+
+    def __init__(self, wrapped: Variable) -> None:
+        self._wrapped = wrapped
+
+    def deref(self) -> Variable:
+        """The variable this reference wraps."""
+        return self._wrapped
+
+    def __hash__(self) -> int:
+        return id(self._wrapped)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, VariableRef) and other._wrapped is self._wrapped
+
+    def __repr__(self) -> str:
+        return f"<Reference wrapping {self._wrapped!r}>"
+
+
 class _VariableMeta(type):
     """Routes ``Variable(...)`` to the factory, which asks the current strategy what to build."""
 
@@ -607,6 +630,20 @@ class Variable(metaclass=_VariableMeta):
 
     def __hash__(self) -> int:
         return id(self)
+
+    def ref(self) -> VariableRef:
+        """A hashable reference to this variable (TF's ``Variable.ref()``; ``.deref()`` gives it back).
+
+        cudist variables are hashable themselves (TF's are not); ``ref()`` is there for ported code.
+        """
+        return VariableRef(self)
+
+    def experimental_ref(self) -> VariableRef:
+        """Deprecated TF name of :meth:`ref` (warns)."""
+        import warnings
+
+        warnings.warn("experimental_ref is deprecated; use ref() instead", DeprecationWarning, stacklevel=2)
+        return VariableRef(self)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """An independent variable with a copy of the value: same name, device, settings and strategy."""
