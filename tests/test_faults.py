@@ -208,8 +208,28 @@ class _Interrupter:
 
 
 def test_thousands_of_real_sigints_never_break_run_or_variables():
-    """SIGINT at random points of a training loop (run, collectives, merge_call, fused updates,
-    the iterator): after each, the next run is normal and mirrored copies are never torn apart."""
+    """SIGINT at random points of a training loop (run, collectives, merge_call, fused updates):
+    after each, the next run is normal and mirrored copies are never torn apart.
+
+    In a fresh interpreter: libraries imported by other tests (JAX's GC callbacks) would swallow
+    interrupts that land in them, which is theirs to answer for, not the engine's.
+    """
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, __file__, "sigint-fuzz"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    interrupts, steps = map(int, proc.stdout.split()[-2:])
+    assert interrupts >= 1000, f"only {interrupts} interrupts landed in {steps} steps"
+
+
+def _sigint_fuzz():
+    from cudist import config
+
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 4)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     n = 3
     s = _strategy(n)
@@ -247,12 +267,12 @@ def test_thousands_of_real_sigints_never_break_run_or_variables():
                     np.testing.assert_array_equal(c, comps[0])  # mirrored copies stay identical
     finally:
         interrupter.close()
-    assert interrupts >= 1000, f"only {interrupts} interrupts landed in {steps} steps"
     _check_healthy(s)
     slots = opt.get_slot(w, "momentum")
     vals = [c.numpy() for c in slots.values]
     for v in vals[1:]:
         np.testing.assert_array_equal(v, vals[0])
+    print(interrupts, steps)
 
 
 # ----------------------------------------------------------------------------- processes and installs
@@ -305,3 +325,10 @@ def test_numba_compiles_without_a_cache_where_none_can_be_written():
 
     with pytest.raises(RuntimeError, match="something else"):
         _numba._cached(other_error)(f)
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] == ["sigint-fuzz"]:
+        _sigint_fuzz()
