@@ -726,3 +726,34 @@ def test_variable_repr_and_ref():
         assert r != cudist.Variable(1.0).ref()
     with pytest.warns(DeprecationWarning, match="use ref"):
         assert v.experimental_ref().deref() is v
+
+
+def test_dataset_runtime_errors_and_concatenate_like_tf():
+    # TF 2.21: batching elements of shapes [2] and [3] -> InvalidArgumentError "Cannot batch tensors with
+    # different shapes in component 0" (at iteration); prefetch(-2) -> InvalidArgumentError "buffer_size
+    # must be >= 0 or set buffer_size to be -1 for auto-tuning"; range(1, 7, 0) -> InvalidArgumentError
+    # "step must be a non-zero integer"; filter(lambda x: x) on int64 -> ValueError "Invalid `predicate`.
+    # `predicate` must return a `tf.bool` scalar tensor" (at filter(), where TF traces; we raise at the
+    # first element); range(2).concatenate(range(2)) -> [0, 1, 0, 1]; incompatible dtypes -> TypeError.
+    D = cudist.data.Dataset
+    IAE = cudist.errors.InvalidArgumentError
+    ragged = D.from_generator(
+        lambda: iter([np.ones(2), np.ones(3)]), output_signature=cudist.data.TensorSpec((None,), np.float64)
+    )
+    with pytest.raises(IAE, match="cannot batch elements with different shapes in component 0"):
+        list(ragged.batch(2))
+    with pytest.raises(IAE, match="buffer_size must be >= 0 or AUTOTUNE"):
+        D.range(2).prefetch(-2)
+    with pytest.raises(IAE, match="step must be a non-zero integer"):
+        D.range(1, 7, 0)
+    with pytest.raises(ValueError, match="predicate must return a boolean scalar"):
+        list(D.range(3).filter(lambda x: x))
+    assert [int(x) for x in D.range(3).filter(lambda x: x > 0)] == [1, 2]
+    both = D.range(2).concatenate(D.range(2))
+    assert [int(x) for x in both] == [0, 1, 0, 1] and both.cardinality() == 4
+    mixed = D.range(4).batch(2, drop_remainder=True).concatenate(D.range(3).batch(3, drop_remainder=True))
+    assert mixed.element_spec == cudist.data.TensorSpec((None,), np.dtype(np.int64))
+    assert [x.tolist() for x in mixed] == [[0, 1], [2, 3], [0, 1, 2]]
+    assert D.range(2).concatenate(D.range(2).repeat()).cardinality() == -1
+    with pytest.raises(TypeError, match="incompatible dataset elements"):
+        D.range(2).concatenate(D.from_tensor_slices(np.ones(2, np.float32))).element_spec  # noqa: B018

@@ -328,7 +328,7 @@ def _batch_leaves(leaves_per_element: Iterable[Sequence[Any]], treedef: optree.P
         first = np.shape(column[0])
         for i, leaf in enumerate(column[1:], 1):
             if np.shape(leaf) != first:
-                raise ValueError(
+                raise InvalidArgumentError(  # a ValueError; TF's error for it at iteration
                     f"{where}: cannot batch elements with different shapes in component {c}: element 0 has "
                     f"shape {first} but element {i} has shape {tuple(np.shape(leaf))}"
                 )
@@ -804,7 +804,7 @@ class Dataset:
             raise TypeError(f"Dataset.range takes 1 to 3 positional arguments, got {len(args)}")
         ints = [_check_int(a, n, "Dataset.range") for a, n in zip(args, ("start/stop", "stop", "step"))]
         if len(ints) == 3 and ints[2] == 0:
-            raise ValueError("Dataset.range: step must be a non-zero integer")
+            raise InvalidArgumentError("Dataset.range: step must be a non-zero integer")  # as TF (a ValueError)
         r = builtins.range(*ints)
         dtype = np.dtype(output_type)
         scalar = dtype.type
@@ -920,6 +920,35 @@ class Dataset:
         return Dataset(lambda: zip(*dss), lambda: tuple(d.element_spec for d in dss), card)
 
     # ------------------------------------------------------------------ transformations
+    def concatenate(self, dataset: Iterable[Any], name: str | None = None) -> Dataset:
+        """This dataset's elements, then ``dataset``'s (``tf.data.Dataset.concatenate``).
+
+        The element_spec is the most specific one both fit (a dimension that differs becomes None).
+
+        Raises:
+            TypeError: the datasets' elements differ in structure, dtype or rank (as TF).
+        """
+        other = as_dataset(dataset, "Dataset.concatenate")
+        first = self
+
+        def spec() -> Any:
+            (a, ta), (b, tb) = flatten_specs(first.element_spec), flatten_specs(other.element_spec)
+            if ta != tb or any(np.dtype(x.dtype) != np.dtype(y.dtype) or len(x.shape) != len(y.shape) for x, y in zip(a, b)):
+                raise TypeError(
+                    f"Dataset.concatenate: incompatible dataset elements: {first.element_spec} and {other.element_spec}"
+                )
+            specs = [TensorSpec(tuple(d if d == e else None for d, e in zip(x.shape, y.shape)), x.dtype, x.name) for x, y in zip(a, b)]
+            return optree.tree_unflatten(ta, specs)
+
+        c1, c2 = self._card, other.cardinality()
+        if INFINITE_CARDINALITY in (c1, c2):
+            card = INFINITE_CARDINALITY
+        elif UNKNOWN_CARDINALITY in (c1, c2):
+            card = UNKNOWN_CARDINALITY
+        else:
+            card = c1 + c2
+        return self._derive(lambda: itertools.chain(first, other), spec, card)
+
     def batch(
         self,
         batch_size: _IntLike,
@@ -1105,6 +1134,12 @@ class Dataset:
             r = predicate(*element) if type(element) is tuple else predicate(element)
             if np.ndim(r) != 0:
                 raise ValueError(f"Dataset.filter: predicate must return a scalar boolean, got shape {np.shape(r)}")
+            if type(r) is not bool and getattr(r, "dtype", None) != np.bool_:
+                # As TF (which says so when filter() traces the predicate): no truthiness of numbers.
+                raise ValueError(
+                    "Dataset.filter: predicate must return a boolean scalar, but it returned "
+                    f"{getattr(r, 'dtype', type(r).__name__)} {r!r}; compare explicitly (e.g. x > 0)"
+                )
             return bool(r)
 
         card = INFINITE_CARDINALITY if self._card == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
@@ -1182,7 +1217,7 @@ class Dataset:
         """
         size = _check_int(buffer_size, "buffer_size", "Dataset.prefetch")
         if size < -1:
-            raise ValueError(
+            raise InvalidArgumentError(  # as TF (a ValueError)
                 f"Dataset.prefetch: buffer_size must be >= 0 or AUTOTUNE (-1) for auto-tuning, got {size}"
             )
         src = self
