@@ -306,3 +306,38 @@ def test_errors_name_the_problem(backend):
         backend.adagrad([np.ones(4, np.int32)], [np.ones(4, np.int32)], np.ones(4, np.int32), lr=0.1)
     with pytest.raises(ValueError, match="all_reduce_nadam: .*gradient"):
         backend.all_reduce_nadam(a, s, [x.copy() for x in s], [a[0]], lr=0.1, step=1, u_product=1.0)
+
+
+# ---------------------------------------------------------------------------- the cupy backend
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize("n, m", [(1, 1), (3, 1), (2, 3), (11, 2), (2, 11)])
+def test_cupy_matches_reference(name, dtype, n, m):
+    """The CUDA kernels through the cupy backend (plain form with one gradient, fused form with m;
+    11: more than one launch's worth), bit for bit the reference, on one GPU."""
+    cp = pytest.importorskip("cupy")
+    be = get_backend("cupy")
+    rng = np.random.default_rng(n * 100 + m)
+    kw = {
+        "adamw": dict(lr=0.01, step=7, weight_decay=0.01),
+        "rmsprop": dict(lr=0.01, rho=0.9, momentum=0.9 if n % 2 else 0.0, weight_decay=0.01),
+        "adagrad": dict(lr=0.01, weight_decay=0.0),
+        "adamax": dict(lr=0.01, step=3, weight_decay=0.1),
+        "nadam": dict(lr=0.01, step=5, u_product=0.7),
+        "lion": dict(lr=0.01, weight_decay=0.004),
+    }[name]
+    for shape in [(), (7,), (33, 5), (1031,)]:
+        groups = state(rng, name, shape, dtype, n, "fresh", momentum=kw.get("momentum", 0) > 0, centered=m % 2 == 1)
+        grads = [random_array(rng, shape, dtype) for _ in range(m)]
+        for fused in (m > 1, True):
+            want = clone(groups)
+            call(REF, name, want, REF.reduce_to_one(grads, "sum"), kw, fused=False)
+            dev = [None if g is None else [cp.asarray(a) for a in g] for g in groups]
+            dgrads = [cp.asarray(g) for g in grads]
+            call(be, name, dev, dgrads if fused else dgrads[0], kw, fused=fused)
+            for gi, (dg, wg) in enumerate(zip(dev, want)):
+                for r, (a, b) in enumerate(zip(dg or (), wg or ())):
+                    assert_bitwise(cp.asnumpy(a), b, f"cupy {name} fused={fused} {shape} group {gi} copy {r}")
+            for x, h in zip(dgrads, grads):
+                assert_bitwise(cp.asnumpy(x), h, "a gradient was written")

@@ -29,6 +29,33 @@ namespace cuda {
   template cudaError_t all_reduce_adam<T>(T* const*, T* const*, T* const*, int, const T* const*, int, double,   \
                                           double, double, double, long long, cudaStream_t);
 
+#define CUDIST_CUDA_DEFINE_MORE(T)                                                                              \
+  template cudaError_t adamw<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double, double,   \
+                                double, long long, cudaStream_t);                                                \
+  template cudaError_t all_reduce_adamw<T>(T* const*, T* const*, T* const*, int, const T* const*, int, double,    \
+                                           double, double, double, double, long long, cudaStream_t);             \
+  template cudaError_t rmsprop<T>(T* const*, T* const*, T* const*, T* const*, int, const T*, double, double,      \
+                                  double, double, double, long long, cudaStream_t);                              \
+  template cudaError_t all_reduce_rmsprop<T>(T* const*, T* const*, T* const*, T* const*, int, const T* const*,    \
+                                             int, double, double, double, double, double, long long, cudaStream_t); \
+  template cudaError_t adagrad<T>(T* const*, T* const*, int, const T*, double, double, double, long long,         \
+                                  cudaStream_t);                                                                 \
+  template cudaError_t all_reduce_adagrad<T>(T* const*, T* const*, int, const T* const*, int, double, double,     \
+                                             double, long long, cudaStream_t);                                   \
+  template cudaError_t adamax<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double, double,  \
+                                 double, long long, cudaStream_t);                                               \
+  template cudaError_t all_reduce_adamax<T>(T* const*, T* const*, T* const*, int, const T* const*, int, double,   \
+                                            double, double, double, double, long long, cudaStream_t);            \
+  template cudaError_t nadam<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double, double,   \
+                                double, double, double, double, long long, cudaStream_t);                        \
+  template cudaError_t all_reduce_nadam<T>(T* const*, T* const*, T* const*, int, const T* const*, int, double,    \
+                                           double, double, double, double, double, double, double, long long,    \
+                                           cudaStream_t);                                                        \
+  template cudaError_t lion<T>(T* const*, T* const*, int, const T*, double, double, double, double, long long,    \
+                               cudaStream_t);                                                                    \
+  template cudaError_t all_reduce_lion<T>(T* const*, T* const*, int, const T* const*, int, double, double, double, \
+                                          double, long long, cudaStream_t);
+
 CUDIST_CUDA_DEFINE_ALL(float)
 CUDIST_CUDA_DEFINE_ALL(double)
 CUDIST_CUDA_DEFINE_ALL(__half)
@@ -37,6 +64,9 @@ CUDIST_CUDA_DEFINE_ALL(long long)
 CUDIST_CUDA_DEFINE_FLOAT(float)
 CUDIST_CUDA_DEFINE_FLOAT(double)
 CUDIST_CUDA_DEFINE_FLOAT(__half)
+CUDIST_CUDA_DEFINE_MORE(float)
+CUDIST_CUDA_DEFINE_MORE(double)
+CUDIST_CUDA_DEFINE_MORE(__half)
 
 }  // namespace cuda
 }  // namespace cudist

@@ -61,6 +61,12 @@ KERNELS = {
     "mirrored_all_reduce_sgd": ("float16", "float32", "float64"),
     "mirrored_all_reduce_momentum": ("float16", "float32", "float64"),
     "mirrored_all_reduce_adam": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_adamw": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_rmsprop": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_adagrad": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_adamax": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_nadam": ("float16", "float32", "float64"),
+    "mirrored_all_reduce_lion": ("float16", "float32", "float64"),
 }
 #: Most replica buffers one launch touches (cudist::kernels::kMaxReplicas).
 MAX_REPLICAS = 8
@@ -428,10 +434,12 @@ class CupyBackend(KernelBackend):
             local = [b if b.device.id == device else b.copy() for b in bufs]
             return cupy.concatenate(local, axis=axis)
 
-    def _mirrored(self, kernel, copies, slots, grad, scalars, grads=None):
+    def _mirrored(self, kernel, copies, slots, grad, scalars, grads=None, table_order=None):
         """Runs a mirrored-update kernel on copies[:MAX_REPLICAS] (and the slots), then broadcasts
         copy 0 of each to the rest. With ``grads`` (a list), the fused all-reduce form: the kernel
-        sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary."""
+        sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary.
+        ``table_order``: which group's pointer table goes to each of the kernel's table parameters
+        (RMSprop passes the velocities' for a slot it does not have and does not read)."""
         n, count, dtype = len(copies), copies[0].size, copies[0].dtype
         if count == 0:
             return
@@ -446,6 +454,8 @@ class CupyBackend(KernelBackend):
         staged_groups = [staged[i * n : (i + 1) * n] for i in range(len(groups))]
         m = min(n, MAX_REPLICAS)
         tables = [self._table(device, g[:m]) for g in staged_groups]
+        if table_order is not None:
+            tables = [tables[i] for i in table_order]
         if kernel == "mirrored_assign_add":
             args = (tables[0], np.int32(m), g_arrs[0], np.int64(count), *scalars)
         elif grads is None:
@@ -500,6 +510,57 @@ class CupyBackend(KernelBackend):
         ct = self._ct(copies[0].dtype)
         scalars = (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon))
         self._mirrored("mirrored_all_reduce_adam", copies, [ms, vs], None, scalars, grads=grads)
+
+    # AdamW ... Lion: one fused kernel each; the plain update is that kernel with one gradient.
+    def _opt(self, name, copies, slots, grads, hyper, flags=()):
+        ct = self._ct(copies[0].dtype)
+        scalars = tuple(ct(h) for h in hyper) + tuple(np.int32(f) for f in flags)
+        self._mirrored(f"mirrored_all_reduce_{name}", copies, list(slots), None, scalars, grads=list(grads))
+
+    def _hook_all_reduce_adamw(self, copies, ms, vs, grads, *hyper):
+        self._opt("adamw", copies, (ms, vs), grads, hyper)
+
+    def _hook_adamw(self, copies, ms, vs, grad, *hyper):
+        self._opt("adamw", copies, (ms, vs), (grad,), hyper)
+
+    def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, lr, rho, momentum, epsilon, decay):
+        present = [vels] + [s for s in (moms, avgs) if s is not None]
+        order, i = [0, 1], 2
+        for s in (moms, avgs):
+            order.append(i if s is not None else 1)
+            i += s is not None
+        ct = self._ct(copies[0].dtype)
+        scalars = tuple(ct(h) for h in (lr, rho, momentum, epsilon, decay))
+        scalars += (np.int32(moms is not None), np.int32(avgs is not None))
+        self._mirrored("mirrored_all_reduce_rmsprop", copies, present, None, scalars, grads=list(grads),
+                       table_order=order)
+
+    def _hook_rmsprop(self, copies, vels, moms, avgs, grad, *hyper):
+        self._hook_all_reduce_rmsprop(copies, vels, moms, avgs, (grad,), *hyper)
+
+    def _hook_all_reduce_adagrad(self, copies, accs, grads, *hyper):
+        self._opt("adagrad", copies, (accs,), grads, hyper)
+
+    def _hook_adagrad(self, copies, accs, grad, *hyper):
+        self._opt("adagrad", copies, (accs,), (grad,), hyper)
+
+    def _hook_all_reduce_adamax(self, copies, ms, us, grads, *hyper):
+        self._opt("adamax", copies, (ms, us), grads, hyper)
+
+    def _hook_adamax(self, copies, ms, us, grad, *hyper):
+        self._opt("adamax", copies, (ms, us), (grad,), hyper)
+
+    def _hook_all_reduce_nadam(self, copies, ms, vs, grads, *hyper):
+        self._opt("nadam", copies, (ms, vs), grads, hyper)
+
+    def _hook_nadam(self, copies, ms, vs, grad, *hyper):
+        self._opt("nadam", copies, (ms, vs), (grad,), hyper)
+
+    def _hook_all_reduce_lion(self, copies, ms, grads, *hyper):
+        self._opt("lion", copies, (ms,), grads, hyper)
+
+    def _hook_lion(self, copies, ms, grad, *hyper):
+        self._opt("lion", copies, (ms,), (grad,), hyper)
 
     # ------------------------------------------------------------------ batch scatter
     def scatter(self, batch, devices):

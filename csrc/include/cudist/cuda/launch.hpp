@@ -99,6 +99,85 @@ cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n,
                             double lr_t, double beta_1, double beta_2, double epsilon, long long count,
                             cudaStream_t stream = nullptr);
 
+/// AdamW, RMSprop, Adagrad, Adamax, Nadam and Lion (cudist's kernel contract, Keras 3 formulas):
+/// the plain update on the n copies from `grad`, and the fused all-reduce form from the m gradients
+/// `grads` (summed in replica order in T as all_reduce_sgd does; more than kMaxReplicas are first
+/// reduced into a stream-ordered temporary). `decay` is the decoupled weight decay
+/// (weight_decay * lr: w -= w * decay first; 0: none). RMSprop's `momentums` / `average_grads` may
+/// be null (no momentum / not centered). Gradients must not overlap what is written.
+template <class T>
+cudaError_t adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
+                  double beta_2, double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
+                             double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
+                             cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, int n,
+                    const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
+                    long long count, cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
+                               int n, const T* const* grads, int m, double lr, double rho, double momentum,
+                               double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t adagrad(T* const* copies, T* const* accumulators, int n, const T* grad, double lr, double epsilon,
+                    double decay, long long count, cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t all_reduce_adagrad(T* const* copies, T* const* accumulators, int n, const T* const* grads, int m, double lr,
+                               double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
+/// Adamax takes lr_t = lr / (1 - beta_1^step) (cudist::adamax_lr_t in <cudist/updates.hpp>).
+template <class T>
+cudaError_t adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* grad, double lr_t, double beta_1,
+                   double beta_2, double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t all_reduce_adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* const* grads, int m,
+                              double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
+                              cudaStream_t stream = nullptr);
+/// Nadam takes the step's coefficients c_m, c_g, c_v (cudist._kernels.nadam_step in Python).
+template <class T>
+cudaError_t nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr, double beta_1,
+                  double beta_2, double epsilon, double c_m, double c_g, double c_v, double decay, long long count,
+                  cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t all_reduce_nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
+                             double lr, double beta_1, double beta_2, double epsilon, double c_m, double c_g,
+                             double c_v, double decay, long long count, cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t lion(T* const* copies, T* const* ms, int n, const T* grad, double lr, double beta_1, double beta_2,
+                 double decay, long long count, cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* const* grads, int m, double lr,
+                            double beta_1, double beta_2, double decay, long long count, cudaStream_t stream = nullptr);
+
+#define CUDIST_CUDA_DECLARE_MORE(T)                                                                             \
+  extern template cudaError_t adamw<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double,  \
+                                       double, double, long long, cudaStream_t);                                \
+  extern template cudaError_t all_reduce_adamw<T>(T* const*, T* const*, T* const*, int, const T* const*, int,    \
+                                                  double, double, double, double, double, long long, cudaStream_t); \
+  extern template cudaError_t rmsprop<T>(T* const*, T* const*, T* const*, T* const*, int, const T*, double,     \
+                                         double, double, double, double, long long, cudaStream_t);              \
+  extern template cudaError_t all_reduce_rmsprop<T>(T* const*, T* const*, T* const*, T* const*, int,            \
+                                                    const T* const*, int, double, double, double, double, double, \
+                                                    long long, cudaStream_t);                                   \
+  extern template cudaError_t adagrad<T>(T* const*, T* const*, int, const T*, double, double, double, long long, \
+                                         cudaStream_t);                                                         \
+  extern template cudaError_t all_reduce_adagrad<T>(T* const*, T* const*, int, const T* const*, int, double,    \
+                                                    double, double, long long, cudaStream_t);                   \
+  extern template cudaError_t adamax<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double, \
+                                        double, double, long long, cudaStream_t);                               \
+  extern template cudaError_t all_reduce_adamax<T>(T* const*, T* const*, T* const*, int, const T* const*, int,   \
+                                                   double, double, double, double, double, long long, cudaStream_t); \
+  extern template cudaError_t nadam<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double,  \
+                                       double, double, double, double, double, long long, cudaStream_t);        \
+  extern template cudaError_t all_reduce_nadam<T>(T* const*, T* const*, T* const*, int, const T* const*, int,    \
+                                                  double, double, double, double, double, double, double, double, \
+                                                  long long, cudaStream_t);                                     \
+  extern template cudaError_t lion<T>(T* const*, T* const*, int, const T*, double, double, double, double,      \
+                                      long long, cudaStream_t);                                                 \
+  extern template cudaError_t all_reduce_lion<T>(T* const*, T* const*, int, const T* const*, int, double, double, \
+                                                 double, double, long long, cudaStream_t);
+
 #define CUDIST_CUDA_DECLARE_ALL(T)                                                                             \
   extern template cudaError_t all_reduce<T>(T* const*, int, long long, reduce_op, cudaStream_t);              \
   extern template cudaError_t all_reduce<T>(const T* const*, T* const*, int, long long, reduce_op, cudaStream_t); \
@@ -130,6 +209,9 @@ CUDIST_CUDA_DECLARE_ALL(long long)
 CUDIST_CUDA_DECLARE_FLOAT(float)
 CUDIST_CUDA_DECLARE_FLOAT(double)
 CUDIST_CUDA_DECLARE_FLOAT(__half)
+CUDIST_CUDA_DECLARE_MORE(float)
+CUDIST_CUDA_DECLARE_MORE(double)
+CUDIST_CUDA_DECLARE_MORE(__half)
 #endif
 
 }  // namespace cuda

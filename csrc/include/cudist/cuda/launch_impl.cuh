@@ -9,6 +9,8 @@
 #define CUDIST_CUDA_IMPLEMENTATION 1
 #endif
 
+#include <initializer_list>
+
 #include "../kernels/kernels.cuh"
 #include "launch.hpp"
 
@@ -361,5 +363,166 @@ cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n,
   return cudaSuccess;
 }
 
+namespace detail {
+// The fused updates of AdamW ... Lion: the gradients packed (more than kMaxReplicas pre-reduced),
+// `launch(k, grads, n_grads)` on copies [0, k) of every group, then copy 0 of each non-null group
+// broadcast to the other copies.
+template <class T, class Launch>
+cudaError_t run_fused(std::initializer_list<T* const*> groups, int n, const T* const* grads, int m, long long count,
+                      cudaStream_t stream, Launch&& launch) {
+  PtrPack<T> g{};
+  int ng = 0;
+  T* tmp = nullptr;
+  cudaError_t e = grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
+  if (e != cudaSuccess) return e;
+  const int k = n < kMaxReplicas ? n : kMaxReplicas;
+  launch(k, g, ng);
+  e = cudaGetLastError();
+  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
+  if (e != cudaSuccess) return e;
+  for (T* const* group : groups) {
+    if (group == nullptr) continue;
+    e = broadcast_from<T>(group[0], group, k, n, count, stream);
+    if (e != cudaSuccess) return e;
+  }
+  return cudaSuccess;
+}
+template <class T>
+inline PtrPack<T> pack_or_null(T* const* ptrs, int n) {
+  return ptrs == nullptr ? PtrPack<T>{} : pack(ptrs, n);
+}
+}  // namespace detail
+template <class T>
+cudaError_t all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
+                             double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
+                             cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::run_fused<T>({ms, vs, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
+    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adamw_packed<T>, detail::grid_for<T>(count), detail::kThreads,
+                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k), k, g, ng,
+                         static_cast<C>(lr_t), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
+                         static_cast<C>(decay), count);
+  });
+}
+template <class T>
+cudaError_t adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
+                  double beta_2, double epsilon, double decay, long long count, cudaStream_t stream) {
+  if (grad == nullptr) return cudaErrorInvalidValue;
+  return all_reduce_adamw<T>(copies, ms, vs, n, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, count, stream);
+}
+template <class T>
+cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
+                               int n, const T* const* grads, int m, double lr, double rho, double momentum,
+                               double epsilon, double decay, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || velocities == nullptr || detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::run_fused<T>(
+      {velocities, momentums, average_grads, copies}, n, grads, m, count, stream,
+      [&](int k, const detail::PtrPack<T>& g, int ng) {
+        CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_rmsprop_packed<T>, detail::grid_for<T>(count),
+                             detail::kThreads, stream, detail::pack(copies, k), detail::pack(velocities, k),
+                             detail::pack_or_null(momentums, k), detail::pack_or_null(average_grads, k), k, g, ng,
+                             static_cast<C>(lr), static_cast<C>(rho), static_cast<C>(momentum), static_cast<C>(epsilon),
+                             static_cast<C>(decay), momentums != nullptr ? 1 : 0, average_grads != nullptr ? 1 : 0,
+                             count);
+      });
+}
+template <class T>
+cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, int n,
+                    const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
+                    long long count, cudaStream_t stream) {
+  if (grad == nullptr) return cudaErrorInvalidValue;
+  return all_reduce_rmsprop<T>(copies, velocities, momentums, average_grads, n, &grad, 1, lr, rho, momentum, epsilon,
+                               decay, count, stream);
+}
+template <class T>
+cudaError_t all_reduce_adagrad(T* const* copies, T* const* accumulators, int n, const T* const* grads, int m, double lr,
+                               double epsilon, double decay, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || accumulators == nullptr || detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::run_fused<T>({accumulators, copies}, n, grads, m, count, stream,
+                              [&](int k, const detail::PtrPack<T>& g, int ng) {
+                                CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adagrad_packed<T>,
+                                                     detail::grid_for<T>(count), detail::kThreads, stream,
+                                                     detail::pack(copies, k), detail::pack(accumulators, k), k, g, ng,
+                                                     static_cast<C>(lr), static_cast<C>(epsilon), static_cast<C>(decay),
+                                                     count);
+                              });
+}
+template <class T>
+cudaError_t adagrad(T* const* copies, T* const* accumulators, int n, const T* grad, double lr, double epsilon,
+                    double decay, long long count, cudaStream_t stream) {
+  if (grad == nullptr) return cudaErrorInvalidValue;
+  return all_reduce_adagrad<T>(copies, accumulators, n, &grad, 1, lr, epsilon, decay, count, stream);
+}
+template <class T>
+cudaError_t all_reduce_adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* const* grads, int m,
+                              double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
+                              cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || ms == nullptr || us == nullptr || detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::run_fused<T>({ms, us, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
+    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adamax_packed<T>, detail::grid_for<T>(count), detail::kThreads,
+                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(us, k), k, g, ng,
+                         static_cast<C>(lr_t), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
+                         static_cast<C>(decay), count);
+  });
+}
+template <class T>
+cudaError_t adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* grad, double lr_t, double beta_1,
+                   double beta_2, double epsilon, double decay, long long count, cudaStream_t stream) {
+  if (grad == nullptr) return cudaErrorInvalidValue;
+  return all_reduce_adamax<T>(copies, ms, us, n, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, count, stream);
+}
+template <class T>
+cudaError_t all_reduce_nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
+                             double lr, double beta_1, double beta_2, double epsilon, double c_m, double c_g,
+                             double c_v, double decay, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::run_fused<T>({ms, vs, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
+    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_nadam_packed<T>, detail::grid_for<T>(count), detail::kThreads,
+                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k), k, g, ng,
+                         static_cast<C>(lr), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
+                         static_cast<C>(c_m), static_cast<C>(c_g), static_cast<C>(c_v), static_cast<C>(decay), count);
+  });
+}
+template <class T>
+cudaError_t nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr, double beta_1,
+                  double beta_2, double epsilon, double c_m, double c_g, double c_v, double decay, long long count,
+                  cudaStream_t stream) {
+  if (grad == nullptr) return cudaErrorInvalidValue;
+  return all_reduce_nadam<T>(copies, ms, vs, n, &grad, 1, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay, count,
+                             stream);
+}
+template <class T>
+cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* const* grads, int m, double lr,
+                            double beta_1, double beta_2, double decay, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || ms == nullptr || detail::bad_grads(grads, m)) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::run_fused<T>({ms, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
+    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_lion_packed<T>, detail::grid_for<T>(count), detail::kThreads,
+                         stream, detail::pack(copies, k), detail::pack(ms, k), k, g, ng, static_cast<C>(lr),
+                         static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(decay), count);
+  });
+}
+template <class T>
+cudaError_t lion(T* const* copies, T* const* ms, int n, const T* grad, double lr, double beta_1, double beta_2,
+                 double decay, long long count, cudaStream_t stream) {
+  if (grad == nullptr) return cudaErrorInvalidValue;
+  return all_reduce_lion<T>(copies, ms, n, &grad, 1, lr, beta_1, beta_2, decay, count, stream);
+}
 }  // namespace cuda
 }  // namespace cudist
