@@ -324,11 +324,12 @@ def _reduce_range(argp, lo, hi, dtype):
 
 
 @_cached(njit)
-def _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, zero, one, tc, t1, t2, t3, tw, dtype):
+def _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, has_decay, zero, one, tc, t1, t2, t3, tw, dtype):
     """One block of the optimizers with weight decay (modes from _ADAMW): the new slot values into
-    t1..t3 and the variable's into tw (storage type), as NumPy's reference computes them."""
+    t1..t3 and the variable's into tw (storage type), as NumPy's reference computes them.
+    ``has_decay``: the float64 weight-decay factor is not 0 (the reference's test)."""
     dec = hp[_DECAY]
-    if dec != zero:
+    if has_decay:
         for j in range(m):
             x = _ld(w[j])
             tc[j] = x - x * dec
@@ -450,6 +451,7 @@ def _update_range(argp, lo, hi, dtype, ctype):
     cst[0] = 0
     cst[1] = 1
     zero, one = cst[0], cst[1]
+    has_decay = hp64[_DECAY] != 0.0
     tw = np.empty(_CHUNK, dtype)
     t1 = np.empty(_CHUNK, dtype)
     t2 = np.empty(_CHUNK, dtype)
@@ -490,7 +492,7 @@ def _update_range(argp, lo, hi, dtype, ctype):
                 t1[j] = _st(vv, dtype)
                 tw[j] = _st(ww, dtype)
         elif mode >= _ADAMW:
-            _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, zero, one, tc, t1, t2, t3, tw, dtype)
+            _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, has_decay, zero, one, tc, t1, t2, t3, tw, dtype)
         else:
             lr_t = hp[0]
             c1 = hp[4] - hp[1]  # one - beta_1, in the compute type as NumPy does
