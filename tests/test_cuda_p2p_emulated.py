@@ -206,6 +206,22 @@ def test_streams_of_the_buffers_devices(lib):
             lib.cudist_emu_stream_destroy(s)
 
 
+@pytest.mark.parametrize("handle", [0, 1, 2], ids=["null", "cudaStreamLegacy", "cudaStreamPerThread"])
+def test_default_stream_handles_of_different_devices_are_joined(lib, handle):
+    """The same default-stream handle on two devices names two streams: they must be joined (events
+    recorded on one, waited for on the other) before and after the kernels. The handles 1 and 2
+    (cudaStreamLegacy, cudaStreamPerThread) used to count as one stream, skipping every join."""
+    lib.cudist_emu_cross_device_waits.restype = ctypes.c_longlong
+    before = lib.cudist_emu_cross_device_waits()
+    _check(lib, np.random.default_rng(4), "float32", [0, 1, 2], 1000, ReduceOp.SUM, streams=[handle] * 3)
+    # Two joins of 3 streams, each stream waiting for the 2 others.
+    assert lib.cudist_emu_cross_device_waits() - before == 2 * 3 * 2
+    # One device: one stream, nothing to join.
+    before = lib.cudist_emu_cross_device_waits()
+    _check(lib, np.random.default_rng(5), "float32", [3, 3], 100, ReduceOp.SUM, streams=[handle] * 2)
+    assert lib.cudist_emu_cross_device_waits() == before
+
+
 def test_stream_of_another_device_fails_before_any_launch(lib):
     # The stream given for buffer 1 belongs to device 0, not 1: recording an event of device 1 on
     # it fails, as it would on a GPU, before anything is launched.

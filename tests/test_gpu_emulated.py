@@ -49,10 +49,10 @@ _SUMMARY_LINE = re.compile(r"^(?:FAILED|ERROR|XFAIL|XPASS|SKIPPED) .*$", re.M)
 _FAILING = re.compile(r"^(?:FAILED|ERROR) ([^\s\[]+(?:\[.*?\])?(?= - |$)|\S+)", re.M)
 
 
-def _report(peer: str, why: str, out: str) -> str:
+def _report(peer: str, why: str, out: str, mode: str = "") -> str:
     """A failure message naming every test that failed, erred or skipped in the inner run."""
     failing = _FAILING.findall(out)
-    head = f"gpu suite under the fake CuPy (peer={peer}) {why}"
+    head = f"gpu suite under the fake CuPy (peer={peer}{', mode=' + mode if mode else ''}) {why}"
     if failing:
         shown = ", ".join(failing[:5]) + (f", ... ({len(failing)} in all)" if len(failing) > 5 else "")
         head += f": {shown}"
@@ -67,17 +67,18 @@ def _run_gpu_suite(files, peer: str, **extra_env):
     env["CUDIST_EMU_PEER"] = peer
     env["COLUMNS"] = "160"  # the short summary keeps more of each failure's message
     env.pop("CUDIST_BACKEND", None)
+    env.setdefault("CUDIST_EMU_MODE", "")  # only the tests that ask for a harder mode get one
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfEsx", "--tb=short",
            "-m", "gpu or multi_gpu", *files]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     if proc.returncode != 0:
-        pytest.fail(_report(peer, f"failed (exit {proc.returncode})", out), pytrace=False)
+        pytest.fail(_report(peer, f"failed (exit {proc.returncode})", out, env.get("CUDIST_EMU_MODE", "")), pytrace=False)
     passed = int(m.group(1)) if (m := re.search(r"(\d+) passed", out)) else 0
     for word in ("skipped", "deselected", "xfailed", "failed", "error"):
         if re.search(rf"\d+ {word}", out) and word != "deselected":
             why = f"reports {word} tests: none may skip or fail under the fake"
-            pytest.fail(_report(peer, why, out), pytrace=False)
+            pytest.fail(_report(peer, why, out, env.get("CUDIST_EMU_MODE", "")), pytrace=False)
     return passed, out
 
 
@@ -113,6 +114,18 @@ def test_kernel_and_strategy_suites_pass_without_peer_access():
     files = ["tests/test_gpu_kernels.py", "tests/test_gpu_strategy.py"]
     passed, _ = _run_gpu_suite(files, "none")
     assert passed > 100
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("mode", ["streams", "shuffle", "ftz"])
+def test_whole_gpu_suite_passes_in_the_harder_modes(collected, mode):
+    """CUDIST_EMU_MODE (see tests/emu/fakecupy/cupy/_emu.py): other streams' queued work runs first
+    whenever work must run (a GPU reusing a buffer a peer still reads is caught); each kernel
+    launch runs its threads in a random order (aliasing races); float32 intrinsics flush
+    subnormals as CuPy's -ftz=true makes them do. Each mode runs the whole suite, seeded."""
+    _compiler_or_skip()
+    passed, out = _run_gpu_suite(GPU_FILES, "all", CUDIST_EMU_MODE=mode, CUDIST_EMU_SEED="15")
+    assert passed >= collected, f"only {passed} of {collected} gpu tests passed in mode {mode}:\n{out[-3000:]}"
 
 
 @pytest.mark.heavy

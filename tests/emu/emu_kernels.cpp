@@ -111,3 +111,9 @@ extern "C" int cudist_emu_device_disable_peer_access(int peer) { return cudaDevi
 extern "C" long long cudist_emu_async_allocations() { return cudist_emu::async_allocations.load(); }
 /// Forgets the enabled peer pairs and the calling thread's current device and last error.
 extern "C" void cudist_emu_reset() { cudist_emu::reset(); }
+/// Sets the harder modes of cuda_emu.hpp for this process (tests; normally CUDIST_EMU_MODE sets them).
+extern "C" void cudist_emu_set_modes(int shuffle, int ftz, unsigned long long seed) {
+  cudist_emu::modes().shuffle = shuffle != 0;
+  cudist_emu::modes().ftz = ftz != 0;
+  cudist_emu::modes().seed = seed;
+}

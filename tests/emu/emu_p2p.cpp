@@ -38,3 +38,6 @@ extern "C" void* cudist_emu_stream_create(int device) {
 }
 
 extern "C" int cudist_emu_stream_destroy(void* stream) { return cudaStreamDestroy(static_cast<cudaStream_t>(stream)); }
+
+/// Cross-device cudaStreamWaitEvent calls so far (the joins between GPUs' streams).
+extern "C" long long cudist_emu_cross_device_waits() { return cudist_emu::cross_device_waits.load(); }

@@ -225,8 +225,10 @@ def _packs(
                         off = 0
                         for j in ids:
                             s = leaves[j].size
-                            # asarray: a replica's leaf on another GPU (or the host) is moved here first
-                            buf[off : off + s] = (leaves[j] if xp is np else xp.asarray(leaves[j])).reshape(-1)
+                            # like(): a replica's leaf on another GPU is copied here first, that copy
+                            # ordered after the leaf's GPU's writes and before its later ones (a bare
+                            # asarray() would be an unordered cross-device copy); host leaves uploaded
+                            buf[off : off + s] = (leaves[j] if xp is np else like(leaves[j], buf)).reshape(-1)
                             off += s
                 bufs.append(buf)
             yield ids, bufs, b, kop, int_mean
@@ -428,7 +430,7 @@ def gather_arrays(arrs: Sequence[Any], axis: int) -> Array:
                 return b.all_gather(arrs, axis)  # type: ignore[no-untyped-call]
             # Validated like a kernel call (shapes, axis), then concatenated by CuPy.
             numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)  # type: ignore[no-untyped-call]
-            return xp.concatenate([xp.asarray(a) for a in arrs], axis=axis)
+            return xp.concatenate([like(a, arrs[0]) for a in arrs], axis=axis)  # cross-GPU copies ordered
     arrs = [contiguous(to_host(a)) for a in arrs]
     b = cpu_backend()
     if arrs[0].dtype not in b.dtypes:

@@ -115,6 +115,24 @@ def _ranges_overlap(a, b) -> bool:
     return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
 
 
+def _partial_overlap(a, b) -> bool:
+    """Whether ``a`` and ``b`` overlap other than by being exactly the same elements."""
+    return _ranges_overlap(a, b) and not (a.data.ptr == b.data.ptr and a.nbytes == b.nbytes)
+
+
+_MEMORY_ASYNC = getattr(getattr(cupy.cuda, "memory", None), "MemoryAsync", None)
+
+
+def _from_async_pool(a) -> bool:
+    """Whether ``a`` lives in a stream-ordered pool (cudaMallocAsync: CuPy's MemoryAsyncPool).
+
+    cudaDeviceEnablePeerAccess does not map such memory for other GPUs (that takes
+    cudaMemPoolSetAccess on the pool, which CuPy does not expose), so kernels on another GPU must
+    not touch it: it is staged through copies like memory of a GPU without peer access.
+    """
+    return _MEMORY_ASYNC is not None and isinstance(getattr(a.data, "mem", None), _MEMORY_ASYNC)
+
+
 class CupyBackend(KernelBackend):
     """Kernel backend over CuPy arrays on NVIDIA GPUs (see the module docstring)."""
 
@@ -217,6 +235,11 @@ class CupyBackend(KernelBackend):
             self._peer[key] = ok
         return ok
 
+    def _reachable(self, device: int, a) -> bool:
+        """Whether kernels on ``device`` may touch array ``a`` (its own, or a peer's outside async pools)."""
+        d = a.device.id
+        return d == device or (self._peer_ok(device, d) and not _from_async_pool(a))
+
     def _wait_for(self, waiter: int, devices) -> None:
         """Makes ``waiter``'s current stream wait for the work queued so far on ``devices``."""
         for d in devices:
@@ -234,8 +257,7 @@ class CupyBackend(KernelBackend):
             staged = {}  # id(original) -> copy on `device`
             back = {}  # id(original) -> (original, copy) for the ones the kernels write
             for a, w in zip(arrays, written):
-                d = a.device.id
-                if d == device or backend._peer_ok(device, d):
+                if backend._reachable(device, a):
                     self.arrays.append(a)
                     continue
                 s = staged.get(id(a))
@@ -341,7 +363,7 @@ class CupyBackend(KernelBackend):
             return False
         if bufs[0].nbytes < _TWO_SHOT_MIN_BYTES:
             return False
-        return all(self._peer_ok(d, e) for d in devices for e in devices)
+        return all(self._reachable(d, b) for d in devices for b in bufs)
 
     # ------------------------------------------------------------------ hooks
     def _hook_all_reduce(self, inputs, outputs, op):
@@ -403,8 +425,12 @@ class CupyBackend(KernelBackend):
         device = out.device.id
         st = self._Staging(self, device, list(bufs) + [out], [False] * n + [True])
         b, o = st.arrays[:n], st.arrays[n]
-        # With several passes `o` holds the running sum, so it must not overlap a later input.
-        if n > MAX_REPLICAS and any(_ranges_overlap(o, x) for x in b[MAX_REPLICAS:]):
+        # An output exactly equal to an input is fine (each element is read, then written, by one
+        # thread); partially overlapping one, threads would overwrite elements others still read.
+        # With several passes `o` also holds the running sum, so it must not overlap a later input.
+        if any(_partial_overlap(o, x) for x in b) or (
+            n > MAX_REPLICAS and any(_ranges_overlap(o, x) for x in b[MAX_REPLICAS:])
+        ):
             with cupy.cuda.Device(device):
                 tmp = cupy.empty_like(o)
             self._reduce_into(device, b, tmp, [], divisor)
@@ -429,10 +455,15 @@ class CupyBackend(KernelBackend):
 
     def _hook_all_gather(self, bufs, axis):
         device = bufs[0].device.id
+        others = sorted({b.device.id for b in bufs} - {device})
         with cupy.cuda.Device(device):
-            self._wait_for(device, {b.device.id for b in bufs})
+            self._wait_for(device, others)  # the copies read what the sources' GPUs wrote
             local = [b if b.device.id == device else b.copy() for b in bufs]
-            return cupy.concatenate(local, axis=axis)
+            out = cupy.concatenate(local, axis=axis)
+        # ... and the sources' GPUs may overwrite (or free) their buffers only after the copies.
+        for d in others:
+            self._wait_for(d, [device])
+        return out
 
     def _mirrored(self, kernel, copies, slots, grad, scalars, grads=None, table_order=None):
         """Runs a mirrored-update kernel on copies[:MAX_REPLICAS] (and the slots), then broadcasts
@@ -617,7 +648,7 @@ class CupyBackend(KernelBackend):
             return outs
         src = a if a.flags.c_contiguous else cupy.ascontiguousarray(a)
         device = src.device.id
-        if src.dtype not in SUPPORTED_DTYPES or any(not self._peer_ok(device, d) for d in set(devices)):
+        if src.dtype not in SUPPORTED_DTYPES or any(not self._reachable(device, o) for o in outs):
             # No kernel for this dtype, or no peer access: plain copies (the driver stages them).
             self._wait_for(device, set(devices))
             with cupy.cuda.Device(device):

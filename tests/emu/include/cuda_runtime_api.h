@@ -11,21 +11,25 @@
 //    cudaErrorPeerAccessNotEnabled;
 //  * the last error is per host thread: cudaGetLastError returns and clears it,
 //    cudaPeekAtLastError only returns it;
-//  * streams and events are opaque handles remembering their device; the null stream is valid;
+//  * streams and events are opaque handles remembering their device; the null stream (and
+//    cudaStreamLegacy / cudaStreamPerThread) is valid and means the current device's default stream;
 //  * everything is synchronous: a launch or copy has finished when the call returns, so
 //    synchronizations and waits only validate their arguments.
 // Everything is inline (C++17 inline variables hold the state), so any number of translation units
 // of the emulation library share one runtime.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstddef>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <random>
 #include <set>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "cuda_emu.hpp"
 
@@ -70,6 +74,9 @@ struct CUevent_st {
 };
 typedef struct CUstream_st* cudaStream_t;
 typedef struct CUevent_st* cudaEvent_t;
+// As in CUDA: handles naming the current device's legacy and per-thread default streams.
+#define cudaStreamLegacy ((cudaStream_t)0x1)
+#define cudaStreamPerThread ((cudaStream_t)0x2)
 
 namespace cudist_emu {
 
@@ -87,6 +94,18 @@ inline bool valid_device(int d) { return d >= 0 && d < device_count(); }
 
 inline thread_local int current_device = 0;
 inline thread_local cudaError_t last_error = cudaSuccess;
+
+/// Whether a stream handle means "this device's default stream" (null, legacy, per-thread):
+/// the same handle on two devices is two streams.
+inline bool device_relative(cudaStream_t s) {
+  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
+}
+/// The device a stream belongs to (a default-stream handle: the current device).
+inline int stream_device(cudaStream_t s) { return device_relative(s) ? current_device : s->device; }
+
+/// cudaStreamWaitEvent calls whose stream and event are on different devices (the cross-GPU
+/// joins), so that tests can check that orchestration code makes them.
+inline std::atomic<long long> cross_device_waits{0};
 
 struct PeerTable {
   std::mutex mu;
@@ -226,7 +245,7 @@ inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* stream, unsigned int 
 }
 inline cudaError_t cudaStreamCreate(cudaStream_t* stream) { return cudaStreamCreateWithFlags(stream, 0); }
 inline cudaError_t cudaStreamDestroy(cudaStream_t stream) {
-  if (stream == nullptr) return cudist_emu::fail(cudaErrorInvalidResourceHandle);
+  if (cudist_emu::device_relative(stream)) return cudist_emu::fail(cudaErrorInvalidResourceHandle);
   delete stream;
   return cudaSuccess;
 }
@@ -250,7 +269,7 @@ inline cudaError_t cudaEventDestroy(cudaEvent_t event) {
 inline cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream = nullptr) {
   if (event == nullptr) return cudist_emu::fail(cudaErrorInvalidResourceHandle);
   // As on a GPU, an event and the stream it is recorded on must belong to the same device.
-  if (stream != nullptr && stream->device != event->device) return cudist_emu::fail(cudaErrorInvalidResourceHandle);
+  if (cudist_emu::stream_device(stream) != event->device) return cudist_emu::fail(cudaErrorInvalidResourceHandle);
   event->recorded = true;
   return cudaSuccess;
 }
@@ -260,9 +279,10 @@ inline cudaError_t cudaEventSynchronize(cudaEvent_t event) {
 inline cudaError_t cudaEventQuery(cudaEvent_t event) {
   return event == nullptr ? cudist_emu::fail(cudaErrorInvalidResourceHandle) : cudaSuccess;
 }
-inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t event, unsigned int flags = 0) {
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t stream, cudaEvent_t event, unsigned int flags = 0) {
   if (event == nullptr) return cudist_emu::fail(cudaErrorInvalidResourceHandle);
   if (flags != 0) return cudist_emu::fail(cudaErrorInvalidValue);
+  if (cudist_emu::stream_device(stream) != event->device) ++cudist_emu::cross_device_waits;
   return cudaSuccess;
 }
 
@@ -332,7 +352,8 @@ inline cudaError_t cudaMemset(void* dst, int value, std::size_t n) { return cuda
 namespace cudist_emu {
 
 /// Runs `kernel<<<grid, block, 0, stream>>>(args...)` on the calling host thread: every thread of
-/// every block in turn (blocks in z, y, x order, threads likewise), with the built-in variables set
+/// every block in turn (blocks in z, y, x order, threads likewise; in a random order of (block,
+/// thread) pairs in the `shuffle` mode, see cuda_emu.hpp), with the built-in variables set
 /// for each. Returns once the kernel has finished, like everything here. Bad configurations and a
 /// stream of another device than the current one set the last error and run nothing, as on a GPU.
 template <class... P, class... A>
@@ -344,7 +365,7 @@ inline void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t str
     fail(cudaErrorInvalidConfiguration);
     return;
   }
-  if (stream != nullptr && stream->device != current_device) {
+  if (!device_relative(stream) && stream->device != current_device) {
     fail(cudaErrorInvalidResourceHandle);
     return;
   }
@@ -354,6 +375,21 @@ inline void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t str
   const dim3 saved_grid = gridDim, saved_dim = blockDim;
   gridDim = grid;
   blockDim = block;
+  if (modes().shuffle) {
+    // Every (block, thread) pair once, in a random order (the seed and a launch counter pick it).
+    static std::atomic<unsigned long long> launches{0};
+    const unsigned long long blocks = (unsigned long long)grid.x * grid.y * grid.z;
+    std::vector<unsigned long long> order(blocks * threads);
+    for (unsigned long long i = 0; i < order.size(); ++i) order[i] = i;
+    std::mt19937_64 rng(modes().seed * 0x9E3779B97F4A7C15ull + launches++);
+    std::shuffle(order.begin(), order.end(), rng);
+    for (const unsigned long long i : order) {
+      const unsigned long long b = i / threads, t = i % threads;
+      blockIdx = uint3{(unsigned)(b % grid.x), (unsigned)(b / grid.x % grid.y), (unsigned)(b / grid.x / grid.y)};
+      threadIdx = uint3{(unsigned)(t % block.x), (unsigned)(t / block.x % block.y), (unsigned)(t / block.x / block.y)};
+      std::apply(kernel, params);
+    }
+  } else {
   for (unsigned bz = 0; bz < grid.z; ++bz)
     for (unsigned by = 0; by < grid.y; ++by)
       for (unsigned bx = 0; bx < grid.x; ++bx) {
@@ -365,6 +401,7 @@ inline void launch(void (*kernel)(P...), dim3 grid, dim3 block, cudaStream_t str
               std::apply(kernel, params);
             }
       }
+  }
   threadIdx = saved_thread;
   blockIdx = saved_block;
   gridDim = saved_grid;

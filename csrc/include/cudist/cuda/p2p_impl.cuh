@@ -32,9 +32,13 @@ class device_guard {
   cudaError_t status_;
 };
 
-// A null stream handle means a different stream on every device (each one's legacy default stream).
+// The null, cudaStreamLegacy and cudaStreamPerThread handles name the current device's default
+// stream: the same handle on two devices is two streams.
+inline bool device_relative(cudaStream_t s) {
+  return s == nullptr || s == cudaStreamLegacy || s == cudaStreamPerThread;
+}
 inline bool same_stream(const int* devices, const cudaStream_t* streams, int a, int b) {
-  return streams[a] == streams[b] && (streams[a] != nullptr || devices[a] == devices[b]);
+  return streams[a] == streams[b] && (!device_relative(streams[a]) || devices[a] == devices[b]);
 }
 
 // Makes each of the distinct streams wait for the work enqueued so far on all the others.

@@ -9,9 +9,10 @@
 //    addition; integers wrap around);
 //  * MEAN divides that sum by N: IEEE division for floats, truncation toward zero for integers;
 //  * updates of float16 variables compute in float32 and round to nearest even on store.
-// Floating-point arithmetic goes through the `__f*_rn` / `__d*_rn` intrinsics: they are never
-// contracted into FMAs and always round to nearest, whatever -fmad / -prec-div / -use_fast_math the
-// including translation unit (or CuPy) compiles with, so the GPU matches NumPy exactly.
+// Floating-point arithmetic goes through the `__d*_rn` intrinsics and, for float32, `.rn` PTX
+// without `.ftz`: never contracted into FMAs, always rounded to nearest, subnormals kept, whatever
+// -fmad / -prec-div / -ftz / -use_fast_math the including translation unit (or CuPy, which forces
+// -ftz=true) compiles with, so the GPU matches NumPy exactly.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -43,11 +44,33 @@ __device__ __forceinline__ double to_compute(double x) { return x; }
 template <class T> __device__ __forceinline__ T from_compute(typename compute<T>::type x) { return x; }
 template <> __device__ __forceinline__ __half from_compute<__half>(float x) { return __float2half_rn(x); }
 
-__device__ __forceinline__ float add(float a, float b) { return __fadd_rn(a, b); }
-__device__ __forceinline__ float sub(float a, float b) { return __fsub_rn(a, b); }
-__device__ __forceinline__ float mul(float a, float b) { return __fmul_rn(a, b); }
-__device__ __forceinline__ float div(float a, float b) { return __fdiv_rn(a, b); }
-__device__ __forceinline__ float sqrt_rn(float a) { return __fsqrt_rn(a); }
+// float32 goes through PTX without `.ftz`: CuPy compiles every RawModule with -ftz=true, under
+// which the __f*_rn intrinsics flush subnormal operands and results to zero (NumPy keeps them).
+// The host branch (the CPU emulation in tests/emu) is plain IEEE arithmetic.
+#if defined(__CUDA_ARCH__)
+#define CUDIST_F32_BINARY(name, op)                                                   \
+  __device__ __forceinline__ float name(float a, float b) {                           \
+    float r;                                                                          \
+    asm(op ".rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));                         \
+    return r;                                                                         \
+  }
+CUDIST_F32_BINARY(add, "add")
+CUDIST_F32_BINARY(sub, "sub")
+CUDIST_F32_BINARY(mul, "mul")
+CUDIST_F32_BINARY(div, "div")
+#undef CUDIST_F32_BINARY
+__device__ __forceinline__ float sqrt_rn(float a) {
+  float r;
+  asm("sqrt.rn.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
+#else
+__device__ __forceinline__ float add(float a, float b) { return a + b; }
+__device__ __forceinline__ float sub(float a, float b) { return a - b; }
+__device__ __forceinline__ float mul(float a, float b) { return a * b; }
+__device__ __forceinline__ float div(float a, float b) { return a / b; }
+__device__ __forceinline__ float sqrt_rn(float a) { return sqrtf(a); }
+#endif
 __device__ __forceinline__ double add(double a, double b) { return __dadd_rn(a, b); }
 __device__ __forceinline__ double sub(double a, double b) { return __dsub_rn(a, b); }
 __device__ __forceinline__ double mul(double a, double b) { return __dmul_rn(a, b); }
@@ -74,7 +97,7 @@ __device__ __forceinline__ long long sub(long long a, long long b) {
 }
 
 // MEAN: the (already reduced) sum divided by the replica count n >= 1.
-__device__ __forceinline__ float divide_by(float s, int n) { return __fdiv_rn(s, (float)n); }
+__device__ __forceinline__ float divide_by(float s, int n) { return div(s, (float)n); }
 __device__ __forceinline__ double divide_by(double s, int n) { return __ddiv_rn(s, (double)n); }
 __device__ __forceinline__ __half divide_by(__half s, int n) {
   return __float2half_rn(__fdiv_rn(__half2float(s), (float)n));

@@ -329,7 +329,9 @@ class ndarray:  # noqa: N801 - CuPy's name
 
     @property
     def data(self) -> _memory.MemoryPointer:
-        mem = _memory.UnownedMemory(self._ptr, self.nbytes, self, device_id=self._dev)
+        alloc = _emu.find(self._ptr) if self._ptr else None
+        kind = _memory.MemoryAsync if alloc is not None and alloc.async_pool else _memory.UnownedMemory
+        mem = kind(self._ptr, self.nbytes, self, device_id=self._dev)
         return _memory.MemoryPointer(mem, 0)
 
     @property

@@ -18,6 +18,17 @@ Configuration (environment, read once at import):
         ``getDeviceCount`` raise cudaErrorInsufficientDriver, as CUDA does.
     CUDIST_EMU_SYNC: ``1`` runs every operation as soon as it is queued (for debugging: a test that
         passes only with it set has a missing stream/event wait or a host buffer race).
+    CUDIST_EMU_MODE: harder modes, comma-separated (tests/test_gpu_emulated.py runs the suite in each):
+        ``streams`` -- whenever work must run, every *other* stream's queued work runs first (in a
+        random order), so independent streams really run out of order: a GPU that overwrites or
+        frees a buffer while a peer's queued copy or kernel still reads it is caught (the default
+        lazy order only catches readers that did not wait for their writers);
+        ``shuffle`` -- each kernel launch runs its (block, thread) pairs in a random order instead
+        of one after the other (exposes aliasing races between elements of one launch);
+        ``ftz`` -- float32 ``__f*_rn`` intrinsics flush subnormal inputs and results to zero, as
+        CuPy's forced ``-ftz=true`` makes them do on a GPU.
+        ``shuffle`` and ``ftz`` act in the C++ emulation library (tests/emu/include), which reads
+        the same variable. CUDIST_EMU_SEED (default 0) seeds the random orders.
 
 Work is asynchronous as on a GPU: every device operation is queued on a stream (:class:`Queue`)
 and runs only when something forces it (a synchronize, an event query, a host read that syncs,
@@ -39,6 +50,7 @@ from __future__ import annotations
 import bisect
 import collections
 import os
+import random
 import threading
 import weakref
 
@@ -64,6 +76,11 @@ DEVICE_COUNT = _device_count()
 SMS = int(os.environ.get("CUDIST_EMU_SMS", "2"))
 NCCL_AVAILABLE = os.environ.get("CUDIST_EMU_NCCL", "1") != "0"
 SYNC = os.environ.get("CUDIST_EMU_SYNC", "0") == "1"
+MODES = frozenset(m.strip() for m in os.environ.get("CUDIST_EMU_MODE", "").split(",") if m.strip())
+_UNKNOWN_MODES = MODES - {"streams", "shuffle", "ftz"}
+if _UNKNOWN_MODES:
+    raise RuntimeError(f"CUDIST_EMU_MODE: unknown mode(s) {sorted(_UNKNOWN_MODES)}; known: streams, shuffle, ftz")
+_RNG = random.Random(int(os.environ.get("CUDIST_EMU_SEED", "0")))
 DRIVER_VERSION = int(os.environ.get("CUDIST_EMU_DRIVER", "12080"))
 RUNTIME_VERSION = int(os.environ.get("CUDIST_EMU_RUNTIME", "12080"))
 
@@ -121,7 +138,8 @@ class Allocation:
     touches unmapped memory.
     """
 
-    __slots__ = ("ptr", "size", "capacity", "device", "stream", "raw", "guard_at", "base_off", "live", "stamp", "__weakref__")
+    __slots__ = ("ptr", "size", "capacity", "device", "stream", "raw", "guard_at", "base_off", "live", "stamp",
+                 "async_pool", "__weakref__")
 
     def __init__(self, ptr, capacity, device, stream, raw, base_off):
         self.ptr, self.capacity, self.device, self.stream, self.raw = ptr, capacity, device, stream, raw
@@ -130,6 +148,7 @@ class Allocation:
         self.guard_at = base_off
         self.live = False
         self.stamp = 0  # HANDOUTS when it was last handed out
+        self.async_pool = False  # from a stream-ordered pool (cudaMallocAsync): peers need pool access
 
     def _hand_out(self, nbytes: int) -> None:
         global HANDOUTS
@@ -176,6 +195,10 @@ _FREE: dict[tuple, list[Allocation]] = {}  # (device, stream key, size) -> free 
 # sit right after the data and must not move while queued work may still use the block.
 POOL_UNIT = 512
 HANDOUTS = 0  # blocks handed out so far: tells queued work whether a block changed owner since
+# Whether device allocations come from a stream-ordered pool (cupy.cuda.set_allocator(
+# MemoryAsyncPool().malloc)): cudaDeviceEnablePeerAccess does not map such memory for other GPUs
+# (cudaMemPoolSetAccess on the pool would; CuPy does not expose it, so the emulator never grants it).
+ASYNC_ALLOCATOR = False
 
 
 def _pool_key(device, stream, size):
@@ -225,6 +248,7 @@ def allocate(nbytes: int, device: int | None, stream_ptr: int = 0) -> tuple[np.n
             _ALLOCS[alloc.ptr] = alloc
             bisect.insort(_STARTS, alloc.ptr)
         alloc._hand_out(nbytes)
+        alloc.async_pool = ASYNC_ALLOCATOR and device is not None
         return alloc.block(), alloc, Owner(alloc)
 
 
@@ -242,7 +266,9 @@ def find(ptr: int, *, pooled: bool = False) -> Allocation | None:
 
 def may_access(device: int, alloc: Allocation) -> bool:
     """Whether a kernel running on ``device`` may touch ``alloc``."""
-    return alloc.device is None or alloc.device == device or (device, alloc.device) in PEER_ENABLED
+    if alloc.device is None or alloc.device == device:
+        return True
+    return (device, alloc.device) in PEER_ENABLED and not alloc.async_pool
 
 
 def check_range(ptr: int, nbytes: int, what: str, *, device: int | None = None, pooled: bool = False,
@@ -269,11 +295,13 @@ def check_range(ptr: int, nbytes: int, what: str, *, device: int | None = None, 
             f"the {size}-byte allocation on {a.where()}"
         )
     if device is not None and not may_access(device, a):
-        why = (
-            "peer access to it was never enabled (cudaDeviceEnablePeerAccess)"
-            if can_access_peer(device, a.device)
-            else "the devices cannot access each other's memory"
-        )
+        if a.async_pool and (device, a.device) in PEER_ENABLED:
+            why = ("it comes from a stream-ordered pool (cudaMallocAsync), which peer access does not map "
+                   "(that takes cudaMemPoolSetAccess)")
+        elif can_access_peer(device, a.device):
+            why = "peer access to it was never enabled (cudaDeviceEnablePeerAccess)"
+        else:
+            why = "the devices cannot access each other's memory"
         raise IllegalAddress(f"{what}: a kernel on device {device} touched memory of device {a.device}, but {why}")
     return a
 
@@ -370,16 +398,40 @@ def enqueue(q: Queue, fn, what: str, deps=()) -> int:
         return q.enqueued
 
 
+_DEPTH = 0  # nesting of run_until (guarded by _LOCK): the ``streams`` mode acts at the outermost call
+
+
 def run_until(q: Queue, seq: int) -> None:
-    """Runs ``q``'s work up to position ``seq``, first running what each op waits for."""
+    """Runs ``q``'s work up to position ``seq``, first running what each op waits for.
+
+    In the ``streams`` mode (CUDIST_EMU_MODE) every other stream's queued work runs before any of
+    ``q``'s (what an op waits for still runs before it): a legal CUDA order in which independent
+    streams overtake each other.
+    """
+    global _DEPTH
     with _LOCK:
-        while q.done < seq:
-            op = q.ops[0]
-            for dq, ds in op.deps:
-                run_until(dq, ds)
-            q.ops.popleft()
-            q.done = op.seq
-            op.fn()
+        if q.done >= seq:
+            return
+        _DEPTH += 1
+        try:
+            if _DEPTH == 1 and "streams" in MODES:
+                others = [o for o in list(_QUEUES.values()) if o is not q and o.pending]
+                _RNG.shuffle(others)
+                for o in others:
+                    _run_plain(o, o.enqueued)
+            _run_plain(q, seq)
+        finally:
+            _DEPTH -= 1
+
+
+def _run_plain(q: Queue, seq: int) -> None:
+    while q.done < seq:
+        op = q.ops[0]
+        for dq, ds in op.deps:
+            run_until(dq, ds)
+        q.ops.popleft()
+        q.done = op.seq
+        op.fn()
 
 
 def synchronize_queue(q: Queue) -> None:

@@ -9,6 +9,8 @@ from cupy import _emu
 from cupy.cuda import driver, memory, runtime  # noqa: F401 - submodules, as in CuPy
 from cupy.cuda.memory import (  # noqa: F401
     Memory,
+    MemoryAsync,
+    MemoryAsyncPool,
     MemoryPointer,
     MemoryPool,
     PinnedMemory,
@@ -272,14 +274,28 @@ def get_elapsed_time(start: Event, end: Event) -> float:
     return (end._time - start._time) * 1e3
 
 
+def _is_async_allocator(allocator) -> bool:
+    return isinstance(getattr(allocator, "__self__", None), memory.MemoryAsyncPool)
+
+
 def using_allocator(allocator=None):
     import contextlib
 
-    return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def use():
+        prev = _emu.ASYNC_ALLOCATOR
+        _emu.ASYNC_ALLOCATOR = _is_async_allocator(allocator)
+        try:
+            yield
+        finally:
+            _emu.ASYNC_ALLOCATOR = prev
+
+    return use()
 
 
 def set_allocator(allocator=None) -> None:
-    pass
+    """Only which kind of pool matters here: ``MemoryAsyncPool().malloc`` or any other."""
+    _emu.ASYNC_ALLOCATOR = _is_async_allocator(allocator)
 
 
 def set_pinned_memory_allocator(allocator=None) -> None:

@@ -58,6 +58,21 @@ class UnownedMemory:
         self.device_id = device_id
 
 
+class MemoryAsync(UnownedMemory):
+    """What ``ndarray.data.mem`` is for memory of a stream-ordered pool (``cupy.cuda.MemoryAsync``)."""
+
+
+class MemoryAsyncPool:
+    """Stand-in for ``cupy.cuda.MemoryAsyncPool`` (cudaMallocAsync): ``set_allocator(pool.malloc)``
+    makes later device allocations come from a stream-ordered pool, which peers cannot touch."""
+
+    def __init__(self, pool_handles="current"):
+        self.pool_handles = pool_handles
+
+    def malloc(self, size: int) -> MemoryPointer:
+        return MemoryPointer(Memory(size), 0)
+
+
 def _addr(mem) -> int:
     if isinstance(mem, int):
         return mem
