@@ -33,7 +33,7 @@ LAYERS = [
     ["cudist._one_device_strategy", "cudist._mirrored_strategy", "cudist._central_storage_strategy",
      "cudist._collective_all_reduce_strategy", "cudist.experimental"],
     # 7: training (metrics build on losses)
-    ["cudist.optimizers", "cudist.nn", "cudist.losses", "cudist.metrics", "cudist.train"],
+    ["cudist._schedules", "cudist.optimizers", "cudist.nn", "cudist.losses", "cudist.metrics", "cudist.train"],
     # 8: the public package, its CLI and the benchmarks
     ["cudist", "cudist.__main__", "cudist.bench", "cudist.launch"],
 ]

@@ -359,21 +359,32 @@ def test_plain_sgd_has_no_slots_and_iterations_count(strategy):
 
 
 def test_learning_rate_schedule_and_setter():
+    """Keras 3: a LearningRateSchedule is called with the iteration count, a plain callable with no
+    arguments; a number replaces a callable, not a schedule."""
     seen = []
 
-    def schedule(iteration):
-        seen.append(iteration)
-        return 0.5 / (iteration + 1)
+    class Schedule(optimizers.schedules.LearningRateSchedule):
+        def __call__(self, step):
+            seen.append(step)
+            return 0.5 / (step + 1)
 
     var = cudist.Variable(np.zeros(2))
-    opt = optimizers.SGD(schedule)
+    opt = optimizers.SGD(Schedule())
     for _ in range(3):
         opt.apply_gradients([(np.ones(2), var)])
     assert seen == [0, 1, 2]
     np.testing.assert_allclose(var.numpy(), -(0.5 + 0.25 + 0.5 / 3) * np.ones(2), rtol=1e-15)
-    opt.learning_rate = 2.0
+    assert opt.learning_rate == 0.5 / 4  # the next step's
+    with pytest.raises(TypeError, match="not settable"):
+        opt.learning_rate = 2.0
+    opt = optimizers.SGD(lambda: 2.0)
     opt.apply_gradients([(np.ones(2), var)])
     np.testing.assert_allclose(var.numpy(), -(2.0 + 0.5 + 0.25 + 0.5 / 3) * np.ones(2), rtol=1e-15)
+    opt.learning_rate = 1.0
+    opt.apply_gradients([(np.ones(2), var)])
+    np.testing.assert_allclose(var.numpy(), -(3.0 + 0.5 + 0.25 + 0.5 / 3) * np.ones(2), rtol=1e-15)
+    with pytest.raises(TypeError, match="takes no arguments"):
+        optimizers.SGD(lambda iteration: 0.1).apply_gradients([(np.ones(2), var)])
 
 
 def test_none_gradients_are_skipped_with_a_warning(strategy):
@@ -405,8 +416,8 @@ def test_gradient_mismatch_names_the_variable(strategy):
     with strategy.scope():
         var = cudist.Variable(np.zeros((2, 3), np.float32), name="dense/kernel")
         opt = optimizers.SGD(momentum=0.9)
-    with pytest.raises(TypeError, match="'dense/kernel:0' has dtype float64 but the variable has dtype float32"):
-        strategy.run(lambda: opt.apply_gradients([(np.zeros((2, 3)), var)]))
+    with pytest.raises(TypeError, match="'dense/kernel:0' has dtype complex128, which cannot be cast"):
+        strategy.run(lambda: opt.apply_gradients([(np.zeros((2, 3), np.complex128), var)]))
     with pytest.raises(ValueError, match=r"'dense/kernel:0' has shape \(3, 2\) but the variable has shape \(2, 3\)"):
         strategy.run(lambda: opt.apply_gradients([(np.zeros((3, 2), np.float32), var)]))
     with strategy.scope():
@@ -415,6 +426,18 @@ def test_gradient_mismatch_names_the_variable(strategy):
     # nothing was updated or counted by the failed calls
     np.testing.assert_array_equal(var.numpy(), np.zeros((2, 3)))
     assert int(opt.iterations) == 0
+
+
+def test_gradients_of_another_dtype_are_cast_as_keras_does(strategy):
+    """Keras casts the gradient to the variable's dtype (after clipping): a float64 gradient for a
+    float32 variable is no error."""
+    with strategy.scope():
+        var = cudist.Variable(np.zeros(3, np.float32))
+        opt = optimizers.SGD(0.5)
+    strategy.run(lambda: opt.apply_gradients([(np.full(3, 1.0 / 3.0), var)]))
+    n = strategy.num_replicas_in_sync
+    np.testing.assert_allclose(var.numpy(), np.full(3, -0.5 * n * np.float32(1.0 / 3.0), np.float32), rtol=1e-6)
+    assert var.numpy().dtype == np.float32
 
 
 def test_python_gradients_convert():
@@ -454,7 +477,9 @@ def test_bad_arguments():
 
 
 def test_exported_names():
-    assert optimizers.__all__ == ["Optimizer", "SGD", "Adam"]
+    assert optimizers.__all__ == [
+        "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "schedules"
+    ]  # fmt: skip
     assert "learning_rate" in repr(optimizers.SGD.__init__.__code__.co_varnames)
     assert repr(optimizers.SGD()).startswith("<cudist.optimizers.SGD name='SGD' iterations=0")
 

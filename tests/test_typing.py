@@ -64,6 +64,7 @@ ANNOTATED_MODULES = [
     "cudist._mirrored_strategy",
     "cudist._one_device_strategy",
     "cudist._reduce_util",
+    "cudist._schedules",
     "cudist._replica_engine",
     "cudist._tf1_iterators",
     "cudist._values",
@@ -95,7 +96,7 @@ with strategy.scope():
     w = cudist.Variable(np.zeros(3, np.float32), name="w")
     b = cudist.Variable(0.0, trainable=True, dtype=np.float32, aggregation=cudist.VariableAggregation.MEAN)
     opt = optimizers.SGD(0.1)
-    adam = optimizers.Adam(learning_rate=lambda step: 0.01 / (1 + step), beta_1=0.8)
+    adam = optimizers.Adam(learning_rate=optimizers.schedules.InverseTimeDecay(0.01, 1, 1.0), beta_1=0.8)
 
 ds = (
     cudist.data.Dataset.from_tensor_slices(np.arange(24, dtype=np.float32).reshape(8, 3))

@@ -1,4 +1,5 @@
-"""Optimizers over the fused mirrored-update kernels: ``cudist.optimizers.SGD`` and ``Adam``.
+"""Optimizers over the fused mirrored-update kernels: ``cudist.optimizers.SGD``, ``Adam``, ``AdamW``,
+``RMSprop``, ``Adagrad``, ``Adamax``, ``Nadam``, ``Lion``, and ``cudist.optimizers.schedules``.
 
 They follow Keras 3 (the optimizers TensorFlow 2.21 ships): ``apply_gradients(grads_and_vars)``
 returns the ``iterations`` variable, slot variables are created on first use next to each variable,
@@ -14,21 +15,37 @@ Distribution follows Keras's default (``experimental_aggregate_gradients=True``)
   then each variable is updated once;
 * called in cross-replica context (inside ``scope()``, or with no strategy), the gradients are final.
 
-Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` of the
-variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
+Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` / ``adamw`` /
+``rmsprop`` / ``adagrad`` / ``adamax`` / ``nadam`` / ``lion`` of the variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
 and of its slots in one pass, so the copies stay bitwise equal. Under CentralStorageStrategy the
 single copy on the parameter device is updated once.
 
-Deliberate differences from Keras: the learning rate is a Python number (or a callable taking the
-iteration count, like a Keras schedule), not a variable; gradients must have the variable's dtype
-(Keras casts them); no weight decay, clipping, EMA or gradient accumulation.
+Keras 3's base arguments work on every optimizer: ``weight_decay`` (decoupled, inside the update
+pass; SGD's is a pass of its own; ``exclude_from_weight_decay``), ``clipnorm`` / ``clipvalue`` /
+``global_clipnorm``, ``use_ema`` / ``ema_momentum`` / ``ema_overwrite_frequency``
+(``finalize_variable_values``), ``loss_scale_factor`` (``scale_loss``) and
+``gradient_accumulation_steps``. As in Keras 3 under a tf.distribute strategy (observed with TF
+2.21), the loss scale, the accumulation and the clipping apply to each replica's own gradients
+before they are summed (so ``clipnorm`` bounds each replica's contribution, not the sum); the
+weight decay and the update then apply once to the variable. ``learning_rate`` is a number, a
+:class:`~cudist.optimizers.schedules.LearningRateSchedule` (called with the iteration count) or a
+callable of no arguments, as in Keras. Gradients of another dtype are cast to the variable's.
+
+Deliberate differences from Keras: the learning rate is a Python number, not a variable (and not
+in ``variables``); Nadam's running momentum product is computed from ``iterations`` rather than
+kept in a variable; the gradient accumulators of ``gradient_accumulation_steps`` are host-side
+per-replica buffers, not variables (a checkpoint does not save a half-accumulated step); Adam's
+``amsgrad`` is not implemented.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import operator
+import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, TypeAlias
@@ -37,9 +54,11 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist import _distribute_lib
+from cudist import _schedules as schedules
 from cudist._arrays import array_module, device_context, from_dlpack, gpu_of, is_array, is_foreign_array, like
-from cudist._kernels import adam_lr_t, numpy_backend
+from cudist._kernels import adam_lr_t, adamax_lr_t, nadam_step, numpy_backend
 from cudist._reduce_util import ReduceOp
+from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
 from cudist._variables import (
     SyncOnReadVariable,
@@ -57,10 +76,15 @@ if TYPE_CHECKING:
     # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
     from cudist._kernels import KernelBackend, TrustedKernels
 
-__all__ = ["Optimizer", "SGD", "Adam"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "schedules"]
 
-#: A learning rate: a number, or a schedule called with the iteration count (0 on the first step).
-LearningRate: TypeAlias = "float | Callable[[int], float]"
+# ``import cudist.optimizers.schedules`` / ``from cudist.optimizers.schedules import CosineDecay``
+# find the schedules module under its public name (this module is not a package).
+sys.modules.setdefault(__name__ + ".schedules", schedules)
+
+#: A learning rate (Keras 3): a number, a schedule called with the iteration count (0 on the first
+#: step), or a callable of no arguments.
+LearningRate: TypeAlias = "float | LearningRateSchedule | Callable[[], float]"
 #: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend).
 _Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
 #: A variable's validated kernel work: (the storage arrays it was validated for, its groups).
@@ -80,6 +104,42 @@ def _check_real(
     if high is not None and (value >= high if high_open else value > high):
         raise ValueError(f"`{name}` must be {'<' if high_open else '<='} {high}, got {value}")
     return value
+
+
+def _optional_real(name: str, value: object, *, low: float | None = None) -> float | None:
+    return None if value is None else _check_real(name, value, low=low)
+
+
+def _is_schedule(lr: object) -> bool:
+    """A learning-rate schedule (called with the iteration count): cudist's, or Keras's by class name."""
+    return isinstance(lr, LearningRateSchedule) or any(
+        c.__name__ == "LearningRateSchedule" for c in type(lr).__mro__[1:]
+    )
+
+
+def _clip_by_norm(g: Any, clipnorm: float) -> Any:
+    """``tf.clip_by_norm`` (Keras 3's TF backend): ``g * clipnorm / max(norm, clipnorm)`` in g's dtype."""
+    xp = array_module(g)
+    dt = g.dtype.type
+    l2sum = xp.sum(g * g)
+    norm = xp.sqrt(l2sum) if l2sum > 0 else l2sum
+    return g * dt(clipnorm) / xp.maximum(norm, dt(clipnorm))
+
+
+def _clip_by_global_norm(grads: list[Any], clipnorm: float) -> list[Any]:
+    """Keras 3's ``clip_by_global_norm``: every gradient times
+    ``clipnorm * min(1 / norm, 1 / clipnorm)`` (NaN when the global norm is not finite)."""
+    norm = math.sqrt(sum(float(array_module(g).sum(g * g)) for g in grads))
+    inverse = 1.0 / norm if norm else math.inf
+    scale = clipnorm * min(inverse, 1.0 / clipnorm) + (norm - norm)
+    return [g * g.dtype.type(scale) for g in grads]
+
+
+def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) -> None:
+    """The decoupled weight decay as its own pass, ``w -= w * decay`` (optimizers whose kernel has no
+    weight-decay factor: SGD)."""
+    w = copies[0]
+    kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
 
 
 def _base_name(var: Variable) -> str:
@@ -116,17 +176,85 @@ class Optimizer:
     ``_step_params`` when a step needs more scalars than the learning rate).
 
     Args:
-        learning_rate: a real number, or a callable taking the iteration count (an int, 0 on the
-            first step) and returning one, like a Keras learning-rate schedule.
+        learning_rate: a real number; a :class:`~cudist.optimizers.schedules.LearningRateSchedule`
+            (called with the iteration count, 0 on the first step); or a callable of no arguments
+            (Keras 3).
         name: the optimizer's name; its variables are named under it.
+        weight_decay: decoupled weight decay: ``w -= w * weight_decay * learning_rate`` before
+            each update (variables named in :meth:`exclude_from_weight_decay` are exempt).
+        clipnorm: clip each gradient to this L2 norm (``tf.clip_by_norm``).
+        clipvalue: clip each gradient element to ``[-clipvalue, clipvalue]``.
+        global_clipnorm: scale the gradients of one ``apply_gradients`` so that their global
+            norm is at most this. At most one of the three clippings. Under a strategy they apply
+            to each replica's gradients before the sum, as Keras 3 does.
+        use_ema: keep an exponential moving average of every variable (``ema_momentum``; the
+            first step copies the variable); every ``ema_overwrite_frequency`` steps, and in
+            :meth:`finalize_variable_values`, the variables take their averages.
+        loss_scale_factor: gradients are divided by it first; :meth:`scale_loss` multiplies.
+        gradient_accumulation_steps: an integer >= 2: the variables change every this many
+            steps, from the mean of the gradients since the last change (each replica
+            accumulates its own, as Keras 3 does under a strategy).
     """
 
     _slot_names: tuple[str, ...] = ()
 
-    def __init__(self, learning_rate: LearningRate, name: str) -> None:
+    def __init__(
+        self,
+        learning_rate: LearningRate,
+        name: str,
+        *,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+    ) -> None:
         if not isinstance(name, str) or not name:
             raise TypeError(f"`name` must be a non-empty string, got {name!r}")
         self.name = name
+        # Keras 3's base arguments. Private attributes behind properties: the checkpoint's record of
+        # hyperparameters (_checkpoint_state) lists the public ones, i.e. each optimizer's own.
+        self._weight_decay = _optional_real("weight_decay", weight_decay, low=0.0)
+        self._clipnorm = _optional_real("clipnorm", clipnorm, low=0.0)
+        self._clipvalue = _optional_real("clipvalue", clipvalue, low=0.0)
+        self._global_clipnorm = _optional_real("global_clipnorm", global_clipnorm, low=0.0)
+        if sum(a is not None for a in (clipnorm, clipvalue, global_clipnorm)) > 1:
+            raise ValueError(
+                "Only one of `clipnorm`, `clipvalue` and `global_clipnorm` can be set. Received: "
+                f"clipnorm={clipnorm}, clipvalue={clipvalue}, global_clipnorm={global_clipnorm}"
+            )
+        self._use_ema = bool(use_ema)
+        self._ema_momentum = _check_real("ema_momentum", ema_momentum)
+        if use_ema and not 0.0 <= self._ema_momentum <= 1.0:
+            raise ValueError(f"`ema_momentum` must be in the range [0, 1]. Received: ema_momentum={ema_momentum}")
+        if ema_overwrite_frequency is not None and (
+            isinstance(ema_overwrite_frequency, bool)
+            or not isinstance(ema_overwrite_frequency, numbers.Integral)
+            or ema_overwrite_frequency < 1
+        ):
+            raise ValueError(
+                "`ema_overwrite_frequency` must be an integer >= 1 or None. Received: "
+                f"ema_overwrite_frequency={ema_overwrite_frequency}"
+            )
+        self._ema_overwrite_frequency = None if ema_overwrite_frequency is None else int(ema_overwrite_frequency)
+        self._loss_scale_factor = _optional_real("loss_scale_factor", loss_scale_factor)
+        if self._loss_scale_factor == 0.0:
+            raise ValueError("`loss_scale_factor` must not be 0")
+        if gradient_accumulation_steps is not None and (
+            isinstance(gradient_accumulation_steps, bool)
+            or not isinstance(gradient_accumulation_steps, numbers.Integral)
+            or gradient_accumulation_steps < 2
+        ):
+            raise ValueError(
+                "`gradient_accumulation_steps` must be an integer >= 2. Received: "
+                f"gradient_accumulation_steps={gradient_accumulation_steps}"
+            )
+        self._gradient_accumulation_steps = None if gradient_accumulation_steps is None else int(gradient_accumulation_steps)
+        self._learning_rate: float | LearningRateSchedule | Callable[[], Any] = 0.0
         self.learning_rate = learning_rate
         # Keras creates its iteration counter with ONLY_FIRST_REPLICA aggregation under the strategy
         # current at construction: a replica-context update must be applied once, not N times.
@@ -141,6 +269,13 @@ class Optimizer:
         self._plans: dict[Variable, _Plan] = {}  # variable -> validated kernel work, see _plan
         self._one = np.ones((), dtype=np.int64)
         self._variables = [self._iterations]
+        self._built = False
+        self._ema: dict[Variable, Variable] = {}  # use_ema: the moving average of each variable
+        # gradient_accumulation_steps: per variable, each replica's running sum of its gradients.
+        self._accumulators: dict[Variable, dict[int, Any]] = {}
+        self._wd_exclude: tuple[Variable, ...] = ()
+        self._wd_pattern: re.Pattern[str] | None = None
+        self._wd_use: dict[Variable, bool] = {}  # exclude_from_weight_decay's answer per variable
 
     # ------------------------------------------------------------------ properties
     @property
@@ -149,26 +284,174 @@ class Optimizer:
         return self._iterations
 
     @property
-    def learning_rate(self) -> LearningRate:
-        """The learning rate: a float, or the callable given."""
-        return self._learning_rate
+    def learning_rate(self) -> float:
+        """The learning rate of the next step (Keras 3): the float set, the schedule's value at
+        ``iterations``, or the no-argument callable's value.
+
+        Setting it takes what the constructor takes; an optimizer made with a
+        :class:`~cudist.optimizers.schedules.LearningRateSchedule` refuses a number (TypeError, as
+        Keras).
+        """
+        return self._current_learning_rate(int(self._iterations))
 
     @learning_rate.setter
     def learning_rate(self, value: LearningRate) -> None:
-        if not callable(value):
-            value = _check_real("learning_rate", value)
-        self._learning_rate = value
+        if _is_schedule(value) or callable(value):
+            self._learning_rate = value
+            return
+        if _is_schedule(self._learning_rate):
+            raise TypeError(
+                "This optimizer was created with a `LearningRateSchedule` object as its `learning_rate` "
+                "constructor argument, hence its learning rate is not settable. If you need the learning rate "
+                "to be settable, you should instantiate the optimizer with a float `learning_rate` argument."
+            )
+        self._learning_rate = _check_real("learning_rate", value)
 
     def _current_learning_rate(self, iteration: int) -> float:
-        lr = self._learning_rate
-        if callable(lr):
-            return _check_real(f"learning_rate({iteration})", lr(iteration))
-        return lr
+        lr: Any = self._learning_rate
+        if type(lr) is float:
+            return lr
+        if _is_schedule(lr):
+            value = lr(iteration)
+        else:
+            try:
+                value = lr()
+            except TypeError as e:
+                raise TypeError(
+                    f"{self.name}: calling the learning rate {lr!r} with no arguments failed ({e}). As in Keras 3, a "
+                    "callable learning rate takes no arguments; a schedule of the iteration count is a "
+                    "cudist.optimizers.schedules.LearningRateSchedule (subclass it and define __call__(self, step))"
+                ) from e
+        if not isinstance(value, numbers.Real):
+            try:
+                value = float(value)  # a 0-d array, a tensor
+            except (TypeError, ValueError):
+                pass
+        return _check_real(f"learning_rate at iteration {iteration}", value)
+
+    # Keras 3's base arguments, as given to the constructor (read-only).
+    @property
+    def weight_decay(self) -> float | None:
+        """Decoupled weight decay: ``w -= w * weight_decay * learning_rate`` before each update."""
+        return self._weight_decay
+
+    @property
+    def clipnorm(self) -> float | None:
+        """Each gradient is clipped to this L2 norm (per replica, before the sum, as Keras)."""
+        return self._clipnorm
+
+    @property
+    def clipvalue(self) -> float | None:
+        """Each gradient element is clipped to [-clipvalue, clipvalue] (per replica)."""
+        return self._clipvalue
+
+    @property
+    def global_clipnorm(self) -> float | None:
+        """The gradients of one apply_gradients are scaled to at most this global norm (per replica)."""
+        return self._global_clipnorm
+
+    @property
+    def use_ema(self) -> bool:
+        """Whether an exponential moving average of each variable is kept (see finalize_variable_values)."""
+        return self._use_ema
+
+    @property
+    def ema_momentum(self) -> float:
+        return self._ema_momentum
+
+    @property
+    def ema_overwrite_frequency(self) -> int | None:
+        return self._ema_overwrite_frequency
+
+    @property
+    def loss_scale_factor(self) -> float | None:
+        """Gradients are divided by it first (see scale_loss)."""
+        return self._loss_scale_factor
+
+    @property
+    def gradient_accumulation_steps(self) -> int | None:
+        """Variables are updated every this many steps, from the mean of the accumulated gradients."""
+        return self._gradient_accumulation_steps
+
+    @property
+    def built(self) -> bool:
+        """Whether :meth:`build` or a first update created the optimizer's variables."""
+        return self._built
 
     @property
     def variables(self) -> list[Variable]:
-        """The optimizer's variables: ``iterations``, then the slots in creation order."""
+        """The optimizer's variables: ``iterations``, then the slots (and moving averages) in creation order."""
         return list(self._variables)
+
+    # ------------------------------------------------------------------ Keras 3's configuration
+    def get_config(self) -> dict[str, Any]:
+        """The constructor arguments, as Keras 3 lists them (a schedule serialized as Keras does;
+        a plain callable learning rate is put in as is). ``from_config(get_config())`` rebuilds the
+        optimizer without its state."""
+        lr: Any = self._learning_rate
+        if isinstance(lr, LearningRateSchedule):
+            lr = schedules.serialize(lr)
+        return {
+            "name": self.name,
+            "learning_rate": lr,
+            "weight_decay": self._weight_decay,
+            "clipnorm": self._clipnorm,
+            "global_clipnorm": self._global_clipnorm,
+            "clipvalue": self._clipvalue,
+            "use_ema": self._use_ema,
+            "ema_momentum": self._ema_momentum,
+            "ema_overwrite_frequency": self._ema_overwrite_frequency,
+            "loss_scale_factor": self._loss_scale_factor,
+            "gradient_accumulation_steps": self._gradient_accumulation_steps,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], custom_objects: dict[str, Any] | None = None) -> Self:
+        """The optimizer ``config`` describes (what :meth:`get_config` returned, or Keras's)."""
+        config = dict(config)
+        lr = config.get("learning_rate")
+        if isinstance(lr, dict):
+            config["learning_rate"] = schedules.deserialize(lr, custom_objects=custom_objects)
+        return cls(**config)
+
+    def exclude_from_weight_decay(
+        self, var_list: Iterable[Variable] | None = None, var_names: Iterable[str] | None = None
+    ) -> None:
+        """Exempts variables from the weight decay (Keras 3): those of ``var_list``, and those whose
+        name contains (``re.search``) one of ``var_names``, e.g. ``var_names=["bias"]``."""
+        self._wd_exclude = tuple(var_list) if var_list else ()
+        names = sorted(set(var_names)) if var_names else []
+        self._wd_pattern = re.compile("|".join(names)) if names else None
+        self._wd_use.clear()
+
+    def _use_weight_decay(self, var: Variable) -> bool:
+        use = self._wd_use.get(var)
+        if use is None:
+            use = not any(var is v for v in self._wd_exclude) and (
+                self._wd_pattern is None or self._wd_pattern.search(var.name) is None
+            )
+            self._wd_use[var] = use
+        return use
+
+    def _decay(self, var: Variable, lr: float) -> float:
+        """The weight-decay factor of ``var`` at learning rate ``lr`` (0.0: none)."""
+        wd = self._weight_decay
+        if not wd or not self._use_weight_decay(var):
+            return 0.0
+        return wd * lr
+
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss * loss_scale_factor`` (the loss as is without one), as Keras 3."""
+        return loss if self._loss_scale_factor is None else loss * self._loss_scale_factor
+
+    def finalize_variable_values(self, var_list: Iterable[Variable]) -> None:
+        """With ``use_ema``, sets each variable of ``var_list`` to its moving average (Keras 3)."""
+        if not self._use_ema:
+            return
+        for var in var_list:
+            average = self._ema.get(var)
+            if average is not None:
+                var.assign(average.read_value(), read_value=False)
 
     def get_slot(self, var: Variable, slot_name: str) -> Variable:
         """The slot variable ``slot_name`` of ``var`` (created by :meth:`build` or a first update).
@@ -203,6 +486,11 @@ class Optimizer:
         for var in var_list:
             self._check_variable(var)
             self._ensure_slots(var)
+        self._built = True
+
+    def _slot_initial_value(self, slot_name: str) -> float:
+        """The value slot ``slot_name`` starts at (Adagrad's accumulator: initial_accumulator_value)."""
+        return 0.0
 
     def _ensure_slots(self, var: Variable) -> dict[str, Variable]:
         slots = self._slots.get(var)
@@ -211,7 +499,7 @@ class Optimizer:
         # The slot lives where the variable lives: the variable's strategy and devices, so a
         # MirroredVariable gets mirrored slots and CentralStorage's variable a slot on the
         # parameter device.
-        if not self._slot_names:  # nothing to create (plain SGD): no strategy to enter, as Keras
+        if not self._slot_names and not self._use_ema:  # nothing to create (plain SGD): no strategy to enter, as Keras
             slots = self._slots[var] = {}
             return slots
         strategy = var._distribute_strategy or _distribute_lib.get_strategy()
@@ -230,15 +518,22 @@ class Optimizer:
                 "the slots first with optimizer.build(var_list) inside `with strategy.scope():`"
             ) from e
         with scope, strategy.extended.colocate_vars_with(var):
+            shape = var._primary_array().shape
             for slot_name in self._slot_names:
                 slots[slot_name] = Variable(
-                    np.zeros(var._primary_array().shape, dtype=var.dtype),
+                    np.full(shape, self._slot_initial_value(slot_name), dtype=var.dtype),
                     name=f"{_base_name(var)}/{slot_name}",
                     trainable=False,
                     dtype=var.dtype,
                 )
+            if self._use_ema:  # Keras's "average" of the variable, zeros until the first step
+                self._ema[var] = Variable(
+                    np.zeros(shape, dtype=var.dtype), name=f"{_base_name(var)}/average", trainable=False, dtype=var.dtype
+                )
         self._slots[var] = slots
         self._variables.extend(slots.values())
+        if var in self._ema:
+            self._variables.append(self._ema[var])
         return slots
 
     # ------------------------------------------------------------------ checks
@@ -259,7 +554,8 @@ class Optimizer:
             raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")
 
     def _check_grad(self, grad: Any, var: Variable, *, cross_replica: bool) -> Array:
-        """``grad`` as an array of ``var``'s dtype and shape (not yet on its device)."""
+        """``grad`` as an array of ``var``'s shape (not yet on its device); a float or integer dtype
+        other than the variable's is cast by :meth:`_local_grads`, after the clipping (Keras)."""
         if isinstance(grad, DistributedValues):
             if not cross_replica:
                 raise ValueError(
@@ -278,10 +574,10 @@ class Optimizer:
         elif is_foreign_array(grad):  # a JAX array, a PyTorch tensor: NumPy/CuPy through DLPack, no copy
             grad = from_dlpack(grad)
         if is_array(grad):
-            if grad.dtype != var.dtype:
+            if grad.dtype != var.dtype and grad.dtype.kind not in "fiu":
                 raise TypeError(
-                    f"{self.name}: the gradient of variable '{var.name}' has dtype {grad.dtype.name} but the "
-                    f"variable has dtype {var.dtype.name}"
+                    f"{self.name}: the gradient of variable '{var.name}' has dtype {grad.dtype.name}, which cannot "
+                    f"be cast to the variable's {var.dtype.name}"
                 )
         else:  # Python numbers and lists convert under TF's rules
             grad = cast_value(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
@@ -313,7 +609,7 @@ class Optimizer:
             The ``iterations`` variable (Keras 3 returns it too), incremented by one.
 
         Raises:
-            TypeError: a non-floating variable, or a gradient whose dtype is not the variable's.
+            TypeError: a non-floating variable, or a gradient that is not a number array.
             ValueError: a gradient whose shape is not the variable's; no gradient at all; a
                 SyncOnReadVariable; a PerReplica gradient in cross-replica context.
         """
@@ -338,23 +634,85 @@ class Optimizer:
 
         ctx = _distribute_lib.get_replica_context()
         variables = [v for _, v in pairs]
-        grads: Sequence[Array]
+        self._built = True
         if ctx is None:  # cross-replica: the gradients are final
-            grads = [self._check_grad(g, v, cross_replica=True) for g, v in pairs]
-            self._apply(grads, variables)
+            grads, update = self._local_grads([self._check_grad(g, v, cross_replica=True) for g, v in pairs], variables, 0)
+            if update:
+                self._apply(grads, variables)
+            else:
+                self._after_update()
             return self._iterations
-        grads = tuple(self._check_grad(g, v, cross_replica=False) for g, v in pairs)
+        local, update = self._local_grads(
+            [self._check_grad(g, v, cross_replica=False) for g, v in pairs], variables, ctx.replica_id_in_sync_group
+        )
+        replica_grads = tuple(local)
         aggregate = bool(experimental_aggregate_gradients)
 
         def merge_fn(strategy: Strategy, per_replica_grads: Sequence[Any]) -> None:
+            if not update:  # gradient accumulation: this step only accumulated
+                self._after_update()
+                return
             n = strategy.num_replicas_in_sync
             if n > 1 and aggregate and self._apply_fused(strategy, list(per_replica_grads), variables):
                 return
             reduced = self._aggregate(strategy, list(per_replica_grads), variables, aggregate)
             self._apply(reduced, variables, fresh=n > 1 and aggregate)
 
-        ctx.merge_call(merge_fn, args=(grads,))
+        ctx.merge_call(merge_fn, args=(replica_grads,))
         return self._iterations
+
+    def _local_grads(self, grads: Sequence[Any], variables: Sequence[Variable], replica: int) -> tuple[list[Any], bool]:
+        """One replica's gradients made ready for the sum, as Keras 3 does before its all-reduce:
+        divided by ``loss_scale_factor``, accumulated (``gradient_accumulation_steps``), clipped
+        (``clipnorm`` / ``global_clipnorm`` / ``clipvalue``), cast to each variable's dtype.
+
+        Returns the gradients and whether this step updates the variables (False: an
+        accumulation-only step).
+        """
+        out = list(grads)
+        scale = self._loss_scale_factor
+        if scale is not None:
+            out = [g / g.dtype.type(scale) for g in out]
+        update = True
+        steps = self._gradient_accumulation_steps
+        if steps:
+            update = (int(self._iterations) + 1) % steps == 0
+            for i, (g, var) in enumerate(zip(out, variables)):
+                per_replica = self._accumulators.setdefault(var, {})
+                acc = per_replica.get(replica)
+                if update:
+                    out[i] = (g if acc is None else g + acc) / steps
+                    per_replica.pop(replica, None)
+                else:
+                    per_replica[replica] = (g if acc is None else g + acc).astype(var.dtype)
+            if not update:
+                return out, False
+        if self._clipnorm:
+            out = [_clip_by_norm(g, self._clipnorm) for g in out]
+        elif self._global_clipnorm:
+            out = _clip_by_global_norm(out, self._global_clipnorm)
+        elif self._clipvalue:
+            v = self._clipvalue
+            out = [array_module(g).clip(g, -v, v) for g in out]
+        for i, (g, var) in enumerate(zip(out, variables)):
+            if g.dtype != var.dtype:
+                out[i] = g.astype(var.dtype)
+        return out, update
+
+    def _after_update(self) -> None:
+        """The end of every step (cross-replica context): the moving averages, then ``iterations += 1``."""
+        if self._use_ema and self._ema:
+            iteration = int(self._iterations)
+            momentum = self._ema_momentum if iteration != 0 else 0.0
+            for var, average in self._ema.items():
+                value = var._primary_array()
+                dt = value.dtype.type
+                new = dt(momentum) * average._primary_array() + dt(1.0 - momentum) * value
+                average.assign(new, read_value=False)
+            freq = self._ema_overwrite_frequency
+            if freq and (iteration + 1) % freq == 0:
+                self.finalize_variable_values(list(self._ema))
+        self._iterations.assign_add(self._one, read_value=False)
 
     def _aggregate(
         self, strategy: Strategy, grads: list[Any], variables: Sequence[Variable], aggregate: bool
@@ -381,7 +739,7 @@ class Optimizer:
         updating. Returns False (nothing done) otherwise, for the general path.
         """
         n = len(strategy.extended.worker_devices)
-        work: list[tuple[KernelBackend, tuple[Any, ...], tuple[tuple[Any, ...], ...], list[Any]]] = []
+        work: list[tuple[KernelBackend, tuple[Any, ...], tuple[tuple[Any, ...], ...], list[Any], Variable]] = []
         for g, var in zip(grads, variables):
             comps = list(g.values) if isinstance(g, DistributedValues) else [g] * n
             if len(comps) != n:
@@ -395,10 +753,11 @@ class Optimizer:
             copies, slots, var_backend = plan[1][0]
             if var_backend is not backend or type(copies[0]) is not np.ndarray:
                 return False
-            work.append((backend, copies, slots, comps))
+            work.append((backend, copies, slots, comps, var))
         iteration = int(self._iterations)
-        params = self._step_params(self._current_learning_rate(iteration), iteration + 1)
-        for backend, copies, slots, comps in work:
+        lr = self._current_learning_rate(iteration)
+        params = self._step_params(lr, iteration + 1)
+        for backend, copies, slots, comps, var in work:
             written = copies + sum(slots, ())
             ins: list[Any] = []
             for c in comps:
@@ -409,8 +768,8 @@ class Optimizer:
                 ):
                     c = c.copy()  # a gradient overlapping what the pass writes
                 ins.append(c)
-            self._kernel_update_reduced(backend.trusted, copies, slots, ins, params)
-        self._iterations.assign_add(self._one, read_value=False)
+            self._kernel_update_reduced(backend.trusted, copies, slots, ins, params, self._decay(var, lr))
+        self._after_update()
         return True
 
     def _apply(self, grads: Sequence[Any], variables: Sequence[Variable], fresh: bool = False) -> None:
@@ -420,8 +779,10 @@ class Optimizer:
         """
         plans = [self._plan(v) for v in variables]  # slots are all created before any variable changes
         iteration = int(self._iterations)
-        params = self._step_params(self._current_learning_rate(iteration), iteration + 1)
-        for grad, plan in zip(grads, plans):
+        lr = self._current_learning_rate(iteration)
+        params = self._step_params(lr, iteration + 1)
+        for grad, plan, var in zip(grads, plans, variables):
+            decay = self._decay(var, lr)
             for copies, slots, backend in plan[1]:
                 ref = copies[0]
                 if type(ref) is np.ndarray:
@@ -432,14 +793,14 @@ class Optimizer:
                         # A view may overlap a copy the kernel writes while reading the gradient.
                         if any(np.may_share_memory(g, c) for c in copies):
                             g = g.copy()
-                    self._kernel_update(backend.trusted, copies, slots, g, params)
+                    self._kernel_update(backend.trusted, copies, slots, g, params, decay)
                 else:
                     with device_context(ref):
                         g = like(grad, ref)
                         if not g.flags.c_contiguous or any(g is c for c in copies):
                             g = g.copy(order="C")
-                        self._kernel_update(backend.trusted, copies, slots, g, params)
-        self._iterations.assign_add(self._one, read_value=False)
+                        self._kernel_update(backend.trusted, copies, slots, g, params, decay)
+        self._after_update()
 
     def _plan(self, var: Variable) -> _Plan:
         """The validated kernel work of ``var``: per memory, (copies, slot copies, backend).
@@ -485,8 +846,10 @@ class Optimizer:
         slots: tuple[tuple[Any, ...], ...],
         grad: Any,
         params: tuple[float, ...],
+        decay: float = 0.0,
     ) -> None:
-        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``)."""
+        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's
+        ``trusted``), after the weight decay ``w -= w * decay`` when ``decay`` is not 0."""
         raise NotImplementedError
 
     def _kernel_update_reduced(  # pragma: no cover - abstract
@@ -496,6 +859,7 @@ class Optimizer:
         slots: tuple[tuple[Any, ...], ...],
         grads: list[Any],
         params: tuple[float, ...],
+        decay: float = 0.0,
     ) -> None:
         """As :meth:`_kernel_update`, from per-replica ``grads`` summed in the same pass."""
         raise NotImplementedError
@@ -514,6 +878,7 @@ class Optimizer:
             if not k.startswith("_") and isinstance(v, (bool, int, float, str)):
                 hyper[k] = v
         slots = [(var, name, slot) for var, named in self._slots.items() for name, slot in named.items()]
+        slots += [(var, "average", average) for var, average in self._ema.items()]
         return {"hyperparameters": hyper, "iterations": self._iterations, "slots": slots}
 
     def _restore_state(self, hyperparameters: dict[str, Any], var_list: Iterable[Variable] = ()) -> None:
@@ -560,22 +925,61 @@ class SGD(Optimizer):
 
     Without momentum: ``w -= learning_rate * g``. With momentum, one slot ``"momentum"`` (the
     velocity) per variable: ``v = momentum * v - learning_rate * g``, then ``w += v`` or, with
-    Nesterov, ``w += momentum * v - learning_rate * g``.
+    Nesterov, ``w += momentum * v - learning_rate * g``. A weight decay is a pass of its own before
+    the update (the other optimizers fold it into theirs).
 
     Args:
         learning_rate: see :class:`Optimizer`.
         momentum: in [0, 1]; 0 means plain SGD (no slot).
         nesterov: use Nesterov momentum.
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
+            :class:`Optimizer`.
         name: the optimizer's name.
     """
 
     def __init__(
-        self, learning_rate: LearningRate = 0.01, momentum: float = 0.0, nesterov: bool = False, name: str = "SGD"
+        self,
+        learning_rate: LearningRate = 0.01,
+        momentum: float = 0.0,
+        nesterov: bool = False,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str = "SGD",
     ) -> None:
         self.momentum = _check_real("momentum", momentum, low=0.0, high=1.0)
         self.nesterov = bool(nesterov)
         self._slot_names = ("momentum",) if self.momentum != 0 else ()
-        super().__init__(learning_rate, name)
+        super().__init__(
+            learning_rate,
+            name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            }
+        )
+        return config
 
     def _kernel_update(
         self,
@@ -584,7 +988,10 @@ class SGD(Optimizer):
         slots: tuple[tuple[Any, ...], ...],
         grad: Any,
         params: tuple[float, ...],
+        decay: float = 0.0,
     ) -> None:
+        if decay:
+            _decay_pass(kernels, copies, decay)
         if slots:
             kernels.momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
         else:
@@ -597,7 +1004,10 @@ class SGD(Optimizer):
         slots: tuple[tuple[Any, ...], ...],
         grads: list[Any],
         params: tuple[float, ...],
+        decay: float = 0.0,
     ) -> None:
+        if decay:
+            _decay_pass(kernels, copies, decay)
         if slots:
             kernels.all_reduce_momentum(copies, slots[0], grads, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
         else:
@@ -609,12 +1019,17 @@ class Adam(Optimizer):
 
     At step ``t`` (1-based): ``lr_t = learning_rate * sqrt(1 - beta_2**t) / (1 - beta_1**t)``;
     ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
-    ``w -= lr_t * m / (sqrt(v) + epsilon)``.
+    ``w -= lr_t * m / (sqrt(v) + epsilon)``. With a weight decay, the AdamW kernel (the decay in
+    the same pass).
 
     Args:
         learning_rate: see :class:`Optimizer`.
         beta_1, beta_2: decay rates of the moment estimates, in [0, 1).
         epsilon: the small constant added to ``sqrt(v)``, >= 0.
+        amsgrad: Keras's AMSGrad variant; not implemented (True raises NotImplementedError).
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
+            :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -626,12 +1041,48 @@ class Adam(Optimizer):
         beta_1: float = 0.9,
         beta_2: float = 0.999,
         epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
         name: str = "adam",
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
         self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
         self.epsilon = _check_real("epsilon", epsilon, low=0.0)
-        super().__init__(learning_rate, name)
+        if amsgrad:
+            raise NotImplementedError("cudist's Adam has no AMSGrad variant yet (amsgrad=True)")
+        super().__init__(
+            learning_rate,
+            name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+            "beta_1": self.beta_1,
+            "beta_2": self.beta_2,
+            "epsilon": self.epsilon,
+            "amsgrad": False,
+            }
+        )
+        return config
 
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         return (adam_lr_t(lr, self.beta_1, self.beta_2, step),)
@@ -643,8 +1094,12 @@ class Adam(Optimizer):
         slots: tuple[tuple[Any, ...], ...],
         grad: Any,
         params: tuple[float, ...],
+        decay: float = 0.0,
     ) -> None:
-        kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)  # type: ignore[no-untyped-call]
+        if decay:
+            kernels.adamw(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
+        else:
+            kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)  # type: ignore[no-untyped-call]
 
     def _kernel_update_reduced(
         self,
@@ -653,7 +1108,532 @@ class Adam(Optimizer):
         slots: tuple[tuple[Any, ...], ...],
         grads: list[Any],
         params: tuple[float, ...],
+        decay: float = 0.0,
     ) -> None:
-        kernels.all_reduce_adam(  # type: ignore[no-untyped-call]
-            copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon
+        if decay:
+            kernels.all_reduce_adamw(  # type: ignore[no-untyped-call]
+                copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay
+            )
+        else:
+            kernels.all_reduce_adam(  # type: ignore[no-untyped-call]
+                copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon
+            )
+
+
+class AdamW(Adam):
+    """AdamW (``keras.optimizers.AdamW``): Adam with decoupled weight decay, in one fused pass:
+    ``w -= w * weight_decay * learning_rate``, then the Adam update (see :class:`Adam`).
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        weight_decay: the decay rate (Keras's default 0.004); None is refused, as Keras.
+        beta_1, beta_2, epsilon, amsgrad: see :class:`Adam`.
+        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
+            loss_scale_factor, gradient_accumulation_steps: see :class:`Optimizer`.
+        name: the optimizer's name.
+    """
+
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        weight_decay: float | None = 0.004,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        amsgrad: bool = False,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str = "adamw",
+    ) -> None:
+        if weight_decay is None:
+            raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")
+        super().__init__(
+            learning_rate,
+            beta_1,
+            beta_2,
+            epsilon,
+            amsgrad,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            name=name,
         )
+
+
+class RMSprop(Optimizer):
+    """RMSprop (``keras.optimizers.RMSprop``), plain, with momentum, centered, one fused kernel pass.
+
+    Slots ``"velocity"`` (v), ``"momentum"`` (when momentum > 0), ``"average_gradient"`` (centered):
+    ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a + (1 - rho) * g`` and
+    ``d = v - a*a + epsilon``, else ``d = v + epsilon``; ``inc = learning_rate * g / sqrt(d)``;
+    with momentum ``mo = momentum * mo + inc; w -= mo``, else ``w -= inc``.
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        rho: the discounting factor of the squared gradients.
+        momentum: >= 0; 0 means no momentum slot.
+        epsilon: added to the denominator before the square root, >= 0.
+        centered: normalize by the variance estimate ``v - a*a`` (an extra slot).
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
+            :class:`Optimizer`.
+        name: the optimizer's name.
+    """
+
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        rho: float = 0.9,
+        momentum: float = 0.0,
+        epsilon: float = 1e-7,
+        centered: bool = False,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str = "rmsprop",
+    ) -> None:
+        self.rho = _check_real("rho", rho, low=0.0, high=1.0)
+        self.momentum = _check_real("momentum", momentum, low=0.0)
+        self.epsilon = _check_real("epsilon", epsilon, low=0.0)
+        self.centered = bool(centered)
+        self._slot_names = (
+            ("velocity",) + (("momentum",) if self.momentum > 0 else ()) + (("average_gradient",) if self.centered else ())
+        )
+        super().__init__(
+            learning_rate,
+            name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+            "rho": self.rho,
+            "momentum": self.momentum,
+            "epsilon": self.epsilon,
+            "centered": self.centered,
+            }
+        )
+        return config
+
+    def _split(self, slots: tuple[tuple[Any, ...], ...]) -> tuple[Any, Any, Any]:
+        """(velocities, momentums or None, average gradients or None) from the plan's slot groups."""
+        it = iter(slots)
+        vels = next(it)
+        moms = next(it) if self.momentum > 0 else None
+        avgs = next(it) if self.centered else None
+        return vels, moms, avgs
+
+    def _kernel_update(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.rmsprop(copies, *self._split(slots), grad, params[0], self.rho, self.momentum, self.epsilon, decay)  # type: ignore[no-untyped-call]
+
+    def _kernel_update_reduced(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.all_reduce_rmsprop(copies, *self._split(slots), grads, params[0], self.rho, self.momentum, self.epsilon, decay)  # type: ignore[no-untyped-call]
+
+
+class Adagrad(Optimizer):
+    """Adagrad (``keras.optimizers.Adagrad``), one slot ``"accumulator"`` starting at
+    ``initial_accumulator_value``: ``acc += g*g``; ``w -= learning_rate * g / sqrt(acc + epsilon)``.
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        initial_accumulator_value: the accumulators' starting value, >= 0.
+        epsilon: added to the accumulator before the square root, >= 0.
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
+            :class:`Optimizer`.
+        name: the optimizer's name.
+    """
+
+    _slot_names = ("accumulator",)
+
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        initial_accumulator_value: float = 0.1,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str = "adagrad",
+    ) -> None:
+        self.initial_accumulator_value = _check_real("initial_accumulator_value", initial_accumulator_value, low=0.0)
+        self.epsilon = _check_real("epsilon", epsilon, low=0.0)
+        super().__init__(
+            learning_rate,
+            name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+            "initial_accumulator_value": self.initial_accumulator_value,
+            "epsilon": self.epsilon,
+            }
+        )
+        return config
+
+    def _slot_initial_value(self, slot_name: str) -> float:
+        return self.initial_accumulator_value
+
+    def _kernel_update(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.adagrad(copies, slots[0], grad, params[0], self.epsilon, decay)  # type: ignore[no-untyped-call]
+
+    def _kernel_update_reduced(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.all_reduce_adagrad(copies, slots[0], grads, params[0], self.epsilon, decay)  # type: ignore[no-untyped-call]
+
+
+class Adamax(Optimizer):
+    """Adamax (``keras.optimizers.Adamax``), slots ``"momentum"`` (m) and ``"norm"`` (u):
+    ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``;
+    ``w -= learning_rate * m / ((1 - beta_1**t) * (u + epsilon))`` at step t (1-based).
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        beta_1, beta_2: decay rates of the first moment and of the infinity norm, in [0, 1).
+        epsilon: added to the norm, >= 0.
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
+            :class:`Optimizer`.
+        name: the optimizer's name.
+    """
+
+    _slot_names = ("momentum", "norm")
+
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str = "adamax",
+    ) -> None:
+        self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
+        self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0)
+        self.epsilon = _check_real("epsilon", epsilon, low=0.0)
+        super().__init__(
+            learning_rate,
+            name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+            "beta_1": self.beta_1,
+            "beta_2": self.beta_2,
+            "epsilon": self.epsilon,
+            }
+        )
+        return config
+
+    def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
+        return (adamax_lr_t(lr, self.beta_1, step),)
+
+    def _kernel_update(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.adamax(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
+
+    def _kernel_update_reduced(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.all_reduce_adamax(copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
+
+
+class Nadam(Optimizer):
+    """Nadam (``keras.optimizers.Nadam``, Keras 3's momentum schedule), slots ``"momentum"`` (m) and
+    ``"velocity"`` (v). At step t: ``u_t = beta_1 * (1 - 0.5 * 0.96**t)``, their running product
+    ``u_prod``; ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
+    ``m_hat = u_(t+1) * m / (1 - u_prod * u_(t+1)) + (1 - u_t) * g / (1 - u_prod)``;
+    ``w -= m_hat * learning_rate / (sqrt(v / (1 - beta_2**t)) + epsilon)``.
+
+    Keras keeps ``u_prod`` in a variable; it is a function of the iteration count, so cudist
+    computes it from ``iterations`` (exactly as after a checkpoint restore) and has no such variable.
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        beta_1, beta_2: decay rates of the moment estimates, in [0, 1).
+        epsilon: added to ``sqrt(v_hat)``, >= 0.
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
+            :class:`Optimizer`.
+        name: the optimizer's name.
+    """
+
+    _slot_names = ("momentum", "velocity")
+
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.999,
+        epsilon: float = 1e-7,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str = "nadam",
+    ) -> None:
+        self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
+        self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
+        self.epsilon = _check_real("epsilon", epsilon, low=0.0)
+        self._u_cache = (0, 1.0)  # (steps taken, the product of their u_t)
+        super().__init__(
+            learning_rate,
+            name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+            "beta_1": self.beta_1,
+            "beta_2": self.beta_2,
+            "epsilon": self.epsilon,
+            }
+        )
+        return config
+
+    def _u_product(self, steps: int) -> float:
+        """``u_1 * ... * u_steps`` (1.0 for none), advanced from the last one asked for."""
+        done, u = self._u_cache
+        if steps < done:
+            done, u = 0, 1.0
+        while done < steps:
+            done += 1
+            u = nadam_step(self.beta_1, self.beta_2, done, u)[0]
+        self._u_cache = (done, u)
+        return u
+
+    def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
+        _, c_m, c_g, c_v = nadam_step(self.beta_1, self.beta_2, step, self._u_product(step - 1))
+        return (lr, c_m, c_g, c_v)
+
+    def _kernel_update(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.nadam(  # type: ignore[no-untyped-call]
+            copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, params[1], params[2], params[3], decay
+        )
+
+    def _kernel_update_reduced(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.all_reduce_nadam(  # type: ignore[no-untyped-call]
+            copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, params[1], params[2], params[3], decay
+        )
+
+
+class Lion(Optimizer):
+    """Lion (``keras.optimizers.Lion``), one slot ``"momentum"`` (m):
+    ``w -= learning_rate * sign(m * beta_1 + g * (1 - beta_1))``; ``m = m * beta_2 + g * (1 - beta_2)``.
+
+    Args:
+        learning_rate: see :class:`Optimizer`.
+        beta_1: the interpolation factor of the update direction, in (0, 1].
+        beta_2: the decay rate of the momentum, in [0, 1].
+        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
+            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
+            :class:`Optimizer`.
+        name: the optimizer's name.
+    """
+
+    _slot_names = ("momentum",)
+
+    def __init__(
+        self,
+        learning_rate: LearningRate = 0.001,
+        beta_1: float = 0.9,
+        beta_2: float = 0.99,
+        weight_decay: float | None = None,
+        clipnorm: float | None = None,
+        clipvalue: float | None = None,
+        global_clipnorm: float | None = None,
+        use_ema: bool = False,
+        ema_momentum: float = 0.99,
+        ema_overwrite_frequency: int | None = None,
+        loss_scale_factor: float | None = None,
+        gradient_accumulation_steps: int | None = None,
+        name: str = "lion",
+    ) -> None:
+        self.beta_1 = _check_real("beta_1", beta_1, high=1.0)
+        if self.beta_1 <= 0:
+            raise ValueError(f"Argument for `beta_1` must be in range (0, 1]. Received: beta_1={beta_1}.")
+        self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0)
+        super().__init__(
+            learning_rate,
+            name,
+            weight_decay=weight_decay,
+            clipnorm=clipnorm,
+            clipvalue=clipvalue,
+            global_clipnorm=global_clipnorm,
+            use_ema=use_ema,
+            ema_momentum=ema_momentum,
+            ema_overwrite_frequency=ema_overwrite_frequency,
+            loss_scale_factor=loss_scale_factor,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+        )
+
+    def get_config(self) -> dict[str, Any]:
+        config = super().get_config()
+        config.update(
+            {
+            "beta_1": self.beta_1,
+            "beta_2": self.beta_2,
+            }
+        )
+        return config
+
+    def _kernel_update(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.lion(copies, slots[0], grad, params[0], self.beta_1, self.beta_2, decay)  # type: ignore[no-untyped-call]
+
+    def _kernel_update_reduced(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        params: tuple[float, ...],
+        decay: float = 0.0,
+    ) -> None:
+        kernels.all_reduce_lion(copies, slots[0], grads, params[0], self.beta_1, self.beta_2, decay)  # type: ignore[no-untyped-call]
