@@ -187,3 +187,65 @@ def test_float32_subnormals_survive_the_updates(backend, flush_to_zero):
     backend.sgd(dev, cupy.asarray(g), lr=0.5)
     for d in dev:
         np.testing.assert_array_equal(cupy.asnumpy(d).view(np.uint32), host[0].view(np.uint32))
+
+
+# ------------------------------------------------------------------------- launch overheads on paper
+@pytest.mark.multi_gpu
+def test_joins_reuse_one_event_per_device_and_stream(backend, monkeypatch):
+    """Two-shot all-reduce over k GPUs joins their streams twice. Each join records one event per
+    GPU, reused across calls: no event is created after the first call (it used to create one per
+    (waiter, source) pair: 2·k·(k-1) per call, 112 for 8 GPUs)."""
+    from cudist import _arrays
+
+    k = min(cupy.cuda.runtime.getDeviceCount(), 4)
+    created, recorded = [], []
+    real_event, real_after = cupy.cuda.Event, _arrays._event_after
+
+    class Counting(real_event):
+        def __init__(self, *a, **kw):
+            created.append(1)
+            super().__init__(*a, **kw)
+
+    def after(cp, device):
+        recorded.append(device)
+        return real_after(cp, device)
+
+    monkeypatch.setattr(cupy.cuda, "Event", Counting)
+    monkeypatch.setattr(_arrays, "_event_after", after)
+    count = (1 << 20) // 4 * k  # 1 MiB per buffer and more: the two-shot path
+    bufs = [_on(d, np.full(count, d + 1, np.float32)) for d in range(k)]
+    backend.all_reduce(bufs, ReduceOp.SUM)
+    assert len(created) <= k
+    created.clear(), recorded.clear()
+    backend.all_reduce(bufs, ReduceOp.SUM)
+    assert created == [] and sorted(recorded) == sorted(list(range(k)) * 2)
+    want = np.full(count, k * (k + 1) // 2 * k, np.float32)
+    for b in bufs:
+        np.testing.assert_array_equal(cupy.asnumpy(b), want)
+
+
+@pytest.mark.gpu
+def test_grid_is_sms_times_the_kernels_occupancy(monkeypatch):
+    """The grid fills one wave: SMs x the resident blocks per SM the driver computes for the kernel
+    (asked once per device, dtype and kernel), not a fixed 8 per SM."""
+    from cudist._kernels._cupy import CupyBackend
+
+    calls = []
+    real = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor
+
+    def occupancy(func, block, smem):
+        calls.append((func, block, smem))
+        return 3
+
+    monkeypatch.setattr(cupy.cuda.driver, "occupancyMaxActiveBlocksPerMultiprocessor", occupancy)
+    be = CupyBackend()
+    n = 1 << 22
+    bufs = [cupy.ones(n, np.float32) for _ in range(2)]
+    be.all_reduce(bufs, ReduceOp.SUM)
+    be.all_reduce(bufs, ReduceOp.SUM)
+    assert len(calls) == 1 and calls[0][1:] == (256, 0)
+    sms = cupy.cuda.runtime.getDeviceProperties(0)["multiProcessorCount"]
+    assert be._grid(0, n, 4, "all_reduce_one_shot", np.float32) == sms * 3
+    assert be._grid(0, 10, 4, "all_reduce_one_shot", np.float32) == 1
+    np.testing.assert_array_equal(cupy.asnumpy(bufs[0][:4]), np.full(4, 4, np.float32))
+    assert real is not occupancy

@@ -208,40 +208,41 @@ def test_scatter_follows_the_ceil_rule(cp, be, dtype, n):
                     _assert_same(cp.asnumpy(g[key]), w[key])
 
 
-def test_pointer_tables_are_not_shared_across_streams(cp, be, monkeypatch):
-    """A cached pointer table read by a kernel still queued on one stream must not be recycled
-    (evicted, its memory reused for another table) by work on another stream."""
+def test_replica_pointers_travel_by_value(cp, be):
+    """The backend launches the ``*_packed`` kernels, whose replica pointers are a kernel parameter
+    (a one-element structured NumPy array that CuPy passes by value): nothing is uploaded or cached
+    on the device per call, so no table can be recycled under a kernel still queued on another
+    stream (what the pointer-table cache had to guard against)."""
     from cudist._kernels import _cupy
 
-    monkeypatch.setattr(_cupy, "_TABLE_CACHE_SIZE", 1)
-    be._tables.clear()
+    p = _cupy._pack([cp.zeros(4, cp.float32)] * 3)
+    assert isinstance(p, np.ndarray) and p.shape == (1,) and p.dtype.itemsize == 8 * _cupy.MAX_REPLICAS
+    assert not hasattr(be, "_tables")
     rng = np.random.default_rng(11)
     sets = [[_rand(rng, (1031,), "float32") for _ in range(3)] for _ in range(3)]
     a, b, c = ([cp.asarray(h) for h in hs] for hs in sets)
     want = [[x.copy() for x in hs] for hs in sets]
-    be.all_reduce(a, "sum")  # a's table, made on the null stream
+    be.all_reduce(a, "sum")
     REF.all_reduce(want[0], "sum")
     cp.cuda.Device().synchronize()
+    pool = cp.get_default_memory_pool()
+    used = pool.used_bytes()
     side = cp.cuda.Stream(non_blocking=True)
     with side:
         be.all_reduce(a, "sum")  # queued on `side`, which nothing synchronizes yet
     REF.all_reduce(want[0], "sum")
-    be.all_reduce(b, "sum")  # new tables on the null stream evict a's ...
-    be.all_reduce(c, "sum")  # ... and may reuse its memory
+    be.all_reduce(b, "sum")
+    be.all_reduce(c, "sum")
     REF.all_reduce(want[1], "sum")
     REF.all_reduce(want[2], "sum")
+    assert pool.used_bytes() == used  # in-place all-reduces allocate no device memory
     side.synchronize()
     cp.cuda.Device().synchronize()
     for got, exp in zip((a, b, c), want):
         for g, w in zip(got, exp):
             _assert_same(cp.asnumpy(g), w)
-    # The structural guarantee behind it: one table per (stream, pointer set), reused on its stream.
-    monkeypatch.setattr(_cupy, "_TABLE_CACHE_SIZE", 8)
-    t_null = be._table(0, a)
-    with side:
-        t_side = be._table(0, a)
-        assert be._table(0, a) is t_side
-    assert t_side is not t_null and be._table(0, a) is t_null
+    assert all(k[2] in _cupy.KERNELS for k in be._functions)
+    assert all("_packed" in fn.name for fn in be._functions.values())  # (mangled on a GPU)
 
 
 def test_bad_input_is_rejected(cp, be):

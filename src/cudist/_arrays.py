@@ -40,6 +40,8 @@ __all__ = [
     "is_foreign_array",
     "from_dlpack",
     "array_namespace",
+    "order_streams",
+    "join_streams",
 ]
 
 #: What the helpers below return for an array that may be on the host or on a GPU: a NumPy array,
@@ -218,25 +220,64 @@ def to_gpu(a: Any, gpu: int, *, copy: bool = False) -> Any:
         return cupy.array(a, order="C", copy=True) if copy else cupy.asarray(a)
 
 
-def order_streams(cupy: ModuleType, waiter: int, source: int) -> None:
-    """Makes GPU ``waiter``'s current stream wait for the work queued so far on ``source``'s.
+#: (CuPy module, device, stream pointer) -> an event reused for every join recorded on that stream.
+#: Recording it again is safe: a wait enqueued earlier captured the record it saw, and a later
+#: record on the same stream only covers more work.
+_EVENTS: dict[tuple[int, int, int], tuple[Any, Any]] = {}
+
+
+def _event_after(cupy: ModuleType, device: int) -> Any:
+    """An event recorded now on GPU ``device``'s current stream (the cached one of that stream)."""
+    with cupy.cuda.Device(device):
+        stream = cupy.cuda.get_current_stream()
+        key = (id(cupy), device, int(getattr(stream, "ptr", 0)))
+        entry = _EVENTS.get(key)
+        if entry is None or entry[0] is not cupy:  # (another module object reusing a dead one's id)
+            entry = _EVENTS[key] = (cupy, cupy.cuda.Event(disable_timing=True))
+        ev = entry[1]
+        ev.record(stream)
+    return ev
+
+
+def join_streams(cupy: ModuleType, waiters: Any, sources: Any) -> None:
+    """Makes each GPU of ``waiters`` wait (its current stream) for the work queued so far on the
+    current stream of each GPU of ``sources`` (itself excepted).
 
     CUDA orders nothing across devices by itself: a copy or kernel on one GPU that reads memory
     another GPU's stream still writes reads stale data, and one GPU's later writes (or the pool
-    reusing freed memory) can overtake another GPU's queued read of it.
+    reusing freed memory) can overtake another GPU's queued read of it. One event is recorded per
+    source GPU and join (not one per waiter and source), from a per-stream cache: joining 8 GPUs
+    records 8 events instead of creating 56.
+
+    Args:
+        cupy: the ``cupy`` module.
+        waiters: CUDA device ids whose current streams wait.
+        sources: CUDA device ids whose queued work is waited for.
+    """
+    waiters = list(dict.fromkeys(int(w) for w in waiters))
+    sources = [s for s in dict.fromkeys(int(s) for s in sources) if any(w != s for w in waiters)]
+    if not sources:
+        return
+    events = {s: _event_after(cupy, s) for s in sources}
+    for w in waiters:
+        with cupy.cuda.Device(w):
+            stream = cupy.cuda.get_current_stream()
+            for s, ev in events.items():
+                if s != w:
+                    stream.wait_event(ev)
+
+
+def order_streams(cupy: ModuleType, waiter: int, source: int) -> None:
+    """Makes GPU ``waiter``'s current stream wait for the work queued so far on ``source``'s
+    (:func:`join_streams` for one pair).
 
     Args:
         cupy: the ``cupy`` module.
         waiter: the CUDA device id whose current stream waits.
         source: the CUDA device id whose queued work is waited for.
     """
-    if waiter == source:
-        return
-    with cupy.cuda.Device(source):
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record()
-    with cupy.cuda.Device(waiter):
-        cupy.cuda.get_current_stream().wait_event(ev)
+    if waiter != source:
+        join_streams(cupy, (waiter,), (source,))
 
 
 def _copy_across(cupy: ModuleType, a: Any, gpu: int, copy: bool) -> Any:

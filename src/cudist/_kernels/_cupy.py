@@ -4,8 +4,11 @@ The kernels ship as headers with the package (:func:`cudist.get_include`); they 
 NVRTC through :class:`cupy.RawModule` the first time a dtype is used on a device (CuPy caches the
 binaries on disk, keyed by the source, which names a digest of the headers). One launch handles up
 to ``MAX_REPLICAS`` buffers; more are handled in several passes without changing the summation
-order. The replica pointers reach the kernels as a small device array of pointers, cached per
-device and pointer set.
+order. The replica pointers reach the kernels by value (the ``*_packed`` kernels take a
+``PtrPack<T>`` of up to 8 pointers, which CuPy passes from a one-element structured NumPy array):
+nothing is uploaded per call, and the pointers sit in registers rather than being loaded from a
+device table (48 registers and 128-bit LDG/STG for the by-value forms, 72-106 registers and generic
+loads for the table forms, when compiled for sm_90).
 
 Buffers may sit on different GPUs. Kernels then run on the first buffer's device, reading and
 writing the others over peer access, which is enabled on first use; where peer access is
@@ -21,7 +24,6 @@ Importing this module imports CuPy: :func:`cudist._kernels.get_backend` does so 
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import threading
 from pathlib import Path
@@ -30,7 +32,7 @@ import cupy
 import numpy as np
 import optree
 
-from cudist._arrays import order_streams
+from cudist._arrays import join_streams
 from cudist._kernels._base import SUPPORTED_DTYPES, KernelBackend
 from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._split import split_sizes
@@ -74,8 +76,27 @@ _THREADS = 256
 _BLOCKS_PER_SM = 8
 # Below this many bytes per buffer, the one-shot kernel on one device beats two-shot's 2N launches.
 _TWO_SHOT_MIN_BYTES = 1 << 20
-_TABLE_CACHE_SIZE = 512
 _VEC_BYTES = 16
+#: ``cudist::kernels::PtrPack<T>``: MAX_REPLICAS device pointers, passed to the ``*_packed`` kernels by
+#: value. CuPy passes a one-element NumPy array by value (its bytes become the kernel parameter).
+_PACK = np.dtype([("p", np.uint64, (MAX_REPLICAS,))])
+
+
+def _blocks_per_sm(fn) -> int:
+    """How many blocks of _THREADS threads of RawKernel ``fn`` fit on one SM of the current device
+    (the driver's occupancy calculator: registers, shared memory); _BLOCKS_PER_SM if it cannot say."""
+    try:
+        occ = int(cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, _THREADS, 0))
+    except Exception:  # noqa: BLE001 - an old CuPy, a driver without the call: the fixed guess
+        return _BLOCKS_PER_SM
+    return occ if occ > 0 else _BLOCKS_PER_SM
+
+
+def _pack(arrays) -> np.ndarray:
+    """The arrays' data pointers as a ``PtrPack<T>`` kernel argument (at most MAX_REPLICAS)."""
+    p = np.zeros(1, _PACK)
+    p["p"][0, : len(arrays)] = [a.data.ptr for a in arrays]
+    return p
 
 
 def name_expression(kernel: str, dtype) -> str:
@@ -144,9 +165,9 @@ class CupyBackend(KernelBackend):
         self._lock = threading.Lock()
         self._modules: dict[str, cupy.RawModule] = {}  # per dtype; CuPy compiles per device
         self._functions: dict[tuple, object] = {}  # (device, dtype, kernel) -> RawKernel
-        self._tables: collections.OrderedDict = collections.OrderedDict()  # (device, stream, ptrs) -> uint64 array
         self._peer: dict[tuple[int, int], bool] = {}  # (device, peer) -> peer access enabled
         self._sms: dict[int, int] = {}
+        self._occupancy: dict[tuple, int] = {}  # (device, dtype, kernel) -> resident blocks per SM
         self._program: tuple | None = None  # (NVRTC source, options): the same for every dtype
 
     def _span(self, a):
@@ -170,47 +191,31 @@ class CupyBackend(KernelBackend):
                         options = ("-std=c++17", f"-I{inc}", *(f"-I{d}" for d in _cuda_include_dirs()))
                         self._program = (kernel_source(inc), options)
                     source, options = self._program
-                    names = [name_expression(k, dtype) for k, dts in KERNELS.items() if dtype.name in dts]
+                    # The by-value forms only: their pointers travel in the kernel parameters
+                    # (registers), where the table forms load them from device memory.
+                    names = [name_expression(k + "_packed", dtype) for k, dts in KERNELS.items() if dtype.name in dts]
                     mod = cupy.RawModule(code=source, options=options, name_expressions=names)
                     self._modules[dtype.name] = mod
                 with cupy.cuda.Device(device):
-                    fn = mod.get_function(name_expression(kernel, dtype))  # compiles for this device
+                    fn = mod.get_function(name_expression(kernel + "_packed", dtype))  # compiles for this device
+                    self._occupancy[key] = _blocks_per_sm(fn)
                 self._functions[key] = fn
         return fn
 
-    def _grid(self, device: int, count: int, itemsize: int) -> int:
+    def _grid(self, device: int, count: int, itemsize: int, kernel: str | None = None, dtype=None) -> int:
+        """Blocks for ``count`` elements: one 16-byte vector per thread, at most one full wave (SMs x
+        the kernel's resident blocks per SM, queried once per device and kernel); the kernels'
+        grid-stride loops cover the rest."""
         sms = self._sms.get(device)
         if sms is None:
             sms = self._sms[device] = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
+        per_sm = self._occupancy.get((device, np.dtype(dtype).name, kernel), _BLOCKS_PER_SM) if kernel else _BLOCKS_PER_SM
         groups = -(-count * itemsize // _VEC_BYTES)
-        return max(1, min(-(-groups // _THREADS), sms * _BLOCKS_PER_SM))
-
-    def _table(self, device: int, arrays) -> cupy.ndarray:
-        """A device array (on ``device``) of the arrays' data pointers, cached by pointer set.
-
-        The cache is per stream: a table is allocated on the stream whose kernels read it, so when
-        it is evicted CuPy's pool hands its memory out again only on that stream, after those
-        kernels (a table shared by two streams could be overwritten under the other's kernel).
-        """
-        ptrs = tuple(int(a.data.ptr) for a in arrays)
-        with cupy.cuda.Device(device):
-            key = (device, cupy.cuda.get_current_stream().ptr, ptrs)
-        with self._lock:
-            t = self._tables.get(key)
-            if t is not None:
-                self._tables.move_to_end(key)
-                return t
-        with cupy.cuda.Device(device):
-            t = cupy.asarray(np.array(ptrs, dtype=np.uint64))
-        with self._lock:
-            self._tables[key] = t
-            while len(self._tables) > _TABLE_CACHE_SIZE:
-                self._tables.popitem(last=False)
-        return t
+        return max(1, min(-(-groups // _THREADS), sms * per_sm))
 
     def _launch(self, device, kernel, dtype, count, args, *, grid_y=1):
         fn = self._function(device, dtype, kernel)
-        blocks = self._grid(device, count, np.dtype(dtype).itemsize)
+        blocks = self._grid(device, count, np.dtype(dtype).itemsize, kernel, dtype)
         with cupy.cuda.Device(device):
             fn((blocks, grid_y), (_THREADS,), args)
 
@@ -242,8 +247,7 @@ class CupyBackend(KernelBackend):
 
     def _wait_for(self, waiter: int, devices) -> None:
         """Makes ``waiter``'s current stream wait for the work queued so far on ``devices``."""
-        for d in devices:
-            order_streams(cupy, waiter, d)
+        join_streams(cupy, (waiter,), devices)
 
     class _Staging:
         """Makes every array usable by kernels on ``device``: peer-accessible ones as they are,
@@ -274,8 +278,7 @@ class CupyBackend(KernelBackend):
                 with cupy.cuda.Device(self.device):
                     orig.data.copy_from_device_async(s.data, s.nbytes)
             # Later work on the other devices must see what the kernels wrote there.
-            for d in self.others:
-                self.backend._wait_for(d, [self.device])
+            join_streams(cupy, self.others, (self.device,))
 
     # ------------------------------------------------------------------ building blocks
     def _reduce_into(self, device, bufs, out, extra, divisor):
@@ -300,9 +303,9 @@ class CupyBackend(KernelBackend):
                 dtype,
                 count,
                 (
-                    self._table(device, ins),
+                    _pack(ins),
                     np.int32(len(ins)),
-                    self._table(device, outs),
+                    _pack(outs),
                     np.int32(len(outs)),
                     np.int64(count),
                     np.int32(divisor if last else 0),
@@ -318,7 +321,7 @@ class CupyBackend(KernelBackend):
                 "broadcast",
                 src.dtype,
                 count,
-                (src, self._table(device, group), np.int32(len(group)), np.int64(count)),
+                (src, _pack(group), np.int32(len(group)), np.int64(count)),
             )
 
     def _all_reduce_two_shot(self, bufs, divisor):
@@ -332,30 +335,28 @@ class CupyBackend(KernelBackend):
         width = _VEC_BYTES // dtype.itemsize
         chunk = -(-count // n)
         chunk = -(-chunk // width) * width
-        for d in devices:
-            self._wait_for(d, devices)
+        join_streams(cupy, devices, devices)
         for r, d in enumerate(devices):
             begin, end = min(r * chunk, count), (count if r == n - 1 else min((r + 1) * chunk, count))
             if begin >= end:
                 continue
-            table = self._table(d, bufs)
+            ptrs = _pack(bufs)
             span = end - begin
             self._launch(
                 d,
                 "reduce_scatter",
                 dtype,
                 span,
-                (table, np.int32(n), np.int64(chunk), np.int64(begin), np.int64(end), np.int32(divisor)),
+                (ptrs, np.int32(n), np.int64(chunk), np.int64(begin), np.int64(end), np.int32(divisor)),
             )
             self._launch(
                 d,
                 "all_gather_chunks",
                 dtype,
                 span,
-                (table, np.int32(n), np.int64(chunk), np.int64(begin), np.int64(end)),
+                (ptrs, np.int32(n), np.int64(chunk), np.int64(begin), np.int64(end)),
             )
-        for d in devices:
-            self._wait_for(d, devices)
+        join_streams(cupy, devices, devices)
 
     def _use_two_shot(self, bufs) -> bool:
         devices = [b.device.id for b in bufs]
@@ -386,9 +387,9 @@ class CupyBackend(KernelBackend):
                 outs[0].dtype,
                 count,
                 (
-                    self._table(device, ins),
+                    _pack(ins),
                     np.int32(n),
-                    self._table(device, outs),
+                    _pack(outs),
                     np.int32(n),
                     np.int64(count),
                     np.int32(divisor),
@@ -461,8 +462,7 @@ class CupyBackend(KernelBackend):
             local = [b if b.device.id == device else b.copy() for b in bufs]
             out = cupy.concatenate(local, axis=axis)
         # ... and the sources' GPUs may overwrite (or free) their buffers only after the copies.
-        for d in others:
-            self._wait_for(d, [device])
+        join_streams(cupy, others, (device,))
         return out
 
     def _mirrored(self, kernel, copies, slots, grad, scalars, grads=None, table_order=None):
@@ -484,7 +484,7 @@ class CupyBackend(KernelBackend):
         g_arrs = staged[len(flat) - k :]
         staged_groups = [staged[i * n : (i + 1) * n] for i in range(len(groups))]
         m = min(n, MAX_REPLICAS)
-        tables = [self._table(device, g[:m]) for g in staged_groups]
+        tables = [_pack(g[:m]) for g in staged_groups]
         if table_order is not None:
             tables = [tables[i] for i in table_order]
         if kernel == "mirrored_assign_add":
@@ -499,7 +499,7 @@ class CupyBackend(KernelBackend):
                     tmp = cupy.empty_like(g_arrs[0])
                 self._reduce_into(device, g_arrs[:head], tmp, [], 0)
                 g_arrs = [tmp, *g_arrs[head:]]
-            gt = self._table(device, g_arrs)
+            gt = _pack(g_arrs)
             args = (*tables, np.int32(m), gt, np.int32(len(g_arrs)), *scalars, np.int64(count))
         self._launch(device, kernel, dtype, count, args)
         if n > m:
@@ -657,8 +657,7 @@ class CupyBackend(KernelBackend):
                     if size:
                         out.data.copy_from_device_async(src[start : start + size].data, out.nbytes)
                     start += size
-            for d in set(devices):
-                self._wait_for(d, [device])
+            join_streams(cupy, set(devices), (device,))
             return outs
         self._wait_for(device, set(devices))
         per = sizes[0] * row
@@ -672,10 +671,9 @@ class CupyBackend(KernelBackend):
                 "scatter_batch",
                 src.dtype,
                 per,
-                (src.ravel()[begin:], self._table(device, group), np.int32(len(group)), np.int64(per),
+                (src.ravel()[begin:], _pack(group), np.int32(len(group)), np.int64(per),
                  np.int64(total - begin)),
                 grid_y=len(group),
             )
-        for d in set(devices):
-            self._wait_for(d, [device])
+        join_streams(cupy, set(devices), (device,))
         return outs

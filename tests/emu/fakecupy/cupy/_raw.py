@@ -6,7 +6,8 @@ with, as NVRTC does. A launch checks what a GPU would punish or what would silen
 
 * each argument has exactly the C type of the kernel parameter (parsed from the .cuh signature):
   a NumPy scalar of the right width, an array of the right dtype for ``T*``, a uint64 array of
-  pointers for ``T* const*`` (a Python ``int`` would be passed by CuPy as a 64-bit value: refused);
+  pointers for ``T* const*``, a one-element NumPy array of PtrPack's size for ``PtrPack<T>`` (what
+  CuPy passes by value; a Python ``int`` would be passed by CuPy as a 64-bit value: refused);
 * every pointer, and every pointer inside a pointer table, lies with the extent the kernel touches
   in one live allocation that the *current* device may access (its own memory, a peer's whose
   access was enabled, or pinned host memory), aligned to the element size; else the launch raises
@@ -84,6 +85,8 @@ def _parse_signatures(inc: Path) -> tuple[dict[str, list[tuple[str, str]]], int]
             typ, name = raw.rsplit(" ", 1)
             if "* const*" in raw:
                 kind = "table"
+            elif typ.startswith("PtrPack<"):
+                kind = "pack"
             elif "*" in typ:
                 kind = "ptr"
             elif "compute<T>::type" in typ:
@@ -129,10 +132,14 @@ class RawModule:
         if m is None or m.group(2) not in _CTYPE_TO_DTYPE or m.group(1) not in self._sigs:
             raise CUDADriverError(CUDA_ERROR_NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: named symbol not found ({name!r})")
         kernel, dtype = m.group(1), _CTYPE_TO_DTYPE[m.group(2)]
-        fn = getattr(_library(), f"cudist_emu_{kernel}_{dtype}", None)
+        # A `_packed` kernel runs through the emulated pointer-table form of the same kernel (same
+        # parameters in the same order, one body): its PtrPack arguments become host tables. The
+        # packed bodies themselves run in tests/test_cuda_emulated.py through the C++ launchers.
+        entry = kernel[: -len("_packed")] if kernel.endswith("_packed") else kernel
+        fn = getattr(_library(), f"cudist_emu_{entry}_{dtype}", None)
         if fn is None:
             raise CUDADriverError(CUDA_ERROR_NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: no emulated entry point for {name!r}")
-        return RawKernel._make(name, kernel, np.dtype(dtype), self._sigs[kernel], fn, self._max_replicas)
+        return RawKernel._make(name, entry, np.dtype(dtype), self._sigs[kernel], fn, self._max_replicas)
 
 
 def _dim3(v, what):
@@ -148,9 +155,19 @@ class RawKernel:
     @classmethod
     def _make(cls, name, kernel, dtype, params, fn, max_replicas):
         self = cls.__new__(cls)
-        self.name, self.kernel, self.dtype, self.params, self._fn, self._max = name, kernel, dtype, params, fn, max_replicas
+        self.name, self._entry, self.dtype, self.params, self._fn, self._max = name, kernel, dtype, params, fn, max_replicas
         self.launches = 0
         return self
+
+    class _Function:
+        """``RawKernel.kernel``: the compiled function (``ptr`` is its CUfunction handle)."""
+
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    @property
+    def kernel(self):
+        return RawKernel._Function(id(self) or 1)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None, enable_cooperative_groups=False):
         gx, gy, gz = _dim3(grid, "grid")
@@ -166,8 +183,25 @@ class RawKernel:
         dev = _emu.THREAD.device
         cdefs, cvals, scalars, pointers, tables = [], [], {}, {}, {}
         item = self.dtype.itemsize
+        packs = {}
         for (kind, pname), a in zip(self.params, args):
             where = f"{self.name} argument {pname!r}"
+            if kind == "pack":
+                # As CuPy's function.pyx: a numpy.ndarray of size one is passed by value (its bytes);
+                # any other size is refused; a cupy.ndarray would pass a device pointer instead.
+                if not isinstance(a, np.ndarray):
+                    raise TypeError(f"{where}: a PtrPack<T> is passed by value as a one-element NumPy array, "
+                                    f"got {type(a).__name__}")
+                if a.size != 1:
+                    raise TypeError(f"You are trying to pass a numpy.ndarray of shape {a.shape} as a kernel parameter. "
+                                    "Only numpy.ndarrays of size one can be passed by value.")
+                if a.dtype.itemsize != 8 * self._max:
+                    raise TypeError(f"{where}: PtrPack<T> is {8 * self._max} bytes, the array element is {a.dtype.itemsize}")
+                ptrs = np.frombuffer(a.tobytes(), np.uint64).copy()  # the value, captured at launch
+                cdefs.append(ctypes.c_void_p)
+                cvals.append(ptrs.ctypes.data)
+                packs[pname] = ptrs
+                continue
             if kind in ("ptr", "table"):
                 if not isinstance(a, ndarray):
                     raise TypeError(f"{where}: expected a cupy.ndarray for a pointer parameter, got {type(a).__name__}")
@@ -198,6 +232,12 @@ class RawKernel:
         for pname, a in pointers.items():
             direct.append((f"{pname}", a._ptr, self._extent(pname, None, scalars)))
         table_reads = []
+        for pname, ptrs in packs.items():
+            nname = _TABLE_COUNT.get(pname, "n")
+            n = scalars.get(nname)
+            if n is None or not 1 <= n <= self._max:
+                raise ValueError(f"{self.name}: {nname}={n} must be within 1..{self._max} (kMaxReplicas)")
+            table_reads.append((pname, ptrs[:n], n))
         for pname, t in tables.items():
             nname = _TABLE_COUNT.get(pname, "n")
             n = scalars.get(nname)
@@ -208,9 +248,10 @@ class RawKernel:
             _emu.check_range(t._ptr, n * 8, f"{self.name} pointer table {pname!r}", device=dev)
             table_reads.append((pname, t._a[:n], n))
         self._check_pointers(direct, dev, pooled=False)
-        if self.kernel == "scatter_batch" and gy < scalars["n_dst"]:
+        if self._entry == "scatter_batch" and gy < scalars["n_dst"]:
             raise ValueError(f"{self.name}: grid y {gy} < n_dst {scalars['n_dst']}: replicas past the grid get nothing")
         keep = [a for a in args if isinstance(a, ndarray)]  # their memory, not its ownership
+        keep_packs = list(packs.values())  # the host tables the emulated kernel reads
         launched = _emu.HANDOUTS
 
         def run():
@@ -229,7 +270,7 @@ class RawKernel:
                 if not a.guard_intact():
                     raise _emu.IllegalAddress(f"{self.name} wrote past the end of a {a.size}-byte allocation on {a.where()}")
 
-        raws = [a._a for a in keep]  # noqa: F841 - keeps the bytes mapped while queued
+        raws = [a._a for a in keep] + keep_packs  # noqa: F841 - keeps the bytes mapped while queued
         q = _emu.current_queue(dev) if stream is None else _queue_of(stream, dev)
         if stream is not None and stream.ptr and getattr(stream, "device_id", dev) not in (dev, -1):
             # cudaLaunchKernel on a stream of another device.
@@ -250,7 +291,7 @@ class RawKernel:
 
     def _extent(self, pname: str, r: int | None, s: dict) -> int:
         """How many elements from the pointer ``pname`` (entry ``r`` of a table) the kernel touches."""
-        k = self.kernel
+        k = self._entry
         if k in ("reduce_scatter", "all_gather_chunks"):
             return int(s["end"])
         if k == "scatter_batch":
