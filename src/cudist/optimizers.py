@@ -265,6 +265,17 @@ class Optimizer:
             trainable=False,
             aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
         )
+        # With gradient accumulation, Keras's ``iterations`` counts the updates (steps // N): kept
+        # in step with ``_iterations`` (what a checkpoint saves) by _after_update / _restore_state.
+        self._updates: Variable | None = None
+        if self._gradient_accumulation_steps:
+            self._updates = Variable(
+                0,
+                dtype=np.int64,
+                name=f"{name}/updates",
+                trainable=False,
+                aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+            )
         self._slots: dict[Variable, dict[str, Variable]] = {}  # {slot name: slot} per variable (by identity)
         self._plans: dict[Variable, _Plan] = {}  # variable -> validated kernel work, see _plan
         self._one = np.ones((), dtype=np.int64)
@@ -280,8 +291,15 @@ class Optimizer:
     # ------------------------------------------------------------------ properties
     @property
     def iterations(self) -> Variable:
-        """The number of ``apply_gradients`` calls so far (an int64 variable, as in Keras)."""
-        return self._iterations
+        """The number of ``apply_gradients`` calls so far (an int64 variable, as in Keras); with
+        ``gradient_accumulation_steps`` N, the number of updates (calls // N), as Keras 3."""
+        return self._iterations if self._updates is None else self._updates
+
+    def _update_step(self, iteration: int) -> int:
+        """The 1-based step of the update at call ``iteration`` (bias corrections, Nadam's schedule):
+        Keras's ``iterations + 1``, which counts updates under gradient accumulation."""
+        steps = self._gradient_accumulation_steps
+        return iteration // steps + 1 if steps else iteration + 1
 
     @property
     def learning_rate(self) -> float:
@@ -702,7 +720,7 @@ class Optimizer:
     def _after_update(self) -> None:
         """The end of every step (cross-replica context): the moving averages, then ``iterations += 1``."""
         if self._use_ema and self._ema:
-            iteration = int(self._iterations)
+            iteration = self._update_step(int(self._iterations)) - 1  # Keras's (accumulated) iterations
             momentum = self._ema_momentum if iteration != 0 else 0.0
             for var, average in self._ema.items():
                 value = var._primary_array()
@@ -713,6 +731,11 @@ class Optimizer:
             if freq and (iteration + 1) % freq == 0:
                 self.finalize_variable_values(list(self._ema))
         self._iterations.assign_add(self._one, read_value=False)
+        self._sync_updates()
+
+    def _sync_updates(self) -> None:
+        if self._updates is not None and self._gradient_accumulation_steps:
+            self._updates.assign(int(self._iterations) // self._gradient_accumulation_steps, read_value=False)
 
     def _aggregate(
         self, strategy: Strategy, grads: list[Any], variables: Sequence[Variable], aggregate: bool
@@ -756,7 +779,7 @@ class Optimizer:
             work.append((backend, copies, slots, comps, var))
         iteration = int(self._iterations)
         lr = self._current_learning_rate(iteration)
-        params = self._step_params(lr, iteration + 1)
+        params = self._step_params(lr, self._update_step(iteration))
         for backend, copies, slots, comps, var in work:
             written = copies + sum(slots, ())
             ins: list[Any] = []
@@ -780,7 +803,7 @@ class Optimizer:
         plans = [self._plan(v) for v in variables]  # slots are all created before any variable changes
         iteration = int(self._iterations)
         lr = self._current_learning_rate(iteration)
-        params = self._step_params(lr, iteration + 1)
+        params = self._step_params(lr, self._update_step(iteration))
         for grad, plan, var in zip(grads, plans, variables):
             decay = self._decay(var, lr)
             for copies, slots, backend in plan[1]:
@@ -886,6 +909,7 @@ class Optimizer:
         numeric learning rate, as Keras 3 restores its learning-rate variable. Other hyperparameters
         are constructor arguments and stay as constructed."""
         self.build(var_list)
+        self._sync_updates()  # iterations was restored
         lr = hyperparameters.get("learning_rate")
         if lr is not None and not callable(self._learning_rate):
             self.learning_rate = lr

@@ -1,0 +1,268 @@
+"""cudist.optimizers against Keras 3 (TF 2.21): trajectories and schedules recorded by
+tests/data/record_keras_optimizers.py into tests/data/keras_optimizers.json.
+
+Every case (an optimizer, its constructor arguments -- weight decay with exclusions, clipping,
+schedules, EMA, loss scale, gradient accumulation --, float32 or float64 variables and six steps of
+random gradients) is replayed
+
+* ``plain``: no strategy, ``apply_gradients`` on the whole gradient (Keras's ``one`` run);
+* ``one_device``: inside ``OneDeviceStrategy.run`` (the ``one`` run);
+* ``mirrored2`` / ``mirrored3``: inside ``MirroredStrategy.run``, each replica applying the
+  per-replica gradient Keras's replica got under ``tf.distribute.MirroredStrategy`` (they sum to
+  the whole gradient; clipping applies per replica, as in Keras 3);
+* ``central2``: inside ``CentralStorageStrategy.run`` on 2 compute devices (the ``mirrored2`` run),
+
+and compared after every step to float tolerance. Keras computes scalars in float32 even for float64
+variables (its learning-rate variable, schedules; a Python hyper-parameter converts through a
+float32 tensor, so Adam's ``beta_2**t`` of a float64 variable uses float32(0.999)): float64 runs
+agree with it to float32 precision, not to float64's.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import cudist
+from cudist import optimizers
+from cudist.optimizers import schedules
+
+from conftest import make_strategy
+
+DATA = json.loads((Path(__file__).parent / "data" / "keras_optimizers.json").read_text())
+CASES = {c["name"]: c for c in DATA["cases"]}
+# (cudist strategy kind, the recorded run it replays)
+KINDS = [("plain", "one"), ("one_device", "one"), ("mirrored2", "mirrored2"), ("mirrored3", "mirrored3"),
+         ("central2", "mirrored2")]  # fmt: skip
+TOL = {"float32": dict(rtol=3e-5, atol=3e-6), "float64": dict(rtol=2e-5, atol=2e-6)}
+
+
+def dec(x):
+    return np.array(x["data"], dtype=x["dtype"]).reshape(x["shape"])
+
+
+def cudist_kwargs(kwargs):
+    out = dict(kwargs)
+    lr = out.get("learning_rate")
+    if isinstance(lr, dict):
+        out["learning_rate"] = getattr(schedules, lr["schedule"])(**lr["config"])
+    return out
+
+
+def test_the_data_is_keras_3_on_tf_2_21():
+    assert DATA["tensorflow"].startswith("2.21") and DATA["keras"].startswith("3.")
+    optimizers_covered = {c["optimizer"] for c in DATA["cases"]}
+    assert optimizers_covered == {"SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion"}
+    for case in DATA["cases"]:
+        for kind in ("one", "mirrored2", "mirrored3"):
+            assert "error" not in case["runs"][kind], (case["name"], kind, case["runs"][kind].get("error"))
+
+
+# ------------------------------------------------------------------------------------- schedules
+@pytest.mark.parametrize("rec", DATA["schedules"], ids=lambda r: f"{r['class_name']}-{sorted(r['config'])}")
+def test_schedule_values_follow_keras(rec):
+    sched = getattr(schedules, rec["class_name"])(**rec["config"])
+    got = [sched(step) for step in range(len(rec["values"]))]
+    assert all(type(v) is float for v in got)
+    np.testing.assert_allclose(got, rec["values"], rtol=2e-6, atol=1e-9)
+    # A NumPy step (what int(optimizer.iterations) reads) gives the same.
+    assert sched(np.int64(3)) == got[3]
+
+
+@pytest.mark.parametrize("rec", DATA["schedules"], ids=lambda r: f"{r['class_name']}-{sorted(r['config'])}")
+def test_schedule_config_and_serialization_match_keras(rec):
+    sched = getattr(schedules, rec["class_name"])(**rec["config"])
+    assert schedules.serialize(sched) == rec["serialized"]
+    again = schedules.deserialize(rec["serialized"])
+    assert type(again) is type(sched) and again.get_config() == sched.get_config()
+    assert type(sched).from_config(sched.get_config()).get_config() == sched.get_config()
+
+
+def test_schedule_errors_and_custom_schedules():
+    with pytest.raises(ValueError, match="`decay_steps` must be > 0"):
+        schedules.ExponentialDecay(0.1, 0, 0.5)
+    with pytest.raises(ValueError, match="1 less than the length of values"):
+        schedules.PiecewiseConstantDecay([1, 2], [0.1, 0.2])
+    with pytest.raises(ValueError, match="Unknown decay"):
+        schedules.deserialize({"class_name": "Nope", "config": {}})
+
+    class Halving(schedules.LearningRateSchedule):
+        def __call__(self, step):
+            return 0.5 ** step
+
+        def get_config(self):
+            return {}
+
+    ser = schedules.serialize(Halving())
+    assert ser["class_name"] == "Halving"
+    assert isinstance(schedules.deserialize(ser, custom_objects={"Halving": Halving}), Halving)
+    with pytest.raises(NotImplementedError):
+        schedules.LearningRateSchedule()(0)
+    import cudist.optimizers.schedules as via_import  # the public module path imports
+
+    assert via_import is schedules
+
+
+# ------------------------------------------------------------------------------------- trajectories
+def _replay(case, kind, run):
+    dtype = case["dtype"]
+    strategy = None if kind == "plain" else make_strategy(kind)
+    scope = strategy.scope() if strategy is not None else cudist.get_strategy().scope()
+    with scope:
+        variables = {k: cudist.Variable(dec(v), name=k) for k, v in case["init"].items()}
+        opt = getattr(optimizers, case["optimizer"])(**cudist_kwargs(case["kwargs"]))
+        if case["exclude"]:
+            opt.exclude_from_weight_decay(var_names=case["exclude"])
+    names = list(variables)
+    for step, (grads, want) in enumerate(zip(run["grads"], run["trajectory"])):
+        if strategy is None:
+            (g,) = grads
+            opt.apply_gradients([(dec(g[k]), variables[k]) for k in names])
+        else:
+
+            def fn(grads=grads):
+                r = cudist.get_replica_context().replica_id_in_sync_group
+                opt.apply_gradients([(dec(grads[r][k]), variables[k]) for k in names])
+
+            strategy.run(fn)
+        assert int(opt.iterations) == want["iterations"]
+        for k in names:
+            got = variables[k].numpy()
+            assert got.dtype == np.dtype(dtype)
+            np.testing.assert_allclose(
+                got, dec(want["variables"][k]), **TOL[dtype], err_msg=f"{case['name']} {kind} step {step} {k}"
+            )
+            if isinstance(variables[k], cudist.MirroredVariable):  # the mirrors stay bitwise equal
+                for comp in variables[k].values[1:]:
+                    assert np.asarray(comp.numpy()).tobytes() == got.tobytes()
+    if "finalized" in run:
+        with scope:
+            opt.finalize_variable_values(list(variables.values()))
+        for k in names:
+            np.testing.assert_allclose(variables[k].numpy(), dec(run["finalized"][k]), **TOL[dtype],
+                                       err_msg=f"{case['name']} {kind} finalized {k}")
+
+
+@pytest.mark.parametrize("kind, recorded", KINDS, ids=[k for k, _ in KINDS])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_trajectory_follows_keras(name, kind, recorded):
+    case = CASES[name]
+    _replay(case, kind, case["runs"][recorded])
+
+
+def test_clipping_is_per_replica_as_in_keras():
+    """The recorded clipnorm runs differ between one device and 2 replicas (Keras 3 clips each
+    replica's gradient before the all-reduce), and cudist follows both."""
+    case = CASES["sgd_nesterov_clipnorm"]
+    one = dec(case["runs"]["one"]["trajectory"][-1]["variables"]["kernel"])
+    two = dec(case["runs"]["mirrored2"]["trajectory"][-1]["variables"]["kernel"])
+    assert np.max(np.abs(one - two)) > 1e-3
+
+
+# ------------------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_get_config_round_trips(name):
+    case = CASES[name]
+    opt = getattr(optimizers, case["optimizer"])(**cudist_kwargs(case["kwargs"]))
+    config = opt.get_config()
+    for key in ("name", "learning_rate", "weight_decay", "clipnorm", "global_clipnorm", "clipvalue", "use_ema",
+                "ema_momentum", "ema_overwrite_frequency", "loss_scale_factor", "gradient_accumulation_steps"):
+        assert key in config
+    json.dumps(config)  # a schedule is serialized
+    again = type(opt).from_config(config)
+    assert again.get_config() == config
+    for k, v in case["kwargs"].items():
+        if k != "learning_rate":
+            assert config[k] == v, k
+
+
+def test_keras_argument_errors():
+    with pytest.raises(ValueError, match="Only one of `clipnorm`, `clipvalue` and `global_clipnorm`"):
+        optimizers.SGD(clipnorm=1.0, clipvalue=1.0)
+    with pytest.raises(ValueError, match="`gradient_accumulation_steps` must be an integer >= 2"):
+        optimizers.Adam(gradient_accumulation_steps=1)
+    with pytest.raises(ValueError, match="`ema_momentum` must be in the range"):
+        optimizers.Adam(use_ema=True, ema_momentum=1.5)
+    with pytest.raises(ValueError, match="`weight_decay` must be a float"):
+        optimizers.AdamW(weight_decay=None)
+    with pytest.raises(ValueError, match="`beta_1` must be in range"):
+        optimizers.Lion(beta_1=0.0)
+    with pytest.raises(NotImplementedError, match="AMSGrad"):
+        optimizers.Adam(amsgrad=True)
+
+
+def test_scale_loss_and_slots_named_as_keras():
+    assert optimizers.SGD(loss_scale_factor=8.0).scale_loss(2.0) == 16.0
+    assert optimizers.SGD().scale_loss(2.0) == 2.0
+    var = cudist.Variable(np.zeros(3, np.float32), name="w")
+    expected = {
+        optimizers.RMSprop(momentum=0.9, centered=True): ["velocity", "momentum", "average_gradient"],
+        optimizers.Adagrad(): ["accumulator"],
+        optimizers.Adamax(): ["momentum", "norm"],
+        optimizers.Nadam(): ["momentum", "velocity"],
+        optimizers.Lion(): ["momentum"],
+        optimizers.AdamW(): ["momentum", "velocity"],
+        optimizers.SGD(use_ema=True): [],
+    }
+    for opt, slots in expected.items():
+        opt.build([var])
+        assert opt.built
+        for s in slots:
+            assert opt.get_slot(var, s).shape == (3,)
+        assert len(opt.variables) == 1 + len(slots) + (1 if opt.use_ema else 0)
+    np.testing.assert_array_equal(optimizers.Adagrad(initial_accumulator_value=0.3).__class__(
+        initial_accumulator_value=0.3).get_config()["initial_accumulator_value"], 0.3)
+    opt = optimizers.Adagrad(initial_accumulator_value=0.3)
+    opt.build([var])
+    np.testing.assert_array_equal(opt.get_slot(var, "accumulator").numpy(), np.full(3, 0.3, np.float32))
+
+
+@pytest.mark.parametrize("kind", ["one_device", "mirrored2", "central2"])
+@pytest.mark.parametrize(
+    "opt_cls, kwargs",
+    [
+        (optimizers.RMSprop, {"learning_rate": 0.01, "momentum": 0.9, "centered": True}),
+        (optimizers.Nadam, {"learning_rate": 0.01, "weight_decay": 0.1}),
+        (optimizers.Adam, {"learning_rate": 0.01, "use_ema": True}),
+        (optimizers.Lion, {"learning_rate": 0.01}),
+    ],
+    ids=["rmsprop", "nadam", "adam_ema", "lion"],
+)
+def test_new_optimizers_checkpoint_and_continue_bit_identically(tmp_path, kind, opt_cls, kwargs):
+    """cudist.train.Checkpoint saves the slots (and EMA averages) and iterations of the new
+    optimizers; a fresh optimizer restored from it continues exactly (Nadam's momentum product
+    follows from the restored iterations)."""
+    from cudist import train
+
+    def model(strategy):
+        with strategy.scope():
+            w = cudist.Variable(np.linspace(-1, 1, 12, dtype=np.float32).reshape(4, 3), name="w")
+            opt = opt_cls(**kwargs)
+        return w, opt
+
+    def steps(strategy, w, opt, rng_seed, n):
+        rng = np.random.default_rng(rng_seed)
+        for _ in range(n):
+            g = rng.standard_normal((4, 3)).astype(np.float32)
+
+            def fn(g=g):
+                r = cudist.get_replica_context().replica_id_in_sync_group
+                opt.apply_gradients([(g * np.float32(r + 1), w)])
+
+            strategy.run(fn)
+
+    s1 = make_strategy(kind)
+    w, opt = model(s1)
+    steps(s1, w, opt, 1, 3)
+    path = train.Checkpoint(w=w, optimizer=opt).save(str(tmp_path / "ckpt"))
+    steps(s1, w, opt, 2, 3)
+    want = w.numpy()
+    s2 = make_strategy(kind)
+    w2, opt2 = model(s2)
+    train.Checkpoint(w=w2, optimizer=opt2).restore(path).assert_consumed()
+    assert int(opt2.iterations) == 3
+    steps(s2, w2, opt2, 2, 3)
+    assert w2.numpy().tobytes() == want.tobytes()
