@@ -38,7 +38,16 @@ from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
 
-__all__ = ["CupyBackend", "CTYPES", "KERNELS", "MAX_REPLICAS", "kernel_source", "name_expression"]
+__all__ = [
+    "CupyBackend",
+    "CTYPES",
+    "KERNELS",
+    "MAX_REPLICAS",
+    "kernel_source",
+    "name_expression",
+    "nvrtc_program",
+    "compiled_names",
+]
 
 #: C++ spelling of each supported dtype in the kernel templates.
 CTYPES = {
@@ -131,6 +140,20 @@ def kernel_source(include_dir: Path | None = None) -> str:
     return f"// cudist kernels {digest.hexdigest()}\n#include <cudist/kernels/kernels.cuh>\n"
 
 
+def nvrtc_program(include_dir: Path | None = None) -> tuple[str, tuple[str, ...]]:
+    """The (source, options) the backend hands to ``cupy.RawModule`` (CuPy then adds its own:
+    ``--std``, its headers, ``-arch`` and ``-ftz=true``); tests compile exactly this."""
+    inc = include_dir or _include_dir()
+    return kernel_source(inc), ("-std=c++17", f"-I{inc}", *(f"-I{d}" for d in _cuda_include_dirs()))
+
+
+def compiled_names(dtype) -> list[str]:
+    """The name expressions compiled for ``dtype``: the by-value ``*_packed`` forms only (their
+    pointers travel in the kernel parameters, where the table forms load them from device memory)."""
+    dt = np.dtype(dtype).name
+    return [name_expression(k + "_packed", dt) for k, dts in KERNELS.items() if dt in dts]
+
+
 def _ranges_overlap(a, b) -> bool:
     pa, pb = a.data.ptr, b.data.ptr
     return a.nbytes > 0 and b.nbytes > 0 and pa < pb + b.nbytes and pb < pa + a.nbytes
@@ -187,14 +210,9 @@ class CupyBackend(KernelBackend):
                 mod = self._modules.get(dtype.name)
                 if mod is None:
                     if self._program is None:
-                        inc = _include_dir()
-                        options = ("-std=c++17", f"-I{inc}", *(f"-I{d}" for d in _cuda_include_dirs()))
-                        self._program = (kernel_source(inc), options)
+                        self._program = nvrtc_program()
                     source, options = self._program
-                    # The by-value forms only: their pointers travel in the kernel parameters
-                    # (registers), where the table forms load them from device memory.
-                    names = [name_expression(k + "_packed", dtype) for k, dts in KERNELS.items() if dtype.name in dts]
-                    mod = cupy.RawModule(code=source, options=options, name_expressions=names)
+                    mod = cupy.RawModule(code=source, options=options, name_expressions=compiled_names(dtype))
                     self._modules[dtype.name] = mod
                 with cupy.cuda.Device(device):
                     fn = mod.get_function(name_expression(kernel + "_packed", dtype))  # compiles for this device

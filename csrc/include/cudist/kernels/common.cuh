@@ -81,10 +81,10 @@ __device__ __forceinline__ double sqrt_rn(double a) { return __dsqrt_rn(a); }
 // float16: the float32 sum of two halves rounded once to half equals the correctly rounded half
 // sum (float32 has >= 2*11+2 significand bits, so the double rounding is innocuous).
 __device__ __forceinline__ __half add(__half a, __half b) {
-  return __float2half_rn(__fadd_rn(__half2float(a), __half2float(b)));
+  return __float2half_rn(add(__half2float(a), __half2float(b)));
 }
 __device__ __forceinline__ __half sub(__half a, __half b) {
-  return __float2half_rn(__fsub_rn(__half2float(a), __half2float(b)));
+  return __float2half_rn(sub(__half2float(a), __half2float(b)));
 }
 // Integers wrap around: add in the unsigned type (signed overflow would be undefined behaviour).
 __device__ __forceinline__ int add(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
@@ -100,7 +100,7 @@ __device__ __forceinline__ long long sub(long long a, long long b) {
 __device__ __forceinline__ float divide_by(float s, int n) { return div(s, (float)n); }
 __device__ __forceinline__ double divide_by(double s, int n) { return __ddiv_rn(s, (double)n); }
 __device__ __forceinline__ __half divide_by(__half s, int n) {
-  return __float2half_rn(__fdiv_rn(__half2float(s), (float)n));
+  return __float2half_rn(div(__half2float(s), (float)n));
 }
 // C division truncates toward zero, which is the contract; n >= 1 so INT_MIN / n is defined.
 __device__ __forceinline__ int divide_by(int s, int n) { return s / n; }

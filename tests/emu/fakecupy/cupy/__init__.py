@@ -93,8 +93,8 @@ def _contains_device_array(seq) -> _builtins.bool:
     return any(isinstance(x, ndarray) or isinstance(x, (list, tuple)) and _contains_device_array(x) for x in seq)
 
 
-def asarray(a, dtype=None, order=None, *, blocking=False):
-    return array(a, dtype=dtype, copy=False, order=order)
+def asarray(a, dtype=None, order=None, *, copy=None, blocking=False):
+    return array(a, dtype=dtype, copy=_builtins.bool(copy), order=order)
 
 
 def asanyarray(a, dtype=None, order=None):
@@ -161,23 +161,23 @@ def _like(a, dtype, order, shape):
     return (a.shape if shape is None else shape), (a.dtype if dtype is None else dtype), ("C" if order in ("K", "A") else order)
 
 
-def empty_like(a, dtype=None, order="K", subok=None, shape=None):
-    s, d, o = _like(a, dtype, order, shape)
+def empty_like(prototype, dtype=None, order="K", subok=None, shape=None):
+    s, d, o = _like(prototype, dtype, order, shape)
     return empty(s, d, o)
 
 
-def zeros_like(a, dtype=None, order="K", subok=None, shape=None):
-    s, d, o = _like(a, dtype, order, shape)
+def zeros_like(prototype, dtype=None, order="K", subok=None, shape=None):
+    s, d, o = _like(prototype, dtype, order, shape)
     return zeros(s, d, o)
 
 
-def ones_like(a, dtype=None, order="K", subok=None, shape=None):
-    s, d, o = _like(a, dtype, order, shape)
+def ones_like(prototype, dtype=None, order="K", subok=None, shape=None):
+    s, d, o = _like(prototype, dtype, order, shape)
     return ones(s, d, o)
 
 
-def full_like(a, fill_value, dtype=None, order="K", subok=None, shape=None):
-    s, d, o = _like(a, dtype, order, shape)
+def full_like(prototype, fill_value, dtype=None, order="K", subok=None, shape=None):
+    s, d, o = _like(prototype, dtype, order, shape)
     return _fill(s, d, o, fill_value)
 
 
@@ -315,3 +315,16 @@ def is_available() -> _builtins.bool:
 
 
 from cupy import random  # noqa: E402, F401 - after the creation functions it uses
+
+
+def from_dlpack(array, *, device=None, copy=None):
+    """As ``cupy.from_dlpack`` for what the emulator can hold: an object whose DLPack device is CUDA
+    (2) or CUDA managed (13) and that also exports ``__cuda_array_interface__`` over emulated memory
+    (a view, like CuPy's zero-copy import). Anything else is refused as CuPy refuses host tensors."""
+    dev = array.__dlpack_device__() if hasattr(array, "__dlpack_device__") else None
+    if dev is None or int(dev[0]) not in (2, 13):
+        raise RuntimeError(f"Unsupported device in DLTensor: {dev!r} (the emulator imports CUDA memory only)")
+    if not hasattr(array, "__cuda_array_interface__"):
+        raise NotImplementedError("emulator: from_dlpack needs __cuda_array_interface__ as well")
+    out = _from_cai(array)
+    return out.copy() if copy else out

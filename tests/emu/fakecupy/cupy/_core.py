@@ -484,7 +484,7 @@ class ndarray:  # noqa: N801 - CuPy's name
         src = self._a
         return _lazy(lambda: src.astype(dtype, order=order, **kw), cur)
 
-    def view(self, dtype=None):
+    def view(self, dtype=None, type=None):
         return ndarray._wrap(self._a.view() if dtype is None else self._a.view(dtype), self._dev, self._mem)
 
     def _viewish(self, compute):
@@ -496,7 +496,7 @@ class ndarray:  # noqa: N801 - CuPy's name
             _check_peer(self._dev, cur)
         return _lazy(compute, cur)
 
-    def reshape(self, *shape, order="C"):
+    def reshape(self, *shape, order="C", copy=None):
         if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
             shape = tuple(shape[0])
         src = self._a

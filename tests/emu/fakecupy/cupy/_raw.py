@@ -106,6 +106,9 @@ class RawModule:
 
     def __init__(self, code=None, path=None, options=(), backend="nvrtc", translate_cucomplex=False, *,
                  enable_cooperative_groups=False, name_expressions=None, jitify=False):
+        if not isinstance(options, tuple):
+            # Cython-typed in CuPy (``tuple options=()``).
+            raise TypeError(f"Argument 'options' has incorrect type (expected tuple, got {type(options).__name__})")
         if code is None:
             raise NotImplementedError("emulator: RawModule(path=...) is not supported; pass code=")
         if "#include <cudist/kernels/kernels.cuh>" not in code:
@@ -170,6 +173,9 @@ class RawKernel:
         return RawKernel._Function(id(self) or 1)
 
     def __call__(self, grid, block, args, shared_mem=0, stream=None, enable_cooperative_groups=False):
+        for what, v in (("grid", grid), ("block", block)):
+            if not isinstance(v, tuple):  # cupy.cuda.function.Function.__call__(tuple grid, tuple block, ...)
+                raise TypeError(f"Argument '{what}' has incorrect type (expected tuple, got {type(v).__name__})")
         gx, gy, gz = _dim3(grid, "grid")
         bx, by, bz = _dim3(block, "block")
         if gz != 1 or by != 1 or bz != 1:

@@ -108,7 +108,7 @@ class Stream:
 
     null: Stream  # set below
 
-    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False, priority=None):
         if ptds:
             raise NotImplementedError("emulator: per-thread default streams are not emulated")
         self.non_blocking = bool(non_blocking)
@@ -264,9 +264,9 @@ class Event:
 _EVENT_CLASS = Event
 
 
-def get_elapsed_time(start: Event, end: Event) -> float:
+def get_elapsed_time(start_event: Event, end_event: Event) -> float:
     """Milliseconds between two recorded timing events (host time when the queue reached them)."""
-    for ev in (start, end):
+    for ev in (start_event, end_event):
         if not ev._timing or ev._pos is None:
             # cudaEventElapsedTime on a disable_timing or never-recorded event.
             raise runtime.CUDARuntimeError(runtime.cudaErrorInvalidResourceHandle)
@@ -274,7 +274,7 @@ def get_elapsed_time(start: Event, end: Event) -> float:
         if q.done < seq:
             # cudaEventElapsedTime before the events completed: the caller forgot to synchronize.
             raise runtime.CUDARuntimeError(runtime.cudaErrorNotReady)
-    return (end._time - start._time) * 1e3
+    return (end_event._time - start_event._time) * 1e3
 
 
 def _is_async_allocator(allocator) -> bool:
