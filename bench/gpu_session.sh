@@ -5,9 +5,12 @@
 #   bench/gpu_session.sh run [what]  # on the GPU machine (device tool, carry [".gpu-wheels"]);
 #                                    # what = all (default) | tests | bench
 #
-# `run` installs cudist with the image's Python (which has CuPy, scikit-build-core, pybind11, nvcc),
-# runs the gpu/multi_gpu tests and the GPU benchmarks, writes full logs under $OUT (the device tool
-# brings that folder back) and prints a short summary last. GPU_BENCH_MIB (default 256) and
+# `run` first records the versions that decide whether CUDA works at all (nvidia-smi, the driver's
+# CUDA, CuPy and the CUDA it was built for, NVRTC, NCCL: versions.txt), then installs cudist with the
+# image's Python (which has CuPy, scikit-build-core, pybind11, nvcc), runs the kernel tests stopping at
+# the first failure (tests/test_gpu_kernels.py -x), then the rest of the gpu/multi_gpu tests (the
+# strategy tests and the others), then the GPU benchmarks; every step's full log stays under $OUT
+# (the device tool brings that folder back) and a short summary is printed last. GPU_BENCH_MIB (default 256) and
 # GPU_BENCH_MAX (default 256M) shrink the benchmarks, e.g. for a dry run under the CuPy emulation:
 #   PYTHON=<venv>/bin/python PYTHONPATH=$PWD/tests/emu/fakecupy GPU_BENCH_MIB=1 GPU_BENCH_MAX=64K \
 #     bench/gpu_session.sh run
@@ -36,11 +39,60 @@ install() {
   (cd /tmp && "$PY" -m cudist --info) | tee "$OUT/info.txt"
 }
 
+versions() {
+  # Before anything else: a driver too old for CuPy's CUDA fails every later step the same way.
+  {
+    echo "# nvidia-smi"
+    nvidia-smi --query-gpu=index,name,driver_version,memory.total,compute_cap --format=csv 2>&1 || echo "nvidia-smi failed"
+    nvidia-smi topo -m 2>&1 | head -20
+    echo "# python: $("$PY" --version 2>&1) ($PY)"
+    "$PY" - <<'PYEOF' 2>&1
+import importlib
+try:
+    cupy = importlib.import_module("cupy")
+except Exception as e:
+    print(f"cupy: not importable ({type(e).__name__}: {e})")
+else:
+    rt = cupy.cuda.runtime
+    def fmt(v): return f"{v // 1000}.{v % 1000 // 10}"
+    print(f"cupy {cupy.__version__}, built for CUDA {fmt(rt.runtimeGetVersion())}, driver supports CUDA {fmt(rt.driverGetVersion())}")
+    try:
+        print(f"GPUs: {rt.getDeviceCount()}")
+    except Exception as e:
+        print(f"GPUs: counting failed: {e}")
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+        print(f"nvrtc {'.'.join(map(str, nvrtc.getVersion()))}")
+    except Exception as e:
+        print(f"nvrtc: {e}")
+    try:
+        from cupy.cuda import nccl
+        print(f"nccl available={nccl.available}" + (f" version={nccl.get_version()}" if nccl.available else ""))
+    except Exception as e:
+        print(f"nccl: {e}")
+PYEOF
+    command -v nvcc >/dev/null && nvcc --version | tail -2
+  } >"$OUT/versions.txt" 2>&1
+  cat "$OUT/versions.txt"
+}
+
 tests() {
-  local t0=$SECONDS
-  "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/ -rs >"$OUT/gpu-tests.log" 2>&1
-  local rc=$?
-  echo "gpu tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-tests.log")"
+  local t0=$SECONDS rc=0
+  # The kernels first, stopping at the first failure: if they are wrong nothing above them can pass.
+  "$PY" -m pytest -q -p no:cacheprovider -x -m "gpu or multi_gpu" tests/test_gpu_kernels.py tests/test_gpu_hazards.py \
+    -rs >"$OUT/gpu-kernel-tests.log" 2>&1 || rc=$?
+  echo "gpu kernel tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-kernel-tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu-kernel-tests.log" | head -10
+  t0=$SECONDS
+  "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/test_gpu_strategy.py tests/test_strategy.py \
+    -rs >"$OUT/gpu-strategy-tests.log" 2>&1 || rc=$?
+  echo "gpu strategy tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-strategy-tests.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu-strategy-tests.log" | head -20
+  t0=$SECONDS
+  "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/ -rs \
+    --ignore=tests/test_gpu_kernels.py --ignore=tests/test_gpu_hazards.py \
+    --ignore=tests/test_gpu_strategy.py --ignore=tests/test_strategy.py >"$OUT/gpu-tests.log" 2>&1 || rc=$?
+  echo "other gpu tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -30
   return $rc
 }
@@ -65,6 +117,7 @@ case "${1:-}" in
   run)
     mkdir -p "$OUT"
     nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+    versions
     install || exit 1
     case "${2:-all}" in
       tests) tests ;;
@@ -73,5 +126,5 @@ case "${1:-}" in
       *) echo "unknown: ${2}"; exit 2 ;;
     esac
     ;;
-  *) sed -n 2,13p "$0"; exit 2 ;;
+  *) sed -n 2,16p "$0"; exit 2 ;;
 esac

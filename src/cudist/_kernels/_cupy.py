@@ -7,8 +7,9 @@ to ``MAX_REPLICAS`` buffers; more are handled in several passes without changing
 order. The replica pointers reach the kernels by value (the ``*_packed`` kernels take a
 ``PtrPack<T>`` of up to 8 pointers, which CuPy passes from a one-element structured NumPy array):
 nothing is uploaded per call, and the pointers sit in registers rather than being loaded from a
-device table (48 registers and 128-bit LDG/STG for the by-value forms, 72-106 registers and generic
-loads for the table forms, when compiled for sm_90).
+device table (all_reduce_one_shot<float> for sm_90 with NVRTC 13.5: 48 registers and global
+LDG.E.128 loads by value, 72 registers and generic LD.E.128 loads from a table; see
+tests/test_real_cupy.py).
 
 Buffers may sit on different GPUs. Kernels then run on the first buffer's device, reading and
 writing the others over peer access, which is enabled on first use; where peer access is
