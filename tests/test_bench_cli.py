@@ -224,7 +224,7 @@ def test_no_arguments_runs_the_suite(monkeypatch):
         (["all-reduce", "-c", "2"], "invalid choice"),
         (["all-reduce", "-b", "2", "-e", "2"], "smaller than one float32 element"),
         (["update", "-d", "int32", "-b", "4K", "-e", "4K"], "floating-point"),
-        (["update", "--optimizer", "rmsprop"], "invalid choice"),
+        (["update", "--optimizer", "adadelta"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
         (["step", "--batch", "2", "--replicas", "4"], "smaller than --replicas"),
     ],
@@ -362,6 +362,24 @@ def test_compare_tf(tmp_path):
     assert rc == 0
     tf_rows = [r for r in _rows(doc) if r["api"] == "tf"]
     assert len(tf_rows) == 1 and tf_rows[0]["wrong"] == 0 and tf_rows[0]["time_us"] > 0
+
+
+def test_update_covers_every_optimizer(tmp_path):
+    """cudist-bench update runs every optimizer's fused kernel, checked against the reference."""
+    from cudist.bench import _cli
+    from cudist.bench._ops import UPDATE_OPTIMIZERS
+
+    assert _cli.UPDATE_OPTIMIZERS == UPDATE_OPTIMIZERS
+    assert set(UPDATE_OPTIMIZERS) >= {"sgd", "momentum", "adam", "adamw", "rmsprop", "rmsprop_centered", "adagrad",
+                                      "adamax", "nadam", "lion"}
+    moved = {"rmsprop": (3, 2), "rmsprop_centered": (5, 4), "adagrad": (3, 2), "lion": (3, 2), "adamw": (4, 3),
+             "adamax": (4, 3), "nadam": (4, 3)}
+    for opt, (r, w) in moved.items():
+        rc, doc = _run(tmp_path, "update", "--optimizer", opt, *TINY, "--replicas", "3", "-d", "float32,float16")
+        assert rc == 0
+        for row in _rows(doc):
+            assert row["wrong"] == 0, (opt, row)
+            assert row["moved_bytes"] == (r + w * 3) * row["size"]
 
 
 @pytest.mark.parametrize("opt", ["sgd", "momentum", "adam"])

@@ -12,6 +12,11 @@ from cudist.bench import _tf
 from cudist.bench._errors import BenchError
 from cudist.bench._sizes import check_fits_in_memory, format_size, parse_size, size_sweep
 
+#: ``update --optimizer`` choices: _ops.UPDATE_OPTIMIZERS (a literal here, so that building the parser
+#: imports no NumPy; tests/test_bench_cli.py checks the two agree).
+UPDATE_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "rmsprop_centered", "adagrad", "adamax", "nadam",
+                     "lion")
+
 __all__ = ["main", "build_parser"]
 
 KERNEL_OPS = ("all-reduce", "all-gather", "broadcast", "split", "update")
@@ -147,8 +152,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name in KERNEL_OPS:
         sp = sub.add_parser(name, parents=[_common_parser()], help=helps[name], description=helps[name])
         if name == "update":
-            sp.add_argument("--optimizer", type=str.lower, choices=("sgd", "adam", "momentum"), default="sgd",
-                            help="update rule (default sgd)")
+            sp.add_argument("--optimizer", type=str.lower, choices=UPDATE_OPTIMIZERS, default="sgd",
+                            help="update rule (default sgd; rmsprop_centered: RMSprop with momentum, centered)")
     sp = sub.add_parser(
         "run-overhead",
         parents=[_common_parser(sizes=False, defaults={"n": 200, "w": 20})],

@@ -7,8 +7,10 @@ Sizes are bytes per replica (per mirrored copy for updates). Bandwidth formulas 
 * all-gather: algbw = n*size / t (the gathered output), busbw = algbw * (n-1)/n; moved = 2*n*size.
 * broadcast: algbw = busbw = size / t; moved = (n+1)*size (source read once, n destinations written).
 * split: algbw = busbw = n*size / t (the batch); the pieces are views, so no bytes move (%copy n/a).
-* update: algbw = size / t; busbw = bytes moved / t, moved = SGD (2+n)*size (var, grad read; n copies
-  written), momentum (3+2n)*size, Adam (4+3n)*size (var, m, v, grad read; 3n copies written).
+* update: algbw = size / t; busbw = bytes moved / t, moved = (r + w*n)*size with r buffers read (the
+  variable's copy 0, each slot's copy 0, the gradient) and w per copy written (the variable and each
+  slot): SGD (2+n), momentum (3+2n), Adam / AdamW / Adamax / Nadam (4+3n) (var, m, v, grad read; 3n
+  copies written), RMSprop (3+2n; centered with momentum, 3 slots: 5+4n), Adagrad / Lion (3+2n).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Callable
 
 import numpy as np
 
-__all__ = ["OPS", "OpSpec", "Case", "make_case", "random_array", "count_wrong"]
+__all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "make_case", "random_array", "count_wrong"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +41,21 @@ class Case:
     check: Callable[[], int]
 
 
-_UPDATE_MOVED = {"sgd": (2, 1), "momentum": (3, 2), "adam": (4, 3)}
+#: Update rule -> (buffers read, buffers written per mirrored copy): see the module docstring.
+_UPDATE_MOVED = {
+    "sgd": (2, 1),
+    "momentum": (3, 2),
+    "adam": (4, 3),
+    "adamw": (4, 3),
+    "rmsprop": (3, 2),
+    "rmsprop_centered": (5, 4),  # momentum and centered: velocity, momentum, average gradient
+    "adagrad": (3, 2),
+    "adamax": (4, 3),
+    "nadam": (4, 3),
+    "lion": (3, 2),
+}
+#: The update rules ``cudist-bench update --optimizer`` takes.
+UPDATE_OPTIMIZERS = tuple(_UPDATE_MOVED)
 
 OPS = {
     "all-reduce": OpSpec(
@@ -181,12 +197,22 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
         copies = [fresh(w0) for _ in range(n)]
         grad = dev(g_h)
         hp = dict(lr=0.01)
-        slots_h = []
+        signed = lambda: random_array(rng, count, dtype)  # noqa: E731
+        positive = lambda: random_array(rng, count, dtype, nonneg=True)  # noqa: E731
+        slots_h = {
+            "sgd": [],
+            "momentum": [signed()],
+            "rmsprop": [positive()],
+            "adagrad": [positive()],
+            "lion": [signed()],
+        }.get(opt)
+        if slots_h is None and opt == "rmsprop_centered":
+            v = positive()  # the average gradient small against sqrt(v), so v - a*a stays positive
+            slots_h = [v, signed(), (signed().astype(np.float64) * 0.1 * np.sqrt(v.astype(np.float64))).astype(dtype)]
+        elif slots_h is None:  # adam, adamw, adamax, nadam: a signed first moment, a positive second
+            slots_h = [signed(), positive()]
         if opt == "momentum":
-            slots_h = [random_array(rng, count, dtype)]
             hp.update(momentum=0.9, nesterov=False)
-        elif opt == "adam":
-            slots_h = [random_array(rng, count, dtype), random_array(rng, count, dtype, nonneg=True)]
         slots = [[fresh(s) for _ in range(n)] for s in slots_h]
         step = [0]
 
@@ -195,7 +221,21 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
                 return be.sgd(cps, g, **hp)
             if opt == "momentum":
                 return be.momentum(cps, sl[0], g, **hp)
+            if opt == "rmsprop":
+                return be.rmsprop(cps, sl[0], None, None, g, **hp)
+            if opt == "rmsprop_centered":
+                return be.rmsprop(cps, sl[0], sl[1], sl[2], g, momentum=0.9, **hp)
+            if opt == "adagrad":
+                return be.adagrad(cps, sl[0], g, **hp)
+            if opt == "lion":
+                return be.lion(cps, sl[0], g, **hp)
             step[0] += 1
+            if opt == "adamw":
+                return be.adamw(cps, sl[0], sl[1], g, step=step[0], weight_decay=0.004, **hp)
+            if opt == "adamax":
+                return be.adamax(cps, sl[0], sl[1], g, step=step[0], **hp)
+            if opt == "nadam":
+                return be.nadam(cps, sl[0], sl[1], g, step=step[0], u_product=0.5, **hp)
             return be.adam(cps, sl[0], sl[1], g, step=step[0], **hp)
 
         def check():
