@@ -11,6 +11,7 @@ random gradients) is replayed
   per-replica gradient Keras's replica got under ``tf.distribute.MirroredStrategy`` (they sum to
   the whole gradient; clipping applies per replica, as in Keras 3);
 * ``central2``: inside ``CentralStorageStrategy.run`` on 2 compute devices (the ``mirrored2`` run),
+* and (``gpu`` marker) OneDevice, Mirrored on 3 logical GPUs and CentralStorage over 2 GPU replicas,
 
 and compared after every step to float tolerance. Keras computes scalars in float32 even for float64
 variables (its learning-rate variable, schedules; a Python hyper-parameter converts through a
@@ -30,13 +31,15 @@ import cudist
 from cudist import optimizers
 from cudist.optimizers import schedules
 
-from conftest import make_strategy
+from conftest import make_strategy, set_gpu0_split
 
 DATA = json.loads((Path(__file__).parent / "data" / "keras_optimizers.json").read_text())
 CASES = {c["name"]: c for c in DATA["cases"]}
 # (cudist strategy kind, the recorded run it replays)
 KINDS = [("plain", "one"), ("one_device", "one"), ("mirrored2", "mirrored2"), ("mirrored3", "mirrored3"),
          ("central2", "mirrored2")]  # fmt: skip
+# The same on (logical) GPUs: the cupy backend's CUDA kernels (run under the CuPy emulation without one).
+GPU_KINDS = [("one_device_gpu", "one"), ("mirrored_gpu3", "mirrored3"), ("central_gpu2", "mirrored2")]
 TOL = {"float32": dict(rtol=3e-5, atol=3e-6), "float64": dict(rtol=2e-5, atol=2e-6)}
 
 
@@ -108,6 +111,16 @@ def test_schedule_errors_and_custom_schedules():
 
 # ------------------------------------------------------------------------------------- trajectories
 def _replay(case, kind, run):
+    if "_gpu" in kind:
+        pytest.importorskip("cupy")
+        try:
+            return _replay_on(case, kind, run)
+        finally:
+            set_gpu0_split(None)
+    return _replay_on(case, kind, run)
+
+
+def _replay_on(case, kind, run):
     dtype = case["dtype"]
     strategy = None if kind == "plain" else make_strategy(kind)
     scope = strategy.scope() if strategy is not None else cudist.get_strategy().scope()
@@ -130,25 +143,35 @@ def _replay(case, kind, run):
             strategy.run(fn)
         assert int(opt.iterations) == want["iterations"]
         for k in names:
-            got = variables[k].numpy()
+            got = np.asarray(variables[k].numpy())
             assert got.dtype == np.dtype(dtype)
             np.testing.assert_allclose(
                 got, dec(want["variables"][k]), **TOL[dtype], err_msg=f"{case['name']} {kind} step {step} {k}"
             )
             if isinstance(variables[k], cudist.MirroredVariable):  # the mirrors stay bitwise equal
                 for comp in variables[k].values[1:]:
-                    assert np.asarray(comp.numpy()).tobytes() == got.tobytes()
+                    value = comp.numpy()
+                    value = value.get() if hasattr(value, "get") else np.asarray(value)  # a CuPy array
+                    assert value.tobytes() == got.tobytes()
     if "finalized" in run:
         with scope:
             opt.finalize_variable_values(list(variables.values()))
         for k in names:
-            np.testing.assert_allclose(variables[k].numpy(), dec(run["finalized"][k]), **TOL[dtype],
+            np.testing.assert_allclose(np.asarray(variables[k].numpy()), dec(run["finalized"][k]), **TOL[dtype],
                                        err_msg=f"{case['name']} {kind} finalized {k}")
 
 
 @pytest.mark.parametrize("kind, recorded", KINDS, ids=[k for k, _ in KINDS])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_trajectory_follows_keras(name, kind, recorded):
+    case = CASES[name]
+    _replay(case, kind, case["runs"][recorded])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind, recorded", GPU_KINDS, ids=[k for k, _ in GPU_KINDS])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_trajectory_follows_keras_on_gpus(name, kind, recorded):
     case = CASES[name]
     _replay(case, kind, case["runs"][recorded])
 
