@@ -225,20 +225,6 @@ class InputOptions(
         @property
         def experimental_per_replica_buffer_size(self) -> int: ...
 
-    if TYPE_CHECKING:  # the fields' types (the namedtuple base declares them untyped)
-
-        @property
-        def experimental_fetch_to_device(self) -> bool: ...
-
-        @property
-        def experimental_replication_mode(self) -> InputReplicationMode: ...
-
-        @property
-        def experimental_place_dataset_on_device(self) -> bool: ...
-
-        @property
-        def experimental_per_replica_buffer_size(self) -> int: ...
-
     def __new__(
         cls,
         experimental_fetch_to_device: bool | None = None,
