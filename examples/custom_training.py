@@ -27,12 +27,14 @@ Run::
     python examples/custom_training.py                          # MirroredStrategy, 2 CPU replicas
     python examples/custom_training.py --strategy one_device
     python examples/custom_training.py --strategy central --replicas 3 --grad numpy
+    python -m cudist.launch -n 2 examples/custom_training.py --strategy multi_worker   # 2 worker processes (MPI)
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import math
 import os
 import sys
@@ -237,13 +239,17 @@ def make_strategy(kind: str, replicas: int):
         return cudist.OneDeviceStrategy(devices[0])
     if kind == "mirrored":
         return cudist.MirroredStrategy(devices)
+    if kind == "multi_worker":
+        # One process per worker (python -m cudist.launch -n N ...), `replicas` local replicas each.
+        return cudist.MultiWorkerMirroredStrategy(devices=devices)
     return cudist.CentralStorageStrategy(compute_devices=devices, parameter_device="/cpu:0")
 
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--strategy", choices=["one_device", "mirrored", "central"], default="mirrored")
-    p.add_argument("--replicas", type=int, default=None, help="logical CPUs; default 1 for one_device, else 2")
+    p.add_argument("--strategy", choices=["one_device", "mirrored", "central", "multi_worker"], default="mirrored")
+    p.add_argument("--replicas", type=int, default=None,
+                   help="logical CPUs (per worker for multi_worker); default 1 for one_device and multi_worker, else 2")
     p.add_argument("--grad", choices=["auto", *GRAD_BACKENDS], default="auto",
                    help="where gradients come from (auto: JAX, else PyTorch, else autograd, else NumPy)")
     p.add_argument("--epochs", type=int, default=4)
@@ -255,12 +261,17 @@ def parse_args(argv):
     p.add_argument("--test-examples", type=int, default=1000)
     p.add_argument("--alternate-steps", type=int, default=10, help="steps per epoch of the iterator loop")
     p.add_argument("--alternate-epochs", type=int, default=1, help="epochs of each alternate loop style")
-    p.add_argument("--checkpoint-dir", default=None, help="default: a temporary directory")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="default: a temporary directory (multi_worker: ./training_checkpoints, as the tutorial, "
+                        "since every worker must read what the chief writes)")
+    p.add_argument("--history-json", action="store_true", help="print the history as one JSON line at the end")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     if args.replicas is None:
-        args.replicas = 1 if args.strategy == "one_device" else 2
+        args.replicas = 1 if args.strategy in ("one_device", "multi_worker") else 2
+    if args.strategy == "multi_worker" and args.checkpoint_dir is None:
+        args.checkpoint_dir = "./training_checkpoints"
     if args.strategy == "one_device" and args.replicas != 1:
         p.error("--strategy one_device runs one replica; drop --replicas")
     if args.replicas < 1 or args.epochs < 0 or args.batch_size_per_replica < 1:
@@ -433,6 +444,8 @@ def main(argv=None) -> dict:
         train_accuracy.reset_state()
     if scratch is not None:
         scratch.cleanup()
+    if args.history_json:
+        print(json.dumps({k: v for k, v in history.items() if k != "train_seconds"}))
     return history
 
 

@@ -110,3 +110,34 @@ def test_script_runs_from_the_command_line():
     assert "Number of devices: 2 (CentralStorageStrategy; gradients: numpy)" in proc.stdout
     assert sum(line.startswith("Epoch ") for line in proc.stdout.splitlines()) == 3  # the three loop styles
     assert "Accuracy after restoring the saved model without strategy" in proc.stdout
+
+
+def _histories(stdout):
+    """Every JSON history the workers printed (their lines may interleave: decode object by object)."""
+    decoder, out, i = json.JSONDecoder(), [], stdout.find("{")
+    while i != -1:
+        obj, end = decoder.raw_decode(stdout, i)
+        out.append(obj)
+        i = stdout.find("{", end)
+    return out
+
+
+@pytest.mark.multi_worker
+def test_multi_worker_follows_the_mirrored_trajectory(tutorial, tmp_path):
+    """Under the launcher, 2 workers x 1 replica follow MirroredStrategy(2)'s trajectory; the chief
+    writes the checkpoint and every worker restores it."""
+    pytest.importorskip("mpi4py", reason="multi-worker jobs need MPI (pip install \".[mpi]\")")
+    from cudist.launch import find_mpiexec
+
+    if find_mpiexec() is None:
+        pytest.skip("no mpiexec (pip install \".[mpi]\")")
+    ref = _run(tutorial, "mirrored", 2, "numpy")
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", str(EXAMPLES / "custom_training.py"), *SMALL,
+           "--strategy", "multi_worker", "--grad", "numpy", "--checkpoint-dir", str(tmp_path), "--history-json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    histories = _histories(p.stdout)
+    assert len(histories) == 2, p.stdout[-2000:]
+    for h in histories:
+        _assert_same_trajectory(h, ref, "multi_worker 2x1 vs mirrored x2")
+        assert h["eval_accuracy"] == pytest.approx(ref["eval_accuracy"], abs=2 / 97)
