@@ -885,7 +885,7 @@ def _assert_states_equal(got: dict, want: dict, note: str):
 
 @pytest.mark.parametrize("n", [2, 3])
 def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, n):
-    kill_at = random.Random().randrange(K, T - 1)  # after a checkpoint, before the end
+    kill_at = random.Random().randrange(K + 1, T - 1)  # after a checkpoint (step K's save precedes "STEP K+1"), before the end
     note = f"{n} replicas, SIGKILL after step {kill_at}"
     _kill_when(_run(n, tmp_path / "ckpts", tmp_path / "unused.npz"), f"STEP {kill_at}\n")
     latest = train.latest_checkpoint(tmp_path / "ckpts")
@@ -914,7 +914,8 @@ def test_sigkill_in_the_middle_of_save_keeps_the_previous_checkpoint(tmp_path, w
 
 
 def test_sigkill_then_resume_on_another_replica_count(tmp_path):
-    kill_at = random.Random().randrange(K, T - 1)  # at least one checkpoint
+    # "STEP k" is printed before step k's save: a kill after step K + 1 finds the step-K checkpoint.
+    kill_at = random.Random().randrange(K + 1, T - 1)  # at least one checkpoint
     _kill_when(_run(2, tmp_path / "ckpts", tmp_path / "unused.npz"), f"STEP {kill_at}\n")
     restored, state = _finish(3, tmp_path / "ckpts", tmp_path / "out.npz")
     at = int(restored[2])
