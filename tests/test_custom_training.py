@@ -75,7 +75,7 @@ def test_gradient_backends_agree(tutorial):
 
 def test_trains_well_above_chance_and_restores_the_checkpoint(tutorial, tmp_path):
     h = tutorial.main(["--quiet", "--epochs", "3", "--checkpoint-dir", str(tmp_path)])  # 2 replicas, best backend
-    assert h["train_seconds"] < 60
+    assert h["train_seconds"] > 0  # how long is measured, not asserted: about 5 s here (README)
     assert h["loss"][-1] < 0.5 * h["loss"][0]
     assert h["test_accuracy"][-1] > 0.8  # 10 classes: chance is 0.1
     # Saved after epochs 1 and 3 (epoch % 2 == 0); the restored model, evaluated without a
