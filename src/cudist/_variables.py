@@ -72,6 +72,7 @@ if TYPE_CHECKING:
     from cudist._kernels import KernelBackend
 
 _E = TypeVar("_E", bound=enum.Enum)
+_V = TypeVar("_V", bound="Variable")
 
 #: A variable's declared shape (``shape=`` at creation): None (unknown), or a tuple of ints and
 #: None for unknown dimensions.
@@ -1246,9 +1247,27 @@ def create_plain_variable(
 
     ``strategy``: the strategy it belongs to (None under the default strategy).
     """
+    return _build_on_device(
+        Variable, strategy, device, initial_value, trainable, name, dtype, synchronization, aggregation, shape
+    )
+
+
+def _build_on_device(
+    cls: type[_V],
+    strategy: Strategy | None,
+    device: DeviceLike,
+    initial_value: Any,
+    trainable: bool | None,
+    name: str | None,
+    dtype: npt.DTypeLike,
+    synchronization: VariableSynchronization,
+    aggregation: VariableAggregation,
+    shape: object,
+) -> _V:
+    """One storage array of class ``cls`` (a plain or an aggregating variable) on ``device``."""
     arr, spec = initial_array(initial_value, dtype, shape)
     device = canonicalize(device)
-    return Variable._build(
+    return cls._build(
         place(arr, device, copy=True),
         name=name if name is not None else "Variable",
         device=device,
@@ -1352,17 +1371,9 @@ def create_aggregating_variable(
     shape: object,
 ) -> AggregatingVariable:
     """Builds CentralStorageStrategy's :class:`AggregatingVariable` on the parameter ``device``."""
-    arr, spec = initial_array(initial_value, dtype, shape)
-    device = canonicalize(device)
-    return AggregatingVariable._build(
-        place(arr, device, copy=True),
-        name=name if name is not None else "Variable",
-        device=device,
-        synchronization=synchronization,
-        strategy=strategy,
-        trainable=_default_trainable(trainable, synchronization),
-        aggregation=aggregation,
-        shape_spec=spec,
+    return _build_on_device(
+        AggregatingVariable, strategy, device, initial_value, trainable, name, dtype, synchronization, aggregation,
+        shape,
     )
 
 
