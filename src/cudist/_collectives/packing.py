@@ -193,6 +193,25 @@ def _divide(xp: ModuleType, bufs: Sequence[Any], n: int) -> list[Array]:
     return out
 
 
+def _pack_plan(
+    op: ReduceOp, ref: Sequence[Any], num_packs: int, *, by_memory: bool
+) -> Iterator[tuple[np.dtype[Any], list[int], int, ReduceOp, bool]]:
+    """Yields (dtype, leaf ids, total elements, kernel op, int_mean) for each pack of ``ref``'s leaves.
+
+    Leaves are grouped by dtype (and, ``by_memory``, host apart from GPU), then split into
+    ``num_packs`` packs (:func:`pack_groups`). Integer MEAN packs are summed (then divided).
+    """
+    groups: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
+    for j, a in enumerate(ref):
+        groups.setdefault((by_memory and is_device_array(a), a.dtype), []).append(j)
+    for (_, dt), leaf_ids in groups.items():
+        int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
+        kop = ReduceOp.SUM if int_mean else op
+        for group in pack_groups([ref[j].size for j in leaf_ids], num_packs):
+            ids = [leaf_ids[g] for g in group]
+            yield dt, ids, sum(ref[j].size for j in ids), kop, int_mean
+
+
 def _packs(
     where: str, op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], num_packs: int
 ) -> Iterator[tuple[list[int], list[Any], KernelBackend | None, ReduceOp, bool]]:
@@ -200,38 +219,28 @@ def _packs(
 
     Each replica's pack is a fresh flat buffer on that replica's device holding its leaves ``ids``.
     """
-    n = len(per_replica_leaves)
     ref = per_replica_leaves[0]
-    groups_by_key: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
-    for j, a in enumerate(ref):
-        groups_by_key.setdefault((is_device_array(a), a.dtype), []).append(j)
-    for (_, dt), leaf_ids in groups_by_key.items():
+    for dt, ids, total, kop, int_mean in _pack_plan(op, ref, num_packs, by_memory=True):
         check_reducible(where, dt)
-        b = _kernel_backend(ref[leaf_ids[0]], dt)
-        xp = backend_for(ref[leaf_ids[0]]).xp
-        int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
-        kop = ReduceOp.SUM if int_mean else op
-        for group in pack_groups([ref[j].size for j in leaf_ids], num_packs):
-            ids = [leaf_ids[g] for g in group]
-            total = sum(ref[j].size for j in ids)
-            bufs: list[Any] = []
-            for r in range(n):
-                leaves = per_replica_leaves[r]
-                with device_context(leaves[ids[0]]):  # each replica's buffer on its own device
-                    if len(ids) == 1:
-                        buf = xp.array(leaves[ids[0]], dtype=dt, copy=True, order="C").reshape(-1)
-                    else:
-                        buf = xp.empty(total, dtype=dt)
-                        off = 0
-                        for j in ids:
-                            s = leaves[j].size
-                            # like(): a replica's leaf on another GPU is copied here first, that copy
-                            # ordered after the leaf's GPU's writes and before its later ones (a bare
-                            # asarray() would be an unordered cross-device copy); host leaves uploaded
-                            buf[off : off + s] = (leaves[j] if xp is np else like(leaves[j], buf)).reshape(-1)
-                            off += s
-                bufs.append(buf)
-            yield ids, bufs, b, kop, int_mean
+        b = _kernel_backend(ref[ids[0]], dt)
+        xp = backend_for(ref[ids[0]]).xp
+        bufs: list[Any] = []
+        for leaves in per_replica_leaves:
+            with device_context(leaves[ids[0]]):  # each replica's buffer on its own device
+                if len(ids) == 1:
+                    buf = xp.array(leaves[ids[0]], dtype=dt, copy=True, order="C").reshape(-1)
+                else:
+                    buf = xp.empty(total, dtype=dt)
+                    off = 0
+                    for j in ids:
+                        s = leaves[j].size
+                        # like(): a replica's leaf on another GPU is copied here first, that copy
+                        # ordered after the leaf's GPU's writes and before its later ones (a bare
+                        # asarray() would be an unordered cross-device copy); host leaves uploaded
+                        buf[off : off + s] = (leaves[j] if xp is np else like(leaves[j], buf)).reshape(-1)
+                        off += s
+            bufs.append(buf)
+        yield ids, bufs, b, kop, int_mean
 
 
 def _unpack_all(ref: Sequence[Any], ids: Sequence[int], results: Sequence[Any], outs: list[list[Any]]) -> None:
@@ -313,31 +322,15 @@ def _host_all_reduce(
             return [[_int_mean(np, o, n)] for o in outs]
         return [[o] for o in outs]
     result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
-    by_dtype: dict[np.dtype[Any], list[int]] = {}
-    for j, a in enumerate(ref):
-        by_dtype.setdefault(a.dtype, []).append(j)
-    for dt, leaf_ids in by_dtype.items():
-        int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
-        kop = ReduceOp.SUM if int_mean else op
-        for group in pack_groups([ref[j].size for j in leaf_ids], num_packs):
-            ids = [leaf_ids[g] for g in group]
-            total = sum(ref[j].size for j in ids)
-            ins, outs = [], []
-            for r in range(n):
-                leaves = per_replica_leaves[r]
-                ins.append([np.ascontiguousarray(leaves[j]) for j in ids])
-                flat = pool.take((total,), dt)
-                views: list[Array]
-                views, off = [], 0
-                for j in ids:
-                    s = ref[j].size
-                    views.append(flat[off : off + s].reshape(ref[j].shape))
-                    off += s
-                outs.append(views)
-            trusted.batch_all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
-            for r in range(n):
-                for j, o in zip(ids, outs[r]):
-                    result[r][j] = _int_mean(np, o, n) if int_mean else o
+    for dt, ids, total, kop, int_mean in _pack_plan(op, ref, num_packs, by_memory=False):
+        ins = [[np.ascontiguousarray(leaves[j]) for j in ids] for leaves in per_replica_leaves]
+        _unpack_all(ref, ids, pool.take_many(n, (total,), dt), result)  # views of pooled buffers
+        outs = [[row[j] for j in ids] for row in result]
+        trusted.batch_all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
+        if int_mean:
+            for row, out in zip(result, outs):
+                for j, o in zip(ids, out):
+                    row[j] = _int_mean(np, o, n)
     return result
 
 
