@@ -41,22 +41,6 @@ def _buffers() -> dict[int, list[npt.NDArray[np.uint8]]]:
     return d
 
 
-def _free_buffer(nbytes: int) -> npt.NDArray[np.uint8] | None:
-    """A pooled uint8 buffer of ``nbytes`` nobody else refers to (made if none is free); None if the size is full."""
-    lst = _buffers().get(nbytes)
-    if lst is None:
-        lst = _buffers()[nbytes] = []
-    for buf in lst:
-        # Referenced by the list, the loop variable and getrefcount's argument: nothing else holds it.
-        if _getrefcount(buf) == 3:
-            return buf
-    if len(lst) >= PER_SIZE:
-        return None
-    buf = _empty(nbytes, _u8)
-    lst.append(buf)
-    return buf
-
-
 def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
     """An uninitialized C-contiguous array of ``shape`` and ``dtype``, from the pool when large enough.
 
@@ -68,17 +52,7 @@ def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
         A view of a pooled buffer nobody else holds, or a fresh array (small sizes, or the size's
         buffers all in use).
     """
-    dtype = np.dtype(dtype)
-    count = 1
-    for d in shape:
-        count *= d
-    nbytes = count * dtype.itemsize
-    if nbytes < MIN_BYTES:
-        return _empty(shape, dtype)
-    buf = _free_buffer(nbytes)
-    if buf is None:
-        return _empty(shape, dtype)
-    return buf.view(dtype).reshape(shape)
+    return take_many(1, shape, dtype)[0]
 
 
 def take_many(n: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> list[npt.NDArray[Any]]:
