@@ -357,18 +357,14 @@ def _h_merge_call(
         mkwargs = regroup([p[2] for p in payloads], PerReplica)
     # In a copy of the caller's context: the cross-replica frame can never outlive the call, even
     # when an interrupt lands between setting and resetting it (the copy is simply dropped).
-    result = contextvars.copy_context().run(_in_frame, strategy._extended._cross_frame, fn, strategy, margs, mkwargs)
+    result = contextvars.copy_context().run(_call_in_frame, strategy._extended._cross_frame, fn, (strategy, *margs), mkwargs)
     return [select_replica(i, result) for i in range(n)]
 
 
 def _call_in_frame(frame: _Frame, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
+    """``fn(*args, **kwargs)`` with ``frame`` current: run inside a copied context, so it never leaks."""
     _CTX.set(frame)
     return fn(*args, **kwargs)
-
-
-def _in_frame(frame: _Frame, fn: Callable[..., Any], strategy: Strategy, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    _CTX.set(frame)
-    return fn(strategy, *args, **kwargs)
 
 
 _HANDLERS: dict[str, Callable[[Strategy, Any], list[Any]]] = {
