@@ -22,8 +22,10 @@ from cudist._arrays import like, to_host
 from cudist._collective_ops import CollectiveAllReduce
 from cudist._collective_util import CommunicationImplementation, CommunicationOptions
 from cudist._collectives import mpi
+from cudist._collectives import nccl as nccl_lib
 from cudist._cross_device_ops import select_cross_device_ops
 from cudist._distribute_lib import Strategy, default_devices, parse_devices
+from cudist._kernels import BackendUnavailableError
 from cudist._mirrored_strategy import MirroredExtended
 from cudist._values import DistributedValues, PerReplica
 from cudist.cluster_resolver import (
@@ -84,11 +86,37 @@ class CollectiveAllReduceExtended(MirroredExtended):
         devs = default_devices() if devices is None else parse_devices(devices, "MultiWorkerMirroredStrategy")
         if communication_options.implementation is CommunicationImplementation.NCCL and not _devices.any_gpu(devs):
             raise ValueError("NCCL is requested but no GPU is available (the local devices are CPUs).")
+        nccl = self._load_nccl(devs)
         self._communicator = self._connect()
+        worker_nccl = None
+        if nccl is not None and self._communicator is not None:
+            worker_nccl = nccl_lib.WorkerCommunicator(nccl, self._communicator)
         ops = CollectiveAllReduce(
-            self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack
+            self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack, nccl=worker_nccl
         )
+        if self._communicator is not None and _devices.any_gpu(devs):
+            _log.info("MultiWorkerMirroredStrategy: GPU values cross workers through %s", ops.gpu_implementation)
         super().__init__(container_strategy, devs, ops)
+
+    def _load_nccl(self, devs):
+        """``cupy.cuda.nccl`` when GPU values should cross workers through NCCL, else None.
+
+        NCCL: GPU devices (checked before) and a loadable NCCL, else an error naming what to
+        install. AUTO: NCCL when the devices are GPUs and NCCL loads (as TF picks NCCL for GPU
+        all-reduces), else MPI. RING: MPI (staged through the host).
+        """
+        impl = self._communication_options.implementation
+        if impl is CommunicationImplementation.RING or not _devices.any_gpu(devs):
+            return None
+        if impl is CommunicationImplementation.AUTO and self._num_workers == 1:
+            return None  # nothing crosses workers: do not load NCCL for nothing
+        nccl, why = nccl_lib.load()
+        if nccl is None and impl is CommunicationImplementation.NCCL:
+            raise BackendUnavailableError(
+                f"MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL is requested, but {why} "
+                "(or use CommunicationImplementation.RING: GPU values staged through the host over MPI)"
+            )
+        return nccl
 
     def _connect(self):
         """The workers' communicator, ranks in worker order (chief first); None for one worker."""

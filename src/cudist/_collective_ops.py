@@ -11,25 +11,32 @@ A hierarchical all-reduce over the workers of an MPI job:
    TF; variables keep their dtype, see ``cudist._variables``), then each local replica gets its
    own copy of the result on its own device (the local broadcast).
 
-GPU replicas are summed on their GPUs first and staged through the host for MPI (cross-worker
-NCCL is not implemented yet).
+GPU replicas, with NCCL (``CommunicationImplementation.NCCL``, or AUTO when CuPy can load NCCL):
+step 1 sums the local replicas with the kernels into packed buffers on the worker's first GPU
+(``bytes_per_pack`` as for MPI), step 2 is one grouped NCCL all-reduce of those buffers across the
+workers (:class:`cudist._collectives.nccl.WorkerCommunicator`: one rank per worker, queued on the
+GPU's current stream, waited for with the same deadline, stall warning and fingerprint checks as
+MPI), then MEAN's division and the local broadcast happen on the GPUs. Without NCCL (RING, or
+AUTO without a loadable NCCL), and for dtypes NCCL lacks, GPU replicas are summed on their GPUs
+and the sum is staged through the host for MPI.
 
-Summation order: the local replicas in replica order, then MPI's order across workers, which is
-pairwise ((w0 + w1) + (w2 + w3)), not replica order. With one replica per worker and two workers
-the result is a single addition, bit-identical to a MirroredStrategy over two replicas; otherwise
-it can differ from it in the last bits (float tolerance).
+Summation order: the local replicas in replica order, then MPI's (or NCCL's) order across
+workers, which for more than two workers is not replica order (MPI: pairwise ((w0 + w1) + (w2 +
+w3)); NCCL: its ring's chunked order). With one replica per worker and two workers the result is
+a single addition, bit-identical to a MirroredStrategy over two replicas; otherwise it can
+differ from it in the last bits (float tolerance).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from cudist._arrays import contiguous, is_device_array, like, to_host
+from cudist._arrays import array_module, contiguous, device_context, gpu_of, is_device_array, like, to_host
 from cudist._collectives import packing, pool
 from cudist._collectives.mpi import describe
 from cudist._collectives.placement import on_destinations, resolve_destinations
 from cudist._cross_device_ops import CrossDeviceOps
-from cudist._kernels import cpu_backend
+from cudist._kernels import backend_for, cpu_backend
 from cudist._reduce_util import ReduceOp, int_mean_dtype
 from cudist._values import DistributedValues
 
@@ -44,25 +51,33 @@ class CollectiveAllReduce(CrossDeviceOps):
     Args:
         communicator: the workers' :class:`cudist._collectives.mpi.Communicator` (None: one worker).
         local_ops: the cross-device ops of the worker's local replicas (what MirroredStrategy picks).
-        bytes_per_pack: the size of the packed buffers each MPI all-reduce carries (0: one per dtype).
+        bytes_per_pack: the size of the packed buffers each MPI (or NCCL) all-reduce carries (0: one per dtype).
+        nccl: the cross-worker NCCL communicator for GPU values
+            (:class:`cudist._collectives.nccl.WorkerCommunicator`); None: GPU values go through MPI.
     """
 
-    def __init__(self, communicator, local_ops, bytes_per_pack=0):
+    def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None):
         self._comm = communicator
         self._local = local_ops
         self.bytes_per_pack = int(bytes_per_pack)
         self.num_packs = local_ops.num_packs
         self._workers = 1 if communicator is None else communicator.size
+        self._nccl = nccl if self._workers > 1 else None
 
     def __repr__(self) -> str:
         return (
             f"<cudist.CollectiveAllReduce workers={self._workers} bytes_per_pack={self.bytes_per_pack} "
-            f"local={self._local!r}>"
+            f"gpu_values={self.gpu_implementation} local={self._local!r}>"
         )
 
     @property
     def num_workers(self) -> int:
         return self._workers
+
+    @property
+    def gpu_implementation(self) -> str:
+        """How GPU values cross workers: "NCCL", or "MPI" (staged through the host)."""
+        return "NCCL" if self._nccl is not None else "MPI"
 
     def _check_devices(self, devices):
         self._local._check_devices(devices)
@@ -82,18 +97,25 @@ class CollectiveAllReduce(CrossDeviceOps):
         """The global SUM of leaf ``j`` over every replica of every worker: ``sums[j]``, fresh host arrays."""
         n = len(per_replica_leaves)
         ref = per_replica_leaves[0]
-        host = []  # per leaf: the arrays to sum locally, all on the host
+        sums = [None] * len(ref)
+        gpu = self._nccl_leaves(where, per_replica_leaves)
+        if gpu:
+            self._nccl_sums(kind, per_replica_leaves, gpu, sums)
+            if len(gpu) == len(ref):
+                return sums
+        host = {}  # per leaf (not all-reduced by NCCL): the arrays to sum locally, all on the host
         for j, a in enumerate(ref):
+            if sums[j] is not None:
+                continue
             arrs = [per_replica_leaves[r][j] for r in range(n)]
             packing.check_reducible(where, a.dtype)
             if any(is_device_array(x) for x in arrs):
                 # GPU leaves: summed on the GPUs first, then one copy to the host for MPI.
                 local = packing.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
                 arrs = [to_host(local)]
-            host.append(arrs)
-        sums = [None] * len(ref)
+            host[j] = arrs
         by_dtype: dict = {}
-        for j, arrs in enumerate(host):
+        for j, arrs in host.items():
             by_dtype.setdefault(arrs[0].dtype, []).append(j)
         backend = cpu_backend()
         trusted = backend.trusted
@@ -124,7 +146,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                         off += s
                 pairs.append((send, recv))
                 unpack.append((ids, recv))
-        self._comm.allreduce(pairs, kind, lambda: describe(host[j][0] for j in range(len(host))))
+        self._comm.allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
         for ids, recv in unpack:
             off = 0
             for j in ids:
@@ -133,6 +155,63 @@ class CollectiveAllReduce(CrossDeviceOps):
                 sums[j] = recv[off : off + s].reshape(shape)
                 off += s
         return sums
+
+    def _nccl_leaves(self, where, per_replica_leaves):
+        """The ids of the leaves NCCL all-reduces: on a GPU in every local replica, of a dtype NCCL has."""
+        nc = self._nccl
+        if nc is None:
+            return []
+        dtypes = nc.dtypes
+        ids = []
+        for j, a in enumerate(per_replica_leaves[0]):
+            if a.dtype in dtypes and all(is_device_array(leaves[j]) for leaves in per_replica_leaves):
+                if a.dtype in backend_for(a).dtypes:  # the local sum is a kernel call
+                    ids.append(j)
+        return ids
+
+    def _nccl_sums(self, kind, per_replica_leaves, ids, sums):
+        """Sets ``sums[j]`` (``j`` in ``ids``) to the global SUM of GPU leaf ``j``, on this worker's NCCL GPU.
+
+        The local replicas are summed by the kernels straight into packed buffers (one per dtype
+        and ``bytes_per_pack``) on the NCCL GPU, which one grouped NCCL call then all-reduces across
+        the workers; ``sums[j]`` are views of those buffers.
+        """
+        nc = self._nccl
+        n = len(per_replica_leaves)
+        ref = per_replica_leaves[0]
+        if nc.device is None:
+            nc.bind(gpu_of(ref[ids[0]]))  # the first local replica's GPU, for the job's lifetime
+        xp = array_module(ref[ids[0]])
+        by_dtype: dict = {}
+        for j in ids:
+            by_dtype.setdefault(ref[j].dtype, []).append(j)
+        bufs, unpack = [], []
+        for dt, leaf_ids in by_dtype.items():
+            for group in _byte_packs([ref[j].size * dt.itemsize for j in leaf_ids], self.bytes_per_pack):
+                jj = [leaf_ids[i] for i in group]
+                with xp.cuda.Device(nc.device):
+                    buf = xp.empty(sum(ref[j].size for j in jj), dt)
+                backend = backend_for(buf)
+                off = 0
+                for j in jj:
+                    s = ref[j].size
+                    if s:
+                        # One kernel pass: the local replicas (on any GPU: read over peer access or
+                        # staged, ordered by events) summed in replica order into the pack.
+                        backend.reduce_to_one(
+                            [contiguous(per_replica_leaves[r][j]).reshape(-1) for r in range(n)], ReduceOp.SUM,
+                            buf[off : off + s],
+                        )
+                    off += s
+                bufs.append(buf)
+                unpack.append((jj, buf))
+        nc.all_reduce(bufs, kind, lambda: describe(ref[j] for j in ids))
+        for jj, buf in unpack:
+            off = 0
+            for j in jj:
+                s = ref[j].size
+                sums[j] = buf[off : off + s].reshape(ref[j].shape)
+                off += s
 
     def _one_sum(self, kind, a):
         """The global SUM of one host array of the only local replica: sent as it is, into a pooled buffer."""
@@ -152,10 +231,12 @@ class CollectiveAllReduce(CrossDeviceOps):
         if op is ReduceOp.MEAN:
             total = len(per_replica_leaves) * self._workers
             for j, s in enumerate(sums):
-                if s.dtype.kind in "iu":
-                    sums[j] = np.true_divide(s, total, dtype=int_mean_dtype(s.dtype))
-                else:
-                    np.divide(s, s.dtype.type(total), out=s)
+                xp = array_module(s)  # NCCL's sums stay on their GPU
+                with device_context(s):
+                    if s.dtype.kind in "iu":
+                        sums[j] = xp.true_divide(s, total, dtype=int_mean_dtype(s.dtype))
+                    else:
+                        xp.true_divide(s, s.dtype.type(total), out=s)
         return sums
 
     # ------------------------------------------------------------------ CrossDeviceOps
@@ -170,7 +251,9 @@ class CollectiveAllReduce(CrossDeviceOps):
             mine = []
             for res, leaf in zip(results, leaves):
                 if is_device_array(leaf):
-                    mine.append(like(res, leaf, copy=True))
+                    # NCCL's result already on this replica's GPU is the first replica's own (a
+                    # fresh buffer); every other replica gets a copy, ordered after the NCCL call.
+                    mine.append(res if r == 0 and gpu_of(res) == gpu_of(leaf) else like(res, leaf, copy=True))
                 else:
                     mine.append(res if r == 0 else res.copy())
             outs.append(mine)

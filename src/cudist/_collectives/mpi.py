@@ -309,20 +309,23 @@ class Communicator:
         return [w for w in range(self.size) if w != self.rank and self._arrived[w] < seq]
 
     def _wait(self, reqs: Sequence[Any], what: str, seq: int) -> None:
-        MPI = self._MPI
-        if MPI.Request.Testall(reqs):
+        testall = self._MPI.Request.Testall
+        if testall(reqs):
             return
+        self._poll(lambda: testall(reqs), what, seq)
+
+    def _poll(self, done: Callable[[], bool], what: str, seq: int, on_timeout: Callable[[], None] | None = None) -> None:
+        """Calls ``done()`` until it is true, with the deadline, stall warning and arrival notices."""
         start = time.monotonic()
         timeout = self.timeout_seconds
         deadline = None if timeout is None else start + timeout
         notice_at = start + (0.25 if timeout is None else min(0.25, timeout / 4))
         warn_at = start + self.stall_warning_seconds
         noticed = False
-        testall = MPI.Request.Testall
         monotonic = time.monotonic
         sleep = time.sleep
         sched_yield = os.sched_yield
-        while not testall(reqs):
+        while not done():
             now = monotonic()
             if now - start < _SPIN_SECONDS:
                 if _YIELD:
@@ -340,11 +343,13 @@ class Communicator:
                     f"worker(s) {missing or 'unknown'}; a worker may be stuck or have diverged "
                     "(set CUDIST_CHECK_COLLECTIVES=1 to check that workers make the same collective calls)",
                     CollectiveStallWarning,
-                    stacklevel=4,
+                    stacklevel=5,
                 )
             if deadline is not None and now >= deadline:
                 missing = self.missing_workers(seq)
                 self._broken = f"a timeout in collective #{seq}"
+                if on_timeout is not None:
+                    on_timeout()
                 raise DeadlineExceededError(
                     f"cudist: worker {self.rank} of {self.size} timed out after {timeout:g} s "
                     f"(CommunicationOptions.timeout_seconds) in {what}, collective #{seq}: "
@@ -453,6 +458,43 @@ class Communicator:
         req = self.comm.Iallgatherv(moved.reshape(-1), [out.reshape(-1), counts])
         self._wait([req], kind, seq)
         return np.moveaxis(out, 0, axis) if axis != 0 else out
+
+    def collective(
+        self,
+        kind: str,
+        detail: str | Callable[[], str],
+        start: Callable[[], Callable[[], bool]],
+        on_timeout: Callable[[], None] | None = None,
+    ) -> None:
+        """A cross-worker collective carried by another library (NCCL), numbered, checked and waited
+        for like this communicator's own.
+
+        ``start()`` queues the collective and returns a poll function, true once it has completed
+        (it may raise, e.g. on an asynchronous NCCL error). The poll is subject to the deadline
+        (``timeout_seconds``), the stall warning and the arrival notices that name missing workers;
+        on a timeout ``on_timeout()`` runs (NCCL: ``ncclCommAbort``, which ends a kernel waiting
+        for a peer) before :class:`DeadlineExceededError` is raised. After any error the
+        communicator refuses further collectives, as after a timeout.
+
+        Args:
+            kind: names the collective in fingerprints and errors.
+            detail: describes the call in fingerprints (a string, or a function giving one).
+            start: queues the collective; returns its poll function.
+            on_timeout: called when the deadline passes, before the error is raised.
+
+        Raises:
+            DeadlineExceededError: a worker did not join within ``timeout_seconds``.
+            ReplicaMismatchError: (fingerprint checks) the workers called different collectives.
+        """
+        seq = self._begin(kind, detail)
+        try:
+            done = start()
+            if not done():
+                self._poll(done, kind, seq, on_timeout)
+        except BaseException:
+            if self._broken is None:
+                self._broken = f"an error in collective #{seq} ({kind})"
+            raise
 
     def barrier(self, kind: str = "barrier") -> None:
         """Waits until every worker has reached this barrier (``kind`` names it in errors)."""

@@ -1,4 +1,5 @@
-"""NCCL through CuPy (``cupy.cuda.nccl``): loading, one communicator per GPU set, the grouped all-reduce.
+"""NCCL through CuPy (``cupy.cuda.nccl``): loading, one communicator per GPU set, the grouped all-reduce,
+and the cross-worker communicator of MultiWorkerMirroredStrategy (:class:`WorkerCommunicator`).
 
 Imported only when NCCL is about to be used: ``import cudist`` never loads CuPy.
 """
@@ -6,16 +7,22 @@ Imported only when NCCL is about to be used: ``import cudist`` never loads CuPy.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from cudist import config
+from cudist import config, errors
 from cudist._reduce_util import ReduceOp
 
-__all__ = ["load", "dtype_codes", "communicators_for", "all_reduce"]
+if TYPE_CHECKING:
+    from cudist._collectives.mpi import Communicator
+
+__all__ = ["load", "dtype_codes", "communicators_for", "all_reduce", "WorkerCommunicator", "UNIQUE_ID_BYTES"]
+
+#: ``NCCL_UNIQUE_ID_BYTES``: the length of the tuple ``get_unique_id()`` returns.
+UNIQUE_ID_BYTES = 128
 
 
 def load() -> tuple[ModuleType, None] | tuple[None, str]:
@@ -103,3 +110,173 @@ def all_reduce(nccl: ModuleType, bufs: Sequence[Any], op: ReduceOp) -> None:
         for buf in bufs:
             with buf.device:
                 cupy.true_divide(buf, buf.dtype.type(n), out=buf)
+
+
+class WorkerCommunicator:
+    """NCCL across the workers of a multi-worker job: one rank per worker, on its first local GPU.
+
+    The cross-worker step of :class:`cudist._collective_ops.CollectiveAllReduce` for GPU values:
+    each worker first sums its local replicas with the kernels into packed buffers on one GPU
+    (this communicator's), then this all-reduces those buffers across the workers with NCCL.
+    One rank per worker (not one per GPU, as TF's CollectiveAllReduce makes them) keeps the
+    hierarchy, the summation order and the packing of the MPI path, needs one communicator per
+    job, and never mixes a worker's local reduction into NCCL's ring; its cost is that one GPU
+    (and its network interface) per worker carries the cross-worker traffic.
+
+    The NCCL communicator is created on first use: the chief's ``get_unique_id()`` is broadcast
+    over the MPI control plane (``comm``), then every worker calls ``NcclCommunicator(workers,
+    uid, worker)`` on its GPU (in a helper thread, so that the init, which blocks until every rank
+    has joined, is waited for with the deadline). Every NCCL collective is numbered, checked
+    (``CUDIST_CHECK_COLLECTIVES``) and waited for by ``comm`` like its MPI collectives
+    (:meth:`cudist._collectives.mpi.Communicator.collective`): queued on the GPU's current CuPy
+    stream, then an event recorded behind it is polled with ``timeout_seconds``, the stall
+    warning, and ``ncclCommGetAsyncError``; a timeout aborts the communicator
+    (``ncclCommAbort``, which ends a kernel still waiting for a peer) and raises
+    ``DeadlineExceededError`` naming the missing workers. What NCCL itself cannot promise: a
+    collective whose peer died or never comes spins on the GPU until aborted (NCCL reports a dead
+    peer as an asynchronous error only over network transports, not over shared memory or
+    NVLink), and an init whose peers never come blocks its thread; the deadline, the abort hook
+    (an exception in any worker ends the job) and the launcher (a killed worker ends the job) are
+    what end those.
+
+    Args:
+        nccl: the ``cupy.cuda.nccl`` module (see :func:`load`).
+        comm: the workers' MPI communicator (:class:`cudist._collectives.mpi.Communicator`).
+    """
+
+    def __init__(self, nccl: ModuleType, comm: Communicator) -> None:
+        self._nccl = nccl
+        self._comm = comm
+        self._codes = dtype_codes(nccl)
+        self._nc: Any = None  # the NcclCommunicator, once created
+        self._broken: str | None = None
+        self.device: int | None = None
+        #: NCCL collectives run so far (each may carry several packed buffers).
+        self.collectives = 0
+
+    def __repr__(self) -> str:
+        state = "not created yet" if self._nc is None else f"on GPU {self.device}"
+        return f"<cudist NCCL worker communicator: worker {self._comm.rank} of {self._comm.size}, {state}>"
+
+    @property
+    def dtypes(self) -> frozenset[np.dtype[Any]]:
+        """The dtypes NCCL all-reduces here (the others are staged through MPI)."""
+        return frozenset(self._codes)
+
+    def _where(self) -> str:
+        gpu = "" if self.device is None else f" (GPU {self.device})"
+        return f"worker {self._comm.rank} of {self._comm.size}{gpu}"
+
+    def _error(self, what: str, e: BaseException) -> errors.InternalError:
+        return errors.InternalError(f"cudist: {self._where()}: NCCL {what} failed: {type(e).__name__}: {e}")
+
+    def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, with an NCCL error raised as an InternalError naming this worker (and the
+        communicator refused afterwards: NCCL leaves it unusable)."""
+        try:
+            return fn()
+        except self._nccl.NcclError as e:
+            self._broken = f"NCCL {what} failed"
+            raise self._error(what, e) from e
+
+    def bind(self, device: int) -> None:
+        """Makes CUDA device ``device`` this worker's NCCL GPU (before first use; later calls must agree).
+
+        Raises:
+            ValueError: the communicator already lives on another GPU.
+        """
+        if self.device is None:
+            self.device = int(device)
+        elif self.device != int(device):
+            raise ValueError(f"cudist: {self._where()}: the NCCL communicator lives on GPU {self.device}, not {device}")
+
+    def _communicator(self) -> Any:
+        if self._broken is not None:
+            raise RuntimeError(f"cudist: {self._where()}: cross-worker NCCL cannot continue after {self._broken}; restart the job")
+        if self._nc is not None:
+            return self._nc
+        if self.device is None:
+            raise RuntimeError("WorkerCommunicator: bind() a GPU before the first collective")
+        import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - GPU workers only
+
+        comm, nccl = self._comm, self._nccl
+        uid = np.zeros(UNIQUE_ID_BYTES, np.int8)
+        if comm.rank == 0:
+            uid[:] = self._guard("get_unique_id", nccl.get_unique_id)
+        comm.bcast(uid, root=0, kind="NCCL unique id")
+        uid_t = tuple(int(x) for x in uid)
+        made: dict[str, Any] = {}
+
+        def init() -> None:
+            try:
+                with cupy.cuda.Device(self.device):
+                    made["comm"] = nccl.NcclCommunicator(comm.size, uid_t, comm.rank)
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                made["error"] = e
+
+        def start() -> Callable[[], bool]:
+            thread = threading.Thread(target=init, name="cudist-nccl-init", daemon=True)
+            thread.start()
+            return lambda: not thread.is_alive()
+
+        comm.collective("NCCL communicator init", f"{comm.size} ranks", start)
+        if "error" in made:
+            e = made["error"]
+            if isinstance(e, nccl.NcclError):
+                self._broken = "a failed NCCL init"
+                raise self._error("init (ncclCommInitRank)", e) from e
+            raise e
+        self._nc = made["comm"]
+        return self._nc
+
+    def _abort(self) -> None:
+        nc, self._nc = self._nc, None
+        self._broken = "an aborted NCCL collective (timeout)"
+        if nc is not None:
+            try:
+                nc.abort()
+            except Exception:  # noqa: BLE001 - aborting after a timeout: the timeout is the error to report
+                pass
+
+    def all_reduce(self, bufs: Sequence[Any], kind: str, detail: str | Callable[[], str]) -> None:
+        """SUM all-reduces contiguous CuPy buffers on this worker's NCCL GPU in place, across the workers.
+
+        One grouped NCCL call per buffer on the GPU's current stream, waited for as described above.
+
+        Args:
+            bufs: contiguous CuPy arrays on :attr:`device`, dtypes in :attr:`dtypes`.
+            kind: names the collective in fingerprints and errors.
+            detail: describes the call in fingerprints.
+
+        Raises:
+            DeadlineExceededError: a worker did not join within ``timeout_seconds``.
+            InternalError: NCCL failed (the message names this worker).
+        """
+        import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - GPU workers only
+
+        nc = self._communicator()
+        nccl = self._nccl
+
+        def start() -> Callable[[], bool]:
+            with cupy.cuda.Device(self.device):
+                stream = cupy.cuda.get_current_stream()
+
+                def queue() -> None:
+                    nccl.groupStart()
+                    try:
+                        for b in bufs:
+                            nc.allReduce(b.data.ptr, b.data.ptr, b.size, self._codes[b.dtype], nccl.NCCL_SUM, stream.ptr)
+                    finally:
+                        nccl.groupEnd()
+
+                self._guard(f"{kind} (ncclAllReduce)", queue)
+                event = cupy.cuda.Event(disable_timing=True)
+                event.record(stream)
+
+            def done() -> bool:
+                return bool(self._guard(kind, lambda: event.done or nc.check_async_error()))
+
+            return done
+
+        self._comm.collective(f"{kind} (NCCL)", detail, start, on_timeout=self._abort)
+        self.collectives += 1

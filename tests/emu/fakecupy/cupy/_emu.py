@@ -37,6 +37,11 @@ Streams follow CUDA: one stream runs in order; ``wait_event`` orders against the
 by the event; the legacy null stream of a device and that device's *blocking* streams order
 against each other, non-blocking streams do not.
 
+An op may wait for something outside this process (a cross-process NCCL collective of the fake
+``cupy.cuda.nccl`` waits for its peer processes' data): its ``ready()`` says whether it can run.
+Until it can, a query (``Event.done``, ``Stream.done``) answers False and a synchronize waits
+(at most ``CUDIST_EMU_WAIT_SECONDS``, default 60: a GPU would wait forever, the emulator raises).
+
 Memory is pooled as CuPy's pools do it: a freed device block goes back to the free list of the
 stream that was current when it was allocated and is reused first by the next allocation of the
 same rounded size on that stream (stream-ordered reuse, so a block still used by queued work of
@@ -52,6 +57,7 @@ import collections
 import os
 import random
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -81,6 +87,7 @@ _UNKNOWN_MODES = MODES - {"streams", "shuffle", "ftz"}
 if _UNKNOWN_MODES:
     raise RuntimeError(f"CUDIST_EMU_MODE: unknown mode(s) {sorted(_UNKNOWN_MODES)}; known: streams, shuffle, ftz")
 _RNG = random.Random(int(os.environ.get("CUDIST_EMU_SEED", "0")))
+WAIT_SECONDS = float(os.environ.get("CUDIST_EMU_WAIT_SECONDS", "60"))
 DRIVER_VERSION = int(os.environ.get("CUDIST_EMU_DRIVER", "12080"))
 RUNTIME_VERSION = int(os.environ.get("CUDIST_EMU_RUNTIME", "12080"))
 
@@ -328,10 +335,14 @@ def host_array(ptr: int, shape, dtype, strides=None, *, pooled: bool = False) ->
 
 # --------------------------------------------------------------------------------------- streams
 class Op:
-    __slots__ = ("seq", "fn", "deps", "what")
+    __slots__ = ("seq", "fn", "deps", "what", "ready")
 
-    def __init__(self, seq, fn, deps, what):
-        self.seq, self.fn, self.deps, self.what = seq, fn, deps, what
+    def __init__(self, seq, fn, deps, what, ready=None):
+        self.seq, self.fn, self.deps, self.what, self.ready = seq, fn, deps, what, ready
+
+
+class NotReady(Exception):
+    """A queued op waits for another process (its ``ready()`` said no): the queue stops there."""
 
 
 class Queue:
@@ -377,8 +388,9 @@ def current_queue(device: int | None = None) -> Queue:
     return queue(s.device_id, s.ptr, s.non_blocking)
 
 
-def enqueue(q: Queue, fn, what: str, deps=()) -> int:
-    """Queues ``fn`` on ``q``; returns its position. ``deps``: (queue, position) prefixes it waits for."""
+def enqueue(q: Queue, fn, what: str, deps=(), ready=None) -> int:
+    """Queues ``fn`` on ``q``; returns its position. ``deps``: (queue, position) prefixes it waits for;
+    ``ready``: None, or a function telling whether the op can run yet (it may be asked many times)."""
     with _LOCK:
         deps = [d for d in deps if d[0].done < d[1]]
         if q.ptr == 0:
@@ -392,7 +404,7 @@ def enqueue(q: Queue, fn, what: str, deps=()) -> int:
             if null is not None and null.pending:
                 deps.append((null, null.enqueued))
         q.enqueued += 1
-        q.ops.append(Op(q.enqueued, fn, deps, what))
+        q.ops.append(Op(q.enqueued, fn, deps, what, ready))
         if SYNC:
             run_until(q, q.enqueued)
         return q.enqueued
@@ -401,27 +413,49 @@ def enqueue(q: Queue, fn, what: str, deps=()) -> int:
 _DEPTH = 0  # nesting of run_until (guarded by _LOCK): the ``streams`` mode acts at the outermost call
 
 
-def run_until(q: Queue, seq: int) -> None:
+def run_until(q: Queue, seq: int, *, block: bool = True) -> None:
     """Runs ``q``'s work up to position ``seq``, first running what each op waits for.
 
     In the ``streams`` mode (CUDIST_EMU_MODE) every other stream's queued work runs before any of
     ``q``'s (what an op waits for still runs before it): a legal CUDA order in which independent
-    streams overtake each other.
+    streams overtake each other. An op waiting for another process (see :class:`NotReady`) stops
+    the run: with ``block`` it is retried until it can run (a synchronize), else NotReady is
+    raised (a query).
     """
     global _DEPTH
-    with _LOCK:
-        if q.done >= seq:
-            return
-        _DEPTH += 1
-        try:
-            if _DEPTH == 1 and "streams" in MODES:
-                others = [o for o in list(_QUEUES.values()) if o is not q and o.pending]
-                _RNG.shuffle(others)
-                for o in others:
-                    _run_plain(o, o.enqueued)
-            _run_plain(q, seq)
-        finally:
-            _DEPTH -= 1
+    waited = None
+    while True:
+        with _LOCK:
+            if q.done >= seq:
+                return
+            _DEPTH += 1
+            try:
+                if _DEPTH == 1 and "streams" in MODES:
+                    others = [o for o in list(_QUEUES.values()) if o is not q and o.pending]
+                    _RNG.shuffle(others)
+                    for o in others:
+                        try:
+                            _run_plain(o, o.enqueued)
+                        except NotReady:
+                            pass  # that stream waits for another process; it may overtake nothing
+                _run_plain(q, seq)
+                return
+            except NotReady as e:
+                if _DEPTH > 1 or not block:
+                    raise
+                blocked_on = str(e)
+            finally:
+                _DEPTH -= 1
+        # Outermost synchronize, blocked on another process: wait for it (a GPU would, forever).
+        now = time.monotonic()
+        if waited is None:
+            waited = now
+        elif now - waited > WAIT_SECONDS:
+            raise RuntimeError(
+                f"emulator: a synchronize waited {WAIT_SECONDS:g} s (CUDIST_EMU_WAIT_SECONDS) for {blocked_on}; "
+                "on a GPU it would hang"
+            )
+        time.sleep(0.0005)
 
 
 def _run_plain(q: Queue, seq: int) -> None:
@@ -429,13 +463,15 @@ def _run_plain(q: Queue, seq: int) -> None:
         op = q.ops[0]
         for dq, ds in op.deps:
             run_until(dq, ds)
+        if op.ready is not None and not op.ready():
+            raise NotReady(op.what)
         q.ops.popleft()
         q.done = op.seq
         op.fn()
 
 
-def synchronize_queue(q: Queue) -> None:
-    run_until(q, q.enqueued)
+def synchronize_queue(q: Queue, *, block: bool = True) -> None:
+    run_until(q, q.enqueued, block=block)
 
 
 def synchronize_device(device: int) -> None:

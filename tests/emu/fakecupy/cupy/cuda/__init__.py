@@ -160,8 +160,12 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        # cudaStreamQuery: the emulator runs the work when asked (else a polling loop never ends).
-        _emu.synchronize_queue(self._queue)
+        # cudaStreamQuery: the emulator runs the work when asked (else a polling loop never ends);
+        # only work waiting for another process (a cross-process NCCL collective) stays pending.
+        try:
+            _emu.synchronize_queue(self._queue, block=False)
+        except _emu.NotReady:
+            return False
         return True
 
     def record(self, event: Event | None = None) -> Event:
@@ -256,8 +260,13 @@ class Event:
 
     @property
     def done(self) -> bool:
-        # cudaEventQuery: the emulator runs the work when asked (else a polling loop never ends).
-        self.synchronize()
+        # cudaEventQuery: the emulator runs the work when asked (else a polling loop never ends);
+        # only work waiting for another process (a cross-process NCCL collective) stays pending.
+        if self._pos is not None:
+            try:
+                _emu.run_until(*self._pos, block=False)
+            except _emu.NotReady:
+                return False
         return True
 
 

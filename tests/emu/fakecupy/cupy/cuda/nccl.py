@@ -1,17 +1,34 @@
-"""Fake ``cupy.cuda.nccl``: single-process communicators over the emulated GPUs.
+"""Fake ``cupy.cuda.nccl``: communicators over the emulated GPUs, in one process or across the
+processes of an MPI job.
 
-As with real NCCL driven from one thread, collectives of several ranks must sit between
-``groupStart()`` and ``groupEnd()`` (one rank's call alone would block forever: the fake raises).
-At ``groupEnd`` every clique's calls are matched (count, dtype and op must agree) and reduced in
-rank order. Buffers must be device memory of the communicator's GPU (or pinned host memory), and
-the stream must belong to that GPU. As on GPUs, a collective is queued on every rank's stream: it
-runs (for all ranks at once) when any rank's stream reaches it, after the work queued before it
-on every rank's stream.
+In one process (``NcclCommunicator.initAll``), as with real NCCL driven from one thread,
+collectives of several ranks must sit between ``groupStart()`` and ``groupEnd()`` (one rank's call
+alone would block forever: the fake raises). At ``groupEnd`` every clique's calls are matched
+(count, dtype and op must agree) and reduced in rank order. Buffers must be device memory of the
+communicator's GPU (or pinned host memory), and the stream must belong to that GPU. As on GPUs, a
+collective is queued on every rank's stream: it runs (for all ranks at once) when any rank's
+stream reaches it, after the work queued before it on every rank's stream.
+
+Across processes (``NcclCommunicator(nranks, uid, rank)`` in each process of an ``mpiexec`` job,
+one rank per process, the communicator on the current device), the data travels over MPI
+(mpi4py's ``COMM_WORLD``, point to point, tags of its own). ``get_unique_id()`` is random per
+call, so ranks given ids from different calls (a forgotten broadcast) fail at init, where real
+NCCL would hang. Each collective is queued on its stream and runs when the stream reaches it and
+every peer process has sent its part (until then the stream's queries say "not done" and its
+synchronizes wait: see ``cupy._emu.NotReady``); the ranks' count, dtype and op must agree (a
+mismatch raises NcclError where a GPU would hang or garble), and the reduction is in rank order.
+``NcclCommunicator.abort()`` (ncclCommAbort) completes a waiting collective without touching its
+buffers. ``EMU_CALLS`` counts cross-process inits and collectives (tests assert NCCL was used);
+``CUDIST_EMU_NCCL_FAIL=<MPI rank>`` makes that process's cross-process collectives fail with an
+asynchronous NCCL error (``check_async_error``), as a broken network would.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
+import os
+import time
 
 import numpy as np
 
@@ -52,7 +69,13 @@ def get_build_version() -> int:
 
 
 def get_unique_id():
-    return tuple(range(128))
+    # ncclUniqueId's 128 bytes as CuPy returns them (C chars, signed); random, as a real id differs
+    # per call, so that ranks given different ids (a forgotten broadcast) are caught at init.
+    return tuple(b - 256 if b > 127 else b for b in os.urandom(128))
+
+
+#: Cross-process communicator inits and collectives of this process (tests check NCCL was used).
+EMU_CALLS: collections.Counter = collections.Counter()
 
 
 _clique_ids = itertools.count()
@@ -76,9 +99,13 @@ def groupEnd() -> None:  # noqa: N802
 
 
 def _launch(calls):
-    """Validates the calls now and queues each clique's collective on its ranks' streams."""
+    """Validates the calls now and queues each clique's collective on its ranks' streams (each
+    cross-process call on its own rank's stream)."""
     by_clique: dict[int, list] = {}
     for c in calls:
+        if c[0]._remote:
+            _launch_remote(c)
+            continue
         by_clique.setdefault(c[0]._clique, []).append(c)
     for clique, cs in by_clique.items():
         size = cs[0][0]._size
@@ -122,9 +149,205 @@ def _reduce(cs):
         _emu.host_array(c[2], (count,), dt, pooled=True)[...] = res
 
 
+_HELLO_TAG, _DATA_TAG = 0x6E01, 0x6E02  # MPI tags of the fake's messages on COMM_WORLD
+
+
+class _Wire:
+    """The fake's MPI transport: mailboxes of the messages received so far, the sends in flight."""
+
+    def __init__(self):
+        from mpi4py import MPI  # the fake's cross-process NCCL runs in MPI jobs only
+
+        self.MPI = MPI
+        self.world = MPI.COMM_WORLD
+        self.me = self.world.Get_rank()
+        self.nproc = self.world.Get_size()
+        self.hellos: list[tuple] = []  # (source process, uid, rank, nranks)
+        self.data: dict[tuple, tuple] = {}  # (uid, seq, rank) -> (count, dtype, op, array)
+        self.sends: list = []
+
+    def send(self, obj, dest: int, tag: int) -> list:
+        req = self.world.isend(obj, dest=dest, tag=tag)
+        self.sends.append(req)
+        return [req]
+
+    def drain(self) -> None:
+        status = self.MPI.Status()
+        for tag in (_HELLO_TAG, _DATA_TAG):
+            while True:
+                msg = self.world.improbe(source=self.MPI.ANY_SOURCE, tag=tag, status=status)
+                if msg is None:
+                    break
+                src = status.Get_source()
+                obj = msg.recv()
+                if tag == _HELLO_TAG:
+                    self.hellos.append((src, *obj))
+                else:
+                    uid, seq, rank, count, dtype, op, arr = obj
+                    self.data[(uid, seq, rank)] = (count, dtype, op, arr)
+        self.sends = [r for r in self.sends if not r.Test()]
+
+
+_WIRE: _Wire | None = None
+
+
+def _wire() -> _Wire:
+    global _WIRE
+    if _WIRE is None:
+        _WIRE = _Wire()
+    return _WIRE
+
+
+def _fails_here() -> bool:
+    want = os.environ.get("CUDIST_EMU_NCCL_FAIL", "").strip()
+    return bool(want) and _WIRE is not None and want == str(_WIRE.me)
+
+
+class _RemoteCall:
+    """One cross-process collective of one rank: posted when its stream reaches it, run when every
+    peer's part has arrived (and this rank's sends are through)."""
+
+    def __init__(self, comm, seq, sendbuf, recvbuf, count, datatype, op):
+        self.comm, self.seq = comm, seq
+        self.sendbuf, self.recvbuf, self.count, self.datatype, self.op = sendbuf, recvbuf, count, datatype, op
+        self.reqs = None
+        self.parts = None
+
+    def _key(self, rank):
+        return (self.comm._uid, self.seq, rank)
+
+    def ready(self) -> bool:
+        c = self.comm
+        if c._aborted:
+            return True
+        if c._async_error is not None:
+            return False
+        w = _wire()
+        if self.reqs is None:
+            if _fails_here():
+                c._async_error = NcclError(2, "NCCL_ERROR_SYSTEM_ERROR: unhandled system error (emulator: "
+                                              f"CUDIST_EMU_NCCL_FAIL={w.me}, a broken connection to the peers)")
+                return False
+            dt = np.dtype(_DTYPES[self.datatype])
+            mine = _emu.host_array(self.sendbuf, (self.count,), dt, pooled=True).copy()
+            self.parts = {c._rank: (self.count, self.datatype, self.op, mine)}
+            self.reqs = []
+            msg = (c._uid, self.seq, c._rank, self.count, self.datatype, self.op, mine)
+            for r, proc in enumerate(c._procs):
+                if r != c._rank:
+                    self.reqs += w.send(msg, proc, _DATA_TAG)
+        w.drain()
+        for r in range(c._size):
+            if r not in self.parts and self._key(r) in w.data:
+                self.parts[r] = w.data.pop(self._key(r))
+        if len(self.parts) < c._size:
+            return False
+        mine = self.parts[c._rank][:3]
+        for r in range(c._size):
+            if self.parts[r][:3] != mine:
+                c._async_error = NcclError(
+                    5, f"NCCL_ERROR_INVALID_USAGE (emulator): collective #{self.seq}: rank {c._rank} called "
+                       f"allReduce(count, datatype, op)={mine}, rank {r} {self.parts[r][:3]}: on GPUs the "
+                       "ranks would hang or garble",
+                )
+                raise c._async_error
+        return all(req.Test() for req in self.reqs)
+
+    def run(self) -> None:
+        if self.comm._aborted:
+            return  # ncclCommAbort: the collective ends, its buffers are left as they are
+        dt = np.dtype(_DTYPES[self.datatype])
+        ins = [self.parts[r][3] for r in range(self.comm._size)]
+        if self.op == NCCL_AVG:
+            acc = ins[0].copy()
+            for x in ins[1:]:
+                acc = np.add(acc, x, dtype=dt)
+            res = (acc / len(ins)).astype(dt)
+        else:
+            acc = ins[0].copy()
+            for x in ins[1:]:
+                acc = _OPS[self.op](acc, x).astype(dt)
+            res = acc
+        _emu.host_array(self.recvbuf, (self.count,), dt, pooled=True)[...] = res
+        self.parts = None
+
+
+def _launch_remote(call) -> None:
+    comm, sendbuf, recvbuf, count, datatype, op, q = call
+    comm._seq += 1
+    rc = _RemoteCall(comm, comm._seq, sendbuf, recvbuf, count, datatype, op)
+    EMU_CALLS["allReduce"] += 1
+    _emu.enqueue(q, rc.run, f"ncclAllReduce #{comm._seq} of rank {comm._rank} (waiting for its peer processes)",
+                 ready=rc.ready)
+
+
 class NcclCommunicator:
-    def __init__(self, ndev: int, commId, rank: int):
-        raise NotImplementedError("emulator: only NcclCommunicator.initAll is supported")
+    def __init__(self, ndev: int, commId: tuple, rank: int):
+        if not isinstance(ndev, int) or not isinstance(rank, int):
+            raise TypeError("an integer is required")
+        if not isinstance(commId, tuple):  # Cython-typed in CuPy
+            raise TypeError(f"Argument 'commId' has incorrect type (expected tuple, got {type(commId).__name__})")
+        if len(commId) != 128:
+            raise AssertionError("len(commId) == NCCL_UNIQUE_ID_BYTES")
+        if not 0 <= rank < ndev:
+            raise NcclError(4, f"NCCL_ERROR_INVALID_ARGUMENT: rank {rank} of {ndev}")
+        self._device = runtime.getDevice()
+        _emu.check_device_id(self._device)
+        self._rank, self._size = rank, ndev
+        self._aborted = False
+        self._async_error = None
+        self._seq = 0
+        if ndev == 1:
+            self._clique, self._remote = next(_clique_ids), False
+            return
+        self._clique, self._remote = None, True
+        self._uid = bytes((x + 256) % 256 for x in commId)
+        self._procs = self._rendezvous(ndev, rank)
+        EMU_CALLS["NcclCommunicator"] += 1
+
+    def _rendezvous(self, ndev, rank):
+        """ncclCommInitRank: every rank tells every process (uid, rank, nranks) and waits for its peers.
+
+        Returns the MPI process of each rank. Raises NcclError where real NCCL would hang: a process
+        that joined with another id, a rank claimed twice, nranks that differ, no peers in time.
+        """
+        w = _wire()
+        hello = (self._uid, rank, ndev)
+        for p in range(w.nproc):
+            if p != w.me:
+                w.send(hello, p, _HELLO_TAG)
+        start = time.monotonic()
+        while True:
+            w.drain()
+            mine = [h for h in w.hellos if h[1] == self._uid]
+            others = {h[0] for h in w.hellos}
+            if len(mine) >= ndev - 1:
+                break
+            if len(others) >= w.nproc - 1:
+                strangers = [h for h in w.hellos if h[1] != self._uid]
+                raise NcclError(5, (
+                    f"NCCL_ERROR_INVALID_USAGE (emulator): ncclCommInitRank(nranks={ndev}, rank={rank}) in MPI "
+                    f"process {w.me}: process(es) {sorted({h[0] for h in strangers})} joined with another unique id; "
+                    "every rank must get the id of one get_unique_id() call (broadcast it); on GPUs the init would hang"
+                ))
+            if time.monotonic() - start > _emu.WAIT_SECONDS:
+                raise NcclError(5, (
+                    f"NCCL_ERROR_INVALID_USAGE (emulator): ncclCommInitRank(nranks={ndev}, rank={rank}) in MPI "
+                    f"process {w.me}: only {len(mine) + 1} rank(s) joined in {_emu.WAIT_SECONDS:g} s; on GPUs it would hang"
+                ))
+            time.sleep(0.0005)
+        peers = mine[: ndev - 1]
+        for h in peers:
+            w.hellos.remove(h)
+        procs = {rank: w.me}
+        for src, _, r, n in peers:
+            if n != ndev:
+                raise NcclError(5, f"NCCL_ERROR_INVALID_USAGE (emulator): process {src} initialised rank {r} of {n} "
+                                   f"ranks, this one rank {rank} of {ndev}")
+            if r in procs:
+                raise NcclError(5, f"NCCL_ERROR_INVALID_USAGE (emulator): rank {r} claimed by processes {procs[r]} and {src}")
+            procs[r] = src
+        return [procs[r] for r in range(ndev)]
 
     @classmethod
     def initAll(cls, devices):  # noqa: N802
@@ -140,6 +363,7 @@ class NcclCommunicator:
         for r, d in enumerate(devices):
             c = cls.__new__(cls)
             c._clique, c._rank, c._size, c._device = clique, r, len(devices), d
+            c._remote, c._aborted, c._async_error, c._seq = False, False, None, 0
             comms.append(c)
         return comms
 
@@ -155,6 +379,14 @@ class NcclCommunicator:
     def destroy(self) -> None:
         pass
 
+    def abort(self) -> None:
+        """ncclCommAbort: a collective still waiting for its peers completes, its buffers untouched."""
+        self._aborted = True
+
+    def check_async_error(self) -> None:
+        if self._async_error is not None:
+            raise self._async_error
+
     def allReduce(self, sendbuf: int, recvbuf: int, count: int, datatype: int, op: int, stream: int) -> None:  # noqa: N802
         if datatype not in _DTYPES:
             raise NcclError(4, f"NCCL_ERROR_INVALID_ARGUMENT: datatype {datatype}")
@@ -168,8 +400,16 @@ class NcclCommunicator:
         nbytes = int(count) * np.dtype(_DTYPES[datatype]).itemsize
         for p, what in ((sendbuf, "sendbuf"), (recvbuf, "recvbuf")):
             _emu.check_range(int(p), nbytes, f"ncclAllReduce {what} of rank {self._rank}", device=self._device)
+        if self._aborted:
+            raise NcclError(5, "NCCL_ERROR_INVALID_USAGE (emulator): allReduce on an aborted communicator")
         q = _emu.queue(self._device, int(stream))
         call = (self, int(sendbuf), int(recvbuf), int(count), int(datatype), int(op), q)
+        if self._remote:
+            if _group_depth == 0:
+                _launch_remote(call)
+            else:
+                _pending.append(call)
+            return
         if _group_depth == 0:
             if self._size == 1:
                 _launch([call])
