@@ -407,6 +407,199 @@ def gpu():
     report(rank, c.results)
 
 
+def nccl(R):
+    """Under the CuPy emulation (W*R emulated GPUs per process): W workers x R GPU replicas with
+    CommunicationImplementation.NCCL against a MirroredStrategy over W*R GPUs in this process:
+    all_reduce SUM/MEAN (every NCCL dtype, nests mixing host and GPU values, bytes_per_pack),
+    reduce, optimizer steps; NCCL really carried them (the fake counts its cross-process calls) and
+    RING did not use it; debug-mode and unchecked mismatches are errors naming the workers."""
+    import cupy as cp
+    from cupy.cuda import nccl as fake_nccl
+
+    rank, W = _rank_size()
+    G = W * R
+    CO, CI = cudist.experimental.CommunicationOptions, cudist.experimental.CommunicationImplementation
+    exact = R == 1 and W == 2  # the local sum is a copy and NCCL's one addition is MirroredStrategy's
+    gpus = [f"/gpu:{i}" for i in range(R)]
+    mw = cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL), devices=gpus)
+    ref = cudist.MirroredStrategy([f"/gpu:{i}" for i in range(G)])
+    mine = [rank * R + r for r in range(R)]
+    c = Checks()
+    calls = fake_nccl.EMU_CALLS
+    c.check("uses_nccl", mw.extended._cross_device_ops.gpu_implementation == "NCCL", mw.extended._cross_device_ops)
+
+    def host(x):
+        return cp.asnumpy(x) if isinstance(x, cp.ndarray) else np.asarray(x)
+
+    def compare(name, got, want_all, exact_=None, on_gpu=True):
+        got = mw.experimental_local_results(got)
+        want = [ref.experimental_local_results(want_all)[g] for g in mine]
+        for r, (a, b) in enumerate(zip(got, want)):
+            if on_gpu and not (isinstance(a, cp.ndarray) and a.device.id == r):
+                c.check(name, False, f"replica {mine[r]}: {type(a).__name__} not on its GPU {r}")
+                return
+            ok, why = same(host(a), host(b), exact if exact_ is None else exact_)
+            if not ok:
+                c.check(name, False, f"replica {mine[r]}: {why}")
+                return
+        c.check(name, True)
+
+    def values(g, dt, shape=(5, 3)):
+        rng = np.random.default_rng(100 + g)
+        if np.dtype(dt).kind in "iu":
+            return cp.asarray(rng.integers(-50, 50, shape).astype(dt))
+        return cp.asarray((rng.standard_normal(shape) * 10).astype(dt))
+
+    def ar():
+        for dt in (np.float32, np.float64, np.float16, np.int32, np.int64):
+            for op in ("sum", "mean"):
+
+                def step(dt=dt, op=op):
+                    ctx = cudist.get_replica_context()
+                    return ctx.all_reduce(op, values(ctx.replica_id_in_sync_group, dt))
+
+                before = calls["allReduce"]
+                compare(f"all_reduce_{op}_{np.dtype(dt).name}", mw.run(step), ref.run(step))
+                c.check(f"all_reduce_{op}_{np.dtype(dt).name}_by_nccl", calls["allReduce"] == before + 1,
+                        calls["allReduce"] - before)
+
+    def nest_step():
+        ctx = cudist.get_replica_context()
+        g = ctx.replica_id_in_sync_group
+        return ctx.all_reduce("sum", {"a": values(g, np.float32, (7,)), "b": (np.float32(g), values(g, np.int32, (2, 2))),
+                                      "c": values(g, np.float32, (300,))})
+
+    def nest():
+        before = calls["allReduce"]
+        got, want = mw.run(nest_step), ref.run(nest_step)
+        c.check("nest_packs", calls["allReduce"] == before + 2, calls["allReduce"] - before)  # float32 + int32
+        for key in ("a", "c"):
+            compare(f"nest_{key}", got[key], want[key])
+        compare("nest_host_scalar_over_mpi", got["b"][0], want["b"][0], on_gpu=False)
+        compare("nest_int", got["b"][1], want["b"][1])
+        packed = cudist.MultiWorkerMirroredStrategy(
+            communication_options=CO(bytes_per_pack=64, implementation=CI.NCCL), devices=gpus)
+        before = calls["allReduce"]
+        got = packed.run(nest_step)
+        # float32: a (28 bytes) and c (1200 bytes) in two packs of <= 64 bytes each where possible; int32: one.
+        c.check("bytes_per_pack_packs", calls["allReduce"] == before + 3, calls["allReduce"] - before)
+        compare("bytes_per_pack_c", got["c"], want["c"])
+        compare("bytes_per_pack_a", got["a"], want["a"])
+
+    def reduce():
+        for axis in (None, 0):
+            for op in ("sum", "mean"):
+                def shape_of(g):
+                    return (g + 1, 3) if axis == 0 else (4, 3)
+
+                def per_replica(strategy):
+                    return strategy.experimental_distribute_values_from_function(
+                        lambda vc: values(vc.replica_id_in_sync_group, np.float32, shape_of(vc.replica_id_in_sync_group)))
+
+                a, b = mw.reduce(op, per_replica(mw), axis=axis), ref.reduce(op, per_replica(ref), axis=axis)
+                c.check(f"reduce_{op}_axis{axis}", *same(host(a), host(b), exact))
+
+    def optimizers():
+        for name, make_opt in (
+            ("sgd_momentum", lambda: cudist.optimizers.SGD(0.1, momentum=0.9)),
+            ("adam", lambda: cudist.optimizers.Adam(0.01)),
+        ):
+            finals = []
+            before = calls["allReduce"]
+            for strategy in (mw, ref):
+                with strategy.scope():
+                    w = cudist.Variable(np.linspace(-1, 1, 64, dtype=np.float32).reshape(8, 8) + (rank if strategy is mw else 0))
+                    b = cudist.Variable(np.zeros(8, np.float32))
+                    opt = make_opt()
+
+                def train_step(it, w=w, b=b, opt=opt):
+                    g = cudist.get_replica_context().replica_id_in_sync_group
+                    opt.apply_gradients([(values(10 * it + g, np.float32, (8, 8)), w), (values(10 * it + g + 5, np.float32, (8,)), b)])
+
+                for it in range(3):
+                    strategy.run(train_step, args=(it,))
+                finals.append(([host(x) for x in strategy.experimental_local_results(w)],
+                               [host(x) for x in strategy.experimental_local_results(b)]))
+            (wm, bm), (wr, br) = finals
+            ok = all(same(x, wr[g], exact)[0] for x, g in zip(wm, mine)) and all(same(x, br[g], exact)[0] for x, g in zip(bm, mine))
+            c.check(f"optimizer_{name}", ok, f"{wm[0].ravel()[:3]} vs {wr[mine[0]].ravel()[:3]}")
+            c.check(f"optimizer_{name}_by_nccl", calls["allReduce"] >= before + 3, calls["allReduce"] - before)
+
+    def gather():
+        def g_step():
+            ctx = cudist.get_replica_context()
+            g = ctx.replica_id_in_sync_group
+            return ctx.all_gather(cp.full((g + 1, 2), g, cp.float32), 0)
+
+        compare("all_gather_over_mpi", mw.run(g_step), ref.run(g_step), True)
+
+    def ring():
+        ringed = cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.RING), devices=gpus)
+        c.check("ring_is_mpi", ringed.extended._cross_device_ops.gpu_implementation == "MPI", ringed.extended._cross_device_ops)
+
+        def step():
+            ctx = cudist.get_replica_context()
+            return ctx.all_reduce("sum", values(ctx.replica_id_in_sync_group, np.float32))
+
+        before = dict(calls)
+        compare("ring_all_reduce", ringed.run(step), ref.run(step))
+        c.check("ring_no_nccl", dict(calls) == before, (before, dict(calls)))
+
+    def checked():
+        os.environ["CUDIST_CHECK_COLLECTIVES"] = "1"
+        s = cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL), devices=gpus)
+        del os.environ["CUDIST_CHECK_COLLECTIVES"]
+        s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3, cp.float32)))  # the communicator
+        try:
+            s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
+            c.check("checked_mismatch", False, "no error")
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            c.check("checked_mismatch", type(e).__name__ == "ReplicaMismatchError" and "all_reduce SUM (NCCL)" in msg
+                    and "float32(3,)" in msg and "float32(4,)" in msg, msg)
+
+    def unchecked():
+        """Last: the mismatched NCCL call stays stuck on the stream, as on a GPU."""
+        try:
+            mw.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
+            c.check("unchecked_mismatch", False, "no error")
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            c.check("unchecked_mismatch", type(e).__name__ == "InternalError" and f"worker {rank} of {W}" in msg
+                    and "NcclError" in msg and "rank 1" in msg, msg)
+
+    for name, fn in (("ar", ar), ("nest", nest), ("reduce", reduce), ("optimizers", optimizers), ("gather", gather),
+                     ("ring", ring), ("checked", checked), ("unchecked", unchecked)):
+        c.run(name, fn)
+    report(rank, c.results)
+
+
+def nccl_failing(mode):
+    """A worker that raises while the other waits in an NCCL all-reduce, an NCCL error in worker 1
+    (the fake's CUDIST_EMU_NCCL_FAIL), or a worker that hangs after the NCCL communicator exists."""
+    import cupy as cp
+
+    rank, _ = _rank_size()
+    CO, CI = cudist.experimental.CommunicationOptions, cudist.experimental.CommunicationImplementation
+    options = CO(timeout_seconds=2 if mode == "nccl_hang" else None, implementation=CI.NCCL)
+    strategy = cudist.MultiWorkerMirroredStrategy(communication_options=options, devices=["/gpu:0"])
+
+    def step():
+        return strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(4, cp.float32)))
+
+    if mode != "nccl_fail":
+        step()  # the NCCL communicator exists: what follows happens inside NCCL
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+    if rank == 1:
+        if mode == "nccl_raise":
+            time.sleep(0.5)  # worker 0 is waiting in the NCCL all-reduce by now
+            raise ZeroDivisionError("worker 1 fails on purpose")
+        if mode == "nccl_hang":
+            time.sleep(60)
+    step()
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]))
@@ -414,5 +607,9 @@ if __name__ == "__main__":
         tfconfig()
     elif sys.argv[1] == "gpu":
         gpu()
+    elif sys.argv[1] == "nccl":
+        nccl(int(sys.argv[2]))
+    elif sys.argv[1].startswith("nccl_"):
+        nccl_failing(sys.argv[1])
     else:
         failing(sys.argv[1])

@@ -207,11 +207,9 @@ def test_example_trains_multi_worker(no_shm_left):
     assert losses[0][1] == losses[1][1]
 
 
-@needs_mpi
-@pytest.mark.multi_worker
-@pytest.mark.heavy
-def test_gpu_workers_under_the_cupy_emulation(no_shm_left):
-    """2 workers x 2 emulated GPUs (tests/emu/fakecupy) against a MirroredStrategy over 4 GPUs."""
+def _emulated_gpus_env(devices, **extra):
+    """The environment of a job on the CuPy emulation (tests/emu/fakecupy) with ``devices`` GPUs per
+    worker (mpiexec hands it to every worker); skips without a C++ compiler to build the emulation."""
     sys.path.insert(0, str(HERE / "emu"))
     try:
         import build  # noqa: PLC0415 - tests/emu/build.py
@@ -219,9 +217,100 @@ def test_gpu_workers_under_the_cupy_emulation(no_shm_left):
         sys.path.pop(0)
     if build.compiler() is None:
         pytest.skip("no C++ compiler: the CUDA emulation cannot be built")
-    env = _env(CUDIST_EMU_DEVICES="4", CUDIST_EMU_PEER="all")
+    env = _env(CUDIST_EMU_DEVICES=str(devices), CUDIST_EMU_PEER="all", **extra)
     env["PYTHONPATH"] = os.pathsep.join([str(HERE / "emu" / "fakecupy"), *filter(None, [env.get("PYTHONPATH")])])
-    env.pop("CUDIST_BACKEND", None)
+    for k in ("CUDIST_BACKEND", "CUDIST_EMU_MODE", "CUDIST_EMU_NCCL", "CUDIST_EMU_NCCL_FAIL"):
+        env.pop(k, None)
+    return env
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("gpus_per_worker", [1, 2], ids=["2x1-bit-exact", "2x2-tolerance"])
+def test_nccl_across_workers_under_the_cupy_emulation(gpus_per_worker, no_shm_left):
+    """CommunicationImplementation.NCCL: 2 workers x R emulated GPUs against a MirroredStrategy over 2R GPUs.
+
+    all_reduce SUM/MEAN of every NCCL dtype (bit-exact for 2x1: a copy, then NCCL's one addition,
+    as MirroredStrategy's; within float tolerance for 2x2: (g0 + g1) + (g2 + g3) against
+    ((g0 + g1) + g2) + g3), nests mixing host values (over MPI) and GPU values, bytes_per_pack,
+    reduce, SGD-momentum and Adam steps; the fake NCCL counts one cross-process call per packed
+    buffer; RING does not use NCCL; mismatched calls are a ReplicaMismatchError (debug mode) or an
+    InternalError naming the worker (the fake NCCL refuses mismatched counts where a GPU would hang).
+    """
+    env = _emulated_gpus_env(2 * gpus_per_worker)
+    from cudist.launch import find_mpiexec
+
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, JOB, "nccl", str(gpus_per_worker)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = _results(p)
+    failed = {f"worker {r}: {k}": d for r, rr in res.items() for k, (ok, d) in rr.items() if not ok}
+    assert not failed, failed
+    assert len(res[0]) == 43  # every check ran
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("mode", ["nccl_raise", "nccl_fail", "nccl_hang"])
+def test_nccl_failures_end_the_job(mode, no_shm_left):
+    """No hang inside NCCL: worker 1 raising while worker 0 waits in an NCCL all-reduce ends the job
+    (abort hook); an NCCL error in worker 1 (asynchronous, the fake's CUDIST_EMU_NCCL_FAIL) is an
+    InternalError naming it; worker 1 hanging makes worker 0's NCCL wait time out (timeout_seconds=2)
+    naming worker 1, after the stall warning (1 s here). Each ends within timeout + 5 s."""
+    env = _emulated_gpus_env(1, CUDIST_STALL_WARNING_SECONDS="1")
+    if mode == "nccl_fail":
+        env["CUDIST_EMU_NCCL_FAIL"] = "1"
+    started = time.time()
+    p = subprocess.run([sys.executable, "-m", "cudist.launch", "-n", "2", JOB, mode], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=HERE)
+    end = time.time()
+    assert p.returncode != 0
+    assert "UNREACHABLE" not in p.stdout
+    assert end - _ready_time(p, started) < (2 if mode == "nccl_hang" else 0) + 5
+    if mode == "nccl_raise":
+        assert "worker 1 raised ZeroDivisionError: worker 1 fails on purpose" in p.stderr, p.stderr[-2000:]
+    elif mode == "nccl_fail":
+        assert ("InternalError: cudist: worker 1 of 2 (GPU 0): NCCL all_reduce SUM failed: NcclError: "
+                "NCCL_ERROR_SYSTEM_ERROR") in p.stderr, p.stderr[-2000:]
+        assert "worker 1 raised InternalError" in p.stderr
+    else:
+        assert ("DeadlineExceededError: cudist: worker 0 of 2 timed out after 2 s (CommunicationOptions.timeout_seconds) "
+                "in all_reduce SUM (NCCL)") in p.stderr, p.stderr[-2000:]
+        assert "worker(s) [1] did not join it" in p.stderr
+        assert re.search(r"CollectiveStallWarning: cudist: worker 0 has waited 1 s in all_reduce SUM \(NCCL\), "
+                         r"collective #\d+, for worker\(s\) \[1\]", p.stderr), p.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_fake_nccl_refuses_ranks_with_different_unique_ids(no_shm_left):
+    """The fake's get_unique_id() is random per call: a job that forgets to broadcast it fails at
+    init (real NCCL would hang), so the strategy's broadcast over MPI is really tested."""
+    env = _emulated_gpus_env(1)
+    code = (
+        "from mpi4py import MPI\n"
+        "from cupy.cuda import nccl\n"
+        "try:\n"
+        "    nccl.NcclCommunicator(2, nccl.get_unique_id(), MPI.COMM_WORLD.Get_rank())\n"
+        "except nccl.NcclError as e:\n"
+        "    print('REFUSED', MPI.COMM_WORLD.Get_rank(), e, flush=True)\n"
+    )
+    from cudist.launch import find_mpiexec
+
+    p = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=60, env=env, cwd=HERE)
+    assert p.returncode == 0, p.stderr[-2000:]
+    refused = re.findall(r"^REFUSED (\d) (.*)$", p.stdout, re.M)
+    assert sorted(r for r, _ in refused) == ["0", "1"], p.stdout[-2000:]
+    assert all("joined with another unique id" in msg for _, msg in refused), refused
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.heavy
+def test_gpu_workers_under_the_cupy_emulation(no_shm_left):
+    """2 workers x 2 emulated GPUs (tests/emu/fakecupy) against a MirroredStrategy over 4 GPUs (AUTO: NCCL)."""
+    env = _emulated_gpus_env(4)
     cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", JOB, "gpu"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=HERE)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
