@@ -184,7 +184,7 @@ class CudistWorker(_Worker):
 
         def replica_step(xy):
             x, y = xy
-            grads, loss = mlp_grads([np.asarray(v) for v in vs], x, y, scale)
+            grads, loss = mlp_grads([v.read_value() for v in vs], x, y, scale)
             opt.apply_gradients(zip(grads, vs))
             return loss
 

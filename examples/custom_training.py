@@ -111,7 +111,7 @@ class Model:
 
     def __call__(self, images, training=False):
         """Logits (NumPy), reading the variables (inside ``run``: this replica's copies)."""
-        return forward(np, [np.asarray(v) for v in self.trainable_variables], images)[0]
+        return forward(np, [v.read_value() for v in self.trainable_variables], images)[0]
 
 
 def forward(xp, params, images):
@@ -197,7 +197,7 @@ def make_gradient_fn(backend: str, model: Model, compute_loss, loss_object):
         import autograd.numpy as anp
 
         def fn(images, labels):
-            params = [np.asarray(v) for v in variables]
+            params = [v.read_value() for v in variables]  # zero-copy snapshots (copy-on-write)
             logits = forward(np, params, images)[0]
             loss, dlogits = loss_and_dlogits(labels, logits)
 
@@ -211,7 +211,7 @@ def make_gradient_fn(backend: str, model: Model, compute_loss, loss_object):
         return fn
 
     def fn(images, labels):  # NumPy: the backward pass written out
-        params = [np.asarray(v) for v in variables]
+        params = [v.read_value() for v in variables]  # zero-copy snapshots (copy-on-write)
         logits, (x, z1, h) = forward(np, params, images)
         loss, dlogits = loss_and_dlogits(labels, logits)
         loss = loss + cudist.nn.scale_regularization_loss(regularization_losses(params))

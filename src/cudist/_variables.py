@@ -33,6 +33,7 @@ import enum
 import functools
 import inspect
 import itertools
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -455,17 +456,61 @@ class Variable(metaclass=_VariableMeta):
         return self._aggregation
 
     # ---- reads
+    #: The read-only view of the host storage that :meth:`_cow_snapshot`'s snapshots are views of.
+    _snap: npt.NDArray[Any] | None = None
+
     def _read_live(self) -> Array:
         """The live storage (no copy); callers must not keep or write it."""
         return self._array
 
     def value(self) -> Array:
-        """A snapshot of the current value (a NumPy or CuPy array)."""
-        return snapshot(self._read_live())
+        """A snapshot of the current value (a NumPy or CuPy array).
+
+        On the host the snapshot is a read-only NumPy array that shares the variable's memory until
+        the variable is next written while the snapshot (or an array derived from it) is still
+        referenced: that write first moves the variable to fresh memory (copy-on-write), so the
+        snapshot keeps the value it had, as a TF tensor read from a variable does. A snapshot that
+        is dropped before the next update costs no copy at all. Use :meth:`numpy` for a writable copy.
+        """
+        return self._read_snapshot()
 
     def read_value(self) -> Array:
-        """A snapshot of the current value (a NumPy or CuPy array)."""
-        return snapshot(self._read_live())
+        """A snapshot of the current value (a NumPy or CuPy array); see :meth:`value`."""
+        return self._read_snapshot()
+
+    def _read_snapshot(self) -> Array:
+        """What value() and read_value() return (a distributed variable: of its local component)."""
+        return self._cow_snapshot()
+
+    def _cow_snapshot(self) -> Array:
+        """A snapshot of this storage: a shared read-only view on the host, a copy on a GPU.
+
+        Why a view over a memoryview rather than ``a.view()``: NumPy collapses the base of every
+        view derived from ``a.view()`` to ``a`` itself, but stops at an array whose base is not an
+        array, so every array derived from this snapshot (``s.T``, ``s[1:]``...) keeps the snapshot
+        object alive and :meth:`_detach_shared` sees them all in its reference count.
+        """
+        a = self._array
+        if type(a) is not np.ndarray:
+            return snapshot(a)
+        s = self._snap
+        if s is None or s.base.obj is not a:  # type: ignore[union-attr]  # the memoryview's exporter
+            s = np.asarray(memoryview(a))
+            s.flags.writeable = False
+            self._snap = s
+        # A new object per read (its base is ``s``), as every TF read is a new tensor: ``run`` keeps
+        # the same object returned by every replica unwrapped, distinct ones become PerReplica.
+        return s.view()
+
+    def _detach_shared(self) -> Array:
+        """The storage, ready to be written in place: moved to fresh memory first if a snapshot of it
+        is still referenced outside this variable (copy-on-write). Every in-place writer calls this."""
+        snap = self._snap
+        # References: the attribute, ``snap`` and getrefcount's argument; more are snapshot holders.
+        if snap is not None and sys.getrefcount(snap) > 3:
+            self._array = self._array.copy()
+            self._snap = None
+        return self._array
 
     def _read_host(self) -> npt.NDArray[Any]:
         """What host reads (numpy(), __array__) copy from: the live storage, or a host copy of it."""
@@ -488,7 +533,9 @@ class Variable(metaclass=_VariableMeta):
 
         The result shares the variable's live storage (what :meth:`value` would snapshot: this
         replica's component inside ``run``, the aggregate of a sync-on-read variable outside it):
-        later updates of the variable show through it. Use ``read_value()`` for a snapshot.
+        later updates of the variable show through it, as long as no ``read_value()`` snapshot is
+        still held when the update comes (copy-on-write then moves the variable to fresh memory and
+        the export keeps the old one). Use ``read_value()`` for a snapshot.
 
         Returns:
             The storage array's DLPack capsule (``Any``: a ``PyCapsule``, which has no type before
@@ -501,8 +548,9 @@ class Variable(metaclass=_VariableMeta):
         return self._read_live().__dlpack_device__()
 
     def _buffers(self) -> tuple[Array, ...]:
-        """The live storage arrays, one per component (for fused optimizer kernels)."""
-        return (self._array,)
+        """The storage arrays to write in place, one per component (for fused optimizer kernels);
+        see :meth:`_detach_shared`."""
+        return (self._detach_shared(),)
 
     def _primary_array(self) -> Array:
         return self._array
@@ -538,7 +586,7 @@ class Variable(metaclass=_VariableMeta):
 
     def _write(self, method: str, arr: Array) -> None:
         """Applies an already-coerced update to this single storage array."""
-        ref = self._array
+        ref = self._detach_shared()
         xp = array_module(ref)
         if xp is not np:
             with device_context(ref):  # CuPy works on the current device: make it this component's
@@ -650,7 +698,7 @@ class Variable(metaclass=_VariableMeta):
         """An independent variable with a copy of the value: same name, device, settings and strategy."""
         new = object.__new__(type(self))
         memo[id(self)] = new
-        state = {k: v for k, v in vars(self).items() if k not in ("_kernel_cached", "_distributed_container")}
+        state = {k: v for k, v in vars(self).items() if k not in ("_kernel_cached", "_distributed_container", "_snap")}
         state["_array"] = snapshot(self._array)
         state["_unique_id"] = f"{self._base_name.split('/')[0]}_{_next_uid()}"
         new.__dict__.update(state)
@@ -911,7 +959,10 @@ class DistributedVariable(DistributedValues, Variable):
         return self._values[0]._unique_id
 
     def _buffers(self) -> tuple[Array, ...]:
-        return tuple(c._array for c in self._values)
+        return tuple(c._detach_shared() for c in self._values)
+
+    def _read_snapshot(self) -> Array:
+        return self._local()._cow_snapshot()
 
     def _read_live(self) -> Array:
         return self._local()._array
@@ -963,10 +1014,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
         Host components share one snapshot (they are all in host memory); device components each
         get a copy on their own device.
         """
-        if all(array_module(c._array) is np for c in self._values):
-            snap = self._values[0]._array.copy()
-            return (snap,) * len(self._values)
-        return tuple(snapshot(c._array) for c in self._values)
+        return tuple(c._cow_snapshot() for c in self._values)
 
     def _all_write(self, method: str, arr: Array) -> None:
         """Applies a coerced update to every component with one fused kernel pass."""
@@ -1009,7 +1057,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     )
                 for c, v in zip(self._values, value.values):
                     c._write(method, c._coerce(v, method))
-                return Mirrored(tuple(snapshot(c._array) for c in self._values)) if read_value else None
+                return Mirrored(self._snapshots()) if read_value else None
             if isinstance(value, DistributedValues):
                 value = value.values[0]
             self._all_write(method, self._values[0]._coerce(value, method))
@@ -1023,7 +1071,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             self._all_write(method, self._values[0]._coerce(_aggregate(strategy, v, self._aggregation, self), method))
 
         ctx.merge_call(merge_fn, args=(value,))
-        return snapshot(self._local(ctx)._array) if read_value else None
+        return self._local(ctx)._cow_snapshot() if read_value else None
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -1039,15 +1087,25 @@ class SyncOnReadVariable(DistributedVariable):
     def _aggregated(self) -> Array:
         agg = self._aggregation
         if agg is VariableAggregation.ONLY_FIRST_REPLICA:  # replica 0 of the job (of every worker)
-            return self._distribute_strategy.extended._first_replica_value(PerReplica(self._buffers()))
+            return self._distribute_strategy.extended._first_replica_value(PerReplica(self._arrays()))
         op = ReduceOp.from_variable_aggregation(agg)  # NONE raises, as in TF
-        return _reduce_components(self._distribute_strategy, self._buffers(), op, self._values[0].device)
+        return _reduce_components(self._distribute_strategy, self._arrays(), op, self._values[0].device)
+
+    def _arrays(self) -> tuple[Array, ...]:
+        """The components' storage, to read (writers use :meth:`_buffers`)."""
+        return tuple(c._array for c in self._values)
 
     def _read_live(self) -> Array:
         ctx = self._replica_ctx()
         if ctx is not None:
             return self._local(ctx)._array
         return self._aggregated()
+
+    def _read_snapshot(self) -> Array:
+        ctx = self._replica_ctx()
+        if ctx is not None:
+            return self._local(ctx)._cow_snapshot()
+        return snapshot(self._aggregated())
 
     def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         ctx = self._replica_ctx()
@@ -1130,7 +1188,7 @@ class AggregatingVariable(Variable):
         """A snapshot of the current value; a CuPy array on the replica's GPU inside a GPU replica."""
         gpu = self._replica_gpu()
         if gpu is None:
-            return snapshot(self._array)
+            return self._cow_snapshot()
         return to_gpu(self._array, gpu, copy=True)  # a fresh copy already
 
     read_value = value

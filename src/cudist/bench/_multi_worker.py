@@ -224,7 +224,7 @@ def _run_step(args) -> int:
     scale = 1.0 / len(x)
 
     def replica_step(xy):
-        grads, loss = _grads([np.asarray(v) for v in variables], xy[0], xy[1], scale)
+        grads, loss = _grads([v.read_value() for v in variables], xy[0], xy[1], scale)
         opt.apply_gradients(zip(grads, variables))
         return loss
 

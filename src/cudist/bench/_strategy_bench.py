@@ -364,7 +364,7 @@ def _strategy_step(ctx, params, shards, ref, nparams) -> list:
 
         def replica_fn(xy):
             x, y = xy
-            gs, loss = mlp_grads([np.asarray(v) for v in vs], x, y)
+            gs, loss = mlp_grads([v.read_value() for v in vs], x, y)
             opt.apply_gradients(zip([g * scale for g in gs], vs))
             return loss
 
