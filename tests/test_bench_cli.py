@@ -409,3 +409,46 @@ def test_update_case_mirrors_are_distinct_buffers(opt):
     for groups in seen:
         bufs = [b for g in groups for b in g]
         assert len({b.ctypes.data for b in bufs}) == len(bufs)
+
+
+def _mpi_job_missing():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed"
+    from cudist.launch import find_mpiexec
+
+    return None if find_mpiexec() else "no mpiexec"
+
+
+@pytest.mark.multi_worker
+@pytest.mark.skipif(_mpi_job_missing() is not None, reason=f"needs MPI: {_mpi_job_missing()}")
+def test_workers_take_the_common_flags(tmp_path):
+    """`all-reduce --workers 2` with the common flags that make sense there (--no-progress and --seed
+    included): dtypes, MEAN, replicas, backend, JSON; every row checked against the exact result."""
+    out = tmp_path / "mw.json"
+    cmd = [sys.executable, "-m", "cudist.bench", "all-reduce", "--workers", "2", "-b", "4K", "-e", "16K", "-f", "4",
+           "-n", "2", "-w", "1", "--no-progress", "--seed", "3", "-d", "float64,int32", "-o", "mean",
+           "--replicas", "2", "--backend", "numpy", "-c", "1", "--json", str(out)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["workers"] == 2 and doc["replicas_per_worker"] == 2 and doc["op"] == "mean" and doc["ok"]
+    assert [(r["dtype"], r["bytes"]) for r in doc["rows"]] == [
+        ("float64", 4096), ("float64", 16384), ("int32", 4096), ("int32", 16384)]
+    assert all(r["check"] for r in doc["rows"])
+    assert "float64, int32 MEAN" in p.stdout
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--compare", "tf"], "--compare: TensorFlow is compared in one process only"),
+    (["--budget", "1"], "--budget"),
+    (["--copy-size", "1M"], "--copy-size"),
+    (["-d", "float16"], "-d/--datatype float16: not available with --workers"),
+    (["--workers", "0"], "--workers must be >= 1"),
+])
+def test_workers_refuse_flags_without_meaning_there(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(["all-reduce", *(["--workers", "2"] if "--workers" not in argv else []), *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

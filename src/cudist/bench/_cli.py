@@ -271,6 +271,10 @@ class Context:
         llc = f", {h['last_level_cache']} last-level cache" if h["last_level_cache"] else ""
         self.print(f"# CPU: {h['cpu']}, {h['cores']} cores{llc}; Python {h['python']}")
         self.print("# backends: " + ", ".join(f"{k} ({v})" for k, v in h["backends"].items()))
+        for be in getattr(self, "_backends", None) or ():
+            if be.name == "cupy":  # the loaded GPU backend: C++ launchers or NVRTC (CUDIST_CUDA_LAUNCHERS)
+                h["cupy_launch_path"] = be.launch_path
+                self.print(f"# cupy launch path: {be.launch_path}")
         for n in self.notes:
             self.print(f"# note: {n}")
         if copy_bw:
@@ -539,7 +543,7 @@ def main(argv=None) -> int:
         # Across worker processes (MultiWorkerMirroredStrategy against raw mpi4py, under mpiexec).
         from cudist.bench import _multi_worker
 
-        return _multi_worker.main(argv)
+        return _multi_worker.main(argv, _common_parser(defaults=_multi_worker.COMMON_DEFAULTS))
     # Options without a subcommand (`cudist-bench -n 5 --no-progress`) are the default suite's.
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version"):
         args = parser.parse_args(["suite"] + argv)

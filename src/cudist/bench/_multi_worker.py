@@ -11,6 +11,15 @@ float32 buffer of S bytes:
 
 A sample is the slowest worker's time for one call, each call started after a barrier; the table
 shows medians, the algorithm bandwidth S/t and cudist's speed as a percentage of mpi4py's.
+
+The common options of ``cudist-bench`` that make sense across workers work here too: sizes
+(``-b/-e/-f``), ``-d/--datatype`` (the dtypes MPI has: float32, float64, int32, int64), ``-o/--op``
+(MEAN: mpi4py's sum divided by the worker count), ``-c``, ``-n``, ``-w``, ``--replicas``,
+``--backend`` (the kernels of the local sum, through ``CUDIST_BACKEND``), ``--json`` (``-`` for
+stdout), and ``--no-progress`` and ``--seed``, accepted for a common command line (this benchmark
+draws no progress bar and fills its buffers with exact constants, so that the check is exact).
+The others (``--compare``, ``--tf-python``, ``--tf-mode``, ``--copy-size``, ``--budget``) are
+refused with a message saying why.
 """
 
 from __future__ import annotations
@@ -27,15 +36,6 @@ import numpy as np
 __all__ = ["main"]
 
 
-def _parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B")
-    mult = 1
-    for suffix, m in (("K", 1 << 10), ("M", 1 << 20), ("G", 1 << 30)):
-        if text.endswith(suffix):
-            text, mult = text[:-1], m
-    return int(float(text) * mult)
-
-
 def _fmt_size(n: int) -> str:
     for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if n >= size and n % size == 0:
@@ -43,21 +43,32 @@ def _fmt_size(n: int) -> str:
     return str(n)
 
 
-def build_parser():
+#: Common options with no meaning across workers, and why.
+_REFUSED = {
+    "compare": "--compare: TensorFlow is compared in one process only (cudist-bench all-reduce --compare tf)",
+    "tf_python": "--tf-python: TensorFlow is compared in one process only",
+    "tf_mode": "--tf-mode: TensorFlow is compared in one process only",
+    "copy_size": "--copy-size: the copy-bandwidth header is single-process",
+    "budget": "--budget: every size runs -n timed calls on every worker (use -n)",
+}
+#: The dtypes both MPI and the kernels reduce (MPI has no float16).
+_DTYPES = ("float32", "float64", "int32", "int64")
+
+
+#: The defaults of the common options here (cudist-bench's own defaults are for one process).
+COMMON_DEFAULTS = {"b": "4K", "e": "64M", "f": 4, "n": 20, "w": 3, "replicas": 1}
+
+
+def build_parser(common: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The parser of ``--workers`` runs: ``common`` (cudist-bench's common options, built with
+    :data:`COMMON_DEFAULTS` by the caller, which owns them) plus the cross-worker ones."""
     p = argparse.ArgumentParser(
         prog="cudist-bench all-reduce --workers N",
         description="Cross-worker all-reduce: MultiWorkerMirroredStrategy against raw mpi4py Allreduce, same run.",
+        parents=[common],
     )
     p.add_argument("command", choices=["all-reduce", "step"])
     p.add_argument("--workers", type=int, required=True, help="number of worker processes (mpiexec -n)")
-    p.add_argument("-b", "--minbytes", type=_parse_size, default=_parse_size("4K"))
-    p.add_argument("-e", "--maxbytes", type=_parse_size, default=_parse_size("64M"))
-    p.add_argument("-f", "--stepfactor", type=int, default=4)
-    p.add_argument("-n", "--iters", type=int, default=20, help="timed calls per size and variant (default 20)")
-    p.add_argument("-w", "--warmup_iters", type=int, default=3)
-    p.add_argument("--replicas", type=int, default=1, help="local replicas per worker (default 1)")
-    p.add_argument("-c", "--check", type=int, choices=(0, 1), default=1, help="check the results (default 1)")
-    p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     p.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to python, else PATH)")
     p.add_argument("--steps", type=int, default=50, help="step: timed steps (default 50)")
     p.add_argument("--batch", type=int, default=256, help="step: global batch (default 256)")
@@ -74,6 +85,8 @@ def _relaunch(args, argv) -> int:
     from cudist.launch import worker_env
 
     env = worker_env(args.workers)
+    if args.backend != "all":
+        env["CUDIST_BACKEND"] = args.backend  # the kernels of every worker's local sum
     cmd = [mpiexec, "-n", str(args.workers), sys.executable, "-m", "cudist.bench", *argv]
     return subprocess.call(cmd, env=env)
 
@@ -110,24 +123,30 @@ def _run(args) -> int:
 
     rows = []
     ok_all = True
+    out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout carries only the JSON
+    mean = args.op == "mean"
     if rank == 0:
         print(f"# cudist-bench all-reduce --workers {size}: {R} local replica(s) per worker, {G} in sync; "
-              f"float32 SUM; {args.iters} calls per size and variant, interleaved; times are medians of the "
-              "slowest worker per call", flush=True)
-        print(f"# {'size':>8} {'mpi4py us':>11} {'cudist us':>11} {'mpi4py GB/s':>12} {'cudist GB/s':>12} "
-              f"{'cudist/mpi4py':>14} {'check':>6}", flush=True)
-    for nbytes in sizes:
-        count = nbytes // 4
-        send = np.full(count, float(rank + 1), np.float32)
+              f"{', '.join(args.datatype)} {args.op.upper()}; {args.iters} calls per size and variant, interleaved; "
+              "times are medians of the slowest worker per call", file=out, flush=True)
+        print(f"# {'size':>8} {'dtype':>8} {'mpi4py us':>11} {'cudist us':>11} {'mpi4py GB/s':>12} {'cudist GB/s':>12} "
+              f"{'cudist/mpi4py':>14} {'check':>6}", file=out, flush=True)
+    for dtype, nbytes in [(d, n) for d in args.datatype for n in sizes]:
+        dt = np.dtype(dtype)
+        count = max(1, nbytes // dt.itemsize)
+        send = np.full(count, rank + 1, dt)
         recv = np.empty_like(send)
-        locals_ = [np.full(count, float(rank * R + r + 1), np.float32) for r in range(R)]
+        locals_ = [np.full(count, rank * R + r + 1, dt) for r in range(R)]
         values = strategy.experimental_distribute_values_from_function(lambda vc: locals_[vc.replica_id_in_sync_group - rank * R])
 
         def raw():
             comm.Allreduce(send, recv, MPI.SUM)
+            if mean:  # what a MEAN costs on top of MPI's sum
+                return recv / size
+            return recv
 
         def step(x):
-            return cudist.get_replica_context().all_reduce("sum", x)
+            return cudist.get_replica_context().all_reduce(args.op, x)
 
         def ours():
             return strategy.run(step, args=(values,))
@@ -148,25 +167,29 @@ def _run(args) -> int:
         ok = True
         if args.check:
             res = strategy.experimental_local_results(ours())
-            want = G * (G + 1) / 2
+            want = G * (G + 1) / 2 / (G if mean else 1)
             ok = all(float(r[0]) == want and float(r[-1]) == want for r in res)
             ok = bool(comm.allreduce(int(ok), MPI.MIN))
-            raw()
-            ok = ok and float(recv[0]) == size * (size + 1) / 2
+            got = raw()
+            ok = ok and float(got[0]) == size * (size + 1) / 2 / (size if mean else 1)
         ok_all = ok_all and ok
         row = {
-            "bytes": nbytes, "mpi4py_us": raw_us, "cudist_us": ours_us,
+            "bytes": nbytes, "dtype": dtype, "op": args.op, "mpi4py_us": raw_us, "cudist_us": ours_us,
             "mpi4py_GBps": nbytes / raw_us / 1e3, "cudist_GBps": nbytes / ours_us / 1e3,
             "ratio": raw_us / ours_us, "check": ok,
         }
         rows.append(row)
         if rank == 0:
-            print(f"  {_fmt_size(nbytes):>8} {raw_us:11.1f} {ours_us:11.1f} {row['mpi4py_GBps']:12.2f} "
-                  f"{row['cudist_GBps']:12.2f} {100 * row['ratio']:13.1f}% {'ok' if ok else 'FAIL':>6}", flush=True)
+            print(f"  {_fmt_size(nbytes):>8} {dtype:>8} {raw_us:11.1f} {ours_us:11.1f} {row['mpi4py_GBps']:12.2f} "
+                  f"{row['cudist_GBps']:12.2f} {100 * row['ratio']:13.1f}% {'ok' if ok else 'FAIL':>6}",
+                  file=out, flush=True)
     if rank == 0 and args.json:
-        doc = {"workers": size, "replicas_per_worker": R, "rows": rows, "ok": ok_all}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=1)
+        doc = {"workers": size, "replicas_per_worker": R, "op": args.op, "rows": rows, "ok": ok_all}
+        if args.json == "-":
+            print(json.dumps(doc, indent=1), flush=True)
+        else:
+            with open(args.json, "w") as f:
+                json.dump(doc, f, indent=1)
     return 0 if ok_all else 1
 
 
@@ -238,22 +261,39 @@ def _run_step(args) -> int:
     comm.Allreduce(samples, slowest, MPI.MAX)
     if rank == 0:
         ms = float(np.median(slowest)) * 1e3
+        out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout carries only the JSON
         print(f"# cudist-bench step --workers {W}: MLP 784-512-512-10, global batch {args.batch}, SGD momentum; "
-              f"threads per worker {os.environ.get('OMP_NUM_THREADS', '?')}", flush=True)
+              f"threads per worker {os.environ.get('OMP_NUM_THREADS', '?')}", file=out, flush=True)
         print(f"  MultiWorkerMirroredStrategy ({W} workers): median step {ms:.2f} ms (slowest worker per step), "
               f"min {float(slowest.min()) * 1e3:.2f} ms, {args.batch / ms * 1e3:.0f} samples/s; "
-              f"first losses {', '.join(f'{v:.6f}' for v in losses)}", flush=True)
-        if args.json:
+              f"first losses {', '.join(f'{v:.6f}' for v in losses)}", file=out, flush=True)
+        doc = {"workers": W, "median_ms": ms, "losses": losses}
+        if args.json == "-":
+            print(json.dumps(doc), flush=True)
+        elif args.json:
             with open(args.json, "w") as f:
-                json.dump({"workers": W, "median_ms": ms, "losses": losses}, f)
+                json.dump(doc, f)
     return 0
 
 
-def main(argv) -> int:
-    args = build_parser().parse_args(argv)
-    if args.workers < 1 or args.replicas < 1:
-        sys.stderr.write("cudist-bench: --workers and --replicas must be >= 1\n")
-        return 2
+def main(argv, common: argparse.ArgumentParser) -> int:
+    """Runs (or, outside an MPI job, launches under mpiexec) the cross-worker benchmark.
+
+    Args:
+        argv: the command line (with ``--workers N``).
+        common: cudist-bench's common options (see :func:`build_parser`).
+    """
+    parser = build_parser(common)
+    args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers must be >= 1")
+    defaults = parser.parse_args(["all-reduce", "--workers", "1"])
+    for name, why in _REFUSED.items():
+        if getattr(args, name) != getattr(defaults, name):
+            parser.error(f"{why}; not available with --workers")
+    bad = [d for d in args.datatype if d not in _DTYPES]
+    if bad:
+        parser.error(f"-d/--datatype {','.join(bad)}: not available with --workers (MPI reduces {', '.join(_DTYPES)})")
     from cudist._collectives.mpi import launched_by_mpi
 
     if not launched_by_mpi():
