@@ -600,6 +600,17 @@ def nccl_failing(mode):
     print(f"UNREACHABLE {rank}", flush=True)
 
 
+def nccl_auto():
+    """CommunicationImplementation.AUTO on GPU workers: NCCL when CuPy loads it, else MPI (CUDIST_EMU_NCCL=0)."""
+    import cupy as cp
+
+    rank, W = _rank_size()
+    mw = cudist.MultiWorkerMirroredStrategy(devices=["/gpu:0"])
+    out = mw.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.full(3, rank + 1, cp.float32)))
+    report(rank, {"implementation": mw.extended._cross_device_ops.gpu_implementation,
+                  "sum": cp.asnumpy(out).tolist(), "on_gpu": isinstance(out, cp.ndarray)})
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]))
@@ -609,6 +620,8 @@ if __name__ == "__main__":
         gpu()
     elif sys.argv[1] == "nccl":
         nccl(int(sys.argv[2]))
+    elif sys.argv[1] == "nccl_auto":
+        nccl_auto()
     elif sys.argv[1].startswith("nccl_"):
         nccl_failing(sys.argv[1])
     else:

@@ -132,6 +132,8 @@ METHODS = [
     "cupy.cuda.nccl.NcclCommunicator", "cupy.cuda.nccl.NcclCommunicator.allReduce",
     "cupy.cuda.nccl.NcclCommunicator.initAll", "cupy.cuda.nccl.groupStart", "cupy.cuda.nccl.groupEnd",
     "cupy.cuda.nccl.get_unique_id", "cupy.cuda.nccl.get_version",
+    "cupy.cuda.nccl.NcclCommunicator.abort", "cupy.cuda.nccl.NcclCommunicator.check_async_error",
+    "cupy.cuda.nccl.NcclError", "cupy.cuda.Event",
 ]  # fmt: skip
 
 _PARAM = re.compile(r"^\s*(?:(?P<type>[\w.\[\]]+(?:\s*\*)?)\s+)?(?P<stars>\*{0,2})(?P<name>\w+)\s*(?P<default>=.*)?$")

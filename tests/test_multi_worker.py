@@ -217,10 +217,11 @@ def _emulated_gpus_env(devices, **extra):
         sys.path.pop(0)
     if build.compiler() is None:
         pytest.skip("no C++ compiler: the CUDA emulation cannot be built")
-    env = _env(CUDIST_EMU_DEVICES=str(devices), CUDIST_EMU_PEER="all", **extra)
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "emu" / "fakecupy"), *filter(None, [env.get("PYTHONPATH")])])
+    env = _env()
     for k in ("CUDIST_BACKEND", "CUDIST_EMU_MODE", "CUDIST_EMU_NCCL", "CUDIST_EMU_NCCL_FAIL"):
         env.pop(k, None)
+    env.update(CUDIST_EMU_DEVICES=str(devices), CUDIST_EMU_PEER="all", **extra)
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE / "emu" / "fakecupy"), *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 
@@ -279,6 +280,43 @@ def test_nccl_failures_end_the_job(mode, no_shm_left):
         assert "worker(s) [1] did not join it" in p.stderr
         assert re.search(r"CollectiveStallWarning: cudist: worker 0 has waited 1 s in all_reduce SUM \(NCCL\), "
                          r"collective #\d+, for worker\(s\) \[1\]", p.stderr), p.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("nccl_loads", [True, False], ids=["nccl", "no-nccl"])
+def test_auto_picks_nccl_for_gpus_when_it_loads(nccl_loads, no_shm_left):
+    """AUTO (the default) on GPU workers: NCCL when CuPy loads it (as TF picks NCCL for GPU
+    all-reduces), else MPI with the GPU values staged through the host; the same result either way."""
+    env = _emulated_gpus_env(1)
+    if not nccl_loads:
+        env["CUDIST_EMU_NCCL"] = "0"
+    from cudist.launch import find_mpiexec
+
+    p = subprocess.run([find_mpiexec(), "-n", "2", sys.executable, JOB, "nccl_auto"], capture_output=True, text=True,
+                       timeout=120, env=env, cwd=HERE)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = _results(p)
+    for r in (0, 1):
+        assert res[r] == {"implementation": "NCCL" if nccl_loads else "MPI", "sum": [3.0, 3.0, 3.0], "on_gpu": True}
+
+
+def test_nccl_requested_but_not_loadable_names_the_package():
+    """CommunicationImplementation.NCCL with GPUs whose CuPy cannot load NCCL: an error saying what to install."""
+    env = _emulated_gpus_env(1, CUDIST_EMU_NCCL="0")
+    env = {k: v for k, v in env.items() if not k.startswith(("PMI_", "PMIX_", "OMPI_", "MPI_"))}
+    code = (
+        "import cudist\n"
+        "CO, CI = cudist.experimental.CommunicationOptions, cudist.experimental.CommunicationImplementation\n"
+        "try:\n"
+        "    cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL), devices=['/gpu:0'])\n"
+        "except RuntimeError as e:\n"
+        "    print(f'{type(e).__name__}: {e}')\n"
+    )
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, cwd=HERE)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.startswith("BackendUnavailableError: MultiWorkerMirroredStrategy: CommunicationImplementation.NCCL"), p.stdout
+    assert "pip install nvidia-nccl-cu" in p.stdout and "CommunicationImplementation.RING" in p.stdout, p.stdout
 
 
 @needs_mpi
