@@ -11,9 +11,11 @@ __all__ = ["CommunicationImplementation", "CommunicationOptions"]
 class CommunicationImplementation(enum.Enum):
     """How cross-worker collectives are carried out (``tf.distribute.experimental.CommunicationImplementation``).
 
-    AUTO: MPI for host buffers (GPU buffers are staged through the host). RING: the same here (TF's
-    gRPC ring becomes MPI's all-reduce). NCCL: asks for NCCL; it needs GPUs (cudist stages GPU
-    buffers through MPI until cross-worker NCCL lands, see the README).
+    AUTO: MPI for host buffers; NCCL for GPU buffers when CuPy can load it, else MPI with the GPU
+    buffers staged through the host. RING: MPI for everything (TF's gRPC ring becomes MPI's
+    all-reduce; GPU buffers staged through the host). NCCL: NCCL for the all-reduce of GPU
+    buffers; it needs GPUs and a loadable NCCL (an error says what to install otherwise). As in
+    TF, all-gather and broadcast always use the ring (MPI). See the README's multi-worker section.
     """
 
     AUTO = "AUTO"

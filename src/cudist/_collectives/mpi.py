@@ -15,6 +15,10 @@ Every cross-worker collective of a :class:`Communicator` is non-blocking (``Iall
   :class:`~cudist._replica_engine.ReplicaMismatchError` naming the difference instead of a hang or
   a garbled result.
 
+Collectives another library carries (NCCL for GPU buffers, see
+:class:`cudist._collectives.nccl.WorkerCommunicator`) go through :meth:`Communicator.collective`,
+which numbers, checks and waits for them the same way.
+
 Who arrived is learnt from small notices: a worker that has waited a little while (a fraction of a
 second) tells the others, on a separate communicator, the sequence number it is waiting in. A
 worker stuck in its own code never sends one, which is how it gets named.
