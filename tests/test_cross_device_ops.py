@@ -7,7 +7,7 @@ import pytest
 
 import cudist
 from cudist import Mirrored, PerReplica
-from cudist._collectives.packing import pack_groups as _pack_groups
+from cudist._collectives.packing import SHARED_RESULT_MIN_LEAF_BYTES, pack_groups as _pack_groups
 from cudist._cross_device_ops import KernelAllReduce
 from cudist._reduce_util import ReduceOp
 from cudist._kernels import cpu_backend as _cpu_backend
@@ -57,6 +57,14 @@ class KernelPassCounter:
 
         monkeypatch.setattr(trusted, "all_reduce", spy_one)
         monkeypatch.setattr(trusted, "batch_all_reduce", spy_batch)
+        to_one = trusted.reduce_to_one
+        self.to_one = []  # large leaves: one reduce-to-one pass each, into the shared result
+
+        def spy_to_one(bufs, op, out):
+            self.to_one.append(tuple(b.size for b in bufs))
+            return to_one(bufs, op, out)
+
+        monkeypatch.setattr(trusted, "reduce_to_one", spy_to_one)
 
 
 def ref_sum(parts):
@@ -150,6 +158,56 @@ def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
     for r in s.experimental_local_results(out):
         for j in range(100):
             np.testing.assert_array_equal(r[j], grads[0][j] + grads[1][j])
+
+
+LARGE = SHARED_RESULT_MIN_LEAF_BYTES // 4  # float32 elements of a leaf that takes the shared-result path
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_large_host_leaves_are_reduced_once_into_a_shared_read_only_result(monkeypatch, n, dtype, op):
+    spy = KernelPassCounter(monkeypatch)
+    s = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    rng = np.random.default_rng(n)
+    large = SHARED_RESULT_MIN_LEAF_BYTES // np.dtype(dtype).itemsize
+    shapes = [(large + 3,), (97, (large // 97) + 1)]  # odd sizes, two leaves of one dtype
+
+    def rand(shape):
+        if np.dtype(dtype).kind == "f":
+            return (rng.standard_normal(shape) * 3).astype(dtype)
+        return rng.integers(-1000, 1000, shape).astype(dtype)
+
+    grads = [[rand(sh) for sh in shapes] for _ in range(n)]
+    out = s.run(lambda g: cudist.get_replica_context().all_reduce(op, g), args=(PerReplica(grads),))
+    assert spy.calls == [] and spy.to_one == [tuple(g[j].size for g in grads) for j in range(2)]
+    results = s.experimental_local_results(out)
+    assert len({id(r[0]) for r in results}) == n  # one object per replica, as TF's tensors
+    for j in range(2):
+        want = ref_sum([g[j] for g in grads])
+        if op == "mean":  # TF: a float mean in the dtype; an integer sum true-divided in float64
+            want = want / want.dtype.type(n) if want.dtype.kind == "f" else np.true_divide(want, n)
+        for r in results:
+            assert not r[j].flags.writeable and np.shares_memory(r[j], results[0][j])
+            np.testing.assert_array_equal(r[j], want)
+            assert r[j].dtype == want.dtype
+            with pytest.raises(ValueError, match="read-only"):
+                r[j][0] = 0
+    writable = np.array(results[0][0])  # a writable copy
+    writable[0] = 0
+
+
+def test_shared_results_of_held_steps_are_never_overwritten():
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(5)
+    held = []
+    for step in range(12):  # more steps than the pool keeps buffers per size
+        grads = [rng.standard_normal(LARGE).astype(np.float32) for _ in range(2)]
+        out = s.run(lambda g: cudist.get_replica_context().all_reduce("sum", g), args=(PerReplica(grads),))
+        held.append((s.experimental_local_results(out), grads[0] + grads[1]))
+    for results, want in held:
+        for r in results:
+            np.testing.assert_array_equal(r, want)
 
 
 def test_one_kernel_call_per_dtype_and_pack(monkeypatch):

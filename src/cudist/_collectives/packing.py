@@ -25,6 +25,7 @@ from types import ModuleType
 from typing import Any, Protocol, TypeAlias
 
 import numpy as np
+import numpy.typing as npt
 import optree
 
 from cudist._arrays import Array, contiguous, device_context, is_device_array, like, to_host
@@ -291,15 +292,38 @@ def all_reduce(
     return outs
 
 
+#: Mean leaf size from which a pack's leaves are reduced one kernel call each into one shared
+#: result (bytes matter); below it one batched call into per-replica results (calls matter).
+SHARED_RESULT_MIN_LEAF_BYTES = 1 << 16
+
+
+def _read_only(outs: list[Any]) -> None:
+    for o in outs:
+        if type(o) is np.ndarray:  # not the NumPy scalars of a 0-d integer MEAN (immutable anyway)
+            o.flags.writeable = False
+
+
+def _shared(out: Any, n: int) -> list[Any]:
+    """``n`` read-only views of one result, one per replica (distinct objects, as TF's tensors are)."""
+    if type(out) is not np.ndarray:
+        return [out.copy() for _ in range(n)]  # a NumPy scalar: immutable, one object per replica
+    out.flags.writeable = False
+    return [out.view() for _ in range(n)]
+
+
 def _host_all_reduce(
     op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], num_packs: int
 ) -> list[list[Array]] | None:
     """The user's hot path: host leaves of kernel dtypes, reduced out of place into pooled buffers.
 
-    One leaf per replica: one fused kernel call (N inputs -> N outputs, 2·N·S bytes moved). Several
-    leaves: per dtype (and pack) one batched call whose outputs are views of one pooled buffer per
-    replica. None when some leaf is not a host array of a kernel dtype (the general path then
-    takes them all).
+    Every replica's result of a host all-reduce is the same value in the same (host) memory, so a
+    large leaf is reduced once: one reduce-to-one pass reads the N inputs and writes one output,
+    (N+1)·S bytes (an all-reduce into N outputs moves 2·N·S), and each replica gets a view of it.
+    Many small leaves instead go through one batched kernel call per dtype (and pack) into
+    per-replica views of pooled buffers, where the call count is what costs. Either way the
+    results are read-only, as TF's results are immutable tensors (``np.array(result)`` gives a
+    writable copy). None when some leaf is not a host array of a kernel dtype (the general path
+    then takes them all).
     """
     b = cpu_backend()
     kdtypes = b.dtypes
@@ -309,28 +333,27 @@ def _host_all_reduce(
         if type(a) is not np.ndarray or a.dtype not in kdtypes:
             return None
     trusted = b.trusted
-    ins: list[Any]
-    outs: list[Any]
-    if len(ref) == 1:
-        a0 = ref[0]
-        int_mean = op is ReduceOp.MEAN and a0.dtype.kind in "iu"
-        kop = ReduceOp.SUM if int_mean else op
-        ins = [p[0] if p[0].flags.c_contiguous else np.ascontiguousarray(p[0]) for p in per_replica_leaves]
-        outs = pool.take_many(n, a0.shape, a0.dtype)
-        trusted.all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
-        if int_mean:
-            return [[_int_mean(np, o, n)] for o in outs]
-        return [[o] for o in outs]
     result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
     for dt, ids, total, kop, int_mean in _pack_plan(op, ref, num_packs, by_memory=False):
+        if total * dt.itemsize >= SHARED_RESULT_MIN_LEAF_BYTES * len(ids):
+            buf = pool.take((total,), dt)
+            off = 0
+            for j in ids:
+                shape, size = ref[j].shape, ref[j].size
+                out = buf[off : off + size].reshape(shape)
+                off += size
+                trusted.reduce_to_one([np.ascontiguousarray(leaves[j]) for leaves in per_replica_leaves], kop, out)  # type: ignore[no-untyped-call]
+                for r, v in enumerate(_shared(_int_mean(np, out, n) if int_mean else out, n)):
+                    result[r][j] = v
+            continue
         ins = [[np.ascontiguousarray(leaves[j]) for j in ids] for leaves in per_replica_leaves]
         _unpack_all(ref, ids, pool.take_many(n, (total,), dt), result)  # views of pooled buffers
         outs = [[row[j] for j in ids] for row in result]
         trusted.batch_all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
-        if int_mean:
-            for row, out in zip(result, outs):
-                for j, o in zip(ids, out):
-                    row[j] = _int_mean(np, o, n)
+        for row, out_row in zip(result, outs):
+            for j, o in zip(ids, out_row):
+                row[j] = _int_mean(np, o, n) if int_mean else o
+            _read_only([row[j] for j in ids])
     return result
 
 
