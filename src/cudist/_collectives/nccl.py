@@ -130,7 +130,8 @@ class WorkerCommunicator:
     (``CUDIST_CHECK_COLLECTIVES``) and waited for by ``comm`` like its MPI collectives
     (:meth:`cudist._collectives.mpi.Communicator.collective`): queued on the GPU's current CuPy
     stream, then an event recorded behind it is polled with ``timeout_seconds``, the stall
-    warning, and ``ncclCommGetAsyncError``; a timeout aborts the communicator
+    warning, and ``ncclCommGetAsyncError`` (so an all-reduce returns once NCCL has finished, as
+    the MPI path does: the price of a deadline is no overlap of later host work with the transfer); a timeout aborts the communicator
     (``ncclCommAbort``, which ends a kernel still waiting for a peer) and raises
     ``DeadlineExceededError`` naming the missing workers. What NCCL itself cannot promise: a
     collective whose peer died or never comes spins on the GPU until aborted (NCCL reports a dead
@@ -168,7 +169,8 @@ class WorkerCommunicator:
         return f"worker {self._comm.rank} of {self._comm.size}{gpu}"
 
     def _error(self, what: str, e: BaseException) -> errors.InternalError:
-        return errors.InternalError(f"cudist: {self._where()}: NCCL {what} failed: {type(e).__name__}: {e}")
+        err: errors.InternalError = errors.InternalError(f"cudist: {self._where()}: NCCL {what} failed: {type(e).__name__}: {e}")
+        return err
 
     def _guard(self, what: str, fn: Callable[[], Any]) -> Any:
         """``fn()``, with an NCCL error raised as an InternalError naming this worker (and the

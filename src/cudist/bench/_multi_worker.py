@@ -294,6 +294,8 @@ def main(argv, common: argparse.ArgumentParser) -> int:
     bad = [d for d in args.datatype if d not in _DTYPES]
     if bad:
         parser.error(f"-d/--datatype {','.join(bad)}: not available with --workers (MPI reduces {', '.join(_DTYPES)})")
+    if args.backend != "all":
+        os.environ["CUDIST_BACKEND"] = args.backend  # also when started by mpiexec directly
     from cudist._collectives.mpi import launched_by_mpi
 
     if not launched_by_mpi():
