@@ -575,8 +575,8 @@ def nccl(R):
 
 
 def nccl_failing(mode):
-    """A worker that raises while the other waits in an NCCL all-reduce, an NCCL error in worker 1
-    (the fake's CUDIST_EMU_NCCL_FAIL), or a worker that hangs after the NCCL communicator exists."""
+    """A worker that raises or is killed while the other waits in an NCCL all-reduce, an NCCL error in
+    worker 1 (the fake's CUDIST_EMU_NCCL_FAIL), or a worker that hangs after the NCCL communicator exists."""
     import cupy as cp
 
     rank, _ = _rank_size()
@@ -596,6 +596,11 @@ def nccl_failing(mode):
             raise ZeroDivisionError("worker 1 fails on purpose")
         if mode == "nccl_hang":
             time.sleep(60)
+        if mode == "nccl_kill":
+            import signal
+
+            time.sleep(0.5)  # worker 0 is waiting in the NCCL all-reduce by now
+            os.kill(os.getpid(), signal.SIGKILL)
     step()
     print(f"UNREACHABLE {rank}", flush=True)
 

@@ -252,10 +252,10 @@ def test_nccl_across_workers_under_the_cupy_emulation(gpus_per_worker, no_shm_le
 
 @needs_mpi
 @pytest.mark.multi_worker
-@pytest.mark.parametrize("mode", ["nccl_raise", "nccl_fail", "nccl_hang"])
+@pytest.mark.parametrize("mode", ["nccl_raise", "nccl_kill", "nccl_fail", "nccl_hang"])
 def test_nccl_failures_end_the_job(mode, no_shm_left):
     """No hang inside NCCL: worker 1 raising while worker 0 waits in an NCCL all-reduce ends the job
-    (abort hook); an NCCL error in worker 1 (asynchronous, the fake's CUDIST_EMU_NCCL_FAIL) is an
+    (abort hook), so does worker 1 being killed then (the launcher); an NCCL error in worker 1 (asynchronous, the fake's CUDIST_EMU_NCCL_FAIL) is an
     InternalError naming it; worker 1 hanging makes worker 0's NCCL wait time out (timeout_seconds=2)
     naming worker 1, after the stall warning (1 s here). Each ends within timeout + 5 s."""
     env = _emulated_gpus_env(1, CUDIST_STALL_WARNING_SECONDS="1")
@@ -270,6 +270,8 @@ def test_nccl_failures_end_the_job(mode, no_shm_left):
     assert end - _ready_time(p, started) < (2 if mode == "nccl_hang" else 0) + 5
     if mode == "nccl_raise":
         assert "worker 1 raised ZeroDivisionError: worker 1 fails on purpose" in p.stderr, p.stderr[-2000:]
+    elif mode == "nccl_kill":
+        assert re.search(r"worker 1 \(pid \d+\) ended abnormally \(killed by SIGKILL\)", p.stderr), p.stderr[-2000:]
     elif mode == "nccl_fail":
         assert ("InternalError: cudist: worker 1 of 2 (GPU 0): NCCL all_reduce SUM failed: NcclError: "
                 "NCCL_ERROR_SYSTEM_ERROR") in p.stderr, p.stderr[-2000:]
@@ -328,10 +330,13 @@ def test_fake_nccl_refuses_ranks_with_different_unique_ids(no_shm_left):
     code = (
         "from mpi4py import MPI\n"
         "from cupy.cuda import nccl\n"
+        "rank, said = MPI.COMM_WORLD.Get_rank(), 'accepted'\n"
         "try:\n"
-        "    nccl.NcclCommunicator(2, nccl.get_unique_id(), MPI.COMM_WORLD.Get_rank())\n"
+        "    nccl.NcclCommunicator(2, nccl.get_unique_id(), rank)\n"
         "except nccl.NcclError as e:\n"
-        "    print('REFUSED', MPI.COMM_WORLD.Get_rank(), e, flush=True)\n"
+        "    said = f'REFUSED {rank} {e}'\n"
+        "said = MPI.COMM_WORLD.gather(said, root=0)\n"  # one process prints: no interleaved lines
+        "print('\\n'.join(said) if rank == 0 else '', flush=True)\n"
     )
     from cudist.launch import find_mpiexec
 
