@@ -203,3 +203,108 @@ def test_checkpoint_restore_keeps_held_snapshots(tmp_path):
     ckpt.restore(path)
     np.testing.assert_array_equal(held, np.zeros_like(a))
     np.testing.assert_array_equal(v.numpy(), a)
+
+
+# ------------------------------------------------------------------ host mirrored copies share storage
+def _storages(v):
+    return len({id(c._array) for c in v.values})
+
+
+def test_host_mirrored_copies_share_one_storage_until_one_is_written_alone():
+    strategy = make_strategy("mirrored3")
+    a = _rand()
+    with strategy.scope():
+        v = cudist.Variable(a, aggregation=VA.NONE)
+    assert _storages(v) == 1
+    v.assign_add(np.ones_like(a))  # cross-replica: every copy, written once
+    assert _storages(v) == 1
+    for c in v.values:
+        np.testing.assert_array_equal(c.numpy(), a + 1)
+
+    def local_write():
+        rid = cudist.get_replica_context().replica_id_in_sync_group
+        if rid == 1:
+            v.assign_add(np.full_like(a, 10))  # aggregation NONE: replica 1's copy alone
+
+    strategy.run(local_write)
+    got = [c.numpy() for c in v.values]
+    np.testing.assert_array_equal(got[0], a + 1)
+    np.testing.assert_array_equal(got[1], a + 11)
+    np.testing.assert_array_equal(got[2], a + 1)
+    assert _storages(v) == 2  # replicas 0 and 2 still share
+    v.assign(a)  # every copy again, each storage written
+    for c in v.values:
+        np.testing.assert_array_equal(c.numpy(), a)
+
+
+def test_cross_replica_per_replica_assign_splits_the_copies():
+    strategy = make_strategy("mirrored2")
+    a = _rand()
+    with strategy.scope():
+        v = cudist.Variable(a)
+    v.assign(cudist.PerReplica([a * 2, a * 3]))  # as TF: each component its own replica's value
+    np.testing.assert_array_equal(v.values[0].numpy(), a * 2)
+    np.testing.assert_array_equal(v.values[1].numpy(), a * 3)
+
+
+def test_all_write_with_a_snapshot_held_on_one_copy_moves_every_sharing_copy():
+    strategy = make_strategy("mirrored2")
+    a = _rand()
+    with strategy.scope():
+        v = cudist.Variable(a)
+    held = strategy.run(lambda: v.read_value())
+    snaps = strategy.experimental_local_results(held)
+    v.assign_add(np.ones_like(a))
+    for s in snaps:
+        np.testing.assert_array_equal(s, a)
+    assert _storages(v) == 1
+    for c in v.values:
+        np.testing.assert_array_equal(c.numpy(), a + 1)
+
+
+@pytest.mark.parametrize("opt_name", ["momentum", "adam"])
+def test_optimizer_after_the_copies_diverged(opt_name):
+    """Slots still shared while the variable's copies went their own ways: every copy gets its own
+    storage, and the fused pass does what it always does (reads copy 0 of the variable and slots,
+    writes every copy; reference: the same two steps on a plain variable)."""
+    strategy = make_strategy("mirrored2")
+    a = _rand()
+    with strategy.scope():
+        v = cudist.Variable(a, aggregation=VA.NONE)
+        opt = optimizers.SGD(0.1, momentum=0.9) if opt_name == "momentum" else optimizers.Adam(0.01)
+    g = [np.full_like(a, 0.5), np.full_like(a, 1.5)]
+    strategy.run(lambda: opt.apply_gradients([(g[cudist.get_replica_context().replica_id_in_sync_group], v)]))
+    shared_once = [c.numpy() for c in v.values]
+    np.testing.assert_array_equal(shared_once[0], shared_once[1])
+
+    def diverge():
+        if cudist.get_replica_context().replica_id_in_sync_group == 0:
+            v.assign_add(np.ones_like(a))
+
+    strategy.run(diverge)
+    assert _storages(v) == 2
+    strategy.run(lambda: opt.apply_gradients([(g[cudist.get_replica_context().replica_id_in_sync_group], v)]))
+    r = cudist.Variable(a)
+    ropt = optimizers.SGD(0.1, momentum=0.9) if opt_name == "momentum" else optimizers.Adam(0.01)
+    ropt.apply_gradients([(g[0] + g[1], r)])
+    r.assign(shared_once[0] + 1)
+    ropt.apply_gradients([(g[0] + g[1], r)])
+    for c in v.values:
+        np.testing.assert_array_equal(c.numpy(), r.numpy())
+    for slot in opt.variables:
+        if isinstance(slot, cudist.MirroredVariable) and slot.shape == v.shape:
+            assert _storages(slot) == 2
+
+
+def test_restore_keeps_the_copies_sharing(tmp_path):
+    strategy = make_strategy("mirrored3")
+    a = _rand()
+    with strategy.scope():
+        v = cudist.Variable(a)
+    ckpt = cudist.train.Checkpoint(v=v)
+    path = ckpt.save(str(tmp_path / "c"))
+    v.assign(np.zeros_like(a))
+    ckpt.restore(path)
+    assert _storages(v) == 1
+    for c in v.values:
+        np.testing.assert_array_equal(c.numpy(), a)

@@ -254,8 +254,11 @@ def test_creation_in_scope(strategy):
         assert [c.name for c in v.values] == ["v:0"] + [f"v/replica_{i}:0" for i in range(1, n)]
         assert [c.device for c in v.values] == list(strategy.extended.worker_devices)
         assert v.device == strategy.extended.worker_devices[0]
-        assert len({id(c._array) for c in v.values}) == n  # one buffer per device
-        assert all(not np.shares_memory(a._array, b._array) for a in v.values for b in v.values if a is not b)
+        if any("GPU" in d for d in strategy.extended.worker_devices):
+            assert len({id(c._array) for c in v.values}) == n  # one buffer per device
+            assert all(not np.shares_memory(a._array, b._array) for a in v.values for b in v.values if a is not b)
+        else:  # host copies share one array until one is written alone (test_variable_snapshots.py)
+            assert len({id(c._array) for c in v.values}) == 1
         for c in v.values:
             np.testing.assert_array_equal(c.numpy(), x)
         assert repr(v).startswith("MirroredVariable:{\n  0: <cudist.Variable 'v:0' shape=(3, 2) dtype=float32")

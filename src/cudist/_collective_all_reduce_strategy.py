@@ -184,8 +184,11 @@ class CollectiveAllReduceExtended(MirroredExtended):
         first = comps[0]._array
         host = np.array(to_host(first), copy=True, order="C")
         comm.bcast(host, root=0, kind=f"initial value of {var.name}")
-        for c in comps:
-            c._write("assign", like(host, c._array))
+        if hasattr(var, "_all_write"):  # a MirroredVariable: its host copies may share one storage
+            var._all_write("assign", comps[0]._coerce(host, "assign"))
+        else:
+            for c in comps:
+                c._write("assign", like(host, c._array))
         var._cudist_broadcast = True
         return var
 

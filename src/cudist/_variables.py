@@ -59,7 +59,7 @@ from cudist._arrays import (
     to_host,
 )
 from cudist._kernels import backend_for
-from cudist._devices import canonicalize
+from cudist._devices import any_gpu, canonicalize
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
 from cudist.errors import InvalidArgumentError
@@ -502,12 +502,29 @@ class Variable(metaclass=_VariableMeta):
         # the same object returned by every replica unwrapped, distinct ones become PerReplica.
         return s.view()
 
-    def _detach_shared(self) -> Array:
-        """The storage, ready to be written in place: moved to fresh memory first if a snapshot of it
-        is still referenced outside this variable (copy-on-write). Every in-place writer calls this."""
+    def _snapshot_held(self) -> bool:
+        """Whether a snapshot of this storage (or an array derived from one) is referenced outside."""
         snap = self._snap
         # References: the attribute, ``snap`` and getrefcount's argument; more are snapshot holders.
-        if snap is not None and sys.getrefcount(snap) > 3:
+        return snap is not None and sys.getrefcount(snap) > 3
+
+    def _shares_storage(self) -> bool:
+        """Whether another component of this variable's distributed variable uses the same storage."""
+        ref = self.__dict__.get("_distributed_container")
+        container = ref() if ref is not None else None
+        if container is None:
+            return False
+        a = self._array
+        return any(c is not self and c._array is a for c in container._values)
+
+    def _split_storage(self) -> None:
+        """Gives every component storage of its own (a plain variable has one already)."""
+
+    def _detach_shared(self) -> Array:
+        """The storage, ready for a write of this component alone: moved to fresh memory first if a
+        snapshot of it is still referenced (copy-on-write) or another component shares it (host
+        copies of a mirrored variable). Every single-component in-place writer calls this."""
+        if self._snapshot_held() or self._shares_storage():
             self._array = self._array.copy()
             self._snap = None
         return self._array
@@ -964,6 +981,11 @@ class DistributedVariable(DistributedValues, Variable):
     def _read_snapshot(self) -> Array:
         return self._local()._cow_snapshot()
 
+    def _split_storage(self) -> None:
+        """Gives every component storage of its own (a no-op unless some share it)."""
+        for c in self._values:
+            c._detach_shared()
+
     def _read_live(self) -> Array:
         return self._local()._array
 
@@ -1007,6 +1029,29 @@ class MirroredVariable(DistributedVariable, Mirrored):
     def _host(self) -> bool:
         """Whether every component is a NumPy array (CPU devices)."""
         return all(type(c._array) is np.ndarray for c in self._values)
+
+    def _buffers(self) -> tuple[Array, ...]:
+        """The distinct storage arrays to write in place, in component order.
+
+        Components on CPU devices start out sharing one host array (they would hold the same bytes
+        in the same memory), so an update of every copy writes it once; a write of one component
+        alone (aggregation NONE in replica context) gives that component its own copy first
+        (:meth:`Variable._detach_shared`). A storage with a snapshot still held moves to fresh
+        memory for every component sharing it.
+        """
+        out: list[Array] = []
+        for i, c in enumerate(self._values):
+            a = c._array
+            if any(a is o for o in out):
+                continue
+            group = [c] + [o for o in self._values[i + 1 :] if o._array is a]
+            if any(o._snapshot_held() for o in group):
+                a = a.copy()
+                for o in group:
+                    o._array = a
+                    o._snap = None
+            out.append(a)
+        return tuple(out)
 
     def _snapshots(self) -> tuple[Array, ...]:
         """A snapshot of the (identical) value per component, as TF's update results are.
@@ -1397,9 +1442,13 @@ def create_mirrored_variable(
     if synchronization is VariableSynchronization.AUTO:
         synchronization = VariableSynchronization.ON_WRITE
     base = name if name is not None else "Variable"
+    cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ else MirroredVariable
+    # Mirrored copies on CPU devices share one host array until one of them is written alone (see
+    # MirroredVariable._buffers); sync-on-read components differ by design, each has its own.
+    shared = place(arr, devices[0], copy=True) if cls is MirroredVariable and not any_gpu(devices) else None
     components = tuple(
         Variable._build(
-            place(arr, dev, copy=True),
+            shared if shared is not None else place(arr, dev, copy=True),
             name=base if i == 0 else f"{base}/replica_{i}",
             device=dev,
             synchronization=synchronization,
@@ -1410,7 +1459,6 @@ def create_mirrored_variable(
         )
         for i, dev in enumerate(devices)
     )
-    cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ else MirroredVariable
     return cls._build_distributed(
         strategy, components, trainable=trainable, synchronization=synchronization, aggregation=aggregation
     )

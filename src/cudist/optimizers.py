@@ -835,6 +835,13 @@ class Optimizer:
         slots = self._ensure_slots(var)
         bufs = var._buffers()
         slot_bufs = tuple(s._buffers() for s in slots.values())
+        if any(len(sb) != len(bufs) for sb in slot_bufs):
+            # Host copies share storage until one is written alone; once the variable's (or a
+            # slot's) copies have gone their own ways, every one of them gets its own storage.
+            for v in (var, *slots.values()):
+                v._split_storage()
+            bufs = var._buffers()
+            slot_bufs = tuple(s._buffers() for s in slots.values())
         key = bufs + sum(slot_bufs, ())
         plan = self._plans.get(var)
         if plan is not None and _same_arrays(plan[0], key):

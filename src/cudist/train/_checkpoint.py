@@ -63,6 +63,7 @@ from cudist import _distribute_lib
 from cudist._input_lib import DistributedIterator
 from cudist._values import DistributedValues
 from cudist._variables import (
+    MirroredVariable,
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
@@ -294,9 +295,11 @@ def _restore_variable(var: Variable, record: dict[str, Any], read: Callable[[str
         else:  # MEAN, ONLY_FIRST_REPLICA, NONE: every component the value (as TF)
             _assign_components(var, [value] * local)
         return
-    if isinstance(var, DistributedValues):
+    if isinstance(var, DistributedValues) and not isinstance(var, MirroredVariable):
         _assign_components(var, [value] * len(var.values))
         return
+    # A mirrored variable's cross-replica assign writes every copy (host copies share one storage:
+    # written once, no copy per component).
     var.assign(value, read_value=False)
 
 
