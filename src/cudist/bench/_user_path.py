@@ -20,10 +20,13 @@ comes from the same rounds. Groups:
   one) right before and right after the point's rounds; the faster of the two counts (as in
   ``bench/targets.py``: the ceiling comes from the same minutes as the point).
 
-Bytes moved (``%copy``, ``GB/s``): all-reduce 2*N*S (N inputs read, N outputs written). The update
-counts what one fused all-reduce + update pass must move: momentum (3N+2)*S (N gradients, variable
-copy 0 and velocity copy 0 read; N variable and N velocity copies written); Adam (4N+3)*S (N
-gradients, variable, m and v copy 0 read; 3N copies written).
+Bytes moved (``%copy``, ``GB/s``): all-reduce 2*N*S (N inputs read, N outputs written: what an
+all-reduce into per-replica results moves; the user's path on CPU replicas reads the N inputs and
+writes one shared result, (N+1)*S, so its %copy may pass 100%). The update counts what one fused
+all-reduce + update pass must move when the N host copies of a variable share one storage (as
+MirroredVariable's CPU copies do): momentum (N+4)*S (N gradients read; variable and velocity read
+and written); Adam (N+6)*S (N gradients read; variable, m and v read and written). The kernel rows
+write N copies and so move more than that.
 
 ``flt/call``: minor page faults per call (``/proc/self/stat`` field 10 read around each block), the
 count of fresh large buffers a call touches. Only public API is used: ``cudist.MirroredStrategy``,
@@ -61,13 +64,13 @@ def moved_bytes(group: str, size: int, n: int) -> int:
     if group == "all-reduce":
         return 2 * n * size
     if group == "momentum":
-        return (3 * n + 2) * size
+        return (n + 4) * size
     if group == "adam":
-        return (4 * n + 3) * size
+        return (n + 6) * size
     raise ValueError(group)
 
 
-_MOVED_TEXT = {"all-reduce": "2N*S", "momentum": "(3N+2)*S", "adam": "(4N+3)*S"}
+_MOVED_TEXT = {"all-reduce": "2N*S", "momentum": "(N+4)*S", "adam": "(N+6)*S"}
 
 
 # ------------------------------------------------------------------------------------------ contestants
@@ -536,7 +539,7 @@ def run_user_path(ctx, *, sizes=None, groups=None) -> list:
                   f"every row in turn (about {a.round_ms:g} ms each); time = median over all calls; check "
                   f"{'on (fresh random data vs the NumPy reference)' if a.check else 'off'}")
         ctx.print("# bytes moved (GB/s, %copy): all-reduce 2N*S; apply_gradients what one fused all-reduce + update "
-                  "must move: momentum (3N+2)*S, adam (4N+3)*S; %copy divides by the point's copy row; "
+                  "must move (host copies sharing one storage): momentum (N+4)*S, adam (N+6)*S; %copy divides by the point's copy row; "
                   "flt/call = minor page faults per call (fresh large buffers touched)")
         copy_method = _copy_method(ctx, a.copy_size)
         ctx.print(f"# copy row (the ceiling): {copy_method[0]} of a {format_size(copy_method[2] // 2)} buffer, the "
