@@ -495,7 +495,7 @@ class Variable(metaclass=_VariableMeta):
             return snapshot(a)
         s = self._snap
         if s is None or s.base.obj is not a:  # type: ignore[union-attr]  # the memoryview's exporter
-            s = np.asarray(memoryview(a))
+            s = np.asarray(a.data)  # a.data: a memoryview of the storage
             s.flags.writeable = False
             self._snap = s
         # A new object per read (its base is ``s``), as every TF read is a new tensor: ``run`` keeps

@@ -342,12 +342,12 @@ def _host_all_reduce(
             out = pool.take(a0.shape, a0.dtype)
             trusted.reduce_to_one(ins, kop, out)  # type: ignore[no-untyped-call]
             return [[v] for v in _shared(_int_mean(np, out, n) if int_mean else out, n)]
-        outs = pool.take_many(n, a0.shape, a0.dtype)
-        trusted.all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
+        res: list[Any] = pool.take_many(n, a0.shape, a0.dtype)
+        trusted.all_reduce(ins, res, kop)  # type: ignore[no-untyped-call]
         if int_mean:
-            outs = [_int_mean(np, o, n) for o in outs]
-        _read_only(outs)
-        return [[o] for o in outs]
+            res = [_int_mean(np, o, n) for o in res]
+        _read_only(res)
+        return [[o] for o in res]
     result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
     for dt, ids, total, kop, int_mean in _pack_plan(op, ref, num_packs, by_memory=False):
         if total * dt.itemsize >= SHARED_RESULT_MIN_LEAF_BYTES * len(ids):
