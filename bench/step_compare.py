@@ -17,7 +17,10 @@ Contestants (each a subprocess that stays up and takes its turn in every round):
   (``--tf-python``, default ``$CUDIST_BENCH_TF_PYTHON``);
 * ``torch DDP`` (N processes, gloo on 127.0.0.1) and plain single-process ``torch``
   (``--torch-python``, default ``$CUDIST_BENCH_TORCH_PYTHON``). DDP ranks use cores/N threads each
-  (``--torch-threads`` to override), the single process all cores.
+  (``--torch-threads`` to override), the single process all cores;
+* ``cudist MultiWorker`` (``--workers``; N processes of ``cudist.MultiWorkerMirroredStrategy``
+  started by ``python -m cudist.launch -n N``, one CPU replica and cores/N threads each, the
+  gradients summed over MPI): the same step as torch DDP's process layout.
 
 Round k: every contestant in turn runs ``--warmup`` untimed steps then ``--steps`` timed ones
 (alternating the order from round to round). Reported: the median step time of each contestant
@@ -29,7 +32,7 @@ contestant's first three steps report their global loss, compared with a float64
 Usage (our venv's python)::
 
     python bench/step_compare.py [--replicas 1,2,4] [--rounds 5] [--steps 10] [--warmup 2]
-        [--tf-python PATH] [--torch-python PATH] [--no-peers] [--json FILE]
+        [--tf-python PATH] [--torch-python PATH] [--no-peers] [--workers] [--json FILE]
 """
 
 from __future__ import annotations
@@ -197,6 +200,55 @@ class CudistWorker(_Worker):
         self.step = step
 
 
+class CudistMultiWorker(_Worker):
+    """One worker of ``cudist.MultiWorkerMirroredStrategy`` over MPI (N processes started by
+    ``python -m cudist.launch -n N``, one CPU replica each; rank 0 talks to the driver)."""
+
+    framework = "cudist"
+
+    def __init__(self, args):
+        super().__init__(args)
+        import cudist
+        import cudist.optimizers as optimizers
+        from mpi4py import MPI
+
+        self.version = cudist.__version__
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+        strategy = cudist.MultiWorkerMirroredStrategy()
+        with strategy.scope():
+            vs = [cudist.Variable(p.copy()) for p in self.params]
+            opt = optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
+        part = shards(self.world, self.x, self.y)[self.rank]
+        data = strategy.experimental_distribute_values_from_function(lambda c: part)
+        scale = 1.0 / len(self.x)
+
+        def replica_step(xy):
+            x, y = xy
+            grads, loss = mlp_grads([v.read_value() for v in vs], x, y, scale)
+            opt.apply_gradients(zip(grads, vs))
+            return loss
+
+        def step(want_loss):
+            out = strategy.run(replica_step, args=(data,))
+            if want_loss:
+                return float(strategy.reduce("sum", out, axis=None))
+            return None
+
+        self.step = step
+
+    def threads(self):
+        return {"ranks": self.world, "intra": os.environ.get("OPENBLAS_NUM_THREADS", "?")}
+
+    def serve(self, read, write):
+        comm = self.comm
+
+        def shared_read():
+            return comm.bcast(read() if self.rank == 0 else None, root=0)
+
+        return super().serve(shared_read, write if self.rank == 0 else (lambda msg: None))
+
+
 class TFWorker(_Worker):
     framework = "tensorflow"
 
@@ -350,6 +402,8 @@ def worker_main(args):
             w = CudistWorker(args)
         elif kind == "cudist-one-device":
             w = CudistWorker(args, one_device=True)
+        elif kind == "cudist-multi-worker":
+            w = CudistMultiWorker(args)
         elif kind == "tf-mirrored":
             w = TFWorker(args)
         elif kind in ("torch-ddp", "torch"):
@@ -379,10 +433,12 @@ class Contestant:
                    MASTER_ADDR="127.0.0.1")
         threads = args.torch_threads if args.torch_threads else (
             max(1, (os.cpu_count() or 1) // world) if kind == "torch-ddp" else 0)
-        for rank in range(world):
+        for rank in range(1 if kind == "cudist-multi-worker" else world):
             err = tempfile.TemporaryFile(mode="w+")
             cmd = [python, here, "--worker", kind, "--replicas", str(replicas), "--data", args.data_file,
                    "--rank", str(rank), "--world", str(world), "--port", str(port), "--torch-threads", str(threads)]
+            if kind == "cudist-multi-worker":  # mpiexec passes stdin to rank 0; cores / N threads each
+                cmd = [python, "-m", "cudist.launch", "-n", str(world), *cmd[1:]]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                  stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=err, text=True,
                                  env=env, bufsize=1)
@@ -492,6 +548,9 @@ def main(argv=None) -> int:
     p.add_argument("--gap-ms", type=float, default=300.0,
                    help="pause before each contestant's turn, so the threads of the one before stop spinning (default 300)")
     p.add_argument("--no-peers", action="store_true", help="cudist only (MirroredStrategy and OneDeviceStrategy)")
+    p.add_argument("--workers", action="store_true",
+                   help="also cudist.MultiWorkerMirroredStrategy with N processes of one CPU replica each "
+                        "(python -m cudist.launch; needs cudist[mpi]), next to torch DDP's N processes")
     p.add_argument("--json", default=None, help="write every result as JSON to this file")
     # worker mode (internal)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -543,6 +602,9 @@ def main(argv=None) -> int:
                                                    "cudist-one-device", a, 1)
             if have_tf:
                 group.append(Contestant(f"tf MirroredStrategy ({n})", "tf", a.tf_python, "tf-mirrored", a, n))
+            if a.workers and n > 1:
+                group.append(Contestant(f"cudist MultiWorker ({n} proc)", "cudist-mw", sys.executable,
+                                        "cudist-multi-worker", a, 1, world=n))
             if have_torch:
                 group.append(Contestant(f"torch DDP gloo ({n} proc)", "torch-ddp", a.torch_python, "torch-ddp", a, n,
                                         world=n))

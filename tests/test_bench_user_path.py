@@ -244,6 +244,23 @@ def test_step_compare_runs(tmp_path):
 
 
 @pytest.mark.heavy
+def test_step_compare_runs_multi_worker(tmp_path):
+    """--workers: 2 MPI processes of MultiWorkerMirroredStrategy take their turns; the losses check
+    against the float64 reference (the same trajectory as MirroredStrategy's)."""
+    pytest.importorskip("mpi4py")
+    out = tmp_path / "sc.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "step_compare.py"), "--rounds", "1", "--steps", "2", "--warmup", "1",
+         "--replicas", "2", "--no-peers", "--workers", "--gap-ms", "0", "--json", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["groups"][0]["rows"]
+    assert [r["key"] for r in rows] == ["cudist", "cudist-mw", "cudist-1dev"]
+    assert all(r["wrong"] == 0 and r["steps"] == 2 and r["median_ms"] > 0 for r in rows)
+
+
+@pytest.mark.heavy
 def test_step_compare_reports_a_missing_peer(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "step_compare.py"), "--rounds", "1", "--steps", "1", "--warmup", "0",
