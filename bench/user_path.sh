@@ -6,7 +6,10 @@
 #                           strategy.run in tf.function and the copy ceiling; 256K, 4M, 64M x 4 replicas
 #   step.txt/.json          cudist-bench step: the kernel-level step next to the user's path (4 replicas)
 #   step_compare.txt/.json  bench/step_compare.py: the MLP 784-512-512-10 step, 1/2/4 replicas, cudist
-#                           against TF MirroredStrategy and torch DDP (gloo, 127.0.0.1) / plain torch
+#                           against TF MirroredStrategy and torch DDP (gloo, 127.0.0.1) / plain torch, and
+#                           (with mpi4py) cudist MultiWorkerMirroredStrategy in N processes
+#   workers.txt/.json       cudist-bench all-reduce --workers 2: run+all_reduce across 2 MPI workers
+#                           against raw mpi4py Allreduce in the same job (with mpi4py)
 #   env.txt                 the commit, the machine's load, cudist --info
 #
 # Usage: bench/user_path.sh OUTDIR [--tf-python PATH] [--torch-python PATH] [--quick]
@@ -57,6 +60,8 @@ fi
 tf_args=(); [ -n "$tf_python" ] && tf_args=(--compare tf --tf-python "$tf_python")
 sc_peers=(); [ -n "$tf_python" ] && sc_peers+=(--tf-python "$tf_python")
 [ -n "$torch_python" ] && sc_peers+=(--torch-python "$torch_python")
+have_mpi=0; "$py" -c "import mpi4py" >/dev/null 2>&1 && have_mpi=1
+[ $have_mpi = 1 ] && sc_peers+=(--workers)
 
 # Runs a command, its output (command line first) into $out/$1.txt.
 record() {
@@ -79,4 +84,8 @@ record user_path "$py" -m cudist.bench user-path -b 256K -e 64M -f 16 --replicas
 record step "$py" -m cudist.bench step --replicas 4 "${step_args[@]}" --no-progress --json "$out/step.json"
 record step_compare "$py" "$here/step_compare.py" --replicas 1,2,4 "${sc_args[@]}" "${sc_peers[@]}" \
   --json "$out/step_compare.json"
+if [ $have_mpi = 1 ]; then
+  if [ $quick = 1 ]; then w_args=(-b 4K -e 64K -f 16 -n 5); else w_args=(-b 4K -e 64M -f 4 -n 40); fi
+  record workers "$py" -m cudist.bench all-reduce --workers 2 "${w_args[@]}" --no-progress --json "$out/workers.json"
+fi
 echo "outputs in $out: $(cd "$out" && ls | tr '\n' ' ')" >&2
