@@ -1039,8 +1039,15 @@ class MirroredVariable(DistributedVariable, Mirrored):
         (:meth:`Variable._detach_shared`). A storage with a snapshot still held moves to fresh
         memory for every component sharing it.
         """
+        values = self._values
+        a0 = values[0]._array
+        for c in values:  # the common case first: one shared storage, no snapshot held
+            if c._array is not a0 or c._snapshot_held():
+                break
+        else:
+            return (a0,)
         out: list[Array] = []
-        for i, c in enumerate(self._values):
+        for i, c in enumerate(values):
             a = c._array
             if any(a is o for o in out):
                 continue
