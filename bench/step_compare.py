@@ -165,7 +165,6 @@ class CudistWorker(_Worker):
     def __init__(self, args, one_device=False):
         super().__init__(args)
         import cudist
-        import cudist.optimizers as optimizers
         from cudist import config
 
         self.version = cudist.__version__
@@ -178,49 +177,19 @@ class CudistWorker(_Worker):
                 cpu = config.list_physical_devices("CPU")[0]
                 config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
             strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-        with strategy.scope():
-            vs = [cudist.Variable(p.copy()) for p in self.params]
-            opt = optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
         parts = shards(n, self.x, self.y)
-        data = strategy.experimental_distribute_values_from_function(lambda c: parts[c.replica_id_in_sync_group])
-        scale = 1.0 / len(self.x)
+        self.step = self._build_step(strategy, lambda c: parts[c.replica_id_in_sync_group])
 
-        def replica_step(xy):
-            x, y = xy
-            grads, loss = mlp_grads([v.read_value() for v in vs], x, y, scale)
-            opt.apply_gradients(zip(grads, vs))
-            return loss
-
-        def step(want_loss):
-            out = strategy.run(replica_step, args=(data,))
-            if want_loss:
-                return float(sum(strategy.experimental_local_results(out)))
-            return None
-
-        self.step = step
-
-
-class CudistMultiWorker(_Worker):
-    """One worker of ``cudist.MultiWorkerMirroredStrategy`` over MPI (N processes started by
-    ``python -m cudist.launch -n N``, one CPU replica each; rank 0 talks to the driver)."""
-
-    framework = "cudist"
-
-    def __init__(self, args):
-        super().__init__(args)
+    def _build_step(self, strategy, part_fn):
+        """The custom loop: each replica reads the variables (zero-copy snapshots), computes its
+        gradients with NumPy and applies them; the step's loss is summed over every replica."""
         import cudist
         import cudist.optimizers as optimizers
-        from mpi4py import MPI
 
-        self.version = cudist.__version__
-        self.comm = MPI.COMM_WORLD
-        self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
-        strategy = cudist.MultiWorkerMirroredStrategy()
         with strategy.scope():
             vs = [cudist.Variable(p.copy()) for p in self.params]
             opt = optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
-        part = shards(self.world, self.x, self.y)[self.rank]
-        data = strategy.experimental_distribute_values_from_function(lambda c: part)
+        data = strategy.experimental_distribute_values_from_function(part_fn)
         scale = 1.0 / len(self.x)
 
         def replica_step(xy):
@@ -235,7 +204,23 @@ class CudistMultiWorker(_Worker):
                 return float(strategy.reduce("sum", out, axis=None))
             return None
 
-        self.step = step
+        return step
+
+
+class CudistMultiWorker(CudistWorker):
+    """One worker of ``cudist.MultiWorkerMirroredStrategy`` over MPI (N processes started by
+    ``python -m cudist.launch -n N``, one CPU replica each; rank 0 talks to the driver)."""
+
+    def __init__(self, args):
+        _Worker.__init__(self, args)
+        import cudist
+        from mpi4py import MPI
+
+        self.version = cudist.__version__
+        self.comm = MPI.COMM_WORLD
+        self.rank, self.world = self.comm.Get_rank(), self.comm.Get_size()
+        part = shards(self.world, self.x, self.y)[self.rank]
+        self.step = self._build_step(cudist.MultiWorkerMirroredStrategy(), lambda c: part)
 
     def threads(self):
         return {"ranks": self.world, "intra": os.environ.get("OPENBLAS_NUM_THREADS", "?")}
