@@ -179,3 +179,18 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(params=["greenlets", "threads"])
+def replica_execution(request):
+    """The test runs twice: ``strategy.run``'s CPU replicas on greenlets, then on replica threads.
+
+    Modules that exercise the engine use it for every test with
+    ``pytestmark = pytest.mark.usefixtures("replica_execution")``.
+    """
+    from cudist import config
+
+    before = config.get_replica_execution()
+    config.set_replica_execution(request.param)
+    yield request.param
+    config.set_replica_execution(before)

@@ -42,6 +42,7 @@ def _check_healthy(s):
     assert [float(v) for v in values] == [n * (n + 1) / 2] * n
 
 
+@pytest.mark.usefixtures("replica_execution")
 @pytest.mark.parametrize("n", [2, 3])
 def test_a_replica_raising_greenlet_exit_is_an_error_and_the_pool_survives(n):
     s = _strategy(n)
@@ -58,6 +59,7 @@ def test_a_replica_raising_greenlet_exit_is_an_error_and_the_pool_survives(n):
     _check_healthy(_strategy(n))  # a new strategy with the same replica count shares the pool
 
 
+@pytest.mark.usefixtures("replica_execution")
 @pytest.mark.parametrize("where", ["before", "in_merge", "after_all_reduce"])
 def test_keyboard_interrupt_inside_a_replica_propagates_and_the_next_run_is_normal(where):
     s = _strategy(3)
@@ -81,6 +83,7 @@ def test_keyboard_interrupt_inside_a_replica_propagates_and_the_next_run_is_norm
     _check_healthy(s)
 
 
+@pytest.mark.usefixtures("replica_execution")
 def test_a_failed_step_runs_every_replica_s_local_work():
     """Replica 1 fails after its local write: the others (before and after it) still did theirs."""
     s = _strategy(4)
@@ -101,6 +104,7 @@ def test_a_failed_step_runs_every_replica_s_local_work():
     _check_healthy(s)
 
 
+@pytest.mark.usefixtures("replica_execution")
 def test_the_lowest_failing_replica_s_error_propagates():
     s = _strategy(3)
 
@@ -111,6 +115,7 @@ def test_the_lowest_failing_replica_s_error_propagates():
         s.run(step)
 
 
+@pytest.mark.usefixtures("replica_execution")
 def test_a_replica_failing_after_a_collective_lets_the_others_finish_theirs():
     s = _strategy(3)
     seen = []
@@ -128,6 +133,7 @@ def test_a_replica_failing_after_a_collective_lets_the_others_finish_theirs():
     _check_healthy(s)
 
 
+@pytest.mark.usefixtures("replica_execution")
 def test_idle_replicas_hold_no_reference_to_the_last_step():
     s = _strategy(2)
     arrays = [np.ones(1000, np.float32), np.ones(1000, np.float32)]
@@ -140,6 +146,7 @@ def test_idle_replicas_hold_no_reference_to_the_last_step():
     assert all(r() is None for r in result_refs), "the step's results are still referenced"
 
 
+@pytest.mark.usefixtures("replica_execution")
 def test_a_re_raised_exception_object_does_not_pile_up_notes():
     s = _strategy(2)
     err = ValueError("the same object every step")
@@ -207,9 +214,10 @@ class _Interrupter:
         signal.signal(signal.SIGALRM, self._old)
 
 
-def test_thousands_of_real_sigints_never_break_run_or_variables():
+def test_thousands_of_real_sigints_never_break_run_or_variables(replica_execution):
     """SIGINT at random points of a training loop (run, collectives, merge_call, fused updates):
-    after each, the next run is normal and mirrored copies are never torn apart.
+    after each, the next run is normal and mirrored copies are never torn apart; on replica
+    threads, every abandoned pool's threads end (none accumulate).
 
     In a fresh interpreter: libraries imported by other tests (JAX's GC callbacks) would swallow
     interrupts that land in them, which is theirs to answer for, not the engine's.
@@ -217,8 +225,9 @@ def test_thousands_of_real_sigints_never_break_run_or_variables():
     import subprocess
     import sys
 
+    env = dict(os.environ, CUDIST_REPLICA_EXECUTION=replica_execution)
     proc = subprocess.run(
-        [sys.executable, __file__, "sigint-fuzz"], capture_output=True, text=True, timeout=120
+        [sys.executable, __file__, "sigint-fuzz"], capture_output=True, text=True, timeout=120, env=env
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     interrupts, steps = map(int, proc.stdout.split()[-2:])
@@ -272,6 +281,13 @@ def _sigint_fuzz():
     vals = [c.numpy() for c in slots.values]
     for v in vals[1:]:
         np.testing.assert_array_equal(v, vals[0])
+    # Replica threads of the pools the interrupts abandoned end: what is left is the live pool's n.
+    import _thread
+
+    deadline = time.monotonic() + 30
+    while _thread._count() > n and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _thread._count() <= n, f"{_thread._count()} replica threads alive after {interrupts} interrupts"
     print(interrupts, steps)
 
 

@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "cudist"
 LAYERS = [
     # 0: no cudist imports above these: device names, ops, the context stack, values, arrays, errors
     ["cudist._core", "cudist._devices", "cudist._reduce_util", "cudist._context", "cudist._values",
-     "cudist.errors", "cudist.config", "cudist._arrays", "cudist._collective_util"],
+     "cudist.errors", "cudist.config", "cudist._arrays", "cudist._collective_util", "cudist._blas"],
     # 1: the kernel contract and its backends
     ["cudist._kernels"],
     # 2: cross-device utilities, datasets, the replica engine, the GPU input feeder

@@ -19,6 +19,9 @@ from cudist._variables import AggregatingVariable
 
 from conftest import make_strategy
 
+#: Every test twice: replicas on greenlets, then on replica threads.
+pytestmark = pytest.mark.usefixtures("replica_execution")
+
 SHAPES = [(3, 7), (5,), ()]  # odd sizes and a 0-d variable, reduced together in one batch
 STEPS = 3
 SEED = int(os.environ.get("CUDIST_TEST_SEED", "0"))  # vary to stress the tolerances

@@ -8,6 +8,9 @@ import pytest
 import cudist
 from cudist import PerReplica
 
+#: Every test twice: replicas on greenlets, then on replica threads.
+pytestmark = pytest.mark.usefixtures("replica_execution")
+
 
 def rid():
     return cudist.get_replica_context().replica_id_in_sync_group

@@ -9,6 +9,9 @@ import cudist
 from cudist import PerReplica
 from cudist._arrays import to_host
 
+#: Every test twice: replicas on greenlets, then on replica threads.
+pytestmark = pytest.mark.usefixtures("replica_execution")
+
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}"
 
 

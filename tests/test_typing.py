@@ -48,6 +48,7 @@ ANNOTATED_MODULES = [
     "cudist",
     "cudist.__main__",
     "cudist._arrays",
+    "cudist._blas",
     "cudist._central_storage_strategy",
     "cudist._collectives",
     "cudist._collectives.mpi",

@@ -1048,7 +1048,7 @@ class StrategyExtended:
                 f"but the strategy has {n} replicas"
             ) from None
         if gpus is None:
-            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers())
+            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers(), cpu=True)
         else:
             try:
                 results = _replica_engine.run_replicas(

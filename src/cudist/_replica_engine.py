@@ -1,45 +1,84 @@
 """The replica engine: runs a function once per replica; replicas meet at collectives.
 
-Why long-lived greenlets: ``strategy.run`` is called once per training step, so its fixed cost
-matters. Measured on the project's machines, handing a no-op to 2 persistent worker *threads* and
-back costs ~58 us, to 2 *fresh* greenlets ~21 us, and to 2 *long-lived* greenlets ~2.5 us. Threads
-would let kernels of different replicas overlap, but every kernel is already multi-threaded on its
-own, and a collective needs all replicas anyway. So each thread keeps a pool of N greenlets that
-loop forever: the caller switches a task into each replica in turn; a replica runs until it returns
-or reaches a collective (all_reduce, all_gather, merge_call), where it switches back to the caller
-with what it wants. When every replica is waiting at the same collective, the caller performs it
-once (one packed kernel call) and switches each replica its share of the result.
+Two ways to run the N replicas of a ``run``, one protocol:
 
-Errors never hang: if a replica raises, the others -- suspended at a collective or not yet started
--- are unwound by throwing :class:`_Abort` into them, and the original exception propagates from
-``run``. A replica reaches a collective by switching ``(kind, payload)`` to its parent greenlet
-(see ``ReplicaContext._collective``). Replicas that disagree (different collectives, a replica returning while others wait, or
-different shapes at the same collective) get an error naming the replicas and what differed.
+* **greenlets** (the default for short steps): each thread keeps a pool of N long-lived greenlets
+  that loop forever. The caller switches a task into each replica in turn; a replica runs until it
+  returns or reaches a collective, where it switches back to the caller with what it wants. So
+  replicas compute one after the other, and a no-op ``run`` on 2 replicas costs ~4 us (handing a
+  no-op to 2 persistent *threads* and back costs ~20-60 us; to 2 *fresh* greenlets ~21 us).
+* **threads** (CPU replicas only, N >= 2): each thread keeps, per N, a pool of N persistent daemon
+  replica threads. The caller hands every replica its task first and then waits for all their
+  events, so the replicas' compute overlaps; at a collective each replica thread blocks until the
+  caller has run the handler once and hands back its share. While replica threads compute, the
+  BLAS thread pools NumPy uses are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`);
+  without that, N replicas each running a 2-thread OpenBLAS on 2 cores made the MLP benchmark's
+  forward+backward 5.7 ms against 4.0 ms one after the other and 3.5 ms threaded with 1 BLAS
+  thread each.
+
+Either way, a replica reaches a collective (all_reduce, all_gather, merge_call) through
+:func:`meet`, which hands ``(kind, payload)`` to the caller. When every replica is waiting at the
+same collective, the caller performs it once (one packed kernel call, with every core: the
+replicas are all blocked) and hands each replica its share of the result. Everything that decides
+what happens -- the failed-step rule, mismatch errors, notes, aborting and unwinding -- is the one
+loop of :func:`run_replicas`; the pools only move messages (:meth:`_Pool.exchange`).
+
+Which mode: ``cudist.config.set_replica_execution("auto" | "greenlets" | "threads")`` (initially
+``$CUDIST_REPLICA_EXECUTION``, else ``auto``). GPU replicas and one-replica strategies never use
+threads. ``auto`` (:class:`AutoPolicy`) starts every (replica count, function) on greenlets and
+measures the replicas' compute per run (the caller's wall time outside the collective handlers);
+once that averages above 1 ms it tries threads for a few runs, keeps them only if they cut that
+time by at least 10%, and otherwise goes back to greenlets for a while (longer after each failed
+try); on threads it goes back when the work shrinks below half the threshold. Without a BLAS whose
+threads can be limited (OpenBLAS or MKL), ``auto`` stays on greenlets. Why 1 ms: handing work to
+threads and back costs ~10-30 us per collective phase, and on the 2-core machines the MLP step
+(2 replicas of batch 128) saved ~12% of a 4 ms forward+backward; so threads pay from a few hundred
+microseconds of work, and 1 ms leaves margin, with the 10% gain check catching work that does not
+overlap (GIL-bound Python, a BLAS without controls).
+
+Errors never hang: if a replica raises, the others -- waiting at a collective or not yet started
+-- are unwound by an :class:`_Abort` raised inside them, and the original exception propagates
+from ``run``. Replicas that disagree (different collectives, a replica returning while others
+wait, or different shapes at the same collective) get an error naming the replicas and what
+differed. An interrupt (KeyboardInterrupt) in the caller leaves the pool in an unknown state: it
+is never reused. A greenlet pool is unwound at the next ``run``; a thread pool is told at once
+(its threads end at their next collective, or when their function returns). Replica threads block
+the asynchronous signals (SIGINT, SIGTERM, ...), so Ctrl-C reaches the waiting caller promptly.
 """
 
 from __future__ import annotations
 
+import _thread
+import functools
+import signal
 import sys
 import threading
-from collections.abc import Callable, Mapping, Sequence
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NoReturn, TypeAlias
 
 import greenlet  # type: ignore[import-untyped]
 
+from cudist import _blas, config
 from cudist._context import CTX as _CTX
 from cudist._context import Frame
 
-__all__ = ["run_replicas", "meet", "ReplicaMismatchError"]
+__all__ = ["run_replicas", "meet", "ReplicaMismatchError", "AutoPolicy"]
 
 _DONE, _ERROR, _ABORTED = "done", "error", "aborted"
+#: What the caller sends a replica: a task to start, a collective's result, or "unwind".
+_TASK, _RESULT, _ABORT = 0, 1, 2
 
-#: What a replica greenlet is switched into: (frame, fn, args, kwargs).
+#: A replica's task: (frame, fn, args, kwargs).
 _Task: TypeAlias = "tuple[Frame, Callable[..., Any], Sequence[Any], Mapping[str, Any]]"
-#: What a replica switches back: (_DONE, result), (_ERROR, exception), (_ABORTED, None), or, at a
+#: What a replica reports: (_DONE, result), (_ERROR, exception), (_ABORTED, None), or, at a
 #: collective, (kind, payload).
 _Event: TypeAlias = "tuple[str, Any]"
 #: ``kind -> handler(payloads) -> per-replica results`` (see :func:`run_replicas`).
 Handlers: TypeAlias = "Mapping[str, Callable[[list[Any]], Sequence[Any]]]"
+
+_now = time.perf_counter
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -47,10 +86,11 @@ class ReplicaMismatchError(RuntimeError):
 
 
 class _Abort(BaseException):
-    """Thrown into a suspended replica to unwind it (BaseException so ``except Exception`` lets it pass)."""
+    """Raised inside a waiting replica to unwind it (BaseException so ``except Exception`` lets it pass)."""
 
 
-def _worker_main(box: list[Any]) -> NoReturn:
+# ---------------------------------------------------------------------------------------- greenlets
+def _greenlet_main(box: list[Any]) -> NoReturn:
     """Body of a pooled replica greenlet: run tasks forever, reporting each outcome to the parent.
 
     Tasks and outcomes travel in one-element lists (boxes) that the receiver empties, so an idle
@@ -75,43 +115,6 @@ def _worker_main(box: list[Any]) -> NoReturn:
         del out
 
 
-class _Pool:
-    """N long-lived replica greenlets of one thread.
-
-    ``clean`` is True only while every worker is known to sit idle at its task switch; a ``run``
-    that ends any other way (an interrupt at an unlucky moment, a replica that would not unwind)
-    leaves it False, and the next ``run`` throws the pool away instead of trusting it.
-    """
-
-    __slots__ = ("workers", "busy", "clean")
-
-    def __init__(self, n: int) -> None:
-        self.workers: list[Any] = [greenlet.greenlet(_worker_main) for _ in range(n)]  # greenlets
-        self.busy = False
-        self.clean = True
-
-
-_local = threading.local()
-
-
-def _get_pool(n: int) -> _Pool:
-    pools: dict[int, _Pool] | None = getattr(_local, "pools", None)
-    if pools is None:
-        pools = _local.pools = {}
-    pool = pools.get(n)
-    if pool is not None and not pool.busy and not pool.clean:
-        _kill(pool.workers)  # left in an unknown state by an interrupted run: never reused
-        del pools[n]
-        pool = None
-    if pool is None or pool.busy:
-        # A busy pool means run() is being called again while one is in progress on this thread
-        # (e.g. from a merge_call function); that call gets a pool of its own.
-        pool = _Pool(n)
-        if n not in pools:
-            pools[n] = pool
-    return pool
-
-
 def _kill(workers: Sequence[Any]) -> None:
     """Ends greenlets of a discarded pool, unwinding any replica function still suspended in them."""
     for g in workers:
@@ -126,17 +129,406 @@ def _kill(workers: Sequence[Any]) -> None:
                 pass
 
 
+class _Pool:
+    """N replicas of one caller thread, and how messages reach them.
+
+    ``clean`` is True only while every replica is known to sit idle, waiting for a task; a ``run``
+    that ends any other way (an interrupt at an unlucky moment, a replica that would not unwind)
+    leaves it False, and the next ``run`` throws the pool away instead of trusting it.
+    """
+
+    __slots__ = ("n", "busy", "clean")
+    threaded = False
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.busy = False
+        self.clean = True
+
+    def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
+        """Sends ``(op, values[i])`` to each replica ``i`` in ``which`` and stores its next event in ``events[i]``."""
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """Called at once when a run leaves the pool unclean; must not block."""
+
+    def discard(self) -> None:
+        """Ends the replicas of a pool that will never be used again."""
+
+
+class _GreenletPool(_Pool):
+    """N long-lived replica greenlets: an exchange runs each replica in turn until its next event."""
+
+    __slots__ = ("workers",)
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.workers: list[Any] = [greenlet.greenlet(_greenlet_main) for _ in range(n)]
+
+    def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
+        workers = self.workers
+        if op == _TASK:
+            me = greenlet.getcurrent()  # the caller: where the replicas switch back to (it may differ per run)
+            for i in which:
+                g = workers[i]
+                if g.parent is not me:
+                    g.parent = me
+                kind, out = g.switch([values[i]])  # type: ignore[index]  # values given with _TASK
+                events[i] = (kind, out.pop())
+        elif op == _RESULT:
+            for i in which:
+                kind, out = workers[i].switch(values[i])  # type: ignore[index]  # values given with _RESULT
+                events[i] = (kind, out.pop())
+        else:
+            for i in which:
+                kind, out = workers[i].throw(_Abort())
+                events[i] = (kind, out.pop())
+
+    def discard(self) -> None:
+        _kill(self.workers)
+
+
+# ---------------------------------------------------------------------------------------- threads
+#: Asynchronous signals a replica thread blocks, so the kernel delivers them to the caller.
+_ASYNC_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGUSR1", "SIGUSR2", "SIGCHLD", "SIGWINCH")
+    if hasattr(signal, name)
+)
+class _ReplicaThread(threading.local):
+    """Per thread: in a replica thread its :class:`_Slot` (how :func:`meet` tells the modes apart).
+
+    The class attribute is the default everywhere else: reading it costs ~40 ns, where
+    ``getattr(local, name, None)`` on a missing attribute costs ~300 ns (an AttributeError inside).
+    """
+
+    slot: _Slot | None = None
+
+
+_replica_thread = _ReplicaThread()
+#: Seconds between checks for a pending interrupt while the caller waits for replica threads.
+_POLL = 0.05
+#: Seconds between an idle replica thread's checks that its pool still exists.
+_IDLE_CHECK = 1.0
+
+
+def _park() -> NoReturn:
+    """Blocks this (daemon) thread forever: a replica function that catches every unwind gets no more CPU."""
+    lock = _thread.allocate_lock()
+    lock.acquire()
+    lock.acquire()
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+class _Slot:
+    """The mailbox between the caller and one replica thread.
+
+    ``go`` and ``done`` are plain locks used as binary semaphores (the cheapest handoff CPython
+    has): the caller writes ``msg`` and releases ``go``; the replica writes ``event`` and releases
+    ``done``. Each side empties what it reads, so an idle replica holds nothing of the last step.
+    ``abandoned`` (set once, by :meth:`abandon`) makes the replica unwind at its next collective
+    and end its thread instead of waiting for more work.
+    """
+
+    __slots__ = ("go", "done", "msg", "event", "abandoned", "refusals")
+
+    def __init__(self) -> None:
+        self.go = _thread.allocate_lock()
+        self.go.acquire()
+        self.done = _thread.allocate_lock()
+        self.done.acquire()
+        self.msg: tuple[int, Any] | None = None
+        self.event: _Event | None = None
+        self.abandoned = False
+        self.refusals = 0
+
+    def abandon(self) -> None:
+        self.abandoned = True
+        try:
+            self.go.release()  # wakes the replica wherever it waits; it then sees ``abandoned``
+        except RuntimeError:
+            pass  # already released: the replica has a wake-up pending and will see ``abandoned``
+
+    def _unwind(self) -> NoReturn:
+        """Raises the unwind in an abandoned replica; one that keeps catching it is parked."""
+        self.refusals += 1
+        if self.refusals > 3:
+            _park()
+        raise _Abort()
+
+    def meet(self, kind: str, payload: Any) -> Any:
+        """In the replica thread: reports a collective and waits for this replica's share."""
+        if self.abandoned:
+            self._unwind()
+        self.event = (kind, payload)
+        del payload
+        self.done.release()
+        self.go.acquire()
+        if self.abandoned:
+            self._unwind()
+        op, value = self.msg  # type: ignore[misc]  # the caller wrote it before releasing ``go``
+        self.msg = None
+        if op == _ABORT:
+            raise _Abort()
+        return value
+
+
+def _thread_main(slot: _Slot, n: int, pool: weakref.ref[_ThreadPool]) -> None:
+    """Body of a replica thread: run tasks until the pool is abandoned or gone, reporting each outcome."""
+    owes = False  # a message was taken and its event not yet reported
+    try:
+        _replica_thread.slot = slot  # (asynchronous signals are blocked: the mask of the pool's creator)
+        _blas.per_thread(n)
+        go, done = slot.go, slot.done
+        while True:
+            # Idle: a pool nobody holds any more (its caller thread ended, or its construction was
+            # interrupted) is noticed here, rather than by a finalizer in the caller: Python code
+            # run from __del__ swallows a Ctrl-C that lands in it.
+            while not go.acquire(True, _IDLE_CHECK):
+                if pool() is None:
+                    return
+            if slot.abandoned:
+                return
+            owes = True
+            op, task = slot.msg  # type: ignore[misc]  # the caller wrote it before releasing ``go``
+            slot.msg = None
+            if op != _TASK:  # an unwind for a replica that is not running: nothing to unwind
+                out, kind = None, _ABORTED
+            else:
+                frame, fn, args, kwargs = task
+                del task
+                token = _CTX.set(frame)
+                try:
+                    out = fn(*args, **kwargs)
+                    kind = _DONE
+                except _Abort:
+                    out, kind = None, _ABORTED
+                except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
+                    out, kind = e, _ERROR
+                finally:
+                    _CTX.reset(token)
+                del frame, fn, args, kwargs
+            slot.event = (kind, out)
+            del out
+            owes = False
+            done.release()
+            if slot.abandoned:
+                return
+    except BaseException as e:  # noqa: BLE001 - the thread's own machinery failed: never leave the caller waiting
+        if owes:
+            slot.event = (_ERROR, RuntimeError(f"a cudist replica thread failed: {e!r}"))
+            done.release()
+
+
+class _ThreadPool(_Pool):
+    """N persistent replica threads: an exchange hands every replica its message, then waits for all."""
+
+    __slots__ = ("slots", "__weakref__")
+    threaded = True
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.slots: list[_Slot] = []
+        # Threads inherit the signal mask: asynchronous signals are blocked while they start, so a
+        # Ctrl-C never lands in a replica thread (it goes to the caller, waiting interruptibly).
+        masked = hasattr(signal, "pthread_sigmask")
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _ASYNC_SIGNALS) if masked else None
+        try:
+            for _ in range(n):
+                slot = _Slot()
+                # Listed before its thread starts: whatever interrupts this loop, abandon() reaches
+                # every thread started. _thread, not threading.Thread: start() waits on Python-level
+                # locks that an interrupt can leave broken ("release unlocked lock").
+                self.slots.append(slot)
+                _thread.start_new_thread(_thread_main, (slot, n, weakref.ref(self)))
+        except BaseException:
+            self.abandon()
+            raise
+        finally:
+            if masked:
+                try:
+                    signal.pthread_sigmask(signal.SIG_SETMASK, old)  # type: ignore[arg-type]  # set when masked
+                except BaseException:  # a held-back interrupt, raised here: no one will use these threads
+                    self.abandon()
+                    raise
+
+    def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
+        slots = self.slots
+        which = list(which)
+        _blas.limit(self.n)
+        try:
+            for i in which:
+                s = slots[i]
+                s.msg = (op, None if values is None else values[i])
+                s.go.release()
+            for i in which:
+                s = slots[i]
+                # Interruptible: Ctrl-C raises here, and the run leaves the pool unclean. In steps
+                # of _POLL, because a signal that lands after CPython released the GIL but before
+                # it blocked in sem_wait is handled without waking the wait (seen 1 time in 8 in
+                # tests); the timeout bounds that delay.
+                while not s.done.acquire(True, _POLL):
+                    pass
+                events[i] = s.event
+                s.event = None
+        finally:
+            _blas.restore()
+
+    def abandon(self) -> None:
+        for s in getattr(self, "slots", ()):  # (none if the pool's construction was interrupted)
+            if not s.abandoned:
+                s.abandon()
+
+    discard = abandon
+
+
 def meet(kind: str, payload: Any) -> Any:
-    """Called by a replica (in its greenlet) at a collective: hands ``payload`` to the caller of
-    ``run``, which performs the collective once every replica is there; returns this replica's result."""
+    """Called by a replica at a collective: hands ``payload`` to the caller of ``run``, which
+    performs the collective once every replica is there; returns this replica's result."""
+    slot = _replica_thread.slot
+    if slot is not None:
+        return slot.meet(kind, payload)
     return greenlet.getcurrent().parent.switch((kind, [payload]))
 
 
-def _throw_abort(g: Any) -> _Event:
-    kind, out = g.throw(_Abort())
-    return (kind, out.pop())
+# ---------------------------------------------------------------------------------------- choosing
+class AutoPolicy:
+    """The ``auto`` choice for one (replica count, function), by measured replica work per run.
+
+    ``observe(seconds)`` takes one clean run's replica work (the caller's wall time outside the
+    collective handlers) and updates :attr:`threaded`, the mode of the next run:
+
+    * on greenlets, once the moving average exceeds :attr:`UP` (and threads are possible), try
+      threads, remembering the greenlet average;
+    * after :attr:`TRIAL` threaded runs, keep threads only if their average is at most
+      :attr:`GAIN` times the greenlet one; otherwise go back to greenlets for :attr:`PIN` runs,
+      doubled after each failed try;
+    * on threads, go back when the work, scaled back to what it would be one replica after the
+      other, falls below half of :attr:`UP`.
+
+    The first run after each switch is not counted (thread start, caches, first-call compiles).
+    """
+
+    #: Seconds of replica work per run (one replica after the other) above which threads are tried.
+    UP = 1e-3
+    #: Weight of the newest run in the moving average.
+    ALPHA = 0.25
+    #: Runs observed before deciding (each side), after the one skipped.
+    TRIAL = 6
+    #: Threads are kept when they take at most this fraction of the greenlet time.
+    GAIN = 0.9
+    #: Runs on greenlets after a failed try of threads (doubled after each).
+    PIN = 200
+
+    __slots__ = ("threaded", "avg", "seen", "reference", "ratio", "pinned", "backoff", "can_thread")
+
+    def __init__(self, can_thread: Callable[[], bool] = _blas.available) -> None:
+        self.threaded = False
+        self.avg = 0.0
+        self.seen = 0  # runs observed since the last switch (the first is skipped)
+        self.reference = 0.0  # greenlet average when threads were tried
+        self.ratio = 0.0  # threads' average / greenlets' average, once threads are kept (0: on trial)
+        self.pinned = 0
+        self.backoff = self.PIN
+        self.can_thread = can_thread
+
+    def _switch(self, threaded: bool) -> None:
+        self.threaded = threaded
+        self.seen = 0
+        self.avg = 0.0
+
+    def observe(self, seconds: float) -> None:
+        """Records one clean run's replica work and decides the next run's mode."""
+        self.seen += 1
+        if self.seen == 1:
+            return
+        self.avg = seconds if self.seen == 2 else self.avg + self.ALPHA * (seconds - self.avg)
+        if not self.threaded:
+            if self.pinned:
+                self.pinned -= 1
+            elif self.seen > self.TRIAL and self.avg > self.UP and self.can_thread():
+                self.reference, self.ratio = self.avg, 0.0
+                self._switch(True)
+        elif not self.ratio:
+            if self.seen > self.TRIAL:
+                ratio = self.avg / self.reference
+                if ratio <= self.GAIN:
+                    self.ratio = ratio
+                else:
+                    self.pinned, self.backoff = self.backoff, self.backoff * 2
+                    self._switch(False)
+        elif self.avg / self.ratio < self.UP / 2:
+            self._switch(False)
+
+    def refuse_threads(self) -> None:
+        """Threads could not be started: greenlets from now on."""
+        self.can_thread = lambda: False
+        self._switch(False)
 
 
+def _fn_key(fn: Callable[..., Any]) -> Any:
+    """What identifies "the same step function" across runs: its code (a new lambda or partial each
+    step is still the same step), else its type."""
+    f: Any = fn
+    while isinstance(f, functools.partial):
+        f = f.func
+    f = getattr(f, "__func__", f)
+    return getattr(f, "__code__", None) or type(f)
+
+
+class _Local(threading.local):
+    """Per caller thread: its replica pools and the ``auto`` statistics."""
+
+    def __init__(self) -> None:
+        #: ``(n, threaded) -> pools`` (more than one only while runs nest, e.g. run inside merge_call).
+        self.pools: dict[tuple[int, bool], list[_Pool]] = {}
+        #: ``(n, code of the step function) -> its AutoPolicy``.
+        self.stats: dict[tuple[int, Any], AutoPolicy] = {}
+
+
+_local = _Local()
+
+
+def _policy(n: int, fn: Callable[..., Any]) -> AutoPolicy:
+    stats = _local.stats
+    try:
+        key = (n, fn.__code__)  # a plain function (the usual step)
+    except AttributeError:
+        key = (n, _fn_key(fn))
+    p = stats.get(key)
+    if p is None:
+        if len(stats) >= 256:  # many distinct step functions: forget them all rather than grow
+            stats.clear()
+        p = stats[key] = AutoPolicy()
+    return p
+
+
+def _get_pool(n: int, threaded: bool) -> _Pool:
+    """An idle, clean pool of this thread for ``n`` replicas of the given kind; a new one if none is.
+
+    A busy pool means run() is being called again while one is in progress on this thread (e.g.
+    from a merge_call function); that call gets (and keeps, for the next time) a pool of its own.
+    """
+    pools = _local.pools
+    lst = pools.get((n, threaded))
+    if lst is None:
+        lst = pools[(n, threaded)] = []
+    elif lst and lst[0].clean and not lst[0].busy:  # the usual case: one pool, idle
+        return lst[0]
+    for pool in lst:
+        if pool.clean and not pool.busy:
+            return pool
+    for pool in [p for p in lst if not p.busy]:
+        # Left in an unknown state by an interrupted run: never reused. Forgotten only once its
+        # replicas are ended (an interrupt meanwhile leaves it listed, to be ended next time).
+        pool.discard()
+        lst.remove(pool)
+    pool = _ThreadPool(n) if threaded else _GreenletPool(n)
+    lst.append(pool)
+    return pool
+
+
+# ---------------------------------------------------------------------------------------- the protocol
 def _describe(ev: _Event) -> str:
     kind = ev[0]
     if kind == _DONE:
@@ -144,20 +536,14 @@ def _describe(ev: _Event) -> str:
     return f"called {kind}"
 
 
-def _abort(workers: Sequence[Any], events: list[Any]) -> bool:
-    """Unwinds every replica suspended at a collective. Returns False if one refused to unwind."""
-    ok = True
-    for i, g in enumerate(workers):
-        if events[i] is None or events[i][0] in (_DONE, _ERROR, _ABORTED):
-            continue
-        for _ in range(3):  # a replica that catches the release and waits again gets it again
-            ev = _throw_abort(g)
-            if ev[0] in (_DONE, _ERROR, _ABORTED):
-                break
-        else:
-            ok = False
-        events[i] = ev
-    return ok
+def _abort(pool: _Pool, events: list[Any]) -> bool:
+    """Unwinds every replica waiting at a collective. Returns False if one refused to unwind."""
+    for _ in range(3):  # a replica that catches the release and waits again gets it again
+        waiting = [i for i, ev in enumerate(events) if ev is not None and ev[0] not in (_DONE, _ERROR, _ABORTED)]
+        if not waiting:
+            return True
+        pool.exchange(events, _ABORT, None, waiting)
+    return all(ev is None or ev[0] in (_DONE, _ERROR, _ABORTED) for ev in events)
 
 
 def _note(exc: BaseException, text: str) -> None:
@@ -173,8 +559,10 @@ def run_replicas(
     args_list: Sequence[Sequence[Any]],
     kwargs_list: Sequence[Mapping[str, Any]],
     handlers: Handlers,
+    *,
+    cpu: bool = False,
 ) -> list[Any]:
-    """Runs ``fn`` once per replica in the current thread's greenlet pool.
+    """Runs ``fn`` once per replica on the current thread's replica pool (greenlets or threads).
 
     A failed step follows TF's rule: every replica runs (as TF's replica threads do) until it
     returns, raises, or reaches a collective that can no longer complete; those are then unwound,
@@ -189,35 +577,52 @@ def run_replicas(
         args_list, kwargs_list: per replica, its arguments.
         handlers: ``kind -> handler(payloads) -> per-replica results`` for each collective kind;
             a handler runs in the caller (cross-replica), once per step.
+        cpu: every replica is a CPU device, so replica threads may be used (see the module
+            docstring for how the mode is chosen).
 
     Returns:
         The list of per-replica return values.
     """
-    pool = _get_pool(n)
-    workers = pool.workers
-    me = greenlet.getcurrent()
-    for g in workers:
-        if g.parent is not me:
-            g.parent = me
-    pool.busy = True
-    pool.clean = False  # until every worker is back at its idle switch
-    events: list[Any] = [None] * n  # per replica its last _Event (None: not started); checked by kind
+    policy = None
+    if not cpu:
+        threaded = False
+    else:
+        mode = config.get_replica_execution()
+        if mode == "auto":
+            policy = _policy(n, fn)
+            threaded = policy.threaded
+        else:
+            threaded = mode == "threads"
     try:
-        for i, g in enumerate(workers):
-            kind, out = g.switch([(frames[i], fn, args_list[i], kwargs_list[i])])
-            events[i] = (kind, out.pop())
+        pool = _get_pool(n, threaded)
+    except RuntimeError:  # no thread could be started ("can't start new thread")
+        if policy is None:
+            raise
+        policy.refuse_threads()
+        pool = _get_pool(n, False)
+    events: list[Any] = [None] * n  # per replica its last _Event (None: not started); checked by kind
+    everyone = range(n)
+    try:
+        # Inside the try: an interrupt anywhere after it must not leave the pool marked busy for ever.
+        pool.busy = True
+        pool.clean = False  # until every replica is back, idle
+        t0 = _now()
+        pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
+        work = _now() - t0
         while True:
             kinds = [ev[0] for ev in events]
             first = kinds[0]
             same = kinds.count(first) == n
             if same and first == _DONE:
                 pool.clean = True
+                if policy is not None:
+                    policy.observe(work)
                 return [ev[1] for ev in events]
             if _ERROR in kinds:
                 err = kinds.index(_ERROR)
                 exc = events[err][1]
                 events[err] = (_ERROR, None)
-                if _abort(workers, events):
+                if _abort(pool, events):
                     pool.clean = True
                 _note(exc, f"(raised in replica {err} of {n})")
                 raise exc
@@ -229,7 +634,7 @@ def run_replicas(
                     f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} {what}"
                     for what, ids in groups.items()
                 )
-                if _abort(workers, events):
+                if _abort(pool, events):
                     pool.clean = True
                 raise ReplicaMismatchError(
                     f"replicas disagree at the same step: {desc}; every replica must make the same "
@@ -241,14 +646,16 @@ def run_replicas(
                 results = handlers[first](payloads)
             except BaseException:
                 events = [(first, None)] * n
-                if _abort(workers, events):
+                if _abort(pool, events):
                     pool.clean = True
                 raise
             del payloads
             # Every replica gets its result and runs on, even after another one raised (TF's rule).
-            for i, g in enumerate(workers):
-                kind, out = g.switch(results[i])
-                events[i] = (kind, out.pop())
+            t0 = _now()
+            pool.exchange(events, _RESULT, results, everyone)
+            work += _now() - t0
             del results
     finally:
         pool.busy = False
+        if not pool.clean:
+            pool.abandon()

@@ -9,6 +9,7 @@ through CuPy only when GPUs are asked about, never at ``import cudist``.
 from __future__ import annotations
 
 import importlib
+import os
 import threading
 import warnings
 from collections.abc import Iterable
@@ -27,6 +28,9 @@ __all__ = [
     "gpu_unavailable_reason",
     "cuda_versions",
     "nccl_package",
+    "REPLICA_EXECUTION_MODES",
+    "set_replica_execution",
+    "get_replica_execution",
 ]
 
 
@@ -288,3 +292,60 @@ def list_logical_devices(device_type: str | None = None) -> list[LogicalDevice]:
     if t in (None, GPU):
         out.extend(LogicalDevice(f"/device:GPU:{i}", GPU) for i in range(len(logical_to_physical_gpu())))
     return out
+
+
+# ---------------------------------------------------------------------------------------- replica execution
+#: How the replicas of ``strategy.run`` may execute (see :func:`set_replica_execution`).
+REPLICA_EXECUTION_MODES = ("auto", "greenlets", "threads")
+#: The environment variable that gives the initial mode (read on first use).
+REPLICA_EXECUTION_ENV = "CUDIST_REPLICA_EXECUTION"
+_replica_execution: list[str] = []  # the mode once read or set (a list: set from any thread, no global)
+
+
+def _check_mode(mode: object, where: str) -> str:
+    if not isinstance(mode, str) or mode.strip().lower() not in REPLICA_EXECUTION_MODES:
+        raise ValueError(
+            f"{where}: replica execution must be one of {', '.join(map(repr, REPLICA_EXECUTION_MODES))}, got {mode!r}"
+        )
+    return mode.strip().lower()
+
+
+def set_replica_execution(mode: str) -> None:
+    """Chooses how the replicas of ``strategy.run`` execute on CPU devices (a cudist extension).
+
+    * ``"auto"`` (the default): replicas run one after the other on greenlets of the calling thread
+      (a no-op ``run`` costs microseconds) until the measured replica work of a step function
+      averages over ~1 ms per run; then threads are tried and kept if they are at least 10% faster
+      (needs a BLAS whose thread count cudist can limit: OpenBLAS, as NumPy's wheels bundle, or MKL).
+    * ``"greenlets"``: always one after the other.
+    * ``"threads"``: each replica on a persistent thread of its own, so replicas' NumPy work
+      overlaps; while they compute, the BLAS gets ``max(1, its threads // N)`` threads each.
+
+    GPU replicas and one-replica strategies never use threads. The initial mode comes from the
+    ``CUDIST_REPLICA_EXECUTION`` environment variable when set. Takes effect at the next ``run``.
+
+    Args:
+        mode: "auto", "greenlets" or "threads" (any case).
+
+    Raises:
+        ValueError: any other value.
+    """
+    m = _check_mode(mode, "set_replica_execution")
+    with _lock:
+        _replica_execution[:] = [m]
+
+
+def get_replica_execution() -> str:
+    """The replica execution mode: "auto", "greenlets" or "threads" (see :func:`set_replica_execution`).
+
+    Raises:
+        ValueError: ``$CUDIST_REPLICA_EXECUTION`` holds another value (and no mode was set).
+    """
+    if _replica_execution:
+        return _replica_execution[0]
+    env = os.environ.get(REPLICA_EXECUTION_ENV)
+    m = "auto" if env is None or not env.strip() else _check_mode(env, f"${REPLICA_EXECUTION_ENV}")
+    with _lock:
+        if not _replica_execution:
+            _replica_execution.append(m)
+        return _replica_execution[0]
