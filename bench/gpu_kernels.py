@@ -142,6 +142,7 @@ def main(argv=None) -> int:
         props = cp.cuda.runtime.getDeviceProperties(args.device)
         name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
         print(f"device {args.device}: {name}; {args.mib} MiB float32 per buffer; median of {args.repeats}")
+        print(f"launch path: {be.launch_path}")
         print(f"{'all-reduce':<24}{'N':>3}{'time ms':>12}{'GB/s':>10}{'vs copy':>10}{'wrong':>8}")
         rows = bench_all_reduce(cp, be, args.mib, args.repeats)
         for label, n, t, bw, ratio, wrong in rows:

@@ -80,9 +80,18 @@ tests() {
   local t0=$SECONDS rc=0
   # The kernels first, stopping at the first failure: if they are wrong nothing above them can pass.
   "$PY" -m pytest -q -p no:cacheprovider -x -m "gpu or multi_gpu" tests/test_gpu_kernels.py tests/test_gpu_hazards.py \
+    tests/test_cuda_launch_paths.py \
     -rs >"$OUT/gpu-kernel-tests.log" 2>&1 || rc=$?
   echo "gpu kernel tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-kernel-tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-kernel-tests.log" | head -10
+  # The same kernel tests on the other launch path: the default (auto) takes cudist._core's C++
+  # launchers for the collectives when the build found nvcc; NVRTC must agree with them.
+  t0=$SECONDS
+  CUDIST_CUDA_LAUNCHERS=nvrtc "$PY" -m pytest -q -p no:cacheprovider -x -m "gpu or multi_gpu" \
+    tests/test_gpu_kernels.py tests/test_gpu_hazards.py tests/test_cuda_launch_paths.py -rs \
+    >"$OUT/gpu-kernel-tests-nvrtc.log" 2>&1 || rc=$?
+  echo "gpu kernel tests (CUDIST_CUDA_LAUNCHERS=nvrtc): rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-kernel-tests-nvrtc.log")"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu-kernel-tests-nvrtc.log" | head -10
   t0=$SECONDS
   "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/test_gpu_strategy.py tests/test_strategy.py \
     -rs >"$OUT/gpu-strategy-tests.log" 2>&1 || rc=$?
@@ -90,7 +99,7 @@ tests() {
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-strategy-tests.log" | head -20
   t0=$SECONDS
   "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/ -rs \
-    --ignore=tests/test_gpu_kernels.py --ignore=tests/test_gpu_hazards.py \
+    --ignore=tests/test_gpu_kernels.py --ignore=tests/test_gpu_hazards.py --ignore=tests/test_cuda_launch_paths.py \
     --ignore=tests/test_gpu_strategy.py --ignore=tests/test_strategy.py >"$OUT/gpu-tests.log" 2>&1 || rc=$?
   echo "other gpu tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -30
@@ -100,11 +109,14 @@ tests() {
 bench() {
   "$PY" bench/gpu_kernels.py --mib "$MIB" --repeats 20 >"$OUT/gpu_kernels.txt" 2>&1
   echo "gpu_kernels rc=$?"
-  # nccl-tests style sweeps on one GPU (replicas = buffers on device 0).
-  for n in 2 4 8; do
-    "$PY" -m cudist.bench all-reduce --backend cupy --replicas $n -b 4K -e "$MAX" -f 4 -n 20 -w 5 --no-progress \
-      --json "$OUT/all-reduce-n$n.json" >"$OUT/all-reduce-n$n.txt" 2>&1
-    echo "cudist-bench all-reduce N=$n rc=$?"
+  # nccl-tests style sweeps on one GPU (replicas = buffers on device 0), on both launch paths
+  # (auto: cudist._core's C++ launchers when built with CUDA; nvrtc: CuPy's RawModule).
+  for path in auto nvrtc; do
+    for n in 2 4 8; do
+      CUDIST_CUDA_LAUNCHERS=$path "$PY" -m cudist.bench all-reduce --backend cupy --replicas $n -b 4K -e "$MAX" -f 4 \
+        -n 20 -w 5 --no-progress --json "$OUT/all-reduce-$path-n$n.json" >"$OUT/all-reduce-$path-n$n.txt" 2>&1
+      echo "cudist-bench all-reduce ($path) N=$n rc=$?"
+    done
   done
   "$PY" -m cudist.bench update --optimizer adam --backend cupy --replicas 4 -b 4K -e "$MAX" -f 16 --no-progress \
     --json "$OUT/adam.json" >"$OUT/adam.txt" 2>&1

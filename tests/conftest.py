@@ -6,6 +6,7 @@ import contextlib
 import functools
 import gc
 import importlib.util
+import os
 import threading
 import time
 from pathlib import Path
@@ -60,6 +61,31 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     n = config.stash.get(_HEAVY_DESELECTED, 0)
     if n:
         terminalreporter.write_line(f"{n} heavy tests deselected; `python -m pytest -m heavy` runs them")
+
+
+def pytest_configure(config):
+    _install_emulated_launchers()
+
+
+def _install_emulated_launchers():
+    """``CUDIST_EMU_MODE=core`` (tests/test_gpu_emulated.py's mode matrix): under the fake CuPy, the
+    cupy backend launches its collectives through cudist._core's C++ launchers, emulated by
+    ``cupy._launchers`` (the real launch_impl.cuh/p2p_impl.cuh compiled for the host), which see
+    every emulated GPU, so ``CUDIST_CUDA_LAUNCHERS=auto`` takes them (the real extension sees no GPU
+    here; subprocesses of the tests get it, and NVRTC)."""
+    if "core" not in {m.strip() for m in os.environ.get("CUDIST_EMU_MODE", "").split(",")}:
+        return
+    import cupy
+
+    if not getattr(cupy, "__fake__", False):
+        raise pytest.UsageError("CUDIST_EMU_MODE=core needs the fake CuPy (PYTHONPATH=tests/emu/fakecupy)")
+    from cupy._launchers import EmulatedLaunchers
+
+    from cudist._kernels import _cupy
+
+    if os.environ.get("CUDIST_CUDA_LAUNCHERS", "auto").strip().lower() not in ("", "auto", "core"):
+        raise pytest.UsageError("CUDIST_EMU_MODE=core runs the C++ launchers: unset CUDIST_CUDA_LAUNCHERS")
+    _cupy._core = EmulatedLaunchers()
 
 
 def pytest_collection_modifyitems(config, items):

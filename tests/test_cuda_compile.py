@@ -1,12 +1,12 @@
 """The shipped CUDA kernels compile: with nvcc for sm_80 and sm_90, and with NVRTC as CuPy sees them.
 
-No GPU needed. The kernel list comes from ``cudist._kernels._cupy.KERNELS`` (read from the source
-without importing CuPy), so what is compiled here is exactly what the cupy backend asks for.
+No GPU needed. The kernel list comes from <cudist/kernels/kernel_list.cuh> (as the cupy backend's
+``KERNELS`` does, parsed by :mod:`cudist._kernels._cuda_launch` without importing CuPy), so what is
+compiled here is exactly what the cupy backend asks for.
 """
 
 from __future__ import annotations
 
-import ast
 import ctypes
 import ctypes.util
 import glob
@@ -21,21 +21,11 @@ import pytest
 
 import cudist
 from cudist._kernels._cuda_headers import cuda_include_dirs
+from cudist._kernels._cuda_launch import dtype_ctypes, kernel_list
 
 ROOT = Path(__file__).resolve().parents[1]
-CUPY_MODULE = ROOT / "src" / "cudist" / "_kernels" / "_cupy.py"
-
-
-def _literal(name: str):
-    tree = ast.parse(CUPY_MODULE.read_text())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"{name} not found in {CUPY_MODULE}")
-
-
-KERNELS: dict[str, tuple[str, ...]] = _literal("KERNELS")
-CTYPES: dict[str, str] = _literal("CTYPES")
+KERNELS: dict[str, tuple[str, ...]] = kernel_list(cudist.get_include())
+CTYPES: dict[str, str] = dtype_ctypes(cudist.get_include())
 INCLUDE = Path(cudist.get_include())
 
 

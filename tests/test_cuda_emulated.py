@@ -11,7 +11,6 @@ passes of at most 8) and for their argument validation. Needs only a C++ compile
 
 from __future__ import annotations
 
-import ast
 import ctypes
 import importlib.util
 import threading
@@ -20,7 +19,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import cudist
 from cudist._kernels._base import adam_lr_t
+from cudist._kernels._cuda_launch import kernel_list
 from cudist._kernels._numpy import NumpyBackend
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
@@ -34,16 +35,8 @@ pytestmark = pytest.mark.skipif(emu_build.compiler() is None, reason="needs a C+
 
 
 
-def _cupy_kernels() -> dict[str, tuple[str, ...]]:
-    """KERNELS of the cupy backend, read from its source (importing it would import CuPy)."""
-    path = Path(__file__).resolve().parents[1] / "src" / "cudist" / "_kernels" / "_cupy.py"
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "KERNELS" for t in node.targets):
-            return ast.literal_eval(node.value)
-    raise AssertionError(f"KERNELS not found in {path}")
-
-
-KERNELS = _cupy_kernels()
+# The cupy backend's KERNELS: the kernel list of <cudist/kernels/kernel_list.cuh>.
+KERNELS = kernel_list(cudist.get_include())
 REF = NumpyBackend()
 DTYPES = ("float16", "float32", "float64", "int32", "int64")
 FLOATS = ("float16", "float32", "float64")

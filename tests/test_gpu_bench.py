@@ -48,6 +48,10 @@ def test_cudist_bench_cupy_rows_are_checked(tmp_path, capsys, cmd):
         assert r["time_us"] > 0
     text = capsys.readouterr().out
     assert "GPU copy ceiling" in text and "# Out of bounds values : 0 OK" in text
+    from cudist._kernels import get_backend
+
+    # The header says how the cupy backend launches (cudist._core's C++ launchers or NVRTC).
+    assert f"# cupy launch path: {get_backend('cupy').launch_path}\n" in text
 
 
 def test_gpu_kernels_script_reports_every_row():
@@ -62,3 +66,4 @@ def test_gpu_kernels_script_reports_every_row():
     for n in (1, 2, 4):
         assert re.search(rf"adam N={n}\s+{n}\s+[\d.]+\s+[\d.]+\s+[\d.]+x\s+0\n", out), out
     assert "target >= 85%" in out and "wrong elements: 0" in out
+    assert re.search(r"^launch path: (NVRTC|cudist\._core's CUDA launchers)", out, re.M), out

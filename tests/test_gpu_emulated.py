@@ -108,21 +108,25 @@ def test_whole_gpu_suite_passes_under_the_fake(collected):
 
 
 @pytest.mark.heavy
-def test_kernel_and_strategy_suites_pass_without_peer_access():
-    """Without peer access every cross-GPU kernel operand must be staged: the multi_gpu tests check it."""
+@pytest.mark.parametrize("mode", ["", "core"])
+def test_kernel_and_strategy_suites_pass_without_peer_access(mode):
+    """Without peer access every cross-GPU kernel operand must be staged: the multi_gpu tests check
+    it, on the NVRTC path and on the C++ launchers' (``core``)."""
     _compiler_or_skip()
     files = ["tests/test_gpu_kernels.py", "tests/test_gpu_strategy.py"]
-    passed, _ = _run_gpu_suite(files, "none")
+    passed, _ = _run_gpu_suite(files, "none", CUDIST_EMU_MODE=mode)
     assert passed > 100
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize("mode", ["streams", "shuffle", "ftz"])
+@pytest.mark.parametrize("mode", ["streams", "shuffle", "ftz", "core", "core,streams"])
 def test_whole_gpu_suite_passes_in_the_harder_modes(collected, mode):
     """CUDIST_EMU_MODE (see tests/emu/fakecupy/cupy/_emu.py): other streams' queued work runs first
     whenever work must run (a GPU reusing a buffer a peer still reads is caught); each kernel
     launch runs its threads in a random order (aliasing races); float32 intrinsics flush
-    subnormals as CuPy's -ftz=true makes them do. Each mode runs the whole suite, seeded."""
+    subnormals as CuPy's -ftz=true makes them do; the collectives go through cudist._core's C++
+    launchers (emulated, tests/emu/fakecupy/cupy/_launchers.py) instead of NVRTC, alone and with
+    streams out of order. Each mode runs the whole suite, seeded."""
     _compiler_or_skip()
     passed, out = _run_gpu_suite(GPU_FILES, "all", CUDIST_EMU_MODE=mode, CUDIST_EMU_SEED="15")
     assert passed >= collected, f"only {passed} of {collected} gpu tests passed in mode {mode}:\n{out[-3000:]}"

@@ -190,12 +190,24 @@ def test_float32_subnormals_survive_the_updates(backend, flush_to_zero):
 
 
 # ------------------------------------------------------------------------- launch overheads on paper
+@pytest.fixture
+def nvrtc_backend(monkeypatch):
+    """A cupy backend launching everything through NVRTC (CUDIST_CUDA_LAUNCHERS=nvrtc): the C++
+    launchers of cudist._core size their grids and join their streams themselves."""
+    from cudist._kernels._cupy import CupyBackend
+
+    monkeypatch.setenv("CUDIST_CUDA_LAUNCHERS", "nvrtc")
+    return CupyBackend()
+
+
 @pytest.mark.multi_gpu
-def test_joins_reuse_one_event_per_device_and_stream(backend, monkeypatch):
+def test_joins_reuse_one_event_per_device_and_stream(nvrtc_backend, monkeypatch):
     """Two-shot all-reduce over k GPUs joins their streams twice. Each join records one event per
     GPU, reused across calls: no event is created after the first call (it used to create one per
     (waiter, source) pair: 2·k·(k-1) per call, 112 for 8 GPUs)."""
     from cudist import _arrays
+
+    backend = nvrtc_backend
 
     k = min(cupy.cuda.runtime.getDeviceCount(), 4)
     created, recorded = [], []
@@ -226,10 +238,11 @@ def test_joins_reuse_one_event_per_device_and_stream(backend, monkeypatch):
 
 @pytest.mark.gpu
 def test_grid_is_sms_times_the_kernels_occupancy(monkeypatch):
-    """The grid fills one wave: SMs x the resident blocks per SM the driver computes for the kernel
-    (asked once per device, dtype and kernel), not a fixed 8 per SM."""
+    """The grid of an NVRTC launch fills one wave: SMs x the resident blocks per SM the driver
+    computes for the kernel (asked once per device, dtype and kernel), not a fixed 8 per SM."""
     from cudist._kernels._cupy import CupyBackend
 
+    monkeypatch.setenv("CUDIST_CUDA_LAUNCHERS", "nvrtc")
     calls = []
     real = cupy.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor
 

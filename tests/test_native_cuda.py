@@ -27,6 +27,8 @@ DTYPES = ("float16", "float32", "float64", "int32", "int64")
 OPS = {ReduceOp.SUM: _core.SUM, ReduceOp.MEAN: _core.MEAN}
 
 cuda_built = pytest.mark.skipif(not _core.cuda_built, reason="cudist._core was built without CUDA")
+#: The launcher bindings of a CUDA build (the cupy backend's collectives go through them).
+LAUNCHERS = ("cuda_all_reduce", "cuda_all_reduce_into", "cuda_reduce_to_one", "cuda_broadcast", "cuda_p2p_all_reduce")
 
 
 def test_build_metadata():
@@ -34,11 +36,13 @@ def test_build_metadata():
     if _core.cuda_built:
         assert re.fullmatch(r"\d+[a-z]?(,\d+[a-z]?)*", _core.cuda_architectures), _core.cuda_architectures
         assert _core.cuda_runtime_version >= 11000
-        assert callable(_core.cuda_all_reduce) and callable(_core.cuda_p2p_all_reduce)
+        for name in LAUNCHERS:
+            assert callable(getattr(_core, name)), name
     else:
         assert _core.cuda_architectures == "" and _core.cuda_runtime_version == 0
         assert _core.cuda_device_count() == 0
-        assert not hasattr(_core, "cuda_all_reduce")
+        for name in LAUNCHERS:
+            assert not hasattr(_core, name), name
 
 
 def test_info_names_the_cuda_build():
@@ -59,7 +63,10 @@ _NO_DEVICE_SCRIPT = textwrap.dedent(
     assert _core.cuda_device_count() == 0
     for call in (lambda: _core.cuda_all_reduce([4096, 8192], 10, "float32", _core.SUM),
                  lambda: _core.cuda_all_reduce([4096], 10, "float32", _core.SUM),
-                 lambda: _core.cuda_p2p_all_reduce([(4096, 0), (8192, 1)], 10, "int64", _core.MEAN)):
+                 lambda: _core.cuda_p2p_all_reduce([(4096, 0), (8192, 1)], 10, "int64", _core.MEAN),
+                 lambda: _core.cuda_all_reduce_into([4096], [8192], 10, "float16", _core.SUM),
+                 lambda: _core.cuda_reduce_to_one([4096, 8192], 8192, 10, "int32", _core.MEAN, device=0),
+                 lambda: _core.cuda_broadcast(4096, [8192], 0, "float64")):
         try:
             call()
         except RuntimeError as e:
@@ -79,8 +86,10 @@ def test_without_a_device_imports_and_launches_raise():
     out = subprocess.run([sys.executable, "-c", _NO_DEVICE_SCRIPT], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     errors = out.stdout.strip().splitlines()
-    assert len(errors) == 3
-    for line, where in zip(errors, ["cuda_all_reduce", "cuda_all_reduce", "cuda_p2p_all_reduce"]):
+    wheres = ["cuda_all_reduce", "cuda_all_reduce", "cuda_p2p_all_reduce", "cuda_all_reduce_into", "cuda_reduce_to_one",
+              "cuda_broadcast"]
+    assert len(errors) == len(wheres)
+    for line, where in zip(errors, wheres):
         # e.g. "cuda_all_reduce: CUDA error cudaErrorNoDevice (no CUDA-capable device is detected)"
         assert re.match(rf"RuntimeError: {where}: CUDA error cudaError\w+ \(.+\)$", line), line
         assert "cudaErrorNoDevice" in line or "cudaErrorInsufficientDriver" in line, line
@@ -127,6 +136,32 @@ def test_all_reduce_rejects_bad_arguments(args, kwargs, message):
 def test_p2p_all_reduce_rejects_bad_arguments(args, kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         _core.cuda_p2p_all_reduce(*args, **kwargs)
+
+
+@cuda_built
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda: _core.cuda_all_reduce_into([4096], [], 4, "float32", 0), "expected at least one device output"),
+        (lambda: _core.cuda_all_reduce_into([4096], [8192, 12288], 4, "float32", 0), "got 1 inputs but 2 outputs"),
+        (lambda: _core.cuda_all_reduce_into([4096, 0], [8192, 1], 4, "float32", 0), "input 1 is null"),
+        (lambda: _core.cuda_all_reduce_into(4096, [8192], 4, "float32", 0), "inputs must be a sequence"),
+        (lambda: _core.cuda_all_reduce_into([4096], [8192], 4, "uint8", 0), "unsupported dtype 'uint8'"),
+        (lambda: _core.cuda_all_reduce_into([4096], [8192], 4, "float32", 0, device=-3), "device must be >= 0"),
+        (lambda: _core.cuda_reduce_to_one([4096], 0, 4, "float32", 0), "out is null"),
+        (lambda: _core.cuda_reduce_to_one([4096], -4, 4, "float32", 0), "out is negative"),
+        (lambda: _core.cuda_reduce_to_one([], 4096, 4, "float32", 1), "expected at least one device pointer"),
+        (lambda: _core.cuda_reduce_to_one([4096], 8192, -1, "float32", 1), "count must be >= 0"),
+        (lambda: _core.cuda_reduce_to_one([4096], 8192, 4, "float32", 3), "op must be 0"),
+        (lambda: _core.cuda_broadcast(0, [8192], 4, "int32"), "src is null"),
+        (lambda: _core.cuda_broadcast(4096, [8192, 0], 4, "int32"), "destination 1 is null"),
+        (lambda: _core.cuda_broadcast(4096, [], 4, "int32"), "expected at least one device destination"),
+        (lambda: _core.cuda_broadcast(4096, [8192], 4, "complex64"), "unsupported dtype 'complex64'"),
+    ],
+)
+def test_the_other_launchers_reject_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call()
 
 
 @cuda_built

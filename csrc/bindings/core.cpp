@@ -732,20 +732,24 @@ cudaError_t cuda_dispatch(kind k, F&& fn) {
                            ")");
 }
 
-std::uintptr_t to_address(py::handle h, const char* where, const char* what, std::size_t i) {
-  if (!PyIndex_Check(h.ptr()))
-    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is not an integer");
+// An address (or device, stream handle) given as a non-negative Python int; `what` names it in errors.
+std::uintptr_t to_address(py::handle h, const char* where, const std::string& what) {
+  const std::string at = std::string(where) + ": " + what;
+  if (!PyIndex_Check(h.ptr())) throw py::value_error(at + " is not an integer");
   long long v = 0;
   try {
     v = py::cast<long long>(py::int_(py::reinterpret_borrow<py::object>(h)));
   } catch (py::error_already_set&) {
-    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is not an integer");
+    throw py::value_error(at + " is not an integer");
   } catch (py::cast_error&) {
-    throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is out of range");
+    throw py::value_error(at + " is out of range");
   }
-  if (v < 0) throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(i) + " is negative");
+  if (v < 0) throw py::value_error(at + " is negative");
   return static_cast<std::uintptr_t>(v);
 }
+
+// Element i of a sequence named by `what`, e.g. "pointer 3".
+std::string nth(const char* what, std::size_t i) { return std::string(what) + " " + std::to_string(i); }
 
 std::vector<py::object> items_of(py::handle seq, const char* where, const char* what) {
   if (!PySequence_Check(seq.ptr()) || py::isinstance<py::str>(seq))
@@ -755,15 +759,26 @@ std::vector<py::object> items_of(py::handle seq, const char* where, const char* 
   return out;
 }
 
-std::vector<void*> device_pointers(py::handle seq, const char* where) {
+// The device pointers of `seq` (Python ints): `what` names the sequence, `item` one element in errors.
+std::vector<void*> device_pointers(py::handle seq, const char* where, const char* what = "ptrs",
+                                   const char* item = "pointer") {
   std::vector<void*> ptrs;
-  for (const py::object& o : items_of(seq, where, "ptrs")) {
-    const std::uintptr_t a = to_address(o, where, "pointer", ptrs.size());
-    if (a == 0) throw py::value_error(std::string(where) + ": pointer " + std::to_string(ptrs.size()) + " is null");
+  for (const py::object& o : items_of(seq, where, what)) {
+    const std::uintptr_t a = to_address(o, where, nth(item, ptrs.size()));
+    if (a == 0) throw py::value_error(std::string(where) + ": " + item + " " + std::to_string(ptrs.size()) + " is null");
     ptrs.push_back(reinterpret_cast<void*>(a));
   }
-  if (ptrs.empty()) throw py::value_error(std::string(where) + ": expected at least one device pointer, got none");
+  if (ptrs.empty())
+    throw py::value_error(std::string(where) + ": expected at least one device " + item + ", got none");
+  if (ptrs.size() > static_cast<std::size_t>(INT32_MAX))
+    throw py::value_error(std::string(where) + ": too many " + what);
   return ptrs;
+}
+
+void* device_pointer(py::handle h, const char* where, const char* what) {
+  const std::uintptr_t a = to_address(h, where, what);
+  if (a == 0) throw py::value_error(std::string(where) + ": " + what + " is null");
+  return reinterpret_cast<void*>(a);
 }
 
 void check_count(long long count, const char* where) {
@@ -779,6 +794,26 @@ int cuda_device_count() {
   return n;
 }
 
+// Runs `launch` (which enqueues work and returns a cudaError_t) without the GIL, with `device` the
+// current device (-1: the current one stays), which is restored afterwards. Even a launch with
+// nothing to do must find a usable device: an error here is the honest answer on a machine without one.
+template <class F>
+void launch_on(int device, const char* where, F&& launch) {
+  if (device < -1) throw py::value_error(std::string(where) + ": device must be >= 0 (or -1 for the current one)");
+  cudaError_t e = cudaSuccess;
+  {
+    py::gil_scoped_release nogil;
+    int saved = 0;
+    e = cudaGetDevice(&saved);
+    if (e == cudaSuccess && device >= 0) e = cudaSetDevice(device);
+    if (e == cudaSuccess) {
+      e = launch();
+      if (device >= 0) cudaSetDevice(saved);
+    }
+  }
+  if (e != cudaSuccess) raise_cuda(where, e);
+}
+
 void cuda_all_reduce(py::handle ptrs_seq, long long count, py::handle dtype, int op_i, std::uintptr_t stream_i,
                      int device, bool two_shot) {
   const char* where = "cuda_all_reduce";
@@ -786,28 +821,71 @@ void cuda_all_reduce(py::handle ptrs_seq, long long count, py::handle dtype, int
   check_count(count, where);
   const kind k = parse_dtype(dtype, where);
   std::vector<void*> p = device_pointers(ptrs_seq, where);
-  if (p.size() > static_cast<std::size_t>(INT32_MAX)) throw py::value_error("cuda_all_reduce: too many buffers");
-  if (device < -1) throw py::value_error("cuda_all_reduce: device must be >= 0 (or -1 for the current one)");
   const auto stream = reinterpret_cast<cudaStream_t>(stream_i);
-  cudaError_t e = cudaSuccess;
-  {
-    py::gil_scoped_release nogil;
-    // Even a launch with nothing to do must find a usable device: an error here is the honest
-    // answer on a machine without one.
-    int saved = 0;
-    e = cudaGetDevice(&saved);
-    if (e == cudaSuccess && device >= 0) e = cudaSetDevice(device);
-    if (e == cudaSuccess) {
-      e = cuda_dispatch(k, [&](auto t) {
-        using T = decltype(t);
-        const int n = static_cast<int>(p.size());
-        return two_shot ? cudist::cuda::all_reduce_two_shot<T>(typed<T>(p), n, count, op, stream)
-                        : cudist::cuda::all_reduce<T>(typed<T>(p), n, count, op, stream);
-      });
-      if (device >= 0) cudaSetDevice(saved);
-    }
-  }
-  if (e != cudaSuccess) raise_cuda(where, e);
+  launch_on(device, where, [&] {
+    return cuda_dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      const int n = static_cast<int>(p.size());
+      return two_shot ? cudist::cuda::all_reduce_two_shot<T>(typed<T>(p), n, count, op, stream)
+                      : cudist::cuda::all_reduce<T>(typed<T>(p), n, count, op, stream);
+    });
+  });
+}
+
+void cuda_all_reduce_into(py::handle inputs_seq, py::handle outputs_seq, long long count, py::handle dtype, int op_i,
+                          std::uintptr_t stream_i, int device) {
+  const char* where = "cuda_all_reduce_into";
+  const auto op = to_op(op_i);
+  check_count(count, where);
+  const kind k = parse_dtype(dtype, where);
+  std::vector<void*> in = device_pointers(inputs_seq, where, "inputs", "input");
+  std::vector<void*> out = device_pointers(outputs_seq, where, "outputs", "output");
+  if (in.size() != out.size())
+    throw py::value_error(std::string(where) + ": got " + std::to_string(in.size()) + " inputs but " +
+                          std::to_string(out.size()) + " outputs");
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_i);
+  launch_on(device, where, [&] {
+    return cuda_dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      return cudist::cuda::all_reduce<T>(reinterpret_cast<const T* const*>(in.data()), typed<T>(out),
+                                         static_cast<int>(in.size()), count, op, stream);
+    });
+  });
+}
+
+void cuda_reduce_to_one(py::handle ptrs_seq, py::handle out_h, long long count, py::handle dtype, int op_i,
+                        std::uintptr_t stream_i, int device) {
+  const char* where = "cuda_reduce_to_one";
+  const auto op = to_op(op_i);
+  check_count(count, where);
+  const kind k = parse_dtype(dtype, where);
+  std::vector<void*> p = device_pointers(ptrs_seq, where);
+  void* out = device_pointer(out_h, where, "out");
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_i);
+  launch_on(device, where, [&] {
+    return cuda_dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      return cudist::cuda::reduce_to_one<T>(typed<T>(p), static_cast<int>(p.size()), static_cast<T*>(out), count, op,
+                                            stream);
+    });
+  });
+}
+
+void cuda_broadcast(py::handle src_h, py::handle dsts_seq, long long count, py::handle dtype, std::uintptr_t stream_i,
+                    int device) {
+  const char* where = "cuda_broadcast";
+  check_count(count, where);
+  const kind k = parse_dtype(dtype, where);
+  const void* src = device_pointer(src_h, where, "src");
+  std::vector<void*> p = device_pointers(dsts_seq, where, "dsts", "destination");
+  const auto stream = reinterpret_cast<cudaStream_t>(stream_i);
+  launch_on(device, where, [&] {
+    return cuda_dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      return cudist::cuda::broadcast<T>(static_cast<const T*>(src), typed<T>(p), static_cast<int>(p.size()), count,
+                                        stream);
+    });
+  });
 }
 
 void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype, int op_i, py::handle streams_seq) {
@@ -821,9 +899,9 @@ void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype,
     const std::string i = std::to_string(p.size());
     if (!PySequence_Check(pair.ptr()) || PySequence_Size(pair.ptr()) != 2)
       throw py::value_error(std::string(where) + ": bufs " + i + " must be a (pointer, device) pair");
-    const std::uintptr_t a = to_address(pair[py::int_(0)], where, "pointer", p.size());
+    const std::uintptr_t a = to_address(pair[py::int_(0)], where, nth("pointer", p.size()));
     if (a == 0) throw py::value_error(std::string(where) + ": pointer " + i + " is null");
-    const std::uintptr_t d = to_address(pair[py::int_(1)], where, "device of buffer", p.size());
+    const std::uintptr_t d = to_address(pair[py::int_(1)], where, nth("device of buffer", p.size()));
     if (d > static_cast<std::uintptr_t>(INT32_MAX))
       throw py::value_error(std::string(where) + ": device of buffer " + i + " is out of range");
     p.push_back(reinterpret_cast<void*>(a));
@@ -833,7 +911,7 @@ void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype,
   std::vector<cudaStream_t> streams;
   if (!streams_seq.is_none()) {
     for (const py::object& o : items_of(streams_seq, where, "streams"))
-      streams.push_back(reinterpret_cast<cudaStream_t>(to_address(o, where, "stream", streams.size())));
+      streams.push_back(reinterpret_cast<cudaStream_t>(to_address(o, where, nth("stream", streams.size()))));
     if (streams.size() != p.size())
       throw py::value_error(std::string(where) + ": got " + std::to_string(streams.size()) + " streams for " +
                             std::to_string(p.size()) + " buffers");
@@ -982,6 +1060,17 @@ PYBIND11_MODULE(_core, m) {
         "Enqueues cudist::cuda::all_reduce (or all_reduce_two_shot) on ``stream`` of ``device`` (-1: the current "
         "one) over the device buffers at the integer addresses ``ptrs``, ``count`` elements of ``dtype`` each; "
         "op 0=SUM, 1=MEAN. Raises RuntimeError naming the CUDA error.");
+  m.def("cuda_all_reduce_into", &cuda_all_reduce_into, py::arg("inputs"), py::arg("outputs"), py::arg("count"),
+        py::arg("dtype"), py::arg("op"), py::arg("stream") = 0, py::arg("device") = -1,
+        "Enqueues the out-of-place cudist::cuda::all_reduce: every buffer of ``outputs`` (integer addresses) gets "
+        "the reduction of the buffers ``inputs``, ``count`` elements of ``dtype`` each; outputs[i] may be inputs[i].");
+  m.def("cuda_reduce_to_one", &cuda_reduce_to_one, py::arg("ptrs"), py::arg("out"), py::arg("count"),
+        py::arg("dtype"), py::arg("op"), py::arg("stream") = 0, py::arg("device") = -1,
+        "Enqueues cudist::cuda::reduce_to_one: the reduction of the buffers ``ptrs`` into ``out`` (which may be one "
+        "of ptrs[0..7], or any of them when there are at most 8).");
+  m.def("cuda_broadcast", &cuda_broadcast, py::arg("src"), py::arg("dsts"), py::arg("count"), py::arg("dtype"),
+        py::arg("stream") = 0, py::arg("device") = -1,
+        "Enqueues cudist::cuda::broadcast: copies the buffer ``src`` into every buffer of ``dsts``.");
   m.def("cuda_p2p_all_reduce", &cuda_p2p_all_reduce, py::arg("bufs"), py::arg("count"), py::arg("dtype"),
         py::arg("op"), py::arg("streams") = py::none(),
         "Enqueues cudist::cuda::p2p_all_reduce over ``bufs``, a sequence of (pointer, device) pairs, with one "

@@ -13,7 +13,7 @@ def _info() -> str:
     import numpy as np
 
     import cudist
-    from cudist._kernels import BACKENDS, BackendUnavailableError, available_backends, get_backend
+    from cudist._kernels import BACKENDS, BackendUnavailableError, available_backends, cuda_launch_policy, get_backend
 
     lines = [
         f"cudist {cudist.__version__}",
@@ -36,6 +36,8 @@ def _info() -> str:
         except BackendUnavailableError as e:
             lines.append(f"  {name:7s} broken: {e}")
     lines.append(_extension_info())
+    # How the cupy backend will launch (decided without initialising CUDA; CUDIST_CUDA_LAUNCHERS).
+    lines.append(f"cupy launch path: {cuda_launch_policy()}" + ("" if "cupy" in installed else " (once CuPy is installed)"))
     if "cupy" in installed:
         lines.append(_cuda_info())
     env = os.environ.get("CUDIST_BACKEND")

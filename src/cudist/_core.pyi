@@ -27,7 +27,8 @@ SUM: Final[int]
 MEAN: Final[int]
 
 #: Whether the extension was built with the CUDA launchers (``cuda_all_reduce``,
-#: ``cuda_p2p_all_reduce``); without them those two functions do not exist.
+#: ``cuda_all_reduce_into``, ``cuda_reduce_to_one``, ``cuda_broadcast``, ``cuda_p2p_all_reduce``);
+#: without them those functions do not exist.
 cuda_built: Final[bool]
 #: The CUDA architectures compiled for, e.g. "80,90" ("" without CUDA).
 cuda_architectures: Final[str]
@@ -294,6 +295,49 @@ def cuda_all_reduce(
 
     ``device`` -1 is the current one; ``ptrs`` are the device buffers' addresses, ``count``
     elements of ``dtype`` each; op 0=SUM, 1=MEAN. Raises RuntimeError naming the CUDA error.
+    """
+
+def cuda_all_reduce_into(
+    inputs: Sequence[int],
+    outputs: Sequence[int],
+    count: _Int,
+    dtype: DTypeLike,
+    op: _Int,
+    stream: _Int = 0,
+    device: _Int = -1,
+) -> None:
+    """Enqueues the out-of-place cudist::cuda::all_reduce on ``stream`` of ``device``.
+
+    Every buffer of ``outputs`` gets the reduction of the buffers ``inputs`` (as many; outputs[i]
+    may be inputs[i], no other overlap). Raises RuntimeError naming the CUDA error.
+    """
+
+def cuda_reduce_to_one(
+    ptrs: Sequence[int],
+    out: _Int,
+    count: _Int,
+    dtype: DTypeLike,
+    op: _Int,
+    stream: _Int = 0,
+    device: _Int = -1,
+) -> None:
+    """Enqueues cudist::cuda::reduce_to_one: the reduction of ``ptrs`` into ``out``.
+
+    ``out`` may be one of ptrs[0..7] (any of them when there are at most 8). Raises RuntimeError
+    naming the CUDA error.
+    """
+
+def cuda_broadcast(
+    src: _Int,
+    dsts: Sequence[int],
+    count: _Int,
+    dtype: DTypeLike,
+    stream: _Int = 0,
+    device: _Int = -1,
+) -> None:
+    """Enqueues cudist::cuda::broadcast: copies ``src`` into every buffer of ``dsts``.
+
+    Raises RuntimeError naming the CUDA error.
     """
 
 def cuda_p2p_all_reduce(

@@ -2,7 +2,9 @@
 // through CUDIST_LAUNCH_KERNEL (include/cuda_runtime_api.h), exposed for every dtype as
 //   int cudist_emu_launch_<launcher>_<dtype>(<the launcher's parameters>)
 // with reduce_op as an int (0 sum, 1 mean), bools as ints and the stream as a void*; the return
-// value is the launcher's cudaError_t.
+// value is the launcher's cudaError_t. The fake CuPy's stand-in for cudist._core's CUDA bindings
+// (fakecupy/cupy/_launchers.py) runs the cupy backend's collectives through these; every launcher
+// of <cudist/cuda/launch.hpp>'s list has one per dtype of its kernel (tests/test_cuda_launch_paths.py).
 #include <cudist/cuda/launch_impl.cuh>
 
 namespace {

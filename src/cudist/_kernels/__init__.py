@@ -31,6 +31,7 @@ from cudist._kernels._base import (
     adamax_lr_t,
     nadam_step,
 )
+from cudist._kernels._cuda_launch import launch_policy as cuda_launch_policy
 from cudist._kernels._split import split, split_sizes
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "split",
     "split_sizes",
     "reference_reduce",
+    "cuda_launch_policy",
 ]
 
 #: Every backend name, in order of preference for CPU buffers.

@@ -19,6 +19,22 @@ CuPy operation. When every replica sits on its own GPU and the buffers are large
 two-shot (each GPU reduces one chunk then pushes it to the others), which spreads the traffic over
 the links.
 
+Two launch paths, one set of kernels. Where ``cudist._core`` was built with CUDA, its CUDA runtime
+(static, inside the extension) sees the GPUs involved and its kernels were built for them
+(``_core.cuda_architectures``), the collectives -- all-reduce in place and out of place,
+reduce-to-one, broadcast and the two-shot all-reduce across GPUs -- are launched by the C++
+launchers of ``cudist::cuda`` (<cudist/cuda/launch.hpp>, <cudist/cuda/p2p.hpp>;
+``_core.cuda_all_reduce`` and its siblings), given CuPy's current stream of the launching GPU (of
+every GPU for the two-shot one): one host-side orchestration serves C++ users and this backend,
+as in flashinfer. Both runtimes work in each device's primary context, so CuPy's pointers and
+streams are valid there. Everything else (the mirrored updates, the batch scatter), and every
+collective where the launchers cannot serve, goes through NVRTC: the same ``.cuh`` kernels, the
+same ``*_packed`` entry points with the same parameters. The staging, the event joins between
+GPUs and the choice of two-shot are the same on both paths; only the launch differs, and the
+results are identical bit for bit. ``CUDIST_CUDA_LAUNCHERS=auto|core|nvrtc`` chooses (see
+:mod:`cudist._kernels._cuda_launch`, which also parses the kernel list both paths are built from,
+<cudist/kernels/kernel_list.cuh>); :attr:`CupyBackend.launch_path` says which path is in use.
+
 Importing this module imports CuPy: :func:`cudist._kernels.get_backend` does so only when the
 ``cupy`` backend is asked for.
 """
@@ -36,6 +52,7 @@ import optree
 from cudist._arrays import join_streams
 from cudist._kernels._base import SUPPORTED_DTYPES, KernelBackend
 from cudist._kernels._cuda_headers import cuda_include_dirs
+from cudist._kernels._cuda_launch import LAUNCHERS_ENV, dtype_ctypes, kernel_list, launch_mode, runs_on
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
 
@@ -50,36 +67,23 @@ __all__ = [
     "compiled_names",
 ]
 
-#: C++ spelling of each supported dtype in the kernel templates.
-CTYPES = {
-    "float16": "__half",
-    "float32": "float",
-    "float64": "double",
-    "int32": "int",
-    "int64": "long long",
-}
-#: Kernel templates in namespace ``cudist::kernels`` and the dtypes each is instantiated for
-#: (plain literal: tests/test_cuda_compile.py reads it without importing CuPy).
-KERNELS = {
-    "all_reduce_one_shot": ("float16", "float32", "float64", "int32", "int64"),
-    "reduce_scatter": ("float16", "float32", "float64", "int32", "int64"),
-    "all_gather_chunks": ("float16", "float32", "float64", "int32", "int64"),
-    "broadcast": ("float16", "float32", "float64", "int32", "int64"),
-    "scatter_batch": ("float16", "float32", "float64", "int32", "int64"),
-    "mirrored_assign_add": ("float16", "float32", "float64", "int32", "int64"),
-    "mirrored_sgd": ("float16", "float32", "float64"),
-    "mirrored_momentum": ("float16", "float32", "float64"),
-    "mirrored_adam": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_sgd": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_momentum": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_adam": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_adamw": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_rmsprop": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_adagrad": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_adamax": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_nadam": ("float16", "float32", "float64"),
-    "mirrored_all_reduce_lion": ("float16", "float32", "float64"),
-}
+try:
+    from cudist import _core  # the CUDA launchers, when the extension was built with CUDA
+except ImportError:  # an install without the extension: NVRTC only
+    _core = None
+
+
+def _include_dir() -> Path:
+    import cudist
+
+    return Path(cudist.get_include())
+
+
+#: C++ spelling of each supported dtype in the kernel templates (from the kernel list's dtype sets).
+CTYPES = dtype_ctypes(_include_dir())
+#: Kernel templates in namespace ``cudist::kernels`` and the dtypes each is instantiated for: the
+#: kernel list of <cudist/kernels/kernel_list.cuh>, which the C++ launchers are instantiated from too.
+KERNELS = kernel_list(_include_dir())
 #: Most replica buffers one launch touches (cudist::kernels::kMaxReplicas).
 MAX_REPLICAS = 8
 _THREADS = 256
@@ -119,12 +123,6 @@ def _cuda_include_dirs() -> list[str]:
     get_cuda_path = getattr(cupy.cuda, "get_cuda_path", None)
     root = get_cuda_path() if get_cuda_path is not None else None
     return cuda_include_dirs([root] if root else [])
-
-
-def _include_dir() -> Path:
-    import cudist
-
-    return Path(cudist.get_include())
 
 
 def kernel_source(include_dir: Path | None = None) -> str:
@@ -178,8 +176,109 @@ def _from_async_pool(a) -> bool:
     return _MEMORY_ASYNC is not None and isinstance(getattr(a.data, "mem", None), _MEMORY_ASYNC)
 
 
+def _op_code(op) -> int:
+    """The launchers' cudist::reduce_op code (1: MEAN, 0: SUM), decided as the NVRTC path decides its divisor."""
+    return 1 if op is ReduceOp.MEAN else 0
+
+
+def _current_stream(device: int) -> int:
+    """The handle of CuPy's current stream on ``device``: where the NVRTC path would launch."""
+    with cupy.cuda.Device(device):
+        return cupy.cuda.get_current_stream().ptr
+
+
+class _CoreLaunchers:
+    """The C++ launchers of ``cudist::cuda`` through ``core`` (``cudist._core``, or a stand-in with
+    the same ``cuda_*`` functions), each enqueued on CuPy's current stream of the launching GPU.
+
+    The arrays must be usable from that GPU (its own, or peers' with peer access enabled): the
+    backend stages the others first, exactly as for an NVRTC launch.
+    """
+
+    def __init__(self, core, devices: int):
+        self.core, self.devices = core, devices
+        self._runs: dict[int, bool] = {}  # device -> whether the extension's kernels run on it
+
+    def serve(self, arrays) -> bool:
+        """Whether the extension's CUDA runtime sees every GPU the arrays live on and its kernels
+        were built for them (``_core.cuda_architectures``; NVRTC compiles for any GPU)."""
+        return all(self._serves(d) for d in {a.device.id for a in arrays})
+
+    def _serves(self, device: int) -> bool:
+        ok = self._runs.get(device)
+        if ok is None:
+            ok = device < self.devices
+            if ok:
+                props = cupy.cuda.runtime.getDeviceProperties(device)
+                ok = runs_on(self.core.cuda_architectures, int(props["major"]) * 10 + int(props["minor"]))
+            self._runs[device] = ok
+        return ok
+
+    def all_reduce(self, device, bufs, op):
+        b = bufs[0]
+        self.core.cuda_all_reduce([x.data.ptr for x in bufs], b.size, b.dtype.name, _op_code(op),
+                                  stream=_current_stream(device), device=device)
+
+    def all_reduce_into(self, device, inputs, outputs, op):
+        b = inputs[0]
+        self.core.cuda_all_reduce_into([x.data.ptr for x in inputs], [x.data.ptr for x in outputs], b.size,
+                                       b.dtype.name, _op_code(op), stream=_current_stream(device), device=device)
+
+    def reduce_to_one(self, device, bufs, out, op):
+        self.core.cuda_reduce_to_one([x.data.ptr for x in bufs], out.data.ptr, out.size, out.dtype.name,
+                                     _op_code(op), stream=_current_stream(device), device=device)
+
+    def broadcast(self, device, src, dsts):
+        self.core.cuda_broadcast(src.data.ptr, [x.data.ptr for x in dsts], src.size, src.dtype.name,
+                                 stream=_current_stream(device), device=device)
+
+    def p2p_all_reduce(self, bufs, op):
+        """Two-shot across GPUs, each buffer's GPU on its current stream; the launcher joins the
+        streams before and after (what the NVRTC path's join_streams calls do)."""
+        b = bufs[0]
+        devices = [x.device.id for x in bufs]
+        self.core.cuda_p2p_all_reduce([(x.data.ptr, d) for x, d in zip(bufs, devices)], b.size, b.dtype.name,
+                                      _op_code(op), streams=[_current_stream(d) for d in devices])
+
+
+def _select_launchers():
+    """``(launchers or None, forced, description)`` by ``CUDIST_CUDA_LAUNCHERS`` and what the
+    extension offers.
+
+    Raises:
+        ValueError: CUDIST_CUDA_LAUNCHERS has a value other than auto, core or nvrtc.
+        RuntimeError: it says ``core`` but the extension has no CUDA launchers or sees no GPU.
+    """
+    mode = launch_mode()
+    if mode == "nvrtc":
+        return None, False, f"NVRTC for every kernel ({LAUNCHERS_ENV}=nvrtc)"
+    core, n, why = _core, 0, None
+    if core is None:
+        why = "cudist._core is not importable"
+    elif not getattr(core, "cuda_built", False):
+        why = "cudist._core was built without CUDA"
+    else:
+        n = int(core.cuda_device_count())
+        if n < 1:
+            v = int(core.cuda_runtime_version)
+            why = f"the CUDA runtime {v // 1000}.{v % 1000 // 10} of cudist._core sees no GPU"
+    if why is not None:
+        if mode == "core":
+            raise RuntimeError(f"{LAUNCHERS_ENV}=core, but {why}; unset it (or set {LAUNCHERS_ENV}=nvrtc) to "
+                               "launch every kernel through NVRTC")
+        return None, False, f"NVRTC for every kernel ({why})"
+    return _CoreLaunchers(core, n), mode == "core", (
+        f"cudist._core's CUDA launchers for the collectives ({n} GPU(s) seen), NVRTC for the rest "
+        f"({LAUNCHERS_ENV}={mode})"
+    )
+
+
 class CupyBackend(KernelBackend):
-    """Kernel backend over CuPy arrays on NVIDIA GPUs (see the module docstring)."""
+    """Kernel backend over CuPy arrays on NVIDIA GPUs (see the module docstring).
+
+    ``launch_path`` says how it launches: through cudist._core's CUDA launchers for the
+    collectives (NVRTC for the rest), or through NVRTC for everything, and why.
+    """
 
     name = "cupy"
     dtypes = SUPPORTED_DTYPES
@@ -193,6 +292,20 @@ class CupyBackend(KernelBackend):
         self._sms: dict[int, int] = {}
         self._occupancy: dict[tuple, int] = {}  # (device, dtype, kernel) -> resident blocks per SM
         self._program: tuple | None = None  # (NVRTC source, options): the same for every dtype
+        self._launchers, self._launchers_forced, self.launch_path = _select_launchers()
+
+    def _core_for(self, arrays):
+        """The C++ launchers when they can serve these arrays, else None (the NVRTC path)."""
+        launchers = self._launchers
+        if launchers is None or launchers.serve(arrays):
+            return launchers
+        if self._launchers_forced:
+            raise RuntimeError(
+                f"{LAUNCHERS_ENV}=core, but cudist._core's CUDA launchers cannot serve GPUs "
+                f"{sorted({a.device.id for a in arrays})}: its CUDA runtime sees {launchers.devices} GPU(s) and its "
+                f"kernels are built for {launchers.core.cuda_architectures or 'no architecture'}"
+            )
+        return None
 
     def _span(self, a):
         start = int(a.data.ptr)
@@ -392,14 +505,17 @@ class CupyBackend(KernelBackend):
             return
         divisor = n if op is ReduceOp.MEAN else 0
         if outputs is inputs or all(o is i for o, i in zip(outputs, inputs)):
-            self._all_reduce_in_place(outputs, divisor)
+            self._all_reduce_in_place(outputs, op)
             return
         # Out of place: one-shot on the first output's GPU (the others over peer access, or
         # staged), reading each input once and writing each output once.
         device = outputs[0].device.id
+        core = self._core_for(list(inputs) + list(outputs))
         st = self._Staging(self, device, list(inputs) + list(outputs), [False] * n + [True] * n)
         ins, outs = st.arrays[:n], st.arrays[n:]
-        if n <= MAX_REPLICAS:
+        if core is not None:
+            core.all_reduce_into(device, ins, outs, op)
+        elif n <= MAX_REPLICAS:
             self._launch(
                 device,
                 "all_reduce_one_shot",
@@ -421,15 +537,22 @@ class CupyBackend(KernelBackend):
             self._broadcast_from(device, outs[0], outs[MAX_REPLICAS:])
         st.finish()
 
-    def _all_reduce_in_place(self, bufs, divisor):
+    def _all_reduce_in_place(self, bufs, op):
         n = len(bufs)
+        divisor = n if op is ReduceOp.MEAN else 0
+        core = self._core_for(bufs)
         if self._use_two_shot(bufs):
-            self._all_reduce_two_shot(bufs, divisor)
+            if core is not None:
+                core.p2p_all_reduce(bufs, op)
+            else:
+                self._all_reduce_two_shot(bufs, divisor)
             return
         device = bufs[0].device.id
         st = self._Staging(self, device, bufs, [True] * n)
         b = st.arrays
-        if n <= MAX_REPLICAS:
+        if core is not None:
+            core.all_reduce(device, b, op)
+        elif n <= MAX_REPLICAS:
             self._reduce_into(device, b, b[0], b[1:], divisor)
         else:
             # The running sum lives in b[0], which the first pass consumes before overwriting it.
@@ -443,6 +566,7 @@ class CupyBackend(KernelBackend):
         n = len(bufs)
         divisor = n if op is ReduceOp.MEAN else 0
         device = out.device.id
+        core = self._core_for(list(bufs) + [out])
         st = self._Staging(self, device, list(bufs) + [out], [False] * n + [True])
         b, o = st.arrays[:n], st.arrays[n]
         # An output exactly equal to an input is fine (each element is read, then written, by one
@@ -453,8 +577,14 @@ class CupyBackend(KernelBackend):
         ):
             with cupy.cuda.Device(device):
                 tmp = cupy.empty_like(o)
-            self._reduce_into(device, b, tmp, [], divisor)
-            self._broadcast_from(device, tmp, [o])
+            if core is not None:
+                core.reduce_to_one(device, b, tmp, op)
+                core.broadcast(device, tmp, [o])
+            else:
+                self._reduce_into(device, b, tmp, [], divisor)
+                self._broadcast_from(device, tmp, [o])
+        elif core is not None:
+            core.reduce_to_one(device, b, o, op)
         else:
             self._reduce_into(device, b, o, [], divisor)
         st.finish()
@@ -463,6 +593,7 @@ class CupyBackend(KernelBackend):
         if src.size == 0:
             return
         device = src.device.id
+        core = self._core_for([src] + list(dsts))
         st = self._Staging(self, device, [src] + list(dsts), [False] + [True] * len(dsts))
         s, ds = st.arrays[0], st.arrays[1:]
         # Exact aliasing is harmless (each element is read before it is written, by one thread);
@@ -470,7 +601,10 @@ class CupyBackend(KernelBackend):
         if any(_ranges_overlap(s, d) and d.data.ptr != s.data.ptr for d in ds):
             with cupy.cuda.Device(device):
                 s = s.copy()
-        self._broadcast_from(device, s, ds)
+        if core is not None:
+            core.broadcast(device, s, ds)
+        else:
+            self._broadcast_from(device, s, ds)
         st.finish()
 
     def _hook_all_gather(self, bufs, axis):

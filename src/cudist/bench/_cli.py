@@ -271,6 +271,10 @@ class Context:
         llc = f", {h['last_level_cache']} last-level cache" if h["last_level_cache"] else ""
         self.print(f"# CPU: {h['cpu']}, {h['cores']} cores{llc}; Python {h['python']}")
         self.print("# backends: " + ", ".join(f"{k} ({v})" for k, v in h["backends"].items()))
+        for be in getattr(self, "_backends", None) or ():
+            if be.name == "cupy":  # the loaded GPU backend: C++ launchers or NVRTC (CUDIST_CUDA_LAUNCHERS)
+                h["cupy_launch_path"] = be.launch_path
+                self.print(f"# cupy launch path: {be.launch_path}")
         for n in self.notes:
             self.print(f"# note: {n}")
         if copy_bw:

@@ -23,6 +23,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include "../kernels/kernel_list.cuh"
 #include "../reduce_op.hpp"
 
 namespace cudist {
@@ -150,68 +151,95 @@ template <class T>
 cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* const* grads, int m, double lr,
                             double beta_1, double beta_2, double decay, long long count, cudaStream_t stream = nullptr);
 
-#define CUDIST_CUDA_DECLARE_MORE(T)                                                                             \
-  extern template cudaError_t adamw<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double,  \
-                                       double, double, long long, cudaStream_t);                                \
-  extern template cudaError_t all_reduce_adamw<T>(T* const*, T* const*, T* const*, int, const T* const*, int,    \
-                                                  double, double, double, double, double, long long, cudaStream_t); \
-  extern template cudaError_t rmsprop<T>(T* const*, T* const*, T* const*, T* const*, int, const T*, double,     \
-                                         double, double, double, double, long long, cudaStream_t);              \
-  extern template cudaError_t all_reduce_rmsprop<T>(T* const*, T* const*, T* const*, T* const*, int,            \
-                                                    const T* const*, int, double, double, double, double, double, \
-                                                    long long, cudaStream_t);                                   \
-  extern template cudaError_t adagrad<T>(T* const*, T* const*, int, const T*, double, double, double, long long, \
-                                         cudaStream_t);                                                         \
-  extern template cudaError_t all_reduce_adagrad<T>(T* const*, T* const*, int, const T* const*, int, double,    \
-                                                    double, double, long long, cudaStream_t);                   \
-  extern template cudaError_t adamax<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double, \
-                                        double, double, long long, cudaStream_t);                               \
-  extern template cudaError_t all_reduce_adamax<T>(T* const*, T* const*, T* const*, int, const T* const*, int,   \
-                                                   double, double, double, double, double, long long, cudaStream_t); \
-  extern template cudaError_t nadam<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double,  \
-                                       double, double, double, double, double, long long, cudaStream_t);        \
-  extern template cudaError_t all_reduce_nadam<T>(T* const*, T* const*, T* const*, int, const T* const*, int,    \
-                                                  double, double, double, double, double, double, double, double, \
-                                                  long long, cudaStream_t);                                     \
-  extern template cudaError_t lion<T>(T* const*, T* const*, int, const T*, double, double, double, double,      \
-                                      long long, cudaStream_t);                                                 \
-  extern template cudaError_t all_reduce_lion<T>(T* const*, T* const*, int, const T* const*, int, double, double, \
-                                                 double, double, long long, cudaStream_t);
+/// The launchers, declared once: CUDIST_CUDA_LAUNCHERS_<kernel>(L, T, name) lists, for each kernel
+/// of CUDIST_KERNELS (<cudist/kernels/kernel_list.cuh>), the launchers built on it as
+/// L(header, launcher, T, (parameters)), `header` being `launch` (this file) or `p2p`
+/// (<cudist/cuda/p2p.hpp>). A launcher is instantiated for the dtypes of the kernel it is listed
+/// under, so the launchers and the CuPy backend's NVRTC name expressions come from one list; the
+/// kernels a launcher launches besides (broadcast, for the copies past kMaxReplicas) support every
+/// dtype.
+#define CUDIST_CUDA_LAUNCHERS_all_reduce_one_shot(L, T, name)                                                   \
+  L(launch, all_reduce, T, (T* const*, int, long long, reduce_op, cudaStream_t))                                \
+  L(launch, all_reduce, T, (const T* const*, T* const*, int, long long, reduce_op, cudaStream_t))               \
+  L(launch, reduce_to_one, T, (T* const*, int, T*, long long, reduce_op, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_reduce_scatter(L, T, name)                                                        \
+  L(launch, all_reduce_two_shot, T, (T* const*, int, long long, reduce_op, cudaStream_t))                       \
+  L(p2p, p2p_all_reduce, T, (T* const*, const int*, const cudaStream_t*, int, long long, reduce_op))
+#define CUDIST_CUDA_LAUNCHERS_all_gather_chunks(L, T, name)  // the second phase of the two above
+#define CUDIST_CUDA_LAUNCHERS_broadcast(L, T, name)                                                             \
+  L(launch, broadcast, T, (const T*, T* const*, int, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_scatter_batch(L, T, name)                                                         \
+  L(launch, scatter_batch, T, (const T*, T* const*, int, long long, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_assign_add(L, T, name)                                                   \
+  L(launch, assign_add, T, (T* const*, int, const T*, long long, bool, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_sgd(L, T, name)                                                          \
+  L(launch, sgd, T, (T* const*, int, const T*, double, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_momentum(L, T, name)                                                     \
+  L(launch, momentum, T, (T* const*, T* const*, int, const T*, double, double, bool, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_adam(L, T, name)                                                         \
+  L(launch, adam, T,                                                                                            \
+    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_sgd(L, T, name)                                               \
+  L(launch, all_reduce_sgd, T, (T* const*, int, const T* const*, int, double, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_momentum(L, T, name)                                          \
+  L(launch, all_reduce_momentum, T,                                                                             \
+    (T* const*, T* const*, int, const T* const*, int, double, double, bool, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adam(L, T, name)                                              \
+  L(launch, all_reduce_adam, T,                                                                                 \
+    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, long long,     \
+     cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adamw(L, T, name)                                             \
+  L(launch, adamw, T,                                                                                           \
+    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double, long long,         \
+     cudaStream_t))                                                                                             \
+  L(launch, all_reduce_adamw, T,                                                                                \
+    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, double,        \
+     long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_rmsprop(L, T, name)                                           \
+  L(launch, rmsprop, T,                                                                                         \
+    (T* const*, T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double,         \
+     long long, cudaStream_t))                                                                                  \
+  L(launch, all_reduce_rmsprop, T,                                                                              \
+    (T* const*, T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double,     \
+     double, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adagrad(L, T, name)                                           \
+  L(launch, adagrad, T, (T* const*, T* const*, int, const T*, double, double, double, long long, cudaStream_t)) \
+  L(launch, all_reduce_adagrad, T,                                                                              \
+    (T* const*, T* const*, int, const T* const*, int, double, double, double, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adamax(L, T, name)                                            \
+  L(launch, adamax, T,                                                                                          \
+    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double, long long,         \
+     cudaStream_t))                                                                                             \
+  L(launch, all_reduce_adamax, T,                                                                               \
+    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, double,        \
+     long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_nadam(L, T, name)                                             \
+  L(launch, nadam, T,                                                                                           \
+    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double, double, double,    \
+     double, long long, cudaStream_t))                                                                          \
+  L(launch, all_reduce_nadam, T,                                                                                \
+    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, double,        \
+     double, double, double, long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_lion(L, T, name)                                              \
+  L(launch, lion, T, (T* const*, T* const*, int, const T*, double, double, double, double, long long,           \
+                      cudaStream_t))                                                                            \
+  L(launch, all_reduce_lion, T,                                                                                 \
+    (T* const*, T* const*, int, const T* const*, int, double, double, double, double, long long, cudaStream_t))
 
-#define CUDIST_CUDA_DECLARE_ALL(T)                                                                             \
-  extern template cudaError_t all_reduce<T>(T* const*, int, long long, reduce_op, cudaStream_t);              \
-  extern template cudaError_t all_reduce<T>(const T* const*, T* const*, int, long long, reduce_op, cudaStream_t); \
-  extern template cudaError_t all_reduce_two_shot<T>(T* const*, int, long long, reduce_op, cudaStream_t);     \
-  extern template cudaError_t reduce_to_one<T>(T* const*, int, T*, long long, reduce_op, cudaStream_t);       \
-  extern template cudaError_t broadcast<T>(const T*, T* const*, int, long long, cudaStream_t);                \
-  extern template cudaError_t scatter_batch<T>(const T*, T* const*, int, long long, long long, cudaStream_t); \
-  extern template cudaError_t assign_add<T>(T* const*, int, const T*, long long, bool, cudaStream_t);
-#define CUDIST_CUDA_DECLARE_FLOAT(T)                                                                          \
-  extern template cudaError_t sgd<T>(T* const*, int, const T*, double, long long, cudaStream_t);             \
-  extern template cudaError_t momentum<T>(T* const*, T* const*, int, const T*, double, double, bool, long long, \
-                                          cudaStream_t);                                                     \
-  extern template cudaError_t adam<T>(T* const*, T* const*, T* const*, int, const T*, double, double, double,  \
-                                      double, long long, cudaStream_t);                                      \
-  extern template cudaError_t all_reduce_sgd<T>(T* const*, int, const T* const*, int, double, long long,       \
-                                                cudaStream_t);                                               \
-  extern template cudaError_t all_reduce_momentum<T>(T* const*, T* const*, int, const T* const*, int, double,  \
-                                                     double, bool, long long, cudaStream_t);                 \
-  extern template cudaError_t all_reduce_adam<T>(T* const*, T* const*, T* const*, int, const T* const*, int,  \
-                                                 double, double, double, double, long long, cudaStream_t);
+/// L(header, launcher, T, (parameters)) for every launcher and every dtype of the kernel it is
+/// listed under (a kernel of CUDIST_KERNELS without a CUDIST_CUDA_LAUNCHERS_<kernel> is an error).
+#define CUDIST_CUDA_FOR_EACH_LAUNCHER(L) CUDIST_KERNELS(CUDIST_CUDA_KERNEL_LAUNCHERS_, L)
+#define CUDIST_CUDA_KERNEL_LAUNCHERS_(L, kernel, SET) CUDIST_DTYPES_##SET(CUDIST_CUDA_LAUNCHERS_##kernel, L)
 
 // The definitions live in the cudist::cuda library (csrc/src/cuda/launch.cu).
 #ifndef CUDIST_CUDA_IMPLEMENTATION
-CUDIST_CUDA_DECLARE_ALL(float)
-CUDIST_CUDA_DECLARE_ALL(double)
-CUDIST_CUDA_DECLARE_ALL(__half)
-CUDIST_CUDA_DECLARE_ALL(int)
-CUDIST_CUDA_DECLARE_ALL(long long)
-CUDIST_CUDA_DECLARE_FLOAT(float)
-CUDIST_CUDA_DECLARE_FLOAT(double)
-CUDIST_CUDA_DECLARE_FLOAT(__half)
-CUDIST_CUDA_DECLARE_MORE(float)
-CUDIST_CUDA_DECLARE_MORE(double)
-CUDIST_CUDA_DECLARE_MORE(__half)
+#define CUDIST_CUDA_DECLARE_(header, launcher, T, params) CUDIST_CUDA_DECLARE_##header(launcher, T, params)
+#define CUDIST_CUDA_DECLARE_launch(launcher, T, params) extern template cudaError_t launcher<T> params;
+#define CUDIST_CUDA_DECLARE_p2p(launcher, T, params)  // declared by <cudist/cuda/p2p.hpp>
+CUDIST_CUDA_FOR_EACH_LAUNCHER(CUDIST_CUDA_DECLARE_)
+#undef CUDIST_CUDA_DECLARE_
+#undef CUDIST_CUDA_DECLARE_launch
+#undef CUDIST_CUDA_DECLARE_p2p
 #endif
 
 }  // namespace cuda

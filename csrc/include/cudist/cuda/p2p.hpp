@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include "../reduce_op.hpp"
+#include "launch.hpp"  // CUDIST_CUDA_FOR_EACH_LAUNCHER
 
 namespace cudist {
 namespace cuda {
@@ -45,17 +46,16 @@ template <class T>
 cudaError_t p2p_all_reduce(T* const* bufs, const int* devices, const cudaStream_t* streams, int n, long long count,
                            reduce_op op);
 
-#define CUDIST_CUDA_DECLARE_P2P(T)                                                                         \
-  extern template cudaError_t p2p_all_reduce<T>(T* const*, const int*, const cudaStream_t*, int, long long, \
-                                                reduce_op);
-
-// The definitions live in the cudist::cuda library (csrc/src/cuda/launch.cu).
+// The definitions live in the cudist::cuda library (csrc/src/cuda/launch.cu), for the dtypes
+// p2p_all_reduce is listed with in <cudist/cuda/launch.hpp> (CUDIST_CUDA_FOR_EACH_LAUNCHER).
 #ifndef CUDIST_CUDA_IMPLEMENTATION
-CUDIST_CUDA_DECLARE_P2P(float)
-CUDIST_CUDA_DECLARE_P2P(double)
-CUDIST_CUDA_DECLARE_P2P(__half)
-CUDIST_CUDA_DECLARE_P2P(int)
-CUDIST_CUDA_DECLARE_P2P(long long)
+#define CUDIST_CUDA_DECLARE_P2P_(header, launcher, T, params) CUDIST_CUDA_DECLARE_P2P_##header(launcher, T, params)
+#define CUDIST_CUDA_DECLARE_P2P_launch(launcher, T, params)  // declared by <cudist/cuda/launch.hpp>
+#define CUDIST_CUDA_DECLARE_P2P_p2p(launcher, T, params) extern template cudaError_t launcher<T> params;
+CUDIST_CUDA_FOR_EACH_LAUNCHER(CUDIST_CUDA_DECLARE_P2P_)
+#undef CUDIST_CUDA_DECLARE_P2P_
+#undef CUDIST_CUDA_DECLARE_P2P_launch
+#undef CUDIST_CUDA_DECLARE_P2P_p2p
 #endif
 
 }  // namespace cuda

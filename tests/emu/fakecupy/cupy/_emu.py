@@ -26,7 +26,10 @@ Configuration (environment, read once at import):
         ``shuffle`` -- each kernel launch runs its (block, thread) pairs in a random order instead
         of one after the other (exposes aliasing races between elements of one launch);
         ``ftz`` -- float32 ``__f*_rn`` intrinsics flush subnormal inputs and results to zero, as
-        CuPy's forced ``-ftz=true`` makes them do on a GPU.
+        CuPy's forced ``-ftz=true`` makes them do on a GPU;
+        ``core`` -- cudist's cupy backend launches its collectives through ``cudist._core``'s C++
+        CUDA launchers, emulated by :mod:`cupy._launchers` (tests/conftest.py installs them and sets
+        CUDIST_CUDA_LAUNCHERS=core), instead of through NVRTC.
         ``shuffle`` and ``ftz`` act in the C++ emulation library (tests/emu/include), which reads
         the same variable. CUDIST_EMU_SEED (default 0) seeds the random orders.
 
@@ -83,9 +86,9 @@ SMS = int(os.environ.get("CUDIST_EMU_SMS", "2"))
 NCCL_AVAILABLE = os.environ.get("CUDIST_EMU_NCCL", "1") != "0"
 SYNC = os.environ.get("CUDIST_EMU_SYNC", "0") == "1"
 MODES = frozenset(m.strip() for m in os.environ.get("CUDIST_EMU_MODE", "").split(",") if m.strip())
-_UNKNOWN_MODES = MODES - {"streams", "shuffle", "ftz"}
+_UNKNOWN_MODES = MODES - {"streams", "shuffle", "ftz", "core"}
 if _UNKNOWN_MODES:
-    raise RuntimeError(f"CUDIST_EMU_MODE: unknown mode(s) {sorted(_UNKNOWN_MODES)}; known: streams, shuffle, ftz")
+    raise RuntimeError(f"CUDIST_EMU_MODE: unknown mode(s) {sorted(_UNKNOWN_MODES)}; known: streams, shuffle, ftz, core")
 _RNG = random.Random(int(os.environ.get("CUDIST_EMU_SEED", "0")))
 WAIT_SECONDS = float(os.environ.get("CUDIST_EMU_WAIT_SECONDS", "60"))
 DRIVER_VERSION = int(os.environ.get("CUDIST_EMU_DRIVER", "12080"))

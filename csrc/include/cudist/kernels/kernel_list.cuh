@@ -1,0 +1,48 @@
+// cudist CUDA kernels: the kernel list, declared once.
+//
+// Every kernel template of <cudist/kernels/kernels.cuh> that cudist launches, with the dtypes it is
+// instantiated for. Both launch paths take it from here:
+//  * the C++ launchers (<cudist/cuda/launch.hpp>, <cudist/cuda/p2p.hpp>): each launcher is listed
+//    under the kernel it is built on and instantiated for exactly that kernel's dtypes
+//    (CUDIST_CUDA_FOR_EACH_LAUNCHER in launch.hpp expands both lists);
+//  * the CuPy backend (src/cudist/_kernels/_cuda_launch.py parses this file): its NVRTC name
+//    expressions are `cudist::kernels::<kernel>_packed<T>` for every entry below.
+// Plain preprocessor text (no CUDA, no includes), kept in the simple form Python parses: one
+// `X(A, <kernel>, <dtype set>)` per line and one `D(A, <C++ type>, <NumPy name>)` per dtype.
+#pragma once
+
+/// D(A, T, name) for every dtype of a set: A passed through, T the C++ element type, name NumPy's.
+/// ALL is every dtype cudist's kernels support; FLOAT the floating-point ones (updates).
+#define CUDIST_DTYPES_ALL(D, A) \
+  D(A, __half, float16)         \
+  D(A, float, float32)          \
+  D(A, double, float64)         \
+  D(A, int, int32)              \
+  D(A, long long, int64)
+#define CUDIST_DTYPES_FLOAT(D, A) \
+  D(A, __half, float16)           \
+  D(A, float, float32)            \
+  D(A, double, float64)
+
+/// X(A, kernel, SET) for every kernel (each has a pointer-table form `kernel<T>` and the by-value
+/// form `kernel_packed<T>` that the launchers and the CuPy backend launch), SET naming the
+/// CUDIST_DTYPES_<SET> it is instantiated for.
+#define CUDIST_KERNELS(X, A)                  \
+  X(A, all_reduce_one_shot, ALL)              \
+  X(A, reduce_scatter, ALL)                   \
+  X(A, all_gather_chunks, ALL)                \
+  X(A, broadcast, ALL)                        \
+  X(A, scatter_batch, ALL)                    \
+  X(A, mirrored_assign_add, ALL)              \
+  X(A, mirrored_sgd, FLOAT)                   \
+  X(A, mirrored_momentum, FLOAT)              \
+  X(A, mirrored_adam, FLOAT)                  \
+  X(A, mirrored_all_reduce_sgd, FLOAT)        \
+  X(A, mirrored_all_reduce_momentum, FLOAT)   \
+  X(A, mirrored_all_reduce_adam, FLOAT)       \
+  X(A, mirrored_all_reduce_adamw, FLOAT)      \
+  X(A, mirrored_all_reduce_rmsprop, FLOAT)    \
+  X(A, mirrored_all_reduce_adagrad, FLOAT)    \
+  X(A, mirrored_all_reduce_adamax, FLOAT)     \
+  X(A, mirrored_all_reduce_nadam, FLOAT)      \
+  X(A, mirrored_all_reduce_lion, FLOAT)
