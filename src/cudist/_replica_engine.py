@@ -320,6 +320,43 @@ def _thread_main(slot: _Slot, n: int, pool: weakref.ref[_ThreadPool]) -> None:
             done.release()
 
 
+_malloc_ready = False
+
+
+def _keep_thread_arenas() -> None:
+    """Once per process, before the first replica threads start: frees one 16 MiB malloc block.
+
+    glibc's malloc gives each thread an arena of its own and hands the free top of a thread's
+    arena back to the OS (``MADV_DONTNEED``) once it exceeds the trim threshold, twice the mmap
+    threshold; both start at 128 KiB and rise (to at most 32 MiB) when the program frees a block
+    that big. A replica thread frees all of its step's temporaries at the end of the step, so with
+    the thresholds low its arena is trimmed every step and the next step faults every page in
+    again: measured on the MLP benchmark's step (2 replicas, a fresh process), 808 minor faults and
+    5.3 ms per step, against 0 faults and 4.3 ms once a large block had been freed (replicas on
+    greenlets share the main arena and did not fault either way). Freeing a 16 MiB block is what
+    any NumPy program that drops a 16 MiB array does; glibc then keeps up to 32 MiB of free memory
+    per arena instead of returning it. Elsewhere than glibc (or with ``MALLOC_MMAP_THRESHOLD_`` set,
+    which fixes the thresholds) this changes nothing.
+    """
+    global _malloc_ready
+    if _malloc_ready:
+        return
+    _malloc_ready = True
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 - glibc only: others manage thread memory otherwise
+        malloc, free = libc.malloc, libc.free
+    except (OSError, AttributeError):
+        return
+    malloc.restype, malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+    free.restype, free.argtypes = None, [ctypes.c_void_p]
+    block = malloc(16 << 20)
+    if block:
+        free(block)
+
+
 class _ThreadPool(_Pool):
     """N persistent replica threads: an exchange hands every replica its message, then waits for all."""
 
@@ -329,6 +366,7 @@ class _ThreadPool(_Pool):
     def __init__(self, n: int) -> None:
         super().__init__(n)
         self.slots: list[_Slot] = []
+        _keep_thread_arenas()
         # Threads inherit the signal mask: asynchronous signals are blocked while they start, so a
         # Ctrl-C never lands in a replica thread (it goes to the caller, waiting interruptibly).
         masked = hasattr(signal, "pthread_sigmask")
@@ -396,68 +434,93 @@ class AutoPolicy:
     """The ``auto`` choice for one (replica count, function), by measured replica work per run.
 
     ``observe(seconds)`` takes one clean run's replica work (the caller's wall time outside the
-    collective handlers) and updates :attr:`threaded`, the mode of the next run:
+    collective handlers) and updates :attr:`threaded`, the mode of the next run. Runs are judged
+    in blocks of :attr:`BLOCK`, by each block's second-smallest time: noise only ever adds time,
+    and another process's burst (OpenBLAS threads of a neighbour spin for ~0.1 s after each call)
+    spoils a mean or even a median of a block, rarely its low end.
 
-    * on greenlets, once the moving average exceeds :attr:`UP` (and threads are possible), try
-      threads, remembering the greenlet average;
-    * after :attr:`TRIAL` threaded runs, keep threads only if their average is at most
-      :attr:`GAIN` times the greenlet one; otherwise go back to greenlets for :attr:`PIN` runs,
-      doubled after each failed try;
-    * on threads, go back when the work, scaled back to what it would be one replica after the
-      other, falls below half of :attr:`UP`.
+    * On greenlets, once a block's estimate exceeds :attr:`UP` (and threads are possible), try
+      threads for a block, remembering the greenlet estimate.
+    * Keep threads only if they take at most :attr:`GAIN` times the greenlet time; otherwise go
+      back to greenlets for :attr:`PIN` runs, doubled after each failed try (up to :attr:`MAX_PIN`).
+    * On threads, give up the same way as soon as a block takes longer than greenlets did (the
+      machine got busy: threads lose when other processes hold cores, see the module docstring);
+      go back (not pinned) when the work, scaled to what it would be one replica after the other,
+      falls below half of :attr:`UP`; and after :attr:`RECHECK` runs, measure greenlets and try
+      threads again, since which is faster changes with the load.
 
-    The first run after each switch is not counted (thread start, caches, first-call compiles).
+    After each switch, runs are not counted until :attr:`SETTLE` seconds of them have passed (and
+    never the first): thread start, first-call compiles, and above all the BLAS threads of the
+    greenlet runs before, which spin for ~0.1 s after their last call and would make threads look
+    slow (measured: a 4.4 ms threaded step took 6-7 ms for the first ~15 runs after greenlets).
     """
 
     #: Seconds of replica work per run (one replica after the other) above which threads are tried.
     UP = 1e-3
-    #: Weight of the newest run in the moving average.
-    ALPHA = 0.25
-    #: Runs observed before deciding (each side), after the one skipped.
-    TRIAL = 6
+    #: Runs per judgement.
+    BLOCK = 8
+    #: Seconds of runs not counted after each switch.
+    SETTLE = 0.15
     #: Threads are kept when they take at most this fraction of the greenlet time.
     GAIN = 0.9
-    #: Runs on greenlets after a failed try of threads (doubled after each).
+    #: Runs on greenlets after a failed try of threads (doubled after each, up to MAX_PIN).
     PIN = 200
+    MAX_PIN = 12_800
+    #: Runs on threads between two comparisons with greenlets.
+    RECHECK = 1000
 
-    __slots__ = ("threaded", "avg", "seen", "reference", "ratio", "pinned", "backoff", "can_thread")
+    __slots__ = ("threaded", "settling", "seen", "low", "low2", "reference", "ratio", "pinned", "backoff", "can_thread")
 
     def __init__(self, can_thread: Callable[[], bool] = _blas.available) -> None:
         self.threaded = False
-        self.avg = 0.0
-        self.seen = 0  # runs observed since the last switch (the first is skipped)
-        self.reference = 0.0  # greenlet average when threads were tried
-        self.ratio = 0.0  # threads' average / greenlets' average, once threads are kept (0: on trial)
+        self.settling = self.SETTLE  # seconds of runs still to skip since the last switch
+        self.seen = 0  # runs counted since the last switch
+        self.low = self.low2 = float("inf")  # the block's two smallest times so far
+        self.reference = 0.0  # greenlet estimate when threads were tried
+        self.ratio = 0.0  # threads' estimate / greenlets' estimate, once threads are kept (0: on trial)
         self.pinned = 0
         self.backoff = self.PIN
         self.can_thread = can_thread
 
     def _switch(self, threaded: bool) -> None:
         self.threaded = threaded
+        self.settling = self.SETTLE
         self.seen = 0
-        self.avg = 0.0
+        self.low = self.low2 = float("inf")
+
+    def _give_up(self) -> None:
+        self.pinned, self.backoff = self.backoff, min(self.backoff * 2, self.MAX_PIN)
+        self._switch(False)
 
     def observe(self, seconds: float) -> None:
         """Records one clean run's replica work and decides the next run's mode."""
-        self.seen += 1
-        if self.seen == 1:
+        if self.pinned and not self.threaded:
+            self.pinned -= 1
             return
-        self.avg = seconds if self.seen == 2 else self.avg + self.ALPHA * (seconds - self.avg)
+        if self.settling > 0:
+            self.settling -= seconds
+            return
+        self.seen += 1
+        if seconds < self.low:
+            self.low, self.low2 = seconds, self.low
+        elif seconds < self.low2:
+            self.low2 = seconds
+        if self.seen % self.BLOCK:
+            return
+        est = self.low2
+        self.low = self.low2 = float("inf")
         if not self.threaded:
-            if self.pinned:
-                self.pinned -= 1
-            elif self.seen > self.TRIAL and self.avg > self.UP and self.can_thread():
-                self.reference, self.ratio = self.avg, 0.0
+            if est > self.UP and self.can_thread():
+                self.reference, self.ratio = est, 0.0
                 self._switch(True)
-        elif not self.ratio:
-            if self.seen > self.TRIAL:
-                ratio = self.avg / self.reference
-                if ratio <= self.GAIN:
-                    self.ratio = ratio
-                else:
-                    self.pinned, self.backoff = self.backoff, self.backoff * 2
-                    self._switch(False)
-        elif self.avg / self.ratio < self.UP / 2:
+        elif not self.ratio:  # on trial
+            if est <= self.GAIN * self.reference:
+                self.ratio, self.backoff = est / self.reference, self.PIN
+            else:
+                self._give_up()
+        elif est > self.reference:
+            self._give_up()
+        elif est / self.ratio < self.UP / 2 or self.seen > self.RECHECK:
             self._switch(False)
 
     def refuse_threads(self) -> None:
