@@ -5,16 +5,13 @@ Two ways to run the N replicas of a ``run``, one protocol:
 * **greenlets** (the default for short steps): each thread keeps a pool of N long-lived greenlets
   that loop forever. The caller switches a task into each replica in turn; a replica runs until it
   returns or reaches a collective, where it switches back to the caller with what it wants. So
-  replicas compute one after the other, and a no-op ``run`` on 2 replicas costs ~4 us (handing a
-  no-op to 2 persistent *threads* and back costs ~20-60 us; to 2 *fresh* greenlets ~21 us).
+  replicas compute one after the other, and a no-op ``run`` on 2 replicas costs ~4 us (to 2
+  *fresh* greenlets ~21 us; to 2 persistent threads and back 17-80 us, see below).
 * **threads** (CPU replicas only, N >= 2): each thread keeps, per N, a pool of N persistent daemon
   replica threads. The caller hands every replica its task first and then waits for all their
   events, so the replicas' compute overlaps; at a collective each replica thread blocks until the
   caller has run the handler once and hands back its share. While replica threads compute, the
-  BLAS thread pools NumPy uses are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`);
-  without that, N replicas each running a 2-thread OpenBLAS on 2 cores made the MLP benchmark's
-  forward+backward 5.7 ms against 4.0 ms one after the other and 3.5 ms threaded with 1 BLAS
-  thread each.
+  BLAS thread pools NumPy uses are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`).
 
 Either way, a replica reaches a collective (all_reduce, all_gather, merge_call) through
 :func:`meet`, which hands ``(kind, payload)`` to the caller. When every replica is waiting at the
@@ -25,16 +22,35 @@ loop of :func:`run_replicas`; the pools only move messages (:meth:`_Pool.exchang
 
 Which mode: ``cudist.config.set_replica_execution("auto" | "greenlets" | "threads")`` (initially
 ``$CUDIST_REPLICA_EXECUTION``, else ``auto``). GPU replicas and one-replica strategies never use
-threads. ``auto`` (:class:`AutoPolicy`) starts every (replica count, function) on greenlets and
-measures the replicas' compute per run (the caller's wall time outside the collective handlers);
-once that averages above 1 ms it tries threads for a few runs, keeps them only if they cut that
-time by at least 10%, and otherwise goes back to greenlets for a while (longer after each failed
-try); on threads it goes back when the work shrinks below half the threshold. Without a BLAS whose
-threads can be limited (OpenBLAS or MKL), ``auto`` stays on greenlets. Why 1 ms: handing work to
-threads and back costs ~10-30 us per collective phase, and on the 2-core machines the MLP step
-(2 replicas of batch 128) saved ~12% of a 4 ms forward+backward; so threads pay from a few hundred
-microseconds of work, and 1 ms leaves margin, with the 10% gain check catching work that does not
-overlap (GIL-bound Python, a BLAS without controls).
+threads. ``auto`` (:class:`AutoPolicy`) starts every (replica count, step function) on greenlets
+and measures the replicas' work per run (the caller's wall time outside the collective handlers);
+once that exceeds 1 ms it tries threads, keeps them only if they cut that time by at least 10%,
+and otherwise goes back to greenlets for a while (longer after each failed try); on threads it
+goes back when the work shrinks below half the threshold, gives threads up as soon as they get
+slower than greenlets were, and compares the two again every 1000 runs. Without a BLAS whose
+threads can be limited (OpenBLAS or MKL), ``auto`` stays on greenlets.
+
+The decision, measured on the project's 2-core machines (``bench/step_compare.py``, the MLP step
+784-512-512-10, global batch 256, SGD momentum; medians of interleaved rounds, quiet machine):
+
+* a no-op ``run`` on 2 replicas: greenlets ~4.4 us, ``auto`` ~4.7 us (3.9 us before threads
+  existed: the mode lookup and the timing cost ~0.8 us), threads 17-80 us (each handoff wakes
+  another CPU: ~40 us when the other vCPU is idle, less when it is busy). So short steps must stay
+  on greenlets, and threads only pay for steps of hundreds of microseconds or more; 1 ms leaves
+  margin, and the 10% gain check catches work that does not overlap (GIL-bound Python, a BLAS
+  whose threads cannot be limited).
+* the MLP step, 2 replicas: greenlets 4.8-5.1 ms, threads 4.4-4.7 ms, one device 3.8-4.1 ms
+  (threads 1.10-1.15x one device, greenlets 1.20-1.25x). 4 replicas: greenlets 5.9-6.4 ms, threads
+  5.9-6.6 ms: 4 replica threads on 2 cores, one BLAS thread each, gain nothing.
+* threads lose when other processes hold cores: with one core busy, 7.2 ms against 5.1 ms on
+  greenlets (a replica thread waits for a core at every handoff), and for ~0.1 s after any
+  multi-threaded BLAS call (OpenBLAS's idle threads spin). Hence the trial and the rechecks
+  rather than a fixed threshold, blocks judged by their low end, and runs not counted for 0.15 s
+  after a switch.
+* without sharing the BLAS out, threads oversubscribe: 2 replica threads each running a 2-thread
+  OpenBLAS on 2 cores made the forward+backward 5.7 ms, against 4.0 ms one after the other and
+  3.5 ms threaded with 1 BLAS thread each. And a replica thread's malloc arena must not be
+  trimmed at every step (see :func:`_keep_thread_arenas`): 808 page faults per step, 5.3 ms.
 
 Errors never hang: if a replica raises, the others -- waiting at a collective or not yet started
 -- are unwound by an :class:`_Abort` raised inside them, and the original exception propagates

@@ -3,7 +3,8 @@
 CPU replicas are logical devices over host memory: ``set_logical_device_configuration`` on the
 physical CPU decides how many "/cpu:N" devices :func:`list_logical_devices` reports (one by default,
 as in TensorFlow). On a GPU it splits one physical GPU into several logical ones. GPUs are counted
-through CuPy only when GPUs are asked about, never at ``import cudist``.
+through CuPy only when GPUs are asked about, never at ``import cudist``. :func:`set_replica_execution`
+chooses how CPU replicas execute (greenlets or threads; see :mod:`cudist._replica_engine`).
 """
 
 from __future__ import annotations
