@@ -299,6 +299,31 @@ def test_a_replica_raising_on_a_thread_unwinds_the_others_at_their_collective(mo
     assert s.run(lambda: 7) == 7
 
 
+def _child_runs_threaded_step(q):
+    s = _strategy(2)
+    out = s.run(lambda: (threading.get_native_id(), cudist.get_replica_context().all_reduce("sum", np.float64(_rid() + 1))))
+    q.put([(t, float(v)) for t, v in s.experimental_local_results(out)])
+
+
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")  # JAX warns at every fork once imported
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork() only")
+def test_a_forked_child_starts_replica_threads_of_its_own(mode):
+    """The parent's replica threads do not exist in a fork child: it must not wait for them."""
+    import multiprocessing as mp
+
+    mode("threads")
+    s = _strategy(2)
+    parent = {t for t, _ in s.experimental_local_results(s.run(lambda: (threading.get_native_id(), 0)))}
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child_runs_threaded_step, args=(q,))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, f"the forked child failed or hung (exit code {p.exitcode})"
+    got = q.get(timeout=5)
+    assert [v for _, v in got] == [3.0, 3.0] and not {t for t, _ in got} & parent
+
+
 # ----------------------------------------------------------------------------- auto
 def _policy(threads_possible=True):
     return AutoPolicy(can_thread=lambda: threads_possible)

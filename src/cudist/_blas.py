@@ -25,7 +25,7 @@ Nothing here is imported or looked up at ``import cudist``; the engine asks on i
 
 from __future__ import annotations
 
-import ctypes
+import os
 import threading
 from typing import Any
 
@@ -70,6 +70,17 @@ def _loaded_libraries() -> list[str]:
     return list(paths)
 
 
+def _after_fork_in_child() -> None:
+    # A lock another thread held at fork() would never be released in the child.
+    global _count_lock, _users
+    _count_lock = threading.Lock()
+    _users = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _symbol(lib: Any, names: list[str], argtypes: list[Any], restype: Any) -> Any:
     for name in names:
         fn = getattr(lib, name, None)
@@ -87,6 +98,8 @@ def _lookup() -> _Found:
     with _lookup_lock:
         if _found is not None:
             return _found
+        import ctypes  # here, not at import: nothing of this runs unless replicas use threads
+
         found = _Found()
         for path in _loaded_libraries():
             base = path.rsplit("/", 1)[-1].lower()

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import _thread
 import functools
+import os
 import signal
 import sys
 import threading
@@ -566,6 +567,21 @@ class _Local(threading.local):
 
 
 _local = _Local()
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child only the forking thread exists: its replica threads stayed in the parent.
+
+    Every pool is forgotten (greenlet pools too: the child rebuilds what it uses), so the child's
+    first run starts threads of its own instead of waiting for ones that are not there.
+    """
+    global _local, _replica_thread
+    _local = _Local()
+    _replica_thread = _ReplicaThread()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _policy(n: int, fn: Callable[..., Any]) -> AutoPolicy:
