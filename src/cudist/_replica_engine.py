@@ -466,17 +466,18 @@ class AutoPolicy:
       falls below half of :attr:`UP`; and after :attr:`RECHECK` runs, measure greenlets and try
       threads again, since which is faster changes with the load.
 
-    After each switch, runs are not counted until :attr:`SETTLE` seconds of them have passed (and
-    never the first): thread start, first-call compiles, and above all the BLAS threads of the
-    greenlet runs before, which spin for ~0.1 s after their last call and would make threads look
-    slow (measured: a 4.4 ms threaded step took 6-7 ms for the first ~15 runs after greenlets).
+    The first run of a function and after each switch is not counted (first-call compiles, thread
+    start); after a switch to threads, runs are not counted until :attr:`SETTLE` seconds of them
+    have passed: the BLAS threads of the greenlet runs before spin for ~0.1 s after their last call
+    and would make threads look slow (measured: a 4.4 ms threaded step took 6-7 ms for the first
+    ~15 runs after greenlets).
     """
 
     #: Seconds of replica work per run (one replica after the other) above which threads are tried.
     UP = 1e-3
     #: Runs per judgement.
     BLOCK = 8
-    #: Seconds of runs not counted after each switch.
+    #: Seconds of runs not counted after a switch to threads.
     SETTLE = 0.15
     #: Threads are kept when they take at most this fraction of the greenlet time.
     GAIN = 0.9
@@ -486,11 +487,14 @@ class AutoPolicy:
     #: Runs on threads between two comparisons with greenlets.
     RECHECK = 1000
 
-    __slots__ = ("threaded", "settling", "seen", "low", "low2", "reference", "ratio", "pinned", "backoff", "can_thread")
+    __slots__ = (
+        "threaded", "first", "settling", "seen", "low", "low2", "reference", "ratio", "pinned", "backoff", "can_thread"
+    )
 
     def __init__(self, can_thread: Callable[[], bool] = _blas.available) -> None:
         self.threaded = False
-        self.settling = self.SETTLE  # seconds of runs still to skip since the last switch
+        self.first = True  # the next run is the first since the start or a switch: not counted
+        self.settling = 0.0  # seconds of runs still to skip after a switch to threads
         self.seen = 0  # runs counted since the last switch
         self.low = self.low2 = float("inf")  # the block's two smallest times so far
         self.reference = 0.0  # greenlet estimate when threads were tried
@@ -501,7 +505,8 @@ class AutoPolicy:
 
     def _switch(self, threaded: bool) -> None:
         self.threaded = threaded
-        self.settling = self.SETTLE
+        self.first = True
+        self.settling = self.SETTLE if threaded else 0.0
         self.seen = 0
         self.low = self.low2 = float("inf")
 
@@ -514,7 +519,8 @@ class AutoPolicy:
         if self.pinned and not self.threaded:
             self.pinned -= 1
             return
-        if self.settling > 0:
+        if self.first or self.settling > 0:
+            self.first = False
             self.settling -= seconds
             return
         self.seen += 1
