@@ -33,15 +33,15 @@ threads can be limited (OpenBLAS or MKL), ``auto`` stays on greenlets.
 The decision, measured on the project's 2-core machines (``bench/step_compare.py``, the MLP step
 784-512-512-10, global batch 256, SGD momentum; medians of interleaved rounds, quiet machine):
 
-* a no-op ``run`` on 2 replicas: greenlets ~4.4 us, ``auto`` ~4.7 us (3.9 us before threads
+* a no-op ``run`` on 2 replicas: greenlets ~4.4 us, ``auto`` ~4.7-5.0 us (3.9 us before threads
   existed: the mode lookup and the timing cost ~0.8 us), threads 17-80 us (each handoff wakes
   another CPU: ~40 us when the other vCPU is idle, less when it is busy). So short steps must stay
   on greenlets, and threads only pay for steps of hundreds of microseconds or more; 1 ms leaves
   margin, and the 10% gain check catches work that does not overlap (GIL-bound Python, a BLAS
   whose threads cannot be limited).
-* the MLP step, 2 replicas: greenlets 4.8-5.1 ms, threads 4.4-4.7 ms, one device 3.8-4.1 ms
-  (threads 1.10-1.15x one device, greenlets 1.20-1.25x). 4 replicas: greenlets 5.9-6.4 ms, threads
-  5.9-6.6 ms: 4 replica threads on 2 cores, one BLAS thread each, gain nothing.
+* the MLP step, 2 replicas: greenlets 4.8-5.2 ms, threads 4.4-4.9 ms, one device 3.8-4.2 ms
+  (threads 1.11-1.16x one device, greenlets 1.22-1.27x). 4 replicas: greenlets 5.9-6.4 ms, threads
+  5.8-6.0 ms: 4 replica threads on 2 cores, one BLAS thread each, gain little.
 * threads lose when other processes hold cores: with one core busy, 7.2 ms against 5.1 ms on
   greenlets (a replica thread waits for a core at every handoff), and for ~0.1 s after any
   multi-threaded BLAS call (OpenBLAS's idle threads spin). Hence the trial and the rechecks
