@@ -229,7 +229,19 @@ class CudistMultiWorker(CudistWorker):
         comm = self.comm
 
         def shared_read():
-            return comm.bcast(read() if self.rank == 0 else None, root=0)
+            # A blocking MPI_Bcast busy-polls: the ranks waiting for rank 0's next command would
+            # spin on the cores the other contestants are timed on. Poll with sleeps instead.
+            head = np.zeros(1, np.int64)
+            if self.rank == 0:
+                body = np.frombuffer(json.dumps(read()).encode(), np.uint8)
+                head[0] = body.size
+            req = comm.Ibcast(head, root=0)
+            while not req.Test():
+                time.sleep(0.002)
+            if self.rank != 0:
+                body = np.empty(int(head[0]), np.uint8)
+            comm.Bcast(body, root=0)  # the command itself: rank 0 has sent it already
+            return json.loads(body.tobytes())
 
         return super().serve(shared_read, write if self.rank == 0 else (lambda msg: None))
 
