@@ -28,6 +28,7 @@ from cudist._distribute_lib import Strategy, default_devices, parse_devices
 from cudist._kernels import BackendUnavailableError
 from cudist._mirrored_strategy import MirroredExtended
 from cudist._values import DistributedValues, PerReplica
+from cudist._variables import MirroredVariable
 from cudist.cluster_resolver import (
     ClusterResolver,
     MPIClusterResolver,
@@ -184,7 +185,7 @@ class CollectiveAllReduceExtended(MirroredExtended):
         first = comps[0]._array
         host = np.array(to_host(first), copy=True, order="C")
         comm.bcast(host, root=0, kind=f"initial value of {var.name}")
-        if hasattr(var, "_all_write"):  # a MirroredVariable: its host copies may share one storage
+        if isinstance(var, MirroredVariable):  # its host copies may share one storage: write it once
             var._all_write("assign", comps[0]._coerce(host, "assign"))
         else:
             for c in comps:

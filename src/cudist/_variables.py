@@ -1051,7 +1051,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             a = c._array
             if any(a is o for o in out):
                 continue
-            group = [c] + [o for o in self._values[i + 1 :] if o._array is a]
+            group = [c] + [o for o in values[i + 1 :] if o._array is a]
             if any(o._snapshot_held() for o in group):
                 a = a.copy()
                 for o in group:
@@ -1061,11 +1061,9 @@ class MirroredVariable(DistributedVariable, Mirrored):
         return tuple(out)
 
     def _snapshots(self) -> tuple[Array, ...]:
-        """A snapshot of the (identical) value per component, as TF's update results are.
-
-        Host components share one snapshot (they are all in host memory); device components each
-        get a copy on their own device.
-        """
+        """A snapshot of the (identical) value per component, as TF's update results are: a
+        copy-on-write view of each host component (:meth:`Variable._cow_snapshot`), a copy on each
+        device component's own GPU."""
         return tuple(c._cow_snapshot() for c in self._values)
 
     def _all_write(self, method: str, arr: Array) -> None:

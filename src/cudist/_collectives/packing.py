@@ -25,7 +25,6 @@ from types import ModuleType
 from typing import Any, Protocol, TypeAlias
 
 import numpy as np
-import numpy.typing as npt
 import optree
 
 from cudist._arrays import Array, contiguous, device_context, is_device_array, like, to_host
@@ -303,8 +302,12 @@ def _read_only(outs: list[Any]) -> None:
             o.flags.writeable = False
 
 
-def _shared(out: Any, n: int) -> list[Any]:
-    """``n`` read-only views of one result, one per replica (distinct objects, as TF's tensors are)."""
+def _reduce_shared(reduce_to_one: Any, ins: list[Any], kop: ReduceOp, out: Any, int_mean: bool, n: int) -> list[Any]:
+    """Reduces ``ins`` once into ``out``; ``n`` read-only views of the result, one per replica
+    (distinct objects, as TF's tensors are)."""
+    reduce_to_one(ins, kop, out)
+    if int_mean:
+        out = _int_mean(np, out, n)
     if type(out) is not np.ndarray:
         return [out.copy() for _ in range(n)]  # a NumPy scalar: immutable, one object per replica
     out.flags.writeable = False
@@ -339,9 +342,7 @@ def _host_all_reduce(
         kop = ReduceOp.SUM if int_mean else op
         ins = [p[0] if p[0].flags.c_contiguous else np.ascontiguousarray(p[0]) for p in per_replica_leaves]
         if a0.nbytes >= SHARED_RESULT_MIN_LEAF_BYTES:
-            out = pool.take(a0.shape, a0.dtype)
-            trusted.reduce_to_one(ins, kop, out)  # type: ignore[no-untyped-call]
-            return [[v] for v in _shared(_int_mean(np, out, n) if int_mean else out, n)]
+            return [[v] for v in _reduce_shared(trusted.reduce_to_one, ins, kop, pool.take(a0.shape, a0.dtype), int_mean, n)]
         res: list[Any] = pool.take_many(n, a0.shape, a0.dtype)
         trusted.all_reduce(ins, res, kop)  # type: ignore[no-untyped-call]
         if int_mean:
@@ -355,10 +356,10 @@ def _host_all_reduce(
             off = 0
             for j in ids:
                 shape, size = ref[j].shape, ref[j].size
-                out = buf[off : off + size].reshape(shape)
+                ins = [np.ascontiguousarray(leaves[j]) for leaves in per_replica_leaves]
+                views = _reduce_shared(trusted.reduce_to_one, ins, kop, buf[off : off + size].reshape(shape), int_mean, n)
                 off += size
-                trusted.reduce_to_one([np.ascontiguousarray(leaves[j]) for leaves in per_replica_leaves], kop, out)  # type: ignore[no-untyped-call]
-                for r, v in enumerate(_shared(_int_mean(np, out, n) if int_mean else out, n)):
+                for r, v in enumerate(views):
                     result[r][j] = v
             continue
         ins = [[np.ascontiguousarray(leaves[j]) for j in ids] for leaves in per_replica_leaves]
