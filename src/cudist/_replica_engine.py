@@ -116,20 +116,25 @@ def _greenlet_main(box: list[Any]) -> NoReturn:
     only one thrown at the idle switch (the pool being discarded) ends the greenlet.
     """
     while True:
-        frame, fn, args, kwargs = box.pop()
-        token = _CTX.set(frame)
-        try:
-            out = [fn(*args, **kwargs)]
-            kind = _DONE
-        except _Abort:
-            out, kind = [None], _ABORTED
-        except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
-            out, kind = [e], _ERROR
-        finally:
-            _CTX.reset(token)
-        del frame, fn, args, kwargs
+        kind, result = _run_task(*box.pop())
+        out = [result]
+        del result
         box = greenlet.getcurrent().parent.switch((kind, out))
         del out
+
+
+def _run_task(frame: Frame, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> _Event:
+    """Runs one replica's task under its context frame (in its greenlet or thread), in both modes:
+    ``(_DONE, result)``, ``(_ABORTED, None)`` when unwound, ``(_ERROR, exception)``."""
+    token = _CTX.set(frame)
+    try:
+        return (_DONE, fn(*args, **kwargs))
+    except _Abort:
+        return (_ABORTED, None)
+    except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
+        return (_ERROR, e)
+    finally:
+        _CTX.reset(token)
 
 
 def _kill(workers: Sequence[Any]) -> None:
@@ -310,23 +315,10 @@ def _thread_main(slot: _Slot, n: int, pool: weakref.ref[_ThreadPool]) -> None:
             op, task = slot.msg  # type: ignore[misc]  # the caller wrote it before releasing ``go``
             slot.msg = None
             if op != _TASK:  # an unwind for a replica that is not running: nothing to unwind
-                out, kind = None, _ABORTED
+                slot.event = (_ABORTED, None)
             else:
-                frame, fn, args, kwargs = task
-                del task
-                token = _CTX.set(frame)
-                try:
-                    out = fn(*args, **kwargs)
-                    kind = _DONE
-                except _Abort:
-                    out, kind = None, _ABORTED
-                except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
-                    out, kind = e, _ERROR
-                finally:
-                    _CTX.reset(token)
-                del frame, fn, args, kwargs
-            slot.event = (kind, out)
-            del out
+                slot.event = _run_task(*task)
+            del task
             owes = False
             done.release()
             if slot.abandoned:
