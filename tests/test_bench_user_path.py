@@ -271,3 +271,15 @@ def test_step_compare_reports_a_missing_peer(tmp_path):
     assert "# tf: skipped" in proc.stdout
     if "# torch: skipped" not in proc.stdout:  # this python has torch after all
         assert "torch" in proc.stdout
+
+
+def test_reduce_paths_script_checks_its_results():
+    """bench/reduce_paths.py (the in-place / reduce-to-one / out-of-place table of PERFORMANCE.md) runs
+    and every variant's result equals the sum it must be."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "reduce_paths.py"), "--rounds", "1", "--replicas", "3", "--sizes", "4K,68K"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if not ln.startswith("#")]
+    assert [r[0] for r in rows] == ["4K", "68K"] and all(r[-1] == "ok" for r in rows), proc.stdout
