@@ -112,6 +112,18 @@ def _four_logical_cpus():
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_split_from_one_mib():
+    """The native kernels split their work over their pool from 1 MiB moved whether or not a worker
+    is spinning (by default 8 MiB when none is), so that the sizes the tests pick for the parallel
+    paths take them every time; test_native.py tests the cold threshold itself."""
+    from cudist import _core
+
+    warm, cold = _core.set_parallel_thresholds(1 << 20, 1 << 20)
+    yield
+    _core.set_parallel_thresholds(warm, cold)
+
+
 #: The strategy kinds the common tests run over: on logical CPUs, and (marker ``gpu``) on logical
 #: GPUs split from physical GPU 0, where variables and values are CuPy arrays.
 STRATEGY_PARAMS = [

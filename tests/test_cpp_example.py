@@ -109,6 +109,7 @@ _STRICT_TU = r"""
 // downstream project is likely to use, and checks the thread pool's exception handling.
 #include <cudist/cudist.hpp>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <stdexcept>
@@ -207,6 +208,28 @@ int main() {
   bool all_once = true;
   for (int h : hits) all_once = all_once && h == 1;
   check(all_once, "the pool works after an exception");
+
+  // Loops of fewer threads than the pool (a worker sitting one out), with the workers spinning
+  // between loops and with them blocking at once, and after wake(): every index exactly once.
+  for (long long spin : {0LL, 1000000LL}) {
+    pool.set_spin_time(spin);
+    check(pool.spin_time() == spin, "set_spin_time");
+    for (unsigned max_threads : {0u, 1u, 2u, 3u}) {
+      for (std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{1000}, std::size_t{4099}}) {
+        std::vector<std::atomic<int>> seen(n);
+        pool.parallel_for(n, 5, 3, [&](std::size_t b, std::size_t e) {
+          for (std::size_t i = b; i < e; ++i) seen[i].fetch_add(1);
+        }, max_threads);
+        bool once = true;
+        for (auto& h : seen) once = once && h.load() == 1;
+        check(once, "every index once, whatever the thread count");
+      }
+    }
+    pool.wake();
+  }
+  check(pool.parallel_loops() > 0, "parallel_loops counts the loops run on workers");
+  pool.resize(2);  // stops workers that may be spinning
+  check(pool.size() == 2, "resize while workers spin");
   std::printf(failures ? "FAILED\n" : "OK\n");
   return failures ? 1 : 0;
 }

@@ -707,3 +707,100 @@ def test_streaming_stores_with_outputs_at_every_alignment(native, ref, streaming
         native.all_reduce_momentum(w, v, ins, lr=0.1, momentum=0.9)
         for a, b in zip(want_w + want_v, w + v):
             assert_bits_equal(b, a)
+
+
+@pytest.fixture
+def pool_defaults():
+    """The pool's default thresholds (conftest lowers the cold one) and a restored spin time."""
+    thresholds = _core.set_parallel_thresholds(1 << 20, 8 << 20)
+    spin = _core.pool_spin_time()
+    yield
+    _core.set_parallel_thresholds(*thresholds)
+    _core.set_pool_spin_time(spin)
+
+
+def _wait_for(cond, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def test_mid_size_kernels_stay_on_the_caller_unless_a_worker_spins(threads, pool_defaults, ref):
+    # 3 x 256 Ki float32 all-reduced in place moves 6 MiB: above the warm threshold (1 MiB), below
+    # the cold one (8 MiB). A blocked worker is not woken for it; a spinning one takes part.
+    set_num_threads(2)
+    rng = np.random.default_rng(7)
+    srcs = [rng.standard_normal(1 << 18).astype(np.float32) for _ in range(3)]
+    want = ref.reduce_to_one([s.copy() for s in srcs], "sum")
+    big = [np.ones(1 << 21, np.float32) for _ in range(2)]  # 32 MiB moved: parallel, cold or not
+
+    _core.set_pool_spin_time(0)
+    _core.all_reduce(big, _core.SUM)  # the worker runs a share, then blocks at once
+    assert _wait_for(lambda: not _core.pool_warm())
+    loops = _core.pool_parallel_loops()
+    bufs = [s.copy() for s in srcs]
+    _core.all_reduce(bufs, _core.SUM)
+    assert _core.pool_parallel_loops() == loops, "a blocked worker was woken for a mid-size kernel"
+    assert all(np.array_equal(b, want) for b in bufs)
+    assert not _core.pool_warm(), "with a spin time of 0, nothing spins"
+
+    _core.set_pool_spin_time(10**9)  # 1 s: the worker is still spinning when the next kernel starts
+    _core.all_reduce(big, _core.SUM)
+    assert _wait_for(_core.pool_warm), "the worker does not spin after a loop"
+    loops = _core.pool_parallel_loops()
+    bufs = [s.copy() for s in srcs]
+    _core.all_reduce(bufs, _core.SUM)
+    assert _core.pool_parallel_loops() == loops + 1, "a spinning worker was not used"
+    assert all(np.array_equal(b, want) for b in bufs)
+
+
+def test_a_mid_size_kernel_on_a_cold_pool_wakes_the_workers_for_the_next(threads, pool_defaults):
+    set_num_threads(2)
+    _core.set_pool_spin_time(0)
+    _core.all_reduce([np.ones(1 << 21, np.float32) for _ in range(2)], _core.SUM)
+    assert _wait_for(lambda: not _core.pool_warm())
+    _core.set_pool_spin_time(10**9)
+    loops = _core.pool_parallel_loops()
+    bufs = [np.full(1 << 18, 1.5, np.float32) for _ in range(3)]
+    _core.all_reduce(bufs, _core.SUM)  # inline (cold), and the worker is told to start spinning
+    assert _core.pool_parallel_loops() == loops
+    assert np.all(bufs[2] == 4.5)
+    assert _wait_for(_core.pool_warm), "the cold mid-size kernel did not wake the workers"
+    small = [np.ones(1 << 10, np.float32) for _ in range(3)]  # 24 KiB moved: never worth a worker
+    _core.all_reduce(small, _core.SUM)
+    assert _core.pool_parallel_loops() == loops
+
+
+def test_pool_spin_time_setting_and_environment():
+    assert _core.set_pool_spin_time(-5) >= 0
+    try:
+        assert _core.pool_spin_time() == 0  # negative counts as 0
+    finally:
+        _core.set_pool_spin_time(200_000)
+    import subprocess
+
+    code = "from cudist import _core; print(_core.pool_spin_time())"
+    for value, want in (("0", 0), ("50", 50_000), ("abc", 200_000), ("-3", 200_000)):
+        env = dict(os.environ, CUDIST_POOL_SPIN_US=value)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert int(out.stdout) == want, (value, out.stdout)
+
+
+@pytest.mark.parametrize("spin", [0, 200_000])
+def test_pool_loops_of_every_thread_count_cover_each_element_once(threads, pool_defaults, ref, spin):
+    # Each thread starts on its own share and then takes from the others': whatever the pool size,
+    # spin time, chunk count or tail, every element is reduced exactly once, in the fixed order.
+    _core.set_pool_spin_time(spin)
+    rng = np.random.default_rng(spin)
+    for t in (2, 3, 5):
+        set_num_threads(t)
+        for count in (1 << 20, (1 << 20) + 17):
+            srcs = [rng.standard_normal(count).astype(np.float32) for _ in range(3)]
+            want = ref.reduce_to_one([s.copy() for s in srcs], "sum")
+            for _ in range(3):
+                bufs = [s.copy() for s in srcs]
+                _core.all_reduce(bufs, _core.SUM)
+                assert all(np.array_equal(b, want) for b in bufs), (t, count)

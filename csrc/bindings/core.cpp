@@ -1047,6 +1047,24 @@ PYBIND11_MODULE(_core, m) {
   m.def("set_streaming_threshold", &cudist::set_streaming_threshold, py::arg("nbytes"),
         "Bytes written from which kernels use streaming stores (returns the previous value; for benchmarks).");
   m.def("hardware_threads", &cudist::thread_pool::hardware_threads, "Hardware threads of this machine.");
+  m.def(
+      "set_parallel_thresholds",
+      [](std::size_t warm, std::size_t cold) { return cudist::set_parallel_thresholds(warm, cold); },
+      py::arg("warm_bytes"), py::arg("cold_bytes"),
+      "Bytes moved from which kernels use their pool, with a worker spinning and without (returns the "
+      "previous pair; for benchmarks and tests).");
+  m.def(
+      "pool_spin_time", [] { return cudist::thread_pool::global().spin_time(); },
+      "Nanoseconds the kernels' pool workers spin for the next loop before blocking.");
+  m.def(
+      "set_pool_spin_time", [](long long ns) { return cudist::thread_pool::global().set_spin_time(ns); },
+      py::arg("ns"), "Sets pool_spin_time() (negative: 0); returns the previous value.");
+  m.def(
+      "pool_warm", [] { return cudist::thread_pool::global().warm(); },
+      "Whether a worker of the kernels' pool is spinning now.");
+  m.def(
+      "pool_parallel_loops", [] { return cudist::thread_pool::global().parallel_loops(); },
+      "Loops the kernels' pool has run on more than one thread.");
 
   // The CUDA launchers, when the extension was built with a CUDA compiler (see cuda_built).
 #ifdef CUDIST_CORE_WITH_CUDA

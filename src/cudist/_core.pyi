@@ -277,6 +277,22 @@ def set_streaming_threshold(nbytes: _Int) -> int:
 def hardware_threads() -> int:
     """Hardware threads of this machine."""
 
+def set_parallel_thresholds(warm_bytes: _Int, cold_bytes: _Int) -> tuple[int, int]:
+    """Bytes moved from which kernels use their pool, with a worker spinning and without (returns
+    the previous pair)."""
+
+def pool_spin_time() -> int:
+    """Nanoseconds the kernels' pool workers spin for the next loop before blocking."""
+
+def set_pool_spin_time(ns: _Int) -> int:
+    """Sets pool_spin_time() (negative: 0); returns the previous value."""
+
+def pool_warm() -> bool:
+    """Whether a worker of the kernels' pool is spinning now."""
+
+def pool_parallel_loops() -> int:
+    """Loops the kernels' pool has run on more than one thread."""
+
 def cuda_device_count() -> int:
     """CUDA devices visible to the extension's CUDA runtime; 0 without a driver, device or CUDA build."""
 

@@ -1,7 +1,8 @@
 """The native backend: the C++ kernels of ``<cudist/cudist.hpp>`` through the extension ``cudist._core``.
 
-Multi-threaded over a persistent pool (``cudist._core.set_num_threads``), GIL released for large
-buffers, inline on the caller for small ones. Bit-identical to the NumPy reference.
+Multi-threaded over a persistent pool (``cudist._core.set_num_threads``) whose workers spin briefly
+between kernels (``CUDIST_POOL_SPIN_US``), GIL released for large buffers, inline on the caller for
+small ones (and for mid-size ones while no worker spins). Bit-identical to the NumPy reference.
 """
 
 from __future__ import annotations

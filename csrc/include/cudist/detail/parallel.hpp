@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <utility>
 
 #include "../thread_pool.hpp"
 #include "store.hpp"
@@ -19,9 +20,13 @@ namespace detail {
 #define CUDIST_BLOCK_BYTES 4096
 #endif
 constexpr std::size_t kBlockBytes = CUDIST_BLOCK_BYTES;
-/// Below this many bytes moved in all, a kernel runs inline on the caller: waking a worker costs
-/// more than the work.
-constexpr std::size_t kParallelMinBytes = std::size_t{1} << 20;
+/// Below this many bytes moved in all, a kernel runs inline on the caller: even a spinning worker
+/// costs more than it saves. Adjustable through cudist::set_parallel_thresholds().
+inline std::atomic<std::size_t> parallel_min_bytes{std::size_t{1} << 20};
+/// The same when no worker is spinning (thread_pool::warm()): a blocked worker takes tens of
+/// microseconds to wake on a VM (measured on 2 vCPUs, 4 replicas all-reduced in place: 4 x 512 KiB
+/// took 42 us on the caller alone and 73 us with the worker woken; 4 x 1 MiB, 145 us and 123 us).
+inline std::atomic<std::size_t> cold_parallel_min_bytes{std::size_t{8} << 20};
 /// Each thread gets at least this many bytes moved.
 constexpr std::size_t kMinBytesPerThread = std::size_t{256} << 10;
 /// From this many bytes written in all, outputs are written with streaming stores: the data
@@ -38,7 +43,11 @@ void run_blocks(thread_pool* pool, std::size_t count, std::size_t block, std::si
                 std::size_t bytes_written, F&& fn) {
   if (count == 0) return;
   const bool stream = bytes_written >= stream_min_bytes.load(std::memory_order_relaxed);
-  if (pool == nullptr || bytes_moved < kParallelMinBytes || pool->size() <= 1) {
+  const std::size_t warm_min = parallel_min_bytes.load(std::memory_order_relaxed);
+  if (pool == nullptr || pool->size() <= 1 || bytes_moved < warm_min ||
+      (bytes_moved < cold_parallel_min_bytes.load(std::memory_order_relaxed) && !pool->warm())) {
+    // Worth the workers only if they are spinning; if this size comes again soon, they will be.
+    if (pool != nullptr && bytes_moved >= warm_min && pool->size() > 1) pool->wake();
     fn(std::size_t{0}, count, stream);
     if (stream) store_fence();
     return;
@@ -63,6 +72,15 @@ inline bool partial_overlap(const void* a, const void* b, std::size_t n) noexcep
 }
 
 }  // namespace detail
+
+/// Sets how many bytes a kernel must move in all (reads + writes) before it splits its work over
+/// its pool: ``warm_bytes`` when a worker is spinning (thread_pool::warm()), ``cold_bytes`` when the
+/// workers would have to be woken (a cold threshold below the warm one counts as the warm one).
+/// Returns the previous pair. Process-wide; for benchmarks and tests.
+inline std::pair<std::size_t, std::size_t> set_parallel_thresholds(std::size_t warm_bytes, std::size_t cold_bytes) noexcept {
+  return {detail::parallel_min_bytes.exchange(warm_bytes, std::memory_order_relaxed),
+          detail::cold_parallel_min_bytes.exchange(cold_bytes, std::memory_order_relaxed)};
+}
 
 /// Sets how many bytes a kernel must write in all before it uses non-temporal (streaming)
 /// stores; returns the previous value. 0 streams always, SIZE_MAX never. Process-wide.
