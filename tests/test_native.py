@@ -804,3 +804,20 @@ def test_pool_loops_of_every_thread_count_cover_each_element_once(threads, pool_
                 bufs = [s.copy() for s in srcs]
                 _core.all_reduce(bufs, _core.SUM)
                 assert all(np.array_equal(b, want) for b in bufs), (t, count)
+
+
+def test_workers_spin_only_while_calls_come_close_together(threads, pool_defaults):
+    # A kernel that ends a burst (one all-reduce per training step) must not leave a worker taking a
+    # core from the step's compute: workers spin only when the last gap between calls was short.
+    set_num_threads(2)
+    big = [np.ones(1 << 21, np.float32) for _ in range(2)]  # 32 MiB moved: parallel, cold or not
+    _core.set_pool_spin_time(200_000_000)  # 200 ms
+    _core.all_reduce(big, _core.SUM)
+    time.sleep(0.5)  # longer than the spin time: the next call ends a long gap
+    assert _wait_for(lambda: not _core.pool_warm())
+    _core.all_reduce(big, _core.SUM)
+    deadline = time.monotonic() + 0.05
+    while time.monotonic() < deadline:
+        assert not _core.pool_warm(), "a worker spins after a call that followed a long gap"
+    _core.all_reduce(big, _core.SUM)  # 50 ms after the last one: calls are close now
+    assert _wait_for(_core.pool_warm, 1.0), "a worker does not spin while calls come close together"

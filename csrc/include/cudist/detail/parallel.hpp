@@ -44,10 +44,20 @@ void run_blocks(thread_pool* pool, std::size_t count, std::size_t block, std::si
   if (count == 0) return;
   const bool stream = bytes_written >= stream_min_bytes.load(std::memory_order_relaxed);
   const std::size_t warm_min = parallel_min_bytes.load(std::memory_order_relaxed);
-  if (pool == nullptr || pool->size() <= 1 || bytes_moved < warm_min ||
-      (bytes_moved < cold_parallel_min_bytes.load(std::memory_order_relaxed) && !pool->warm())) {
-    // Worth the workers only if they are spinning; if this size comes again soon, they will be.
-    if (pool != nullptr && bytes_moved >= warm_min && pool->size() > 1) pool->wake();
+  if (pool == nullptr || pool->size() <= 1 || bytes_moved < warm_min) {
+    fn(std::size_t{0}, count, stream);
+    if (stream) store_fence();
+    return;
+  }
+  // A call that could use the pool: marked, so the pool knows whether calls come close together.
+  struct mark {
+    thread_pool* p;
+    explicit mark(thread_pool* q) : p(q) { p->call_started(); }
+    ~mark() { p->call_ended(); }
+  } marked(pool);
+  if (bytes_moved < cold_parallel_min_bytes.load(std::memory_order_relaxed) && !pool->warm()) {
+    // Worth the workers only if they are spinning; if calls come close together, they will be.
+    pool->wake();
     fn(std::size_t{0}, count, stream);
     if (stream) store_fence();
     return;
