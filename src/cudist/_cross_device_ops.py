@@ -225,6 +225,17 @@ class CrossDeviceOps:
             "all_reduce", op, per_replica_leaves, num_packs=self.num_packs, reducer=self._reducer(per_replica_leaves)
         )
 
+    def _all_reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any]) -> list[Array]:
+        """:meth:`_all_reduce_leaves` of one array (or scalar) per replica: ``out[r]``.
+
+        The per-step common case: host arrays skip the nest handling (same results, same errors).
+        """
+        if type(self)._all_reduce_leaves is CrossDeviceOps._all_reduce_leaves:
+            out = packing.all_reduce_arrays(op, arrays)
+            if out is not None:
+                return out
+        return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
+
 
 class KernelAllReduce(CrossDeviceOps):
     """The default on CPUs: one fused all-reduce kernel call per dtype (all of a step's values packed).

@@ -43,7 +43,7 @@ from cudist._arrays import (
     to_host,
 )
 from cudist._reduce_util import ReduceOp, int_mean_dtype
-from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica
+from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica, select_replicas
 
 if TYPE_CHECKING:
     from cudist._arrays import Array
@@ -292,10 +292,12 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
     v0 = payloads[0][1]
     if isinstance(v0, _SIMPLE_LEAVES) and all(isinstance(p[1], _SIMPLE_LEAVES) for p in payloads):
         # One array or scalar per replica: the per-step common case, without tree flattening.
-        out = ops._all_reduce_leaves(op, [[as_array(p[1])] for p in payloads])
+        if type(v0) is np.ndarray:
+            return ops._all_reduce_arrays(op, [p[1] if type(p[1]) is np.ndarray else as_array(p[1]) for p in payloads])
+        res = ops._all_reduce_arrays(op, [as_array(p[1]) for p in payloads])
         if isinstance(v0, np.ndarray):
-            return [o[0] for o in out]
-        return [_scalarize(o[0]) for o in out]
+            return res
+        return [_scalarize(o) for o in res]
     flat = [optree.tree_flatten(v) for _, v in payloads]
     leaves0, spec0 = flat[0]
     for r, (_, spec) in enumerate(flat[1:], 1):
@@ -358,7 +360,7 @@ def _h_merge_call(
     # In a copy of the caller's context: the cross-replica frame can never outlive the call, even
     # when an interrupt lands between setting and resetting it (the copy is simply dropped).
     result = contextvars.copy_context().run(_call_in_frame, strategy._extended._cross_frame, fn, (strategy, *margs), mkwargs)
-    return [select_replica(i, result) for i in range(n)]
+    return select_replicas(n, result)
 
 
 def _call_in_frame(frame: _Frame, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
@@ -1039,8 +1041,8 @@ class StrategyExtended:
                 if gpus is not None:
                     set_current_gpu(prev)
         try:
-            args_list = [select_replica(i, tuple(args)) for i in range(n)] if args else [()] * n
-            kwargs_list = [select_replica(i, kwargs) for i in range(n)] if kwargs else [kwargs] * n
+            args_list = select_replicas(n, tuple(args)) if args else [()] * n
+            kwargs_list = select_replicas(n, kwargs) if kwargs else [kwargs] * n
         except IndexError:
             sizes = sorted({len(x.values) for x in optree.tree_leaves((args, kwargs), is_leaf=_is_dv) if _is_dv(x)})  # type: ignore[arg-type]  # PyTree
             raise ValueError(

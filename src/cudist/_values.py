@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, TypeGuard
 
 import numpy as np
 import optree
 
-__all__ = ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "is_distributed"]
+__all__ = ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replicas", "is_distributed"]
 
 
 class DistributedValues:
@@ -63,6 +63,35 @@ def is_distributed(x: object) -> TypeGuard[DistributedValues]:
 
 def _is_leaf_dv(x: object) -> bool:
     return isinstance(x, DistributedValues)
+
+
+def select_replicas(n: int, structured: Any) -> list[Any]:
+    """``[select_replica(i, structured) for i in range(n)]``, in one pass over the structure.
+
+    Raises:
+        IndexError: a DistributedValues leaf has fewer than ``n`` components.
+    """
+    if type(structured) is tuple:
+        cols: list[Sequence[Any]] = []
+        for x in structured:
+            if type(x) is np.ndarray:
+                cols.append((x,) * n)
+            elif isinstance(x, DistributedValues):
+                if x._keep_in_replica:
+                    cols.append((x,) * n)
+                elif type(x)._get_replica is DistributedValues._get_replica:
+                    vals = x._values
+                    if len(vals) < n:
+                        raise IndexError(f"{len(vals)} components for {n} replicas")
+                    cols.append(vals)
+                else:
+                    cols.append([x._get_replica(i) for i in range(n)])
+            else:
+                break  # a nest or another leaf: the general path
+        else:
+            # run()'s common args: arrays and per-replica values, no nesting
+            return list(zip(*cols)) if cols else [()] * n
+    return [select_replica(i, structured) for i in range(n)]
 
 
 def select_replica(replica_id: int, structured: Any) -> Any:

@@ -35,6 +35,7 @@ from cudist._kernels import KernelBackend, backend_for, cpu_backend, numpy_backe
 from cudist._reduce_util import ReduceOp, int_mean_dtype
 
 __all__ = [
+    "all_reduce_arrays",
     "all_reduce",
     "all_reduce_via_one",
     "batch_reduce",
@@ -314,6 +315,47 @@ def _reduce_shared(reduce_to_one: Any, ins: list[Any], kop: ReduceOp, out: Any, 
     return [out.view() for _ in range(n)]
 
 
+def all_reduce_arrays(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None:
+    """:func:`all_reduce` of one host array per replica (the per-step common case), kept short.
+
+    Returns:
+        ``out[r]``, read-only results as :func:`all_reduce` makes them; None when the general path
+        must take the call (fewer than 2 replicas, a non-host array, a dtype outside the kernels,
+        or shapes or dtypes that differ, which the general path reports).
+    """
+    n = len(arrays)
+    if n < 2:
+        return None
+    a0 = arrays[0]
+    b = cpu_backend()
+    if type(a0) is not np.ndarray or a0.dtype not in b.dtypes:
+        return None
+    shape, dtype = a0.shape, a0.dtype
+    for a in arrays:
+        if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
+            return None
+    return _reduce_one_leaf(b.trusted, op, arrays)
+
+
+def _reduce_one_leaf(trusted: Any, op: ReduceOp, arrays: Sequence[Any]) -> list[Any]:
+    """One host leaf per replica (same shape, kernel dtype), all-reduced: a large leaf once into a
+    shared pooled result (:func:`_reduce_shared`), a small one in one call into per-replica pooled
+    results; read-only either way."""
+    n = len(arrays)
+    a0 = arrays[0]
+    int_mean = op is ReduceOp.MEAN and a0.dtype.kind in "iu"
+    kop = ReduceOp.SUM if int_mean else op
+    ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
+    if a0.nbytes >= SHARED_RESULT_MIN_LEAF_BYTES:
+        return _reduce_shared(trusted.reduce_to_one, ins, kop, pool.take(a0.shape, a0.dtype), int_mean, n)
+    res: list[Any] = pool.take_many(n, a0.shape, a0.dtype)
+    trusted.all_reduce(ins, res, kop)
+    if int_mean:
+        res = [_int_mean(np, o, n) for o in res]
+    _read_only(res)
+    return res
+
+
 def _host_all_reduce(
     op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], num_packs: int
 ) -> list[list[Array]] | None:
@@ -337,18 +379,7 @@ def _host_all_reduce(
             return None
     trusted = b.trusted
     if len(ref) == 1:  # the common case, kept short: one array per replica
-        a0 = ref[0]
-        int_mean = op is ReduceOp.MEAN and a0.dtype.kind in "iu"
-        kop = ReduceOp.SUM if int_mean else op
-        ins = [p[0] if p[0].flags.c_contiguous else np.ascontiguousarray(p[0]) for p in per_replica_leaves]
-        if a0.nbytes >= SHARED_RESULT_MIN_LEAF_BYTES:
-            return [[v] for v in _reduce_shared(trusted.reduce_to_one, ins, kop, pool.take(a0.shape, a0.dtype), int_mean, n)]
-        res: list[Any] = pool.take_many(n, a0.shape, a0.dtype)
-        trusted.all_reduce(ins, res, kop)  # type: ignore[no-untyped-call]
-        if int_mean:
-            res = [_int_mean(np, o, n) for o in res]
-        _read_only(res)
-        return [[o] for o in res]
+        return [[v] for v in _reduce_one_leaf(trusted, op, [p[0] for p in per_replica_leaves])]
     result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
     for dt, ids, total, kop, int_mean in _pack_plan(op, ref, num_packs, by_memory=False):
         if total * dt.itemsize >= SHARED_RESULT_MIN_LEAF_BYTES * len(ids):
@@ -362,10 +393,10 @@ def _host_all_reduce(
                 for r, v in enumerate(views):
                     result[r][j] = v
             continue
-        ins = [[np.ascontiguousarray(leaves[j]) for j in ids] for leaves in per_replica_leaves]
+        pack_ins = [[np.ascontiguousarray(leaves[j]) for j in ids] for leaves in per_replica_leaves]
         _unpack_all(ref, ids, pool.take_many(n, (total,), dt), result)  # views of pooled buffers
         outs = [[row[j] for j in ids] for row in result]
-        trusted.batch_all_reduce(ins, outs, kop)  # type: ignore[no-untyped-call]
+        trusted.batch_all_reduce(pack_ins, outs, kop)  # type: ignore[no-untyped-call]
         for row, out_row in zip(result, outs):
             for j, o in zip(ids, out_row):
                 row[j] = _int_mean(np, o, n) if int_mean else o

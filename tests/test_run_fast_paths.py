@@ -1,0 +1,88 @@
+"""The short paths of ``strategy.run`` and ``ReplicaContext.all_reduce`` give what the general
+paths give: ``select_replicas`` against ``select_replica`` per replica, and the one-array-per-replica
+all-reduce against the nest path, on the inputs each short path hands over to the general one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cudist
+from cudist._values import Mirrored, PerReplica, select_replica, select_replicas
+
+
+def _same(a, b):
+    if isinstance(a, (tuple, list)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return a is b
+
+
+@pytest.fixture
+def mirrored3():
+    return cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+
+
+def test_select_replicas_equals_select_replica_per_replica(mirrored3):
+    n = 3
+    arrs = [np.full(2, i, np.float32) for i in range(n)]
+    pr = PerReplica(arrs)
+    mir = Mirrored([np.ones(1)] * n)
+    with mirrored3.scope():
+        var = cudist.Variable(np.zeros(2, np.float32))  # kept whole: it picks its own component
+    plain = np.arange(3.0)
+    for structured in [
+        (pr,), (pr, plain), (plain,), (pr, mir, var), (), (pr, 1.5), (pr, (plain, pr)),
+        {"x": pr, "y": plain}, [pr, plain], pr, var,
+    ]:
+        got = select_replicas(n, structured)
+        want = [select_replica(i, structured) for i in range(n)]
+        assert len(got) == n
+        assert all(_same(g, w) for g, w in zip(got, want)), structured
+
+
+def test_select_replicas_too_few_components_is_an_index_error():
+    with pytest.raises(IndexError):
+        select_replicas(3, (PerReplica([np.ones(1), np.ones(1)]),))
+
+
+def test_run_with_too_few_components_names_the_counts(mirrored3):
+    with pytest.raises(ValueError, match="2 component"):
+        mirrored3.run(lambda x: x, args=(PerReplica([np.ones(1), np.ones(1)]),))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("size", [5, 40_000])  # per-replica pooled results; one shared result
+def test_one_array_per_replica_matches_the_nest_path(mirrored3, dtype, op, size):
+    rng = np.random.default_rng(size)
+    base = [(rng.standard_normal(2 * size) * 100).astype(dtype) for _ in range(3)]
+    views = [b[::2] for b in base]  # not contiguous: the short path must make them so
+    before = [b.copy() for b in base]
+
+    def fn(x):
+        c = cudist.get_replica_context()
+        return c.all_reduce(op, x), c.all_reduce(op, (x,))[0]
+
+    short, nest = mirrored3.run(fn, args=(PerReplica(views),))
+    want = views[0].astype(np.float64) + views[1] + views[2] if op == "mean" else None
+    for r in range(3):
+        a, b = short.values[r], nest.values[r]
+        assert a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)
+        assert not a.flags.writeable  # results are immutable, as TF's tensors
+        if op == "mean" and np.dtype(dtype).kind == "i":
+            assert a.dtype == np.float64
+            np.testing.assert_allclose(a, want / 3)
+    assert all(np.array_equal(b, c) for b, c in zip(base, before)), "the inputs were changed"
+
+
+def test_mixed_arrays_and_scalars_per_replica_go_the_general_way(mirrored3):
+    def fn():
+        c = cudist.get_replica_context()
+        i = c.replica_id_in_sync_group
+        x = np.float32(2.0) if i == 1 else np.array(2.0, np.float32)  # a NumPy scalar on replica 1
+        return c.all_reduce("sum", x)
+
+    out = mirrored3.run(fn)
+    assert [float(v) for v in out.values] == [6.0, 6.0, 6.0]
