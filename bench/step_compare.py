@@ -22,8 +22,10 @@ Contestants (each a subprocess that stays up and takes its turn in every round):
   started by ``python -m cudist.launch -n N``, one CPU replica and cores/N threads each, the
   gradients summed over MPI): the same step as torch DDP's process layout.
 
-Round k: every contestant in turn runs ``--warmup`` untimed steps then ``--steps`` timed ones
-(alternating the order from round to round). Reported: the median step time of each contestant
+First every contestant runs ``--settle`` untimed steps (default 100: a training loop's steady state,
+after first-call compiles and after cudist's ``auto`` replica mode has measured greenlets against
+threads, which takes it ~50 steps). Round k: every contestant in turn runs ``--warmup`` untimed steps
+then ``--steps`` timed ones (alternating the order from round to round). Reported: the median step time of each contestant
 over all its timed steps, and per round the ratio of each peer's median to cudist
 MirroredStrategy's (median and spread over the rounds). Correctness: before the rounds, each
 contestant's first three steps report their global loss, compared with a float64 NumPy reference
@@ -31,7 +33,7 @@ contestant's first three steps report their global loss, compared with a float64
 
 Usage (our venv's python)::
 
-    python bench/step_compare.py [--replicas 1,2,4] [--rounds 5] [--steps 10] [--warmup 2]
+    python bench/step_compare.py [--replicas 1,2,4] [--rounds 5] [--steps 10] [--warmup 2] [--settle 100]
         [--tf-python PATH] [--torch-python PATH] [--no-peers] [--workers] [--json FILE]
 """
 
@@ -468,13 +470,14 @@ class Contestant:
         self.hello = self._read()
         return self.hello
 
-    def round(self, warmup, steps):
+    def round(self, warmup, steps, record=True):
         p = self.procs[0]
         p.stdin.write(json.dumps({"cmd": "round", "warmup": warmup, "steps": steps}) + "\n")
         p.stdin.flush()
         s = self._read()["samples"]
-        self.samples += s
-        self.round_medians.append(statistics.median(s))
+        if record:
+            self.samples += s
+            self.round_medians.append(statistics.median(s))
 
     def close(self):
         try:
@@ -534,6 +537,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per contestant per round (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant per round (default 2)")
+    p.add_argument("--settle", type=int, default=100,
+                   help="untimed steps each contestant runs once before the first round: the steady state of a "
+                        "training loop (default 100)")
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tf-python", default=os.environ.get("CUDIST_BENCH_TF_PYTHON"),
@@ -566,8 +572,8 @@ def main(argv=None) -> int:
         p.error(f"--replicas: expected a comma list of integers, got {a.replicas!r}")
     if not reps or min(reps) < 1 or max(reps) > a.batch:
         p.error("--replicas: counts must be between 1 and --batch")
-    if a.rounds < 1 or a.steps < 1 or a.warmup < 0:
-        p.error("--rounds and --steps must be >= 1, --warmup >= 0")
+    if a.rounds < 1 or a.steps < 1 or a.warmup < 0 or a.settle < 0:
+        p.error("--rounds and --steps must be >= 1, --warmup and --settle >= 0")
 
     params, x, y = make_problem(a.seed, a.batch)
     tmp = tempfile.TemporaryDirectory(prefix="step_compare_")
@@ -580,7 +586,8 @@ def main(argv=None) -> int:
     nparams = sum(q.size for q in params)
     print(f"# step_compare: MLP {'-'.join(map(str, LAYERS))} ({nparams} float32 params), ReLU, softmax cross-entropy, "
           f"global batch {a.batch}, SGD momentum {MOMENTUM} lr {LR}; cores {os.cpu_count()}")
-    print(f"# {a.rounds} interleaved rounds; in each, every contestant runs {a.warmup} warm-up + {a.steps} timed steps; "
+    print(f"# {a.settle} untimed steps per contestant first, then {a.rounds} interleaved rounds; in each, every "
+          f"contestant runs {a.warmup} warm-up + {a.steps} timed steps; "
           "step = median over all timed steps; ratio = peer / cudist MirroredStrategy, per round (median [spread])")
     print(f"# check: global loss of the first {CHECK_STEPS} steps vs a float64 NumPy reference "
           f"({', '.join(f'{v:.6f}' for v in ref)}); #wrong = steps off by > {LOSS_RTOL:g} relative")
@@ -622,6 +629,12 @@ def main(argv=None) -> int:
                             del singles[k]
             for c in live:
                 c.samples, c.round_medians = [], []
+                if not getattr(c, "settled", False) and a.settle:
+                    # A training loop's steady state: warm-up effects (first-call compiles, caches,
+                    # cudist's `auto` replica mode measuring greenlets against threads) are over.
+                    time.sleep(a.gap_ms / 1e3)
+                    c.round(a.settle, 1, record=False)
+                    c.settled = True
             for r in range(a.rounds):
                 for c in live if r % 2 == 0 else live[::-1]:
                     # Threads of the contestant before (OpenBLAS, Eigen, OpenMP) spin a while after their

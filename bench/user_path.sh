@@ -53,7 +53,7 @@ tf_python=$(find_python tensorflow "$tf_python" /work/peers/tf/bin/python /tmp/t
 torch_python=$(find_python torch "$torch_python" /work/peers/torch/bin/python /tmp/torchvenv/bin/python)
 
 if [ $quick = 1 ]; then
-  up_args=(-n 2 -w 1); sc_args=(--rounds 1 --steps 3 --warmup 1); step_args=(-n 3 -w 1)
+  up_args=(-n 2 -w 1); sc_args=(--rounds 1 --steps 3 --warmup 1 --settle 3); step_args=(-n 3 -w 1)
 else
   up_args=(-n 10 -w 2); sc_args=(--rounds 5 --steps 10 --warmup 2); step_args=(-n 20 -w 3)
 fi

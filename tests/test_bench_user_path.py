@@ -231,7 +231,7 @@ def test_step_compare_runs(tmp_path):
     out = tmp_path / "sc.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "step_compare.py"), "--rounds", "1", "--steps", "2", "--warmup", "1",
-         "--replicas", "2", "--no-peers", "--gap-ms", "0", "--json", str(out)],
+         "--settle", "3", "--replicas", "2", "--no-peers", "--gap-ms", "0", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -241,6 +241,7 @@ def test_step_compare_runs(tmp_path):
     assert all(r["wrong"] == 0 and r["steps"] == 2 and r["median_ms"] > 0 for r in rows)
     assert rows[1]["ratio_vs_cudist"] > 0
     assert "skipped (--no-peers)" in proc.stdout
+    assert "3 untimed steps per contestant first" in proc.stdout  # the settle steps: run, not recorded
 
 
 @pytest.mark.heavy
@@ -251,7 +252,7 @@ def test_step_compare_runs_multi_worker(tmp_path):
     out = tmp_path / "sc.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "step_compare.py"), "--rounds", "1", "--steps", "2", "--warmup", "1",
-         "--replicas", "2", "--no-peers", "--workers", "--gap-ms", "0", "--json", str(out)],
+         "--settle", "0", "--replicas", "2", "--no-peers", "--workers", "--gap-ms", "0", "--json", str(out)],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -264,7 +265,7 @@ def test_step_compare_runs_multi_worker(tmp_path):
 def test_step_compare_reports_a_missing_peer(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "step_compare.py"), "--rounds", "1", "--steps", "1", "--warmup", "0",
-         "--replicas", "1", "--gap-ms", "0", "--tf-python", str(tmp_path / "nope"), "--torch-python", sys.executable],
+         "--settle", "0", "--replicas", "1", "--gap-ms", "0", "--tf-python", str(tmp_path / "nope"), "--torch-python", sys.executable],
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
