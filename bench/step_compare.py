@@ -22,9 +22,9 @@ Contestants (each a subprocess that stays up and takes its turn in every round):
   started by ``python -m cudist.launch -n N``, one CPU replica and cores/N threads each, the
   gradients summed over MPI): the same step as torch DDP's process layout.
 
-First every contestant runs ``--settle`` untimed steps (default 100: a training loop's steady state,
+First every contestant runs ``--settle`` untimed steps (default 300: a training loop's steady state,
 after first-call compiles and after cudist's ``auto`` replica mode has measured greenlets against
-threads, which takes it ~50 steps). Round k: every contestant in turn runs ``--warmup`` untimed steps
+threads, which takes it ~50 steps, or ~250 when a noisy trial sends it back to greenlets for 200). Round k: every contestant in turn runs ``--warmup`` untimed steps
 then ``--steps`` timed ones (alternating the order from round to round). Reported: the median step time of each contestant
 over all its timed steps, and per round the ratio of each peer's median to cudist
 MirroredStrategy's (median and spread over the rounds). Correctness: before the rounds, each
@@ -33,7 +33,7 @@ contestant's first three steps report their global loss, compared with a float64
 
 Usage (our venv's python)::
 
-    python bench/step_compare.py [--replicas 1,2,4] [--rounds 5] [--steps 10] [--warmup 2] [--settle 100]
+    python bench/step_compare.py [--replicas 1,2,4] [--rounds 5] [--steps 10] [--warmup 2] [--settle 300]
         [--tf-python PATH] [--torch-python PATH] [--no-peers] [--workers] [--json FILE]
 """
 
@@ -537,9 +537,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
     p.add_argument("--steps", type=int, default=10, help="timed steps per contestant per round (default 10)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant per round (default 2)")
-    p.add_argument("--settle", type=int, default=100,
+    p.add_argument("--settle", type=int, default=300,
                    help="untimed steps each contestant runs once before the first round: the steady state of a "
-                        "training loop (default 100)")
+                        "training loop (default 300)")
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tf-python", default=os.environ.get("CUDIST_BENCH_TF_PYTHON"),
@@ -548,8 +548,9 @@ def main(argv=None) -> int:
                    help="python with torch (default $CUDIST_BENCH_TORCH_PYTHON)")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads per DDP rank (default cores / ranks; the single process keeps all cores)")
-    p.add_argument("--gap-ms", type=float, default=300.0,
-                   help="pause before each contestant's turn, so the threads of the one before stop spinning (default 300)")
+    p.add_argument("--gap-ms", type=float, default=1000.0,
+                   help="pause before each contestant's turn, so the threads of the one before stop spinning "
+                        "(default 1000)")
     p.add_argument("--no-peers", action="store_true", help="cudist only (MirroredStrategy and OneDeviceStrategy)")
     p.add_argument("--workers", action="store_true",
                    help="also cudist.MultiWorkerMirroredStrategy with N processes of one CPU replica each "

@@ -437,3 +437,11 @@ def test_auto_moves_an_overlappable_step_to_threads(mode):
     idents = [s.experimental_local_results(s.run(step)) for _ in range(100)]  # ~0.6 s: tried, then kept
     assert set(idents[0]) == {threading.get_ident()}  # started on greenlets
     assert threading.get_ident() not in idents[-1] and len(set(idents[-1])) == 2
+
+
+def test_auto_keeps_threads_for_a_gain_of_more_than_five_percent_only():
+    for threaded_ms, kept in ((3.7e-3, True), (3.9e-3, False)):  # 7.5% and 2.5% under 4 ms
+        p = _policy()
+        _runs_until_switch(p, 4e-3)
+        _feed(p, threaded_ms, _skip(threaded_ms) + BLOCK)
+        assert p.threaded is kept, threaded_ms

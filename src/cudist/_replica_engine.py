@@ -24,7 +24,7 @@ Which mode: ``cudist.config.set_replica_execution("auto" | "greenlets" | "thread
 ``$CUDIST_REPLICA_EXECUTION``, else ``auto``). GPU replicas and one-replica strategies never use
 threads. ``auto`` (:class:`AutoPolicy`) starts every (replica count, step function) on greenlets
 and measures the replicas' work per run (the caller's wall time outside the collective handlers);
-once that exceeds 1 ms it tries threads, keeps them only if they cut that time by at least 10%,
+once that exceeds 1 ms it tries threads, keeps them only if they cut that time by at least 5%,
 and otherwise goes back to greenlets for a while (longer after each failed try); on threads it
 goes back when the work shrinks below half the threshold, gives threads up as soon as they get
 slower than greenlets were, and compares the two again every 1000 runs. Without a BLAS whose
@@ -37,7 +37,7 @@ The decision, measured on the project's 2-core machines (``bench/step_compare.py
   existed: the mode lookup and the timing cost ~0.8 us), threads 17-80 us (each handoff wakes
   another CPU: ~40 us when the other vCPU is idle, less when it is busy). So short steps must stay
   on greenlets, and threads only pay for steps of hundreds of microseconds or more; 1 ms leaves
-  margin, and the 10% gain check catches work that does not overlap (GIL-bound Python, a BLAS
+  margin, and the 5% gain check catches work that does not overlap (GIL-bound Python, a BLAS
   whose threads cannot be limited).
 * the MLP step, 2 replicas: greenlets 4.8-5.2 ms, threads 4.4-4.9 ms, one device 3.8-4.2 ms
   (threads 1.11-1.16x one device, greenlets 1.22-1.27x). 4 replicas: greenlets 5.9-6.4 ms, threads
@@ -471,8 +471,9 @@ class AutoPolicy:
     BLOCK = 8
     #: Seconds of runs not counted after a switch to threads.
     SETTLE = 0.15
-    #: Threads are kept when they take at most this fraction of the greenlet time.
-    GAIN = 0.9
+    #: Threads are kept when they take at most this fraction of the greenlet time. 0.9 lost the MLP
+    #: step's threads (2 replicas: 4.27 ms on threads, 4.72 ms on greenlets) to noise now and then.
+    GAIN = 0.95
     #: Runs on greenlets after a failed try of threads (doubled after each, up to MAX_PIN).
     PIN = 200
     MAX_PIN = 12_800

@@ -316,7 +316,7 @@ def set_replica_execution(mode: str) -> None:
 
     * ``"auto"`` (the default): replicas run one after the other on greenlets of the calling thread
       (a no-op ``run`` costs microseconds) until the measured replica work of a step function
-      averages over ~1 ms per run; then threads are tried and kept if they are at least 10% faster
+      averages over ~1 ms per run; then threads are tried and kept if they are at least 5% faster
       (needs a BLAS whose thread count cudist can limit: OpenBLAS, as NumPy's wheels bundle, or MKL).
     * ``"greenlets"``: always one after the other.
     * ``"threads"``: each replica on a persistent thread of its own, so replicas' NumPy work
