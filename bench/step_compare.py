@@ -232,14 +232,15 @@ class CudistMultiWorker(CudistWorker):
 
         def shared_read():
             # A blocking MPI_Bcast busy-polls: the ranks waiting for rank 0's next command would
-            # spin on the cores the other contestants are timed on. Poll with sleeps instead.
+            # spin on the cores the other contestants are timed on. Poll with sleeps instead, long
+            # ones: every wake-up preempts a contestant's thread (the turns start 1 s apart anyway).
             head = np.zeros(1, np.int64)
             if self.rank == 0:
                 body = np.frombuffer(json.dumps(read()).encode(), np.uint8)
                 head[0] = body.size
             req = comm.Ibcast(head, root=0)
             while not req.Test():
-                time.sleep(0.002)
+                time.sleep(0.02)
             if self.rank != 0:
                 body = np.empty(int(head[0]), np.uint8)
             comm.Bcast(body, root=0)  # the command itself: rank 0 has sent it already
