@@ -128,6 +128,17 @@ def test_info_reports_env_override():
     assert "default CPU backend: numpy (CUDIST_BACKEND=numpy)" in out
 
 
+def test_info_reports_the_kernel_pool():
+    env = dict(__import__("os").environ, CUDIST_POOL_SPIN_US="0")
+    out = subprocess.run([sys.executable, "-m", "cudist", "--info"], capture_output=True, text=True, timeout=300,
+                         check=True, env=env).stdout
+    assert "native kernel threads: " in out and "workers never spin" in out, out
+    env["CUDIST_POOL_SPIN_US"] = "50"
+    out = subprocess.run([sys.executable, "-m", "cudist", "--info"], capture_output=True, text=True, timeout=300,
+                         check=True, env=env).stdout
+    assert "workers spin up to 50 us" in out, out
+
+
 @pytest.mark.parametrize("value", ["bogus", "cupy"])
 def test_info_reports_an_unusable_env_override_instead_of_failing(value):
     env = dict(__import__("os").environ, CUDIST_BACKEND=value)

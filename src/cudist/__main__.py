@@ -36,6 +36,9 @@ def _info() -> str:
         except BackendUnavailableError as e:
             lines.append(f"  {name:7s} broken: {e}")
     lines.append(_extension_info())
+    pool = _pool_info()
+    if pool:
+        lines.append(pool)
     # How the cupy backend will launch (decided without initialising CUDA; CUDIST_CUDA_LAUNCHERS).
     lines.append(f"cupy launch path: {cuda_launch_policy()}" + ("" if "cupy" in installed else " (once CuPy is installed)"))
     if "cupy" in installed:
@@ -71,6 +74,17 @@ def _cuda_info() -> str:
         lines.append(f"  WARNING: the driver supports CUDA {v['driver']} < CuPy's CUDA {v['cuda_runtime']}: every CUDA "
                      f"call will fail (cudaErrorInsufficientDriver); update the driver{fix}")
     return "\n".join(lines)
+
+
+def _pool_info() -> str:
+    """The native kernels' thread pool: its size and how long its workers spin between kernels."""
+    try:
+        from cudist import _core
+    except ImportError:
+        return ""
+    spin = _core.pool_spin_time() // 1000
+    how = f"workers spin up to {spin} us between kernels that come that close" if spin else "workers never spin"
+    return f"native kernel threads: {_core.num_threads()} ({how}; CUDIST_POOL_SPIN_US)"
 
 
 def _extension_info() -> str:
