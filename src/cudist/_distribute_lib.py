@@ -292,8 +292,6 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
     v0 = payloads[0][1]
     if isinstance(v0, _SIMPLE_LEAVES) and all(isinstance(p[1], _SIMPLE_LEAVES) for p in payloads):
         # One array or scalar per replica: the per-step common case, without tree flattening.
-        if type(v0) is np.ndarray:
-            return ops._all_reduce_arrays(op, [p[1] if type(p[1]) is np.ndarray else as_array(p[1]) for p in payloads])
         res = ops._all_reduce_arrays(op, [as_array(p[1]) for p in payloads])
         if isinstance(v0, np.ndarray):
             return res

@@ -77,15 +77,7 @@ def select_replicas(n: int, structured: Any) -> list[Any]:
             if type(x) is np.ndarray:
                 cols.append((x,) * n)
             elif isinstance(x, DistributedValues):
-                if x._keep_in_replica:
-                    cols.append((x,) * n)
-                elif type(x)._get_replica is DistributedValues._get_replica:
-                    vals = x._values
-                    if len(vals) < n:
-                        raise IndexError(f"{len(vals)} components for {n} replicas")
-                    cols.append(vals)
-                else:
-                    cols.append([x._get_replica(i) for i in range(n)])
+                cols.append((x,) * n if x._keep_in_replica else [x._get_replica(i) for i in range(n)])
             else:
                 break  # a nest or another leaf: the general path
         else:

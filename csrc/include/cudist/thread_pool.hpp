@@ -41,13 +41,14 @@ namespace cudist {
 /// and still overlap. After ``fork()`` the child runs every loop serially (the parent's workers
 /// do not exist there).
 ///
-/// After a loop, the workers and the caller spin (yielding the CPU to any runnable thread) for up
-/// to spin_time() before they block: waking a blocked thread costs tens of microseconds on a
-/// virtual machine whose other vCPU went idle (measured on the project's 2-vCPU machines: 4 x
-/// 256 KiB reduced to one took 40 us on 2 threads whose worker had to be woken, 13 us on the
-/// caller alone and 9 us on 2 threads with the worker spinning). warm() says whether a worker is
-/// spinning now, so a kernel can stay on its caller when the workers would have to be woken for
-/// too little work, and wake() starts their spin ahead of a loop.
+/// Waking a blocked thread costs tens of microseconds on a virtual machine whose other vCPU went
+/// idle (measured on the project's 2-vCPU machines: 4 x 256 KiB reduced to one took 40 us on 2
+/// threads whose worker had to be woken, 13 us on the caller alone and 9 us on 2 threads with the
+/// worker spinning). So the caller of a loop spins (up to kCallerSpinNs) for its workers' last
+/// pieces, and while loops come close together (calls_are_close()) the workers spin, yielding the
+/// CPU to any runnable thread, for up to spin_time() for the next one before they block. warm()
+/// says whether a worker is spinning now, so a kernel can stay on its caller when the workers would
+/// have to be woken for too little work, and wake() starts their spin ahead of a loop.
 class thread_pool {
  public:
   /// How long workers spin after a loop unless $CUDIST_POOL_SPIN_US says otherwise.
@@ -74,8 +75,8 @@ class thread_pool {
   /// The number of hardware threads (at least 1).
   static unsigned hardware_threads() noexcept { return std::max(1u, std::thread::hardware_concurrency()); }
 
-  /// How long (nanoseconds) a worker spins for the next loop after one, before it blocks; 0
-  /// blocks at once. The caller of a loop also spins this long at most for its workers to finish.
+  /// How long (nanoseconds) a worker spins for the next loop after one, while calls come close
+  /// together, before it blocks; 0 blocks at once.
   long long spin_time() const noexcept { return spin_ns_.load(std::memory_order_relaxed); }
 
   /// Sets spin_time() (negative counts as 0); returns the previous value. Takes effect from each
@@ -87,13 +88,10 @@ class thread_pool {
   /// Loops this pool has run on more than one thread since it was created (for tests and tuning).
   unsigned long long parallel_loops() const noexcept { return generation_.load(std::memory_order_relaxed); }
 
-  /// Marks the start of a call that may use the pool (a kernel), for the spin rule: returns the
-  /// nanoseconds since the previous call ended (a large value for the first call).
-  long long call_started() noexcept {
-    const long long now = now_ns();
-    const long long gap = now - last_end_ns_.load(std::memory_order_relaxed);
-    last_gap_ns_.store(gap, std::memory_order_relaxed);
-    return gap;
+  /// Marks the start of a call that may use the pool (a kernel), for the spin rule: records the
+  /// time since the previous call ended (calls_are_close()).
+  void call_started() noexcept {
+    last_gap_ns_.store(now_ns() - last_end_ns_.load(std::memory_order_relaxed), std::memory_order_relaxed);
   }
 
   /// Marks the end of a call that call_started() marked the start of.
@@ -113,8 +111,8 @@ class thread_pool {
   bool warm() const noexcept { return spinning_.load(std::memory_order_relaxed) > 0; }
 
   /// Wakes the blocked workers into their spin (for spin_time()) without giving them work, so that
-  /// a loop started soon after finds them warm. Does nothing when one is warm already, after
-  /// fork(), or when spin_time() is 0.
+  /// a loop started soon after finds them warm. Does nothing when one is warm already, when calls
+  /// are not close together, after fork(), or when spin_time() is 0.
   void wake() {
     if (warm() || spin_time() <= 0 || !calls_are_close() || forked()) return;
     {

@@ -131,20 +131,22 @@ def _launch(calls):
                 _emu.enqueue(q, run, "ncclAllReduce", deps=before)
 
 
+def _combine(ins, op, dt):
+    """The reduction of ``ins`` (rank order) as NCCL's ``op`` gives it in dtype ``dt``."""
+    acc = ins[0].copy()
+    if op == NCCL_AVG:
+        for x in ins[1:]:
+            acc = np.add(acc, x, dtype=dt)
+        return (acc / len(ins)).astype(dt)
+    for x in ins[1:]:
+        acc = _OPS[op](acc, x).astype(dt)
+    return acc
+
+
 def _reduce(cs):
     _, _, _, count, dtype, op, _ = cs[0]
     dt = np.dtype(_DTYPES[dtype])
-    ins = [_emu.host_array(c[1], (count,), dt, pooled=True).copy() for c in cs]
-    if op == NCCL_AVG:
-        acc = ins[0].copy()
-        for x in ins[1:]:
-            acc = np.add(acc, x, dtype=dt)
-        res = (acc / len(ins)).astype(dt)
-    else:
-        acc = ins[0].copy()
-        for x in ins[1:]:
-            acc = _OPS[op](acc, x).astype(dt)
-        res = acc
+    res = _combine([_emu.host_array(c[1], (count,), dt, pooled=True).copy() for c in cs], op, dt)
     for c in cs:
         _emu.host_array(c[2], (count,), dt, pooled=True)[...] = res
 
@@ -257,17 +259,7 @@ class _RemoteCall:
         if self.comm._aborted:
             return  # ncclCommAbort: the collective ends, its buffers are left as they are
         dt = np.dtype(_DTYPES[self.datatype])
-        ins = [self.parts[r][3] for r in range(self.comm._size)]
-        if self.op == NCCL_AVG:
-            acc = ins[0].copy()
-            for x in ins[1:]:
-                acc = np.add(acc, x, dtype=dt)
-            res = (acc / len(ins)).astype(dt)
-        else:
-            acc = ins[0].copy()
-            for x in ins[1:]:
-                acc = _OPS[self.op](acc, x).astype(dt)
-            res = acc
+        res = _combine([self.parts[r][3] for r in range(self.comm._size)], self.op, dt)
         _emu.host_array(self.recvbuf, (self.count,), dt, pooled=True)[...] = res
         self.parts = None
 
