@@ -41,11 +41,14 @@ def test_user_path_tiny(tmp_path, capsys, backend):
     for size in (4 << 10, 8 << 10):
         for group in ("all-reduce", "momentum", "adam"):
             got = {r["api"]: r for r in rows if r["size"] == size and r["group"] == group}
-            assert set(got) == {"kernel", "user", "numpy"}, (size, group, got.keys())
+            assert set(got) == {"kernel", "user", "numpy", "copy-same"}, (size, group, got.keys())
             for r in got.values():
-                assert r["wrong"] == 0 and r["time_us"] > 0 and r["iters"] >= 2
-                assert r["moved_bytes"] > 0 and r["pct_copy"] > 0
+                assert r["time_us"] > 0 and r["iters"] >= 2
+                assert r["moved_bytes"] > 0 and r["pct_copy"] > 0 and r["pct_same"] > 0
+                assert r["wrong"] == (None if r["api"] == "copy-same" else 0)
+            assert got["copy-same"]["pct_same"] == pytest.approx(100.0)
             user = got["user"]
+            assert user["run_over_copy_same"] > 0 and len(user["run_over_copy_same_rounds"]) == 2
             assert user["user_path"] and "[user]" in text
             assert user["faults_per_call"] is not None and user["faults_per_call"] >= 0
             assert user["run_over_kernel"] > 0 and user["numpy_loop_over_run"] > 0
@@ -66,6 +69,28 @@ def test_user_path_bytes_moved(tmp_path):
             ceiling = next(c["GBps"] for c in _rows(doc) if c["api"] == "copy" and c["size"] == r["size"]
                            and _rows(doc).index(c) > _rows(doc).index(r))
             assert r["pct_copy"] == pytest.approx(100 * r["moved_bytes"] / (r["time_us"] * 1e-6) / 1e9 / ceiling)
+    # The copy-same row's two buffers span the point's working set, and %same divides by its GB/s.
+    ws = {"all-reduce": (n + 1) * s, "momentum": (n + 2) * s, "adam": (n + 3) * s}
+    for group, want in ws.items():
+        rows = [r for r in _rows(doc) if r["group"] == group]
+        same = next(r for r in rows if r["api"] == "copy-same")
+        assert same["moved_bytes"] == want
+        for r in rows:
+            assert r["pct_same"] == pytest.approx(100 * r["GBps"] / same["GBps"])
+
+
+def test_user_path_leaves_out_a_copy_same_row_too_large(tmp_path, monkeypatch, capsys):
+    from cudist.bench import _user_path
+
+    # 2 replicas x 4K: all-reduce spans 3 x 4K (6K per buffer), Adam 5 x 4K (10K per buffer)
+    monkeypatch.setattr(_user_path, "SAME_COPY_MAX_BYTES", 8 << 10)
+    rc, doc = _run(tmp_path, "user-path", *TINY, "-e", "4K", "--replicas", "2", "--backend", "numpy",
+                   "--groups", "all-reduce,adam")
+    assert rc == 0
+    apis = {r["group"]: {x["api"] for x in _rows(doc) if x["group"] == r["group"]} for r in _rows(doc)}
+    assert "copy-same" in apis["all-reduce"] and "copy-same" not in apis["adam"]
+    assert "4K adam: no copy-same row" in capsys.readouterr().out
+    assert all(r["pct_same"] is None for r in _rows(doc) if r["group"] == "adam")
 
 
 def test_user_path_groups_option(tmp_path):

@@ -184,8 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ReplicaContext.all_reduce('sum') on a PerReplica array, the plain NumPy loop and, with --compare tf, "
         "TensorFlow's strategy.run + all_reduce in tf.function; then optimizer.apply_gradients inside "
         "strategy.run (SGD momentum 0.9, Adam) next to the kernels and a NumPy loop doing the same update. "
-        "Rows take turns in interleaved rounds (-n rounds after -w warm-up rounds) with a copy of "
-        "--copy-size bytes, whose median is the ceiling of %%copy. --backend picks the kernels of both the "
+        "Rows take turns in interleaved rounds (-n rounds after -w warm-up rounds); %%copy divides by a copy of "
+        "--copy-size bytes timed before and after them, %%same by a copy spanning the point's working set timed "
+        "in the rounds (the bandwidth of memory in the same cache state). --backend picks the kernels of both the "
         "kernel rows and the strategy (all: the default backend).",
     )
     sp.add_argument("--groups", type=_groups_arg, default=["all-reduce", "momentum", "adam"],

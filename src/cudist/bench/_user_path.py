@@ -19,6 +19,13 @@ comes from the same rounds. Groups:
   ``--copy-size`` buffer, timed as the header does (median of back-to-back copies after an untimed
   one) right before and right after the point's rounds; the faster of the two counts (as in
   ``bench/targets.py``: the ceiling comes from the same minutes as the point).
+* ``copy-same`` (``%same``): a copy whose two buffers together span the point's working set (what
+  the user's path touches per call: all-reduce (N+1)*S, momentum (N+2)*S, Adam (N+3)*S), by the
+  fastest copy method at that size, timed in the rounds like every other row: the bandwidth the
+  point's memory gets in the same cache state. Where the last-level cache is large, the
+  ``--copy-size`` copy runs from cache while a large point does not: this project's VMs report a
+  480 MiB L3 shared with other tenants, and measured a 64 MiB copy at ~51 GB/s back to back,
+  ~29 GB/s once the buffers pass 256 MiB. Left out (said) above :data:`SAME_COPY_MAX_BYTES` per buffer.
 
 Bytes moved (``%copy``, ``GB/s``): all-reduce 2*N*S (N inputs read, N outputs written: what an
 all-reduce into per-replica results moves; the user's path on CPU replicas reads the N inputs and
@@ -49,14 +56,16 @@ import numpy as np
 from cudist.bench._sizes import format_size
 from cudist.bench._timing import minor_faults
 
-__all__ = ["run_user_path", "GROUPS", "moved_bytes", "TFServer"]
+__all__ = ["run_user_path", "GROUPS", "moved_bytes", "working_set_bytes", "TFServer"]
 
 GROUPS = ("all-reduce", "momentum", "adam")
 LR, MOMENTUM, BETA_1, BETA_2, EPSILON = 0.01, 0.9, 0.9, 0.999, 1e-7
 
-_COLS = ("size", "group", "path", "api", "backend", "calls", "time(us)", "min(us)", "GB/s", "%copy", "flt/call",
-         "#wrong")
-_FMT = "{:>7} {:>10} {:<39} {:>7} {:>8} {:>6} {:>11} {:>11} {:>7} {:>7} {:>8} {:>6}"
+_COLS = ("size", "group", "path", "api", "backend", "calls", "time(us)", "min(us)", "GB/s", "%copy", "%same",
+         "flt/call", "#wrong")
+_FMT = "{:>7} {:>10} {:<39} {:>9} {:>8} {:>6} {:>11} {:>11} {:>7} {:>7} {:>6} {:>8} {:>6}"
+#: The largest buffer (bytes) of a point's ``copy-same`` row; a point that needs more leaves the row out.
+SAME_COPY_MAX_BYTES = 1 << 30
 
 
 def moved_bytes(group: str, size: int, n: int) -> int:
@@ -68,6 +77,13 @@ def moved_bytes(group: str, size: int, n: int) -> int:
     if group == "adam":
         return (n + 6) * size
     raise ValueError(group)
+
+
+def working_set_bytes(group: str, size: int, n: int) -> int:
+    """Bytes the user's path touches in one call: the N inputs and the one shared result (all-reduce);
+    the N gradients, the variable and its slots (momentum: 1, Adam: 2)."""
+    extra = {"all-reduce": 1, "momentum": 2, "adam": 3}[group]
+    return (n + extra) * size
 
 
 _MOVED_TEXT = {"all-reduce": "2N*S", "momentum": "(N+4)*S", "adam": "(N+6)*S"}
@@ -87,6 +103,7 @@ class Contestant:
         self.fault_calls = 0
         self.faults_known = True
         self.block = 1
+        self.moved = None  # bytes one call moves, where it differs from the point's (the copy-same row)
         self.error = None
 
     def run_block(self, calls: int, record: bool = True) -> list:
@@ -436,6 +453,17 @@ def _copy_method(ctx, nbytes):
     return name, methods[name], 2 * max(8, nbytes - nbytes % 8)
 
 
+def _fastest_copy(nbytes):
+    """(name, callable, bytes read + written) of the fastest way to copy an ``nbytes`` buffer, by the
+    median of 3 copies each (which method wins depends on the size: streaming stores pay off only
+    out of cache)."""
+    from cudist.bench import _sysinfo
+
+    methods = _sysinfo.copy_methods(nbytes)
+    name = min(methods, key=lambda k: _sysinfo._time_copy(methods[k], 3))
+    return name, methods[name], 2 * max(8, nbytes - nbytes % 8)
+
+
 def _line(size, group, c, moved, ceiling):
     t = statistics.median(c.samples) / 1e3 if c.samples else None
     gbps = moved / (t * 1e-6) / 1e9 if t else None
@@ -458,7 +486,7 @@ def _fmt_row(r) -> str:
     return " " + _FMT.format(
         format_size(r["size"]) if r["group"] != "copy" else "-", r["group"], path[:39], r["api"], r["backend"],
         r["iters"], f(r["time_us"], ".1f"), f(r["min_us"], ".1f"), f(r["GBps"], ".2f"), f(r["pct_copy"], ".1f"),
-        f(r["faults_per_call"], ".1f"), "-" if r["wrong"] is None else r["wrong"],
+        f(r.get("pct_same"), ".1f"), f(r["faults_per_call"], ".1f"), "-" if r["wrong"] is None else r["wrong"],
     )[1:]
 
 
@@ -539,7 +567,8 @@ def run_user_path(ctx, *, sizes=None, groups=None) -> list:
                   f"every row in turn (about {a.round_ms:g} ms each); time = median over all calls; check "
                   f"{'on (fresh random data vs the NumPy reference)' if a.check else 'off'}")
         ctx.print("# bytes moved (GB/s, %copy): all-reduce 2N*S; apply_gradients what one fused all-reduce + update "
-                  "must move (host copies sharing one storage): momentum (N+4)*S, adam (N+6)*S; %copy divides by the point's copy row; "
+                  "must move (host copies sharing one storage): momentum (N+4)*S, adam (N+6)*S; %copy divides by the point's copy row, "
+                  "%same by its copy-same row (a copy spanning the point's working set, timed in the rounds); "
                   "flt/call = minor page faults per call (fresh large buffers touched)")
         copy_method = _copy_method(ctx, a.copy_size)
         ctx.print(f"# copy row (the ceiling): {copy_method[0]} of a {format_size(copy_method[2] // 2)} buffer, the "
@@ -590,6 +619,18 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
                                      wrong=wrong, remote=(tf_server, mode)))
         except TFUnavailable as e:
             ctx.print(f"# tf: {group} {format_size(size)} skipped ({e})")
+    moved = moved_bytes(group, size, n)
+    same = None  # the copy-same contestant: a copy whose buffers span the point's working set, in the rounds
+    half = working_set_bytes(group, size, n) // 2
+    if half <= SAME_COPY_MAX_BYTES:
+        same_name, same_fn, same_bytes = _fastest_copy(half)
+        same = Contestant(f"copy, same working set ({format_size(same_bytes // 2)})", "copy-same",
+                          same_name.split(" ")[0].split(".")[0], same_fn)
+        same.moved = same_bytes
+        cs.append(same)
+    else:
+        ctx.print(f"# note: {format_size(size)} {group}: no copy-same row (it would copy "
+                  f"{format_size(half)}, more than {format_size(SAME_COPY_MAX_BYTES)})")
     from cudist.bench._sysinfo import _time_copy
 
     _, copy_fn, copy_bytes = copy_method
@@ -629,15 +670,15 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
         prog.update(f"{group} {format_size(size)} round {r + 1}")
     after = _time_copy(copy_fn, _COPY_ITERS)
     ceiling = copy_bytes / min(before, after) / 1e9
-    moved = moved_bytes(group, size, n)
-    rows = []
-    for c in cs:
-        rows.append(_line(size, group, c, moved, ceiling))
-        ctx.print(_fmt_row(rows[-1]))
+    rows = [_line(size, group, c, c.moved if c is same else moved, ceiling) for c in cs]
+    same_gbps = rows[cs.index(same)]["GBps"] if same is not None else None
+    for r in rows:
+        r["pct_same"] = 100.0 * r["GBps"] / same_gbps if (r["GBps"] and same_gbps) else None
+        ctx.print(_fmt_row(r))
     crow = {"op_name": "user-path/copy", "group": "copy", "size": size, "count": None, "dtype": None,
             "path": f"copy ceiling ({format_size(copy_bytes // 2)}, before|after)", "api": "copy", "backend": "-",
             "iters": 2 * _COPY_ITERS, "time_us": min(before, after) * 1e6, "min_us": None, "moved_bytes": copy_bytes,
-            "GBps": ceiling, "pct_copy": 100.0, "faults_per_call": None, "wrong": None, "user_path": False,
+            "GBps": ceiling, "pct_copy": 100.0, "pct_same": None, "faults_per_call": None, "wrong": None, "user_path": False,
             "copy_before_GBps": copy_bytes / before / 1e9, "copy_after_GBps": copy_bytes / after / 1e9,
             "header_ceiling_GBps": ceiling0}
     ctx.print(_fmt_row(crow))
@@ -660,6 +701,10 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
             v, text, per = _ratio_text(c, user)
             parts.append(f"{c.backend}/run {text}")
             info[f"{c.backend}_over_run"], info[f"{c.backend}_over_run_rounds"] = v, per
+    if user is not None and same is not None and same.samples:
+        v, text, per = _ratio_text(user, same)
+        parts.append(f"run/copy-same {text}")
+        info["run_over_copy_same"], info["run_over_copy_same_rounds"] = v, per
     for r in rows:
         if r["api"] == "user":
             r.update(info)
