@@ -1,0 +1,43 @@
+"""Copy bandwidth by buffer size: where a copy stops running from cache.
+
+``%copy`` in ``cudist-bench`` divides by a copy of ``--copy-size`` bytes (64 MiB by default). On a
+machine whose last-level cache holds that copy's two buffers, the ceiling is the cache's bandwidth,
+not memory's, and large points (whose working set does not fit) compare memory against cache; the
+``copy-same`` rows of ``cudist-bench user-path`` use a copy as large as each point instead. This
+script shows the step: every copy method of the header (``cudist.bench._sysinfo.copy_methods``),
+median of back-to-back copies per size, bytes read + written per second.
+
+Usage: ``python bench/copy_sizes.py [--sizes 4M,16M,64M,128M,256M,512M] [--iters 8]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+from cudist.bench._sizes import format_size, parse_size
+from cudist.bench._sysinfo import _time_copy, copy_methods
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="4M,16M,64M,128M,256M,512M", help="bytes per buffer, comma list")
+    p.add_argument("--iters", type=int, default=8, help="timed copies per size and method (default 8)")
+    a = p.parse_args(argv)
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    print("# copy bandwidth by buffer size (GB/s = 2 * size / median time); working set = 2 * size")
+    header = None
+    for size in sizes:
+        methods = copy_methods(size)
+        if header is None:
+            header = list(methods)
+            print("#  buffer " + "".join(f"{m[:30]:>32}" for m in header))
+        rates = {name: 2 * size / _time_copy(fn, a.iters) / 1e9 for name, fn in methods.items()}
+        print(f"{format_size(size):>9} " + "".join(f"{rates.get(m, float('nan')):>32.1f}" for m in header))
+        del methods
+        gc.collect()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
