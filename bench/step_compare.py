@@ -24,8 +24,9 @@ Contestants (each a subprocess that stays up and takes its turn in every round):
 
 First every contestant runs ``--settle`` untimed steps (default 300: a training loop's steady state,
 after first-call compiles and after cudist's ``auto`` replica mode has measured greenlets against
-threads, which takes it ~50 steps, or ~250 when a noisy trial sends it back to greenlets for 200). Round k: every contestant in turn runs ``--warmup`` untimed steps
-then ``--steps`` timed ones (alternating the order from round to round). Reported: the median step time of each contestant
+threads, which takes it ~50 steps). Round k: every contestant in turn, after a ``--gap-ms`` pause,
+runs ``--warmup`` untimed steps (default 20: steps run slow for ~10 steps after the pause) then
+``--steps`` timed ones (default 20; alternating the order from round to round). Reported: the median step time of each contestant
 over all its timed steps, and per round the ratio of each peer's median to cudist
 MirroredStrategy's (median and spread over the rounds). Correctness: before the rounds, each
 contestant's first three steps report their global loss, compared with a float64 NumPy reference
@@ -33,7 +34,7 @@ contestant's first three steps report their global loss, compared with a float64
 
 Usage (our venv's python)::
 
-    python bench/step_compare.py [--replicas 1,2,4] [--rounds 5] [--steps 10] [--warmup 2] [--settle 300]
+    python bench/step_compare.py [--replicas 1,2,4] [--rounds 5] [--steps 20] [--warmup 20] [--settle 300]
         [--tf-python PATH] [--torch-python PATH] [--no-peers] [--workers] [--json FILE]
 """
 
@@ -536,8 +537,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--replicas", default="1,2,4", help="comma list of replica counts (default 1,2,4)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (default 5)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps per contestant per round (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per contestant per round (default 2)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per contestant per round (default 20)")
+    # After the pause between turns a step runs slow for a while (the 2-replica MLP step on threads:
+    # 7-10 ms for the first one and some 7 ms ones among the next ~10, against 4.2 ms steady), so a
+    # turn warms up longer than that before it is timed: what a training loop's steps see.
+    p.add_argument("--warmup", type=int, default=20,
+                   help="untimed steps per contestant per round, after the pause before its turn (default 20)")
     p.add_argument("--settle", type=int, default=300,
                    help="untimed steps each contestant runs once before the first round: the steady state of a "
                         "training loop (default 300)")

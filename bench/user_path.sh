@@ -55,7 +55,7 @@ torch_python=$(find_python torch "$torch_python" /work/peers/torch/bin/python /t
 if [ $quick = 1 ]; then
   up_args=(-n 2 -w 1); sc_args=(--rounds 1 --steps 3 --warmup 1 --settle 3); step_args=(-n 3 -w 1)
 else
-  up_args=(-n 10 -w 2); sc_args=(--rounds 5 --steps 10 --warmup 2); step_args=(-n 20 -w 3)
+  up_args=(-n 10 -w 2); sc_args=(--rounds 5); step_args=(-n 20 -w 3)
 fi
 tf_args=(); [ -n "$tf_python" ] && tf_args=(--compare tf --tf-python "$tf_python")
 sc_peers=(); [ -n "$tf_python" ] && sc_peers+=(--tf-python "$tf_python")

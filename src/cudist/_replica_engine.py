@@ -24,10 +24,11 @@ Which mode: ``cudist.config.set_replica_execution("auto" | "greenlets" | "thread
 ``$CUDIST_REPLICA_EXECUTION``, else ``auto``). GPU replicas and one-replica strategies never use
 threads. ``auto`` (:class:`AutoPolicy`) starts every (replica count, step function) on greenlets
 and measures the replicas' work per run (the caller's wall time outside the collective handlers);
-once that exceeds 1 ms it tries threads, keeps them only if they cut that time by at least 5%,
-and otherwise goes back to greenlets for a while (longer after each failed try); on threads it
-goes back when the work shrinks below half the threshold, gives threads up as soon as they get
-slower than greenlets were, and compares the two again every 1000 runs. Without a BLAS whose
+once that exceeds 1 ms it tries threads, keeps them only if they cut that time by at least 5%
+(in either of two blocks of 8 runs), and otherwise goes back to greenlets for a while (longer after
+each failed try); on threads it goes back when the work shrinks below half the threshold, gives
+threads up once two blocks in a row are slower than greenlets were, and compares the two again
+every 1000 runs. Without a BLAS whose
 threads can be limited (OpenBLAS or MKL), ``auto`` stays on greenlets.
 
 The decision, measured on the project's 2-core machines (``bench/step_compare.py``, the MLP step
@@ -449,14 +450,21 @@ class AutoPolicy:
     spoils a mean or even a median of a block, rarely its low end.
 
     * On greenlets, once a block's estimate exceeds :attr:`UP` (and threads are possible), try
-      threads for a block, remembering the greenlet estimate.
-    * Keep threads only if they take at most :attr:`GAIN` times the greenlet time; otherwise go
-      back to greenlets for :attr:`PIN` runs, doubled after each failed try (up to :attr:`MAX_PIN`).
-    * On threads, give up the same way as soon as a block takes longer than greenlets did (the
-      machine got busy: threads lose when other processes hold cores, see the module docstring);
-      go back (not pinned) when the work, scaled to what it would be one replica after the other,
-      falls below half of :attr:`UP`; and after :attr:`RECHECK` runs, measure greenlets and try
-      threads again, since which is faster changes with the load.
+      threads for up to :attr:`TRIAL_BLOCKS` blocks, remembering the greenlet estimate.
+    * Keep threads as soon as a trial block takes at most :attr:`GAIN` times the greenlet time; if
+      none does, go back to greenlets for :attr:`PIN` runs, doubled after each failed try (up to
+      :attr:`MAX_PIN`).
+    * On threads, give up the same way once :attr:`STRIKES` blocks in a row take longer than
+      greenlets did (the machine got busy: threads lose when other processes hold cores, see the
+      module docstring); go back (not pinned) when the work, scaled to what it would be one replica
+      after the other, falls below half of :attr:`UP`; and after :attr:`RECHECK` runs, measure
+      greenlets and try threads again, since which is faster changes with the load.
+
+    One block decided each of these before, and a single noisy block (the first steps after the
+    process sat idle, a neighbour's burst) then cost hundreds of runs on the slower mode: in
+    ``bench/step_compare.py`` (turns of a few dozen steps with 1 s pauses between them), ``auto``
+    gave threads up in 2 of 3 runs, for a 2-replica MLP step of 4.75-4.99 ms against 4.26-4.49 ms
+    with threads forced.
 
     The first run of a function and after each switch is not counted (first-call compiles, thread
     start); after a switch to threads, runs are not counted until :attr:`SETTLE` seconds of them
@@ -479,9 +487,14 @@ class AutoPolicy:
     MAX_PIN = 12_800
     #: Runs on threads between two comparisons with greenlets.
     RECHECK = 1000
+    #: Blocks a trial of threads may take to show the gain.
+    TRIAL_BLOCKS = 2
+    #: Blocks in a row that kept threads must lose to greenlets' time before they are given up.
+    STRIKES = 2
 
     __slots__ = (
-        "threaded", "first", "settling", "seen", "low", "low2", "reference", "ratio", "pinned", "backoff", "can_thread"
+        "threaded", "first", "settling", "seen", "low", "low2", "reference", "ratio", "pinned", "backoff", "can_thread",
+        "trial_left", "strikes",
     )
 
     def __init__(self, can_thread: Callable[[], bool] = _blas.available) -> None:
@@ -495,6 +508,8 @@ class AutoPolicy:
         self.pinned = 0
         self.backoff = self.PIN
         self.can_thread = can_thread
+        self.trial_left = 0  # trial blocks still to judge (on trial)
+        self.strikes = 0  # blocks in a row that kept threads lost
 
     def _switch(self, threaded: bool) -> None:
         self.threaded = threaded
@@ -528,16 +543,23 @@ class AutoPolicy:
         if not self.threaded:
             if est > self.UP and self.can_thread():
                 self.reference, self.ratio = est, 0.0
+                self.trial_left = self.TRIAL_BLOCKS
                 self._switch(True)
         elif not self.ratio:  # on trial
             if est <= self.GAIN * self.reference:
-                self.ratio, self.backoff = est / self.reference, self.PIN
+                self.ratio, self.backoff, self.strikes = est / self.reference, self.PIN, 0
             else:
-                self._give_up()
+                self.trial_left -= 1
+                if self.trial_left <= 0:
+                    self._give_up()
         elif est > self.reference:
-            self._give_up()
-        elif est / self.ratio < self.UP / 2 or self.seen > self.RECHECK:
-            self._switch(False)
+            self.strikes += 1
+            if self.strikes >= self.STRIKES:
+                self._give_up()
+        else:
+            self.strikes = 0
+            if est / self.ratio < self.UP / 2 or self.seen > self.RECHECK:
+                self._switch(False)
 
     def refuse_threads(self) -> None:
         """Threads could not be started: greenlets from now on."""
