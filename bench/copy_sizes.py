@@ -4,8 +4,8 @@
 machine whose last-level cache holds that copy's two buffers, the ceiling is the cache's bandwidth,
 not memory's, and large points (whose working set does not fit) compare memory against cache; the
 ``copy-same`` rows of ``cudist-bench user-path`` use a copy as large as each point instead. This
-script shows the step: every copy method of the header (``cudist.bench._sysinfo.copy_methods``),
-median of back-to-back copies per size, bytes read + written per second.
+script shows the step: every copy method of the header
+(``cudist.bench._sysinfo.measure_copy_bandwidth``), median of back-to-back copies per size, bytes read + written per second.
 
 Usage: ``python bench/copy_sizes.py [--sizes 4M,16M,64M,128M,256M,512M] [--iters 8]``.
 """
@@ -16,7 +16,7 @@ import argparse
 import gc
 
 from cudist.bench._sizes import format_size, parse_size
-from cudist.bench._sysinfo import _time_copy, copy_methods
+from cudist.bench._sysinfo import measure_copy_bandwidth
 
 
 def main(argv=None) -> int:
@@ -28,14 +28,12 @@ def main(argv=None) -> int:
     print("# copy bandwidth by buffer size (GB/s = 2 * size / median time); working set = 2 * size")
     header = None
     for size in sizes:
-        methods = copy_methods(size)
+        rates = measure_copy_bandwidth(size, iters=a.iters).results
         if header is None:
-            header = list(methods)
+            header = list(rates)
             print("#  buffer " + "".join(f"{m[:30]:>32}" for m in header))
-        rates = {name: 2 * size / _time_copy(fn, a.iters) / 1e9 for name, fn in methods.items()}
-        print(f"{format_size(size):>9} " + "".join(f"{rates.get(m, float('nan')):>32.1f}" for m in header))
-        del methods
-        gc.collect()
+        print(f"{format_size(size):>9} " + "".join(f"{rates.get(m, float('nan')):>32.3g}" for m in header))
+        gc.collect()  # the last size's buffers, before the next size's
     return 0
 
 

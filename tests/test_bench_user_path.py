@@ -315,10 +315,10 @@ def test_copy_sizes_script_prints_a_rate_per_size_and_method():
     """bench/copy_sizes.py (PERFORMANCE.md's copy bandwidth by buffer size) runs and reports a
     positive rate for every size and method."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "copy_sizes.py"), "--sizes", "4K,1M", "--iters", "2"],
+        [sys.executable, str(ROOT / "bench" / "copy_sizes.py"), "--sizes", "64K,1M", "--iters", "2"],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln.split() for ln in proc.stdout.splitlines() if not ln.startswith("#")]
-    assert [r[0] for r in rows] == ["4K", "1M"], proc.stdout
+    assert [r[0] for r in rows] == ["64K", "1M"], proc.stdout
     assert all(len(r) >= 2 and all(float(x) > 0 for x in r[1:]) for r in rows), proc.stdout

@@ -670,7 +670,7 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
         prog.update(f"{group} {format_size(size)} round {r + 1}")
     after = _time_copy(copy_fn, _COPY_ITERS)
     ceiling = copy_bytes / min(before, after) / 1e9
-    rows = [_line(size, group, c, c.moved if c is same else moved, ceiling) for c in cs]
+    rows = [_line(size, group, c, c.moved or moved, ceiling) for c in cs]
     same_gbps = rows[cs.index(same)]["GBps"] if same is not None else None
     for r in rows:
         r["pct_same"] = 100.0 * r["GBps"] / same_gbps if (r["GBps"] and same_gbps) else None
