@@ -28,8 +28,8 @@ once that exceeds 1 ms it tries threads, keeps them only if they cut that time b
 (in either of two blocks of 8 runs), and otherwise goes back to greenlets for a while (longer after
 each failed try); on threads it goes back when the work shrinks below half the threshold, gives
 threads up once two blocks in a row are slower than greenlets were, and compares the two again
-every 1000 runs. Without a BLAS whose
-threads can be limited (OpenBLAS or MKL), ``auto`` stays on greenlets.
+every 1000 runs. Without a BLAS whose threads can be limited (OpenBLAS or MKL), ``auto`` stays on
+greenlets.
 
 The decision, measured on the project's 2-core machines (``bench/step_compare.py``, the MLP step
 784-512-512-10, global batch 256, SGD momentum; medians of interleaved rounds, quiet machine):
