@@ -709,6 +709,35 @@ def test_streaming_stores_with_outputs_at_every_alignment(native, ref, streaming
             assert_bits_equal(b, a)
 
 
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_broadcast_with_destinations_at_every_alignment(native, streaming, dtype):
+    # Streamed blocks line up with the first destination that is not the source (NumPy's large
+    # arrays sit 16 bytes past a line); destinations elsewhere in a line, not element-aligned, or the
+    # source itself still get every element, and nothing outside them is written.
+    rng = np.random.default_rng(43)
+    size = BIG + 13
+    isz = np.dtype(dtype).itemsize
+    src0 = rand(rng, dtype, (size,))
+    for first in [16, 0, isz, 48, 1]:
+        raws, dsts = [], []
+        for o in [first, 0, 16, 3]:
+            raw = np.full(size * isz + 192, 0xA5, np.uint8)
+            start = (-raw.ctypes.data) % 64 + 64 + o
+            raws.append((raw, start))
+            dsts.append(np.ndarray((size,), dtype, raw.data, start))
+        src = _at(src0, 16)
+        native.broadcast(src, dsts)
+        for (raw, start), d in zip(raws, dsts):
+            assert_bits_equal(d, src0)
+            end = start + size * isz
+            assert (raw[:start] == 0xA5).all() and (raw[end:] == 0xA5).all()
+        # the source among the destinations: left as it is, the others written
+        others = [_at(np.zeros(size, dtype), first), _at(np.zeros(size, dtype), 32)]
+        native.broadcast(src, [others[0], src, others[1]])
+        for d in [*others, src]:
+            assert_bits_equal(d, src0)
+
+
 @pytest.fixture
 def pool_defaults():
     """The pool's default thresholds (conftest lowers the cold one) and a restored spin time."""

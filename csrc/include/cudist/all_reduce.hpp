@@ -130,9 +130,28 @@ void broadcast(const T* src, T* const* dsts, std::size_t n, std::size_t count,
   }
   constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
   const std::size_t bytes = count * sizeof(T);
+  // The destination the blocks line up with when streaming (the first that is not the source).
+  const T* ref = nullptr;
+  for (std::size_t o = 0; o < n && ref == nullptr; ++o)
+    if (dsts[o] != src) ref = dsts[o];
   detail::run_blocks(pool, count, B, bytes * (n + 1), bytes * n, [&](std::size_t b, std::size_t e, bool stream) {
+    std::size_t s = b;
+    if (stream && ref != nullptr) {
+      // Streamed blocks start a cache line of ``ref`` (and of every destination at the same offset
+      // in its line, as NumPy's large arrays all are: 16 bytes past a line). Otherwise each block
+      // would begin and end with a partial line written by ordinary stores, whose read for
+      // ownership stalls the streaming stores queued behind it: a 512 MiB copy at 16 bytes past a
+      // line ran at 30 GB/s against 50 GB/s aligned (2 threads, 2 MiB pages).
+      const auto mis = reinterpret_cast<std::uintptr_t>(ref + s) & (detail::kLineBytes - 1);
+      if (mis != 0 && mis % sizeof(T) == 0) {
+        const std::size_t head = std::min<std::size_t>((detail::kLineBytes - mis) / sizeof(T), e - s);
+        for (std::size_t o = 0; o < n; ++o)
+          if (dsts[o] != src) std::memcpy(dsts[o] + s, src + s, head * sizeof(T));
+        s += head;
+      }
+    }
     // Block by block, so the source is read from memory once and copied from cache N times.
-    for (std::size_t s = b; s < e; s += B) {
+    for (; s < e; s += B) {
       const std::size_t len = std::min(B, e - s);
       for (std::size_t o = 0; o < n; ++o)
         if (dsts[o] != src) detail::copy_block(dsts[o] + s, src + s, len * sizeof(T), stream);
