@@ -1,11 +1,10 @@
-"""Copy bandwidth by buffer size: where a copy stops running from cache.
+"""Copy bandwidth by buffer size, for every copy method ``cudist-bench`` knows.
 
-``%copy`` in ``cudist-bench`` divides by a copy of ``--copy-size`` bytes (64 MiB by default). On a
-machine whose last-level cache holds that copy's two buffers, the ceiling is the cache's bandwidth,
-not memory's, and large points (whose working set does not fit) compare memory against cache; the
-``copy-same`` rows of ``cudist-bench user-path`` use a copy as large as each point instead. This
-script shows the step: every copy method of the header
-(``cudist.bench._sysinfo.measure_copy_bandwidth``), median of back-to-back copies per size, bytes read + written per second.
+``%copy`` in ``cudist-bench`` divides by a copy of ``--copy-size`` bytes (64 MiB by default), timed
+back to back; this script shows how each method's rate changes with the size (cache effects, and
+where a method switches to streaming stores), so a ceiling can be judged against the size of the
+point it divides. Every copy method of the header (``cudist.bench._sysinfo.measure_copy_bandwidth``),
+median of back-to-back copies per size, bytes read + written per second.
 
 Usage: ``python bench/copy_sizes.py [--sizes 4M,16M,64M,128M,256M,512M] [--iters 8]``.
 """

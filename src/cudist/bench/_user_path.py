@@ -22,10 +22,9 @@ comes from the same rounds. Groups:
 * ``copy-same`` (``%same``): a copy whose two buffers together span the point's working set (what
   the user's path touches per call: all-reduce (N+1)*S, momentum (N+2)*S, Adam (N+3)*S), by the
   fastest copy method at that size, timed in the rounds like every other row: the bandwidth the
-  point's memory gets in the same cache state. Where the last-level cache is large, the
-  ``--copy-size`` copy runs from cache while a large point does not: this project's VMs report a
-  480 MiB L3 shared with other tenants, and measured a 64 MiB copy at ~51 GB/s back to back,
-  ~29 GB/s once the buffers pass 256 MiB. Left out (said) above :data:`SAME_COPY_MAX_BYTES` per buffer.
+  point's memory gets in the same cache state (the ``--copy-size`` copy is timed back to back, and
+  a small one may run from cache while a large point cannot). Left out (said) above
+  :data:`SAME_COPY_MAX_BYTES` per buffer.
 
 Bytes moved (``%copy``, ``GB/s``): all-reduce 2*N*S (N inputs read, N outputs written: what an
 all-reduce into per-replica results moves; the user's path on CPU replicas reads the N inputs and
