@@ -112,6 +112,7 @@ _STRICT_TU = r"""
 #include <atomic>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <stdexcept>
 #include <vector>
 
@@ -140,6 +141,10 @@ void collectives() {
   const std::size_t extents[3] = {1, 2, 3};
   std::vector<T> gathered(10 * 6 * 3);
   cudist::all_gather(const_cast<const T* const*>(p.data()), n, extents, 10, 3, gathered.data());
+  std::vector<T> fresh(gathered.size());  // a just-allocated output: ordinary stores, same result
+  cudist::all_gather(const_cast<const T* const*>(p.data()), n, extents, 10, 3, fresh.data(),
+                     &cudist::thread_pool::global(), true);
+  check(std::memcmp(fresh.data(), gathered.data(), fresh.size() * sizeof(T)) == 0, "all_gather fresh_output");
   cudist::assign(p.data(), n, count, out.data());
   cudist::assign_add(p.data(), n, count, out.data());
   cudist::assign_sub(p.data(), n, count, out.data());

@@ -407,7 +407,8 @@ py::array all_gather(py::handle bufs, int axis) {
   const std::size_t bytes = outer * total_extent * inner * itemsize(k);
   maybe_nogil(2 * bytes, [&] {
     std::vector<const void*> cp(p.begin(), p.end());
-    cudist::all_gather_bytes(cp.data(), cp.size(), row_bytes.data(), outer, o);
+    // The output was just allocated: ordinary stores (see all_gather_bytes' fresh_output).
+    cudist::all_gather_bytes(cp.data(), cp.size(), row_bytes.data(), outer, o, &cudist::thread_pool::global(), true);
   });
   return out;
 }

@@ -348,8 +348,15 @@ void all_reduce(std::vector<std::vector<T>>& bufs, reduce_op op, thread_pool* po
 
 /// Concatenates byte rows: buffer ``i`` holds ``outer`` rows of ``row_bytes[i]`` bytes, and output
 /// row ``o`` is the concatenation of row ``o`` of every buffer in order.
+///
+/// ``fresh_output``: ``out``'s pages have never been written (just allocated), so ordinary stores
+/// are used at every size. The first write to such a page faults and the kernel zeroes it into
+/// the cache; a streaming store then evicts each zeroed line and writes it again (measured: 4 x
+/// 16 MiB into a fresh buffer, 18-20 ms streamed against 6.7-7.0 ms with ordinary stores; into a
+/// buffer written before, 2.7-3.0 ms streamed against 4.1 ms).
 inline void all_gather_bytes(const void* const* bufs, std::size_t n, const std::size_t* row_bytes,
-                             std::size_t outer, void* out, thread_pool* pool = &thread_pool::global()) {
+                             std::size_t outer, void* out, thread_pool* pool = &thread_pool::global(),
+                             bool fresh_output = false) {
   std::vector<std::size_t> offset(n + 1, 0);
   for (std::size_t i = 0; i < n; ++i) offset[i + 1] = offset[i] + row_bytes[i];
   const std::size_t row = offset[n];
@@ -357,7 +364,8 @@ inline void all_gather_bytes(const void* const* bufs, std::size_t n, const std::
   if (total == 0) return;
   auto* dst = static_cast<unsigned char*>(out);
   // Parallel over output bytes, so a gather along axis 0 (one row) splits as well as many rows.
-  detail::run_blocks(pool, total, detail::kBlockBytes, 2 * total, total, [&](std::size_t b, std::size_t e, bool stream) {
+  const std::size_t streamable = fresh_output ? 0 : total;  // bytes written, for the streaming rule
+  detail::run_blocks(pool, total, detail::kBlockBytes, 2 * total, streamable, [&](std::size_t b, std::size_t e, bool stream) {
     std::size_t o = b / row, within = b % row;
     std::size_t i = static_cast<std::size_t>(std::upper_bound(offset.begin(), offset.end(), within) - offset.begin()) - 1;
     while (b < e) {
@@ -380,16 +388,18 @@ inline void all_gather_bytes(const void* const* bufs, std::size_t n, const std::
 ///
 /// Buffer ``i`` is viewed as a C-order array of shape (outer, extents[i], inner); the output has
 /// shape (outer, sum(extents), inner).
+///
+/// ``fresh_output``: as in all_gather_bytes().
 template <class T>
 void all_gather(const T* const* bufs, std::size_t n, const std::size_t* extents, std::size_t outer,
-                std::size_t inner, T* out, thread_pool* pool = &thread_pool::global()) {
+                std::size_t inner, T* out, thread_pool* pool = &thread_pool::global(), bool fresh_output = false) {
   std::vector<std::size_t> row_bytes(n);
   std::vector<const void*> ptrs(n);
   for (std::size_t i = 0; i < n; ++i) {
     row_bytes[i] = extents[i] * inner * sizeof(T);
     ptrs[i] = bufs[i];
   }
-  all_gather_bytes(ptrs.data(), n, row_bytes.data(), outer, out, pool);
+  all_gather_bytes(ptrs.data(), n, row_bytes.data(), outer, out, pool, fresh_output);
 }
 
 }  // namespace cudist
