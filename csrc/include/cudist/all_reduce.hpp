@@ -351,9 +351,9 @@ void all_reduce(std::vector<std::vector<T>>& bufs, reduce_op op, thread_pool* po
 ///
 /// ``fresh_output``: ``out``'s pages have never been written (just allocated), so ordinary stores
 /// are used at every size. The first write to such a page faults and the kernel zeroes it into
-/// the cache; a streaming store then evicts each zeroed line and writes it again (measured: 4 x
-/// 16 MiB into a fresh buffer, 18-20 ms streamed against 6.7-7.0 ms with ordinary stores; into a
-/// buffer written before, 2.7-3.0 ms streamed against 4.1 ms).
+/// the cache; a streaming store then evicts each zeroed line and writes it again (measured, 4 x
+/// 16 MiB into fresh 2 MiB pages, interleaved: 9.6 ms streamed against 7.3 ms with ordinary stores;
+/// into a buffer written before, streaming wins: 2.7-3.0 ms against 4.1 ms).
 inline void all_gather_bytes(const void* const* bufs, std::size_t n, const std::size_t* row_bytes,
                              std::size_t outer, void* out, thread_pool* pool = &thread_pool::global(),
                              bool fresh_output = false) {
