@@ -26,9 +26,9 @@ First every contestant runs ``--settle`` untimed steps (default 300: a training 
 after first-call compiles and after cudist's ``auto`` replica mode has measured greenlets against
 threads, which takes it ~50 steps). Round k: every contestant in turn, after a ``--gap-ms`` pause,
 runs ``--warmup`` untimed steps (default 20: steps run slow for ~10 steps after the pause) then
-``--steps`` timed ones (default 20; alternating the order from round to round). Reported: the median step time of each contestant
-over all its timed steps, and per round the ratio of each peer's median to cudist
-MirroredStrategy's (median and spread over the rounds). Correctness: before the rounds, each
+``--steps`` timed ones (default 20; alternating the order from round to round). Reported: the
+median step time of each contestant over all its timed steps, and per round the ratio of each
+peer's median to cudist MirroredStrategy's (median and spread over the rounds). Correctness: before the rounds, each
 contestant's first three steps report their global loss, compared with a float64 NumPy reference
 (``#wrong`` = steps off by more than 1e-4 relative).
 

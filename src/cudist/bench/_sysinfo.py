@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import platform
@@ -121,7 +122,9 @@ def _time_copy(fn, iters: int) -> float:
     return statistics.median(samples)
 
 
+@functools.lru_cache(maxsize=1)
 def _numba_prange_copy():
+    """The numba copy, compiled once per process (copy_methods is called once per benchmark point)."""
     import numba
 
     @numba.njit(parallel=True, nogil=True, cache=False)

@@ -440,26 +440,18 @@ class TFServer:
 
 
 # ------------------------------------------------------------------------------------------ driver
-def _copy_method(ctx, nbytes):
-    """(name, callable, bytes read + written) of the copy that won the header's measurement."""
-    from cudist.bench import _sysinfo
-
-    best = ctx.copy_bw.best_method if ctx.copy_bw else None
-    # Build only the winner: the numba copy compiles afresh each time copy_methods builds it.
-    backends = tuple(b for b in ("native", "numba") if best and best.startswith(b + " "))
-    methods = _sysinfo.copy_methods(nbytes, backends=backends)
-    name = best if best in methods else "numpy.copyto"
-    return name, methods[name], 2 * max(8, nbytes - nbytes % 8)
-
-
-def _fastest_copy(nbytes):
-    """(name, callable, bytes read + written) of the fastest way to copy an ``nbytes`` buffer, by the
+def _copy_method(nbytes, name=None):
+    """(name, callable, bytes read + written) of a way to copy an ``nbytes`` buffer: ``name`` (the
+    header's winner; ``numpy.copyto`` where that method is not available), else the fastest by the
     median of 3 copies each (which method wins depends on the size: streaming stores pay off only
     out of cache)."""
     from cudist.bench import _sysinfo
 
     methods = _sysinfo.copy_methods(nbytes)
-    name = min(methods, key=lambda k: _sysinfo._time_copy(methods[k], 3))
+    if name is None:
+        name = min(methods, key=lambda k: _sysinfo._time_copy(methods[k], 3))
+    elif name not in methods:
+        name = "numpy.copyto"
     return name, methods[name], 2 * max(8, nbytes - nbytes % 8)
 
 
@@ -485,7 +477,7 @@ def _fmt_row(r) -> str:
     return " " + _FMT.format(
         format_size(r["size"]) if r["group"] != "copy" else "-", r["group"], path[:39], r["api"], r["backend"],
         r["iters"], f(r["time_us"], ".1f"), f(r["min_us"], ".1f"), f(r["GBps"], ".2f"), f(r["pct_copy"], ".1f"),
-        f(r.get("pct_same"), ".1f"), f(r["faults_per_call"], ".1f"), "-" if r["wrong"] is None else r["wrong"],
+        f(r["pct_same"], ".1f"), f(r["faults_per_call"], ".1f"), "-" if r["wrong"] is None else r["wrong"],
     )[1:]
 
 
@@ -569,7 +561,7 @@ def run_user_path(ctx, *, sizes=None, groups=None) -> list:
                   "must move (host copies sharing one storage): momentum (N+4)*S, adam (N+6)*S; %copy divides by the point's copy row, "
                   "%same by its copy-same row (a copy spanning the point's working set, timed in the rounds); "
                   "flt/call = minor page faults per call (fresh large buffers touched)")
-        copy_method = _copy_method(ctx, a.copy_size)
+        copy_method = _copy_method(a.copy_size, ctx.copy_bw.best_method if ctx.copy_bw else "numpy.copyto")
         ctx.print(f"# copy row (the ceiling): {copy_method[0]} of a {format_size(copy_method[2] // 2)} buffer, the "
                   f"header's fastest method timed as there (median of {_COPY_ITERS} back-to-back copies) right before "
                   "and right after the point's rounds; the faster of the two counts")
@@ -622,7 +614,7 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
     same = None  # the copy-same contestant: a copy whose buffers span the point's working set, in the rounds
     half = working_set_bytes(group, size, n) // 2
     if half <= SAME_COPY_MAX_BYTES:
-        same_name, same_fn, same_bytes = _fastest_copy(half)
+        same_name, same_fn, same_bytes = _copy_method(half)
         same = Contestant(f"copy, same working set ({format_size(same_bytes // 2)})", "copy-same",
                           same_name.split(" ")[0].split(".")[0], same_fn)
         same.moved = same_bytes
