@@ -322,3 +322,27 @@ def test_copy_sizes_script_prints_a_rate_per_size_and_method():
     rows = [ln.split() for ln in proc.stdout.splitlines() if not ln.startswith("#")]
     assert [r[0] for r in rows] == ["64K", "1M"], proc.stdout
     assert all(len(r) >= 2 and all(float(x) > 0 for x in r[1:]) for r in rows), proc.stdout
+
+
+def test_read_bound_script_prints_each_kernels_read_rate():
+    """bench/read_bound.py (PERFORMANCE.md's read rates of the fused updates) runs; each row's bytes
+    moved and read are the kernel's, its rates are positive, and the read-bound column is the best read
+    rate of the table over the row's read share, relative to the copy."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "read_bound.py"), "--size", "256K", "--replicas", "3", "--rounds", "2", "--iters", "2"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [ln.rsplit(None, 7) for ln in proc.stdout.splitlines() if not ln.startswith("#")]
+    names = [r[0].strip() for r in rows]
+    assert names == ["copy (native broadcast)", "reduce_to_one 2 -> 1", "reduce_to_one 3 -> 1", "all_reduce_sgd (3 grads)",
+                     "all_reduce_momentum (3 grads)", "all_reduce_adam (3 grads)"], proc.stdout
+    assert [(r[1], r[2]) for r in rows] == [("2*S", "1*S"), ("3*S", "2*S"), ("4*S", "3*S"), ("5*S", "4*S"), ("7*S", "5*S"),
+                                          ("9*S", "6*S")], proc.stdout
+    nums = [[float(x) for x in r[3:]] for r in rows]
+    assert all(x > 0 for row in nums for x in row), proc.stdout
+    best_read = max(row[2] for row in nums)
+    copy_rate = nums[0][1]
+    for r, row in zip(rows, nums):
+        moved, read = int(r[1][:-2]), int(r[2][:-2])
+        assert row[4] == pytest.approx(100 * best_read * moved / read / copy_rate, rel=0.02, abs=0.2), r
