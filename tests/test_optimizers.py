@@ -362,6 +362,25 @@ def test_plain_sgd_has_no_slots_and_iterations_count(strategy):
     assert opt.iterations.numpy().dtype == np.int64
 
 
+def test_iterations_count_keeps_snapshots_and_every_copy_in_step(strategy):
+    """The counter is incremented in place on its host copies: a snapshot read before a step keeps its
+    value (copy-on-write, as every variable write), and every replica's copy reads the new count."""
+    with strategy.scope():
+        var = cudist.Variable(np.zeros(2, np.float32))
+        opt = optimizers.SGD(0.1, momentum=0.9)
+    strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), var)]))
+    before = opt.iterations.read_value()
+    held = np.asarray(before)[()]
+    strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), var)]))
+    opt.apply_gradients([(np.ones(2, np.float32), var)])  # cross-replica context
+    assert int(before) == held == 1
+    assert int(opt.iterations) == 3
+    counts = strategy.run(lambda: np.array(opt.iterations.read_value()))
+    assert [int(c) for c in strategy.experimental_local_results(counts)] == [3] * strategy.num_replicas_in_sync
+    copies = strategy.experimental_local_results(opt.iterations)  # one per replica; CentralStorage: one
+    assert copies and [int(c) for c in copies] == [3] * len(copies)
+
+
 def test_learning_rate_schedule_and_setter():
     """Keras 3: a LearningRateSchedule is called with the iteration count, a plain callable with no
     arguments; a number replaces a callable, not a schedule."""

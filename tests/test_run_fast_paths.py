@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._values import Mirrored, PerReplica, select_replica, select_replicas
+from cudist._values import Mirrored, PerReplica, regroup, select_replica, select_replicas
 
 
 def _same(a, b):
@@ -34,12 +34,22 @@ def test_select_replicas_equals_select_replica_per_replica(mirrored3):
     plain = np.arange(3.0)
     for structured in [
         (pr,), (pr, plain), (plain,), (pr, mir, var), (), (pr, 1.5), (pr, (plain, pr)),
-        {"x": pr, "y": plain}, [pr, plain], pr, var,
+        {"x": pr, "y": plain}, [pr, plain], pr, var, None, plain,
     ]:
         got = select_replicas(n, structured)
         want = [select_replica(i, structured) for i in range(n)]
         assert len(got) == n
         assert all(_same(g, w) for g, w in zip(got, want)), structured
+
+
+def test_regroup_of_no_keyword_arguments_is_an_empty_dict():
+    """merge_call's keyword arguments when no replica passes any: the short path gives what the
+    nest path gives, a new empty dict each time."""
+    got = regroup([{}, {}, {}])
+    assert got == {} and type(got) is dict
+    assert regroup([{}, {}]) is not regroup([{}, {}])
+    with pytest.raises(ValueError, match="differs"):
+        regroup([{}, {"a": np.ones(1)}])
 
 
 def test_select_replicas_too_few_components_is_an_index_error():

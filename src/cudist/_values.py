@@ -83,6 +83,8 @@ def select_replicas(n: int, structured: Any) -> list[Any]:
         else:
             # run()'s common args: arrays and per-replica values, no nesting
             return list(zip(*cols)) if cols else [()] * n
+    elif structured is None or type(structured) is np.ndarray:
+        return [structured] * n  # e.g. what a merge_call function returns: nothing, or one array
     return [select_replica(i, structured) for i in range(n)]
 
 
@@ -118,6 +120,8 @@ def regroup(
     replicas = list(per_replica_values)
     if len(replicas) == 1 and not always_wrap:
         return replicas[0]
+    if all(type(v) is dict and not v for v in replicas):
+        return {}  # e.g. merge_call's keyword arguments: none from any replica
     flat: list[list[Any]] = []
     specs: list[optree.PyTreeSpec] = []
     for i, v in enumerate(replicas):

@@ -61,6 +61,7 @@ from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
 from cudist._variables import (
+    MirroredVariable,
     SyncOnReadVariable,
     Variable,
     VariableAggregation,
@@ -694,7 +695,7 @@ class Optimizer:
         update = True
         steps = self._gradient_accumulation_steps
         if steps:
-            update = (int(self._iterations) + 1) % steps == 0
+            update = (self._iteration() + 1) % steps == 0
             for i, (g, var) in enumerate(zip(out, variables)):
                 per_replica = self._accumulators.setdefault(var, {})
                 acc = per_replica.get(replica)
@@ -720,7 +721,7 @@ class Optimizer:
     def _after_update(self) -> None:
         """The end of every step (cross-replica context): the moving averages, then ``iterations += 1``."""
         if self._use_ema and self._ema:
-            iteration = self._update_step(int(self._iterations)) - 1  # Keras's (accumulated) iterations
+            iteration = self._update_step(self._iteration()) - 1  # Keras's (accumulated) iterations
             momentum = self._ema_momentum if iteration != 0 else 0.0
             for var, average in self._ema.items():
                 value = var._primary_array()
@@ -730,12 +731,31 @@ class Optimizer:
             freq = self._ema_overwrite_frequency
             if freq and (iteration + 1) % freq == 0:
                 self.finalize_variable_values(list(self._ema))
-        self._iterations.assign_add(self._one, read_value=False)
+        self._count_step()
         self._sync_updates()
+
+    def _iteration(self) -> int:
+        """``int(self._iterations)``, read from its primary copy: every copy of the counter holds the
+        same count (ONLY_FIRST_REPLICA), and this skips the replica-context lookup of a read."""
+        return int(self._iterations._primary_array())
+
+    def _count_step(self) -> None:
+        """``iterations += 1``. The counter's host copies are incremented in place: a 0-d int64 add,
+        where ``assign_add`` goes through the update checks and a kernel call (~8 us a step, most of
+        a small update's cost). The copies come from ``_buffers``, which moves a storage whose
+        snapshot someone holds (``iterations.read_value()``) to fresh memory first, as every write does."""
+        it = self._iterations
+        if type(it) is MirroredVariable or type(it) is Variable:
+            bufs = it._buffers()
+            if all(type(b) is np.ndarray for b in bufs):
+                for b in bufs:
+                    b += 1
+                return
+        it.assign_add(self._one, read_value=False)
 
     def _sync_updates(self) -> None:
         if self._updates is not None and self._gradient_accumulation_steps:
-            self._updates.assign(int(self._iterations) // self._gradient_accumulation_steps, read_value=False)
+            self._updates.assign(self._iteration() // self._gradient_accumulation_steps, read_value=False)
 
     def _aggregate(
         self, strategy: Strategy, grads: list[Any], variables: Sequence[Variable], aggregate: bool
@@ -777,7 +797,7 @@ class Optimizer:
             if var_backend is not backend or type(copies[0]) is not np.ndarray:
                 return False
             work.append((backend, copies, slots, comps, var))
-        iteration = int(self._iterations)
+        iteration = self._iteration()
         lr = self._current_learning_rate(iteration)
         params = self._step_params(lr, self._update_step(iteration))
         for backend, copies, slots, comps, var in work:
@@ -801,7 +821,7 @@ class Optimizer:
         ``fresh``: the gradients are new buffers (results of the reduction) that alias nothing.
         """
         plans = [self._plan(v) for v in variables]  # slots are all created before any variable changes
-        iteration = int(self._iterations)
+        iteration = self._iteration()
         lr = self._current_learning_rate(iteration)
         params = self._step_params(lr, self._update_step(iteration))
         for grad, plan, var in zip(grads, plans, variables):
