@@ -557,6 +557,8 @@ class Optimizer:
 
     # ------------------------------------------------------------------ checks
     def _check_variable(self, var: object) -> None:
+        if isinstance(var, Variable) and var in self._plans:
+            return  # checked before its kernel work was planned; type, dtype and device never change
         if not isinstance(var, Variable):
             raise TypeError(f"{self.name}: expected a cudist.Variable to update, got {type(var).__name__}")
         if isinstance(var, SyncOnReadVariable):
@@ -575,6 +577,10 @@ class Optimizer:
     def _check_grad(self, grad: Any, var: Variable, *, cross_replica: bool) -> Array:
         """``grad`` as an array of ``var``'s shape (not yet on its device); a float or integer dtype
         other than the variable's is cast by :meth:`_local_grads`, after the clipping (Keras)."""
+        if type(grad) is np.ndarray:  # the per-step common case, as the general checks below accept it
+            ref = var._primary_array()
+            if grad.dtype == ref.dtype and grad.shape == ref.shape:
+                return grad
         if isinstance(grad, DistributedValues):
             if not cross_replica:
                 raise ValueError(
