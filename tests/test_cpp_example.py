@@ -137,6 +137,16 @@ void collectives() {
   cudist::all_reduce(b, cudist::reduce_op::mean);
   std::vector<T> out(count);
   cudist::reduce_to_one(const_cast<const T* const*>(p.data()), n, count, cudist::reduce_op::sum, out.data());
+  // Two leaves per replica (100 and 7 elements), reduced back to back into one packed output: the
+  // same values as reduce_to_one of each leaf.
+  std::vector<T> small(n * 7, T(2)), packed(count + 7);
+  std::vector<const T*> leaves;
+  for (std::size_t r = 0; r < n; ++r) leaves.push_back(p[r]);
+  for (std::size_t r = 0; r < n; ++r) leaves.push_back(small.data() + 7 * r);
+  const std::size_t counts[2] = {count, 7};
+  cudist::batch_reduce_to_one(leaves.data(), n, counts, 2, cudist::reduce_op::sum, packed.data());
+  check(std::memcmp(packed.data(), out.data(), count * sizeof(T)) == 0 && static_cast<double>(packed[count + 6]) == 6.0,
+        "batch_reduce_to_one");
   cudist::broadcast(out.data(), p.data(), n, count);
   const std::size_t extents[3] = {1, 2, 3};
   std::vector<T> gathered(10 * 6 * 3);

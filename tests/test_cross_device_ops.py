@@ -7,7 +7,7 @@ import pytest
 
 import cudist
 from cudist import Mirrored, PerReplica
-from cudist._collectives.packing import SHARED_RESULT_MIN_LEAF_BYTES, pack_groups as _pack_groups
+from cudist._collectives.packing import pack_groups as _pack_groups
 from cudist._cross_device_ops import KernelAllReduce
 from cudist._reduce_util import ReduceOp
 from cudist._kernels import cpu_backend as _cpu_backend
@@ -37,15 +37,21 @@ class CallCounter:
 
 
 class KernelPassCounter:
-    """Counts the all-reduce kernel passes of the user's path (``backend.trusted``: one call each).
+    """Counts the kernel passes of the user's all-reduce path (``backend.trusted``: one call each).
 
-    Each call is recorded as the element count per replica it reduces (all leaves of a batched call).
+    ``calls``: the all-reduce passes into per-replica outputs (none on the host path any more);
+    ``batches``: the batched reduce-to-one passes, each as the element count per replica it reduces
+    (all leaves of the call); ``to_one``: the one-leaf reduce-to-one passes, as the sizes per replica.
     """
 
     def __init__(self, monkeypatch):
         self.calls = []
+        self.batches = []
+        self.to_one = []
         trusted = _cpu_backend().trusted
-        one, batch = trusted.all_reduce, trusted.batch_all_reduce
+        one, batch, batch_to_one, to_one = (
+            trusted.all_reduce, trusted.batch_all_reduce, trusted.batch_reduce_to_one, trusted.reduce_to_one
+        )
 
         def spy_one(inputs, outputs, op):
             self.calls.append(tuple(b.size for b in inputs))
@@ -55,15 +61,17 @@ class KernelPassCounter:
             self.calls.append(tuple(sum(a.size for a in leaves) for leaves in inputs))
             return batch(inputs, outputs, op)
 
-        monkeypatch.setattr(trusted, "all_reduce", spy_one)
-        monkeypatch.setattr(trusted, "batch_all_reduce", spy_batch)
-        to_one = trusted.reduce_to_one
-        self.to_one = []  # large leaves: one reduce-to-one pass each, into the shared result
+        def spy_batch_to_one(inputs, op, out):
+            self.batches.append(tuple(sum(a.size for a in leaves) for leaves in inputs))
+            return batch_to_one(inputs, op, out)
 
         def spy_to_one(bufs, op, out):
             self.to_one.append(tuple(b.size for b in bufs))
             return to_one(bufs, op, out)
 
+        monkeypatch.setattr(trusted, "all_reduce", spy_one)
+        monkeypatch.setattr(trusted, "batch_all_reduce", spy_batch)
+        monkeypatch.setattr(trusted, "batch_reduce_to_one", spy_batch_to_one)
         monkeypatch.setattr(trusted, "reduce_to_one", spy_to_one)
 
 
@@ -154,23 +162,23 @@ def test_hundred_leaves_in_all_reduce_cost_one_kernel_call(monkeypatch):
     rng = np.random.default_rng(2)
     grads = [[rng.standard_normal(5).astype(np.float32) for _ in range(100)] for _ in range(2)]
     out = s.run(lambda g: cudist.get_replica_context().all_reduce("sum", g), args=(PerReplica(grads),))
-    assert len(spy.calls) == 1 and spy.calls[0] == (500, 500)
+    assert spy.batches == [(500, 500)] and spy.calls == [] and spy.to_one == []
     for r in s.experimental_local_results(out):
         for j in range(100):
             np.testing.assert_array_equal(r[j], grads[0][j] + grads[1][j])
 
 
-LARGE = SHARED_RESULT_MIN_LEAF_BYTES // 4  # float32 elements of a leaf that takes the shared-result path
+LARGE = 1 << 14  # float32 elements of a leaf the pool keeps buffers for (64 KiB)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
-def test_large_host_leaves_are_reduced_once_into_a_shared_read_only_result(monkeypatch, n, dtype, op):
+@pytest.mark.parametrize("large", [5, 1 << 16], ids=["small", "large"])
+def test_host_leaves_are_reduced_once_into_a_shared_read_only_result(monkeypatch, n, dtype, op, large):
     spy = KernelPassCounter(monkeypatch)
     s = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
     rng = np.random.default_rng(n)
-    large = SHARED_RESULT_MIN_LEAF_BYTES // np.dtype(dtype).itemsize
     shapes = [(large + 3,), (97, (large // 97) + 1)]  # odd sizes, two leaves of one dtype
 
     def rand(shape):
@@ -180,7 +188,7 @@ def test_large_host_leaves_are_reduced_once_into_a_shared_read_only_result(monke
 
     grads = [[rand(sh) for sh in shapes] for _ in range(n)]
     out = s.run(lambda g: cudist.get_replica_context().all_reduce(op, g), args=(PerReplica(grads),))
-    assert spy.calls == [] and spy.to_one == [tuple(g[j].size for g in grads) for j in range(2)]
+    assert spy.calls == [] and spy.to_one == [] and spy.batches == [tuple(g[0].size + g[1].size for g in grads)]
     results = s.experimental_local_results(out)
     assert len({id(r[0]) for r in results}) == n  # one object per replica, as TF's tensors
     for j in range(2):
@@ -215,15 +223,15 @@ def test_one_kernel_call_per_dtype_and_pack(monkeypatch):
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
     mixed = [np.ones(4, np.float32), np.ones(2, np.int64), np.ones(3, np.float32), np.ones(1, np.int64)]
     s.run(lambda: cudist.get_replica_context().all_reduce("sum", mixed))
-    assert sorted(spy.calls) == [(3, 3), (7, 7)]
-    spy.calls.clear()
+    assert sorted(spy.batches) == [(3, 3), (7, 7)]
+    spy.batches.clear()
     s2 = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=cudist.HierarchicalCopyAllReduce(num_packs=2))
     s2.run(lambda: cudist.get_replica_context().all_reduce("sum", [np.ones(4, np.float32)] * 10))
-    assert len(spy.calls) == 2 and sum(c[0] for c in spy.calls) == 40
-    spy.calls.clear()
+    assert len(spy.batches) == 2 and sum(c[0] for c in spy.batches) == 40
+    spy.batches.clear()
     s3 = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=KernelAllReduce(num_packs=0))
     s3.run(lambda: cudist.get_replica_context().all_reduce("sum", [np.ones(4, np.float32)] * 10))
-    assert len(spy.calls) == 10
+    assert len(spy.batches) == 10 and spy.calls == []
 
 
 def test_pack_groups_balance():

@@ -792,6 +792,116 @@ def test_batch_all_reduce_matches_reference(backend, dtype, n, leaf_shapes, op, 
                 assert_bitwise(inputs[r][j], before[r][j], f"input leaf {j} of replica {r} must not change")
 
 
+@FAST
+@given(
+    dtype=st.sampled_from(DTYPES),
+    n=st.integers(1, 8),
+    leaf_shapes=st.lists(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (1023,), (4097,), (2, 3, 7)]), min_size=1, max_size=6),
+    op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN]),
+    layout=st.sampled_from(LAYOUTS),
+    ro=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_batch_reduce_to_one_matches_reference(backend, dtype, n, leaf_shapes, op, layout, ro, seed):
+    """Every leaf reduced as reduce_to_one reduces it, the results back to back in one 1-d output."""
+    rng = np.random.default_rng(seed)
+    inputs = [[placed(random_array(rng, s, dtype), layout) for s in leaf_shapes] for _ in range(n)]
+    if ro:
+        inputs = [[read_only(a) for a in leaves] for leaves in inputs]
+    before = [[a.copy() for a in leaves] for leaves in inputs]
+    total = sum(int(np.prod(s)) for s in leaf_shapes)
+    out = random_array(rng, (total,), dtype)  # garbage to overwrite
+    assert backend.batch_reduce_to_one(inputs, op, out=out) is out
+    fresh = backend.batch_reduce_to_one(inputs, op)
+    off = 0
+    for j, shape in enumerate(leaf_shapes):
+        size = int(np.prod(shape))
+        exp = reference_reduce([before[r][j] for r in range(n)], op)
+        assert_bitwise(out[off : off + size].reshape(shape), exp, f"{backend.name} batch_reduce_to_one {op} leaf {j}")
+        assert_bitwise(fresh[off : off + size].reshape(shape), exp, f"{backend.name} batch_reduce_to_one {op} leaf {j} (new out)")
+        off += size
+    for r in range(n):
+        for j in range(len(leaf_shapes)):
+            assert_bitwise(inputs[r][j], before[r][j], f"input leaf {j} of replica {r} must not change")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_batch_reduce_to_one_many_leaves_one_call(backend, dtype, op):
+    # Many small leaves and a few large ones (more than 16 MiB written: the streaming, parallel path), ragged.
+    rng = np.random.default_rng(32)
+    shapes = [(k % 13,) for k in range(60)] + [(2_100_007,), (5, 8209), (1_000_003,)]
+    n = 3
+    inputs = [[random_array(rng, s, dtype) for s in shapes] for _ in range(n)]
+    out = backend.batch_reduce_to_one(inputs, op)
+    off = 0
+    for j, shape in enumerate(shapes):
+        size = int(np.prod(shape))
+        assert_bitwise(out[off : off + size].reshape(shape), reference_reduce([inputs[r][j] for r in range(n)], op), f"leaf {j}")
+        off += size
+
+
+def test_batch_reduce_to_one_agrees_bit_for_bit_across_cpu_backends():
+    rng = np.random.default_rng(33)
+    for dtype in DTYPES:
+        inputs = [[np.asarray(random_array(rng, s, dtype)) for s in [(17,), (3, 1001), (), (64,)]] for _ in range(5)]
+        outs = [get_backend(name).batch_reduce_to_one(inputs, "mean") for name in ("numpy", "numba", "native")]
+        for o in outs[1:]:
+            assert_bitwise(o, outs[0], f"{dtype} batch_reduce_to_one across backends")
+
+
+def test_error_batch_reduce_to_one_names_the_problem(backend):
+    a, b = _f32(4), _f32(3)
+    with pytest.raises(ValueError, match="input replica 1 has 1 leaves but input replica 0 has 2"):
+        backend.batch_reduce_to_one([[a, b], [a]])
+    with pytest.raises(ValueError, match=r"input leaf 1 of replica 1 has shape \(4,\) but input leaf 1 of replica 0 has shape \(3,\)"):
+        backend.batch_reduce_to_one([[a, b], [a, _f32(4)]])
+    with pytest.raises(TypeError, match="input leaf 1 of replica 0 has dtype float64 .* one dtype"):
+        backend.batch_reduce_to_one([[a, np.ones(3)], [a, np.ones(3)]])
+    with pytest.raises(ValueError, match="out must be a 1-d float32 array of 7 elements .* got float32 of shape \\(6,\\)"):
+        backend.batch_reduce_to_one([[a, b], [a, b]], out=_f32(6))
+    with pytest.raises(ValueError, match=r"out must be a 1-d float32 array of 7 elements .* got float64"):
+        backend.batch_reduce_to_one([[a, b], [a, b]], out=np.zeros(7))
+    with pytest.raises(ValueError, match=r"got float32 of shape \(7, 1\)"):
+        backend.batch_reduce_to_one([[a, b], [a, b]], out=_f32(7, 1))
+    with pytest.raises(ValueError, match="out is read-only"):
+        backend.batch_reduce_to_one([[a, b], [a, b]], out=read_only(_f32(7)))
+    big = _f32(7)
+    with pytest.raises(ValueError, match="out overlaps input leaf 0 of replica 1"):
+        backend.batch_reduce_to_one([[a, b], [big[:4], b]], out=big)
+    with pytest.raises(ValueError, match="expected at least one leaf per replica"):
+        backend.batch_reduce_to_one([[], []])
+    with pytest.raises(ValueError, match="expected at least one replica"):
+        backend.batch_reduce_to_one([])
+    with pytest.raises(ValueError, match="unknown reduce op"):
+        backend.batch_reduce_to_one([[a]], "max")
+
+
+def test_native_batch_reduce_to_one_binding_checks_its_arguments():
+    """The trusted entry point (the extension function) still refuses what would crash or write out of bounds."""
+    from cudist import _core
+
+    a, b = _f32(4), _f32(3)
+    with pytest.raises(ValueError, match="out has 6 elements but the 2 leaves of a replica have 7"):
+        _core.batch_reduce_to_one([[a, b], [a, b]], ReduceOp.SUM, _f32(6))
+    with pytest.raises(TypeError, match="out has dtype float64 but the leaves have dtype float32"):
+        _core.batch_reduce_to_one([[a, b], [a, b]], ReduceOp.SUM, np.zeros(7))
+    with pytest.raises(ValueError, match="input leaf 1 of replica 1 has 4 elements but input leaf 1 of replica 0 has 3"):
+        _core.batch_reduce_to_one([[a, b], [a, a]], ReduceOp.SUM, _f32(7))
+    with pytest.raises(ValueError, match="out 0 is read-only"):
+        _core.batch_reduce_to_one([[a, b], [a, b]], ReduceOp.SUM, read_only(_f32(7)))
+    with pytest.raises(ValueError, match="expected at least one leaf per replica"):
+        _core.batch_reduce_to_one([[], []], ReduceOp.SUM, _f32(0))
+    with pytest.raises(TypeError, match="inputs must be a tuple or list"):
+        _core.batch_reduce_to_one(a, ReduceOp.SUM, _f32(4))
+    # an input inside the output region goes through a temporary: the result is still exact
+    big = random_array(np.random.default_rng(3), (7,), np.float32)
+    want = [reference_reduce([big[:4].copy(), a], ReduceOp.SUM), reference_reduce([big[4:].copy(), b], ReduceOp.SUM)]
+    _core.batch_reduce_to_one([[big[:4], big[4:]], [a, b]], ReduceOp.SUM, big)
+    assert_bitwise(big[:4], want[0], "input overlapping out, leaf 0")
+    assert_bitwise(big[4:], want[1], "input overlapping out, leaf 1")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_batch_all_reduce_many_leaves_one_call(backend, dtype):
     # Many small leaves and a few large ones (more than 4 MiB moved: the parallel paths), ragged.

@@ -308,70 +308,117 @@ void all_reduce_into(py::handle inputs, py::handle outputs, py::handle op_h, boo
   });
 }
 
+// A tuple or list as a tuple (a list is copied, so a kernel running without the GIL cannot have it
+// emptied underneath).
+py::tuple as_leaf_tuple(py::handle seq, const char* where, const char* what) {
+  if (PyTuple_Check(seq.ptr())) return py::reinterpret_borrow<py::tuple>(seq);
+  if (PyList_Check(seq.ptr())) {
+    auto t = py::reinterpret_steal<py::tuple>(PyList_AsTuple(seq.ptr()));
+    if (!t) throw py::error_already_set();
+    return t;
+  }
+  throw py::type_error(std::string(where) + ": " + what + " must be a tuple or list");
+}
+
+// The leaves of a batched kernel: rows[r][j] is leaf j of row r (rows 0..n-1 the input replicas,
+// then, for batch_all_reduce, n output replicas). Every leaf has one dtype and leaf j one size in
+// every row; leaf j of row r goes to ptrs[j * n + r % n]. `keep` holds every row's tuple while the
+// kernel runs without the GIL.
+struct batch_leaves {
+  std::vector<py::tuple> keep;
+  std::vector<void*> in, out;
+  std::vector<std::size_t> counts;
+  std::size_t n = 0, m = 0, total = 0;
+  kind k = kind::f32;
+};
+
+batch_leaves inspect_batch(const char* where, const py::tuple& ins, const py::tuple* outs) {
+  batch_leaves b;
+  b.n = static_cast<std::size_t>(PyTuple_GET_SIZE(ins.ptr()));
+  const std::size_t n = b.n;
+  if (n == 0) throw py::value_error(std::string(where) + ": expected at least one replica, got none");
+  if (outs != nullptr && static_cast<std::size_t>(PyTuple_GET_SIZE(outs->ptr())) != n)
+    throw py::value_error(std::string(where) + ": got " + std::to_string(n) + " input replicas but " +
+                          std::to_string(PyTuple_GET_SIZE(outs->ptr())) + " output replicas");
+  const std::size_t rows = outs != nullptr ? 2 * n : n;
+  b.keep.reserve(rows);
+  for (std::size_t r = 0; r < rows; ++r) {
+    py::handle h = r < n ? PyTuple_GET_ITEM(ins.ptr(), r) : PyTuple_GET_ITEM(outs->ptr(), r - n);
+    b.keep.push_back(as_leaf_tuple(h, where, r < n ? "inputs[r]" : "outputs[r]"));
+    const std::size_t mr = static_cast<std::size_t>(PyTuple_GET_SIZE(b.keep.back().ptr()));
+    if (r == 0) b.m = mr;
+    else if (mr != b.m)
+      throw py::value_error(std::string(where) + ": " + (r < n ? "input" : "output") + " replica " +
+                            std::to_string(r < n ? r : r - n) + " has " + std::to_string(mr) + " leaves but input replica 0 has " +
+                            std::to_string(b.m));
+  }
+  const std::size_t m = b.m;
+  b.in.resize(m * n);
+  if (outs != nullptr) b.out.resize(m * n);
+  b.counts.resize(m);
+  for (std::size_t r = 0; r < rows; ++r) {
+    const bool is_out = r >= n;
+    const std::size_t rep = is_out ? r - n : r;
+    PyObject** items = m ? &PyTuple_GET_ITEM(b.keep[r].ptr(), 0) : nullptr;
+    for (std::size_t j = 0; j < m; ++j) {
+      const arr_info info = inspect(items[j], where, is_out ? "output leaf" : "input leaf", j, is_out);
+      if (r == 0 && j == 0) b.k = info.k;
+      if (info.k != b.k)
+        throw py::type_error(std::string(where) + ": leaf " + std::to_string(j) + " of replica " + std::to_string(rep) +
+                             " has dtype " + kind_name(info.k) + " but leaf 0 of replica 0 has dtype " + kind_name(b.k));
+      if (r == 0) {
+        b.counts[j] = info.size;
+        b.total += info.size;
+      } else if (info.size != b.counts[j]) {
+        throw py::value_error(std::string(where) + ": " + (is_out ? "output" : "input") + " leaf " + std::to_string(j) +
+                              " of replica " + std::to_string(rep) + " has " + std::to_string(info.size) +
+                              " elements but input leaf " + std::to_string(j) + " of replica 0 has " +
+                              std::to_string(b.counts[j]));
+      }
+      (is_out ? b.out : b.in)[j * n + rep] = info.data;
+    }
+  }
+  return b;
+}
+
 // inputs[r][j] / outputs[r][j]: leaf j of replica r; every leaf of one dtype, leaf j of one size
 // across replicas and outputs. One GIL release and one pool dispatch for all leaves.
 void batch_all_reduce(py::handle inputs, py::handle outputs, py::handle op_h) {
   const char* where = "batch_all_reduce";
   const auto op = to_op(op_h);
-  auto as_tuple = [&](py::handle seq, const char* what) {
-    if (PyTuple_Check(seq.ptr())) return py::reinterpret_borrow<py::tuple>(seq);
-    if (PyList_Check(seq.ptr())) {
-      auto t = py::reinterpret_steal<py::tuple>(PyList_AsTuple(seq.ptr()));
-      if (!t) throw py::error_already_set();
-      return t;
-    }
-    throw py::type_error(std::string(where) + ": " + what + " must be a tuple or list");
-  };
-  const py::tuple ins = as_tuple(inputs, "inputs"), outs = as_tuple(outputs, "outputs");
-  const std::size_t n = static_cast<std::size_t>(PyTuple_GET_SIZE(ins.ptr()));
-  if (n == 0) throw py::value_error(std::string(where) + ": expected at least one replica, got none");
-  if (static_cast<std::size_t>(PyTuple_GET_SIZE(outs.ptr())) != n)
-    throw py::value_error(std::string(where) + ": got " + std::to_string(n) + " input replicas but " +
-                          std::to_string(PyTuple_GET_SIZE(outs.ptr())) + " output replicas");
-  std::vector<py::tuple> keep;  // every replica's leaves, alive while the kernel runs without the GIL
-  keep.reserve(2 * n);
-  std::size_t m = 0;
-  for (std::size_t r = 0; r < 2 * n; ++r) {
-    py::handle h = r < n ? PyTuple_GET_ITEM(ins.ptr(), r) : PyTuple_GET_ITEM(outs.ptr(), r - n);
-    keep.push_back(as_tuple(h, r < n ? "inputs[r]" : "outputs[r]"));
-    const std::size_t mr = static_cast<std::size_t>(PyTuple_GET_SIZE(keep.back().ptr()));
-    if (r == 0) m = mr;
-    else if (mr != m)
-      throw py::value_error(std::string(where) + ": " + (r < n ? "input" : "output") + " replica " +
-                            std::to_string(r < n ? r : r - n) + " has " + std::to_string(mr) + " leaves but input replica 0 has " +
-                            std::to_string(m));
-  }
-  if (m == 0) return;
-  std::vector<void*> pi(m * n), po(m * n);
-  std::vector<std::size_t> counts(m);
-  kind k = kind::f32;
-  std::size_t total = 0;
-  for (std::size_t r = 0; r < 2 * n; ++r) {
-    const bool is_out = r >= n;
-    const std::size_t rep = is_out ? r - n : r;
-    PyObject** items = &PyTuple_GET_ITEM(keep[r].ptr(), 0);
-    for (std::size_t j = 0; j < m; ++j) {
-      const arr_info info = inspect(items[j], where, is_out ? "output leaf" : "input leaf", j, is_out);
-      if (r == 0 && j == 0) k = info.k;
-      if (info.k != k)
-        throw py::type_error(std::string(where) + ": leaf " + std::to_string(j) + " of replica " + std::to_string(rep) +
-                             " has dtype " + kind_name(info.k) + " but leaf 0 of replica 0 has dtype " + kind_name(k));
-      if (r == 0) {
-        counts[j] = info.size;
-        total += info.size;
-      } else if (info.size != counts[j]) {
-        throw py::value_error(std::string(where) + ": " + (is_out ? "output" : "input") + " leaf " + std::to_string(j) +
-                              " of replica " + std::to_string(rep) + " has " + std::to_string(info.size) +
-                              " elements but input leaf " + std::to_string(j) + " of replica 0 has " +
-                              std::to_string(counts[j]));
-      }
-      (is_out ? po : pi)[j * n + rep] = info.data;
-    }
-  }
-  maybe_nogil(2 * n * total * itemsize(k), [&] {
-    dispatch(k, [&](auto t) {
+  const py::tuple ins = as_leaf_tuple(inputs, where, "inputs"), outs = as_leaf_tuple(outputs, where, "outputs");
+  batch_leaves b = inspect_batch(where, ins, &outs);
+  if (b.m == 0) return;
+  maybe_nogil(2 * b.n * b.total * itemsize(b.k), [&] {
+    dispatch(b.k, [&](auto t) {
       using T = decltype(t);
-      cudist::batch_all_reduce<T>(reinterpret_cast<const T* const*>(pi.data()), typed<T>(po), n, counts.data(), m, op);
+      cudist::batch_all_reduce<T>(reinterpret_cast<const T* const*>(b.in.data()), typed<T>(b.out), b.n, b.counts.data(),
+                                  b.m, op);
+    });
+  });
+}
+
+// inputs[r][j]: leaf j of replica r (one dtype, leaf j of one size across replicas); out: one
+// C-contiguous array of that dtype with as many elements as the leaves of one replica together,
+// which receives the reduced leaves back to back. One GIL release and one pool dispatch.
+void batch_reduce_to_one(py::handle inputs, py::handle op_h, py::handle out) {
+  const char* where = "batch_reduce_to_one";
+  const auto op = to_op(op_h);
+  const py::tuple ins = as_leaf_tuple(inputs, where, "inputs");
+  batch_leaves b = inspect_batch(where, ins, nullptr);
+  if (b.m == 0) throw py::value_error(std::string(where) + ": expected at least one leaf per replica, got none");
+  const arr_info o = inspect(out, where, "out", 0, true);
+  if (o.k != b.k)
+    throw py::type_error(std::string(where) + ": out has dtype " + kind_name(o.k) + " but the leaves have dtype " +
+                         kind_name(b.k));
+  if (o.size != b.total)
+    throw py::value_error(std::string(where) + ": out has " + std::to_string(o.size) + " elements but the " +
+                          std::to_string(b.m) + " leaves of a replica have " + std::to_string(b.total));
+  maybe_nogil((b.n + 1) * b.total * itemsize(b.k), [&] {
+    dispatch(b.k, [&](auto t) {
+      using T = decltype(t);
+      cudist::batch_reduce_to_one<T>(reinterpret_cast<const T* const*>(b.in.data()), b.n, b.counts.data(), b.m, op,
+                                     static_cast<T*>(o.data));
     });
   });
 }
@@ -946,6 +993,9 @@ PYBIND11_MODULE(_core, m) {
         "outputs[i] may be inputs[i]). ``strict``: refuse any other overlap (ValueError).");
   m.def("batch_all_reduce", &batch_all_reduce, py::arg("inputs"), py::arg("outputs"), py::arg("op"),
         "outputs[r][j] = reduction over r of inputs[r][j], for every leaf j, in one dispatch (leaves of one dtype).");
+  m.def("batch_reduce_to_one", &batch_reduce_to_one, py::arg("inputs"), py::arg("op"), py::arg("out"),
+        "The reduction over r of inputs[r][j], for every leaf j, written back to back into the 1-d out, in one "
+        "dispatch (leaves of one dtype).");
   m.def("register_reduce_ops", &register_reduce_ops, py::arg("sum"), py::arg("mean"),
         "Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1.");
   m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),

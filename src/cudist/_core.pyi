@@ -51,6 +51,10 @@ def batch_all_reduce(inputs: Sequence[_Arrays], outputs: Sequence[_Arrays], op: 
     (the leaves, all of one dtype).
     """
 
+def batch_reduce_to_one(inputs: Sequence[_Arrays], op: _Op, out: _Array) -> None:
+    """The reduction over r of ``inputs[r][j]`` for every leaf j, back to back into the 1-d ``out``;
+    one dispatch (leaves of one dtype)."""
+
 def register_reduce_ops(sum: object, mean: object) -> None:
     """Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1."""
 

@@ -296,14 +296,21 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
         if isinstance(v0, np.ndarray):
             return res
         return [_scalarize(o) for o in res]
+    t0 = type(v0)
+    if (t0 is list or t0 is tuple) and all(type(p[1]) is t0 and len(p[1]) == len(v0) for p in payloads) and all(
+        type(x) is np.ndarray for p in payloads for x in p[1]
+    ):
+        # A flat list or tuple of host arrays (a step's gradients): no tree walk, and no scalars.
+        out = ops._all_reduce_leaves(op, [p[1] for p in payloads], _LazyPaths(v0))
+        return [t0(o) for o in out]
     flat = [optree.tree_flatten(v) for _, v in payloads]
     leaves0, spec0 = flat[0]
     for r, (_, spec) in enumerate(flat[1:], 1):
         if spec != spec0:
             raise ValueError(f"all_reduce: replica {r} passed a structure {spec} but replica 0 passed {spec0}")
-    arrays = [[as_array(x) for x in leaves] for leaves, _ in flat]
+    arrays = [[x if type(x) is np.ndarray else as_array(x) for x in leaves] for leaves, _ in flat]
     out = ops._all_reduce_leaves(op, arrays, _LazyPaths(v0))
-    scalar = [not isinstance(x, np.ndarray) and not is_device_array(x) for x in leaves0]
+    scalar = [type(x) is not np.ndarray and not is_device_array(x) for x in leaves0]
     results: list[Any] = []
     for r in range(len(payloads)):
         leaves = [_scalarize(a) if s else a for a, s in zip(out[r], scalar)]

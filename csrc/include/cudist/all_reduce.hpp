@@ -326,6 +326,58 @@ void batch_all_reduce(const T* const* in, T* const* out, std::size_t n, const st
   });
 }
 
+/// Batched reduce-to-one into one packed output: ``n_segs`` independent reductions (segments, e.g.
+/// the leaves of a nest) in one dispatch over the thread pool, their results back to back in ``out``.
+///
+/// Segment ``s`` has ``counts[s]`` elements per input; its inputs are ``in[s * n + r]`` for replica
+/// ``r < n``, and its result goes to ``out + counts[0] + ... + counts[s - 1]``. Each input element is
+/// read once and each output element written once: (n + 1) * total elements moved, where an
+/// all-reduce into n outputs moves 2 * n * total. The arithmetic is reduce_to_one()'s, element for
+/// element. Inputs may overlap ``out``: then everything is reduced into a temporary first.
+///
+/// @param in      ``n_segs * n`` input pointers, segment-major.
+/// @param n       number of replicas (at least 1).
+/// @param counts  elements per input of each segment.
+/// @param n_segs  number of segments.
+/// @param op      reduce_op::sum or reduce_op::mean.
+/// @param out     the packed output: ``counts[0] + ... + counts[n_segs - 1]`` elements.
+/// @param pool    pool to parallelise over, or nullptr to run on the caller.
+template <class T>
+void batch_reduce_to_one(const T* const* in, std::size_t n, const std::size_t* counts, std::size_t n_segs,
+                         reduce_op op, T* out, thread_pool* pool = &thread_pool::global()) {
+  if (n == 0 || n_segs == 0) return;
+  std::vector<std::size_t> offset(n_segs + 1, 0);
+  for (std::size_t s = 0; s < n_segs; ++s) offset[s + 1] = offset[s] + counts[s];
+  const std::size_t total = offset[n_segs];
+  if (total == 0) return;
+  const T* out_c = out;
+  for (std::size_t s = 0; s < n_segs; ++s) {
+    if (counts[s] == 0) continue;
+    for (std::size_t r = 0; r < n; ++r) {
+      const auto a = reinterpret_cast<std::uintptr_t>(in[s * n + r]), o = reinterpret_cast<std::uintptr_t>(out_c);
+      if (a < o + total * sizeof(T) && o < a + counts[s] * sizeof(T)) {
+        std::vector<T> tmp(total);
+        batch_reduce_to_one(in, n, counts, n_segs, op, tmp.data(), pool);
+        std::memcpy(out, tmp.data(), total * sizeof(T));
+        return;
+      }
+    }
+  }
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  detail::run_blocks(pool, total, B, (n + 1) * total * sizeof(T), total * sizeof(T),
+                     [&](std::size_t b, std::size_t e, bool stream) {
+                       std::size_t s = static_cast<std::size_t>(
+                                           std::upper_bound(offset.begin(), offset.end(), b) - offset.begin()) - 1;
+                       while (b < e) {
+                         while (offset[s + 1] <= b) ++s;  // skip empty and finished segments
+                         const std::size_t hi = std::min(e, offset[s + 1]) - offset[s];
+                         T* const o = out + offset[s];
+                         detail::reduce_range<T>(in + s * n, n, &o, 1, op, b - offset[s], hi, stream);
+                         b = offset[s] + hi;
+                       }
+                     });
+}
+
 /// Convenience overload over a vector of buffer pointers.
 template <class T>
 void all_reduce(const std::vector<T*>& bufs, std::size_t count, reduce_op op,

@@ -75,9 +75,12 @@ def check_same_leaves(
         paths: the leaves' names, for the message (else they are numbered).
     """
     ref = per_replica_leaves[0]
+    sig0 = [(a.shape, a.dtype) for a in ref]
     for r, leaves in enumerate(per_replica_leaves[1:], 1):
         if len(leaves) != len(ref):
             raise InvalidArgumentError(f"{where}: replica {r} passed {len(leaves)} values but replica 0 passed {len(ref)}")
+        if [(a.shape, a.dtype) for a in leaves] == sig0:
+            continue  # the common case: one list comparison
         for j, (a, b) in enumerate(zip(ref, leaves)):
             if a.shape != b.shape or a.dtype != b.dtype:
                 name = f" at {paths[j]!r}" if paths and paths[j] else (f" (value {j})" if len(ref) > 1 else "")
@@ -292,15 +295,12 @@ def all_reduce(
     return outs
 
 
-#: Mean leaf size from which a pack's leaves are reduced one kernel call each into one shared
-#: result (bytes matter); below it one batched call into per-replica results (calls matter).
-SHARED_RESULT_MIN_LEAF_BYTES = 1 << 16
-
-
-def _read_only(outs: list[Any]) -> None:
-    for o in outs:
-        if type(o) is np.ndarray:  # not the NumPy scalars of a 0-d integer MEAN (immutable anyway)
-            o.flags.writeable = False
+def _replica_views(v: Any, n: int) -> list[Any]:
+    """One read-only result per replica, distinct objects (as TF's tensors are) sharing ``v``'s memory;
+    a NumPy scalar (a 0-d integer MEAN) is copied instead, immutable anyway."""
+    if type(v) is not np.ndarray:
+        return [v.copy() for _ in range(n)]
+    return [v] + [v.view() for _ in range(n - 1)]
 
 
 def _reduce_shared(reduce_to_one: Any, ins: list[Any], kop: ReduceOp, out: Any, int_mean: bool, n: int) -> list[Any]:
@@ -309,10 +309,9 @@ def _reduce_shared(reduce_to_one: Any, ins: list[Any], kop: ReduceOp, out: Any, 
     reduce_to_one(ins, kop, out)
     if int_mean:
         out = _int_mean(np, out, n)
-    if type(out) is not np.ndarray:
-        return [out.copy() for _ in range(n)]  # a NumPy scalar: immutable, one object per replica
-    out.flags.writeable = False
-    return [out.view() for _ in range(n)]
+    if type(out) is np.ndarray:
+        out.flags.writeable = False
+    return _replica_views(out, n)
 
 
 def all_reduce_arrays(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None:
@@ -338,22 +337,13 @@ def all_reduce_arrays(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None
 
 
 def _reduce_one_leaf(trusted: Any, op: ReduceOp, arrays: Sequence[Any]) -> list[Any]:
-    """One host leaf per replica (same shape, kernel dtype), all-reduced: a large leaf once into a
-    shared pooled result (:func:`_reduce_shared`), a small one in one call into per-replica pooled
-    results; read-only either way."""
-    n = len(arrays)
+    """One host leaf per replica (same shape, kernel dtype), all-reduced once into a shared pooled
+    result (:func:`_reduce_shared`): read-only, one view per replica."""
     a0 = arrays[0]
     int_mean = op is ReduceOp.MEAN and a0.dtype.kind in "iu"
     kop = ReduceOp.SUM if int_mean else op
     ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-    if a0.nbytes >= SHARED_RESULT_MIN_LEAF_BYTES:
-        return _reduce_shared(trusted.reduce_to_one, ins, kop, pool.take(a0.shape, a0.dtype), int_mean, n)
-    res: list[Any] = pool.take_many(n, a0.shape, a0.dtype)
-    trusted.all_reduce(ins, res, kop)
-    if int_mean:
-        res = [_int_mean(np, o, n) for o in res]
-    _read_only(res)
-    return res
+    return _reduce_shared(trusted.reduce_to_one, ins, kop, pool.take(a0.shape, a0.dtype), int_mean, len(arrays))
 
 
 def _host_all_reduce(
@@ -361,14 +351,12 @@ def _host_all_reduce(
 ) -> list[list[Array]] | None:
     """The user's hot path: host leaves of kernel dtypes, reduced out of place into pooled buffers.
 
-    Every replica's result of a host all-reduce is the same value in the same (host) memory, so a
-    large leaf is reduced once: one reduce-to-one pass reads the N inputs and writes one output,
-    (N+1)·S bytes (an all-reduce into N outputs moves 2·N·S), and each replica gets a view of it.
-    Many small leaves instead go through one batched kernel call per dtype (and pack) into
-    per-replica views of pooled buffers, where the call count is what costs. Either way the
-    results are read-only, as TF's results are immutable tensors (``np.array(result)`` gives a
-    writable copy). None when some leaf is not a host array of a kernel dtype (the general path
-    then takes them all).
+    Every replica's result of a host all-reduce is the same value in the same (host) memory, so it
+    is computed once: one batched reduce-to-one pass per dtype (and pack) reads the N inputs of
+    every leaf and writes the results back to back into one pooled buffer, (N+1)·S bytes (an
+    all-reduce into N outputs moves 2·N·S), and each replica gets views of it. The results are
+    read-only, as TF's results are immutable tensors (``np.array(result)`` gives a writable copy).
+    None when some leaf is not a host array of a kernel dtype (the general path then takes them all).
     """
     b = cpu_backend()
     kdtypes = b.dtypes
@@ -382,25 +370,30 @@ def _host_all_reduce(
         return [[v] for v in _reduce_one_leaf(trusted, op, [p[0] for p in per_replica_leaves])]
     result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
     for dt, ids, total, kop, int_mean in _pack_plan(op, ref, num_packs, by_memory=False):
-        if total * dt.itemsize >= SHARED_RESULT_MIN_LEAF_BYTES * len(ids):
-            buf = pool.take((total,), dt)
-            off = 0
+        pack_ins = [[a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in (leaves[j] for j in ids)]
+                    for leaves in per_replica_leaves]
+        buf = pool.take((total,), dt)
+        trusted.batch_reduce_to_one(pack_ins, kop, buf)  # type: ignore[no-untyped-call]
+        del pack_ins
+        if int_mean:
+            buf = _int_mean(np, buf, n)
+        # Read-only before the views are taken: every view of it is then read-only too.
+        buf.flags.writeable = False
+        off = 0
+        row0 = result[0]
+        for j in ids:
+            a = ref[j]
+            shape, size = a.shape, a.size
+            if int_mean and not shape:
+                row0[j] = buf[off]  # a 0-d integer MEAN is a NumPy scalar, as the one-leaf path gives it
+            elif len(shape) == 1:
+                row0[j] = buf[off : off + size]
+            else:
+                row0[j] = buf[off : off + size].reshape(shape)
+            off += size
+        for row in result[1:]:  # the other replicas: views of replica 0's (scalars: copies)
             for j in ids:
-                shape, size = ref[j].shape, ref[j].size
-                ins = [np.ascontiguousarray(leaves[j]) for leaves in per_replica_leaves]
-                views = _reduce_shared(trusted.reduce_to_one, ins, kop, buf[off : off + size].reshape(shape), int_mean, n)
-                off += size
-                for r, v in enumerate(views):
-                    result[r][j] = v
-            continue
-        pack_ins = [[np.ascontiguousarray(leaves[j]) for j in ids] for leaves in per_replica_leaves]
-        _unpack_all(ref, ids, pool.take_many(n, (total,), dt), result)  # views of pooled buffers
-        outs = [[row[j] for j in ids] for row in result]
-        trusted.batch_all_reduce(pack_ins, outs, kop)  # type: ignore[no-untyped-call]
-        for row, out_row in zip(result, outs):
-            for j, o in zip(ids, out_row):
-                row[j] = _int_mean(np, o, n) if int_mean else o
-            _read_only([row[j] for j in ids])
+                row[j] = row0[j].view() if type(row0[j]) is np.ndarray else row0[j].copy()
     return result
 
 

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-__all__ = ["take", "take_many", "clear", "stats"]
+__all__ = ["take", "clear", "stats"]
 
 #: Buffers kept per byte size; results held beyond this many are allocated fresh.
 PER_SIZE = 8
@@ -52,41 +52,25 @@ def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
         A view of a pooled buffer nobody else holds, or a fresh array (small sizes, or the size's
         buffers all in use).
     """
-    return take_many(1, shape, dtype)[0]
-
-
-def take_many(n: int, shape: tuple[int, ...], dtype: npt.DTypeLike) -> list[npt.NDArray[Any]]:
-    """``n`` arrays of ``shape`` and ``dtype`` (one per replica), each its own buffer; one scan of the pool.
-
-    Args:
-        n: how many arrays.
-        shape: their shape.
-        dtype: their dtype (anything ``np.dtype`` accepts).
-
-    Returns:
-        ``n`` uninitialized C-contiguous arrays, as :func:`take` makes them.
-    """
-    d: Any  # a dimension in the loop below, then this thread's buffers
     dtype = np.dtype(dtype)
     count = 1
-    for d in shape:
-        count *= d
+    for dim in shape:
+        count *= dim
     nbytes = count * dtype.itemsize
     if nbytes < MIN_BYTES:
-        return [_empty(shape, dtype) for _ in range(n)]
-    d = _buffers()
-    lst = d.get(nbytes)
+        return _empty(shape, dtype)
+    buffers = _buffers()
+    lst = buffers.get(nbytes)
     if lst is None:
-        lst = d[nbytes] = []
-    free = [buf for buf in lst if _getrefcount(buf) == 3][:n]
-    while len(free) < n and len(lst) < PER_SIZE:
+        lst = buffers[nbytes] = []
+    for buf in lst:
+        if _getrefcount(buf) == 3:  # the list, ``buf`` and getrefcount's argument: nobody else
+            return buf.view(dtype).reshape(shape)
+    if len(lst) < PER_SIZE:
         buf = _empty(nbytes, _u8)
         lst.append(buf)
-        free.append(buf)
-    out = [buf.view(dtype).reshape(shape) for buf in free]
-    while len(out) < n:
-        out.append(_empty(shape, dtype))
-    return out
+        return buf.view(dtype).reshape(shape)
+    return _empty(shape, dtype)
 
 
 def clear() -> None:

@@ -330,6 +330,48 @@ class KernelBackend:
             self._hook_batch_all_reduce(inputs, outputs, op)
         return outputs
 
+    def batch_reduce_to_one(self, inputs, op=ReduceOp.SUM, out=None):
+        """Reduces several leaves at once into one packed buffer, without packing the inputs first.
+
+        The reduced leaves land back to back in ``out``, in leaf order: leaf j occupies the
+        ``inputs[0][j].size`` elements after those of leaves 0..j-1. One pass reads every input
+        element once and writes every output element once.
+
+        Args:
+            inputs: ``inputs[r][j]`` is leaf j of replica r (N replicas of M >= 1 leaves). Every leaf
+                has one dtype; leaf j has one shape across replicas (leaves may differ in shape).
+            op: ReduceOp.SUM or ReduceOp.MEAN (or "sum" / "mean").
+            out: None (a new 1-d array), or a writeable, C-contiguous 1-d array of the leaves' dtype
+                with as many elements as one replica's leaves together; it may not share memory
+                with an input.
+
+        Returns:
+            ``out``.
+        """
+        where = "batch_reduce_to_one"
+        op = ReduceOp.parse(op, where=where)
+        inputs, _ = self._check_batch(where, inputs, None)
+        if not inputs[0]:
+            raise ValueError(f"{where}: expected at least one leaf per replica, got none")
+        dt = inputs[0][0].dtype
+        total = sum(a.size for a in inputs[0])
+        if out is None:
+            out = self.xp.empty(total, dt)
+        else:
+            self._check_array(where, "out", out, writable=True)
+            if out.ndim != 1 or out.dtype != dt or out.size != total:
+                raise ValueError(
+                    f"{where}: out must be a 1-d {dt.name} array of {total} elements (the leaves of one replica "
+                    f"together), got {out.dtype.name} of shape {out.shape}"
+                )
+            self._check_overlaps(
+                where,
+                [(a, ("input", r, j)) for r, leaves in enumerate(inputs) for j, a in enumerate(leaves)] + [(out, ("output", "out"))],
+                lambda a, b, identical: False,
+            )
+        self._hook_batch_reduce_to_one(inputs, op, out)
+        return out
+
     def _check_batch(self, where, inputs, outputs):
         def replicas(x, what):
             if isinstance(x, self.xp.ndarray) or not isinstance(x, Sequence):
@@ -340,21 +382,23 @@ class KernelBackend:
                     raise TypeError(f"{where}: {what}[{r}] must be a list of leaf arrays, got {type(leaves).__name__}")
             return tuple(tuple(leaves) for leaves in x)
 
-        inputs, outputs = replicas(inputs, "inputs"), replicas(outputs, "outputs")
+        inputs = replicas(inputs, "inputs")
+        outputs = () if outputs is None else replicas(outputs, "outputs")  # None: batch_reduce_to_one's
+        checked = (("input", inputs, False),) if outputs == () else (("input", inputs, False), ("output", outputs, True))
         n = len(inputs)
         if n == 0:
             raise ValueError(f"{where}: expected at least one replica, got an empty list")
-        if len(outputs) != n:
+        if len(checked) == 2 and len(outputs) != n:
             raise ValueError(f"{where}: got {n} input replicas but {len(outputs)} output replicas")
         m = len(inputs[0])
-        for what, x in (("input", inputs), ("output", outputs)):
+        for what, x, _ in checked:
             for r, leaves in enumerate(x):
                 if len(leaves) != m:
                     raise ValueError(f"{where}: {what} replica {r} has {len(leaves)} leaves but input replica 0 has {m}")
         if m == 0:
             return inputs, outputs
         dt = None
-        for what, x, writable in (("input", inputs, False), ("output", outputs, True)):
+        for what, x, writable in checked:
             for r, leaves in enumerate(x):
                 for j, a in enumerate(leaves):
                     self._check_array(where, f"{what} leaf {j} of replica {r}", a, writable=writable)
@@ -371,13 +415,14 @@ class KernelBackend:
                             f"{where}: {what} leaf {j} of replica {r} has shape {a.shape} but input leaf {j} of "
                             f"replica 0 has shape {ref.shape}"
                         )
-        self._check_overlaps(
-            where,
-            [(a, ("input", r, j)) for r, leaves in enumerate(inputs) for j, a in enumerate(leaves)]
-            + [(a, ("output", r, j)) for r, leaves in enumerate(outputs) for j, a in enumerate(leaves)],
-            _in_place_pair,
-            _IN_PLACE_HINT,
-        )
+        if outputs:
+            self._check_overlaps(
+                where,
+                [(a, ("input", r, j)) for r, leaves in enumerate(inputs) for j, a in enumerate(leaves)]
+                + [(a, ("output", r, j)) for r, leaves in enumerate(outputs) for j, a in enumerate(leaves)],
+                _in_place_pair,
+                _IN_PLACE_HINT,
+            )
         return inputs, outputs
 
     def reduce_to_one(self, bufs, op=ReduceOp.SUM, out=None):
@@ -728,6 +773,16 @@ class KernelBackend:
         for j in range(len(inputs[0])):
             self._hook_all_reduce(tuple(inputs[r][j] for r in range(n)), tuple(outputs[r][j] for r in range(n)), op)
 
+    def _hook_batch_reduce_to_one(self, inputs, op, out):
+        """``out`` = the reductions of every leaf j over r of ``inputs[r][j]``, back to back.
+        Default: one reduce-to-one per leaf, into its slice of ``out``."""
+        n, off = len(inputs), 0
+        for j, ref in enumerate(inputs[0]):
+            size = ref.size
+            if size:
+                self._hook_reduce_to_one(tuple(inputs[r][j] for r in range(n)), op, out[off : off + size].reshape(ref.shape))
+            off += size
+
     def _hook_reduce_to_one(self, bufs, op, out):  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -849,6 +904,8 @@ class TrustedKernels:
       ``inputs`` (in place).
     * ``batch_all_reduce(inputs, outputs, op)``: ``inputs[r][j]`` leaf j of replica r (one dtype;
       leaf j of one shape across replicas; at least one leaf), ``outputs[r][j]`` likewise.
+    * ``batch_reduce_to_one(inputs, op, out)``: ``inputs`` as for ``batch_all_reduce``, ``out`` one
+      1-d array receiving the reduced leaves back to back (not sharing memory with an input).
     * ``reduce_to_one(bufs, op, out)``; ``broadcast(src, dsts)``; ``assign(copies, value)``;
       ``assign_add(copies, value, negate)``.
     * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
@@ -873,6 +930,7 @@ class TrustedKernels:
         "backend",
         "all_reduce",
         "batch_all_reduce",
+        "batch_reduce_to_one",
         "reduce_to_one",
         "broadcast",
         "assign",
@@ -908,6 +966,7 @@ class TrustedKernels:
         # Bound methods stored once: a call is one attribute load and the hook itself.
         self.all_reduce = backend._hook_all_reduce
         self.batch_all_reduce = backend._hook_batch_all_reduce
+        self.batch_reduce_to_one = backend._hook_batch_reduce_to_one
         self.reduce_to_one = backend._hook_reduce_to_one
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign

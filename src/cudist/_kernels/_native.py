@@ -83,6 +83,9 @@ class NativeBackend(KernelBackend):
     def _hook_batch_all_reduce(self, inputs, outputs, op):
         _core.batch_all_reduce(inputs, outputs, op)
 
+    def _hook_batch_reduce_to_one(self, inputs, op, out):
+        _core.batch_reduce_to_one(inputs, op, out)
+
     def _hook_reduce_to_one(self, bufs, op, out):
         _core.reduce_to_one(bufs, op, out)
 
@@ -163,6 +166,7 @@ class _NativeTrusted(TrustedKernels):
         super().__init__(backend)
         self.all_reduce = _core.all_reduce_into  # (inputs, outputs, op): in place when outputs is inputs
         self.batch_all_reduce = _core.batch_all_reduce
+        self.batch_reduce_to_one = _core.batch_reduce_to_one
         self.reduce_to_one = _core.reduce_to_one
         self.broadcast = _core.broadcast
         self.assign = _core.assign
