@@ -39,7 +39,7 @@ def test_user_path_tiny(tmp_path, capsys, backend):
     assert doc["summary"]["ok"] and doc["summary"]["out_of_bounds"] == 0
     assert "# Out of bounds values : 0 OK" in text
     for size in (4 << 10, 8 << 10):
-        for group in ("all-reduce", "momentum", "adam"):
+        for group in ("all-reduce", "nest", "momentum", "adam"):
             got = {r["api"]: r for r in rows if r["size"] == size and r["group"] == group}
             assert set(got) == {"kernel", "user", "numpy", "copy-same"}, (size, group, got.keys())
             for r in got.values():
@@ -54,7 +54,7 @@ def test_user_path_tiny(tmp_path, capsys, backend):
             assert user["run_over_kernel"] > 0 and user["numpy_loop_over_run"] > 0
             assert len(user["run_over_kernel_rounds"]) == 2
         copy = [r for r in rows if r["size"] == size and r["group"] == "copy"]
-        assert len(copy) == 3 and all(r["GBps"] > 0 for r in copy)  # one bracketed ceiling per point
+        assert len(copy) == 4 and all(r["GBps"] > 0 for r in copy)  # one bracketed ceiling per point
     assert "run/kernel" in text and "numpy-loop/run" in text
 
 
@@ -63,14 +63,14 @@ def test_user_path_bytes_moved(tmp_path):
     assert rc == 0
     n, s = 3, 4 << 10
     moved = {r["group"]: r["moved_bytes"] for r in _rows(doc) if r["api"] == "user"}
-    assert moved == {"all-reduce": 2 * n * s, "momentum": (n + 4) * s, "adam": (n + 6) * s}
+    assert moved == {"all-reduce": 2 * n * s, "nest": 2 * n * s, "momentum": (n + 4) * s, "adam": (n + 6) * s}
     for r in _rows(doc):
         if r["api"] != "copy":
             ceiling = next(c["GBps"] for c in _rows(doc) if c["api"] == "copy" and c["size"] == r["size"]
                            and _rows(doc).index(c) > _rows(doc).index(r))
             assert r["pct_copy"] == pytest.approx(100 * r["moved_bytes"] / (r["time_us"] * 1e-6) / 1e9 / ceiling)
     # The copy-same row's two buffers span the point's working set, and %same divides by its GB/s.
-    ws = {"all-reduce": (n + 1) * s, "momentum": (n + 2) * s, "adam": (n + 3) * s}
+    ws = {"all-reduce": (n + 1) * s, "nest": (n + 1) * s, "momentum": (n + 2) * s, "adam": (n + 3) * s}
     for group, want in ws.items():
         rows = [r for r in _rows(doc) if r["group"] == group]
         same = next(r for r in rows if r["api"] == "copy-same")
@@ -100,18 +100,30 @@ def test_user_path_groups_option(tmp_path):
     assert {r["group"] for r in _rows(doc)} == {"momentum", "copy"}
 
 
-def test_user_path_check_is_live(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("group", ["all-reduce", "nest"])
+def test_user_path_check_is_live(tmp_path, monkeypatch, capsys, group):
     """A wrong reference makes every checked row wrong (a check that cannot fail proves nothing)."""
     from cudist.bench import _user_path
 
     real = _user_path._reference_sum
     monkeypatch.setattr(_user_path, "_reference_sum", lambda host: real(host) + 1)
     rc, doc = _run(tmp_path, "user-path", *TINY, "-e", "4K", "--replicas", "2", "--backend", "numpy",
-                   "--groups", "all-reduce")
+                   "--groups", group)
     assert rc == 1
     rows = [r for r in _rows(doc) if r["api"] in ("kernel", "user", "numpy")]
     assert rows and all(r["wrong"] == 2 * 1024 for r in rows)
     assert "FAILED" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 64, 100, 1 << 20, (1 << 20) + 7])
+def test_nest_sizes_pair_weights_and_biases(count):
+    from cudist.bench._user_path import NEST_LEAVES, nest_sizes
+
+    sizes = nest_sizes(count)
+    assert sum(sizes) == count and all(k >= 1 for k in sizes)
+    assert len(sizes) <= NEST_LEAVES and (len(sizes) == NEST_LEAVES or count < NEST_LEAVES * 64)
+    if count >= 128:  # weight / bias pairs, each bias 1/64 of its pair
+        assert all(w > b for w, b in zip(sizes[0::2], sizes[1::2]))
 
 
 def test_wrong_counts_nan_and_far_values():
@@ -158,7 +170,8 @@ def test_user_path_compare_tf(tmp_path):
     tf = [r for r in _rows(doc) if r["api"] == "tf-user"]
     assert {r["group"] for r in tf} == {"all-reduce", "momentum", "adam"}
     assert all(r["wrong"] == 0 and r["time_us"] > 0 and r["backend"] == "tf-fn" for r in tf)
-    assert all(r["tf-fn_over_run"] > 0 for r in _rows(doc) if r["api"] == "user")
+    assert all(r["tf-fn_over_run"] > 0 for r in _rows(doc) if r["api"] == "user" and r["group"] != "nest")
+    assert not [r for r in _rows(doc) if r["group"] == "nest" and r["api"] == "tf-user"]
 
 
 def test_user_path_without_tensorflow_is_skipped(tmp_path, capsys):

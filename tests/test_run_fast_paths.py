@@ -52,6 +52,28 @@ def test_regroup_of_no_keyword_arguments_is_an_empty_dict():
         regroup([{}, {"a": np.ones(1)}])
 
 
+@pytest.mark.parametrize("container", [list, tuple])
+@pytest.mark.parametrize("always_wrap", [False, True])
+def test_regroup_of_flat_lists_of_arrays_equals_the_nest_path(container, always_wrap):
+    """run()'s results as a flat list or tuple of arrays (the short path) regroup as the same values
+    inside a dict (the tree walk) do: the same object from every replica unwrapped, others wrapped."""
+    shared = np.ones(2)
+    per = [container([np.full(3, r, np.float32), shared, np.zeros((2, 2))]) for r in range(3)]
+    got = regroup(per, PerReplica, always_wrap=always_wrap)
+    want = regroup([{"x": p} for p in per], PerReplica, always_wrap=always_wrap)["x"]
+    assert type(got) is container and len(got) == 3
+    for g, w in zip(got, want):
+        assert type(g) is type(w)
+        if isinstance(w, PerReplica):
+            assert all(a is b for a, b in zip(g.values, w.values))
+        else:
+            assert g is w
+    assert (got[1] is shared) is (not always_wrap)
+    assert regroup([container(), container()]) == container()
+    with pytest.raises(ValueError, match="differs"):
+        regroup([container([np.ones(1)]), container([np.ones(1), np.ones(1)])])
+
+
 def test_select_replicas_too_few_components_is_an_index_error():
     with pytest.raises(IndexError):
         select_replicas(3, (PerReplica([np.ones(1), np.ones(1)]),))

@@ -263,6 +263,7 @@ def _warn_deprecated(name: str, instead: str) -> None:
 
 # ---------------------------------------------------------------------------------------------- collectives
 _SIMPLE_LEAVES = (np.ndarray, np.generic, float, int, complex)
+_NDARRAY_ONLY = {np.ndarray}
 
 
 class _LazyPaths:
@@ -297,8 +298,10 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
             return res
         return [_scalarize(o) for o in res]
     t0 = type(v0)
-    if (t0 is list or t0 is tuple) and all(type(p[1]) is t0 and len(p[1]) == len(v0) for p in payloads) and all(
-        type(x) is np.ndarray for p in payloads for x in p[1]
+    if (
+        (t0 is list or t0 is tuple)
+        and all(type(p[1]) is t0 and len(p[1]) == len(v0) for p in payloads)
+        and all(set(map(type, p[1])) == _NDARRAY_ONLY for p in payloads)
     ):
         # A flat list or tuple of host arrays (a step's gradients): no tree walk, and no scalars.
         out = ops._all_reduce_leaves(op, [p[1] for p in payloads], _LazyPaths(v0))

@@ -106,6 +106,9 @@ def select_replica(replica_id: int, structured: Any) -> Any:
     return optree.tree_map(pick, structured, is_leaf=_is_leaf_dv, none_is_leaf=True)
 
 
+_ARRAY_ONLY = {np.ndarray}
+
+
 def regroup(
     per_replica_values: Iterable[Any], wrap_class: type[DistributedValues] = PerReplica, always_wrap: bool = False
 ) -> Any:
@@ -122,6 +125,16 @@ def regroup(
         return replicas[0]
     if all(type(v) is dict and not v for v in replicas):
         return {}  # e.g. merge_call's keyword arguments: none from any replica
+    t0 = type(replicas[0])
+    if (t0 is list or t0 is tuple) and all(type(v) is t0 and len(v) == len(replicas[0]) for v in replicas) and all(
+        set(map(type, v)) <= _ARRAY_ONLY for v in replicas
+    ):
+        # A flat list or tuple of arrays (a step's per-replica outputs): no tree walk.
+        return t0(
+            first if not always_wrap and all(x is first for x in column) else wrap_class(column)
+            for column in zip(*replicas)
+            for first in (column[0],)
+        )
     flat: list[list[Any]] = []
     specs: list[optree.PyTreeSpec] = []
     for i, v in enumerate(replicas):

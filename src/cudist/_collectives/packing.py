@@ -20,6 +20,8 @@ integers, float64 for wider ones (:func:`cudist._reduce_util.int_mean_dtype`).
 
 from __future__ import annotations
 
+import operator
+
 from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType
 from typing import Any, Protocol, TypeAlias
@@ -63,6 +65,10 @@ def check_reducible(where: str, dtype: np.dtype[Any]) -> None:
         raise TypeError(f"{where}: cannot reduce values of dtype {dtype} (only numeric dtypes can be summed)")
 
 
+_shape_dtype = operator.attrgetter("shape", "dtype")
+_dtype_of = operator.attrgetter("dtype")
+
+
 def check_same_leaves(
     where: str, per_replica_leaves: Sequence[Sequence[Any]], paths: LeafPaths | None = None
 ) -> None:
@@ -75,11 +81,11 @@ def check_same_leaves(
         paths: the leaves' names, for the message (else they are numbered).
     """
     ref = per_replica_leaves[0]
-    sig0 = [(a.shape, a.dtype) for a in ref]
+    sig0 = list(map(_shape_dtype, ref))
     for r, leaves in enumerate(per_replica_leaves[1:], 1):
         if len(leaves) != len(ref):
             raise InvalidArgumentError(f"{where}: replica {r} passed {len(leaves)} values but replica 0 passed {len(ref)}")
-        if [(a.shape, a.dtype) for a in leaves] == sig0:
+        if list(map(_shape_dtype, leaves)) == sig0:
             continue  # the common case: one list comparison
         for j, (a, b) in enumerate(zip(ref, leaves)):
             if a.shape != b.shape or a.dtype != b.dtype:
@@ -104,8 +110,10 @@ def pack_groups(sizes: Sequence[int], num_packs: int) -> list[list[int]]:
         num_packs: how many groups; 0 or less: one group per leaf.
     """
     idx = list(range(len(sizes)))
-    if num_packs <= 0 or len(idx) <= 1:
-        return [[i] for i in idx] if num_packs <= 0 else [idx]
+    if num_packs <= 0:
+        return [[i] for i in idx]
+    if num_packs == 1 or len(idx) <= 1:
+        return [idx]
     k = min(num_packs, len(idx))
     total = sum(sizes) or 1
     groups: list[list[int]]
@@ -206,14 +214,18 @@ def _pack_plan(
     ``num_packs`` packs (:func:`pack_groups`). Integer MEAN packs are summed (then divided).
     """
     groups: dict[tuple[bool, np.dtype[Any]], list[int]] = {}
-    for j, a in enumerate(ref):
-        groups.setdefault((by_memory and is_device_array(a), a.dtype), []).append(j)
+    dtypes = set(map(_dtype_of, ref))
+    if len(dtypes) == 1 and not (by_memory and any(map(is_device_array, ref))):
+        groups[(False, dtypes.pop())] = list(range(len(ref)))  # the common case: one host dtype
+    else:
+        for j, a in enumerate(ref):
+            groups.setdefault((by_memory and is_device_array(a), a.dtype), []).append(j)
     for (_, dt), leaf_ids in groups.items():
         int_mean = op is ReduceOp.MEAN and dt.kind in "iu"
         kop = ReduceOp.SUM if int_mean else op
-        for group in pack_groups([ref[j].size for j in leaf_ids], num_packs):
-            ids = [leaf_ids[g] for g in group]
-            yield dt, ids, sum(ref[j].size for j in ids), kop, int_mean
+        sizes = [ref[j].size for j in leaf_ids]
+        for group in pack_groups(sizes, num_packs):
+            yield dt, [leaf_ids[g] for g in group], sum(sizes[g] for g in group), kop, int_mean
 
 
 def _packs(
@@ -359,16 +371,15 @@ def _host_all_reduce(
     None when some leaf is not a host array of a kernel dtype (the general path then takes them all).
     """
     b = cpu_backend()
-    kdtypes = b.dtypes
     ref = per_replica_leaves[0]
     n = len(per_replica_leaves)
-    for a in ref:
-        if type(a) is not np.ndarray or a.dtype not in kdtypes:
-            return None
+    if set(map(type, ref)) != {np.ndarray} or not set(map(_dtype_of, ref)) <= set(b.dtypes):
+        return None
     trusted = b.trusted
     if len(ref) == 1:  # the common case, kept short: one array per replica
         return [[v] for v in _reduce_one_leaf(trusted, op, [p[0] for p in per_replica_leaves])]
-    result: list[list[Any]] = [[None] * len(ref) for _ in range(n)]
+    row0: list[Any] = [None] * len(ref)  # replica 0's results; the others get views of them
+    scalars = False
     for dt, ids, total, kop, int_mean in _pack_plan(op, ref, num_packs, by_memory=False):
         pack_ins = [[a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in (leaves[j] for j in ids)]
                     for leaves in per_replica_leaves]
@@ -380,21 +391,20 @@ def _host_all_reduce(
         # Read-only before the views are taken: every view of it is then read-only too.
         buf.flags.writeable = False
         off = 0
-        row0 = result[0]
         for j in ids:
             a = ref[j]
             shape, size = a.shape, a.size
             if int_mean and not shape:
                 row0[j] = buf[off]  # a 0-d integer MEAN is a NumPy scalar, as the one-leaf path gives it
+                scalars = True
             elif len(shape) == 1:
                 row0[j] = buf[off : off + size]
             else:
                 row0[j] = buf[off : off + size].reshape(shape)
             off += size
-        for row in result[1:]:  # the other replicas: views of replica 0's (scalars: copies)
-            for j in ids:
-                row[j] = row0[j].view() if type(row0[j]) is np.ndarray else row0[j].copy()
-    return result
+    if scalars:
+        return [row0] + [[v.view() if type(v) is np.ndarray else v.copy() for v in row0] for _ in range(n - 1)]
+    return [row0] + [[v.view() for v in row0] for _ in range(n - 1)]
 
 
 def all_reduce_via_one(

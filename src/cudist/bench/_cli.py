@@ -79,7 +79,7 @@ def _dtype_list(text):
 
 def _groups_arg(text):
     names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
-    allowed = ("all-reduce", "momentum", "adam")
+    allowed = ("all-reduce", "nest", "momentum", "adam")
     bad = [t for t in names if t not in allowed]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown group(s) {', '.join(bad) or '(none)'}; expected a comma list of "
@@ -189,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
         "in the rounds (the bandwidth of memory in the same cache state). --backend picks the kernels of both the "
         "kernel rows and the strategy (all: the default backend).",
     )
-    sp.add_argument("--groups", type=_groups_arg, default=["all-reduce", "momentum", "adam"],
-                    help="comma list of all-reduce, momentum, adam (default all three)")
+    sp.add_argument("--groups", type=_groups_arg, default=["all-reduce", "nest", "momentum", "adam"],
+                    help="comma list of all-reduce, nest, momentum, adam (default all four)")
     sp.add_argument("--round-ms", type=float, default=20.0, metavar="MS",
                     help="time of one row's block of calls in a round; fast calls repeat to fill it (default 20)")
     sub.add_parser(

@@ -10,6 +10,14 @@ comes from the same rounds. Groups:
   ``cudist.get_replica_context().all_reduce("sum", x_r)`` on a PerReplica ``x``; the plain NumPy
   loop a user would write (``s = x0.copy(); s += x1; ...`` then a copy into each output); and
   TensorFlow's ``strategy.run`` + ``all_reduce`` inside ``tf.function`` with ``--compare tf``.
+* ``nest`` (SUM of a list of :data:`NEST_LEAVES` float32 leaves per replica, S bytes in all, in
+  weight / bias pairs: each pair's second leaf 1/64 of the pair, as a model's gradients): the
+  batched kernel in place (``backend.batch_all_reduce(leaves, leaves, "sum")`` once, then timed
+  through ``backend.trusted``: the public method's checks of 2*N*64 arrays cost more than the pass); the user's path,
+  ``strategy.run(fn)`` with ``fn`` all-reducing its replica's list (a replica's gradients, computed
+  inside it) and returning nothing (a step uses its reduced gradients inside the replica; returning
+  the list from ``run`` adds regrouping it into per-leaf PerReplica values); the NumPy loop over
+  the leaves. Not compared with TensorFlow.
 * ``momentum`` / ``adam``: ``optimizer.apply_gradients([(g_r, var)])`` inside ``strategy.run``
   (``cudist.optimizers.SGD(momentum=0.9)`` / ``Adam``), each replica passing its own gradient; the
   kernels the same work takes today (in-place ``all_reduce`` of the N gradients, then the mirrored
@@ -20,13 +28,13 @@ comes from the same rounds. Groups:
   one) right before and right after the point's rounds; the faster of the two counts (as in
   ``bench/targets.py``: the ceiling comes from the same minutes as the point).
 * ``copy-same`` (``%same``): a copy whose two buffers together span the point's working set (what
-  the user's path touches per call: all-reduce (N+1)*S, momentum (N+2)*S, Adam (N+3)*S), by the
+  the user's path touches per call: all-reduce and nest (N+1)*S, momentum (N+2)*S, Adam (N+3)*S), by the
   fastest copy method at that size, timed in the rounds like every other row: the bandwidth the
   point's memory gets in the same cache state (the ``--copy-size`` copy is timed back to back, and
   a small one may run from cache while a large point cannot). Left out (said) above
   :data:`SAME_COPY_MAX_BYTES` per buffer.
 
-Bytes moved (``%copy``, ``GB/s``): all-reduce 2*N*S (N inputs read, N outputs written: what an
+Bytes moved (``%copy``, ``GB/s``): all-reduce and nest 2*N*S (N inputs read, N outputs written: what an
 all-reduce into per-replica results moves; the user's path on CPU replicas reads the N inputs and
 writes one shared result, (N+1)*S, so its %copy may pass 100%). The update counts what one fused
 all-reduce + update pass must move when the N host copies of a variable share one storage (as
@@ -37,7 +45,8 @@ write N copies and so move more than that.
 ``flt/call``: minor page faults per call (``/proc/self/stat`` field 10 read around each block), the
 count of fresh large buffers a call touches. Only public API is used: ``cudist.MirroredStrategy``,
 ``strategy.run``, ``cudist.get_replica_context().all_reduce``, ``cudist.optimizers``,
-``cudist.Variable``, and for the kernels ``get_backend(name).all_reduce / .momentum / .adam``.
+``cudist.Variable``, and for the kernels ``get_backend(name).all_reduce / .batch_all_reduce /
+.momentum / .adam``.
 """
 
 from __future__ import annotations
@@ -57,7 +66,9 @@ from cudist.bench._timing import minor_faults
 
 __all__ = ["run_user_path", "GROUPS", "moved_bytes", "working_set_bytes", "TFServer"]
 
-GROUPS = ("all-reduce", "momentum", "adam")
+GROUPS = ("all-reduce", "momentum", "adam", "nest")
+#: Leaves per replica of the ``nest`` group (fewer when S holds fewer float32 elements).
+NEST_LEAVES = 64
 LR, MOMENTUM, BETA_1, BETA_2, EPSILON = 0.01, 0.9, 0.9, 0.999, 1e-7
 
 _COLS = ("size", "group", "path", "api", "backend", "calls", "time(us)", "min(us)", "GB/s", "%copy", "%same",
@@ -69,7 +80,7 @@ SAME_COPY_MAX_BYTES = 1 << 30
 
 def moved_bytes(group: str, size: int, n: int) -> int:
     """Bytes one call must move at least (see the module docstring)."""
-    if group == "all-reduce":
+    if group in ("all-reduce", "nest"):
         return 2 * n * size
     if group == "momentum":
         return (n + 4) * size
@@ -81,11 +92,23 @@ def moved_bytes(group: str, size: int, n: int) -> int:
 def working_set_bytes(group: str, size: int, n: int) -> int:
     """Bytes the user's path touches in one call: the N inputs and the one shared result (all-reduce);
     the N gradients, the variable and its slots (momentum: 1, Adam: 2)."""
-    extra = {"all-reduce": 1, "momentum": 2, "adam": 3}[group]
+    extra = {"all-reduce": 1, "nest": 1, "momentum": 2, "adam": 3}[group]
     return (n + extra) * size
 
 
-_MOVED_TEXT = {"all-reduce": "2N*S", "momentum": "(N+4)*S", "adam": "(N+6)*S"}
+_MOVED_TEXT = {"all-reduce": "2N*S", "nest": "2N*S", "momentum": "(N+4)*S", "adam": "(N+6)*S"}
+
+
+def nest_sizes(count: int, leaves: int = NEST_LEAVES) -> list[int]:
+    """The leaf sizes (float32 elements) of the ``nest`` group: ``count`` elements in weight / bias
+    pairs, each pair's bias 1/64 of it (at least one element each), summing to ``count``."""
+    pairs = max(1, min(leaves, count) // 2)
+    sizes: list[int] = []
+    for p in range(pairs):
+        part = count * (p + 1) // pairs - count * p // pairs
+        bias = max(1, part // 64) if part > 1 else 0
+        sizes += [part - bias, bias] if bias else [part]
+    return sizes
 
 
 # ------------------------------------------------------------------------------------------ contestants
@@ -259,6 +282,62 @@ def _allreduce_contestants(strategy, be, n, count, rng, check, notes):
         Contestant("strategy.run+all_reduce", "user", be.name, lambda: strategy.run(fn, args=(x,)),
                    wrong=wrong.get("user")),
         Contestant("numpy loop (copy, +=, copyto)", "numpy", "numpy", numpy_loop, wrong=wrong.get("numpy")),
+    ]
+
+
+def _nest_contestants(strategy, be, n, count, rng, check, notes):
+    """Rows of the nest group (see the module docstring); checked like the all-reduce group."""
+    import cudist
+
+    sizes = nest_sizes(count)
+    host = [[_rand(rng, k) for k in sizes] for _ in range(n)]  # each replica's gradients, only read
+
+    def fn():
+        ctx = cudist.get_replica_context()
+        return ctx.all_reduce("sum", host[ctx.replica_id_in_sync_group])
+
+    def step():  # what is timed: a step uses its reduced gradients inside the replica, returns none of them
+        ctx = cudist.get_replica_context()
+        ctx.all_reduce("sum", host[ctx.replica_id_in_sync_group])
+
+    bufs = [[h.copy() for h in leaves] for leaves in host]  # the kernel reduces these in place
+    outs = [[np.empty(k, np.float32) for k in sizes] for _ in range(n)]
+
+    def numpy_loop():
+        for j in range(len(sizes)):
+            s_ = host[0][j].copy()
+            for leaves in host[1:]:
+                s_ += leaves[j]
+            for o in outs:
+                np.copyto(o[j], s_)
+
+    wrong = {}
+    if check:
+        refs = [_reference_sum([leaves[j] for leaves in host]) for j in range(len(sizes))]
+        sums = [_checksum(h) for leaves in host for h in leaves]
+        got = strategy.experimental_local_results(strategy.run(fn))
+        wrong["user"] = sum(_wrong(g[j], ref) for g in got for j, ref in enumerate(refs)) + abs(len(got) - n) * count
+        wrong["user"] += sum(k for h, c, k in zip([h for leaves in host for h in leaves], sums, sizes * n)
+                             if _checksum(h) != c)
+        be.batch_all_reduce(bufs, bufs, "sum")
+        wrong["kernel"] = sum(_wrong(b[j], ref) for b in bufs for j, ref in enumerate(refs))
+        numpy_loop()
+        wrong["numpy"] = sum(_wrong(o[j], ref) for o in outs for j, ref in enumerate(refs))
+        del got, refs
+    else:
+        be.batch_all_reduce(bufs, bufs, "sum")  # the public call validates the buffers once
+    from cudist import ReduceOp
+
+    trusted = be.trusted
+    notes.append(f"{len(sizes)} leaves per replica, {min(sizes)} to {max(sizes)} float32 elements; the kernel row "
+                 "calls backend.trusted (validated once)")
+    return [
+        # Validated once (the public call above or below), then timed through ``trusted`` as a caller that
+        # validated once would: the public method's checks of 2 * N * 64 arrays cost ~1 ms, far more than the pass.
+        Contestant("kernel batch_all_reduce (in place)", "kernel", be.name,
+                   lambda: trusted.batch_all_reduce(bufs, bufs, ReduceOp.SUM), wrong=wrong.get("kernel")),
+        Contestant("strategy.run+all_reduce(list)", "user", be.name, lambda: strategy.run(step), wrong=wrong.get("user")),
+        Contestant("numpy loop (per leaf)", "numpy", "numpy", numpy_loop, wrong=wrong.get("numpy")),
     ]
 
 
@@ -594,11 +673,15 @@ def _run_point(ctx, strategy, be, n, size, group, rounds, warm, target_ns, tf_se
     notes: list = []
     if group == "all-reduce":
         cs = _allreduce_contestants(strategy, be, n, count, rng, a.check, notes)
+    elif group == "nest":
+        cs = _nest_contestants(strategy, be, n, count, rng, a.check, notes)
     else:
         cs = _update_contestants(group, strategy, be, n, count, rng, a.check, notes)
     for note in notes:
         ctx.print(f"# note: {format_size(size)} {group}: {note}")
-    if tf_server is not None:
+    if tf_server is not None and group == "nest":
+        ctx.print(f"# tf: {format_size(size)} nest: no TensorFlow row (the TF worker times the other groups)")
+    elif tf_server is not None:
         from cudist.bench._tf import TFUnavailable
 
         try:

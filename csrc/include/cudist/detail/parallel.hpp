@@ -52,14 +52,26 @@ void run_blocks(thread_pool* pool, std::size_t count, std::size_t block, std::si
   // A call that could use the pool: marked, so the pool knows whether calls come close together.
   struct mark {
     thread_pool* p;
+    bool open = true;
     explicit mark(thread_pool* q) : p(q) { p->call_started(); }
-    ~mark() { p->call_ended(); }
+    void end_now() {
+      p->call_ended();
+      open = false;
+    }
+    ~mark() {
+      if (open) p->call_ended();
+    }
   } marked(pool);
   if (bytes_moved < cold_parallel_min_bytes.load(std::memory_order_relaxed) && !pool->warm()) {
-    // Worth the workers only if they are spinning; if calls come close together, they will be.
-    pool->wake();
+    // Worth the workers only if they are spinning; if calls come close together, they will be:
+    // woken once this call is done, so that they spin through the gap to the next one (woken at its
+    // start, they would spin through this call instead, and stop before the next one when this call
+    // and the gap together outlast their spin: measured, 64 leaves of 1 MiB in all on 4 replicas
+    // through strategy.run, every call on its caller alone, 220 us each).
     fn(std::size_t{0}, count, stream);
     if (stream) store_fence();
+    marked.end_now();
+    pool->wake();
     return;
   }
   const unsigned threads = static_cast<unsigned>(
