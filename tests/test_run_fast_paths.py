@@ -69,6 +69,16 @@ def test_regroup_of_flat_lists_of_arrays_equals_the_nest_path(container, always_
         else:
             assert g is w
     assert (got[1] is shared) is (not always_wrap)
+    # nested one level (merge_call's arguments: a tuple holding the replica's gradients)
+    nested = [(container([np.full(2, r), shared]), np.zeros(1) + r) for r in range(3)]
+    got = regroup(nested, PerReplica, always_wrap=always_wrap)
+    want = regroup([{"x": p} for p in nested], PerReplica, always_wrap=always_wrap)["x"]
+    assert type(got) is tuple and type(got[0]) is container
+    assert isinstance(got[1], PerReplica) and all(a is b for a, b in zip(got[1].values, want[1].values))
+    assert (got[0][1] is shared) is (not always_wrap) and (want[0][1] is shared) is (not always_wrap)
+    assert all(a is b for a, b in zip(got[0][0].values, want[0][0].values))
+    mixed = [(np.ones(1), 3.0), (np.ones(1), 3.0)]  # a leaf that is not an array: the general path
+    assert regroup(mixed)[1] == 3.0
     assert regroup([container(), container()]) == container()
     with pytest.raises(ValueError, match="differs"):
         regroup([container([np.ones(1)]), container([np.ones(1), np.ones(1)])])

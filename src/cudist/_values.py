@@ -106,7 +106,33 @@ def select_replica(replica_id: int, structured: Any) -> Any:
     return optree.tree_map(pick, structured, is_leaf=_is_leaf_dv, none_is_leaf=True)
 
 
-_ARRAY_ONLY = {np.ndarray}
+_NOT_SEQUENCES = object()
+
+
+def _regroup_sequences(replicas: list[Any], wrap_class: type[DistributedValues], always_wrap: bool) -> Any:
+    """:func:`regroup` of lists and tuples (nested) of arrays, without the tree walk: a step's
+    outputs, merge_call's arguments ``(grads,)``. ``_NOT_SEQUENCES`` when anything else is in them
+    (or the replicas' structures differ: the general path then says how)."""
+    first = replicas[0]
+    t0 = type(first)
+    if (t0 is not list and t0 is not tuple) or not all(type(v) is t0 and len(v) == len(first) for v in replicas):
+        return _NOT_SEQUENCES
+    out = []
+    for column in zip(*replicas):
+        x = column[0]
+        tx = type(x)
+        if tx is np.ndarray:
+            if not all(type(y) is np.ndarray for y in column):
+                return _NOT_SEQUENCES
+            out.append(x if not always_wrap and all(y is x for y in column) else wrap_class(column))
+        elif tx is list or tx is tuple:
+            sub = _regroup_sequences(list(column), wrap_class, always_wrap)
+            if sub is _NOT_SEQUENCES:
+                return _NOT_SEQUENCES
+            out.append(sub)
+        else:
+            return _NOT_SEQUENCES
+    return t0(out)
 
 
 def regroup(
@@ -125,16 +151,9 @@ def regroup(
         return replicas[0]
     if all(type(v) is dict and not v for v in replicas):
         return {}  # e.g. merge_call's keyword arguments: none from any replica
-    t0 = type(replicas[0])
-    if (t0 is list or t0 is tuple) and all(type(v) is t0 and len(v) == len(replicas[0]) for v in replicas) and all(
-        set(map(type, v)) <= _ARRAY_ONLY for v in replicas
-    ):
-        # A flat list or tuple of arrays (a step's per-replica outputs): no tree walk.
-        return t0(
-            first if not always_wrap and all(x is first for x in column) else wrap_class(column)
-            for column in zip(*replicas)
-            for first in (column[0],)
-        )
+    seq = _regroup_sequences(replicas, wrap_class, always_wrap)
+    if seq is not _NOT_SEQUENCES:
+        return seq
     flat: list[list[Any]] = []
     specs: list[optree.PyTreeSpec] = []
     for i, v in enumerate(replicas):

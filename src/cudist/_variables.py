@@ -98,6 +98,8 @@ UpdateResult: TypeAlias = "Variable | Mirrored | Array | None"
 HostValue: TypeAlias = "npt.NDArray[Any] | np.number[Any] | np.bool_"
 
 
+_getrefcount = sys.getrefcount
+
 class VariableSynchronization(enum.Enum):
     """When a distributed variable's components are kept in sync (``tf.VariableSynchronization``)."""
 
@@ -506,7 +508,7 @@ class Variable(metaclass=_VariableMeta):
         """Whether a snapshot of this storage (or an array derived from one) is referenced outside."""
         snap = self._snap
         # References: the attribute, ``snap`` and getrefcount's argument; more are snapshot holders.
-        return snap is not None and sys.getrefcount(snap) > 3
+        return snap is not None and _getrefcount(snap) > 3
 
     def _shares_storage(self) -> bool:
         """Whether another component of this variable's distributed variable uses the same storage."""
@@ -694,8 +696,9 @@ class Variable(metaclass=_VariableMeta):
     def __str__(self) -> str:
         return repr(self)
 
-    def __hash__(self) -> int:
-        return id(self)
+    # By identity (``==`` is elementwise, as NumPy's); object's own, at C speed: optimizers and
+    # checkpoints look variables up in dicts every step.
+    __hash__ = object.__hash__
 
     def ref(self) -> VariableRef:
         """A hashable reference to this variable (TF's ``Variable.ref()``; ``.deref()`` gives it back).
@@ -992,8 +995,7 @@ class DistributedVariable(DistributedValues, Variable):
     def __len__(self) -> int:
         return Variable.__len__(self)
 
-    def __hash__(self) -> int:
-        return id(self)
+    __hash__ = object.__hash__  # by identity, as Variable's
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Self:
         """An independent distributed variable of the same strategy, each component copied."""
@@ -1042,7 +1044,10 @@ class MirroredVariable(DistributedVariable, Mirrored):
         values = self._values
         a0 = values[0]._array
         for c in values:  # the common case first: one shared storage, no snapshot held
-            if c._array is not a0 or c._snapshot_held():
+            if c._array is not a0:
+                break
+            snap = c._snap  # _snapshot_held() inlined (every step, every variable and slot)
+            if snap is not None and _getrefcount(snap) > 3:
                 break
         else:
             return (a0,)

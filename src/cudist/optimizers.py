@@ -808,11 +808,12 @@ class Optimizer:
         params = self._step_params(lr, self._update_step(iteration))
         for backend, copies, slots, comps, var in work:
             written = copies + sum(slots, ())
+            written_ids = set(map(id, written))
             ins: list[Any] = []
             for c in comps:
                 if not c.flags.c_contiguous:
                     c = np.ascontiguousarray(c)
-                elif any(c is w for w in written) or (
+                elif id(c) in written_ids or (
                     c.base is not None and any(np.may_share_memory(c, w) for w in written)
                 ):
                     c = c.copy()  # a gradient overlapping what the pass writes
