@@ -301,6 +301,24 @@ def test_batch_all_reduce(cp, be, dtype, n):
             _assert_same(cp.asnumpy(outs[r][j]), want)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 3, 11])
+def test_batch_reduce_to_one(cp, be, dtype, n):
+    """The leaves reduced back to back into one 1-d device array (the default hook: one
+    reduce_to_one per leaf into its slice), as the host backends do."""
+    rng = np.random.default_rng(n + 700)
+    shapes = [(7,), (), (33, 5), (0,), (1031,)]
+    host = [[_rand(rng, s, dtype) for s in shapes] for _ in range(n)]
+    ins = [[cp.asarray(h) for h in hs] for hs in host]
+    out = be.batch_reduce_to_one(ins, "mean")
+    assert out.shape == (sum(int(np.prod(s)) for s in shapes),)
+    got, off = cp.asnumpy(out), 0
+    for j, shape in enumerate(shapes):
+        size = int(np.prod(shape))
+        _assert_same(got[off : off + size].reshape(shape), REF.reduce_to_one([host[r][j] for r in range(n)], "mean"))
+        off += size
+
+
 @pytest.mark.parametrize("dtype", FLOATS)
 @pytest.mark.parametrize("n, m", [(1, 1), (1, 4), (3, 3), (8, 8), (2, 11), (11, 2)])
 def test_fused_all_reduce_updates(cp, be, dtype, n, m):
