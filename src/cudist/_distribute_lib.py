@@ -303,8 +303,9 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
         and all(type(p[1]) is t0 and len(p[1]) == len(v0) for p in payloads)
         and all(set(map(type, p[1])) == _NDARRAY_ONLY for p in payloads)
     ):
-        # A flat list or tuple of host arrays (a step's gradients): no tree walk, and no scalars.
-        out = ops._all_reduce_leaves(op, [p[1] for p in payloads], _LazyPaths(v0))
+        # A flat list or tuple of host arrays (a step's gradients): no tree walk, and no scalars. (Lists
+        # of the user's lists' items, not those lists: a cross-device ops subclass may change them.)
+        out = ops._all_reduce_leaves(op, [list(p[1]) for p in payloads], _LazyPaths(v0))
         return [t0(o) for o in out]
     flat = [optree.tree_flatten(v) for _, v in payloads]
     leaves0, spec0 = flat[0]
