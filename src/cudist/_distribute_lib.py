@@ -439,8 +439,9 @@ class ReplicaContext:
     def all_reduce(self, reduce_op: ReduceOp | str, value: _T, options: object = None) -> _T:
         """All-reduces ``value`` (a nested structure of arrays or scalars) across replicas.
 
-        All leaves of one dtype are packed into one buffer, so the whole nest costs about one kernel
-        call. Integer MEAN gives float64, as in TF.
+        All leaves of one dtype are reduced in one kernel call, straight from the replicas' arrays
+        (no staging copy); on CPU replicas the results of all of them land in one shared buffer, of
+        which each replica gets read-only views. Integer MEAN gives float64, as in TF.
 
         Args:
             reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
