@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 
 from cudist._kernels import get_backend
 from cudist.bench._sizes import format_size, parse_size
+from cudist.bench._timing import time_calls
 
 LR, MOMENTUM = 0.01, 0.9
 
@@ -79,11 +79,8 @@ def main(argv=None) -> int:
     times: dict[str, list[float]] = {name: [] for name, *_ in table}
     for _ in range(a.rounds):
         for name, _, _, call in table:
-            call()  # once untimed: the previous kernel's buffers were the ones in cache
-            t0 = time.perf_counter()
-            for _ in range(a.iters):
-                call()
-            times[name].append((time.perf_counter() - t0) / a.iters)
+            # One untimed call first: the previous kernel's buffers were the ones in cache.
+            times[name].append(statistics.fmean(time_calls(call, a.iters, warmup=1)) / 1e9)
     rows = []
     for name, moved, read, _ in table:
         t = statistics.median(times[name])

@@ -760,11 +760,15 @@ def test_all_reduce_out_of_place_matches_reference(backend, op, dtype, n, shape,
             assert_bitwise(b, b0, f"input {i} must not change")
 
 
+#: The leaves of one replica for the batched kernels: scalars, empty, odd and multi-dimensional.
+LEAF_SHAPES = st.lists(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (1023,), (4097,), (2, 3, 7)]), min_size=1, max_size=6)
+
+
 @FAST
 @given(
     dtype=st.sampled_from(DTYPES),
     n=st.integers(1, 8),
-    leaf_shapes=st.lists(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (1023,), (4097,), (2, 3, 7)]), min_size=1, max_size=6),
+    leaf_shapes=LEAF_SHAPES,
     op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN]),
     layout=st.sampled_from(LAYOUTS),
     ro=st.booleans(),
@@ -796,7 +800,7 @@ def test_batch_all_reduce_matches_reference(backend, dtype, n, leaf_shapes, op, 
 @given(
     dtype=st.sampled_from(DTYPES),
     n=st.integers(1, 8),
-    leaf_shapes=st.lists(st.sampled_from([(), (0,), (1,), (7,), (3, 5), (1023,), (4097,), (2, 3, 7)]), min_size=1, max_size=6),
+    leaf_shapes=LEAF_SHAPES,
     op=st.sampled_from([ReduceOp.SUM, ReduceOp.MEAN]),
     layout=st.sampled_from(LAYOUTS),
     ro=st.booleans(),

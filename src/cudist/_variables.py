@@ -98,8 +98,6 @@ UpdateResult: TypeAlias = "Variable | Mirrored | Array | None"
 HostValue: TypeAlias = "npt.NDArray[Any] | np.number[Any] | np.bool_"
 
 
-_getrefcount = sys.getrefcount
-
 class VariableSynchronization(enum.Enum):
     """When a distributed variable's components are kept in sync (``tf.VariableSynchronization``)."""
 
@@ -508,7 +506,7 @@ class Variable(metaclass=_VariableMeta):
         """Whether a snapshot of this storage (or an array derived from one) is referenced outside."""
         snap = self._snap
         # References: the attribute, ``snap`` and getrefcount's argument; more are snapshot holders.
-        return snap is not None and _getrefcount(snap) > 3
+        return snap is not None and sys.getrefcount(snap) > 3
 
     def _shares_storage(self) -> bool:
         """Whether another component of this variable's distributed variable uses the same storage."""
@@ -1044,10 +1042,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
         values = self._values
         a0 = values[0]._array
         for c in values:  # the common case first: one shared storage, no snapshot held
-            if c._array is not a0:
-                break
-            snap = c._snap  # _snapshot_held() inlined (every step, every variable and slot)
-            if snap is not None and _getrefcount(snap) > 3:
+            if c._array is not a0 or c._snapshot_held():
                 break
         else:
             return (a0,)

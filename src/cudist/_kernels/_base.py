@@ -383,12 +383,14 @@ class KernelBackend:
             return tuple(tuple(leaves) for leaves in x)
 
         inputs = replicas(inputs, "inputs")
-        outputs = () if outputs is None else replicas(outputs, "outputs")  # None: batch_reduce_to_one's
-        checked = (("input", inputs, False),) if outputs == () else (("input", inputs, False), ("output", outputs, True))
+        checked = [("input", inputs, False)]
+        if outputs is not None:  # None: batch_reduce_to_one's inputs, without outputs
+            outputs = replicas(outputs, "outputs")
+            checked.append(("output", outputs, True))
         n = len(inputs)
         if n == 0:
             raise ValueError(f"{where}: expected at least one replica, got an empty list")
-        if len(checked) == 2 and len(outputs) != n:
+        if outputs is not None and len(outputs) != n:
             raise ValueError(f"{where}: got {n} input replicas but {len(outputs)} output replicas")
         m = len(inputs[0])
         for what, x, _ in checked:

@@ -297,8 +297,7 @@ def _nest_contestants(strategy, be, n, count, rng, check, notes):
         return ctx.all_reduce("sum", host[ctx.replica_id_in_sync_group])
 
     def step():  # what is timed: a step uses its reduced gradients inside the replica, returns none of them
-        ctx = cudist.get_replica_context()
-        ctx.all_reduce("sum", host[ctx.replica_id_in_sync_group])
+        fn()
 
     bufs = [[h.copy() for h in leaves] for leaves in host]  # the kernel reduces these in place
     outs = [[np.empty(k, np.float32) for k in sizes] for _ in range(n)]
@@ -326,16 +325,14 @@ def _nest_contestants(strategy, be, n, count, rng, check, notes):
         del got, refs
     else:
         be.batch_all_reduce(bufs, bufs, "sum")  # the public call validates the buffers once
-    from cudist import ReduceOp
-
-    trusted = be.trusted
+    trusted, SUM = be.trusted, cudist.ReduceOp.SUM
     notes.append(f"{len(sizes)} leaves per replica, {min(sizes)} to {max(sizes)} float32 elements; the kernel row "
                  "calls backend.trusted (validated once)")
     return [
-        # Validated once (the public call above or below), then timed through ``trusted`` as a caller that
-        # validated once would: the public method's checks of 2 * N * 64 arrays cost ~1 ms, far more than the pass.
+        # Validated once (the public call above), then timed through ``trusted`` as a caller that validated
+        # once would: the public method's checks of 2 * N * 64 arrays cost ~1 ms, far more than the pass.
         Contestant("kernel batch_all_reduce (in place)", "kernel", be.name,
-                   lambda: trusted.batch_all_reduce(bufs, bufs, ReduceOp.SUM), wrong=wrong.get("kernel")),
+                   lambda: trusted.batch_all_reduce(bufs, bufs, SUM), wrong=wrong.get("kernel")),
         Contestant("strategy.run+all_reduce(list)", "user", be.name, lambda: strategy.run(step), wrong=wrong.get("user")),
         Contestant("numpy loop (per leaf)", "numpy", "numpy", numpy_loop, wrong=wrong.get("numpy")),
     ]
