@@ -94,6 +94,29 @@ def test_run_with_too_few_components_names_the_counts(mirrored3):
         mirrored3.run(lambda x: x, args=(PerReplica([np.ones(1), np.ones(1)]),))
 
 
+@pytest.mark.parametrize(
+    "make_args",
+    [
+        lambda: (np.ones(1), PerReplica([np.ones(1)] * 4)),  # too many components
+        lambda: (Mirrored([np.ones(1)] * 2), np.ones(1)),  # another DistributedValues
+        lambda: (np.ones(1), [PerReplica([np.ones(1)] * 2)]),  # inside a nest of the tuple
+        lambda: ({"a": PerReplica([np.ones(1)] * 2)},),
+    ],
+)
+def test_run_checks_component_counts_on_every_args_path(mirrored3, make_args):
+    with pytest.raises(ValueError, match=r"component\(s\), but the strategy has 3 replicas"):
+        mirrored3.run(lambda *a: None, args=make_args())
+
+
+def test_run_with_per_replica_args_gives_each_replica_its_component(mirrored3):
+    comps = [np.full(2, float(i)) for i in range(3)]
+    shared = np.ones(2)
+    seen = mirrored3.experimental_local_results(
+        mirrored3.run(lambda x, y: (x, y), args=(PerReplica(comps), shared))
+    )
+    assert all(got[0] is c and got[1] is shared for got, c in zip(seen, comps))
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float64", "int32", "int64", "float16"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
 @pytest.mark.parametrize("size", [5, 40_000])  # per-replica pooled results; one shared result

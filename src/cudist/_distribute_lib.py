@@ -227,14 +227,24 @@ def _check_component_counts(where: str, tree: Any, n: int) -> None:
     TF 2.21 silently uses the first ``n`` components of a longer PerReplica in ``run`` and sums all
     of them in ``reduce``; we refuse, as a value for replicas that do not exist is a mistake.
     """
+    leaves: Iterable[Any] | None = None
     if isinstance(tree, DistributedValues):
-        leaves: Iterable[Any] = (tree,)
-    elif type(tree) is tuple and all(type(x) is np.ndarray or isinstance(x, DistributedValues) for x in tree):
-        leaves = tree  # run()'s common args, without flattening
-    else:
+        leaves = (tree,)
+    elif type(tree) is tuple:  # run()'s common args (arrays and per-replica values), without flattening
+        for x in tree:
+            if type(x) is np.ndarray:
+                continue
+            if not isinstance(x, DistributedValues):
+                break  # a nest or another leaf: flattened below
+            if not x._keep_in_replica and len(x.values) != n:
+                leaves = tree  # reported below
+                break
+        else:
+            return
+    if leaves is None:
         leaves = optree.tree_leaves(tree, is_leaf=_is_dv)
     for x in leaves:
-        if isinstance(x, DistributedValues) and not getattr(x, "_keep_in_replica", False) and len(x.values) != n:
+        if isinstance(x, DistributedValues) and not x._keep_in_replica and len(x.values) != n:
             raise ValueError(
                 f"{where} got a {type(x).__name__} with {len(x.values)} component(s), but the strategy has {n} "
                 f"replicas (on this worker); build per-replica values with "
@@ -248,7 +258,10 @@ def _scalarize(a: Any) -> Any:
 
 def _regroup_results(results: Sequence[Any]) -> Any:
     first = results[0]
-    if all(r is first for r in results):
+    for r in results:
+        if r is not first:
+            break
+    else:
         return first
     if isinstance(first, (tuple, list, dict)) or first is None or isinstance(first, DistributedValues):
         return regroup(results, PerReplica)
@@ -285,12 +298,20 @@ class _LazyPaths:
 
 
 def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) -> list[Any]:
-    op = payloads[0][0]
+    op, v0 = payloads[0]
+    if type(v0) is np.ndarray:
+        # One NumPy array per replica, every replica with the same op: the per-step common case.
+        host = []
+        for o, v in payloads:
+            if o is not op or type(v) is not np.ndarray:
+                break
+            host.append(v)
+        else:
+            return strategy._extended._cross_device_ops._all_reduce_arrays(op, host)
     for r, (o, _) in enumerate(payloads[1:], 1):
         if o is not op:
             raise ValueError(f"all_reduce: replica 0 reduces with {op.name} but replica {r} with {o.name}")
     ops = strategy._extended._cross_device_ops
-    v0 = payloads[0][1]
     if isinstance(v0, _SIMPLE_LEAVES) and all(isinstance(p[1], _SIMPLE_LEAVES) for p in payloads):
         # One array or scalar per replica: the per-step common case, without tree flattening.
         res = ops._all_reduce_arrays(op, [as_array(p[1]) for p in payloads])

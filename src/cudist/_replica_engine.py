@@ -85,6 +85,8 @@ from cudist._context import Frame
 __all__ = ["run_replicas", "meet", "ReplicaMismatchError", "AutoPolicy"]
 
 _DONE, _ERROR, _ABORTED = "done", "error", "aborted"
+#: What a replica reports when it leaves its task (any other event is a collective).
+_OUTCOMES = frozenset((_DONE, _ERROR, _ABORTED))
 #: What the caller sends a replica: a task to start, a collective's result, or "unwind".
 _TASK, _RESULT, _ABORT = 0, 1, 2
 
@@ -97,6 +99,7 @@ _Event: TypeAlias = "tuple[str, Any]"
 Handlers: TypeAlias = "Mapping[str, Callable[[list[Any]], Sequence[Any]]]"
 
 _now = time.perf_counter
+_getcurrent = greenlet.getcurrent
 
 
 class ReplicaMismatchError(RuntimeError):
@@ -120,7 +123,7 @@ def _greenlet_main(box: list[Any]) -> NoReturn:
         kind, result = _run_task(*box.pop())
         out = [result]
         del result
-        box = greenlet.getcurrent().parent.switch((kind, out))
+        box = _getcurrent().parent.switch((kind, out))
         del out
 
 
@@ -129,7 +132,7 @@ def _run_task(frame: Frame, fn: Callable[..., Any], args: Sequence[Any], kwargs:
     ``(_DONE, result)``, ``(_ABORTED, None)`` when unwound, ``(_ERROR, exception)``."""
     token = _CTX.set(frame)
     try:
-        return (_DONE, fn(*args, **kwargs))
+        return (_DONE, fn(*args, **kwargs) if kwargs else fn(*args))
     except _Abort:
         return (_ABORTED, None)
     except BaseException as e:  # noqa: BLE001 - handed to the caller, which re-raises it
@@ -190,17 +193,17 @@ class _GreenletPool(_Pool):
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         workers = self.workers
-        if op == _TASK:
-            me = greenlet.getcurrent()  # the caller: where the replicas switch back to (it may differ per run)
+        if op == _RESULT:
+            for i in which:
+                kind, out = workers[i].switch(values[i])  # type: ignore[index]  # values given with _RESULT
+                events[i] = (kind, out.pop())
+        elif op == _TASK:
+            me = _getcurrent()  # the caller: where the replicas switch back to (it may differ per run)
             for i in which:
                 g = workers[i]
                 if g.parent is not me:
                     g.parent = me
                 kind, out = g.switch([values[i]])  # type: ignore[index]  # values given with _TASK
-                events[i] = (kind, out.pop())
-        elif op == _RESULT:
-            for i in which:
-                kind, out = workers[i].switch(values[i])  # type: ignore[index]  # values given with _RESULT
                 events[i] = (kind, out.pop())
         else:
             for i in which:
@@ -436,7 +439,7 @@ def meet(kind: str, payload: Any) -> Any:
     slot = _replica_thread.slot
     if slot is not None:
         return slot.meet(kind, payload)
-    return greenlet.getcurrent().parent.switch((kind, [payload]))
+    return _getcurrent().parent.switch((kind, [payload]))
 
 
 # ---------------------------------------------------------------------------------------- choosing
@@ -729,6 +732,23 @@ def run_replicas(
             kinds = [ev[0] for ev in events]
             first = kinds[0]
             same = kinds.count(first) == n
+            if same and first not in _OUTCOMES:
+                # Every replica waits at the same collective (the common case): perform it once.
+                payloads = [ev[1] for ev in events]
+                events = [(first, None)] * n  # the payloads are the handler's now
+                try:
+                    results = handlers[first](payloads)
+                except BaseException:
+                    if _abort(pool, events):
+                        pool.clean = True
+                    raise
+                del payloads
+                # Every replica gets its result and runs on, even after another one raised (TF's rule).
+                t0 = _now()
+                pool.exchange(events, _RESULT, results, everyone)
+                work += _now() - t0
+                del results
+                continue
             if same and first == _DONE:
                 pool.clean = True
                 if policy is not None:
@@ -742,35 +762,20 @@ def run_replicas(
                     pool.clean = True
                 _note(exc, f"(raised in replica {err} of {n})")
                 raise exc
-            if not same:
-                groups: dict[str, list[int]] = {}
-                for i, ev in enumerate(events):
-                    groups.setdefault(_describe(ev), []).append(i)
-                desc = "; ".join(
-                    f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} {what}"
-                    for what, ids in groups.items()
-                )
-                if _abort(pool, events):
-                    pool.clean = True
-                raise ReplicaMismatchError(
-                    f"replicas disagree at the same step: {desc}; every replica must make the same "
-                    "collective calls (all_reduce, all_gather, merge_call) in the same order"
-                )
-            payloads = [ev[1] for ev in events]
-            events = [(first, None)] * n  # the payloads are the handler's now
-            try:
-                results = handlers[first](payloads)
-            except BaseException:
-                events = [(first, None)] * n
-                if _abort(pool, events):
-                    pool.clean = True
-                raise
-            del payloads
-            # Every replica gets its result and runs on, even after another one raised (TF's rule).
-            t0 = _now()
-            pool.exchange(events, _RESULT, results, everyone)
-            work += _now() - t0
-            del results
+            # Replicas that disagree: different collectives, or some returned while others wait.
+            groups: dict[str, list[int]] = {}
+            for i, ev in enumerate(events):
+                groups.setdefault(_describe(ev), []).append(i)
+            desc = "; ".join(
+                f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} {what}"
+                for what, ids in groups.items()
+            )
+            if _abort(pool, events):
+                pool.clean = True
+            raise ReplicaMismatchError(
+                f"replicas disagree at the same step: {desc}; every replica must make the same "
+                "collective calls (all_reduce, all_gather, merge_call) in the same order"
+            )
     finally:
         pool.busy = False
         if not pool.clean:

@@ -76,6 +76,8 @@ def select_replicas(n: int, structured: Any) -> list[Any]:
         for x in structured:
             if type(x) is np.ndarray:
                 cols.append((x,) * n)
+            elif type(x) is PerReplica and len(x._values) == n:
+                cols.append(x._values)
             elif isinstance(x, DistributedValues):
                 cols.append((x,) * n if x._keep_in_replica else [x._get_replica(i) for i in range(n)])
             else:

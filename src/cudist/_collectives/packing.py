@@ -315,17 +315,6 @@ def _replica_views(v: Any, n: int) -> list[Any]:
     return [v] + [v.view() for _ in range(n - 1)]
 
 
-def _reduce_shared(reduce_to_one: Any, ins: list[Any], kop: ReduceOp, out: Any, int_mean: bool, n: int) -> list[Any]:
-    """Reduces ``ins`` once into ``out``; ``n`` read-only views of the result, one per replica
-    (distinct objects, as TF's tensors are)."""
-    reduce_to_one(ins, kop, out)
-    if int_mean:
-        out = _int_mean(np, out, n)
-    if type(out) is np.ndarray:
-        out.flags.writeable = False
-    return _replica_views(out, n)
-
-
 def all_reduce_arrays(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None:
     """:func:`all_reduce` of one host array per replica (the per-step common case), kept short.
 
@@ -334,28 +323,38 @@ def all_reduce_arrays(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None
         must take the call (fewer than 2 replicas, a non-host array, a dtype outside the kernels,
         or shapes or dtypes that differ, which the general path reports).
     """
-    n = len(arrays)
-    if n < 2:
-        return None
     a0 = arrays[0]
-    b = cpu_backend()
-    if type(a0) is not np.ndarray or a0.dtype not in b.dtypes:
+    if type(a0) is not np.ndarray or len(arrays) < 2:
         return None
     shape, dtype = a0.shape, a0.dtype
     for a in arrays:
         if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
             return None
+    b = cpu_backend()
+    if dtype not in b.dtypes:
+        return None
     return _reduce_one_leaf(b.trusted, op, arrays)
 
 
 def _reduce_one_leaf(trusted: Any, op: ReduceOp, arrays: Sequence[Any]) -> list[Any]:
     """One host leaf per replica (same shape, kernel dtype), all-reduced once into a shared pooled
-    result (:func:`_reduce_shared`): read-only, one view per replica."""
+    result: read-only, one view per replica (distinct objects, as TF's tensors are)."""
     a0 = arrays[0]
-    int_mean = op is ReduceOp.MEAN and a0.dtype.kind in "iu"
-    kop = ReduceOp.SUM if int_mean else op
-    ins = [a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in arrays]
-    return _reduce_shared(trusted.reduce_to_one, ins, kop, pool.take(a0.shape, a0.dtype), int_mean, len(arrays))
+    n = len(arrays)
+    ins = list(arrays)
+    for i, a in enumerate(ins):
+        if not a.flags.c_contiguous:
+            ins[i] = np.ascontiguousarray(a)
+    out = pool.take(a0.shape, a0.dtype)
+    if op is ReduceOp.MEAN and a0.dtype.kind in "iu":
+        trusted.reduce_to_one(ins, ReduceOp.SUM, out)
+        out = _int_mean(np, out, n)  # a fresh float array (a NumPy scalar for 0-d)
+        if type(out) is not np.ndarray:
+            return _replica_views(out, n)
+    else:
+        trusted.reduce_to_one(ins, op, out)
+    out.flags.writeable = False
+    return [out] + [out.view() for _ in range(n - 1)]
 
 
 def _host_all_reduce(
