@@ -35,11 +35,24 @@ def test_select_replicas_equals_select_replica_per_replica(mirrored3):
     for structured in [
         (pr,), (pr, plain), (plain,), (pr, mir, var), (), (pr, 1.5), (pr, (plain, pr)),
         {"x": pr, "y": plain}, [pr, plain], pr, var, None, plain,
+        ([pr, plain], (pr, [mir, var]), []), ([pr] * 4, ()), ([[pr], (plain,)],), ([pr, {"k": pr}],),
     ]:
         got = select_replicas(n, structured)
         want = [select_replica(i, structured) for i in range(n)]
         assert len(got) == n
         assert all(_same(g, w) for g, w in zip(got, want)), structured
+
+
+def test_select_replicas_gives_every_replica_containers_of_its_own():
+    n = 3
+    pr = PerReplica([np.full(2, i, np.float32) for i in range(n)])
+    plain = np.arange(3.0)
+    got = select_replicas(n, ([plain, plain], [pr, (plain, [])]))
+    for i, (same, mixed) in enumerate(got):
+        assert type(same) is list and same[0] is plain and type(mixed[1]) is tuple and mixed[1][1] == []
+        assert mixed[0] is pr.values[i]
+    # a replica that appends to its list must not change another replica's
+    assert len({id(r[0]) for r in got}) == n and len({id(r[1][1][1]) for r in got}) == n
 
 
 def test_regroup_of_no_keyword_arguments_is_an_empty_dict():

@@ -72,22 +72,36 @@ def select_replicas(n: int, structured: Any) -> list[Any]:
         IndexError: a DistributedValues leaf has fewer than ``n`` components.
     """
     if type(structured) is tuple:
-        cols: list[Sequence[Any]] = []
-        for x in structured:
-            if type(x) is np.ndarray:
-                cols.append((x,) * n)
-            elif type(x) is PerReplica and len(x._values) == n:
-                cols.append(x._values)
-            elif isinstance(x, DistributedValues):
-                cols.append((x,) * n if x._keep_in_replica else [x._get_replica(i) for i in range(n)])
-            else:
-                break  # a nest or another leaf: the general path
-        else:
-            # run()'s common args: arrays and per-replica values, no nesting
-            return list(zip(*cols)) if cols else [()] * n
+        per_replica = _select_sequences(n, structured)
+        if per_replica is not None:
+            return list(per_replica)
     elif structured is None or type(structured) is np.ndarray:
         return [structured] * n  # e.g. what a merge_call function returns: nothing, or one array
     return [select_replica(i, structured) for i in range(n)]
+
+
+def _select_sequences(n: int, x: Any) -> Sequence[Any] | None:
+    """``select_replicas`` of an array, a DistributedValues, or lists and tuples (nested) of them:
+    run()'s common arguments (a step's inputs, a list of per-replica gradients), without the tree
+    walk. Every replica gets containers of its own. None when anything else is in them."""
+    tx = type(x)
+    if tx is np.ndarray:
+        return (x,) * n
+    if isinstance(x, PerReplica) and tx is PerReplica and len(x._values) == n:
+        return x._values
+    if isinstance(x, DistributedValues):
+        return (x,) * n if x._keep_in_replica else [x._get_replica(i) for i in range(n)]
+    if tx is not list and tx is not tuple:
+        return None
+    cols = []
+    for item in x:
+        col = _select_sequences(n, item)
+        if col is None:
+            return None
+        cols.append(col)
+    if not cols:
+        return [tx() for _ in range(n)]
+    return [tx(row) for row in zip(*cols)]
 
 
 def select_replica(replica_id: int, structured: Any) -> Any:
@@ -124,9 +138,13 @@ def _regroup_sequences(replicas: list[Any], wrap_class: type[DistributedValues],
         x = column[0]
         tx = type(x)
         if tx is np.ndarray:
-            if not all(type(y) is np.ndarray for y in column):
-                return _NOT_SEQUENCES
-            out.append(x if not always_wrap and all(y is x for y in column) else wrap_class(column))
+            same = not always_wrap
+            for y in column:
+                if y is not x:
+                    if type(y) is not np.ndarray:
+                        return _NOT_SEQUENCES
+                    same = False
+            out.append(x if same else wrap_class(column))
         elif tx is list or tx is tuple:
             sub = _regroup_sequences(list(column), wrap_class, always_wrap)
             if sub is _NOT_SEQUENCES:

@@ -640,12 +640,14 @@ class Optimizer:
         """
         pairs: list[tuple[Any, Variable]] = []
         missing: list[str] = []
+        plans = self._plans
         for item in grads_and_vars:
             try:
                 grad, var = item
             except (TypeError, ValueError):
                 raise TypeError(f"{self.name}.apply_gradients expects (gradient, variable) pairs, got {item!r}") from None
-            self._check_variable(var)
+            if not (isinstance(var, Variable) and var in plans):  # (a planned variable was checked then)
+                self._check_variable(var)
             if grad is None:
                 missing.append(var.name)
                 continue
@@ -667,9 +669,15 @@ class Optimizer:
             else:
                 self._after_update()
             return self._iterations
-        local, update = self._local_grads(
-            [self._check_grad(g, v, cross_replica=False) for g, v in pairs], variables, ctx.replica_id_in_sync_group
-        )
+        checked = []
+        for g, v in pairs:
+            if type(g) is np.ndarray:  # the per-step common case (_check_grad's own first test, inlined)
+                ref = v._primary_array()
+                if g.dtype == ref.dtype and g.shape == ref.shape:
+                    checked.append(g)
+                    continue
+            checked.append(self._check_grad(g, v, cross_replica=False))
+        local, update = self._local_grads(checked, variables, ctx.replica_id_in_sync_group)
         replica_grads = tuple(local)
         aggregate = bool(experimental_aggregate_gradients)
 
@@ -720,8 +728,9 @@ class Optimizer:
             v = self._clipvalue
             out = [array_module(g).clip(g, -v, v) for g in out]
         for i, (g, var) in enumerate(zip(out, variables)):
-            if g.dtype != var.dtype:
-                out[i] = g.astype(var.dtype)
+            dt = var._primary_array().dtype
+            if g.dtype != dt:
+                out[i] = g.astype(dt)
         return out, update
 
     def _after_update(self) -> None:
@@ -788,37 +797,53 @@ class Optimizer:
         updating. Returns False (nothing done) otherwise, for the general path.
         """
         n = len(strategy.extended.worker_devices)
-        work: list[tuple[KernelBackend, tuple[Any, ...], tuple[tuple[Any, ...], ...], list[Any], Variable]] = []
-        for g, var in zip(grads, variables):
-            comps = list(g.values) if isinstance(g, DistributedValues) else [g] * n
-            if len(comps) != n:
+        per_var: list[Sequence[Any]] = []
+        for g in grads:
+            cs = g._values if type(g) is PerReplica else list(g.values) if isinstance(g, DistributedValues) else [g] * n
+            if len(cs) != n:
                 return False
-            backend = strategy.extended._fused_sum_backend(comps)
-            if backend is None:
+            per_var.append(cs)
+        # One check of every gradient: host arrays of kernel dtypes, and cross-device ops that sum as the kernels do.
+        backend = strategy.extended._fused_sum_backend([c for comps in per_var for c in comps])
+        if backend is None:
+            return False
+        work: list[tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], Sequence[Any], Variable]] = []
+        written_ids: set[int] = set()  # every array some pass of this step writes
+        for comps, var in zip(per_var, variables):
+            groups = self._plan(var)[1]
+            if len(groups) != 1:
                 return False
-            plan = self._plan(var)
-            if len(plan[1]) != 1:
-                return False
-            copies, slots, var_backend = plan[1][0]
+            copies, slots, var_backend = groups[0]
             if var_backend is not backend or type(copies[0]) is not np.ndarray:
                 return False
-            work.append((backend, copies, slots, comps, var))
+            work.append((copies, slots, comps, var))
+            for arrays in (copies, *slots):
+                for w in arrays:
+                    written_ids.add(id(w))
+                    if w.base is not None:
+                        written_ids.add(id(w.base))
         iteration = self._iteration()
         lr = self._current_learning_rate(iteration)
         params = self._step_params(lr, self._update_step(iteration))
-        for backend, copies, slots, comps, var in work:
-            written = copies + sum(slots, ())
-            written_ids = set(map(id, written))
+        # Every pass's inputs are settled before the first pass writes anything: a gradient that is,
+        # or views, an array some pass of this step writes (a view's base is the array owning its
+        # memory) is read from a copy, so every update sees the gradients as they were before the step.
+        inputs: list[list[Any]] = []
+        for copies, slots, comps, _ in work:
             ins: list[Any] = []
             for c in comps:
                 if not c.flags.c_contiguous:
                     c = np.ascontiguousarray(c)
                 elif id(c) in written_ids or (
-                    c.base is not None and any(np.may_share_memory(c, w) for w in written)
+                    c.base is not None
+                    and (id(c.base) in written_ids or any(np.may_share_memory(c, w) for w in copies + sum(slots, ())))
                 ):
-                    c = c.copy()  # a gradient overlapping what the pass writes
+                    c = c.copy()
                 ins.append(c)
-            self._kernel_update_reduced(backend.trusted, copies, slots, ins, params, self._decay(var, lr))
+            inputs.append(ins)
+        trusted = backend.trusted
+        for (copies, slots, _, var), ins in zip(work, inputs):
+            self._kernel_update_reduced(trusted, copies, slots, ins, params, self._decay(var, lr))
         self._after_update()
         return True
 
@@ -861,6 +886,14 @@ class Optimizer:
         """
         slots = self._ensure_slots(var)
         bufs = var._buffers()
+        plan = self._plans.get(var)
+        if plan is not None:
+            # The per-step case: the variable and its slots kept the storage the plan was made for.
+            key = bufs
+            for s in slots.values():
+                key += s._buffers()
+            if _same_arrays(plan[0], key):
+                return plan
         slot_bufs = tuple(s._buffers() for s in slots.values())
         if any(len(sb) != len(bufs) for sb in slot_bufs):
             # Host copies share storage until one is written alone; once the variable's (or a
