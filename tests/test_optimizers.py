@@ -518,27 +518,35 @@ def test_gradient_aliasing_the_variable():
         np.testing.assert_array_equal(c, w0 - np.float32(0.5) * w0)
 
 
-@pytest.mark.parametrize("view", [False, True])
-def test_fused_step_reads_gradients_that_alias_another_variable_before_any_update(view):
-    """Inside run (the fused all-reduce + update): the gradient of b is a's storage (or a view of
-    it); a is updated first in the same step, and b must still see a's value from before the step."""
-    strategy = make_strategy("mirrored3")
+@pytest.mark.parametrize("where", ["run", "cross-replica", "one-device"])
+@pytest.mark.parametrize("how", ["storage", "view", "dlpack"])
+def test_a_step_reads_gradients_that_alias_another_variable_before_any_update(how, where):
+    """The gradient of b is a's storage (a view of it, or its DLPack export, the public way to it);
+    a is updated first in the same step, and b must still see a's value from before the step. Inside
+    run this is the fused all-reduce + update; in cross-replica context, the plain update."""
+    strategy = make_strategy("mirrored3" if where != "one-device" else "one_device")
+    n = 3 if where == "run" else 1
     rng = np.random.default_rng(3)
     a0, b0 = _random((6,), np.float32, rng), _random((6,), np.float32, rng)
     with strategy.scope():
         a, b = cudist.Variable(a0), cudist.Variable(b0)
         opt = optimizers.SGD(0.5)
-    store = a.values[0]._array  # the storage the update of a writes (host copies share it)
+    store = (a.values[0] if where != "one-device" else a)._array  # what the update of a writes (host copies share it)
 
     def step():
-        g = store[:] if view else store
+        g = {"storage": store, "view": store[:], "dlpack": np.from_dlpack(a)}[how]
+        assert np.shares_memory(g, store)
         opt.apply_gradients([(np.ones(6, np.float32), a), (g, b)])
 
-    strategy.run(step)
+    if where == "run":
+        strategy.run(step)
+    else:
+        with strategy.scope():
+            step()
     for c in _local(strategy, b):
-        np.testing.assert_array_equal(c, b0 - np.float32(0.5) * reference_sum([a0] * 3))
+        np.testing.assert_array_equal(c, b0 - np.float32(0.5) * reference_sum([a0] * n))
     for c in _local(strategy, a):
-        np.testing.assert_array_equal(c, a0 - np.float32(0.5) * np.float32(3))
+        np.testing.assert_array_equal(c, a0 - np.float32(0.5) * np.float32(n))
 
 
 def test_reassigned_variable_keeps_training_and_a_new_shape_is_reported():

@@ -40,7 +40,9 @@ per-replica buffers, not variables (a checkpoint does not save a half-accumulate
 
 from __future__ import annotations
 
+import bisect
 import contextlib
+import itertools
 import math
 import numbers
 import operator
@@ -141,6 +143,70 @@ def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) 
     weight-decay factor: SGD)."""
     w = copies[0]
     kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
+
+
+def _settle_inputs(passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]]) -> list[list[Any]]:
+    """The host gradients each of a step's passes reads, settled before the first pass writes.
+
+    Args:
+        passes: per pass, (its gradient arrays, the arrays it writes).
+
+    Returns:
+        Per pass its gradients, C-contiguous, copied where they are or view memory that some pass of
+        the step writes (identity, or a NumPy view's owning base; a gradient whose memory comes
+        from elsewhere, DLPack, by byte range), so every update sees the gradients as they were
+        before the step.
+    """
+    written_ids: set[int] = set()
+    for _, written in passes:
+        for w in written:
+            written_ids.add(id(w))
+            if w.base is not None:
+                written_ids.add(id(w.base))
+    spans: _Spans | None = None  # of every written array, once a gradient of foreign memory needs it
+    out: list[list[Any]] = []
+    for grads, written in passes:
+        ins: list[Any] = []
+        for c in grads:
+            if not c.flags.c_contiguous:
+                c = np.ascontiguousarray(c)
+            elif id(c) in written_ids:
+                c = c.copy()
+            elif c.base is not None:
+                base = c.base
+                if type(base) is np.ndarray:  # a NumPy view: its base owns the memory
+                    alias = id(base) in written_ids or any(np.may_share_memory(c, w) for w in written)
+                else:  # memory from elsewhere (DLPack: a JAX or PyTorch gradient, a variable's export)
+                    if spans is None:
+                        spans = _Spans([w for _, ws in passes for w in ws])
+                    alias = spans.overlaps(c)
+                if alias:
+                    c = c.copy()
+            ins.append(c)
+        out.append(ins)
+    return out
+
+
+class _Spans:
+    """The byte ranges of C-contiguous host arrays, sorted for an O(log k) overlap test."""
+
+    def __init__(self, arrays: Sequence[npt.NDArray[Any]]) -> None:
+        spans = sorted({_span(a) for a in arrays if a.nbytes})
+        self._starts = [s for s, _ in spans]
+        self._ends = list(itertools.accumulate((e for _, e in spans), max))  # the furthest end so far
+
+    def overlaps(self, a: npt.NDArray[Any]) -> bool:
+        """Whether C-contiguous ``a`` shares a byte with any of the arrays."""
+        if not a.nbytes:
+            return False
+        start, end = _span(a)
+        i = bisect.bisect_left(self._starts, end) - 1  # the last range starting before ``a`` ends
+        return i >= 0 and self._ends[i] > start
+
+
+def _span(a: npt.NDArray[Any]) -> tuple[int, int]:
+    start: int = a.__array_interface__["data"][0]
+    return start, start + a.nbytes
 
 
 def _base_name(var: Variable) -> str:
@@ -808,7 +874,6 @@ class Optimizer:
         if backend is None:
             return False
         work: list[tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], Sequence[Any], Variable]] = []
-        written_ids: set[int] = set()  # every array some pass of this step writes
         for comps, var in zip(per_var, variables):
             groups = self._plan(var)[1]
             if len(groups) != 1:
@@ -817,30 +882,10 @@ class Optimizer:
             if var_backend is not backend or type(copies[0]) is not np.ndarray:
                 return False
             work.append((copies, slots, comps, var))
-            for arrays in (copies, *slots):
-                for w in arrays:
-                    written_ids.add(id(w))
-                    if w.base is not None:
-                        written_ids.add(id(w.base))
         iteration = self._iteration()
         lr = self._current_learning_rate(iteration)
         params = self._step_params(lr, self._update_step(iteration))
-        # Every pass's inputs are settled before the first pass writes anything: a gradient that is,
-        # or views, an array some pass of this step writes (a view's base is the array owning its
-        # memory) is read from a copy, so every update sees the gradients as they were before the step.
-        inputs: list[list[Any]] = []
-        for copies, slots, comps, _ in work:
-            ins: list[Any] = []
-            for c in comps:
-                if not c.flags.c_contiguous:
-                    c = np.ascontiguousarray(c)
-                elif id(c) in written_ids or (
-                    c.base is not None
-                    and (id(c.base) in written_ids or any(np.may_share_memory(c, w) for w in copies + sum(slots, ())))
-                ):
-                    c = c.copy()
-                ins.append(c)
-            inputs.append(ins)
+        inputs = _settle_inputs([(comps, copies + sum(slots, ())) for copies, slots, comps, _ in work])
         trusted = backend.trusted
         for (copies, slots, _, var), ins in zip(work, inputs):
             self._kernel_update_reduced(trusted, copies, slots, ins, params, self._decay(var, lr))
@@ -856,25 +901,25 @@ class Optimizer:
         iteration = self._iteration()
         lr = self._current_learning_rate(iteration)
         params = self._step_params(lr, self._update_step(iteration))
+        host: list[tuple[Any, tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, float]] = []
         for grad, plan, var in zip(grads, plans, variables):
             decay = self._decay(var, lr)
             for copies, slots, backend in plan[1]:
                 ref = copies[0]
-                if type(ref) is np.ndarray:
-                    g = grad if type(grad) is np.ndarray else like(grad, ref)
-                    if not g.flags.c_contiguous:
-                        g = np.array(g, order="C")
-                    elif not fresh and (g.base is not None or any(g is c for c in copies)):
-                        # A view may overlap a copy the kernel writes while reading the gradient.
-                        if any(np.may_share_memory(g, c) for c in copies):
-                            g = g.copy()
-                    self._kernel_update(backend.trusted, copies, slots, g, params, decay)
+                if type(ref) is np.ndarray:  # updated below, once every host gradient is settled
+                    host.append((grad if type(grad) is np.ndarray else like(grad, ref), copies, slots, backend, decay))
                 else:
                     with device_context(ref):
                         g = like(grad, ref)
                         if not g.flags.c_contiguous or any(g is c for c in copies):
                             g = g.copy(order="C")
                         self._kernel_update(backend.trusted, copies, slots, g, params, decay)
+        if fresh:
+            ins = [[g if g.flags.c_contiguous else np.ascontiguousarray(g)] for g, *_ in host]
+        else:
+            ins = _settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, _, _ in host])
+        for (_, copies, slots, backend, decay), (g,) in zip(host, ins):
+            self._kernel_update(backend.trusted, copies, slots, g, params, decay)
         self._after_update()
 
     def _plan(self, var: Variable) -> _Plan:
