@@ -72,33 +72,36 @@ def select_replicas(n: int, structured: Any) -> list[Any]:
         IndexError: a DistributedValues leaf has fewer than ``n`` components.
     """
     if type(structured) is tuple:
-        per_replica = _select_sequences(n, structured)
+        per_replica = _select_sequence(n, structured)
         if per_replica is not None:
-            return list(per_replica)
+            return per_replica
     elif structured is None or type(structured) is np.ndarray:
         return [structured] * n  # e.g. what a merge_call function returns: nothing, or one array
     return [select_replica(i, structured) for i in range(n)]
 
 
-def _select_sequences(n: int, x: Any) -> Sequence[Any] | None:
-    """``select_replicas`` of an array, a DistributedValues, or lists and tuples (nested) of them:
-    run()'s common arguments (a step's inputs, a list of per-replica gradients), without the tree
-    walk. Every replica gets containers of its own. None when anything else is in them."""
-    tx = type(x)
-    if tx is np.ndarray:
-        return (x,) * n
-    if isinstance(x, PerReplica) and tx is PerReplica and len(x._values) == n:
-        return x._values
-    if isinstance(x, DistributedValues):
-        return (x,) * n if x._keep_in_replica else [x._get_replica(i) for i in range(n)]
-    if tx is not list and tx is not tuple:
-        return None
-    cols = []
+def _select_sequence(n: int, x: list[Any] | tuple[Any, ...]) -> list[Any] | None:
+    """``select_replicas`` of a list or tuple of arrays, DistributedValues, and lists and tuples of
+    them (nested): run()'s common arguments (a step's inputs, a list of per-replica gradients),
+    without the tree walk. Every replica gets containers of its own. None when anything else is
+    in them."""
+    cols: list[Sequence[Any]] = []
     for item in x:
-        col = _select_sequences(n, item)
-        if col is None:
+        t = type(item)
+        if t is np.ndarray:
+            cols.append((item,) * n)
+        elif t is PerReplica and len(item._values) == n:
+            cols.append(item._values)
+        elif isinstance(item, DistributedValues):
+            cols.append((item,) * n if item._keep_in_replica else [item._get_replica(i) for i in range(n)])
+        elif t is list or t is tuple:
+            col = _select_sequence(n, item)
+            if col is None:
+                return None
+            cols.append(col)
+        else:
             return None
-        cols.append(col)
+    tx = type(x)
     if not cols:
         return [tx() for _ in range(n)]
     return [tx(row) for row in zip(*cols)]
