@@ -227,22 +227,9 @@ def _check_component_counts(where: str, tree: Any, n: int) -> None:
     TF 2.21 silently uses the first ``n`` components of a longer PerReplica in ``run`` and sums all
     of them in ``reduce``; we refuse, as a value for replicas that do not exist is a mistake.
     """
-    leaves: Iterable[Any] | None = None
-    if isinstance(tree, DistributedValues):
-        leaves = (tree,)
-    elif type(tree) is tuple:  # run()'s common args (arrays and per-replica values), without flattening
-        for x in tree:
-            if type(x) is np.ndarray:
-                continue
-            if not isinstance(x, DistributedValues):
-                break  # a nest or another leaf: flattened below
-            if not x._keep_in_replica and len(x.values) != n:
-                leaves = tree  # reported below
-                break
-        else:
-            return
-    if leaves is None:
-        leaves = optree.tree_leaves(tree, is_leaf=_is_dv)
+    if type(tree) is tuple and _counts_match(tree, n):
+        return  # run()'s common args: arrays, per-replica values, lists and tuples of them
+    leaves = (tree,) if isinstance(tree, DistributedValues) else optree.tree_leaves(tree, is_leaf=_is_dv)
     for x in leaves:
         if isinstance(x, DistributedValues) and not x._keep_in_replica and len(x.values) != n:
             raise ValueError(
@@ -250,6 +237,24 @@ def _check_component_counts(where: str, tree: Any, n: int) -> None:
                 f"replicas (on this worker); build per-replica values with "
                 "strategy.experimental_distribute_values_from_function or take them from strategy.run"
             )
+
+
+def _counts_match(items: list[Any] | tuple[Any, ...], n: int) -> bool:
+    """True when ``items`` holds only arrays, DistributedValues of ``n`` components (or variables),
+    and lists and tuples of them; False when anything else is in it (then the caller looks closer)."""
+    for x in items:
+        t = type(x)
+        if t is np.ndarray:
+            continue
+        if isinstance(x, DistributedValues):
+            if not x._keep_in_replica and len(x.values) != n:
+                return False
+        elif t is list or t is tuple:
+            if not _counts_match(x, n):
+                return False
+        else:
+            return False
+    return True
 
 
 def _scalarize(a: Any) -> Any:

@@ -1041,8 +1041,8 @@ class MirroredVariable(DistributedVariable, Mirrored):
         """
         values = self._values
         a0 = values[0]._array
-        for c in values:  # the common case first: one shared storage, no snapshot held
-            if c._array is not a0 or c._snapshot_held():
+        for c in values:  # the common case first: one shared storage, no snapshot held (or taken)
+            if c._array is not a0 or (c._snap is not None and c._snapshot_held()):
                 break
         else:
             return (a0,)

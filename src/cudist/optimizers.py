@@ -736,6 +736,7 @@ class Optimizer:
                 self._after_update()
             return self._iterations
         checked = []
+        cast = False  # whether some gradient may need a cast to its variable's dtype
         for g, v in pairs:
             if type(g) is np.ndarray:  # the per-step common case (_check_grad's own first test, inlined)
                 ref = v._primary_array()
@@ -743,7 +744,8 @@ class Optimizer:
                     checked.append(g)
                     continue
             checked.append(self._check_grad(g, v, cross_replica=False))
-        local, update = self._local_grads(checked, variables, ctx.replica_id_in_sync_group)
+            cast = True
+        local, update = self._local_grads(checked, variables, ctx.replica_id_in_sync_group, cast=cast)
         replica_grads = tuple(local)
         aggregate = bool(experimental_aggregate_gradients)
 
@@ -760,16 +762,24 @@ class Optimizer:
         ctx.merge_call(merge_fn, args=(replica_grads,))
         return self._iterations
 
-    def _local_grads(self, grads: Sequence[Any], variables: Sequence[Variable], replica: int) -> tuple[list[Any], bool]:
+    def _local_grads(
+        self, grads: Sequence[Any], variables: Sequence[Variable], replica: int, *, cast: bool = True
+    ) -> tuple[list[Any], bool]:
         """One replica's gradients made ready for the sum, as Keras 3 does before its all-reduce:
         divided by ``loss_scale_factor``, accumulated (``gradient_accumulation_steps``), clipped
         (``clipnorm`` / ``global_clipnorm`` / ``clipvalue``), cast to each variable's dtype.
+
+        ``cast=False``: the caller knows every gradient has its variable's dtype already.
 
         Returns the gradients and whether this step updates the variables (False: an
         accumulation-only step).
         """
         out = list(grads)
         scale = self._loss_scale_factor
+        if not cast and scale is None and not self._gradient_accumulation_steps and not (
+            self._clipnorm or self._global_clipnorm or self._clipvalue
+        ):
+            return out, True  # nothing to do (the per-step common case)
         if scale is not None:
             out = [g / g.dtype.type(scale) for g in out]
         update = True
