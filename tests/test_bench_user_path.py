@@ -359,3 +359,21 @@ def test_read_bound_script_prints_each_kernels_read_rate():
     for r, row in zip(rows, nums):
         moved, read = int(r[1][:-2]), int(r[2][:-2])
         assert row[4] == pytest.approx(100 * best_read * moved / read / copy_rate, rel=0.02, abs=0.2), r
+
+
+def test_path_ab_script_times_each_case_per_tree():
+    """bench/path_ab.py (PERFORMANCE.md's sixth-section A/B) runs each case in a child process per tree
+    and round and prints their medians, and the last/first ratio for two trees."""
+    src = str(ROOT / "src")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "path_ab.py"), "--trees", f"installed,{src}", "--cases",
+         "one-256K,vars64-momentum", "--rounds", "2", "--scale", "0.02"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [ln.split() for ln in proc.stdout.splitlines() if not ln.startswith("#")]
+    assert [r[0] for r in rows] == ["one-256K", "vars64-momentum"], proc.stdout
+    for r in rows:  # case, a / b (tree 1), c / d (tree 2), ratio
+        times = [float(x) for x in r[1:-1] if x != "/"]
+        assert len(times) == 4 and all(t > 0 for t in times), proc.stdout
+        assert float(r[-1]) == pytest.approx(((times[2] + times[3]) / 2) / ((times[0] + times[1]) / 2), rel=1e-2)

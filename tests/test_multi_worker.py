@@ -51,6 +51,12 @@ def _shm():
     return {p.name for p in Path("/dev/shm").glob("mpich_shm_*")} if Path("/dev/shm").is_dir() else set()
 
 
+#: What the launcher says of worker 1 killed on purpose: named (by the order the processes ended, not
+#: only by mpiexec's report, which under load may name a worker it killed after), with how it ended
+#: (unknown when mpiexec named another and the ended process was reaped before /proc was read).
+_KILLED_WORKER_1 = r"worker 1 \(pid \d+\) ended abnormally \((killed by SIGKILL|exit status unknown)\)"
+
+
 @pytest.fixture
 def no_shm_left():
     before = _shm()
@@ -129,7 +135,7 @@ def test_a_killed_worker_ends_the_job(no_shm_left):
     end = time.time()
     assert proc.returncode != 0
     assert end - _ready_time(proc, started) < 5
-    assert re.search(r"worker 1 \(pid \d+\) ended abnormally \(killed by SIGKILL\)", proc.stderr), proc.stderr[-2000:]
+    assert re.search(_KILLED_WORKER_1, proc.stderr), proc.stderr[-2000:]
 
 
 @needs_mpi
@@ -271,7 +277,7 @@ def test_nccl_failures_end_the_job(mode, no_shm_left):
     if mode == "nccl_raise":
         assert "worker 1 raised ZeroDivisionError: worker 1 fails on purpose" in p.stderr, p.stderr[-2000:]
     elif mode == "nccl_kill":
-        assert re.search(r"worker 1 \(pid \d+\) ended abnormally \(killed by SIGKILL\)", p.stderr), p.stderr[-2000:]
+        assert re.search(_KILLED_WORKER_1, p.stderr), p.stderr[-2000:]
     elif mode == "nccl_fail":
         assert ("InternalError: cudist: worker 1 of 2 (GPU 0): NCCL all_reduce SUM failed: NcclError: "
                 "NCCL_ERROR_SYSTEM_ERROR") in p.stderr, p.stderr[-2000:]

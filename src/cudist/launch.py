@@ -25,6 +25,7 @@ import json
 import os
 import re
 import runpy
+import select
 import shutil
 import signal
 import subprocess
@@ -157,7 +158,114 @@ def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_f
     return [*cmd, "--", script, *script_args]
 
 
-def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code) -> list:
+class _ExitWatch:
+    """Notes the order in which the workers' processes end, and how when it still can.
+
+    mpiexec names one failed process, but under load not always the first: when a worker dies, it
+    kills the others, and it may report one of those (seen: worker 1 killed on purpose, "worker 0
+    ended abnormally (killed by SIGKILL)"). The workers are mpiexec's children, not the launcher's,
+    so their exit status cannot be waited for; a Linux pidfd (``os.pidfd_open``) still says when
+    each process ends, and while the ended process is a zombie (until mpiexec's proxy reaps it)
+    ``/proc/<pid>/stat`` still holds its wait status. Elsewhere (no pidfds) ``order`` stays empty.
+    """
+
+    #: Seconds between looks for pid files still to come (the workers write them as they start).
+    POLL = 0.01
+
+    def __init__(self, directory: str, n: int) -> None:
+        self.directory, self.n = directory, n
+        self.order: list[tuple[int, int | None]] = []  # (rank, wait status or None), in the order they ended
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if hasattr(os, "pidfd_open") and hasattr(select, "poll"):
+            self._thread = threading.Thread(target=self._run, name="cudist-launch-exit-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self) -> None:
+        """Ends the watch (once mpiexec has returned: every worker has ended, and is noted, by then)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+    def _run(self) -> None:
+        poller = select.poll()
+        fds: dict[int, tuple[int, int]] = {}  # pidfd -> (rank, pid)
+        waiting = set(range(self.n))  # ranks whose pid file has not been seen
+        try:
+            while True:
+                for r in sorted(waiting):
+                    try:
+                        pid = int(Path(self.directory, f"{r}.pid").read_text())
+                    except (OSError, ValueError):  # not written yet (or half written)
+                        continue
+                    waiting.discard(r)
+                    try:
+                        fd = os.pidfd_open(pid)
+                    except ProcessLookupError:  # ended already (reaped): it ended before any watched one
+                        self.order.append((r, None))
+                        continue
+                    except OSError:
+                        return  # no pidfds here after all (old kernel, seccomp): mpiexec's report stands
+                    fds[fd] = (r, pid)
+                    poller.register(fd, select.POLLIN)
+                if not fds and not waiting:
+                    return
+                for fd, _ in poller.poll(self.POLL * 1000 if waiting else 100):
+                    r, pid = fds.pop(fd)
+                    self.order.append((r, _zombie_status(pid)))
+                    poller.unregister(fd)
+                    os.close(fd)
+                if self._stop.is_set() and not poller.poll(0):
+                    return
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _zombie_status(pid: int) -> int | None:
+    """The wait status of ended process ``pid`` while it is still a zombie (field 52 of /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    if len(fields) < 50 or fields[0] != "Z":
+        return None
+    return int(fields[49])
+
+
+def _how(code: int | None, wait_status: int | None) -> str:
+    """How a process ended: from its wait status when known, else from mpiexec's exit code for it."""
+    if wait_status is not None:
+        if wait_status & 0x7F:
+            try:
+                return f"killed by {signal.Signals(wait_status & 0x7F).name}"
+            except ValueError:
+                return f"killed by signal {wait_status & 0x7F}"
+        return f"exit code {wait_status >> 8}"
+    if code is None:
+        return "exit status unknown"
+    if code > 128:
+        try:
+            return f"killed by {signal.Signals(code - 128).name}"
+        except ValueError:
+            pass
+    elif code == 9:
+        return "killed by SIGKILL"
+    return f"exit code {code}"
+
+
+def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code, order=()) -> list:
+    """What the launcher says about a failed job.
+
+    Args:
+        directory: the status directory (``<rank>.status`` files the workers wrote).
+        n: the number of workers.
+        pids: rank -> pid.
+        bad_pid, bad_code: the process mpiexec reported, and its exit code (None if none).
+        order: (rank, wait status or None) in the order the workers' processes ended
+            (:class:`_ExitWatch`); the first one that did not end well is the culprit.
+    """
     lines = []
     statuses = {}
     for r in range(n):
@@ -168,20 +276,19 @@ def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code) -> 
         for r, pid in pids.items():
             if pid == bad_pid:
                 culprit = r
+    first = next(((r, st) for r, st in order if statuses[r] != "ok"), None)
     failed = [r for r, s in statuses.items() if s is not None and s != "ok"]
     if failed:
         for r in failed:
             lines.append(f"worker {r} {statuses[r]}")
+    elif first is not None:
+        r, wait_status = first
+        code = bad_code if r == culprit else None  # mpiexec's code is for the process it named
+        pid = f" (pid {pids[r]})" if r in pids else ""
+        lines.append(f"worker {r}{pid} ended abnormally ({_how(code, wait_status)})")
+        culprit = r
     elif culprit is not None:
-        how = f"exit code {bad_code}"
-        if bad_code is not None and bad_code > 128:
-            try:
-                how = f"killed by {signal.Signals(bad_code - 128).name}"
-            except ValueError:
-                pass
-        elif bad_code == 9:
-            how = "killed by SIGKILL"
-        lines.append(f"worker {culprit} (pid {bad_pid}) ended abnormally ({how})")
+        lines.append(f"worker {culprit} (pid {bad_pid}) ended abnormally ({_how(bad_code, None)})")
     silent = [r for r, s in statuses.items() if s is None and r != culprit]
     if silent and (failed or culprit is not None):
         lines.append(f"worker(s) {silent} were ended by the launcher")
@@ -240,6 +347,7 @@ def main(argv=None) -> int:
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
+        watch = _ExitWatch(directory, n)
         try:
             code = proc.wait(timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -250,6 +358,7 @@ def main(argv=None) -> int:
                 proc.kill()
                 proc.wait()
             reader.join(timeout=2)
+            watch.stop()
             _remove_recorded_shm(directory)
             sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
             return 124
@@ -257,6 +366,7 @@ def main(argv=None) -> int:
             proc.send_signal(signal.SIGINT)
             code = proc.wait()
         reader.join(timeout=5)
+        watch.stop()
         _remove_recorded_shm(directory)
         if code != 0:
             pids = {}
@@ -267,7 +377,7 @@ def main(argv=None) -> int:
                         pids[r] = int(p.read_text())
                     except ValueError:
                         pass
-            lines = _describe_failure(directory, n, pids, bad["pid"], bad["code"])
+            lines = _describe_failure(directory, n, pids, bad["pid"], bad["code"], watch.order)
             sys.stderr.write(
                 f"cudist.launch: the job of {n} worker(s) failed after {time.monotonic() - start:.1f} s "
                 f"(exit code {code}):\n" + "".join(f"  {line}\n" for line in lines)

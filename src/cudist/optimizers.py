@@ -689,6 +689,10 @@ class Optimizer:
     ) -> Variable:
         """Applies gradients to variables, one fused kernel pass per variable.
 
+        Every variable's update reads the gradients as they were before the step: a gradient that
+        shares memory with a variable or slot the step writes (a view of one, or its DLPack export,
+        ``np.from_dlpack(variable)``) is copied before the first update.
+
         Args:
             grads_and_vars: (gradient, variable) pairs. A None gradient skips its variable (with a
                 warning, as in Keras). In replica context each replica passes its own gradients.
