@@ -28,6 +28,7 @@ import runpy
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -100,6 +101,7 @@ def _worker(args) -> int:
     directory = os.environ.get(_STATUS_DIR)
     if directory:
         Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
+        _connect_watch(directory, rank)
         _record_shm(directory, rank)
     if args.tf_config:
         os.environ["TF_CONFIG"] = tf_config(_size(), rank)
@@ -161,65 +163,152 @@ def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_f
 class _ExitWatch:
     """Notes the order in which the workers' processes end, and how when it still can.
 
-    mpiexec names one failed process, but under load not always the first: when a worker dies, it
-    kills the others, and it may report one of those (seen: worker 1 killed on purpose, "worker 0
-    ended abnormally (killed by SIGKILL)"). The workers are mpiexec's children, not the launcher's,
-    so their exit status cannot be waited for; a Linux pidfd (``os.pidfd_open``) still says when
-    each process ends, and while the ended process is a zombie (until mpiexec's proxy reaps it)
-    ``/proc/<pid>/stat`` still holds its wait status. Elsewhere (no pidfds) ``order`` stays empty.
+    mpiexec names one failed process, but under load not always the first: once a worker dies it
+    kills the others, and it may then report one of those (seen in ~1 of 40 runs: worker 1 killed
+    on purpose, "worker 0 ended abnormally (killed by SIGKILL)"). So each worker connects to a Unix
+    socket the launcher listens on (``watch.sock`` in the status directory) and keeps the connection
+    for its life (:func:`_connect_watch`). The kernel closes it as the process ends, when it closes
+    the worker's other sockets, which is how mpiexec learns of the death: so a worker's connection
+    ends before mpiexec can kill anyone because of it, and the order of the ends is the order of the
+    deaths. (A process's pidfd says so later: after all its threads are gone, which under load came
+    after mpiexec had already killed the others.) How an ended worker ended is read from
+    ``/proc/<pid>/stat`` while it is a zombie, until mpiexec's proxy reaps it.
+
+    ``order`` is complete only when every worker connected; otherwise it is emptied at :meth:`stop`
+    (a worker that died before connecting would be missing from it), and mpiexec's report stands.
     """
 
-    #: Seconds between looks for pid files still to come (the workers write them as they start).
-    POLL = 0.01
+    NAME = "watch.sock"
 
     def __init__(self, directory: str, n: int) -> None:
-        self.directory, self.n = directory, n
-        self.order: list[tuple[int, int | None]] = []  # (rank, wait status or None), in the order they ended
+        self.n = n
+        #: (rank, wait status or None, batch), in the order the connections ended: ends seen in one
+        #: poll share a batch number and have no known order among themselves.
+        self.order: list[tuple[int, int | None, int]] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        if hasattr(os, "pidfd_open") and hasattr(select, "poll"):
-            self._thread = threading.Thread(target=self._run, name="cudist-launch-exit-watch", daemon=True)
-            self._thread.start()
+        self._server: socket.socket | None = None
+        self._connected: set[int] = set()
+        if not hasattr(socket, "AF_UNIX"):
+            return
+        try:
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(os.path.join(directory, self.NAME))  # fails for a path past the ~108-byte limit
+            server.listen(max(n, 1))
+            server.setblocking(False)
+        except OSError:
+            return
+        self._server = server
+        self._thread = threading.Thread(target=self._run, name="cudist-launch-exit-watch", daemon=True)
+        self._thread.start()
 
     def stop(self) -> None:
         """Ends the watch (once mpiexec has returned: every worker has ended, and is noted, by then)."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=2)
+            self._thread.join(timeout=5)
+        if self._server is not None:
+            self._server.close()
+        if len(self._connected) < self.n:
+            self.order = []
 
     def _run(self) -> None:
+        assert self._server is not None
+        server = self._server
         poller = select.poll()
-        fds: dict[int, tuple[int, int]] = {}  # pidfd -> (rank, pid)
-        waiting = set(range(self.n))  # ranks whose pid file has not been seen
+        poller.register(server, select.POLLIN)
+        conns: dict[int, tuple[socket.socket, bytearray]] = {}  # fd -> (connection, what it sent)
+        batch = 0
         try:
             while True:
-                for r in sorted(waiting):
-                    try:
-                        pid = int(Path(self.directory, f"{r}.pid").read_text())
-                    except (OSError, ValueError):  # not written yet (or half written)
+                events = poller.poll(100)
+                ended: list[tuple[int, int]] = []  # (rank, pid) of connections ended in this poll
+                for fd, _ in events:
+                    if fd == server.fileno():
+                        while True:
+                            try:
+                                conn, _addr = server.accept()
+                            except (BlockingIOError, InterruptedError):
+                                break
+                            conn.setblocking(False)
+                            conns[conn.fileno()] = (conn, bytearray())
+                            poller.register(conn, select.POLLIN)
                         continue
-                    waiting.discard(r)
-                    try:
-                        fd = os.pidfd_open(pid)
-                    except ProcessLookupError:  # ended already (reaped): it ended before any watched one
-                        self.order.append((r, None))
-                        continue
-                    except OSError:
-                        return  # no pidfds here after all (old kernel, seccomp): mpiexec's report stands
-                    fds[fd] = (r, pid)
-                    poller.register(fd, select.POLLIN)
-                if not fds and not waiting:
-                    return
-                for fd, _ in poller.poll(self.POLL * 1000 if waiting else 100):
-                    r, pid = fds.pop(fd)
-                    self.order.append((r, _zombie_status(pid)))
-                    poller.unregister(fd)
-                    os.close(fd)
+                    conn, sent = conns[fd]
+                    while True:
+                        try:
+                            data = conn.recv(256)
+                        except (BlockingIOError, InterruptedError):
+                            break
+                        except OSError:
+                            data = b""
+                        if data:
+                            sent += data
+                            continue
+                        # The connection ended: the worker's process has.
+                        poller.unregister(fd)
+                        conn.close()
+                        del conns[fd]
+                        fields = bytes(sent).split()
+                        if len(fields) == 2 and all(f.isdigit() for f in fields):
+                            ended.append((int(fields[0]), int(fields[1])))
+                        break
+                    if fd in conns and sent.endswith(b"\n"):
+                        fields = bytes(sent).split()
+                        if fields and fields[0].isdigit():
+                            self._connected.add(int(fields[0]))
+                if ended:
+                    batch += 1
+                    for rank, pid in ended:
+                        self._connected.add(rank)
+                        self.order.append((rank, _exit_status(pid), batch))
                 if self._stop.is_set() and not poller.poll(0):
-                    return
+                    return  # (mpiexec has returned: every worker's end is pending by now)
         finally:
-            for fd in fds:
-                os.close(fd)
+            for conn, _ in conns.values():
+                conn.close()
+
+
+_watch_socket: socket.socket | None = None
+
+
+def _connect_watch(directory: str, rank: int) -> None:
+    """In a worker: connects to the launcher's :class:`_ExitWatch` and keeps the connection open
+    for the life of the process (closed in forked children, so that it ends with this process)."""
+    global _watch_socket
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(os.path.join(directory, _ExitWatch.NAME))
+        s.sendall(f"{rank} {os.getpid()}\n".encode())
+    except (OSError, AttributeError):
+        return
+    _watch_socket = s
+    if hasattr(os, "register_at_fork"):
+        os.register_at_fork(after_in_child=_close_watch_in_child)
+
+
+def _close_watch_in_child() -> None:
+    global _watch_socket
+    if _watch_socket is not None:
+        _watch_socket.close()
+        _watch_socket = None
+
+
+def _exit_status(pid: int, wait: float = 0.05) -> int | None:
+    """The wait status of ending process ``pid``: its connection has just closed, so it becomes a
+    zombie within moments; read while it is one (None if it was reaped first, or no pidfds)."""
+    if hasattr(os, "pidfd_open"):
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        try:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            poller.poll(wait * 1000)
+        finally:
+            os.close(fd)
+    return _zombie_status(pid)
 
 
 def _zombie_status(pid: int) -> int | None:
@@ -263,8 +352,10 @@ def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code, ord
         n: the number of workers.
         pids: rank -> pid.
         bad_pid, bad_code: the process mpiexec reported, and its exit code (None if none).
-        order: (rank, wait status or None) in the order the workers' processes ended
-            (:class:`_ExitWatch`); the first one that did not end well is the culprit.
+        order: (rank, wait status or None, batch) as :class:`_ExitWatch` saw the workers'
+            processes end: the culprit is one of the earliest batch holding a worker that did not
+            end well; mpiexec's pick when it is among them (their order is not known), else the
+            first listed.
     """
     lines = []
     statuses = {}
@@ -276,7 +367,11 @@ def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code, ord
         for r, pid in pids.items():
             if pid == bad_pid:
                 culprit = r
-    first = next(((r, st) for r, st in order if statuses[r] != "ok"), None)
+    first = None
+    bad_batches = sorted(b for r, _, b in order if statuses[r] != "ok")
+    if bad_batches:
+        earliest = [(r, st) for r, st, b in order if b == bad_batches[0] and statuses[r] != "ok"]
+        first = next((x for x in earliest if x[0] == culprit), earliest[0])
     failed = [r for r, s in statuses.items() if s is not None and s != "ok"]
     if failed:
         for r in failed:
