@@ -278,6 +278,7 @@ def _connect_watch(directory: str, rank: int) -> None:
     global _watch_socket
     try:
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5.0)  # a launcher that does not accept must not hold the worker up
         s.connect(os.path.join(directory, _ExitWatch.NAME))
         s.sendall(f"{rank} {os.getpid()}\n".encode())
     except (OSError, AttributeError):
