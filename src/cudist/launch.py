@@ -189,8 +189,8 @@ class _ExitWatch:
         self._thread: threading.Thread | None = None
         self._server: socket.socket | None = None
         self._connected: set[int] = set()
-        if not hasattr(socket, "AF_UNIX"):
-            return
+        if not hasattr(socket, "AF_UNIX") or not hasattr(select, "poll"):
+            return  # (not on Windows): mpiexec's report stands
         try:
             server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             server.bind(os.path.join(directory, self.NAME))  # fails for a path past the ~108-byte limit
