@@ -10,7 +10,8 @@ The cases (4 replicas on logical CPUs, float32):
   variables (32 of 64x64 and 32 of 64), the gradients a list of PerReplica arguments.
 
 Each (tree, case) runs in a process of its own, ``--rounds`` times, the trees alternating; each
-process prints the median of 7 blocks of calls (microseconds per call). A tree is a directory
+process prints the median time of its calls (microseconds; ``cudist.bench._timing.time_calls``,
+the garbage collector paused). A tree is a directory
 holding an importable ``cudist`` package (a checkout's ``src``, with its built ``_core`` extension
 copied in when the C++ is the same), or ``installed`` for the cudist this interpreter has.
 
@@ -29,25 +30,6 @@ CASES = ("one-256K", "one-4M", "nest-256K", "vars64-momentum", "vars64-adam")
 REPLICAS = 4
 
 
-def _median_of_blocks(fn, calls: int) -> float:
-    import gc
-    import time
-
-    for _ in range(max(3, calls // 10)):
-        fn()
-    gc.disable()
-    try:
-        res = []
-        for _ in range(7):
-            t0 = time.perf_counter()
-            for _ in range(calls):
-                fn()
-            res.append((time.perf_counter() - t0) / calls * 1e6)
-    finally:
-        gc.enable()
-    return statistics.median(res)
-
-
 def child(tree: str, case: str, scale: float) -> float:
     """Times ``case`` with the cudist of ``tree``; returns microseconds per call."""
     if tree != "installed":
@@ -58,6 +40,10 @@ def child(tree: str, case: str, scale: float) -> float:
 
     import cudist
     from cudist import config
+    from cudist.bench._timing import median_us, time_calls
+
+    def median_of(fn, calls: int) -> float:
+        return median_us(time_calls(fn, 7 * calls, max(3, calls // 10)))
 
     n = REPLICAS
     cpu = config.list_physical_devices("CPU")[0]
@@ -72,7 +58,7 @@ def child(tree: str, case: str, scale: float) -> float:
         def fn(x):
             return cudist.get_replica_context().all_reduce("sum", x)
 
-        return _median_of_blocks(lambda: s.run(fn, args=(x,)), max(5, int((2000 if size < 1 << 20 else 200) * scale)))
+        return median_of(lambda: s.run(fn, args=(x,)), max(5, int((2000 if size < 1 << 20 else 200) * scale)))
     if case == "nest-256K":
         from cudist.bench._user_path import nest_sizes
 
@@ -82,7 +68,7 @@ def child(tree: str, case: str, scale: float) -> float:
             ctx = cudist.get_replica_context()
             ctx.all_reduce("sum", leaves[ctx.replica_id_in_sync_group])
 
-        return _median_of_blocks(lambda: s.run(step), max(5, int(1000 * scale)))
+        return median_of(lambda: s.run(step), max(5, int(1000 * scale)))
     if case in ("vars64-momentum", "vars64-adam"):
         with s.scope():
             vs = []
@@ -99,7 +85,7 @@ def child(tree: str, case: str, scale: float) -> float:
         def apply(gs):
             opt.apply_gradients(zip(gs, vs))
 
-        return _median_of_blocks(lambda: s.run(apply, args=(g,)), max(5, int(300 * scale)))
+        return median_of(lambda: s.run(apply, args=(g,)), max(5, int(300 * scale)))
     raise SystemExit(f"unknown case {case!r}; the cases: {', '.join(CASES)}")
 
 
@@ -115,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{child(a.child[0], a.child[1], a.scale):.3f}")
         return 0
     trees = a.trees.split(",")
-    print(f"# path_ab: {REPLICAS} replicas, float32; us per call, median of 7 blocks per process; {a.rounds} rounds, trees alternating")
+    print(f"# path_ab: {REPLICAS} replicas, float32; us per call, median of each process's calls; {a.rounds} rounds, trees alternating")
     print(f"# {'case':<16}" + "".join(f"  {t[-28:]:>28}" for t in trees) + ("   ratio (last/first)" if len(trees) > 1 else ""))
     for case in a.cases.split(","):
         got: dict[str, list[float]] = {t: [] for t in trees}

@@ -174,8 +174,9 @@ class _ExitWatch:
     after mpiexec had already killed the others.) How an ended worker ended is read from
     ``/proc/<pid>/stat`` while it is a zombie, until mpiexec's proxy reaps it.
 
-    ``order`` is complete only when every worker connected; otherwise it is emptied at :meth:`stop`
-    (a worker that died before connecting would be missing from it), and mpiexec's report stands.
+    ``order`` is complete only when every worker's connection was seen to end; otherwise (a worker
+    that died before connecting would be missing from it) it is emptied at :meth:`stop`, and
+    mpiexec's report stands.
     """
 
     NAME = "watch.sock"
@@ -188,7 +189,6 @@ class _ExitWatch:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._server: socket.socket | None = None
-        self._connected: set[int] = set()
         if not hasattr(socket, "AF_UNIX") or not hasattr(select, "poll"):
             return  # (not on Windows): mpiexec's report stands
         try:
@@ -209,7 +209,7 @@ class _ExitWatch:
             self._thread.join(timeout=5)
         if self._server is not None:
             self._server.close()
-        if len(self._connected) < self.n:
+        if len({r for r, _, _ in self.order}) < self.n:
             self.order = []
 
     def _run(self) -> None:
@@ -253,14 +253,9 @@ class _ExitWatch:
                         if len(fields) == 2 and all(f.isdigit() for f in fields):
                             ended.append((int(fields[0]), int(fields[1])))
                         break
-                    if fd in conns and sent.endswith(b"\n"):
-                        fields = bytes(sent).split()
-                        if fields and fields[0].isdigit():
-                            self._connected.add(int(fields[0]))
                 if ended:
                     batch += 1
                     for rank, pid in ended:
-                        self._connected.add(rank)
                         self.order.append((rank, _exit_status(pid), batch))
                 if self._stop.is_set() and not poller.poll(0):
                     return  # (mpiexec has returned: every worker's end is pending by now)
@@ -369,9 +364,9 @@ def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code, ord
             if pid == bad_pid:
                 culprit = r
     first = None
-    bad_batches = sorted(b for r, _, b in order if statuses[r] != "ok")
-    if bad_batches:
-        earliest = [(r, st) for r, st, b in order if b == bad_batches[0] and statuses[r] != "ok"]
+    bad_batch = min((b for r, _, b in order if statuses[r] != "ok"), default=None)
+    if bad_batch is not None:
+        earliest = [(r, st) for r, st, b in order if b == bad_batch and statuses[r] != "ok"]
         first = next((x for x in earliest if x[0] == culprit), earliest[0])
     failed = [r for r, s in statuses.items() if s is not None and s != "ok"]
     if failed:

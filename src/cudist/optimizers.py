@@ -145,11 +145,13 @@ def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) 
     kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
 
 
-def _settle_inputs(passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]]) -> list[list[Any]]:
+def _settle_inputs(passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]], *, aliasing: bool = True) -> list[list[Any]]:
     """The host gradients each of a step's passes reads, settled before the first pass writes.
 
     Args:
         passes: per pass, (its gradient arrays, the arrays it writes).
+        aliasing: whether a gradient may share memory with what the passes write (False: they are
+            fresh results of a reduction, only made C-contiguous).
 
     Returns:
         Per pass its gradients, C-contiguous, copied where they are or view memory that some pass of
@@ -158,11 +160,12 @@ def _settle_inputs(passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]]) -> l
         before the step.
     """
     written_ids: set[int] = set()
-    for _, written in passes:
-        for w in written:
-            written_ids.add(id(w))
-            if w.base is not None:
-                written_ids.add(id(w.base))
+    if aliasing:
+        for _, written in passes:
+            for w in written:
+                written_ids.add(id(w))
+                if w.base is not None:
+                    written_ids.add(id(w.base))
     spans: _Spans | None = None  # of every written array, once a gradient of foreign memory needs it
     out: list[list[Any]] = []
     for grads, written in passes:
@@ -170,11 +173,13 @@ def _settle_inputs(passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]]) -> l
         for c in grads:
             if not c.flags.c_contiguous:
                 c = np.ascontiguousarray(c)
-            elif id(c) in written_ids:
-                c = c.copy()
-            elif c.base is not None:
+            elif aliasing:
                 base = c.base
-                if type(base) is np.ndarray:  # a NumPy view: its base owns the memory
+                if id(c) in written_ids:
+                    alias = True
+                elif base is None:
+                    alias = False
+                elif type(base) is np.ndarray:  # a NumPy view: its base owns the memory
                     alias = id(base) in written_ids or any(np.may_share_memory(c, w) for w in written)
                 else:  # memory from elsewhere (DLPack: a JAX or PyTorch gradient, a variable's export)
                     if spans is None:
@@ -808,9 +813,8 @@ class Optimizer:
             v = self._clipvalue
             out = [array_module(g).clip(g, -v, v) for g in out]
         for i, (g, var) in enumerate(zip(out, variables)):
-            dt = var._primary_array().dtype
-            if g.dtype != dt:
-                out[i] = g.astype(dt)
+            if g.dtype != var.dtype:
+                out[i] = g.astype(var.dtype)
         return out, update
 
     def _after_update(self) -> None:
@@ -928,10 +932,7 @@ class Optimizer:
                         if not g.flags.c_contiguous or any(g is c for c in copies):
                             g = g.copy(order="C")
                         self._kernel_update(backend.trusted, copies, slots, g, params, decay)
-        if fresh:
-            ins = [[g if g.flags.c_contiguous else np.ascontiguousarray(g)] for g, *_ in host]
-        else:
-            ins = _settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, _, _ in host])
+        ins = _settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, _, _ in host], aliasing=not fresh)
         for (_, copies, slots, backend, decay), (g,) in zip(host, ins):
             self._kernel_update(backend.trusted, copies, slots, g, params, decay)
         self._after_update()
