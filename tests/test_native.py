@@ -850,3 +850,108 @@ def test_workers_spin_only_while_calls_come_close_together(threads, pool_default
         assert not _core.pool_warm(), "a worker spins after a call that followed a long gap"
     _core.all_reduce(big, _core.SUM)  # 50 ms after the last one: calls are close now
     assert _wait_for(_core.pool_warm, 1.0), "a worker does not spin while calls come close together"
+
+
+# ---------------------------------------------------------------------------------------- the replica engine in C
+def test_replica_engine_runs_in_c_by_default():
+    """With _core built, greenlet pools run the C engine (the engine tests run it and the Python one)."""
+    from cudist import _replica_engine, config
+
+    before = config.get_replica_execution()
+    config.set_replica_execution("greenlets")
+    try:
+        s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+        out = s.run(lambda: cudist.get_replica_context().all_reduce("sum", np.float32(2.0)))
+        assert [float(v) for v in s.experimental_local_results(out)] == [6.0] * 3
+        assert _replica_engine._native_engine() is _core
+        assert _replica_engine.meet is _core.replica_meet
+        pool = _replica_engine._local.pools[(3, False)][0]
+        assert pool.native is _core and pool.collect is _core.replica_collect
+    finally:
+        config.set_replica_execution(before)
+
+
+def test_replica_engine_env_keeps_it_in_python():
+    code = (
+        "import numpy as np, cudist\n"
+        "from cudist import _replica_engine as E, config\n"
+        "config.set_replica_execution('greenlets')\n"
+        "cpu = config.list_physical_devices('CPU')[0]\n"
+        "config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)\n"
+        "s = cudist.MirroredStrategy(['/cpu:0', '/cpu:1'])\n"
+        "out = s.run(lambda: cudist.get_replica_context().all_reduce('sum', np.float32(1.0)))\n"
+        "assert [float(v) for v in s.experimental_local_results(out)] == [2.0, 2.0]\n"
+        "assert E._native_engine() is None and E.meet is E._python_meet\n"
+        "assert E._local.pools[(2, False)][0].collect is None\n"
+        "print('ok')\n"
+    )
+    import subprocess
+
+    env = dict(os.environ, CUDIST_NATIVE_ENGINE="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def test_replica_engine_functions_check_their_arguments():
+    with pytest.raises(TypeError, match="replica_exchange"):
+        _core.replica_exchange([], [])
+    with pytest.raises(TypeError, match="same"):
+        _core.replica_exchange([object()], [None, None], [1], None)
+    with pytest.raises(TypeError, match="same"):
+        _core.replica_collect((), [], {})
+    with pytest.raises(TypeError, match="replica_engine_setup"):
+        _core.replica_engine_setup(1, 2, 3)
+    with pytest.raises(TypeError, match="meet"):
+        _core.replica_meet("all_reduce")
+
+
+# ---------------------------------------------------------------------------------------- reduce_to_one_shared
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("shape", [(1,), (7, 13), (BIG,), ()])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_reduce_to_one_shared_matches_reference(ref, dtype, n, shape, op):
+    if op is ReduceOp.MEAN and np.dtype(dtype).kind == "i":
+        pytest.skip("integer MEAN is refused (test below)")
+    rng = np.random.default_rng(hash((dtype, n, shape, op.value)) % 2**32)
+    bufs = [rand(rng, dtype, shape) for _ in range(n)]
+    before = [b.copy() for b in bufs]
+    out = np.empty(shape, dtype)
+    res = _core.reduce_to_one_shared(bufs, op, out)
+    assert isinstance(res, list) and len(res) == n
+    assert res[0] is out and len({id(r) for r in res}) == n
+    for r in res:
+        assert not r.flags.writeable and r.shape == shape and np.shares_memory(r, out)
+    assert_bits_equal(out, ref.reduce_to_one([b.copy() for b in before], op))
+    for b, b0 in zip(bufs, before):
+        assert_bits_equal(b, b0)  # inputs untouched
+
+
+def test_reduce_to_one_shared_declines_what_it_does_not_check_for_the_caller():
+    rng = np.random.default_rng(1)
+    a = [rng.standard_normal(64).astype(np.float32) for _ in range(3)]
+    out = np.empty(64, np.float32)
+
+    def declined(bufs, op=ReduceOp.SUM, o=None):
+        o = out if o is None else o
+        return _core.reduce_to_one_shared(bufs, op, o) is None and o.flags.writeable
+
+    assert declined(a[:1])  # one replica
+    assert declined([a[0], a[1][:32], a[2]])  # another size
+    assert declined([a[0].reshape(8, 8), a[1], a[2]])  # another shape, same size
+    assert declined([a[0], a[1].astype(np.float64), a[2]])  # another dtype
+    assert declined([a[0], np.arange(128, dtype=np.float32)[::2], a[2]])  # not C-contiguous
+    assert declined([a[0], a[1].view(np.matrix), a[2]])  # a subclass
+    assert declined([a[0], list(a[1]), a[2]])  # not an array
+    assert declined([x.astype(np.complex64) for x in a])  # not a kernel dtype
+    assert declined([x.astype(">f4") for x in a])  # swapped byte order
+    assert declined([x.astype(np.int32) for x in a], ReduceOp.MEAN, np.empty(64, np.int32))  # integer MEAN
+    assert declined(a, ReduceOp.SUM, np.empty(32, np.float32))  # out of another size
+    assert declined(a, ReduceOp.SUM, np.empty(64, np.float64))  # out of another dtype
+    ro = np.empty(64, np.float32)
+    ro.flags.writeable = False
+    assert _core.reduce_to_one_shared(a, ReduceOp.SUM, ro) is None
+    assert _core.reduce_to_one_shared(tuple(a), ReduceOp.SUM, out) is not None  # tuples too
+    assert _core.reduce_to_one_shared(iter(a), ReduceOp.SUM, np.empty(64, np.float32)) is None
+    with pytest.raises(ValueError, match="op"):
+        _core.reduce_to_one_shared(a, 7, np.empty(64, np.float32))

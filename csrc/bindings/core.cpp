@@ -17,6 +17,8 @@
 
 #include <cudist/cudist.hpp>
 
+#include "replica_engine.hpp"
+
 #ifdef CUDIST_CORE_WITH_CUDA
 #include <cuda_runtime_api.h>
 
@@ -255,6 +257,95 @@ void reduce_to_one(py::handle bufs, py::handle op_h, py::handle out) {
       cudist::reduce_to_one<T>(typed<T>(p), p.size(), size, op, static_cast<T*>(o));
     });
   });
+}
+
+// The kernel dtype of an array's descriptor; false for other dtypes and the swapped byte order.
+bool kind_of(PyObject* descr, kind& k) {
+  auto* d = py::detail::array_descriptor_proxy(descr);
+  if (d->byteorder == kSwappedByteOrder) return false;
+  const py::ssize_t itemsize = py::reinterpret_borrow<py::dtype>(descr).itemsize();
+  if (d->kind == 'f') {
+    if (itemsize == 2) k = kind::f16;
+    else if (itemsize == 4) k = kind::f32;
+    else if (itemsize == 8) k = kind::f64;
+    else return false;
+  } else if (d->kind == 'i') {
+    if (itemsize == 4) k = kind::i32;
+    else if (itemsize == 8) k = kind::i64;
+    else return false;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// The user's one-array all-reduce on CPU replicas (cudist._collectives.packing): reduce_to_one of
+// the N arrays into `out` (a pooled buffer of theirs), made read-only, returned as [out] + N-1 views
+// of it (one distinct read-only object per replica, as TF's tensors are). Returns None, doing
+// nothing, unless bufs is a list or tuple of at least 2 numpy.ndarray (exactly) of one shape and
+// one kernel dtype, all C-contiguous, and out a writable C-contiguous array of that dtype and size:
+// the caller's general path then takes the call (and reports what is wrong). Replaces ~3 us of
+// Python checks and views per call with ~0.5 us.
+py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out) {
+  const auto op = to_op(op_h);
+  py::tuple items_tuple;
+  if (PyTuple_Check(bufs.ptr())) {
+    items_tuple = py::reinterpret_borrow<py::tuple>(bufs);
+  } else if (PyList_Check(bufs.ptr())) {
+    items_tuple = py::reinterpret_steal<py::tuple>(PyList_AsTuple(bufs.ptr()));
+    if (!items_tuple) throw py::error_already_set();
+  } else {
+    return py::none();
+  }
+  const Py_ssize_t n = PyTuple_GET_SIZE(items_tuple.ptr());
+  if (n < 2) return py::none();
+  auto* array_type = reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_);
+  constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
+  constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  PyObject* first = PyTuple_GET_ITEM(items_tuple.ptr(), 0);
+  if (Py_TYPE(first) != array_type) return py::none();
+  auto* a0 = py::detail::array_proxy(first);
+  kind k;
+  if (!kind_of(a0->descr, k)) return py::none();
+  // An integer MEAN gives floats (TF's rule), which the caller computes.
+  if (op == cudist::reduce_op::mean && (k == kind::i32 || k == kind::i64)) return py::none();
+  std::vector<void*> p(static_cast<std::size_t>(n));
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* h = PyTuple_GET_ITEM(items_tuple.ptr(), i);
+    if (Py_TYPE(h) != array_type) return py::none();
+    auto* a = py::detail::array_proxy(h);
+    if (!(a->flags & c_contiguous) || a->nd != a0->nd) return py::none();
+    for (int d = 0; d < a->nd; ++d)
+      if (a->dimensions[d] != a0->dimensions[d]) return py::none();
+    kind ki;
+    if (a->descr != a0->descr && (!kind_of(a->descr, ki) || ki != k)) return py::none();
+    p[static_cast<std::size_t>(i)] = a->data;
+  }
+  std::size_t size = 1;
+  for (int d = 0; d < a0->nd; ++d) size *= static_cast<std::size_t>(a0->dimensions[d]);
+  if (Py_TYPE(out.ptr()) != array_type && !py::isinstance<py::array>(out)) return py::none();
+  auto* o = py::detail::array_proxy(out.ptr());
+  kind ko;
+  std::size_t osize = 1;
+  for (int d = 0; d < o->nd; ++d) osize *= static_cast<std::size_t>(o->dimensions[d]);
+  if (!kind_of(o->descr, ko) || ko != k || osize != size || !(o->flags & c_contiguous) || !(o->flags & writeable))
+    return py::none();
+  void* dst = o->data;
+  maybe_nogil((p.size() + 1) * size * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::reduce_to_one<T>(typed<T>(p), p.size(), size, op, static_cast<T*>(dst));
+    });
+  });
+  o->flags &= ~writeable;  // before the views: each view is then read-only too
+  py::list results(n);
+  results[0] = out;
+  for (Py_ssize_t i = 1; i < n; ++i) {
+    PyObject* v = PyObject_CallMethodNoArgs(out.ptr(), py::str("view").ptr());
+    if (v == nullptr) throw py::error_already_set();
+    PyList_SET_ITEM(results.ptr(), i, v);
+  }
+  return std::move(results);
 }
 
 void broadcast(py::handle src, py::handle dsts) {
@@ -984,6 +1075,7 @@ PYBIND11_MODULE(_core, m) {
   m.attr("__version__") = CUDIST_VERSION;
   m.attr("SUM") = 0;
   m.attr("MEAN") = 1;
+  if (cudist_bindings::add_replica_engine(m.ptr()) < 0) throw py::error_already_set();
 
   m.def("all_reduce", &all_reduce, py::arg("bufs"), py::arg("op"),
         "In place: every array of ``bufs`` (tuple/list) becomes their elementwise reduction; op 0=SUM, 1=MEAN.");
@@ -996,6 +1088,10 @@ PYBIND11_MODULE(_core, m) {
   m.def("batch_reduce_to_one", &batch_reduce_to_one, py::arg("inputs"), py::arg("op"), py::arg("out"),
         "The reduction over r of inputs[r][j], for every leaf j, written back to back into the 1-d out, in one "
         "dispatch (leaves of one dtype).");
+  m.def("reduce_to_one_shared", &reduce_to_one_shared, py::arg("bufs"), py::arg("op"), py::arg("out"),
+        "reduce_to_one into ``out``, made read-only; returns [out] + len(bufs)-1 read-only views of it, or None "
+        "(doing nothing) unless bufs are >= 2 C-contiguous numpy.ndarray of one shape and kernel dtype and out a "
+        "writable C-contiguous array of that dtype and size.");
   m.def("register_reduce_ops", &register_reduce_ops, py::arg("sum"), py::arg("mean"),
         "Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1.");
   m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),

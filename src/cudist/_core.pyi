@@ -269,6 +269,27 @@ def all_reduce_lion(
 ) -> None:
     """Fused: the sum of ``grads``, then Lion; one pass."""
 
+def reduce_to_one_shared(bufs: _Arrays, op: _Op, out: _Array) -> list[_Array] | None:
+    """reduce_to_one into ``out``, made read-only; [out] + len(bufs)-1 read-only views of it, or None
+    (doing nothing) unless bufs are >= 2 C-contiguous numpy.ndarray of one shape and kernel dtype
+    (not an integer MEAN) and out a writable C-contiguous array of that dtype and size."""
+
+# The replica engine's greenlet loop (csrc/bindings/replica_engine.cpp), for cudist._replica_engine.
+def replica_engine_setup(ctxvar: Any, abort_type: Any, getcurrent: Any, engine_globals: dict[str, Any], kinds: tuple[str, str, str]) -> None:
+    """What the replica engine's C functions use; kinds: (done, error, aborted)."""
+
+def replica_main(box: list[Any]) -> None:
+    """The body of a pooled replica greenlet."""
+
+def replica_meet(kind: str, payload: Any) -> Any:
+    """A replica at a collective (cudist._replica_engine.meet)."""
+
+def replica_exchange(workers: list[Any], events: list[Any], values: Sequence[Any], me: Any) -> None:
+    """values[i] to every replica greenlet in turn; events[i] = its next event."""
+
+def replica_collect(workers: list[Any], events: list[Any], handlers: Any) -> tuple[float, BaseException | None]:
+    """Performs the collectives every replica agrees on: (seconds in the replicas, a handler's exception or None)."""
+
 def num_threads() -> int:
     """Threads the kernels use (the calling thread included)."""
 

@@ -163,13 +163,16 @@ class _Pool:
     leaves it False, and the next ``run`` throws the pool away instead of trusting it.
     """
 
-    __slots__ = ("n", "busy", "clean")
+    __slots__ = ("n", "busy", "clean", "collect")
     threaded = False
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.busy = False
         self.clean = True
+        #: ``collect(workers, events, handlers) -> (seconds, exception or None)``: performs the
+        #: collectives every replica agrees on (the native engine's replica_collect), else None.
+        self.collect: Callable[..., tuple[float, BaseException | None]] | None = None
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         """Sends ``(op, values[i])`` to each replica ``i`` in ``which`` and stores its next event in ``events[i]``."""
@@ -183,17 +186,29 @@ class _Pool:
 
 
 class _GreenletPool(_Pool):
-    """N long-lived replica greenlets: an exchange runs each replica in turn until its next event."""
+    """N long-lived replica greenlets: an exchange runs each replica in turn until its next event.
 
-    __slots__ = ("workers",)
+    With the native engine (:func:`_native_engine`) the replicas' bodies, the exchanges of tasks and
+    results and the collectives the replicas agree on run in C; the protocol is the same.
+    """
+
+    __slots__ = ("workers", "native")
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
-        self.workers: list[Any] = [greenlet.greenlet(_greenlet_main) for _ in range(n)]
+        self.native = native = _native_engine()
+        body = _greenlet_main if native is None else native.replica_main
+        self.workers: list[Any] = [greenlet.greenlet(body) for _ in range(n)]
+        if native is not None:
+            self.collect = native.replica_collect
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         workers = self.workers
-        if op == _RESULT:
+        native = self.native
+        if native is not None and op != _ABORT:
+            # Tasks and results always go to every replica (run_replicas), in order.
+            native.replica_exchange(workers, events, values, _getcurrent() if op == _TASK else None)
+        elif op == _RESULT:
             for i in which:
                 kind, out = workers[i].switch(values[i])  # type: ignore[index]  # values given with _RESULT
                 events[i] = (kind, out.pop())
@@ -433,13 +448,47 @@ class _ThreadPool(_Pool):
     discard = abandon
 
 
-def meet(kind: str, payload: Any) -> Any:
+def _python_meet(kind: str, payload: Any) -> Any:
     """Called by a replica at a collective: hands ``payload`` to the caller of ``run``, which
-    performs the collective once every replica is there; returns this replica's result."""
+    performs the collective once every replica is there; returns this replica's result.
+
+    This is :func:`meet` until the native engine is loaded; its ``replica_meet`` is the same in C.
+    """
     slot = _replica_thread.slot
     if slot is not None:
         return slot.meet(kind, payload)
     return _getcurrent().parent.switch((kind, [payload]))
+
+
+meet = _python_meet
+
+
+#: The native engine (``cudist._core``) once loaded; False when it is not available or disabled.
+_native: Any = None
+#: Set (to anything but "" or "1") to run the replica engine in Python only.
+NATIVE_ENGINE_ENV = "CUDIST_NATIVE_ENGINE"
+
+
+def _native_engine() -> Any:
+    """``cudist._core`` with the replica engine's C functions set up, or None (pure Python).
+
+    Loaded when the first greenlet pool is made, not at import (``import cudist`` loads no
+    extension). ``$CUDIST_NATIVE_ENGINE=0`` keeps the engine in Python.
+    """
+    global _native, meet
+    if _native is None:
+        _native = False
+        if os.environ.get(NATIVE_ENGINE_ENV, "1").strip() in ("", "1"):
+            try:
+                from cudist import _core
+            except ImportError:
+                return None
+            setup = getattr(_core, "replica_engine_setup", None)
+            if setup is not None:  # a _core built before the engine moved to C has none
+                setup(_CTX, _Abort, _getcurrent, globals(), (_DONE, _ERROR, _ABORTED))
+                _native = _core
+                meet = _core.replica_meet
+    return _native or None
 
 
 # ---------------------------------------------------------------------------------------- choosing
@@ -728,7 +777,17 @@ def run_replicas(
         t0 = _now()
         pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
         work = _now() - t0
+        collect = pool.collect
         while True:
+            if collect is not None:
+                # The native engine performs the collectives the replicas agree on (the first
+                # branch below, in C) and returns when they no longer do.
+                seconds, exc = collect(pool.workers, events, handlers)  # type: ignore[attr-defined]
+                work += seconds
+                if exc is not None:  # a handler raised; the replicas wait at its collective
+                    if _abort(pool, events):
+                        pool.clean = True
+                    raise exc
             kinds = [ev[0] for ev in events]
             first = kinds[0]
             same = kinds.count(first) == n

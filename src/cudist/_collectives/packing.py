@@ -327,10 +327,15 @@ def all_reduce_arrays(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None
     if type(a0) is not np.ndarray or len(arrays) < 2:
         return None
     shape, dtype = a0.shape, a0.dtype
+    b = cpu_backend()
+    shared = b.trusted.reduce_to_one_shared
+    if shared is not None:  # the native backend checks, reduces and makes the views in one call
+        out = shared(arrays, op, pool.take(shape, dtype))
+        if out is not None:
+            return out  # type: ignore[no-any-return]
     for a in arrays:
         if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
             return None
-    b = cpu_backend()
     if dtype not in b.dtypes:
         return None
     return _reduce_one_leaf(b.trusted, op, arrays)

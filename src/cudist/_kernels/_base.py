@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -910,6 +910,11 @@ class TrustedKernels:
       1-d array receiving the reduced leaves back to back (not sharing memory with an input).
     * ``reduce_to_one(bufs, op, out)``; ``broadcast(src, dsts)``; ``assign(copies, value)``;
       ``assign_add(copies, value, negate)``.
+    * ``reduce_to_one_shared(bufs, op, out)`` (the native backend; None elsewhere): the one exception
+      to "checks nothing": ``reduce_to_one`` into ``out`` (a buffer nobody else holds), made
+      read-only, returning ``[out]`` + ``len(bufs) - 1`` read-only views of it; or None, doing
+      nothing, unless ``bufs`` are at least 2 C-contiguous ``numpy.ndarray`` of one shape and kernel
+      dtype (an integer MEAN excluded) and ``out`` fits them.
     * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
       ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
@@ -934,6 +939,7 @@ class TrustedKernels:
         "batch_all_reduce",
         "batch_reduce_to_one",
         "reduce_to_one",
+        "reduce_to_one_shared",
         "broadcast",
         "assign",
         "assign_add",
@@ -970,6 +976,8 @@ class TrustedKernels:
         self.batch_all_reduce = backend._hook_batch_all_reduce
         self.batch_reduce_to_one = backend._hook_batch_reduce_to_one
         self.reduce_to_one = backend._hook_reduce_to_one
+        #: Only where the backend has it in one native call (else None): see the class docstring.
+        self.reduce_to_one_shared: Any = None
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add

@@ -168,6 +168,7 @@ class _NativeTrusted(TrustedKernels):
         self.batch_all_reduce = _core.batch_all_reduce
         self.batch_reduce_to_one = _core.batch_reduce_to_one
         self.reduce_to_one = _core.reduce_to_one
+        self.reduce_to_one_shared = _core.reduce_to_one_shared
         self.broadcast = _core.broadcast
         self.assign = _core.assign
         self.assign_add = _core.assign_add
