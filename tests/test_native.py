@@ -866,7 +866,7 @@ def test_replica_engine_runs_in_c_by_default():
         assert _replica_engine._native_engine() is _core
         assert _replica_engine.meet is _core.replica_meet
         pool = _replica_engine._local.pools[(3, False)][0]
-        assert pool.native is _core and pool.collect is _core.replica_collect
+        assert pool.native is _core and pool.run is _core.replica_run
     finally:
         config.set_replica_execution(before)
 
@@ -882,7 +882,7 @@ def test_replica_engine_env_keeps_it_in_python():
         "out = s.run(lambda: cudist.get_replica_context().all_reduce('sum', np.float32(1.0)))\n"
         "assert [float(v) for v in s.experimental_local_results(out)] == [2.0, 2.0]\n"
         "assert E._native_engine() is None and E.meet is E._python_meet\n"
-        "assert E._local.pools[(2, False)][0].collect is None\n"
+        "assert E._local.pools[(2, False)][0].run is None\n"
         "print('ok')\n"
     )
     import subprocess
@@ -898,7 +898,9 @@ def test_replica_engine_functions_check_their_arguments():
     with pytest.raises(TypeError, match="same"):
         _core.replica_exchange([object()], [None, None], [1], None)
     with pytest.raises(TypeError, match="same"):
-        _core.replica_collect((), [], {})
+        _core.replica_run((), None, [], None, [], [], [], {})
+    with pytest.raises(TypeError, match="replica_run"):
+        _core.replica_run([], [])
     with pytest.raises(TypeError, match="replica_engine_setup"):
         _core.replica_engine_setup(1, 2, 3)
     with pytest.raises(TypeError, match="meet"):

@@ -6,7 +6,8 @@
 //   replica_main(box)           the body of a pooled replica greenlet   (_replica_engine._greenlet_main)
 //   replica_meet(kind, payload) a replica at a collective               (_replica_engine.meet)
 //   replica_exchange(...)       tasks or results to every replica       (_GreenletPool.exchange)
-//   replica_collect(...)        the collectives every replica agrees on (run_replicas' first branch)
+//   replica_run(...)            the tasks, then the collectives every replica agrees on (run_replicas'
+//                               first branch), and the results when every replica returned
 //
 // Why: a 4-replica `run` + `all_reduce` of 256 KiB spent ~18 us in Python around an 8 us kernel;
 // these take ~4 us of it (bench/PERFORMANCE.md, seventh session). Everything here holds the GIL.
@@ -273,45 +274,32 @@ double now() {
 }
 
 // While every replica waits at the same collective: events[i] = (kind, None), results =
-// handlers[kind](payloads), each replica gets results[i] and runs to its next event. Returns
-// (seconds spent in the replicas, None) once they no longer agree on a collective (all done,
-// an error, a mismatch: run_replicas decides), or (seconds, exception) when a handler raised (the
-// replicas then wait at that collective, their events (kind, None), for run_replicas to unwind).
-PyObject* replica_collect(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 3) {
-    PyErr_SetString(PyExc_TypeError, "replica_collect(workers, events, handlers)");
-    return nullptr;
-  }
-  PyObject* workers = args[0];
-  PyObject* events = args[1];
-  PyObject* handlers = args[2];
-  if (!ready() || !check_lists(workers, events)) return nullptr;
+// handlers[kind](payloads), each replica gets results[i] and runs to its next event. Adds the
+// seconds spent in the replicas to `work`. Returns 0 once they no longer agree on a collective (all
+// done, an error, a mismatch: run_replicas decides), 1 with `*exc` set when a handler raised (the
+// replicas then wait at that collective, their events (kind, None), for run_replicas to unwind),
+// -1 with a Python error set when an exchange failed.
+int collect(PyObject* workers, PyObject* events, PyObject* handlers, double& work, PyObject** exc) {
   const Py_ssize_t n = PyList_GET_SIZE(events);
-  double work = 0.0;
   for (;;) {
     PyObject* ev0 = PyList_GET_ITEM(events, 0);
-    if (!PyTuple_CheckExact(ev0) || PyTuple_GET_SIZE(ev0) != 2) break;
+    if (!PyTuple_CheckExact(ev0) || PyTuple_GET_SIZE(ev0) != 2) return 0;
     PyObject* kind = PyTuple_GET_ITEM(ev0, 0);
-    if (kind == st.done || kind == st.error || kind == st.aborted) break;
-    bool same = true;
-    for (Py_ssize_t i = 1; i < n && same; ++i) {
+    if (kind == st.done || kind == st.error || kind == st.aborted) return 0;
+    for (Py_ssize_t i = 1; i < n; ++i) {
       PyObject* ev = PyList_GET_ITEM(events, i);
-      if (!PyTuple_CheckExact(ev) || PyTuple_GET_SIZE(ev) != 2) {
-        same = false;
-      } else {
-        const int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(ev, 0), kind, Py_EQ);
-        if (eq < 0) return nullptr;
-        same = eq == 1;
-      }
+      if (!PyTuple_CheckExact(ev) || PyTuple_GET_SIZE(ev) != 2) return 0;
+      const int eq = PyObject_RichCompareBool(PyTuple_GET_ITEM(ev, 0), kind, Py_EQ);
+      if (eq < 0) return -1;
+      if (eq == 0) return 0;
     }
-    if (!same) break;
     Py_INCREF(kind);  // events[0], which holds it, is replaced below
     PyObject* payloads = PyList_New(n);
     PyObject* waiting = payloads == nullptr ? nullptr : PyTuple_Pack(2, kind, Py_None);
     if (waiting == nullptr) {
       Py_XDECREF(payloads);
       Py_DECREF(kind);
-      return nullptr;
+      return -1;
     }
     for (Py_ssize_t i = 0; i < n; ++i) {
       PyObject* ev = PyList_GET_ITEM(events, i);
@@ -328,25 +316,77 @@ PyObject* replica_collect(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     }
     Py_DECREF(payloads);
     if (results == nullptr) {
-      PyObject* exc = take_exception();
-      if (exc == nullptr) return nullptr;
-      PyObject* w = PyFloat_FromDouble(work);
-      PyObject* r = w == nullptr ? nullptr : PyTuple_Pack(2, w, exc);
-      Py_XDECREF(w);
-      Py_DECREF(exc);
-      return r;
+      *exc = take_exception();
+      return *exc == nullptr ? -1 : 1;
     }
     // Every replica gets its result and runs on, even after another one raised (TF's rule).
     const double t0 = now();
     const int rc = exchange(workers, events, results, Py_None);
     work += now() - t0;
     Py_DECREF(results);
-    if (rc < 0) return nullptr;
+    if (rc < 0) return -1;
+  }
+}
+
+// A whole run whose replicas agree: tasks (frames[i], fn, args_list[i], kwargs_list[i]) to every
+// replica (`me` their parent), then collect(). Returns (seconds in the replicas, the handler's
+// exception or None, the replicas' results or None): results only when every replica returned;
+// otherwise run_replicas decides from `events` (an error, a mismatch) as after its own exchange.
+PyObject* replica_run(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 8) {
+    PyErr_SetString(PyExc_TypeError, "replica_run(workers, me, frames, fn, args_list, kwargs_list, events, handlers)");
+    return nullptr;
+  }
+  PyObject* workers = args[0];
+  PyObject* events = args[6];
+  if (!ready() || !check_lists(workers, events)) return nullptr;
+  const Py_ssize_t n = PyList_GET_SIZE(workers);
+  PyObject* tasks = PyList_New(n);
+  if (tasks == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* frame = PySequence_GetItem(args[2], i);
+    PyObject* a = frame == nullptr ? nullptr : PySequence_GetItem(args[4], i);
+    PyObject* kw = a == nullptr ? nullptr : PySequence_GetItem(args[5], i);
+    PyObject* task = kw == nullptr ? nullptr : PyTuple_Pack(4, frame, args[3], a, kw);
+    Py_XDECREF(frame);
+    Py_XDECREF(a);
+    Py_XDECREF(kw);
+    if (task == nullptr) {
+      Py_DECREF(tasks);
+      return nullptr;
+    }
+    PyList_SET_ITEM(tasks, i, task);
+  }
+  double work = 0.0;
+  const double t0 = now();
+  const int rc = exchange(workers, events, tasks, args[1]);
+  work += now() - t0;
+  Py_DECREF(tasks);
+  if (rc < 0) return nullptr;
+  PyObject* exc = nullptr;
+  if (collect(workers, events, args[7], work, &exc) < 0) return nullptr;
+  PyObject* results = nullptr;
+  if (exc == nullptr) {
+    bool done = true;
+    for (Py_ssize_t i = 0; i < n && done; ++i) {
+      PyObject* ev = PyList_GET_ITEM(events, i);
+      done = PyTuple_CheckExact(ev) && PyTuple_GET_SIZE(ev) == 2 && PyTuple_GET_ITEM(ev, 0) == st.done;
+    }
+    if (done) {
+      results = PyList_New(n);
+      if (results == nullptr) return nullptr;
+      for (Py_ssize_t i = 0; i < n; ++i) {
+        PyObject* ev = PyList_GET_ITEM(events, i);
+        PyList_SET_ITEM(results, i, Py_NewRef(PyTuple_GET_ITEM(ev, 1)));
+      }
+    }
   }
   PyObject* w = PyFloat_FromDouble(work);
-  if (w == nullptr) return nullptr;
-  PyObject* r = PyTuple_Pack(2, w, Py_None);
-  Py_DECREF(w);
+  PyObject* r = w == nullptr ? nullptr
+                             : PyTuple_Pack(3, w, exc == nullptr ? Py_None : exc, results == nullptr ? Py_None : results);
+  Py_XDECREF(w);
+  Py_XDECREF(exc);
+  Py_XDECREF(results);
   return r;
 }
 
@@ -362,9 +402,10 @@ PyMethodDef methods[] = {
     {"replica_exchange", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(replica_exchange)), METH_FASTCALL,
      "replica_exchange(workers, events, values, me) -> None\n\nvalues[i] to every replica greenlet in turn "
      "(boxed tasks with `me` as their parent, or results when `me` is None); events[i] = its next event."},
-    {"replica_collect", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(replica_collect)), METH_FASTCALL,
-     "replica_collect(workers, events, handlers) -> tuple\n\nPerforms the collectives every replica agrees on; "
-     "returns (seconds in the replicas, the handler's exception or None)."},
+    {"replica_run", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(replica_run)), METH_FASTCALL,
+     "replica_run(workers, me, frames, fn, args_list, kwargs_list, events, handlers) -> tuple\n\nA run whose "
+     "replicas agree: the tasks, then the collectives they agree on; returns (seconds in the replicas, the handler's exception "
+     "or None, the results when every replica returned, else None)."},
     {nullptr, nullptr, 0, nullptr}};
 
 }  // namespace

@@ -287,8 +287,18 @@ def replica_meet(kind: str, payload: Any) -> Any:
 def replica_exchange(workers: list[Any], events: list[Any], values: Sequence[Any], me: Any) -> None:
     """values[i] to every replica greenlet in turn; events[i] = its next event."""
 
-def replica_collect(workers: list[Any], events: list[Any], handlers: Any) -> tuple[float, BaseException | None]:
-    """Performs the collectives every replica agrees on: (seconds in the replicas, a handler's exception or None)."""
+def replica_run(
+    workers: list[Any],
+    me: Any,
+    frames: Sequence[Any],
+    fn: Any,
+    args_list: Sequence[Any],
+    kwargs_list: Sequence[Any],
+    events: list[Any],
+    handlers: Any,
+) -> tuple[float, BaseException | None, list[Any] | None]:
+    """A run whose replicas agree, in C: (seconds in the replicas, a handler's exception or None,
+    the results when every replica returned, else None)."""
 
 def num_threads() -> int:
     """Threads the kernels use (the calling thread included)."""

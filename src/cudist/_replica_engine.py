@@ -14,7 +14,7 @@ Two ways to run the N replicas of a ``run``, one protocol:
   BLAS thread pools NumPy uses are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`).
 
 With ``cudist._core`` built, the greenlet mode's per-step loop runs in C (``replica_main``,
-``replica_meet``, ``replica_exchange``, ``replica_collect`` of csrc/bindings/replica_engine.cpp): the
+``replica_meet``, ``replica_exchange``, ``replica_run`` of csrc/bindings/replica_engine.cpp): the
 same protocol and events, while every decision other than "every replica waits at the same
 collective" stays in :func:`run_replicas`. It took ~4 us off a 4-replica ``run`` + ``all_reduce``
 (26.5 -> 22.1 us at 256 KiB, with the one-call reduce of the handler). ``$CUDIST_NATIVE_ENGINE=0``
@@ -170,16 +170,16 @@ class _Pool:
     leaves it False, and the next ``run`` throws the pool away instead of trusting it.
     """
 
-    __slots__ = ("n", "busy", "clean", "collect")
+    __slots__ = ("n", "busy", "clean", "run")
     threaded = False
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.busy = False
         self.clean = True
-        #: ``collect(workers, events, handlers) -> (seconds, exception or None)``: performs the
-        #: collectives every replica agrees on (the native engine's replica_collect), else None.
-        self.collect: Callable[..., tuple[float, BaseException | None]] | None = None
+        #: The native engine's ``replica_run`` for a greenlet pool (a whole run whose replicas
+        #: agree, in C), else None.
+        self.run: Callable[..., tuple[float, BaseException | None, list[Any] | None]] | None = None
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         """Sends ``(op, values[i])`` to each replica ``i`` in ``which`` and stores its next event in ``events[i]``."""
@@ -207,7 +207,7 @@ class _GreenletPool(_Pool):
         body = _greenlet_main if native is None else native.replica_main
         self.workers: list[Any] = [greenlet.greenlet(body) for _ in range(n)]
         if native is not None:
-            self.collect = native.replica_collect
+            self.run = native.replica_run
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         workers = self.workers
@@ -781,20 +781,27 @@ def run_replicas(
         # Inside the try: an interrupt anywhere after it must not leave the pool marked busy for ever.
         pool.busy = True
         pool.clean = False  # until every replica is back, idle
-        t0 = _now()
-        pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
-        work = _now() - t0
-        collect = pool.collect
+        native_run = pool.run
+        if native_run is not None:
+            # The native engine: the tasks, the collectives the replicas agree on (the loop's
+            # first branch below) and, when every replica returned, the results, in C.
+            work, exc, returned = native_run(
+                pool.workers, _getcurrent(), frames, fn, args_list, kwargs_list, events, handlers  # type: ignore[attr-defined]
+            )
+            if returned is not None:
+                pool.clean = True
+                if policy is not None:
+                    policy.observe(work)
+                return returned
+            if exc is not None:  # a handler raised; the replicas wait at its collective
+                if _abort(pool, events):
+                    pool.clean = True
+                raise exc
+        else:
+            t0 = _now()
+            pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
+            work = _now() - t0
         while True:
-            if collect is not None:
-                # The native engine performs the collectives the replicas agree on (the first
-                # branch below, in C) and returns when they no longer do.
-                seconds, exc = collect(pool.workers, events, handlers)  # type: ignore[attr-defined]
-                work += seconds
-                if exc is not None:  # a handler raised; the replicas wait at its collective
-                    if _abort(pool, events):
-                        pool.clean = True
-                    raise exc
             kinds = [ev[0] for ev in events]
             first = kinds[0]
             same = kinds.count(first) == n
