@@ -893,10 +893,6 @@ def test_replica_engine_env_keeps_it_in_python():
 
 
 def test_replica_engine_functions_check_their_arguments():
-    with pytest.raises(TypeError, match="replica_exchange"):
-        _core.replica_exchange([], [])
-    with pytest.raises(TypeError, match="same"):
-        _core.replica_exchange([object()], [None, None], [1], None)
     with pytest.raises(TypeError, match="same"):
         _core.replica_run((), None, [], None, [], [], [], {})
     with pytest.raises(TypeError, match="replica_run"):

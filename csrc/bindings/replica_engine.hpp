@@ -5,7 +5,7 @@
 
 namespace cudist_bindings {
 
-/// Adds replica_engine_setup, replica_main, replica_meet, replica_exchange and replica_run to
+/// Adds replica_engine_setup, replica_main, replica_meet and replica_run to
 /// ``module``; returns -1 with a Python error set on failure.
 int add_replica_engine(PyObject* module);
 

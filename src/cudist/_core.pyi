@@ -284,9 +284,6 @@ def replica_main(box: list[Any]) -> None:
 def replica_meet(kind: str, payload: Any) -> Any:
     """A replica at a collective (cudist._replica_engine.meet)."""
 
-def replica_exchange(workers: list[Any], events: list[Any], values: Sequence[Any], me: Any) -> None:
-    """values[i] to every replica greenlet in turn; events[i] = its next event."""
-
 def replica_run(
     workers: list[Any],
     me: Any,

@@ -14,11 +14,13 @@ Two ways to run the N replicas of a ``run``, one protocol:
   BLAS thread pools NumPy uses are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`).
 
 With ``cudist._core`` built, the greenlet mode's per-step loop runs in C (``replica_main``,
-``replica_meet``, ``replica_exchange``, ``replica_run`` of csrc/bindings/replica_engine.cpp): the
-same protocol and events, while every decision other than "every replica waits at the same
-collective" stays in :func:`run_replicas`. It took ~4 us off a 4-replica ``run`` + ``all_reduce``
-(26.5 -> 22.1 us at 256 KiB, with the one-call reduce of the handler). ``$CUDIST_NATIVE_ENGINE=0``
-keeps the engine in Python (the engine tests run both).
+``replica_meet`` and ``replica_run`` of csrc/bindings/replica_engine.cpp): the same events, while
+every decision other than "every replica waits at the same collective" and "every replica returned"
+stays in :func:`run_replicas`. Tasks and results are relayed: the caller switches to replica 0, each
+replica at its next event to the next one, the last back to the caller (n + 1 switches per exchange
+instead of 2n). With the handler's one-call reduce it took a 4-replica ``run`` + ``all_reduce`` of
+256 KiB from 26.5 to 19.4 us. ``$CUDIST_NATIVE_ENGINE=0`` keeps the engine in Python (the engine
+tests run both).
 
 Either way, a replica reaches a collective (all_reduce, all_gather, merge_call) through
 :func:`meet`, which hands ``(kind, payload)`` to the caller. When every replica is waiting at the
@@ -210,12 +212,10 @@ class _GreenletPool(_Pool):
             self.run = native.replica_run
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
+        # (A native pool's runs go through replica_run; this serves its unwinding: its replicas
+        # report to their parent, outside a relay, exactly as the Python ones do.)
         workers = self.workers
-        native = self.native
-        if native is not None and op != _ABORT:
-            # Tasks and results always go to every replica (run_replicas), in order.
-            native.replica_exchange(workers, events, values, _getcurrent() if op == _TASK else None)
-        elif op == _RESULT:
+        if op == _RESULT:
             for i in which:
                 kind, out = workers[i].switch(values[i])  # type: ignore[index]  # values given with _RESULT
                 events[i] = (kind, out.pop())
