@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._values import Mirrored, PerReplica, regroup, select_replica, select_replicas
+from cudist._values import Mirrored, PerReplica, regroup, select_replica, select_replicas, select_replicas_exact
 
 
 def _same(a, b):
@@ -95,6 +95,21 @@ def test_regroup_of_flat_lists_of_arrays_equals_the_nest_path(container, always_
     assert regroup([container(), container()]) == container()
     with pytest.raises(ValueError, match="differs"):
         regroup([container([np.ones(1)]), container([np.ones(1), np.ones(1)])])
+
+
+def test_select_replicas_exact_selects_usual_args_and_declines_the_rest(mirrored3):
+    n = 3
+    pr = PerReplica([np.full(2, i, np.float32) for i in range(n)])
+    mir = Mirrored([np.ones(1)] * n)
+    with mirrored3.scope():
+        var = cudist.Variable(np.zeros(2, np.float32))
+    plain = np.arange(3.0)
+    for args in [(pr,), (pr, plain), (pr, mir, var), ([pr, plain], (pr, [mir, var]), []), ([[pr], (plain,)],)]:
+        got = select_replicas_exact(n, args)
+        assert got is not None and all(_same(g, w) for g, w in zip(got, select_replicas(n, args))), args
+    too_many, too_few = PerReplica([plain] * 4), Mirrored([plain] * 2)
+    for args in [(too_many,), (plain, [too_few]), (pr, 1.5), ({"x": pr},), ((plain, (too_many,)),)]:
+        assert select_replicas_exact(n, args) is None, args
 
 
 def test_select_replicas_too_few_components_is_an_index_error():

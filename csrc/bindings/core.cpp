@@ -340,8 +340,9 @@ py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out
   o->flags &= ~writeable;  // before the views: each view is then read-only too
   py::list results(n);
   results[0] = out;
+  auto& api = py::detail::npy_api::get();
   for (Py_ssize_t i = 1; i < n; ++i) {
-    PyObject* v = PyObject_CallMethodNoArgs(out.ptr(), py::str("view").ptr());
+    PyObject* v = api.PyArray_View_(out.ptr(), nullptr, nullptr);  // out.view()
     if (v == nullptr) throw py::error_already_set();
     PyList_SET_ITEM(results.ptr(), i, v);
   }

@@ -43,7 +43,15 @@ from cudist._arrays import (
     to_host,
 )
 from cudist._reduce_util import ReduceOp, int_mean_dtype
-from cudist._values import DistributedValues, Mirrored, PerReplica, regroup, select_replica, select_replicas
+from cudist._values import (
+    DistributedValues,
+    Mirrored,
+    PerReplica,
+    regroup,
+    select_replica,
+    select_replicas,
+    select_replicas_exact,
+)
 
 if TYPE_CHECKING:
     from cudist._arrays import Array
@@ -268,6 +276,8 @@ def _regroup_results(results: Sequence[Any]) -> Any:
             break
     else:
         return first
+    if type(first) is np.ndarray:  # the usual result: one array per replica
+        return PerReplica(results)
     if isinstance(first, (tuple, list, dict)) or first is None or isinstance(first, DistributedValues):
         return regroup(results, PerReplica)
     return PerReplica(results)
@@ -1055,7 +1065,9 @@ class StrategyExtended:
                 )
         kwargs = kwargs or {}
         n = self._num
-        if args:
+        # The usual arguments are checked and selected in one pass; anything else the general way.
+        args_list = select_replicas_exact(n, tuple(args)) if args and n > 1 else None
+        if args and args_list is None:
             _check_component_counts("strategy.run", args, n)
         if kwargs:
             _check_component_counts("strategy.run", kwargs, n)
@@ -1077,7 +1089,8 @@ class StrategyExtended:
                 if gpus is not None:
                     set_current_gpu(prev)
         try:
-            args_list = select_replicas(n, tuple(args)) if args else [()] * n
+            if args_list is None:
+                args_list = select_replicas(n, tuple(args)) if args else [()] * n
             kwargs_list = select_replicas(n, kwargs) if kwargs else [kwargs] * n
         except IndexError:
             sizes = sorted({len(x.values) for x in optree.tree_leaves((args, kwargs), is_leaf=_is_dv) if _is_dv(x)})  # type: ignore[arg-type]  # PyTree

@@ -8,7 +8,16 @@ from typing import Any, TypeGuard
 import numpy as np
 import optree
 
-__all__ = ["DistributedValues", "PerReplica", "Mirrored", "regroup", "select_replica", "select_replicas", "is_distributed"]
+__all__ = [
+    "DistributedValues",
+    "PerReplica",
+    "Mirrored",
+    "regroup",
+    "select_replica",
+    "select_replicas",
+    "select_replicas_exact",
+    "is_distributed",
+]
 
 
 class DistributedValues:
@@ -80,11 +89,19 @@ def select_replicas(n: int, structured: Any) -> list[Any]:
     return [select_replica(i, structured) for i in range(n)]
 
 
-def _select_sequence(n: int, x: list[Any] | tuple[Any, ...]) -> list[Any] | None:
+def select_replicas_exact(n: int, args: tuple[Any, ...]) -> list[Any] | None:
+    """``select_replicas(n, args)`` of ``strategy.run``'s usual arguments -- arrays, DistributedValues
+    of exactly ``n`` components (or kept whole, as variables are) and lists and tuples of them --
+    in one pass; None, selecting nothing, for anything else or another component count (the caller
+    then checks the counts and selects the general way)."""
+    return _select_sequence(n, args, exact=True)
+
+
+def _select_sequence(n: int, x: list[Any] | tuple[Any, ...], exact: bool = False) -> list[Any] | None:
     """``select_replicas`` of a list or tuple of arrays, DistributedValues, and lists and tuples of
     them (nested): run()'s common arguments (a step's inputs, a list of per-replica gradients),
     without the tree walk. Every replica gets containers of its own. None when anything else is
-    in them."""
+    in them (with ``exact``, also a DistributedValues of other than ``n`` components)."""
     cols: list[Sequence[Any]] = []
     for item in x:
         t = type(item)
@@ -93,9 +110,14 @@ def _select_sequence(n: int, x: list[Any] | tuple[Any, ...]) -> list[Any] | None
         elif t is PerReplica and len(item._values) == n:
             cols.append(item._values)
         elif isinstance(item, DistributedValues):
-            cols.append((item,) * n if item._keep_in_replica else [item._get_replica(i) for i in range(n)])
+            if item._keep_in_replica:
+                cols.append((item,) * n)
+            elif exact and len(item.values) != n:
+                return None
+            else:
+                cols.append([item._get_replica(i) for i in range(n)])
         elif t is list or t is tuple:
-            col = _select_sequence(n, item)
+            col = _select_sequence(n, item, exact)
             if col is None:
                 return None
             cols.append(col)

@@ -52,11 +52,11 @@ def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
         A view of a pooled buffer nobody else holds, or a fresh array (small sizes, or the size's
         buffers all in use).
     """
-    dtype = np.dtype(dtype)
-    count = 1
+    if not isinstance(dtype, np.dtype):
+        dtype = np.dtype(dtype)
+    nbytes = dtype.itemsize
     for dim in shape:
-        count *= dim
-    nbytes = count * dtype.itemsize
+        nbytes *= dim
     if nbytes < MIN_BYTES:
         return _empty(shape, dtype)
     buffers = _buffers()
@@ -65,12 +65,17 @@ def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
         lst = buffers[nbytes] = []
     for buf in lst:
         if _getrefcount(buf) == 3:  # the list, ``buf`` and getrefcount's argument: nobody else
-            return buf.view(dtype).reshape(shape)
+            return _typed(buf, dtype, shape)
     if len(lst) < PER_SIZE:
         buf = _empty(nbytes, _u8)
         lst.append(buf)
-        return buf.view(dtype).reshape(shape)
+        return _typed(buf, dtype, shape)
     return _empty(shape, dtype)
+
+
+def _typed(buf: npt.NDArray[np.uint8], dtype: np.dtype[Any], shape: tuple[int, ...]) -> npt.NDArray[Any]:
+    v = buf.view(dtype)
+    return v if len(shape) == 1 else v.reshape(shape)  # a 1-d view has the shape already
 
 
 def clear() -> None:
