@@ -69,6 +69,25 @@ class KernelPassCounter:
             self.to_one.append(tuple(b.size for b in bufs))
             return to_one(bufs, op, out)
 
+        # The native backend's checked forms: a pass when they take the call (None: declined).
+        shared, batch_shared = trusted.reduce_to_one_shared, trusted.batch_reduce_to_one_shared
+
+        def spy_shared(bufs, op, out):
+            res = shared(bufs, op, out)
+            if res is not None:
+                self.to_one.append(tuple(b.size for b in bufs))
+            return res
+
+        def spy_batch_shared(inputs, op, out):
+            res = batch_shared(inputs, op, out)
+            if res is not None:
+                self.batches.append(tuple(sum(a.size for a in leaves) for leaves in inputs))
+            return res
+
+        if shared is not None:
+            monkeypatch.setattr(trusted, "reduce_to_one_shared", spy_shared)
+        if batch_shared is not None:
+            monkeypatch.setattr(trusted, "batch_reduce_to_one_shared", spy_batch_shared)
         monkeypatch.setattr(trusted, "all_reduce", spy_one)
         monkeypatch.setattr(trusted, "batch_all_reduce", spy_batch)
         monkeypatch.setattr(trusted, "batch_reduce_to_one", spy_batch_to_one)
@@ -615,3 +634,43 @@ def test_every_strategy_aggregates_variables_through_reduce_to(monkeypatch, make
     if n > 1:
         assert ReduceOp.SUM in seen and ReduceOp.MEAN in seen
         assert [c[:2] for c in spy.calls] == [("reduce", op) for op in seen]
+
+
+@pytest.mark.parametrize("leaves", [1, 7])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_native_checked_calls_and_the_python_path_give_the_same_results(monkeypatch, leaves, dtype, op):
+    """The native backend's reduce_to_one_shared / batch_reduce_to_one_shared (one call that checks,
+    reduces and makes the views) against the Python path they shortcut (the other backends'): same
+    values bit for bit, same shapes and dtypes, read-only, one object per replica."""
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
+    rng = np.random.default_rng(leaves)
+    shapes = [(LARGE + 3,), (5, 7), (), (1,), (3, 4, 2), (LARGE // 2,), (9,)][:leaves]
+
+    def rand(shape):
+        if np.dtype(dtype).kind == "f":
+            return np.asarray(rng.standard_normal(shape) * 3).astype(dtype)
+        return np.asarray(rng.integers(-1000, 1000, shape)).astype(dtype)
+
+    grads = [[rand(sh) for sh in shapes] for _ in range(3)]
+    arg = PerReplica([g[0] for g in grads]) if leaves == 1 else PerReplica(grads)
+
+    def run():
+        out = s.run(lambda g: cudist.get_replica_context().all_reduce(op, g), args=(arg,))
+        res = s.experimental_local_results(out)
+        return [[r] for r in res] if leaves == 1 else [list(r) for r in res]
+
+    native = run()
+    trusted = _cpu_backend().trusted
+    monkeypatch.setattr(trusted, "reduce_to_one_shared", None)
+    monkeypatch.setattr(trusted, "batch_reduce_to_one_shared", None)
+    python = run()
+    for rn, rp in zip(native, python):
+        for a, b in zip(rn, rp):
+            assert type(a) is type(b) and np.shape(a) == np.shape(b) and np.asarray(a).dtype == np.asarray(b).dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+            if isinstance(a, np.ndarray):
+                assert not a.flags.writeable
+    for j in range(leaves):
+        objs = [row[j] for row in native]
+        assert len({id(o) for o in objs}) == 3

@@ -954,3 +954,52 @@ def test_reduce_to_one_shared_declines_what_it_does_not_check_for_the_caller():
     assert _core.reduce_to_one_shared(iter(a), ReduceOp.SUM, np.empty(64, np.float32)) is None
     with pytest.raises(ValueError, match="op"):
         _core.reduce_to_one_shared(a, 7, np.empty(64, np.float32))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("op", [ReduceOp.SUM, ReduceOp.MEAN])
+def test_batch_reduce_to_one_shared_matches_reference(ref, dtype, n, op):
+    if op is ReduceOp.MEAN and np.dtype(dtype).kind == "i":
+        pytest.skip("integer MEAN is refused (test below)")
+    rng = np.random.default_rng(hash((dtype, n, op.value)) % 2**32)
+    shapes = [(7, 13), (1,), (), (BIG,), (3, 1, 2)]
+    leaves = [[np.array(rand(rng, dtype, s)) for s in shapes] for _ in range(n)]
+    before = [[a.copy() for a in row] for row in leaves]
+    total = sum(int(np.prod(s)) for s in shapes)
+    out = np.empty(total, dtype)
+    res = _core.batch_reduce_to_one_shared(leaves, op, out)
+    assert isinstance(res, list) and len(res) == n and all(len(row) == len(shapes) for row in res)
+    one = np.atleast_1d
+    for j, s in enumerate(shapes):
+        want = ref.reduce_to_one([before[r][j].copy() for r in range(n)], op)
+        objs = [res[r][j] for r in range(n)]
+        assert len({id(o) for o in objs}) == n
+        for o in objs:
+            assert o.shape == s and not o.flags.writeable and np.shares_memory(o, out)
+            assert_bits_equal(one(o), one(np.asarray(want)))
+    for row, row0 in zip(leaves, before):
+        for a, a0 in zip(row, row0):
+            assert_bits_equal(one(a), one(a0))  # inputs untouched
+
+
+def test_batch_reduce_to_one_shared_declines_what_it_does_not_check_for_the_caller():
+    rng = np.random.default_rng(2)
+    rows = [[rng.standard_normal(s).astype(np.float32) for s in ((4, 4), (3,))] for _ in range(3)]
+
+    def declined(inputs, op=ReduceOp.SUM, out=None):
+        out = np.empty(19, np.float32) if out is None else out
+        return _core.batch_reduce_to_one_shared(inputs, op, out) is None and out.flags.writeable
+
+    assert declined(rows[:1])  # one replica
+    assert declined([[], [], []])  # no leaves
+    assert declined([rows[0], rows[1][:1], rows[2]])  # another leaf count
+    assert declined([rows[0], [rows[1][0].reshape(2, 8), rows[1][1]], rows[2]])  # another shape
+    assert declined([rows[0], [rows[1][0], rows[1][1].astype(np.float64)], rows[2]])  # another dtype
+    assert declined([rows[0], [rows[1][0].T, rows[1][1]], rows[2]])  # not C-contiguous
+    assert declined([rows[0], [rows[1][0], list(rows[1][1])], rows[2]])  # not an array
+    assert declined([rows[0], (x for x in rows[1]), rows[2]])  # not a list or tuple
+    assert declined([[x.astype(np.int64) for x in r] for r in rows], ReduceOp.MEAN, np.empty(19, np.int64))
+    assert declined(rows, ReduceOp.SUM, np.empty(18, np.float32))  # out of another size
+    assert declined(rows, ReduceOp.SUM, np.empty(19, np.float64))  # out of another dtype
+    assert _core.batch_reduce_to_one_shared(tuple(tuple(r) for r in rows), ReduceOp.SUM, np.empty(19, np.float32))

@@ -515,6 +515,110 @@ void batch_reduce_to_one(py::handle inputs, py::handle op_h, py::handle out) {
   });
 }
 
+// A step's gradients all-reduced by a replica (cudist._collectives.packing): batch_reduce_to_one of
+// inputs[r][j] (leaf j of replica r) into `out` (a 1-d pooled buffer, the leaves back to back), made
+// read-only; returns per replica the list of its leaves' results: replica 0's are views of `out` in
+// its leaves' shapes, the others' views of those (distinct read-only objects sharing the memory).
+// Returns None, doing nothing, unless inputs holds at least 2 replicas of the same number (>= 1) of
+// numpy.ndarray (exactly), all C-contiguous and of one kernel dtype, leaf j of one shape in every
+// replica, and out a writable C-contiguous array of that dtype with as many elements as a replica's
+// leaves: the caller's general path then takes the call. Replaces per leaf ~1 us of Python
+// (contiguity checks, slices, reshapes, views) with ~0.1 us.
+py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::handle out) {
+  const auto op = to_op(op_h);
+  if (!PyList_Check(inputs.ptr()) && !PyTuple_Check(inputs.ptr())) return py::none();
+  const py::tuple rows_t = as_leaf_tuple(inputs, "batch_reduce_to_one_shared", "inputs");
+  const Py_ssize_t n = PyTuple_GET_SIZE(rows_t.ptr());
+  if (n < 2) return py::none();
+  std::vector<py::tuple> rows;
+  rows.reserve(static_cast<std::size_t>(n));
+  for (Py_ssize_t r = 0; r < n; ++r) {
+    PyObject* row = PyTuple_GET_ITEM(rows_t.ptr(), r);
+    if (!PyList_Check(row) && !PyTuple_Check(row)) return py::none();
+    rows.push_back(as_leaf_tuple(row, "batch_reduce_to_one_shared", "inputs[r]"));
+  }
+  const Py_ssize_t m = PyTuple_GET_SIZE(rows[0].ptr());
+  if (m == 0) return py::none();
+  for (Py_ssize_t r = 1; r < n; ++r)
+    if (PyTuple_GET_SIZE(rows[static_cast<std::size_t>(r)].ptr()) != m) return py::none();
+  auto* array_type = reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_);
+  constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
+  constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  PyObject* first = PyTuple_GET_ITEM(rows[0].ptr(), 0);
+  if (Py_TYPE(first) != array_type) return py::none();
+  kind k;
+  if (!kind_of(py::detail::array_proxy(first)->descr, k)) return py::none();
+  if (op == cudist::reduce_op::mean && (k == kind::i32 || k == kind::i64)) return py::none();
+  const std::size_t un = static_cast<std::size_t>(n), um = static_cast<std::size_t>(m);
+  std::vector<void*> in(um * un);
+  std::vector<std::size_t> counts(um);
+  std::size_t total = 0;
+  for (Py_ssize_t j = 0; j < m; ++j) {
+    auto* ref = py::detail::array_proxy(PyTuple_GET_ITEM(rows[0].ptr(), j));
+    for (Py_ssize_t r = 0; r < n; ++r) {
+      PyObject* h = PyTuple_GET_ITEM(rows[static_cast<std::size_t>(r)].ptr(), j);
+      if (Py_TYPE(h) != array_type) return py::none();
+      auto* a = py::detail::array_proxy(h);
+      if (!(a->flags & c_contiguous) || a->nd != ref->nd) return py::none();
+      for (int d = 0; d < a->nd; ++d)
+        if (a->dimensions[d] != ref->dimensions[d]) return py::none();
+      kind ka;
+      if (a->descr != py::detail::array_proxy(first)->descr && (!kind_of(a->descr, ka) || ka != k)) return py::none();
+      in[static_cast<std::size_t>(j) * un + static_cast<std::size_t>(r)] = a->data;
+    }
+    std::size_t size = 1;
+    for (int d = 0; d < ref->nd; ++d) size *= static_cast<std::size_t>(ref->dimensions[d]);
+    counts[static_cast<std::size_t>(j)] = size;
+    total += size;
+  }
+  if (Py_TYPE(out.ptr()) != array_type) return py::none();
+  auto* o = py::detail::array_proxy(out.ptr());
+  kind ko;
+  std::size_t osize = 1;
+  for (int d = 0; d < o->nd; ++d) osize *= static_cast<std::size_t>(o->dimensions[d]);
+  if (!kind_of(o->descr, ko) || ko != k || osize != total || !(o->flags & c_contiguous) || !(o->flags & writeable))
+    return py::none();
+  char* dst = static_cast<char*>(o->data);
+  maybe_nogil((un + 1) * total * itemsize(k), [&] {
+    dispatch(k, [&](auto t) {
+      using T = decltype(t);
+      cudist::batch_reduce_to_one<T>(reinterpret_cast<const T* const*>(in.data()), un, counts.data(), um, op,
+                                     reinterpret_cast<T*>(dst));
+    });
+  });
+  o->flags &= ~writeable;  // before the views: each view is then read-only too
+  auto& api = py::detail::npy_api::get();
+  py::list results(n);
+  py::list row0(m);
+  std::size_t off = 0;
+  const std::size_t isz = itemsize(k);
+  for (Py_ssize_t j = 0; j < m; ++j) {
+    auto* ref = py::detail::array_proxy(PyTuple_GET_ITEM(rows[0].ptr(), j));
+    Py_INCREF(o->descr);  // stolen by NewFromDescr
+    PyObject* v = api.PyArray_NewFromDescr_(array_type, o->descr, ref->nd, ref->dimensions, nullptr, dst + off * isz,
+                                            0 /* read-only */, nullptr);
+    if (v == nullptr) throw py::error_already_set();
+    Py_INCREF(out.ptr());  // stolen by SetBaseObject
+    if (api.PyArray_SetBaseObject_(v, out.ptr()) < 0) {
+      Py_DECREF(v);
+      throw py::error_already_set();
+    }
+    PyList_SET_ITEM(row0.ptr(), j, v);
+    off += counts[static_cast<std::size_t>(j)];
+  }
+  results[0] = row0;
+  for (Py_ssize_t r = 1; r < n; ++r) {
+    py::list row(m);
+    for (Py_ssize_t j = 0; j < m; ++j) {
+      PyObject* v = api.PyArray_View_(PyList_GET_ITEM(row0.ptr(), j), nullptr, nullptr);
+      if (v == nullptr) throw py::error_already_set();
+      PyList_SET_ITEM(row.ptr(), j, v);
+    }
+    results[static_cast<std::size_t>(r)] = row;
+  }
+  return std::move(results);
+}
+
 py::array all_gather(py::handle bufs, int axis) {
   std::vector<void*> p;
   std::size_t size = 0;
@@ -1093,6 +1197,11 @@ PYBIND11_MODULE(_core, m) {
         "reduce_to_one into ``out``, made read-only; returns [out] + len(bufs)-1 read-only views of it, or None "
         "(doing nothing) unless bufs are >= 2 C-contiguous numpy.ndarray of one shape and kernel dtype and out a "
         "writable C-contiguous array of that dtype and size.");
+  m.def("batch_reduce_to_one_shared", &batch_reduce_to_one_shared, py::arg("inputs"), py::arg("op"), py::arg("out"),
+        "batch_reduce_to_one into ``out``, made read-only; returns per replica the list of its leaves' read-only "
+        "results (views of out in the leaves' shapes), or None (doing nothing) unless inputs are >= 2 replicas of "
+        "the same >= 1 C-contiguous numpy.ndarray leaves of one kernel dtype (leaf j of one shape) and out a "
+        "writable C-contiguous array of that dtype and their total size.");
   m.def("register_reduce_ops", &register_reduce_ops, py::arg("sum"), py::arg("mean"),
         "Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1.");
   m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),

@@ -274,6 +274,12 @@ def reduce_to_one_shared(bufs: _Arrays, op: _Op, out: _Array) -> list[_Array] | 
     (doing nothing) unless bufs are >= 2 C-contiguous numpy.ndarray of one shape and kernel dtype
     (not an integer MEAN) and out a writable C-contiguous array of that dtype and size."""
 
+def batch_reduce_to_one_shared(inputs: Sequence[_Arrays], op: _Op, out: _Array) -> list[list[_Array]] | None:
+    """batch_reduce_to_one into ``out``, made read-only; per replica its leaves' read-only results
+    (views of out in the leaves' shapes), or None (doing nothing) unless inputs are >= 2 replicas of
+    the same >= 1 C-contiguous numpy.ndarray leaves of one kernel dtype (not an integer MEAN; leaf j
+    of one shape) and out a writable C-contiguous array of that dtype and their total size."""
+
 # The replica engine's greenlet loop (csrc/bindings/replica_engine.cpp), for cudist._replica_engine.
 def replica_engine_setup(ctxvar: Any, abort_type: Any, getcurrent: Any, engine_globals: dict[str, Any], kinds: tuple[str, str, str]) -> None:
     """What the replica engine's C functions use; kinds: (done, error, aborted)."""

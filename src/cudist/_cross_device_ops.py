@@ -220,6 +220,9 @@ class CrossDeviceOps:
         ``per_replica_leaves[r][j]`` is leaf ``j`` of replica ``r``; ``paths`` names the leaves in
         errors. One packed kernel call per dtype and pack.
         """
+        checked = packing.host_all_reduce_checked(op, per_replica_leaves, self.num_packs)
+        if checked is not None:  # host leaves, checked and reduced in one native call
+            return checked
         packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
         return packing.all_reduce(
             "all_reduce", op, per_replica_leaves, num_packs=self.num_packs, reducer=self._reducer(per_replica_leaves)

@@ -44,6 +44,7 @@ __all__ = [
     "reduce_arrays",
     "gather_arrays",
     "check_same_leaves",
+    "host_all_reduce_checked",
     "pack_groups",
     "tree_leaves_with_paths",
 ]
@@ -360,6 +361,31 @@ def _reduce_one_leaf(trusted: Any, op: ReduceOp, arrays: Sequence[Any]) -> list[
         trusted.reduce_to_one(ins, op, out)
     out.flags.writeable = False
     return [out] + [out.view() for _ in range(n - 1)]
+
+
+def host_all_reduce_checked(
+    op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], num_packs: int
+) -> list[list[Array]] | None:
+    """:func:`all_reduce` of host leaves in one native call that also checks them (the native
+    backend's ``batch_reduce_to_one_shared``): results as :func:`_host_all_reduce` makes them.
+
+    None, doing nothing, unless there are at least 2 replicas of host arrays of one kernel dtype,
+    leaf ``j`` of one shape and that dtype in every replica, all C-contiguous, one pack, not an
+    integer MEAN, and the backend has the call; the caller then checks the leaves
+    (:func:`check_same_leaves`) and reduces them the general way.
+    """
+    if len(per_replica_leaves) < 2 or num_packs != 1:
+        return None
+    b = cpu_backend()
+    shared = b.trusted.batch_reduce_to_one_shared
+    ref = per_replica_leaves[0]
+    if shared is None or not ref or set(map(type, ref)) != {np.ndarray}:
+        return None
+    dtypes = set(map(_dtype_of, ref))
+    if len(dtypes) != 1 or not dtypes <= set(b.dtypes):
+        return None
+    out: list[list[Array]] | None = shared(per_replica_leaves, op, pool.take((sum([a.size for a in ref]),), ref[0].dtype))
+    return out
 
 
 def _host_all_reduce(

@@ -914,7 +914,9 @@ class TrustedKernels:
       to "checks nothing": ``reduce_to_one`` into ``out`` (a buffer nobody else holds), made
       read-only, returning ``[out]`` + ``len(bufs) - 1`` read-only views of it; or None, doing
       nothing, unless ``bufs`` are at least 2 C-contiguous ``numpy.ndarray`` of one shape and kernel
-      dtype (an integer MEAN excluded) and ``out`` fits them.
+      dtype (an integer MEAN excluded) and ``out`` fits them. ``batch_reduce_to_one_shared(inputs, op,
+      out)`` likewise for ``batch_reduce_to_one``: per replica the list of its leaves' read-only
+      results (views of ``out`` in the leaves' shapes), or None.
     * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
       ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
@@ -940,6 +942,7 @@ class TrustedKernels:
         "batch_reduce_to_one",
         "reduce_to_one",
         "reduce_to_one_shared",
+        "batch_reduce_to_one_shared",
         "broadcast",
         "assign",
         "assign_add",
@@ -978,6 +981,7 @@ class TrustedKernels:
         self.reduce_to_one = backend._hook_reduce_to_one
         #: Only where the backend has it in one native call (else None): see the class docstring.
         self.reduce_to_one_shared: Any = None
+        self.batch_reduce_to_one_shared: Any = None
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add

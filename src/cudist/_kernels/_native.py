@@ -169,6 +169,7 @@ class _NativeTrusted(TrustedKernels):
         self.batch_reduce_to_one = _core.batch_reduce_to_one
         self.reduce_to_one = _core.reduce_to_one
         self.reduce_to_one_shared = _core.reduce_to_one_shared
+        self.batch_reduce_to_one_shared = _core.batch_reduce_to_one_shared
         self.broadcast = _core.broadcast
         self.assign = _core.assign
         self.assign_add = _core.assign_add
