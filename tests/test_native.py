@@ -1003,3 +1003,29 @@ def test_batch_reduce_to_one_shared_declines_what_it_does_not_check_for_the_call
     assert declined(rows, ReduceOp.SUM, np.empty(18, np.float32))  # out of another size
     assert declined(rows, ReduceOp.SUM, np.empty(19, np.float64))  # out of another dtype
     assert _core.batch_reduce_to_one_shared(tuple(tuple(r) for r in rows), ReduceOp.SUM, np.empty(19, np.float32))
+
+
+def test_settle_plain_takes_only_gradients_that_cannot_alias_what_the_step_writes():
+    rng = np.random.default_rng(3)
+    w1, w2 = np.ones(8, np.float32), np.zeros((2, 4), np.float32)
+    wv = np.ones(16, np.float32)[:8]  # a written view: its base counts as written too
+    g = [rng.standard_normal(8).astype(np.float32) for _ in range(4)]
+    passes = [(g[:2], (w1, wv)), ([g[2], g[3]], (w2,))]
+    out = _core.settle_plain(passes, True)
+    assert [len(r) for r in out] == [2, 2] and all(a is b for a, b in zip(out[0] + out[1], g))
+    declined = [
+        [([g[0], w1], (w1,))],  # the gradient is a written array
+        [([g[0], wv.base], (wv,))],  # the gradient owns a written view's memory
+        [([g[0], g[1][::2]], (w1,))],  # not C-contiguous
+        [([g[0], g[1][:4]], (w1,))],  # a view (it has a base)
+        [([g[0], np.frombuffer(g[1].tobytes(), np.float32)], (w1,))],  # memory it does not own
+        [([g[0], g[1].view(np.matrix)], (w1,))],  # a subclass
+        [([g[0], list(g[1])], (w1,))],  # not an array
+    ]
+    for p in declined:
+        assert _core.settle_plain(p, True) is None, p
+    # Without aliasing only the gradients themselves are looked at.
+    row = _core.settle_plain([([g[0], w1], (w1,))], False)[0]
+    assert len(row) == 2 and row[0] is g[0] and row[1] is w1
+    assert _core.settle_plain([([g[0], g[1][:4]], ())], False) is None
+    assert _core.settle_plain([], True) == []

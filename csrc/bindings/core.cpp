@@ -7,6 +7,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -619,6 +620,58 @@ py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::ha
   return std::move(results);
 }
 
+// cudist.optimizers' _settle_inputs, its common case in one call: `passes` is a sequence of
+// (gradients, written arrays) pairs. Returns per pass the list of its gradients when every gradient
+// is an exact numpy.ndarray, C-contiguous, owning its memory (no base) and -- with `aliasing` --
+// neither one of the written arrays nor the base of one (so it shares no memory with what the step
+// writes); else None, and the caller settles them one by one.
+py::object settle_plain(py::handle passes, bool aliasing) {
+  const py::tuple ps = as_leaf_tuple(passes, "settle_plain", "passes");
+  const Py_ssize_t np_ = PyTuple_GET_SIZE(ps.ptr());
+  auto* array_type = reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_);
+  constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
+  constexpr int owndata = py::detail::npy_api::NPY_ARRAY_OWNDATA_;
+  std::vector<PyObject*> written;
+  std::vector<py::tuple> grads;
+  grads.reserve(static_cast<std::size_t>(np_));
+  for (Py_ssize_t i = 0; i < np_; ++i) {
+    PyObject* p = PyTuple_GET_ITEM(ps.ptr(), i);
+    if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2) return py::none();
+    PyObject* g = PyTuple_GET_ITEM(p, 0);
+    PyObject* w = PyTuple_GET_ITEM(p, 1);
+    if (!PyList_Check(g) && !PyTuple_Check(g)) return py::none();
+    grads.push_back(as_leaf_tuple(g, "settle_plain", "gradients"));
+    if (!aliasing) continue;
+    if (!PyList_Check(w) && !PyTuple_Check(w)) return py::none();
+    const py::tuple wt = as_leaf_tuple(w, "settle_plain", "written");
+    for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(wt.ptr()); ++j) {
+      PyObject* a = PyTuple_GET_ITEM(wt.ptr(), j);
+      written.push_back(a);
+      if (PyObject_TypeCheck(a, array_type)) {
+        PyObject* base = py::detail::array_proxy(a)->base;
+        if (base != nullptr) written.push_back(base);
+      }
+    }
+  }
+  std::sort(written.begin(), written.end());
+  py::list out(np_);
+  for (Py_ssize_t i = 0; i < np_; ++i) {
+    const py::tuple& gt = grads[static_cast<std::size_t>(i)];
+    const Py_ssize_t m = PyTuple_GET_SIZE(gt.ptr());
+    py::list row(m);
+    for (Py_ssize_t j = 0; j < m; ++j) {
+      PyObject* a = PyTuple_GET_ITEM(gt.ptr(), j);
+      if (Py_TYPE(a) != array_type) return py::none();
+      auto* arr = py::detail::array_proxy(a);
+      if (!(arr->flags & c_contiguous) || !(arr->flags & owndata) || arr->base != nullptr) return py::none();
+      if (std::binary_search(written.begin(), written.end(), a)) return py::none();
+      PyList_SET_ITEM(row.ptr(), j, Py_NewRef(a));
+    }
+    PyList_SET_ITEM(out.ptr(), i, row.release().ptr());
+  }
+  return std::move(out);
+}
+
 py::array all_gather(py::handle bufs, int axis) {
   std::vector<void*> p;
   std::size_t size = 0;
@@ -1202,6 +1255,9 @@ PYBIND11_MODULE(_core, m) {
         "results (views of out in the leaves' shapes), or None (doing nothing) unless inputs are >= 2 replicas of "
         "the same >= 1 C-contiguous numpy.ndarray leaves of one kernel dtype (leaf j of one shape) and out a "
         "writable C-contiguous array of that dtype and their total size.");
+  m.def("settle_plain", &settle_plain, py::arg("passes"), py::arg("aliasing"),
+        "Per pass (gradients, written arrays) the list of its gradients when every gradient is a C-contiguous "
+        "numpy.ndarray owning its memory and (aliasing) neither a written array nor a written array's base; else None.");
   m.def("register_reduce_ops", &register_reduce_ops, py::arg("sum"), py::arg("mean"),
         "Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1.");
   m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),

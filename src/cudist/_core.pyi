@@ -280,6 +280,11 @@ def batch_reduce_to_one_shared(inputs: Sequence[_Arrays], op: _Op, out: _Array) 
     the same >= 1 C-contiguous numpy.ndarray leaves of one kernel dtype (not an integer MEAN; leaf j
     of one shape) and out a writable C-contiguous array of that dtype and their total size."""
 
+def settle_plain(passes: Sequence[tuple[Sequence[_Array], Sequence[Any]]], aliasing: bool) -> list[list[_Array]] | None:
+    """Per pass (gradients, written arrays) its gradients as a list when every gradient is a
+    C-contiguous numpy.ndarray owning its memory and (aliasing) neither a written array nor a
+    written array's base; else None."""
+
 # The replica engine's greenlet loop (csrc/bindings/replica_engine.cpp), for cudist._replica_engine.
 def replica_engine_setup(ctxvar: Any, abort_type: Any, getcurrent: Any, engine_globals: dict[str, Any], kinds: tuple[str, str, str]) -> None:
     """What the replica engine's C functions use; kinds: (done, error, aborted)."""

@@ -145,13 +145,17 @@ def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) 
     kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
 
 
-def _settle_inputs(passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]], *, aliasing: bool = True) -> list[list[Any]]:
+def _settle_inputs(
+    passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]], *, aliasing: bool = True, kernels: TrustedKernels | None = None
+) -> list[list[Any]]:
     """The host gradients each of a step's passes reads, settled before the first pass writes.
 
     Args:
         passes: per pass, (its gradient arrays, the arrays it writes).
         aliasing: whether a gradient may share memory with what the passes write (False: they are
             fresh results of a reduction, only made C-contiguous).
+        kernels: trusted kernels whose ``settle_plain`` (the native backend's) takes the common case
+            -- every gradient a contiguous array of its own, none written -- in one call.
 
     Returns:
         Per pass its gradients, C-contiguous, copied where they are or view memory that some pass of
@@ -159,6 +163,11 @@ def _settle_inputs(passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]], *, a
         from elsewhere, DLPack, by byte range), so every update sees the gradients as they were
         before the step.
     """
+    plain = kernels.settle_plain if kernels is not None else None
+    if plain is not None:
+        as_is: list[list[Any]] | None = plain(passes, aliasing)
+        if as_is is not None:
+            return as_is
     written_ids: set[int] = set()
     if aliasing:
         for _, written in passes:
@@ -903,8 +912,8 @@ class Optimizer:
         iteration = self._iteration()
         lr = self._current_learning_rate(iteration)
         params = self._step_params(lr, self._update_step(iteration))
-        inputs = _settle_inputs([(comps, copies + sum(slots, ())) for copies, slots, comps, _ in work])
         trusted = backend.trusted
+        inputs = _settle_inputs([(comps, copies + sum(slots, ())) for copies, slots, comps, _ in work], kernels=trusted)
         for (copies, slots, _, var), ins in zip(work, inputs):
             self._kernel_update_reduced(trusted, copies, slots, ins, params, self._decay(var, lr))
         self._after_update()

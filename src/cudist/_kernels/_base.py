@@ -916,7 +916,11 @@ class TrustedKernels:
       nothing, unless ``bufs`` are at least 2 C-contiguous ``numpy.ndarray`` of one shape and kernel
       dtype (an integer MEAN excluded) and ``out`` fits them. ``batch_reduce_to_one_shared(inputs, op,
       out)`` likewise for ``batch_reduce_to_one``: per replica the list of its leaves' read-only
-      results (views of ``out`` in the leaves' shapes), or None.
+      results (views of ``out`` in the leaves' shapes), or None. ``settle_plain(passes, aliasing)``
+      (native; None elsewhere): the optimizers' common case of settling a step's gradients in one
+      call: per pass (gradients, written arrays) its gradients as a list when every gradient is a
+      C-contiguous ndarray owning its memory and, with ``aliasing``, neither a written array nor the
+      base of one; else None.
     * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
       ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
@@ -943,6 +947,7 @@ class TrustedKernels:
         "reduce_to_one",
         "reduce_to_one_shared",
         "batch_reduce_to_one_shared",
+        "settle_plain",
         "broadcast",
         "assign",
         "assign_add",
@@ -982,6 +987,7 @@ class TrustedKernels:
         #: Only where the backend has it in one native call (else None): see the class docstring.
         self.reduce_to_one_shared: Any = None
         self.batch_reduce_to_one_shared: Any = None
+        self.settle_plain: Any = None
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add

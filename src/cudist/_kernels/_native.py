@@ -170,6 +170,7 @@ class _NativeTrusted(TrustedKernels):
         self.reduce_to_one = _core.reduce_to_one
         self.reduce_to_one_shared = _core.reduce_to_one_shared
         self.batch_reduce_to_one_shared = _core.batch_reduce_to_one_shared
+        self.settle_plain = _core.settle_plain
         self.broadcast = _core.broadcast
         self.assign = _core.assign
         self.assign_add = _core.assign_add
