@@ -280,6 +280,8 @@ bool kind_of(PyObject* descr, kind& k) {
   return true;
 }
 
+py::tuple as_leaf_tuple(py::handle seq, const char* where, const char* what);  // defined below
+
 // The user's one-array all-reduce on CPU replicas (cudist._collectives.packing): reduce_to_one of
 // the N arrays into `out` (a pooled buffer of theirs), made read-only, returned as [out] + N-1 views
 // of it (one distinct read-only object per replica, as TF's tensors are). Returns None, doing
@@ -289,15 +291,8 @@ bool kind_of(PyObject* descr, kind& k) {
 // Python checks and views per call with ~0.5 us.
 py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out) {
   const auto op = to_op(op_h);
-  py::tuple items_tuple;
-  if (PyTuple_Check(bufs.ptr())) {
-    items_tuple = py::reinterpret_borrow<py::tuple>(bufs);
-  } else if (PyList_Check(bufs.ptr())) {
-    items_tuple = py::reinterpret_steal<py::tuple>(PyList_AsTuple(bufs.ptr()));
-    if (!items_tuple) throw py::error_already_set();
-  } else {
-    return py::none();
-  }
+  if (!PyTuple_Check(bufs.ptr()) && !PyList_Check(bufs.ptr())) return py::none();
+  const py::tuple items_tuple = as_leaf_tuple(bufs, "reduce_to_one_shared", "bufs");
   const Py_ssize_t n = PyTuple_GET_SIZE(items_tuple.ptr());
   if (n < 2) return py::none();
   auto* array_type = reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_);
