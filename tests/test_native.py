@@ -892,6 +892,21 @@ def test_replica_engine_env_keeps_it_in_python():
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
+def test_replica_engine_env_refuses_other_values():
+    import subprocess
+
+    code = (
+        "import cudist\n"
+        "from cudist import config\n"
+        "cpu = config.list_physical_devices('CPU')[0]\n"
+        "config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)\n"
+        "cudist.MirroredStrategy(['/cpu:0', '/cpu:1']).run(lambda: None)\n"
+    )
+    env = dict(os.environ, CUDIST_NATIVE_ENGINE="yes")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "CUDIST_NATIVE_ENGINE must be 0" in r.stderr and "'yes'" in r.stderr, r.stderr
+
+
 def test_replica_engine_functions_check_their_arguments():
     with pytest.raises(TypeError, match="same"):
         _core.replica_run((), None, [], None, [], [], [], {})

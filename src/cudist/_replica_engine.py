@@ -472,7 +472,7 @@ meet = _python_meet
 
 #: The native engine (``cudist._core``) once loaded; False when it is not available or disabled.
 _native: Any = None
-#: Set (to anything but "" or "1") to run the replica engine in Python only.
+#: ``0`` runs the replica engine in Python only; ``1`` (or unset) uses the native one when built.
 NATIVE_ENGINE_ENV = "CUDIST_NATIVE_ENGINE"
 
 
@@ -481,11 +481,17 @@ def _native_engine() -> Any:
 
     Loaded when the first greenlet pool is made, not at import (``import cudist`` loads no
     extension). ``$CUDIST_NATIVE_ENGINE=0`` keeps the engine in Python.
+
+    Raises:
+        ValueError: ``$CUDIST_NATIVE_ENGINE`` is set to something other than 0 or 1.
     """
     global _native, meet
     if _native is None:
+        setting = os.environ.get(NATIVE_ENGINE_ENV, "").strip()
+        if setting not in ("", "0", "1"):
+            raise ValueError(f"${NATIVE_ENGINE_ENV} must be 0 (the replica engine in Python) or 1, got {setting!r}")
         _native = False
-        if os.environ.get(NATIVE_ENGINE_ENV, "1").strip() in ("", "1"):
+        if setting != "0":
             try:
                 from cudist import _core
             except ImportError:
