@@ -211,3 +211,25 @@ def test_replica_that_refuses_to_unwind_is_dropped():
         s.run(fn)
     out = s.run(lambda: ctx().all_reduce("sum", 2.0))
     assert [float(v) for v in s.experimental_local_results(out)] == [4.0, 4.0]
+
+
+def test_a_replica_that_switches_away_on_its_own_fails_the_run_not_the_next(ms):
+    """A replica function that switches to its greenlet's parent itself (bypassing the collectives)
+    breaks the run it is in -- an error, not a hang or a crash -- and the next run works."""
+    import greenlet
+
+    def fn():
+        if rid() == 1:
+            parent = greenlet.getcurrent().parent
+            if parent is not None:
+                parent.switch()
+            raise Boom("no parent to switch to")  # a replica thread's main greenlet has none
+        return ctx().all_reduce("sum", 1.0)
+
+    with pytest.raises(Exception) as ei:
+        ms.run(fn)
+    if type(ei.value) is RuntimeError:  # the native engine says what happened
+        assert "switched greenlets by itself" in str(ei.value)
+    n = ms.num_replicas_in_sync
+    out = ms.run(lambda: ctx().all_reduce("sum", np.float64(rid())))
+    assert [float(x) for x in ms.experimental_local_results(out)] == [float(sum(range(n)))] * n

@@ -334,7 +334,9 @@ int relay(PyObject* workers, PyObject* events, PyObject* msgs) {
   if (ret == nullptr) return -1;  // a replica greenlet died (its exception reached us, its parent)
   Py_DECREF(ret);
   if (reached != n) {
-    PyErr_SetString(PyExc_RuntimeError, "cudist replica engine: a replica left the relay before its turn");
+    PyErr_SetString(PyExc_RuntimeError,
+                    "strategy.run: a replica switched greenlets by itself (to its parent) instead of returning or "
+                    "calling a collective; the run is abandoned");
     return -1;
   }
   return 0;
