@@ -194,6 +194,13 @@ class _Pool:
         """Ends the replicas of a pool that will never be used again."""
 
 
+#: A replica greenlet that came back to the caller other than through meet() or by returning.
+_SWITCHED_AWAY = (
+    "strategy.run: a replica switched greenlets by itself (to its parent) instead of returning or calling a "
+    "collective; the run is abandoned"
+)
+
+
 class _GreenletPool(_Pool):
     """N long-lived replica greenlets: an exchange runs each replica in turn until its next event.
 
@@ -215,22 +222,27 @@ class _GreenletPool(_Pool):
         # (A native pool's runs go through replica_run; this serves its unwinding: its replicas
         # report to their parent, outside a relay, exactly as the Python ones do.)
         workers = self.workers
-        if op == _RESULT:
-            for i in which:
-                kind, out = workers[i].switch(values[i])  # type: ignore[index]  # values given with _RESULT
-                events[i] = (kind, out.pop())
-        elif op == _TASK:
-            me = _getcurrent()  # the caller: where the replicas switch back to (it may differ per run)
-            for i in which:
-                g = workers[i]
-                if g.parent is not me:
-                    g.parent = me
-                kind, out = g.switch([values[i]])  # type: ignore[index]  # values given with _TASK
-                events[i] = (kind, out.pop())
-        else:
-            for i in which:
-                kind, out = workers[i].throw(_Abort())
-                events[i] = (kind, out.pop())
+        try:
+            if op == _RESULT:
+                for i in which:
+                    kind, out = workers[i].switch(values[i])  # type: ignore[index]  # values given with _RESULT
+                    events[i] = (kind, out.pop())
+            elif op == _TASK:
+                me = _getcurrent()  # the caller: where the replicas switch back to (it may differ per run)
+                for i in which:
+                    g = workers[i]
+                    if g.parent is not me:
+                        g.parent = me
+                    kind, out = g.switch([values[i]])  # type: ignore[index]  # values given with _TASK
+                    events[i] = (kind, out.pop())
+            else:
+                for i in which:
+                    kind, out = workers[i].throw(_Abort())
+                    events[i] = (kind, out.pop())
+        except (TypeError, ValueError, AttributeError):
+            # Not an event (kind, [value]): the replica switched back by itself (the pool is then
+            # left unclean and thrown away); what its function raised is never caught here.
+            raise RuntimeError(_SWITCHED_AWAY) from None
 
     def discard(self) -> None:
         _kill(self.workers)
