@@ -1,7 +1,8 @@
 """Type stub of ``cudist._core``, the pybind11 extension built from ``csrc/bindings/core.cpp``.
 
-Keep it in step with the bindings: tests/test_typing.py compares its names with the module's and
-with the ``m.def``/``m.attr`` calls of core.cpp, and its parameter names with pybind11's signatures.
+Keep it in step with the bindings: tests/test_typing.py compares its names with the module's, with
+the ``m.def``/``m.attr`` calls of core.cpp and the method table of replica_engine.cpp (the replica
+engine's functions, plain CPython ones), and its parameter names with their signature lines.
 
 Arrays are NumPy arrays of float16, float32, float64, int32 or int64, C-contiguous and in native
 byte order; the ones written to must be writeable. Sequences of arrays must be tuples or lists.
