@@ -1,4 +1,5 @@
-"""Type stub of ``cudist._core``, the pybind11 extension built from ``csrc/bindings/core.cpp`` (and ``replica_engine.cpp``).
+"""Type stub of ``cudist._core``, the pybind11 extension built from ``csrc/bindings/core.cpp`` and
+``csrc/bindings/replica_engine.cpp``.
 
 Keep it in step with the bindings: tests/test_typing.py compares its names with the module's, with
 the ``m.def``/``m.attr`` calls of core.cpp and the method table of replica_engine.cpp (the replica
