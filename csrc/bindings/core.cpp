@@ -61,6 +61,17 @@ const char* kind_name(kind k) {
   }
 }
 
+using array_proxy_t = py::detail::PyArray_Proxy;
+
+PyTypeObject* ndarray_type() { return reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_); }
+
+// Elements of an array (the product of its dimensions).
+std::size_t elements(const array_proxy_t* a) {
+  std::size_t size = 1;
+  for (int d = 0; d < a->nd; ++d) size *= static_cast<std::size_t>(a->dimensions[d]);
+  return size;
+}
+
 arr_info inspect(py::handle h, const char* where, const char* what, std::size_t index, bool writable) {
   if (!py::isinstance<py::array>(h)) {
     throw py::type_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is not a numpy.ndarray");
@@ -93,9 +104,7 @@ arr_info inspect(py::handle h, const char* where, const char* what, std::size_t 
   if (writable && !(a->flags & writeable)) {
     throw py::value_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is read-only");
   }
-  std::size_t size = 1;
-  for (int i = 0; i < a->nd; ++i) size *= static_cast<std::size_t>(a->dimensions[i]);
-  return {a->data, size, k};
+  return {a->data, elements(a), k};
 }
 
 // The arrays of a tuple or list, all of one dtype and size; their data pointers go to ``ptrs``.
@@ -280,6 +289,31 @@ bool kind_of(PyObject* descr, kind& k) {
   return true;
 }
 
+// ---- the checks of the *_shared reductions, which decline (return None) rather than raise
+// `h` as an exact, C-contiguous numpy.ndarray with `shape`'s dimensions and kernel dtype `k` (the
+// descriptor `descr`, whose kind is k, or another of the same kind), else nullptr.
+array_proxy_t* input_like(PyObject* h, const array_proxy_t* shape, PyObject* descr, kind k) {
+  if (Py_TYPE(h) != ndarray_type()) return nullptr;
+  auto* a = py::detail::array_proxy(h);
+  if (!(a->flags & py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_) || a->nd != shape->nd) return nullptr;
+  for (int d = 0; d < a->nd; ++d)
+    if (a->dimensions[d] != shape->dimensions[d]) return nullptr;
+  kind ka;
+  if (a->descr != descr && (!kind_of(a->descr, ka) || ka != k)) return nullptr;
+  return a;
+}
+
+// `out` as an exact, writable, C-contiguous numpy.ndarray of kernel dtype `k` and `size` elements,
+// else nullptr.
+array_proxy_t* output_fits(PyObject* out, kind k, std::size_t size) {
+  if (Py_TYPE(out) != ndarray_type()) return nullptr;
+  auto* o = py::detail::array_proxy(out);
+  constexpr int needed = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  kind ko;
+  if ((o->flags & needed) != needed || !kind_of(o->descr, ko) || ko != k || elements(o) != size) return nullptr;
+  return o;
+}
+
 py::tuple as_leaf_tuple(py::handle seq, const char* where, const char* what);  // defined below
 
 // The user's one-array all-reduce on CPU replicas (cudist._collectives.packing): reduce_to_one of
@@ -295,11 +329,8 @@ py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out
   const py::tuple items_tuple = as_leaf_tuple(bufs, "reduce_to_one_shared", "bufs");
   const Py_ssize_t n = PyTuple_GET_SIZE(items_tuple.ptr());
   if (n < 2) return py::none();
-  auto* array_type = reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_);
-  constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
-  constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
   PyObject* first = PyTuple_GET_ITEM(items_tuple.ptr(), 0);
-  if (Py_TYPE(first) != array_type) return py::none();
+  if (Py_TYPE(first) != ndarray_type()) return py::none();
   auto* a0 = py::detail::array_proxy(first);
   kind k;
   if (!kind_of(a0->descr, k)) return py::none();
@@ -307,25 +338,13 @@ py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out
   if (op == cudist::reduce_op::mean && (k == kind::i32 || k == kind::i64)) return py::none();
   std::vector<void*> p(static_cast<std::size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* h = PyTuple_GET_ITEM(items_tuple.ptr(), i);
-    if (Py_TYPE(h) != array_type) return py::none();
-    auto* a = py::detail::array_proxy(h);
-    if (!(a->flags & c_contiguous) || a->nd != a0->nd) return py::none();
-    for (int d = 0; d < a->nd; ++d)
-      if (a->dimensions[d] != a0->dimensions[d]) return py::none();
-    kind ki;
-    if (a->descr != a0->descr && (!kind_of(a->descr, ki) || ki != k)) return py::none();
+    auto* a = input_like(PyTuple_GET_ITEM(items_tuple.ptr(), i), a0, a0->descr, k);
+    if (a == nullptr) return py::none();
     p[static_cast<std::size_t>(i)] = a->data;
   }
-  std::size_t size = 1;
-  for (int d = 0; d < a0->nd; ++d) size *= static_cast<std::size_t>(a0->dimensions[d]);
-  if (Py_TYPE(out.ptr()) != array_type && !py::isinstance<py::array>(out)) return py::none();
-  auto* o = py::detail::array_proxy(out.ptr());
-  kind ko;
-  std::size_t osize = 1;
-  for (int d = 0; d < o->nd; ++d) osize *= static_cast<std::size_t>(o->dimensions[d]);
-  if (!kind_of(o->descr, ko) || ko != k || osize != size || !(o->flags & c_contiguous) || !(o->flags & writeable))
-    return py::none();
+  const std::size_t size = elements(a0);
+  auto* o = output_fits(out.ptr(), k, size);
+  if (o == nullptr) return py::none();
   void* dst = o->data;
   maybe_nogil((p.size() + 1) * size * itemsize(k), [&] {
     dispatch(k, [&](auto t) {
@@ -333,7 +352,7 @@ py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out
       cudist::reduce_to_one<T>(typed<T>(p), p.size(), size, op, static_cast<T*>(dst));
     });
   });
-  o->flags &= ~writeable;  // before the views: each view is then read-only too
+  o->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;  // before the views: each view is then read-only too
   py::list results(n);
   results[0] = out;
   auto& api = py::detail::npy_api::get();
@@ -537,13 +556,11 @@ py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::ha
   if (m == 0) return py::none();
   for (Py_ssize_t r = 1; r < n; ++r)
     if (PyTuple_GET_SIZE(rows[static_cast<std::size_t>(r)].ptr()) != m) return py::none();
-  auto* array_type = reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_);
-  constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
-  constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
   PyObject* first = PyTuple_GET_ITEM(rows[0].ptr(), 0);
-  if (Py_TYPE(first) != array_type) return py::none();
+  if (Py_TYPE(first) != ndarray_type()) return py::none();
+  PyObject* descr = py::detail::array_proxy(first)->descr;
   kind k;
-  if (!kind_of(py::detail::array_proxy(first)->descr, k)) return py::none();
+  if (!kind_of(descr, k)) return py::none();
   if (op == cudist::reduce_op::mean && (k == kind::i32 || k == kind::i64)) return py::none();
   const std::size_t un = static_cast<std::size_t>(n), um = static_cast<std::size_t>(m);
   std::vector<void*> in(um * un);
@@ -552,28 +569,15 @@ py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::ha
   for (Py_ssize_t j = 0; j < m; ++j) {
     auto* ref = py::detail::array_proxy(PyTuple_GET_ITEM(rows[0].ptr(), j));
     for (Py_ssize_t r = 0; r < n; ++r) {
-      PyObject* h = PyTuple_GET_ITEM(rows[static_cast<std::size_t>(r)].ptr(), j);
-      if (Py_TYPE(h) != array_type) return py::none();
-      auto* a = py::detail::array_proxy(h);
-      if (!(a->flags & c_contiguous) || a->nd != ref->nd) return py::none();
-      for (int d = 0; d < a->nd; ++d)
-        if (a->dimensions[d] != ref->dimensions[d]) return py::none();
-      kind ka;
-      if (a->descr != py::detail::array_proxy(first)->descr && (!kind_of(a->descr, ka) || ka != k)) return py::none();
+      auto* a = input_like(PyTuple_GET_ITEM(rows[static_cast<std::size_t>(r)].ptr(), j), ref, descr, k);
+      if (a == nullptr) return py::none();
       in[static_cast<std::size_t>(j) * un + static_cast<std::size_t>(r)] = a->data;
     }
-    std::size_t size = 1;
-    for (int d = 0; d < ref->nd; ++d) size *= static_cast<std::size_t>(ref->dimensions[d]);
-    counts[static_cast<std::size_t>(j)] = size;
-    total += size;
+    counts[static_cast<std::size_t>(j)] = elements(ref);
+    total += counts[static_cast<std::size_t>(j)];
   }
-  if (Py_TYPE(out.ptr()) != array_type) return py::none();
-  auto* o = py::detail::array_proxy(out.ptr());
-  kind ko;
-  std::size_t osize = 1;
-  for (int d = 0; d < o->nd; ++d) osize *= static_cast<std::size_t>(o->dimensions[d]);
-  if (!kind_of(o->descr, ko) || ko != k || osize != total || !(o->flags & c_contiguous) || !(o->flags & writeable))
-    return py::none();
+  auto* o = output_fits(out.ptr(), k, total);
+  if (o == nullptr) return py::none();
   char* dst = static_cast<char*>(o->data);
   maybe_nogil((un + 1) * total * itemsize(k), [&] {
     dispatch(k, [&](auto t) {
@@ -582,7 +586,7 @@ py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::ha
                                      reinterpret_cast<T*>(dst));
     });
   });
-  o->flags &= ~writeable;  // before the views: each view is then read-only too
+  o->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;  // before the views: each view is then read-only too
   auto& api = py::detail::npy_api::get();
   py::list results(n);
   py::list row0(m);
@@ -591,7 +595,7 @@ py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::ha
   for (Py_ssize_t j = 0; j < m; ++j) {
     auto* ref = py::detail::array_proxy(PyTuple_GET_ITEM(rows[0].ptr(), j));
     Py_INCREF(o->descr);  // stolen by NewFromDescr
-    PyObject* v = api.PyArray_NewFromDescr_(array_type, o->descr, ref->nd, ref->dimensions, nullptr, dst + off * isz,
+    PyObject* v = api.PyArray_NewFromDescr_(ndarray_type(), o->descr, ref->nd, ref->dimensions, nullptr, dst + off * isz,
                                             0 /* read-only */, nullptr);
     if (v == nullptr) throw py::error_already_set();
     Py_INCREF(out.ptr());  // stolen by SetBaseObject
@@ -623,7 +627,7 @@ py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::ha
 py::object settle_plain(py::handle passes, bool aliasing) {
   const py::tuple ps = as_leaf_tuple(passes, "settle_plain", "passes");
   const Py_ssize_t np_ = PyTuple_GET_SIZE(ps.ptr());
-  auto* array_type = reinterpret_cast<PyTypeObject*>(py::detail::npy_api::get().PyArray_Type_);
+  PyTypeObject* array_type = ndarray_type();
   constexpr int c_contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
   constexpr int owndata = py::detail::npy_api::NPY_ARRAY_OWNDATA_;
   std::vector<PyObject*> written;
