@@ -266,30 +266,14 @@ PyObject* replica_meet(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return report(args[0], Py_NewRef(args[1]));
 }
 
-// Sends values[i] to replica i, for every i in order (boxed, after making `me` the parent, when
-// `me` is not None: tasks), storing each replica's next event unboxed in events[i].
-int exchange(PyObject* workers, PyObject* events, PyObject* values, PyObject* me) {
+// Sends msgs[i] (boxed tasks or results) to replica i, for every i in order, one switch there and
+// one back each, storing each replica's next event unboxed in events[i]: relay()'s fallback.
+int exchange(PyObject* workers, PyObject* events, PyObject* msgs) {
   const Py_ssize_t n = PyList_GET_SIZE(workers);
   for (Py_ssize_t i = 0; i < n; ++i) {
     PyObject* g = PyList_GET_ITEM(workers, i);
-    PyObject* value = PySequence_GetItem(values, i);
-    if (value == nullptr) return -1;
-    PyObject* msg = value;
-    if (me != Py_None) {
-      PyObject* parent = PyObject_GetAttr(g, s_parent);
-      if (parent == nullptr || (parent != me && PyObject_SetAttr(g, s_parent, me) < 0)) {
-        Py_XDECREF(parent);
-        Py_DECREF(value);
-        return -1;
-      }
-      Py_DECREF(parent);
-      msg = PyList_New(1);
-      if (msg == nullptr) {
-        Py_DECREF(value);
-        return -1;
-      }
-      PyList_SET_ITEM(msg, 0, value);
-    }
+    PyObject* msg = PySequence_GetItem(msgs, i);
+    if (msg == nullptr) return -1;
     PyObject* call[2] = {g, msg};
     PyObject* ev = PyObject_VectorcallMethod(s_switch, call, 2 | PY_VECTORCALL_ARGUMENTS_OFFSET, nullptr);
     Py_DECREF(msg);
@@ -312,12 +296,13 @@ int exchange(PyObject* workers, PyObject* events, PyObject* values, PyObject* me
   return 0;
 }
 
-// exchange() by relay: msgs[i] (final messages: boxed tasks or results) to every replica in order,
-// events[i] its next event. A plain exchange if a relay is somehow under way on this thread.
+// exchange() by relay: msgs[i] (boxed tasks or results) to every replica in order, events[i] its
+// next event. A plain exchange if a relay is under way on this thread already (one whose caller
+// never got control back: a replica that switched to some other greenlet and stayed there).
 int relay(PyObject* workers, PyObject* events, PyObject* msgs) {
   Relay& r = t_relay;
   const Py_ssize_t n = PyList_GET_SIZE(workers);
-  if (r.active) return exchange(workers, events, msgs, Py_None);
+  if (r.active) return exchange(workers, events, msgs);
   PyObject* first = PySequence_GetItem(msgs, 0);
   if (first == nullptr) return -1;
   r.workers = workers;
