@@ -866,44 +866,41 @@ def test_replica_engine_runs_in_c_by_default():
         assert _replica_engine._native_engine() is _core
         assert _replica_engine.meet is _core.replica_meet
         pool = _replica_engine._local.pools[(3, False)][0]
-        assert pool.native is _core and pool.run is _core.replica_run
+        assert pool.run is _core.replica_run  # the pool was made by the native engine
     finally:
         config.set_replica_execution(before)
 
 
-def test_replica_engine_env_keeps_it_in_python():
+def _engine_script(body: str, native_engine: str):
+    """Runs ``body`` in a fresh interpreter with 2 logical CPUs and ``$CUDIST_NATIVE_ENGINE`` set."""
+    import subprocess
+
     code = (
         "import numpy as np, cudist\n"
         "from cudist import _replica_engine as E, config\n"
-        "config.set_replica_execution('greenlets')\n"
         "cpu = config.list_physical_devices('CPU')[0]\n"
         "config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)\n"
-        "s = cudist.MirroredStrategy(['/cpu:0', '/cpu:1'])\n"
+        "s = cudist.MirroredStrategy(['/cpu:0', '/cpu:1'])\n" + body
+    )
+    env = dict(os.environ, CUDIST_NATIVE_ENGINE=native_engine)
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_replica_engine_env_keeps_it_in_python():
+    r = _engine_script(
+        "config.set_replica_execution('greenlets')\n"
         "out = s.run(lambda: cudist.get_replica_context().all_reduce('sum', np.float32(1.0)))\n"
         "assert [float(v) for v in s.experimental_local_results(out)] == [2.0, 2.0]\n"
         "assert E._native_engine() is None and E.meet is E._python_meet\n"
         "assert E._local.pools[(2, False)][0].run is None\n"
-        "print('ok')\n"
+        "print('ok')\n",
+        "0",
     )
-    import subprocess
-
-    env = dict(os.environ, CUDIST_NATIVE_ENGINE="0")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
 
 
 def test_replica_engine_env_refuses_other_values():
-    import subprocess
-
-    code = (
-        "import cudist\n"
-        "from cudist import config\n"
-        "cpu = config.list_physical_devices('CPU')[0]\n"
-        "config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)\n"
-        "cudist.MirroredStrategy(['/cpu:0', '/cpu:1']).run(lambda: None)\n"
-    )
-    env = dict(os.environ, CUDIST_NATIVE_ENGINE="yes")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    r = _engine_script("s.run(lambda: None)\n", "yes")
     assert r.returncode != 0 and "CUDIST_NATIVE_ENGINE must be 0" in r.stderr and "'yes'" in r.stderr, r.stderr
 
 

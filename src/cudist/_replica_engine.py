@@ -208,11 +208,11 @@ class _GreenletPool(_Pool):
     results and the collectives the replicas agree on run in C; the protocol is the same.
     """
 
-    __slots__ = ("workers", "native")
+    __slots__ = ("workers",)
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
-        self.native = native = _native_engine()
+        native = _native_engine()
         body = _greenlet_main if native is None else native.replica_main
         self.workers: list[Any] = [greenlet.greenlet(body) for _ in range(n)]
         if native is not None:
