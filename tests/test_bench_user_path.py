@@ -313,8 +313,9 @@ def test_step_compare_reports_a_missing_peer(tmp_path):
 
 
 def test_reduce_paths_script_checks_its_results():
-    """bench/reduce_paths.py (the in-place / reduce-to-one / out-of-place table of PERFORMANCE.md) runs
-    and every variant's result equals the sum it must be."""
+    """bench/reduce_paths.py (the in-place / reduce-to-one / out-of-place / strategy.run table of
+    PERFORMANCE.md) runs, every variant's result equals the sum it must be, and the ratio columns
+    are the times' ratios."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "reduce_paths.py"), "--rounds", "1", "--replicas", "3", "--sizes", "4K,68K"],
         capture_output=True, text=True, timeout=300,
@@ -322,6 +323,10 @@ def test_reduce_paths_script_checks_its_results():
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [ln.split() for ln in proc.stdout.splitlines() if not ln.startswith("#")]
     assert [r[0] for r in rows] == ["4K", "68K"] and all(r[-1] == "ok" for r in rows), proc.stdout
+    for r in rows:
+        in_place, r2o, run, r2o_ip, run_ip = float(r[1]), float(r[2]), float(r[4]), float(r[5]), float(r[6])
+        for t, ratio in ((r2o, r2o_ip), (run, run_ip)):  # the times are printed to 0.1 us
+            assert (t - 0.05) / (in_place + 0.05) - 1e-3 <= ratio <= (t + 0.05) / max(in_place - 0.05, 1e-3) + 1e-3, r
 
 
 def test_copy_sizes_script_prints_a_rate_per_size_and_method():
