@@ -258,9 +258,15 @@ class KernelAllReduce(CrossDeviceOps):
         if cls.batch_reduce is not CrossDeviceOps.batch_reduce or cls.reduce is not CrossDeviceOps.reduce:
             return None  # a user's override is always the one that reduces
         b = cpu_backend()
+        seen = None  # a step's gradients share one dtype object or a few: each is checked once
         for a in arrays:
-            if type(a) is not np.ndarray or a.dtype not in b.dtypes:
+            if type(a) is not np.ndarray:
                 return None
+            dt = a.dtype
+            if dt is not seen:
+                if dt not in b.dtypes:
+                    return None
+                seen = dt
         return b
 
 
