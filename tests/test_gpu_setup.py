@@ -7,8 +7,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the test extra installs tomli, the same parser
+    import tomli as tomllib
 
 import pytest
 
