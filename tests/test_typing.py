@@ -277,8 +277,14 @@ def _returns(revealed: str) -> str:
 
 
 def _normalize(revealed: str) -> str:
-    # Older mypy versions spell out builtins.; numpy 1.x arrays have the shape type Any.
-    return revealed.replace("builtins.", "").replace("numpy.ndarray[Any, ", _NUMPY_SHAPE)
+    # Older mypy versions spell out builtins.; numpy 1.x arrays have the shape type Any; NumPy 2.5
+    # defaults a scalar's item type to Any where 2.2-2.4 default it to int | float | complex (the
+    # annotation says np.number[Any] in both).
+    return (
+        revealed.replace("builtins.", "")
+        .replace("numpy.ndarray[Any, ", _NUMPY_SHAPE)
+        .replace("numpy.number[Any, Any]", "numpy.number[Any, int | float | complex]")
+    )
 
 
 class MypyRun(NamedTuple):
