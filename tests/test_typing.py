@@ -277,12 +277,13 @@ def _returns(revealed: str) -> str:
 
 
 def _normalize(revealed: str) -> str:
-    # Older mypy versions spell out builtins.; numpy 1.x arrays have the shape type Any; NumPy 2.5
-    # defaults a scalar's item type to Any where 2.2-2.4 default it to int | float | complex (the
-    # annotation says np.number[Any] in both).
+    # Older mypy versions spell out builtins.; numpy 1.x arrays have the shape type Any, NumPy 2.2
+    # (the last for Python 3.10) tuple[int, ...]; NumPy 2.5 defaults a scalar's item type to Any
+    # where 2.2-2.4 default it to int | float | complex (the annotation says np.number[Any] in all).
     return (
         revealed.replace("builtins.", "")
         .replace("numpy.ndarray[Any, ", _NUMPY_SHAPE)
+        .replace("numpy.ndarray[tuple[int, ...], ", _NUMPY_SHAPE)
         .replace("numpy.number[Any, Any]", "numpy.number[Any, int | float | complex]")
     )
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import numpy as np
 
 __all__ = ["ReduceOp", "int_mean_dtype"]
 
 
-def int_mean_dtype(dtype: np.dtype | type) -> np.dtype:
+def int_mean_dtype(dtype: np.dtype[Any] | type) -> np.dtype[Any]:
     """The dtype of an integer MEAN (a sum divided by a count), as TF's true division gives it.
 
     float32 for 8- and 16-bit integers, float64 for 32- and 64-bit ones (TF 2.21: a MEAN of uint8

@@ -87,7 +87,7 @@ class Metric:
         return self._name
 
     @property
-    def dtype(self) -> np.dtype:
+    def dtype(self) -> np.dtype[Any]:
         """The dtype of the state and the result (a NumPy dtype; Keras gives its name)."""
         return self._dtype
 
@@ -176,7 +176,7 @@ def _scalar(a: Any) -> Any:
     return a
 
 
-def _samplewise(xp: Any, values: Any, sample_weight: Any, reduce_fn: str, dtype: np.dtype) -> tuple[Any, Any]:
+def _samplewise(xp: Any, values: Any, sample_weight: Any, reduce_fn: str, dtype: np.dtype[Any]) -> tuple[Any, Any]:
     """Keras's ``reduce_to_samplewise_values``: values cast to ``dtype``; with weights, both brought
     to the same rank, values reduced to the weights' rank, weighted; then reduced to rank 1."""
     values = _asarray(xp, values, dtype)
