@@ -7,6 +7,7 @@ updates the variable (float16 computed in float32, rounded on store).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 
@@ -210,6 +211,34 @@ def test_same_gradient_object_on_every_replica_is_summed(strategy):
     strategy.run(lambda: opt.apply_gradients([(g, var)]))
     for c in _local(strategy, var):
         np.testing.assert_array_equal(c, -0.25 * n * g)
+
+
+@pytest.mark.parametrize("how", ["fewer", "none_on_one"])
+def test_replicas_passing_different_gradient_counts_are_refused(how):
+    """Every replica must pass a gradient for the same variables: a replica with fewer pairs (or a
+    None gradient where the others have one) gets a ValueError naming it, and nothing is updated."""
+    strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(3)])
+    with strategy.scope():
+        a = cudist.Variable(np.ones(4, np.float32))
+        b = cudist.Variable(np.ones(2, np.float32))
+        opt = optimizers.SGD(0.5, momentum=0.9)
+
+    def step():
+        r = cudist.get_replica_context().replica_id_in_sync_group
+        ga, gb = np.full(4, 1.0, np.float32), np.full(2, 1.0, np.float32)
+        if r == 2:
+            pairs = [(ga, a)] if how == "fewer" else [(ga, a), (None, b)]
+        else:
+            pairs = [(ga, a), (gb, b)]
+        opt.apply_gradients(pairs)
+
+    with pytest.warns(UserWarning) if how == "none_on_one" else contextlib.nullcontext():
+        with pytest.raises(ValueError, match="replica 2 passed 1 gradients but replica 0 passed 2"):
+            strategy.run(step)
+    for v in (a, b):
+        for c in _local(strategy, v):
+            np.testing.assert_array_equal(c, 1.0)
+    assert int(opt.iterations) == 0
 
 
 @pytest.mark.parametrize("ops", [None, "to_one"])

@@ -250,6 +250,17 @@ def _device_groups(bufs: Sequence[Any]) -> list[tuple[int, ...]]:
     return [tuple(g) for g in groups.values()]
 
 
+class _ReplicaGrads:
+    """One replica's gradients on their way through ``merge_call``: one object, so that merge_call
+    regroups the replicas' lists as one PerReplica instead of one per variable (which the fused
+    update would unwrap again)."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self, grads: list[Any]) -> None:
+        self.grads = grads
+
+
 class Optimizer:
     """Base class of the cudist optimizers (Keras 3's ``keras.optimizers.Optimizer`` API subset).
 
@@ -722,9 +733,12 @@ class Optimizer:
             ValueError: a gradient whose shape is not the variable's; no gradient at all; a
                 SyncOnReadVariable; a PerReplica gradient in cross-replica context.
         """
-        pairs: list[tuple[Any, Variable]] = []
+        ctx = _distribute_lib.get_replica_context()
+        grads: list[Any] = []
+        variables: list[Variable] = []
         missing: list[str] = []
         plans = self._plans
+        cast = False  # whether some gradient may need a cast to its variable's dtype
         for item in grads_and_vars:
             try:
                 grad, var = item
@@ -735,49 +749,54 @@ class Optimizer:
             if grad is None:
                 missing.append(var.name)
                 continue
-            pairs.append((grad, var))
-        if not pairs:
+            variables.append(var)
+            if ctx is not None:  # a replica's gradient (cross-replica ones are checked below)
+                if type(grad) is np.ndarray:  # the per-step common case (_check_grad's own first test, inlined)
+                    ref = var._primary_array()
+                    if grad.dtype == ref.dtype and grad.shape == ref.shape:
+                        grads.append(grad)
+                        continue
+                grad = self._check_grad(grad, var, cross_replica=False)
+                cast = True
+            grads.append(grad)
+        if not variables:
             if missing:
                 raise ValueError("No gradients provided for any variable.")
             return self._iterations
         if missing:
             warnings.warn(f"Gradients do not exist for variables {missing} when minimizing the loss.", UserWarning, stacklevel=2)
 
-        ctx = _distribute_lib.get_replica_context()
-        variables = [v for _, v in pairs]
         self._built = True
         if ctx is None:  # cross-replica: the gradients are final
-            grads, update = self._local_grads([self._check_grad(g, v, cross_replica=True) for g, v in pairs], variables, 0)
+            checked = [self._check_grad(g, v, cross_replica=True) for g, v in zip(grads, variables)]
+            final, update = self._local_grads(checked, variables, 0)
             if update:
-                self._apply(grads, variables)
+                self._apply(final, variables)
             else:
                 self._after_update()
             return self._iterations
-        checked = []
-        cast = False  # whether some gradient may need a cast to its variable's dtype
-        for g, v in pairs:
-            if type(g) is np.ndarray:  # the per-step common case (_check_grad's own first test, inlined)
-                ref = v._primary_array()
-                if g.dtype == ref.dtype and g.shape == ref.shape:
-                    checked.append(g)
-                    continue
-            checked.append(self._check_grad(g, v, cross_replica=False))
-            cast = True
-        local, update = self._local_grads(checked, variables, ctx.replica_id_in_sync_group, cast=cast)
-        replica_grads = tuple(local)
+        local, update = self._local_grads(grads, variables, ctx.replica_id_in_sync_group, cast=cast)
         aggregate = bool(experimental_aggregate_gradients)
 
-        def merge_fn(strategy: Strategy, per_replica_grads: Sequence[Any]) -> None:
+        def merge_fn(strategy: Strategy, held: _ReplicaGrads | PerReplica) -> None:
             if not update:  # gradient accumulation: this step only accumulated
                 self._after_update()
                 return
+            rows = [h.grads for h in held._values] if isinstance(held, PerReplica) else [held.grads]
+            for r, row in enumerate(rows[1:], 1):
+                if len(row) != len(rows[0]):
+                    raise ValueError(
+                        f"{self.name}.apply_gradients: replica {r} passed {len(row)} gradients but replica 0 passed "
+                        f"{len(rows[0])}; every replica must pass a gradient for each of the same variables"
+                    )
+            per_var = list(zip(*rows))  # per variable, its gradient from each of this worker's replicas
             n = strategy.num_replicas_in_sync
-            if n > 1 and aggregate and self._apply_fused(strategy, list(per_replica_grads), variables):
+            if n > 1 and aggregate and self._apply_fused(strategy, per_var, variables):
                 return
-            reduced = self._aggregate(strategy, list(per_replica_grads), variables, aggregate)
+            reduced = self._aggregate(strategy, per_var, variables, aggregate)
             self._apply(reduced, variables, fresh=n > 1 and aggregate)
 
-        ctx.merge_call(merge_fn, args=(replica_grads,))
+        ctx.merge_call(merge_fn, args=(_ReplicaGrads(local),))
         return self._iterations
 
     def _local_grads(
@@ -866,36 +885,28 @@ class Optimizer:
             self._updates.assign(self._iteration() // self._gradient_accumulation_steps, read_value=False)
 
     def _aggregate(
-        self, strategy: Strategy, grads: list[Any], variables: Sequence[Variable], aggregate: bool
+        self, strategy: Strategy, per_var: Sequence[Sequence[Any]], variables: Sequence[Variable], aggregate: bool
     ) -> Sequence[Any]:
-        """Per-replica gradients (inside merge_call) -> one array per variable, summed in one batch."""
-        if strategy.num_replicas_in_sync == 1:
-            return grads
-        if not aggregate:
-            return [g.values[0] if isinstance(g, DistributedValues) else g for g in grads]
-        # The same object from every replica is regrouped unwrapped; its all-reduce is still N times it.
-        n = len(strategy.extended.worker_devices)  # this worker's replicas (the others' come through the reduction)
-        values = [g if isinstance(g, DistributedValues) else PerReplica([g] * n) for g in grads]
+        """Per variable its gradient from each of this worker's replicas (inside merge_call) -> one
+        array per variable, summed over every replica in one batch."""
+        if strategy.num_replicas_in_sync == 1 or not aggregate:
+            return [comps[0] for comps in per_var]
         return strategy.extended.batch_reduce_to(
-            ReduceOp.SUM, [(g, _primary_device(v)) for g, v in zip(values, variables)]
+            ReduceOp.SUM, [(PerReplica(comps), _primary_device(v)) for comps, v in zip(per_var, variables)]
         )
 
-    def _apply_fused(self, strategy: Strategy, grads: list[Any], variables: Sequence[Variable]) -> bool:
+    def _apply_fused(self, strategy: Strategy, per_var: Sequence[Sequence[Any]], variables: Sequence[Variable]) -> bool:
         """Sums each variable's per-replica gradients and updates it in ONE kernel pass, if it can.
 
-        Possible when every gradient and every copy is in host memory and the strategy's
-        cross-device ops reduce with the kernels' own replica-order sum (the default ops; see
+        ``per_var``: per variable, its gradient from each of this worker's replicas. Possible when
+        every gradient and every copy is in host memory and the strategy's cross-device ops reduce
+        with the kernels' own replica-order sum (the default ops; see
         ``extended._fused_sum_backend``): then the pass reads the N gradients and copy 0 of the
         variable and slots and writes every copy -- bit-identical to reducing first, then
         updating. Returns False (nothing done) otherwise, for the general path.
         """
-        n = len(strategy.extended.worker_devices)
-        per_var: list[Sequence[Any]] = []
-        for g in grads:
-            cs = g._values if type(g) is PerReplica else list(g.values) if isinstance(g, DistributedValues) else [g] * n
-            if len(cs) != n:
-                return False
-            per_var.append(cs)
+        if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
+            return False
         # One check of every gradient: host arrays of kernel dtypes, and cross-device ops that sum as the kernels do.
         backend = strategy.extended._fused_sum_backend([c for comps in per_var for c in comps])
         if backend is None:
