@@ -1017,6 +1017,30 @@ def test_batch_reduce_to_one_shared_declines_what_it_does_not_check_for_the_call
     assert _core.batch_reduce_to_one_shared(tuple(tuple(r) for r in rows), ReduceOp.SUM, np.empty(19, np.float32))
 
 
+def test_batch_reduce_to_one_shared_takes_its_output_from_a_callable_only_for_good_inputs():
+    """``out`` may be the pool's take(shape, dtype): called once, with the leaves' total size and dtype,
+    and only when the inputs pass (a declined call takes no buffer); what it returns must fit too."""
+    rng = np.random.default_rng(4)
+    rows = [[rng.standard_normal(s).astype(np.float32) for s in ((4, 4), (3,))] for _ in range(3)]
+    calls = []
+
+    def take(shape, dtype):
+        calls.append((shape, dtype))
+        return np.empty(shape, dtype)
+
+    res = _core.batch_reduce_to_one_shared(rows, ReduceOp.SUM, take)
+    assert calls == [((19,), np.dtype(np.float32))]
+    base = res[0][0].base
+    assert all(o.base is base and not o.flags.writeable for row in res for o in row)
+    assert_bits_equal(res[2][1], rows[0][1] + rows[1][1] + rows[2][1])
+    calls.clear()
+    assert _core.batch_reduce_to_one_shared([rows[0], rows[1][:1], rows[2]], ReduceOp.SUM, take) is None
+    assert calls == []  # declined before taking a buffer
+    assert _core.batch_reduce_to_one_shared(rows, ReduceOp.SUM, lambda shape, dtype: np.empty(5, dtype)) is None
+    with pytest.raises(RuntimeError, match="no buffer"):
+        _core.batch_reduce_to_one_shared(rows, ReduceOp.SUM, lambda shape, dtype: (_ for _ in ()).throw(RuntimeError("no buffer")))
+
+
 def test_settle_plain_takes_only_gradients_that_cannot_alias_what_the_step_writes():
     rng = np.random.default_rng(3)
     w1, w2 = np.ones(8, np.float32), np.zeros((2, 4), np.float32)

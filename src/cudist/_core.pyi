@@ -9,9 +9,10 @@ Arrays are NumPy arrays of float16, float32, float64, int32 or int64, C-contiguo
 byte order; the ones written to must be writeable. Sequences of arrays must be tuples or lists.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, SupportsFloat, SupportsIndex, SupportsInt, TypeAlias
 
+import numpy as np
 from numpy.typing import DTypeLike, NDArray
 
 from cudist._reduce_util import ReduceOp
@@ -276,11 +277,14 @@ def reduce_to_one_shared(bufs: _Arrays, op: _Op, out: _Array) -> list[_Array] | 
     (doing nothing) unless bufs are >= 2 C-contiguous numpy.ndarray of one shape and kernel dtype
     (not an integer MEAN) and out a writable C-contiguous array of that dtype and size."""
 
-def batch_reduce_to_one_shared(inputs: Sequence[_Arrays], op: _Op, out: _Array) -> list[list[_Array]] | None:
+def batch_reduce_to_one_shared(
+    inputs: Sequence[_Arrays], op: _Op, out: _Array | Callable[[tuple[int], np.dtype[Any]], _Array]
+) -> list[list[_Array]] | None:
     """batch_reduce_to_one into ``out``, made read-only; per replica its leaves' read-only results
     (views of out in the leaves' shapes), or None (doing nothing) unless inputs are >= 2 replicas of
     the same >= 1 C-contiguous numpy.ndarray leaves of one kernel dtype (not an integer MEAN; leaf j
-    of one shape) and out a writable C-contiguous array of that dtype and their total size."""
+    of one shape) and out a writable C-contiguous array of that dtype and their total size (or a
+    callable ``out(shape, dtype)`` returning one, called only once the inputs pass)."""
 
 def settle_plain(passes: Sequence[tuple[Sequence[_Array], Sequence[Any]]], aliasing: bool) -> list[list[_Array]] | None:
     """Per pass (gradients, written arrays) its gradients as a list when every gradient is a

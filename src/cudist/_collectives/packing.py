@@ -376,15 +376,11 @@ def host_all_reduce_checked(
     """
     if len(per_replica_leaves) < 2 or num_packs != 1:
         return None
-    b = cpu_backend()
-    shared = b.trusted.batch_reduce_to_one_shared
-    ref = per_replica_leaves[0]
-    if shared is None or not ref or set(map(type, ref)) != {np.ndarray}:
+    shared = cpu_backend().trusted.batch_reduce_to_one_shared
+    if shared is None:
         return None
-    dtypes = set(map(_dtype_of, ref))
-    if len(dtypes) != 1 or not dtypes <= set(b.dtypes):
-        return None
-    out: list[list[Array]] | None = shared(per_replica_leaves, op, pool.take((sum([a.size for a in ref]),), ref[0].dtype))
+    # The native call checks the leaves, then takes its output from the pool (pool.take(shape, dtype)).
+    out: list[list[Array]] | None = shared(per_replica_leaves, op, pool.take)
     return out
 
 
