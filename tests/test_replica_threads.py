@@ -243,7 +243,17 @@ def _thread_alive(native_id):
     return os.path.exists(f"/proc/self/task/{native_id}")
 
 
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt, even where the test process inherited it ignored (a shell's
+    background job)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts the process's threads in /proc")
+@pytest.mark.usefixtures("sigint_raises")
 def test_ctrl_c_while_replica_threads_compute_raises_at_once_and_their_threads_end(mode):
     """The run raises while its replicas are still computing (they wait for the test to let them go
     on), the pool is thrown away, and the replicas -- told to abort at their next collective --
