@@ -1017,9 +1017,10 @@ def test_batch_reduce_to_one_shared_declines_what_it_does_not_check_for_the_call
     assert _core.batch_reduce_to_one_shared(tuple(tuple(r) for r in rows), ReduceOp.SUM, np.empty(19, np.float32))
 
 
-def test_batch_reduce_to_one_shared_takes_its_output_from_a_callable_only_for_good_inputs():
-    """``out`` may be the pool's take(shape, dtype): called once, with the leaves' total size and dtype,
-    and only when the inputs pass (a declined call takes no buffer); what it returns must fit too."""
+def test_shared_reductions_take_their_output_from_a_callable_only_for_good_inputs():
+    """``out`` may be the pool's take(shape, dtype): called once, with the leaves' total size (the
+    array's shape) and dtype, and only when the inputs pass (a declined call takes no buffer); what
+    it returns must fit too."""
     rng = np.random.default_rng(4)
     rows = [[rng.standard_normal(s).astype(np.float32) for s in ((4, 4), (3,))] for _ in range(3)]
     calls = []
@@ -1039,6 +1040,16 @@ def test_batch_reduce_to_one_shared_takes_its_output_from_a_callable_only_for_go
     assert _core.batch_reduce_to_one_shared(rows, ReduceOp.SUM, lambda shape, dtype: np.empty(5, dtype)) is None
     with pytest.raises(RuntimeError, match="no buffer"):
         _core.batch_reduce_to_one_shared(rows, ReduceOp.SUM, lambda shape, dtype: (_ for _ in ()).throw(RuntimeError("no buffer")))
+    # reduce_to_one_shared the same way, with the arrays' own shape
+    a = [rng.standard_normal((3, 5)).astype(np.float64) for _ in range(4)]
+    calls.clear()
+    res = _core.reduce_to_one_shared(a, ReduceOp.SUM, take)
+    assert calls == [((3, 5), np.dtype(np.float64))]
+    assert len(res) == 4 and all(not r.flags.writeable and np.shares_memory(r, res[0]) for r in res)
+    assert_bits_equal(res[3], ((a[0] + a[1]) + a[2]) + a[3])
+    calls.clear()
+    assert _core.reduce_to_one_shared([a[0], a[1].astype(np.float32)], ReduceOp.SUM, take) is None
+    assert calls == []
 
 
 def test_settle_plain_takes_only_gradients_that_cannot_alias_what_the_step_writes():

@@ -316,13 +316,24 @@ array_proxy_t* output_fits(PyObject* out, kind k, std::size_t size) {
 
 py::tuple as_leaf_tuple(py::handle seq, const char* where, const char* what);  // defined below
 
+// The output of a *_shared reduction: `out` itself, or -- when `out` is a callable such as the
+// pool's take(shape, dtype) -- what it returns for `shape` and `descr`, called only once the inputs
+// have passed (a declined call takes no buffer). `made` keeps that result alive.
+template <class Shape>
+py::handle shared_output(py::handle out, Shape&& shape, PyObject* descr, py::object& made) {
+  if (Py_TYPE(out.ptr()) == ndarray_type() || !PyCallable_Check(out.ptr())) return out;
+  made = py::reinterpret_borrow<py::object>(out)(shape(), py::reinterpret_borrow<py::object>(descr));
+  return made;
+}
+
 // The user's one-array all-reduce on CPU replicas (cudist._collectives.packing): reduce_to_one of
 // the N arrays into `out` (a pooled buffer of theirs), made read-only, returned as [out] + N-1 views
 // of it (one distinct read-only object per replica, as TF's tensors are). Returns None, doing
 // nothing, unless bufs is a list or tuple of at least 2 numpy.ndarray (exactly) of one shape and
-// one kernel dtype, all C-contiguous, and out a writable C-contiguous array of that dtype and size:
-// the caller's general path then takes the call (and reports what is wrong). Replaces ~3 us of
-// Python checks and views per call with ~0.5 us.
+// one kernel dtype, all C-contiguous, and out a writable C-contiguous array of that dtype and size
+// (or a callable out(shape, dtype) returning one: see shared_output): the caller's general path
+// then takes the call (and reports what is wrong). Replaces ~3 us of Python checks and views per
+// call with ~0.5 us.
 py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out) {
   const auto op = to_op(op_h);
   if (!PyTuple_Check(bufs.ptr()) && !PyList_Check(bufs.ptr())) return py::none();
@@ -343,6 +354,8 @@ py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out
     p[static_cast<std::size_t>(i)] = a->data;
   }
   const std::size_t size = elements(a0);
+  py::object made;
+  out = shared_output(out, [&] { return py::reinterpret_borrow<py::object>(first).attr("shape"); }, a0->descr, made);
   auto* o = output_fits(out.ptr(), k, size);
   if (o == nullptr) return py::none();
   void* dst = o->data;
@@ -537,8 +550,8 @@ void batch_reduce_to_one(py::handle inputs, py::handle op_h, py::handle out) {
 // Returns None, doing nothing, unless inputs holds at least 2 replicas of the same number (>= 1) of
 // numpy.ndarray (exactly), all C-contiguous and of one kernel dtype, leaf j of one shape in every
 // replica, and out a writable C-contiguous array of that dtype with as many elements as a replica's
-// leaves (or a callable out(shape, dtype) returning one, called once the inputs are found fine:
-// the pool's take): the caller's general path then takes the call. Replaces per leaf ~1 us of Python
+// leaves (or a callable out(shape, dtype) returning one: see shared_output): the caller's general
+// path then takes the call. Replaces per leaf ~1 us of Python
 // (contiguity checks, slices, reshapes, views) with ~0.1 us.
 py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::handle out) {
   const auto op = to_op(op_h);
@@ -577,12 +590,8 @@ py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::ha
     counts[static_cast<std::size_t>(j)] = elements(ref);
     total += counts[static_cast<std::size_t>(j)];
   }
-  // `out` may be the pool's take(shape, dtype): called only now that the inputs are fine.
   py::object made;
-  if (Py_TYPE(out.ptr()) != ndarray_type() && PyCallable_Check(out.ptr())) {
-    made = py::reinterpret_borrow<py::object>(out)(py::make_tuple(total), py::reinterpret_borrow<py::object>(descr));
-    out = made;
-  }
+  out = shared_output(out, [&] { return py::make_tuple(total); }, descr, made);
   auto* o = output_fits(out.ptr(), k, total);
   if (o == nullptr) return py::none();
   char* dst = static_cast<char*>(o->data);
@@ -1255,7 +1264,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("reduce_to_one_shared", &reduce_to_one_shared, py::arg("bufs"), py::arg("op"), py::arg("out"),
         "reduce_to_one into ``out``, made read-only; returns [out] + len(bufs)-1 read-only views of it, or None "
         "(doing nothing) unless bufs are >= 2 C-contiguous numpy.ndarray of one shape and kernel dtype and out a "
-        "writable C-contiguous array of that dtype and size.");
+        "writable C-contiguous array of that dtype and size (or a callable out(shape, dtype) returning one, called "
+        "only once the inputs pass).");
   m.def("batch_reduce_to_one_shared", &batch_reduce_to_one_shared, py::arg("inputs"), py::arg("op"), py::arg("out"),
         "batch_reduce_to_one into ``out``, made read-only; returns per replica the list of its leaves' read-only "
         "results (views of out in the leaves' shapes), or None (doing nothing) unless inputs are >= 2 replicas of "

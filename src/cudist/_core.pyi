@@ -272,10 +272,13 @@ def all_reduce_lion(
 ) -> None:
     """Fused: the sum of ``grads``, then Lion; one pass."""
 
-def reduce_to_one_shared(bufs: _Arrays, op: _Op, out: _Array) -> list[_Array] | None:
+def reduce_to_one_shared(
+    bufs: _Arrays, op: _Op, out: _Array | Callable[[tuple[int, ...], np.dtype[Any]], _Array]
+) -> list[_Array] | None:
     """reduce_to_one into ``out``, made read-only; [out] + len(bufs)-1 read-only views of it, or None
     (doing nothing) unless bufs are >= 2 C-contiguous numpy.ndarray of one shape and kernel dtype
-    (not an integer MEAN) and out a writable C-contiguous array of that dtype and size."""
+    (not an integer MEAN) and out a writable C-contiguous array of that dtype and size (or a
+    callable ``out(shape, dtype)`` returning one, called only once the inputs pass)."""
 
 def batch_reduce_to_one_shared(
     inputs: Sequence[_Arrays], op: _Op, out: _Array | Callable[[tuple[int], np.dtype[Any]], _Array]

@@ -327,13 +327,13 @@ def all_reduce_arrays(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None
     a0 = arrays[0]
     if type(a0) is not np.ndarray or len(arrays) < 2:
         return None
-    shape, dtype = a0.shape, a0.dtype
     b = cpu_backend()
     shared = b.trusted.reduce_to_one_shared
-    if shared is not None:  # the native backend checks, reduces and makes the views in one call
-        out = shared(arrays, op, pool.take(shape, dtype))
+    if shared is not None:  # the native backend checks, takes its output from the pool, reduces, makes the views
+        out = shared(arrays, op, pool.take)
         if out is not None:
             return out  # type: ignore[no-any-return]
+    shape, dtype = a0.shape, a0.dtype
     for a in arrays:
         if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
             return None
