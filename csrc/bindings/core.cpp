@@ -72,27 +72,35 @@ std::size_t elements(const array_proxy_t* a) {
   return size;
 }
 
+// The kernel dtype of an array's descriptor; false for other dtypes and the swapped byte order.
+bool kind_of(PyObject* descr, kind& k) {
+  auto* d = py::detail::array_descriptor_proxy(descr);
+  if (d->byteorder == kSwappedByteOrder) return false;
+  const py::ssize_t itemsize = py::reinterpret_borrow<py::dtype>(descr).itemsize();
+  if (d->kind == 'f') {
+    if (itemsize == 2) k = kind::f16;
+    else if (itemsize == 4) k = kind::f32;
+    else if (itemsize == 8) k = kind::f64;
+    else return false;
+  } else if (d->kind == 'i') {
+    if (itemsize == 4) k = kind::i32;
+    else if (itemsize == 8) k = kind::i64;
+    else return false;
+  } else {
+    return false;
+  }
+  return true;
+}
+
 arr_info inspect(py::handle h, const char* where, const char* what, std::size_t index, bool writable) {
   if (!py::isinstance<py::array>(h)) {
     throw py::type_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is not a numpy.ndarray");
   }
   auto* a = py::detail::array_proxy(h.ptr());
-  auto* d = py::detail::array_descriptor_proxy(a->descr);
-  const py::ssize_t itemsize = py::reinterpret_borrow<py::dtype>(a->descr).itemsize();
   kind k;
-  if (d->byteorder == kSwappedByteOrder) {
+  if (py::detail::array_descriptor_proxy(a->descr)->byteorder == kSwappedByteOrder) {
     throw py::type_error(std::string(where) + ": " + what + " " + std::to_string(index) + " is not in native byte order");
-  } else if (d->kind == 'f' && itemsize == 2) {
-    k = kind::f16;
-  } else if (d->kind == 'f' && itemsize == 4) {
-    k = kind::f32;
-  } else if (d->kind == 'f' && itemsize == 8) {
-    k = kind::f64;
-  } else if (d->kind == 'i' && itemsize == 4) {
-    k = kind::i32;
-  } else if (d->kind == 'i' && itemsize == 8) {
-    k = kind::i64;
-  } else {
+  } else if (!kind_of(a->descr, k)) {
     throw py::type_error(std::string(where) + ": unsupported dtype for " + what + " " + std::to_string(index) + " " +
                          kSupportedDtypes);
   }
@@ -269,26 +277,6 @@ void reduce_to_one(py::handle bufs, py::handle op_h, py::handle out) {
   });
 }
 
-// The kernel dtype of an array's descriptor; false for other dtypes and the swapped byte order.
-bool kind_of(PyObject* descr, kind& k) {
-  auto* d = py::detail::array_descriptor_proxy(descr);
-  if (d->byteorder == kSwappedByteOrder) return false;
-  const py::ssize_t itemsize = py::reinterpret_borrow<py::dtype>(descr).itemsize();
-  if (d->kind == 'f') {
-    if (itemsize == 2) k = kind::f16;
-    else if (itemsize == 4) k = kind::f32;
-    else if (itemsize == 8) k = kind::f64;
-    else return false;
-  } else if (d->kind == 'i') {
-    if (itemsize == 4) k = kind::i32;
-    else if (itemsize == 8) k = kind::i64;
-    else return false;
-  } else {
-    return false;
-  }
-  return true;
-}
-
 // ---- the checks of the *_shared reductions, which decline (return None) rather than raise
 // `h` as an exact, C-contiguous numpy.ndarray with `shape`'s dimensions and kernel dtype `k` (the
 // descriptor `descr`, whose kind is k, or another of the same kind), else nullptr.
@@ -316,6 +304,22 @@ array_proxy_t* output_fits(PyObject* out, kind k, std::size_t size) {
 
 py::tuple as_leaf_tuple(py::handle seq, const char* where, const char* what);  // defined below
 
+// `seq` as a tuple (into `out`) when it is a tuple or list; false for anything else, which the
+// *_shared reductions and settle_plain decline.
+bool sequence_tuple(PyObject* seq, py::tuple& out) {
+  if (!PyTuple_Check(seq) && !PyList_Check(seq)) return false;
+  out = as_leaf_tuple(seq, "", "");  // cannot raise: a tuple or list
+  return true;
+}
+
+// The kernel dtype (into `k`) in which a *_shared reduction reduces inputs like `first`; false where
+// it declines: not an exact numpy.ndarray, not a kernel dtype, or an integer MEAN (which gives
+// floats, TF's rule, and is the caller's to compute).
+bool shared_kind(PyObject* first, cudist::reduce_op op, kind& k) {
+  if (Py_TYPE(first) != ndarray_type() || !kind_of(py::detail::array_proxy(first)->descr, k)) return false;
+  return !(op == cudist::reduce_op::mean && (k == kind::i32 || k == kind::i64));
+}
+
 // The output of a *_shared reduction: `out` itself, or -- when `out` is a callable such as the
 // pool's take(shape, dtype) -- what it returns for `shape` and `descr`, called only once the inputs
 // have passed (a declined call takes no buffer). `made` keeps that result alive.
@@ -336,17 +340,14 @@ py::handle shared_output(py::handle out, Shape&& shape, PyObject* descr, py::obj
 // call with ~0.5 us.
 py::object reduce_to_one_shared(py::handle bufs, py::handle op_h, py::handle out) {
   const auto op = to_op(op_h);
-  if (!PyTuple_Check(bufs.ptr()) && !PyList_Check(bufs.ptr())) return py::none();
-  const py::tuple items_tuple = as_leaf_tuple(bufs, "reduce_to_one_shared", "bufs");
+  py::tuple items_tuple;
+  if (!sequence_tuple(bufs.ptr(), items_tuple)) return py::none();
   const Py_ssize_t n = PyTuple_GET_SIZE(items_tuple.ptr());
   if (n < 2) return py::none();
   PyObject* first = PyTuple_GET_ITEM(items_tuple.ptr(), 0);
-  if (Py_TYPE(first) != ndarray_type()) return py::none();
-  auto* a0 = py::detail::array_proxy(first);
   kind k;
-  if (!kind_of(a0->descr, k)) return py::none();
-  // An integer MEAN gives floats (TF's rule), which the caller computes.
-  if (op == cudist::reduce_op::mean && (k == kind::i32 || k == kind::i64)) return py::none();
+  if (!shared_kind(first, op, k)) return py::none();
+  auto* a0 = py::detail::array_proxy(first);
   std::vector<void*> p(static_cast<std::size_t>(n));
   for (Py_ssize_t i = 0; i < n; ++i) {
     auto* a = input_like(PyTuple_GET_ITEM(items_tuple.ptr(), i), a0, a0->descr, k);
@@ -555,27 +556,21 @@ void batch_reduce_to_one(py::handle inputs, py::handle op_h, py::handle out) {
 // (contiguity checks, slices, reshapes, views) with ~0.1 us.
 py::object batch_reduce_to_one_shared(py::handle inputs, py::handle op_h, py::handle out) {
   const auto op = to_op(op_h);
-  if (!PyList_Check(inputs.ptr()) && !PyTuple_Check(inputs.ptr())) return py::none();
-  const py::tuple rows_t = as_leaf_tuple(inputs, "batch_reduce_to_one_shared", "inputs");
+  py::tuple rows_t;
+  if (!sequence_tuple(inputs.ptr(), rows_t)) return py::none();
   const Py_ssize_t n = PyTuple_GET_SIZE(rows_t.ptr());
   if (n < 2) return py::none();
-  std::vector<py::tuple> rows;
-  rows.reserve(static_cast<std::size_t>(n));
-  for (Py_ssize_t r = 0; r < n; ++r) {
-    PyObject* row = PyTuple_GET_ITEM(rows_t.ptr(), r);
-    if (!PyList_Check(row) && !PyTuple_Check(row)) return py::none();
-    rows.push_back(as_leaf_tuple(row, "batch_reduce_to_one_shared", "inputs[r]"));
-  }
+  std::vector<py::tuple> rows(static_cast<std::size_t>(n));
+  for (Py_ssize_t r = 0; r < n; ++r)
+    if (!sequence_tuple(PyTuple_GET_ITEM(rows_t.ptr(), r), rows[static_cast<std::size_t>(r)])) return py::none();
   const Py_ssize_t m = PyTuple_GET_SIZE(rows[0].ptr());
   if (m == 0) return py::none();
   for (Py_ssize_t r = 1; r < n; ++r)
     if (PyTuple_GET_SIZE(rows[static_cast<std::size_t>(r)].ptr()) != m) return py::none();
   PyObject* first = PyTuple_GET_ITEM(rows[0].ptr(), 0);
-  if (Py_TYPE(first) != ndarray_type()) return py::none();
-  PyObject* descr = py::detail::array_proxy(first)->descr;
   kind k;
-  if (!kind_of(descr, k)) return py::none();
-  if (op == cudist::reduce_op::mean && (k == kind::i32 || k == kind::i64)) return py::none();
+  if (!shared_kind(first, op, k)) return py::none();
+  PyObject* descr = py::detail::array_proxy(first)->descr;
   const std::size_t un = static_cast<std::size_t>(n), um = static_cast<std::size_t>(m);
   std::vector<void*> in(um * un);
   std::vector<std::size_t> counts(um);
@@ -654,11 +649,11 @@ py::object settle_plain(py::handle passes, bool aliasing) {
     if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2) return py::none();
     PyObject* g = PyTuple_GET_ITEM(p, 0);
     PyObject* w = PyTuple_GET_ITEM(p, 1);
-    if (!PyList_Check(g) && !PyTuple_Check(g)) return py::none();
-    grads.push_back(as_leaf_tuple(g, "settle_plain", "gradients"));
+    grads.emplace_back();
+    if (!sequence_tuple(g, grads.back())) return py::none();
     if (!aliasing) continue;
-    if (!PyList_Check(w) && !PyTuple_Check(w)) return py::none();
-    const py::tuple wt = as_leaf_tuple(w, "settle_plain", "written");
+    py::tuple wt;
+    if (!sequence_tuple(w, wt)) return py::none();
     for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(wt.ptr()); ++j) {
       PyObject* a = PyTuple_GET_ITEM(wt.ptr(), j);
       written.push_back(a);
