@@ -8,19 +8,32 @@
 # `run` first records the versions that decide whether CUDA works at all (nvidia-smi, the driver's
 # CUDA, CuPy and the CUDA it was built for, NVRTC, NCCL: versions.txt), then installs cudist with the
 # image's Python (which has CuPy, scikit-build-core, pybind11, nvcc), runs the kernel tests stopping at
-# the first failure (tests/test_gpu_kernels.py -x), then the rest of the gpu/multi_gpu tests (the
-# strategy tests and the others), then the GPU benchmarks; every step's full log stays under $OUT
-# (the device tool brings that folder back) and a short summary is printed last. GPU_BENCH_MIB (default 256) and
+# the first failure (tests/test_gpu_kernels.py -x), then the GPU benchmarks, then the rest of the
+# gpu/multi_gpu tests (the kernels on the NVRTC path, the strategy tests and the others); every
+# step's full log lands in $OUT/logs.tgz and a short summary is printed. GPU_BENCH_MIB (default 256) and
 # GPU_BENCH_MAX (default 256M) shrink the benchmarks, e.g. for a dry run under the CuPy emulation:
 #   PYTHON=<venv>/bin/python PYTHONPATH=$PWD/tests/emu/fakecupy GPU_BENCH_MIB=1 GPU_BENCH_MAX=64K \
 #     bench/gpu_session.sh run
+#
+# The device tool brings back at most 8 files from $OUT: the logs are written to a work folder and
+# packed into $OUT/logs.tgz after every step, so a run stopped at its time limit still returns what
+# it did. Each step has a time limit of its own (GPU_STEP_S, default 150 s; SIGINT first, so pytest
+# prints where it was), so one hang cannot eat the whole lease.
 set -u
 cd "$(dirname "$0")/.."
 WHEELS=.gpu-wheels
 PY=${PYTHON:-python3}
-OUT=${OUT:-/tmp/cudist-gpu-out}
+DEST=${OUT:-/tmp/cudist-gpu-out}
+OUT=$(mktemp -d /tmp/cudist-gpu-logs.XXXX)
 MIB=${GPU_BENCH_MIB:-256}
 MAX=${GPU_BENCH_MAX:-256M}
+STEP=${GPU_STEP_S:-150}
+# JAX (tests/test_interop.py) must not take 75% of the GPU on import; the C++ build uses every core.
+export XLA_PYTHON_CLIENT_PREALLOCATE=false CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+export PYTHONUNBUFFERED=1
+
+snapshot() { mkdir -p "$DEST" && tar -C "$OUT" -czf "$DEST/logs.tgz" . 2>/dev/null; }
+limit() { timeout -s INT -k 15 "$STEP" "$@"; }
 
 prepare() {
   mkdir -p "$WHEELS"
@@ -76,51 +89,60 @@ PYEOF
   cat "$OUT/versions.txt"
 }
 
-tests() {
+kernel_tests() {
   local t0=$SECONDS rc=0
   # The kernels first, stopping at the first failure: if they are wrong nothing above them can pass.
-  "$PY" -m pytest -q -p no:cacheprovider -x -m "gpu or multi_gpu" tests/test_gpu_kernels.py tests/test_gpu_hazards.py \
+  limit "$PY" -m pytest -q -p no:cacheprovider -x -m "gpu or multi_gpu" tests/test_gpu_kernels.py tests/test_gpu_hazards.py \
     tests/test_cuda_launch_paths.py \
     -rs >"$OUT/gpu-kernel-tests.log" 2>&1 || rc=$?
+  snapshot
   echo "gpu kernel tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-kernel-tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-kernel-tests.log" | head -10
+  return $rc
+}
+
+other_tests() {
+  local t0=$SECONDS rc=0
   # The same kernel tests on the other launch path: the default (auto) takes cudist._core's C++
   # launchers for the collectives when the build found nvcc; NVRTC must agree with them.
   t0=$SECONDS
-  CUDIST_CUDA_LAUNCHERS=nvrtc "$PY" -m pytest -q -p no:cacheprovider -x -m "gpu or multi_gpu" \
+  CUDIST_CUDA_LAUNCHERS=nvrtc limit "$PY" -m pytest -q -p no:cacheprovider -x -m "gpu or multi_gpu" \
     tests/test_gpu_kernels.py tests/test_gpu_hazards.py tests/test_cuda_launch_paths.py -rs \
     >"$OUT/gpu-kernel-tests-nvrtc.log" 2>&1 || rc=$?
+  snapshot
   echo "gpu kernel tests (CUDIST_CUDA_LAUNCHERS=nvrtc): rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-kernel-tests-nvrtc.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-kernel-tests-nvrtc.log" | head -10
   t0=$SECONDS
-  "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/test_gpu_strategy.py tests/test_strategy.py \
+  limit "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/test_gpu_strategy.py tests/test_strategy.py \
     -rs >"$OUT/gpu-strategy-tests.log" 2>&1 || rc=$?
+  snapshot
   echo "gpu strategy tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-strategy-tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-strategy-tests.log" | head -20
   t0=$SECONDS
-  "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/ -rs \
+  limit "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/ -rs \
     --ignore=tests/test_gpu_kernels.py --ignore=tests/test_gpu_hazards.py --ignore=tests/test_cuda_launch_paths.py \
     --ignore=tests/test_gpu_strategy.py --ignore=tests/test_strategy.py >"$OUT/gpu-tests.log" 2>&1 || rc=$?
+  snapshot
   echo "other gpu tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-tests.log" | head -30
   return $rc
 }
 
 bench() {
-  "$PY" bench/gpu_kernels.py --mib "$MIB" --repeats 20 >"$OUT/gpu_kernels.txt" 2>&1
-  echo "gpu_kernels rc=$?"
+  limit "$PY" bench/gpu_kernels.py --mib "$MIB" --repeats 20 >"$OUT/gpu_kernels.txt" 2>&1
+  echo "gpu_kernels rc=$?"; snapshot
   # nccl-tests style sweeps on one GPU (replicas = buffers on device 0), on both launch paths
   # (auto: cudist._core's C++ launchers when built with CUDA; nvrtc: CuPy's RawModule).
   for path in auto nvrtc; do
     for n in 2 4 8; do
-      CUDIST_CUDA_LAUNCHERS=$path "$PY" -m cudist.bench all-reduce --backend cupy --replicas $n -b 4K -e "$MAX" -f 4 \
+      CUDIST_CUDA_LAUNCHERS=$path limit "$PY" -m cudist.bench all-reduce --backend cupy --replicas $n -b 4K -e "$MAX" -f 4 \
         -n 20 -w 5 --no-progress --json "$OUT/all-reduce-$path-n$n.json" >"$OUT/all-reduce-$path-n$n.txt" 2>&1
-      echo "cudist-bench all-reduce ($path) N=$n rc=$?"
+      echo "cudist-bench all-reduce ($path) N=$n rc=$?"; snapshot
     done
   done
-  "$PY" -m cudist.bench update --optimizer adam --backend cupy --replicas 4 -b 4K -e "$MAX" -f 16 --no-progress \
+  limit "$PY" -m cudist.bench update --optimizer adam --backend cupy --replicas 4 -b 4K -e "$MAX" -f 16 --no-progress \
     --json "$OUT/adam.json" >"$OUT/adam.txt" 2>&1
-  echo "cudist-bench update adam rc=$?"
+  echo "cudist-bench update adam rc=$?"; snapshot
   cat "$OUT/gpu_kernels.txt"
 }
 
@@ -130,13 +152,16 @@ case "${1:-}" in
     mkdir -p "$OUT"
     nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
     versions
-    install || exit 1
+    install || { snapshot; exit 1; }
+    snapshot
     case "${2:-all}" in
-      tests) tests ;;
+      tests) kernel_tests; other_tests ;;
       bench) bench ;;
-      all) tests; bench ;;
+      # The benchmarks before the slower tests: a lease that ends early still brings numbers back.
+      all) kernel_tests; bench; other_tests ;;
       *) echo "unknown: ${2}"; exit 2 ;;
     esac
+    snapshot
     ;;
   *) sed -n 2,16p "$0"; exit 2 ;;
 esac

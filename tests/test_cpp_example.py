@@ -341,7 +341,7 @@ def test_cuda_example_runs_on_gpus(cuda_example):
     if proc.returncode == EXIT_NO_GPU:
         pytest.skip(f"the example's CUDA runtime sees no GPU: {proc.stdout.strip()}")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "all_reduce sum: 4 replicas, element 5 = 7, ok" in proc.stdout  # 0+1+2+3 + 4 * 5/4
+    assert "all_reduce sum: 4 replicas, element 5 = 11, ok" in proc.stdout  # (0+1+2+3) + 4 * 5/4
     assert re.search(r"^p2p_all_reduce mean: \d+ replicas, element 5 = .*ok$|skipped", proc.stdout, re.M), proc.stdout
     assert proc.stdout.strip().endswith("OK")
 
