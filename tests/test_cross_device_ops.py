@@ -109,10 +109,10 @@ def test_reduce_and_batch_reduce_match_numpy(make, n):
     for dtype in (np.float16, np.float32, np.float64, np.int32, np.int64):
         parts = [(rng.standard_normal((4, 7)) * 50).astype(dtype) for _ in range(n)]
         before = [p.copy() for p in parts]
-        out = ops.reduce("sum", PerReplica(parts), "/cpu:0")
+        out = ops.reduce(ReduceOp.SUM, PerReplica(parts), "/cpu:0")
         np.testing.assert_array_equal(out, ref_sum(parts))
         assert out.dtype == dtype
-        mirrored = ops.reduce("mean", PerReplica(parts), ["/cpu:0", "/cpu:1"])
+        mirrored = ops.reduce(ReduceOp.MEAN, PerReplica(parts), ["/cpu:0", "/cpu:1"])
         assert isinstance(mirrored, Mirrored) and len(mirrored.values) == 2
         want = ref_sum(parts) / n if np.dtype(dtype).kind == "i" else (ref_sum(parts) / dtype(n)).astype(dtype)
         for v in mirrored.values:
@@ -120,7 +120,7 @@ def test_reduce_and_batch_reduce_match_numpy(make, n):
         for p, b in zip(parts, before):
             np.testing.assert_array_equal(p, b)
         odd = [[(rng.standard_normal(k) * 9).astype(dtype) for _ in range(n)] for k in (1, 13, 0, 5)]
-        outs = ops.batch_reduce("sum", [(PerReplica(v), "/cpu:0") for v in odd])
+        outs = ops.batch_reduce(ReduceOp.SUM, [(PerReplica(v), "/cpu:0") for v in odd])
         for o, v in zip(outs, odd):
             np.testing.assert_array_equal(o, ref_sum(v))
 
@@ -156,12 +156,12 @@ def test_destinations_from_distributed_values():
             self.device = device
 
     ops = KernelAllReduce()
-    out = ops.reduce("sum", PerReplica([1.0, 2.0]), Mirrored([Comp("/cpu:2"), Comp("/cpu:3")]))
+    out = ops.reduce(ReduceOp.SUM, PerReplica([1.0, 2.0]), Mirrored([Comp("/cpu:2"), Comp("/cpu:3")]))
     assert isinstance(out, Mirrored) and [float(v) for v in out.values] == [3.0, 3.0]
     with pytest.raises(ValueError, match="destinations must not be None"):
-        ops.reduce("sum", PerReplica([1.0, 2.0]), None)
+        ops.reduce(ReduceOp.SUM, PerReplica([1.0, 2.0]), None)
     with pytest.raises(ValueError, match="invalid device"):
-        ops.reduce("sum", PerReplica([1.0, 2.0]), "/xpu:0")
+        ops.reduce(ReduceOp.SUM, PerReplica([1.0, 2.0]), "/xpu:0")
 
 
 def test_hundred_small_gradients_cost_one_reduce_call(monkeypatch):
@@ -270,10 +270,14 @@ def test_num_packs_validation(cls):
 
 @pytest.mark.parametrize("cls", [cudist.NcclAllReduce, cudist.P2PAllReduce])
 def test_gpu_only_ops_reject_cpu_devices(cls):
+    # TF 2.21: NcclAllReduce() constructs on a CPU-only machine, reduces to one CPU destination
+    # (ReductionToOneDevice's way) and runs a one-device strategy; over two CPU devices its
+    # all-reduce raises InvalidArgumentError (cudist: when the strategy is made).
     ops = cls()  # constructing needs no GPU (and imports no CuPy)
-    with pytest.raises(ValueError, match=f"{cls.__name__} needs GPU devices, but got '{CPU.format(0)}'"):
-        ops.reduce("sum", PerReplica([1.0, 2.0]), "/cpu:0")
-    with pytest.raises(ValueError, match="needs GPU devices"):
+    assert float(ops.reduce(ReduceOp.SUM, PerReplica([1.0, 2.0]), "/cpu:0")) == 3.0
+    one = cudist.MirroredStrategy(["/cpu:0"], cross_device_ops=ops)
+    assert float(one.run(lambda: cudist.get_replica_context().all_reduce("sum", np.float32(2.0)))) == 2.0
+    with pytest.raises(cudist.errors.InvalidArgumentError, match=f"{cls.__name__} needs GPU devices, but got '{CPU.format(0)}'"):
         cudist.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
 
 

@@ -427,7 +427,7 @@ def test_communication_options():
 
 def test_cluster_spec_and_chief_rules():
     spec = ClusterSpec({"chief": ["h0:1"], "worker": ["h1:1", "h2:1"], "ps": {3: "p:1"}})
-    assert spec.jobs == ["chief", "ps", "worker"] and spec.num_tasks("worker") == 2
+    assert spec.jobs == ["chief", "worker", "ps"] and spec.num_tasks("worker") == 2
     assert spec.task_address("worker", 1) == "h2:1" and spec.task_indices("ps") == [3]
     assert spec.as_dict()["ps"] == {3: "p:1"} and ClusterSpec(spec) == spec
     assert is_chief(spec, "chief", 0) and not is_chief(spec, "worker", 0)

@@ -505,7 +505,7 @@ def test_bad_arguments():
         optimizers.Adam(beta_1=1.0)
     with pytest.raises(ValueError, match="epsilon"):
         optimizers.Adam(epsilon=-1e-7)
-    with pytest.raises(TypeError, match="learning_rate"):
+    with pytest.raises(ValueError, match="learning_rate"):
         optimizers.SGD("fast")
     with pytest.raises(ValueError, match="learning_rate"):
         optimizers.SGD(float("nan"))

@@ -51,7 +51,7 @@ def test_mirrored_default_devices_are_every_logical_cpu_without_gpus():
         (["/cpu:0", "/device:CPU:0"], ValueError, "duplicates"),
         (["/cpu:0", "/cpu:99"], ValueError, "CPU:99' does not exist: 4 logical CPU"),
         (["/tpu:0"], ValueError, "invalid device"),
-        ("/cpu:0", TypeError, "list or tuple"),
+        ("/cpu:0", ValueError, "list or tuple"),
     ],
 )
 def test_mirrored_bad_devices(devices, exc, match):

@@ -533,19 +533,29 @@ def test_cross_replica_assign_of_per_replica_writes_each_component():
 
 def test_on_read_aggregation_none_in_cross_replica_context():
     # TF 2.21: an ON_READ variable with aggregation NONE, outside run (with or without its scope):
-    # assign, assign_add, assign_sub, read_value() and numpy() all raise ValueError "Could not convert
-    # from `tf.VariableAggregation` VariableAggregationV2.NONE to`tf.distribute.ReduceOp` type".
+    # read_value() and numpy() raise ValueError "Could not convert from `tf.VariableAggregation`
+    # VariableAggregationV2.NONE to`tf.distribute.ReduceOp` type". assign, assign_add and assign_sub
+    # write every component (1 -> assign(5) -> [5, 5] -> assign_add(5) -> [10, 10] -> assign_sub(5) ->
+    # [5, 5]) and then raise that error reading the result back; with read_value=False they return None.
     s = _mirrored(2)
     with s.scope():
         nv = cudist.Variable(np.array([1.0, 2.0], np.float32), synchronization=VS.ON_READ, aggregation=VA.NONE)
-    calls = [lambda: nv.assign(np.ones(2, np.float32)), lambda: nv.assign_add(np.ones(2, np.float32)),
-             lambda: nv.assign_sub(np.ones(2, np.float32)), nv.read_value, nv.numpy]
-    for call in calls:
+    for read in (nv.read_value, nv.numpy):
         with pytest.raises(ValueError, match="Could not convert from `tf.VariableAggregation`.*NONE"):
-            call()
+            read()
+        with s.scope(), pytest.raises(ValueError, match="Could not convert"):
+            read()
+    five = np.full(2, 5.0, np.float32)
+    step = {"assign": lambda x: 5.0, "assign_add": lambda x: x + 5.0, "assign_sub": lambda x: x - 5.0}
+    want = 1.0
+    for method in ("assign", "assign_add", "assign_sub"):
+        with pytest.raises(ValueError, match="Could not convert from `tf.VariableAggregation`.*NONE"):
+            getattr(nv, method)(five)
+        want = step[method](want)
         with s.scope():
-            with pytest.raises(ValueError, match="Could not convert"):
-                call()
+            assert getattr(nv, method)(five, read_value=False) is None
+        want = step[method](want)
+        assert [c.numpy().tolist() for c in nv.values] == [[want] * 2] * 2, method
     # In replica context it is each replica's own (TF: writes stay local).
     s.run(lambda: nv.assign(np.full(2, cudist.get_replica_context().replica_id_in_sync_group, np.float32)))
     assert [c.numpy().tolist() for c in nv.values] == [[0, 0], [1, 1]]
@@ -757,3 +767,162 @@ def test_dataset_runtime_errors_and_concatenate_like_tf():
     assert D.range(2).concatenate(D.range(2).repeat()).cardinality() == -1
     with pytest.raises(TypeError, match="incompatible dataset elements"):
         D.range(2).concatenate(D.from_tensor_slices(np.ones(2, np.float32))).element_spec  # noqa: B018
+
+
+# ------------------------------------------------------------------ cluster resolvers (issue #31)
+def test_tf_config_cluster_resolver_fields(monkeypatch):
+    # TF 2.21, TF_CONFIG = {"cluster": {"worker": ["a:1", "b:2"], "chief": ["c:3"]}, "task": {"type":
+    # "worker", "index": 1}, "environment": "cloud", "rpc_layer": "grpc"}: environment None (TF_CONFIG's is
+    # not read; "google" when passed); task_id="1" -> 1, task_type=5 -> "5"; jobs ['worker', 'chief'];
+    # master() 'grpc://b:2', master("chief", 0) 'grpc://c:3', master(rpc_layer="foo") 'foo://b:2';
+    # master("worker", 7) ValueError "No task with index 7 in job 'worker'", master("ps", 0) ValueError
+    # "No such job in cluster: 'ps'"; num_accelerators("worker", 7) the same ValueError.
+    import json
+
+    from cudist.cluster_resolver import TFConfigClusterResolver as R
+
+    cfg = {"cluster": {"worker": ["a:1", "b:2"], "chief": ["c:3"]}, "task": {"type": "worker", "index": 1},
+           "environment": "cloud", "rpc_layer": "grpc"}  # fmt: skip
+    monkeypatch.setenv("TF_CONFIG", json.dumps(cfg))
+    r = R()
+    assert r.environment is None and R(environment="google").environment == "google"
+    assert R(task_id="1").task_id == 1 and R(task_type=5).task_type == "5"
+    assert r.cluster_spec().jobs == ["worker", "chief"]
+    assert r.master() == "grpc://b:2" and r.master("chief", 0) == "grpc://c:3" and r.master(rpc_layer="foo") == "foo://b:2"
+    with pytest.raises(ValueError, match="No task with index 7 in job 'worker'"):
+        r.master("worker", 7)
+    with pytest.raises(ValueError, match="No such job in cluster: 'ps'"):
+        r.master("ps", 0)
+    with pytest.raises(ValueError, match="No task with index 7 in job 'worker'"):
+        r.num_accelerators("worker", 7)
+    assert not r.num_accelerators()  # no GPU here (TF: an empty defaultdict)
+    # session_master wins; a one-task cluster (and no cluster) has master ''; a multi-task cluster
+    # without a task: ValueError "No such job in cluster: None"; a sparse JSON cluster works.
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]}, "session_master": "sm:9"}))
+    assert R().master() == "sm:9"
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0}}))
+    assert R().master() == "" and R().master("worker", 0) == ""
+    monkeypatch.setenv("TF_CONFIG", json.dumps({}))
+    assert R().master() == "" and (R().task_type, R().task_id) == (None, None)
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": ["a:1", "b:2"]}}))
+    with pytest.raises(ValueError, match="No such job in cluster: None"):
+        R().master()
+    monkeypatch.setenv("TF_CONFIG", json.dumps({"cluster": {"worker": {"1": "a:1"}}, "task": {"type": "worker", "index": 1}}))
+    assert R().cluster_spec().as_dict() == {"worker": {1: "a:1"}} and R().cluster_spec().task_indices("worker") == [1]
+    assert R().master() == "a:1"
+
+
+def test_cluster_spec_parity():
+    # TF 2.21 tf.train.ClusterSpec: jobs in insertion order (['worker', 'chief', 'ps']); a copy of a
+    # ClusterSpec sorts them (['chief', 'worker']); sparse indices go through int() ({"1": "a"} -> {1: 'a'},
+    # {1.0: ...} and {True: ...} -> 1, {"x": ...} ValueError); as_dict of a sparse job sorts the indices;
+    # an address that is not a string: TypeError "Task address 5 must be bytes or unicode".
+    CS = cudist.train.ClusterSpec
+    assert CS is cudist.cluster_resolver.ClusterSpec
+    assert CS({"worker": ["a"], "chief": ["b"], "ps": ["c"]}).jobs == ["worker", "chief", "ps"]
+    assert CS(CS({"worker": ["a"], "chief": ["b"]})).jobs == ["chief", "worker"]
+    assert CS({"worker": {"1": "a"}}).as_dict() == {"worker": {1: "a"}}
+    assert CS({"worker": {1.0: "a"}}).as_dict() == CS({"worker": {True: "a"}}).as_dict() == {"worker": {1: "a"}}
+    with pytest.raises(ValueError, match="'x'"):
+        CS({"worker": {"x": "a"}})
+    sparse = CS({"worker": {"3": "a", "1": "b"}})
+    assert list(sparse.as_dict()["worker"].items()) == [(1, "b"), (3, "a")]
+    assert sparse.num_tasks("worker") == 2 and sparse.job_tasks("worker") == [None, "b", None, "a"]
+    with pytest.raises(TypeError, match="task address 5 .*must be bytes or unicode"):
+        CS({"worker": [5]})
+    assert CS({"worker": ["a"], "chief": ["b"]}) == CS({"chief": ["b"], "worker": ["a"]})
+
+
+# ------------------------------------------------------------------ single-process errors (issue #31)
+def test_single_process_argument_errors():
+    # TF 2.21: MirroredStrategy("/cpu:0") ValueError; len(per_replica) TypeError "object of type
+    # 'PerReplica' has no len()"; CrossDeviceOps.reduce / batch_reduce with a string op ("SUM" or
+    # "sum") ValueError "`reduce_op` must be Reduce.SUM or Reduce.MEAN."; strategy.reduce("SUM", ...)
+    # accepts the string.
+    with pytest.raises(ValueError, match="list or tuple of device strings, got the string '/cpu:0'"):
+        cudist.MirroredStrategy("/cpu:0")
+    s = _mirrored(2)
+    pr = s.run(lambda: np.float32(cudist.get_replica_context().replica_id_in_sync_group))
+    with pytest.raises(TypeError, match="has no len"):
+        len(pr)
+    ops = cudist.ReductionToOneDevice()
+    for op in ("SUM", "sum"):
+        with pytest.raises(ValueError, match="`reduce_op` must be Reduce.SUM or Reduce.MEAN"):
+            ops.reduce(op, pr, destinations="/cpu:0")
+        with pytest.raises(ValueError, match="`reduce_op` must be Reduce.SUM or Reduce.MEAN"):
+            ops.batch_reduce(op, [(pr, "/cpu:0")])
+    assert float(ops.reduce(cudist.ReduceOp.SUM, pr, destinations="/cpu:0")) == 1.0
+    assert float(s.reduce("SUM", pr, axis=None)) == 1.0
+
+
+def test_porting_names():
+    # TF 2.21 has tf.distribute.experimental.ValueContext (its only public path), tf.train.ClusterSpec
+    # and tf.function; cudist.function returns the function itself (no graphs to trace here).
+    assert cudist.experimental.ValueContext is cudist.ValueContext
+    assert cudist.experimental.ValueContext(1, 2).num_replicas_in_sync == 2
+
+    def step(x):
+        return x * 2
+
+    assert cudist.function(step) is step
+    assert cudist.function(jit_compile=True, reduce_retracing=True)(step) is step
+
+    @cudist.function
+    def f(x):
+        return x + 1
+
+    assert f(1) == 2
+    with pytest.raises(TypeError, match="expected a callable"):
+        cudist.function(3)
+
+
+# ------------------------------------------------------------------ Keras 3.15 optimizer and loss errors (issue #31)
+@pytest.mark.parametrize("cls", [cudist.optimizers.SGD, cudist.optimizers.Adam, cudist.optimizers.AdamW,
+                                 cudist.optimizers.RMSprop, cudist.optimizers.Adagrad, cudist.optimizers.Adamax,
+                                 cudist.optimizers.Nadam, cudist.optimizers.Lion])  # fmt: skip
+def test_optimizer_argument_errors(cls):
+    # Keras 3.15: Adam(foo=1) ValueError "Argument(s) not recognized: {'foo': 1}"; learning_rate="fast"
+    # or None: ValueError "Argument `learning_rate` should be float, or an instance of
+    # LearningRateSchedule, or a callable ..."; a gradient of another shape: TF InvalidArgumentError
+    # ("Cannot update variable with shape [2,3] using a Tensor with shape [3,2]" for SGD,
+    # "Incompatible shapes: [4] vs. [2,3]" for Adam).
+    with pytest.raises(ValueError, match=r"Argument\(s\) not recognized: \{'foo': 1\}"):
+        cls(foo=1)
+    for lr in ("fast", None):
+        with pytest.raises(ValueError, match="Argument `learning_rate` should be float, or an instance of LearningRateSchedule"):
+            cls(learning_rate=lr)
+    opt = cls(learning_rate=0.1)
+    with pytest.raises(ValueError, match="Argument `learning_rate` should be float"):
+        opt.learning_rate = "fast"
+    v = cudist.Variable(np.ones((2, 3), np.float32))
+    for bad in (np.ones((3, 2), np.float32), np.ones(4, np.float32)):
+        with pytest.raises(cudist.errors.InvalidArgumentError, match=r"has shape \(.*\) but the variable has shape \(2, 3\)"):
+            opt.apply_gradients([(bad, v)])
+    assert v.numpy().tolist() == [[1.0] * 3] * 2
+
+
+def test_loss_shape_errors_and_broadcasting():
+    # Keras 3.15: MeanSquaredError broadcasts y_true against y_pred: (2, 1) vs (2, 4) of
+    # arange(8)/3 -> 0.611111044883728, (1, 4) vs (2, 4) -> 5.277777671813965, per example
+    # [0.3888888955116272, 0.8333332538604736]; (2, 3) vs (2, 4) and (2,) vs (2, 4): InvalidArgumentError
+    # "Incompatible shapes". tf.nn.compute_average_loss: global_batch_size=-1 InvalidArgumentError
+    # "global_batch_size must be non-negative"; sample_weight of shape (3,) for 4 losses:
+    # InvalidArgumentError "Incompatible shapes: [4] vs. [3]"; of shape (4, 2): InvalidArgumentError
+    # (Squeeze "Can not squeeze dim[1]").
+    yt = np.arange(2, dtype=np.float32).reshape(2, 1)
+    yp = np.arange(8, dtype=np.float32).reshape(2, 4) / 3
+    mse = cudist.losses.MeanSquaredError()
+    assert float(mse(yt, yp)) == pytest.approx(0.611111044883728, rel=1e-6)
+    assert float(mse(yp[:1], yp * 2)) == pytest.approx(5.277777671813965, rel=1e-6)
+    np.testing.assert_allclose(cudist.losses.mean_squared_error(yt, yp), [0.3888888955116272, 0.8333332538604736], rtol=1e-6)
+    g = mse.gradient(yt, yp)  # y_true broadcast: the gradient has y_pred's shape
+    np.testing.assert_allclose(g, 2 * (yp - yt) / yp.size, rtol=1e-6)
+    for a in (np.ones((2, 3), np.float32), np.ones(2, np.float32)):
+        with pytest.raises(cudist.errors.InvalidArgumentError, match="Incompatible shapes"):
+            mse(a, yp)
+    with pytest.raises(cudist.errors.InvalidArgumentError, match="global_batch_size must be non-negative"):
+        cudist.nn.compute_average_loss(np.ones(4, np.float32), global_batch_size=-1)
+    for w in (np.ones(3, np.float32), np.ones((4, 2), np.float32)):
+        with pytest.raises(cudist.errors.InvalidArgumentError, match="sample_weight of shape"):
+            cudist.nn.compute_average_loss(np.ones(4, np.float32), sample_weight=w, global_batch_size=4)
+    assert float(cudist.nn.compute_average_loss(np.ones(4, np.float32), global_batch_size=0)) == 0.0

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
         InputReplicationMode,
         ValueContext,
     )
+    from cudist._def_function import function
     from cudist._mirrored_strategy import MirroredStrategy
     from cudist._one_device_strategy import OneDeviceStrategy
     from cudist._reduce_util import ReduceOp
@@ -99,6 +100,7 @@ _EXPORTS = {
     "HierarchicalCopyAllReduce": "_cross_device_ops",
     "NcclAllReduce": "_cross_device_ops",
     "P2PAllReduce": "_cross_device_ops",
+    "function": "_def_function",
 }
 _SUBMODULES = ("data", "config", "experimental", "errors", "optimizers", "cluster_resolver", "launch", "losses", "metrics", "nn", "train")
 
@@ -135,6 +137,7 @@ __all__ = [
     "VariableAggregation",
     "VariableSynchronization",
     "experimental_set_strategy",
+    "function",
     "get_cross_replica_context",
     "get_replica_context",
     "get_strategy",

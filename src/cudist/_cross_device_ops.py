@@ -41,6 +41,7 @@ from cudist._collectives.placement import (
 from cudist._kernels import BackendUnavailableError, KernelBackend, cpu_backend
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored
+from cudist.errors import InvalidArgumentError
 
 __all__ = [
     "CrossDeviceOps",
@@ -75,11 +76,16 @@ class CrossDeviceOps:
         return f"<cudist.{type(self).__name__} num_packs={self.num_packs}{extra}>"
 
     def _check_devices(self, devices: Sequence[str]) -> None:
-        """Raises ValueError if this algorithm cannot run on ``devices`` (canonical names)."""
-        if self._needs_gpu:
+        """Raises InvalidArgumentError if this algorithm cannot run on ``devices`` (canonical names).
+
+        A GPU-only algorithm is refused on two or more CPU devices, when the strategy is made (TF
+        2.21 raises the same error type at the first all-reduce); on one device there is nothing to
+        reduce across, and TF and cudist both run.
+        """
+        if self._needs_gpu and len(devices) > 1:
             bad = [d for d in devices if not _devices.parse_device(d).is_gpu]
             if bad:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"{type(self).__name__} needs GPU devices, but got {bad[0]!r}; use "
                     "cudist.ReductionToOneDevice() or the default cross_device_ops on CPUs"
                 )
@@ -111,7 +117,7 @@ class CrossDeviceOps:
 
     def reduce(
         self,
-        reduce_op: ReduceOp | str,
+        reduce_op: ReduceOp,
         per_replica_value: Any,
         destinations: Destinations,
         options: object = None,
@@ -119,7 +125,9 @@ class CrossDeviceOps:
         """Reduces ``per_replica_value`` to ``destinations``.
 
         Args:
-            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
+            reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (a string is a ValueError, as in TF 2.21,
+                whose cross-device ops take no strings; ``Strategy.reduce`` and
+                ``StrategyExtended.reduce_to`` do).
             per_replica_value: a DistributedValues of arrays (or scalars), or a plain array, which
                 is one replica's value.
             destinations: a device string, a list of them, or a distributed value or variable
@@ -135,7 +143,7 @@ class CrossDeviceOps:
             TypeError: a dtype that cannot be summed.
         """
         del options
-        op = ReduceOp.parse(reduce_op, where="CrossDeviceOps.reduce")
+        op = _reduce_op(reduce_op)
         devices = resolve_destinations(destinations, "CrossDeviceOps.reduce")
         self._check_devices(devices)
         comps = self._uniform("reduce", self._values_of("reduce", per_replica_value))
@@ -156,14 +164,16 @@ class CrossDeviceOps:
 
     def batch_reduce(
         self,
-        reduce_op: ReduceOp | str,
+        reduce_op: ReduceOp,
         value_destination_pairs: Iterable[tuple[Any, Destinations]],
         options: object = None,
     ) -> list[Array | Mirrored]:
         """Reduces many (value, destinations) pairs, packed into one kernel call per dtype and pack.
 
         Args:
-            reduce_op: ``ReduceOp.SUM`` / ``MEAN`` or "sum" / "mean".
+            reduce_op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN`` (a string is a ValueError, as in TF 2.21,
+                whose cross-device ops take no strings; ``Strategy.reduce`` and
+                ``StrategyExtended.reduce_to`` do).
             value_destination_pairs: (value, destinations) pairs, each as :meth:`reduce` takes them.
             options: accepted for TF compatibility (``CommunicationOptions``); ignored.
 
@@ -174,7 +184,7 @@ class CrossDeviceOps:
             ValueError: a malformed pair, or the errors of :meth:`reduce`.
         """
         del options
-        op = ReduceOp.parse(reduce_op, where="CrossDeviceOps.batch_reduce")
+        op = _reduce_op(reduce_op)
         pairs = list(value_destination_pairs)
         if not pairs:
             return []
@@ -500,6 +510,12 @@ def _format_bytes(n: int) -> str:
         if n >= size and n % size == 0:
             return f"{n // size} {unit}"
     return f"{n} B"
+
+
+def _reduce_op(reduce_op: object) -> ReduceOp:
+    if not isinstance(reduce_op, ReduceOp):
+        raise ValueError(f"`reduce_op` must be Reduce.SUM or Reduce.MEAN, got {reduce_op!r}")
+    return reduce_op
 
 
 def select_cross_device_ops(devices: Sequence[str], cross_device_ops: CrossDeviceOps | None = None) -> CrossDeviceOps:

@@ -1452,9 +1452,13 @@ def parse_devices(devices: Sequence[_devices.DeviceLike], where: str) -> tuple[s
 
     Raises:
         TypeError: ``devices`` is not a list or tuple.
-        ValueError: no devices, a duplicate, or an invalid device name.
+        ValueError: a single device string (TF 2.21 raises ValueError too), no devices, a duplicate,
+            or an invalid device name.
     """
-    if isinstance(devices, str) or not isinstance(devices, (list, tuple)):
+    if isinstance(devices, str):
+        raise ValueError(f"{where}: devices must be a list or tuple of device strings, got the string {devices!r}; "
+                         f"pass [{devices!r}]")
+    if not isinstance(devices, (list, tuple)):
         raise TypeError(f"{where}: devices must be a list or tuple of device strings, got {type(devices).__name__}")
     if not devices:
         raise ValueError(f"{where}: devices must not be empty")

@@ -47,9 +47,6 @@ class DistributedValues:
     def _primary(self) -> Any:
         return self._values[0]
 
-    def __len__(self) -> int:
-        return len(self._values)
-
     def __repr__(self) -> str:
         body = ",\n".join(f"  {i}: {v!r}" for i, v in enumerate(self._values))
         return f"{type(self).__name__}:{{\n{body}\n}}"

@@ -1162,8 +1162,8 @@ class SyncOnReadVariable(DistributedVariable):
         if ctx is not None:
             return self._local(ctx)._update(method, value, read_value)
         agg = self._aggregation
-        if agg is VariableAggregation.NONE:
-            ReduceOp.from_variable_aggregation(agg)  # raises TF's "Could not convert" ValueError
+        # Aggregation NONE: as TF 2.21, every component is written; only reading the result back
+        # (read_value=True) raises TF's "Could not convert" ValueError, from _aggregated().
         if agg is VariableAggregation.SUM and method != "assign":
             raise ValueError(
                 f"SyncOnReadVariable does not support `{method}` in cross-replica context when aggregation is set "

@@ -40,6 +40,7 @@ import numpy as np
 
 from cudist._arrays import array_namespace
 from cudist._distribute_lib import get_strategy
+from cudist.errors import InvalidArgumentError
 
 __all__ = [
     "Loss",
@@ -251,9 +252,19 @@ def _mse(y_true: Any, y_pred: Any, grad: bool, dtype: Any = None) -> tuple[Any, 
     y_pred = _floating(xp, y_pred, dtype)
     target = _like(xp, y_true, y_pred.dtype)
     target, pred = squeeze_or_expand_to_same_rank(target, y_pred)
-    if tuple(target.shape) != tuple(pred.shape):
-        raise ValueError(
-            f"mean_squared_error: y_true of shape {tuple(target.shape)} does not match y_pred of shape {tuple(y_pred.shape)}"
+    # As Keras, y_true and y_pred broadcast against each other; shapes that do not are TF's
+    # InvalidArgumentError ("Incompatible shapes: [2,3] vs. [2,4]").
+    try:
+        shape = np.broadcast_shapes(tuple(target.shape), tuple(pred.shape))
+    except ValueError:
+        dims = [",".join(map(str, s)) for s in (target.shape, pred.shape)]
+        raise InvalidArgumentError(
+            f"mean_squared_error: Incompatible shapes: [{dims[0]}] vs. [{dims[1]}] (y_true, y_pred)"
+        ) from None
+    if grad and shape != tuple(pred.shape):
+        raise InvalidArgumentError(
+            f"mean_squared_error: the gradient needs y_pred of the broadcast shape {shape}, got y_pred of shape "
+            f"{tuple(y_pred.shape)} against y_true of shape {tuple(target.shape)}"
         )
     if pred.ndim < 1:
         raise ValueError(f"mean_squared_error: y_pred must be at least rank 1, got shape {tuple(y_pred.shape)}")

@@ -19,6 +19,7 @@ import numpy as np
 
 from cudist._arrays import array_namespace, python_dtype
 from cudist._distribute_lib import get_strategy, has_strategy, in_cross_replica_context
+from cudist.errors import InvalidArgumentError
 
 __all__ = ["compute_average_loss", "scale_regularization_loss"]
 
@@ -53,13 +54,20 @@ def _scale_by_sample_weight(losses: Any, sample_weight: Any) -> Any:
     if w32.ndim != 0:
         if w32.ndim - losses32.ndim == 1:
             if w32.shape[-1] != 1:
-                raise ValueError(
+                raise InvalidArgumentError(  # TF's error (a ValueError too)
                     f"sample_weight of shape {tuple(w32.shape)} does not fit per-example losses of shape "
                     f"{tuple(losses32.shape)}: its extra last dimension must be 1"
                 )
             w32 = w32.reshape(w32.shape[:-1])
         elif losses32.ndim - w32.ndim == 1:
             w32 = w32.reshape(tuple(w32.shape) + (1,))
+    try:
+        np.broadcast_shapes(tuple(losses32.shape), tuple(w32.shape))
+    except ValueError:
+        raise InvalidArgumentError(  # TF's "Incompatible shapes: [4] vs. [3]"
+            f"sample_weight of shape {tuple(w.shape)} does not broadcast against per-example losses of shape "
+            f"{tuple(losses.shape)}"
+        ) from None
     return losses32 * w32
 
 
@@ -76,7 +84,7 @@ def _check_global_batch_size(global_batch_size: Any) -> int:
         raise TypeError(f"global_batch_size must be an integer, got {global_batch_size!r}")
     value = int(value)
     if value < 0:
-        raise ValueError(f"global_batch_size must be non-negative, got {value}")
+        raise InvalidArgumentError(f"global_batch_size must be non-negative, got {value}")  # TF's (a ValueError)
     return value
 
 

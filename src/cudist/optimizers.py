@@ -62,6 +62,7 @@ from cudist._kernels import adam_lr_t, adamax_lr_t, nadam_step, numpy_backend
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
+from cudist.errors import InvalidArgumentError
 from cudist._variables import (
     MirroredVariable,
     SyncOnReadVariable,
@@ -304,7 +305,10 @@ class Optimizer:
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
+        **kwargs: Any,
     ) -> None:
+        if kwargs:  # Keras 3's error for a misspelt or unknown argument
+            raise ValueError(f"Argument(s) not recognized: {kwargs}")
         if not isinstance(name, str) or not name:
             raise TypeError(f"`name` must be a non-empty string, got {name!r}")
         self.name = name
@@ -414,6 +418,12 @@ class Optimizer:
                 "This optimizer was created with a `LearningRateSchedule` object as its `learning_rate` "
                 "constructor argument, hence its learning rate is not settable. If you need the learning rate "
                 "to be settable, you should instantiate the optimizer with a float `learning_rate` argument."
+            )
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(  # Keras 3's error and message
+                "Argument `learning_rate` should be float, or an instance of LearningRateSchedule, or a callable "
+                "(that takes in the current iteration value and returns the corresponding learning rate value). "
+                f"Received instead: learning_rate={value!r}"
             )
         self._learning_rate = _check_real("learning_rate", value)
 
@@ -699,7 +709,7 @@ class Optimizer:
             grad = cast_value(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
         shape = var._primary_array().shape  # var.shape may have None dimensions (``shape=`` at creation)
         if grad.shape != shape:
-            raise ValueError(
+            raise InvalidArgumentError(  # TF's error (a ValueError too)
                 f"{self.name}: the gradient of variable '{var.name}' has shape {grad.shape} but the variable "
                 f"has shape {shape}"
             )
@@ -1124,6 +1134,7 @@ class SGD(Optimizer):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "SGD",
+        **kwargs: Any,
     ) -> None:
         self.momentum = _check_real("momentum", momentum, low=0.0, high=1.0)
         self.nesterov = bool(nesterov)
@@ -1140,6 +1151,7 @@ class SGD(Optimizer):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:
@@ -1223,6 +1235,7 @@ class Adam(Optimizer):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "adam",
+        **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
         self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
@@ -1241,6 +1254,7 @@ class Adam(Optimizer):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:
@@ -1321,6 +1335,7 @@ class AdamW(Adam):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "adamw",
+        **kwargs: Any,
     ) -> None:
         if weight_decay is None:
             raise ValueError("Argument `weight_decay` must be a float. Received: weight_decay=None")
@@ -1340,6 +1355,7 @@ class AdamW(Adam):
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
             name=name,
+            **kwargs,
         )
 
 
@@ -1380,6 +1396,7 @@ class RMSprop(Optimizer):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "rmsprop",
+        **kwargs: Any,
     ) -> None:
         self.rho = _check_real("rho", rho, low=0.0, high=1.0)
         self.momentum = _check_real("momentum", momentum, low=0.0)
@@ -1400,6 +1417,7 @@ class RMSprop(Optimizer):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:
@@ -1476,6 +1494,7 @@ class Adagrad(Optimizer):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "adagrad",
+        **kwargs: Any,
     ) -> None:
         self.initial_accumulator_value = _check_real("initial_accumulator_value", initial_accumulator_value, low=0.0)
         self.epsilon = _check_real("epsilon", epsilon, low=0.0)
@@ -1491,6 +1510,7 @@ class Adagrad(Optimizer):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:
@@ -1562,6 +1582,7 @@ class Adamax(Optimizer):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "adamax",
+        **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
         self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0)
@@ -1578,6 +1599,7 @@ class Adamax(Optimizer):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:
@@ -1655,6 +1677,7 @@ class Nadam(Optimizer):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "nadam",
+        **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
         self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
@@ -1672,6 +1695,7 @@ class Nadam(Optimizer):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:
@@ -1758,6 +1782,7 @@ class Lion(Optimizer):
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
         name: str = "lion",
+        **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, high=1.0)
         if self.beta_1 <= 0:
@@ -1775,6 +1800,7 @@ class Lion(Optimizer):
             ema_overwrite_frequency=ema_overwrite_frequency,
             loss_scale_factor=loss_scale_factor,
             gradient_accumulation_steps=gradient_accumulation_steps,
+            **kwargs,
         )
 
     def get_config(self) -> dict[str, Any]:

@@ -40,14 +40,23 @@ _ALLOWED_JOBS = ("chief", "worker", "evaluator", "ps")
 class ClusterSpec:
     """A cluster as a map from job names to task addresses (``tf.train.ClusterSpec``).
 
+    Jobs keep the order they are given in (``jobs``); a copy of another ClusterSpec has its jobs
+    sorted by name (as TF's, which copies through a ``ClusterDef``).
+
     Args:
         cluster: a dict mapping each job name to a list of addresses (task i is the i-th) or to a
-            dict ``{task index: address}`` (sparse); or another ClusterSpec.
+            dict ``{task index: address}`` (sparse; indices as ints or, as JSON gives them, strings
+            of ints); or another ClusterSpec.
+
+    Raises:
+        TypeError: ``cluster`` is not a dict or ClusterSpec; a job name, a job's tasks or an
+            address of the wrong type.
+        ValueError: a sparse task index that is not an integer.
     """
 
     def __init__(self, cluster):
         if isinstance(cluster, ClusterSpec):
-            self._cluster = {job: dict(tasks) for job, tasks in cluster._cluster.items()}
+            self._cluster = {job: dict(cluster._cluster[job]) for job in sorted(cluster._cluster)}
             return
         if not isinstance(cluster, dict):
             raise TypeError(f"ClusterSpec: cluster must be a dict or a ClusterSpec, got {type(cluster).__name__}")
@@ -58,11 +67,13 @@ class ClusterSpec:
             if isinstance(tasks, dict):
                 parsed = {}
                 for i, addr in tasks.items():
-                    if isinstance(i, bool) or not isinstance(i, int):
-                        raise TypeError(f"ClusterSpec: task indices of job {job!r} must be ints, got {i!r}")
-                    parsed[i] = str(addr)
+                    try:  # TF's int(): JSON's "1" is task 1
+                        index = int(i)
+                    except (TypeError, ValueError):
+                        raise ValueError(f"ClusterSpec: task index {i!r} of job {job!r} is not an integer") from None
+                    parsed[index] = _address(job, addr)
             elif isinstance(tasks, (list, tuple)):
-                parsed = {i: str(addr) for i, addr in enumerate(tasks)}
+                parsed = {i: _address(job, addr) for i, addr in enumerate(tasks)}
             else:
                 raise TypeError(f"ClusterSpec: the tasks of job {job!r} must be a list or a dict, got {tasks!r}")
             self._cluster[job] = parsed
@@ -84,15 +95,15 @@ class ClusterSpec:
 
     @property
     def jobs(self) -> list:
-        """The job names, sorted."""
-        return sorted(self._cluster)
+        """The job names, in the order the cluster gave them (as TF's)."""
+        return list(self._cluster)
 
     def as_dict(self) -> dict:
         """Job name -> list of addresses (dict of index -> address for a sparse job), as TF's."""
         out = {}
         for job, tasks in self._cluster.items():
             idx = sorted(tasks)
-            out[job] = [tasks[i] for i in idx] if idx == list(range(len(idx))) else dict(tasks)
+            out[job] = [tasks[i] for i in idx] if idx == list(range(len(idx))) else {i: tasks[i] for i in idx}
         return out
 
     def num_tasks(self, job_name: str) -> int:
@@ -129,6 +140,14 @@ class ClusterSpec:
         if job_name not in self._cluster:
             raise ValueError(f"No such job in cluster: {job_name!r}")
         return self._cluster[job_name]
+
+
+def _address(job: str, addr) -> str:
+    if isinstance(addr, bytes):
+        return addr.decode()
+    if not isinstance(addr, str):
+        raise TypeError(f"ClusterSpec: task address {addr!r} of job {job!r} must be bytes or unicode")
+    return addr
 
 
 def normalize_cluster_spec(cluster_spec) -> ClusterSpec:
@@ -207,15 +226,20 @@ class ClusterResolver(abc.ABC):
         """The address of a task (this one by default), prefixed with ``rpc_layer://`` if given."""
 
     def num_accelerators(self, task_type=None, task_id=None, config_proto=None) -> dict:
-        """Accelerators per type on this machine: ``{"GPU": n}`` (empty without GPUs)."""
-        del task_type, task_id, config_proto
+        """Accelerators per type on this machine: ``{"GPU": n}`` (empty without GPUs).
+
+        Raises:
+            ValueError: the task is not in the cluster (TF asks the task's master for its devices).
+        """
+        del config_proto
+        self.master(task_type, task_id)
         from cudist import config  # noqa: PLC0415 - only when asked
 
         n = len(config.list_physical_devices("GPU"))
         return {"GPU": n} if n else {}
 
     @property
-    def environment(self) -> str:
+    def environment(self) -> str | None:
         """The environment the job runs in ("" here, as TF's default)."""
         return ""
 
@@ -304,10 +328,14 @@ def _load_tf_config() -> dict:
 class TFConfigClusterResolver(ClusterResolver):
     """Reads the cluster and this task from ``TF_CONFIG`` (``tf.distribute.cluster_resolver.TFConfigClusterResolver``).
 
+    As TF 2.21's: ``task_type`` is a string and ``task_id`` an int whether they come from TF_CONFIG
+    or the constructor; ``environment`` is only what the constructor was given (TF_CONFIG's
+    ``environment`` is not read).
+
     Args:
         task_type, task_id: override TF_CONFIG's ``task``.
         rpc_layer: override TF_CONFIG's ``rpc_layer``.
-        environment: override TF_CONFIG's ``environment``.
+        environment: the environment the job runs in (None unless given).
     """
 
     def __init__(self, task_type=None, task_id=None, rpc_layer=None, environment=None):
@@ -319,7 +347,7 @@ class TFConfigClusterResolver(ClusterResolver):
     @property
     def task_type(self):
         if self._task_type is not None:
-            return self._task_type
+            return str(self._task_type)
         t = _load_tf_config().get("task", {}).get("type")
         return str(t) if t is not None else None
 
@@ -330,7 +358,7 @@ class TFConfigClusterResolver(ClusterResolver):
     @property
     def task_id(self):
         if self._task_id is not None:
-            return self._task_id
+            return int(self._task_id)
         i = _load_tf_config().get("task", {}).get("index")
         return int(i) if i is not None else None
 
@@ -349,23 +377,29 @@ class TFConfigClusterResolver(ClusterResolver):
         self._rpc_layer = rpc_layer
 
     @property
-    def environment(self) -> str:
-        if self._environment is not None:
-            return self._environment
-        return _load_tf_config().get("environment", "")
+    def environment(self) -> str | None:
+        return self._environment
 
     def cluster_spec(self) -> ClusterSpec:
         """TF_CONFIG's ``cluster`` (an empty ClusterSpec without TF_CONFIG)."""
         return ClusterSpec(_load_tf_config().get("cluster", {}))
 
     def master(self, task_type=None, task_id=None, rpc_layer=None) -> str:
+        """TF_CONFIG's ``session_master`` if set; "" for a cluster of at most one task; else the
+        task's address (this task's by default), prefixed with ``rpc_layer://``.
+
+        Raises:
+            ValueError: the task (or, without one, this process's task) is not in the cluster.
+        """
+        session_master = _load_tf_config().get("session_master")
+        if session_master is not None:
+            return session_master
+        spec = self.cluster_spec()
+        jobs = spec.jobs
+        if not jobs or (len(jobs) == 1 and len(spec.job_tasks(jobs[0])) == 1):
+            return ""
         task_type = self.task_type if task_type is None else task_type
         task_id = self.task_id if task_id is None else task_id
-        if task_type is None or task_id is None:
-            return ""
-        spec = self.cluster_spec()
-        if task_type not in spec.jobs:
-            return ""
         return _format_master(spec.task_address(task_type, task_id), rpc_layer or self.rpc_layer)
 
 

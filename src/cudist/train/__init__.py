@@ -1,4 +1,5 @@
-"""``cudist.train``: checkpoints (``tf.train.Checkpoint``, ``CheckpointManager``, ``latest_checkpoint``).
+"""``cudist.train``: checkpoints (``tf.train.Checkpoint``, ``CheckpointManager``, ``latest_checkpoint``) and
+``ClusterSpec`` (``tf.train.ClusterSpec``; also ``cudist.cluster_resolver.ClusterSpec``).
 
 ::
 
@@ -34,7 +35,8 @@ copy); restoring reads one tensor at a time. Why safetensors rather than ``.npz`
 
 from __future__ import annotations
 
+from cudist.cluster_resolver import ClusterSpec
 from cudist.train._checkpoint import Checkpoint, CheckpointLoadStatus, InitializationOnlyStatus
 from cudist.train._manager import CheckpointManager, latest_checkpoint
 
-__all__ = ["Checkpoint", "CheckpointManager", "CheckpointLoadStatus", "InitializationOnlyStatus", "latest_checkpoint"]
+__all__ = ["Checkpoint", "ClusterSpec", "CheckpointManager", "CheckpointLoadStatus", "InitializationOnlyStatus", "latest_checkpoint"]
