@@ -8,6 +8,7 @@ TF itself is never imported here.
 from __future__ import annotations
 
 import collections
+import re
 
 import numpy as np
 import pytest
@@ -926,3 +927,48 @@ def test_loss_shape_errors_and_broadcasting():
         with pytest.raises(cudist.errors.InvalidArgumentError, match="sample_weight of shape"):
             cudist.nn.compute_average_loss(np.ones(4, np.float32), sample_weight=w, global_batch_size=4)
     assert float(cudist.nn.compute_average_loss(np.ones(4, np.float32), global_batch_size=0)) == 0.0
+
+
+# ------------------------------------------------------------------ Dataset.from_generator's signature (issue #31)
+def test_from_generator_output_types_and_shapes():
+    # TF 2.21: a generator yielding float64 [i + 0.5] * 2 with output_types=tf.float32 gives float32
+    # elements; output_types=tf.int32 truncates ([0, 0], [1, 1], [2, 2]); output_shapes=(3,) or (2, 1):
+    # InvalidArgumentError "`generator` yielded an element of shape (2,) where an element of shape (3,)
+    # was expected" at iteration; output_shapes=(None,) passes and element_spec is TensorSpec((None,),
+    # float32); a tuple structure (float16, int64) with shapes ((2,), ()) converts each; output_signature
+    # converts too; output_types with output_signature, or output_shapes without output_types: TypeError;
+    # a string where float32 is expected: InvalidArgumentError.
+    from cudist.data import Dataset, TensorSpec
+
+    def gen():
+        for i in range(3):
+            yield np.full(2, i + 0.5)
+
+    def elements(ds):
+        return [(x.dtype.name, x.tolist()) for x in ds]
+
+    assert elements(Dataset.from_generator(gen, output_types=np.float32)) == [("float32", [i + 0.5] * 2) for i in range(3)]
+    assert elements(Dataset.from_generator(gen, output_types=np.int32)) == [("int32", [i, i]) for i in range(3)]
+    for bad in ((3,), (2, 1)):
+        with pytest.raises(cudist.errors.InvalidArgumentError, match=rf"shape \(2,\) where an element of shape {re.escape(str(bad))}"):
+            list(Dataset.from_generator(gen, output_types=np.float32, output_shapes=bad))
+    ds = Dataset.from_generator(gen, output_types=np.float32, output_shapes=(None,))
+    assert ds.element_spec == TensorSpec((None,), np.float32) and len(list(ds)) == 3
+
+    def gen2():
+        for i in range(2):
+            yield np.full(2, i + 0.5), i
+
+    got = [tuple((y.dtype.name, y.shape) for y in x)
+           for x in Dataset.from_generator(gen2, output_types=(np.float16, np.int64), output_shapes=((2,), ()))]  # fmt: skip
+    assert got == [(("float16", (2,)), ("int64", ()))] * 2
+    sig = TensorSpec((2,), np.float32)
+    assert [x.dtype for x in Dataset.from_generator(gen, output_signature=sig)] == [np.float32] * 3
+    with pytest.raises(TypeError, match="`output_types` argument can not be used together with the `output_signature`"):
+        Dataset.from_generator(gen, output_types=np.float32, output_signature=sig)
+    with pytest.raises(TypeError, match="provide either the `output_signature` argument or the `output_types`"):
+        Dataset.from_generator(gen, output_shapes=(2,))
+    with pytest.raises(cudist.errors.InvalidArgumentError, match="expected type float32"):
+        list(Dataset.from_generator(lambda: iter(["a"]), output_types=np.float32))
+    with pytest.raises(cudist.errors.InvalidArgumentError, match="did not match the expected structure"):
+        list(Dataset.from_generator(gen, output_types=(np.float32, np.int64)))

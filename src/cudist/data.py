@@ -883,20 +883,48 @@ class Dataset:
     ) -> Dataset:
         """A dataset of what ``generator(*args)`` yields; each iteration calls it again.
 
-        ``output_signature`` (a structure of :class:`TensorSpec`) gives ``element_spec`` without
-        running the generator; otherwise the first element is computed to find it.
+        As TF's: with ``output_types`` (a structure of dtypes, with ``output_shapes`` beside it) or
+        ``output_signature`` (a structure of :class:`TensorSpec`), each element is converted to those
+        dtypes (float64 yielded for float32 is cast, as TF does) and checked against those shapes
+        (a dimension of None matches any size); ``output_signature`` also gives ``element_spec``
+        without running the generator. Unlike TF, both may be left out: the dtypes and shapes are
+        then what the generator yields (the first element is computed to find ``element_spec``).
+
+        Raises:
+            TypeError: ``generator`` is not callable; ``output_types`` or ``output_shapes`` given
+                with ``output_signature``; ``output_shapes`` without ``output_types``.
+            InvalidArgumentError: (at iteration) an element that does not fit the given structure,
+                dtypes or shapes.
         """
         if not callable(generator):
             raise TypeError(f"Dataset.from_generator: generator must be callable, got {type(generator).__name__}")
+        if output_signature is not None and (output_types is not None or output_shapes is not None):
+            which = "output_types" if output_types is not None else "output_shapes"
+            raise TypeError(f"The `{which}` argument can not be used together with the `output_signature` argument.")
+        if output_shapes is not None and output_types is None:
+            raise TypeError(
+                "To specify the output signature you need to provide either the `output_signature` argument or the "
+                "`output_types` argument."
+            )
         call_args = tuple(args or ())
+        specs: list[TensorSpec] | None = None
+        if output_signature is not None:
+            specs, treedef = flatten_specs(output_signature)
+        elif output_types is not None:
+            types, treedef = optree.tree_flatten(output_types)
+            shapes = [None] * len(types) if output_shapes is None else treedef.flatten_up_to(output_shapes)
+            specs = [TensorSpec(None if sh is None else tuple(sh), np.dtype(t)) for t, sh in zip(types, shapes)]
 
         def it() -> Iterator[Any]:
             for element in generator(*call_args):
-                yield _normalize(element, "Dataset.from_generator")
+                element = _normalize(element, "Dataset.from_generator")
+                yield element if specs is None else _conform(element, treedef, specs)
 
         spec_fn: Callable[[], Any]
         if output_signature is not None:
             spec_fn = lambda: output_signature  # noqa: E731
+        elif output_shapes is not None:  # TF's element_spec: the declared dtypes and shapes
+            spec_fn = lambda: optree.tree_unflatten(treedef, specs)  # noqa: E731
         else:
             spec_fn = lambda: _first_spec(it, "Dataset.from_generator")  # noqa: E731
         return Dataset(it, spec_fn, UNKNOWN_CARDINALITY)
@@ -1247,6 +1275,38 @@ def _stack(elements: Sequence[Any], where: str) -> Any:
         if t != treedef:
             raise ValueError(f"{where}: element {i} has structure {t} but element 0 has {treedef}")
     return _batch_leaves([leaves for leaves, _ in flat], treedef, where)
+
+
+def _conform(element: Any, treedef: optree.PyTreeSpec, specs: Sequence[TensorSpec]) -> Any:
+    """``element`` converted to the specs' dtypes and checked against their shapes (from_generator's
+    ``output_types``/``output_shapes``/``output_signature``), with TF's InvalidArgumentError otherwise."""
+    try:
+        leaves = treedef.flatten_up_to(element)
+    except (ValueError, TypeError):
+        raise InvalidArgumentError(
+            f"`generator` yielded an element that did not match the expected structure. The expected structure was "
+            f"{optree.tree_unflatten(treedef, list(specs))}, but the yielded element was {element!r}."
+        ) from None
+    out = []
+    for leaf, spec in zip(leaves, specs):
+        dtype = np.dtype(spec.dtype)
+        if not is_array(leaf) or getattr(leaf, "dtype", None) != dtype:
+            try:
+                leaf = leaf.astype(dtype) if is_device_array(leaf) else np.asarray(leaf).astype(dtype)
+            except (ValueError, TypeError) as e:
+                raise InvalidArgumentError(
+                    f"`generator` yielded an element that could not be converted to the expected type {dtype.name}: {e}"
+                ) from None
+        shape = tuple(leaf.shape)
+        if spec.shape is not None and (
+            len(shape) != len(spec.shape) or any(want is not None and want != got for want, got in zip(spec.shape, shape))
+        ):
+            raise InvalidArgumentError(
+                f"`generator` yielded an element of shape {shape} where an element of shape {tuple(spec.shape)} was "
+                "expected."
+            )
+        out.append(leaf)
+    return optree.tree_unflatten(treedef, out)
 
 
 def _first_spec(iter_fn: Callable[[], Iterable[Any]], where: str) -> Any:
