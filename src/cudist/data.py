@@ -907,24 +907,27 @@ class Dataset:
                 "`output_types` argument."
             )
         call_args = tuple(args or ())
-        specs: list[TensorSpec] | None = None
+        # Per leaf: (dtype, shape to check or None).
+        wanted: list[tuple[np.dtype[Any], tuple[int | None, ...] | None]] | None = None
         if output_signature is not None:
-            specs, treedef = flatten_specs(output_signature)
+            sig, treedef = flatten_specs(output_signature)
+            wanted = [(np.dtype(x.dtype), tuple(x.shape)) for x in sig]
         elif output_types is not None:
             types, treedef = optree.tree_flatten(output_types)
-            shapes = [None] * len(types) if output_shapes is None else treedef.flatten_up_to(output_shapes)
-            specs = [TensorSpec(None if sh is None else tuple(sh), np.dtype(t)) for t, sh in zip(types, shapes)]
+            shapes: list[Any] = [None] * len(types) if output_shapes is None else treedef.flatten_up_to(output_shapes)
+            wanted = [(np.dtype(t), None if sh is None else tuple(sh)) for t, sh in zip(types, shapes)]
 
         def it() -> Iterator[Any]:
             for element in generator(*call_args):
                 element = _normalize(element, "Dataset.from_generator")
-                yield element if specs is None else _conform(element, treedef, specs)
+                yield element if wanted is None else _conform(element, treedef, wanted)
 
         spec_fn: Callable[[], Any]
         if output_signature is not None:
             spec_fn = lambda: output_signature  # noqa: E731
-        elif output_shapes is not None:  # TF's element_spec: the declared dtypes and shapes
-            spec_fn = lambda: optree.tree_unflatten(treedef, specs)  # noqa: E731
+        elif wanted is not None and all(shape is not None for _, shape in wanted):  # TF's: the declared ones
+            declared = [TensorSpec(shape or (), dtype) for dtype, shape in wanted]
+            spec_fn = lambda: optree.tree_unflatten(treedef, declared)  # noqa: E731
         else:
             spec_fn = lambda: _first_spec(it, "Dataset.from_generator")  # noqa: E731
         return Dataset(it, spec_fn, UNKNOWN_CARDINALITY)
@@ -1277,7 +1280,9 @@ def _stack(elements: Sequence[Any], where: str) -> Any:
     return _batch_leaves([leaves for leaves, _ in flat], treedef, where)
 
 
-def _conform(element: Any, treedef: optree.PyTreeSpec, specs: Sequence[TensorSpec]) -> Any:
+def _conform(
+    element: Any, treedef: optree.PyTreeSpec, wanted: Sequence[tuple[np.dtype[Any], tuple[int | None, ...] | None]]
+) -> Any:
     """``element`` converted to the specs' dtypes and checked against their shapes (from_generator's
     ``output_types``/``output_shapes``/``output_signature``), with TF's InvalidArgumentError otherwise."""
     try:
@@ -1285,27 +1290,24 @@ def _conform(element: Any, treedef: optree.PyTreeSpec, specs: Sequence[TensorSpe
     except (ValueError, TypeError):
         raise InvalidArgumentError(
             f"`generator` yielded an element that did not match the expected structure. The expected structure was "
-            f"{optree.tree_unflatten(treedef, list(specs))}, but the yielded element was {element!r}."
+            f"{optree.tree_unflatten(treedef, [d.name for d, _ in wanted])}, but the yielded element was {element!r}."
         ) from None
     out = []
-    for leaf, spec in zip(leaves, specs):
-        dtype = np.dtype(spec.dtype)
-        if not is_array(leaf) or getattr(leaf, "dtype", None) != dtype:
+    for leaf, (dtype, want) in zip(leaves, wanted):
+        value: Any = leaf
+        if not is_array(value) or getattr(value, "dtype", None) != dtype:
             try:
-                leaf = leaf.astype(dtype) if is_device_array(leaf) else np.asarray(leaf).astype(dtype)
+                value = value.astype(dtype) if is_device_array(value) else np.asarray(value).astype(dtype)
             except (ValueError, TypeError) as e:
                 raise InvalidArgumentError(
                     f"`generator` yielded an element that could not be converted to the expected type {dtype.name}: {e}"
                 ) from None
-        shape = tuple(leaf.shape)
-        if spec.shape is not None and (
-            len(shape) != len(spec.shape) or any(want is not None and want != got for want, got in zip(spec.shape, shape))
-        ):
+        shape = tuple(value.shape)
+        if want is not None and (len(shape) != len(want) or any(w is not None and w != g for w, g in zip(want, shape))):
             raise InvalidArgumentError(
-                f"`generator` yielded an element of shape {shape} where an element of shape {tuple(spec.shape)} was "
-                "expected."
+                f"`generator` yielded an element of shape {shape} where an element of shape {want} was expected."
             )
-        out.append(leaf)
+        out.append(value)
     return optree.tree_unflatten(treedef, out)
 
 
