@@ -256,12 +256,19 @@ def parity(R):
         c.check(f"dataset_{'default' if policy is None else policy.name}", ok, f"{len(got)} vs {len(want_mine)} steps")
     dd = mw.experimental_distribute_dataset(dataset(P.AUTO))
     c.check("dataset_policy_said", dd.auto_shard_policy is P.DATA, dd.auto_shard_policy)
-    # OFF: every worker reads every batch; its replicas take the G pieces of each in turn.
+    # OFF, as TF 2.21: every worker reads every row, re-split into per-replica batches of TF's
+    # batch_sizes_for_worker sizes (floor/ceil of B / G, worker 0's ceilings first, rotated by
+    # rank * R), cycled across the global batches; R of them a step, the last step padded with empties.
     got = steps_of(mw, dataset(P.OFF))
-    expect = []
-    for s in want_steps:  # the G pieces of each global batch, W steps of R pieces
-        for k in range(W):
-            expect.append([s[k * R + r] for r in range(R)])
+    floor, ceil_count = divmod(B, G)
+    sizes0 = [floor + 1] * ceil_count + [floor] * (G - ceil_count)
+    sizes = sizes0[rank * R :] + sizes0[: rank * R]
+    pieces, start, k = [], 0, 0
+    while start < len(source):
+        pieces.append(source[start : start + sizes[k]])
+        start, k = start + sizes[k], (k + 1) % G
+    pieces += [source[:0]] * (-len(pieces) % R)
+    expect = [pieces[i : i + R] for i in range(0, len(pieces), R)]
     ok = len(got) == len(expect) and all(same(a, b, True)[0] for gs, ws in zip(got, expect) for a, b in zip(gs, ws))
     c.check("dataset_OFF", ok, f"{len(got)} vs {len(expect)} steps")
     try:
@@ -269,6 +276,21 @@ def parity(R):
         c.check("dataset_FILE_refused", False, "no error")
     except ValueError as e:
         c.check("dataset_FILE_refused", "FILE" in str(e), e)
+    # TF 2.21: the element_spec is per replica, even for one local replica, with a batch dimension of
+    # None (drop_remainder or not); PER_REPLICA input is refused (MirroredStrategy's only).
+    from cudist._input_lib import PerReplicaSpec
+
+    spec = mw.experimental_distribute_dataset(data.Dataset.range(8).batch(4, drop_remainder=True)).element_spec
+    want_spec = PerReplicaSpec(*[data.TensorSpec((None,), np.int64)] * R)
+    c.check("dataset_element_spec", spec == want_spec, spec)
+    try:
+        mw.distribute_datasets_from_function(
+            lambda ctx: data.Dataset.range(4).batch(2),
+            options=cudist.InputOptions(experimental_replication_mode=cudist.InputReplicationMode.PER_REPLICA),
+        )
+        c.check("from_function_per_replica_refused", False, "no error")
+    except NotImplementedError as e:
+        c.check("from_function_per_replica_refused", "MirroredStrategy" in str(e), e)
 
     # ---- distribute_datasets_from_function: once per worker, its InputContext; uneven lengths
     seen = []

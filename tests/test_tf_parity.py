@@ -972,3 +972,29 @@ def test_from_generator_output_types_and_shapes():
         list(Dataset.from_generator(lambda: iter(["a"]), output_types=np.float32))
     with pytest.raises(cudist.errors.InvalidArgumentError, match="did not match the expected structure"):
         list(Dataset.from_generator(gen, output_types=(np.float32, np.int64)))
+
+
+# ------------------------------------------------------------------ multi-worker AutoShardPolicy.OFF (issue #31)
+@pytest.mark.parametrize(
+    "n, b, drop, want0, want1",
+    [  # TF 2.21, 2 workers x 1 CPU replica (TF_CONFIG on loopback), AutoShardPolicy.OFF, steps of each worker
+        (10, 4, False, [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]], None),
+        (5, 4, False, [[0, 1], [2, 3], [4]], None),
+        (6, 3, False, [[0, 1], [2], [3, 4], [5]], [[0], [1, 2], [3], [4, 5]]),
+        (8, 4, True, [[0, 1], [2, 3], [4, 5], [6, 7]], None),
+        (7, 2, False, [[i] for i in range(7)], None),
+    ],
+)
+def test_multi_worker_auto_shard_off_rebatches_as_tf(n, b, drop, want0, want1):
+    from cudist._input_lib import _identity, batch_sizes_for_worker, rebatch_steps
+
+    assert batch_sizes_for_worker(7, 2, 2, 0) == [2, 2, 2, 1] and batch_sizes_for_worker(7, 2, 2, 1) == [2, 1, 2, 2]
+    ds = cudist.data.Dataset.range(n).batch(b, drop_remainder=drop)
+    for index, want in ((0, want0), (1, want1 or want0)):
+        got = [x.tolist() for x in rebatch_steps(ds, 1, [_identity], "test", 2, index)]
+        assert got == want, index
+    # Two replicas on each worker: pieces go to them in turn; the last step is padded with an empty piece.
+    steps = list(rebatch_steps(cudist.data.Dataset.range(10).batch(4), 2, [_identity] * 2, "test", 2, 0))
+    assert [[c.tolist() for c in s.values] for s in steps] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]], [[8], [9]]]
+    steps = list(rebatch_steps(cudist.data.Dataset.range(5).batch(4), 2, [_identity] * 2, "test", 2, 0))
+    assert [[c.tolist() for c in s.values] for s in steps] == [[[0], [1]], [[2], [3]], [[4], []]]

@@ -56,6 +56,8 @@ def _default_resolver():
 class CollectiveAllReduceExtended(MirroredExtended):
     """Extended API of :class:`MultiWorkerMirroredStrategy` (TF's ``CollectiveAllReduceExtended``)."""
 
+    _per_replica_input_supported = False  # TF 2.21: PER_REPLICA input is MirroredStrategy's only
+
     def __init__(self, container_strategy, cluster_resolver, communication_options, devices):
         if cluster_resolver is None:
             cluster_resolver = _default_resolver()

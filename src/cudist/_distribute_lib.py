@@ -596,6 +596,10 @@ class _DefaultReplicaContext(ReplicaContext):
 class StrategyExtended:
     """The strategy's additional API for library writers (``tf.distribute.StrategyExtended``).
 
+    Attributes:
+        _per_replica_input_supported: whether ``distribute_datasets_from_function`` takes
+            ``InputReplicationMode.PER_REPLICA`` (not over several workers, as TF 2.21).
+
     Args:
         container_strategy: the :class:`Strategy` this belongs to.
         devices: canonical names of the replicas' devices, one per replica.
@@ -604,6 +608,8 @@ class StrategyExtended:
         parameter_devices: canonical names of the devices variables are placed on (default:
             ``devices``).
     """
+
+    _per_replica_input_supported = True
 
     def __init__(
         self,

@@ -69,6 +69,9 @@ class _ExtendedLike(Protocol):
     @property
     def _worker_index(self) -> int: ...
 
+    @property
+    def _per_replica_input_supported(self) -> bool: ...
+
     def _any_worker(self, has_value: bool) -> bool: ...
 
 
@@ -296,13 +299,19 @@ class PerReplicaSpec:
         return f"PerReplicaSpec({', '.join(map(repr, self._component_specs))})"
 
 
-def _per_replica_spec(spec: Any, n: int, split: bool) -> Any:
-    """Wraps each TensorSpec of ``spec`` for ``n`` replicas (identity for one replica)."""
-    if n == 1:
+def _per_replica_spec(spec: Any, n: int, split: bool, workers: int = 1) -> Any:
+    """Wraps each TensorSpec of ``spec`` for ``n`` replicas (identity for one replica of a one-worker job).
+
+    Over several workers, as TF 2.21's MultiWorkerMirroredStrategy: always wrapped (one local
+    replica too), and a split batch dimension is None (the pieces' sizes vary by worker and step).
+    """
+    if n == 1 and workers == 1:
         return spec
 
     def wrap(s: _data.TensorSpec) -> PerReplicaSpec:
-        if split and s.shape:
+        if split and s.shape and workers > 1:
+            s = _data.TensorSpec((None, *s.shape[1:]), s.dtype, s.name)
+        elif split and s.shape:
             b = s.shape[0]
             s = _data.TensorSpec((b // n if b is not None and b % n == 0 else None, *s.shape[1:]), s.dtype, s.name)
         return PerReplicaSpec(*([s] * n))
@@ -498,6 +507,95 @@ def _worker_split_steps(
             else:
                 pieces = [treedef.unflatten([a[s:e] for a in arrays]) for s, e in mine]
                 yield _make_step(putters, pieces, n)
+
+
+def batch_sizes_for_worker(global_batch_size: int, num_workers: int, replicas_per_worker: int, worker_index: int) -> list[int]:
+    """TF's ``tf.data.experimental.service``-era ``batch_sizes_for_worker``: the per-replica batch
+    sizes that worker ``worker_index`` re-splits its data into, so that every global step takes
+    ``global_batch_size`` elements over all replicas (sizes floor or ceil of G / (W * R); worker 0's
+    list starts with the ceilings, each later worker's is rotated by its replicas' offset).
+
+    >>> batch_sizes_for_worker(7, 2, 2, 0), batch_sizes_for_worker(7, 2, 2, 1), batch_sizes_for_worker(3, 2, 1, 1)
+    ([2, 2, 2, 1], [2, 1, 2, 2], [1, 2])
+    """
+    n = num_workers * replicas_per_worker
+    floor, num_ceil = divmod(global_batch_size, n)
+    worker_0 = [floor + 1] * num_ceil + [floor] * (n - num_ceil)
+    offset = worker_index * replicas_per_worker
+    return worker_0[offset:] + worker_0[:offset]
+
+
+def rebatch_steps(dataset: Iterable[Any], n: int, putters: Placer, where: str, workers: int, index: int) -> Iterator[Any]:
+    """Steps of a multi-worker dataset with AutoShardPolicy.OFF, as TF 2.21 makes them.
+
+    Every worker reads the whole dataset; its rows are re-split (across the global batches) into
+    per-replica batches of :func:`batch_sizes_for_worker` sizes, cycled, the global batch size
+    being the first batch's; each step gives ``n`` of them to this worker's replicas. The last
+    piece may be partial, and a last step short of pieces gets empty ones. So ``range(10).batch(4)``
+    over 2 one-replica workers is ``[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]`` on each, and
+    ``range(6).batch(3)`` is ``[0, 1], [2], [3, 4], [5]`` on worker 0 and ``[0], [1, 2], [3], [4, 5]`` on
+    worker 1.
+    """
+    sizes: list[int] = []
+    chunks: list[list[Any]] = []  # rows not yet given out, as per-leaf lists of arrays, in order
+    buffered = 0
+    treedef: Any = None
+    k = 0
+    pieces: list[list[Any]] = []  # this step's pieces so far, each the leaves of one replica's batch
+
+    def take(count: int) -> list[Any]:
+        nonlocal buffered
+        out, need = [], count
+        while need:
+            head = chunks[0]
+            rows = head[0].shape[0]
+            if rows <= need:
+                out.append(head)
+                chunks.pop(0)
+                need -= rows
+            else:
+                out.append([a[:need] for a in head])
+                chunks[0] = [a[need:] for a in head]
+                need = 0
+        buffered -= count
+        if not out:  # an empty piece, shaped as the rows around it
+            return [a[:0] for a in chunks[0]]
+        if len(out) == 1:
+            return out[0]
+        from cudist._arrays import array_module  # noqa: PLC0415 - only for pieces spanning two batches
+
+        return [array_module(parts[0]).concatenate(parts) for parts in zip(*out)]
+
+    def step() -> Any:
+        if n == 1 and type(putters) is not GpuFeeder and putters[0] is _identity:  # type: ignore[index]  # a list here
+            return treedef.unflatten(pieces[0])
+        return _make_step(putters, [treedef.unflatten(p) for p in pieces], n)
+
+    for batch in dataset:
+        leaves, treedef = optree.tree_flatten(batch)
+        try:
+            arrays = _batch_leaves(leaves)
+        except ValueError as e:
+            raise ValueError(
+                f"{where}: cannot split the element across replicas ({e}); the dataset must yield batches with a "
+                "leading batch dimension: use dataset.batch(global_batch_size)"
+            ) from None
+        if not any(sizes):  # from the first batch with rows
+            sizes = batch_sizes_for_worker(int(arrays[0].shape[0]), workers, n, index)
+        chunks.append(list(arrays))
+        buffered += int(arrays[0].shape[0])
+        while buffered and buffered >= sizes[k]:
+            pieces.append(take(sizes[k]))
+            k = (k + 1) % len(sizes)
+            if len(pieces) == n:
+                yield step()
+                pieces = []
+    if buffered:
+        pieces.append(take(buffered))
+    if pieces:
+        last = pieces[-1]
+        pieces.extend([a[:0] for a in last] for _ in range(n - len(pieces)))
+        yield step()
 
 
 def _batch_leaves(leaves: list[Any]) -> list[Any]:
@@ -915,18 +1013,17 @@ class DistributedDataset(_DistributedBase):
         where = "experimental_distribute_dataset"
         if self._workers == 1:
             return split_steps(self._dataset, self._n, putters, where)
-        total = self._n * self._workers
         if self.auto_shard_policy is _data.AutoShardPolicy.OFF:
-            offsets = tuple(range(0, total, self._n))  # every worker takes every piece, in turn
-        else:
-            offsets = (self._worker_index * self._n,)  # DATA: this worker's share of each global batch
+            return rebatch_steps(self._dataset, self._n, putters, where, self._workers, self._worker_index)
+        total = self._n * self._workers
+        offsets = (self._worker_index * self._n,)  # DATA: this worker's share of each global batch
         return split_steps(self._dataset, self._n, putters, where, total, offsets)
 
     @property
     def element_spec(self) -> Any:
         """The dataset's element_spec with a PerReplicaSpec per leaf (unchanged for one replica)."""
         if self._spec is None:
-            self._spec = _per_replica_spec(self._dataset.element_spec, self._n, split=True)
+            self._spec = _per_replica_spec(self._dataset.element_spec, self._n, split=True, workers=self._workers)
         return self._spec
 
     @property
@@ -970,6 +1067,11 @@ class DistributedDatasetsFromFunction(_DistributedBase):
         n = self._n
         total = n * self._workers
         if self._options.experimental_replication_mode == InputReplicationMode.PER_REPLICA:
+            if not strategy.extended._per_replica_input_supported:
+                raise NotImplementedError(  # TF 2.21's error and message
+                    "InputReplicationMode.PER_REPLICA is only supported in `distribute_datasets_from_function` of "
+                    "tf.distribute.MirroredStrategy"
+                )
             first = self._worker_index * n
             contexts = [InputContext(total, first + i, total) for i in range(n)]
         else:  # once per worker
