@@ -327,6 +327,16 @@ def failing(mode):
     print(f"UNREACHABLE {rank}", flush=True)
 
 
+def steps():
+    """Both workers train (one all-reduce every 50 ms) for up to a minute: a job to signal or kill."""
+    rank, _ = _rank_size()
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+    for _ in range(1200):
+        strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(4, np.float32)))
+        time.sleep(0.05)
+
+
 def tfconfig():
     """Under ``cudist.launch --tf-config``: the default resolver reads TF_CONFIG; task index = rank."""
     rank, W = _rank_size()
@@ -619,6 +629,8 @@ def nccl_auto():
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]))
+    elif sys.argv[1] == "steps":
+        steps()
     elif sys.argv[1] == "tfconfig":
         tfconfig()
     elif sys.argv[1] == "gpu":

@@ -156,6 +156,72 @@ def test_a_hung_worker_times_out(no_shm_left):
                      r"for worker\(s\) \[1\]", proc.stderr), proc.stderr[-2000:]
 
 
+def _processes_marked(mark):
+    """Pids of the live processes whose environment holds ``CUDIST_TEST_MARK=<mark>`` (the launcher,
+    mpiexec, its proxy and the workers of one test's job)."""
+    found = []
+    needle = f"CUDIST_TEST_MARK={mark}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0") and (d / "stat").read_text().split(") ")[1][0] != "Z":
+                found.append(int(d.name))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("target", ["launcher", "group"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signalled_launcher_ends_the_job_and_cleans_up(signame, target, no_shm_left):
+    """SIGTERM/SIGINT to the launcher alone, or to its process group (as `timeout` and a terminal's
+    Ctrl-C send them), ends mpiexec, its proxy and the workers, leaves nothing in /dev/shm, and the
+    launcher exits 128 + the signal's number."""
+    import signal
+
+    sig = getattr(signal, signame)
+    mark = f"{os.getpid()}-{signame}-{target}"
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", JOB, "steps"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+                         env=_env(CUDIST_TEST_MARK=mark), start_new_session=True)
+    try:
+        assert "READY" in p.stdout.readline()
+        assert len(_processes_marked(mark)) >= 4  # the launcher, mpiexec, the proxy, two workers
+        time.sleep(0.3)
+        started = time.monotonic()
+        if target == "launcher":
+            os.kill(p.pid, sig)
+        else:
+            os.killpg(p.pid, sig)
+        code = p.wait(timeout=20)
+        took = time.monotonic() - started
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        p.stdout.close()
+        p.stderr.close()
+    assert code == 128 + sig, err[-2000:]
+    assert took < 10
+    assert f"cudist.launch: received {signame}; the job of 2 worker(s) was ended" in err
+    deadline = time.monotonic() + 5
+    while _processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _processes_marked(mark), "processes of the job outlived the launcher"
+
+
+def test_launcher_refuses_a_missing_mpiexec_in_one_line(tmp_path):
+    for bad in ("/nonexistent/mpiexec", str(tmp_path)):
+        p = subprocess.run([sys.executable, "-m", "cudist.launch", "-n", "2", "--mpiexec", bad, JOB, "steps"],
+                           capture_output=True, text=True, timeout=60, env=_env())
+        assert p.returncode == 127
+        assert p.stderr == f"cudist.launch: --mpiexec {bad}: not an executable file\n"
+
+
 @needs_mpi
 @pytest.mark.multi_worker
 def test_launcher_writes_tf_config(no_shm_left):

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "find_mpiexec", "build_command", "worker_env"]
 
@@ -46,7 +47,7 @@ _BASE_PORT = 23456
 def find_mpiexec(explicit: str | None = None) -> str | None:
     """The ``mpiexec`` to use: ``explicit``, else the one next to this Python (a venv's), else PATH's."""
     if explicit:
-        return explicit
+        return explicit if os.sep in explicit else (shutil.which(explicit) or explicit)
     here = Path(sys.executable).parent / "mpiexec"
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
@@ -158,6 +159,86 @@ def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_f
     if module:
         cmd.append("-m")
     return [*cmd, "--", script, *script_args]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """In mpiexec's process: SIGTERM it if the launcher dies (even by SIGKILL), so that its workers
+    do not outlive the launcher (mpiexec ends them when it is terminated)."""
+    import ctypes  # noqa: PLC0415 - Linux only, in the forked child
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Job:
+    """Waits for mpiexec, ending it on ``--timeout`` or when the launcher is signalled.
+
+    SIGTERM, SIGINT and SIGHUP sent to the launcher (alone, or to its whole process group) are
+    passed to mpiexec, which ends the workers; after :data:`GRACE` seconds mpiexec is killed (its
+    proxies then kill the workers). Either way the launcher lives on to remove the shared-memory
+    files of the ended workers, which a launcher killed by the signal would leave in ``/dev/shm``.
+    """
+
+    GRACE = 5.0
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+    def __init__(self, timeout: float | None) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.timeout = timeout
+        self.signal: int | None = None
+        self.timed_out = False
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signal is None:
+            self.signal = signum
+        if self.proc is not None:
+            try:
+                self.proc.send_signal(signum)
+            except OSError:
+                pass
+
+    def __enter__(self) -> _Job:
+        """From here on, the launcher's signals are the job's (noted before mpiexec starts, passed after)."""
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def started(self, proc: subprocess.Popen) -> None:
+        """mpiexec is running: a signal that came while it started is passed to it now."""
+        self.proc = proc
+        if self.signal is not None:
+            self._on_signal(self.signal, None)
+
+    def wait(self) -> int:
+        """mpiexec's exit code (after ending it, if the job timed out or the launcher was signalled)."""
+        assert self.proc is not None
+        start = time.monotonic()
+        end_by: float | None = None
+        while True:
+            try:
+                return self.proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self.signal is not None or self.timed_out:
+                if end_by is None:
+                    end_by = now + self.GRACE
+                elif now >= end_by:
+                    self.proc.kill()
+                    return self.proc.wait()
+            elif self.timeout is not None and now - start >= self.timeout:
+                self.timed_out = True
+                self.proc.terminate()
 
 
 class _ExitWatch:
@@ -416,46 +497,51 @@ def main(argv=None) -> int:
             "(mpi4py and the mpich wheel)\n"
         )
         return 127
+    if not (os.path.isfile(mpiexec) and os.access(mpiexec, os.X_OK)):
+        # Checked here so that a typo gets one line, not Popen's traceback.
+        sys.stderr.write(f"cudist.launch: --mpiexec {args.mpiexec}: not an executable file\n")
+        return 127
     env = worker_env(n)
     with tempfile.TemporaryDirectory(prefix="cudist-launch-") as directory:
         env[_STATUS_DIR] = directory
         cmd = build_command(mpiexec, n, args.script, args.args, tf_config_flag=args.tf_config, module=args.module)
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, errors="replace", bufsize=1)
-        bad = {"pid": None, "code": None}
-
-        def pump():
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                m = re.search(r"PID (\d+) RUNNING AT", line)
-                if m and bad["pid"] is None:
-                    bad["pid"] = int(m.group(1))
-                m = re.search(r"EXIT CODE: (\d+)", line)
-                if m and bad["code"] is None:
-                    bad["code"] = int(m.group(1))
-                sys.stdout.write(line)
-                sys.stdout.flush()
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        watch = _ExitWatch(directory, n)
-        try:
-            code = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
+        with _Job(args.timeout) as job:
             try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            reader.join(timeout=2)
-            watch.stop()
-            _remove_recorded_shm(directory)
-            sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
-            return 124
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait()
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, errors="replace", bufsize=1,
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            except OSError as e:
+                sys.stderr.write(f"cudist.launch: cannot start {mpiexec}: {e.strerror or e}\n")
+                return 127
+            job.started(proc)
+            bad = {"pid": None, "code": None}
+
+            def pump():
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    m = re.search(r"PID (\d+) RUNNING AT", line)
+                    if m and bad["pid"] is None:
+                        bad["pid"] = int(m.group(1))
+                    m = re.search(r"EXIT CODE: (\d+)", line)
+                    if m and bad["code"] is None:
+                        bad["code"] = int(m.group(1))
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            watch = _ExitWatch(directory, n)
+            code = job.wait()
+            if job.timed_out or job.signal is not None:
+                reader.join(timeout=2)
+                watch.stop()
+                _remove_recorded_shm(directory)
+                if job.timed_out:
+                    sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
+                    return 124
+                name = signal.Signals(job.signal).name
+                sys.stderr.write(f"cudist.launch: received {name}; the job of {n} worker(s) was ended\n")
+                return 128 + job.signal
         reader.join(timeout=5)
         watch.stop()
         _remove_recorded_shm(directory)
