@@ -327,6 +327,47 @@ def failing(mode):
     print(f"UNREACHABLE {rank}", flush=True)
 
 
+def exiting(mode):
+    """Worker 1 ends in a way the strategy's exception hook does not see, while worker 0 goes on to
+    a collective worker 1 will never make: the job must end at once, naming worker 1.
+
+    ``early``: raises before any strategy exists; ``alone``: its TF_CONFIG is a one-worker cluster;
+    ``exit3`` / ``exit0``: ``sys.exit(3)`` / ``sys.exit(0)`` after a first step; ``return``: its
+    script ends after a first step; ``term``: SIGTERM after a first step. ``finish``: a job that
+    must succeed: worker 1 ends first with nothing owed, worker 0 works on without collectives.
+    """
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if rank == 1 and mode == "early":
+        raise ZeroDivisionError("worker 1 fails before its strategy")
+    if rank == 1 and mode == "alone":
+        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 0}})
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+
+    def step():
+        return strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(4, np.float32)))
+
+    step()
+    if rank == 1:
+        if mode == "exit3":
+            sys.exit(3)
+        if mode == "exit0":
+            sys.exit(0)
+        if mode in ("return", "finish"):
+            return
+        if mode == "term":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+    if mode == "finish":
+        time.sleep(1.5)  # worker 1 has long reached its exit by now
+        print(f"FINISHED {rank}", flush=True)
+        return
+    step()
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
 def steps():
     """Both workers train (one all-reduce every 50 ms) for up to a minute: a job to signal or kill."""
     rank, _ = _rank_size()
@@ -629,6 +670,8 @@ def nccl_auto():
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]))
+    elif sys.argv[1].startswith("exit:"):
+        exiting(sys.argv[1][5:])
     elif sys.argv[1] == "steps":
         steps()
     elif sys.argv[1] == "tfconfig":

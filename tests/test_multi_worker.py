@@ -156,6 +156,74 @@ def test_a_hung_worker_times_out(no_shm_left):
                      r"for worker\(s\) \[1\]", proc.stderr), proc.stderr[-2000:]
 
 
+#: How each way for worker 1 to end is named (by the launcher's summary, or by the worker itself).
+_EXITS = {
+    "early": "worker 1 raised ZeroDivisionError: worker 1 fails before its strategy",
+    "alone": "worker 1 raised ValueError: this process is one of the 2 processes of an MPI job, but its cluster",
+    "exit3": "worker 1 exited with code 3",
+    "exit0": "worker 1 ended while worker(s) [0] wait in collective #",
+    "return": "worker 1 ended while worker(s) [0] wait in collective #",
+    "term": "worker 1 (pid ",
+}
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("mode", sorted(_EXITS))
+def test_a_worker_ending_any_way_ends_the_job_naming_it(mode, no_shm_left):
+    """A worker that ends without the strategy's exception hook seeing it (before the strategy, a
+    one-worker TF_CONFIG, sys.exit(n), the end of its script, a signal), while worker 0 waits for
+    it in a collective, ends the job within seconds (it used to hang forever), named."""
+    started = time.time()
+    proc, took = _launch(f"exit:{mode}", timeout=60)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert took < 15
+    assert "UNREACHABLE" not in proc.stdout
+    assert _EXITS[mode] in proc.stderr, proc.stderr[-2000:]
+    if mode == "exit3":
+        assert proc.returncode == 3
+    if mode == "term":
+        assert re.search(r"worker 1 \(pid \d+\) ended abnormally \((killed by SIGTERM|exit status unknown)\)",
+                         proc.stderr), proc.stderr[-2000:]
+    assert time.time() - _ready_time(proc, started) < 10
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("mode", ["early", "return", "exit3"])
+def test_a_worker_ending_under_plain_mpiexec_ends_the_job(mode, no_shm_left):
+    """The same without the launcher (mpiexec -n 2 python script.py): the worker says why."""
+    proc = _mpiexec(f"exit:{mode}", timeout=60)
+    assert proc.returncode != 0
+    assert "UNREACHABLE" not in proc.stdout
+    said = {
+        "early": "cudist: worker 1 of 2 raised ZeroDivisionError; aborting every worker of the job",
+        "return": "cudist: worker 1 of 2 is ending (its script returned or called sys.exit) while worker(s) [0] "
+                  "wait in collective #",
+        "exit3": "cudist: worker 1 of 2 is ending (its script returned or called sys.exit) while worker(s) [0] "
+                 "wait in collective #",
+    }[mode]
+    assert said in proc.stderr, proc.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_a_worker_ending_first_with_nothing_owed_is_fine(no_shm_left):
+    """Worker 1 ends while worker 0 still works (no collective): the job succeeds, both finish."""
+    proc, _ = _launch("exit:finish", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FINISHED 0" in proc.stdout
+    proc = _mpiexec("exit:finish", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FINISHED 0" in proc.stdout
+
+
+def test_the_early_hook_knows_the_launchers_variables():
+    from cudist._collectives import mpi
+
+    assert cudist._MPI_LAUNCHER_ENV == mpi.LAUNCHER_ENV
+
+
 def _processes_marked(mark):
     """Pids of the live processes whose environment holds ``CUDIST_TEST_MARK=<mark>`` (the launcher,
     mpiexec, its proxy and the workers of one test's job)."""

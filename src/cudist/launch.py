@@ -97,13 +97,20 @@ def _write_status(directory: str | None, rank: int, text: str) -> None:
 
 
 def _worker(args) -> int:
-    """One worker's bootstrap (inside mpiexec): records its pid and outcome, then runs the script."""
+    """One worker's bootstrap (inside mpiexec): records its pid and outcome, then runs the script.
+
+    An error exit (an exception, ``sys.exit`` with a nonzero code, Ctrl-C) aborts the whole job at
+    once, as ``python -m mpi4py`` does; a clean one waits for the other workers to exit too, and
+    aborts the job if one of them waits in a collective this worker never made
+    (:func:`cudist._collectives.mpi.await_peers_at_exit`). Either way no worker is left waiting for
+    this one, nor this one blocked in ``MPI_Finalize``.
+    """
     rank = _rank()
     directory = os.environ.get(_STATUS_DIR)
     if directory:
         Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
         _connect_watch(directory, rank)
-        _record_shm(directory, rank)
+    mpi = _start_mpi(directory, rank)
     if args.tf_config:
         os.environ["TF_CONFIG"] = tf_config(_size(), rank)
     sys.argv = [args.script, *args.args]
@@ -117,26 +124,49 @@ def _worker(args) -> int:
             runpy.run_path(args.script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        _write_status(directory, rank, "ok" if code == 0 else f"exited with code {code}")
-        raise
+        if code != 0:
+            _write_status(directory, rank, f"exited with code {code}")
+            if mpi is not None:
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)  # what Python prints for sys.exit("message")
+                mpi.abort(code, f"cudist: worker {rank} of {_size()} exited with code {code}; "
+                                "aborting every worker of the job (MPI_Abort)")
+            raise
     except BaseException as e:
         _write_status(directory, rank, f"raised {type(e).__name__}: {e}".splitlines()[0][:500])
+        if mpi is not None:
+            import traceback  # noqa: PLC0415
+
+            traceback.print_exc()
+            mpi.abort(130 if isinstance(e, KeyboardInterrupt) else 1,
+                      f"cudist: worker {rank} of {_size()} raised {type(e).__name__}; "
+                      "aborting every worker of the job (MPI_Abort)")
         raise
+    if mpi is not None:
+        problem = mpi.await_peers_at_exit()
+        if problem is not None:
+            _write_status(directory, rank, f"ended while {problem}")
+            mpi.abort(1, mpi.exit_message(problem))
     _write_status(directory, rank, "ok")
     return 0
 
 
-def _record_shm(directory: str, rank: int) -> None:
-    """Starts MPI now and notes its shared-memory files, so the launcher can remove them if the job dies."""
+def _start_mpi(directory: str | None, rank: int):
+    """Starts MPI in a worker: notes its shared-memory files (for the launcher to remove if the job
+    dies) and creates the job communicator (set-up collectives, the exit rendezvous). Returns
+    ``cudist._collectives.mpi``, or None without mpi4py (the script will say so if it needs MPI)."""
     try:
         from mpi4py import MPI  # noqa: F401, PLC0415 - initializes MPI (the script would anyway)
 
-        from cudist._collectives.mpi import shm_segments  # noqa: PLC0415
+        from cudist._collectives import mpi  # noqa: PLC0415
     except ImportError:
-        return
-    segments = shm_segments()
-    if segments:
-        Path(directory, f"{rank}.shm").write_text("\n".join(segments))
+        return None
+    if directory:
+        segments = mpi.shm_segments()
+        if segments:
+            Path(directory, f"{rank}.shm").write_text("\n".join(segments))
+    mpi.job()
+    return mpi
 
 
 def _remove_recorded_shm(directory: str) -> None:

@@ -25,18 +25,22 @@ worker stuck in its own code never sends one, which is how it gets named.
 
 :func:`install_abort_hook` makes an uncaught exception in any worker end the whole job
 (``MPI_Abort``), as ``python -m mpi4py`` does; without it the other workers would wait forever.
+A worker that exits cleanly while another waits for it in a collective ends the job too
+(:func:`await_peers_at_exit`, run at exit once the :func:`job` communicator exists).
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType, TracebackType
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import numpy.typing as npt
@@ -55,6 +59,11 @@ __all__ = [
     "load",
     "world",
     "install_abort_hook",
+    "abort",
+    "job",
+    "await_peers_at_exit",
+    "exit_message",
+    "allgather_setup",
     "shm_segments",
     "remove_shm_segments",
 ]
@@ -74,6 +83,8 @@ _SPIN_SECONDS = 1.0
 #: 5-10% of a 1-4 MiB all-reduce (measured), like a blocking MPI wait, which spins too.
 _YIELD = os.environ.get("MPIR_CVAR_ENABLE_HEAVY_YIELD", "0") == "1"
 _NOTICE_TAG = 7
+#: "This worker is exiting" (see :func:`await_peers_at_exit`), on the job communicator's side channel.
+_EXIT_TAG = 8
 
 
 # A cross-worker collective did not complete within ``CommunicationOptions.timeout_seconds``: TF's
@@ -125,7 +136,153 @@ def world() -> Any:
         if size.isdigit() and int(size) > 1:
             raise RuntimeError(f"this process is one of {size} MPI workers, but {why}")
         return None
+    if MPI.COMM_WORLD.Get_size() > 1:
+        # From the first use of MPI on: an error anywhere after (a bad TF_CONFIG, a failed strategy
+        # creation) must end the job, not leave the other workers waiting for this one.
+        install_abort_hook()
     return MPI.COMM_WORLD
+
+
+_JOB_LOCK = threading.Lock()
+_JOB: Communicator | None = None
+#: Every live Communicator of this process: at exit, their peers' notices say who waits for us.
+_LIVE: weakref.WeakSet[Communicator] = weakref.WeakSet()
+_EXITED = False
+
+
+def job() -> Communicator | None:
+    """The job's own communicator over every process of the MPI job (None in a one-process job).
+
+    Created once (a collective: every worker creates it at the same point: the launcher's bootstrap
+    at start, else the first strategy); it carries the set-up collectives of strategies and
+    resolvers (polled, so they name absent workers like any other) and the exit rendezvous:
+    creating it registers :func:`await_peers_at_exit` to run at interpreter exit, before MPI's own
+    finalization, which would otherwise block forever in a worker whose peers wait in a collective.
+    """
+    global _JOB
+    comm = world()
+    if comm is None or comm.Get_size() == 1:
+        return None
+    with _JOB_LOCK:
+        if _JOB is None:
+            _JOB = Communicator(comm)
+            atexit.register(_exit_rendezvous)
+        return _JOB
+
+
+def allgather_setup(comm: Any, value: int | str, kind: str) -> list[Any]:
+    """Every rank's ``value`` (an int, or a string of up to 256 bytes), in rank order, over ``comm``.
+
+    For the set-up collectives of resolvers and strategies. Over the world they go through the
+    :func:`job` communicator, polled like any collective (so a worker exiting instead of joining
+    is named, see :func:`await_peers_at_exit`); over another communicator, mpi4py's blocking
+    ``allgather``.
+
+    Args:
+        comm: the mpi4py communicator.
+        value: this rank's value.
+        kind: names the collective in fingerprints and errors.
+    """
+    MPI, _ = load()
+    job_comm = job() if MPI is not None and comm is MPI.COMM_WORLD else None
+    if job_comm is None:
+        return list(comm.allgather(value))
+    if isinstance(value, str):
+        row = np.zeros((1, 256), np.uint8)
+        raw = value.encode()[:256]
+        row[0, : len(raw)] = np.frombuffer(raw, np.uint8)
+        return [bytes(r).rstrip(b"\0").decode(errors="replace") for r in job_comm.allgather_rows(row, 0, kind)]
+    return [int(x) for x in job_comm.allgather_rows(np.array([value], np.int64), 0, kind)]
+
+
+def abort(code: int, message: str) -> NoReturn:
+    """Prints ``message``, removes this process's MPICH shared-memory files and aborts the job (``MPI_Abort``).
+
+    The one way cudist ends a job from inside a worker (an uncaught exception, a worker exiting
+    while others wait for it, the launcher's bootstrap on an error exit).
+
+    Args:
+        code: the exit code of the job (mpiexec returns it).
+        message: one line for stderr, naming this worker and why.
+    """
+    MPI, why = load()
+    try:
+        sys.stderr.write(message.rstrip("\n") + "\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    finally:
+        remove_shm_segments(shm_segments())  # an aborted job would leave them in /dev/shm
+        if MPI is not None:
+            MPI.COMM_WORLD.Abort(code)
+        # MPICH's MPI_Abort can return once it has told mpiexec (seen here): this process must not
+        # go on to run more Python, nor block in MPI_Finalize.
+        os._exit(code or 1)
+
+
+def await_peers_at_exit(poll_seconds: float = 0.002) -> str | None:
+    """At a worker's exit: waits for every other worker to exit too, unless one waits for this one.
+
+    A worker that ends (its script returned, or called ``sys.exit``) while another still waits in
+    a collective would leave that one waiting forever, and would itself block in ``MPI_Finalize``.
+    So each exiting worker tells the others (a message on the job communicator's side channel) and
+    waits for theirs; meanwhile it reads the arrival notices the others post after waiting a
+    moment in a collective (every :class:`Communicator` of this process). A worker waiting in a
+    collective numbered past the last one this worker made will never be joined: the description
+    of that is returned, for the caller to abort the job with. Runs once per process.
+
+    Args:
+        poll_seconds: the pause between polls.
+
+    Returns:
+        None when every worker is exiting (MPI can finalize), else what this worker failed to join
+        (``"worker(s) [0] wait in collective #7, which it never made (its last was #6)"``).
+    """
+    global _EXITED
+    job_comm = _JOB
+    if _EXITED or job_comm is None:
+        return None
+    _EXITED = True
+    MPI = job_comm._MPI
+    side = job_comm._side
+    note = np.zeros(1, np.int64)
+    sends = [side.Isend(note, dest=p, tag=_EXIT_TAG) for p in range(job_comm.size) if p != job_comm.rank]
+    exiting = {job_comm.rank}
+    status = MPI.Status()
+    scratch = np.zeros(1, np.int64)
+    while len(exiting) < job_comm.size:
+        while side.Iprobe(source=MPI.ANY_SOURCE, tag=_EXIT_TAG, status=status):
+            src = status.Get_source()
+            side.Recv(scratch, source=src, tag=_EXIT_TAG)
+            exiting.add(src)
+        for c in list(_LIVE):
+            if c._broken is not None:
+                continue  # its collectives already failed, with an error of their own
+            c._drain_notices()
+            waiting = [w for w in range(c.size) if w != c.rank and c._arrived[w] > c.seq]
+            if waiting:
+                seq = max(c._arrived[w] for w in waiting)
+                return f"worker(s) {waiting} wait in collective #{seq}, which it never made (its last was #{c.seq})"
+        if len(exiting) < job_comm.size:
+            time.sleep(poll_seconds)
+    MPI.Request.Waitall(sends)  # every peer receives them: it waits for them as this worker did
+    return None
+
+
+def _exit_rendezvous() -> None:
+    """atexit: :func:`await_peers_at_exit`, aborting the job if a peer waits for this worker."""
+    problem = await_peers_at_exit()
+    if problem is not None:
+        abort(1, exit_message(problem))
+
+
+def exit_message(problem: str) -> str:
+    """What a worker that exits while ``problem`` (from :func:`await_peers_at_exit`) says as it aborts the job."""
+    comm = _JOB.comm if _JOB is not None else None
+    who = f"worker {comm.Get_rank()} of {comm.Get_size()}" if comm is not None else "a worker"
+    return (
+        f"cudist: {who} is ending (its script returned or called sys.exit) while {problem}; "
+        "aborting every worker of the job (MPI_Abort)"
+    )
 
 
 def shm_segments(pid: int | str = "self") -> list[str]:
@@ -162,8 +319,8 @@ _HOOK_INSTALLED = False
 def install_abort_hook() -> bool:
     """Makes an uncaught exception print its traceback, then ``MPI_Abort`` the whole job.
 
-    Installed (once) when a strategy is created in a job of several workers. Returns whether it was
-    installed by this call.
+    Installed (once) when cudist first uses MPI in a job of several workers (:func:`world`).
+    Returns whether it was installed by this call.
     """
     global _HOOK_INSTALLED
     MPI, _ = load()
@@ -176,18 +333,16 @@ def install_abort_hook() -> bool:
         previous = sys.excepthook
 
         def abort_on_exception(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+            comm = MPI.COMM_WORLD
             try:
                 previous(exc_type, exc, tb)
-                comm = MPI.COMM_WORLD
-                sys.stderr.write(
-                    f"cudist: worker {comm.Get_rank()} of {comm.Get_size()} raised {exc_type.__name__}; "
-                    "aborting every worker of the job (MPI_Abort)\n"
-                )
-                sys.stderr.flush()
-                sys.stdout.flush()
             finally:
-                remove_shm_segments(shm_segments())  # an aborted job would leave them in /dev/shm
-                MPI.COMM_WORLD.Abort(1)
+                # As ``python -m mpi4py``: KeyboardInterrupt exits 130 (128 + SIGINT), others 1.
+                abort(
+                    130 if issubclass(exc_type, KeyboardInterrupt) else 1,
+                    f"cudist: worker {comm.Get_rank()} of {comm.Get_size()} raised {exc_type.__name__}; "
+                    "aborting every worker of the job (MPI_Abort)",
+                )
 
         sys.excepthook = abort_on_exception
         return True
@@ -253,6 +408,7 @@ class Communicator:
         self._arrived = [0] * self.size  # latest sequence number each worker said it waits in
         self._notice_buf = np.zeros(1, np.int64)
         self._sends: list[Any] = []  # mpi4py Requests
+        _LIVE.add(self)
 
     def __repr__(self) -> str:
         return f"<cudist MPI communicator: worker {self.rank} of {self.size}, timeout {self.timeout_seconds}>"
