@@ -306,6 +306,27 @@ def parity(R):
                 and "float32(3,)" in msg and "float32(4,)" in msg, msg)
     checked.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(3, np.float32)))  # still usable
 
+    # ---- the default check (no CUDIST_CHECK_COLLECTIVES): 6 floats against 4 is an error, never garbage
+    quick = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
+    for name, nest in (("default_mismatch_count", lambda: np.ones(4 + 2 * (rank == 0), np.float32)),
+                       ("default_mismatch_dtype", lambda: np.ones(4, np.float32 if rank == 0 else np.int32))):
+        try:
+            got = quick.run(lambda nest=nest: cudist.get_replica_context().all_reduce("sum", nest()))
+            c.check(name, False, f"no error: {local(quick, got)}")
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            c.check(name, type(e).__name__ == "ReplicaMismatchError" and "worker 0: collective #" in msg
+                    and "worker 1: collective #" in msg, msg)
+        quick = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])  # the last one is broken
+    try:  # the same buffer, but a reduce on worker 0 where worker 1 all-reduces (a chief-only metric read)
+        if rank == 0:
+            quick.reduce("sum", quick.run(lambda: np.ones(2, np.float32)), axis=None)
+        else:
+            quick.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(2, np.float32)))
+        c.check("default_mismatch_kind", False, "no error")
+    except Exception as e:  # noqa: BLE001
+        c.check("default_mismatch_kind", type(e).__name__ == "ReplicaMismatchError", str(e))
+
     report(rank, c.results)
 
 
@@ -609,10 +630,27 @@ def nccl(R):
             c.check("checked_mismatch", type(e).__name__ == "ReplicaMismatchError" and "all_reduce SUM (NCCL)" in msg
                     and "float32(3,)" in msg and "float32(4,)" in msg, msg)
 
-    def unchecked():
-        """Last: the mismatched NCCL call stays stuck on the stream, as on a GPU."""
+    def default_check():
+        """The default check (a hash riding with each call) catches the mismatch before NCCL is called."""
+        s = cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL), devices=gpus)
+        s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3, cp.float32)))  # the communicator
         try:
-            mw.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
+            s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
+            c.check("default_check_mismatch", False, "no error")
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            c.check("default_check_mismatch", type(e).__name__ == "ReplicaMismatchError"
+                    and "all_reduce SUM (NCCL)" in msg and "float32(3,)" in msg and "float32(4,)" in msg, msg)
+
+    def unchecked():
+        """Last, with the checks off (CUDIST_CHECK_COLLECTIVES=0): the mismatched NCCL call stays
+        stuck on the stream, as on a GPU, until the fake reports it."""
+        os.environ["CUDIST_CHECK_COLLECTIVES"] = "0"
+        s = cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL), devices=gpus)
+        del os.environ["CUDIST_CHECK_COLLECTIVES"]
+        s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3, cp.float32)))  # the communicator
+        try:
+            s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
             c.check("unchecked_mismatch", False, "no error")
         except Exception as e:  # noqa: BLE001
             msg = str(e)
@@ -620,7 +658,8 @@ def nccl(R):
                     and "NcclError" in msg and "rank 1" in msg, msg)
 
     for name, fn in (("ar", ar), ("nest", nest), ("reduce", reduce), ("optimizers", optimizers), ("gather", gather),
-                     ("ring", ring), ("checked", checked), ("unchecked", unchecked)):
+                     ("ring", ring), ("checked", checked), ("default_check", default_check),
+                     ("unchecked", unchecked)):
         c.run(name, fn)
     report(rank, c.results)
 

@@ -57,11 +57,25 @@ def _shm():
 _KILLED_WORKER_1 = r"worker 1 \(pid \d+\) ended abnormally \((killed by SIGKILL|exit status unknown)\)"
 
 
+def _mapped_shm():
+    """The MPICH segments some live process maps (those of jobs still running, here or beside us)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped.update(m.rsplit("/", 1)[1] for m in re.findall(r"/dev/shm/mpich_shm_\S+", text))
+    return mapped
+
+
 @pytest.fixture
 def no_shm_left():
     before = _shm()
     yield
-    left = _shm() - before
+    # Left = new and mapped by no live process: a job started meanwhile by another test run on this
+    # machine holds its segments mapped, and removes them itself.
+    left = _shm() - before - _mapped_shm()
     assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
 
 
@@ -183,7 +197,7 @@ def test_a_worker_ending_any_way_ends_the_job_naming_it(mode, no_shm_left):
     if mode == "exit3":
         assert proc.returncode == 3
     if mode == "term":
-        assert re.search(r"worker 1 \(pid \d+\) ended abnormally \((killed by SIGTERM|exit status unknown)\)",
+        assert re.search(r"worker 1 \(pid \d+\) ended abnormally \((killed by SIGTERM|exit status unknown|exit code 15)\)",
                          proc.stderr), proc.stderr[-2000:]
     assert time.time() - _ready_time(proc, started) < 10
 
@@ -387,7 +401,7 @@ def test_nccl_across_workers_under_the_cupy_emulation(gpus_per_worker, no_shm_le
     res = _results(p)
     failed = {f"worker {r}: {k}": d for r, rr in res.items() for k, (ok, d) in rr.items() if not ok}
     assert not failed, failed
-    assert len(res[0]) == 43  # every check ran
+    assert len(res[0]) == 44  # every check ran
 
 
 @needs_mpi

@@ -10,10 +10,14 @@ Every cross-worker collective of a :class:`Communicator` is non-blocking (``Iall
 * ``timeout_seconds`` (TF's ``CommunicationOptions.timeout_seconds``; default None: wait forever,
   as TF) ends a wait with :class:`DeadlineExceededError` naming the workers that never arrived;
 * after :data:`STALL_WARNING_SECONDS` a :class:`CollectiveStallWarning` names them too;
-* with ``CUDIST_CHECK_COLLECTIVES=1`` each collective is preceded by an all-gather of its
-  fingerprint (sequence number, kind, shapes, dtypes), and workers that disagree get a
-  :class:`~cudist._replica_engine.ReplicaMismatchError` naming the difference instead of a hang or
-  a garbled result.
+* every collective is checked: by default a 64-bit hash of its sequence number, kind, buffer
+  sizes and dtypes rides along (one tiny ``Iallreduce`` MAX of ``[h, -h]``, started with the data
+  and waited for first: equal maxima of ``h`` and ``-h`` mean every worker's hash is the same);
+  with ``CUDIST_CHECK_COLLECTIVES=1`` each collective is preceded by an all-gather of its whole
+  fingerprint (sequence number, kind, shapes, dtypes). Workers that disagree get a
+  :class:`~cudist._replica_engine.ReplicaMismatchError` naming the difference (the default check
+  gathers the descriptions once it has found one) instead of a hang or a garbled result.
+  ``CUDIST_CHECK_COLLECTIVES=0`` turns the check off.
 
 Collectives another library carries (NCCL for GPU buffers, see
 :class:`cudist._collectives.nccl.WorkerCommunicator`) go through :meth:`Communicator.collective`,
@@ -38,6 +42,7 @@ import threading
 import time
 import warnings
 import weakref
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, NoReturn
@@ -63,13 +68,18 @@ __all__ = [
     "job",
     "await_peers_at_exit",
     "exit_message",
+    "check_mode",
     "allgather_setup",
     "shm_segments",
     "remove_shm_segments",
 ]
 
-#: Set to 1 to check every cross-worker collective's fingerprint first (debug mode).
+#: Unset: the default hash check of every cross-worker collective; 1: the whole fingerprint first
+#: (debug mode, one more round trip per collective); 0: no check.
 ENV_CHECK = "CUDIST_CHECK_COLLECTIVES"
+#: The default check's hash, kept under 2**62 so that -h fits an int64 too.
+_HASH_MASK = (1 << 62) - 1
+_HASH_MUL = 0x100000001B3  # FNV-1's 64-bit prime
 #: Seconds a worker waits in one collective before a CollectiveStallWarning names the missing workers
 #: (env ``CUDIST_STALL_WARNING_SECONDS`` overrides it).
 STALL_WARNING_SECONDS = 60.0
@@ -348,8 +358,13 @@ def install_abort_hook() -> bool:
         return True
 
 
-def _check_enabled() -> bool:
-    return os.environ.get(ENV_CHECK, "").strip().lower() not in ("", "0", "false", "no", "off")
+def check_mode() -> str:
+    """``"quick"`` (the default: a hash of each collective rides with it), ``"full"``
+    (``CUDIST_CHECK_COLLECTIVES=1``: whole fingerprints gathered first) or ``"off"`` (``=0``)."""
+    value = os.environ.get(ENV_CHECK, "").strip().lower()
+    if value == "":
+        return "quick"
+    return "off" if value in ("0", "false", "no", "off") else "full"
 
 
 def _dtype_of_num(num: int) -> np.dtype[Any] | str:
@@ -374,7 +389,9 @@ class Communicator:
     Args:
         comm: an mpi4py intracommunicator whose ranks are the workers, in worker order.
         timeout_seconds: how long one collective may wait for the others (None: forever).
-        check: check each collective's fingerprint first (default: ``CUDIST_CHECK_COLLECTIVES``).
+        check: gather each collective's whole fingerprint first (True), or hash-check it as it runs
+            (False); default: :func:`check_mode` (``CUDIST_CHECK_COLLECTIVES``), which can also
+            turn checks off.
         stall_warning_seconds: how long one collective waits before a :class:`CollectiveStallWarning`
             (default: ``CUDIST_STALL_WARNING_SECONDS``, else :data:`STALL_WARNING_SECONDS`).
 
@@ -399,7 +416,11 @@ class Communicator:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.timeout_seconds = None if timeout_seconds is None else float(timeout_seconds)
-        self.check = _check_enabled() if check is None else bool(check)
+        mode = check_mode() if check is None else ("full" if check else "quick")
+        self.check = mode == "full"
+        self.quick = mode == "quick"  # the default hash check (see the module's docstring)
+        self._hash_send = np.zeros(2, np.int64)
+        self._hash_recv = np.zeros(2, np.int64)
         if stall_warning_seconds is None:
             stall_warning_seconds = float(os.environ.get("CUDIST_STALL_WARNING_SECONDS", STALL_WARNING_SECONDS))
         self.stall_warning_seconds = stall_warning_seconds
@@ -408,39 +429,83 @@ class Communicator:
         self._arrived = [0] * self.size  # latest sequence number each worker said it waits in
         self._notice_buf = np.zeros(1, np.int64)
         self._sends: list[Any] = []  # mpi4py Requests
+        self._hash_req: Any = None  # the default check's request, between _begin and _finish_hash_check
         _LIVE.add(self)
 
     def __repr__(self) -> str:
         return f"<cudist MPI communicator: worker {self.rank} of {self.size}, timeout {self.timeout_seconds}>"
 
     # ------------------------------------------------------------------ waiting
-    def _begin(self, kind: str, detail: str | Callable[[], str]) -> int:
+    def _begin(self, kind: str, detail: str | Callable[[], str], shape: Iterable[int] = ()) -> int:
+        """Numbers a collective; with the default check, starts its hash check (before its data).
+
+        Args:
+            kind: the collective's name (the workers' must be the same).
+            detail: its description for errors (a string, or a function giving one).
+            shape: integers that must agree across workers (buffer sizes, dtype numbers, ...).
+        """
         if self._broken is not None:
             raise RuntimeError(
                 f"cudist: cross-worker collectives cannot continue after {self._broken}; restart the job"
             )
         self.seq += 1
-        if self.check and self.size > 1:
-            self._check_fingerprint(kind, detail() if callable(detail) else detail)
+        if self.size > 1:
+            if self.quick:
+                self._start_hash_check(kind, shape)
+            elif self.check:
+                self._check_fingerprint(kind, detail() if callable(detail) else detail)
         return self.seq
 
-    def _check_fingerprint(self, kind: str, detail: str) -> None:
-        mine = f"{self.seq}|{kind}|{detail}".encode()[:_FINGERPRINT_BYTES]
+    def _start_hash_check(self, kind: str, shape: Iterable[int]) -> None:
+        """Starts the default check: an ``Iallreduce`` MAX of ``[h, -h]``, h hashing the call."""
+        h = zlib.crc32(kind.encode()) ^ (self.seq << 32)
+        for x in shape:
+            h = (h * _HASH_MUL + x) & _HASH_MASK
+        send = self._hash_send
+        send[0] = h
+        send[1] = -h
+        self._hash_req = self.comm.Iallreduce(send, self._hash_recv, self._MPI.MAX)
+
+    def _finish_hash_check(self, kind: str, detail: str | Callable[[], str], seq: int) -> None:
+        """Waits for the hash check started by :meth:`_begin` (the data may still be in flight)
+        and raises if the workers' hashes differ, naming every worker's call."""
+        if not (self.quick and self.size > 1):
+            return
+        req, self._hash_req = self._hash_req, None
+        self._wait([req], kind, seq)  # (a worker that never comes is missed here: name the collective itself)
+        top, neg_bottom = self._hash_recv
+        if top == -neg_bottom:
+            return
+        # Every worker sees the same maxima, so all are here: gather the descriptions (on the
+        # side communicator: this one has mismatched collectives in flight).
+        self._broken = f"mismatched collectives at #{seq}"
+        prints = self._gather_prints(self._side, kind, detail() if callable(detail) else detail, seq)
+        raise self._mismatch(prints)
+
+    def _gather_prints(self, comm: Any, kind: str, detail: str, seq: int) -> list[str]:
+        mine = f"{seq}|{kind}|{detail}".encode()[:_FINGERPRINT_BYTES]
         buf = np.zeros(_FINGERPRINT_BYTES, np.uint8)
         buf[: len(mine)] = np.frombuffer(mine, np.uint8)
         out = np.empty((self.size, _FINGERPRINT_BYTES), np.uint8)
-        req = self.comm.Iallgather(buf, out)
-        self._wait([req], f"the fingerprint check of collective #{self.seq} ({kind})", self.seq)
-        prints = [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
+        req = comm.Iallgather(buf, out)
+        self._wait([req], f"the fingerprint check of collective #{seq} ({kind})", seq)
+        return [bytes(row).rstrip(b"\0").decode(errors="replace") for row in out]
+
+    @staticmethod
+    def _mismatch(prints: list[str]) -> ReplicaMismatchError:
+        lines: list[str] = []
+        for w, p in enumerate(prints):
+            s, k, d = (p.split("|", 2) + ["", ""])[:3]
+            lines.append(f"worker {w}: collective #{s} {k} {d}".rstrip())
+        return ReplicaMismatchError(
+            "cross-worker collectives differ across workers (every worker must make the same collective calls, "
+            "in the same order, with the same shapes and dtypes):\n  " + "\n  ".join(lines)
+        )
+
+    def _check_fingerprint(self, kind: str, detail: str) -> None:
+        prints = self._gather_prints(self.comm, kind, detail, self.seq)
         if any(p != prints[0] for p in prints):
-            lines: list[str] = []
-            for w, p in enumerate(prints):
-                s, k, d = (p.split("|", 2) + ["", ""])[:3]
-                lines.append(f"worker {w}: collective #{s} {k} {d}".rstrip())
-            raise ReplicaMismatchError(
-                "cross-worker collectives differ across workers (every worker must make the same collective calls, "
-                "in the same order, with the same shapes and dtypes):\n  " + "\n  ".join(lines)
-            )
+            raise self._mismatch(prints)
 
     def _post_notice(self, seq: int) -> None:
         self._notice_buf[0] = seq
@@ -538,10 +603,14 @@ class Communicator:
             ReplicaMismatchError: (fingerprint checks) the workers called different collectives.
         """
         MPI = self._MPI
-        seq = self._begin(kind, detail if detail is not None else (lambda: describe([p[1] for p in pairs])))
+        if detail is None:
+            detail = lambda: describe([p[1] for p in pairs])  # noqa: E731
+        shape = [x for _, recv in pairs for x in (recv.size, recv.dtype.num)] if self.quick else ()
+        seq = self._begin(kind, detail, shape)
         reqs: list[Any] = []
         for send, recv in pairs:
             reqs.append(self.comm.Iallreduce(MPI.IN_PLACE if send is recv else send, recv, MPI.SUM))
+        self._finish_hash_check(kind, detail, seq)
         self._wait(reqs, kind, seq)
 
     def allreduce_value(self, value: int, op: str = "max", kind: str = "input sync") -> int:
@@ -553,10 +622,11 @@ class Communicator:
             kind: names the collective in fingerprints and errors.
         """
         MPI = self._MPI
-        seq = self._begin(kind, op)
+        seq = self._begin(kind, op, (len(op),))
         send = np.array([value], np.int64)
         recv = np.empty(1, np.int64)
         req = self.comm.Iallreduce(send, recv, {"max": MPI.MAX, "min": MPI.MIN, "sum": MPI.SUM}[op])
+        self._finish_hash_check(kind, op, seq)
         self._wait([req], kind, seq)
         return int(recv[0])
 
@@ -568,8 +638,10 @@ class Communicator:
             root: the worker whose array is broadcast.
             kind: names the collective in fingerprints and errors.
         """
-        seq = self._begin(kind, describe([arr]))
+        detail = describe([arr])
+        seq = self._begin(kind, detail, (arr.size, arr.dtype.num, root))
         req = self.comm.Ibcast(arr, root=root)
+        self._finish_hash_check(kind, detail, seq)
         self._wait([req], kind, seq)
 
     def allgather_rows(self, arr: npt.ArrayLike, axis: int, kind: str = "all_gather") -> npt.NDArray[Any]:
@@ -584,7 +656,8 @@ class Communicator:
             ValueError: the workers' arrays differ in anything but the size along ``axis``.
         """
         arr = np.asarray(arr)
-        seq = self._begin(kind, f"axis {axis} {arr.dtype} ndim {arr.ndim}")
+        detail = f"axis {axis} {arr.dtype} ndim {arr.ndim}"
+        seq = self._begin(kind, detail, (axis, arr.dtype.num, arr.ndim))
         ndim = arr.ndim
         meta = np.zeros(ndim + 2, np.int64)
         meta[0] = ndim
@@ -594,7 +667,9 @@ class Communicator:
         head = np.zeros(34, np.int64)
         head[: min(34, ndim + 2)] = meta[:34]
         heads = np.empty((self.size, 34), np.int64)
-        self._wait([self.comm.Iallgather(head, heads)], f"{kind} (shapes)", seq)
+        req = self.comm.Iallgather(head, heads)
+        self._finish_hash_check(kind, detail, seq)
+        self._wait([req], f"{kind} (shapes)", seq)
         mine = heads[self.rank]
         for w in range(self.size):
             h = heads[w]
@@ -646,8 +721,11 @@ class Communicator:
             DeadlineExceededError: a worker did not join within ``timeout_seconds``.
             ReplicaMismatchError: (fingerprint checks) the workers called different collectives.
         """
-        seq = self._begin(kind, detail)
+        seq = self._begin(kind, detail, (zlib.crc32((detail() if callable(detail) else detail).encode()),)
+                          if self.quick else ())
         try:
+            # Checked before NCCL is called: mismatched NCCL calls would spin on the GPU, not fail.
+            self._finish_hash_check(kind, detail, seq)
             done = start()
             if not done():
                 self._poll(done, kind, seq, on_timeout)
@@ -659,4 +737,6 @@ class Communicator:
     def barrier(self, kind: str = "barrier") -> None:
         """Waits until every worker has reached this barrier (``kind`` names it in errors)."""
         seq = self._begin(kind, "")
-        self._wait([self.comm.Ibarrier()], kind, seq)
+        req = self.comm.Ibarrier()
+        self._finish_hash_check(kind, "", seq)
+        self._wait([req], kind, seq)
