@@ -12,6 +12,7 @@ Usage::
 
     python -m cudist.launch -n 2 bench/check_cost.py [--rounds 30] [--steps 20] [--warmup 5] [--settle 100]
         [--what step|N]   (N: time an all_reduce of N float32 in strategy.run instead of the step)
+        [--control]       (A/A: both checked; the ratio the set-up itself gives)
 """
 
 from __future__ import annotations
@@ -48,11 +49,14 @@ def main() -> int:
     p.add_argument("--what", default="step",
                    help="step (the MLP step), or N: an all_reduce of N float32 in strategy.run instead (the "
                         "step's gradients are 669706)")
+    p.add_argument("--control", action="store_true",
+                   help="A/A control: both strategies checked (what the two-strategy set-up itself measures)")
     a = p.parse_args()
     checked = cudist.MultiWorkerMirroredStrategy()
-    os.environ["CUDIST_CHECK_COLLECTIVES"] = "0"
+    if not a.control:
+        os.environ["CUDIST_CHECK_COLLECTIVES"] = "0"
     unchecked = cudist.MultiWorkerMirroredStrategy()
-    del os.environ["CUDIST_CHECK_COLLECTIVES"]
+    os.environ.pop("CUDIST_CHECK_COLLECTIVES", None)
     from mpi4py import MPI
 
     rank, world = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
@@ -71,7 +75,7 @@ def main() -> int:
     for fn in steps.values():
         for _ in range(a.settle):
             fn(False)
-    ratios = []
+    ratios, diffs = [], []
     if rank == 0:
         what = "MLP step of bench/step_compare.py" if a.what == "step" else f"all_reduce of {a.what} float32"
         print(f"# check_cost: {world} workers, {what}, {a.rounds} rounds of "
@@ -89,13 +93,14 @@ def main() -> int:
                 samples.append(time.perf_counter_ns() - t0)
             med[name] = statistics.median(samples) / 1e6
         ratios.append(med["checked"] / med["unchecked"])
+        diffs.append((med["checked"] - med["unchecked"]) * 1e3)
         if rank == 0:
             print(f"round {r:2d}: checked {med['checked']:.3f}  unchecked {med['unchecked']:.3f}  "
                   f"ratio {ratios[-1]:.4f}", flush=True)
     if rank == 0:
         q = statistics.quantiles(ratios, n=4)
         print(f"# checked / unchecked: median {statistics.median(ratios):.4f} (quartiles {q[0]:.4f}-{q[2]:.4f}, "
-              f"{a.rounds} rounds)", flush=True)
+              f"{a.rounds} rounds); checked - unchecked: median {statistics.median(diffs):.1f} us", flush=True)
     return 0
 
 
