@@ -353,7 +353,8 @@ def exiting(mode):
     a collective worker 1 will never make: the job must end at once, naming worker 1.
 
     ``early``: raises before any strategy exists; ``alone``: its TF_CONFIG is a one-worker cluster;
-    ``exit3`` / ``exit0``: ``sys.exit(3)`` / ``sys.exit(0)`` after a first step; ``return``: its
+    ``exit3`` / ``exit0``: ``sys.exit(3)`` / ``sys.exit(0)`` after a first step; ``os_exit0``:
+    ``os._exit(0)`` after a first step; ``return``: its
     script ends after a first step; ``term``: SIGTERM after a first step. ``finish``: a job that
     must succeed: worker 1 ends first with nothing owed, worker 0 works on without collectives.
     """
@@ -374,6 +375,9 @@ def exiting(mode):
             sys.exit(3)
         if mode == "exit0":
             sys.exit(0)
+        if mode == "os_exit0":
+            sys.stdout.flush()
+            os._exit(0)  # no atexit, no MPI_Finalize: mpiexec kills worker 0 and returned 0
         if mode in ("return", "finish"):
             return
         if mode == "term":
@@ -387,6 +391,46 @@ def exiting(mode):
         return
     step()
     print(f"UNREACHABLE {rank}", flush=True)
+
+
+def checkpoint(mode, directory):
+    """A metric (sync-on-read state, read with a collective) and a variable saved mid-training.
+
+    ``all``: every worker calls ``save`` (the README, as TF): the saved metric is the job's, the
+    next step's all-reduce is right, and every worker restores the job's metric. ``chief``: only the
+    chief calls ``save``: its metric read must not pair with worker 1's next all-reduce (that gave
+    worker 1 3.0 instead of 2.0): a ReplicaMismatchError on both workers.
+    """
+    from cudist import metrics, train
+
+    rank, W = _rank_size()
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        mean = metrics.Mean()
+        v = cudist.Variable(np.zeros(2, np.float32))
+    ckpt = train.Checkpoint(metric=mean, v=v)
+
+    def step():
+        def fn():
+            mean.update_state(np.float32(rank + 1))
+            return cudist.get_replica_context().all_reduce("sum", np.ones(1, np.float32))
+
+        return float(strategy.experimental_local_results(strategy.run(fn))[0][0])
+
+    first = step()
+    try:
+        if mode == "all" or strategy.extended.should_checkpoint:
+            path = ckpt.save(os.path.join(directory, "ckpt"))
+        second = step()
+    except Exception as e:  # noqa: BLE001 - reported
+        print(f"RESULT {rank} " + json.dumps({"error": type(e).__name__, "message": str(e)[:600]}), flush=True)
+        raise
+    after_two = float(mean.result())
+    with strategy.scope():
+        fresh = train.Checkpoint(metric=metrics.Mean(), v=cudist.Variable(np.zeros(2, np.float32)))
+    fresh.restore(path)
+    report(rank, {"steps": [first, second], "after_two": after_two, "restored": float(fresh.metric.result()),
+                  "files": sorted(os.listdir(directory))})
 
 
 def steps():
@@ -711,6 +755,8 @@ if __name__ == "__main__":
         parity(int(sys.argv[2]))
     elif sys.argv[1].startswith("exit:"):
         exiting(sys.argv[1][5:])
+    elif sys.argv[1] == "checkpoint":
+        checkpoint(sys.argv[2], sys.argv[3])
     elif sys.argv[1] == "steps":
         steps()
     elif sys.argv[1] == "tfconfig":

@@ -178,6 +178,7 @@ _EXITS = {
     "exit0": "worker 1 ended while worker(s) [0] wait in collective #",
     "return": "worker 1 ended while worker(s) [0] wait in collective #",
     "term": "worker 1 (pid ",
+    "os_exit0": "worker 1 (pid ",
 }
 
 
@@ -236,6 +237,34 @@ def test_the_early_hook_knows_the_launchers_variables():
     from cudist._collectives import mpi
 
     assert cudist._MPI_LAUNCHER_ENV == mpi.LAUNCHER_ENV
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_checkpoints_with_a_metric_are_right_when_every_worker_saves(tmp_path, no_shm_left):
+    """As the README (and TF) say: every worker calls save; the chief alone writes."""
+    proc, _ = _launch("checkpoint", "all", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = _results(proc)
+    for r in (0, 1):
+        assert res[r]["steps"] == [2.0, 2.0]
+        assert res[r]["after_two"] == 1.5  # (1 + 2 + 1 + 2) / 4 over the job
+        assert res[r]["restored"] == 1.5  # the job's metric at the save, on every worker
+    assert res[0]["files"] == res[1]["files"] and "checkpoint" in res[0]["files"]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_a_checkpoint_saved_by_the_chief_alone_is_an_error_not_a_wrong_value(tmp_path, no_shm_left):
+    """The chief's metric read used to pair with worker 1's next all-reduce: worker 1 got 3.0, not
+    2.0, and the saved metric was wrong. Now the default collective check refuses it on both."""
+    proc, took = _launch("checkpoint", "chief", str(tmp_path))
+    assert proc.returncode != 0
+    assert took < 20
+    errors = [json.loads(line.split(" ", 2)[2]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert errors and all(e["error"] == "ReplicaMismatchError" for e in errors), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "reduce SUM" in errors[0]["message"] and "all_reduce SUM" in errors[0]["message"]
+    assert "steps" not in proc.stdout
 
 
 def _processes_marked(mark):

@@ -15,7 +15,9 @@ Each worker's BLAS/OpenMP/Numba thread count is set to cores / N (``OMP_NUM_THRE
 ``torchrun`` does): N workers each running a matmul over every core would slow each other down
 several times over. When there are more workers than CPU cores, ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``
 is set so that waiting workers yield the CPU instead of spinning. The exit code is the job's; when it fails, the
-launcher says which worker failed and how (raised an exception, exited with a code, was killed).
+launcher says which worker failed and how (raised an exception, exited with a code, was killed). A
+worker that ends without finishing its script (``os._exit``, a kill) fails the job even where
+mpiexec reports success.
 """
 
 from __future__ import annotations
@@ -94,6 +96,14 @@ def _write_status(directory: str | None, rank: int, text: str) -> None:
         Path(directory, f"{rank}.status").write_text(text)
     except OSError:
         pass
+
+
+def _read_status(directory: str, rank: int) -> str | None:
+    """What worker ``rank`` wrote in its status file (None if nothing)."""
+    try:
+        return Path(directory, f"{rank}.status").read_text()
+    except OSError:
+        return None
 
 
 def _worker(args) -> int:
@@ -467,8 +477,7 @@ def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code, ord
     lines = []
     statuses = {}
     for r in range(n):
-        p = Path(directory, f"{r}.status")
-        statuses[r] = p.read_text() if p.is_file() else None
+        statuses[r] = _read_status(directory, r)
     culprit = None
     if bad_pid is not None:
         for r, pid in pids.items():
@@ -575,6 +584,11 @@ def main(argv=None) -> int:
         reader.join(timeout=5)
         watch.stop()
         _remove_recorded_shm(directory)
+        if code == 0 and not all(_read_status(directory, r) == "ok" for r in range(n)):
+            # mpiexec returns 0 when a worker ends with os._exit(0) mid-job, after killing the
+            # others (seen with MPICH 5's): a job whose workers did not all finish their script
+            # (each says "ok" as it does) did not succeed.
+            code = 1
         if code != 0:
             pids = {}
             for r in range(n):
