@@ -422,8 +422,9 @@ def checkpoint(mode, directory):
         if mode == "all" or strategy.extended.should_checkpoint:
             path = ckpt.save(os.path.join(directory, "ckpt"))
         second = step()
-    except Exception as e:  # noqa: BLE001 - reported
-        print(f"RESULT {rank} " + json.dumps({"error": type(e).__name__, "message": str(e)[:600]}), flush=True)
+    except Exception as e:  # noqa: BLE001 - reported in a file (two workers' long lines may interleave on stdout)
+        with open(os.path.join(directory, f"error-{rank}.json"), "w") as f:
+            json.dump({"error": type(e).__name__, "message": str(e)[:600]}, f)
         raise
     after_two = float(mean.result())
     with strategy.scope():
