@@ -632,3 +632,15 @@ def test_tf_config_resolver(monkeypatch):
     s = SimpleClusterResolver(ClusterSpec({"worker": ["a:1"]}), master="a:1", task_type="worker", task_id=0,
                               num_accelerators={"GPU": 2})
     assert s.num_accelerators() == {"GPU": 2} and s.master() == "a:1" and s.environment == ""
+
+
+@pytest.mark.parametrize("value,mode", [(None, "quick"), ("", "quick"), ("1", "full"), ("yes", "full"),
+                                        ("0", "off"), ("off", "off"), ("False", "off")])
+def test_collective_checks_are_on_by_default(monkeypatch, value, mode):
+    from cudist._collectives import mpi
+
+    if value is None:
+        monkeypatch.delenv("CUDIST_CHECK_COLLECTIVES", raising=False)
+    else:
+        monkeypatch.setenv("CUDIST_CHECK_COLLECTIVES", value)
+    assert mpi.check_mode() == mode

@@ -463,7 +463,7 @@ class Communicator:
 
     def _start_hash_check(self, kind: str, shape: Iterable[int]) -> None:
         """Starts the default check: an ``Iallreduce`` MAX of ``[h, -h]``, h hashing the call."""
-        h = zlib.crc32(kind.encode()) ^ (self.seq << 32)
+        h = (zlib.crc32(kind.encode()) ^ (self.seq << 32)) & _HASH_MASK
         for x in shape:
             h = (h * _HASH_MUL + x) & _HASH_MASK
         send = self._hash_send
