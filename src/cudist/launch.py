@@ -578,9 +578,12 @@ def main(argv=None) -> int:
                 if job.timed_out:
                     sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
                     return 124
-                name = signal.Signals(job.signal).name
-                sys.stderr.write(f"cudist.launch: received {name}; the job of {n} worker(s) was ended\n")
-                return 128 + job.signal
+                signum = job.signal
+                assert signum is not None
+                sys.stderr.write(
+                    f"cudist.launch: received {signal.Signals(signum).name}; the job of {n} worker(s) was ended\n"
+                )
+                return 128 + signum
         reader.join(timeout=5)
         watch.stop()
         _remove_recorded_shm(directory)
