@@ -51,6 +51,37 @@ def _positive_int(name, minimum=1):
     return conv
 
 
+def _positive_seconds(name):
+    def conv(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if not v > 0 or v == float("inf"):  # (NaN too)
+            raise argparse.ArgumentTypeError(f"{name} must be a positive number of seconds, got {text}")
+        return v
+
+    return conv
+
+
+def json_destination(text):
+    """``--json FILE``: checked before the run (a run of minutes must not end in a traceback).
+
+    ``-`` is stdout; otherwise FILE's directory must exist and be writable, and FILE must not be a
+    directory.
+    """
+    if text == "-":
+        return text
+    directory = os.path.dirname(text) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no directory {directory}")
+    if not os.access(directory, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
+
+
 def _dtype_list(text):
     import numpy as np
 
@@ -113,7 +144,8 @@ def _common_parser(*, sizes=True, defaults=None, dtype_op=True):
                    help=f"number of replicas / mirrored copies (default {d['replicas']})")
     g.add_argument("--backend", type=str.lower, choices=_BACKEND_CHOICES, default="all",
                    help="kernel backend, or 'all' available ones (default all)")
-    g.add_argument("--json", metavar="FILE", help="also write every result as JSON to FILE ('-' for stdout)")
+    g.add_argument("--json", metavar="FILE", type=json_destination,
+                   help="also write every result as JSON to FILE ('-' for stdout)")
     g.add_argument("--compare", choices=("tf",), help="also time TensorFlow's MirroredStrategy for the same work")
     g.add_argument("--tf-python", metavar="PATH",
                    help="python with TensorFlow for --compare tf (default: $CUDIST_BENCH_TF_PYTHON, else this python)")
@@ -121,7 +153,7 @@ def _common_parser(*, sizes=True, defaults=None, dtype_op=True):
                    help="run TF's strategy.run inside tf.function (default), eagerly, or both")
     g.add_argument("--copy-size", type=_size_arg, default=parse_size("64M"),
                    help="buffer size of the copy-bandwidth measurement in the header (default 64M)")
-    g.add_argument("--budget", type=float, default=d.get("budget"), metavar="SECONDS",
+    g.add_argument("--budget", type=_positive_seconds("--budget"), default=d.get("budget"), metavar="SECONDS",
                    help="cap the time of one point: slow points get fewer timed iterations (at least 5)"
                    + (f" (default {d['budget']})" if d.get("budget") else " (default: no cap)"))
     g.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
