@@ -637,7 +637,7 @@ class Checkpoint:
         saved = index["objects"]
         shapes = _format.tensor_shapes(index)
         tensors_path = os.path.join(os.path.dirname(prefix) or ".", index["tensors"])
-        with _format.TensorReader(tensors_path, shapes, os.path.basename(index_path), index["version"] >= 2) as reader:
+        with _format.TensorReader(tensors_path, shapes, os.path.basename(index_path), index["version"]) as reader:
             # All or nothing: the index, the header and the checksums of every tensor this restore reads
             # are checked, and the values' fit to their variables, before anything changes. Checked
             # tensors are held for the assignment up to RESTORE_HOLD_BYTES; beyond, they are read

@@ -557,21 +557,22 @@ class TensorReader:
         path: the tensors file.
         expected: tensor key -> (dtype name, shape), as the index records them.
         index_name: the index's file name (the header's ``index`` metadata must agree).
-        checksums: whether the header must carry a CRC-32 per expected tensor (format version 2).
+        version: the index's format version (from 2, the header must carry a CRC-32 per tensor,
+            and its metadata the format, version and index name).
 
     Raises:
         DataLossError: the file is missing, not a regular file, or its header is malformed, over
             :data:`MAX_JSON_BYTES`, disagrees with the index, or does not tile the data exactly.
     """
 
-    def __init__(self, path: str, expected: dict[str, tuple[str, list[int]]], index_name: str, checksums: bool):
+    def __init__(self, path: str, expected: dict[str, tuple[str, list[int]]], index_name: str, version: int):
         self.path = path
         try:
             self._file = open_regular(path)
         except FileNotFoundError:
             raise DataLossError(f"{path}: the tensors file the index names is missing") from None
         try:
-            self._check_header(expected, index_name, checksums)
+            self._check_header(expected, index_name, version)
         except BaseException:
             self._file.close()
             raise
@@ -579,7 +580,7 @@ class TensorReader:
     def _bad(self, what: str) -> DataLossError:
         return DataLossError(f"{self.path}: {what}")
 
-    def _check_header(self, expected: dict[str, tuple[str, list[int]]], index_name: str, checksums: bool) -> None:
+    def _check_header(self, expected: dict[str, tuple[str, list[int]]], index_name: str, version: int) -> None:
         raw = self._file.read(8)
         size = os.fstat(self._file.fileno()).st_size
         if len(raw) != 8:
@@ -592,11 +593,15 @@ class TensorReader:
         header = _parse_json(self._file.read(n), self.path, "the safetensors header")
         if not isinstance(header, dict):
             raise self._bad("the safetensors header is not a JSON object")
-        meta = header.pop("__metadata__", None) or {}
+        meta = header.pop("__metadata__", {})
+        if meta is None:  # safetensors accepts a null metadata
+            meta = {}
         if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
             raise self._bad("the header's __metadata__ is not a map of strings")
-        if meta.get("index", index_name) != index_name:
-            raise self._bad(f"belongs to the index {meta['index']!r}, not {index_name!r}")
+        # Version 2 files record all three (so a flip in them is caught too); version 1 files may not.
+        for field, value in (("format", FORMAT), ("version", str(version)), ("index", index_name)):
+            if meta.get(field, None if version >= 2 else value) != value:
+                raise self._bad(f"the header's {field} is {meta.get(field)!r}, not {value!r}")
         self._start = 8 + n
         data_size = size - self._start
         spans = []
@@ -626,7 +631,7 @@ class TensorReader:
             if e["dtype"] != code or e["shape"] != stored_shape:
                 raise self._bad(f"tensor {key!r} is {e['dtype']}{e['shape']} here but {dtype}{list(shape)} in the index")
             crc = meta.get(_CRC_PREFIX + key)
-            if crc is None and checksums:
+            if crc is None and version >= 2:
                 raise self._bad(f"tensor {key!r} has no checksum")
             if crc is not None and not re.fullmatch(_HEX8, crc):
                 raise self._bad(f"tensor {key!r} has the malformed checksum {crc!r}")
