@@ -941,7 +941,7 @@ def _multi_worker_main(directory: str):
         def refuse(*args, **kwargs):
             raise AssertionError("a worker that is not the chief wrote checkpoint files")
 
-        _format.write_tensors = _format.write_state = _format.atomic_write_json = refuse
+        _format.write_checkpoint = _format.write_state = _format.atomic_write_json = refuse
 
     def build():
         with strategy.scope():

@@ -605,8 +605,14 @@ class Checkpoint:
 
         Raises:
             FileNotFoundError: no checkpoint at ``save_path``.
-            ValueError: a saved value's dtype or shape does not fit its variable (nothing is assigned
-                then), a damaged checkpoint, or an iterator whose input is shorter than the saved position.
+            cudist.errors.DataLossError: a damaged checkpoint (a checksum mismatch, a malformed,
+                truncated or missing file, a path outside its directory); also a ValueError.
+            ValueError: a saved value's dtype (:class:`~cudist.errors.InvalidArgumentError`) or
+                shape does not fit its variable, or an iterator's input is shorter than the saved
+                position.
+
+        Nothing is assigned when it raises: every check (the files, their checksums, the fit of each
+        value, an iterator's replay on a fresh copy) comes before the first assignment.
         """
         if save_path is None:
             return InitializationOnlyStatus()
