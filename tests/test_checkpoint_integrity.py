@@ -10,7 +10,6 @@ checkpoint and no debris.
 from __future__ import annotations
 
 import errno
-import fcntl
 import json
 import logging
 import os
@@ -124,19 +123,42 @@ def _unblock(fifo: Path) -> None:
 
 
 # ================================================================================ the fuzz test
+def _fuzz_objects(strategy):
+    """A mirrored model with a sync-on-read SUM total (components 1, 2), an SGD momentum optimizer."""
+    with strategy.scope():
+        m, opt = _trained()
+        m.total = cudist.Variable(np.float32(0), synchronization=cudist.VariableSynchronization.ON_READ,
+                                  aggregation=cudist.VariableAggregation.SUM)
+    strategy.run(lambda: m.total.assign_add(np.float32(cudist.get_replica_context().replica_id_in_sync_group + 1)))
+    return m, opt
+
+
 def test_every_byte_flipped_or_truncated_restores_exactly_or_raises_data_loss(tmp_path):
-    m, opt = _trained()
-    prefix = train.Checkpoint(model=m, optimizer=opt).write(str(tmp_path / "fz"))
-    saved = _snapshot(m, opt)
+    strategy = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    m, opt = _fuzz_objects(strategy)
+    source = train.Checkpoint(model=m, optimizer=opt)
+    prefix = source.save(str(tmp_path / "fz"))
+
+    def snapshot(m, opt, ckpt):
+        return {**_snapshot(m, opt), "total": [c.numpy().tobytes() for c in m.total.values],
+                "save_counter": int(ckpt.save_counter)}
+
+    saved = snapshot(m, opt, source)
     index, tensors = _files(prefix)
     originals = {index: index.read_bytes(), tensors: tensors.read_bytes()}
     (header_len,) = struct.unpack("<Q", originals[tensors][:8])
     data_start = 8 + header_len
 
-    tm, topt = _trained()
+    tm, topt = _fuzz_objects(strategy)
     target = train.Checkpoint(model=tm, optimizer=topt)
-    _scramble(tm, topt)
-    untouched = _snapshot(tm, topt)
+
+    def scramble():
+        _scramble(tm, topt)
+        strategy.run(lambda: tm.total.assign(np.float32(30.0)))
+        target.save_counter.assign(77)
+
+    scramble()
+    untouched = snapshot(tm, topt, target)
     outcomes: dict[str, dict[str, int]] = {}
 
     def put(path: Path, data: bytes) -> None:
@@ -148,17 +170,17 @@ def test_every_byte_flipped_or_truncated_restores_exactly_or_raises_data_loss(tm
     def attempt(region: str, path: Path, mutated: bytes) -> None:
         put(path, mutated)
         try:
-            target.read(prefix).assert_consumed()
+            target.restore(prefix).assert_consumed()
         except DataLossError as e:
             assert str(path) in str(e), f"{region}: the error does not name {path}: {e}"
-            assert _snapshot(tm, topt) == untouched, f"{region}: a failed restore changed the variables ({e})"
+            assert snapshot(tm, topt, target) == untouched, f"{region}: a failed restore changed the variables ({e})"
             outcomes.setdefault(region, {}).setdefault("error", 0)
             outcomes[region]["error"] += 1
         else:
-            assert _snapshot(tm, topt) == saved, f"{region}: restored, but not the saved values"
+            assert snapshot(tm, topt, target) == saved, f"{region}: restored, but not the saved values"
             outcomes.setdefault(region, {}).setdefault("exact", 0)
             outcomes[region]["exact"] += 1
-            _scramble(tm, topt)
+            scramble()
         finally:
             put(path, originals[path])
 
@@ -529,6 +551,7 @@ def test_a_save_that_fails_leaves_no_debris_and_later_saves_succeed(tmp_path, mo
     kept = ["other-7.data-0123abcd.safetensors", "ckpt-9.data-00000000.safetensors"]
     for name in crashed + kept:
         (tmp_path / name).write_bytes(b"x")
+    fcntl = pytest.importorskip("fcntl")  # POSIX: where writers hold their files with flock
     held = os.open(tmp_path / kept[1], os.O_RDONLY)
     fcntl.flock(held, fcntl.LOCK_EX)
     try:

@@ -243,15 +243,10 @@ def open_regular(path: str) -> BinaryIO:
     device never end).
 
     Raises:
-        FileNotFoundError: there is no such file.
-        DataLossError: it is not a regular file, or cannot be opened.
+        OSError: it cannot be opened (FileNotFoundError, PermissionError: not a damaged file).
+        DataLossError: it is not a regular file.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC)
-    except FileNotFoundError:
-        raise
-    except OSError as e:
-        raise DataLossError(f"{path}: cannot be opened ({e.strerror or e})") from None
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | _CLOEXEC)
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
@@ -270,7 +265,7 @@ def read_json(path: str, what: str) -> Any:
     """The JSON value in ``path``, read only if it is a regular file of at most :data:`MAX_JSON_BYTES`.
 
     Raises:
-        FileNotFoundError: no such file.
+        OSError: it cannot be opened (FileNotFoundError: there is none).
         DataLossError: anything else wrong (naming ``path`` and ``what`` it should have been).
     """
     with open_regular(path) as f:
@@ -424,7 +419,7 @@ def _named_tensors(prefix: str) -> str | None:
         index = read_json(prefix + INDEX_SUFFIX, "checkpoint index")
     except FileNotFoundError:
         return ""
-    except DataLossError:
+    except (DataLossError, OSError):
         return None
     tensors = index.get("tensors") if isinstance(index, dict) else None
     return tensors if isinstance(tensors, str) else None
@@ -718,7 +713,7 @@ def read_state(directory: str, state_file: str = STATE_FILE) -> dict[str, Any] |
         state = read_json(path, "checkpoint state file")
     except FileNotFoundError:
         return None
-    except DataLossError as e:
+    except (DataLossError, OSError) as e:
         _log.warning("%s; checkpoint state ignored", e)
         return None
     if not isinstance(state, dict) or not isinstance(state.get("model_checkpoint_path"), str):
