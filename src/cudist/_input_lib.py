@@ -707,7 +707,7 @@ class DistributedIterator:
         if close is not None:
             close()
 
-    # -- checkpoints: cudist.train.Checkpoint saves and restores the position through these two
+    # -- checkpoints: cudist.train.Checkpoint saves and restores the position through these
     def _checkpoint_state(self) -> dict[str, int]:
         """The iterator's position: how many steps it has handed out."""
         return {"position": self._consumed}

@@ -425,12 +425,15 @@ def _named_tensors(prefix: str) -> str | None:
     return tensors if isinstance(tensors, str) else None
 
 
-def _sweep(directory: str, base_pattern: str) -> None:
+def _sweep(directory: str, base_pattern: str, indexed_too: bool = True) -> None:
+    """Removes the tensors and temporary files of the bases ``base_pattern`` matches that nobody holds
+    and no index names; with ``indexed_too`` False, only tensors files whose base has no index (so a
+    sweep of a whole name reads no index: a manager keeping thousands stays cheap)."""
     for name, base in _own_files(directory, base_pattern):
         prefix = os.path.join(directory, base)
         if name.startswith("."):
             _remove_unheld(os.path.join(directory, name))  # a temporary file: only its writer wants it
-        else:
+        elif indexed_too or not os.path.lexists(prefix + INDEX_SUFFIX):
             # An unreadable index (None) may name any file: keep them all.
             _remove_unheld(os.path.join(directory, name), lambda p=prefix, n=name: _named_tensors(p) in (None, n))
 
@@ -441,9 +444,9 @@ def remove_stale(directory: str, base: str) -> None:
 
 
 def remove_orphans(directory: str, name: str) -> None:
-    """:func:`remove_stale` for every numbered checkpoint ``<name>-<n>`` in ``directory`` (what a save
-    interrupted by a crash or a full disk leaves)."""
-    _sweep(directory, re.escape(name) + r"-(?:-?[0-9]+)")
+    """Removes what saves of the numbered checkpoints ``<name>-<n>`` in ``directory`` interrupted by a
+    crash or a full disk left: temporary files nobody holds, and tensors files without an index."""
+    _sweep(directory, re.escape(name) + r"-(?:-?[0-9]+)", indexed_too=False)
 
 
 def remove_checkpoint(prefix: str) -> None:
