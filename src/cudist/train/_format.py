@@ -136,6 +136,13 @@ def _bytes_of(arr: npt.NDArray[Any]) -> memoryview:
     return memoryview(arr.reshape(-1).view(np.uint8).data)
 
 
+def _data_loss(path: str, what: str) -> DataLossError:
+    """The error for a damaged checkpoint file: the file, then what is wrong (cut at 1000 characters:
+    a crafted file may hold megabytes where a name or a shape belongs)."""
+    message = f"{path}: {what}"
+    return DataLossError(message if len(message) <= 1000 else message[:997] + "...")
+
+
 def _is_count(x: object) -> bool:
     """A JSON integer >= 0 (not a bool)."""
     return type(x) is int and x >= 0
@@ -250,7 +257,7 @@ def open_regular(path: str) -> BinaryIO:
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
-        raise DataLossError(f"{path}: not a regular file (a checkpoint file cannot be a FIFO, device or directory)")
+        raise _data_loss(path, "not a regular file (a checkpoint file cannot be a FIFO, device or directory)")
     return os.fdopen(fd, "rb")
 
 
@@ -258,7 +265,7 @@ def _parse_json(raw: bytes, path: str, what: str) -> Any:
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, a 5000-digit int; deep nesting
-        raise DataLossError(f"{path}: {what} is not valid JSON ({type(e).__name__}: {e})"[:2000]) from None
+        raise _data_loss(path, f"{what} is not valid JSON ({type(e).__name__}: {e})") from None
 
 
 def read_json(path: str, what: str) -> Any:
@@ -271,10 +278,10 @@ def read_json(path: str, what: str) -> Any:
     with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size > MAX_JSON_BYTES:
-            raise DataLossError(f"{path}: {what} of {size} bytes is over the {MAX_JSON_BYTES}-byte limit")
+            raise _data_loss(path, f"{what} of {size} bytes is over the {MAX_JSON_BYTES}-byte limit")
         raw = f.read(size + 1)  # (read() preallocates what it is asked for: not the limit)
     if len(raw) > MAX_JSON_BYTES:
-        raise DataLossError(f"{path}: {what} grew over the {MAX_JSON_BYTES}-byte limit while being read")
+        raise _data_loss(path, f"{what} grew over the {MAX_JSON_BYTES}-byte limit while being read")
     return _parse_json(raw, path, what)
 
 
@@ -510,7 +517,7 @@ def read_index(prefix: str) -> dict[str, Any]:
     path = prefix + INDEX_SUFFIX
 
     def bad(what: str) -> DataLossError:
-        return DataLossError(f"{path}: {what}")
+        return _data_loss(path, what)
 
     index = read_json(path, "checkpoint index")
     if not isinstance(index, dict) or index.get("format") != FORMAT:
@@ -568,7 +575,7 @@ class TensorReader:
         try:
             self._file = open_regular(path)
         except FileNotFoundError:
-            raise DataLossError(f"{path}: the tensors file the index names is missing") from None
+            raise _data_loss(path, "the tensors file the index names is missing") from None
         try:
             self._check_header(expected, index_name, version)
         except BaseException:
@@ -576,7 +583,7 @@ class TensorReader:
             raise
 
     def _bad(self, what: str) -> DataLossError:
-        return DataLossError(f"{self.path}: {what}")
+        return _data_loss(self.path, what)
 
     def _check_header(self, expected: dict[str, tuple[str, list[int]]], index_name: str, version: int) -> None:
         raw = self._file.read(8)
@@ -605,10 +612,10 @@ class TensorReader:
         spans = []
         for key, e in header.items():
             if not isinstance(e, dict) or e.get("dtype") not in _DTYPES or not _check_list(e.get("shape"), _is_count):
-                raise self._bad(f"tensor {key!r} has a malformed header entry {e!r}"[:500])
+                raise self._bad(f"tensor {key!r} has a malformed header entry {e!r}")
             offsets = e.get("data_offsets")
             if not (_check_list(offsets, _is_count) and len(offsets) == 2 and offsets[0] <= offsets[1]):
-                raise self._bad(f"tensor {key!r} has data_offsets {offsets!r}"[:500])
+                raise self._bad(f"tensor {key!r} has data_offsets {offsets!r}")
             nbytes = math.prod(e["shape"]) * _DTYPES[e["dtype"]].itemsize
             if offsets[1] - offsets[0] != nbytes:
                 raise self._bad(f"tensor {key!r} spans {offsets[1] - offsets[0]} bytes; its dtype and shape make {nbytes}")
