@@ -572,3 +572,29 @@ def test_an_unreadable_state_file_is_logged_and_ignored(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="cudist"):
         assert train.latest_checkpoint(tmp_path) is None
     assert str(tmp_path / "checkpoint") in caplog.text and "is not valid JSON" in caplog.text
+
+
+def test_native_crc32_is_zlibs_and_either_reads_the_others_files(tmp_path, monkeypatch):
+    import zlib
+
+    core = pytest.importorskip("cudist._core")
+    rng = np.random.default_rng(3)
+    for n in [*range(200), 1000, 4095, 65536 + 7, (1 << 20) + 13]:
+        data = rng.bytes(n)
+        for seed in (0, 0xFFFFFFFF, 0x1234567):
+            assert core.crc32(data, seed) == zlib.crc32(data, seed), (n, seed)
+            assert core.crc32(memoryview(data)[3:], seed) == zlib.crc32(memoryview(data)[3:], seed), (n, seed)
+    m, opt = _trained()
+    big = Model()
+    big.w = cudist.Variable(rng.standard_normal(300_000).astype(np.float32))  # over one 1 MiB chunk
+    native = train.Checkpoint(model=m, optimizer=opt, big=big).write(str(tmp_path / "native"))
+    monkeypatch.setattr(_format, "_crc32", zlib.crc32)
+    written_by_zlib = train.Checkpoint(model=m, optimizer=opt, big=big).write(str(tmp_path / "zlib"))
+    assert _files(native)[1].read_bytes()[:100] != b"" and (
+        _split_tensors(_files(native)[1])[0]["__metadata__"] == _split_tensors(_files(written_by_zlib)[1])[0]["__metadata__"]
+        | {"index": "native.index.json"}
+    )
+    target = Model()
+    target.w = cudist.Variable(np.zeros(300_000, np.float32))
+    train.Checkpoint(model=_trained()[0], optimizer=cudist.optimizers.SGD(0.1, momentum=0.9), big=target).read(native).assert_consumed()
+    np.testing.assert_array_equal(target.w.numpy(), big.w.numpy())
