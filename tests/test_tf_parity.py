@@ -1005,3 +1005,56 @@ def test_multi_worker_auto_shard_off_rebatches_as_tf(n, b, drop, want0, want1):
     assert [[c.tolist() for c in s.values] for s in steps] == [[[0], [1]], [[2], [3]], [[4], [5]], [[6], [7]], [[8], [9]]]
     steps = list(rebatch_steps(cudist.data.Dataset.range(5).batch(4), 2, [_identity] * 2, "test", 2, 0))
     assert [[c.tolist() for c in s.values] for s in steps] == [[[0], [1]], [[2], [3]], [[4], []]]
+
+
+# ------------------------------------------------------------------ checkpoints (issue #31)
+def test_checkpoint_deferred_restoration_and_live_status(tmp_path):
+    # TF 2.21: status = ckpt.restore(path) before a saved variable is attached; then `ckpt.v = tf.Variable(...)`
+    # gets the saved value (and the optimizer's saved slots for it), and status.assert_consumed() passes.
+    # ckpt.read(path) then creating save_counter: the counter gets the saved count and assert_consumed passes.
+    v = cudist.Variable(np.array([1.0, 2.0], np.float32), name="v")
+    opt = cudist.optimizers.Adam(0.1)
+    opt.apply_gradients([(np.array([0.5, -1.0], np.float32), v)])
+    path = cudist.train.Checkpoint(v=v, opt=opt).save(str(tmp_path / "ck"))
+
+    opt2 = cudist.optimizers.Adam(0.1)
+    ck = cudist.train.Checkpoint(opt=opt2)
+    status = ck.restore(path)
+    with pytest.raises(AssertionError, match="Unresolved object"):
+        status.assert_consumed()
+    ck.v = cudist.Variable(np.array([7.0, 7.0], np.float32), name="v")  # attached after restore
+    assert ck.v.numpy().tolist() == v.numpy().tolist()
+    for name in ("momentum", "velocity"):
+        assert opt2.get_slot(ck.v, name).numpy().tolist() == opt.get_slot(v, name).numpy().tolist()
+    assert status.assert_consumed() is status
+
+    ck3 = cudist.train.Checkpoint(v=cudist.Variable(np.zeros(2, np.float32), name="v"), opt=cudist.optimizers.Adam(0.1))
+    status3 = ck3.read(path)
+    with pytest.raises(AssertionError, match="save_counter"):
+        status3.assert_consumed()
+    assert int(ck3.save_counter) == 1
+    status3.assert_consumed()
+
+
+def test_checkpoint_plain_dataset_iterator_and_errors(tmp_path):
+    # TF 2.21: Checkpoint(it=iter(dataset)) saves the input position and restore() moves the iterator
+    # back (range(10).batch(3): [0 1 2], [3 4 5] consumed -> after restore the next is [6 7 8]);
+    # restoring a missing checkpoint raises NotFoundError; a float32 value into an int32 variable,
+    # InvalidArgumentError.
+    it = iter(cudist.data.Dataset.range(10).batch(3))
+    assert [next(it).tolist(), next(it).tolist()] == [[0, 1, 2], [3, 4, 5]]
+    ck = cudist.train.Checkpoint(it=it)
+    path = ck.save(str(tmp_path / "it"))
+    assert next(it).tolist() == [6, 7, 8]
+    ck.restore(path).assert_consumed()
+    assert [next(it).tolist(), next(it).tolist()] == [[6, 7, 8], [9]]
+    with pytest.raises(cudist.errors.OutOfRangeError):
+        it.get_next()
+    with pytest.raises(cudist.errors.NotFoundError, match="Failed to find any matching files"):
+        ck.restore(str(tmp_path / "missing-1"))
+    with pytest.raises(FileNotFoundError):  # the built-in type cudist raised before, kept
+        ck.restore(str(tmp_path / "missing-1"))
+    f = cudist.Variable(np.float32(1.5), name="x")
+    fpath = cudist.train.Checkpoint(x=f).save(str(tmp_path / "f"))
+    with pytest.raises(cudist.errors.InvalidArgumentError):
+        cudist.train.Checkpoint(x=cudist.Variable(np.int32(1), name="x")).restore(fpath)

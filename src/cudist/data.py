@@ -37,7 +37,7 @@ import optree
 from numpy.typing import DTypeLike, NDArray
 
 from cudist._arrays import array_module, is_array, is_device_array, python_dtype
-from cudist.errors import InvalidArgumentError
+from cudist.errors import InvalidArgumentError, OutOfRangeError
 
 __all__ = [
     "AUTOTUNE",
@@ -48,6 +48,7 @@ __all__ = [
     "INFINITE_CARDINALITY",
     "UNKNOWN_CARDINALITY",
     "Dataset",
+    "DatasetIterator",
     "TensorSpec",
     "as_dataset",
 ]
@@ -698,6 +699,83 @@ class _OneShot:
         yield from self._it
 
 
+class DatasetIterator:
+    """An iterator over a :class:`Dataset` (``iter(dataset)``; TF's ``OwnedIterator``).
+
+    It counts the elements it has handed out, so ``cudist.train.Checkpoint(it=iterator)`` saves its
+    position and a restore moves it back there (by replaying the dataset from the start on a fresh
+    iterator: exact for a deterministic pipeline; a shuffle needs a seed).
+
+    Args:
+        dataset: the dataset to iterate.
+    """
+
+    def __init__(self, dataset: Dataset) -> None:
+        self._dataset = dataset
+        self._it: Iterator[Any] = iter(dataset._iter_fn())
+        self._consumed = 0
+
+    def __iter__(self) -> DatasetIterator:
+        return self
+
+    def __next__(self) -> Any:
+        value = next(self._it)
+        self._consumed += 1
+        return value
+
+    def get_next(self) -> Any:
+        """The next element (TF's ``get_next``).
+
+        Raises:
+            cudist.errors.OutOfRangeError: the dataset is exhausted (also a StopIteration).
+        """
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence") from None
+
+    @property
+    def element_spec(self) -> Any:
+        """The dataset's ``element_spec``."""
+        return self._dataset.element_spec
+
+    def close(self) -> None:
+        """Stops the underlying pipeline (its generators and prefetch threads)."""
+        close = getattr(self._it, "close", None)
+        if close is not None:
+            close()
+
+    # -- checkpoints: cudist.train.Checkpoint saves and restores the position through these
+    def _checkpoint_state(self) -> dict[str, int]:
+        """The iterator's position: how many elements it has handed out."""
+        return {"position": self._consumed}
+
+    def _prepare_restore(self, state: dict[str, Any]) -> Callable[[], None]:
+        """Replays the dataset to ``state["position"]`` on a fresh iterator; returns the function that
+        moves this iterator there (nothing changes before it is called).
+
+        Raises:
+            ValueError: the position is not an integer >= 0, or the dataset ends before it.
+        """
+        target = state["position"]
+        if isinstance(target, bool) or not isinstance(target, int) or target < 0:
+            raise ValueError(f"an iterator position must be an integer >= 0, got {target!r}")
+        fresh = iter(self._dataset._iter_fn())
+        for done in range(target):
+            try:
+                next(fresh)
+            except StopIteration:
+                raise ValueError(
+                    f"cannot restore the iterator to element {target}: its dataset ends after {done} elements"
+                ) from None
+
+        def commit() -> None:
+            self.close()
+            self._it, self._consumed = fresh, target
+
+        return commit
+
+
 class Dataset:
     """A re-iterable sequence of elements (nested structures of NumPy arrays), like ``tf.data.Dataset``.
 
@@ -725,8 +803,8 @@ class Dataset:
         self._cheap = bool(cheap) or rows is not None
 
     # ------------------------------------------------------------------ basics
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._iter_fn())
+    def __iter__(self) -> DatasetIterator:
+        return DatasetIterator(self)
 
     def as_numpy_iterator(self) -> Iterator[Any]:
         """An iterator over the elements (they already are NumPy values)."""

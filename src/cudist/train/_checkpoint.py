@@ -69,8 +69,8 @@ from cudist._variables import (
     VariableSynchronization,
     create_plain_variable,
 )
-from cudist.data import Dataset
-from cudist.errors import InvalidArgumentError
+from cudist.data import Dataset, DatasetIterator
+from cudist.errors import InvalidArgumentError, NotFoundError
 from cudist.optimizers import Optimizer
 from cudist.train import _format
 
@@ -113,7 +113,7 @@ def _kind(obj: object) -> str | None:
         return "variable"
     if isinstance(obj, Optimizer):
         return "optimizer"
-    if isinstance(obj, DistributedIterator):
+    if isinstance(obj, (DistributedIterator, DatasetIterator)):
         return "iterator"
     if isinstance(obj, Checkpoint):
         return "checkpoint"
@@ -325,17 +325,52 @@ def _describe(objs: list[object]) -> str:
     return f"Showing {len(shown)} of {len(objs)} unmatched objects: {shown!r}"
 
 
-class CheckpointLoadStatus:
-    """What a :meth:`Checkpoint.restore` / :meth:`Checkpoint.read` matched (TF's ``CheckpointLoadStatus``)."""
+class _Restoration:
+    """A restore's lasting record: the checkpoint's objects and which of them got their values.
 
-    def __init__(
-        self, save_path: str, unresolved: list[tuple[str, Any]], unbound: list[tuple[str, object]], matched: int
-    ) -> None:
-        self._save_path = save_path
-        self._unresolved = unresolved  # (path, kind) of checkpointed objects the program did not match
-        self._unbound = unbound  # (path, object) of the program's objects the checkpoint had no value for
-        self._matched = matched
+    Kept by the :class:`Checkpoint` so that objects attached after the restore still get their saved
+    values (TF's deferred restoration), and by the :class:`CheckpointLoadStatus`, which reads it
+    when asked (a status is live, as TF's: ``save_counter`` created after ``read``, a variable
+    attached after ``restore``, count as matched once they have their values).
+    """
+
+    def __init__(self, prefix: str, saved: dict[str, Any]) -> None:
+        self.prefix = prefix
+        self.saved = saved
+        self.restored: set[str] = set()  # paths of checkpointed objects whose values were applied
+
+    def pending(self) -> set[str]:
+        return set(self.saved) - self.restored
+
+
+class CheckpointLoadStatus:
+    """What a :meth:`Checkpoint.restore` / :meth:`Checkpoint.read` matched (TF's ``CheckpointLoadStatus``).
+
+    Live, as TF's: it reflects objects restored after the call too (a variable attached to the
+    checkpoint later gets its saved value then; see :meth:`Checkpoint.restore`).
+    """
+
+    def __init__(self, checkpoint: Checkpoint, restoration: _Restoration) -> None:
+        self._checkpoint = checkpoint
+        self._restoration = restoration
+        self._save_path = restoration.prefix
         self._partial = False
+
+    @property
+    def _unresolved(self) -> list[tuple[str, Any]]:
+        """(path, kind) of checkpointed objects no value went to."""
+        r = self._restoration
+        return [(p, r.saved[p]["kind"]) for p in r.saved if p not in r.restored]
+
+    @property
+    def _unbound(self) -> list[tuple[str, object]]:
+        """(path, object) of the program's tracked objects that got no value from the checkpoint."""
+        restored = self._restoration.restored
+        return [(p, obj) for p, (_, obj) in _Graph(self._checkpoint).leaves.items() if p not in restored]
+
+    @property
+    def _matched(self) -> int:
+        return len(self._restoration.restored)
 
     def assert_consumed(self) -> CheckpointLoadStatus:
         """Every object in the checkpoint was matched, and every tracked Python object got a value.
@@ -422,6 +457,10 @@ def require_cross_replica(what: str) -> None:
         raise RuntimeError(f"{what} must be called in cross-replica context, not inside strategy.run")
 
 
+class CheckpointNotFoundError(NotFoundError, FileNotFoundError):
+    """No checkpoint at the path given: TF's ``NotFoundError``, and the FileNotFoundError cudist raised before."""
+
+
 def _prefix_of(save_path: str | os.PathLike[str]) -> str:
     path = os.fspath(save_path)
     if path.endswith(_format.INDEX_SUFFIX):
@@ -447,11 +486,13 @@ class Checkpoint:
     _children: dict[str, Any]
     _save_counter: Variable | None
     _pending_save_counter: Any
+    _restoration: _Restoration | None
 
     def __init__(self, **kwargs: Any) -> None:
         self.__dict__["_children"] = {}
         self.__dict__["_save_counter"] = None
         self.__dict__["_pending_save_counter"] = None
+        self.__dict__["_restoration"] = None
         for name, value in kwargs.items():
             setattr(self, name, value)
 
@@ -468,6 +509,10 @@ class Checkpoint:
                 f"distributed iterator, a Checkpoint, or a container or object holding them), got {value!r}."
             )
         self._children[name] = value
+        restoration = self._restoration
+        if restoration is not None and any(p == name or p.startswith(name + "/") for p in restoration.pending()):
+            # TF's deferred restoration: an object attached after restore() gets its saved value now.
+            self._read(restoration.prefix, restoration)
 
     def __getattr__(self, name: str) -> Any:
         children = self.__dict__.get("_children", {})
@@ -505,6 +550,8 @@ class Checkpoint:
             if self._pending_save_counter is not None:  # a read() before the counter existed
                 counter.assign(self._pending_save_counter, read_value=False)
                 self._pending_save_counter = None
+                if self._restoration is not None:
+                    self._restoration.restored.add("save_counter")
             self._save_counter = counter
         return self._save_counter
 
@@ -603,8 +650,13 @@ class Checkpoint:
             A :class:`CheckpointLoadStatus` (``assert_consumed()``, ``assert_existing_objects_matched()``,
             ``expect_partial()``); for None an :class:`InitializationOnlyStatus`.
 
+        Objects the checkpoint has values for that are attached to this Checkpoint afterwards
+        (``ckpt.v = Variable(...)`` after ``restore``) get their saved values when attached, as in
+        TF; the returned status then counts them.
+
         Raises:
-            FileNotFoundError: no checkpoint at ``save_path``.
+            cudist.errors.NotFoundError: no checkpoint at ``save_path`` (TF's error; also a
+                FileNotFoundError).
             cudist.errors.DataLossError: a damaged checkpoint (a checksum mismatch, a malformed,
                 truncated or missing file, a path outside its directory); also a ValueError.
             ValueError: a saved value's dtype (:class:`~cudist.errors.InvalidArgumentError`) or
@@ -630,17 +682,24 @@ class Checkpoint:
         require_cross_replica("Checkpoint.read")
         return self._read(save_path)
 
-    def _read(self, save_path: str | os.PathLike[str]) -> CheckpointLoadStatus:
+    def _read(self, save_path: str | os.PathLike[str], deferred: _Restoration | None = None) -> CheckpointLoadStatus:
+        """Restores ``save_path``; with ``deferred`` (an earlier restore's record), only the objects
+        that restore has not given values to yet."""
         prefix = _prefix_of(save_path)
         index_path = prefix + _format.INDEX_SUFFIX
         try:
             index = _format.read_index(prefix)
         except FileNotFoundError:
-            raise FileNotFoundError(
+            raise CheckpointNotFoundError(
+                None,
+                None,
                 f"Failed to find any matching files for {prefix}: no {os.path.basename(index_path)} there. A checkpoint "
-                "prefix is what save()/write() return, e.g. 'path/to/ckpt-1'."
+                "prefix is what save()/write() return, e.g. 'path/to/ckpt-1'.",
             ) from None
-        saved = index["objects"]
+        saved = all_saved = index["objects"]
+        restoration = _Restoration(prefix, saved) if deferred is None else deferred
+        if deferred is not None:  # only what the earlier restore left; the rest keeps its values
+            saved = {p: r for p, r in saved.items() if p not in deferred.restored}
         shapes = _format.tensor_shapes(index)
         tensors_path = os.path.join(os.path.dirname(prefix) or ".", index["tensors"])
         with _format.TensorReader(tensors_path, shapes, os.path.basename(index_path), index["version"]) as reader:
@@ -667,19 +726,19 @@ class Checkpoint:
             _check_all_compatible(matched)
             leaves = graph.leaves
             verify([r for *_, r in matched] + [  # and the slots the optimizers are about to create
-                r for r in saved.values()
+                r for r in saved.values()  # (the optimizer itself may have been restored before: all_saved)
                 if r["kind"] == "slot" and leaves.get(r["optimizer"], ("",))[0] == "optimizer"
                 and leaves.get(r["variable"], ("",))[0] == "variable"
             ])
-            counter_record = saved.get("save_counter") if self._save_counter is None else None
+            counter_record = saved.get("save_counter") if self._save_counter is None and deferred is None else None
             if counter_record is not None:
                 verify([counter_record])
-            if self._build_slots(graph, saved):
+            if self._build_slots(graph, all_saved):
                 graph = _Graph(self)
                 matched, _, _ = self._match(graph, saved)
                 _check_all_compatible(matched)
                 verify([r for *_, r in matched])
-            matched, unbound, unresolved = self._match(graph, saved)
+            matched, _, _ = self._match(graph, saved)
             # An iterator replays its input on a fresh copy: a position past its end raises here.
             commits = [obj._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
 
@@ -698,7 +757,9 @@ class Checkpoint:
                 obj._restore_state(record["hyperparameters"])
         for commit in commits:
             commit()
-        return CheckpointLoadStatus(prefix, unresolved, unbound, len(matched))
+        restoration.restored.update(path for path, *_ in matched)
+        self._restoration = restoration
+        return CheckpointLoadStatus(self, restoration)
 
     def _match(
         self, graph: _Graph, saved: dict[str, Any]
