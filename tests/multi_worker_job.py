@@ -418,7 +418,8 @@ def exiting(mode):
 def checkpoint(mode, directory):
     """A metric (sync-on-read state, read with a collective) and a variable saved mid-training.
 
-    ``all``: every worker calls ``save`` (the README, as TF): the saved metric is the job's, the
+    ``tutorial``: as TF's multi-worker tutorial (a manager per worker, non-chiefs in a temporary
+    directory they remove). ``all``: every worker calls ``save`` (the README, as TF): the saved metric is the job's, the
     next step's all-reduce is right, and every worker restores the job's metric. ``chief``: only the
     chief calls ``save``: its metric read must not pair with worker 1's next all-reduce (that gave
     worker 1 3.0 instead of 2.0): a ReplicaMismatchError on both workers.
@@ -441,7 +442,21 @@ def checkpoint(mode, directory):
 
     first = step()
     try:
-        if mode == "all" or strategy.extended.should_checkpoint:
+        if mode == "tutorial":
+            # TF's multi-worker custom-training-loop tutorial: every worker saves through a manager,
+            # a non-chief into a temporary directory (workertemp_<id>) it then removes.
+            import shutil
+
+            write_dir = directory if strategy.extended.should_checkpoint else os.path.join(
+                directory, f"workertemp_{rank}", "ckpt")  # fmt: skip
+            os.makedirs(os.path.dirname(write_dir), exist_ok=True)
+            manager = train.CheckpointManager(ckpt, directory=write_dir, max_to_keep=1)
+            manager.save()
+            if not strategy.extended.should_checkpoint:
+                shutil.rmtree(write_dir)
+            path = train.latest_checkpoint(directory) if strategy.extended.should_checkpoint else None
+            path = strategy.extended._communicator.comm.bcast(path, root=0)
+        elif mode == "all" or strategy.extended.should_checkpoint:
             path = ckpt.save(os.path.join(directory, "ckpt"))
         second = step()
     except Exception as e:  # noqa: BLE001 - reported in a file (two workers' long lines may interleave on stdout)

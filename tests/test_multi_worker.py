@@ -255,6 +255,20 @@ def test_checkpoints_with_a_metric_are_right_when_every_worker_saves(tmp_path, n
 
 @needs_mpi
 @pytest.mark.multi_worker
+def test_checkpoints_as_tf_multi_worker_tutorial(tmp_path, no_shm_left):
+    """TF 2.21's tutorial: every worker saves through a CheckpointManager, a non-chief into
+    workertemp_<id>/ckpt, which it then removes (shutil.rmtree: the directory must exist)."""
+    proc, _ = _launch("checkpoint", "tutorial", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = _results(proc)
+    for r in (0, 1):
+        assert res[r]["steps"] == [2.0, 2.0] and res[r]["restored"] == 1.5
+    assert "workertemp_1" in res[0]["files"] and "checkpoint" in res[0]["files"]
+    assert os.listdir(tmp_path / "workertemp_1") == []  # removed by worker 1, nothing else left
+
+
+@needs_mpi
+@pytest.mark.multi_worker
 def test_a_checkpoint_saved_by_the_chief_alone_is_an_error_not_a_wrong_value(tmp_path, no_shm_left):
     """The chief's metric read used to pair with worker 1's next all-reduce: worker 1 got 3.0, not
     2.0, and the saved metric was wrong. Now the default collective check refuses it on both."""

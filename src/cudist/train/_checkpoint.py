@@ -622,14 +622,15 @@ class Checkpoint:
             else:  # iterator
                 record = {"kind": "iterator", **obj._checkpoint_state()}
             objects[path] = record
+        directory = os.path.dirname(prefix) or "."
+        if not os.path.basename(prefix):
+            raise ValueError(f"a checkpoint prefix must name a file, got {prefix!r}")
+        # A non-chief worker too: TF's multi-worker tutorial saves there and then removes the directory.
+        os.makedirs(directory, exist_ok=True)
         if not self._should_write(graph):
             for *_, get in specs:  # still take part in the collectives a read may be (sync-on-read aggregates)
                 get()
             return False
-        directory = os.path.dirname(prefix) or "."
-        if not os.path.basename(prefix):
-            raise ValueError(f"a checkpoint prefix must name a file, got {prefix!r}")
-        os.makedirs(directory, exist_ok=True)
         save_counter = None if self._save_counter is None else int(self._save_counter)
         _format.write_checkpoint(
             prefix, specs, lambda tensors: {"tensors": tensors, "save_counter": save_counter, "objects": objects}
