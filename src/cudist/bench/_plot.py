@@ -49,12 +49,13 @@ def check_plot_request(path: str, command: str) -> None:
         command: the subcommand (``suite`` for the default suite).
 
     Raises:
-        BenchError: matplotlib is not installed, the command has no size axis to plot, the suffix is
-            not an image format matplotlib writes, or the path cannot be written.
+        BenchError: the command has no size axis to plot, the path cannot be written, matplotlib is
+            not installed, or the suffix is not an image format matplotlib writes.
     """
     if command not in PLOT_COMMANDS:
         raise BenchError(f"--plot draws bandwidth against size; {command} has no size axis "
                          f"(use it with {', '.join(PLOT_COMMANDS[:-1])} or the default suite)")
+    check_output_path(path, "--plot")
     if importlib.util.find_spec("matplotlib") is None:
         raise BenchError('--plot needs matplotlib, which is not installed: pip install "cudist[plot]" '
                          "(or pip install matplotlib)")
@@ -65,7 +66,6 @@ def check_plot_request(path: str, command: str) -> None:
     if suffix not in kinds:
         raise BenchError(f"--plot {path}: unknown image format {suffix or '(no suffix)'!r}; "
                          f"use one of {', '.join('.' + k for k in sorted(kinds))}")
-    check_output_path(path, "--plot")
 
 
 # ------------------------------------------------------------------------------------------ csv
