@@ -77,10 +77,16 @@ def test_plot_series_has_each_backend_tf_and_the_ceiling_in_algbw():
 
 def test_plot_series_of_user_path_uses_the_copy_rows():
     rows = [{"size": 4096, "group": "all-reduce", "path": "strategy.run", "user_path": True, "GBps": 3.0},
-            {"size": 4096, "group": "copy", "path": "copy", "GBps": 30.0}]
+            {"size": 4096, "group": "all-reduce", "path": "copy, same working set (40K)", "api": "copy-same",
+             "GBps": 20.0},
+            {"size": 65536, "group": "all-reduce", "path": "copy, same working set (640K)", "api": "copy-same",
+             "GBps": 25.0},
+            {"size": 4096, "group": "copy", "path": "copy", "GBps": 30.0},
+            {"size": 4096, "group": "copy", "path": "copy", "GBps": 31.0}]
     _, series, ceilings = plot_series(_table("user-path", rows))
-    assert list(series) == ["all-reduce: strategy.run [user]"]
-    assert ceilings == [("copy ceiling (copy row)", [(4096, 30.0)])]
+    assert list(series) == ["all-reduce: strategy.run [user]", "all-reduce: copy, same working set"]
+    assert series["all-reduce: copy, same working set"] == [(4096, 20.0), (65536, 25.0)]
+    assert ceilings == [("copy ceiling (copy row)", [(4096, 31.0)])]  # the best copy row at each size
 
 
 @needs_mpl

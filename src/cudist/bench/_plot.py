@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 import os
+import re
 
 from cudist.bench._errors import BenchError
 from cudist.bench._sizes import format_size
@@ -117,12 +118,15 @@ def plot_series(table: dict) -> tuple[str, dict, list]:
         for r in rows:
             if r.get("GBps") is None:
                 continue
-            if r.get("group") == "copy":
-                ceilings.setdefault("copy ceiling (copy row)", []).append((r["size"], r["GBps"]))
+            if r.get("group") == "copy":  # the point's copy ceiling; one per group at each size: the best
+                pts = ceilings.setdefault("copy ceiling (copy row)", {})
+                pts[r["size"]] = max(pts.get(r["size"], 0.0), r["GBps"])
                 continue
-            label = f"{r['group']}: {r['path']}" + (" [user]" if r.get("user_path") else "")
+            # "copy, same working set (640K)": one curve per group, not one point per working-set size
+            path = re.sub(r"\s*\([^)]*\)$", "", r["path"]) if r.get("api") == "copy-same" else r["path"]
+            label = f"{r['group']}: {path}" + (" [user]" if r.get("user_path") else "")
             series.setdefault(label, []).append((r["size"], r["GBps"]))
-        return "bytes moved per second (GB/s)", series, sorted(ceilings.items())
+        return "bytes moved per second (GB/s)", series, [(k, sorted(v.items())) for k, v in ceilings.items()]
     dtypes = {r.get("dtype") for r in rows}
     for r in rows:
         if r.get("algbw") is None:
@@ -174,8 +178,8 @@ def write_plot(tables: list, path: str, *, title: str = "") -> int:
         for label, pts in series.items():
             pts.sort()
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-            ax.plot(xs, ys, "--" if _is_tf(label) else "-", marker="s" if _is_tf(label) else "o", markersize=4,
-                    label=label)
+            style = "--" if _is_tf(label) else ("-." if "copy, same working set" in label else "-")
+            ax.plot(xs, ys, style, marker="s" if _is_tf(label) else "o", markersize=4, label=label)
         for label, pts in ceilings:
             xs, ys = [p[0] for p in pts], [p[1] for p in pts]
             if len(xs) == 1:
