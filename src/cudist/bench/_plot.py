@@ -22,24 +22,22 @@ PLOT_COMMANDS = ("all-reduce", "all-gather", "broadcast", "split", "update", "us
 
 
 def check_output_path(path: str, flag: str) -> None:
-    """Fails early unless a file can be written at ``path``.
+    """Fails early unless a file can be written at ``path`` (the checks ``--json`` makes too).
 
     Args:
         path: the file the option names.
         flag: the option's name, for the message (``--csv``).
 
     Raises:
-        BenchError: ``path`` is a directory, or its directory does not exist or is not writable.
+        BenchError: ``path`` is a directory, its directory does not exist, or it is not writable.
     """
+    directory = os.path.dirname(path) or "."
     if os.path.isdir(path):
-        raise BenchError(f"{flag} {path}: is a directory; give a file name")
-    parent = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(parent):
-        raise BenchError(f"{flag} {path}: directory {parent} does not exist")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise BenchError(f"{flag} {path}: directory {parent} is not writable")
-    if os.path.exists(path) and not os.access(path, os.W_OK):
-        raise BenchError(f"{flag} {path}: file is not writable")
+        raise BenchError(f"{flag} {path}: {path} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise BenchError(f"{flag} {path}: cannot write {path}: no directory {directory}")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise BenchError(f"{flag} {path}: cannot write {path}: permission denied")
 
 
 def check_plot_request(path: str, command: str) -> None:
