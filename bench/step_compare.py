@@ -421,7 +421,7 @@ def worker_main(args):
 class Contestant:
     """A worker subprocess (or, for DDP, N of them: rank 0 answers) taking turns in the rounds."""
 
-    def __init__(self, label, key, python, kind, args, replicas, *, world=1):
+    def __init__(self, label, key, python, kind, args, replicas, *, world=1, env=None):
         self.label, self.key, self.kind = label, key, kind
         self.samples: list[int] = []
         self.round_medians: list[float] = []
@@ -431,7 +431,7 @@ class Contestant:
         here = os.path.abspath(__file__)
         port = _free_port() if kind == "torch-ddp" else 0
         env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", PYTHONWARNINGS="ignore", GLOO_SOCKET_IFNAME="lo",
-                   MASTER_ADDR="127.0.0.1")
+                   MASTER_ADDR="127.0.0.1", **(env or {}))
         threads = args.torch_threads if args.torch_threads else (
             max(1, (os.cpu_count() or 1) // world) if kind == "torch-ddp" else 0)
         for rank in range(1 if kind == "cudist-multi-worker" else world):
@@ -561,6 +561,9 @@ def main(argv=None) -> int:
     p.add_argument("--workers", action="store_true",
                    help="also cudist.MultiWorkerMirroredStrategy with N processes of one CPU replica each "
                         "(python -m cudist.launch; needs cudist[mpi]), next to torch DDP's N processes")
+    p.add_argument("--workers-check-off", action="store_true",
+                   help="with --workers: also the multi-worker step with its default collective check off "
+                        "(CUDIST_CHECK_COLLECTIVES=0), and the per-round ratio of the two (the check's cost)")
     p.add_argument("--json", default=None, help="write every result as JSON to this file")
     # worker mode (internal)
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -616,6 +619,10 @@ def main(argv=None) -> int:
             if a.workers and n > 1:
                 group.append(Contestant(f"cudist MultiWorker ({n} proc)", "cudist-mw", sys.executable,
                                         "cudist-multi-worker", a, 1, world=n))
+                if a.workers_check_off:
+                    group.append(Contestant("cudist MultiWorker, no check", "cudist-mw-nocheck", sys.executable,
+                                            "cudist-multi-worker", a, 1, world=n,
+                                            env={"CUDIST_CHECK_COLLECTIVES": "0"}))
             if have_torch:
                 group.append(Contestant(f"torch DDP gloo ({n} proc)", "torch-ddp", a.torch_python, "torch-ddp", a, n,
                                         world=n))
@@ -690,6 +697,13 @@ def _report(n, cs, ref, a, results) -> bool:
                      "round_medians_ms": [v / 1e6 for v in c.round_medians], "check_losses": losses, "wrong": wrong,
                      "ratio_vs_cudist": ratio})
     results["groups"].append({"replicas": n, "rows": rows})
+    on = next((c for c in cs if c.key == "cudist-mw"), None)
+    off = next((c for c in cs if c.key == "cudist-mw-nocheck"), None)
+    if on is not None and off is not None:
+        per = [x / y for x, y in zip(on.round_medians, off.round_medians)]
+        print(f"# the default collective check: MultiWorker checked / unchecked, per round: {statistics.median(per):.3f}x "
+              f"[{min(per):.3f}-{max(per):.3f}] ({' '.join(f'{x:.3f}' for x in per)})")
+        results["groups"][-1]["check_cost_ratio"] = {"median": statistics.median(per), "rounds": per}
     return ok
 
 

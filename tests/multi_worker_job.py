@@ -328,6 +328,27 @@ def parity(R):
                 and "float32(3,)" in msg and "float32(4,)" in msg, msg)
     checked.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(3, np.float32)))  # still usable
 
+    # ---- the default check (no CUDIST_CHECK_COLLECTIVES): 6 floats against 4 is an error, never garbage
+    quick = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
+    for name, nest in (("default_mismatch_count", lambda: np.ones(4 + 2 * (rank == 0), np.float32)),
+                       ("default_mismatch_dtype", lambda: np.ones(4, np.float32 if rank == 0 else np.int32))):
+        try:
+            got = quick.run(lambda nest=nest: cudist.get_replica_context().all_reduce("sum", nest()))
+            c.check(name, False, f"no error: {local(quick, got)}")
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            c.check(name, type(e).__name__ == "ReplicaMismatchError" and "worker 0: collective #" in msg
+                    and "worker 1: collective #" in msg, msg)
+        quick = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])  # the last one is broken
+    try:  # the same buffer, but a reduce on worker 0 where worker 1 all-reduces (a chief-only metric read)
+        if rank == 0:
+            quick.reduce("sum", quick.run(lambda: np.ones(2, np.float32)), axis=None)
+        else:
+            quick.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(2, np.float32)))
+        c.check("default_mismatch_kind", False, "no error")
+    except Exception as e:  # noqa: BLE001
+        c.check("default_mismatch_kind", type(e).__name__ == "ReplicaMismatchError", str(e))
+
     report(rank, c.results)
 
 
@@ -347,6 +368,102 @@ def failing(mode):
             time.sleep(60)
     strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(4, np.float32)))
     print(f"UNREACHABLE {rank}", flush=True)
+
+
+def exiting(mode):
+    """Worker 1 ends in a way the strategy's exception hook does not see, while worker 0 goes on to
+    a collective worker 1 will never make: the job must end at once, naming worker 1.
+
+    ``early``: raises before any strategy exists; ``alone``: its TF_CONFIG is a one-worker cluster;
+    ``exit3`` / ``exit0``: ``sys.exit(3)`` / ``sys.exit(0)`` after a first step; ``os_exit0``:
+    ``os._exit(0)`` after a first step; ``return``: its
+    script ends after a first step; ``term``: SIGTERM after a first step. ``finish``: a job that
+    must succeed: worker 1 ends first with nothing owed, worker 0 works on without collectives.
+    """
+    rank = int(os.environ.get("PMI_RANK", "0"))
+    if rank == 1 and mode == "early":
+        raise ZeroDivisionError("worker 1 fails before its strategy")
+    if rank == 1 and mode == "alone":
+        os.environ["TF_CONFIG"] = json.dumps({"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 0}})
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+
+    def step():
+        return strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(4, np.float32)))
+
+    step()
+    if rank == 1:
+        if mode == "exit3":
+            sys.exit(3)
+        if mode == "exit0":
+            sys.exit(0)
+        if mode == "os_exit0":
+            sys.stdout.flush()
+            os._exit(0)  # no atexit, no MPI_Finalize: mpiexec kills worker 0 and returned 0
+        if mode in ("return", "finish"):
+            return
+        if mode == "term":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(10)
+    if mode == "finish":
+        time.sleep(1.5)  # worker 1 has long reached its exit by now
+        print(f"FINISHED {rank}", flush=True)
+        return
+    step()
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
+def checkpoint(mode, directory):
+    """A metric (sync-on-read state, read with a collective) and a variable saved mid-training.
+
+    ``all``: every worker calls ``save`` (the README, as TF): the saved metric is the job's, the
+    next step's all-reduce is right, and every worker restores the job's metric. ``chief``: only the
+    chief calls ``save``: its metric read must not pair with worker 1's next all-reduce (that gave
+    worker 1 3.0 instead of 2.0): a ReplicaMismatchError on both workers.
+    """
+    from cudist import metrics, train
+
+    rank, W = _rank_size()
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    with strategy.scope():
+        mean = metrics.Mean()
+        v = cudist.Variable(np.zeros(2, np.float32))
+    ckpt = train.Checkpoint(metric=mean, v=v)
+
+    def step():
+        def fn():
+            mean.update_state(np.float32(rank + 1))
+            return cudist.get_replica_context().all_reduce("sum", np.ones(1, np.float32))
+
+        return float(strategy.experimental_local_results(strategy.run(fn))[0][0])
+
+    first = step()
+    try:
+        if mode == "all" or strategy.extended.should_checkpoint:
+            path = ckpt.save(os.path.join(directory, "ckpt"))
+        second = step()
+    except Exception as e:  # noqa: BLE001 - reported in a file (two workers' long lines may interleave on stdout)
+        with open(os.path.join(directory, f"error-{rank}.json"), "w") as f:
+            json.dump({"error": type(e).__name__, "message": str(e)[:600]}, f)
+        raise
+    after_two = float(mean.result())
+    with strategy.scope():
+        fresh = train.Checkpoint(metric=metrics.Mean(), v=cudist.Variable(np.zeros(2, np.float32)))
+    fresh.restore(path)
+    report(rank, {"steps": [first, second], "after_two": after_two, "restored": float(fresh.metric.result()),
+                  "files": sorted(os.listdir(directory))})
+
+
+def steps():
+    """Both workers train (one all-reduce every 50 ms) for up to a minute: a job to signal or kill."""
+    rank, _ = _rank_size()
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+    for _ in range(1200):
+        strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(4, np.float32)))
+        time.sleep(0.05)
 
 
 def tfconfig():
@@ -580,10 +697,27 @@ def nccl(R):
             c.check("checked_mismatch", type(e).__name__ == "ReplicaMismatchError" and "all_reduce SUM (NCCL)" in msg
                     and "float32(3,)" in msg and "float32(4,)" in msg, msg)
 
-    def unchecked():
-        """Last: the mismatched NCCL call stays stuck on the stream, as on a GPU."""
+    def default_check():
+        """The default check (a hash riding with each call) catches the mismatch before NCCL is called."""
+        s = cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL), devices=gpus)
+        s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3, cp.float32)))  # the communicator
         try:
-            mw.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
+            s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
+            c.check("default_check_mismatch", False, "no error")
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+            c.check("default_check_mismatch", type(e).__name__ == "ReplicaMismatchError"
+                    and "all_reduce SUM (NCCL)" in msg and "float32(3,)" in msg and "float32(4,)" in msg, msg)
+
+    def unchecked():
+        """Last, with the checks off (CUDIST_CHECK_COLLECTIVES=0): the mismatched NCCL call stays
+        stuck on the stream, as on a GPU, until the fake reports it."""
+        os.environ["CUDIST_CHECK_COLLECTIVES"] = "0"
+        s = cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL), devices=gpus)
+        del os.environ["CUDIST_CHECK_COLLECTIVES"]
+        s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3, cp.float32)))  # the communicator
+        try:
+            s.run(lambda: cudist.get_replica_context().all_reduce("sum", cp.ones(3 + rank, cp.float32)))
             c.check("unchecked_mismatch", False, "no error")
         except Exception as e:  # noqa: BLE001
             msg = str(e)
@@ -591,7 +725,8 @@ def nccl(R):
                     and "NcclError" in msg and "rank 1" in msg, msg)
 
     for name, fn in (("ar", ar), ("nest", nest), ("reduce", reduce), ("optimizers", optimizers), ("gather", gather),
-                     ("ring", ring), ("checked", checked), ("unchecked", unchecked)):
+                     ("ring", ring), ("checked", checked), ("default_check", default_check),
+                     ("unchecked", unchecked)):
         c.run(name, fn)
     report(rank, c.results)
 
@@ -641,6 +776,12 @@ def nccl_auto():
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]))
+    elif sys.argv[1].startswith("exit:"):
+        exiting(sys.argv[1][5:])
+    elif sys.argv[1] == "checkpoint":
+        checkpoint(sys.argv[2], sys.argv[3])
+    elif sys.argv[1] == "steps":
+        steps()
     elif sys.argv[1] == "tfconfig":
         tfconfig()
     elif sys.argv[1] == "gpu":

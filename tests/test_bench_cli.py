@@ -227,6 +227,13 @@ def test_no_arguments_runs_the_suite(monkeypatch):
         (["update", "--optimizer", "adadelta"], "invalid choice"),
         (["frobnicate"], "invalid choice"),
         (["step", "--batch", "2", "--replicas", "4"], "smaller than --replicas"),
+        (["all-reduce", "--budget", "-1"], "--budget must be a positive number of seconds, got -1"),
+        (["all-reduce", "--budget", "0"], "--budget must be a positive number of seconds"),
+        (["all-reduce", "--budget", "nan"], "--budget must be a positive number of seconds"),
+        (["all-reduce", "--json", "/nonexistent-dir/out.json"], "cannot write /nonexistent-dir/out.json: no directory"),
+        (["all-reduce", "--json", "/"], "/ is a directory"),
+        (["all-reduce", "--workers", "2", "--json", "/nonexistent-dir/x.json"], "no directory /nonexistent-dir"),
+        (["all-reduce", "--workers", "2", "--budget", "-1"], "--budget must be a positive number"),
     ],
 )
 def test_bad_flags_exit_2(capsys, argv, message):

@@ -8,6 +8,8 @@ covers the conversion paths (and the errors) without any framework.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import pytest
 
@@ -56,6 +58,22 @@ def test_unconvertible_foreign_array_is_a_type_error_naming_the_dtype():
         from_dlpack(x)
     s = _mirrored()
     with pytest.raises(TypeError, match="torch.bfloat16"):
+        s.run(lambda: cudist.get_replica_context().all_reduce("sum", x))
+
+
+def test_a_cuda_array_without_cupy_says_which_device_and_how_to_install_it(monkeypatch):
+    class OnGpu(Exporter):
+        def __dlpack_device__(self):
+            return (2, 1)  # kDLCUDA, device 1
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # what `import cupy` does where CuPy is not installed
+    x = OnGpu(np.zeros(3, np.float32))
+    with pytest.raises(ImportError, match=r"OnGpu on CUDA device 1 \(DLPack device type 2\) needs CuPy.*"
+                                          r"pip install 'cudist\[cuda13\]'") as info:
+        from_dlpack(x)
+    assert type(info.value) is ImportError  # not the bare ModuleNotFoundError of `import cupy`
+    s = _mirrored()
+    with pytest.raises(ImportError, match="CUDA device 1"):
         s.run(lambda: cudist.get_replica_context().all_reduce("sum", x))
 
 

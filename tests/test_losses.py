@@ -278,3 +278,13 @@ def test_losses_and_helpers_on_cupy_arrays_match_numpy(reduction):
     got = cudist.nn.compute_average_loss(cupy.asarray(per_example), sample_weight=cupy.asarray(w[:1]), global_batch_size=8)
     assert isinstance(got, cupy.ndarray)
     np.testing.assert_allclose(cupy.asnumpy(got), cudist.nn.compute_average_loss(per_example, sample_weight=w[:1], global_batch_size=8), rtol=1e-6)
+
+
+def test_values_that_are_not_numbers_are_refused():
+    """[1.0, None] would be NaN to NumPy and the loss NaN; refused, as Keras 3 refuses it."""
+    import cudist.losses
+
+    with pytest.raises(ValueError, match=r"expected numbers, got \[1\.0, None\]"):
+        cudist.losses.MeanSquaredError()([1.0, None], np.ones(2, np.float32))
+    with pytest.raises(ValueError, match="expected numbers"):
+        cudist.losses.BinaryCrossentropy()(np.ones(2, np.float32), [0.5, None])

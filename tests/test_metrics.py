@@ -210,3 +210,26 @@ def test_metrics_are_checkpointable_across_replica_counts(tmp_path):
     assert (acc2.result(), loss2.result()) == want == (np.float32(2 / 5), np.float32(8 / 5))
     three.run(lambda: acc2.update_state(np.array([0]), logits[:1]))  # 3 more hits, 3 more examples
     assert acc2.result() == pytest.approx(5 / 8, rel=1e-6)  # restored as value / 3 per replica: float rounding
+
+
+@pytest.mark.parametrize("bad", [None, [1.0, None], np.array([2.0, None], dtype=object)], ids=["None", "list", "object"])
+def test_values_that_are_not_numbers_are_refused_and_leave_the_state_alone(bad):
+    """NumPy casts None to NaN, which would poison the total for good; Keras 3 raises ValueError
+    ("None is not a valid value for jnp.array", observed with Keras 3.15.1 on JAX), and so does cudist."""
+    m = cudist.metrics.Mean()
+    m.update_state([1.0, 3.0])
+    with pytest.raises(ValueError, match=r"expected numbers, got .*None.* \(dtype object\)"):
+        m.update_state(bad)
+    if bad is not None:  # (sample_weight=None is no weighting)
+        with pytest.raises(ValueError, match="expected numbers"):
+            m.update_state([1.0, 2.0], sample_weight=bad)
+    m.update_state(5.0)
+    assert m.result() == 3.0
+    s = cudist.metrics.Sum()
+    with pytest.raises(ValueError, match="expected numbers"):
+        s.update_state(bad)
+    assert s.result() == 0.0
+    acc = cudist.metrics.CategoricalAccuracy()
+    with pytest.raises(ValueError, match="expected numbers"):
+        acc.update_state([[0.0, 1.0]], [[0.2, None]])
+    assert acc.result() == 0.0

@@ -57,11 +57,25 @@ def _shm():
 _KILLED_WORKER_1 = r"worker 1 \(pid \d+\) ended abnormally \((killed by SIGKILL|exit status unknown)\)"
 
 
+def _mapped_shm():
+    """The MPICH segments some live process maps (those of jobs still running, here or beside us)."""
+    mapped = set()
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            text = maps.read_text()
+        except OSError:
+            continue
+        mapped.update(m.rsplit("/", 1)[1] for m in re.findall(r"/dev/shm/mpich_shm_\S+", text))
+    return mapped
+
+
 @pytest.fixture
 def no_shm_left():
     before = _shm()
     yield
-    left = _shm() - before
+    # Left = new and mapped by no live process: a job started meanwhile by another test run on this
+    # machine holds its segments mapped, and removes them itself.
+    left = _shm() - before - _mapped_shm()
     assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
 
 
@@ -154,6 +168,169 @@ def test_a_hung_worker_times_out(no_shm_left):
     assert "worker(s) [1] did not join it" in proc.stderr, proc.stderr[-2000:]
     assert re.search(r"CollectiveStallWarning: cudist: worker 0 has waited 1 s in all_reduce SUM, collective #\d+, "
                      r"for worker\(s\) \[1\]", proc.stderr), proc.stderr[-2000:]
+
+
+#: How each way for worker 1 to end is named (by the launcher's summary, or by the worker itself).
+_EXITS = {
+    "early": "worker 1 raised ZeroDivisionError: worker 1 fails before its strategy",
+    "alone": "worker 1 raised ValueError: this process is one of the 2 processes of an MPI job, but its cluster",
+    "exit3": "worker 1 exited with code 3",
+    "exit0": "worker 1 ended while worker(s) [0] wait in collective #",
+    "return": "worker 1 ended while worker(s) [0] wait in collective #",
+    "term": "worker 1 (pid ",
+    "os_exit0": "worker 1 (pid ",
+}
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("mode", sorted(_EXITS))
+def test_a_worker_ending_any_way_ends_the_job_naming_it(mode, no_shm_left):
+    """A worker that ends without the strategy's exception hook seeing it (before the strategy, a
+    one-worker TF_CONFIG, sys.exit(n), the end of its script, a signal), while worker 0 waits for
+    it in a collective, ends the job within seconds (it used to hang forever), named."""
+    started = time.time()
+    proc, took = _launch(f"exit:{mode}", timeout=60)
+    assert proc.returncode != 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert took < 15
+    assert "UNREACHABLE" not in proc.stdout
+    assert _EXITS[mode] in proc.stderr, proc.stderr[-2000:]
+    if mode == "exit3":
+        assert proc.returncode == 3
+    if mode == "term":
+        assert re.search(r"worker 1 \(pid \d+\) ended abnormally \((killed by SIGTERM|exit status unknown|exit code 15)\)",
+                         proc.stderr), proc.stderr[-2000:]
+    assert time.time() - _ready_time(proc, started) < 10
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("mode", ["early", "return", "exit3"])
+def test_a_worker_ending_under_plain_mpiexec_ends_the_job(mode, no_shm_left):
+    """The same without the launcher (mpiexec -n 2 python script.py): the worker says why."""
+    proc = _mpiexec(f"exit:{mode}", timeout=60)
+    assert proc.returncode != 0
+    assert "UNREACHABLE" not in proc.stdout
+    said = {
+        "early": "cudist: worker 1 of 2 raised ZeroDivisionError; aborting every worker of the job",
+        "return": "cudist: worker 1 of 2 is ending (its script returned or called sys.exit) while worker(s) [0] "
+                  "wait in collective #",
+        "exit3": "cudist: worker 1 of 2 is ending (its script returned or called sys.exit) while worker(s) [0] "
+                 "wait in collective #",
+    }[mode]
+    assert said in proc.stderr, proc.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_a_worker_ending_first_with_nothing_owed_is_fine(no_shm_left):
+    """Worker 1 ends while worker 0 still works (no collective): the job succeeds, both finish."""
+    proc, _ = _launch("exit:finish", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FINISHED 0" in proc.stdout
+    proc = _mpiexec("exit:finish", timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "FINISHED 0" in proc.stdout
+
+
+def test_the_early_hook_knows_the_launchers_variables():
+    from cudist._collectives import mpi
+
+    assert cudist._MPI_LAUNCHER_ENV == mpi.LAUNCHER_ENV
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_checkpoints_with_a_metric_are_right_when_every_worker_saves(tmp_path, no_shm_left):
+    """As the README (and TF) say: every worker calls save; the chief alone writes."""
+    proc, _ = _launch("checkpoint", "all", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    res = _results(proc)
+    for r in (0, 1):
+        assert res[r]["steps"] == [2.0, 2.0]
+        assert res[r]["after_two"] == 1.5  # (1 + 2 + 1 + 2) / 4 over the job
+        assert res[r]["restored"] == 1.5  # the job's metric at the save, on every worker
+    assert res[0]["files"] == res[1]["files"] and "checkpoint" in res[0]["files"]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_a_checkpoint_saved_by_the_chief_alone_is_an_error_not_a_wrong_value(tmp_path, no_shm_left):
+    """The chief's metric read used to pair with worker 1's next all-reduce: worker 1 got 3.0, not
+    2.0, and the saved metric was wrong. Now the default collective check refuses it on both."""
+    proc, took = _launch("checkpoint", "chief", str(tmp_path))
+    assert proc.returncode != 0
+    assert took < 20
+    errors = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("error-*.json"))]
+    assert errors and all(e["error"] == "ReplicaMismatchError" for e in errors), proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "reduce SUM" in errors[0]["message"] and "all_reduce SUM" in errors[0]["message"]
+    assert "steps" not in proc.stdout
+
+
+def _processes_marked(mark):
+    """Pids of the live processes whose environment holds ``CUDIST_TEST_MARK=<mark>`` (the launcher,
+    mpiexec, its proxy and the workers of one test's job)."""
+    found = []
+    needle = f"CUDIST_TEST_MARK={mark}".encode()
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            if needle in (d / "environ").read_bytes().split(b"\0") and (d / "stat").read_text().split(") ")[1][0] != "Z":
+                found.append(int(d.name))
+        except (OSError, IndexError):
+            pass
+    return found
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("target", ["launcher", "group"])
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signalled_launcher_ends_the_job_and_cleans_up(signame, target, no_shm_left):
+    """SIGTERM/SIGINT to the launcher alone, or to its process group (as `timeout` and a terminal's
+    Ctrl-C send them), ends mpiexec, its proxy and the workers, leaves nothing in /dev/shm, and the
+    launcher exits 128 + the signal's number."""
+    import signal
+
+    sig = getattr(signal, signame)
+    mark = f"{os.getpid()}-{signame}-{target}"
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", JOB, "steps"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=HERE,
+                         env=_env(CUDIST_TEST_MARK=mark), start_new_session=True)
+    try:
+        assert "READY" in p.stdout.readline()
+        assert len(_processes_marked(mark)) >= 4  # the launcher, mpiexec, the proxy, two workers
+        time.sleep(0.3)
+        started = time.monotonic()
+        if target == "launcher":
+            os.kill(p.pid, sig)
+        else:
+            os.killpg(p.pid, sig)
+        code = p.wait(timeout=20)
+        took = time.monotonic() - started
+        err = p.stderr.read()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        p.stdout.close()
+        p.stderr.close()
+    assert code == 128 + sig, err[-2000:]
+    assert took < 10
+    assert f"cudist.launch: received {signame}; the job of 2 worker(s) was ended" in err
+    deadline = time.monotonic() + 5
+    while _processes_marked(mark) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _processes_marked(mark), "processes of the job outlived the launcher"
+
+
+def test_launcher_refuses_a_missing_mpiexec_in_one_line(tmp_path):
+    for bad in ("/nonexistent/mpiexec", str(tmp_path)):
+        p = subprocess.run([sys.executable, "-m", "cudist.launch", "-n", "2", "--mpiexec", bad, JOB, "steps"],
+                           capture_output=True, text=True, timeout=60, env=_env())
+        assert p.returncode == 127
+        assert p.stderr == f"cudist.launch: --mpiexec {bad}: not an executable file\n"
 
 
 @needs_mpi
@@ -253,7 +430,7 @@ def test_nccl_across_workers_under_the_cupy_emulation(gpus_per_worker, no_shm_le
     res = _results(p)
     failed = {f"worker {r}: {k}": d for r, rr in res.items() for k, (ok, d) in rr.items() if not ok}
     assert not failed, failed
-    assert len(res[0]) == 43  # every check ran
+    assert len(res[0]) == 44  # every check ran
 
 
 @needs_mpi
@@ -455,3 +632,15 @@ def test_tf_config_resolver(monkeypatch):
     s = SimpleClusterResolver(ClusterSpec({"worker": ["a:1"]}), master="a:1", task_type="worker", task_id=0,
                               num_accelerators={"GPU": 2})
     assert s.num_accelerators() == {"GPU": 2} and s.master() == "a:1" and s.environment == ""
+
+
+@pytest.mark.parametrize("value,mode", [(None, "quick"), ("", "quick"), ("1", "full"), ("yes", "full"),
+                                        ("0", "off"), ("off", "off"), ("False", "off")])
+def test_collective_checks_are_on_by_default(monkeypatch, value, mode):
+    from cudist._collectives import mpi
+
+    if value is None:
+        monkeypatch.delenv("CUDIST_CHECK_COLLECTIVES", raising=False)
+    else:
+        monkeypatch.setenv("CUDIST_CHECK_COLLECTIVES", value)
+    assert mpi.check_mode() == mode

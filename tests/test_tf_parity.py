@@ -509,6 +509,13 @@ def test_replicas_creating_one_variable_under_different_names_raise():
         make(lambda i: f"v{i}")
     w = make(lambda i: f"w{''}")  # equal names made separately (different objects) are the same name
     assert [c.name for c in w.values] == ["w:0", "w/replica_1:0"]
+    # TF 2.21 compares names without upstream uniquification ("_<digit>" at the end or before a "/"):
+    # run(lambda: tf.Variable(1., name=f"q_{replica_id}")) makes one variable named by replica 0
+    # ('q_0:0', 'q_0/replica_1:0'); "s_0/k" and "s_1/k" too; "v0" and "v1" differ (above).
+    q = make(lambda i: f"q_{i}")
+    assert [c.name for c in q.values] == ["q_0:0", "q_0/replica_1:0"]
+    k = make(lambda i: f"s_{i}/k")
+    assert [c.name for c in k.values] == ["s_0/k:0", "s_0/k/replica_1:0"]
     u = make(lambda i: "u", lambda i: float(i))
     assert [float(c.numpy()) for c in u.values] == [0.0, 0.0]
 

@@ -160,6 +160,45 @@ __all__ = [
 ]
 
 
+#: Environment variables MPI launchers set in the processes they start; the same as
+#: ``cudist._collectives.mpi.LAUNCHER_ENV`` (tests/test_multi_worker.py checks), copied so that
+#: ``import cudist`` need not import that module.
+_MPI_LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
+
+
+def _abort_job_on_early_errors() -> None:
+    """In a process started by an MPI launcher: an uncaught exception ends the whole job.
+
+    The strategy makes an exception abort the job (``MPI_Abort``) from the moment cudist first
+    uses MPI; an exception raised earlier (before the strategy is created) would end this process
+    alone while the others wait for it in ``MPI_Init`` or a collective, forever. So a first hook
+    is installed here, at no cost: it loads MPI only if an exception reaches it, and then hands
+    over to the strategy's hook (which prints the traceback and aborts the job).
+    """
+    import os  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    if not any(k in os.environ for k in _MPI_LAUNCHER_ENV):
+        return
+    previous = sys.excepthook
+
+    def on_exception(exc_type, exc, tb):  # type: ignore[no-untyped-def]
+        if sys.excepthook is not on_exception:  # a later hook (the strategy's) wraps this one: just print
+            previous(exc_type, exc, tb)
+            return
+        sys.excepthook = previous
+        try:
+            from cudist._collectives import mpi  # noqa: PLC0415
+
+            mpi.world()  # loads MPI; in a job of several processes, installs the aborting hook
+        except BaseException:  # noqa: BLE001 - whatever fails here, the traceback must still be printed
+            pass
+        sys.excepthook(exc_type, exc, tb)
+
+    sys.excepthook = on_exception
+
+
+_abort_job_on_early_errors()
 if not TYPE_CHECKING:  # hidden from type checkers: a misspelt name must be an error to them
 
     def __getattr__(name: str) -> object:

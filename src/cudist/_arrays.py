@@ -449,11 +449,21 @@ def from_dlpack(x: Any) -> Array:
     Raises:
         TypeError: the array cannot be held by NumPy (a PyTorch bfloat16 tensor, a tensor that
             requires grad, ...); the message names its type and dtype.
+        ImportError: a CUDA array without CuPy; the message names the device and how to install it.
     """
-    device_type = int(x.__dlpack_device__()[0])
+    device_type, device_id = (int(v) for v in x.__dlpack_device__())
     if device_type in _DLPACK_GPU:
-        import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - GPU arrays only
+        try:
+            import cupy  # type: ignore[import-not-found, import-untyped, unused-ignore]  # noqa: PLC0415 - GPU arrays only
+        except ImportError as e:
+            from cudist.config import CUPY_INSTALL  # noqa: PLC0415 - only for this error
 
+            name = f"{type(x).__module__}.{type(x).__qualname__}"
+            raise ImportError(
+                f"a {name} on CUDA device {device_id} (DLPack device type {device_type}) needs CuPy, which cudist "
+                f"takes GPU arrays through, but CuPy cannot be imported ({e}); {CUPY_INSTALL}, or move the "
+                "array to the host first"
+            ) from e
         return cupy.from_dlpack(x)
     try:
         return np.from_dlpack(x)

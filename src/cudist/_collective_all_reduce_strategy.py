@@ -124,6 +124,15 @@ class CollectiveAllReduceExtended(MirroredExtended):
     def _connect(self):
         """The workers' communicator, ranks in worker order (chief first); None for one worker."""
         if self._num_workers == 1:
+            world = mpi.world()
+            if world is not None and world.Get_size() > 1 and self._task_type != "evaluator":
+                # Training alone inside a job of several would diverge silently (and leave the
+                # others waiting for this worker in their first collective).
+                raise ValueError(
+                    f"this process is one of the {world.Get_size()} processes of an MPI job, but its cluster "
+                    f"({type(self._cluster_resolver).__name__}: {self._cluster_resolver.cluster_spec().as_dict()}) "
+                    "has one worker; give every process the same cluster (or no TF_CONFIG: one worker per rank)"
+                )
             return None
         comm = getattr(self._cluster_resolver, "comm", None) or mpi.world()
         if comm is None:
@@ -139,7 +148,7 @@ class CollectiveAllReduceExtended(MirroredExtended):
                 "start one process per chief/worker task"
             )
         # Ranks ordered as the workers (TF_CONFIG's task index maps to the rank order).
-        claimed = comm.allgather(self._worker_index)
+        claimed = mpi.allgather_setup(comm, self._worker_index, "worker ids")
         if sorted(claimed) != list(range(size)):
             dup = sorted({w for w in claimed if claimed.count(w) > 1})
             raise ValueError(
@@ -150,7 +159,6 @@ class CollectiveAllReduceExtended(MirroredExtended):
         ordered = comm.Split(0, self._worker_index)
         communicator = mpi.Communicator(ordered, timeout_seconds=self._communication_options.timeout_seconds)
         ordered.Free()
-        mpi.install_abort_hook()
         return communicator
 
     # -------------------------------------------------------------- TF's properties

@@ -33,6 +33,7 @@ import enum
 import functools
 import inspect
 import itertools
+import re
 import sys
 import threading
 import weakref
@@ -1387,6 +1388,14 @@ def _build_on_device(
     )
 
 
+def _deuniquified(name: Any) -> Any:
+    """A variable name without the "_<digit>" suffixes of upstream uniquification, as TF compares
+    the names replicas give one variable ("q" and "q_1" name the same variable; "v0" and "v1" do not)."""
+    if not isinstance(name, str):
+        return name
+    return re.sub(r"_\d$", "", re.sub(r"_\d/", "/", name))
+
+
 def create_in_replica_context(strategy: Strategy, kwargs: dict[str, Any]) -> Variable | None:
     """Inside ``strategy.run``: one variable for all replicas, created in a ``merge_call``; else None.
 
@@ -1404,8 +1413,9 @@ def create_in_replica_context(strategy: Strategy, kwargs: dict[str, Any]) -> Var
 
     def merge_fn(_: Strategy, init: Any, name: Any) -> Variable:
         if isinstance(name, DistributedValues):  # the replicas passed different name objects
+            first = _deuniquified(name.values[0])
             for i, other in enumerate(name.values):
-                if other != name.values[0]:  # as TF 2.21
+                if _deuniquified(other) != first:  # as TF 2.21 (shared_variable_creator)
                     raise RuntimeError(f"Tried to create variable {other} with mismatching name on device {i}")
         return _create_variable(select_replica(0, init), **rest)
 

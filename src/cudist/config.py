@@ -80,6 +80,8 @@ _gpu_error: list[str] = []  # why _gpu_count() found no GPU (set with the count)
 
 #: The pip extra matching each CUDA major version of CuPy (see the README's GPUs section).
 CUDA_EXTRAS = {12: "cudist[cuda12]", 13: "cudist[cuda13]"}
+#: How to install CuPy, for errors that need it.
+CUPY_INSTALL = "pip install 'cudist[cuda13]' (or 'cudist[cuda12]' for a CUDA 12 driver)"
 
 
 def _version(v: int) -> str:
@@ -178,7 +180,7 @@ def _gpu_count() -> int:
         # Only when GPUs are asked about; by name, so type checkers need no CuPy stubs.
         cupy = importlib.import_module("cupy")
     except ImportError as e:
-        n, why = 0, f"CuPy is not installed ({e}): pip install 'cudist[cuda13]' (or 'cudist[cuda12]' for a CUDA 12 driver)"
+        n, why = 0, f"CuPy is not installed ({e}): {CUPY_INSTALL}"
     except Exception as e:  # noqa: BLE001 - a broken CuPy install: say how it broke
         n, why = 0, f"importing CuPy failed ({type(e).__name__}: {e})"
     else:

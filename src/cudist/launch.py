@@ -15,7 +15,9 @@ Each worker's BLAS/OpenMP/Numba thread count is set to cores / N (``OMP_NUM_THRE
 ``torchrun`` does): N workers each running a matmul over every core would slow each other down
 several times over. When there are more workers than CPU cores, ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``
 is set so that waiting workers yield the CPU instead of spinning. The exit code is the job's; when it fails, the
-launcher says which worker failed and how (raised an exception, exited with a code, was killed).
+launcher says which worker failed and how (raised an exception, exited with a code, was killed). A
+worker that ends without finishing its script (``os._exit``, a kill) fails the job even where
+mpiexec reports success.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main", "find_mpiexec", "build_command", "worker_env"]
 
@@ -46,7 +49,7 @@ _BASE_PORT = 23456
 def find_mpiexec(explicit: str | None = None) -> str | None:
     """The ``mpiexec`` to use: ``explicit``, else the one next to this Python (a venv's), else PATH's."""
     if explicit:
-        return explicit
+        return explicit if os.sep in explicit else (shutil.which(explicit) or explicit)
     here = Path(sys.executable).parent / "mpiexec"
     if here.is_file() and os.access(here, os.X_OK):
         return str(here)
@@ -95,14 +98,29 @@ def _write_status(directory: str | None, rank: int, text: str) -> None:
         pass
 
 
+def _read_status(directory: str, rank: int) -> str | None:
+    """What worker ``rank`` wrote in its status file (None if nothing)."""
+    try:
+        return Path(directory, f"{rank}.status").read_text()
+    except OSError:
+        return None
+
+
 def _worker(args) -> int:
-    """One worker's bootstrap (inside mpiexec): records its pid and outcome, then runs the script."""
+    """One worker's bootstrap (inside mpiexec): records its pid and outcome, then runs the script.
+
+    An error exit (an exception, ``sys.exit`` with a nonzero code, Ctrl-C) aborts the whole job at
+    once, as ``python -m mpi4py`` does; a clean one waits for the other workers to exit too, and
+    aborts the job if one of them waits in a collective this worker never made
+    (:func:`cudist._collectives.mpi.await_peers_at_exit`). Either way no worker is left waiting for
+    this one, nor this one blocked in ``MPI_Finalize``.
+    """
     rank = _rank()
     directory = os.environ.get(_STATUS_DIR)
     if directory:
         Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
         _connect_watch(directory, rank)
-        _record_shm(directory, rank)
+    mpi = _start_mpi(directory, rank)
     if args.tf_config:
         os.environ["TF_CONFIG"] = tf_config(_size(), rank)
     sys.argv = [args.script, *args.args]
@@ -116,26 +134,49 @@ def _worker(args) -> int:
             runpy.run_path(args.script, run_name="__main__")
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        _write_status(directory, rank, "ok" if code == 0 else f"exited with code {code}")
-        raise
+        if code != 0:
+            _write_status(directory, rank, f"exited with code {code}")
+            if mpi is not None:
+                if e.code is not None and not isinstance(e.code, int):
+                    print(e.code, file=sys.stderr)  # what Python prints for sys.exit("message")
+                mpi.abort(code, f"cudist: worker {rank} of {_size()} exited with code {code}; "
+                                "aborting every worker of the job (MPI_Abort)")
+            raise
     except BaseException as e:
         _write_status(directory, rank, f"raised {type(e).__name__}: {e}".splitlines()[0][:500])
+        if mpi is not None:
+            import traceback  # noqa: PLC0415
+
+            traceback.print_exc()
+            mpi.abort(130 if isinstance(e, KeyboardInterrupt) else 1,
+                      f"cudist: worker {rank} of {_size()} raised {type(e).__name__}; "
+                      "aborting every worker of the job (MPI_Abort)")
         raise
+    if mpi is not None:
+        problem = mpi.await_peers_at_exit()
+        if problem is not None:
+            _write_status(directory, rank, f"ended while {problem}")
+            mpi.abort(1, mpi.exit_message(problem))
     _write_status(directory, rank, "ok")
     return 0
 
 
-def _record_shm(directory: str, rank: int) -> None:
-    """Starts MPI now and notes its shared-memory files, so the launcher can remove them if the job dies."""
+def _start_mpi(directory: str | None, rank: int):
+    """Starts MPI in a worker: notes its shared-memory files (for the launcher to remove if the job
+    dies) and creates the job communicator (set-up collectives, the exit rendezvous). Returns
+    ``cudist._collectives.mpi``, or None without mpi4py (the script will say so if it needs MPI)."""
     try:
         from mpi4py import MPI  # noqa: F401, PLC0415 - initializes MPI (the script would anyway)
 
-        from cudist._collectives.mpi import shm_segments  # noqa: PLC0415
+        from cudist._collectives import mpi  # noqa: PLC0415
     except ImportError:
-        return
-    segments = shm_segments()
-    if segments:
-        Path(directory, f"{rank}.shm").write_text("\n".join(segments))
+        return None
+    if directory:
+        segments = mpi.shm_segments()
+        if segments:
+            Path(directory, f"{rank}.shm").write_text("\n".join(segments))
+    mpi.job()
+    return mpi
 
 
 def _remove_recorded_shm(directory: str) -> None:
@@ -158,6 +199,86 @@ def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_f
     if module:
         cmd.append("-m")
     return [*cmd, "--", script, *script_args]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """In mpiexec's process: SIGTERM it if the launcher dies (even by SIGKILL), so that its workers
+    do not outlive the launcher (mpiexec ends them when it is terminated)."""
+    import ctypes  # noqa: PLC0415 - Linux only, in the forked child
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class _Job:
+    """Waits for mpiexec, ending it on ``--timeout`` or when the launcher is signalled.
+
+    SIGTERM, SIGINT and SIGHUP sent to the launcher (alone, or to its whole process group) are
+    passed to mpiexec, which ends the workers; after :data:`GRACE` seconds mpiexec is killed (its
+    proxies then kill the workers). Either way the launcher lives on to remove the shared-memory
+    files of the ended workers, which a launcher killed by the signal would leave in ``/dev/shm``.
+    """
+
+    GRACE = 5.0
+    SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP")
+
+    def __init__(self, timeout: float | None) -> None:
+        self.proc: subprocess.Popen | None = None
+        self.timeout = timeout
+        self.signal: int | None = None
+        self.timed_out = False
+        self._previous: dict[int, Any] = {}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signal is None:
+            self.signal = signum
+        if self.proc is not None:
+            try:
+                self.proc.send_signal(signum)
+            except OSError:
+                pass
+
+    def __enter__(self) -> _Job:
+        """From here on, the launcher's signals are the job's (noted before mpiexec starts, passed after)."""
+        if threading.current_thread() is threading.main_thread():
+            for name in self.SIGNALS:
+                sig = getattr(signal, name, None)
+                if sig is not None:
+                    self._previous[sig] = signal.signal(sig, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def started(self, proc: subprocess.Popen) -> None:
+        """mpiexec is running: a signal that came while it started is passed to it now."""
+        self.proc = proc
+        if self.signal is not None:
+            self._on_signal(self.signal, None)
+
+    def wait(self) -> int:
+        """mpiexec's exit code (after ending it, if the job timed out or the launcher was signalled)."""
+        assert self.proc is not None
+        start = time.monotonic()
+        end_by: float | None = None
+        while True:
+            try:
+                return self.proc.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+            now = time.monotonic()
+            if self.signal is not None or self.timed_out:
+                if end_by is None:
+                    end_by = now + self.GRACE
+                elif now >= end_by:
+                    self.proc.kill()
+                    return self.proc.wait()
+            elif self.timeout is not None and now - start >= self.timeout:
+                self.timed_out = True
+                self.proc.terminate()
 
 
 class _ExitWatch:
@@ -356,8 +477,7 @@ def _describe_failure(directory: str, n: int, pids: dict, bad_pid, bad_code, ord
     lines = []
     statuses = {}
     for r in range(n):
-        p = Path(directory, f"{r}.status")
-        statuses[r] = p.read_text() if p.is_file() else None
+        statuses[r] = _read_status(directory, r)
     culprit = None
     if bad_pid is not None:
         for r, pid in pids.items():
@@ -416,49 +536,62 @@ def main(argv=None) -> int:
             "(mpi4py and the mpich wheel)\n"
         )
         return 127
+    if not (os.path.isfile(mpiexec) and os.access(mpiexec, os.X_OK)):
+        # Checked here so that a typo gets one line, not Popen's traceback.
+        sys.stderr.write(f"cudist.launch: --mpiexec {args.mpiexec}: not an executable file\n")
+        return 127
     env = worker_env(n)
     with tempfile.TemporaryDirectory(prefix="cudist-launch-") as directory:
         env[_STATUS_DIR] = directory
         cmd = build_command(mpiexec, n, args.script, args.args, tf_config_flag=args.tf_config, module=args.module)
         start = time.monotonic()
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, errors="replace", bufsize=1)
-        bad = {"pid": None, "code": None}
-
-        def pump():
-            assert proc.stdout is not None
-            for line in proc.stdout:
-                m = re.search(r"PID (\d+) RUNNING AT", line)
-                if m and bad["pid"] is None:
-                    bad["pid"] = int(m.group(1))
-                m = re.search(r"EXIT CODE: (\d+)", line)
-                if m and bad["code"] is None:
-                    bad["code"] = int(m.group(1))
-                sys.stdout.write(line)
-                sys.stdout.flush()
-
-        reader = threading.Thread(target=pump, daemon=True)
-        reader.start()
-        watch = _ExitWatch(directory, n)
-        try:
-            code = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            proc.terminate()
+        with _Job(args.timeout) as job:
             try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-            reader.join(timeout=2)
-            watch.stop()
-            _remove_recorded_shm(directory)
-            sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
-            return 124
-        except KeyboardInterrupt:
-            proc.send_signal(signal.SIGINT)
-            code = proc.wait()
+                proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True, errors="replace", bufsize=1,
+                                        preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            except OSError as e:
+                sys.stderr.write(f"cudist.launch: cannot start {mpiexec}: {e.strerror or e}\n")
+                return 127
+            job.started(proc)
+            bad = {"pid": None, "code": None}
+
+            def pump():
+                assert proc.stdout is not None
+                for line in proc.stdout:
+                    m = re.search(r"PID (\d+) RUNNING AT", line)
+                    if m and bad["pid"] is None:
+                        bad["pid"] = int(m.group(1))
+                    m = re.search(r"EXIT CODE: (\d+)", line)
+                    if m and bad["code"] is None:
+                        bad["code"] = int(m.group(1))
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+
+            reader = threading.Thread(target=pump, daemon=True)
+            reader.start()
+            watch = _ExitWatch(directory, n)
+            code = job.wait()
+            if job.timed_out or job.signal is not None:
+                reader.join(timeout=2)
+                watch.stop()
+                _remove_recorded_shm(directory)
+                if job.timed_out:
+                    sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
+                    return 124
+                signum = job.signal
+                assert signum is not None
+                sys.stderr.write(
+                    f"cudist.launch: received {signal.Signals(signum).name}; the job of {n} worker(s) was ended\n"
+                )
+                return 128 + signum
         reader.join(timeout=5)
         watch.stop()
         _remove_recorded_shm(directory)
+        if code == 0 and not all(_read_status(directory, r) == "ok" for r in range(n)):
+            # mpiexec returns 0 when a worker ends with os._exit(0) mid-job, after killing the
+            # others (seen with MPICH 5's): a job whose workers did not all finish their script
+            # (each says "ok" as it does) did not succeed.
+            code = 1
         if code != 0:
             pids = {}
             for r in range(n):

@@ -70,10 +70,27 @@ class Reduction:
 
 
 # ---------------------------------------------------------------------------------------- helpers
-def _floating(xp: Any, x: Any, dtype: Any = None) -> Any:
-    """``x`` as an array of ``xp`` with a floating dtype: ``dtype`` if given, else its own, float32 for others."""
+def as_numeric(xp: Any, x: Any) -> Any:
+    """``x`` as an array of ``xp``, refusing values that are not numbers (``None`` in a list, ...).
+
+    NumPy would make an object array of them, which casts ``None`` to NaN: a loss or a metric fed
+    one would turn NaN for good. Keras 3 refuses them (``ValueError: None is not a valid value``,
+    on the JAX and TF backends alike); so does cudist.
+
+    Raises:
+        ValueError: ``x`` holds something other than numbers.
+    """
     if not (hasattr(x, "shape") and hasattr(x, "dtype")) or array_namespace(x) is not xp:
         x = xp.asarray(x)
+    if x.dtype == object:
+        text = repr(x.tolist())
+        raise ValueError(f"expected numbers, got {text if len(text) <= 80 else text[:77] + '...'} (dtype object)")
+    return x
+
+
+def _floating(xp: Any, x: Any, dtype: Any = None) -> Any:
+    """``x`` as an array of ``xp`` with a floating dtype: ``dtype`` if given, else its own, float32 for others."""
+    x = as_numeric(xp, x)
     if dtype is None:
         if np.issubdtype(np.dtype(x.dtype), np.floating):
             return x
@@ -83,8 +100,7 @@ def _floating(xp: Any, x: Any, dtype: Any = None) -> Any:
 
 def _like(xp: Any, x: Any, dtype: Any) -> Any:
     """``x`` as an array of ``xp`` cast to ``dtype``."""
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or array_namespace(x) is not xp:
-        x = xp.asarray(x)
+    x = as_numeric(xp, x)
     return x if x.dtype == np.dtype(dtype) else x.astype(dtype)
 
 

@@ -49,8 +49,8 @@ squeeze_or_expand_to_same_rank = _losses_module.squeeze_or_expand_to_same_rank
 
 
 def _asarray(xp: Any, x: Any, dtype: Any = None) -> Any:
-    if not (hasattr(x, "shape") and hasattr(x, "dtype")) or array_namespace(x) is not xp:
-        x = xp.asarray(x)
+    # Not numbers (None: NaN for good in a metric's total) are refused, as Keras refuses them.
+    x = _losses_module.as_numeric(xp, x)
     if dtype is not None and x.dtype != np.dtype(dtype):
         x = x.astype(dtype)
     return x

@@ -51,6 +51,45 @@ def _positive_int(name, minimum=1):
     return conv
 
 
+def _positive_seconds(name):
+    def conv(text):
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number of seconds, got {text!r}") from None
+        if not v > 0 or v == float("inf"):  # (NaN too)
+            raise argparse.ArgumentTypeError(f"{name} must be a positive number of seconds, got {text}")
+        return v
+
+    return conv
+
+
+def json_destination(text):
+    """``--json FILE``: checked before the run (a run of minutes must not end in a traceback).
+
+    ``-`` is stdout; otherwise FILE's directory must exist and be writable, and FILE must not be a
+    directory.
+    """
+    if text == "-":
+        return text
+    directory = os.path.dirname(text) or "."
+    if os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file name")
+    if not os.path.isdir(directory):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: no directory {directory}")
+    if not os.access(directory, os.W_OK) or (os.path.exists(text) and not os.access(text, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: permission denied")
+    return text
+
+
+def file_destination(text):
+    """``--csv FILE`` and ``--plot FILE``: checked before the run, as :func:`json_destination` checks
+    ``--json`` (FILE's directory exists and is writable, FILE is not a directory); ``-`` is refused."""
+    if text == "-":
+        raise argparse.ArgumentTypeError("give a file name ('-' is stdout only for --json)")
+    return json_destination(text)
+
+
 def _dtype_list(text):
     import numpy as np
 
@@ -113,10 +152,12 @@ def _common_parser(*, sizes=True, defaults=None, dtype_op=True):
                    help=f"number of replicas / mirrored copies (default {d['replicas']})")
     g.add_argument("--backend", type=str.lower, choices=_BACKEND_CHOICES, default="all",
                    help="kernel backend, or 'all' available ones (default all)")
-    g.add_argument("--json", metavar="FILE", help="also write every result as JSON to FILE ('-' for stdout)")
-    g.add_argument("--csv", metavar="FILE", help="also write every measured point as a CSV row to FILE")
-    g.add_argument("--plot", metavar="FILE",
-                   help="also draw bandwidth against size (one panel per table, the copy ceiling dashed) to FILE "
+    g.add_argument("--json", metavar="FILE", type=json_destination,
+                   help="also write every result as JSON to FILE ('-' for stdout)")
+    g.add_argument("--csv", metavar="FILE", type=file_destination,
+                   help="also write every measured point as a CSV row to FILE")
+    g.add_argument("--plot", metavar="FILE", type=file_destination,
+                   help="also draw bandwidth against size (one panel per table, the copy ceiling dotted) to FILE "
                    "(.png, .svg, .pdf, ...); needs matplotlib: pip install \"cudist[plot]\"")
     g.add_argument("--compare", choices=("tf",), help="also time TensorFlow's MirroredStrategy for the same work")
     g.add_argument("--tf-python", metavar="PATH",
@@ -125,7 +166,7 @@ def _common_parser(*, sizes=True, defaults=None, dtype_op=True):
                    help="run TF's strategy.run inside tf.function (default), eagerly, or both")
     g.add_argument("--copy-size", type=_size_arg, default=parse_size("64M"),
                    help="buffer size of the copy-bandwidth measurement in the header (default 64M)")
-    g.add_argument("--budget", type=float, default=d.get("budget"), metavar="SECONDS",
+    g.add_argument("--budget", type=_positive_seconds("--budget"), default=d.get("budget"), metavar="SECONDS",
                    help="cap the time of one point: slow points get fewer timed iterations (at least 5)"
                    + (f" (default {d['budget']})" if d.get("budget") else " (default: no cap)"))
     g.add_argument("--no-progress", action="store_true", help="never draw a progress bar")
@@ -608,11 +649,9 @@ def main(argv=None) -> int:
 
 
 def _check_outputs(args) -> None:
-    """``--csv`` and ``--plot`` checked up front (see :mod:`cudist.bench._plot`)."""
+    """What ``--plot`` needs beyond a writable path (the parser checked that), before anything runs."""
     from cudist.bench import _plot
 
-    if args.csv:
-        _plot.check_output_path(args.csv, "--csv")
     if args.plot:
         _plot.check_plot_request(args.plot, args.command or "suite")
 

@@ -1,8 +1,8 @@
 """``--plot FILE`` and ``--csv FILE``: bandwidth-against-size pictures and flat tables of the results.
 
 matplotlib is optional (``pip install "cudist[plot]"``) and imported only when a plot is drawn;
-:func:`check_plot_request` runs before any measurement, so a missing matplotlib or an unwritable
-path fails at once rather than after minutes of benchmarking.
+:func:`check_plot_request` runs before any measurement (the parser has checked the output paths),
+so a missing matplotlib fails at once rather than after minutes of benchmarking.
 """
 
 from __future__ import annotations
@@ -15,29 +15,10 @@ import re
 from cudist.bench._errors import BenchError
 from cudist.bench._sizes import format_size
 
-__all__ = ["PLOT_COMMANDS", "check_output_path", "check_plot_request", "write_csv", "write_plot", "plot_series"]
+__all__ = ["PLOT_COMMANDS", "check_plot_request", "write_csv", "write_plot", "plot_series"]
 
 #: Subcommands whose tables have a size axis (what ``--plot`` draws); the suite draws those it runs.
 PLOT_COMMANDS = ("all-reduce", "all-gather", "broadcast", "split", "update", "user-path", "suite")
-
-
-def check_output_path(path: str, flag: str) -> None:
-    """Fails early unless a file can be written at ``path`` (the checks ``--json`` makes too).
-
-    Args:
-        path: the file the option names.
-        flag: the option's name, for the message (``--csv``).
-
-    Raises:
-        BenchError: ``path`` is a directory, its directory does not exist, or it is not writable.
-    """
-    directory = os.path.dirname(path) or "."
-    if os.path.isdir(path):
-        raise BenchError(f"{flag} {path}: {path} is a directory; give a file name")
-    if not os.path.isdir(directory):
-        raise BenchError(f"{flag} {path}: cannot write {path}: no directory {directory}")
-    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
-        raise BenchError(f"{flag} {path}: cannot write {path}: permission denied")
 
 
 def check_plot_request(path: str, command: str) -> None:
@@ -47,14 +28,15 @@ def check_plot_request(path: str, command: str) -> None:
         path: the image file to write; its suffix picks the format (``.png``, ``.svg``, ``.pdf``, ...).
         command: the subcommand (``suite`` for the default suite).
 
+    The path itself was checked by the parser (``cudist.bench._cli.file_destination``).
+
     Raises:
-        BenchError: the command has no size axis to plot, the path cannot be written, matplotlib is
-            not installed, or the suffix is not an image format matplotlib writes.
+        BenchError: the command has no size axis to plot, matplotlib is not installed, or the
+            suffix is not an image format matplotlib writes.
     """
     if command not in PLOT_COMMANDS:
         raise BenchError(f"--plot draws bandwidth against size; {command} has no size axis "
                          f"(use it with {', '.join(PLOT_COMMANDS[:-1])} or the default suite)")
-    check_output_path(path, "--plot")
     if importlib.util.find_spec("matplotlib") is None:
         raise BenchError('--plot needs matplotlib, which is not installed: pip install "cudist[plot]" '
                          "(or pip install matplotlib)")

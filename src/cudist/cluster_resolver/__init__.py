@@ -445,7 +445,7 @@ class MPIClusterResolver(ClusterResolver):
         else:
             host = socket.gethostname()
             if comm is not None and size > 1:
-                hosts = comm.allgather(host)
+                hosts = mpi.allgather_setup(comm, host, "host names")
             else:
                 hosts = [host]
             self._cluster_spec = ClusterSpec({"worker": [f"{h}:{r}" for r, h in enumerate(hosts)]})
