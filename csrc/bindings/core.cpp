@@ -18,6 +18,7 @@
 
 #include <cudist/cudist.hpp>
 
+#include "crc32.hpp"
 #include "replica_engine.hpp"
 
 #ifdef CUDIST_CORE_WITH_CUDA
@@ -1244,6 +1245,24 @@ PYBIND11_MODULE(_core, m) {
   m.attr("SUM") = 0;
   m.attr("MEAN") = 1;
   if (cudist_bindings::add_replica_engine(m.ptr()) < 0) throw py::error_already_set();
+  // Checkpoint checksums (cudist.train): zlib.crc32's values, by PCLMULQDQ folding where the CPU has it.
+  m.attr("crc32_accelerated") = cudist_bindings::crc32_accelerated();
+  m.def(
+      "crc32",
+      [](py::object data, uint32_t value) {
+        Py_buffer view;  // bytes, bytearray, memoryview, a contiguous array; a strided one raises
+        if (PyObject_GetBuffer(data.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) throw py::error_already_set();
+        uint32_t out;
+        {
+          py::gil_scoped_release nogil;
+          out = cudist_bindings::crc32(static_cast<const unsigned char*>(view.buf), static_cast<size_t>(view.len), value);
+        }
+        PyBuffer_Release(&view);
+        return out;
+      },
+      py::arg("data"), py::arg("value") = 0,
+      "zlib.crc32(data, value) of a C-contiguous buffer, by PCLMULQDQ folding where crc32_accelerated; "
+      "the GIL is released while it runs.");
 
   m.def("all_reduce", &all_reduce, py::arg("bufs"), py::arg("op"),
         "In place: every array of ``bufs`` (tuple/list) becomes their elementwise reduction; op 0=SUM, 1=MEAN.");

@@ -37,6 +37,11 @@ cuda_built: Final[bool]
 cuda_architectures: Final[str]
 #: CUDART_VERSION of the (static) CUDA runtime, e.g. 13000 (0 without CUDA).
 cuda_runtime_version: Final[int]
+#: Whether :func:`crc32` folds with PCLMULQDQ on this CPU (else it is a table loop, slower than zlib's).
+crc32_accelerated: Final[bool]
+
+def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """``zlib.crc32(data, value)`` of a C-contiguous buffer (PCLMULQDQ where ``crc32_accelerated``; no GIL)."""
 
 def all_reduce(bufs: _Arrays, op: _Op) -> None:
     """In place: every array of ``bufs`` becomes their elementwise reduction; op 0=SUM, 1=MEAN."""

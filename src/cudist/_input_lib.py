@@ -805,36 +805,53 @@ class DistributedIterator:
         if close is not None:
             close()
 
-    # -- checkpoints: cudist.train.Checkpoint saves and restores the position through these two
+    # -- checkpoints: cudist.train.Checkpoint saves and restores the position through these
     def _checkpoint_state(self) -> dict[str, int]:
         """The iterator's position: how many steps it has handed out."""
         return {"position": self._consumed}
 
     def _restore_state(self, state: dict[str, Any]) -> None:
-        """Moves the iterator to ``state["position"]`` steps from the start by replaying the input.
+        """Moves the iterator to ``state["position"]`` steps from the start (:meth:`_prepare_restore`, then its commit)."""
+        self._prepare_restore(state)()
 
-        An iterator that has handed out nothing skips that many steps; any other is first re-created
-        over the same input (so the result does not depend on where it was). Skipped steps are read,
-        split and placed like any other, then dropped: the position is exact for a deterministic input
-        pipeline (a shuffle needs a seed), and restoring costs reading that many steps.
+    def _prepare_restore(self, state: dict[str, Any]) -> Callable[[], None]:
+        """Replays the input up to ``state["position"]`` and returns the function that moves this iterator there.
+
+        The replay runs on a fresh iterator over the same input, so a position the input cannot reach
+        raises before this iterator changes (a checkpoint restore checks every object before it assigns
+        any). Only an iterator that cannot be re-created and has handed out nothing is advanced in
+        place, as the replay. Skipped steps are read, split and placed like any other, then dropped: the
+        position is exact for a deterministic input pipeline (a shuffle needs a seed), and restoring
+        costs reading that many steps.
 
         Raises:
             ValueError: the input ends before that position, or this iterator cannot be re-created.
         """
-        target = int(state["position"])
-        if target < 0:
-            raise ValueError(f"an iterator position must be >= 0, got {target}")
+        target = state["position"]
+        if isinstance(target, bool) or not isinstance(target, int) or target < 0:
+            raise ValueError(f"an iterator position must be an integer >= 0, got {target!r}")
         broken = getattr(self, "_broken", None) is not None  # an input that raised cannot resume
         if target == self._consumed and not broken:
-            return
+            return lambda: None
+        if self._remake is not None:
+            fresh = self._remake()
+            try:
+                fresh._skip_to(target)
+            except BaseException:
+                fresh.close()
+                raise
+
+            def commit() -> None:
+                self.close()
+                self._steps, self._consumed, self._broken = fresh._steps, fresh._consumed, None
+
+            return commit
         if self._consumed or broken:
-            if self._remake is None:
-                raise ValueError("this iterator cannot be re-created to restore an earlier position")
-            self.close()
-            self._steps = self._remake()._steps
-            self._consumed = 0
-            if broken:
-                self._broken = None
+            raise ValueError("this iterator cannot be re-created to restore an earlier position")
+        self._skip_to(target)
+        return lambda: None
+
+    def _skip_to(self, target: int) -> None:
         while self._consumed < target:
             try:
                 next(self._steps)

@@ -9,7 +9,8 @@ Where cudist raised a built-in exception before these classes existed, the class
 of that built-in type, so existing ``except`` clauses keep working: :class:`InvalidArgumentError` is
 a ``ValueError``, :class:`OutOfRangeError` a ``StopIteration``, :class:`DeadlineExceededError` a
 ``TimeoutError``, :class:`UnimplementedError` a ``NotImplementedError``,
-:class:`ResourceExhaustedError` a ``MemoryError``, :class:`PermissionDeniedError` a
+:class:`ResourceExhaustedError` a ``MemoryError``, :class:`DataLossError` a ``ValueError`` (a damaged
+checkpoint was one), :class:`PermissionDeniedError` a
 ``PermissionError``, :class:`NotFoundError` a ``LookupError``, :class:`AlreadyExistsError`,
 :class:`FailedPreconditionError`, :class:`AbortedError`, :class:`InternalError` and
 :class:`UnavailableError` ``RuntimeError``\\ s. The error codes are TF's (``tf.errors.INVALID_ARGUMENT``
@@ -248,8 +249,12 @@ class UnavailableError(OpError, RuntimeError):
     __init__ = _subclass_init
 
 
-class DataLossError(OpError):
-    """Unrecoverable data loss or corruption (``tf.errors.DataLossError``)."""
+class DataLossError(OpError, ValueError):
+    """Unrecoverable data loss or corruption (``tf.errors.DataLossError``); also a ``ValueError``.
+
+    Raised for a damaged checkpoint (``cudist.train``): a checksum mismatch, a malformed or
+    truncated index or tensors file, a path outside the checkpoint's directory.
+    """
 
     _code = DATA_LOSS
     __init__ = _subclass_init

@@ -50,7 +50,6 @@ from __future__ import annotations
 import collections
 import enum
 import functools
-import json
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -71,12 +70,16 @@ from cudist._variables import (
     create_plain_variable,
 )
 from cudist.data import Dataset
+from cudist.errors import InvalidArgumentError
 from cudist.optimizers import Optimizer
 from cudist.train import _format
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "InitializationOnlyStatus"]
 
 _SLOT = ".OPTIMIZER_SLOT"
+#: A restore checks every tensor it reads before it assigns any; up to this many bytes of them are
+#: held from the check to the assignment (read once), the rest read a second time to be assigned.
+RESTORE_HOLD_BYTES = 256 << 20
 _PER_REPLICA = ".PER_REPLICA"
 
 
@@ -246,11 +249,24 @@ def _replica_counts(var: Variable) -> tuple[int, int]:
     return (local if strategy is None else int(strategy.num_replicas_in_sync)), local
 
 
+def _tensor_keys(record: dict[str, Any]) -> list[str]:
+    """The tensors a variable or slot record names (none for other records)."""
+    if "tensor" not in record:
+        return []
+    return [record["tensor"], *(record.get("per_replica") or ())]
+
+
+def _check_all_compatible(matched: Sequence[tuple[str, str, Any, dict[str, Any]]]) -> None:
+    for path, kind, obj, record in matched:
+        if kind in ("variable", "slot"):
+            _check_compatible(path, obj, record)
+
+
 def _check_compatible(path: str, var: Variable, record: dict[str, Any]) -> None:
     dtype = np.dtype(record["dtype"])
     shape = tuple(record["shape"])
     if dtype != var.dtype:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"Received incompatible tensor with dtype {dtype.name} when attempting to restore variable '{var.name}' "
             f"of dtype {var.dtype.name} (checkpoint key {path!r})"
         )
@@ -508,7 +524,10 @@ class Checkpoint:
         path = f"{os.fspath(file_prefix)}-{int(counter)}"
         wrote = self._write(path)
         if wrote:
-            _format.write_state(os.path.dirname(path) or ".", path, [path])
+            directory, name = os.path.dirname(path) or ".", os.path.basename(os.fspath(file_prefix))
+            # TF lists only this save; the state file's checkpoints of other names (a manager's) stay listed.
+            _format.write_state(directory, path, name, [(path, None)])
+            _format.remove_orphans(directory, name)
         return path
 
     def write(self, file_prefix: str | os.PathLike[str], options: object = None) -> str:
@@ -561,21 +580,13 @@ class Checkpoint:
                 get()
             return False
         directory = os.path.dirname(prefix) or "."
-        base = os.path.basename(prefix)
-        if not base:
+        if not os.path.basename(prefix):
             raise ValueError(f"a checkpoint prefix must name a file, got {prefix!r}")
         os.makedirs(directory, exist_ok=True)
-        data = _format.write_tensors(directory, base, specs, metadata={"index": base + _format.INDEX_SUFFIX})
-        index = {
-            "format": _format.FORMAT,
-            "version": _format.VERSION,
-            "tensors": data,
-            "save_counter": None if self._save_counter is None else int(self._save_counter),
-            "objects": objects,
-        }
-        _format.before_commit(prefix)
-        _format.atomic_write_json(prefix + _format.INDEX_SUFFIX, index)  # the commit point
-        _format.remove_stale(directory, base, keep=data)
+        save_counter = None if self._save_counter is None else int(self._save_counter)
+        _format.write_checkpoint(
+            prefix, specs, lambda tensors: {"tensors": tensors, "save_counter": save_counter, "objects": objects}
+        )
         return True
 
     # -- restoring
@@ -594,8 +605,14 @@ class Checkpoint:
 
         Raises:
             FileNotFoundError: no checkpoint at ``save_path``.
-            ValueError: a saved value's dtype or shape does not fit its variable (nothing is assigned
-                then), a damaged checkpoint, or an iterator whose input is shorter than the saved position.
+            cudist.errors.DataLossError: a damaged checkpoint (a checksum mismatch, a malformed,
+                truncated or missing file, a path outside its directory); also a ValueError.
+            ValueError: a saved value's dtype (:class:`~cudist.errors.InvalidArgumentError`) or
+                shape does not fit its variable, or an iterator's input is shorter than the saved
+                position.
+
+        Nothing is assigned when it raises: every check (the files, their checksums, the fit of each
+        value, an iterator's replay on a fresh copy) comes before the first assignment.
         """
         if save_path is None:
             return InitializationOnlyStatus()
@@ -617,27 +634,96 @@ class Checkpoint:
         prefix = _prefix_of(save_path)
         index_path = prefix + _format.INDEX_SUFFIX
         try:
-            with open(index_path, encoding="utf-8") as f:
-                index = json.load(f)
+            index = _format.read_index(prefix)
         except FileNotFoundError:
             raise FileNotFoundError(
                 f"Failed to find any matching files for {prefix}: no {os.path.basename(index_path)} there. A checkpoint "
                 "prefix is what save()/write() return, e.g. 'path/to/ckpt-1'."
             ) from None
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{index_path}: not a cudist checkpoint index ({e})") from None
-        if not isinstance(index, dict) or index.get("format") != _format.FORMAT:
-            raise ValueError(f"{index_path}: not a cudist checkpoint index")
-        if index.get("version") != _format.VERSION:
-            raise ValueError(f"{index_path}: checkpoint format version {index.get('version')}, this cudist reads {_format.VERSION}")
         saved = index["objects"]
+        shapes = _format.tensor_shapes(index)
+        tensors_path = os.path.join(os.path.dirname(prefix) or ".", index["tensors"])
+        with _format.TensorReader(tensors_path, shapes, os.path.basename(index_path), index["version"]) as reader:
+            # All or nothing: the index, the header and the checksums of every tensor this restore reads
+            # are checked, and the values' fit to their variables, before anything changes. Checked
+            # tensors are held for the assignment up to RESTORE_HOLD_BYTES; beyond, they are read
+            # again then (one tensor in memory at a time).
+            held: dict[str, npt.NDArray[Any]] = {}
+            room = [RESTORE_HOLD_BYTES]
+            verified: set[str] = set()
 
-        # Optimizers first: create the slots the checkpoint has for variables the program tracks.
-        graph = _Graph(self)
+            def verify(records: list[dict[str, Any]]) -> None:
+                for record in records:
+                    for key in _tensor_keys(record):
+                        if key not in verified:
+                            value = reader.read(key, *shapes[key])
+                            verified.add(key)
+                            if value.nbytes <= room[0]:
+                                held[key] = value
+                                room[0] -= value.nbytes
+
+            graph = _Graph(self)
+            matched, _, _ = self._match(graph, saved)
+            _check_all_compatible(matched)
+            leaves = graph.leaves
+            verify([r for *_, r in matched] + [  # and the slots the optimizers are about to create
+                r for r in saved.values()
+                if r["kind"] == "slot" and leaves.get(r["optimizer"], ("",))[0] == "optimizer"
+                and leaves.get(r["variable"], ("",))[0] == "variable"
+            ])
+            counter_record = saved.get("save_counter") if self._save_counter is None else None
+            if counter_record is not None:
+                verify([counter_record])
+            if self._build_slots(graph, saved):
+                graph = _Graph(self)
+                matched, _, _ = self._match(graph, saved)
+                _check_all_compatible(matched)
+                verify([r for *_, r in matched])
+            matched, unbound, unresolved = self._match(graph, saved)
+            # An iterator replays its input on a fresh copy: a position past its end raises here.
+            commits = [obj._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
+
+            # Nothing can fail from here on: assign.
+            def read(key: str) -> npt.NDArray[Any]:
+                value = held.pop(key, None)
+                return reader.read(key, *shapes[key], verify=False) if value is None else value
+
+            for _, kind, obj, record in matched:
+                if kind in ("variable", "slot"):
+                    _restore_variable(obj, record, read)
+            if counter_record is not None:
+                self._pending_save_counter = read(counter_record["tensor"])
+        for _, kind, obj, record in matched:
+            if kind == "optimizer":
+                obj._restore_state(record["hyperparameters"])
+        for commit in commits:
+            commit()
+        return CheckpointLoadStatus(prefix, unresolved, unbound, len(matched))
+
+    def _match(
+        self, graph: _Graph, saved: dict[str, Any]
+    ) -> tuple[list[tuple[str, str, Any, dict[str, Any]]], list[tuple[str, object]], list[tuple[str, Any]]]:
+        """(matched (path, kind, object, record), unbound (path, object), unresolved (path, kind))."""
+        matched, unbound = [], []
+        for path, (kind, obj) in graph.leaves.items():
+            record = saved.get(path)
+            if record is not None and record["kind"] == kind:
+                matched.append((path, kind, obj, record))
+            else:
+                unbound.append((path, obj))
+        matched_paths = {m[0] for m in matched}
+        unresolved = [(p, r["kind"]) for p, r in saved.items() if p not in matched_paths]
+        if self._save_counter is None and "save_counter" in saved:
+            unresolved = [u for u in unresolved if u[0] != "save_counter"] + [("save_counter", "variable")]
+        return matched, unbound, unresolved
+
+    @staticmethod
+    def _build_slots(graph: _Graph, saved: dict[str, Any]) -> bool:
+        """Creates the slots the checkpoint has for variables the program tracks; whether any optimizer built."""
         built = False
         for path, (kind, opt) in graph.leaves.items():
             record = saved.get(path)
-            if kind != "optimizer" or record is None or record.get("kind") != "optimizer":
+            if kind != "optimizer" or record is None or record["kind"] != "optimizer":
                 continue
             var_list = []
             for var_path in record.get("slots", {}):
@@ -650,53 +736,7 @@ class Checkpoint:
                     built = True
                 except (TypeError, ValueError):
                     pass  # a variable the optimizer cannot train now: its slots stay unmatched
-        if built:
-            graph = _Graph(self)
-
-        matched, unbound = [], []
-        for path, (kind, obj) in graph.leaves.items():
-            record = saved.get(path)
-            if record is not None and record.get("kind") == kind:
-                matched.append((path, kind, obj, record))
-            else:
-                unbound.append((path, obj))
-        matched_paths = {m[0] for m in matched}
-        unresolved = [(p, r.get("kind")) for p, r in saved.items() if p not in matched_paths]
-        if self._save_counter is None and "save_counter" in saved:
-            unresolved = [u for u in unresolved if u[0] != "save_counter"] + [("save_counter", "variable")]
-
-        # Check everything before assigning anything.
-        for path, kind, obj, record in matched:
-            if kind in ("variable", "slot"):
-                _check_compatible(path, obj, record)
-
-        tensors_path = os.path.join(os.path.dirname(prefix) or ".", index["tensors"])
-        with _format.TensorReader(tensors_path) as reader:
-            shapes = {}
-            for record in saved.values():
-                if "tensor" in record:
-                    shapes[record["tensor"]] = (record["dtype"], record["shape"])
-                    for key in record.get("per_replica") or ():
-                        shapes[key] = (record["dtype"], record["shape"])
-
-            def read(key: str) -> npt.NDArray[Any]:
-                if key not in reader:
-                    raise ValueError(f"{tensors_path}: the index names tensor {key!r}, which the tensors file lacks")
-                dtype, shape = shapes[key]
-                return reader.read(key, dtype, shape)
-
-            for path, kind, obj, record in matched:
-                if kind in ("variable", "slot"):
-                    _restore_variable(obj, record, read)
-            if self._save_counter is None and "save_counter" in saved:
-                rec = saved["save_counter"]
-                self._pending_save_counter = read(rec["tensor"]) if "tensor" in rec else None
-        for path, kind, obj, record in matched:
-            if kind == "optimizer":
-                obj._restore_state(record.get("hyperparameters", {}))
-            elif kind == "iterator":
-                obj._restore_state(record)
-        return CheckpointLoadStatus(prefix, unresolved, unbound, len(matched))
+        return built
 
     def sync(self) -> None:
         """Waits for pending writes: there are none (saves are synchronous)."""

@@ -29,11 +29,13 @@ def latest_checkpoint(checkpoint_dir: str | os.PathLike[str], latest_filename: s
     """The prefix of the newest checkpoint recorded in ``checkpoint_dir``, or None.
 
     Reads the directory's state file (written by :meth:`Checkpoint.save` and by
-    :class:`CheckpointManager`), and returns its latest checkpoint if that checkpoint exists.
+    :class:`CheckpointManager`), and returns its latest checkpoint if that checkpoint exists. A state
+    file that cannot be read, or that names a file outside ``checkpoint_dir``, is logged and ignored
+    (TF logs and ignores an unparsable one too).
     """
     directory = os.fspath(checkpoint_dir)
     state = _format.read_state(directory, latest_filename or _format.STATE_FILE)
-    if state is None:
+    if state is None or state["model_checkpoint_path"] is None:
         return None
     path = str(state["model_checkpoint_path"])
     if _format.exists(path):
@@ -51,7 +53,8 @@ class CheckpointManager:
         max_to_keep: how many checkpoints to keep (the newest); None keeps all.
         keep_checkpoint_every_n_hours: when a checkpoint leaves the kept set, it is preserved anyway
             if it is at least this many hours newer than the last preserved one.
-        checkpoint_name: the checkpoints' file name before ``-<number>``.
+        checkpoint_name: the checkpoints' file name before ``-<number>``. Managers of different
+            names share a directory: each lists, restores and deletes only checkpoints of its name.
         step_counter: a variable counting steps; with ``checkpoint_interval``, :meth:`save` only saves
             when ``step_counter`` has advanced by ``checkpoint_interval`` since the last save.
         checkpoint_interval: the number of steps between saves (with ``step_counter``).
@@ -60,7 +63,7 @@ class CheckpointManager:
 
     Raises:
         ValueError: ``max_to_keep`` not a positive integer or None; ``checkpoint_interval`` without
-            ``step_counter``.
+            ``step_counter``; a ``checkpoint_name`` that is not a plain file name.
     """
 
     def __init__(
@@ -79,10 +82,13 @@ class CheckpointManager:
             raise ValueError(f"Expected a positive integer or `None` for `max_to_keep`, got {max_to_keep}.")
         if checkpoint_interval is not None and step_counter is None:
             raise ValueError("`step_counter` should be passed if `checkpoint_interval` is not None.")
+        if not _format.is_bare_name(checkpoint_name):
+            raise ValueError(f"`checkpoint_name` must be a file name (no directories), got {checkpoint_name!r}")
         self._checkpoint = checkpoint
         self._max_to_keep = max_to_keep
         self._keep_checkpoint_every_n_hours = keep_checkpoint_every_n_hours
         self._directory = os.fspath(directory)
+        self._name = checkpoint_name
         self._checkpoint_prefix = os.path.join(self._directory, checkpoint_name)
         self._init_fn = init_fn
         self._step_counter = step_counter
@@ -90,23 +96,28 @@ class CheckpointManager:
         self._last_checkpoint_step = last_checkpoint_step
         now = time.time()
         self._maybe_delete: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._latest_checkpoint: str | None = None
+        self._last_preserved_timestamp = now - 1.0
         state = _format.read_state(self._directory)
-        if state is None:
-            self._latest_checkpoint: str | None = None
-            self._last_preserved_timestamp = now - 1.0
-        else:
-            self._latest_checkpoint = str(state["model_checkpoint_path"])
-            self._last_preserved_timestamp = float(state.get("last_preserved_timestamp", now - 1.0))
+        if state is not None:
+            # Only checkpoints of this manager's name: another manager's are not ours to list or delete.
+            mine = _format.numbered(checkpoint_name)
+            entries = [(p, t) for p, t in state["entries"] if mine.fullmatch(os.path.basename(p))]
+            latest = state["model_checkpoint_path"]
+            if latest is not None and mine.fullmatch(os.path.basename(latest)):
+                self._latest_checkpoint = latest
+            elif entries:
+                self._latest_checkpoint = entries[-1][0]
+            if state["last_preserved_timestamp"] is not None:
+                self._last_preserved_timestamp = float(state["last_preserved_timestamp"])
             if now < self._last_preserved_timestamp:
                 _log.warning(
                     "time.time() returned a value %f seconds behind the last preserved checkpoint timestamp.",
                     self._last_preserved_timestamp - now,
                 )
                 self._last_preserved_timestamp = now
-            paths = state["all_model_checkpoint_paths"]
-            stamps = state.get("all_model_checkpoint_timestamps") or [self._last_preserved_timestamp] * len(paths)
-            for path, stamp in zip(paths, stamps):
-                stamp = min(stamp, now)
+            for path, stamp in entries:
+                stamp = min(self._last_preserved_timestamp if stamp is None else stamp, now)
                 if stamp > self._last_preserved_timestamp:
                     self._maybe_delete[path] = stamp
 
@@ -150,11 +161,7 @@ class CheckpointManager:
     def _record_state(self) -> None:
         assert self._latest_checkpoint is not None
         _format.write_state(
-            self._directory,
-            self._latest_checkpoint,
-            list(self._maybe_delete),
-            list(self._maybe_delete.values()),
-            self._last_preserved_timestamp,
+            self._directory, self._latest_checkpoint, self._name, self._maybe_delete.items(), self._last_preserved_timestamp
         )
 
     def save(self, checkpoint_number: Any = None, check_interval: bool = True, options: object = None) -> str | None:
@@ -192,6 +199,7 @@ class CheckpointManager:
         self._record_state()
         self._sweep()
         self._record_state()
+        _format.remove_orphans(self._directory, self._name)  # debris of this name's crashed or failed saves
         return path
 
     def restore_or_initialize(self) -> str | None:
