@@ -461,7 +461,9 @@ class CategoricalCrossentropy(Loss):
         from_logits: ``y_pred`` holds logits (else probabilities: normalized to sum to 1 along the
             class axis, then clipped, as in Keras).
         label_smoothing: in [0, 1]: targets become ``t * (1 - s) + s / num_classes``.
-        reduction, name, dtype: see :class:`Loss`.
+        reduction: see :class:`Loss`.
+        name: see :class:`Loss`.
+        dtype: see :class:`Loss`.
     """
 
     def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, reduction: str | None = "sum_over_batch_size",
@@ -483,7 +485,9 @@ class BinaryCrossentropy(Loss):
     Args:
         from_logits: ``y_pred`` holds logits (else probabilities, clipped to [1e-7, 1 - 1e-7]).
         label_smoothing: in [0, 1]: targets become ``t * (1 - s) + s / 2``.
-        reduction, name, dtype: see :class:`Loss`.
+        reduction: see :class:`Loss`.
+        name: see :class:`Loss`.
+        dtype: see :class:`Loss`.
     """
 
     def __init__(self, from_logits: bool = False, label_smoothing: float = 0.0, reduction: str | None = "sum_over_batch_size",

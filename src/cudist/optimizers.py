@@ -1113,9 +1113,15 @@ class SGD(Optimizer):
         learning_rate: see :class:`Optimizer`.
         momentum: in [0, 1]; 0 means plain SGD (no slot).
         nesterov: use Nesterov momentum.
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
-            :class:`Optimizer`.
+        weight_decay: see :class:`Optimizer`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -1207,12 +1213,19 @@ class Adam(Optimizer):
 
     Args:
         learning_rate: see :class:`Optimizer`.
-        beta_1, beta_2: decay rates of the moment estimates, in [0, 1).
+        beta_1: decay rates of the moment estimates, in [0, 1).
+        beta_2: decay rates of the moment estimates, in [0, 1).
         epsilon: the small constant added to ``sqrt(v)``, >= 0.
         amsgrad: Keras's AMSGrad variant; not implemented (True raises NotImplementedError).
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
-            :class:`Optimizer`.
+        weight_decay: see :class:`Optimizer`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -1312,9 +1325,18 @@ class AdamW(Adam):
     Args:
         learning_rate: see :class:`Optimizer`.
         weight_decay: the decay rate (Keras's default 0.004); None is refused, as Keras.
-        beta_1, beta_2, epsilon, amsgrad: see :class:`Adam`.
-        clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum, ema_overwrite_frequency,
-            loss_scale_factor, gradient_accumulation_steps: see :class:`Optimizer`.
+        beta_1: see :class:`Adam`.
+        beta_2: see :class:`Adam`.
+        epsilon: see :class:`Adam`.
+        amsgrad: see :class:`Adam`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -1373,9 +1395,15 @@ class RMSprop(Optimizer):
         momentum: >= 0; 0 means no momentum slot.
         epsilon: added to the denominator before the square root, >= 0.
         centered: normalize by the variance estimate ``v - a*a`` (an extra slot).
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
-            :class:`Optimizer`.
+        weight_decay: see :class:`Optimizer`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -1471,9 +1499,15 @@ class Adagrad(Optimizer):
         learning_rate: see :class:`Optimizer`.
         initial_accumulator_value: the accumulators' starting value, >= 0.
         epsilon: added to the accumulator before the square root, >= 0.
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
-            :class:`Optimizer`.
+        weight_decay: see :class:`Optimizer`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -1556,11 +1590,18 @@ class Adamax(Optimizer):
 
     Args:
         learning_rate: see :class:`Optimizer`.
-        beta_1, beta_2: decay rates of the first moment and of the infinity norm, in [0, 1).
+        beta_1: decay rates of the first moment and of the infinity norm, in [0, 1).
+        beta_2: decay rates of the first moment and of the infinity norm, in [0, 1).
         epsilon: added to the norm, >= 0.
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
-            :class:`Optimizer`.
+        weight_decay: see :class:`Optimizer`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -1651,11 +1692,18 @@ class Nadam(Optimizer):
 
     Args:
         learning_rate: see :class:`Optimizer`.
-        beta_1, beta_2: decay rates of the moment estimates, in [0, 1).
+        beta_1: decay rates of the moment estimates, in [0, 1).
+        beta_2: decay rates of the moment estimates, in [0, 1).
         epsilon: added to ``sqrt(v_hat)``, >= 0.
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
-            :class:`Optimizer`.
+        weight_decay: see :class:`Optimizer`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 
@@ -1759,9 +1807,15 @@ class Lion(Optimizer):
         learning_rate: see :class:`Optimizer`.
         beta_1: the interpolation factor of the update direction, in (0, 1].
         beta_2: the decay rate of the momentum, in [0, 1].
-        weight_decay, clipnorm, clipvalue, global_clipnorm, use_ema, ema_momentum,
-            ema_overwrite_frequency, loss_scale_factor, gradient_accumulation_steps: see
-            :class:`Optimizer`.
+        weight_decay: see :class:`Optimizer`.
+        clipnorm: see :class:`Optimizer`.
+        clipvalue: see :class:`Optimizer`.
+        global_clipnorm: see :class:`Optimizer`.
+        use_ema: see :class:`Optimizer`.
+        ema_momentum: see :class:`Optimizer`.
+        ema_overwrite_frequency: see :class:`Optimizer`.
+        loss_scale_factor: see :class:`Optimizer`.
+        gradient_accumulation_steps: see :class:`Optimizer`.
         name: the optimizer's name.
     """
 

@@ -82,6 +82,14 @@ def json_destination(text):
     return text
 
 
+def file_destination(text):
+    """``--csv FILE`` and ``--plot FILE``: checked before the run, as :func:`json_destination` checks
+    ``--json`` (FILE's directory exists and is writable, FILE is not a directory); ``-`` is refused."""
+    if text == "-":
+        raise argparse.ArgumentTypeError("give a file name ('-' is stdout only for --json)")
+    return json_destination(text)
+
+
 def _dtype_list(text):
     import numpy as np
 
@@ -146,6 +154,11 @@ def _common_parser(*, sizes=True, defaults=None, dtype_op=True):
                    help="kernel backend, or 'all' available ones (default all)")
     g.add_argument("--json", metavar="FILE", type=json_destination,
                    help="also write every result as JSON to FILE ('-' for stdout)")
+    g.add_argument("--csv", metavar="FILE", type=file_destination,
+                   help="also write every measured point as a CSV row to FILE")
+    g.add_argument("--plot", metavar="FILE", type=file_destination,
+                   help="also draw bandwidth against size (one panel per table, the copy ceiling dotted) to FILE "
+                   "(.png, .svg, .pdf, ...); needs matplotlib: pip install \"cudist[plot]\"")
     g.add_argument("--compare", choices=("tf",), help="also time TensorFlow's MirroredStrategy for the same work")
     g.add_argument("--tf-python", metavar="PATH",
                    help="python with TensorFlow for --compare tf (default: $CUDIST_BENCH_TF_PYTHON, else this python)")
@@ -576,6 +589,8 @@ def main(argv=None) -> int:
         # Across worker processes (MultiWorkerMirroredStrategy against raw mpi4py, under mpiexec).
         from cudist.bench import _multi_worker
 
+        if any(a.split("=", 1)[0] in ("--plot", "--csv") for a in argv):
+            parser.exit(2, "cudist-bench: error: --plot and --csv are not available with --workers (use --json)\n")
         return _multi_worker.main(argv, _common_parser(defaults=_multi_worker.COMMON_DEFAULTS))
     # Options without a subcommand (`cudist-bench -n 5 --no-progress`) are the default suite's.
     if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "-V", "--version"):
@@ -588,6 +603,12 @@ def main(argv=None) -> int:
         args._argv = argv
     if args.tf_python is None:
         args.tf_python = os.environ.get("CUDIST_BENCH_TF_PYTHON") or None
+    # Output files are checked before anything runs: a missing matplotlib or directory fails now, not
+    # after minutes of measurement.
+    try:
+        _check_outputs(args)
+    except BenchError as e:
+        parser.exit(2, f"cudist-bench: error: {e}\n")
     # With --json -, stdout carries only the JSON document; the human-readable table goes to stderr.
     ctx = Context(args, out=sys.stderr if args.json == "-" else None)
     t0 = time.monotonic()
@@ -620,4 +641,32 @@ def main(argv=None) -> int:
     _print_summary(ctx, s)
     if args.json:
         _write_json(ctx, s, args.json)
+    try:
+        _write_outputs(ctx)
+    except BenchError as e:
+        parser.exit(2, f"cudist-bench: error: {e}\n")
     return 0 if s["ok"] else 1
+
+
+def _check_outputs(args) -> None:
+    """What ``--plot`` needs beyond a writable path (the parser checked that), before anything runs."""
+    from cudist.bench import _plot
+
+    if args.plot:
+        _plot.check_plot_request(args.plot, args.command or "suite")
+
+
+def _write_outputs(ctx) -> None:
+    """Writes ``--csv`` and ``--plot`` from the run's tables and says where."""
+    from cudist.bench import _plot
+
+    a = ctx.args
+    if a.csv:
+        n = _plot.write_csv(ctx.tables, a.csv)
+        print(f"# csv: {n} rows written to {a.csv}", file=sys.stderr)
+    if a.plot:
+        h = ctx.header
+        machine = f"{h.get('cpu', '?')}, {h.get('cores', '?')} cores; cudist {h.get('cudist', '?')}"
+        title = f"cudist-bench {' '.join(a._argv) or '(default suite)'}\n{machine}"
+        n = _plot.write_plot(ctx.tables, a.plot, title=title)
+        print(f"# plot: {n} panel(s) written to {a.plot}", file=sys.stderr)

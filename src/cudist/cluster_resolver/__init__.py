@@ -333,7 +333,8 @@ class TFConfigClusterResolver(ClusterResolver):
     ``environment`` is not read).
 
     Args:
-        task_type, task_id: override TF_CONFIG's ``task``.
+        task_type: overrides TF_CONFIG's ``task`` type.
+        task_id: overrides TF_CONFIG's ``task`` index.
         rpc_layer: override TF_CONFIG's ``rpc_layer``.
         environment: the environment the job runs in (None unless given).
     """

@@ -55,8 +55,9 @@ class CheckpointManager:
             if it is at least this many hours newer than the last preserved one.
         checkpoint_name: the checkpoints' file name before ``-<number>``. Managers of different
             names share a directory: each lists, restores and deletes only checkpoints of its name.
-        step_counter, checkpoint_interval: with both, :meth:`save` only saves when ``step_counter``
-            has advanced by ``checkpoint_interval`` since the last save.
+        step_counter: a variable counting steps; with ``checkpoint_interval``, :meth:`save` only saves
+            when ``step_counter`` has advanced by ``checkpoint_interval`` since the last save.
+        checkpoint_interval: the number of steps between saves (with ``step_counter``).
         init_fn: called by :meth:`restore_or_initialize` when there is no checkpoint.
         last_checkpoint_step: the step of the last save, for ``checkpoint_interval``.
 
