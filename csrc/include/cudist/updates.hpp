@@ -290,12 +290,17 @@ void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t 
   const grad_list<T> gl(grads, m, {state[I]...}, n, count, keep);
   const T* const* gp = gl.data();
   run_update<T, NS>(state, n, count, m + NS, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+    // Local copies of the rule (its constants) and of the read pointers: a store to ``out`` may
+    // alias any float reached through a reference, so without them the constants are reloaded
+    // every element (measured: Adam 64 x 4 KiB updates ~25% slower).
+    const Rule r = rule;
+    const T* const p[NS] = {(s0[I] + b)...};
     typename A::acc_t acc[K];
     const auto* g = sum_grads_line<T>(gp, m, b, len, acc);
-    for (std::size_t s = 0; s < NS; ++s) prefetch(s0[s] + b);
+    for (std::size_t s = 0; s < NS; ++s) prefetch(p[s]);
     for (std::size_t k = 0; k < len; ++k) {
-      C x[NS] = {static_cast<C>(A::load(s0[I][b + k]))...};
-      rule(static_cast<C>(g[k]), x);
+      C x[NS] = {static_cast<C>(A::load(p[I][k]))...};
+      r(static_cast<C>(g[k]), x);
       ((out[I][at + k] = static_cast<T>(x[I])), ...);
     }
   });
@@ -342,8 +347,8 @@ void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, co
   using R = Rule<C, host_math>;
   static_assert(R::kSlots + 1 == NS && R::kHyper == sizeof...(H), "a rule's slots or hyper-parameters mismatch");
   const R rule(static_cast<C>(hyper)...);
-  with_decay<C>(decay, [&](auto dec) {
-    fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[NS]) { rule(g, x, dec); });
+  with_decay<C>(decay, [&](auto dec) {  // captured by value: fused_rule_update copies it into registers
+    fused_rule_update<T>(state, n, count, grads, m, pool, [rule, dec](C g, C(&x)[NS]) { rule(g, x, dec); });
   });
 }
 
