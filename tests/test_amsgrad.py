@@ -195,3 +195,36 @@ def test_checkpoint_saves_and_restores_velocity_hat(tmp_path, kind, cls):
     assert opt2.get_slot(w2, "velocity_hat").numpy().tobytes() == saved_v_hat.tobytes()
     steps(s2, w2, opt2, 2, 3, scale=0.25)
     assert w2.numpy().tobytes() == want.tobytes()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(KERAS))
+def test_amsgrad_follows_keras_on_gpus(name):
+    """The same replay on 4 logical GPUs (GPU 0 split): the cupy backend's mirrored_all_reduce_amsgrad
+    kernel (under the CuPy emulation without a GPU)."""
+    pytest.importorskip("cupy")
+    from conftest import make_strategy, set_gpu0_split
+
+    try:
+        strategy = make_strategy("mirrored_gpu4")
+        with strategy.scope():
+            w = cudist.Variable(INIT, name="w")
+            opt = OPTIMIZER[name](**KERAS[name]["kwargs"])
+        for step in range(len(SCALES)):
+
+            def fn(step=step):
+                r = cudist.get_replica_context().replica_id_in_sync_group
+                opt.apply_gradients([(grad(step, r), w)])
+
+            strategy.run(fn)
+            got = np.asarray(w.numpy())
+            np.testing.assert_allclose(got, KERAS[name]["trajectory"][step], **TOL, err_msg=f"{name} step {step}")
+            for comp in w.values[1:]:
+                value = comp.numpy()
+                value = value.get() if hasattr(value, "get") else np.asarray(value)
+                assert value.tobytes() == got.tobytes()
+        v_hat = opt.get_slot(w, "velocity_hat").numpy()
+        v_hat = v_hat.get() if hasattr(v_hat, "get") else np.asarray(v_hat)
+        np.testing.assert_allclose(v_hat, KERAS[name]["velocity_hat"], **TOL)
+    finally:
+        set_gpu0_split(None)

@@ -869,7 +869,7 @@ void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, doub
 }
 
 // ---------------------------------------------------------------------------------------------
-// AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: one inspection for the plain form (``grad``, one
+// RMSprop and the optimizers of CUDIST_UPDATE_RULES: one inspection for the plain form (``grad``, one
 // array) and the fused all-reduce form (``grads``, one or more).
 struct update_args {
   std::vector<void*> p;                 // the variable's copies
@@ -1293,7 +1293,7 @@ PYBIND11_MODULE(_core, m) {
         py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
         "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
 
-  // AdamW, AMSGrad, Adagrad, Adamax, Nadam, Lion: generated from CUDIST_UPDATE_RULES.
+  // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table.
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
   // RMSprop: the plain form and the fused all-reduce form.
   m.def("rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr, double rho,

@@ -695,9 +695,9 @@ class CupyBackend(KernelBackend):
         scalars = (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon))
         self._mirrored("mirrored_all_reduce_adam", copies, [ms, vs], None, scalars, grads=grads)
 
-    # AdamW, AMSGrad, Adagrad, Adamax, Nadam, Lion: one fused kernel each (``mirrored_all_reduce_<name>``,
-    # their hooks generated from UPDATE_KERNELS below the class); the plain update is that kernel
-    # with one gradient.
+    # The other optimizers of UPDATE_KERNELS: one fused kernel each (``mirrored_all_reduce_<name>``,
+    # their hooks generated from the table below the class); the plain update is that kernel with
+    # one gradient.
     def _opt(self, name, copies, slots, grads, hyper, flags=()):
         ct = self._ct(copies[0].dtype)
         scalars = tuple(ct(h) for h in hyper) + tuple(np.int32(f) for f in flags)

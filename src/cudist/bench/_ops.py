@@ -9,9 +9,8 @@ Sizes are bytes per replica (per mirrored copy for updates). Bandwidth formulas 
 * split: algbw = busbw = n*size / t (the batch); the pieces are views, so no bytes move (%copy n/a).
 * update: algbw = size / t; busbw = bytes moved / t, moved = (r + w*n)*size with r buffers read (the
   variable's copy 0, each slot's copy 0, the gradient) and w per copy written (the variable and each
-  slot): SGD (2+n), momentum (3+2n), Adam / AdamW / Adamax / Nadam (4+3n) (var, m, v, grad read; 3n
-  copies written), AMSGrad (5+4n), RMSprop (3+2n; centered with momentum, 3 slots: 5+4n), Adagrad /
-  Lion (3+2n).
+  slot): with k slots, (2+k) + (1+k)*n: SGD (2+n), momentum (3+2n), Adam (4+3n: var, m, v, grad
+  read; 3n copies written), RMSprop (3+2n; centered with momentum, 3 slots: 5+4n).
 """
 
 from __future__ import annotations
