@@ -1,4 +1,4 @@
-"""The CUDA kernels and C++ launchers of AdamW, RMSprop, Adagrad, Adamax, Nadam and Lion, run on the
+"""The CUDA kernels and C++ launchers of AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam and Lion, run on the
 CPU by the host emulation (tests/emu, see tests/test_cuda_emulated.py), bit for bit against the
 NumPy reference: ``reduce_to_one(grads, SUM)`` then the reference's update.
 
@@ -29,7 +29,7 @@ pytestmark = pytest.mark.skipif(emu_build.compiler() is None, reason="needs a C+
 
 REF = NumpyBackend()
 FLOATS = ("float16", "float32", "float64")
-OPTIMIZERS = ("adamw", "rmsprop", "adagrad", "adamax", "nadam", "lion")
+OPTIMIZERS = ("adamw", "amsgrad", "rmsprop", "adagrad", "adamax", "nadam", "lion")
 THREADS = 256
 CUDA_SUCCESS = 0
 CUDA_ERROR_INVALID_VALUE = 1
@@ -73,7 +73,7 @@ def _case(rng, name, n, m, count, dtype, layout, *, momentum=True, centered=True
     grads = [_placed(_values(rng, count, dtype, "any"), o) for o in goff]
     values = [_values(rng, count, dtype, "any")]
     for s in UPDATE_KERNELS[name][0]:
-        if s in ("velocity", "v", "accumulator", "u"):
+        if s in ("velocity", "v", "v_hat", "accumulator", "u"):
             values.append(_values(rng, count, dtype, "positive"))
         elif s == "average_gradient":
             v = values[1].astype(np.float64)
@@ -114,7 +114,7 @@ def _params(rng, name):
     """(public keyword arguments, the trusted hyper-parameters they make), as KernelBackend does."""
     lr, b1, b2 = float(rng.uniform(1e-3, 0.1)), float(rng.uniform(0.5, 0.99)), float(rng.uniform(0.9, 0.9999))
     eps, wd, step = float(rng.choice([1e-7, 1e-3])), float(rng.choice([0.0, 0.004, 0.1])), int(rng.integers(1, 40))
-    if name == "adamw":
+    if name in ("adamw", "amsgrad"):
         return (dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, weight_decay=wd),
                 (adam_lr_t(lr, b1, b2, step), b1, b2, eps, wd * lr))
     if name == "adamax":

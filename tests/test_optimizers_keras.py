@@ -213,8 +213,6 @@ def test_keras_argument_errors():
         optimizers.AdamW(weight_decay=None)
     with pytest.raises(ValueError, match="`beta_1` must be in range"):
         optimizers.Lion(beta_1=0.0)
-    with pytest.raises(NotImplementedError, match="AMSGrad"):
-        optimizers.Adam(amsgrad=True)
 
 
 def test_scale_loss_and_slots_named_as_keras():
@@ -228,6 +226,7 @@ def test_scale_loss_and_slots_named_as_keras():
         optimizers.Nadam(): ["momentum", "velocity"],
         optimizers.Lion(): ["momentum"],
         optimizers.AdamW(): ["momentum", "velocity"],
+        optimizers.Adam(amsgrad=True): ["momentum", "velocity", "velocity_hat"],
         optimizers.SGD(use_ema=True): [],
     }
     for opt, slots in expected.items():

@@ -466,6 +466,10 @@ def _bindings_source() -> tuple[set[str], set[str], set[str]]:
         table = RAW_BINDINGS.read_text()
         table = table[table.index("PyMethodDef methods[]") :]
         functions |= set(re.findall(r'^\s*\{"(\w+)",', table, re.M))
+    if "CUDIST_UPDATE_RULES(" in body:  # the optimizers' bindings, generated from the rules' table
+        rules = (ROOT / "csrc" / "include" / "cudist" / "detail" / "update_rules.hpp").read_text()
+        for name in re.findall(r"^\s*X\((\w+),", rules, re.M):
+            functions |= {name, f"all_reduce_{name}"}
     attributes = set(re.findall(r'\bm\.attr\(\s*"(\w+)"\)', body))
     cuda_only: set[str] = set()
     m = re.search(r"#ifdef CUDIST_CORE_WITH_CUDA(.*?)#else(.*?)#endif", body, re.S)

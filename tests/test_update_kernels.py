@@ -1,5 +1,5 @@
-"""The optimizer update kernels beyond SGD / momentum / Adam (AdamW, RMSprop, Adagrad, Adamax, Nadam,
-Lion) on every CPU backend against the NumPy reference, bit for bit.
+"""The optimizer update kernels beyond SGD / momentum / Adam (AdamW, AMSGrad, RMSprop, Adagrad, Adamax,
+Nadam, Lion) on every CPU backend against the NumPy reference, bit for bit.
 
 Same rules as tests/test_kernels.py: random data (several binades, no zeros), float16/32/64, 1 to 8
 copies, 1 to 8 gradients for the fused all-reduce forms (M != N included), sizes 0, 1, primes and
@@ -25,7 +25,7 @@ LAYOUTS = ["fresh", "offset", "unaligned"]
 REF = NumpyBackend()
 FAST = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
-OPTIMIZERS = ["adamw", "rmsprop", "adagrad", "adamax", "nadam", "lion"]
+OPTIMIZERS = ["adamw", "amsgrad", "rmsprop", "adagrad", "adamax", "nadam", "lion"]
 
 
 @pytest.fixture(params=CPU_BACKENDS, scope="module")
@@ -87,7 +87,7 @@ def hypers(draw, name):
     b2 = draw(st.floats(0.9, 0.9999))
     eps = draw(st.sampled_from([1e-7, 1e-3]))
     step = draw(st.integers(1, 1000))
-    if name in ("adamw", "adamax"):
+    if name in ("adamw", "amsgrad", "adamax"):
         return dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, weight_decay=wd)
     if name == "nadam":
         u = 1.0
@@ -108,7 +108,7 @@ def state(rng, name, shape, dtype, n, layout, *, momentum=True, centered=True):
     slots = UPDATE_KERNELS[name][0]
     values = []
     for s in slots:
-        if s in ("velocity", "v", "accumulator", "u"):
+        if s in ("velocity", "v", "v_hat", "accumulator", "u"):
             values.append(random_array(rng, shape, dtype, positive=True))
         elif s == "average_gradient":  # small enough that v - a*a stays positive
             v = values[0].astype(np.float64)
@@ -203,6 +203,7 @@ def test_large_multithreaded(backend, name, dtype, n, m):
     rng = np.random.default_rng(11)
     kw = {
         "adamw": dict(lr=0.01, step=7, weight_decay=0.01),
+        "amsgrad": dict(lr=0.01, step=7, weight_decay=0.01),
         "rmsprop": dict(lr=0.01, rho=0.9, momentum=0.9, weight_decay=0.01),
         "adagrad": dict(lr=0.01, weight_decay=0.0),
         "adamax": dict(lr=0.01, step=3, weight_decay=0.1),
@@ -231,6 +232,7 @@ def test_trusted_matches_public(backend):
         _, c_m, c_g, c_v = nadam_step(0.9, 0.999, 2, u_prev)
         cases = {
             "adamw": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
+            "amsgrad": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
             "rmsprop": (dict(lr=lr, momentum=0.5, weight_decay=wd), (lr, 0.9, 0.5, 1e-7, wd * lr)),
             "adagrad": (dict(lr=lr, weight_decay=wd), (lr, 1e-7, wd * lr)),
             "adamax": (dict(lr=lr, step=2, weight_decay=wd), (adamax_lr_t(lr, 0.9, 2), 0.9, 0.999, 1e-7, wd * lr)),
@@ -274,6 +276,13 @@ def test_known_values(backend):
     wd_w = w0 - w0 * (wd * lr)
     m_e, v_e = g * (1 - b1), g * g * (1 - b2)
     np.testing.assert_allclose(w, wd_w - adam_lr_t(lr, b1, b2, 1) * m_e / (np.sqrt(v_e) + eps), rtol=1e-13)
+    w = [w0.copy() for _ in range(2)]
+    ms, vs = [[np.zeros(3) for _ in range(2)] for _ in range(2)]
+    v_hats = [np.array([1e-4, 0.0, 0.0]) for _ in range(2)]  # above v_e for element 0, below for 1
+    backend.amsgrad(w, ms, vs, v_hats, g, lr=lr, step=1)
+    v_hat = np.maximum([1e-4, 0.0, 0.0], v_e)
+    np.testing.assert_array_equal(v_hats[0], v_hat)
+    np.testing.assert_allclose(w[0], w0 - adam_lr_t(lr, b1, b2, 1) * m_e / (np.sqrt(v_hat) + eps), rtol=1e-13)
     w, (acc,) = run("adagrad", 1, init=0.1, lr=lr)
     np.testing.assert_allclose(w, w0 - lr * g / np.sqrt(0.1 + g * g + eps), rtol=1e-13)
     w, (m, u) = run("adamax", 2, lr=lr, step=1)
@@ -321,6 +330,7 @@ def test_cupy_matches_reference(name, dtype, n, m):
     rng = np.random.default_rng(n * 100 + m)
     kw = {
         "adamw": dict(lr=0.01, step=7, weight_decay=0.01),
+        "amsgrad": dict(lr=0.01, step=7, weight_decay=0.01),
         "rmsprop": dict(lr=0.01, rho=0.9, momentum=0.9 if n % 2 else 0.0, weight_decay=0.01),
         "adagrad": dict(lr=0.01, weight_decay=0.0),
         "adamax": dict(lr=0.01, step=3, weight_decay=0.1),

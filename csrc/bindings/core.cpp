@@ -8,12 +8,14 @@
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
 #include <initializer_list>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <cudist/cudist.hpp>
@@ -868,7 +870,7 @@ void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, doub
 }
 
 // ---------------------------------------------------------------------------------------------
-// AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: one inspection for the plain form (``grad``, one
+// RMSprop and the optimizers of CUDIST_UPDATE_RULES: one inspection for the plain form (``grad``, one
 // array) and the fused all-reduce form (``grads``, one or more).
 struct update_args {
   std::vector<void*> p;                 // the variable's copies
@@ -931,17 +933,6 @@ void run_update_call(update_args& u, const char* where, F&& fn) {
   dispatch_float(u.k, where, [&](auto t) { maybe_nogil(u.bytes_moved(), [&] { fn(t); }); });
 }
 
-void adamw_any(bool fused, py::handle copies, py::handle ms, py::handle vs, py::handle g, double lr_t, double b1,
-               double b2, double eps, double decay) {
-  const char* where = fused ? "all_reduce_adamw" : "adamw";
-  update_args u = inspect_update(where, copies, {{ms, "m", false}, {vs, "v", false}}, g, fused);
-  run_update_call(u, where, [&](auto t) {
-    using T = decltype(t);
-    cudist::all_reduce_adamw<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.slot_ptrs<T>(1),
-                                u.p.size(), u.size, u.grads<T>(), u.pg.size(), lr_t, b1, b2, eps, decay);
-  });
-}
-
 void rmsprop_any(bool fused, py::handle copies, py::handle vels, py::handle moms, py::handle avgs, py::handle g,
                  double lr, double rho, double momentum, double eps, double decay) {
   const char* where = fused ? "all_reduce_rmsprop" : "rmsprop";
@@ -955,49 +946,56 @@ void rmsprop_any(bool fused, py::handle copies, py::handle vels, py::handle moms
   });
 }
 
-void adagrad_any(bool fused, py::handle copies, py::handle accs, py::handle g, double lr, double eps, double decay) {
-  const char* where = fused ? "all_reduce_adagrad" : "adagrad";
-  update_args u = inspect_update(where, copies, {{accs, "accumulator", false}}, g, fused);
-  run_update_call(u, where, [&](auto t) {
-    using T = decltype(t);
-    cudist::all_reduce_adagrad<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.p.size(),
-                                  u.size, u.grads<T>(), u.pg.size(), lr, eps, decay);
-  });
+// The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>): their plain and fused
+// bindings, generated from the table. ``name(copies, <slot>s..., grad, hyper..., decay)`` and
+// ``all_reduce_name(copies, <slot>s..., grads, hyper..., decay)``.
+template <std::size_t>
+using handle_at = py::handle;
+template <std::size_t>
+using double_at = double;
+
+template <template <class, class> class Rule, std::size_t... S, std::size_t... H>
+void def_rule(py::module_& m, const char* name, const std::array<const char*, sizeof...(S)>& slots,
+              const std::array<const char*, sizeof...(H)>& hyper, std::index_sequence<S...>,
+              std::index_sequence<H...>) {
+  static_assert(Rule<float, cudist::detail::host_math>::kSlots == sizeof...(S) &&
+                    Rule<float, cudist::detail::host_math>::kHyper == sizeof...(H),
+                "CUDIST_UPDATE_RULES lists a rule's slots or hyper-parameters wrongly");
+  static std::array<std::string, sizeof...(S)> slot_args;  // "<slot>s": the argument names, kept alive
+  for (std::size_t i = 0; i < slot_args.size(); ++i) slot_args[i] = std::string(slots[i]) + "s";
+  for (const bool fused : {false, true}) {
+    const std::string where = fused ? std::string("all_reduce_") + name : std::string(name);
+    const std::string doc = where + ": the update cudist::rules of <cudist/detail/update_rules.hpp> named in " +
+                            "CUDIST_UPDATE_RULES, after ``w -= w * decay`` (0: none)" +
+                            (fused ? "; the sum of ``grads`` in the same pass." : ".");
+    m.def(
+        where.c_str(),
+        [fused, where, slots](py::handle copies, handle_at<S>... slot_copies, py::handle g, double_at<H>... h,
+                              double decay) {
+          update_args u = inspect_update(where.c_str(), copies, {std::make_tuple(slot_copies, slots[S], false)...}, g,
+                                         fused);
+          run_update_call(u, where.c_str(), [&](auto t) {
+            using T = decltype(t);
+            T* const* const state[sizeof...(S) + 1] = {u.slot_ptrs<T>(S)..., typed<T>(u.p)};
+            cudist::detail::run_rule<Rule>(state, u.p.size(), u.size, u.grads<T>(), u.pg.size(), decay,
+                                           &cudist::thread_pool::global(), h...);
+          });
+        },
+        py::arg("copies"), py::arg(slot_args[S].c_str())..., py::arg(fused ? "grads" : "grad"), py::arg(hyper[H])...,
+        py::arg("decay"), doc.c_str());
+  }
 }
 
-void adamax_any(bool fused, py::handle copies, py::handle ms, py::handle us, py::handle g, double lr_t, double b1,
-                double b2, double eps, double decay) {
-  const char* where = fused ? "all_reduce_adamax" : "adamax";
-  update_args u = inspect_update(where, copies, {{ms, "m", false}, {us, "u", false}}, g, fused);
-  run_update_call(u, where, [&](auto t) {
-    using T = decltype(t);
-    cudist::all_reduce_adamax<T>(typed<T>(u.p), u.slot_ptrs<T>(0),
-                                 u.slot_ptrs<T>(1), u.p.size(), u.size, u.grads<T>(), u.pg.size(), lr_t, b1, b2, eps,
-                                 decay);
-  });
-}
-
-void nadam_any(bool fused, py::handle copies, py::handle ms, py::handle vs, py::handle g, double lr, double b1,
-               double b2, double eps, double c_m, double c_g, double c_v, double decay) {
-  const char* where = fused ? "all_reduce_nadam" : "nadam";
-  update_args u = inspect_update(where, copies, {{ms, "m", false}, {vs, "v", false}}, g, fused);
-  run_update_call(u, where, [&](auto t) {
-    using T = decltype(t);
-    cudist::all_reduce_nadam<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.slot_ptrs<T>(1),
-                                u.p.size(), u.size, u.grads<T>(), u.pg.size(), lr, b1, b2, eps, c_m, c_g, c_v, decay);
-  });
-}
-
-void lion_any(bool fused, py::handle copies, py::handle ms, py::handle g, double lr, double b1, double b2,
-              double decay) {
-  const char* where = fused ? "all_reduce_lion" : "lion";
-  update_args u = inspect_update(where, copies, {{ms, "m", false}}, g, fused);
-  run_update_call(u, where, [&](auto t) {
-    using T = decltype(t);
-    cudist::all_reduce_lion<T>(typed<T>(u.p), u.slot_ptrs<T>(0), u.p.size(), u.size,
-                               u.grads<T>(), u.pg.size(), lr, b1, b2, decay);
-  });
-}
+#define CUDIST_UNPAREN_(...) __VA_ARGS__
+#define CUDIST_DEF_RULE_(name, rule, slots, hyper)                                                          \
+  {                                                                                                         \
+    constexpr std::array<const char*, std::initializer_list<const char*>{CUDIST_UNPAREN_ slots}.size()> s{  \
+        CUDIST_UNPAREN_ slots};                                                                             \
+    constexpr std::array<const char*, std::initializer_list<const char*>{CUDIST_UNPAREN_ hyper}.size()> h{  \
+        CUDIST_UNPAREN_ hyper};                                                                             \
+    def_rule<cudist::rules::rule>(m, #name, s, h, std::make_index_sequence<s.size()>{},                     \
+                                  std::make_index_sequence<h.size()>{});                                    \
+  }
 
 
 #ifdef CUDIST_CORE_WITH_CUDA
@@ -1314,16 +1312,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
         "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
 
-  // AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: the plain form and the fused all-reduce form.
-  m.def("adamw", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr_t, double b1, double b2,
-                    double eps, double decay) { adamw_any(false, c, ms, vs, g, lr_t, b1, b2, eps, decay); },
-        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"), py::arg("beta_1"),
-        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"),
-        "AdamW: w -= w * decay, then Adam with the bias-corrected step size ``lr_t``.");
-  m.def("all_reduce_adamw", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr_t, double b1,
-                               double b2, double eps, double decay) { adamw_any(true, c, ms, vs, g, lr_t, b1, b2, eps, decay); },
-        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"), py::arg("lr_t"), py::arg("beta_1"),
-        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"), "Fused: the sum of ``grads``, then AdamW; one pass.");
+  // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table.
+  CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
+  // RMSprop: the plain form and the fused all-reduce form.
   m.def("rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr, double rho,
                       double mom, double eps, double decay) { rmsprop_any(false, c, v, mo, a, g, lr, rho, mom, eps, decay); },
         py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grad"),
@@ -1336,47 +1327,6 @@ PYBIND11_MODULE(_core, m) {
         py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grads"),
         py::arg("lr"), py::arg("rho"), py::arg("momentum"), py::arg("epsilon"), py::arg("decay"),
         "Fused: the sum of ``grads``, then RMSprop; one pass.");
-  m.def("adagrad", [](py::handle c, py::handle acc, py::handle g, double lr, double eps, double decay) {
-          adagrad_any(false, c, acc, g, lr, eps, decay);
-        },
-        py::arg("copies"), py::arg("accumulators"), py::arg("grad"), py::arg("lr"), py::arg("epsilon"), py::arg("decay"),
-        "Adagrad: acc += g*g; w -= lr * g / sqrt(acc + epsilon).");
-  m.def("all_reduce_adagrad", [](py::handle c, py::handle acc, py::handle g, double lr, double eps, double decay) {
-          adagrad_any(true, c, acc, g, lr, eps, decay);
-        },
-        py::arg("copies"), py::arg("accumulators"), py::arg("grads"), py::arg("lr"), py::arg("epsilon"),
-        py::arg("decay"), "Fused: the sum of ``grads``, then Adagrad; one pass.");
-  m.def("adamax", [](py::handle c, py::handle ms, py::handle us, py::handle g, double lr_t, double b1, double b2,
-                     double eps, double decay) { adamax_any(false, c, ms, us, g, lr_t, b1, b2, eps, decay); },
-        py::arg("copies"), py::arg("ms"), py::arg("us"), py::arg("grad"), py::arg("lr_t"), py::arg("beta_1"),
-        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"),
-        "Adamax with the bias-corrected step size ``lr_t = lr / (1 - beta_1**step)``.");
-  m.def("all_reduce_adamax", [](py::handle c, py::handle ms, py::handle us, py::handle g, double lr_t, double b1,
-                                double b2, double eps, double decay) { adamax_any(true, c, ms, us, g, lr_t, b1, b2, eps, decay); },
-        py::arg("copies"), py::arg("ms"), py::arg("us"), py::arg("grads"), py::arg("lr_t"), py::arg("beta_1"),
-        py::arg("beta_2"), py::arg("epsilon"), py::arg("decay"), "Fused: the sum of ``grads``, then Adamax; one pass.");
-  m.def("nadam", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr, double b1, double b2,
-                    double eps, double c_m, double c_g, double c_v,
-                    double decay) { nadam_any(false, c, ms, vs, g, lr, b1, b2, eps, c_m, c_g, c_v, decay); },
-        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr"), py::arg("beta_1"),
-        py::arg("beta_2"), py::arg("epsilon"), py::arg("c_m"), py::arg("c_g"), py::arg("c_v"), py::arg("decay"),
-        "Nadam (Keras 3) with the step's coefficients of cudist._kernels.nadam_step.");
-  m.def("all_reduce_nadam", [](py::handle c, py::handle ms, py::handle vs, py::handle g, double lr, double b1,
-                               double b2, double eps, double c_m, double c_g, double c_v,
-                               double decay) { nadam_any(true, c, ms, vs, g, lr, b1, b2, eps, c_m, c_g, c_v, decay); },
-        py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"), py::arg("lr"), py::arg("beta_1"),
-        py::arg("beta_2"), py::arg("epsilon"), py::arg("c_m"), py::arg("c_g"), py::arg("c_v"), py::arg("decay"),
-        "Fused: the sum of ``grads``, then Nadam; one pass.");
-  m.def("lion", [](py::handle c, py::handle ms, py::handle g, double lr, double b1, double b2, double decay) {
-          lion_any(false, c, ms, g, lr, b1, b2, decay);
-        },
-        py::arg("copies"), py::arg("ms"), py::arg("grad"), py::arg("lr"), py::arg("beta_1"), py::arg("beta_2"),
-        py::arg("decay"), "Lion: w -= lr * sign(m * beta_1 + g * (1 - beta_1)); m = m * beta_2 + g * (1 - beta_2).");
-  m.def("all_reduce_lion", [](py::handle c, py::handle ms, py::handle g, double lr, double b1, double b2, double decay) {
-          lion_any(true, c, ms, g, lr, b1, b2, decay);
-        },
-        py::arg("copies"), py::arg("ms"), py::arg("grads"), py::arg("lr"), py::arg("beta_1"), py::arg("beta_2"),
-        py::arg("decay"), "Fused: the sum of ``grads``, then Lion; one pass.");
   m.def(
       "num_threads", [] { return cudist::thread_pool::global().size(); },
       "Threads the kernels use (the calling thread included).");

@@ -121,7 +121,7 @@ def adam(
 ) -> None:
     """Adam (Keras formulation) with the bias-corrected step size ``lr_t``."""
 
-# AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: ``decay`` is weight_decay * lr (0: none).
+# AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam, Lion: ``decay`` is weight_decay * lr (0: none).
 
 def adamw(
     copies: _Arrays,
@@ -148,6 +148,34 @@ def all_reduce_adamw(
     decay: _Float,
 ) -> None:
     """Fused: the sum of ``grads``, then AdamW; one pass."""
+
+def amsgrad(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    v_hats: _Arrays,
+    grad: _Array,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """AMSGrad: AdamW with ``v_hat = maximum(v_hat, v)`` in the denominator."""
+
+def all_reduce_amsgrad(
+    copies: _Arrays,
+    ms: _Arrays,
+    vs: _Arrays,
+    v_hats: _Arrays,
+    grads: _Arrays,
+    lr_t: _Float,
+    beta_1: _Float,
+    beta_2: _Float,
+    epsilon: _Float,
+    decay: _Float,
+) -> None:
+    """Fused: the sum of ``grads``, then AMSGrad; one pass."""
 
 def rmsprop(
     copies: _Arrays,

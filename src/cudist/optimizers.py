@@ -16,7 +16,7 @@ Distribution follows Keras's default (``experimental_aggregate_gradients=True``)
 * called in cross-replica context (inside ``scope()``, or with no strategy), the gradients are final.
 
 Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` / ``adamw`` /
-``rmsprop`` / ``adagrad`` / ``adamax`` / ``nadam`` / ``lion`` of the variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
+``amsgrad`` / ``rmsprop`` / ``adagrad`` / ``adamax`` / ``nadam`` / ``lion`` of the variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
 and of its slots in one pass, so the copies stay bitwise equal. Under CentralStorageStrategy the
 single copy on the parameter device is updated once.
 
@@ -34,8 +34,7 @@ callable of no arguments, as in Keras. Gradients of another dtype are cast to th
 Deliberate differences from Keras: the learning rate is a Python number, not a variable (and not
 in ``variables``); Nadam's running momentum product is computed from ``iterations`` rather than
 kept in a variable; the gradient accumulators of ``gradient_accumulation_steps`` are host-side
-per-replica buffers, not variables (a checkpoint does not save a half-accumulated step); Adam's
-``amsgrad`` is not implemented.
+per-replica buffers, not variables (a checkpoint does not save a half-accumulated step).
 """
 
 from __future__ import annotations
@@ -1209,14 +1208,15 @@ class Adam(Optimizer):
     At step ``t`` (1-based): ``lr_t = learning_rate * sqrt(1 - beta_2**t) / (1 - beta_1**t)``;
     ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
     ``w -= lr_t * m / (sqrt(v) + epsilon)``. With a weight decay, the AdamW kernel (the decay in
-    the same pass).
+    the same pass). With ``amsgrad``, a third slot ``"velocity_hat"`` keeps the running maximum of
+    ``v`` (``v_hat = maximum(v_hat, v)``), which replaces ``v`` in the denominator (Keras 3).
 
     Args:
         learning_rate: see :class:`Optimizer`.
         beta_1: decay rates of the moment estimates, in [0, 1).
         beta_2: decay rates of the moment estimates, in [0, 1).
         epsilon: the small constant added to ``sqrt(v)``, >= 0.
-        amsgrad: Keras's AMSGrad variant; not implemented (True raises NotImplementedError).
+        amsgrad: Keras's AMSGrad variant (the slot ``"velocity_hat"``).
         weight_decay: see :class:`Optimizer`.
         clipnorm: see :class:`Optimizer`.
         clipvalue: see :class:`Optimizer`.
@@ -1229,7 +1229,7 @@ class Adam(Optimizer):
         name: the optimizer's name.
     """
 
-    _slot_names = ("momentum", "velocity")
+    _slot_names: tuple[str, ...] = ("momentum", "velocity")
 
     def __init__(
         self,
@@ -1253,8 +1253,11 @@ class Adam(Optimizer):
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
         self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
         self.epsilon = _check_real("epsilon", epsilon, low=0.0)
-        if amsgrad:
-            raise NotImplementedError("cudist's Adam has no AMSGrad variant yet (amsgrad=True)")
+        # Kept private (read through the property) so that checkpoints record the same
+        # hyperparameters as before AMSGrad existed; the slot "velocity_hat" records it.
+        self._amsgrad = bool(amsgrad)
+        if self._amsgrad:
+            self._slot_names = ("momentum", "velocity", "velocity_hat")
         super().__init__(
             learning_rate,
             name,
@@ -1270,6 +1273,11 @@ class Adam(Optimizer):
             **kwargs,
         )
 
+    @property
+    def amsgrad(self) -> bool:
+        """Whether this is Keras's AMSGrad variant (the slot ``"velocity_hat"``)."""
+        return self._amsgrad
+
     def get_config(self) -> dict[str, Any]:
         config = super().get_config()
         config.update(
@@ -1277,7 +1285,7 @@ class Adam(Optimizer):
             "beta_1": self.beta_1,
             "beta_2": self.beta_2,
             "epsilon": self.epsilon,
-            "amsgrad": False,
+            "amsgrad": self._amsgrad,
             }
         )
         return config
@@ -1294,7 +1302,11 @@ class Adam(Optimizer):
         params: tuple[float, ...],
         decay: float = 0.0,
     ) -> None:
-        if decay:
+        if self._amsgrad:
+            kernels.amsgrad(  # type: ignore[no-untyped-call]
+                copies, slots[0], slots[1], slots[2], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay
+            )
+        elif decay:
             kernels.adamw(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
         else:
             kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)  # type: ignore[no-untyped-call]
@@ -1308,7 +1320,11 @@ class Adam(Optimizer):
         params: tuple[float, ...],
         decay: float = 0.0,
     ) -> None:
-        if decay:
+        if self._amsgrad:
+            kernels.all_reduce_amsgrad(  # type: ignore[no-untyped-call]
+                copies, slots[0], slots[1], slots[2], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay
+            )
+        elif decay:
             kernels.all_reduce_adamw(  # type: ignore[no-untyped-call]
                 copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay
             )

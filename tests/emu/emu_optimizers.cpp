@@ -1,4 +1,4 @@
-// Emulated CUDA entry points of the optimizer kernels beyond SGD / momentum / Adam (AdamW, RMSprop,
+// Emulated CUDA entry points of the optimizer kernels beyond SGD / momentum / Adam (AdamW, AMSGrad, RMSprop,
 // Adagrad, Adamax, Nadam, Lion), in the style of emu_kernels.cpp and emu_launchers.cpp:
 //   void cudist_emu_mirrored_all_reduce_<name>_<dtype>(unsigned gx, unsigned gy, unsigned bx, <kernel params>)
 // runs the real pointer-table kernel of <cudist/kernels/mirrored.cuh> over a (gx, gy) grid, and
@@ -27,6 +27,13 @@ inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
                                                              int n_grads, C lr_t, C b1, C b2, C eps, C decay,     \
                                                              long long count) {                                   \
     run(&k::mirrored_all_reduce_adamw<T>, gx, gy, bx, w, ms, vs, n, grads, n_grads, lr_t, b1, b2, eps, decay,      \
+        count);                                                                                                   \
+  }                                                                                                               \
+  extern "C" void cudist_emu_mirrored_all_reduce_amsgrad_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* w, \
+                                                               T* const* ms, T* const* vs, T* const* vh, int n,    \
+                                                               T* const* grads, int n_grads, C lr_t, C b1, C b2,   \
+                                                               C eps, C decay, long long count) {                  \
+    run(&k::mirrored_all_reduce_amsgrad<T>, gx, gy, bx, w, ms, vs, vh, n, grads, n_grads, lr_t, b1, b2, eps, decay, \
         count);                                                                                                   \
   }                                                                                                               \
   extern "C" void cudist_emu_mirrored_all_reduce_rmsprop_##DT(                                                    \
@@ -70,6 +77,17 @@ inline cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
                                                          double b2, double eps, double decay, long long count,     \
                                                          void* s) {                                                \
     return cc::all_reduce_adamw<T>(w, ms, vs, n, g, m, lr_t, b1, b2, eps, decay, count, as_stream(s));            \
+  }                                                                                                               \
+  extern "C" int cudist_emu_launch_amsgrad_##DT(T* const* w, T* const* ms, T* const* vs, T* const* vh, int n,     \
+                                                const T* g, double lr_t, double b1, double b2, double eps,        \
+                                                double decay, long long count, void* s) {                         \
+    return cc::amsgrad<T>(w, ms, vs, vh, n, g, lr_t, b1, b2, eps, decay, count, as_stream(s));                    \
+  }                                                                                                               \
+  extern "C" int cudist_emu_launch_all_reduce_amsgrad_##DT(T* const* w, T* const* ms, T* const* vs, T* const* vh, \
+                                                           int n, const T* const* g, int m, double lr_t,           \
+                                                           double b1, double b2, double eps, double decay,         \
+                                                           long long count, void* s) {                             \
+    return cc::all_reduce_amsgrad<T>(w, ms, vs, vh, n, g, m, lr_t, b1, b2, eps, decay, count, as_stream(s));      \
   }                                                                                                               \
   extern "C" int cudist_emu_launch_rmsprop_##DT(T* const* w, T* const* v, T* const* mo, T* const* a, int n,       \
                                                 const T* g, double lr, double rho, double mom, double eps,        \

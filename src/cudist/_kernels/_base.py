@@ -49,6 +49,7 @@ from cudist._reduce_util import ReduceOp
 __all__ = [
     "KernelBackend",
     "TrustedKernels",
+    "UPDATE_ENTRY_POINTS",
     "SUPPORTED_DTYPES",
     "FLOAT_DTYPES",
     "adam_lr_t",
@@ -93,12 +94,14 @@ def nadam_step(beta_1: float, beta_2: float, step: int, u_product: float) -> tup
 #: The optimizer update kernels of the contract: name -> (slot names, trusted hyper-parameters).
 #: Each has a plain form ``name(copies, *slots, grad, *hyper)`` and a fused all-reduce form
 #: ``all_reduce_<name>(copies, *slots, grads, *hyper)``; a slot given as None is absent (rmsprop's
-#: optional momentum and average-gradient slots).
+#: optional momentum and average-gradient slots). The trusted entry points (:class:`TrustedKernels`),
+#: the native backend's hooks and the fused forms' default hooks are generated from this table.
 UPDATE_KERNELS = {
     "sgd": ((), ("lr",)),
     "momentum": (("velocity",), ("lr", "momentum", "nesterov")),
     "adam": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon")),
     "adamw": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
+    "amsgrad": (("m", "v", "v_hat"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
     "rmsprop": (("velocity", "momentum", "average_gradient"), ("lr", "rho", "momentum", "epsilon", "decay")),
     "adagrad": (("accumulator",), ("lr", "epsilon", "decay")),
     "adamax": (("m", "u"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
@@ -590,6 +593,27 @@ class KernelBackend:
         """
         return self._adamw("adamw", False, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
 
+    def _amsgrad(self, where, fused, copies, ms, vs, v_hats, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
+        copies, (ms, vs, v_hats), g = self._check_opt(
+            where, copies, (("m", ms), ("v", vs), ("v_hat", v_hats)), **{"grads" if fused else "grad": g}
+        )
+        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
+        hook = self._hook_all_reduce_amsgrad if fused else self._hook_amsgrad
+        hook(copies, ms, vs, v_hats, g, lr_t, float(beta_1), float(beta_2), float(epsilon),
+             float(weight_decay) * float(lr))
+        return copies
+
+    def amsgrad(self, copies, ms, vs, v_hats, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step,
+                weight_decay=0.0):
+        """AMSGrad (Keras 3's ``Adam(amsgrad=True)``): :meth:`adamw`'s moments, then
+        ``v_hat = maximum(v_hat, v)`` (NumPy's) and ``w -= lr_t * m / (sqrt(v_hat) + epsilon)``.
+
+        The trusted form takes the bias-corrected ``lr_t`` (:func:`adam_lr_t`) and
+        ``decay = weight_decay * lr``. Returns ``copies``.
+        """
+        return self._amsgrad("amsgrad", False, copies, ms, vs, v_hats, grad, lr, beta_1, beta_2, epsilon, step,
+                             weight_decay)
+
     def rmsprop(self, copies, velocities, momentums, average_grads, grad, *, lr, rho=0.9, momentum=0.0,
                 epsilon=1e-7, weight_decay=0.0):
         """RMSprop (Keras formulation) on N copies and their slots.
@@ -738,6 +762,12 @@ class KernelBackend:
         return self._adamw("all_reduce_adamw", True, copies, ms, vs, grads, lr, beta_1, beta_2, epsilon, step,
                            weight_decay)
 
+    def all_reduce_amsgrad(self, copies, ms, vs, v_hats, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step,
+                           weight_decay=0.0):
+        """Fused all-reduce + :meth:`amsgrad`."""
+        return self._amsgrad("all_reduce_amsgrad", True, copies, ms, vs, v_hats, grads, lr, beta_1, beta_2, epsilon,
+                             step, weight_decay)
+
     def all_reduce_rmsprop(self, copies, velocities, momentums, average_grads, grads, *, lr, rho=0.9, momentum=0.0,
                            epsilon=1e-7, weight_decay=0.0):
         """Fused all-reduce + :meth:`rmsprop`."""
@@ -812,6 +842,9 @@ class KernelBackend:
     def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def _hook_amsgrad(self, copies, ms, vs, v_hats, grad, lr_t, beta_1, beta_2, epsilon, decay):  # pragma: no cover
+        raise NotImplementedError
+
     def _hook_rmsprop(self, copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay):  # pragma: no cover
         raise NotImplementedError
 
@@ -847,6 +880,9 @@ class KernelBackend:
     def _hook_all_reduce_adamw(self, copies, ms, vs, grads, *hyper):
         self._hook_adamw(copies, ms, vs, self._sum_grads(grads), *hyper)
 
+    def _hook_all_reduce_amsgrad(self, copies, ms, vs, v_hats, grads, *hyper):
+        self._hook_amsgrad(copies, ms, vs, v_hats, self._sum_grads(grads), *hyper)
+
     def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, *hyper):
         self._hook_rmsprop(copies, vels, moms, avgs, self._sum_grads(grads), *hyper)
 
@@ -879,6 +915,10 @@ class KernelBackend:
     def _check_same_slots(self, where, copies, slots, slot):
         """Deprecated: :meth:`check_same_slots`."""
         return self.check_same_slots(where, copies, slots, slot)
+
+
+#: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
+UPDATE_ENTRY_POINTS = tuple(f"{form}{name}" for name in UPDATE_KERNELS for form in ("", "all_reduce_"))
 
 
 class TrustedKernels:
@@ -927,6 +967,7 @@ class TrustedKernels:
       ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``;
       ``all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)``.
     * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)``;
+      ``amsgrad(copies, ms, vs, v_hats, grad, lr_t, beta_1, beta_2, epsilon, decay)``;
       ``rmsprop(copies, velocities, momentums, average_grads, grad, lr, rho, momentum, epsilon, decay)``
       (``momentums`` / ``average_grads`` None when absent); ``adagrad(copies, accs, grad, lr, epsilon,
       decay)``; ``adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (``lr_t`` of
@@ -959,6 +1000,8 @@ class TrustedKernels:
         "all_reduce_adam",
         "adamw",
         "all_reduce_adamw",
+        "amsgrad",
+        "all_reduce_amsgrad",
         "rmsprop",
         "all_reduce_rmsprop",
         "adagrad",
@@ -999,6 +1042,8 @@ class TrustedKernels:
         self.all_reduce_adam = backend._hook_all_reduce_adam
         self.adamw = backend._hook_adamw
         self.all_reduce_adamw = backend._hook_all_reduce_adamw
+        self.amsgrad = backend._hook_amsgrad
+        self.all_reduce_amsgrad = backend._hook_all_reduce_amsgrad
         self.rmsprop = backend._hook_rmsprop
         self.all_reduce_rmsprop = backend._hook_all_reduce_rmsprop
         self.adagrad = backend._hook_adagrad

@@ -50,7 +50,7 @@ import numpy as np
 import optree
 
 from cudist._arrays import join_streams
-from cudist._kernels._base import SUPPORTED_DTYPES, KernelBackend
+from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBackend
 from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._cuda_launch import LAUNCHERS_ENV, dtype_ctypes, kernel_list, launch_mode, runs_on
 from cudist._kernels._split import split_sizes
@@ -695,17 +695,13 @@ class CupyBackend(KernelBackend):
         scalars = (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon))
         self._mirrored("mirrored_all_reduce_adam", copies, [ms, vs], None, scalars, grads=grads)
 
-    # AdamW ... Lion: one fused kernel each; the plain update is that kernel with one gradient.
+    # The other optimizers of UPDATE_KERNELS: one fused kernel each (``mirrored_all_reduce_<name>``,
+    # their hooks generated from the table below the class); the plain update is that kernel with
+    # one gradient.
     def _opt(self, name, copies, slots, grads, hyper, flags=()):
         ct = self._ct(copies[0].dtype)
         scalars = tuple(ct(h) for h in hyper) + tuple(np.int32(f) for f in flags)
         self._mirrored(f"mirrored_all_reduce_{name}", copies, list(slots), None, scalars, grads=list(grads))
-
-    def _hook_all_reduce_adamw(self, copies, ms, vs, grads, *hyper):
-        self._opt("adamw", copies, (ms, vs), grads, hyper)
-
-    def _hook_adamw(self, copies, ms, vs, grad, *hyper):
-        self._opt("adamw", copies, (ms, vs), (grad,), hyper)
 
     def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, lr, rho, momentum, epsilon, decay):
         present = [vels] + [s for s in (moms, avgs) if s is not None]
@@ -721,30 +717,6 @@ class CupyBackend(KernelBackend):
 
     def _hook_rmsprop(self, copies, vels, moms, avgs, grad, *hyper):
         self._hook_all_reduce_rmsprop(copies, vels, moms, avgs, (grad,), *hyper)
-
-    def _hook_all_reduce_adagrad(self, copies, accs, grads, *hyper):
-        self._opt("adagrad", copies, (accs,), grads, hyper)
-
-    def _hook_adagrad(self, copies, accs, grad, *hyper):
-        self._opt("adagrad", copies, (accs,), (grad,), hyper)
-
-    def _hook_all_reduce_adamax(self, copies, ms, us, grads, *hyper):
-        self._opt("adamax", copies, (ms, us), grads, hyper)
-
-    def _hook_adamax(self, copies, ms, us, grad, *hyper):
-        self._opt("adamax", copies, (ms, us), (grad,), hyper)
-
-    def _hook_all_reduce_nadam(self, copies, ms, vs, grads, *hyper):
-        self._opt("nadam", copies, (ms, vs), grads, hyper)
-
-    def _hook_nadam(self, copies, ms, vs, grad, *hyper):
-        self._opt("nadam", copies, (ms, vs), (grad,), hyper)
-
-    def _hook_all_reduce_lion(self, copies, ms, grads, *hyper):
-        self._opt("lion", copies, (ms,), grads, hyper)
-
-    def _hook_lion(self, copies, ms, grad, *hyper):
-        self._opt("lion", copies, (ms,), (grad,), hyper)
 
     # ------------------------------------------------------------------ batch scatter
     def scatter(self, batch, devices):
@@ -830,3 +802,24 @@ class CupyBackend(KernelBackend):
             )
         join_streams(cupy, set(devices), (device,))
         return outs
+
+
+def _rule_hooks(name):
+    """The plain and fused hooks of ``name``: its ``mirrored_all_reduce_<name>`` kernel."""
+    nslots = len(UPDATE_KERNELS[name][0])
+
+    def plain(self, copies, *args):
+        self._opt(name, copies, args[:nslots], (args[nslots],), args[nslots + 1 :])
+
+    def fused(self, copies, *args):
+        self._opt(name, copies, args[:nslots], args[nslots], args[nslots + 1 :])
+
+    return plain, fused
+
+
+for _name in UPDATE_KERNELS:
+    if f"_hook_{_name}" not in CupyBackend.__dict__:
+        _plain, _fused = _rule_hooks(_name)
+        setattr(CupyBackend, f"_hook_{_name}", _plain)
+        setattr(CupyBackend, f"_hook_all_reduce_{_name}", _fused)
+del _name, _plain, _fused

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from cudist import _core
-from cudist._kernels._base import KernelBackend, TrustedKernels
+from cudist._kernels._base import UPDATE_ENTRY_POINTS, KernelBackend, TrustedKernels
 from cudist._reduce_util import ReduceOp
 
 __all__ = ["NativeBackend", "num_threads", "set_num_threads"]
@@ -119,41 +119,22 @@ class NativeBackend(KernelBackend):
     def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
         _core.all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)
 
-    def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):
-        _core.adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)
 
-    def _hook_all_reduce_adamw(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon, decay):
-        _core.all_reduce_adamw(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon, decay)
+def _core_hook(name):
+    fn = getattr(_core, name)
 
-    def _hook_rmsprop(self, copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay):
-        _core.rmsprop(copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay)
+    def hook(self, *args):
+        fn(*args)
 
-    def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, lr, rho, momentum, epsilon, decay):
-        _core.all_reduce_rmsprop(copies, vels, moms, avgs, grads, lr, rho, momentum, epsilon, decay)
+    hook.__name__ = hook.__qualname__ = f"_hook_{name}"
+    return hook
 
-    def _hook_adagrad(self, copies, accs, grad, lr, epsilon, decay):
-        _core.adagrad(copies, accs, grad, lr, epsilon, decay)
 
-    def _hook_all_reduce_adagrad(self, copies, accs, grads, lr, epsilon, decay):
-        _core.all_reduce_adagrad(copies, accs, grads, lr, epsilon, decay)
-
-    def _hook_adamax(self, copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay):
-        _core.adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)
-
-    def _hook_all_reduce_adamax(self, copies, ms, us, grads, lr_t, beta_1, beta_2, epsilon, decay):
-        _core.all_reduce_adamax(copies, ms, us, grads, lr_t, beta_1, beta_2, epsilon, decay)
-
-    def _hook_nadam(self, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay):
-        _core.nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay)
-
-    def _hook_all_reduce_nadam(self, copies, ms, vs, grads, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay):
-        _core.all_reduce_nadam(copies, ms, vs, grads, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay)
-
-    def _hook_lion(self, copies, ms, grad, lr, beta_1, beta_2, decay):
-        _core.lion(copies, ms, grad, lr, beta_1, beta_2, decay)
-
-    def _hook_all_reduce_lion(self, copies, ms, grads, lr, beta_1, beta_2, decay):
-        _core.all_reduce_lion(copies, ms, grads, lr, beta_1, beta_2, decay)
+# The optimizers' hooks beyond the ones above are the extension's functions of the same names.
+for _name in UPDATE_ENTRY_POINTS:
+    if f"_hook_{_name}" not in NativeBackend.__dict__:
+        setattr(NativeBackend, f"_hook_{_name}", _core_hook(_name))
+del _name
 
 
 class _NativeTrusted(TrustedKernels):
@@ -174,21 +155,5 @@ class _NativeTrusted(TrustedKernels):
         self.broadcast = _core.broadcast
         self.assign = _core.assign
         self.assign_add = _core.assign_add
-        self.sgd = _core.sgd
-        self.momentum = _core.momentum
-        self.adam = _core.adam
-        self.all_reduce_sgd = _core.all_reduce_sgd
-        self.all_reduce_momentum = _core.all_reduce_momentum
-        self.all_reduce_adam = _core.all_reduce_adam
-        self.adamw = _core.adamw
-        self.all_reduce_adamw = _core.all_reduce_adamw
-        self.rmsprop = _core.rmsprop
-        self.all_reduce_rmsprop = _core.all_reduce_rmsprop
-        self.adagrad = _core.adagrad
-        self.all_reduce_adagrad = _core.all_reduce_adagrad
-        self.adamax = _core.adamax
-        self.all_reduce_adamax = _core.all_reduce_adamax
-        self.nadam = _core.nadam
-        self.all_reduce_nadam = _core.all_reduce_nadam
-        self.lion = _core.lion
-        self.all_reduce_lion = _core.all_reduce_lion
+        for name in UPDATE_ENTRY_POINTS:
+            setattr(self, name, getattr(_core, name))

@@ -66,7 +66,7 @@ _SUM, _MEAN, _SUB = 0, 1, 2
 # Modes of _k_update.
 _SGD, _MOMENTUM, _NESTEROV, _ADAM = 0, 1, 2, 3
 # The optimizers with decoupled weight decay (hyper-parameter _DECAY) and up to three slots.
-_ADAMW, _RMSPROP, _ADAGRAD, _ADAMAX, _NADAM, _LION = 4, 5, 6, 7, 8, 9
+_ADAMW, _RMSPROP, _ADAGRAD, _ADAMAX, _NADAM, _LION, _AMSGRAD = 4, 5, 6, 7, 8, 9, 10
 #: Hyper-parameters per update call (float64 in, rounded to the compute type in the kernel);
 #: the last one is the weight-decay factor of the modes from _ADAMW on.
 _NHP = 12
@@ -366,6 +366,24 @@ def _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, has_decay, zero, one,
                 t1[j] = _st(mm, dtype)
                 t2[j] = _st(vv, dtype)
                 tw[j] = _st(tc[j] - mh * lr / (np.sqrt(vh) + eps), dtype)
+    elif mode == _AMSGRAD:
+        lr_t, b1, b2, eps = hp[0], hp[1], hp[2], hp[3]
+        c1 = one - b1
+        c2 = one - b2
+        s2 = _view(a[_HDR + n + n1] + off, m, dtype)
+        s3 = _view(a[_HDR + n + n1 + n2] + off, m, dtype)
+        for j in range(m):
+            gg = _ld(g[j])
+            mm = _ld(s1[j])
+            vv = _ld(s2[j])
+            mm = mm + (gg - mm) * c1
+            vv = vv + (gg * gg - vv) * c2
+            x = _ld(s3[j])
+            vh = x if (x > vv or x != x) else vv  # np.maximum(v_hat, v): a NaN wins, equal values give v
+            t1[j] = _st(mm, dtype)
+            t2[j] = _st(vv, dtype)
+            t3[j] = _st(vh, dtype)
+            tw[j] = _st(tc[j] - lr_t * mm / (np.sqrt(vh) + eps), dtype)
     elif mode == _RMSPROP:
         lr, rho, mom, eps = hp[0], hp[1], hp[2], hp[3]
         omr = one - rho
@@ -914,6 +932,14 @@ class NumbaBackend(KernelBackend):
     def _hook_all_reduce_adamw(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon, decay):
         self._opt(_ADAMW, copies, (ms, vs), grads, (lr_t, beta_1, beta_2, epsilon), decay,
                   lambda: _NP._hook_all_reduce_adamw(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon, decay))
+
+    def _hook_amsgrad(self, copies, ms, vs, v_hats, grad, lr_t, beta_1, beta_2, epsilon, decay):
+        self._hook_all_reduce_amsgrad(copies, ms, vs, v_hats, (grad,), lr_t, beta_1, beta_2, epsilon, decay)
+
+    def _hook_all_reduce_amsgrad(self, copies, ms, vs, v_hats, grads, lr_t, beta_1, beta_2, epsilon, decay):
+        self._opt(_AMSGRAD, copies, (ms, vs, v_hats), grads, (lr_t, beta_1, beta_2, epsilon), decay,
+                  lambda: _NP._hook_all_reduce_amsgrad(copies, ms, vs, v_hats, grads, lr_t, beta_1, beta_2, epsilon,
+                                                       decay))
 
     def _hook_rmsprop(self, copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay):
         self._hook_all_reduce_rmsprop(copies, vels, moms, avgs, (grad,), lr, rho, momentum, epsilon, decay)

@@ -115,6 +115,16 @@ class NumpyBackend(KernelBackend):
         w = w - lr_t * m / (np.sqrt(v) + eps)
         self._finish(copies, (m, ms), (v, vs), (w, copies))
 
+    def _hook_amsgrad(self, copies, ms, vs, v_hats, grad, lr_t, beta_1, beta_2, epsilon, decay):
+        ct, one, w, g, (lr_t, b1, b2, eps) = self._start(copies, grad, decay, lr_t, beta_1, beta_2, epsilon)
+        m = ms[0].astype(ct)
+        v = vs[0].astype(ct)
+        m = m + (g - m) * (one - b1)
+        v = v + (g * g - v) * (one - b2)
+        v_hat = np.maximum(v_hats[0].astype(ct), v)
+        w = w - lr_t * m / (np.sqrt(v_hat) + eps)
+        self._finish(copies, (m, ms), (v, vs), (v_hat, v_hats), (w, copies))
+
     def _hook_rmsprop(self, copies, vels, moms, avgs, grad, lr, rho, momentum, epsilon, decay):
         ct, one, w, g, (lr, rho, mom, eps) = self._start(copies, grad, decay, lr, rho, momentum, epsilon)
         v = rho * vels[0].astype(ct) + (one - rho) * (g * g)

@@ -14,8 +14,8 @@ from cudist.bench._sizes import check_fits_in_memory, format_size, parse_size, s
 
 #: ``update --optimizer`` choices: _ops.UPDATE_OPTIMIZERS (a literal here, so that building the parser
 #: imports no NumPy; tests/test_bench_cli.py checks the two agree).
-UPDATE_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "rmsprop", "rmsprop_centered", "adagrad", "adamax", "nadam",
-                     "lion")
+UPDATE_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "amsgrad", "rmsprop", "adagrad", "adamax", "nadam", "lion",
+                     "rmsprop_centered")
 
 __all__ = ["main", "build_parser"]
 

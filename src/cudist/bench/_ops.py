@@ -9,16 +9,19 @@ Sizes are bytes per replica (per mirrored copy for updates). Bandwidth formulas 
 * split: algbw = busbw = n*size / t (the batch); the pieces are views, so no bytes move (%copy n/a).
 * update: algbw = size / t; busbw = bytes moved / t, moved = (r + w*n)*size with r buffers read (the
   variable's copy 0, each slot's copy 0, the gradient) and w per copy written (the variable and each
-  slot): SGD (2+n), momentum (3+2n), Adam / AdamW / Adamax / Nadam (4+3n) (var, m, v, grad read; 3n
-  copies written), RMSprop (3+2n; centered with momentum, 3 slots: 5+4n), Adagrad / Lion (3+2n).
+  slot): with k slots, (2+k) + (1+k)*n: SGD (2+n), momentum (3+2n), Adam (4+3n: var, m, v, grad
+  read; 3n copies written), RMSprop (3+2n; centered with momentum, 3 slots: 5+4n).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+
+from cudist._kernels import UPDATE_KERNELS
 
 __all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "make_case", "random_array", "count_wrong"]
 
@@ -41,18 +44,23 @@ class Case:
     check: Callable[[], int]
 
 
-#: Update rule -> (buffers read, buffers written per mirrored copy): see the module docstring.
+#: Update rule -> (buffers read, buffers written per mirrored copy): see the module docstring. One
+#: per kernel of cudist._kernels.UPDATE_KERNELS (its slots read and written besides the variable and
+#: the gradient; RMSprop with its velocity only), and RMSprop with all three slots.
 _UPDATE_MOVED = {
-    "sgd": (2, 1),
-    "momentum": (3, 2),
-    "adam": (4, 3),
-    "adamw": (4, 3),
-    "rmsprop": (3, 2),
-    "rmsprop_centered": (5, 4),  # momentum and centered: velocity, momentum, average gradient
-    "adagrad": (3, 2),
-    "adamax": (4, 3),
-    "nadam": (4, 3),
-    "lion": (3, 2),
+    name: (2 + k, 1 + k) for name, k in ((name, len(slots)) for name, (slots, _) in UPDATE_KERNELS.items())
+}
+_UPDATE_MOVED["rmsprop"] = (3, 2)
+_UPDATE_MOVED["rmsprop_centered"] = (5, 4)  # momentum and centered: velocity, momentum, average gradient
+#: Slots that hold positive values (the others are signed).
+_POSITIVE_SLOTS = frozenset({"velocity", "v", "v_hat", "u", "accumulator"})
+#: Keyword arguments of an update beyond the learning rate (and the step, where it takes one).
+_UPDATE_ARGS = {
+    "momentum": dict(momentum=0.9, nesterov=False),
+    "rmsprop_centered": dict(momentum=0.9),
+    "adamw": dict(weight_decay=0.004),
+    "amsgrad": dict(weight_decay=0.004),
+    "nadam": dict(u_product=0.5),
 }
 #: The update rules ``cudist-bench update --optimizer`` takes.
 UPDATE_OPTIMIZERS = tuple(_UPDATE_MOVED)
@@ -199,44 +207,25 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
         hp = dict(lr=0.01)
         signed = lambda: random_array(rng, count, dtype)  # noqa: E731
         positive = lambda: random_array(rng, count, dtype, nonneg=True)  # noqa: E731
-        slots_h = {
-            "sgd": [],
-            "momentum": [signed()],
-            "rmsprop": [positive()],
-            "adagrad": [positive()],
-            "lion": [signed()],
-        }.get(opt)
-        if slots_h is None and opt == "rmsprop_centered":
+        if opt == "rmsprop_centered":
             v = positive()  # the average gradient small against sqrt(v), so v - a*a stays positive
             slots_h = [v, signed(), (signed().astype(np.float64) * 0.1 * np.sqrt(v.astype(np.float64))).astype(dtype)]
-        elif slots_h is None:  # adam, adamw, adamax, nadam: a signed first moment, a positive second
-            slots_h = [signed(), positive()]
-        if opt == "momentum":
-            hp.update(momentum=0.9, nesterov=False)
+        else:  # second moments, norms and accumulators are positive, first moments signed
+            names = UPDATE_KERNELS[opt][0][: 1 if opt == "rmsprop" else None]
+            slots_h = [positive() if s in _POSITIVE_SLOTS else signed() for s in names]
+        hp.update(_UPDATE_ARGS.get(opt, {}))
         slots = [[fresh(s) for _ in range(n)] for s in slots_h]
         step = [0]
+        kernel = "rmsprop" if opt == "rmsprop_centered" else opt
+        takes_step = "step" in inspect.signature(getattr(ref_be, kernel)).parameters
 
         def call(be, cps, sl, g):
-            if opt == "sgd":
-                return be.sgd(cps, g, **hp)
-            if opt == "momentum":
-                return be.momentum(cps, sl[0], g, **hp)
             if opt == "rmsprop":
                 return be.rmsprop(cps, sl[0], None, None, g, **hp)
-            if opt == "rmsprop_centered":
-                return be.rmsprop(cps, sl[0], sl[1], sl[2], g, momentum=0.9, **hp)
-            if opt == "adagrad":
-                return be.adagrad(cps, sl[0], g, **hp)
-            if opt == "lion":
-                return be.lion(cps, sl[0], g, **hp)
+            if not takes_step:
+                return getattr(be, kernel)(cps, *sl, g, **hp)
             step[0] += 1
-            if opt == "adamw":
-                return be.adamw(cps, sl[0], sl[1], g, step=step[0], weight_decay=0.004, **hp)
-            if opt == "adamax":
-                return be.adamax(cps, sl[0], sl[1], g, step=step[0], **hp)
-            if opt == "nadam":
-                return be.nadam(cps, sl[0], sl[1], g, step=step[0], u_product=0.5, **hp)
-            return be.adam(cps, sl[0], sl[1], g, step=step[0], **hp)
+            return getattr(be, kernel)(cps, *sl, g, step=step[0], **hp)
 
         def check():
             # Restore the mirrors to known values, then one update on both backends from the same state.

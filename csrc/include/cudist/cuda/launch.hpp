@@ -100,7 +100,7 @@ cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n,
                             double lr_t, double beta_1, double beta_2, double epsilon, long long count,
                             cudaStream_t stream = nullptr);
 
-/// AdamW, RMSprop, Adagrad, Adamax, Nadam and Lion (cudist's kernel contract, Keras 3 formulas):
+/// AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam and Lion (cudist's kernel contract, Keras 3 formulas):
 /// the plain update on the n copies from `grad`, and the fused all-reduce form from the m gradients
 /// `grads` (summed in replica order in T as all_reduce_sgd does; more than kMaxReplicas are first
 /// reduced into a stream-ordered temporary). `decay` is the decoupled weight decay
@@ -113,6 +113,15 @@ template <class T>
 cudaError_t all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
                              double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
                              cudaStream_t stream = nullptr);
+/// AMSGrad (Keras 3's Adam(amsgrad=True)) takes adamw's arguments and the slot v_hat.
+template <class T>
+cudaError_t amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n, const T* grad, double lr_t,
+                    double beta_1, double beta_2, double epsilon, double decay, long long count,
+                    cudaStream_t stream = nullptr);
+template <class T>
+cudaError_t all_reduce_amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n,
+                               const T* const* grads, int m, double lr_t, double beta_1, double beta_2, double epsilon,
+                               double decay, long long count, cudaStream_t stream = nullptr);
 template <class T>
 cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, int n,
                     const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
@@ -195,6 +204,13 @@ cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* cons
   L(launch, all_reduce_adamw, T,                                                                                \
     (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, double,        \
      long long, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_amsgrad(L, T, name)                                           \
+  L(launch, amsgrad, T,                                                                                         \
+    (T* const*, T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double,         \
+     long long, cudaStream_t))                                                                                  \
+  L(launch, all_reduce_amsgrad, T,                                                                              \
+    (T* const*, T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double,     \
+     double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_rmsprop(L, T, name)                                           \
   L(launch, rmsprop, T,                                                                                         \
     (T* const*, T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double,         \

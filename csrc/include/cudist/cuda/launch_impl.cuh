@@ -414,6 +414,30 @@ cudaError_t adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* 
   return all_reduce_adamw<T>(copies, ms, vs, n, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, count, stream);
 }
 template <class T>
+cudaError_t all_reduce_amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n,
+                               const T* const* grads, int m, double lr_t, double beta_1, double beta_2, double epsilon,
+                               double decay, long long count, cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || v_hats == nullptr ||
+      detail::bad_grads(grads, m))
+    return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  return detail::run_fused<T>({ms, vs, v_hats, copies}, n, grads, m, count, stream,
+                              [&](int k, const detail::PtrPack<T>& g, int ng) {
+    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_amsgrad_packed<T>, detail::grid_for<T>(count), detail::kThreads,
+                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k),
+                         detail::pack(v_hats, k), k, g, ng, static_cast<C>(lr_t), static_cast<C>(beta_1),
+                         static_cast<C>(beta_2), static_cast<C>(epsilon), static_cast<C>(decay), count);
+  });
+}
+template <class T>
+cudaError_t amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n, const T* grad, double lr_t,
+                    double beta_1, double beta_2, double epsilon, double decay, long long count, cudaStream_t stream) {
+  if (grad == nullptr) return cudaErrorInvalidValue;
+  return all_reduce_amsgrad<T>(copies, ms, vs, v_hats, n, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, count,
+                               stream);
+}
+template <class T>
 cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
                                int n, const T* const* grads, int m, double lr, double rho, double momentum,
                                double epsilon, double decay, long long count, cudaStream_t stream) {

@@ -41,6 +41,7 @@
   X(A, mirrored_all_reduce_momentum, FLOAT)   \
   X(A, mirrored_all_reduce_adam, FLOAT)       \
   X(A, mirrored_all_reduce_adamw, FLOAT)      \
+  X(A, mirrored_all_reduce_amsgrad, FLOAT)    \
   X(A, mirrored_all_reduce_rmsprop, FLOAT)    \
   X(A, mirrored_all_reduce_adagrad, FLOAT)    \
   X(A, mirrored_all_reduce_adamax, FLOAT)     \

@@ -16,13 +16,14 @@
 // launchers broadcast copy 0 to the rest when there are more copies, and pre-reduce the gradients
 // when there are more gradients).
 //
-// AdamW, RMSprop, Adagrad, Adamax, Nadam and Lion have the fused form only (mirrored_all_reduce_*);
+// AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam and Lion have the fused form only (mirrored_all_reduce_*);
 // their plain update is that kernel with one gradient.
 //
 // T: assign_add: float, double, __half, int, long long; the updates: float, double, __half.
 #pragma once
 
 #include "common.cuh"
+#include "../detail/update_rules.hpp"
 
 namespace cudist {
 namespace kernels {
@@ -76,271 +77,6 @@ struct SumGrads {
   }
   __device__ __forceinline__ bool aligned() const { return all_aligned16(p, n, 0); }
 };
-
-// w = w - lr * g
-template <class T, class G = OneGrad<T>>
-struct Sgd {
-  using C = typename compute<T>::type;
-  Ptrs<T> copies;
-  G grad;
-  int n;
-  C lr;
-
-  template <int W>
-  __device__ __forceinline__ void apply(long long i) const {
-    Pack<T, W> w = load<W>(copies.p[0] + i);
-    const Pack<T, W> g = grad.template get<W>(i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) w.v[k] = from_compute<T>(sub(to_compute(w.v[k]), mul(lr, to_compute(g.v[k]))));
-#pragma unroll
-    for (int r = 0; r < kMaxReplicas; ++r)
-      if (r < n) store<W>(copies.p[r] + i, w);
-  }
-};
-
-// v = momentum * v - lr * g;  w = w + (momentum * v - lr * g) (nesterov) or w + v
-template <class T, class G = OneGrad<T>>
-struct Momentum {
-  using C = typename compute<T>::type;
-  Ptrs<T> copies, vels;
-  G grad;
-  int n, nesterov;
-  C lr, momentum;
-
-  template <int W>
-  __device__ __forceinline__ void apply(long long i) const {
-    Pack<T, W> w = load<W>(copies.p[0] + i);
-    Pack<T, W> v = load<W>(vels.p[0] + i);
-    const Pack<T, W> g = grad.template get<W>(i);
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const C gk = to_compute(g.v[k]);
-      const C lr_g = mul(lr, gk);
-      const C vk = sub(mul(momentum, to_compute(v.v[k])), lr_g);
-      const C wk = to_compute(w.v[k]);
-      // The velocity used for the weight is the unrounded compute-type one, as in the reference.
-      const C wn = nesterov ? add(wk, sub(mul(momentum, vk), lr_g)) : add(wk, vk);
-      v.v[k] = from_compute<T>(vk);
-      w.v[k] = from_compute<T>(wn);
-    }
-#pragma unroll
-    for (int r = 0; r < kMaxReplicas; ++r) {
-      if (r < n) {
-        store<W>(vels.p[r] + i, v);
-        store<W>(copies.p[r] + i, w);
-      }
-    }
-  }
-};
-
-// m += (g - m) * (1 - beta_1);  v += (g*g - v) * (1 - beta_2);  w -= lr_t * m / (sqrt(v) + epsilon)
-template <class T, class G = OneGrad<T>>
-struct Adam {
-  using C = typename compute<T>::type;
-  Ptrs<T> copies, ms, vs;
-  G grad;
-  int n;
-  C lr_t, beta_1, beta_2, epsilon;
-
-  template <int W>
-  __device__ __forceinline__ void apply(long long i) const {
-    Pack<T, W> w = load<W>(copies.p[0] + i);
-    Pack<T, W> m = load<W>(ms.p[0] + i);
-    Pack<T, W> v = load<W>(vs.p[0] + i);
-    const Pack<T, W> g = grad.template get<W>(i);
-    // (1 - beta) in the compute type, as the reference computes it (not folded on the host).
-    const C one = C(1);
-    const C omb1 = sub(one, beta_1);
-    const C omb2 = sub(one, beta_2);
-#pragma unroll
-    for (int k = 0; k < W; ++k) {
-      const C gk = to_compute(g.v[k]);
-      C mk = to_compute(m.v[k]);
-      C vk = to_compute(v.v[k]);
-      mk = add(mk, mul(sub(gk, mk), omb1));
-      vk = add(vk, mul(sub(mul(gk, gk), vk), omb2));
-      const C wk = sub(to_compute(w.v[k]), div(mul(lr_t, mk), add(sqrt_rn(vk), epsilon)));
-      m.v[k] = from_compute<T>(mk);
-      v.v[k] = from_compute<T>(vk);
-      w.v[k] = from_compute<T>(wk);
-    }
-#pragma unroll
-    for (int r = 0; r < kMaxReplicas; ++r) {
-      if (r < n) {
-        store<W>(ms.p[r] + i, m);
-        store<W>(vs.p[r] + i, v);
-        store<W>(copies.p[r] + i, w);
-      }
-    }
-  }
-};
-
-}  // namespace detail
-
-/// Every copy becomes copies[0] + value (negate = 0) or copies[0] - value (negate != 0).
-template <class T>
-__global__ void mirrored_assign_add(T* const* copies, int n, const T* value, long long count, int negate) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
-  detail::AssignAdd<T> f{c, value, n, negate};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(value), f);
-}
-template <class T>
-__global__ void mirrored_assign_add_packed(PtrPack<T> copies, int n, const T* value, long long count, int negate) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
-  detail::AssignAdd<T> f{c, value, n, negate};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(value), f);
-}
-
-/// Plain SGD on n copies.
-template <class T>
-__global__ void mirrored_sgd(T* const* copies, int n, const T* grad, typename detail::compute<T>::type lr,
-                             long long count) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
-  detail::Sgd<T> f{c, {grad}, n, lr};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(grad), f);
-}
-template <class T>
-__global__ void mirrored_sgd_packed(PtrPack<T> copies, int n, const T* grad, typename detail::compute<T>::type lr,
-                                    long long count) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
-  detail::Sgd<T> f{c, {grad}, n, lr};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(grad), f);
-}
-
-/// SGD with momentum (Keras formulation) on n variable copies and n velocity copies.
-template <class T>
-__global__ void mirrored_momentum(T* const* copies, T* const* vels, int n, const T* grad,
-                                  typename detail::compute<T>::type lr, typename detail::compute<T>::type momentum,
-                                  int nesterov, long long count) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n), v = detail::load_ptrs(vels, n);
-  detail::Momentum<T> f{c, v, {grad}, n, nesterov, lr, momentum};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::all_aligned16(v, n, 0) &&
-                                    detail::aligned16(grad), f);
-}
-template <class T>
-__global__ void mirrored_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, const T* grad,
-                                         typename detail::compute<T>::type lr,
-                                         typename detail::compute<T>::type momentum, int nesterov, long long count) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n), v = detail::load_ptrs(vels, n);
-  detail::Momentum<T> f{c, v, {grad}, n, nesterov, lr, momentum};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::all_aligned16(v, n, 0) &&
-                                    detail::aligned16(grad), f);
-}
-
-/// Adam (Keras formulation) on n copies of the variable and of its m and v slots; lr_t is the
-/// bias-corrected step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), computed by the caller.
-template <class T>
-__global__ void mirrored_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad,
-                              typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
-                              typename detail::compute<T>::type beta_2, typename detail::compute<T>::type epsilon,
-                              long long count) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n), m = detail::load_ptrs(ms, n), v = detail::load_ptrs(vs, n);
-  detail::Adam<T> f{c, m, v, {grad}, n, lr_t, beta_1, beta_2, epsilon};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::all_aligned16(m, n, 0) &&
-                                    detail::all_aligned16(v, n, 0) && detail::aligned16(grad), f);
-}
-template <class T>
-__global__ void mirrored_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n, const T* grad,
-                                     typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
-                                     typename detail::compute<T>::type beta_2,
-                                     typename detail::compute<T>::type epsilon, long long count) {
-  const detail::Ptrs<T> c = detail::load_ptrs(copies, n), m = detail::load_ptrs(ms, n), v = detail::load_ptrs(vs, n);
-  detail::Adam<T> f{c, m, v, {grad}, n, lr_t, beta_1, beta_2, epsilon};
-  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::all_aligned16(m, n, 0) &&
-                                    detail::all_aligned16(v, n, 0) && detail::aligned16(grad), f);
-}
-
-namespace detail {
-
-template <class T>
-__device__ __forceinline__ void all_reduce_sgd_body(const Ptrs<T>& c, int n, const Ptrs<T>& g, int n_grads,
-                                                    typename compute<T>::type lr, long long count) {
-  Sgd<T, SumGrads<T>> f{c, {g, n_grads}, n, lr};
-  for_each<T>(0, count, all_aligned16(c, n, 0) && f.grad.aligned(), f);
-}
-
-template <class T>
-__device__ __forceinline__ void all_reduce_momentum_body(const Ptrs<T>& c, const Ptrs<T>& v, int n, const Ptrs<T>& g,
-                                                         int n_grads, typename compute<T>::type lr,
-                                                         typename compute<T>::type momentum, int nesterov,
-                                                         long long count) {
-  Momentum<T, SumGrads<T>> f{c, v, {g, n_grads}, n, nesterov, lr, momentum};
-  for_each<T>(0, count, all_aligned16(c, n, 0) && all_aligned16(v, n, 0) && f.grad.aligned(), f);
-}
-
-template <class T>
-__device__ __forceinline__ void all_reduce_adam_body(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n,
-                                                     const Ptrs<T>& g, int n_grads, typename compute<T>::type lr_t,
-                                                     typename compute<T>::type beta_1,
-                                                     typename compute<T>::type beta_2,
-                                                     typename compute<T>::type epsilon, long long count) {
-  Adam<T, SumGrads<T>> f{c, m, v, {g, n_grads}, n, lr_t, beta_1, beta_2, epsilon};
-  for_each<T>(0, count,
-              all_aligned16(c, n, 0) && all_aligned16(m, n, 0) && all_aligned16(v, n, 0) && f.grad.aligned(), f);
-}
-
-}  // namespace detail
-
-/// Fused all-reduce + SGD: g = grads[0] + ... + grads[n_grads-1] (replica order, in T), then every
-/// one of the n copies becomes copies[0] - lr * g. 1 <= n, n_grads <= kMaxReplicas.
-template <class T>
-__global__ void mirrored_all_reduce_sgd(T* const* copies, int n, T* const* grads, int n_grads,
-                                        typename detail::compute<T>::type lr, long long count) {
-  detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
-                                 count);
-}
-template <class T>
-__global__ void mirrored_all_reduce_sgd_packed(PtrPack<T> copies, int n, PtrPack<T> grads, int n_grads,
-                                               typename detail::compute<T>::type lr, long long count) {
-  detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
-                                 count);
-}
-
-/// Fused all-reduce + momentum SGD (the gradients summed as in mirrored_all_reduce_sgd).
-template <class T>
-__global__ void mirrored_all_reduce_momentum(T* const* copies, T* const* vels, int n, T* const* grads, int n_grads,
-                                             typename detail::compute<T>::type lr,
-                                             typename detail::compute<T>::type momentum, int nesterov,
-                                             long long count) {
-  detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
-                                      detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
-}
-template <class T>
-__global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, PtrPack<T> grads,
-                                                    int n_grads, typename detail::compute<T>::type lr,
-                                                    typename detail::compute<T>::type momentum, int nesterov,
-                                                    long long count) {
-  detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
-                                      detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
-}
-
-/// Fused all-reduce + Adam (the gradients summed as in mirrored_all_reduce_sgd; lr_t bias-corrected).
-template <class T>
-__global__ void mirrored_all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, T* const* grads,
-                                         int n_grads, typename detail::compute<T>::type lr_t,
-                                         typename detail::compute<T>::type beta_1,
-                                         typename detail::compute<T>::type beta_2,
-                                         typename detail::compute<T>::type epsilon, long long count) {
-  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
-}
-template <class T>
-__global__ void mirrored_all_reduce_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
-                                                PtrPack<T> grads, int n_grads, typename detail::compute<T>::type lr_t,
-                                                typename detail::compute<T>::type beta_1,
-                                                typename detail::compute<T>::type beta_2,
-                                                typename detail::compute<T>::type epsilon, long long count) {
-  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
-}
-
-// ---------------------------------------------------------------------------------------------
-// AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: one kernel each (pointer-table and `_packed`
-// forms), the fused all-reduce form; the plain update is the same kernel with one gradient. The
-// arithmetic is that of the NumPy reference (`_hook_adamw` ... in _numpy.py): the decoupled weight
-// decay w - w * decay first (skipped when decay is 0), then the update, in the compute type.
-
-namespace detail {
 
 template <class C>
 __device__ __forceinline__ C decayed(C w, C decay) {
@@ -409,62 +145,287 @@ __device__ __forceinline__ void run_rule(const Ptrs<T> (&s)[NS], int n, const Pt
   for_each<T>(0, count, f.aligned(), f);
 }
 
-// m += (g - m) * c1;  v += (g*g - v) * c2;  w = decayed(w) - lr_t * m / (sqrt(v) + epsilon)
+// The device arithmetic of the shared rules (<cudist/detail/update_rules.hpp>): the helpers above,
+// which round like NumPy whatever flags the kernels are compiled with.
+struct device_math {
+  template <class C>
+  static __device__ __forceinline__ C add(C a, C b) { return detail::add(a, b); }
+  template <class C>
+  static __device__ __forceinline__ C sub(C a, C b) { return detail::sub(a, b); }
+  template <class C>
+  static __device__ __forceinline__ C mul(C a, C b) { return detail::mul(a, b); }
+  template <class C>
+  static __device__ __forceinline__ C div(C a, C b) { return detail::div(a, b); }
+  template <class C>
+  static __device__ __forceinline__ C sqrt(C a) { return sqrt_rn(a); }
+  template <class C>
+  static __device__ __forceinline__ C maximum(C a, C b) { return np_maximum(a, b); }
+  template <class C>
+  static __device__ __forceinline__ C abs(C a) { return abs_c(a); }
+  template <class C>
+  static __device__ __forceinline__ C sign(C a) { return np_sign(a); }
+};
+
+// The weight decay of the rules: w - w * decay, skipped when decay is 0 (as the reference does).
 template <class C>
-struct AdamWRule {
-  C lr_t, c1, c2, epsilon, decay;
-  __device__ __forceinline__ void operator()(C g, C (&x)[3]) const {
-    const C m = add(x[0], mul(sub(g, x[0]), c1));
-    const C v = add(x[1], mul(sub(mul(g, g), x[1]), c2));
-    x[2] = sub(decayed(x[2], decay), div(mul(lr_t, m), add(sqrt_rn(v), epsilon)));
-    x[0] = m;
-    x[1] = v;
+struct Decayed {
+  C decay;
+  __device__ __forceinline__ C operator()(C w) const { return decayed(w, decay); }
+};
+
+// A shared rule bound to its weight decay, called as RuleUpdate calls a rule.
+template <class R, class Dec>
+struct Bound {
+  R rule;
+  Dec dec;
+  template <class C, int N>
+  __device__ __forceinline__ void operator()(C g, C (&x)[N]) const {
+    rule(g, x, dec);
   }
 };
 
-// acc += g*g;  w = decayed(w) - lr * g / sqrt(acc + epsilon)
-template <class C>
-struct AdagradRule {
-  C lr, epsilon, decay;
-  __device__ __forceinline__ void operator()(C g, C (&x)[2]) const {
-    x[0] = add(x[0], mul(g, g));
-    x[1] = sub(decayed(x[1], decay), div(mul(lr, g), sqrt_rn(add(x[0], epsilon))));
+// Runs rule Rule (of update_rules.hpp) over the slot groups then the copies `s`, from the sum of
+// the n_grads gradients; `hyper` in the compute type, `decay` the weight decay (0: none).
+template <template <class, class> class Rule, class T, int NS, class... H>
+__device__ __forceinline__ void run_shared_rule(const Ptrs<T> (&s)[NS], int n, const Ptrs<T>& g, int n_grads,
+                                                typename compute<T>::type decay, long long count, H... hyper) {
+  using C = typename compute<T>::type;
+  using R = Rule<C, device_math>;
+  static_assert(R::kSlots + 1 == NS && R::kHyper == sizeof...(H), "a rule's slots or hyper-parameters mismatch");
+  const Bound<R, Decayed<C>> rule{R(hyper...), Decayed<C>{decay}};
+  run_rule<T, NS>(s, n, g, n_grads, rule, count);
+}
+
+// w = w - lr * g
+template <class T, class G = OneGrad<T>>
+struct Sgd {
+  using C = typename compute<T>::type;
+  Ptrs<T> copies;
+  G grad;
+  int n;
+  C lr;
+
+  template <int W>
+  __device__ __forceinline__ void apply(long long i) const {
+    Pack<T, W> w = load<W>(copies.p[0] + i);
+    const Pack<T, W> g = grad.template get<W>(i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) w.v[k] = from_compute<T>(sub(to_compute(w.v[k]), mul(lr, to_compute(g.v[k]))));
+#pragma unroll
+    for (int r = 0; r < kMaxReplicas; ++r)
+      if (r < n) store<W>(copies.p[r] + i, w);
   }
 };
 
-// m += (g - m) * c1;  u = maximum(beta_2 * u, |g|);  w = decayed(w) - lr_t * m / (u + epsilon)
-template <class C>
-struct AdamaxRule {
-  C lr_t, c1, beta_2, epsilon, decay;
-  __device__ __forceinline__ void operator()(C g, C (&x)[3]) const {
-    x[0] = add(x[0], mul(sub(g, x[0]), c1));
-    x[1] = np_maximum(mul(beta_2, x[1]), abs_c(g));
-    x[2] = sub(decayed(x[2], decay), div(mul(lr_t, x[0]), add(x[1], epsilon)));
+// v = momentum * v - lr * g;  w = w + (momentum * v - lr * g) (nesterov) or w + v
+template <class T, class G = OneGrad<T>>
+struct Momentum {
+  using C = typename compute<T>::type;
+  Ptrs<T> copies, vels;
+  G grad;
+  int n, nesterov;
+  C lr, momentum;
+
+  template <int W>
+  __device__ __forceinline__ void apply(long long i) const {
+    Pack<T, W> w = load<W>(copies.p[0] + i);
+    Pack<T, W> v = load<W>(vels.p[0] + i);
+    const Pack<T, W> g = grad.template get<W>(i);
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const C gk = to_compute(g.v[k]);
+      const C lr_g = mul(lr, gk);
+      const C vk = sub(mul(momentum, to_compute(v.v[k])), lr_g);
+      const C wk = to_compute(w.v[k]);
+      // The velocity used for the weight is the unrounded compute-type one, as in the reference.
+      const C wn = nesterov ? add(wk, sub(mul(momentum, vk), lr_g)) : add(wk, vk);
+      v.v[k] = from_compute<T>(vk);
+      w.v[k] = from_compute<T>(wn);
+    }
+#pragma unroll
+    for (int r = 0; r < kMaxReplicas; ++r) {
+      if (r < n) {
+        store<W>(vels.p[r] + i, v);
+        store<W>(copies.p[r] + i, w);
+      }
+    }
   }
 };
 
-// m, v as Adam; m_hat = c_m * m + c_g * g;  v_hat = v / c_v;  w = decayed(w) - m_hat * lr / (sqrt(v_hat) + epsilon)
-template <class C>
-struct NadamRule {
-  C lr, c1, c2, epsilon, c_m, c_g, c_v, decay;
-  __device__ __forceinline__ void operator()(C g, C (&x)[3]) const {
-    x[0] = add(x[0], mul(sub(g, x[0]), c1));
-    x[1] = add(x[1], mul(sub(mul(g, g), x[1]), c2));
-    const C m_hat = add(mul(c_m, x[0]), mul(c_g, g));
-    const C v_hat = div(x[1], c_v);
-    x[2] = sub(decayed(x[2], decay), div(mul(m_hat, lr), add(sqrt_rn(v_hat), epsilon)));
-  }
-};
+// Adam (rules::adam without weight decay) from one gradient (G = OneGrad) or the sum of several.
+template <class T, class G = OneGrad<T>>
+using Adam = RuleUpdate<T, 3, Bound<rules::adam<typename compute<T>::type, device_math>, rules::no_decay>, G>;
 
-// w = decayed(w) - lr * sign(m * beta_1 + g * c1);  m = m * beta_2 + g * c2
-template <class C>
-struct LionRule {
-  C lr, beta_1, beta_2, c1, c2, decay;
-  __device__ __forceinline__ void operator()(C g, C (&x)[2]) const {
-    x[1] = sub(decayed(x[1], decay), mul(lr, np_sign(add(mul(x[0], beta_1), mul(g, c1)))));
-    x[0] = add(mul(x[0], beta_2), mul(g, c2));
-  }
-};
+template <class T, class G>
+__device__ __forceinline__ void run_adam(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n, const G& grad,
+                                         typename compute<T>::type lr_t, typename compute<T>::type beta_1,
+                                         typename compute<T>::type beta_2, typename compute<T>::type epsilon,
+                                         long long count) {
+  using C = typename compute<T>::type;
+  Adam<T, G> f{{m, v, c}, grad, n, {rules::adam<C, device_math>(lr_t, beta_1, beta_2, epsilon), {}}};
+  for_each<T>(0, count, f.aligned(), f);
+}
+
+}  // namespace detail
+
+/// Every copy becomes copies[0] + value (negate = 0) or copies[0] - value (negate != 0).
+template <class T>
+__global__ void mirrored_assign_add(T* const* copies, int n, const T* value, long long count, int negate) {
+  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
+  detail::AssignAdd<T> f{c, value, n, negate};
+  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(value), f);
+}
+template <class T>
+__global__ void mirrored_assign_add_packed(PtrPack<T> copies, int n, const T* value, long long count, int negate) {
+  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
+  detail::AssignAdd<T> f{c, value, n, negate};
+  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(value), f);
+}
+
+/// Plain SGD on n copies.
+template <class T>
+__global__ void mirrored_sgd(T* const* copies, int n, const T* grad, typename detail::compute<T>::type lr,
+                             long long count) {
+  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
+  detail::Sgd<T> f{c, {grad}, n, lr};
+  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(grad), f);
+}
+template <class T>
+__global__ void mirrored_sgd_packed(PtrPack<T> copies, int n, const T* grad, typename detail::compute<T>::type lr,
+                                    long long count) {
+  const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
+  detail::Sgd<T> f{c, {grad}, n, lr};
+  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(grad), f);
+}
+
+/// SGD with momentum (Keras formulation) on n variable copies and n velocity copies.
+template <class T>
+__global__ void mirrored_momentum(T* const* copies, T* const* vels, int n, const T* grad,
+                                  typename detail::compute<T>::type lr, typename detail::compute<T>::type momentum,
+                                  int nesterov, long long count) {
+  const detail::Ptrs<T> c = detail::load_ptrs(copies, n), v = detail::load_ptrs(vels, n);
+  detail::Momentum<T> f{c, v, {grad}, n, nesterov, lr, momentum};
+  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::all_aligned16(v, n, 0) &&
+                                    detail::aligned16(grad), f);
+}
+template <class T>
+__global__ void mirrored_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, const T* grad,
+                                         typename detail::compute<T>::type lr,
+                                         typename detail::compute<T>::type momentum, int nesterov, long long count) {
+  const detail::Ptrs<T> c = detail::load_ptrs(copies, n), v = detail::load_ptrs(vels, n);
+  detail::Momentum<T> f{c, v, {grad}, n, nesterov, lr, momentum};
+  detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::all_aligned16(v, n, 0) &&
+                                    detail::aligned16(grad), f);
+}
+
+/// Adam (Keras formulation) on n copies of the variable and of its m and v slots; lr_t is the
+/// bias-corrected step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), computed by the caller.
+template <class T>
+__global__ void mirrored_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad,
+                              typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
+                              typename detail::compute<T>::type beta_2, typename detail::compute<T>::type epsilon,
+                              long long count) {
+  detail::run_adam<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
+                      detail::OneGrad<T>{grad}, lr_t, beta_1, beta_2, epsilon, count);
+}
+template <class T>
+__global__ void mirrored_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n, const T* grad,
+                                     typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
+                                     typename detail::compute<T>::type beta_2,
+                                     typename detail::compute<T>::type epsilon, long long count) {
+  detail::run_adam<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
+                      detail::OneGrad<T>{grad}, lr_t, beta_1, beta_2, epsilon, count);
+}
+
+namespace detail {
+
+template <class T>
+__device__ __forceinline__ void all_reduce_sgd_body(const Ptrs<T>& c, int n, const Ptrs<T>& g, int n_grads,
+                                                    typename compute<T>::type lr, long long count) {
+  Sgd<T, SumGrads<T>> f{c, {g, n_grads}, n, lr};
+  for_each<T>(0, count, all_aligned16(c, n, 0) && f.grad.aligned(), f);
+}
+
+template <class T>
+__device__ __forceinline__ void all_reduce_momentum_body(const Ptrs<T>& c, const Ptrs<T>& v, int n, const Ptrs<T>& g,
+                                                         int n_grads, typename compute<T>::type lr,
+                                                         typename compute<T>::type momentum, int nesterov,
+                                                         long long count) {
+  Momentum<T, SumGrads<T>> f{c, v, {g, n_grads}, n, nesterov, lr, momentum};
+  for_each<T>(0, count, all_aligned16(c, n, 0) && all_aligned16(v, n, 0) && f.grad.aligned(), f);
+}
+
+template <class T>
+__device__ __forceinline__ void all_reduce_adam_body(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n,
+                                                     const Ptrs<T>& g, int n_grads, typename compute<T>::type lr_t,
+                                                     typename compute<T>::type beta_1,
+                                                     typename compute<T>::type beta_2,
+                                                     typename compute<T>::type epsilon, long long count) {
+  run_adam<T>(c, m, v, n, SumGrads<T>{g, n_grads}, lr_t, beta_1, beta_2, epsilon, count);
+}
+
+}  // namespace detail
+
+/// Fused all-reduce + SGD: g = grads[0] + ... + grads[n_grads-1] (replica order, in T), then every
+/// one of the n copies becomes copies[0] - lr * g. 1 <= n, n_grads <= kMaxReplicas.
+template <class T>
+__global__ void mirrored_all_reduce_sgd(T* const* copies, int n, T* const* grads, int n_grads,
+                                        typename detail::compute<T>::type lr, long long count) {
+  detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
+                                 count);
+}
+template <class T>
+__global__ void mirrored_all_reduce_sgd_packed(PtrPack<T> copies, int n, PtrPack<T> grads, int n_grads,
+                                               typename detail::compute<T>::type lr, long long count) {
+  detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
+                                 count);
+}
+
+/// Fused all-reduce + momentum SGD (the gradients summed as in mirrored_all_reduce_sgd).
+template <class T>
+__global__ void mirrored_all_reduce_momentum(T* const* copies, T* const* vels, int n, T* const* grads, int n_grads,
+                                             typename detail::compute<T>::type lr,
+                                             typename detail::compute<T>::type momentum, int nesterov,
+                                             long long count) {
+  detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
+                                      detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
+}
+template <class T>
+__global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, PtrPack<T> grads,
+                                                    int n_grads, typename detail::compute<T>::type lr,
+                                                    typename detail::compute<T>::type momentum, int nesterov,
+                                                    long long count) {
+  detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
+                                      detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
+}
+
+/// Fused all-reduce + Adam (the gradients summed as in mirrored_all_reduce_sgd; lr_t bias-corrected).
+template <class T>
+__global__ void mirrored_all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, T* const* grads,
+                                         int n_grads, typename detail::compute<T>::type lr_t,
+                                         typename detail::compute<T>::type beta_1,
+                                         typename detail::compute<T>::type beta_2,
+                                         typename detail::compute<T>::type epsilon, long long count) {
+  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
+                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
+}
+template <class T>
+__global__ void mirrored_all_reduce_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
+                                                PtrPack<T> grads, int n_grads, typename detail::compute<T>::type lr_t,
+                                                typename detail::compute<T>::type beta_1,
+                                                typename detail::compute<T>::type beta_2,
+                                                typename detail::compute<T>::type epsilon, long long count) {
+  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
+                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
+}
+
+// ---------------------------------------------------------------------------------------------
+// AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: one kernel each (pointer-table and `_packed`
+// forms), the fused all-reduce form; the plain update is the same kernel with one gradient. The
+// arithmetic is that of the NumPy reference (`_hook_adamw` ... in _numpy.py): the decoupled weight
+// decay w - w * decay first (skipped when decay is 0), then the update, in the compute type.
+
+namespace detail {
 
 // RMSprop: the momentum and average-gradient slots are optional (runtime flags), so not a RuleUpdate.
 template <class T, class G>
@@ -473,7 +434,8 @@ struct Rmsprop {
   Ptrs<T> copies, vels, moms, avgs;
   G grad;
   int n, has_momentum, centered;
-  C lr, rho, omr, momentum, epsilon, decay;
+  rules::rmsprop<C, device_math> rule;
+  C decay;
 
   template <int W>
   __device__ __forceinline__ void apply(long long i) const {
@@ -485,26 +447,11 @@ struct Rmsprop {
     const Pack<T, W> g = grad.template get<W>(i);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      const C gk = to_compute(g.v[k]);
-      const C vk = add(mul(rho, to_compute(v.v[k])), mul(omr, mul(gk, gk)));
-      C d;
-      if (centered) {
-        const C ak = add(mul(rho, to_compute(a.v[k])), mul(omr, gk));
-        d = add(sub(vk, mul(ak, ak)), epsilon);
-        a.v[k] = from_compute<T>(ak);
-      } else {
-        d = add(vk, epsilon);
-      }
-      const C inc = div(mul(lr, gk), sqrt_rn(d));
-      C wk = decayed(to_compute(w.v[k]), decay);
-      if (has_momentum) {
-        const C mk = add(mul(momentum, to_compute(mo.v[k])), inc);
-        wk = sub(wk, mk);
-        mo.v[k] = from_compute<T>(mk);
-      } else {
-        wk = sub(wk, inc);
-      }
+      C vk = to_compute(v.v[k]), mk = to_compute(mo.v[k]), ak = to_compute(a.v[k]), wk = to_compute(w.v[k]);
+      rule(to_compute(g.v[k]), vk, has_momentum ? &mk : nullptr, centered ? &ak : nullptr, wk, Decayed<C>{decay});
       v.v[k] = from_compute<T>(vk);
+      if (has_momentum) mo.v[k] = from_compute<T>(mk);
+      if (centered) a.v[k] = from_compute<T>(ak);
       w.v[k] = from_compute<T>(wk);
     }
 #pragma unroll
@@ -527,7 +474,7 @@ __device__ __forceinline__ void rmsprop_body(const Ptrs<T>& c, const Ptrs<T>& v,
                                              int has_momentum, int centered, long long count) {
   using C = typename compute<T>::type;
   Rmsprop<T, SumGrads<T>> f{c, v, mo, a, {g, n_grads}, n, has_momentum, centered,
-                            lr, rho, sub(C(1), rho), momentum, epsilon, decay};
+                            rules::rmsprop<C, device_math>(lr, rho, momentum, epsilon), decay};
   const bool ok = all_aligned16(c, n, 0) && all_aligned16(v, n, 0) && (!has_momentum || all_aligned16(mo, n, 0)) &&
                   (!centered || all_aligned16(a, n, 0)) && f.grad.aligned();
   for_each<T>(0, count, ok, f);
@@ -547,10 +494,8 @@ __global__ void mirrored_all_reduce_adamw(T* const* copies, T* const* ms, T* con
                                           typename detail::compute<T>::type beta_2,
                                           typename detail::compute<T>::type epsilon,
                                           typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  const detail::AdamWRule<C> rule{lr_t, detail::sub(C(1), beta_1), detail::sub(C(1), beta_2), epsilon, decay};
-  detail::run_rule<T, 3>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::adam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
 }
 template <class T>
 __global__ void mirrored_all_reduce_adamw_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
@@ -559,10 +504,36 @@ __global__ void mirrored_all_reduce_adamw_packed(PtrPack<T> copies, PtrPack<T> m
                                                  typename detail::compute<T>::type beta_2,
                                                  typename detail::compute<T>::type epsilon,
                                                  typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  const detail::AdamWRule<C> rule{lr_t, detail::sub(C(1), beta_1), detail::sub(C(1), beta_2), epsilon, decay};
-  detail::run_rule<T, 3>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::adam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
+}
+
+/// Fused all-reduce + AMSGrad (Keras 3's Adam(amsgrad=True)): AdamW's pass with the slot v_hat =
+/// maximum(v_hat, v) in the denominator (rules::amsgrad).
+template <class T>
+__global__ void mirrored_all_reduce_amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n,
+                                            T* const* grads, int n_grads, typename detail::compute<T>::type lr_t,
+                                            typename detail::compute<T>::type beta_1,
+                                            typename detail::compute<T>::type beta_2,
+                                            typename detail::compute<T>::type epsilon,
+                                            typename detail::compute<T>::type decay, long long count) {
+  const detail::Ptrs<T> s[4] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(v_hats, n),
+                                detail::load_ptrs(copies, n)};
+  detail::run_shared_rule<rules::amsgrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1,
+                                          beta_2, epsilon);
+}
+template <class T>
+__global__ void mirrored_all_reduce_amsgrad_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, PtrPack<T> v_hats,
+                                                   int n, PtrPack<T> grads, int n_grads,
+                                                   typename detail::compute<T>::type lr_t,
+                                                   typename detail::compute<T>::type beta_1,
+                                                   typename detail::compute<T>::type beta_2,
+                                                   typename detail::compute<T>::type epsilon,
+                                                   typename detail::compute<T>::type decay, long long count) {
+  const detail::Ptrs<T> s[4] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(v_hats, n),
+                                detail::load_ptrs(copies, n)};
+  detail::run_shared_rule<rules::amsgrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1,
+                                          beta_2, epsilon);
 }
 
 /// Fused all-reduce + RMSprop (Keras formulation); the momentum slot is used when has_momentum,
@@ -601,20 +572,16 @@ __global__ void mirrored_all_reduce_adagrad(T* const* copies, T* const* accs, in
                                             typename detail::compute<T>::type lr,
                                             typename detail::compute<T>::type epsilon,
                                             typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[2] = {detail::load_ptrs(accs, n), detail::load_ptrs(copies, n)};
-  detail::run_rule<T, 2>(s, n, detail::load_ptrs(grads, n_grads), n_grads, detail::AdagradRule<C>{lr, epsilon, decay},
-                         count);
+  detail::run_shared_rule<rules::adagrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, epsilon);
 }
 template <class T>
 __global__ void mirrored_all_reduce_adagrad_packed(PtrPack<T> copies, PtrPack<T> accs, int n, PtrPack<T> grads,
                                                    int n_grads, typename detail::compute<T>::type lr,
                                                    typename detail::compute<T>::type epsilon,
                                                    typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[2] = {detail::load_ptrs(accs, n), detail::load_ptrs(copies, n)};
-  detail::run_rule<T, 2>(s, n, detail::load_ptrs(grads, n_grads), n_grads, detail::AdagradRule<C>{lr, epsilon, decay},
-                         count);
+  detail::run_shared_rule<rules::adagrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, epsilon);
 }
 
 /// Fused all-reduce + Adamax with lr_t = lr / (1 - beta_1^step).
@@ -625,10 +592,8 @@ __global__ void mirrored_all_reduce_adamax(T* const* copies, T* const* ms, T* co
                                            typename detail::compute<T>::type beta_2,
                                            typename detail::compute<T>::type epsilon,
                                            typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(us, n), detail::load_ptrs(copies, n)};
-  const detail::AdamaxRule<C> rule{lr_t, detail::sub(C(1), beta_1), beta_2, epsilon, decay};
-  detail::run_rule<T, 3>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::adamax>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
 }
 template <class T>
 __global__ void mirrored_all_reduce_adamax_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> us, int n,
@@ -638,10 +603,8 @@ __global__ void mirrored_all_reduce_adamax_packed(PtrPack<T> copies, PtrPack<T> 
                                                   typename detail::compute<T>::type beta_2,
                                                   typename detail::compute<T>::type epsilon,
                                                   typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(us, n), detail::load_ptrs(copies, n)};
-  const detail::AdamaxRule<C> rule{lr_t, detail::sub(C(1), beta_1), beta_2, epsilon, decay};
-  detail::run_rule<T, 3>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::adamax>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
 }
 
 /// Fused all-reduce + Nadam (Keras 3) with the step's coefficients c_m, c_g, c_v (cudist's nadam_step).
@@ -654,11 +617,8 @@ __global__ void mirrored_all_reduce_nadam(T* const* copies, T* const* ms, T* con
                                           typename detail::compute<T>::type c_m, typename detail::compute<T>::type c_g,
                                           typename detail::compute<T>::type c_v,
                                           typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  const detail::NadamRule<C> rule{lr, detail::sub(C(1), beta_1), detail::sub(C(1), beta_2), epsilon, c_m, c_g, c_v,
-                                  decay};
-  detail::run_rule<T, 3>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::nadam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v);
 }
 template <class T>
 __global__ void mirrored_all_reduce_nadam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
@@ -670,11 +630,8 @@ __global__ void mirrored_all_reduce_nadam_packed(PtrPack<T> copies, PtrPack<T> m
                                                  typename detail::compute<T>::type c_g,
                                                  typename detail::compute<T>::type c_v,
                                                  typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  const detail::NadamRule<C> rule{lr, detail::sub(C(1), beta_1), detail::sub(C(1), beta_2), epsilon, c_m, c_g, c_v,
-                                  decay};
-  detail::run_rule<T, 3>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::nadam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v);
 }
 
 /// Fused all-reduce + Lion: w = w - w * decay - lr * sign(m * beta_1 + g * (1 - beta_1));
@@ -684,10 +641,8 @@ __global__ void mirrored_all_reduce_lion(T* const* copies, T* const* ms, int n, 
                                          typename detail::compute<T>::type lr, typename detail::compute<T>::type beta_1,
                                          typename detail::compute<T>::type beta_2,
                                          typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[2] = {detail::load_ptrs(ms, n), detail::load_ptrs(copies, n)};
-  const detail::LionRule<C> rule{lr, beta_1, beta_2, detail::sub(C(1), beta_1), detail::sub(C(1), beta_2), decay};
-  detail::run_rule<T, 2>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::lion>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2);
 }
 template <class T>
 __global__ void mirrored_all_reduce_lion_packed(PtrPack<T> copies, PtrPack<T> ms, int n, PtrPack<T> grads,
@@ -695,10 +650,8 @@ __global__ void mirrored_all_reduce_lion_packed(PtrPack<T> copies, PtrPack<T> ms
                                                 typename detail::compute<T>::type beta_1,
                                                 typename detail::compute<T>::type beta_2,
                                                 typename detail::compute<T>::type decay, long long count) {
-  using C = typename detail::compute<T>::type;
   const detail::Ptrs<T> s[2] = {detail::load_ptrs(ms, n), detail::load_ptrs(copies, n)};
-  const detail::LionRule<C> rule{lr, beta_1, beta_2, detail::sub(C(1), beta_1), detail::sub(C(1), beta_2), decay};
-  detail::run_rule<T, 2>(s, n, detail::load_ptrs(grads, n_grads), n_grads, rule, count);
+  detail::run_shared_rule<rules::lion>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2);
 }
 
 }  // namespace kernels

@@ -1,0 +1,204 @@
+/// @file detail/update_rules.hpp
+/// @brief The per-element rule of each optimizer, written once for the host kernels
+/// (<cudist/updates.hpp>) and the CUDA kernels (<cudist/kernels/mirrored.cuh>) (private).
+///
+/// A rule is a struct templated on the compute type ``C`` and on the arithmetic ``M``, a class of
+/// static function templates ``add``, ``sub``, ``mul``, ``div``, ``sqrt``, ``maximum`` (NumPy's: a
+/// NaN wins, of equal values the second), ``abs`` and ``sign`` (NumPy's: +0 for either zero, a NaN
+/// kept). The host passes plain IEEE operators (built with -ffp-contract=off); the CUDA kernels pass
+/// the round-to-nearest intrinsics of <cudist/kernels/common.cuh> that never contract into FMAs
+/// nor flush subnormals. Both then compute exactly what the NumPy reference
+/// (src/cudist/_kernels/_numpy.py) computes, operation by operation.
+///
+/// Each rule has:
+///  * ``kSlots``: its slot count; ``x`` holds copy 0 of each slot (in the compute type), then the
+///    variable's, and the rule overwrites them with the new values;
+///  * ``kHyper``: the count of its hyper-parameters and a constructor from them in the compute type
+///    (in the order of cudist._kernels.UPDATE_KERNELS, weight decay excluded): derived constants
+///    such as ``1 - beta_1`` are computed there, in the compute type, as the reference does;
+///  * ``operator()(g, x, dec)``: one element; ``dec(w)`` is the decoupled weight decay
+///    ``w - w * decay``, or the identity (the caller picks, so the common case carries no branch).
+///
+/// The rules' names and slots are tabled in CUDIST_UPDATE_RULES below. No includes: NVRTC compiles
+/// this header as it is.
+#pragma once
+
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#define CUDIST_HD __host__ __device__ __forceinline__
+#else
+/// ``__host__ __device__`` under nvcc and NVRTC; empty (inline) for the host compiler.
+#define CUDIST_HD inline
+#endif
+
+/// X(name, rule, (slot names), (hyper-parameter names)) for every optimizer whose update is a rule
+/// of this header, its hyper-parameters followed by the weight decay ``decay`` (``weight_decay *
+/// lr``, 0: none). The names are those of cudist._kernels.UPDATE_KERNELS; the Python extension's
+/// bindings (csrc/bindings/core.cpp) are generated from this table, each slot passed as the list of
+/// its copies named ``<slot>s``.
+#define CUDIST_UPDATE_RULES(X)                                                                 \
+  X(adamw, adam, ("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon"))                           \
+  X(amsgrad, amsgrad, ("m", "v", "v_hat"), ("lr_t", "beta_1", "beta_2", "epsilon"))             \
+  X(adagrad, adagrad, ("accumulator"), ("lr", "epsilon"))                                       \
+  X(adamax, adamax, ("m", "u"), ("lr_t", "beta_1", "beta_2", "epsilon"))                        \
+  X(nadam, nadam, ("m", "v"), ("lr", "beta_1", "beta_2", "epsilon", "c_m", "c_g", "c_v"))       \
+  X(lion, lion, ("m"), ("lr", "beta_1", "beta_2"))
+
+namespace cudist {
+namespace rules {
+
+/// RMSprop (Keras), slot v and the optional slots mo (momentum > 0) and a (centered), passed as
+/// null pointers when absent: ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a +
+/// (1 - rho) * g`` and ``d = v - a*a + epsilon``, else ``d = v + epsilon``; ``inc = lr * g /
+/// sqrt(d)``; with mo: ``mo = momentum * mo + inc; w = dec(w) - mo``, else ``w = dec(w) - inc``.
+/// The slot set is chosen at run time, so it is called with the slots one by one.
+template <class C, class M>
+struct rmsprop {
+  static constexpr int kHyper = 4;
+  C lr, rho, omr, mom, epsilon;
+  CUDIST_HD rmsprop(C lr_, C rho_, C momentum_, C epsilon_)
+      : lr(lr_), rho(rho_), omr(M::sub(C(1), rho_)), mom(momentum_), epsilon(epsilon_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C& v, C* mo, C* a, C& w, const Dec& dec) const {
+    v = M::add(M::mul(rho, v), M::mul(omr, M::mul(g, g)));
+    C d;
+    if (a != nullptr) {
+      *a = M::add(M::mul(rho, *a), M::mul(omr, g));
+      d = M::add(M::sub(v, M::mul(*a, *a)), epsilon);
+    } else {
+      d = M::add(v, epsilon);
+    }
+    const C inc = M::div(M::mul(lr, g), M::sqrt(d));
+    if (mo != nullptr) {
+      *mo = M::add(M::mul(mom, *mo), inc);
+      w = M::sub(dec(w), *mo);
+    } else {
+      w = M::sub(dec(w), inc);
+    }
+  }
+};
+
+/// Adam's moments, shared by Adam(W) and AMSGrad:
+/// ``m += (g - m) * c1``; ``v += (g*g - v) * c2`` (c1 = 1 - beta_1, c2 = 1 - beta_2).
+template <class C, class M>
+CUDIST_HD void adam_moments(C g, C c1, C c2, C& m, C& v) {
+  m = M::add(m, M::mul(M::sub(g, m), c1));
+  v = M::add(v, M::mul(M::sub(M::mul(g, g), v), c2));
+}
+
+/// Adam / AdamW (Keras), slots m, v, with the bias-corrected ``lr_t``:
+/// ``w = dec(w) - lr_t * m / (sqrt(v) + epsilon)`` after adam_moments().
+template <class C, class M>
+struct adam {
+  static constexpr int kSlots = 2;
+  static constexpr int kHyper = 4;
+  C lr_t, c1, c2, epsilon;
+  CUDIST_HD adam(C lr_t_, C beta_1, C beta_2, C epsilon_)
+      : lr_t(lr_t_), c1(M::sub(C(1), beta_1)), c2(M::sub(C(1), beta_2)), epsilon(epsilon_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    adam_moments<C, M>(g, c1, c2, x[0], x[1]);
+    x[2] = M::sub(dec(x[2]), M::div(M::mul(lr_t, x[0]), M::add(M::sqrt(x[1]), epsilon)));
+  }
+};
+
+/// AMSGrad (Keras 3's ``Adam(amsgrad=True)``), slots m, v, v_hat: adam_moments(), then
+/// ``v_hat = maximum(v_hat, v)``; ``w = dec(w) - lr_t * m / (sqrt(v_hat) + epsilon)``.
+template <class C, class M>
+struct amsgrad {
+  static constexpr int kSlots = 3;
+  static constexpr int kHyper = 4;
+  C lr_t, c1, c2, epsilon;
+  CUDIST_HD amsgrad(C lr_t_, C beta_1, C beta_2, C epsilon_)
+      : lr_t(lr_t_), c1(M::sub(C(1), beta_1)), c2(M::sub(C(1), beta_2)), epsilon(epsilon_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    adam_moments<C, M>(g, c1, c2, x[0], x[1]);
+    x[2] = M::maximum(x[2], x[1]);
+    x[3] = M::sub(dec(x[3]), M::div(M::mul(lr_t, x[0]), M::add(M::sqrt(x[2]), epsilon)));
+  }
+};
+
+/// Adagrad, slot acc: ``acc += g*g``; ``w = dec(w) - lr * g / sqrt(acc + epsilon)``.
+template <class C, class M>
+struct adagrad {
+  static constexpr int kSlots = 1;
+  static constexpr int kHyper = 2;
+  C lr, epsilon;
+  CUDIST_HD adagrad(C lr_, C epsilon_) : lr(lr_), epsilon(epsilon_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    x[0] = M::add(x[0], M::mul(g, g));
+    x[1] = M::sub(dec(x[1]), M::div(M::mul(lr, g), M::sqrt(M::add(x[0], epsilon))));
+  }
+};
+
+/// Adamax, slots m, u, with ``lr_t = lr / (1 - beta_1^step)``: ``m += (g - m) * (1 - beta_1)``;
+/// ``u = maximum(beta_2 * u, |g|)``; ``w = dec(w) - lr_t * m / (u + epsilon)``.
+template <class C, class M>
+struct adamax {
+  static constexpr int kSlots = 2;
+  static constexpr int kHyper = 4;
+  C lr_t, c1, beta_2, epsilon;
+  CUDIST_HD adamax(C lr_t_, C beta_1, C beta_2_, C epsilon_)
+      : lr_t(lr_t_), c1(M::sub(C(1), beta_1)), beta_2(beta_2_), epsilon(epsilon_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    x[0] = M::add(x[0], M::mul(M::sub(g, x[0]), c1));
+    x[1] = M::maximum(M::mul(beta_2, x[1]), M::abs(g));
+    x[2] = M::sub(dec(x[2]), M::div(M::mul(lr_t, x[0]), M::add(x[1], epsilon)));
+  }
+};
+
+/// Nadam (Keras 3), slots m, v, with the step's c_m, c_g, c_v (cudist._kernels.nadam_step):
+/// adam_moments(); ``m_hat = c_m * m + c_g * g``; ``v_hat = v / c_v``;
+/// ``w = dec(w) - m_hat * lr / (sqrt(v_hat) + epsilon)``.
+template <class C, class M>
+struct nadam {
+  static constexpr int kSlots = 2;
+  static constexpr int kHyper = 7;
+  C lr, c1, c2, epsilon, c_m, c_g, c_v;
+  CUDIST_HD nadam(C lr_, C beta_1, C beta_2, C epsilon_, C c_m_, C c_g_, C c_v_)
+      : lr(lr_), c1(M::sub(C(1), beta_1)), c2(M::sub(C(1), beta_2)), epsilon(epsilon_), c_m(c_m_), c_g(c_g_),
+        c_v(c_v_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    adam_moments<C, M>(g, c1, c2, x[0], x[1]);
+    const C m_hat = M::add(M::mul(c_m, x[0]), M::mul(c_g, g));
+    const C v_hat = M::div(x[1], c_v);
+    x[2] = M::sub(dec(x[2]), M::div(M::mul(m_hat, lr), M::add(M::sqrt(v_hat), epsilon)));
+  }
+};
+
+/// Lion, slot m: ``w = dec(w) - lr * sign(m * beta_1 + g * (1 - beta_1))``;
+/// ``m = m * beta_2 + g * (1 - beta_2)``.
+template <class C, class M>
+struct lion {
+  static constexpr int kSlots = 1;
+  static constexpr int kHyper = 3;
+  C lr, beta_1, beta_2, c1, c2;
+  CUDIST_HD lion(C lr_, C beta_1_, C beta_2_)
+      : lr(lr_), beta_1(beta_1_), beta_2(beta_2_), c1(M::sub(C(1), beta_1_)), c2(M::sub(C(1), beta_2_)) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    x[1] = M::sub(dec(x[1]), M::mul(lr, M::sign(M::add(M::mul(x[0], beta_1), M::mul(g, c1)))));
+    x[0] = M::add(M::mul(x[0], beta_2), M::mul(g, c2));
+  }
+};
+
+/// The weight decay of a rule: ``w - w * decay`` ...
+template <class C, class M>
+struct decay_by {
+  C decay;
+  CUDIST_HD C operator()(C w) const { return M::sub(w, M::mul(w, decay)); }
+};
+
+/// ... or none.
+struct no_decay {
+  template <class C>
+  CUDIST_HD C operator()(C w) const {
+    return w;
+  }
+};
+
+}  // namespace rules
+}  // namespace cudist
