@@ -10,8 +10,12 @@ Two ways to run the N replicas of a ``run``, one protocol:
 * **threads** (CPU replicas only, N >= 2): each thread keeps, per N, a pool of N persistent daemon
   replica threads. The caller hands every replica its task first and then waits for all their
   events, so the replicas' compute overlaps; at a collective each replica thread blocks until the
-  caller has run the handler once and hands back its share. While replica threads compute, the
-  BLAS thread pools NumPy uses are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`).
+  caller has run the handler once and hands back its share.
+
+In both modes, while a run of N >= 2 CPU replicas is in progress, the BLAS thread pools NumPy uses
+are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`): threads need it (else each replica's
+BLAS oversubscribes the cores), and greenlets get the same count because BLAS rounding depends on
+it -- so the same program gives the same bits in every mode, whatever ``auto`` picks.
 
 With ``cudist._core`` built, the greenlet mode's per-step loop runs in C (``replica_main``,
 ``replica_meet`` and ``replica_run`` of csrc/bindings/replica_engine.cpp): the same events, while
@@ -440,24 +444,20 @@ class _ThreadPool(_Pool):
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         slots = self.slots
         which = list(which)
-        _blas.limit(self.n)
-        try:
-            for i in which:
-                s = slots[i]
-                s.msg = (op, None if values is None else values[i])
-                s.go.release()
-            for i in which:
-                s = slots[i]
-                # Interruptible: Ctrl-C raises here, and the run leaves the pool unclean. In steps
-                # of _POLL, because a signal that lands after CPython released the GIL but before
-                # it blocked in sem_wait is handled without waking the wait (seen 1 time in 8 in
-                # tests); the timeout bounds that delay.
-                while not s.done.acquire(True, _POLL):
-                    pass
-                events[i] = s.event
-                s.event = None
-        finally:
-            _blas.restore()
+        for i in which:
+            s = slots[i]
+            s.msg = (op, None if values is None else values[i])
+            s.go.release()
+        for i in which:
+            s = slots[i]
+            # Interruptible: Ctrl-C raises here, and the run leaves the pool unclean. In steps
+            # of _POLL, because a signal that lands after CPython released the GIL but before
+            # it blocked in sem_wait is handled without waking the wait (seen 1 time in 8 in
+            # tests); the timeout bounds that delay.
+            while not s.done.acquire(True, _POLL):
+                pass
+            events[i] = s.event
+            s.event = None
 
     def abandon(self) -> None:
         for s in getattr(self, "slots", ()):  # (none if the pool's construction was interrupted)
@@ -776,16 +776,37 @@ def run_replicas(
     Returns:
         The list of per-replica return values.
     """
-    policy = None
     if not cpu:
-        threaded = False
+        return _run_on_pool(n, frames, fn, args_list, kwargs_list, handlers, None, False)
+    mode = config.get_replica_execution()
+    policy = None
+    if mode == "auto":
+        policy = _policy(n, fn)
+        threaded = policy.threaded
     else:
-        mode = config.get_replica_execution()
-        if mode == "auto":
-            policy = _policy(n, fn)
-            threaded = policy.threaded
-        else:
-            threaded = mode == "threads"
+        threaded = mode == "threads"
+    # The determinism contract: the replicas' BLAS thread count is max(1, threads // n) for the
+    # whole run (collective handlers and merge_call functions included) in every mode, since
+    # OpenBLAS's rounding depends on its thread count (see cudist._blas); so the mode, and auto's
+    # choice by measured time, never change a program's bits.
+    _blas.limit(n)
+    try:
+        return _run_on_pool(n, frames, fn, args_list, kwargs_list, handlers, policy, threaded)
+    finally:
+        _blas.restore()
+
+
+def _run_on_pool(
+    n: int,
+    frames: Sequence[Frame],
+    fn: Callable[..., Any],
+    args_list: Sequence[Sequence[Any]],
+    kwargs_list: Sequence[Mapping[str, Any]],
+    handlers: Handlers,
+    policy: AutoPolicy | None,
+    threaded: bool,
+) -> list[Any]:
+    """:func:`run_replicas` on a pool of the given kind, ``policy`` (``auto``'s) told the replica work."""
     try:
         pool = _get_pool(n, threaded)
     except RuntimeError:  # no thread could be started ("can't start new thread")
