@@ -18,8 +18,6 @@
 
 #include <cudist/cudist.hpp>
 
-#include "replica_engine.hpp"
-
 #ifdef CUDIST_CORE_WITH_CUDA
 #include <cuda_runtime_api.h>
 
@@ -1243,7 +1241,6 @@ PYBIND11_MODULE(_core, m) {
   m.attr("__version__") = CUDIST_VERSION;
   m.attr("SUM") = 0;
   m.attr("MEAN") = 1;
-  if (cudist_bindings::add_replica_engine(m.ptr()) < 0) throw py::error_already_set();
 
   m.def("all_reduce", &all_reduce, py::arg("bufs"), py::arg("op"),
         "In place: every array of ``bufs`` (tuple/list) becomes their elementwise reduction; op 0=SUM, 1=MEAN.");

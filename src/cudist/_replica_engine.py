@@ -17,14 +17,10 @@ are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`): threads need it (
 BLAS oversubscribes the cores), and greenlets get the same count because BLAS rounding depends on
 it -- so the same program gives the same bits in every mode, whatever ``auto`` picks.
 
-With ``cudist._core`` built, the greenlet mode's per-step loop runs in C (``replica_main``,
-``replica_meet`` and ``replica_run`` of csrc/bindings/replica_engine.cpp): the same events, while
-every decision other than "every replica waits at the same collective" and "every replica returned"
-stays in :func:`run_replicas`. Tasks and results are relayed: the caller switches to replica 0, each
-replica at its next event to the next one, the last back to the caller (n + 1 switches per exchange
-instead of 2n). With the handler's one-call reduce it took a 4-replica ``run`` + ``all_reduce`` of
-256 KiB from 26.5 to 19.4 us. ``$CUDIST_NATIVE_ENGINE=0`` keeps the engine in Python (the engine
-tests run both).
+The engine is Python only. A C copy of the greenlet loop (in ``cudist._core`` until issue #25)
+saved ~1.4 us per ``run`` (under 0.1% of a training step) but crashed the interpreter on a
+non-mapping ``kwargs`` and hit RecursionError with 512 replicas (its relay nested the replicas'
+switches); one engine, with every argument checked in Python, was the simpler fix.
 
 Either way, a replica reaches a collective (all_reduce, all_gather, merge_call) through
 :func:`meet`, which hands ``(kind, payload)`` to the caller. When every replica is waiting at the
@@ -176,16 +172,13 @@ class _Pool:
     leaves it False, and the next ``run`` throws the pool away instead of trusting it.
     """
 
-    __slots__ = ("n", "busy", "clean", "run")
+    __slots__ = ("n", "busy", "clean")
     threaded = False
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.busy = False
         self.clean = True
-        #: The native engine's ``replica_run`` for a greenlet pool (a whole run whose replicas
-        #: agree, in C), else None.
-        self.run: Callable[..., tuple[float, BaseException | None, list[Any] | None]] | None = None
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         """Sends ``(op, values[i])`` to each replica ``i`` in ``which`` and stores its next event in ``events[i]``."""
@@ -206,25 +199,15 @@ _SWITCHED_AWAY = (
 
 
 class _GreenletPool(_Pool):
-    """N long-lived replica greenlets: an exchange runs each replica in turn until its next event.
-
-    With the native engine (:func:`_native_engine`) the replicas' bodies, the exchanges of tasks and
-    results and the collectives the replicas agree on run in C; the protocol is the same.
-    """
+    """N long-lived replica greenlets: an exchange runs each replica in turn until its next event."""
 
     __slots__ = ("workers",)
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
-        native = _native_engine()
-        body = _greenlet_main if native is None else native.replica_main
-        self.workers: list[Any] = [greenlet.greenlet(body) for _ in range(n)]
-        if native is not None:
-            self.run = native.replica_run
+        self.workers: list[Any] = [greenlet.greenlet(_greenlet_main) for _ in range(n)]
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
-        # (A native pool's runs go through replica_run; this serves its unwinding: its replicas
-        # report to their parent, outside a relay, exactly as the Python ones do.)
         workers = self.workers
         try:
             if op == _RESULT:
@@ -467,53 +450,13 @@ class _ThreadPool(_Pool):
     discard = abandon
 
 
-def _python_meet(kind: str, payload: Any) -> Any:
+def meet(kind: str, payload: Any) -> Any:
     """Called by a replica at a collective: hands ``payload`` to the caller of ``run``, which
-    performs the collective once every replica is there; returns this replica's result.
-
-    This is :func:`meet` until the native engine is loaded; its ``replica_meet`` is the same in C.
-    """
+    performs the collective once every replica is there; returns this replica's result."""
     slot = _replica_thread.slot
     if slot is not None:
         return slot.meet(kind, payload)
     return _getcurrent().parent.switch((kind, [payload]))
-
-
-meet = _python_meet
-
-
-#: The native engine (``cudist._core``) once loaded; False when it is not available or disabled.
-_native: Any = None
-#: ``0`` runs the replica engine in Python only; ``1`` (or unset) uses the native one when built.
-NATIVE_ENGINE_ENV = "CUDIST_NATIVE_ENGINE"
-
-
-def _native_engine() -> Any:
-    """``cudist._core`` with the replica engine's C functions set up, or None (pure Python).
-
-    Loaded when the first greenlet pool is made, not at import (``import cudist`` loads no
-    extension). ``$CUDIST_NATIVE_ENGINE=0`` keeps the engine in Python.
-
-    Raises:
-        ValueError: ``$CUDIST_NATIVE_ENGINE`` is set to something other than 0 or 1.
-    """
-    global _native, meet
-    if _native is None:
-        setting = os.environ.get(NATIVE_ENGINE_ENV, "").strip()
-        if setting not in ("", "0", "1"):
-            raise ValueError(f"${NATIVE_ENGINE_ENV} must be 0 (the replica engine in Python) or 1, got {setting!r}")
-        _native = False
-        if setting != "0":
-            try:
-                from cudist import _core
-            except ImportError:
-                return None
-            setup = getattr(_core, "replica_engine_setup", None)
-            if setup is not None:  # a _core built before the engine moved to C has none
-                setup(_CTX, _Abort, _getcurrent, globals(), (_DONE, _ERROR, _ABORTED))
-                _native = _core
-                meet = _core.replica_meet
-    return _native or None
 
 
 # ---------------------------------------------------------------------------------------- choosing
@@ -820,26 +763,9 @@ def _run_on_pool(
         # Inside the try: an interrupt anywhere after it must not leave the pool marked busy for ever.
         pool.busy = True
         pool.clean = False  # until every replica is back, idle
-        native_run = pool.run
-        if native_run is not None:
-            # The native engine: the tasks, the collectives the replicas agree on (the loop's
-            # first branch below) and, when every replica returned, the results, in C.
-            work, exc, returned = native_run(
-                pool.workers, _getcurrent(), frames, fn, args_list, kwargs_list, events, handlers  # type: ignore[attr-defined]
-            )
-            if returned is not None:
-                pool.clean = True
-                if policy is not None:
-                    policy.observe(work)
-                return returned
-            if exc is not None:  # a handler raised; the replicas wait at its collective
-                if _abort(pool, events):
-                    pool.clean = True
-                raise exc
-        else:
-            t0 = _now()
-            pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
-            work = _now() - t0
+        t0 = _now()
+        pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
+        work = _now() - t0
         while True:
             kinds = [ev[0] for ev in events]
             first = kinds[0]
