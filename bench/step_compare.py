@@ -149,6 +149,9 @@ class _Worker:
             cmd = read()
             if cmd is None or cmd.get("cmd") == "quit":
                 return
+            if cmd.get("cmd") == "digest":
+                write({"digest": self.digest()})
+                continue
             for _ in range(cmd["warmup"]):
                 self.step(False)
             samples = []
@@ -159,6 +162,10 @@ class _Worker:
             write({"samples": samples})
 
     def threads(self):
+        return None
+
+    def digest(self):
+        """A hash of the weights' bits now (None: not reported by this contestant)."""
         return None
 
 
@@ -192,6 +199,7 @@ class CudistWorker(_Worker):
         with strategy.scope():
             vs = [cudist.Variable(p.copy()) for p in self.params]
             opt = optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
+        self._vars = (strategy, vs)
         data = strategy.experimental_distribute_values_from_function(part_fn)
         scale = 1.0 / len(self.x)
 
@@ -208,6 +216,18 @@ class CudistWorker(_Worker):
             return None
 
         return step
+
+    def digest(self):
+        # Every replica's copy: the determinism contract says the bits do not depend on the replica
+        # execution mode (greenlets, threads, auto) or the load; runs compare these.
+        import hashlib
+
+        strategy, vs = self._vars
+        h = hashlib.sha256()
+        for v in vs:
+            for c in strategy.experimental_local_results(v):
+                h.update(np.ascontiguousarray(np.asarray(c)).tobytes())
+        return h.hexdigest()[:16]
 
 
 class CudistMultiWorker(CudistWorker):
@@ -481,6 +501,13 @@ class Contestant:
             self.samples += s
             self.round_medians.append(statistics.median(s))
 
+    def digest(self):
+        """The contestant's weights hash now (None if it reports none)."""
+        p = self.procs[0]
+        p.stdin.write(json.dumps({"cmd": "digest"}) + "\n")
+        p.stdin.flush()
+        return self._read().get("digest")
+
     def close(self):
         try:
             if self.procs and self.procs[0].poll() is None:
@@ -682,6 +709,7 @@ def _report(n, cs, ref, a, results) -> bool:
         wrong = sum(1 for got, want in zip(losses, ref) if not abs(got - want) <= LOSS_RTOL * abs(want))
         wrong += abs(len(losses) - len(ref))
         ok &= wrong == 0
+        digest = c.digest() if c.key.startswith("cudist") else None
         ratio, text = None, "-"
         if base is not None and c is not base:
             per = [x / y for x, y in zip(c.round_medians, base.round_medians)]
@@ -691,11 +719,13 @@ def _report(n, cs, ref, a, results) -> bool:
         th = ",".join(f"{k}={v}" for k, v in th.items()) if isinstance(th, dict) else "-"
         print(f"  {c.label:<28} {str(c.hello.get('version'))[:10]:>10} {th[:16]:>16} {_fmt_ms(med):>9} "
               f"{_fmt_ms(min(c.samples)):>8} {a.batch / (med * 1e-9):>10.0f} {wrong:>6}  {text}")
+        if digest is not None:
+            print(f"  {'':<28} final weights sha256 {digest} (after the same steps in every run: compare runs)")
         rows.append({"contestant": c.label, "key": c.key, "replicas": n, "framework": c.hello.get("framework"),
                      "version": c.hello.get("version"), "python": c.hello.get("python"), "threads": c.hello.get("threads"),
                      "median_ms": med / 1e6, "min_ms": min(c.samples) / 1e6, "steps": len(c.samples),
                      "round_medians_ms": [v / 1e6 for v in c.round_medians], "check_losses": losses, "wrong": wrong,
-                     "ratio_vs_cudist": ratio})
+                     "ratio_vs_cudist": ratio, "weights_sha256": digest})
     results["groups"].append({"replicas": n, "rows": rows})
     on = next((c for c in cs if c.key == "cudist-mw"), None)
     off = next((c for c in cs if c.key == "cudist-mw-nocheck"), None)

@@ -219,36 +219,19 @@ def load_example(name: str):
     return module
 
 
-@pytest.fixture(params=["greenlets", "greenlets-python", "threads"])
+@pytest.fixture(params=["greenlets", "threads"])
 def replica_execution(request):
-    """The test runs three times: ``strategy.run``'s CPU replicas on greenlets (the native engine
-    where ``cudist._core`` has it), on greenlets with the engine in Python only, then on replica
-    threads.
+    """The test runs twice: ``strategy.run``'s CPU replicas on greenlets, then on replica threads.
 
     Modules that exercise the engine use it for every test with
     ``pytestmark = pytest.mark.usefixtures("replica_execution")``.
     """
-    from cudist import _replica_engine, config
+    from cudist import config
 
     mode = request.param
     before = config.get_replica_execution()
-    config.set_replica_execution(mode.split("-")[0])
-    if mode != "greenlets-python":
-        yield mode
-        config.set_replica_execution(before)
-        return
-    saved = _replica_engine._native, _replica_engine.meet
-    # New pools from here on are pure Python; the thread's existing ones are set aside meanwhile.
-    pools = _replica_engine._local.pools
-    _replica_engine._local.pools = {}
-    _replica_engine._native, _replica_engine.meet = False, _replica_engine._python_meet
+    config.set_replica_execution(mode)
     try:
         yield mode
     finally:
-        for lst in _replica_engine._local.pools.values():
-            for pool in lst:
-                if not pool.busy:
-                    pool.discard()
-        _replica_engine._local.pools = pools
-        _replica_engine._native, _replica_engine.meet = saved
         config.set_replica_execution(before)

@@ -179,6 +179,45 @@ def test_step(tmp_path, capsys, opt):
         assert strat[0]["wrong"] == 0
 
 
+_STEP_ARGS = ("step", "--optimizer", "adam", "-n", "2", "-w", "1", "--replicas", "2", "--batch", "256",
+              "--features", "784", "--hidden", "64", "--classes", "10", "--no-progress", "--copy-size", "1M")
+
+
+@pytest.mark.parametrize("mode", ["greenlets", "threads", "auto"])
+def test_step_is_right_in_every_replica_execution_mode(tmp_path, mode):
+    """Adam after one step on 128-row shards (whose matmul OpenBLAS rounds differently with 1 and 2
+    threads): 0 wrong in every mode, on every backend -- the strategy rows used to count 8 on threads."""
+    from cudist import config
+
+    before = config.get_replica_execution()
+    config.set_replica_execution(mode)
+    try:
+        rc, doc = _run(tmp_path, *_STEP_ARGS)
+    finally:
+        config.set_replica_execution(before)
+    rows = _rows(doc)
+    assert rc == 0 and rows and all(r["wrong"] == 0 for r in rows), rows
+    assert {r["api"] for r in rows} == {"kernel", "strategy"}
+
+
+def test_step_fails_on_a_real_mismatch_of_the_strategy_path(tmp_path, monkeypatch):
+    """The strategy rows' check is live: a reference off by 0.1% in one parameter makes the bench fail."""
+    from cudist.bench import _strategy_bench
+
+    real = _strategy_bench._strategy_reference
+
+    def off(*args):
+        ref = real(*args)
+        ref[0] = ref[0].copy()
+        ref[0].flat[0] += abs(ref[0].flat[0]) * 1e-3 + 1e-3
+        return ref
+
+    monkeypatch.setattr(_strategy_bench, "_strategy_reference", off)
+    rc, doc = _run(tmp_path, *_STEP_ARGS, "--backend", "numpy")
+    strat = [r for r in _rows(doc) if r["api"] == "strategy"]
+    assert rc == 1 and [r["wrong"] for r in strat] == [2]  # that element, in both replicas' copies
+
+
 def test_mlp_grads_match_finite_differences():
     """The step's hand-written backward pass is the gradient of its loss."""
     import numpy as np

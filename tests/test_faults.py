@@ -228,9 +228,7 @@ def test_thousands_of_real_sigints_never_break_run_or_variables(replica_executio
     import subprocess
     import sys
 
-    env = dict(os.environ, CUDIST_REPLICA_EXECUTION=replica_execution.split("-")[0])
-    if replica_execution == "greenlets-python":
-        env["CUDIST_NATIVE_ENGINE"] = "0"
+    env = dict(os.environ, CUDIST_REPLICA_EXECUTION=replica_execution)
     proc = subprocess.run(
         [sys.executable, __file__, "sigint-fuzz"], capture_output=True, text=True, timeout=120, env=env
     )

@@ -852,69 +852,6 @@ def test_workers_spin_only_while_calls_come_close_together(threads, pool_default
     assert _wait_for(_core.pool_warm, 1.0), "a worker does not spin while calls come close together"
 
 
-# ---------------------------------------------------------------------------------------- the replica engine in C
-def test_replica_engine_runs_in_c_by_default():
-    """With _core built, greenlet pools run the C engine (the engine tests run it and the Python one)."""
-    from cudist import _replica_engine, config
-
-    before = config.get_replica_execution()
-    config.set_replica_execution("greenlets")
-    try:
-        s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
-        out = s.run(lambda: cudist.get_replica_context().all_reduce("sum", np.float32(2.0)))
-        assert [float(v) for v in s.experimental_local_results(out)] == [6.0] * 3
-        assert _replica_engine._native_engine() is _core
-        assert _replica_engine.meet is _core.replica_meet
-        pool = _replica_engine._local.pools[(3, False)][0]
-        assert pool.run is _core.replica_run  # the pool was made by the native engine
-    finally:
-        config.set_replica_execution(before)
-
-
-def _engine_script(body: str, native_engine: str):
-    """Runs ``body`` in a fresh interpreter with 2 logical CPUs and ``$CUDIST_NATIVE_ENGINE`` set."""
-    import subprocess
-
-    code = (
-        "import numpy as np, cudist\n"
-        "from cudist import _replica_engine as E, config\n"
-        "cpu = config.list_physical_devices('CPU')[0]\n"
-        "config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * 2)\n"
-        "s = cudist.MirroredStrategy(['/cpu:0', '/cpu:1'])\n" + body
-    )
-    env = dict(os.environ, CUDIST_NATIVE_ENGINE=native_engine)
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-
-
-def test_replica_engine_env_keeps_it_in_python():
-    r = _engine_script(
-        "config.set_replica_execution('greenlets')\n"
-        "out = s.run(lambda: cudist.get_replica_context().all_reduce('sum', np.float32(1.0)))\n"
-        "assert [float(v) for v in s.experimental_local_results(out)] == [2.0, 2.0]\n"
-        "assert E._native_engine() is None and E.meet is E._python_meet\n"
-        "assert E._local.pools[(2, False)][0].run is None\n"
-        "print('ok')\n",
-        "0",
-    )
-    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
-
-
-def test_replica_engine_env_refuses_other_values():
-    r = _engine_script("s.run(lambda: None)\n", "yes")
-    assert r.returncode != 0 and "CUDIST_NATIVE_ENGINE must be 0" in r.stderr and "'yes'" in r.stderr, r.stderr
-
-
-def test_replica_engine_functions_check_their_arguments():
-    with pytest.raises(TypeError, match="same"):
-        _core.replica_run((), None, [], None, [], [], [], {})
-    with pytest.raises(TypeError, match="replica_run"):
-        _core.replica_run([], [])
-    with pytest.raises(TypeError, match="replica_engine_setup"):
-        _core.replica_engine_setup(1, 2, 3)
-    with pytest.raises(TypeError, match="meet"):
-        _core.replica_meet("all_reduce")
-
-
 # ---------------------------------------------------------------------------------------- reduce_to_one_shared
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [2, 3, 5])

@@ -438,8 +438,6 @@ def test_all_is_complete_and_resolves() -> None:
 
 STUB = PACKAGE / "_core.pyi"
 BINDINGS = ROOT / "csrc" / "bindings" / "core.cpp"
-#: Functions added to the module as a PyMethodDef table rather than with m.def.
-RAW_BINDINGS = ROOT / "csrc" / "bindings" / "replica_engine.cpp"
 
 
 def _stub_names() -> tuple[dict[str, ast.FunctionDef], set[str]]:
@@ -462,10 +460,6 @@ def _bindings_source() -> tuple[set[str], set[str], set[str]]:
     body = text[text.index("PYBIND11_MODULE(") :]
     defined = re.compile(r'\bm\.def\(\s*"(\w+)"')
     functions = set(defined.findall(body))
-    if RAW_BINDINGS.is_file():
-        table = RAW_BINDINGS.read_text()
-        table = table[table.index("PyMethodDef methods[]") :]
-        functions |= set(re.findall(r'^\s*\{"(\w+)",', table, re.M))
     if "CUDIST_UPDATE_RULES(" in body:  # the optimizers' bindings, generated from the rules' table
         rules = (ROOT / "csrc" / "include" / "cudist" / "detail" / "update_rules.hpp").read_text()
         for name in re.findall(r"^\s*X\((\w+),", rules, re.M):

@@ -21,7 +21,6 @@
 #include <cudist/cudist.hpp>
 
 #include "crc32.hpp"
-#include "replica_engine.hpp"
 
 #ifdef CUDIST_CORE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -1242,7 +1241,6 @@ PYBIND11_MODULE(_core, m) {
   m.attr("__version__") = CUDIST_VERSION;
   m.attr("SUM") = 0;
   m.attr("MEAN") = 1;
-  if (cudist_bindings::add_replica_engine(m.ptr()) < 0) throw py::error_already_set();
   // Checkpoint checksums (cudist.train): zlib.crc32's values, by PCLMULQDQ folding where the CPU has it.
   m.attr("crc32_accelerated") = cudist_bindings::crc32_accelerated();
   m.def(

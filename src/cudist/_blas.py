@@ -3,8 +3,13 @@
 When the replicas of a ``run`` compute on threads of their own (see :mod:`cudist._replica_engine`),
 a multi-threaded BLAS in every replica oversubscribes the cores: measured on 2 cores, two replica
 threads doing the MLP benchmark's matmuls took 5.7 ms with OpenBLAS's 2 threads each, against
-3.5 ms with 1 thread each and 4.0 ms one replica after the other. So while threaded replicas
-compute, the BLAS gets ``max(1, its threads // N)`` threads per replica.
+3.5 ms with 1 thread each and 4.0 ms one replica after the other. So while the N replicas of a CPU
+``run`` compute, the BLAS gets ``max(1, its threads // N)`` threads per replica.
+
+That count is the same in every replica execution mode (greenlets too), because OpenBLAS's results
+depend on its thread count: a float32 ``(128, 784) @ (784, 512)`` differs in its last bits between
+1 and 2 threads (OpenBLAS 0.3.31 of NumPy 2.4.6), and Adam turns such bits into visible differences.
+One count for all modes keeps a program's bits independent of the mode and of ``auto``'s choice.
 
 Found by looking at the shared libraries the process has mapped (``/proc/self/maps``, Linux) and
 asking ctypes for their thread-control symbols, once, on first use:
@@ -14,7 +19,8 @@ asking ctypes for their thread-control symbols, once, on first use:
   while replicas compute and :func:`restore` puts it back (0.5 us a pair, measured).
   ``openblas_set_num_threads_local`` is no help: in pthreads builds it changes the global count too.
 * MKL (conda's NumPy): ``mkl_set_num_threads_local`` is per thread, so each replica thread sets
-  its own count once (:func:`per_thread`) and nothing global changes.
+  its own count once (:func:`per_thread`), and :func:`limit` / :func:`restore` set and reset the
+  calling thread's (greenlet replicas compute on it); nothing global changes.
 
 With neither (Apple's Accelerate, BLIS, a platform without ``/proc``), :func:`available` is False:
 the engine's ``auto`` mode then keeps the replicas on greenlets (one after the other, each BLAS call
@@ -53,6 +59,16 @@ _lookup_lock = threading.Lock()
 _count_lock = threading.Lock()
 _users = 0
 _saved: list[int] = []
+
+
+class _MklLocal(threading.local):
+    """Per thread: MKL's local thread counts :func:`limit` replaced (a stack: runs nest)."""
+
+    def __init__(self) -> None:
+        self.saved: list[int] = []
+
+
+_mkl_local = _MklLocal()
 
 
 def _loaded_libraries() -> list[str]:
@@ -149,6 +165,9 @@ def limit(n: int) -> None:
     """
     global _users
     f = _lookup()
+    if f.mkl is not None:
+        _, set_local, get_max = f.mkl
+        _mkl_local.saved.append(int(set_local(max(1, int(get_max()) // n))))
     if not f.openblas:
         return
     with _count_lock:
@@ -165,6 +184,8 @@ def restore() -> None:
     """Undoes one :func:`limit`; the last one puts the saved thread counts back."""
     global _users
     f = _lookup()
+    if f.mkl is not None and _mkl_local.saved:
+        f.mkl[1](_mkl_local.saved.pop())  # the previous local count (0: MKL's global one)
     if not f.openblas:
         return
     with _count_lock:

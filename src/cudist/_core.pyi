@@ -1,9 +1,7 @@
-"""Type stub of ``cudist._core``, the pybind11 extension built from ``csrc/bindings/core.cpp`` and
-``csrc/bindings/replica_engine.cpp``.
+"""Type stub of ``cudist._core``, the pybind11 extension built from ``csrc/bindings/core.cpp``.
 
-Keep it in step with the bindings: tests/test_typing.py compares its names with the module's, with
-the ``m.def``/``m.attr`` calls of core.cpp and the method table of replica_engine.cpp (the replica
-engine's functions, plain CPython ones), and its parameter names with their signature lines.
+Keep it in step with the bindings: tests/test_typing.py compares its names with the module's and
+with the ``m.def``/``m.attr`` calls of core.cpp, and its parameter names with their signature lines.
 
 Arrays are NumPy arrays of float16, float32, float64, int32 or int64, C-contiguous and in native
 byte order; the ones written to must be writeable. Sequences of arrays must be tuples or lists.
@@ -326,29 +324,6 @@ def settle_plain(passes: Sequence[tuple[Sequence[_Array], Sequence[Any]]], alias
     """Per pass (gradients, written arrays) its gradients as a list when every gradient is a
     C-contiguous numpy.ndarray owning its memory and (aliasing) neither a written array nor a
     written array's base; else None."""
-
-# The replica engine's greenlet loop (csrc/bindings/replica_engine.cpp), for cudist._replica_engine.
-def replica_engine_setup(ctxvar: Any, abort_type: Any, getcurrent: Any, engine_globals: dict[str, Any], kinds: tuple[str, str, str]) -> None:
-    """What the replica engine's C functions use; kinds: (done, error, aborted)."""
-
-def replica_main(box: list[Any]) -> None:
-    """The body of a pooled replica greenlet."""
-
-def replica_meet(kind: str, payload: Any) -> Any:
-    """A replica at a collective (cudist._replica_engine.meet)."""
-
-def replica_run(
-    workers: list[Any],
-    me: Any,
-    frames: Sequence[Any],
-    fn: Any,
-    args_list: Sequence[Any],
-    kwargs_list: Sequence[Any],
-    events: list[Any],
-    handlers: Any,
-) -> tuple[float, BaseException | None, list[Any] | None]:
-    """A run whose replicas agree, in C: (seconds in the replicas, a handler's exception or None,
-    the results when every replica returned, else None)."""
 
 def num_threads() -> int:
     """Threads the kernels use (the calling thread included)."""

@@ -1058,6 +1058,14 @@ class StrategyExtended:
         """
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            # (fn(**kwargs) would say "argument after ** must be a mapping"; said here, before any replica starts.)
+            raise TypeError(f"strategy.run: kwargs must be a mapping (a dict) or None, got {type(kwargs).__name__}")
+        if kwargs:
+            kwargs = dict(kwargs)
+            bad = [k for k in kwargs if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"strategy.run: kwargs keys must be strings (keyword names), got {bad[0]!r}")
         f = _CTX.get()
         if f is not None:
             if f.replica_ctx is not None:
@@ -1423,6 +1431,14 @@ class _DefaultDistributionExtended(StrategyExtended):
     ) -> Any:
         if not isinstance(args, (list, tuple)):
             raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            # (fn(**kwargs) would say "argument after ** must be a mapping"; said here, before any replica starts.)
+            raise TypeError(f"strategy.run: kwargs must be a mapping (a dict) or None, got {type(kwargs).__name__}")
+        if kwargs:
+            kwargs = dict(kwargs)
+            bad = [k for k in kwargs if not isinstance(k, str)]
+            if bad:
+                raise TypeError(f"strategy.run: kwargs keys must be strings (keyword names), got {bad[0]!r}")
         f = _CTX.get()
         if f is not None and f.replica_ctx is not None:
             raise RuntimeError("strategy.run cannot be called inside strategy.run (in replica context)")

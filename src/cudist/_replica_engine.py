@@ -10,17 +10,17 @@ Two ways to run the N replicas of a ``run``, one protocol:
 * **threads** (CPU replicas only, N >= 2): each thread keeps, per N, a pool of N persistent daemon
   replica threads. The caller hands every replica its task first and then waits for all their
   events, so the replicas' compute overlaps; at a collective each replica thread blocks until the
-  caller has run the handler once and hands back its share. While replica threads compute, the
-  BLAS thread pools NumPy uses are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`).
+  caller has run the handler once and hands back its share.
 
-With ``cudist._core`` built, the greenlet mode's per-step loop runs in C (``replica_main``,
-``replica_meet`` and ``replica_run`` of csrc/bindings/replica_engine.cpp): the same events, while
-every decision other than "every replica waits at the same collective" and "every replica returned"
-stays in :func:`run_replicas`. Tasks and results are relayed: the caller switches to replica 0, each
-replica at its next event to the next one, the last back to the caller (n + 1 switches per exchange
-instead of 2n). With the handler's one-call reduce it took a 4-replica ``run`` + ``all_reduce`` of
-256 KiB from 26.5 to 19.4 us. ``$CUDIST_NATIVE_ENGINE=0`` keeps the engine in Python (the engine
-tests run both).
+In both modes, while a run of N >= 2 CPU replicas is in progress, the BLAS thread pools NumPy uses
+are limited to ``max(1, threads // N)`` (:mod:`cudist._blas`): threads need it (else each replica's
+BLAS oversubscribes the cores), and greenlets get the same count because BLAS rounding depends on
+it -- so the same program gives the same bits in every mode, whatever ``auto`` picks.
+
+The engine is Python only. A C copy of the greenlet loop (in ``cudist._core`` until issue #25)
+saved ~1.4 us per ``run`` (under 0.1% of a training step) but crashed the interpreter on a
+non-mapping ``kwargs`` and hit RecursionError with 512 replicas (its relay nested the replicas'
+switches); one engine, with every argument checked in Python, was the simpler fix.
 
 Either way, a replica reaches a collective (all_reduce, all_gather, merge_call) through
 :func:`meet`, which hands ``(kind, payload)`` to the caller. When every replica is waiting at the
@@ -172,16 +172,13 @@ class _Pool:
     leaves it False, and the next ``run`` throws the pool away instead of trusting it.
     """
 
-    __slots__ = ("n", "busy", "clean", "run")
+    __slots__ = ("n", "busy", "clean")
     threaded = False
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.busy = False
         self.clean = True
-        #: The native engine's ``replica_run`` for a greenlet pool (a whole run whose replicas
-        #: agree, in C), else None.
-        self.run: Callable[..., tuple[float, BaseException | None, list[Any] | None]] | None = None
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         """Sends ``(op, values[i])`` to each replica ``i`` in ``which`` and stores its next event in ``events[i]``."""
@@ -202,25 +199,15 @@ _SWITCHED_AWAY = (
 
 
 class _GreenletPool(_Pool):
-    """N long-lived replica greenlets: an exchange runs each replica in turn until its next event.
-
-    With the native engine (:func:`_native_engine`) the replicas' bodies, the exchanges of tasks and
-    results and the collectives the replicas agree on run in C; the protocol is the same.
-    """
+    """N long-lived replica greenlets: an exchange runs each replica in turn until its next event."""
 
     __slots__ = ("workers",)
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
-        native = _native_engine()
-        body = _greenlet_main if native is None else native.replica_main
-        self.workers: list[Any] = [greenlet.greenlet(body) for _ in range(n)]
-        if native is not None:
-            self.run = native.replica_run
+        self.workers: list[Any] = [greenlet.greenlet(_greenlet_main) for _ in range(n)]
 
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
-        # (A native pool's runs go through replica_run; this serves its unwinding: its replicas
-        # report to their parent, outside a relay, exactly as the Python ones do.)
         workers = self.workers
         try:
             if op == _RESULT:
@@ -440,24 +427,20 @@ class _ThreadPool(_Pool):
     def exchange(self, events: list[Any], op: int, values: Sequence[Any] | None, which: Iterable[int]) -> None:
         slots = self.slots
         which = list(which)
-        _blas.limit(self.n)
-        try:
-            for i in which:
-                s = slots[i]
-                s.msg = (op, None if values is None else values[i])
-                s.go.release()
-            for i in which:
-                s = slots[i]
-                # Interruptible: Ctrl-C raises here, and the run leaves the pool unclean. In steps
-                # of _POLL, because a signal that lands after CPython released the GIL but before
-                # it blocked in sem_wait is handled without waking the wait (seen 1 time in 8 in
-                # tests); the timeout bounds that delay.
-                while not s.done.acquire(True, _POLL):
-                    pass
-                events[i] = s.event
-                s.event = None
-        finally:
-            _blas.restore()
+        for i in which:
+            s = slots[i]
+            s.msg = (op, None if values is None else values[i])
+            s.go.release()
+        for i in which:
+            s = slots[i]
+            # Interruptible: Ctrl-C raises here, and the run leaves the pool unclean. In steps
+            # of _POLL, because a signal that lands after CPython released the GIL but before
+            # it blocked in sem_wait is handled without waking the wait (seen 1 time in 8 in
+            # tests); the timeout bounds that delay.
+            while not s.done.acquire(True, _POLL):
+                pass
+            events[i] = s.event
+            s.event = None
 
     def abandon(self) -> None:
         for s in getattr(self, "slots", ()):  # (none if the pool's construction was interrupted)
@@ -467,53 +450,13 @@ class _ThreadPool(_Pool):
     discard = abandon
 
 
-def _python_meet(kind: str, payload: Any) -> Any:
+def meet(kind: str, payload: Any) -> Any:
     """Called by a replica at a collective: hands ``payload`` to the caller of ``run``, which
-    performs the collective once every replica is there; returns this replica's result.
-
-    This is :func:`meet` until the native engine is loaded; its ``replica_meet`` is the same in C.
-    """
+    performs the collective once every replica is there; returns this replica's result."""
     slot = _replica_thread.slot
     if slot is not None:
         return slot.meet(kind, payload)
     return _getcurrent().parent.switch((kind, [payload]))
-
-
-meet = _python_meet
-
-
-#: The native engine (``cudist._core``) once loaded; False when it is not available or disabled.
-_native: Any = None
-#: ``0`` runs the replica engine in Python only; ``1`` (or unset) uses the native one when built.
-NATIVE_ENGINE_ENV = "CUDIST_NATIVE_ENGINE"
-
-
-def _native_engine() -> Any:
-    """``cudist._core`` with the replica engine's C functions set up, or None (pure Python).
-
-    Loaded when the first greenlet pool is made, not at import (``import cudist`` loads no
-    extension). ``$CUDIST_NATIVE_ENGINE=0`` keeps the engine in Python.
-
-    Raises:
-        ValueError: ``$CUDIST_NATIVE_ENGINE`` is set to something other than 0 or 1.
-    """
-    global _native, meet
-    if _native is None:
-        setting = os.environ.get(NATIVE_ENGINE_ENV, "").strip()
-        if setting not in ("", "0", "1"):
-            raise ValueError(f"${NATIVE_ENGINE_ENV} must be 0 (the replica engine in Python) or 1, got {setting!r}")
-        _native = False
-        if setting != "0":
-            try:
-                from cudist import _core
-            except ImportError:
-                return None
-            setup = getattr(_core, "replica_engine_setup", None)
-            if setup is not None:  # a _core built before the engine moved to C has none
-                setup(_CTX, _Abort, _getcurrent, globals(), (_DONE, _ERROR, _ABORTED))
-                _native = _core
-                meet = _core.replica_meet
-    return _native or None
 
 
 # ---------------------------------------------------------------------------------------- choosing
@@ -776,16 +719,37 @@ def run_replicas(
     Returns:
         The list of per-replica return values.
     """
-    policy = None
     if not cpu:
-        threaded = False
+        return _run_on_pool(n, frames, fn, args_list, kwargs_list, handlers, None, False)
+    mode = config.get_replica_execution()
+    policy = None
+    if mode == "auto":
+        policy = _policy(n, fn)
+        threaded = policy.threaded
     else:
-        mode = config.get_replica_execution()
-        if mode == "auto":
-            policy = _policy(n, fn)
-            threaded = policy.threaded
-        else:
-            threaded = mode == "threads"
+        threaded = mode == "threads"
+    # The determinism contract: the replicas' BLAS thread count is max(1, threads // n) for the
+    # whole run (collective handlers and merge_call functions included) in every mode, since
+    # OpenBLAS's rounding depends on its thread count (see cudist._blas); so the mode, and auto's
+    # choice by measured time, never change a program's bits.
+    _blas.limit(n)
+    try:
+        return _run_on_pool(n, frames, fn, args_list, kwargs_list, handlers, policy, threaded)
+    finally:
+        _blas.restore()
+
+
+def _run_on_pool(
+    n: int,
+    frames: Sequence[Frame],
+    fn: Callable[..., Any],
+    args_list: Sequence[Sequence[Any]],
+    kwargs_list: Sequence[Mapping[str, Any]],
+    handlers: Handlers,
+    policy: AutoPolicy | None,
+    threaded: bool,
+) -> list[Any]:
+    """:func:`run_replicas` on a pool of the given kind, ``policy`` (``auto``'s) told the replica work."""
     try:
         pool = _get_pool(n, threaded)
     except RuntimeError:  # no thread could be started ("can't start new thread")
@@ -799,26 +763,9 @@ def run_replicas(
         # Inside the try: an interrupt anywhere after it must not leave the pool marked busy for ever.
         pool.busy = True
         pool.clean = False  # until every replica is back, idle
-        native_run = pool.run
-        if native_run is not None:
-            # The native engine: the tasks, the collectives the replicas agree on (the loop's
-            # first branch below) and, when every replica returned, the results, in C.
-            work, exc, returned = native_run(
-                pool.workers, _getcurrent(), frames, fn, args_list, kwargs_list, events, handlers  # type: ignore[attr-defined]
-            )
-            if returned is not None:
-                pool.clean = True
-                if policy is not None:
-                    policy.observe(work)
-                return returned
-            if exc is not None:  # a handler raised; the replicas wait at its collective
-                if _abort(pool, events):
-                    pool.clean = True
-                raise exc
-        else:
-            t0 = _now()
-            pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
-            work = _now() - t0
+        t0 = _now()
+        pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
+        work = _now() - t0
         while True:
             kinds = [ev[0] for ev in events]
             first = kinds[0]

@@ -66,10 +66,22 @@ class thread_pool {
   unsigned size() const noexcept { return size_.load(std::memory_order_relaxed); }
 
   /// Changes the number of threads (0: hardware threads); waits for a running loop to finish.
+  /// If the system refuses a thread, the pool goes back to its previous size (else to the caller
+  /// alone) and the error propagates: no thread of the failed attempt keeps running.
   void resize(unsigned threads) {
     std::lock_guard<std::mutex> busy(run_mutex_);
+    const unsigned before = size();
     stop();
-    start(threads);
+    try {
+      start(threads);
+    } catch (...) {
+      try {
+        start(before);
+      } catch (...) {
+        start(1);  // the caller alone: starts no thread, cannot fail
+      }
+      throw;
+    }
   }
 
   /// The number of hardware threads (at least 1).
@@ -270,8 +282,15 @@ class thread_pool {
 #ifdef CUDIST_HAVE_GETPID
     pid_ = ::getpid();
 #endif
-    workers_.reserve(threads - 1);
-    for (unsigned i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+    try {
+      workers_.reserve(threads - 1);
+      for (unsigned i = 1; i < threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+    } catch (...) {
+      // A refused thread (std::system_error) or no memory: end the ones started (a joinable
+      // std::thread destroyed would terminate the process; left running they would leak).
+      stop();
+      throw;
+    }
     size_.store(threads, std::memory_order_relaxed);
   }
 

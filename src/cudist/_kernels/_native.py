@@ -36,11 +36,20 @@ def set_num_threads(n: int) -> None:
 
     Raises:
         ValueError: ``n`` is negative or above :data:`MAX_THREADS`.
+        RuntimeError: the system refused to start a thread; the pool kept its previous size and
+            none of the threads this call started is left running.
     """
     n = int(n)
     if n > MAX_THREADS:
         raise ValueError(f"set_num_threads: n must be <= {MAX_THREADS}, got {n}")
-    _core.set_num_threads(n)
+    before = _core.num_threads()
+    try:
+        _core.set_num_threads(n)
+    except RuntimeError as e:  # std::system_error from std::thread: say what happened and what is left
+        raise RuntimeError(
+            f"set_num_threads({n}): the system refused to start a thread ({e}); the kernels keep "
+            f"{_core.num_threads()} thread(s) (were {before})"
+        ) from e
 
 
 class NativeBackend(KernelBackend):

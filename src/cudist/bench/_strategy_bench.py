@@ -287,7 +287,8 @@ def run_step(ctx) -> list:
     ctx.print(f"# step: MLP {a.features}-{a.hidden}-{a.classes} ({nparams} float32 params), global batch {a.batch} "
               f"over {n} replicas, {a.optimizer}; median of {a.iters} after {a.warmup_iters} warm-up")
     ctx.print("# per step: forward/backward per replica (NumPy), MEAN all-reduce of the gradients, mirrored update;"
-              " #wrong = parameters off the NumPy-backend reference after one step (rtol 1e-5)")
+              " #wrong = parameters off the NumPy-backend reference after one step (rtol 1e-5; strategy rows: the same"
+              " strategy step on the NumPy backend)")
     ctx.print("# the user's path: api=strategy rows (MirroredStrategy.run + cudist.optimizers apply_gradients, what a "
               "training loop calls); api=kernel rows call the kernels directly (the floor the user's path can reach)")
     ctx.print("#" + _STEP_FMT.format(*_STEP_COLS)[1:])
@@ -313,9 +314,17 @@ def run_step(ctx) -> list:
             rows.append(row)
             ctx.print(_step_line(row))
     if a.api in ("strategy", "both"):
+        sref = None
+        if a.check:
+            # Like with like: the strategy rows against the same step through the same strategy on
+            # the NumPy backend. (Against the kernel rows' reference they would differ in the last
+            # bits whenever BLAS rounds differently inside a run -- it gets max(1, threads // N)
+            # threads there, see cudist._blas -- and Adam magnifies such bits.)
+            with use_backend("numpy"):
+                sref = _strategy_reference(ctx, params, shards)
         for be in backends:
             with use_backend(be.name):
-                rows += _strategy_step(ctx, params, shards, ref, nparams)
+                rows += _strategy_step(ctx, params, shards, sref, nparams)
     _user_vs_kernel(ctx, rows)
     if a.compare == "tf":
         ctx.print("# tf: no TensorFlow counterpart for step (it would time Keras, not the strategy); use run-overhead "
@@ -333,27 +342,19 @@ def _user_vs_kernel(ctx, rows) -> None:
         ctx.print("# user's path / kernel step time (median; 1.00x = the strategy API costs nothing): " + ", ".join(parts))
 
 
-def _strategy_step(ctx, params, shards, ref, nparams) -> list:
-    """The same step through the public API: MirroredStrategy.run + cudist.optimizers.apply_gradients.
+def _strategy_builder(ctx, params, shards):
+    """``(strategy, build)``: ``build()`` makes fresh variables and optimizer and returns ``(vs, step)``.
 
-    Each replica scales its local mean gradient by 1/N, so the optimizer's SUM over replicas (Keras's
-    default aggregation) is the mean gradient of the kernel path; the result is compared with the
-    NumPy-backend reference within float32 rounding (rtol 1e-5).
+    Raises:
+        ImportError: MirroredStrategy or cudist.optimizers is not available.
     """
-    from cudist._kernels import get_backend
-    from cudist.bench._timing import median_us, time_calls
+    import cudist
+    import cudist.optimizers as optimizers
 
     a = ctx.args
     n = a.replicas
-    try:
-        import cudist
-        import cudist.optimizers as optimizers
-
-        _ensure_logical_cpus(n)
-        strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-    except ImportError as e:
-        ctx.print(f"# strategy API step skipped: MirroredStrategy / cudist.optimizers not available here ({e})")
-        return []
+    _ensure_logical_cpus(n)
+    strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
     scale = np.float32(1.0 / n)
 
     def build():
@@ -370,13 +371,50 @@ def _strategy_step(ctx, params, shards, ref, nparams) -> list:
 
         return vs, lambda: strategy.run(replica_fn, args=(data,))
 
+    return strategy, build
+
+
+def _one_strategy_step(strategy, build):
+    """Every replica's copy of every parameter after one step from the initial ones."""
+    vs, step = build()
+    step()
+    return [[np.asarray(c) for c in strategy.experimental_local_results(v)] for v in vs]
+
+
+def _strategy_reference(ctx, params, shards):
+    """Replica 0's parameters after one strategy step on the current (NumPy) backend; None if unavailable."""
+    try:
+        strategy, build = _strategy_builder(ctx, params, shards)
+        return [c[0] for c in _one_strategy_step(strategy, build)]
+    except Exception:  # noqa: BLE001 - reported by _strategy_step's own try, per backend
+        return None
+
+
+def _strategy_step(ctx, params, shards, ref, nparams) -> list:
+    """The same step through the public API: MirroredStrategy.run + cudist.optimizers.apply_gradients.
+
+    Each replica scales its local mean gradient by 1/N, so the optimizer's SUM over replicas (Keras's
+    default aggregation) is the mean gradient of the kernel path; the result is compared with ``ref``,
+    the same strategy step on the NumPy backend (:func:`_strategy_reference`), within float32 rounding
+    (rtol 1e-5): backends agree bit for bit, so any difference is a real one.
+    """
+    from cudist._kernels import get_backend
+    from cudist.bench._timing import median_us, time_calls
+
+    a = ctx.args
+    n = a.replicas
+    try:
+        strategy, build = _strategy_builder(ctx, params, shards)
+    except ImportError as e:
+        ctx.print(f"# strategy API step skipped: MirroredStrategy / cudist.optimizers not available here ({e})")
+        return []
+
     wrong = None
     try:
         if a.check:
-            vs, step = build()
-            step()
-            comps = [[np.asarray(c) for c in strategy.experimental_local_results(v)] for v in vs]
-            wrong = _max_wrong(comps, ref)
+            if ref is None:
+                raise RuntimeError("the NumPy-backend reference step failed")
+            wrong = _max_wrong(_one_strategy_step(strategy, build), ref)
         vs, step = build()
         samples = time_calls(step, a.iters, a.warmup_iters)
     except Exception as e:  # an incomplete strategy API must not hide the kernel-level table
