@@ -133,7 +133,7 @@ def code_env_reads() -> dict[str, list[str]]:
 def test_env_scanner_finds_the_known_reads():
     """The scanner sees literal, constant and C++ reads (so the next test can fail)."""
     found = code_env_reads()
-    for name in ("CUDIST_BACKEND", "CUDIST_NATIVE_ENGINE", "CUDIST_CHECK_COLLECTIVES", "CUDIST_POOL_SPIN_US",
+    for name in ("CUDIST_BACKEND", "CUDIST_CHECK_COLLECTIVES", "CUDIST_POOL_SPIN_US",
                  "CUDIST_REPLICA_EXECUTION", "CUDIST_CUDA_LAUNCHERS"):
         assert name in found, (name, sorted(found))
     assert "CUDIST_KERNELS" not in found  # a macro name in a regular expression, not an environment read
