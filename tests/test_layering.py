@@ -1,7 +1,7 @@
 """The package's structure, enforced: layers, no import cycles, no private names across modules.
 
 Walks the AST of every module under ``src/cudist`` (imports inside functions included, since a
-lazy import is still a dependency). The layers, bottom to top, are documented in the README's
+lazy import is still a dependency). The layers, bottom to top, are documented in CONTRIBUTING.md's
 architecture section; a module may import its own layer or lower ones only.
 """
 
@@ -60,7 +60,7 @@ def layer_of(mod: str) -> int:
             if (mod == name or mod.startswith(name + ".")) and len(name) > best:
                 best, layer = len(name), i
     if layer is None:
-        raise AssertionError(f"module {mod} is in no layer: add it to LAYERS (and the README's architecture)")
+        raise AssertionError(f"module {mod} is in no layer: add it to LAYERS (and CONTRIBUTING.md's layout)")
     return layer
 
 
