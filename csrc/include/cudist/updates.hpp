@@ -524,27 +524,50 @@ void all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* moment
   static_assert(detail::is_update_float<T>, "cudist::all_reduce_rmsprop needs a floating-point type");
   if (n == 0 || m == 0 || count == 0) return;
   using C = detail::compute_t<T>;
-  const rules::rmsprop<C, detail::host_math> r(static_cast<C>(lr), static_cast<C>(rho), static_cast<C>(momentum),
-                                               static_cast<C>(epsilon));
-  // One instantiation per slot set (the rule's null checks fold away); captured by value, see
-  // apply_rule().
+  const C one = static_cast<C>(1), lr_c = static_cast<C>(lr), rho_c = static_cast<C>(rho);
+  const C omr = one - rho_c, mom = static_cast<C>(momentum), eps = static_cast<C>(epsilon);
   detail::with_decay<C>(decay, [&](auto dec) {
+    auto step = [&](C g, C v, C* a) {  // the new velocity, and the increment (a: the average, if centered)
+      const C vn = rho_c * v + omr * (g * g);
+      C d;
+      if (a != nullptr) {
+        *a = rho_c * *a + omr * g;
+        d = vn - *a * *a + eps;
+      } else {
+        d = vn + eps;
+      }
+      return std::pair<C, C>(vn, lr_c * g / std::sqrt(d));
+    };
     if (momentums != nullptr && average_grads != nullptr) {
       T* const* const state[4] = {velocities, momentums, average_grads, copies};
-      detail::fused_rule_update<T>(state, n, count, grads, m, pool,
-                                   [r, dec](C g, C(&x)[4]) { r(g, x[0], &x[1], &x[2], x[3], dec); });
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[4]) {
+        const auto [vn, inc] = step(g, x[0], &x[2]);
+        x[0] = vn;
+        x[1] = mom * x[1] + inc;
+        x[3] = dec(x[3]) - x[1];
+      });
     } else if (momentums != nullptr) {
       T* const* const state[3] = {velocities, momentums, copies};
-      detail::fused_rule_update<T>(state, n, count, grads, m, pool,
-                                   [r, dec](C g, C(&x)[3]) { r(g, x[0], &x[1], nullptr, x[2], dec); });
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[3]) {
+        const auto [vn, inc] = step(g, x[0], nullptr);
+        x[0] = vn;
+        x[1] = mom * x[1] + inc;
+        x[2] = dec(x[2]) - x[1];
+      });
     } else if (average_grads != nullptr) {
       T* const* const state[3] = {velocities, average_grads, copies};
-      detail::fused_rule_update<T>(state, n, count, grads, m, pool,
-                                   [r, dec](C g, C(&x)[3]) { r(g, x[0], nullptr, &x[1], x[2], dec); });
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[3]) {
+        const auto [vn, inc] = step(g, x[0], &x[1]);
+        x[0] = vn;
+        x[2] = dec(x[2]) - inc;
+      });
     } else {
       T* const* const state[2] = {velocities, copies};
-      detail::fused_rule_update<T>(state, n, count, grads, m, pool,
-                                   [r, dec](C g, C(&x)[2]) { r(g, x[0], nullptr, nullptr, x[1], dec); });
+      detail::fused_rule_update<T>(state, n, count, grads, m, pool, [&](C g, C(&x)[2]) {
+        const auto [vn, inc] = step(g, x[0], nullptr);
+        x[0] = vn;
+        x[1] = dec(x[1]) - inc;
+      });
     }
   });
 }

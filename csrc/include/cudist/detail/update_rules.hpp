@@ -46,37 +46,6 @@
 namespace cudist {
 namespace rules {
 
-/// RMSprop (Keras), slot v and the optional slots mo (momentum > 0) and a (centered), passed as
-/// null pointers when absent: ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a +
-/// (1 - rho) * g`` and ``d = v - a*a + epsilon``, else ``d = v + epsilon``; ``inc = lr * g /
-/// sqrt(d)``; with mo: ``mo = momentum * mo + inc; w = dec(w) - mo``, else ``w = dec(w) - inc``.
-/// The slot set is chosen at run time, so it is called with the slots one by one.
-template <class C, class M>
-struct rmsprop {
-  static constexpr int kHyper = 4;
-  C lr, rho, omr, mom, epsilon;
-  CUDIST_HD rmsprop(C lr_, C rho_, C momentum_, C epsilon_)
-      : lr(lr_), rho(rho_), omr(M::sub(C(1), rho_)), mom(momentum_), epsilon(epsilon_) {}
-  template <class Dec>
-  CUDIST_HD void operator()(C g, C& v, C* mo, C* a, C& w, const Dec& dec) const {
-    v = M::add(M::mul(rho, v), M::mul(omr, M::mul(g, g)));
-    C d;
-    if (a != nullptr) {
-      *a = M::add(M::mul(rho, *a), M::mul(omr, g));
-      d = M::add(M::sub(v, M::mul(*a, *a)), epsilon);
-    } else {
-      d = M::add(v, epsilon);
-    }
-    const C inc = M::div(M::mul(lr, g), M::sqrt(d));
-    if (mo != nullptr) {
-      *mo = M::add(M::mul(mom, *mo), inc);
-      w = M::sub(dec(w), *mo);
-    } else {
-      w = M::sub(dec(w), inc);
-    }
-  }
-};
-
 /// Adam's moments, shared by Adam(W) and AMSGrad:
 /// ``m += (g - m) * c1``; ``v += (g*g - v) * c2`` (c1 = 1 - beta_1, c2 = 1 - beta_2).
 template <class C, class M>

@@ -434,8 +434,7 @@ struct Rmsprop {
   Ptrs<T> copies, vels, moms, avgs;
   G grad;
   int n, has_momentum, centered;
-  rules::rmsprop<C, device_math> rule;
-  C decay;
+  C lr, rho, omr, momentum, epsilon, decay;
 
   template <int W>
   __device__ __forceinline__ void apply(long long i) const {
@@ -447,11 +446,26 @@ struct Rmsprop {
     const Pack<T, W> g = grad.template get<W>(i);
 #pragma unroll
     for (int k = 0; k < W; ++k) {
-      C vk = to_compute(v.v[k]), mk = to_compute(mo.v[k]), ak = to_compute(a.v[k]), wk = to_compute(w.v[k]);
-      rule(to_compute(g.v[k]), vk, has_momentum ? &mk : nullptr, centered ? &ak : nullptr, wk, Decayed<C>{decay});
+      const C gk = to_compute(g.v[k]);
+      const C vk = add(mul(rho, to_compute(v.v[k])), mul(omr, mul(gk, gk)));
+      C d;
+      if (centered) {
+        const C ak = add(mul(rho, to_compute(a.v[k])), mul(omr, gk));
+        d = add(sub(vk, mul(ak, ak)), epsilon);
+        a.v[k] = from_compute<T>(ak);
+      } else {
+        d = add(vk, epsilon);
+      }
+      const C inc = div(mul(lr, gk), sqrt_rn(d));
+      C wk = decayed(to_compute(w.v[k]), decay);
+      if (has_momentum) {
+        const C mk = add(mul(momentum, to_compute(mo.v[k])), inc);
+        wk = sub(wk, mk);
+        mo.v[k] = from_compute<T>(mk);
+      } else {
+        wk = sub(wk, inc);
+      }
       v.v[k] = from_compute<T>(vk);
-      if (has_momentum) mo.v[k] = from_compute<T>(mk);
-      if (centered) a.v[k] = from_compute<T>(ak);
       w.v[k] = from_compute<T>(wk);
     }
 #pragma unroll
@@ -474,7 +488,7 @@ __device__ __forceinline__ void rmsprop_body(const Ptrs<T>& c, const Ptrs<T>& v,
                                              int has_momentum, int centered, long long count) {
   using C = typename compute<T>::type;
   Rmsprop<T, SumGrads<T>> f{c, v, mo, a, {g, n_grads}, n, has_momentum, centered,
-                            rules::rmsprop<C, device_math>(lr, rho, momentum, epsilon), decay};
+                            lr, rho, sub(C(1), rho), momentum, epsilon, decay};
   const bool ok = all_aligned16(c, n, 0) && all_aligned16(v, n, 0) && (!has_momentum || all_aligned16(mo, n, 0)) &&
                   (!centered || all_aligned16(a, n, 0)) && f.grad.aligned();
   for_each<T>(0, count, ok, f);
