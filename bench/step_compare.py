@@ -459,7 +459,7 @@ class Contestant:
             cmd = [python, here, "--worker", kind, "--replicas", str(replicas), "--data", args.data_file,
                    "--rank", str(rank), "--world", str(world), "--port", str(port), "--torch-threads", str(threads)]
             if kind == "cudist-multi-worker":  # mpiexec passes stdin to rank 0; cores / N threads each
-                cmd = [python, "-m", "cudist.launch", "-n", str(world), *cmd[1:]]
+                cmd = [python, "-m", "cudist.launch", "-n", str(world), "--no-prefix", *cmd[1:]]
             p = subprocess.Popen(cmd, stdin=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                  stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, stderr=err, text=True,
                                  env=env, bufsize=1)

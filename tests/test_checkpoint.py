@@ -989,7 +989,7 @@ def _mpi_missing():
 @pytest.mark.skipif(_mpi_missing() is not None, reason=f"multi-worker jobs need MPI: {_mpi_missing()}")
 def test_multi_worker_only_the_chief_writes_and_every_worker_restores(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "CUDIST_CHECK_COLLECTIVES")}
-    proc = subprocess.run([sys.executable, "-m", "cudist.launch", "-n", "2", str(HERE), "multi_worker", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "-m", "cudist.launch", "-n", "2", "--no-prefix", str(HERE), "multi_worker", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))

@@ -132,7 +132,7 @@ def test_multi_worker_follows_the_mirrored_trajectory(tutorial, tmp_path):
     if find_mpiexec() is None:
         pytest.skip("no mpiexec (pip install \".[mpi]\")")
     ref = _run(tutorial, "mirrored", 2, "numpy")
-    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", str(EXAMPLES / "custom_training.py"), *SMALL,
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", "--no-prefix", str(EXAMPLES / "custom_training.py"), *SMALL,
            "--strategy", "multi_worker", "--grad", "numpy", "--checkpoint-dir", str(tmp_path), "--history-json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -102,9 +102,9 @@ def _launch(*args, timeout=60, flags=(), env=None):
 def _results(proc):
     out = {}
     for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            _, rank, payload = line.split(" ", 2)
-            out[int(rank)] = json.loads(payload)
+        m = re.match(r"(?:\[\d+\] )?RESULT (\d+) (.*)$", line)  # the launcher's "[rank] " in front, or not
+        if m:
+            out[int(m.group(1))] = json.loads(m.group(2))
     assert sorted(out) == [0, 1], f"missing worker results:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out
 
@@ -658,3 +658,26 @@ def test_collective_checks_are_on_by_default(monkeypatch, value, mode):
     else:
         monkeypatch.setenv("CUDIST_CHECK_COLLECTIVES", value)
     assert mpi.check_mode() == mode
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_launcher_prefixes_worker_lines_and_writes_one_log_per_worker(tmp_path, no_shm_left):
+    """torchrun's --log-dir: each worker's output in DIR/worker-<rank>.log (untagged); on the console
+    each worker's lines carry its rank ("[1] "), stdout and stderr, unless --no-prefix."""
+    logs = tmp_path / "logs"
+    proc, _ = _launch("tfconfig", flags=("--log-dir", str(logs)))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(p.name for p in logs.iterdir()) == ["worker-0.log", "worker-1.log"]
+    # The job's rank 0 prints every worker's RESULT line (tests/multi_worker_job.py's report).
+    lines = (logs / "worker-0.log").read_text().splitlines()
+    assert [ln.split(" ", 2)[:2] for ln in lines if ln.startswith("RESULT")] == [["RESULT", "0"], ["RESULT", "1"]]
+    assert "RESULT" not in (logs / "worker-1.log").read_text()
+    assert "[0] RESULT 0 " in proc.stdout and "[0] RESULT 1 " in proc.stdout
+    assert _results(proc)[1]["rank"] == 1
+    plain, _ = _launch("tfconfig", flags=("--no-prefix",))
+    assert plain.returncode == 0 and not re.search(r"^\[\d\] ", plain.stdout, re.M), plain.stdout[-1000:]
+    bad = tmp_path / "file"
+    bad.write_text("x")
+    refused, _ = _launch("tfconfig", flags=("--log-dir", str(bad / "sub")))
+    assert refused.returncode == 2 and "--log-dir" in refused.stderr and "RESULT" not in refused.stdout

@@ -120,6 +120,7 @@ def _worker(args) -> int:
     if directory:
         Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
         _connect_watch(directory, rank)
+    _tag_output(rank, not args.no_prefix, args.log_dir)
     mpi = _start_mpi(directory, rank)
     if args.tf_config:
         os.environ["TF_CONFIG"] = tf_config(_size(), rank)
@@ -191,14 +192,72 @@ def _remove_recorded_shm(directory: str) -> None:
             pass
 
 
-def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_flag=False, module=False) -> list:
+def build_command(mpiexec: str, n: int, script: str, script_args, *, tf_config_flag=False, module=False,
+                  prefix=True, log_dir=None) -> list:
     """The mpiexec command line that starts ``n`` workers of ``script``."""
     cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "cudist.launch", "--worker"]
     if tf_config_flag:
         cmd.append("--tf-config")
     if module:
         cmd.append("-m")
+    if not prefix:
+        cmd.append("--no-prefix")
+    if log_dir is not None:
+        cmd += ["--log-dir", os.path.abspath(log_dir)]
     return [*cmd, "--", script, *script_args]
+
+
+class _RankLines:
+    """A worker's ``sys.stdout`` / ``sys.stderr``: each line goes to the console with ``tag`` in front
+    (``"[1] "``; nothing with ``--no-prefix``) and, untagged, to the worker's log file (``--log-dir``).
+
+    Python-level writes only (print, logging, tracebacks); what C code writes to the file
+    descriptors directly goes to the console untagged. A tagged line is written whole, in one write
+    (so the workers' lines do not interleave mid-line); a partial line waits for its end or a flush.
+    """
+
+    def __init__(self, stream: Any, tag: str, log: Any) -> None:
+        self._stream, self._tag, self._log = stream, tag, log
+        self._pending = ""
+        self._line_start = True
+
+    def write(self, text: str) -> int:
+        if self._log is not None:
+            self._log.write(text)
+        if not self._tag:
+            self._stream.write(text)
+            return len(text)
+        self._pending += text
+        if "\n" in self._pending:
+            head, _, self._pending = self._pending.rpartition("\n")
+            lines = head.split("\n")
+            first = self._tag if self._line_start else ""
+            self._stream.write(first + lines[0] + "\n" + "".join(f"{self._tag}{line}\n" for line in lines[1:]))
+            self._line_start = True
+        return len(text)
+
+    def flush(self) -> None:
+        if self._pending:
+            self._stream.write((self._tag if self._line_start else "") + self._pending)
+            self._pending, self._line_start = "", False
+        self._stream.flush()
+        if self._log is not None:
+            self._log.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, errors, buffer, ...
+        return getattr(self._stream, name)
+
+
+def _tag_output(rank: int, prefix: bool, log_dir: str | None) -> None:
+    """Routes this worker's Python output through :class:`_RankLines` (the launcher's default)."""
+    log = None
+    if log_dir is not None:
+        os.makedirs(log_dir, exist_ok=True)
+        log = open(os.path.join(log_dir, f"worker-{rank}.log"), "w", buffering=1, encoding="utf-8")  # noqa: SIM115
+    tag = f"[{rank}] " if prefix else ""
+    if tag or log is not None:
+        sys.stdout = _RankLines(sys.stdout, tag, log)
+        sys.stderr = _RankLines(sys.stderr, tag, log)
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
@@ -518,6 +577,10 @@ def main(argv=None) -> int:
     parser.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to python, else PATH)")
     parser.add_argument("--timeout", type=float, default=None, help="end the job after this many seconds (exit 124)")
     parser.add_argument("-m", dest="module", action="store_true", help="run a module (as python -m) instead of a script")
+    parser.add_argument("--no-prefix", action="store_true",
+                        help="do not put each worker's rank ('[0] ') in front of its output lines")
+    parser.add_argument("--log-dir", default=None,
+                        help="also write each worker's output to DIR/worker-<rank>.log (created if missing)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("script", help="the script (or module with -m) every worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -540,10 +603,17 @@ def main(argv=None) -> int:
         # Checked here so that a typo gets one line, not Popen's traceback.
         sys.stderr.write(f"cudist.launch: --mpiexec {args.mpiexec}: not an executable file\n")
         return 127
+    if args.log_dir is not None:
+        try:
+            os.makedirs(args.log_dir, exist_ok=True)
+        except OSError as e:
+            sys.stderr.write(f"cudist.launch: --log-dir {args.log_dir}: {e.strerror or e}\n")
+            return 2
     env = worker_env(n)
     with tempfile.TemporaryDirectory(prefix="cudist-launch-") as directory:
         env[_STATUS_DIR] = directory
-        cmd = build_command(mpiexec, n, args.script, args.args, tf_config_flag=args.tf_config, module=args.module)
+        cmd = build_command(mpiexec, n, args.script, args.args, tf_config_flag=args.tf_config, module=args.module,
+                            prefix=not args.no_prefix, log_dir=args.log_dir)
         start = time.monotonic()
         with _Job(args.timeout) as job:
             try:
