@@ -43,6 +43,11 @@ STORE_128_EXEMPT = {"reduce_scatter_packed"}
 #: (256, 2) spilled nothing but raised most kernels' registers by 10-110% (one-shot float32 48 -> 84),
 #: fewer resident blocks for no measured gain.
 REGISTER_BUDGET = 128
+#: Kernels over the budget, each with its own ceiling (no spills still): the fused all-reduce +
+#: AMSGrad update (N gradients, three slots) takes 134 (float32, sm_80) to 143 (float64) registers
+#: with NVRTC 13 (2026-11-28), one 256-thread block per SM. Not yet measured on a GPU: the next GPU
+#: session times it (bench/gpu_session.sh) against Adam's before trying __launch_bounds__ here.
+REGISTER_EXEMPT = {"mirrored_all_reduce_amsgrad_packed": 144}
 
 
 def _real_env() -> dict[str, str] | None:
@@ -127,7 +132,7 @@ def test_sass_no_spills_and_registers_within_budget(compiled):
     over = []
     for b, name, f in _sass(compiled):
         assert f["stack"] == 0 and f["local"] == 0, f"sm_{b['arch']} {b['dtype']} {name} spills: {f}"
-        if f["reg"] > REGISTER_BUDGET:
+        if f["reg"] > REGISTER_EXEMPT.get(name, REGISTER_BUDGET):
             over.append(f"sm_{b['arch']} {b['dtype']} {name}: {f['reg']} registers")
     assert not over, over
 
