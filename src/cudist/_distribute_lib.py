@@ -1056,16 +1056,7 @@ class StrategyExtended:
             As :meth:`Strategy.run`: ``fn``'s result structure (typed ``Any``), with a PerReplica
             at each leaf where the replicas returned different values.
         """
-        if not isinstance(args, (list, tuple)):
-            raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            # (fn(**kwargs) would say "argument after ** must be a mapping"; said here, before any replica starts.)
-            raise TypeError(f"strategy.run: kwargs must be a mapping (a dict) or None, got {type(kwargs).__name__}")
-        if kwargs:
-            kwargs = dict(kwargs)
-            bad = [k for k in kwargs if not isinstance(k, str)]
-            if bad:
-                raise TypeError(f"strategy.run: kwargs keys must be strings (keyword names), got {bad[0]!r}")
+        kwargs = _check_run_arguments(args, kwargs)
         f = _CTX.get()
         if f is not None:
             if f.replica_ctx is not None:
@@ -1429,16 +1420,7 @@ class _DefaultDistributionExtended(StrategyExtended):
         args: tuple[Any, ...] | list[Any] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if not isinstance(args, (list, tuple)):
-            raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            # (fn(**kwargs) would say "argument after ** must be a mapping"; said here, before any replica starts.)
-            raise TypeError(f"strategy.run: kwargs must be a mapping (a dict) or None, got {type(kwargs).__name__}")
-        if kwargs:
-            kwargs = dict(kwargs)
-            bad = [k for k in kwargs if not isinstance(k, str)]
-            if bad:
-                raise TypeError(f"strategy.run: kwargs keys must be strings (keyword names), got {bad[0]!r}")
+        kwargs = _check_run_arguments(args, kwargs)
         f = _CTX.get()
         if f is not None and f.replica_ctx is not None:
             raise RuntimeError("strategy.run cannot be called inside strategy.run (in replica context)")
@@ -1463,6 +1445,26 @@ def _default_strategy() -> _DefaultDistributionStrategy:
 @functools.lru_cache(maxsize=None)
 def _default_replica_context() -> _DefaultReplicaContext:
     return _DefaultReplicaContext(_default_strategy(), 0)
+
+
+def _check_run_arguments(args: Any, kwargs: Any) -> Any:
+    """``run``'s checks of ``args`` and ``kwargs`` (before any replica starts); a copy of ``kwargs``.
+
+    Raises:
+        ValueError: ``args`` is not a list or tuple (TF's error).
+        TypeError: ``kwargs`` is not a mapping, or has a key that is not a string.
+    """
+    if not isinstance(args, (list, tuple)):
+        raise ValueError(f"positional args must be a list or tuple, got {type(args)}")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        # (fn(**kwargs) would say "argument after ** must be a mapping"; said here, before any replica starts.)
+        raise TypeError(f"strategy.run: kwargs must be a mapping (a dict) or None, got {type(kwargs).__name__}")
+    if kwargs:
+        kwargs = dict(kwargs)
+        bad = [k for k in kwargs if not isinstance(k, str)]
+        if bad:
+            raise TypeError(f"strategy.run: kwargs keys must be strings (keyword names), got {bad[0]!r}")
+    return kwargs
 
 
 def parse_devices(devices: Sequence[_devices.DeviceLike], where: str) -> tuple[str, ...]:

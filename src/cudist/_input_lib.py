@@ -451,14 +451,7 @@ def split_steps(
     on_host = feeder is None and all(put is _identity for put in putters)  # type: ignore[union-attr]  # a list unless feeder
     bounds_of: dict[int, list[tuple[int, int]]] = {}
     for batch in dataset:
-        leaves, treedef = optree.tree_flatten(batch)
-        try:
-            arrays = _batch_leaves(leaves)
-        except ValueError as e:
-            raise ValueError(
-                f"{where}: cannot split the element across {n} replicas ({e}); the dataset must yield "
-                "batches with a leading batch dimension: use dataset.batch(global_batch_size)"
-            ) from None
+        arrays, treedef = _split_leaves(batch, where, n)
         bsz = arrays[0].shape[0]
         bounds = bounds_of.get(bsz)
         if bounds is None:
@@ -484,14 +477,7 @@ def _worker_split_steps(
     on_host = feeder is None and all(put is _identity for put in putters)  # type: ignore[union-attr]  # a list unless feeder
     bounds_of: dict[int, list[tuple[int, int]]] = {}
     for batch in dataset:
-        leaves, treedef = optree.tree_flatten(batch)
-        try:
-            arrays = _batch_leaves(leaves)
-        except ValueError as e:
-            raise ValueError(
-                f"{where}: cannot split the element across {total} replicas ({e}); the dataset must yield "
-                "batches with a leading batch dimension: use dataset.batch(global_batch_size)"
-            ) from None
+        arrays, treedef = _split_leaves(batch, where, total)
         bsz = arrays[0].shape[0]
         bounds = bounds_of.get(bsz)
         if bounds is None:
@@ -500,7 +486,7 @@ def _worker_split_steps(
         for off in offsets:
             mine = bounds[off : off + n]
             if n == 1 and on_host:
-                s, e = mine[0]  # type: ignore[misc]  # `e` is also the name of the except clause above
+                s, e = mine[0]
                 yield treedef.unflatten([a[s:e] for a in arrays])
             elif on_host:
                 yield treedef.unflatten([PerReplica([a[s:e] for s, e in mine]) for a in arrays])
@@ -572,14 +558,7 @@ def rebatch_steps(dataset: Iterable[Any], n: int, putters: Placer, where: str, w
         return _make_step(putters, [treedef.unflatten(p) for p in pieces], n)
 
     for batch in dataset:
-        leaves, treedef = optree.tree_flatten(batch)
-        try:
-            arrays = _batch_leaves(leaves)
-        except ValueError as e:
-            raise ValueError(
-                f"{where}: cannot split the element across replicas ({e}); the dataset must yield batches with a "
-                "leading batch dimension: use dataset.batch(global_batch_size)"
-            ) from None
+        arrays, treedef = _split_leaves(batch, where, workers * n)
         if not any(sizes):  # from the first batch with rows
             sizes = batch_sizes_for_worker(int(arrays[0].shape[0]), workers, n, index)
         chunks.append(list(arrays))
@@ -596,6 +575,19 @@ def rebatch_steps(dataset: Iterable[Any], n: int, putters: Placer, where: str, w
         last = pieces[-1]
         pieces.extend([a[:0] for a in last] for _ in range(n - len(pieces)))
         yield step()
+
+
+def _split_leaves(batch: Any, where: str, replicas: int) -> tuple[list[Any], Any]:
+    """(the batch's leaves as arrays of one batch size, its treedef), or a ValueError for ``where``
+    saying the element cannot be split across ``replicas`` replicas."""
+    leaves, treedef = optree.tree_flatten(batch)
+    try:
+        return _batch_leaves(leaves), treedef
+    except ValueError as e:
+        raise ValueError(
+            f"{where}: cannot split the element across {replicas} replicas ({e}); the dataset must yield "
+            "batches with a leading batch dimension: use dataset.batch(global_batch_size)"
+        ) from None
 
 
 def _batch_leaves(leaves: list[Any]) -> list[Any]:
