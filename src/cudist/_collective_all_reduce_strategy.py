@@ -85,6 +85,8 @@ class CollectiveAllReduceExtended(MirroredExtended):
         else:  # a local job (or an evaluator, which runs alone)
             self._num_workers, self._worker_index, self._is_chief = 1, 0, True
         self._task_type, self._task_id = task_type, task_id
+        if self._num_workers > 1:  # TF names a worker's devices by its task from here on
+            _devices.set_local_task(task_type, task_id)
         self._id_in_cluster = self._worker_index
         devs = default_devices() if devices is None else parse_devices(devices, "MultiWorkerMirroredStrategy")
         if communication_options.implementation is CommunicationImplementation.NCCL and not _devices.any_gpu(devs):

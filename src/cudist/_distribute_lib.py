@@ -747,13 +747,13 @@ class StrategyExtended:
     # -------------------------------------------------------------- devices
     @property
     def worker_devices(self) -> tuple[str, ...]:
-        """Canonical names of the devices the replicas run on, one per replica."""
-        return self._devices
+        """Names of the devices the replicas run on, one per replica (under the worker's task in a cluster)."""
+        return tuple(map(_devices.display_name, self._devices))
 
     @property
     def parameter_devices(self) -> tuple[str, ...]:
-        """Canonical names of the devices variables are placed on."""
-        return self._parameter_devices
+        """Names of the devices variables are placed on (under the worker's task in a cluster)."""
+        return tuple(map(_devices.display_name, self._parameter_devices))
 
     def _variable_devices(self) -> tuple[str, ...]:
         """Devices of a variable created now: the colocated variable's, else the policy's."""

@@ -31,7 +31,7 @@ import optree
 from cudist import data as _data
 from cudist._arrays import is_array, is_device_array, physical_gpu, to_gpu
 from cudist._devices import DeviceLike, DeviceSpec, any_gpu, parse_device
-from cudist.errors import InvalidArgumentError, OutOfRangeError
+from cudist.errors import InvalidArgumentError, NotFoundError, OutOfRangeError
 # cudist._gpu_feeder is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._gpu_feeder import DeviceBatch, DeviceSteps, GpuFeeder, group_step
 from cudist._values import PerReplica, regroup
@@ -516,13 +516,14 @@ def rebatch_steps(dataset: Iterable[Any], n: int, putters: Placer, where: str, w
 
     Every worker reads the whole dataset; its rows are re-split (across the global batches) into
     per-replica batches of :func:`batch_sizes_for_worker` sizes, cycled, the global batch size
-    being the first batch's; each step gives ``n`` of them to this worker's replicas. The last
+    being the pipeline's last ``batch`` size (else the first batch's); each step gives ``n`` of them to this worker's replicas. The last
     piece may be partial, and a last step short of pieces gets empty ones. So ``range(10).batch(4)``
     over 2 one-replica workers is ``[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]`` on each, and
     ``range(6).batch(3)`` is ``[0, 1], [2], [3, 4], [5]`` on worker 0 and ``[0], [1, 2], [3], [4, 5]`` on
     worker 1.
     """
     sizes: list[int] = []
+    static = _data.static_batch_size(dataset)
     chunks: list[list[Any]] = []  # rows not yet given out, as per-leaf lists of arrays, in order
     buffered = 0
     treedef: Any = None
@@ -559,8 +560,8 @@ def rebatch_steps(dataset: Iterable[Any], n: int, putters: Placer, where: str, w
 
     for batch in dataset:
         arrays, treedef = _split_leaves(batch, where, workers * n)
-        if not any(sizes):  # from the first batch with rows
-            sizes = batch_sizes_for_worker(int(arrays[0].shape[0]), workers, n, index)
+        if not any(sizes):  # the pipeline's batch size (as TF's compute_batch_size), else the first batch's rows
+            sizes = batch_sizes_for_worker(static or int(arrays[0].shape[0]), workers, n, index)
         chunks.append(list(arrays))
         buffered += int(arrays[0].shape[0])
         while buffered and buffered >= sizes[k]:
@@ -1132,8 +1133,8 @@ def _resolve_shard_policy(dataset: _data.Dataset, workers: int, index: int) -> _
     """The AutoShardPolicy a multi-worker DistributedDataset uses (AUTO is DATA: no file sources here)."""
     policy = dataset.options().experimental_distribute.auto_shard_policy
     P = _data.AutoShardPolicy
-    if policy is P.FILE:
-        raise ValueError(
+    if policy is P.FILE:  # TF 2.21: NotFoundError ("Found an unshardable source dataset")
+        raise NotFoundError(
             "experimental_distribute_dataset: AutoShardPolicy.FILE needs a dataset that reads files, but this "
             "dataset has no file source (an unshardable source dataset, as TF says); use AutoShardPolicy.DATA "
             "(or AUTO), or OFF"

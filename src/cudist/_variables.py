@@ -60,7 +60,7 @@ from cudist._arrays import (
     to_host,
 )
 from cudist._kernels import backend_for
-from cudist._devices import any_gpu, canonicalize
+from cudist._devices import any_gpu, canonicalize, display_name
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
 from cudist.errors import InvalidArgumentError
@@ -417,8 +417,8 @@ class Variable(metaclass=_VariableMeta):
 
     @property
     def device(self) -> str:
-        """The canonical long device name, e.g. "/job:localhost/replica:0/task:0/device:CPU:0"."""
-        return self._device
+        """The long device name, e.g. "/job:localhost/replica:0/task:0/device:CPU:0" (a worker's task in a cluster)."""
+        return display_name(self._device)
 
     @property
     def dtype(self) -> np.dtype[Any]:

@@ -848,9 +848,12 @@ class Dataset:
     ) -> Dataset:
         out = Dataset(iter_fn, spec_fn, cardinality, rows, cheap)
         out._options = self._options  # options hold for the whole pipeline, as tf.data's
+        out._static_batch = self._static_batch  # element-wise ops keep the batches (batch/unbatch reset it)
         return out
 
     _options: Options | None = None
+    #: The batch size of the last ``batch`` this pipeline applied (None: none, or an ``unbatch`` after it).
+    _static_batch: int | None = None
 
     def with_options(self, options: Options) -> Dataset:
         """This dataset with ``options`` set (merged over any set before), as ``tf.data.Dataset.with_options``."""
@@ -859,6 +862,7 @@ class Dataset:
         src = self
         out = Dataset(lambda: iter(src), lambda: src.element_spec, self._card, self._rows, self._cheap)
         out._options = (self._options or Options()).merge(options)
+        out._static_batch = self._static_batch
         return out
 
     def options(self) -> Options:
@@ -1103,7 +1107,9 @@ class Dataset:
 
         c = self._card
         card = c if c < 0 else (c // b if drop else -(-c // b))
-        return self._derive(it, spec, card, cheap=src._rows is not None)
+        out = self._derive(it, spec, card, cheap=src._rows is not None)
+        out._static_batch = b
+        return out
 
     def unbatch(self, name: str | None = None) -> Dataset:
         """Splits each element along dimension 0 into its rows (the inverse of ``batch``)."""
@@ -1121,7 +1127,9 @@ class Dataset:
             return map_specs(lambda s: TensorSpec(tuple(s.shape[1:]), s.dtype, s.name), src.element_spec)
 
         card = INFINITE_CARDINALITY if self._card == INFINITE_CARDINALITY else UNKNOWN_CARDINALITY
-        return self._derive(it, spec, card)
+        out = self._derive(it, spec, card)
+        out._static_batch = None
+        return out
 
     def shard(self, num_shards: _IntLike, index: _IntLike, name: str | None = None) -> Dataset:
         """Keeps every ``num_shards``-th element starting at ``index``.
@@ -1449,3 +1457,13 @@ def as_dataset(obj: Iterable[Any], where: str = "as_dataset") -> Dataset:
             f"{where}: expected a cudist.data.Dataset or an iterable of batches, got {type(obj).__name__}{hint}"
         )
     return _iterable_dataset(obj, where)
+
+
+def static_batch_size(dataset: Any) -> int | None:
+    """The batch size of the last ``batch`` of a :class:`Dataset` pipeline, as tf.data's
+    ``compute_batch_size`` finds it through element-wise ops (None: no batch, an ``unbatch`` after
+    it, or not a Dataset). A multi-worker strategy's AutoShardPolicy.OFF re-splits by it: a partial
+    first batch does not change the sizes.
+    """
+    return dataset._static_batch if isinstance(dataset, Dataset) else None
+

@@ -1,0 +1,135 @@
+"""Multi-worker parity with TensorFlow 2.21, against its recorded answers (issue #31).
+
+``tools/tf_parity/multi_worker.py`` holds the scenarios (device names by task, each auto-shard policy on
+``range`` datasets with partial batches, ``element_spec``, all-reduce/reduce/gather, the multi-worker
+custom-training-loop tutorial's loop); ``tools/tf_parity/record.py`` ran them on TF 2.21 as two processes
+on loopback with TF_CONFIG and wrote ``tests/data/tf_multi_worker.json``. Here the same script runs on
+cudist under ``python -m cudist.launch -n 2 --tf-config`` and every answer must equal TF's: exactly,
+except the training loop's floats (TF's oneDNN matmuls sum in another order: float32 rounding).
+TensorFlow is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cudist import _devices
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tools" / "tf_parity" / "multi_worker.py"
+RECORDED = json.loads((ROOT / "tests" / "data" / "tf_multi_worker.json").read_text())
+
+
+def _mpi_missing():
+    try:
+        import mpi4py  # noqa: F401
+    except ImportError:
+        return "mpi4py is not installed (pip install \".[mpi]\")"
+    from cudist.launch import find_mpiexec
+
+    return None if find_mpiexec() is not None else "no mpiexec (pip install mpich, or \".[mpi]\")"
+
+
+MISSING = _mpi_missing()
+
+
+@pytest.fixture(scope="module")
+def cudist_answers(tmp_path_factory):
+    """Both workers' answers from one 2-worker job of every scenario (a few seconds)."""
+    if MISSING:
+        pytest.skip(f"multi-worker jobs need MPI: {MISSING}")
+    out = tmp_path_factory.mktemp("tf_mw")
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "CUDIST_CHECK_COLLECTIVES")}
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", "--tf-config", str(SCRIPT), "--backend", "cudist",
+           "--out", str(out / "w{rank}.json")]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads((out / f"w{i}.json").read_text()) for i in range(2)]
+
+
+def test_the_recording_is_tf_2_21_with_devices_named_by_task():
+    assert RECORDED["tensorflow"] == "2.21.0"
+    for k, w in enumerate(RECORDED["workers"]):
+        name = f"/job:worker/replica:0/task:{k}/device:CPU:0"
+        assert w["task"] == ["worker", k]
+        assert w["devices"]["worker_devices"] == w["devices"]["parameter_devices"] == [name]
+        assert w["devices"]["variable_device"] == name
+
+
+SCENARIOS = ["devices", "shard", "element_spec", "reduce"]
+
+
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("scenario", SCENARIOS)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_multi_worker_answers_equal_tf(cudist_answers, scenario, rank):
+    want, got = RECORDED["workers"][rank][scenario], cudist_answers[rank][scenario]
+    assert sorted(got) == sorted(want)
+    wrong = {k: {"tf": want[k], "cudist": got[k]} for k in want if got[k] != want[k]}
+    assert not wrong, json.dumps(wrong, indent=1)[:4000]
+
+
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("rank", [0, 1])
+def test_multi_worker_ctl_tutorial_loop_equals_tf(cudist_answers, rank):
+    """The tutorial's loop: every step's loss, each epoch's loss and accuracy, the trained weights."""
+    want, got = RECORDED["workers"][rank]["ctl"], cudist_answers[rank]["ctl"]
+    np.testing.assert_allclose(got["step_losses"], want["step_losses"], rtol=2e-6)
+    assert [e["train_accuracy"] for e in got["epochs"]] == [e["train_accuracy"] for e in want["epochs"]]
+    np.testing.assert_allclose([e["train_loss"] for e in got["epochs"]], [e["train_loss"] for e in want["epochs"]], rtol=2e-6)
+    for name in ("kernel", "bias"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)
+    assert cudist_answers[0]["ctl"] == cudist_answers[1]["ctl"]  # the workers agree bit for bit
+
+
+# ------------------------------------------------------------------ device names by task, in one process
+@pytest.fixture
+def worker_1():
+    _devices.set_local_task("worker", 1)
+    yield
+    _devices.set_local_task(None)
+
+
+def test_device_names_by_task_parse_and_compare_equal(worker_1):
+    long = "/job:worker/replica:0/task:1/device:CPU:0"
+    assert _devices.display_name("/job:localhost/replica:0/task:0/device:CPU:0") == long
+    for spelling in (long, "/job:worker/task:1/device:CPU:0", "/job:localhost/replica:0/task:0/device:CPU:0",
+                     "/cpu:0", "CPU:0", "/task:1/device:CPU:0"):
+        assert _devices.canonicalize(spelling) == "/job:localhost/replica:0/task:0/device:CPU:0", spelling
+    assert _devices.canonicalize("/job:worker/replica:0/task:1/device:GPU:1") == "/job:localhost/replica:0/task:0/device:GPU:1"
+    for remote in ("/job:worker/replica:0/task:0/device:CPU:0", "/job:chief/replica:0/task:1/device:CPU:0",
+                   "/job:worker/replica:1/task:1/device:CPU:0"):
+        with pytest.raises(ValueError, match="invalid device"):
+            _devices.canonicalize(remote)
+
+
+def test_a_strategy_and_its_variables_show_the_task(worker_1):
+    import cudist
+
+    s = cudist.MirroredStrategy(["/cpu:0"])
+    with s.scope():
+        v = cudist.Variable(1.0)
+    name = "/job:worker/replica:0/task:1/device:CPU:0"
+    assert s.extended.worker_devices == s.extended.parameter_devices == (name,)
+    assert v.device == name
+    with s.scope(), s.extended.colocate_vars_with(v):  # a display name read back places as the canonical one
+        w = cudist.Variable(2.0)
+    assert w.device == name
+    opt = cudist.optimizers.SGD(0.1, momentum=0.9)
+    with s.scope():
+        opt.build([v])
+    assert {x.device for x in opt.variables} == {name}
+
+
+def test_outside_a_cluster_names_stay_localhost():
+    assert _devices.local_task() is None
+    assert _devices.display_name("/job:localhost/replica:0/task:0/device:CPU:0") == "/job:localhost/replica:0/task:0/device:CPU:0"
+    with pytest.raises(ValueError, match="invalid device"):
+        _devices.canonicalize("/job:worker/replica:0/task:1/device:CPU:0")

@@ -1,0 +1,283 @@
+"""One worker of the 2-process multi-worker parity scenarios, on TensorFlow or on cudist (issue #31).
+
+The same scenarios run on both: ``--backend tf`` under TensorFlow 2.21's ``MultiWorkerMirroredStrategy``
+(two processes on loopback with ``TF_CONFIG``, started by ``record.py``), ``--backend cudist`` under
+``python -m cudist.launch -n 2 --tf-config`` (``tests/test_tf_multi_worker.py``). Each worker writes its
+answers as one JSON object to ``--out``; ``record.py`` stores TF's in ``tests/data/tf_multi_worker.json``
+and the test compares cudist's to them. The cudist side never imports TensorFlow.
+
+What each scenario records is written to be comparable across the two, not to mirror either's types:
+devices as strings, specs as (kind, shape, dtype), values as lists.
+
+Scenarios:
+
+* ``devices``: ``worker_devices``, ``parameter_devices``, a variable's ``device`` and its components'.
+* ``shard``: each auto-shard policy (FILE, DATA, OFF, AUTO) on ``range`` datasets (partial batches,
+  odd batches, ``drop_remainder``): each worker's local batches per step, or the error TF raises.
+* ``element_spec``: a distributed dataset's ``element_spec`` (batched, ``drop_remainder``, a tuple).
+* ``reduce``: ``all_reduce`` in ``run``, ``reduce`` SUM/MEAN with and without an axis, ``gather``.
+* ``ctl``: the multi-worker custom-training-loop tutorial's loop (``distribute_datasets_from_function``
+  with the per-replica batch and ``shard`` by input pipeline, a model and RMSprop made in
+  ``scope()``, per-example loss averaged by ``compute_average_loss``, the step's loss reduced with
+  SUM, an accuracy metric): the loss of every step and the accuracy of every epoch. The model is a
+  dense softmax layer over synthetic data (the tutorial's CNN on MNIST needs Keras layers and the
+  download); its gradient is written out by hand on the cudist side (cudist does no autodiff) and
+  comes from ``tf.GradientTape`` on TF's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+BACKEND = None
+
+
+def _setup(backend):
+    global BACKEND, tf, cd  # noqa: PLW0603 - the backend's modules, imported once by name
+    BACKEND = backend
+    if backend == "tf":
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+        import tensorflow as tf  # noqa: F401
+    else:
+        import cudist as cd  # noqa: F401
+        import cudist.losses  # noqa: F401
+        import cudist.metrics  # noqa: F401
+        import cudist.nn  # noqa: F401
+        import cudist.optimizers  # noqa: F401
+
+
+tf = cd = None
+
+
+def _np(x):
+    return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
+
+
+def _strategy():
+    if BACKEND == "tf":
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    return cd.MultiWorkerMirroredStrategy()
+
+
+def _range_ds(n):
+    return (tf.data.Dataset if BACKEND == "tf" else cd.data.Dataset).range(n)
+
+
+def _with_policy(ds, policy):
+    if BACKEND == "tf":
+        opts = tf.data.Options()
+        opts.experimental_distribute.auto_shard_policy = getattr(tf.data.experimental.AutoShardPolicy, policy)
+    else:
+        opts = cd.data.Options()
+        opts.experimental_distribute.auto_shard_policy = getattr(cd.data.experimental.AutoShardPolicy, policy)
+    return ds.with_options(opts)
+
+
+def _local(strategy, value):
+    return [_np(v).tolist() for v in strategy.experimental_local_results(value)]
+
+
+def _spec(spec):
+    """A spec as [kind, shape, dtype]; a per-replica spec as ["PerReplica", [each replica's]]."""
+    kind = type(spec).__name__
+    if isinstance(spec, (tuple, list)) and kind not in ("TensorSpec",):  # cudist's TensorSpec is a NamedTuple
+        return ["tuple", [_spec(s) for s in spec]]
+    if "PerReplica" in kind:
+        comps = spec._component_specs  # both name it so (TF has no public accessor)
+        return ["PerReplica", [_spec(s) for s in comps]]
+    dtype = spec.dtype.name if BACKEND == "tf" else np.dtype(spec.dtype).name
+    shape = list(spec.shape.as_list()) if BACKEND == "tf" else [None if d is None else int(d) for d in spec.shape]
+    return ["TensorSpec", shape, dtype]
+
+
+def _error(e):
+    return {"error": type(e).__name__}
+
+
+# ------------------------------------------------------------------------------------------ scenarios
+def devices(strategy):
+    ext = strategy.extended
+    with strategy.scope():
+        v = (tf.Variable if BACKEND == "tf" else cd.Variable)(1.0, name="v")
+    return {
+        "num_replicas_in_sync": int(strategy.num_replicas_in_sync),
+        "worker_devices": list(ext.worker_devices),
+        "parameter_devices": list(ext.parameter_devices),
+        "variable_device": v.device,
+        "component_devices": [c.device for c in v.values],
+        "should_checkpoint": bool(ext.should_checkpoint),
+    }
+
+
+#: (n, batch, drop_remainder) of the ``shard`` scenario's datasets: ``range(n).batch(batch, drop)``.
+SHARD_CASES = [(10, 4, False), (5, 4, False), (6, 3, False), (8, 4, True), (7, 2, False), (12, 4, False), (3, 4, False)]
+POLICIES = ["OFF", "DATA", "FILE", "AUTO"]
+
+
+def shard(strategy):
+    out = {}
+    for policy in POLICIES:
+        for n, b, drop in SHARD_CASES:
+            key = f"{policy} range({n}).batch({b}{', drop_remainder=True' if drop else ''})"
+            ds = _with_policy(_range_ds(n).batch(b, drop_remainder=drop), policy)
+            try:
+                out[key] = [_local(strategy, x) for x in strategy.experimental_distribute_dataset(ds)]
+            except Exception as e:  # noqa: BLE001 - the error class is the answer
+                out[key] = _error(e)
+    return out
+
+
+def element_spec(strategy):
+    out = {}
+    cases = {
+        "batch(4)": lambda: _range_ds(8).batch(4),
+        "batch(4, drop_remainder=True)": lambda: _range_ds(8).batch(4, drop_remainder=True),
+        "zip batch(2)": lambda: (tf.data.Dataset if BACKEND == "tf" else cd.data.Dataset).zip(
+            (_range_ds(6), _range_ds(6))).batch(2),
+    }
+    for name, make in cases.items():
+        dist = strategy.experimental_distribute_dataset(make())
+        out[name] = {"dataset": _spec(dist.element_spec), "iterator": _spec(iter(dist).element_spec)}
+    return out
+
+
+def reduce(strategy):
+    out = {}
+    if BACKEND == "tf":
+        ctx_fn, sum_, mean_ = tf.distribute.get_replica_context, tf.distribute.ReduceOp.SUM, tf.distribute.ReduceOp.MEAN
+    else:
+        ctx_fn, sum_, mean_ = cd.get_replica_context, cd.ReduceOp.SUM, cd.ReduceOp.MEAN
+
+    def rid():
+        return ctx_fn().replica_id_in_sync_group
+
+    def value():  # replica g's value: g + 1 in a (g+1, 2) array of float32
+        g = int(_np(rid()))
+        x = np.arange(2 * (g + 1), dtype=np.float32).reshape(g + 1, 2) + 10 * g
+        return tf.constant(x) if BACKEND == "tf" else x
+
+    out["replica_ids"] = _local(strategy, strategy.run(lambda: rid()))
+    out["all_reduce_sum"] = _local(strategy, strategy.run(lambda: ctx_fn().all_reduce(sum_, value()[:1])))
+    out["all_reduce_mean"] = _local(strategy, strategy.run(lambda: ctx_fn().all_reduce(mean_, value()[:1])))
+    out["all_gather"] = _local(strategy, strategy.run(lambda: ctx_fn().all_gather(value(), axis=0)))
+    per = strategy.run(value)
+    out["reduce_sum_axis0"] = _np(strategy.reduce(sum_, per, axis=0)).tolist()
+    out["reduce_mean_axis0"] = _np(strategy.reduce(mean_, per, axis=0)).tolist()
+    first = strategy.run(lambda: value()[:1])
+    out["reduce_sum_none"] = _np(strategy.reduce(sum_, first, axis=None)).tolist()
+    out["reduce_mean_none"] = _np(strategy.reduce(mean_, first, axis=None)).tolist()
+    out["gather_axis0"] = _np(strategy.gather(per, axis=0)).tolist()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- ctl
+CTL = {"examples": 96, "features": 6, "classes": 3, "global_batch": 16, "epochs": 2, "steps_per_epoch": 4, "lr": 0.01}
+
+
+def _ctl_data():
+    rng = np.random.default_rng(31)
+    x = rng.standard_normal((CTL["examples"], CTL["features"])).astype(np.float32)
+    w = rng.standard_normal((CTL["features"], CTL["classes"])).astype(np.float32)
+    y = np.argmax(x @ w + 0.5 * rng.standard_normal((CTL["examples"], CTL["classes"])), axis=1).astype(np.int64)
+    k0 = (rng.standard_normal((CTL["features"], CTL["classes"])) * 0.1).astype(np.float32)
+    return x, y, k0
+
+
+def ctl(strategy):
+    """The tutorial's loop, as it is written there (names kept), on a dense softmax model."""
+    x, y, k0 = _ctl_data()
+    global_batch_size = CTL["global_batch"]
+    lib = tf if BACKEND == "tf" else cd
+
+    def dataset_fn(global_batch_size, input_context):
+        batch_size = input_context.get_per_replica_batch_size(global_batch_size)
+        dataset = lib.data.Dataset.from_tensor_slices((x, y))
+        dataset = dataset.shard(input_context.num_input_pipelines, input_context.input_pipeline_id)
+        dataset = dataset.repeat().batch(batch_size)  # the tutorial shuffles first: its RNG is TF's own
+        return dataset
+
+    per_worker_dataset_fn = lambda input_context: dataset_fn(global_batch_size, input_context)  # noqa: E731
+    with strategy.scope():
+        kernel = lib.Variable(k0, name="kernel")
+        bias = lib.Variable(np.zeros(CTL["classes"], np.float32), name="bias")
+        if BACKEND == "tf":
+            optimizer = tf.keras.optimizers.RMSprop(learning_rate=CTL["lr"])
+            train_accuracy = tf.keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+        else:
+            optimizer = cd.optimizers.RMSprop(learning_rate=CTL["lr"])
+            train_accuracy = cd.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+    per_worker_dataset = strategy.distribute_datasets_from_function(per_worker_dataset_fn)
+    per_worker_iterator = iter(per_worker_dataset)
+
+    def step_fn(inputs):
+        xb, yb = inputs
+        if BACKEND == "tf":
+            with tf.GradientTape() as tape:
+                predictions = tf.matmul(xb, kernel) + bias
+                per_example_loss = tf.keras.losses.SparseCategoricalCrossentropy(
+                    from_logits=True, reduction="none")(yb, predictions)
+                loss = tf.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
+            grads = tape.gradient(loss, [kernel, bias])
+        else:
+            xb, yb = np.asarray(xb), np.asarray(yb)
+            predictions = xb @ np.asarray(kernel) + np.asarray(bias)
+            per_example_loss = cd.losses.SparseCategoricalCrossentropy(
+                from_logits=True, reduction="none")(yb, predictions)
+            loss = cd.nn.compute_average_loss(per_example_loss, global_batch_size=global_batch_size)
+            # d loss / d logits of the mean softmax cross-entropy over the global batch, by hand
+            p = np.exp(predictions - predictions.max(axis=1, keepdims=True))
+            p /= p.sum(axis=1, keepdims=True)
+            p[np.arange(len(yb)), yb] -= 1
+            dlogits = (p / global_batch_size).astype(np.float32)
+            grads = [xb.T @ dlogits, dlogits.sum(axis=0)]
+        optimizer.apply_gradients(zip(grads, [kernel, bias]))
+        train_accuracy.update_state(yb, predictions)
+        return loss
+
+    def train_step(iterator):
+        per_replica_losses = strategy.run(step_fn, args=(next(iterator),))
+        return strategy.reduce(sum_op, per_replica_losses, axis=None)
+
+    sum_op = (tf.distribute.ReduceOp.SUM if BACKEND == "tf" else cd.ReduceOp.SUM)
+    step_losses, epochs = [], []
+    for _epoch in range(CTL["epochs"]):
+        train_accuracy.reset_state()
+        total_loss = 0.0
+        num_batches = 0
+        for _ in range(CTL["steps_per_epoch"]):
+            step_loss = train_step(per_worker_iterator)
+            step_losses.append(float(_np(step_loss)))
+            total_loss += step_loss
+            num_batches += 1
+        train_loss = total_loss / num_batches
+        epochs.append({"train_loss": float(_np(train_loss)), "train_accuracy": float(_np(train_accuracy.result()))})
+    return {"step_losses": step_losses, "epochs": epochs, "kernel": _np(kernel).tolist(), "bias": _np(bias).tolist()}
+
+
+SCENARIOS = {"devices": devices, "shard": shard, "element_spec": element_spec, "reduce": reduce, "ctl": ctl}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--backend", choices=["tf", "cudist"], required=True)
+    p.add_argument("--out", required=True, help="where this worker writes its JSON (a {rank} in it is replaced)")
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    args = p.parse_args(argv)
+    _setup(args.backend)
+    task = json.loads(os.environ["TF_CONFIG"])["task"]
+    strategy = _strategy()
+    result = {"task": [task["type"], int(task["index"])]}
+    for name in args.scenarios.split(","):
+        result[name] = SCENARIOS[name](strategy)
+    with open(args.out.format(rank=task["index"]), "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Records TensorFlow 2.21's answers to the multi-worker scenarios in ``multi_worker.py`` (issue #31).
+
+Run it with a Python that has TensorFlow 2.21 (cudist's tests never import it)::
+
+    /path/to/tf-venv/bin/python tools/tf_parity/record.py
+
+It starts two workers of ``multi_worker.py --backend tf`` on loopback, each with its own ``TF_CONFIG``
+(a cluster of two ``worker`` tasks on free ports), one CPU each, waits for both (under a timeout) and
+writes ``tests/data/tf_multi_worker.json``: TensorFlow's version and each worker's answers.
+``tests/test_tf_multi_worker.py`` runs the same scenarios under ``python -m cudist.launch -n 2
+--tf-config`` and compares.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+OUT = HERE.parent.parent / "tests" / "data" / "tf_multi_worker.json"
+TIMEOUT = 300
+
+
+def _free_ports(n):
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def main():
+    ports = _free_ports(2)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = []
+        for index in range(2):
+            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+                       TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+            cmd = [sys.executable, str(HERE / "multi_worker.py"), "--backend", "tf", "--out", f"{tmp}/w{{rank}}.json"]
+            procs.append(subprocess.Popen(cmd, env=env))
+        try:
+            codes = [p.wait(timeout=TIMEOUT) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        if codes != [0, 0]:
+            raise SystemExit(f"the TF workers ended with {codes}")
+        workers = [json.loads(Path(tmp, f"w{i}.json").read_text()) for i in range(2)]
+    import tensorflow as tf
+
+    OUT.write_text(json.dumps({"tensorflow": tf.__version__, "workers": workers}, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+if __name__ == "__main__":
+    main()
