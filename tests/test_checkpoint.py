@@ -270,7 +270,7 @@ def test_optimizer_state_restored_into_a_fresh_optimizer_continues_bit_identical
     m2, opt2 = _opt_model(strategy2, opt_cls, **fresh_kwargs)
     with strategy2.scope():
         m2.w.assign(np.zeros((4, 3), np.float32))
-    assert len(opt2.variables) == 1  # iterations only, no slots yet: the restore creates them
+    assert len(opt2.variables) == 2  # iterations and learning_rate, no slots yet: the restore creates them
     status = train.Checkpoint(model=m2, optimizer=opt2).restore(path)
     status.assert_consumed()
     assert opt2.learning_rate == kwargs["learning_rate"]

@@ -426,7 +426,7 @@ def test_restore_checks_everything_before_it_assigns_anything(tmp_path):
     fresh = cudist.optimizers.SGD(0.1, momentum=0.9)
     with pytest.raises(DataLossError):
         train.Checkpoint(model=tm, optimizer=fresh).read(prefix)
-    assert len(fresh.variables) == 1  # iterations only
+    assert len(fresh.variables) == 2  # iterations and learning_rate only
     with pytest.raises(KeyError, match="has no slots"):
         fresh.get_slot(tm.v, "momentum")
 

@@ -85,7 +85,7 @@ def test_variables_stay_in_sync(train_mlp, kind):
     history, strategy, model, optimizer = train_mlp.train(args)
     assert int(optimizer.iterations) == len(history["step_losses"]) == 512 // 64
     slots = [optimizer.get_slot(v, name) for v in model.trainable_variables for name in ("momentum", "velocity")]
-    assert len(optimizer.variables) == 1 + len(slots)
+    assert len(optimizer.variables) == 2 + len(slots)  # iteration, learning_rate, the slots
     for var in model.trainable_variables + slots:
         copies = strategy.experimental_local_results(var)
         if kind == "mirrored":

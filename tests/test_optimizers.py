@@ -355,8 +355,10 @@ def test_slots_live_with_their_variable():
     m = opt.get_slot(var, "momentum")
     assert isinstance(m, cudist.MirroredVariable)
     assert [c.device for c in m.values] == [c.device for c in var.values] == [cpu.format(i) for i in range(3)]
-    assert m.name == "dense/kernel/momentum:0" and not m.trainable
-    assert [v.name for v in opt.variables] == ["adam/iteration:0", "dense/kernel/momentum:0", "dense/kernel/velocity:0"]
+    assert m.name == "adam/dense_kernel_momentum:0" and not m.trainable  # Keras 3's path, as the TF variable's name
+    assert [v.name for v in opt.variables] == [
+        "adam/iteration:0", "adam/learning_rate:0", "adam/dense_kernel_momentum:0", "adam/dense_kernel_velocity:0"
+    ]
     assert isinstance(opt.iterations, cudist.MirroredVariable)
 
     central = cudist.CentralStorageStrategy(compute_devices=["/cpu:1", "/cpu:2"], parameter_device="/cpu:3")
@@ -386,7 +388,7 @@ def test_plain_sgd_has_no_slots_and_iterations_count(strategy):
         opt = optimizers.SGD(0.1)
     for _ in range(4):
         strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), var)]))
-    assert [v.name for v in opt.variables] == ["SGD/iteration:0"]
+    assert [v.name for v in opt.variables] == ["SGD/iteration:0", "SGD/learning_rate:0"]
     assert int(opt.iterations) == 4
     assert opt.iterations.numpy().dtype == np.int64
 

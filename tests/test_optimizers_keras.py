@@ -234,7 +234,8 @@ def test_scale_loss_and_slots_named_as_keras():
         assert opt.built
         for s in slots:
             assert opt.get_slot(var, s).shape == (3,)
-        assert len(opt.variables) == 1 + len(slots) + (1 if opt.use_ema else 0)
+        # iteration, learning_rate, the slots, the moving average, Nadam's u_product
+        assert len(opt.variables) == 2 + len(slots) + (1 if opt.use_ema else 0) + isinstance(opt, optimizers.Nadam)
     np.testing.assert_array_equal(optimizers.Adagrad(initial_accumulator_value=0.3).__class__(
         initial_accumulator_value=0.3).get_config()["initial_accumulator_value"], 0.3)
     opt = optimizers.Adagrad(initial_accumulator_value=0.3)
@@ -288,3 +289,71 @@ def test_new_optimizers_checkpoint_and_continue_bit_identically(tmp_path, kind, 
     assert int(opt2.iterations) == 3
     steps(s2, w2, opt2, 2, 3)
     assert w2.numpy().tobytes() == want.tobytes()
+
+
+# ------------------------------------------------------------------------------ optimizer.variables (issue #31)
+VARIABLES = json.loads((Path(__file__).parent / "data" / "keras_optimizer_variables.json").read_text())
+
+
+def _keras_short_name(entry):
+    """A Keras variable's name without its optimizer's scope; Nadam's unnamed product variable (Keras
+    calls it "variable", "variable_1", ...: it is made without a name) is cudist's ``u_product``."""
+    short = entry["path"].rsplit("/", 1)[-1]
+    return "u_product" if entry["path"].startswith("variable") else short
+
+
+@pytest.mark.parametrize("rec", VARIABLES["cases"], ids=lambda r: f"{r['optimizer']}-{r['dtype']}-{sorted(r['kwargs'])}")
+def test_optimizer_variables_follow_keras(rec):
+    """Names, order, shapes, dtypes of ``optimizer.variables`` once built and after a step (and the
+    scalars' values: iteration, learning_rate, Nadam's u_product), as Keras 3.15 lists them."""
+    rng = np.random.default_rng(31)
+    dtype = rec["dtype"]
+    kernel = cudist.Variable(np.zeros((4, 3), dtype), name="kernel")
+    bias = cudist.Variable(np.zeros(3, dtype), name="bias")
+    opt = getattr(optimizers, rec["optimizer"])(**cudist_kwargs(rec["kwargs"]))
+
+    def described():
+        return [{"name": v.name.split(":")[0].split("/", 1)[1], "shape": list(v.shape), "dtype": v.dtype.name, "value": v.numpy().tolist() if v.numpy().size <= 1 else None}
+                for v in opt.variables]
+
+    def keras(entries):  # less the gradient accumulators: cudist keeps them per replica (porting guide)
+        return [{"name": _keras_short_name(e), "shape": e["shape"], "dtype": e["dtype"], "value": e["value"]}
+                for e in entries if not e["path"].endswith("_gradient_accumulator")]
+
+    for v in opt.variables:
+        assert v.name.startswith(f"{opt.name}/") and v.name.endswith(":0"), v.name
+    opt.build([kernel, bias])
+    assert described() == keras(rec["built"])
+    grads = [rng.standard_normal(v.shape).astype(dtype) for v in (kernel, bias)]
+    opt.apply_gradients(zip(grads, [kernel, bias]))
+    got, want = described(), keras(rec["after_step"])
+    for g, w in zip(got, want):  # the scalars' values to float32 rounding (Nadam's product is a float64 here)
+        if g["value"] is not None and w["value"] is not None:
+            np.testing.assert_allclose(g.pop("value"), w.pop("value"), rtol=1e-6, err_msg=g["name"])
+    assert got == want
+
+
+def test_learning_rate_variable_follows_the_setter_and_checkpoints(tmp_path):
+    """Keras 3: ``optimizer.learning_rate = x`` assigns the learning-rate variable; a schedule or a
+    callable set later drops it; a checkpoint restores the rate (and so the variable)."""
+    from cudist import train
+
+    opt = optimizers.Adam(0.01)
+    lr_var = opt.variables[1]
+    assert lr_var.name == "adam/learning_rate:0" and lr_var.dtype == np.float32 and not lr_var.trainable
+    opt.learning_rate = 0.25
+    assert lr_var.numpy() == np.float32(0.25) and opt.learning_rate == 0.25
+    ckpt = train.Checkpoint(optimizer=opt)
+    path = ckpt.save(str(tmp_path / "ckpt"))
+    other = optimizers.Adam(0.5)
+    train.Checkpoint(optimizer=other).restore(path).assert_existing_objects_matched()
+    assert other.variables[1].numpy() == np.float32(0.25) and other.learning_rate == 0.25
+    opt.learning_rate = lambda: 0.125
+    assert [v.name for v in opt.variables] == ["adam/iteration:0"] and opt.learning_rate == 0.125
+    sched = optimizers.SGD(schedules.ExponentialDecay(0.1, 3, 0.5))
+    assert [v.name for v in sched.variables] == ["SGD/iteration:0"]
+    with cudist.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():  # made under a strategy: mirrored, as iterations
+        mirrored = optimizers.SGD(0.1)
+    assert isinstance(mirrored.variables[1], cudist.MirroredVariable)
+    mirrored.learning_rate = 0.5
+    assert [c.numpy() for c in mirrored.variables[1].values] == [np.float32(0.5)] * 2

@@ -289,6 +289,9 @@ class Optimizer:
     """
 
     _slot_names: tuple[str, ...] = ()
+    #: Slots Keras 3 lists by kind (all variables' first kind, then the next) after the per-variable
+    #: ones, in ``optimizer.variables``: RMSprop's every slot, Adam's ``velocity_hat``.
+    _grouped_slot_names: tuple[str, ...] = ()
 
     def __init__(
         self,
@@ -371,10 +374,21 @@ class Optimizer:
                 trainable=False,
                 aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
             )
+        # Keras 3's learning-rate variable (float32, absent for a schedule or a callable): what
+        # ``optimizer.variables`` lists; the float in _learning_rate stays what the updates use, and
+        # the setter keeps the two equal.
+        self._learning_rate_variable: Variable | None = None
+        if not callable(self._learning_rate):
+            self._learning_rate_variable = Variable(
+                np.float32(self._learning_rate),
+                dtype=np.float32,
+                name=f"{name}/learning_rate",
+                trainable=False,
+                aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+            )
         self._slots: dict[Variable, dict[str, Variable]] = {}  # {slot name: slot} per variable (by identity)
         self._plans: dict[Variable, _Plan] = {}  # variable -> validated kernel work, see _plan
         self._one = np.ones((), dtype=np.int64)
-        self._variables = [self._iterations]
         self._built = False
         self._ema: dict[Variable, Variable] = {}  # use_ema: the moving average of each variable
         # gradient_accumulation_steps: per variable, each replica's running sum of its gradients.
@@ -411,6 +425,7 @@ class Optimizer:
     def learning_rate(self, value: LearningRate) -> None:
         if _is_schedule(value) or callable(value):
             self._learning_rate = value
+            self._learning_rate_variable = None  # as Keras 3, which untracks it
             return
         if _is_schedule(self._learning_rate):
             raise TypeError(
@@ -425,6 +440,9 @@ class Optimizer:
                 f"Received instead: learning_rate={value!r}"
             )
         self._learning_rate = _check_real("learning_rate", value)
+        lr_variable = getattr(self, "_learning_rate_variable", None)  # (not made yet in __init__)
+        if lr_variable is not None:
+            lr_variable.assign(np.float32(self._learning_rate))
 
     def _current_learning_rate(self, iteration: int) -> float:
         lr: Any = self._learning_rate
@@ -499,8 +517,31 @@ class Optimizer:
 
     @property
     def variables(self) -> list[Variable]:
-        """The optimizer's variables: ``iterations``, then the slots (and moving averages) in creation order."""
-        return list(self._variables)
+        """The optimizer's variables in Keras 3's order: ``iteration``, ``learning_rate`` (absent
+        for a schedule or a callable), the moving averages (``use_ema``), then the slots: per
+        variable (Adam's momentum and velocity of each), except the kinds Keras lists by kind
+        (RMSprop's slots, Adam's ``velocity_hat``), then Nadam's ``u_product``.
+
+        The variables appear in the order their slots were made (:meth:`build`'s list, or the
+        first update's). cudist keeps the gradient accumulators of ``gradient_accumulation_steps``
+        per replica, outside this list (see the porting guide).
+        """
+        owners = list(self._slots)
+        out = [self._iterations]
+        if self._learning_rate_variable is not None:
+            out.append(self._learning_rate_variable)
+        out += [self._ema[v] for v in owners if v in self._ema]
+        grouped = self._grouped_slot_names
+        out += [slot for v in owners for name, slot in self._slots[v].items() if name not in grouped]
+        out += [self._slots[v][name] for name in grouped for v in owners if name in self._slots[v]]
+        return out + self._extra_variables()
+
+    def _extra_variables(self) -> list[Variable]:
+        """Variables Keras lists after the slots (Nadam's ``u_product``)."""
+        return []
+
+    def _build_extra(self, var: Variable) -> None:
+        """Creates an optimizer's variables other than slots, in ``var``'s strategy and place (at the first build)."""
 
     # ------------------------------------------------------------------ Keras 3's configuration
     def get_config(self) -> dict[str, Any]:
@@ -638,21 +679,18 @@ class Optimizer:
             ) from e
         with scope, strategy.extended.colocate_vars_with(var):
             shape = var._primary_array().shape
+            prefix = f"{self.name}/{_base_name(var).replace('/', '_')}_"  # Keras 3's path: "adam/dense_kernel_momentum"
             for slot_name in self._slot_names:
                 slots[slot_name] = Variable(
                     np.full(shape, self._slot_initial_value(slot_name), dtype=var.dtype),
-                    name=f"{_base_name(var)}/{slot_name}",
+                    name=prefix + slot_name,
                     trainable=False,
                     dtype=var.dtype,
                 )
             if self._use_ema:  # Keras's "average" of the variable, zeros until the first step
-                self._ema[var] = Variable(
-                    np.zeros(shape, dtype=var.dtype), name=f"{_base_name(var)}/average", trainable=False, dtype=var.dtype
-                )
+                self._ema[var] = Variable(np.zeros(shape, dtype=var.dtype), name=prefix + "average", trainable=False, dtype=var.dtype)
+            self._build_extra(var)
         self._slots[var] = slots
-        self._variables.extend(slots.values())
-        if var in self._ema:
-            self._variables.append(self._ema[var])
         return slots
 
     # ------------------------------------------------------------------ checks
@@ -1258,6 +1296,7 @@ class Adam(Optimizer):
         self._amsgrad = bool(amsgrad)
         if self._amsgrad:
             self._slot_names = ("momentum", "velocity", "velocity_hat")
+            self._grouped_slot_names = ("velocity_hat",)  # Keras 3 makes them after every variable's m and v
         super().__init__(
             learning_rate,
             name,
@@ -1449,6 +1488,7 @@ class RMSprop(Optimizer):
         self._slot_names = (
             ("velocity",) + (("momentum",) if self.momentum > 0 else ()) + (("average_gradient",) if self.centered else ())
         )
+        self._grouped_slot_names = self._slot_names  # Keras 3 lists RMSprop's slots by kind
         super().__init__(
             learning_rate,
             name,
@@ -1747,6 +1787,7 @@ class Nadam(Optimizer):
         self.beta_2 = _check_real("beta_2", beta_2, low=0.0, high=1.0, high_open=True)
         self.epsilon = _check_real("epsilon", epsilon, low=0.0)
         self._u_cache = (0, 1.0)  # (steps taken, the product of their u_t)
+        self._u_product_variable: Variable | None = None
         super().__init__(
             learning_rate,
             name,
@@ -1772,6 +1813,29 @@ class Nadam(Optimizer):
             }
         )
         return config
+
+    def _build_extra(self, var: Variable) -> None:
+        """Keras 3's ``u_product`` variable, in the first variable's dtype (made with the first slots)."""
+        if self._u_product_variable is None:
+            self._u_product_variable = Variable(
+                var.dtype.type(1.0),
+                dtype=var.dtype,
+                name=f"{self.name}/u_product",
+                trainable=False,
+                aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+            )
+
+    def _extra_variables(self) -> list[Variable]:
+        """``u_product`` after the slots, as Keras 3; its value is set from ``iterations`` here (the
+        updates compute the product from the step count and never read it)."""
+        u = self._u_product_variable
+        if u is None:
+            return []
+        done = self._update_step(int(self._iterations)) - 1
+        value = u.dtype.type(self._u_product(done))
+        if u.numpy() != value:
+            u.assign(value)
+        return [u]
 
     def _u_product(self, steps: int) -> float:
         """``u_1 * ... * u_steps`` (1.0 for none), advanced from the last one asked for."""
