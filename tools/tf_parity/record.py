@@ -1,9 +1,14 @@
-"""Records TensorFlow 2.21's answers to the multi-worker scenarios in ``multi_worker.py`` (issue #31).
+"""Records TensorFlow 2.21's answers to the scenarios of ``multi_worker.py`` and ``documents.py`` (issue #31).
 
 Run it with a Python that has TensorFlow 2.21 (cudist's tests never import it)::
 
-    /path/to/tf-venv/bin/python tools/tf_parity/record.py
+    /path/to/tf-venv/bin/python tools/tf_parity/record.py              # both
+    /path/to/tf-venv/bin/python tools/tf_parity/record.py documents    # one of multi_worker, documents
 
+``documents``: runs ``documents.py --backend tf`` (the documents' loops on two logical CPUs) and writes
+``tests/data/tf_documents.json``, which ``tests/test_tf_documents.py`` compares with the cudist ports.
+
+``multi_worker``:
 It starts two workers of ``multi_worker.py --backend tf`` on loopback, each with its own ``TF_CONFIG``
 (a cluster of two ``worker`` tasks on free ports), one CPU each, waits for both (under a timeout) and
 writes ``tests/data/tf_multi_worker.json``: TensorFlow's version and each worker's answers.
@@ -23,6 +28,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent.parent / "tests" / "data" / "tf_multi_worker.json"
+DOCUMENTS_OUT = HERE.parent.parent / "tests" / "data" / "tf_documents.json"
 TIMEOUT = 300
 
 
@@ -36,7 +42,28 @@ def _free_ports(n):
     return ports
 
 
+def record_documents():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp, "documents.json")
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
+        subprocess.run([sys.executable, str(HERE / "documents.py"), "--backend", "tf", "--out", str(out)],
+                       env=env, check=True, timeout=TIMEOUT)
+        documents = json.loads(out.read_text())
+    import tensorflow as tf
+
+    DOCUMENTS_OUT.write_text(json.dumps({"tensorflow": tf.__version__, **documents}, indent=1) + "\n")
+    print(f"wrote {DOCUMENTS_OUT}")
+
+
 def main():
+    which = sys.argv[1:] or ["multi_worker", "documents"]
+    if "documents" in which:
+        record_documents()
+    if "multi_worker" in which:
+        record_multi_worker()
+
+
+def record_multi_worker():
     ports = _free_ports(2)
     cluster = {"worker": [f"localhost:{p}" for p in ports]}
     with tempfile.TemporaryDirectory() as tmp:
