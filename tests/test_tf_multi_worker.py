@@ -40,18 +40,35 @@ def _mpi_missing():
 MISSING = _mpi_missing()
 
 
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "CUDIST_CHECK_COLLECTIVES")}
+    env.update(extra)
+    return env
+
+
+def _job(cmd, out, env):
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return [json.loads((out / f"w{i}.json").read_text()) for i in range(2)]
+
+
 @pytest.fixture(scope="module")
 def cudist_answers(tmp_path_factory):
     """Both workers' answers from one 2-worker job of every scenario (a few seconds)."""
     if MISSING:
         pytest.skip(f"multi-worker jobs need MPI: {MISSING}")
     out = tmp_path_factory.mktemp("tf_mw")
-    env = {k: v for k, v in os.environ.items() if k not in ("TF_CONFIG", "CUDIST_CHECK_COLLECTIVES")}
     cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", "--tf-config", str(SCRIPT), "--backend", "cudist",
            "--out", str(out / "w{rank}.json")]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return [json.loads((out / f"w{i}.json").read_text()) for i in range(2)]
+    return _job(cmd, out, _env())
+
+
+def _local_devices_of(answer):
+    """TF lists every task's devices after MultiWorkerMirroredStrategy starts; cudist this task's (porting guide)."""
+    job, task = answer["task"]
+    devices = dict(answer["devices"])
+    devices["logical_devices"] = [d for d in devices["logical_devices"] if d.startswith(f"/job:{job}/replica:0/task:{task}/")]
+    return devices
 
 
 def test_the_recording_is_tf_2_21_with_devices_named_by_task():
@@ -61,6 +78,9 @@ def test_the_recording_is_tf_2_21_with_devices_named_by_task():
         assert w["task"] == ["worker", k]
         assert w["devices"]["worker_devices"] == w["devices"]["parameter_devices"] == [name]
         assert w["devices"]["variable_device"] == name
+        assert len(w["devices"]["logical_devices"]) == 2 and _local_devices_of(w)["logical_devices"] == [name]
+    assert [w["task"] for w in RECORDED["chief"]] == [["chief", 0], ["worker", 0]]
+    assert RECORDED["chief"][0]["devices"]["variable_device"] == "/job:chief/replica:0/task:0/device:CPU:0"
 
 
 SCENARIOS = ["devices", "shard", "element_spec", "reduce"]
@@ -71,6 +91,8 @@ SCENARIOS = ["devices", "shard", "element_spec", "reduce"]
 @pytest.mark.parametrize("rank", [0, 1])
 def test_multi_worker_answers_equal_tf(cudist_answers, scenario, rank):
     want, got = RECORDED["workers"][rank][scenario], cudist_answers[rank][scenario]
+    if scenario == "devices":
+        want = _local_devices_of(RECORDED["workers"][rank])
     assert sorted(got) == sorted(want)
     wrong = {k: {"tf": want[k], "cudist": got[k]} for k in want if got[k] != want[k]}
     assert not wrong, json.dumps(wrong, indent=1)[:4000]
@@ -87,6 +109,22 @@ def test_multi_worker_ctl_tutorial_loop_equals_tf(cudist_answers, rank):
     for name in ("kernel", "bias"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)
     assert cudist_answers[0]["ctl"] == cudist_answers[1]["ctl"]  # the workers agree bit for bit
+
+
+@pytest.mark.multi_worker
+def test_a_chief_and_a_worker_name_their_devices_by_job(tmp_path):
+    """One TF_CONFIG cluster for both ranks (chief, worker): rank 0 is the chief, its devices /job:chief/..."""
+    if MISSING:
+        pytest.skip(f"multi-worker jobs need MPI: {MISSING}")
+    from cudist.launch import find_mpiexec
+
+    cluster = json.dumps({"cluster": {"chief": ["localhost:1"], "worker": ["localhost:2"]}})
+    cmd = [find_mpiexec(), "-n", "2", sys.executable, str(SCRIPT), "--backend", "cudist", "--scenarios", "devices",
+           "--out", str(tmp_path / "w{rank}.json")]
+    got = _job(cmd, tmp_path, _env(TF_CONFIG=cluster))
+    for rank in (0, 1):
+        assert got[rank]["task"] == RECORDED["chief"][rank]["task"]
+        assert got[rank]["devices"] == _local_devices_of(RECORDED["chief"][rank])
 
 
 # ------------------------------------------------------------------ device names by task, in one process
@@ -126,6 +164,9 @@ def test_a_strategy_and_its_variables_show_the_task(worker_1):
     with s.scope():
         opt.build([v])
     assert {x.device for x in opt.variables} == {name}
+    logical = cudist.config.list_logical_devices("CPU")
+    assert logical[0].name == name and logical[-1].name.startswith("/job:worker/replica:0/task:1/device:CPU:")
+    assert cudist.MirroredStrategy().extended.worker_devices == tuple(d.name for d in logical)  # its names parse
 
 
 def test_outside_a_cluster_names_stay_localhost():

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-from cudist._devices import CPU, GPU
+from cudist._devices import CPU, GPU, local_task
 
 __all__ = [
     "PhysicalDevice",
@@ -286,14 +286,21 @@ def logical_to_physical_gpu() -> list[int]:
 
 
 def list_logical_devices(device_type: str | None = None) -> list[LogicalDevice]:
-    """The logical devices, named "/device:CPU:N" and "/device:GPU:N"."""
+    """The logical devices, named "/device:CPU:N" and "/device:GPU:N".
+
+    In a multi-worker job (once its strategy exists) they are named by the worker's task, as TF
+    names them: "/job:worker/replica:0/task:1/device:CPU:0". TF lists the other tasks' devices after
+    the local ones; cudist lists the local ones only (a worker places values on its own devices).
+    """
     t = _check_type(device_type)
     out: list[LogicalDevice] = []
+    task = local_task()
+    prefix = "" if task is None else f"/job:{task[0]}/replica:0/task:{task[1]}"
     if t in (None, CPU):
         n = len(_logical.get("/physical_device:CPU:0") or [None])
-        out.extend(LogicalDevice(f"/device:CPU:{i}", CPU) for i in range(n))
+        out.extend(LogicalDevice(f"{prefix}/device:CPU:{i}", CPU) for i in range(n))
     if t in (None, GPU):
-        out.extend(LogicalDevice(f"/device:GPU:{i}", GPU) for i in range(len(logical_to_physical_gpu())))
+        out.extend(LogicalDevice(f"{prefix}/device:GPU:{i}", GPU) for i in range(len(logical_to_physical_gpu())))
     return out
 
 

@@ -54,6 +54,11 @@ def _setup(backend):
 tf = cd = None
 
 
+def lib():
+    """``tf`` or ``cudist``: what the ported code calls the same names on."""
+    return tf if BACKEND == "tf" else cd
+
+
 def _np(x):
     return np.asarray(x.numpy() if hasattr(x, "numpy") else x)
 
@@ -111,6 +116,7 @@ def devices(strategy):
         "variable_device": v.device,
         "component_devices": [c.device for c in v.values],
         "should_checkpoint": bool(ext.should_checkpoint),
+        "logical_devices": [d.name for d in lib().config.list_logical_devices("CPU")],
     }
 
 
@@ -269,12 +275,15 @@ def main(argv=None):
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = p.parse_args(argv)
     _setup(args.backend)
-    task = json.loads(os.environ["TF_CONFIG"])["task"]
     strategy = _strategy()
-    result = {"task": [task["type"], int(task["index"])]}
+    resolver = strategy.cluster_resolver
+    task_type, task_id = resolver.task_type, int(resolver.task_id)
+    result = {"task": [task_type, task_id]}
     for name in args.scenarios.split(","):
         result[name] = SCENARIOS[name](strategy)
-    with open(args.out.format(rank=task["index"]), "w") as f:
+    # The file of worker k of the cluster, the chief first (TF's worker order).
+    rank = task_id + (len(resolver.cluster_spec().as_dict().get("chief", ())) if task_type == "worker" else 0)
+    with open(args.out.format(rank=rank), "w") as f:
         json.dump(result, f, indent=1)
     return 0
 

@@ -11,7 +11,8 @@ Run it with a Python that has TensorFlow 2.21 (cudist's tests never import it)::
 ``multi_worker``:
 It starts two workers of ``multi_worker.py --backend tf`` on loopback, each with its own ``TF_CONFIG``
 (a cluster of two ``worker`` tasks on free ports), one CPU each, waits for both (under a timeout) and
-writes ``tests/data/tf_multi_worker.json``: TensorFlow's version and each worker's answers.
+writes ``tests/data/tf_multi_worker.json``: TensorFlow's version and each process's answers, for
+a cluster of two workers (every scenario) and one of a chief and a worker (device names).
 ``tests/test_tf_multi_worker.py`` runs the same scenarios under ``python -m cudist.launch -n 2
 --tf-config`` and compares.
 """
@@ -28,6 +29,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE.parent.parent / "tests" / "data" / "tf_multi_worker.json"
+#: The clusters of the ``multi_worker`` recording: two workers (every scenario), a chief and a worker
+#: (the ``devices`` scenario: the chief's devices are named by its job).
+CLUSTERS = {"workers": (["worker", "worker"], None), "chief": (["chief", "worker"], "devices")}
 DOCUMENTS_OUT = HERE.parent.parent / "tests" / "data" / "tf_documents.json"
 TIMEOUT = 300
 
@@ -64,14 +68,31 @@ def main():
 
 
 def record_multi_worker():
-    ports = _free_ports(2)
-    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    import tensorflow as tf
+
+    data = {"tensorflow": tf.__version__}
+    for key, (jobs, scenarios) in CLUSTERS.items():
+        data[key] = run_cluster(jobs, scenarios)
+    OUT.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {OUT}")
+
+
+def run_cluster(jobs, scenarios):
+    """Each process's answers (chief first), one TF process per entry of ``jobs`` ("chief", "worker")."""
+    ports = iter(_free_ports(len(jobs)))
+    cluster = {}
+    tasks = []
+    for job in jobs:
+        tasks.append({"type": job, "index": len(cluster.get(job, []))})
+        cluster.setdefault(job, []).append(f"localhost:{next(ports)}")
     with tempfile.TemporaryDirectory() as tmp:
         procs = []
-        for index in range(2):
-            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}}),
+        for task in tasks:
+            env = dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster, "task": task}),
                        TF_CPP_MIN_LOG_LEVEL="3", CUDA_VISIBLE_DEVICES="")
             cmd = [sys.executable, str(HERE / "multi_worker.py"), "--backend", "tf", "--out", f"{tmp}/w{{rank}}.json"]
+            if scenarios:
+                cmd += ["--scenarios", scenarios]
             procs.append(subprocess.Popen(cmd, env=env))
         try:
             codes = [p.wait(timeout=TIMEOUT) for p in procs]
@@ -80,13 +101,9 @@ def record_multi_worker():
                 if p.poll() is None:
                     p.kill()
                     p.wait()
-        if codes != [0, 0]:
+        if any(codes):
             raise SystemExit(f"the TF workers ended with {codes}")
-        workers = [json.loads(Path(tmp, f"w{i}.json").read_text()) for i in range(2)]
-    import tensorflow as tf
-
-    OUT.write_text(json.dumps({"tensorflow": tf.__version__, "workers": workers}, indent=1) + "\n")
-    print(f"wrote {OUT}")
+        return [json.loads(Path(tmp, f"w{i}.json").read_text()) for i in range(len(jobs))]
 
 
 if __name__ == "__main__":
