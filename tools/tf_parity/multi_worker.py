@@ -16,6 +16,8 @@ Scenarios:
   odd batches, ``drop_remainder``): each worker's local batches per step, or the error TF raises.
 * ``element_spec``: a distributed dataset's ``element_spec`` (batched, ``drop_remainder``, a tuple).
 * ``reduce``: ``all_reduce`` in ``run``, ``reduce`` SUM/MEAN with and without an axis, ``gather``.
+* ``inputs``: ``distribute_datasets_from_function`` (InputContext, batches per worker),
+  ``experimental_distribute_values_from_function``, a reduce of replica ids (its dtype).
 * ``ctl``: the multi-worker custom-training-loop tutorial's loop (``distribute_datasets_from_function``
   with the per-replica batch and ``shard`` by input pipeline, a model and RMSprop made in
   ``scope()``, per-example loss averaged by ``compute_average_loss``, the step's loss reduced with
@@ -181,6 +183,33 @@ def reduce(strategy):
     return out
 
 
+def inputs(strategy):
+    """``distribute_datasets_from_function`` (each worker's InputContext and batches),
+    ``experimental_distribute_values_from_function`` (its ValueContext), the dtypes of replica ids
+    and of their reductions."""
+    out = {}
+    contexts = []
+
+    def dataset_fn(ctx):
+        contexts.append([ctx.num_input_pipelines, ctx.input_pipeline_id, ctx.num_replicas_in_sync])
+        d = _range_ds(10).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        return d.batch(ctx.get_per_replica_batch_size(4))
+
+    out["from_function"] = [_local(strategy, x) for x in strategy.distribute_datasets_from_function(dataset_fn)]
+    out["input_contexts"] = contexts
+
+    def value_fn(ctx):
+        return np.array([ctx.replica_id_in_sync_group, ctx.num_replicas_in_sync], np.int64)
+
+    out["values_from_function"] = _local(strategy, strategy.experimental_distribute_values_from_function(value_fn))
+    get_ctx = tf.distribute.get_replica_context if BACKEND == "tf" else cd.get_replica_context
+    ids = strategy.run(lambda: get_ctx().replica_id_in_sync_group)
+    sum_op = tf.distribute.ReduceOp.SUM if BACKEND == "tf" else cd.ReduceOp.SUM
+    total = strategy.reduce(sum_op, ids, axis=None)
+    out["reduce_of_replica_ids"] = [_np(total).tolist(), _np(total).dtype.name]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- ctl
 CTL = {"examples": 96, "features": 6, "classes": 3, "global_batch": 16, "epochs": 2, "steps_per_epoch": 4, "lr": 0.01}
 
@@ -265,7 +294,8 @@ def ctl(strategy):
     return {"step_losses": step_losses, "epochs": epochs, "kernel": _np(kernel).tolist(), "bias": _np(bias).tolist()}
 
 
-SCENARIOS = {"devices": devices, "shard": shard, "element_spec": element_spec, "reduce": reduce, "ctl": ctl}
+SCENARIOS = {"devices": devices, "shard": shard, "element_spec": element_spec, "reduce": reduce, "inputs": inputs,
+             "ctl": ctl}
 
 
 def main(argv=None):
