@@ -284,7 +284,7 @@ def test_optimizer_state_restored_into_a_fresh_optimizer_continues_bit_identical
 
 def test_optimizer_index_records_hyperparameters_and_slot_links(tmp_path):
     strategy = make_strategy("mirrored2")
-    m, opt = _opt_model(strategy, cudist.optimizers.Adam, learning_rate=0.003, beta_1=0.8)
+    m, opt = _opt_model(strategy, cudist.optimizers.Adam, learning_rate=0.003, beta_1=0.8, name="adam")
     _opt_steps(strategy, m, opt, range(1))
     path = train.Checkpoint(model=m, optimizer=opt).write(str(tmp_path / "x"))
     index = json.loads(Path(path + ".index.json").read_text())

@@ -350,7 +350,7 @@ def test_slots_live_with_their_variable():
     mirrored = make_strategy("mirrored3")
     with mirrored.scope():
         var = cudist.Variable(np.zeros((2, 2), np.float32), name="dense/kernel")
-        opt = optimizers.Adam()
+        opt = optimizers.Adam(name="adam")  # (the default name is numbered per process, as Keras's)
         opt.build([var])  # slots can be made ahead of the first step
     m = opt.get_slot(var, "momentum")
     assert isinstance(m, cudist.MirroredVariable)
@@ -385,7 +385,7 @@ def test_slots_live_with_their_variable():
 def test_plain_sgd_has_no_slots_and_iterations_count(strategy):
     with strategy.scope():
         var = cudist.Variable(np.zeros(2, np.float32))
-        opt = optimizers.SGD(0.1)
+        opt = optimizers.SGD(0.1, name="SGD")
     for _ in range(4):
         strategy.run(lambda: opt.apply_gradients([(np.ones(2, np.float32), var)]))
     assert [v.name for v in opt.variables] == ["SGD/iteration:0", "SGD/learning_rate:0"]
@@ -534,7 +534,7 @@ def test_exported_names():
         "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "schedules"
     ]  # fmt: skip
     assert "learning_rate" in repr(optimizers.SGD.__init__.__code__.co_varnames)
-    assert repr(optimizers.SGD()).startswith("<cudist.optimizers.SGD name='SGD' iterations=0")
+    assert repr(optimizers.SGD(name="SGD")).startswith("<cudist.optimizers.SGD name='SGD' iterations=0")
 
 
 def test_gradient_aliasing_the_variable():

@@ -338,7 +338,7 @@ def test_learning_rate_variable_follows_the_setter_and_checkpoints(tmp_path):
     callable set later drops it; a checkpoint restores the rate (and so the variable)."""
     from cudist import train
 
-    opt = optimizers.Adam(0.01)
+    opt = optimizers.Adam(0.01, name="adam")
     lr_var = opt.variables[1]
     assert lr_var.name == "adam/learning_rate:0" and lr_var.dtype == np.float32 and not lr_var.trainable
     opt.learning_rate = 0.25
@@ -350,10 +350,23 @@ def test_learning_rate_variable_follows_the_setter_and_checkpoints(tmp_path):
     assert other.variables[1].numpy() == np.float32(0.25) and other.learning_rate == 0.25
     opt.learning_rate = lambda: 0.125
     assert [v.name for v in opt.variables] == ["adam/iteration:0"] and opt.learning_rate == 0.125
-    sched = optimizers.SGD(schedules.ExponentialDecay(0.1, 3, 0.5))
+    sched = optimizers.SGD(schedules.ExponentialDecay(0.1, 3, 0.5), name="SGD")
     assert [v.name for v in sched.variables] == ["SGD/iteration:0"]
     with cudist.MirroredStrategy(["/cpu:0", "/cpu:1"]).scope():  # made under a strategy: mirrored, as iterations
         mirrored = optimizers.SGD(0.1)
     assert isinstance(mirrored.variables[1], cudist.MirroredVariable)
     mirrored.learning_rate = 0.5
     assert [c.numpy() for c in mirrored.variables[1].values] == [np.float32(0.5)] * 2
+
+
+def test_default_names_follow_keras():
+    """Keras 3.15's default names: the class in snake case, numbered from the second in a process
+    (a fresh process here, as the recording's)."""
+    import subprocess
+    import sys
+
+    code = ("import json; from cudist import optimizers as o; "
+            f"print(json.dumps({{c: [getattr(o, c)().name for _ in range(2)] for c in {sorted(VARIABLES['default_names'])!r}}}))")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert json.loads(p.stdout) == VARIABLES["default_names"]
+    assert optimizers.Adam(name="mine").name == "mine" and optimizers.Adam(name="mine").name == "mine"  # as given

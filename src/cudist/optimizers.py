@@ -47,6 +47,7 @@ import numbers
 import operator
 import re
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, SupportsIndex, TypeAlias
@@ -261,6 +262,22 @@ class _ReplicaGrads:
         self.grads = grads
 
 
+#: How many optimizers took each default name so far (Keras 3's ``uniquify``, per process).
+_NAME_UIDS: dict[str, int] = {}
+_NAME_LOCK = threading.Lock()
+
+
+def _auto_name(class_name: str) -> str:
+    """Keras 3's default optimizer name: the class name in snake case ("RMSprop" -> "rm_sprop"),
+    then "_1", "_2", ... for the later ones in the process."""
+    snake = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", re.sub(r"\W+", "", class_name))
+    snake = re.sub(r"([a-z])([A-Z])", r"\1_\2", snake).lower()
+    with _NAME_LOCK:
+        count = _NAME_UIDS.get(snake, 0)
+        _NAME_UIDS[snake] = count + 1
+    return snake if count == 0 else f"{snake}_{count}"
+
+
 class Optimizer:
     """Base class of the cudist optimizers (Keras 3's ``keras.optimizers.Optimizer`` API subset).
 
@@ -271,7 +288,8 @@ class Optimizer:
         learning_rate: a real number; a :class:`~cudist.optimizers.schedules.LearningRateSchedule`
             (called with the iteration count, 0 on the first step); or a callable of no arguments
             (Keras 3).
-        name: the optimizer's name; its variables are named under it.
+        name: the optimizer's name; its variables are named under it (None: Keras 3's default, the
+            class's name in snake case made unique in the process: "rm_sprop", "rm_sprop_1", ...).
         weight_decay: decoupled weight decay: ``w -= w * weight_decay * learning_rate`` before
             each update (variables named in :meth:`exclude_from_weight_decay` are exempt).
         clipnorm: clip each gradient to this L2 norm (``tf.clip_by_norm``).
@@ -296,7 +314,7 @@ class Optimizer:
     def __init__(
         self,
         learning_rate: LearningRate,
-        name: str,
+        name: str | None,
         *,
         weight_decay: float | None = None,
         clipnorm: float | None = None,
@@ -311,6 +329,8 @@ class Optimizer:
     ) -> None:
         if kwargs:  # Keras 3's error for a misspelt or unknown argument
             raise ValueError(f"Argument(s) not recognized: {kwargs}")
+        if name is None:
+            name = _auto_name(type(self).__name__)
         if not isinstance(name, str) or not name:
             raise TypeError(f"`name` must be a non-empty string, got {name!r}")
         self.name = name
@@ -1159,7 +1179,8 @@ class SGD(Optimizer):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     def __init__(
@@ -1176,7 +1197,7 @@ class SGD(Optimizer):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "SGD",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.momentum = _check_real("momentum", momentum, low=0.0, high=1.0)
@@ -1264,7 +1285,8 @@ class Adam(Optimizer):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     _slot_names: tuple[str, ...] = ("momentum", "velocity")
@@ -1285,7 +1307,7 @@ class Adam(Optimizer):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "adam",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
@@ -1392,7 +1414,8 @@ class AdamW(Adam):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     def __init__(
@@ -1411,7 +1434,7 @@ class AdamW(Adam):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "adamw",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         if weight_decay is None:
@@ -1459,7 +1482,8 @@ class RMSprop(Optimizer):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     def __init__(
@@ -1478,7 +1502,7 @@ class RMSprop(Optimizer):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "rmsprop",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.rho = _check_real("rho", rho, low=0.0, high=1.0)
@@ -1564,7 +1588,8 @@ class Adagrad(Optimizer):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     _slot_names = ("accumulator",)
@@ -1583,7 +1608,7 @@ class Adagrad(Optimizer):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "adagrad",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.initial_accumulator_value = _check_real("initial_accumulator_value", initial_accumulator_value, low=0.0)
@@ -1658,7 +1683,8 @@ class Adamax(Optimizer):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     _slot_names = ("momentum", "norm")
@@ -1678,7 +1704,7 @@ class Adamax(Optimizer):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "adamax",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
@@ -1760,7 +1786,8 @@ class Nadam(Optimizer):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     _slot_names = ("momentum", "velocity")
@@ -1780,7 +1807,7 @@ class Nadam(Optimizer):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "nadam",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, low=0.0, high=1.0, high_open=True)
@@ -1896,7 +1923,8 @@ class Lion(Optimizer):
         ema_overwrite_frequency: see :class:`Optimizer`.
         loss_scale_factor: see :class:`Optimizer`.
         gradient_accumulation_steps: see :class:`Optimizer`.
-        name: the optimizer's name.
+        name: the optimizer's name (default: Keras 3's, the class's name in snake case made unique
+            in the process: "adam", "adam_1", ...).
     """
 
     _slot_names = ("momentum",)
@@ -1915,7 +1943,7 @@ class Lion(Optimizer):
         ema_overwrite_frequency: int | None = None,
         loss_scale_factor: float | None = None,
         gradient_accumulation_steps: int | None = None,
-        name: str = "lion",
+        name: str | None = None,
         **kwargs: Any,
     ) -> None:
         self.beta_1 = _check_real("beta_1", beta_1, high=1.0)

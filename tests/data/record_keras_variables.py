@@ -8,7 +8,8 @@ It writes ``tests/data/keras_optimizer_variables.json``: for each case (a Keras 
 constructor kwargs, a schedule as ``{"schedule": class name, "config": {...}}``), the optimizer
 built on two variables ``kernel`` (4x3) and ``bias`` (3,) of one dtype, then the list
 ``optimizer.variables`` as ``[name, path, shape, dtype]`` (after one ``apply_gradients``, whose
-values are recorded too: ``iteration`` and ``learning_rate`` move with it).
+values are recorded too: ``iteration`` and ``learning_rate`` move with it); and ``default_names``:
+each class's default name, for a first and a second instance in a fresh process.
 ``tests/test_optimizers_keras.py`` compares cudist's list entry by entry.
 """
 
@@ -78,6 +79,8 @@ def describe(v):
 
 
 def main():
+    # Default names first, in a process that has made no optimizer yet: Keras 3 numbers the later ones.
+    names = {cls: [getattr(keras.optimizers, cls)().name for _ in range(2)] for cls in dict.fromkeys(c[0] for c in CASES)}
     rng = np.random.default_rng(31)
     cases = []
     for cls, kwargs, dtype in CASES:
@@ -91,7 +94,7 @@ def main():
         stepped = [describe(v) for v in opt.variables]
         cases.append({"optimizer": cls, "kwargs": kwargs, "dtype": dtype, "built": built, "after_step": stepped})
         print(cls, kwargs, [d["path"] for d in built])
-    OUT.write_text(json.dumps({"tensorflow": tf.__version__, "keras": keras.__version__, "cases": cases}, indent=1) + "\n")
+    OUT.write_text(json.dumps({"tensorflow": tf.__version__, "keras": keras.__version__, "default_names": names, "cases": cases}, indent=1) + "\n")
     print(f"wrote {OUT}")
 
 
