@@ -1120,9 +1120,14 @@ class DistributedDatasetsFromFunction(_DistributedBase):
 
     @property
     def element_spec(self) -> Any:
-        """The function's dataset element_spec, with a PerReplicaSpec per leaf for several replicas."""
+        """The function's dataset element_spec, with a PerReplicaSpec per leaf for several replicas.
+
+        Over several workers, as TF 2.21: always per replica, the batch dimension None (even with
+        ``drop_remainder``).
+        """
         if self._spec is None:
-            self._spec = _per_replica_spec(self._datasets[0].element_spec, self._n, split=False)
+            many = self._workers > 1
+            self._spec = _per_replica_spec(self._datasets[0].element_spec, self._n, split=many, workers=self._workers)
         return self._spec
 
 

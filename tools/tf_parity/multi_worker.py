@@ -151,6 +151,9 @@ def element_spec(strategy):
     for name, make in cases.items():
         dist = strategy.experimental_distribute_dataset(make())
         out[name] = {"dataset": _spec(dist.element_spec), "iterator": _spec(iter(dist).element_spec)}
+    for name, drop in (("from_function batch(2)", False), ("from_function batch(2, drop_remainder=True)", True)):
+        dist = strategy.distribute_datasets_from_function(lambda ctx, drop=drop: _range_ds(8).batch(2, drop_remainder=drop))
+        out[name] = {"dataset": _spec(dist.element_spec), "iterator": _spec(iter(dist).element_spec)}
     return out
 
 
