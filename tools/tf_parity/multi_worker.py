@@ -127,12 +127,29 @@ SHARD_CASES = [(10, 4, False), (5, 4, False), (6, 3, False), (8, 4, True), (7, 2
 POLICIES = ["OFF", "DATA", "FILE", "AUTO"]
 
 
+#: Pipelines around ``batch`` (element-wise ops after it, a second batch, a tuple), by name.
+PIPELINES = {
+    "range(3).batch(4).repeat(2)": lambda: _range_ds(3).batch(4).repeat(2),
+    "range(7).batch(4).map(x + 1)": lambda: _range_ds(7).batch(4).map(lambda x: x + 1),
+    "range(10).batch(4).unbatch().batch(3)": lambda: _range_ds(10).batch(4).unbatch().batch(3),
+    "range(9).batch(3).take(2)": lambda: _range_ds(9).batch(3).take(2),
+    "zip(range(5), range(5)).batch(4)": lambda: _dataset_cls().zip((_range_ds(5), _range_ds(5))).batch(4),
+}
+
+
+def _dataset_cls():
+    return tf.data.Dataset if BACKEND == "tf" else cd.data.Dataset
+
+
 def shard(strategy):
     out = {}
+    cases = {f"range({n}).batch({b}{', drop_remainder=True' if drop else ''})":
+             (lambda n=n, b=b, drop=drop: _range_ds(n).batch(b, drop_remainder=drop)) for n, b, drop in SHARD_CASES}
+    cases.update(PIPELINES)
     for policy in POLICIES:
-        for n, b, drop in SHARD_CASES:
-            key = f"{policy} range({n}).batch({b}{', drop_remainder=True' if drop else ''})"
-            ds = _with_policy(_range_ds(n).batch(b, drop_remainder=drop), policy)
+        for name, make in cases.items():
+            key = f"{policy} {name}"
+            ds = _with_policy(make(), policy)
             try:
                 out[key] = [_local(strategy, x) for x in strategy.experimental_distribute_dataset(ds)]
             except Exception as e:  # noqa: BLE001 - the error class is the answer
