@@ -115,14 +115,20 @@ def test_multi_worker_answers_equal_tf(cudist_answers, scenario, rank):
 @pytest.mark.multi_worker
 @pytest.mark.parametrize("rank", [0, 1])
 def test_multi_worker_ctl_tutorial_loop_equals_tf(cudist_answers, rank):
-    """The tutorial's loop: every step's loss, each epoch's loss and accuracy, the trained weights."""
+    """The tutorial's loop: every step's loss, each epoch's loss and accuracy, the trained weights, its checkpoints."""
     want, got = RECORDED["workers"][rank]["ctl"], cudist_answers[rank]["ctl"]
     np.testing.assert_allclose(got["step_losses"], want["step_losses"], rtol=2e-6)
     assert [e["train_accuracy"] for e in got["epochs"]] == [e["train_accuracy"] for e in want["epochs"]]
     np.testing.assert_allclose([e["train_loss"] for e in got["epochs"]], [e["train_loss"] for e in want["epochs"]], rtol=2e-6)
     for name in ("kernel", "bias"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7)
-    assert cudist_answers[0]["ctl"] == cudist_answers[1]["ctl"]  # the workers agree bit for bit
+    # The tutorial's checkpoints: the names, the non-chief's temporary directory, what a restart restores.
+    for key in ("latest_checkpoints", "temp_dir_left", "restored"):
+        assert got[key] == want[key], key
+    assert want["latest_checkpoints"] == ["ckpt-1", "ckpt-2"] and want["restored"]["kernel_equal"]
+    c0, c1 = (dict(cudist_answers[r]["ctl"]) for r in (0, 1))
+    assert c0.pop("temp_dir_left") is False and c1.pop("temp_dir_left") is True
+    assert c0 == c1  # the workers agree bit for bit
 
 
 @pytest.mark.multi_worker

@@ -21,7 +21,10 @@ Scenarios:
 * ``ctl``: the multi-worker custom-training-loop tutorial's loop (``distribute_datasets_from_function``
   with the per-replica batch and ``shard`` by input pipeline, a model and RMSprop made in
   ``scope()``, per-example loss averaged by ``compute_average_loss``, the step's loss reduced with
-  SUM, an accuracy metric): the loss of every step and the accuracy of every epoch. The model is a
+  SUM, an accuracy metric, a new iterator each epoch, the epoch counters and the model in a
+  checkpoint saved each epoch, the chief's into the checkpoint directory and the others' into a
+  temporary one they remove): the loss of every step, the accuracy of every epoch, the latest
+  checkpoint's name, and what a restart restores. The model is a
   dense softmax layer over synthetic data (the tutorial's CNN on MNIST needs Keras layers and the
   download); its gradient is written out by hand on the cudist side (cudist does no autodiff) and
   comes from ``tf.GradientTape`` on TF's.
@@ -32,11 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 
 import numpy as np
 
 BACKEND = None
+#: Where the ``ctl`` scenario's checkpoints go (shared by the workers): --out's directory.
+CHECKPOINT_ROOT = "."
 
 
 def _setup(backend):
@@ -51,6 +57,7 @@ def _setup(backend):
         import cudist.metrics  # noqa: F401
         import cudist.nn  # noqa: F401
         import cudist.optimizers  # noqa: F401
+        import cudist.train  # noqa: F401
 
 
 tf = cd = None
@@ -267,7 +274,6 @@ def ctl(strategy):
             optimizer = cd.optimizers.RMSprop(learning_rate=CTL["lr"])
             train_accuracy = cd.metrics.SparseCategoricalAccuracy(name="train_accuracy")
     per_worker_dataset = strategy.distribute_datasets_from_function(per_worker_dataset_fn)
-    per_worker_iterator = iter(per_worker_dataset)
 
     def step_fn(inputs):
         xb, yb = inputs
@@ -299,19 +305,80 @@ def ctl(strategy):
         return strategy.reduce(sum_op, per_replica_losses, axis=None)
 
     sum_op = (tf.distribute.ReduceOp.SUM if BACKEND == "tf" else cd.ReduceOp.SUM)
-    step_losses, epochs = [], []
-    for _epoch in range(CTL["epochs"]):
-        train_accuracy.reset_state()
+    # The tutorial's fault-tolerance part: epoch counters and the model in a checkpoint; the chief
+    # writes into checkpoint_dir, the others into a temporary directory they remove after saving.
+    task_type, task_id = (strategy.cluster_resolver.task_type, strategy.cluster_resolver.task_id)
+    cluster_spec = strategy.cluster_resolver.cluster_spec()
+    checkpoint_dir = os.path.join(CHECKPOINT_ROOT, "ckpt")
+
+    def _is_chief(task_type, task_id, cluster_spec):
+        return (task_type is None or task_type == "chief"
+                or (task_type == "worker" and task_id == 0 and "chief" not in cluster_spec.as_dict()))
+
+    def _get_temp_dir(dirpath, task_id):
+        temp_dir = os.path.join(dirpath, "workertemp_" + str(task_id))
+        os.makedirs(temp_dir, exist_ok=True)  # tf.io.gfile.makedirs
+        return temp_dir
+
+    def write_filepath(filepath, task_type, task_id, cluster_spec):
+        dirpath = os.path.dirname(filepath)
+        base = os.path.basename(filepath)
+        if not _is_chief(task_type, task_id, cluster_spec):
+            dirpath = _get_temp_dir(dirpath, task_id)
+        return os.path.join(dirpath, base)
+
+    def make_checkpoint(kernel, bias):
+        epoch = lib.Variable(np.int64(0), name="epoch")
+        step_in_epoch = lib.Variable(np.int64(0), name="step_in_epoch")
+        checkpoint = lib.train.Checkpoint(kernel=kernel, bias=bias, epoch=epoch, step_in_epoch=step_in_epoch)
+        return checkpoint, epoch, step_in_epoch
+
+    def barrier():
+        strategy.reduce(sum_op, strategy.run(lambda: _np(1.0).astype(np.float32)), axis=None)
+
+    checkpoint, epoch, step_in_epoch = make_checkpoint(kernel, bias)
+    write_checkpoint_dir = write_filepath(checkpoint_dir, task_type, task_id, cluster_spec)
+    checkpoint_manager = lib.train.CheckpointManager(checkpoint, directory=write_checkpoint_dir, max_to_keep=1)
+    latest_checkpoint = lib.train.latest_checkpoint(checkpoint_dir)
+    if latest_checkpoint:
+        checkpoint.restore(latest_checkpoint)
+
+    step_losses, epochs, latest = [], [], []
+    while int(_np(epoch)) < CTL["epochs"]:
+        iterator = iter(per_worker_dataset)
         total_loss = 0.0
         num_batches = 0
-        for _ in range(CTL["steps_per_epoch"]):
-            step_loss = train_step(per_worker_iterator)
+        while int(_np(step_in_epoch)) < CTL["steps_per_epoch"]:
+            step_loss = train_step(iterator)
             step_losses.append(float(_np(step_loss)))
             total_loss += step_loss
             num_batches += 1
+            step_in_epoch.assign_add(1)
         train_loss = total_loss / num_batches
         epochs.append({"train_loss": float(_np(train_loss)), "train_accuracy": float(_np(train_accuracy.result()))})
-    return {"step_losses": step_losses, "epochs": epochs, "kernel": _np(kernel).tolist(), "bias": _np(bias).tolist()}
+        train_accuracy.reset_state()
+        checkpoint_manager.save()
+        if not _is_chief(task_type, task_id, cluster_spec):
+            shutil.rmtree(write_checkpoint_dir)  # tf.io.gfile.rmtree
+        epoch.assign_add(1)
+        step_in_epoch.assign(0)
+        barrier()  # (not the tutorial's: the chief's files exist before the others look)
+        latest.append(os.path.basename(lib.train.latest_checkpoint(checkpoint_dir)))
+
+    # A restart, as the tutorial's fault tolerance has it: new variables, restored from the chief's checkpoint.
+    with strategy.scope():
+        kernel2 = lib.Variable(np.zeros_like(k0), name="kernel")
+        bias2 = lib.Variable(np.ones(CTL["classes"], np.float32), name="bias")
+    checkpoint2, epoch2, step2 = make_checkpoint(kernel2, bias2)
+    checkpoint2.restore(lib.train.latest_checkpoint(checkpoint_dir))
+    return {
+        "step_losses": step_losses, "epochs": epochs, "kernel": _np(kernel).tolist(), "bias": _np(bias).tolist(),
+        "latest_checkpoints": latest,
+        "temp_dir_left": os.path.isdir(os.path.join(CHECKPOINT_ROOT, f"workertemp_{task_id}")),
+        "restored": {"epoch": int(_np(epoch2)), "step_in_epoch": int(_np(step2)),
+                     "kernel_equal": bool(np.array_equal(_np(kernel2), _np(kernel))),
+                     "bias_equal": bool(np.array_equal(_np(bias2), _np(bias)))},
+    }
 
 
 SCENARIOS = {"devices": devices, "shard": shard, "element_spec": element_spec, "reduce": reduce, "inputs": inputs,
@@ -324,6 +391,8 @@ def main(argv=None):
     p.add_argument("--out", required=True, help="where this worker writes its JSON (a {rank} in it is replaced)")
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     args = p.parse_args(argv)
+    global CHECKPOINT_ROOT  # noqa: PLW0603
+    CHECKPOINT_ROOT = os.path.abspath(os.path.dirname(args.out) or ".")
     _setup(args.backend)
     strategy = _strategy()
     resolver = strategy.cluster_resolver
