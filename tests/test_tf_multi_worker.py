@@ -164,7 +164,7 @@ def test_device_names_by_task_parse_and_compare_equal(worker_1):
     assert _devices.canonicalize("/job:worker/replica:0/task:1/device:GPU:1") == "/job:localhost/replica:0/task:0/device:GPU:1"
     for remote in ("/job:worker/replica:0/task:0/device:CPU:0", "/job:chief/replica:0/task:1/device:CPU:0",
                    "/job:worker/replica:1/task:1/device:CPU:0"):
-        with pytest.raises(ValueError, match="invalid device"):
+        with pytest.raises(ValueError, match=r"names another task's device \(this process is /job:worker/replica:0/task:1\)"):
             _devices.canonicalize(remote)
 
 

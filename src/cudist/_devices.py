@@ -106,8 +106,10 @@ def _parse(text: str) -> DeviceSpec:
     rest = text[prefix.end():] if prefix and _is_local(*prefix.groups()) else text
     m = _DEV.match(rest)
     if not m:
+        here = "" if _local_task is None else f" (this process is /job:{_local_task[0]}/replica:0/task:{_local_task[1]})"
+        remote = " names another task's device" if prefix and prefix.group(0) and rest is text else ""
         raise ValueError(
-            f"invalid device {text!r}: expected a local CPU or GPU device such as '/cpu:0', 'GPU:1', "
+            f"invalid device {text!r}{remote}{here}: expected a local CPU or GPU device such as '/cpu:0', 'GPU:1', "
             f"'/device:GPU:0' or '/job:localhost/replica:0/task:0/device:CPU:0'"
         )
     return DeviceSpec(m.group(1).upper(), int(m.group(2) or 0))
