@@ -370,3 +370,20 @@ def test_default_names_follow_keras():
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert json.loads(p.stdout) == VARIABLES["default_names"]
     assert optimizers.Adam(name="mine").name == "mine" and optimizers.Adam(name="mine").name == "mine"  # as given
+
+
+def test_an_optimizer_made_inside_run_has_one_name_over_the_replicas():
+    """Each replica makes its own (as a user's step might): one default name for all, so that its
+    variables are created once (different names would be "mismatching names" across replicas)."""
+    s = make_strategy("mirrored2")
+    with s.scope():
+        v = cudist.Variable(np.zeros(3, np.float32), name="v")
+
+    def step():
+        opt = optimizers.Adam(0.1)
+        opt.apply_gradients([(np.ones(3, np.float32), v)])
+        return opt.name
+
+    names = s.experimental_local_results(s.run(step))
+    assert len(set(names)) == 1 and names[0].startswith("adam")
+    assert optimizers.Adam().name == names[0]  # the number was not used up inside run

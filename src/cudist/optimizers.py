@@ -272,9 +272,14 @@ def _auto_name(class_name: str) -> str:
     then "_1", "_2", ... for the later ones in the process."""
     snake = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", re.sub(r"\W+", "", class_name))
     snake = re.sub(r"([a-z])([A-Z])", r"\1_\2", snake).lower()
+    # Inside ``strategy.run`` every replica makes its own optimizer and its variables are created once,
+    # under one name: the replicas take the next number without using it up (TF hides Keras's
+    # different numbers per replica by stripping "_<digit>" suffixes, for the first ten only).
+    in_replicas = _distribute_lib.has_strategy() and _distribute_lib.get_replica_context() is not None
     with _NAME_LOCK:
         count = _NAME_UIDS.get(snake, 0)
-        _NAME_UIDS[snake] = count + 1
+        if not in_replicas:
+            _NAME_UIDS[snake] = count + 1
     return snake if count == 0 else f"{snake}_{count}"
 
 
