@@ -189,7 +189,15 @@ def test_a_strategy_and_its_variables_show_the_task(worker_1):
     assert cudist.MirroredStrategy().extended.worker_devices == tuple(d.name for d in logical)  # its names parse
 
 
-def test_outside_a_cluster_names_stay_localhost():
+def test_outside_a_cluster_names_stay_localhost(monkeypatch):
+    import cudist
+
+    for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["localhost:1", "localhost:2"]}, "task": {"type": "worker", "index": 1}}))
+    with pytest.raises(RuntimeError, match="cudist.launch -n 2"):  # a cluster it could not join names nothing
+        cudist.MultiWorkerMirroredStrategy()
     assert _devices.local_task() is None
     assert _devices.display_name("/job:localhost/replica:0/task:0/device:CPU:0") == "/job:localhost/replica:0/task:0/device:CPU:0"
     with pytest.raises(ValueError, match="invalid device"):

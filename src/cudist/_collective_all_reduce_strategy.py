@@ -85,8 +85,6 @@ class CollectiveAllReduceExtended(MirroredExtended):
         else:  # a local job (or an evaluator, which runs alone)
             self._num_workers, self._worker_index, self._is_chief = 1, 0, True
         self._task_type, self._task_id = task_type, task_id
-        if self._num_workers > 1:  # TF names a worker's devices by its task from here on
-            _devices.set_local_task(task_type, task_id)
         self._id_in_cluster = self._worker_index
         devs = default_devices() if devices is None else parse_devices(devices, "MultiWorkerMirroredStrategy")
         if communication_options.implementation is CommunicationImplementation.NCCL and not _devices.any_gpu(devs):
@@ -102,6 +100,8 @@ class CollectiveAllReduceExtended(MirroredExtended):
         if self._communicator is not None and _devices.any_gpu(devs):
             _log.info("MultiWorkerMirroredStrategy: GPU values cross workers through %s", ops.gpu_implementation)
         super().__init__(container_strategy, devs, ops)
+        if self._communicator is not None:  # connected to the other workers: from here on, TF names devices by task
+            _devices.set_local_task(task_type, task_id)
 
     def _load_nccl(self, devs):
         """``cupy.cuda.nccl`` when GPU values should cross workers through NCCL, else None.
