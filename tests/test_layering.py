@@ -18,7 +18,8 @@ SRC = Path(__file__).resolve().parent.parent / "src" / "cudist"
 LAYERS = [
     # 0: no cudist imports above these: device names, ops, the context stack, values, arrays, errors
     ["cudist._core", "cudist._devices", "cudist._reduce_util", "cudist._context", "cudist._values",
-     "cudist.errors", "cudist.config", "cudist._arrays", "cudist._collective_util", "cudist._blas"],
+     "cudist.errors", "cudist.config", "cudist._arrays", "cudist._collective_util", "cudist._blas",
+     "cudist._settings"],
     # 1: the kernel contract and its backends
     ["cudist._kernels"],
     # 2: cross-device utilities, datasets, the replica engine, the GPU input feeder
@@ -135,7 +136,8 @@ def test_imports_go_down_the_layers():
 
 
 def test_kernels_import_nothing_above_them():
-    allowed = {"cudist._core", "cudist._devices", "cudist._reduce_util", "cudist._arrays", "cudist.config", "cudist"}
+    allowed = {"cudist._core", "cudist._devices", "cudist._reduce_util", "cudist._arrays", "cudist.config", "cudist",
+               "cudist._settings"}
     for mod in MODULES:
         if component(mod) != "cudist._kernels":
             continue

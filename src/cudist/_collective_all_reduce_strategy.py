@@ -17,7 +17,7 @@ import logging
 
 import numpy as np
 
-from cudist import _devices
+from cudist import _devices, _settings
 from cudist._arrays import like, to_host
 from cudist._collective_ops import CollectiveAllReduce
 from cudist._collective_util import CommunicationImplementation, CommunicationOptions
@@ -48,7 +48,7 @@ def _default_resolver():
     tf_config = TFConfigClusterResolver()
     if tf_config.task_type is not None and tf_config.cluster_spec():
         return tf_config
-    if mpi.launched_by_mpi():
+    if _settings.launched_by_mpi():
         return MPIClusterResolver()
     return tf_config
 

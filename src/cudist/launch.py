@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cudist import _settings
+
 __all__ = ["main", "find_mpiexec", "build_command", "worker_env"]
 
 _STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
@@ -116,7 +118,7 @@ def _worker(args) -> int:
     this one, nor this one blocked in ``MPI_Finalize``.
     """
     rank = _rank()
-    directory = os.environ.get(_STATUS_DIR)
+    directory = _settings.launch_status_dir()
     if directory:
         Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
         _connect_watch(directory, rank)

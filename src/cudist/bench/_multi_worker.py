@@ -296,7 +296,7 @@ def main(argv, common: argparse.ArgumentParser) -> int:
         parser.error(f"-d/--datatype {','.join(bad)}: not available with --workers (MPI reduces {', '.join(_DTYPES)})")
     if args.backend != "all":
         os.environ["CUDIST_BACKEND"] = args.backend  # also when started by mpiexec directly
-    from cudist._collectives.mpi import launched_by_mpi
+    from cudist._settings import launched_by_mpi
 
     if not launched_by_mpi():
         return _relaunch(args, argv)
