@@ -7,7 +7,7 @@ import pytest
 
 import cudist
 from cudist import Mirrored, PerReplica
-from cudist._collectives.packing import pack_groups as _pack_groups
+from cudist._dataplane.packing import pack_groups as _pack_groups
 from cudist._cross_device_ops import KernelAllReduce
 from cudist._reduce_util import ReduceOp
 from cudist._kernels import cpu_backend as _cpu_backend
@@ -345,7 +345,7 @@ def fake_nccl(monkeypatch):
     import types
 
     from cudist import _cross_device_ops as cdo
-    from cudist._collectives import nccl as nccl_mod
+    from cudist._dataplane.transports import nccl as nccl_mod
 
     module = types.SimpleNamespace(
         NCCL_SUM=0, NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT32=2, NCCL_INT64=4, available=True
@@ -369,7 +369,7 @@ def test_gpu_device_spellings_parse(spelling):
 
 def test_logical_gpus_map_to_physical(fake_gpus):
     from cudist import config
-    from cudist._collectives.placement import gpu_layout
+    from cudist._dataplane.placement import gpu_layout
 
     fake_gpus(2, split={0: 3})
     assert config.logical_to_physical_gpu() == [0, 0, 0, 1]
@@ -488,7 +488,7 @@ class _FakeBuf:
 
 def test_auto_op_picks_nccl_by_size_and_layout(monkeypatch, fake_nccl):
     from cudist import _cross_device_ops as cdo
-    from cudist._collectives import nccl as nccl_mod
+    from cudist._dataplane.transports import nccl as nccl_mod
 
     nccl = fake_nccl(available=True)
     calls = []
@@ -510,7 +510,7 @@ def test_auto_op_picks_nccl_by_size_and_layout(monkeypatch, fake_nccl):
 
 def test_nccl_op_uses_nccl_only_for_distinct_gpus(monkeypatch, fake_nccl):
     from cudist import _cross_device_ops as cdo
-    from cudist._collectives import nccl as nccl_mod
+    from cudist._dataplane.transports import nccl as nccl_mod
 
     fake_nccl(available=True)
     ops = cudist.NcclAllReduce()

@@ -81,7 +81,7 @@ def test_all_gather_sources_may_be_freed_right_after(backend, streams_out_of_ord
 def test_packing_orders_the_copy_of_a_leaf_on_another_gpu():
     """GPU 1 is still computing the leaf when replica 0's pack copies it to GPU 0 (the fake's lazy
     order runs GPU 0's queue first unless the copy waits for GPU 1)."""
-    from cudist._collectives import packing
+    from cudist._dataplane import packing
 
     count = 777
     with cupy.cuda.Device(1):

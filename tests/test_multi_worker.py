@@ -658,7 +658,7 @@ def test_tf_config_resolver(monkeypatch):
 @pytest.mark.parametrize("value,mode", [(None, "quick"), ("", "quick"), ("1", "full"), ("yes", "full"),
                                         ("0", "off"), ("off", "off"), ("False", "off")])
 def test_collective_checks_are_on_by_default(monkeypatch, value, mode):
-    from cudist._collectives import mpi
+    from cudist._dataplane.transports import mpi
 
     if value is None:
         monkeypatch.delenv("CUDIST_CHECK_COLLECTIVES", raising=False)

@@ -183,7 +183,7 @@ def _abort_job_on_early_errors() -> None:
             return
         sys.excepthook = previous
         try:
-            from cudist._collectives import mpi  # noqa: PLC0415
+            from cudist._dataplane.transports import mpi  # noqa: PLC0415
 
             mpi.world()  # loads MPI; in a job of several processes, installs the aborting hook
         except BaseException:  # noqa: BLE001 - whatever fails here, the traceback must still be printed

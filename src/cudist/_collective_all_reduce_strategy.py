@@ -21,8 +21,8 @@ from cudist import _devices, _settings
 from cudist._arrays import like, to_host
 from cudist._collective_ops import CollectiveAllReduce
 from cudist._collective_util import CommunicationImplementation, CommunicationOptions
-from cudist._collectives import mpi
-from cudist._collectives import nccl as nccl_lib
+from cudist._dataplane.transports import mpi
+from cudist._dataplane.transports import nccl as nccl_lib
 from cudist._cross_device_ops import select_cross_device_ops
 from cudist._distribute_lib import Strategy, default_devices, parse_devices
 from cudist._kernels import BackendUnavailableError

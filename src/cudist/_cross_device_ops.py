@@ -27,10 +27,10 @@ import numpy as np
 
 from cudist import _devices
 from cudist._arrays import Array, as_array, gpu_of, is_device_array, like, place, snapshot, to_host
-from cudist._collectives import nccl as _nccl
-from cudist._collectives import packing
-from cudist._collectives.packing import LeafPaths, Reducer
-from cudist._collectives.placement import (
+from cudist._dataplane.transports import nccl as _nccl
+from cudist._dataplane import packing
+from cudist._dataplane.packing import LeafPaths, Reducer
+from cudist._dataplane.placement import (
     Destinations,
     describe_layout,
     gpu_layout,
@@ -447,7 +447,7 @@ class AutoGpuAllReduce(CrossDeviceOps):
 
     Args:
         physical: the CUDA device id of each replica (distinct).
-        nccl: the ``cupy.cuda.nccl`` module (see :func:`cudist._collectives.nccl.load`).
+        nccl: the ``cupy.cuda.nccl`` module (see :func:`cudist._dataplane.transports.nccl.load`).
         num_packs: how many buffers per dtype a batch is split into (0: one per value).
     """
 

@@ -55,7 +55,7 @@ from cudist._values import (
 
 if TYPE_CHECKING:
     from cudist._arrays import Array
-    from cudist._collectives.placement import Destinations
+    from cudist._dataplane.placement import Destinations
     from cudist._cross_device_ops import CrossDeviceOps
     from cudist._input_lib import (
         DistributedDataset,
@@ -303,7 +303,7 @@ class _LazyPaths:
 
     def __getitem__(self, j: int) -> str:
         if self._paths is None:
-            from cudist._collectives.packing import tree_leaves_with_paths
+            from cudist._dataplane.packing import tree_leaves_with_paths
 
             self._paths = tree_leaves_with_paths(self._tree)[2]
         return self._paths[j]
@@ -359,7 +359,7 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
 
 
 def _h_all_gather(strategy: Strategy, payloads: Sequence[tuple[Any, int]]) -> list[Any]:
-    from cudist._collectives.packing import gather_arrays, tree_leaves_with_paths
+    from cudist._dataplane.packing import gather_arrays, tree_leaves_with_paths
 
     a: Any  # a replica's axis, then a replica's array
     axis = payloads[0][1]
@@ -630,7 +630,7 @@ class StrategyExtended:
         # The physical GPU of each replica (None on CPUs): made current while the replica runs.
         self._replica_gpus: tuple[int, ...] | None = None
         if _devices.any_gpu(self._devices):
-            from cudist._collectives.placement import gpu_layout
+            from cudist._dataplane.placement import gpu_layout
 
             self._replica_gpus = gpu_layout(self._devices)
         self._check_devices_exist()
@@ -1274,7 +1274,7 @@ class Strategy:
             raise TypeError(f"Strategy.gather: axis must be an int, got {type(axis).__name__}")
         if _is_nest_of_dv(value):
             return optree.tree_map(lambda v: self.gather(v, axis), value, is_leaf=_is_dv)
-        from cudist._collectives.packing import gather_arrays
+        from cudist._dataplane.packing import gather_arrays
 
         comps = value.values if isinstance(value, DistributedValues) else (value,)
         return self._extended._gather_across_workers(gather_arrays([to_host(c) for c in comps], int(axis)), int(axis))

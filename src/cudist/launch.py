@@ -114,7 +114,7 @@ def _worker(args) -> int:
     An error exit (an exception, ``sys.exit`` with a nonzero code, Ctrl-C) aborts the whole job at
     once, as ``python -m mpi4py`` does; a clean one waits for the other workers to exit too, and
     aborts the job if one of them waits in a collective this worker never made
-    (:func:`cudist._collectives.mpi.await_peers_at_exit`). Either way no worker is left waiting for
+    (:func:`cudist._dataplane.transports.mpi.await_peers_at_exit`). Either way no worker is left waiting for
     this one, nor this one blocked in ``MPI_Finalize``.
     """
     rank = _rank()
@@ -167,11 +167,11 @@ def _worker(args) -> int:
 def _start_mpi(directory: str | None, rank: int):
     """Starts MPI in a worker: notes its shared-memory files (for the launcher to remove if the job
     dies) and creates the job communicator (set-up collectives, the exit rendezvous). Returns
-    ``cudist._collectives.mpi``, or None without mpi4py (the script will say so if it needs MPI)."""
+    ``cudist._dataplane.transports.mpi``, or None without mpi4py (the script will say so if it needs MPI)."""
     try:
         from mpi4py import MPI  # noqa: F401, PLC0415 - initializes MPI (the script would anyway)
 
-        from cudist._collectives import mpi  # noqa: PLC0415
+        from cudist._dataplane.transports import mpi  # noqa: PLC0415
     except ImportError:
         return None
     if directory:

@@ -31,7 +31,7 @@ import optree
 
 from cudist._arrays import Array, contiguous, device_context, is_device_array, like, to_host
 from cudist.errors import InvalidArgumentError
-from cudist._collectives import pool
+from cudist._dataplane import pool
 # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._kernels import KernelBackend, backend_for, cpu_backend, numpy_backend
 from cudist._reduce_util import ReduceOp, int_mean_dtype

@@ -20,7 +20,7 @@ Every cross-worker collective of a :class:`Communicator` is non-blocking (``Iall
   ``CUDIST_CHECK_COLLECTIVES=0`` turns the check off.
 
 Collectives another library carries (NCCL for GPU buffers, see
-:class:`cudist._collectives.nccl.WorkerCommunicator`) go through :meth:`Communicator.collective`,
+:class:`cudist._dataplane.transports.nccl.WorkerCommunicator`) go through :meth:`Communicator.collective`,
 which numbers, checks and waits for them the same way.
 
 Who arrived is learnt from small notices: a worker that has waited a little while (a fraction of a
