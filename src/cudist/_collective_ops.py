@@ -33,8 +33,10 @@ import numpy as np
 
 from cudist._arrays import array_module, contiguous, device_context, gpu_of, is_device_array, like, to_host
 from cudist._dataplane import packing, pool
+from cudist._dataplane import reduce as reductions
 from cudist._dataplane.transports.mpi import describe
 from cudist._dataplane.placement import on_destinations, resolve_destinations
+from cudist import _cross_device_ops as cross_device_ops_lib
 from cudist._cross_device_ops import CrossDeviceOps
 from cudist._kernels import backend_for, cpu_backend
 from cudist._reduce_util import ReduceOp, int_mean_dtype
@@ -90,7 +92,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         # batch_reduce_to (and so through MPI) instead. One worker: exactly the local ops.
         if self._workers > 1:
             return None
-        return self._local._fused_sum_backend(arrays)
+        return cross_device_ops_lib.fused_sum_backend(self._local, arrays)
 
     # ------------------------------------------------------------------ the global sum
     def _global_sums(self, where, kind, per_replica_leaves):
@@ -111,7 +113,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             packing.check_reducible(where, a.dtype)
             if any(is_device_array(x) for x in arrs):
                 # GPU leaves: summed on the GPUs first, then one copy to the host for MPI.
-                local = packing.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
+                local = reductions.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
                 arrs = [to_host(local)]
             host[j] = arrs
         by_dtype: dict = {}
@@ -242,7 +244,7 @@ class CollectiveAllReduce(CrossDeviceOps):
     # ------------------------------------------------------------------ CrossDeviceOps
     def _all_reduce_leaves(self, op, per_replica_leaves, paths=None):
         if self._workers == 1:
-            return self._local._all_reduce_leaves(op, per_replica_leaves, paths)
+            return cross_device_ops_lib.all_reduce(self._local, op, per_replica_leaves, paths)
         if len(per_replica_leaves) > 1:
             packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
         results = self._global_results("all_reduce", _KINDS[op], op, per_replica_leaves)
@@ -258,6 +260,11 @@ class CollectiveAllReduce(CrossDeviceOps):
                     mine.append(res if r == 0 else res.copy())
             outs.append(mine)
         return outs
+
+    def _all_reduce_arrays(self, op, arrays):
+        if self._workers == 1:
+            return cross_device_ops_lib.all_reduce_arrays(self._local, op, arrays)
+        return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         if self._workers == 1:
