@@ -54,6 +54,7 @@ ANNOTATED_MODULES = [
     "cudist._dataplane.packing",
     "cudist._dataplane.placement",
     "cudist._dataplane.pool",
+    "cudist._dataplane.reduce",
     "cudist._dataplane.transports",
     "cudist._dataplane.transports.mpi",
     "cudist._dataplane.transports.nccl",

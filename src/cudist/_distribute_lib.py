@@ -52,6 +52,7 @@ from cudist._values import (
     select_replica,
     select_replicas,
     select_replicas_exact,
+    stays_in_replica,
 )
 
 if TYPE_CHECKING:
@@ -240,7 +241,7 @@ def _check_component_counts(where: str, tree: Any, n: int) -> None:
         return  # run()'s common args: arrays, per-replica values, lists and tuples of them
     leaves = (tree,) if isinstance(tree, DistributedValues) else optree.tree_leaves(tree, is_leaf=_is_dv)
     for x in leaves:
-        if isinstance(x, DistributedValues) and not x._keep_in_replica and len(x.values) != n:
+        if isinstance(x, DistributedValues) and len(x.values) != n and not stays_in_replica(x):
             raise ValueError(
                 f"{where} got a {type(x).__name__} with {len(x.values)} component(s), but the strategy has {n} "
                 f"replicas (on this worker); build per-replica values with "
@@ -256,7 +257,7 @@ def _counts_match(items: list[Any] | tuple[Any, ...], n: int) -> bool:
         if t is np.ndarray:
             continue
         if isinstance(x, DistributedValues):
-            if not x._keep_in_replica and len(x.values) != n:
+            if len(x.values) != n and not stays_in_replica(x):
                 return False
         elif t is list or t is tuple:
             if not _counts_match(x, n):

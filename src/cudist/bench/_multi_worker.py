@@ -237,7 +237,7 @@ def _run_step(args) -> int:
 
     comm = MPI.COMM_WORLD
     strategy = cudist.MultiWorkerMirroredStrategy()
-    rank, W = strategy.extended._worker_index, strategy.extended._num_workers
+    rank, W = comm.Get_rank(), comm.Get_size()  # started by mpiexec without TF_CONFIG: worker i is rank i
     params, x, y = _problem(args.batch)
     with strategy.scope():
         variables = [cudist.Variable(p) for p in params]

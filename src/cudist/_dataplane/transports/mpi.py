@@ -222,7 +222,8 @@ def abort(code: int, message: str) -> NoReturn:
         if MPI is not None:
             MPI.COMM_WORLD.Abort(code)
         # MPICH's MPI_Abort can return once it has told mpiexec (seen here): this process must not
-        # go on to run more Python, nor block in MPI_Finalize.
+        # go on to run more Python, nor block in MPI_Finalize. (os._exit is the standard library's
+        # documented exit without cleanup, not another module's private attribute.)
         os._exit(code or 1)
 
 
