@@ -98,11 +98,20 @@ def all_reduce_arrays(
     """:func:`all_reduce` of one array per replica: ``out[r]`` (same results, same errors).
 
     Host arrays of one kernel dtype and shape take a short path (one reduce-to-one pass into a pooled
-    result, each replica a view); anything else goes through :func:`all_reduce`.
+    result, each replica a view; the native backend checks them in the same call); anything else,
+    and any mismatch (which it reports), goes through :func:`all_reduce`.
     """
-    out = _one_leaf_host_all_reduce(op, arrays)
-    if out is not None:
-        return out
+    a0 = arrays[0]
+    if type(a0) is np.ndarray and len(arrays) > 1:
+        b = cpu_backend()
+        shared = b.trusted.reduce_to_one_shared
+        if shared is not None:  # the native backend checks, takes its output from the pool, reduces, makes the views
+            out: list[Array] | None = shared(arrays, op, pool.take)
+            if out is not None:
+                return out
+        shape, dtype = a0.shape, a0.dtype
+        if dtype in b.dtypes and all(type(a) is np.ndarray and a.shape == shape and a.dtype == dtype for a in arrays):
+            return _reduce_one_leaf(b.trusted, op, arrays)
     return [o[0] for o in all_reduce(op, [[a] for a in arrays], num_packs=num_packs, reducer_for=reducer_for)]
 
 
@@ -231,28 +240,6 @@ def _replica_views(v: Any, n: int) -> list[Any]:
     if type(v) is not np.ndarray:
         return [v.copy() for _ in range(n)]
     return [v] + [v.view() for _ in range(n - 1)]
-
-
-def _one_leaf_host_all_reduce(op: ReduceOp, arrays: Sequence[Any]) -> list[Array] | None:
-    """:func:`all_reduce_arrays`' short path: ``out[r]``, read-only results as :func:`all_reduce`
-    makes them; None when :func:`all_reduce` must take the call (fewer than 2 replicas, a non-host
-    array, a dtype outside the kernels, or shapes or dtypes that differ, which it reports)."""
-    a0 = arrays[0]
-    if type(a0) is not np.ndarray or len(arrays) < 2:
-        return None
-    b = cpu_backend()
-    shared = b.trusted.reduce_to_one_shared
-    if shared is not None:  # the native backend checks, takes its output from the pool, reduces, makes the views
-        out = shared(arrays, op, pool.take)
-        if out is not None:
-            return out  # type: ignore[no-any-return]
-    shape, dtype = a0.shape, a0.dtype
-    for a in arrays:
-        if type(a) is not np.ndarray or a.shape != shape or a.dtype != dtype:
-            return None
-    if dtype not in b.dtypes:
-        return None
-    return _reduce_one_leaf(b.trusted, op, arrays)
 
 
 def _reduce_one_leaf(trusted: Any, op: ReduceOp, arrays: Sequence[Any]) -> list[Any]:
