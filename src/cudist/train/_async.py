@@ -1,0 +1,177 @@
+"""Asynchronous checkpoint writes: ``cudist.train.CheckpointOptions(enable_async=True)`` (TF's name).
+
+An asynchronous save captures the state in the caller's thread and writes it in a background one:
+
+* capture: every variable's value is taken as a copy-on-write snapshot (``read_value()``): on the
+  host a read-only view sharing the variable's memory, which the next write of the variable moves
+  to fresh memory while the snapshot is held, so the snapshot keeps the saved value without a copy
+  at save time; on a GPU a device copy. Small things (the index records, ``save_counter``, an
+  iterator's position, a sync-on-read variable's aggregate, which is a collective) are taken in
+  full in the caller's thread;
+* write: :func:`cudist.train._format.write_checkpoint` in a background thread, the same atomic
+  write as a synchronous save (tensors fsynced and renamed, then the index, the commit point): a
+  crash or SIGKILL during it leaves the previous checkpoints intact;
+* one write at a time per :class:`~cudist.train.Checkpoint`: a save waits for the previous one
+  first, and raises its error, if it had one (as does ``sync()``, which waits for it);
+* the thread is not a daemon: an interpreter that exits normally finishes the pending write first.
+
+The cost the training loop still pays: the capture, and the copy a variable written during the
+background write makes of itself (the copy-on-write), once per variable per save.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+__all__ = ["AsyncWriter", "CheckpointOptions", "run_write_callbacks"]
+
+_log = logging.getLogger("cudist")
+
+
+class CheckpointOptions:
+    """Options for ``Checkpoint.save``/``write`` and ``CheckpointManager.save`` (``tf.train.CheckpointOptions``).
+
+    Args:
+        experimental_io_device: accepted for TF compatibility; cudist reads and writes from the host
+            (there is no device to route the I/O through), so it is ignored.
+        experimental_enable_async_checkpoint: the older name of ``enable_async`` (either turns it on).
+        experimental_write_callbacks: callables called after each checkpoint is committed, in order,
+            with the checkpoint's path prefix if they take an argument (as TF). With ``enable_async``
+            they run in the background thread.
+        enable_async: write in a background thread: the save returns once the state is captured
+            (copy-on-write snapshots of the variables). ``Checkpoint.sync()`` /
+            ``CheckpointManager.sync()`` wait for the write; the next save waits for it too; an
+            error in it is raised by the next save or ``sync()``.
+        experimental_skip_slot_variables: save without the optimizers' slot variables.
+        experimental_sharding_callback: accepted for TF compatibility; must be None (cudist writes
+            one tensors file per checkpoint).
+
+    Raises:
+        ValueError: ``experimental_sharding_callback`` given.
+    """
+
+    def __init__(
+        self,
+        experimental_io_device: str | None = None,
+        experimental_enable_async_checkpoint: bool = False,
+        experimental_write_callbacks: Sequence[Callable[..., Any]] | None = None,
+        enable_async: bool = False,
+        experimental_skip_slot_variables: bool = False,
+        experimental_sharding_callback: object = None,
+    ) -> None:
+        if experimental_sharding_callback is not None:
+            raise ValueError(
+                "experimental_sharding_callback is not supported: cudist writes one tensors file per checkpoint"
+            )
+        self.experimental_io_device = experimental_io_device
+        self.experimental_enable_async_checkpoint = bool(experimental_enable_async_checkpoint)
+        self.enable_async = bool(enable_async or experimental_enable_async_checkpoint)
+        callbacks = list(experimental_write_callbacks or ())
+        for cb in callbacks:
+            if not callable(cb):
+                raise TypeError(f"experimental_write_callbacks must hold callables, got {cb!r}")
+        self.experimental_write_callbacks = callbacks
+        self.experimental_skip_slot_variables = bool(experimental_skip_slot_variables)
+        self.experimental_sharding_callback = None
+
+    def __repr__(self) -> str:
+        return (
+            f"CheckpointOptions(enable_async={self.enable_async}, "
+            f"experimental_skip_slot_variables={self.experimental_skip_slot_variables}, "
+            f"experimental_write_callbacks={self.experimental_write_callbacks!r})"
+        )
+
+
+def check_options(options: object) -> CheckpointOptions | None:
+    """``options`` as a :class:`CheckpointOptions` (None stays None).
+
+    Raises:
+        TypeError: ``options`` is neither None nor a :class:`CheckpointOptions`.
+    """
+    if options is None or isinstance(options, CheckpointOptions):
+        return options
+    raise TypeError(f"options must be a cudist.train.CheckpointOptions or None, got {type(options).__name__}")
+
+
+def run_write_callbacks(options: CheckpointOptions | None, path: str) -> None:
+    """Calls ``options.experimental_write_callbacks`` (TF: with the path if the callback takes an argument)."""
+    if options is None:
+        return
+    for cb in options.experimental_write_callbacks:
+        try:
+            takes_path = bool(inspect.signature(cb).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature: give it the path
+            takes_path = True
+        if takes_path:
+            cb(path)
+        else:
+            cb()
+
+
+#: Every writer with a thread started: at exit, a write that failed unobserved is logged.
+_WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
+
+
+class AsyncWriter:
+    """Runs one checkpoint's background writes, one at a time."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def pending(self) -> bool:
+        """Whether a write is still running."""
+        t = self._thread
+        return t is not None and t.is_alive()
+
+    def submit(self, job: Callable[[], None], what: str) -> None:
+        """Waits for the previous write (raising its error), then starts ``job`` in a background thread.
+
+        Args:
+            job: the write (and what follows its commit: state files, callbacks).
+            what: names the write in the thread's name and in the exit log.
+        """
+        self.sync()
+        thread = threading.Thread(target=self._run, args=(job,), name=f"cudist-checkpoint-write {what}", daemon=False)
+        with self._lock:
+            self._thread = thread
+        _WRITERS.add(self)
+        thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # kept for the next save or sync() to raise in the caller's thread
+            with self._lock:
+                self._error = e
+
+    def sync(self) -> None:
+        """Waits for the pending write; raises its error if it failed (once)."""
+        with self._lock:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            if thread is not None and self._thread is thread:
+                self._thread = None
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+
+@atexit.register
+def _report_unobserved_errors() -> None:
+    # Non-daemon writer threads have been joined by the time atexit runs (threading's shutdown comes
+    # first): a write that failed after the program's last sync() is reported rather than lost.
+    for writer in list(_WRITERS):
+        error = writer._error
+        if error is not None:
+            _log.error("an asynchronous checkpoint write failed: %r", error)
