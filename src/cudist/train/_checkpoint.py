@@ -59,7 +59,6 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist import _distribute_lib
-from cudist._arrays import to_host
 from cudist._input_lib import DistributedIterator
 from cudist._values import DistributedValues
 from cudist._variables import (
@@ -207,18 +206,22 @@ def _shape_dtype(var: Variable) -> tuple[tuple[int, ...], np.dtype[Any]]:
     return tuple(int(d) for d in arr.shape), np.dtype(arr.dtype)
 
 
-def _reader(var: Variable, capture: bool) -> Callable[[], Any]:
-    """What a spec's ``get`` is: the variable's host read, or (``capture``, for an asynchronous save) a
-    copy-on-write snapshot taken now (:mod:`cudist.train._async`), moved to the host when written."""
-    if not capture:
+#: Captures a tensor now for a write in another thread: (key, value) -> the spec's ``get``.
+_Stage = Callable[[str, Any], Callable[[], Any]]
+
+
+def _reader(key: str, var: Variable, stage: _Stage | None) -> Callable[[], Any]:
+    """What a spec's ``get`` is: the variable's host read, or (``stage``, for an asynchronous save)
+    its value captured now (:mod:`cudist.train._async`)."""
+    if stage is None:
         return var._read_host
-    return functools.partial(to_host, var.read_value())
+    return stage(key, var.read_value())
 
 
-def _save_entries(path: str, var: Variable, record: dict[str, Any], capture: bool = False) -> list[_format.TensorSpec]:
+def _save_entries(path: str, var: Variable, record: dict[str, Any], stage: _Stage | None = None) -> list[_format.TensorSpec]:
     """The tensor specs (key, dtype, shape, get) of a variable, filling its index ``record``.
 
-    With ``capture`` the values are taken now (snapshots), for a write in another thread."""
+    With ``stage`` the values are captured now, for a write in another thread."""
     shape, dtype = _shape_dtype(var)
     record.update(
         tensor=path,
@@ -238,8 +241,8 @@ def _save_entries(path: str, var: Variable, record: dict[str, Any], capture: boo
                 "cross-replica value to save (TF raises too); give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"
             )
         aggregate: Callable[[], Any] = var._read_host  # the aggregate: a cross-replica read (a collective)
-        if capture:  # taken now, in full: it may be a component's storage (ONLY_FIRST_REPLICA)
-            aggregate = functools.partial(np.array, to_host(aggregate()), copy=True)
+        if stage is not None:  # taken now (it may be a component's storage: ONLY_FIRST_REPLICA)
+            aggregate = stage(path, aggregate())
         specs = [(path, dtype, shape, aggregate)]
         total, local = _replica_counts(var)
         if local == total:  # every replica's component is here (not so for one worker of several)
@@ -247,12 +250,12 @@ def _save_entries(path: str, var: Variable, record: dict[str, Any], capture: boo
             for i, c in enumerate(var.values):
                 key = f"{path}/{_PER_REPLICA}/{i}"
                 keys.append(key)
-                specs.append((key, dtype, shape, _reader(c, capture)))
+                specs.append((key, dtype, shape, _reader(key, c, stage)))
             record["per_replica"] = keys
         return specs
     if isinstance(var, DistributedValues):  # MirroredVariable: one value, component 0's
-        return [(path, dtype, shape, _reader(var.values[0], capture))]
-    return [(path, dtype, shape, _reader(var, capture))]  # plain, AggregatingVariable: the storage
+        return [(path, dtype, shape, _reader(path, var.values[0], stage))]
+    return [(path, dtype, shape, _reader(path, var, stage))]  # plain, AggregatingVariable: the storage
 
 
 def _replica_counts(var: Variable) -> tuple[int, int]:
@@ -640,23 +643,26 @@ class Checkpoint:
 
         With ``options.enable_async`` the state is captured now and the rest runs in the background
         (:mod:`cudist.train._async`); the caller must have waited for the previous write."""
-        capture = options is not None and options.enable_async
         skip_slots = options is not None and options.experimental_skip_slot_variables
         graph = _Graph(self)
         if skip_slots:
             graph.leaves = {p: leaf for p, leaf in graph.leaves.items() if leaf[0] != "slot"}
             graph.slots = {}
+        writes = self._should_write(graph)
+        # A worker that writes nothing reads in the foreground (its collectives) and stages nothing.
+        capture = writes and options is not None and options.enable_async
+        stage = self._writer.stage if capture else None
         objects: dict[str, dict[str, Any]] = {}
         specs: list[_format.TensorSpec] = []
         for path, (kind, obj) in graph.leaves.items():
             record: dict[str, Any]
             if kind == "variable":
                 record = {"kind": "variable"}
-                specs += _save_entries(path, obj, record, capture)
+                specs += _save_entries(path, obj, record, stage)
             elif kind == "slot":
                 opt_path, var_path, slot_name = graph.slots[path]
                 record = {"kind": "slot", "optimizer": opt_path, "variable": var_path, "slot": slot_name}
-                specs += _save_entries(path, obj, record, capture)
+                specs += _save_entries(path, obj, record, stage)
             elif kind == "optimizer":
                 state = graph.optimizers[path]
                 slots: dict[str, dict[str, str]] = {}
@@ -678,7 +684,7 @@ class Checkpoint:
             raise ValueError(f"a checkpoint prefix must name a file, got {prefix!r}")
         # A non-chief worker too: TF's multi-worker tutorial saves there and then removes the directory.
         os.makedirs(directory, exist_ok=True)
-        if not self._should_write(graph):
+        if not writes:
             for *_, get in specs:  # still take part in the collectives a read may be (sync-on-read aggregates)
                 get()
             return False
@@ -693,6 +699,7 @@ class Checkpoint:
             _async.run_write_callbacks(options, prefix)
 
         if capture:
+            self._writer.release_unstaged()
             self._writer.submit(write, os.path.basename(prefix))
         else:
             write()
