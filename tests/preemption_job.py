@@ -7,7 +7,8 @@ is saved every 5 runs through a CheckpointManager. MODE:
 
 * ``none``: the uninterrupted reference;
 * ``sigterm``: in the first attempt (CUDIST_RESTART_COUNT=0), the last worker sends itself SIGTERM
-  after run 17: every worker saves at the next run and exits with code 42; the restart resumes at 17;
+  after run 17: the workers agree on it during run 18 and every worker saves at the call after it
+  and exits with code 42; the restart resumes at 18;
 * ``sigkill``: the same with SIGKILL: the job dies, the restart resumes from the save at run 15;
 * ``async``: ``sigkill``, with the periodic saves asynchronous (CheckpointOptions(enable_async=True)).
 

@@ -2,8 +2,9 @@
 input positions.
 
 The jobs run ``tests/preemption_job.py`` (40 SGD-momentum steps through ``PreemptionCheckpointHandler.run``,
-saved every 5) under ``python -m cudist.launch`` with a timeout each; a job that is interrupted at step 17
-(SIGTERM: every worker saves at the next step and exits 42; SIGKILL: the job dies) and restarted once
+saved every 5) under ``python -m cudist.launch`` with a timeout each; a job that is interrupted after step 17
+(SIGTERM: the notice is agreed on during step 18, every worker saves at the call after it and exits 42;
+SIGKILL: the job dies) and restarted once
 must end with the same bits as the uninterrupted one.
 """
 
@@ -118,7 +119,7 @@ def reference(tmp_path_factory):
 @needs_mpi
 @pytest.mark.multi_worker
 @pytest.mark.parametrize("n", [2, 1], ids=["2-workers", "1-process"])
-@pytest.mark.parametrize("mode,start", [("sigterm", 17), ("sigkill", 15), ("async", None)])
+@pytest.mark.parametrize("mode,start", [("sigterm", 18), ("sigkill", 15), ("async", None)])
 def test_an_interrupted_job_restarts_and_ends_with_the_same_bits(n, mode, start, reference, tmp_path, no_shm_left):
     if n == 1 and mode == "async":
         pytest.skip("the 2-worker run covers asynchronous periodic saves")
@@ -258,9 +259,10 @@ def test_sigterm_saves_at_the_next_run_and_exits_and_a_new_handler_resumes(tmp_p
     assert handler.run(step, 1) == 10
     os.kill(os.getpid(), signal.SIGTERM)  # handled: only a flag
     time.sleep(0.05)
+    assert handler.run(step, 2) == 20  # the notice is sent on at this call (as TF: saved one call later)
     with pytest.raises(_Exited):
-        handler.run(step, 2)
-    assert log == [0, 1, "exit"]  # the step after the notice did not run: saved, then exit_fn
+        handler.run(step, 3)
+    assert log == [0, 1, 2, "exit"]  # the step of the call that saves does not run: saved, then exit_fn
     saved = w.numpy()
     path = train.latest_checkpoint(str(tmp_path))
     assert path is not None
@@ -268,9 +270,9 @@ def test_sigterm_saves_at_the_next_run_and_exits_and_a_new_handler_resumes(tmp_p
     w2, opt2 = _model(strategy)
     handler2 = PreemptionCheckpointHandler(None, train.Checkpoint(w=w2, optimizer=opt2), checkpoint_dir=str(tmp_path),
                                            termination_config=TerminationConfig(exit_fn=_exit_fn(log)))
-    assert handler2.total_run_calls == 2
+    assert handler2.total_run_calls == 3
     np.testing.assert_array_equal(w2.numpy(), saved)
-    assert int(opt2.iterations.numpy()) == 2
+    assert int(opt2.iterations.numpy()) == 3
     # Momentum continues: the next step from the restored state equals the next step of the original.
     strategy.run(lambda: opt.apply_gradients([(np.full(4, 1.0, np.float32), w)]))
     handler2.run(lambda: strategy.run(lambda: opt2.apply_gradients([(np.full(4, 1.0, np.float32), w2)])))
@@ -282,6 +284,7 @@ def test_the_default_exit_is_the_restart_code(tmp_path, sigterm_restored):
     handler = PreemptionCheckpointHandler(None, train.Checkpoint(w=w), checkpoint_dir=str(tmp_path))
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
+    handler.run(lambda: None)
     with pytest.raises(SystemExit) as e:
         handler.run(lambda: None)
     assert e.value.code == RESTART_EXIT_CODE == 42
@@ -334,6 +337,8 @@ def test_save_fn_and_save_checkpoint_if_preempted(tmp_path, sigterm_restored):
     assert handler.total_run_calls == 1 and calls == []
     os.kill(os.getpid(), signal.SIGTERM)
     time.sleep(0.05)
+    handler.save_checkpoint_if_preempted()
+    assert handler.total_run_calls == 2 and calls == []
     with pytest.raises(_Exited):
         handler.save_checkpoint_if_preempted(7, check_interval=False)
     assert calls == [((7,), {"check_interval": False})]

@@ -2,10 +2,14 @@
 
 How a preemption is handled. A SIGTERM (or a ``termination_watcher_fn`` that returns True) only
 sets a flag. At the start of every :meth:`PreemptionCheckpointHandler.run` (and in
-:meth:`~PreemptionCheckpointHandler.save_checkpoint_if_preempted`) the workers of a multi-worker job
-agree on the flags with one small all-reduce (MAX of one int64, over the job's MPI communicator), so
-every worker sees the preemption at the same call, whichever worker was signalled. Then every
-worker saves (the chief writes; the others take part in the save's collectives, the
+:meth:`~PreemptionCheckpointHandler.save_checkpoint_if_preempted`) each worker starts a
+non-blocking all-reduce (MAX of one int64, on a communicator of the handler's own) of its flag, and
+completes the one it started at the previous call, which has had a whole step to finish: every
+worker gets the same answer at the same call, whichever worker was signalled, for the cost of
+starting and completing a small request (its round trip at most, where the step makes no MPI
+calls that move it along). The notice thus acts one call after it is seen, as in TF (whose
+workers agree through its coordination service): a notice seen at call k saves at call k+1.
+Then every worker saves (the chief writes; the others take part in the save's collectives, the
 multi-worker checkpoint rule of :class:`cudist.train.Checkpoint`), waits for a pending asynchronous
 write, meets the others at a barrier (so no worker's exit ends the job before the chief's write is
 committed), and calls ``exit_fn`` (by default ``sys.exit(42)``, TF's default outside Google Cloud),
@@ -13,9 +17,7 @@ which ``python -m cudist.launch --max-restarts N`` restarts. On restart the hand
 latest checkpoint and :attr:`~PreemptionCheckpointHandler.total_run_calls` continues from the saved
 count.
 
-Where cudist differs from TF, deliberately: TF's workers agree through its coordination service,
-asynchronously, and save one step after the signal; cudist's all-reduce at each call agrees at the
-next call, and saves there. TF updates the saved run count only when it saves on a preemption;
+Where cudist differs from TF, deliberately: TF updates the saved run count only when it saves on a preemption;
 cudist keeps the ``checkpointed_runs`` variable current after every call, so a periodic save of
 the same checkpoint (for a worker that is killed without notice, SIGKILL) resumes at the right
 count too. Non-chief workers write nothing (cudist's rule), so no ``workertemp_<id>`` directories.
@@ -23,6 +25,7 @@ count too. Non-chief workers write nothing (cudist's rule), so no ``workertemp_<
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -177,6 +180,17 @@ class PreemptionCheckpointHandler:
 
         self._comm = mpi.job()  # None in a single-process job: the agreement is local
         self._local_mode = self._comm is None
+        self._previous = _NONE  # the state this worker sent at the previous call (local mode: the answer)
+        self._request: Any = None  # (request, receive buffer, send buffer) of the previous call's all-reduce
+        self._agree_comm: Any = None
+        self._mpi_max: Any = None
+        if self._comm is not None:
+            MPI, _ = mpi.load()
+            self._mpi_max = MPI.MAX
+            # A communicator of its own (a collective: every worker creates the handler at the same
+            # point), so the pending request never interleaves with the strategy's collectives.
+            self._agree_comm = self._comm.comm.Dup()
+            atexit.register(self._complete_request)  # before MPI finalizes (atexit runs last-in first)
         self._received_own_sigterm = threading.Event()
         self._received_own_sigterm_time = 0.0
         self._saved_for_notice = False  # with a grace period: the first (early) save is done
@@ -221,10 +235,26 @@ class PreemptionCheckpointHandler:
         return _EXIT if time.time() >= deadline else _NOTICED
 
     def _agree(self) -> int:
+        """The job's state as of the previous call (the same on every worker), and this call's sent on."""
         state = self._local_state()
-        if self._comm is None:
-            return state
-        return self._comm.allreduce_value(state, "max", kind="preemption check")
+        if self._agree_comm is None:
+            agreed, self._previous = self._previous, state
+            return agreed
+        agreed = self._complete_request()
+        if agreed != _EXIT:  # training goes on: this call's flags travel during the step
+            send = np.array([state], np.int64)
+            recv = np.zeros(1, np.int64)
+            self._request = (self._agree_comm.Iallreduce(send, recv, self._mpi_max), recv, send)
+        return agreed
+
+    def _complete_request(self) -> int:
+        """Completes the all-reduce of the previous call; its MAX (``_NONE`` if there was none)."""
+        pending, self._request = self._request, None
+        if pending is None:
+            return _NONE
+        request, recv, _ = pending
+        request.Wait()
+        return int(recv[0])
 
     # -- the API
     @property
