@@ -10,7 +10,8 @@ is saved every 5 runs through a CheckpointManager. MODE:
   after run 17: the workers agree on it during run 18 and every worker saves at the call after it
   and exits with code 42; the restart resumes at 18;
 * ``sigkill``: the same with SIGKILL: the job dies, the restart resumes from the save at run 15;
-* ``async``: ``sigkill``, with the periodic saves asynchronous (CheckpointOptions(enable_async=True)).
+* ``async``: ``sigkill``, with the periodic saves asynchronous (CheckpointOptions(enable_async=True));
+* ``slow``: uninterrupted, 0.1 s a step (for a test to signal the launcher meanwhile).
 
 Each worker prints ``RESULT <rank> <json>``: where it started, which attempt, and its final weights'
 bytes (hex), for the test to compare bit for bit.
@@ -22,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 
@@ -66,13 +68,15 @@ def main(mode: str, directory: str) -> None:
             opt.apply_gradients([(grad.astype(np.float32), w)])
 
         strategy.run(fn, args=(next(it),))
+        if mode == "slow":
+            time.sleep(0.1)
 
     for _ in range(start, STEPS):
         handler.run(train_step, iterator)
         runs = handler.total_run_calls
         if runs % EVERY == 0:
             manager.save(options=options)
-        if restart == 0 and runs == AT and rank == workers - 1 and mode != "none":
+        if restart == 0 and runs == AT and rank == workers - 1 and mode in ("sigterm", "sigkill", "async"):
             if mode == "sigterm":
                 os.kill(os.getpid(), signal.SIGTERM)  # handled: the job saves and exits at the next run
             else:

@@ -144,6 +144,36 @@ def test_an_interrupted_job_restarts_and_ends_with_the_same_bits(n, mode, start,
 
 @needs_mpi
 @pytest.mark.multi_worker
+def test_sigterm_to_the_launcher_saves_the_job_and_a_new_launch_resumes_it(reference, tmp_path, no_shm_left):
+    """A scheduler preempting the whole job signals the launcher: it passes SIGTERM to the workers,
+    whose handler saves at the same step within the launcher's grace period; the launcher exits
+    143 without restarting, and a new launch resumes from that save to the reference's bits."""
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", "--max-restarts", "2", JOB, "slow", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=HERE)
+    try:
+        deadline = time.monotonic() + 60
+        while train.latest_checkpoint(str(tmp_path)) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # the first periodic save (run 5): training is under way
+        assert train.latest_checkpoint(str(tmp_path)) is not None
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "received SIGTERM" in err and "restarting" not in err
+    assert f"worker 1 of 2 exited with code {RESTART_EXIT_CODE}" in err or f"worker 0 of 2 exited with code {RESTART_EXIT_CODE}" in err
+    saved = int(_values(train.latest_checkpoint(str(tmp_path)))["checkpointed_runs"])
+    assert 5 <= saved < 40
+    again = _launch(2, "none", str(tmp_path), flags=())
+    assert again.returncode == 0, again.stderr[-3000:]
+    for r in _results(again, 2).values():
+        assert r["start"] == saved and r["w"] == reference["w"]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
 def test_without_max_restarts_a_preempted_job_ends_with_the_restart_code(tmp_path, no_shm_left):
     proc = _launch(2, "sigterm", str(tmp_path), flags=())
     assert proc.returncode == RESTART_EXIT_CODE, proc.stderr[-3000:]
