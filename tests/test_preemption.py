@@ -642,3 +642,32 @@ def test_iterators_that_cannot_be_checkpointed_are_a_clear_error(what):
     # TF 2.21 raises the same for both: "`Checkpoint` was expecting it to be a trackable object".
     with pytest.raises(ValueError, match="`Checkpoint` was expecting it to be a trackable object"):
         train.Checkpoint(it=it)
+
+
+@pytest.mark.gpu
+def test_an_async_save_of_gpu_variables_keeps_the_values_of_the_call(tmp_path, monkeypatch):
+    """On GPUs the capture is a device copy, moved to the host by the background thread."""
+    from conftest import gpu0_split
+
+    with gpu0_split(2, memory_limit=1024):
+        strategy = cudist.MirroredStrategy(["/gpu:0", "/gpu:1"])
+        with strategy.scope():
+            w = cudist.Variable(np.arange(12, dtype=np.float32).reshape(3, 4), name="w")
+            opt = cudist.optimizers.SGD(0.1, momentum=0.9)
+
+        def step():
+            strategy.run(lambda: opt.apply_gradients([(np.ones((3, 4), np.float32), w)]))
+
+        step()
+        want = w.numpy()
+        gate = threading.Event()
+        monkeypatch.setattr(_format, "before_commit", lambda prefix: gate.wait(10))
+        ckpt = train.Checkpoint(w=w, optimizer=opt)
+        path = ckpt.save(str(tmp_path / "c"), options=ASYNC)
+        step()
+        step()
+        gate.set()
+        ckpt.sync()
+        saved = _values(path)
+        np.testing.assert_array_equal(saved["w"], want)
+        assert not np.array_equal(w.numpy(), want)

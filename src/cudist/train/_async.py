@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from cudist._arrays import to_host
+from cudist._arrays import array_module, device_context, is_device_array, to_host
 from cudist._kernels import SUPPORTED_DTYPES, backend_for
 
 __all__ = ["AsyncWriter", "CheckpointOptions", "run_write_callbacks"]
@@ -132,6 +132,12 @@ def _identity(x: Any) -> Any:
     return x
 
 
+def _device_to_host(value: Any, event: Any) -> np.ndarray:
+    event.synchronize()
+    with device_context(value):
+        return to_host(value)
+
+
 #: Every writer with a thread started: at exit, a write that failed unobserved is logged.
 _WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 
@@ -156,7 +162,15 @@ class AsyncWriter:
             a copy of its own) its move to the host.
         """
         if type(value) is not np.ndarray:
-            return functools.partial(to_host, value)
+            if not is_device_array(value):
+                return functools.partial(to_host, value)
+            # The device copy was queued on this thread's stream: the writer thread (whose current
+            # stream is another) waits for this event before it reads the copy.
+            cupy = array_module(value)
+            with device_context(value):
+                event = cupy.cuda.Event(disable_timing=True)
+                event.record(cupy.cuda.get_current_stream())
+            return functools.partial(_device_to_host, value, event)
         buf = self._staging.get(key)
         if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
             buf = np.empty(value.shape, value.dtype)
