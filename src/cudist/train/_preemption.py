@@ -161,9 +161,9 @@ class PreemptionCheckpointHandler:
             self._manager = CheckpointManager(checkpoint_or_checkpoint_manager, self._checkpoint_dir, max_to_keep=1)
             self._api_made_checkpoint_manager = True
         checkpoint = self._manager.checkpoint
-        self._checkpointed_runs = getattr(checkpoint, _ITERATION_VARIABLE, None)
-        if self._checkpointed_runs is None:
-            self._checkpointed_runs = create_plain_variable(
+        existing = getattr(checkpoint, _ITERATION_VARIABLE, None)
+        if existing is None:
+            existing = create_plain_variable(
                 None,
                 initial_value=np.int64(0),
                 trainable=False,
@@ -174,7 +174,8 @@ class PreemptionCheckpointHandler:
                 shape=None,
                 device="/cpu:0",
             )
-            setattr(checkpoint, _ITERATION_VARIABLE, self._checkpointed_runs)
+            setattr(checkpoint, _ITERATION_VARIABLE, existing)
+        self._checkpointed_runs: Any = existing
         self._manager.restore_or_initialize()
         self._run_counter = int(self._checkpointed_runs)
 
@@ -186,6 +187,7 @@ class PreemptionCheckpointHandler:
         self._mpi_max: Any = None
         if self._comm is not None:
             MPI, _ = mpi.load()
+            assert MPI is not None  # a job communicator exists only with mpi4py
             self._mpi_max = MPI.MAX
             # A communicator of its own (a collective: every worker creates the handler at the same
             # point), so the pending request never interleaves with the strategy's collectives.
