@@ -195,13 +195,19 @@ def test_restarts_are_bounded_and_each_failure_is_named(tmp_path, no_shm_left):
         print("attempt", os.environ["CUDIST_RESTART_COUNT"], flush=True)
         sys.exit(3)
     """))
-    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", "--max-restarts", "2", "--no-prefix", str(script)]
+    logs = tmp_path / "logs"
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", "--max-restarts", "2", "--no-prefix", "--log-dir", str(logs),
+           str(script)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 3
     assert sorted(set(re.findall(r"attempt (\d)", proc.stdout))) == ["0", "1", "2"]
     assert proc.stderr.count("cudist.launch: restarting the job") == 2
     assert "(2 of 2 restarts)" in proc.stderr
     assert proc.stderr.count("exited with code 3") >= 3  # each attempt's failure is named
+    for rank in (0, 1):  # each worker's log keeps every attempt, in order
+        text = (logs / f"worker-{rank}.log").read_text()
+        assert re.findall(r"attempt (\d)", text) == ["0", "1", "2"], text
+        assert text.count("--- cudist.launch: restart") == 2
 
 
 @needs_mpi

@@ -262,7 +262,12 @@ def _tag_output(rank: int, prefix: bool, log_dir: str | None) -> None:
     log = None
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
-        log = open(os.path.join(log_dir, f"worker-{rank}.log"), "w", buffering=1, encoding="utf-8")  # noqa: SIM115
+        # A restarted job (--max-restarts) appends, so the log keeps the failed attempts' output too.
+        restart = os.environ.get(_RESTART_COUNT, "0")  # set by the launcher for each attempt
+        mode = "w" if restart in ("", "0") else "a"
+        log = open(os.path.join(log_dir, f"worker-{rank}.log"), mode, buffering=1, encoding="utf-8")  # noqa: SIM115
+        if mode == "a":
+            log.write(f"--- cudist.launch: restart {restart} ---\n")
     tag = f"[{rank}] " if prefix else ""
     if tag or log is not None:
         sys.stdout = _RankLines(sys.stdout, tag, log)
