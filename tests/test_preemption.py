@@ -268,6 +268,22 @@ def test_a_checkpoint_needs_a_directory_and_other_objects_are_refused():
         PreemptionCheckpointHandler(None, {"w": w}, checkpoint_dir="/tmp/x")
 
 
+def test_outside_the_main_thread_a_watcher_is_required(tmp_path):
+    w, _ = _model()
+    errors = []
+
+    def make():
+        try:
+            PreemptionCheckpointHandler(None, train.Checkpoint(w=w), checkpoint_dir=str(tmp_path))
+        except ValueError as e:
+            errors.append(str(e))
+
+    t = threading.Thread(target=make)
+    t.start()
+    t.join(10)
+    assert len(errors) == 1 and "main thread" in errors[0]
+
+
 def test_a_parameter_server_cluster_is_refused(tmp_path):
     w, _ = _model()
     resolver = SimpleClusterResolver(ClusterSpec({"worker": ["a:1"], "ps": ["b:1"]}), task_type="worker", task_id=0)

@@ -144,6 +144,11 @@ class PreemptionCheckpointHandler:
                 "PreemptionCheckpointHandler does not support usage with a parameter-server cluster (a 'ps' job)."
             )
         config = termination_config or TerminationConfig()
+        if config.termination_watcher_fn is None and threading.current_thread() is not threading.main_thread():
+            raise ValueError(
+                "PreemptionCheckpointHandler watches for SIGTERM, and Python installs signal handlers only in the "
+                "main thread: create it there, or give TerminationConfig(termination_watcher_fn=...)"
+            )
         self._cluster_resolver = cluster_resolver
         self._termination_config = termination_config
         self._watcher_fn = config.termination_watcher_fn
