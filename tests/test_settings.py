@@ -78,7 +78,18 @@ def test_overridden_sets_and_restores(monkeypatch):
 def test_markdown_table_rows():
     table = _settings.markdown_table("internal").splitlines()
     assert table[0] == "| Variable | Default | What it does | Read when |"
-    assert [r.split("|")[1].strip() for r in table[2:]] == ["`CUDIST_LAUNCH_STATUS_DIR`"]
+    assert [r.split("|")[1].strip() for r in table[2:]] == ["`CUDIST_RESTART_COUNT`", "`CUDIST_LAUNCH_STATUS_DIR`"]
     assert sum(len(_settings.markdown_table(k).splitlines()) - 2 for k in _settings.SECTIONS) == len(_settings.TABLE)
     with pytest.raises(KeyError):
         _settings.markdown_table("nope")
+
+
+def test_restart_count(monkeypatch):
+    monkeypatch.delenv(_settings.RESTART_COUNT, raising=False)
+    assert _settings.restart_count() == 0
+    monkeypatch.setenv(_settings.RESTART_COUNT, "3")
+    assert _settings.restart_count() == 3
+    for bad in ("-1", "two"):
+        monkeypatch.setenv(_settings.RESTART_COUNT, bad)
+        with pytest.raises(ValueError, match="CUDIST_RESTART_COUNT"):
+            _settings.restart_count()

@@ -75,6 +75,7 @@ CUDA_LAUNCHERS = "CUDIST_CUDA_LAUNCHERS"
 CHECK_COLLECTIVES = "CUDIST_CHECK_COLLECTIVES"
 STALL_WARNING_SECONDS = "CUDIST_STALL_WARNING_SECONDS"
 LAUNCH_STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
+RESTART_COUNT = "CUDIST_RESTART_COUNT"
 BENCH_TF_PYTHON = "CUDIST_BENCH_TF_PYTHON"
 BENCH_TORCH_PYTHON = "CUDIST_BENCH_TORCH_PYTHON"
 
@@ -124,6 +125,13 @@ TABLE: tuple[Setting, ...] = (
         "Seconds a multi-worker collective waits before a `CollectiveStallWarning` names the workers that have "
         "not arrived. A value that is not a positive number is a `ValueError` naming the variable.",
         "When the strategy's MPI communicator is created",
+    ),
+    Setting(
+        RESTART_COUNT, "internal", "unset",
+        "Set by `python -m cudist.launch` for its workers: how many times the job has been restarted "
+        "(`--max-restarts`), `0` in the first attempt. For scripts that want to know; a worker's bootstrap reads "
+        "it to append to its `--log-dir` log after the first attempt.",
+        "When the launcher starts each attempt",
     ),
     Setting(
         LAUNCH_STATUS_DIR, "internal", "unset",
@@ -261,6 +269,24 @@ def stall_warning_seconds(default: float) -> float:
 def launch_status_dir() -> str | None:
     """``CUDIST_LAUNCH_STATUS_DIR`` (set by ``python -m cudist.launch`` for its workers), or None."""
     return _raw(LAUNCH_STATUS_DIR)
+
+
+def restart_count() -> int:
+    """``CUDIST_RESTART_COUNT`` (set by ``python -m cudist.launch --max-restarts``): the attempt, 0 when unset.
+
+    Raises:
+        ValueError: the variable is set to something that is not a non-negative integer.
+    """
+    value = _raw(RESTART_COUNT)
+    if value in (None, ""):
+        return 0
+    try:
+        count = int(value)
+    except ValueError:
+        count = -1
+    if count < 0:
+        raise ValueError(f"${RESTART_COUNT}={value!r} is not a non-negative integer")
+    return count
 
 
 def bench_tf_python() -> str | None:
