@@ -21,8 +21,10 @@ LAYERS = [
      "cudist.errors", "cudist.config", "cudist._arrays", "cudist._collective_util", "cudist._blas"],
     # 1: the kernel contract and its backends
     ["cudist._kernels"],
-    # 2: cross-device utilities, datasets, the replica engine, the GPU input feeder
-    ["cudist._collectives", "cudist.data", "cudist._replica_engine", "cudist._gpu_feeder", "cudist.cluster_resolver"],
+    # 2: the data plane (variable storage, the fused update pass, reductions, transports), datasets,
+    #    the replica engine, the GPU input feeder
+    ["cudist._dataplane", "cudist._collectives", "cudist.data", "cudist._replica_engine", "cudist._gpu_feeder",
+     "cudist.cluster_resolver"],
     # 3: cross-device ops, distributed input
     ["cudist._cross_device_ops", "cudist._input_lib", "cudist._tf1_iterators", "cudist._collective_ops"],
     # 4: Strategy, StrategyExtended, ReplicaContext
@@ -39,7 +41,7 @@ LAYERS = [
 ]
 
 #: Packages whose ``_``-prefixed submodules are private to the package.
-PACKAGES = ("cudist._kernels", "cudist._collectives", "cudist.bench", "cudist.train")
+PACKAGES = ("cudist._kernels", "cudist._dataplane", "cudist._collectives", "cudist.bench", "cudist.train")
 
 
 def _module_name(path: Path) -> str:

@@ -58,6 +58,8 @@ ANNOTATED_MODULES = [
     "cudist._collectives.pool",
     "cudist._context",
     "cudist._core",  # the stub, src/cudist/_core.pyi
+    "cudist._dataplane",
+    "cudist._dataplane.storage",
     "cudist._cross_device_ops",
     "cudist._devices",
     "cudist._distribute_lib",

@@ -192,14 +192,14 @@ class CollectiveAllReduceExtended(MirroredExtended):
         if comm is None or not isinstance(var, DistributedValues) or getattr(var, "_cudist_broadcast", False):
             return var
         comps = var.values
-        first = comps[0]._array
+        first = comps[0].storage.array
         host = np.array(to_host(first), copy=True, order="C")
         comm.bcast(host, root=0, kind=f"initial value of {var.name}")
         if isinstance(var, MirroredVariable):  # its host copies may share one storage: write it once
             var._all_write("assign", comps[0]._coerce(host, "assign"))
         else:
             for c in comps:
-                c._write("assign", like(host, c._array))
+                c._write("assign", like(host, c.storage.array))
         var._cudist_broadcast = True
         return var
 

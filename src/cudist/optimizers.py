@@ -57,6 +57,7 @@ import numpy.typing as npt
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
 from cudist._arrays import array_module, device_context, from_dlpack, gpu_of, is_array, is_foreign_array, like
+from cudist._dataplane.storage import kernel_backend
 from cudist._kernels import adam_lr_t, adamax_lr_t, nadam_step, numpy_backend
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
@@ -68,7 +69,7 @@ from cudist._variables import (
     Variable,
     VariableAggregation,
     cast_value,
-    kernel_backend,
+    strategy_of,
 )
 
 if TYPE_CHECKING:
@@ -621,7 +622,7 @@ class Optimizer:
         if not self._slot_names and not self._use_ema:  # nothing to create (plain SGD): no strategy to enter, as Keras
             slots = self._slots[var] = {}
             return slots
-        strategy = var._distribute_strategy or _distribute_lib.get_strategy()
+        strategy = strategy_of(var) or _distribute_lib.get_strategy()
         slots = {}
         scope = contextlib.ExitStack()  # holds the strategy's scope until the slots are made
         try:
@@ -637,7 +638,7 @@ class Optimizer:
                 "the slots first with optimizer.build(var_list) inside `with strategy.scope():`"
             ) from e
         with scope, strategy.extended.colocate_vars_with(var):
-            shape = var._primary_array().shape
+            shape = var.storage.primary.shape
             for slot_name in self._slot_names:
                 slots[slot_name] = Variable(
                     np.full(shape, self._slot_initial_value(slot_name), dtype=var.dtype),
@@ -671,14 +672,14 @@ class Optimizer:
                 f"{self.name}: cannot update variable '{var.name}' of dtype {var.dtype.name}: the optimizer "
                 "kernels need a floating-point dtype (float16, float32, float64)"
             )
-        if var._kernel() is None and array_module(var._primary_array()) is not np:
+        if var.storage.kernel() is None and array_module(var.storage.primary) is not np:
             raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")
 
     def _check_grad(self, grad: Any, var: Variable, *, cross_replica: bool) -> Array:
         """``grad`` as an array of ``var``'s shape (not yet on its device); a float or integer dtype
         other than the variable's is cast by :meth:`_local_grads`, after the clipping (Keras)."""
         if type(grad) is np.ndarray:  # the per-step common case, as the general checks below accept it
-            ref = var._primary_array()
+            ref = var.storage.primary
             if grad.dtype == ref.dtype and grad.shape == ref.shape:
                 return grad
         if isinstance(grad, DistributedValues):
@@ -706,7 +707,7 @@ class Optimizer:
                 )
         else:  # Python numbers and lists convert under TF's rules
             grad = cast_value(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
-        shape = var._primary_array().shape  # var.shape may have None dimensions (``shape=`` at creation)
+        shape = var.storage.primary.shape  # var.shape may have None dimensions (``shape=`` at creation)
         if grad.shape != shape:
             raise InvalidArgumentError(  # TF's error (a ValueError too)
                 f"{self.name}: the gradient of variable '{var.name}' has shape {grad.shape} but the variable "
@@ -761,7 +762,7 @@ class Optimizer:
             variables.append(var)
             if ctx is not None:  # a replica's gradient (cross-replica ones are checked below)
                 if type(grad) is np.ndarray:  # the per-step common case (_check_grad's own first test, inlined)
-                    ref = var._primary_array()
+                    ref = var.storage.primary
                     if grad.dtype == ref.dtype and grad.shape == ref.shape:
                         grads.append(grad)
                         continue
@@ -791,7 +792,7 @@ class Optimizer:
             if not update:  # gradient accumulation: this step only accumulated
                 self._after_update()
                 return
-            rows = [h.grads for h in held._values] if isinstance(held, PerReplica) else [held.grads]
+            rows = [h.grads for h in held.values] if isinstance(held, PerReplica) else [held.grads]
             for r, row in enumerate(rows[1:], 1):
                 if len(row) != len(rows[0]):
                     raise ValueError(
@@ -860,9 +861,9 @@ class Optimizer:
             iteration = self._update_step(self._iteration()) - 1  # Keras's (accumulated) iterations
             momentum = self._ema_momentum if iteration != 0 else 0.0
             for var, average in self._ema.items():
-                value = var._primary_array()
+                value = var.storage.primary
                 dt = value.dtype.type
-                new = dt(momentum) * average._primary_array() + dt(1.0 - momentum) * value
+                new = dt(momentum) * average.storage.primary + dt(1.0 - momentum) * value
                 average.assign(new, read_value=False)
             freq = self._ema_overwrite_frequency
             if freq and (iteration + 1) % freq == 0:
@@ -873,16 +874,16 @@ class Optimizer:
     def _iteration(self) -> int:
         """``int(self._iterations)``, read from its primary copy: every copy of the counter holds the
         same count (ONLY_FIRST_REPLICA), and this skips the replica-context lookup of a read."""
-        return int(self._iterations._primary_array())
+        return int(self._iterations.storage.primary)
 
     def _count_step(self) -> None:
         """``iterations += 1``. The counter's host copies are incremented in place: a 0-d int64 add,
         where ``assign_add`` goes through the update checks and a kernel call (~8 us a step, most of
-        a small update's cost). The copies come from ``_buffers``, which moves a storage whose
+        a small update's cost). The copies come from ``storage.buffers()``, which moves a storage whose
         snapshot someone holds (``iterations.read_value()``) to fresh memory first, as every write does."""
         it = self._iterations
         if type(it) is MirroredVariable or type(it) is Variable:
-            bufs = it._buffers()
+            bufs = it.storage.buffers()
             if all(type(b) is np.ndarray for b in bufs):
                 for b in bufs:
                     b += 1
@@ -974,23 +975,23 @@ class Optimizer:
         calls the kernels' hooks directly instead of re-checking every buffer.
         """
         slots = self._ensure_slots(var)
-        bufs = var._buffers()
+        bufs = var.storage.buffers()
         plan = self._plans.get(var)
         if plan is not None:
             # The per-step case: the variable and its slots kept the storage the plan was made for.
             key = bufs
             for s in slots.values():
-                key += s._buffers()
+                key += s.storage.buffers()
             if _same_arrays(plan[0], key):
                 return plan
-        slot_bufs = tuple(s._buffers() for s in slots.values())
+        slot_bufs = tuple(s.storage.buffers() for s in slots.values())
         if any(len(sb) != len(bufs) for sb in slot_bufs):
             # Host copies share storage until one is written alone; once the variable's (or a
             # slot's) copies have gone their own ways, every one of them gets its own storage.
             for v in (var, *slots.values()):
-                v._split_storage()
-            bufs = var._buffers()
-            slot_bufs = tuple(s._buffers() for s in slots.values())
+                v.storage.split()
+            bufs = var.storage.buffers()
+            slot_bufs = tuple(s.storage.buffers() for s in slots.values())
         key = bufs + sum(slot_bufs, ())
         plan = self._plans.get(var)
         if plan is not None and _same_arrays(plan[0], key):
@@ -999,7 +1000,7 @@ class Optimizer:
         groups: list[_Group] = []
         for idx in _device_groups(bufs):
             copies = tuple(bufs[i] for i in idx)
-            backend = var._kernel() if len(idx) == len(bufs) else kernel_backend(copies[0])
+            backend = var.storage.kernel() if len(idx) == len(bufs) else kernel_backend(copies[0])
             if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
                 backend = numpy_backend()
             copies = backend.check_bufs(where, copies, writable=True, what="copy")

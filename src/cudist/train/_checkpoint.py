@@ -53,7 +53,7 @@ import functools
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +68,8 @@ from cudist._variables import (
     VariableAggregation,
     VariableSynchronization,
     create_plain_variable,
+    read_host,
+    strategy_of,
 )
 from cudist.data import Dataset, DatasetIterator
 from cudist.errors import InvalidArgumentError, NotFoundError
@@ -75,6 +77,29 @@ from cudist.optimizers import Optimizer
 from cudist.train import _format
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "InitializationOnlyStatus"]
+
+class _Saveable(Protocol):
+    """The checkpoint protocol of the non-variable state a checkpoint tracks (optimizers, iterators):
+    owned by this module, implemented by ``cudist.optimizers.Optimizer`` and the dataset iterators
+    (TF's ``Trackable`` plays this part; its methods are underscored there too, kept off the objects'
+    public API)."""
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """What the checkpoint records (an optimizer: hyperparameters, iterations, slots; an
+        iterator: its position)."""
+
+    def _restore_state(self, state: dict[str, Any], var_list: Any = ()) -> None:
+        """Restores an optimizer's state (creating the slots of ``var_list``)."""
+
+    def _prepare_restore(self, state: dict[str, Any]) -> Callable[[], None]:
+        """Checks an iterator's saved position; the returned function commits it."""
+
+
+def write_checkpoint(checkpoint: Checkpoint, prefix: str) -> bool:
+    """Writes ``checkpoint`` at ``prefix`` atomically (``CheckpointManager.save``); False when this
+    worker must not write."""
+    return checkpoint._write(prefix)
+
 
 _SLOT = ".OPTIMIZER_SLOT"
 #: A restore checks every tensor it reads before it assigns any; up to this many bytes of them are
@@ -193,7 +218,7 @@ class _Graph:
         out: list[Any] = []
         for kind, obj in self.leaves.values():
             if kind in ("variable", "slot"):
-                s = getattr(obj, "_distribute_strategy", None)
+                s = strategy_of(obj)
                 if s is not None and all(s is not o for o in out):
                     out.append(s)
         return out
@@ -201,7 +226,7 @@ class _Graph:
 
 # ------------------------------------------------------------------------------------- variables
 def _shape_dtype(var: Variable) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    arr = var._primary_array()
+    arr = var.storage.primary
     return tuple(int(d) for d in arr.shape), np.dtype(arr.dtype)
 
 
@@ -225,19 +250,19 @@ def _save_entries(path: str, var: Variable, record: dict[str, Any]) -> list[_for
                 f"cannot checkpoint SyncOnReadVariable '{var.name}' (at {path!r}): with aggregation NONE it has no "
                 "cross-replica value to save (TF raises too); give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"
             )
-        specs = [(path, dtype, shape, var._read_host)]  # the aggregate: a cross-replica read
+        specs = [(path, dtype, shape, functools.partial(read_host, var))]  # the aggregate: a cross-replica read
         total, local = _replica_counts(var)
         if local == total:  # every replica's component is here (not so for one worker of several)
             keys = []
             for i, c in enumerate(var.values):
                 key = f"{path}/{_PER_REPLICA}/{i}"
                 keys.append(key)
-                specs.append((key, dtype, shape, c._read_host))
+                specs.append((key, dtype, shape, functools.partial(read_host, c)))
             record["per_replica"] = keys
         return specs
     if isinstance(var, DistributedValues):  # MirroredVariable: one value, component 0's
-        return [(path, dtype, shape, var.values[0]._read_host)]
-    return [(path, dtype, shape, var._read_host)]  # plain, AggregatingVariable: the storage
+        return [(path, dtype, shape, functools.partial(read_host, var.values[0]))]
+    return [(path, dtype, shape, functools.partial(read_host, var))]  # plain, AggregatingVariable: the storage
 
 
 def _replica_counts(var: Variable) -> tuple[int, int]:
@@ -245,7 +270,7 @@ def _replica_counts(var: Variable) -> tuple[int, int]:
     if not isinstance(var, DistributedValues):
         return 1, 1
     local = len(var.values)
-    strategy = var._distribute_strategy
+    strategy = strategy_of(var)
     return (local if strategy is None else int(strategy.num_replicas_in_sync)), local
 
 
@@ -306,7 +331,7 @@ def _restore_variable(var: Variable, record: dict[str, Any], read: Callable[[str
             return
         if var.aggregation is VariableAggregation.SUM:
             # This worker's share of the split over every replica of the job (its global replica ids).
-            first = 0 if total == local else getattr(var._distribute_strategy.extended, "_worker_index", 0) * local
+            first = 0 if total == local else getattr(strategy_of(var).extended, "_worker_index", 0) * local
             _assign_components(var, _split_sum(value, total)[first : first + local])
         else:  # MEAN, ONLY_FIRST_REPLICA, NONE: every component the value (as TF)
             _assign_components(var, [value] * local)

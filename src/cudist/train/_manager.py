@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cudist.train import _format
-from cudist.train._checkpoint import Checkpoint, require_cross_replica
+from cudist.train._checkpoint import Checkpoint, require_cross_replica, write_checkpoint
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
@@ -188,7 +188,7 @@ class CheckpointManager:
         counter.assign_add(1, read_value=False)
         number = int(counter) if checkpoint_number is None else int(checkpoint_number)
         path = f"{self._checkpoint_prefix}-{number}"
-        wrote = self._checkpoint._write(path)
+        wrote = write_checkpoint(self._checkpoint, path)
         stamp = time.time()
         self._maybe_delete.pop(path, None)
         self._maybe_delete[path] = stamp
