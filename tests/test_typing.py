@@ -60,6 +60,7 @@ ANNOTATED_MODULES = [
     "cudist._core",  # the stub, src/cudist/_core.pyi
     "cudist._dataplane",
     "cudist._dataplane.storage",
+    "cudist._dataplane.update",
     "cudist._cross_device_ops",
     "cudist._devices",
     "cudist._distribute_lib",

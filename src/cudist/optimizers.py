@@ -39,12 +39,9 @@ per-replica buffers, not variables (a checkpoint does not save a half-accumulate
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
 import math
 import numbers
-import operator
 import re
 import sys
 import warnings
@@ -56,9 +53,8 @@ import numpy.typing as npt
 
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
-from cudist._arrays import array_module, device_context, from_dlpack, gpu_of, is_array, is_foreign_array, like
-from cudist._dataplane.storage import kernel_backend
-from cudist._kernels import adam_lr_t, adamax_lr_t, nadam_step, numpy_backend
+from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
+from cudist._dataplane.update import Plan, Rule, UpdatePass, adam_lr_t, adamax_lr_t, nadam_step
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -77,8 +73,6 @@ if TYPE_CHECKING:
 
     from cudist._arrays import Array
     from cudist._distribute_lib import Strategy
-    # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
-    from cudist._kernels import KernelBackend, TrustedKernels
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "schedules"]
 
@@ -89,10 +83,6 @@ sys.modules.setdefault(__name__ + ".schedules", schedules)
 #: A learning rate (Keras 3): a number, a schedule called with the iteration count (0 on the first
 #: step), or a callable of no arguments.
 LearningRate: TypeAlias = "float | LearningRateSchedule | Callable[[], float]"
-#: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend).
-_Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
-#: A variable's validated kernel work: (the storage arrays it was validated for, its groups).
-_Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[_Group, ...]]"
 
 
 def _check_real(
@@ -139,116 +129,12 @@ def _clip_by_global_norm(grads: list[Any], clipnorm: float) -> list[Any]:
     return [g * g.dtype.type(scale) for g in grads]
 
 
-def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) -> None:
-    """The decoupled weight decay as its own pass, ``w -= w * decay`` (optimizers whose kernel has no
-    weight-decay factor: SGD)."""
-    w = copies[0]
-    kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
-
-
-def _settle_inputs(
-    passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]], *, aliasing: bool = True, kernels: TrustedKernels | None = None
-) -> list[list[Any]]:
-    """The host gradients each of a step's passes reads, settled before the first pass writes.
-
-    Args:
-        passes: per pass, (its gradient arrays, the arrays it writes).
-        aliasing: whether a gradient may share memory with what the passes write (False: they are
-            fresh results of a reduction, only made C-contiguous).
-        kernels: trusted kernels whose ``settle_plain`` (the native backend's) takes the common case
-            -- every gradient a contiguous array of its own, none written -- in one call.
-
-    Returns:
-        Per pass its gradients, C-contiguous, copied where they are or view memory that some pass of
-        the step writes (identity, or a NumPy view's owning base; a gradient whose memory comes
-        from elsewhere, DLPack, by byte range), so every update sees the gradients as they were
-        before the step.
-    """
-    plain = kernels.settle_plain if kernels is not None else None
-    if plain is not None:
-        as_is: list[list[Any]] | None = plain(passes, aliasing)
-        if as_is is not None:
-            return as_is
-    written_ids: set[int] = set()
-    if aliasing:
-        for _, written in passes:
-            for w in written:
-                written_ids.add(id(w))
-                if w.base is not None:
-                    written_ids.add(id(w.base))
-    spans: _Spans | None = None  # of every written array, once a gradient of foreign memory needs it
-    out: list[list[Any]] = []
-    for grads, written in passes:
-        ins: list[Any] = []
-        for c in grads:
-            if not c.flags.c_contiguous:
-                c = np.ascontiguousarray(c)
-            elif aliasing:
-                base = c.base
-                if id(c) in written_ids:
-                    alias = True
-                elif base is None:
-                    alias = False
-                elif type(base) is np.ndarray:  # a NumPy view: its base owns the memory
-                    alias = id(base) in written_ids or any(np.may_share_memory(c, w) for w in written)
-                else:  # memory from elsewhere (DLPack: a JAX or PyTorch gradient, a variable's export)
-                    if spans is None:
-                        spans = _Spans([w for _, ws in passes for w in ws])
-                    alias = spans.overlaps(c)
-                if alias:
-                    c = c.copy()
-            ins.append(c)
-        out.append(ins)
-    return out
-
-
-class _Spans:
-    """The byte ranges of C-contiguous host arrays, sorted for an O(log k) overlap test."""
-
-    def __init__(self, arrays: Sequence[npt.NDArray[Any]]) -> None:
-        spans = sorted({_span(a) for a in arrays if a.nbytes})
-        self._starts = [s for s, _ in spans]
-        self._ends = list(itertools.accumulate((e for _, e in spans), max))  # the furthest end so far
-
-    def overlaps(self, a: npt.NDArray[Any]) -> bool:
-        """Whether C-contiguous ``a`` shares a byte with any of the arrays."""
-        if not a.nbytes:
-            return False
-        start, end = _span(a)
-        i = bisect.bisect_left(self._starts, end) - 1  # the last range starting before ``a`` ends
-        return i >= 0 and self._ends[i] > start
-
-
-def _span(a: npt.NDArray[Any]) -> tuple[int, int]:
-    start: int = a.__array_interface__["data"][0]
-    return start, start + a.nbytes
-
-
 def _base_name(var: Variable) -> str:
     return var.name.split(":")[0]
 
 
 def _primary_device(var: Variable) -> str:
     return var.values[0].device if isinstance(var, DistributedValues) else var.device
-
-
-def _same_arrays(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two tuples hold the very same arrays (identity, not values)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-def _device_groups(bufs: Sequence[Any]) -> list[tuple[int, ...]]:
-    """Indices of ``bufs`` grouped by the memory they live in (host, or one GPU each).
-
-    A fused kernel call writes copies in one memory; mirrored copies on several GPUs are updated
-    per GPU, each group from its own copy (the copies are equal, so the results are too).
-    """
-    if all(type(b) is np.ndarray for b in bufs):
-        return [tuple(range(len(bufs)))]
-    groups: dict[int | None, list[int]] = {}
-    for i, b in enumerate(bufs):
-        groups.setdefault(gpu_of(b), []).append(i)  # None: host memory
-    return [tuple(g) for g in groups.values()]
 
 
 class _ReplicaGrads:
@@ -265,8 +151,9 @@ class _ReplicaGrads:
 class Optimizer:
     """Base class of the cudist optimizers (Keras 3's ``keras.optimizers.Optimizer`` API subset).
 
-    Subclasses name their slots in ``_slot_names`` and implement ``_kernel_update`` (and
-    ``_step_params`` when a step needs more scalars than the learning rate).
+    Subclasses name their slots in ``_slot_names`` and their update rule in ``_rule`` (a row of
+    the kernels' table of update rules, run by :mod:`cudist._dataplane.update`), and implement
+    ``_step_params`` when a step needs more scalars than the learning rate.
 
     Args:
         learning_rate: a real number; a :class:`~cudist.optimizers.schedules.LearningRateSchedule`
@@ -373,7 +260,7 @@ class Optimizer:
                 aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
             )
         self._slots: dict[Variable, dict[str, Variable]] = {}  # {slot name: slot} per variable (by identity)
-        self._plans: dict[Variable, _Plan] = {}  # variable -> validated kernel work, see _plan
+        self._update = UpdatePass(name)  # the kernel side: each variable's validated work, the passes
         self._one = np.ones((), dtype=np.int64)
         self._variables = [self._iterations]
         self._built = False
@@ -658,7 +545,7 @@ class Optimizer:
 
     # ------------------------------------------------------------------ checks
     def _check_variable(self, var: object) -> None:
-        if isinstance(var, Variable) and var in self._plans:
+        if isinstance(var, Variable) and var in self._update.plans:
             return  # checked before its kernel work was planned; type, dtype and device never change
         if not isinstance(var, Variable):
             raise TypeError(f"{self.name}: expected a cudist.Variable to update, got {type(var).__name__}")
@@ -747,7 +634,7 @@ class Optimizer:
         grads: list[Any] = []
         variables: list[Variable] = []
         missing: list[str] = []
-        plans = self._plans
+        plans = self._update.plans
         cast = False  # whether some gradient may need a cast to its variable's dtype
         for item in grads_and_vars:
             try:
@@ -905,38 +792,40 @@ class Optimizer:
             ReduceOp.SUM, [(PerReplica(comps), _primary_device(v)) for comps, v in zip(per_var, variables)]
         )
 
+    def _step(self) -> tuple[float, tuple[float, ...]]:
+        """This step's learning rate and scalars (:meth:`_step_params`), computed once for all variables."""
+        iteration = self._iteration()
+        lr = self._current_learning_rate(iteration)
+        return lr, self._step_params(lr, self._update_step(iteration))
+
+    def _rules(self, variables: Sequence[Variable], lr: float, params: tuple[float, ...]) -> list[Rule]:
+        """Per variable this step's update rule (one per distinct weight decay)."""
+        made: dict[float, Rule] = {}
+        out: list[Rule] = []
+        for var in variables:
+            decay = self._decay(var, lr)
+            rule = made.get(decay)
+            if rule is None:
+                rule = made[decay] = self._rule(params, decay)
+            out.append(rule)
+        return out
+
     def _apply_fused(self, strategy: Strategy, per_var: Sequence[Sequence[Any]], variables: Sequence[Variable]) -> bool:
         """Sums each variable's per-replica gradients and updates it in ONE kernel pass, if it can.
 
         ``per_var``: per variable, its gradient from each of this worker's replicas. Possible when
         every gradient and every copy is in host memory and the strategy's cross-device ops reduce
-        with the kernels' own replica-order sum (the default ops; see
-        ``extended._fused_sum_backend``): then the pass reads the N gradients and copy 0 of the
-        variable and slots and writes every copy -- bit-identical to reducing first, then
-        updating. Returns False (nothing done) otherwise, for the general path.
+        with the kernels' own replica-order sum (see :meth:`UpdatePass.fusable`). Returns False
+        (nothing done) otherwise, for the general path.
         """
         if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
             return False
-        # One check of every gradient: host arrays of kernel dtypes, and cross-device ops that sum as the kernels do.
-        backend = strategy.extended._fused_sum_backend([c for comps in per_var for c in comps])
+        plans = [self._plan(v) for v in variables]
+        backend = self._update.fusable(strategy, per_var, plans)
         if backend is None:
             return False
-        work: list[tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], Sequence[Any], Variable]] = []
-        for comps, var in zip(per_var, variables):
-            groups = self._plan(var)[1]
-            if len(groups) != 1:
-                return False
-            copies, slots, var_backend = groups[0]
-            if var_backend is not backend or type(copies[0]) is not np.ndarray:
-                return False
-            work.append((copies, slots, comps, var))
-        iteration = self._iteration()
-        lr = self._current_learning_rate(iteration)
-        params = self._step_params(lr, self._update_step(iteration))
-        trusted = backend.trusted
-        inputs = _settle_inputs([(comps, copies + sum(slots, ())) for copies, slots, comps, _ in work], kernels=trusted)
-        for (copies, slots, _, var), ins in zip(work, inputs):
-            self._kernel_update_reduced(trusted, copies, slots, ins, params, self._decay(var, lr))
+        lr, params = self._step()
+        self._update.apply_fused(backend, per_var, plans, self._rules(variables, lr, params))
         self._after_update()
         return True
 
@@ -946,102 +835,21 @@ class Optimizer:
         ``fresh``: the gradients are new buffers (results of the reduction) that alias nothing.
         """
         plans = [self._plan(v) for v in variables]  # slots are all created before any variable changes
-        iteration = self._iteration()
-        lr = self._current_learning_rate(iteration)
-        params = self._step_params(lr, self._update_step(iteration))
-        host: list[tuple[Any, tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, float]] = []
-        for grad, plan, var in zip(grads, plans, variables):
-            decay = self._decay(var, lr)
-            for copies, slots, backend in plan[1]:
-                ref = copies[0]
-                if type(ref) is np.ndarray:  # updated below, once every host gradient is settled
-                    host.append((grad if type(grad) is np.ndarray else like(grad, ref), copies, slots, backend, decay))
-                else:
-                    with device_context(ref):
-                        g = like(grad, ref)
-                        if not g.flags.c_contiguous or any(g is c for c in copies):
-                            g = g.copy(order="C")
-                        self._kernel_update(backend.trusted, copies, slots, g, params, decay)
-        ins = _settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, _, _ in host], aliasing=not fresh)
-        for (_, copies, slots, backend, decay), (g,) in zip(host, ins):
-            self._kernel_update(backend.trusted, copies, slots, g, params, decay)
+        lr, params = self._step()
+        self._update.apply(plans, grads, self._rules(variables, lr, params), fresh=fresh)
         self._after_update()
 
-    def _plan(self, var: Variable) -> _Plan:
-        """The validated kernel work of ``var``: per memory, (copies, slot copies, backend).
-
-        Validated once through the backends' own checks, then reused while the variable and its
-        slots keep the same storage arrays (an assign of a new shape reallocates them), so each step
-        calls the kernels' hooks directly instead of re-checking every buffer.
-        """
-        slots = self._ensure_slots(var)
-        bufs = var.storage.buffers()
-        plan = self._plans.get(var)
-        if plan is not None:
-            # The per-step case: the variable and its slots kept the storage the plan was made for.
-            key = bufs
-            for s in slots.values():
-                key += s.storage.buffers()
-            if _same_arrays(plan[0], key):
-                return plan
-        slot_bufs = tuple(s.storage.buffers() for s in slots.values())
-        if any(len(sb) != len(bufs) for sb in slot_bufs):
-            # Host copies share storage until one is written alone; once the variable's (or a
-            # slot's) copies have gone their own ways, every one of them gets its own storage.
-            for v in (var, *slots.values()):
-                v.storage.split()
-            bufs = var.storage.buffers()
-            slot_bufs = tuple(s.storage.buffers() for s in slots.values())
-        key = bufs + sum(slot_bufs, ())
-        plan = self._plans.get(var)
-        if plan is not None and _same_arrays(plan[0], key):
-            return plan
-        where = f"{self.name} update of '{var.name}'"
-        groups: list[_Group] = []
-        for idx in _device_groups(bufs):
-            copies = tuple(bufs[i] for i in idx)
-            backend = var.storage.kernel() if len(idx) == len(bufs) else kernel_backend(copies[0])
-            if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
-                backend = numpy_backend()
-            copies = backend.check_bufs(where, copies, writable=True, what="copy")
-            backend.check_float(where, copies[0])
-            group_slots: list[tuple[Any, ...]] = []
-            for name, sb in zip(slots, slot_bufs):
-                sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
-                backend.check_same_slots(where, copies, sc, name)  # type: ignore[no-untyped-call]
-                group_slots.append(sc)
-            groups.append((copies, tuple(group_slots), backend))
-        plan = (key, tuple(groups))
-        self._plans[var] = plan
-        return plan
+    def _plan(self, var: Variable) -> Plan:
+        """The validated kernel work of ``var`` and its slots (created here on first use)."""
+        return self._update.plan(var, self._ensure_slots(var))
 
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         """The scalars of one step (``step`` is 1-based), computed once for all variables."""
         return (lr,)
 
-    def _kernel_update(  # pragma: no cover - abstract
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's
-        ``trusted``), after the weight decay ``w -= w * decay`` when ``decay`` is not 0."""
-        raise NotImplementedError
-
-    def _kernel_update_reduced(  # pragma: no cover - abstract
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        """As :meth:`_kernel_update`, from per-replica ``grads`` summed in the same pass."""
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:  # pragma: no cover - abstract
+        """This step's update rule: a row of the kernels' table of update rules with its scalars
+        (the weight decay ``w -= w * decay`` applies first when ``decay`` is not 0)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoints, copies
@@ -1082,8 +890,8 @@ class Optimizer:
         new = object.__new__(type(self))
         memo[id(self)] = new
         for k, v in vars(self).items():
-            if k == "_plans":
-                new._plans = {}  # kernel work validated for the original's buffers
+            if k == "_update":
+                new._update = UpdatePass(v.name)  # kernel work validated for the original's buffers
             elif k == "_slots":
                 new._slots = {copy.deepcopy(var, memo): copy.deepcopy(named, memo) for var, named in v.items()}
             else:
@@ -1170,37 +978,10 @@ class SGD(Optimizer):
         )
         return config
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        if decay:
-            _decay_pass(kernels, copies, decay)
-        if slots:
-            kernels.momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
-        else:
-            kernels.sgd(copies, grad, params[0])  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        if decay:
-            _decay_pass(kernels, copies, decay)
-        if slots:
-            kernels.all_reduce_momentum(copies, slots[0], grads, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
-        else:
-            kernels.all_reduce_sgd(copies, grads, params[0])  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        if self._slot_names:
+            return Rule("momentum", (params[0], self.momentum, self.nesterov), decay)
+        return Rule("sgd", (params[0],), decay)
 
 
 class Adam(Optimizer):
@@ -1294,45 +1075,11 @@ class Adam(Optimizer):
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         return (adam_lr_t(lr, self.beta_1, self.beta_2, step),)
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        scalars = (params[0], self.beta_1, self.beta_2, self.epsilon)
         if self._amsgrad:
-            kernels.amsgrad(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], slots[2], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay
-            )
-        elif decay:
-            kernels.adamw(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
-        else:
-            kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        if self._amsgrad:
-            kernels.all_reduce_amsgrad(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], slots[2], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay
-            )
-        elif decay:
-            kernels.all_reduce_adamw(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay
-            )
-        else:
-            kernels.all_reduce_adam(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon
-            )
+            return Rule("amsgrad", scalars, decay)
+        return Rule("adamw" if decay else "adam", scalars, decay)
 
 
 class AdamW(Adam):
@@ -1450,6 +1197,8 @@ class RMSprop(Optimizer):
         self._slot_names = (
             ("velocity",) + (("momentum",) if self.momentum > 0 else ()) + (("average_gradient",) if self.centered else ())
         )
+        # The rule's slots (velocity, momentum, average_gradient) by index into _slot_names; None: absent.
+        self._rule_slots = (0, 1 if self.momentum > 0 else None, len(self._slot_names) - 1 if self.centered else None)
         super().__init__(
             learning_rate,
             name,
@@ -1477,35 +1226,8 @@ class RMSprop(Optimizer):
         )
         return config
 
-    def _split(self, slots: tuple[tuple[Any, ...], ...]) -> tuple[Any, Any, Any]:
-        """(velocities, momentums or None, average gradients or None) from the plan's slot groups."""
-        it = iter(slots)
-        vels = next(it)
-        moms = next(it) if self.momentum > 0 else None
-        avgs = next(it) if self.centered else None
-        return vels, moms, avgs
-
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.rmsprop(copies, *self._split(slots), grad, params[0], self.rho, self.momentum, self.epsilon, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_rmsprop(copies, *self._split(slots), grads, params[0], self.rho, self.momentum, self.epsilon, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("rmsprop", (params[0], self.rho, self.momentum, self.epsilon), decay, self._rule_slots)
 
 
 class Adagrad(Optimizer):
@@ -1577,27 +1299,8 @@ class Adagrad(Optimizer):
     def _slot_initial_value(self, slot_name: str) -> float:
         return self.initial_accumulator_value
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.adagrad(copies, slots[0], grad, params[0], self.epsilon, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_adagrad(copies, slots[0], grads, params[0], self.epsilon, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("adagrad", (params[0], self.epsilon), decay)
 
 
 class Adamax(Optimizer):
@@ -1674,27 +1377,8 @@ class Adamax(Optimizer):
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         return (adamax_lr_t(lr, self.beta_1, step),)
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.adamax(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_adamax(copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("adamax", (params[0], self.beta_1, self.beta_2, self.epsilon), decay)
 
 
 class Nadam(Optimizer):
@@ -1789,31 +1473,8 @@ class Nadam(Optimizer):
         _, c_m, c_g, c_v = nadam_step(self.beta_1, self.beta_2, step, self._u_product(step - 1))
         return (lr, c_m, c_g, c_v)
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.nadam(  # type: ignore[no-untyped-call]
-            copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, params[1], params[2], params[3], decay
-        )
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_nadam(  # type: ignore[no-untyped-call]
-            copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, params[1], params[2], params[3], decay
-        )
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("nadam", (params[0], self.beta_1, self.beta_2, self.epsilon, *params[1:]), decay)
 
 
 class Lion(Optimizer):
@@ -1884,24 +1545,5 @@ class Lion(Optimizer):
         )
         return config
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.lion(copies, slots[0], grad, params[0], self.beta_1, self.beta_2, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_lion(copies, slots[0], grads, params[0], self.beta_1, self.beta_2, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("lion", (params[0], self.beta_1, self.beta_2), decay)
