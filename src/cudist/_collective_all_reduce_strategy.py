@@ -195,11 +195,13 @@ class CollectiveAllReduceExtended(MirroredExtended):
         first = comps[0].storage.array
         host = np.array(to_host(first), copy=True, order="C")
         comm.bcast(host, root=0, kind=f"initial value of {var.name}")
-        if isinstance(var, MirroredVariable):  # its host copies may share one storage: write it once
-            var._all_write("assign", comps[0]._coerce(host, "assign"))
+        # Creation runs in cross-replica context (a replica's creation goes through merge_call), where
+        # a mirrored variable's assign writes every copy in one pass (host copies sharing one storage: once).
+        if isinstance(var, MirroredVariable):
+            var.assign(host, read_value=False)
         else:
             for c in comps:
-                c._write("assign", like(host, c.storage.array))
+                c.assign(host, read_value=False)
         var._cudist_broadcast = True
         return var
 
