@@ -54,7 +54,7 @@ import numpy.typing as npt
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
 from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
-from cudist._dataplane.update import Plan, Rule, UpdatePass, adam_lr_t, adamax_lr_t, nadam_step
+from cudist._dataplane.update import Rule, UpdatePass, adam_lr_t, adamax_lr_t, nadam_step
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -798,8 +798,10 @@ class Optimizer:
         lr = self._current_learning_rate(iteration)
         return lr, self._step_params(lr, self._update_step(iteration))
 
-    def _rules(self, variables: Sequence[Variable], lr: float, params: tuple[float, ...]) -> list[Rule]:
+    def _rules(self, variables: Sequence[Variable], lr: float, params: tuple[float, ...]) -> Sequence[Rule]:
         """Per variable this step's update rule (one per distinct weight decay)."""
+        if not self._weight_decay:  # the common case: one rule for every variable
+            return [self._rule(params, 0.0)] * len(variables)
         made: dict[float, Rule] = {}
         out: list[Rule] = []
         for var in variables:
@@ -820,12 +822,13 @@ class Optimizer:
         """
         if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
             return False
-        plans = [self._plan(v) for v in variables]
-        backend = self._update.fusable(strategy, per_var, plans)
+        update, ensure_slots = self._update, self._ensure_slots
+        plans = [update.plan(v, ensure_slots(v)) for v in variables]
+        backend = update.fusable(strategy, per_var, plans)
         if backend is None:
             return False
         lr, params = self._step()
-        self._update.apply_fused(backend, per_var, plans, self._rules(variables, lr, params))
+        update.apply_fused(backend, per_var, plans, self._rules(variables, lr, params))
         self._after_update()
         return True
 
@@ -834,14 +837,11 @@ class Optimizer:
 
         ``fresh``: the gradients are new buffers (results of the reduction) that alias nothing.
         """
-        plans = [self._plan(v) for v in variables]  # slots are all created before any variable changes
+        update, ensure_slots = self._update, self._ensure_slots
+        plans = [update.plan(v, ensure_slots(v)) for v in variables]  # slots are all created before any variable changes
         lr, params = self._step()
-        self._update.apply(plans, grads, self._rules(variables, lr, params), fresh=fresh)
+        update.apply(plans, grads, self._rules(variables, lr, params), fresh=fresh)
         self._after_update()
-
-    def _plan(self, var: Variable) -> Plan:
-        """The validated kernel work of ``var`` and its slots (created here on first use)."""
-        return self._update.plan(var, self._ensure_slots(var))
 
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         """The scalars of one step (``step`` is 1-based), computed once for all variables."""

@@ -31,7 +31,6 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist._arrays import snapshot as _device_snapshot
-from cudist._arrays import to_host
 from cudist._kernels import backend_for
 
 if TYPE_CHECKING:
@@ -74,11 +73,6 @@ class Storage:
     def primary(self) -> Array:
         """The array shape, dtype and device questions are answered from (the only one here)."""
         return self.array
-
-    @property
-    def copies(self) -> tuple[Storage, ...]:
-        """The per-copy storages: this one."""
-        return (self,)
 
     def kernel(self) -> KernelBackend | None:
         """The kernel backend of this storage's arrays (None if none handles the dtype), chosen once."""
@@ -147,10 +141,6 @@ class Storage:
     def clone(self) -> Storage:
         """An independent storage holding a copy of the value (``copy.deepcopy`` of a variable)."""
         return Storage(_device_snapshot(self.array))
-
-    def read_host(self) -> npt.NDArray[Any]:
-        """The array on the host: the array itself there (callers must not write it), else a copy."""
-        return to_host(self.array)
 
 
 class GroupStorage:

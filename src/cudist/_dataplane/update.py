@@ -108,7 +108,8 @@ class Rule:
         """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``)."""
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
-        getattr(kernels, self.kernel)(copies, *self._slot_args(slots), grad, *self.scalars)
+        args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
+        getattr(kernels, self.kernel)(copies, *args, grad, *self.scalars)
 
     def run_fused(
         self, kernels: TrustedKernels, copies: tuple[Any, ...], slots: tuple[tuple[Any, ...], ...], grads: list[Any]
@@ -116,9 +117,11 @@ class Rule:
         """As :meth:`run`, from per-replica ``grads`` summed in the same pass."""
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
-        getattr(kernels, self.fused)(copies, *self._slot_args(slots), grads, *self.scalars)
+        args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
+        getattr(kernels, self.fused)(copies, *args, grads, *self.scalars)
 
     def _slot_args(self, slots: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...] | None, ...]:
+        """The rule's slot arguments, in the table's order, from the optimizer's slots."""
         order = self.slots
         if order is None:
             return slots
