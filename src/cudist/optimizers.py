@@ -18,7 +18,9 @@ Distribution follows Keras's default (``experimental_aggregate_gradients=True``)
 Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` / ``adamw`` /
 ``amsgrad`` / ``rmsprop`` / ``adagrad`` / ``adamax`` / ``nadam`` / ``lion`` of the variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
 and of its slots in one pass, so the copies stay bitwise equal. Under CentralStorageStrategy the
-single copy on the parameter device is updated once.
+single copy on the parameter device is updated once. Each optimizer here names its step's rule (a
+row of the kernels' table ``UPDATE_KERNELS``) and scalars; :mod:`cudist._dataplane.update` plans,
+settles the gradients and calls the kernels.
 
 Keras 3's base arguments work on every optimizer: ``weight_decay`` (decoupled, inside the update
 pass; SGD's is a pass of its own; ``exclude_from_weight_decay``), ``clipnorm`` / ``clipvalue`` /

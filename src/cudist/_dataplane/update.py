@@ -15,9 +15,9 @@ This module then
   per-replica gradients summed in the same pass (:meth:`UpdatePass.apply_fused`) -- after the
   decoupled weight-decay pass for rules whose kernel has no weight-decay factor (SGD's).
 
-Adding an optimizer: a row in ``UPDATE_KERNELS`` (and the kernels it names), then the optimizer's
-:meth:`~cudist.optimizers.Optimizer` subclass names its rule, slots and step scalars; nothing here
-changes.
+Adding an optimizer: a row in ``UPDATE_KERNELS`` (and the kernels it names), then its
+:class:`~cudist.optimizers.Optimizer` subclass names its slots (``_slot_names``), its step scalars
+(``_step_params``) and its rule (``_rule``); nothing here changes.
 """
 
 from __future__ import annotations
