@@ -53,7 +53,7 @@ import functools
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -93,6 +93,11 @@ class _Saveable(Protocol):
 
     def _prepare_restore(self, state: dict[str, Any]) -> Callable[[], None]:
         """Checks an iterator's saved position; the returned function commits it."""
+
+
+def _saveable(obj: object) -> _Saveable:
+    """``obj`` (an optimizer or an iterator the graph walk found) as the protocol's implementer."""
+    return cast(_Saveable, obj)
 
 
 def write_checkpoint(checkpoint: Checkpoint, prefix: str) -> bool:
@@ -178,7 +183,7 @@ class _Graph:
                 self.leaves[path] = (kind, obj)
                 self.path_of[id(obj)] = path
                 if kind == "optimizer":
-                    state = obj._checkpoint_state()
+                    state = _saveable(obj)._checkpoint_state()
                     optimizers.append((path, state))
                     queue.append((path, state["iterations"], "iterations"))
                 continue
@@ -645,7 +650,7 @@ class Checkpoint:
                     "slots": slots,
                 }
             else:  # iterator
-                record = {"kind": "iterator", **obj._checkpoint_state()}
+                record = {"kind": "iterator", **_saveable(obj)._checkpoint_state()}
             objects[path] = record
         directory = os.path.dirname(prefix) or "."
         if not os.path.basename(prefix):
@@ -766,7 +771,7 @@ class Checkpoint:
                 verify([r for *_, r in matched])
             matched, _, _ = self._match(graph, saved)
             # An iterator replays its input on a fresh copy: a position past its end raises here.
-            commits = [obj._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
+            commits = [_saveable(obj)._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
 
             # Nothing can fail from here on: assign.
             def read(key: str) -> npt.NDArray[Any]:
@@ -780,7 +785,7 @@ class Checkpoint:
                 self._pending_save_counter = read(counter_record["tensor"])
         for _, kind, obj, record in matched:
             if kind == "optimizer":
-                obj._restore_state(record["hyperparameters"])
+                _saveable(obj)._restore_state(record["hyperparameters"])
         for commit in commits:
             commit()
         restoration.restored.update(path for path, *_ in matched)
@@ -819,7 +824,7 @@ class Checkpoint:
                     var_list.append(leaf[1])
             for var in var_list:
                 try:
-                    opt._restore_state({}, [var])
+                    _saveable(opt)._restore_state({}, [var])
                     built = True
                 except (TypeError, ValueError):
                     pass  # a variable the optimizer cannot train now: its slots stay unmatched
