@@ -60,6 +60,8 @@ ANNOTATED_MODULES = [
     "cudist._dataplane.transports.nccl",
     "cudist._context",
     "cudist._core",  # the stub, src/cudist/_core.pyi
+    "cudist._dataplane.storage",
+    "cudist._dataplane.update",
     "cudist._cross_device_ops",
     "cudist._devices",
     "cudist._distribute_lib",

@@ -192,14 +192,15 @@ class CollectiveAllReduceExtended(MirroredExtended):
         if comm is None or not isinstance(var, DistributedValues) or getattr(var, "_cudist_broadcast", False):
             return var
         comps = var.values
-        host = np.array(comps[0], copy=True, order="C")  # a host copy of the first component
+        first = comps[0].storage.array
+        host = np.array(to_host(first), copy=True, order="C")
         comm.bcast(host, root=0, kind=f"initial value of {var.name}")
+        # Creation runs in cross-replica context (a replica's creation goes through merge_call), where
+        # a mirrored variable's assign writes every copy in one pass (host copies sharing one storage: once).
         if isinstance(var, MirroredVariable):
-            # Cross-replica here (a merge_call's when made inside run): one write of every copy, which
-            # keeps host copies sharing one storage shared.
             var.assign(host, read_value=False)
         else:
-            for c in comps:  # each component on its own device
+            for c in comps:
                 c.assign(host, read_value=False)
         var._cudist_broadcast = True
         return var

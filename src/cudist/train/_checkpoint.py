@@ -53,7 +53,7 @@ import functools
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -68,6 +68,8 @@ from cudist._variables import (
     VariableAggregation,
     VariableSynchronization,
     create_plain_variable,
+    read_host,
+    strategy_of,
 )
 from cudist.data import Dataset, DatasetIterator
 from cudist.errors import InvalidArgumentError, NotFoundError
@@ -76,6 +78,39 @@ from cudist.train import _async, _format
 from cudist.train._async import CheckpointOptions
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "InitializationOnlyStatus"]
+
+class _Saveable(Protocol):
+    """The checkpoint protocol of the non-variable state a checkpoint tracks (optimizers, iterators):
+    owned by this module, implemented by ``cudist.optimizers.Optimizer`` and the dataset iterators
+    (TF's ``Trackable`` plays this part; its methods are underscored there too, kept off the objects'
+    public API)."""
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """What the checkpoint records (an optimizer: hyperparameters, iterations, slots; an
+        iterator: its position)."""
+
+    def _restore_state(self, state: dict[str, Any], var_list: Any = ()) -> None:
+        """Restores an optimizer's state (creating the slots of ``var_list``)."""
+
+    def _prepare_restore(self, state: dict[str, Any]) -> Callable[[], None]:
+        """Checks an iterator's saved position; the returned function commits it."""
+
+
+def _saveable(obj: object) -> _Saveable:
+    """``obj`` (an optimizer or an iterator the graph walk found) as the protocol's implementer."""
+    return cast(_Saveable, obj)
+
+
+def write_checkpoint(
+    checkpoint: Checkpoint,
+    prefix: str,
+    options: CheckpointOptions | None = None,
+    committed: Callable[[], None] | None = None,
+) -> bool:
+    """Writes ``checkpoint`` at ``prefix`` atomically (``CheckpointManager.save``), then calls
+    ``committed``; False when this worker must not write (see ``Checkpoint._write``)."""
+    return checkpoint._write(prefix, options, committed)
+
 
 _SLOT = ".OPTIMIZER_SLOT"
 #: A restore checks every tensor it reads before it assigns any; up to this many bytes of them are
@@ -154,7 +189,7 @@ class _Graph:
                 self.leaves[path] = (kind, obj)
                 self.path_of[id(obj)] = path
                 if kind == "optimizer":
-                    state = obj._checkpoint_state()
+                    state = _saveable(obj)._checkpoint_state()
                     optimizers.append((path, state))
                     queue.append((path, state["iterations"], "iterations"))
                 continue
@@ -194,7 +229,7 @@ class _Graph:
         out: list[Any] = []
         for kind, obj in self.leaves.values():
             if kind in ("variable", "slot"):
-                s = getattr(obj, "_distribute_strategy", None)
+                s = strategy_of(obj)
                 if s is not None and all(s is not o for o in out):
                     out.append(s)
         return out
@@ -202,7 +237,7 @@ class _Graph:
 
 # ------------------------------------------------------------------------------------- variables
 def _shape_dtype(var: Variable) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    arr = var._primary_array()
+    arr = var.storage.primary
     return tuple(int(d) for d in arr.shape), np.dtype(arr.dtype)
 
 
@@ -214,7 +249,7 @@ def _reader(key: str, var: Variable, stage: _Stage | None) -> Callable[[], Any]:
     """What a spec's ``get`` is: the variable's host read, or (``stage``, for an asynchronous save)
     its value captured now (:mod:`cudist.train._async`)."""
     if stage is None:
-        return var._read_host
+        return functools.partial(read_host, var)
     return stage(key, var.read_value())
 
 
@@ -240,7 +275,7 @@ def _save_entries(path: str, var: Variable, record: dict[str, Any], stage: _Stag
                 f"cannot checkpoint SyncOnReadVariable '{var.name}' (at {path!r}): with aggregation NONE it has no "
                 "cross-replica value to save (TF raises too); give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"
             )
-        aggregate: Callable[[], Any] = var._read_host  # the aggregate: a cross-replica read (a collective)
+        aggregate: Callable[[], Any] = functools.partial(read_host, var)  # the aggregate: a cross-replica read (a collective)
         if stage is not None:  # taken now (it may be a component's storage: ONLY_FIRST_REPLICA)
             aggregate = stage(path, aggregate())
         specs = [(path, dtype, shape, aggregate)]
@@ -263,7 +298,7 @@ def _replica_counts(var: Variable) -> tuple[int, int]:
     if not isinstance(var, DistributedValues):
         return 1, 1
     local = len(var.values)
-    strategy = var._distribute_strategy
+    strategy = strategy_of(var)
     return (local if strategy is None else int(strategy.num_replicas_in_sync)), local
 
 
@@ -324,7 +359,7 @@ def _restore_variable(var: Variable, record: dict[str, Any], read: Callable[[str
             return
         if var.aggregation is VariableAggregation.SUM:
             # This worker's share of the split over every replica of the job (its global replica ids).
-            first = 0 if total == local else getattr(var._distribute_strategy.extended, "_worker_index", 0) * local
+            first = 0 if total == local else getattr(strategy_of(var).extended, "_worker_index", 0) * local
             _assign_components(var, _split_sum(value, total)[first : first + local])
         else:  # MEAN, ONLY_FIRST_REPLICA, NONE: every component the value (as TF)
             _assign_components(var, [value] * local)
@@ -677,7 +712,7 @@ class Checkpoint:
                     "slots": slots,
                 }
             else:  # iterator
-                record = {"kind": "iterator", **obj._checkpoint_state()}
+                record = {"kind": "iterator", **_saveable(obj)._checkpoint_state()}
             objects[path] = record
         directory = os.path.dirname(prefix) or "."
         if not os.path.basename(prefix):
@@ -811,7 +846,7 @@ class Checkpoint:
                 verify([r for *_, r in matched])
             matched, _, _ = self._match(graph, saved)
             # An iterator replays its input on a fresh copy: a position past its end raises here.
-            commits = [obj._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
+            commits = [_saveable(obj)._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
 
             # Nothing can fail from here on: assign.
             def read(key: str) -> npt.NDArray[Any]:
@@ -825,7 +860,7 @@ class Checkpoint:
                 self._pending_save_counter = read(counter_record["tensor"])
         for _, kind, obj, record in matched:
             if kind == "optimizer":
-                obj._restore_state(record["hyperparameters"])
+                _saveable(obj)._restore_state(record["hyperparameters"])
         for commit in commits:
             commit()
         restoration.restored.update(path for path, *_ in matched)
@@ -864,7 +899,7 @@ class Checkpoint:
                     var_list.append(leaf[1])
             for var in var_list:
                 try:
-                    opt._restore_state({}, [var])
+                    _saveable(opt)._restore_state({}, [var])
                     built = True
                 except (TypeError, ValueError):
                     pass  # a variable the optimizer cannot train now: its slots stay unmatched

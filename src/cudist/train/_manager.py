@@ -20,7 +20,7 @@ from typing import Any
 from cudist.train import _format
 from cudist.train import _async
 from cudist.train._async import CheckpointOptions
-from cudist.train._checkpoint import Checkpoint, require_cross_replica
+from cudist.train._checkpoint import Checkpoint, require_cross_replica, write_checkpoint
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
@@ -215,7 +215,7 @@ class CheckpointManager:
             self._record_state()
             _format.remove_orphans(self._directory, self._name)  # debris of this name's crashed or failed saves
 
-        if not self._checkpoint._write(path, options, committed):
+        if not write_checkpoint(self._checkpoint, path, options, committed):
             note()  # not the chief: the same bookkeeping in memory, no files touched
             self._sweep(delete=False)
         return path

@@ -224,7 +224,7 @@ def abort(code: int, message: str) -> NoReturn:
         # MPICH's MPI_Abort can return once it has told mpiexec (seen here): this process must not
         # go on to run more Python, nor block in MPI_Finalize. (os._exit is the standard library's
         # documented exit without cleanup, not another module's private attribute.)
-        os._exit(code or 1)
+        os._exit(code or 1)  # private-read: the standard library's exit without cleanup
 
 
 def await_peers_at_exit(poll_seconds: float = 0.002) -> str | None:
