@@ -14,6 +14,7 @@ import argparse
 import os
 import sys
 
+from cudist import _settings
 from cudist.bench import main as bench_main
 
 
@@ -21,7 +22,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("-n", "--iters", type=int, default=2000)
-    p.add_argument("--tf-python", default=os.environ.get("CUDIST_BENCH_TF_PYTHON", "/tmp/tfvenv/bin/python"))
+    p.add_argument("--tf-python", default=_settings.bench_tf_python() or "/tmp/tfvenv/bin/python")
     p.add_argument("--no-tf", action="store_true", help="skip the TensorFlow comparison")
     a = p.parse_args(argv)
     args = ["run-overhead", "--replicas", str(a.replicas), "-n", str(a.iters), "-w", str(max(1, a.iters // 10))]

@@ -575,9 +575,11 @@ def main(argv=None) -> int:
                         "training loop (default 300)")
     p.add_argument("--batch", type=int, default=256, help="global batch (default 256)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tf-python", default=os.environ.get("CUDIST_BENCH_TF_PYTHON"),
+    from cudist import _settings  # every CUDIST_* variable is read there
+
+    p.add_argument("--tf-python", default=_settings.bench_tf_python(),
                    help="python with TensorFlow (default $CUDIST_BENCH_TF_PYTHON)")
-    p.add_argument("--torch-python", default=os.environ.get("CUDIST_BENCH_TORCH_PYTHON"),
+    p.add_argument("--torch-python", default=_settings.bench_torch_python(),
                    help="python with torch (default $CUDIST_BENCH_TORCH_PYTHON)")
     p.add_argument("--torch-threads", type=int, default=0,
                    help="torch threads per DDP rank (default cores / ranks; the single process keeps all cores)")

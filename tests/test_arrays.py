@@ -181,11 +181,11 @@ def test_gpu_placement_and_copies(cupy):
 
 def test_gpu_device_putter_and_optimizer_groups(cupy):
     from cudist import _input_lib
-    from cudist.optimizers import _device_groups
+    from cudist._dataplane.update import device_groups
 
     x = np.arange(6.0).reshape(3, 2)
     y = _input_lib.device_putter("/gpu:1")({"x": x, "k": 3, "s": np.float32(2.0)})
     assert y["k"] == 3 and A.gpu_of(y["x"]) == 1 and A.gpu_of(y["s"]) == 1
     np.testing.assert_array_equal(A.to_host(y["x"]), x)
     bufs = [A.to_gpu(x, 0), A.to_gpu(x, 1), A.to_gpu(x, 0)]
-    assert _device_groups(bufs) == [(0, 2), (1,)]
+    assert device_groups(bufs) == [(0, 2), (1,)]

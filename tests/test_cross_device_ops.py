@@ -7,7 +7,7 @@ import pytest
 
 import cudist
 from cudist import Mirrored, PerReplica
-from cudist._collectives.packing import pack_groups as _pack_groups
+from cudist._dataplane.packing import pack_groups as _pack_groups
 from cudist._cross_device_ops import KernelAllReduce
 from cudist._reduce_util import ReduceOp
 from cudist._kernels import cpu_backend as _cpu_backend
@@ -135,6 +135,51 @@ def test_strategy_all_reduce_with_each_cpu_ops(make):
     for r in s.experimental_local_results(out):
         for j in range(3):
             np.testing.assert_array_equal(r[j], ref_sum([leaves[i][j] for i in range(3)]))
+
+
+@pytest.mark.parametrize("make", CPU_OPS, ids=["kernel", "to_one", "hier2", "nopack"])
+def test_one_array_per_replica_matches_the_nest_path(make):
+    """Each ops' one-array all-reduce (its own _all_reduce_arrays) gives the nest path's bits."""
+    from cudist import _cross_device_ops as lib
+
+    rng = np.random.default_rng(1)
+    arrays = [rng.standard_normal(37).astype(np.float32) for _ in range(3)]
+    for op in (ReduceOp.SUM, ReduceOp.MEAN):
+        one = lib.all_reduce_arrays(make(), op, arrays)
+        nest = lib.all_reduce(make(), op, [[a] for a in arrays])
+        assert len(one) == 3
+        for a, b in zip(one, nest):
+            np.testing.assert_array_equal(a, b[0])
+
+
+def test_a_subclass_with_its_own_reduction_is_not_fused_into_updates():
+    """A KernelAllReduce subclass defining batch_reduce (or reduce) reduces through it: optimizers get
+    no fused-sum backend, decided when the class is made; the stock classes keep theirs."""
+    from cudist import _cross_device_ops as lib
+
+    calls = []
+
+    class Counting(KernelAllReduce):
+        def batch_reduce(self, reduce_op, value_destination_pairs, options=None):
+            pairs = list(value_destination_pairs)
+            calls.append(len(pairs))
+            return super().batch_reduce(reduce_op, pairs, options)
+
+    class Child(Counting):
+        pass
+
+    grads = [np.ones(4, np.float32), np.ones(4, np.float32)]
+    assert lib.fused_sum_backend(KernelAllReduce(), grads) is not None
+    assert lib.fused_sum_backend(cudist.HierarchicalCopyAllReduce(), grads) is not None
+    assert lib.fused_sum_backend(Counting(), grads) is None
+    assert lib.fused_sum_backend(Child(), grads) is None
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=Counting())
+    with s.scope():
+        v = cudist.Variable(np.zeros(4, np.float32))
+        opt = cudist.optimizers.SGD(0.5)
+    s.run(lambda: opt.apply_gradients([(np.ones(4, np.float32), v)]))
+    assert calls, "the subclass's batch_reduce was not called"
+    np.testing.assert_array_equal(v.numpy(), np.full(4, -1.0, np.float32))
 
 
 def test_broadcast():
@@ -345,7 +390,7 @@ def fake_nccl(monkeypatch):
     import types
 
     from cudist import _cross_device_ops as cdo
-    from cudist._collectives import nccl as nccl_mod
+    from cudist._dataplane.transports import nccl as nccl_mod
 
     module = types.SimpleNamespace(
         NCCL_SUM=0, NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT32=2, NCCL_INT64=4, available=True
@@ -369,7 +414,7 @@ def test_gpu_device_spellings_parse(spelling):
 
 def test_logical_gpus_map_to_physical(fake_gpus):
     from cudist import config
-    from cudist._collectives.placement import gpu_layout
+    from cudist._dataplane.placement import gpu_layout
 
     fake_gpus(2, split={0: 3})
     assert config.logical_to_physical_gpu() == [0, 0, 0, 1]
@@ -488,7 +533,7 @@ class _FakeBuf:
 
 def test_auto_op_picks_nccl_by_size_and_layout(monkeypatch, fake_nccl):
     from cudist import _cross_device_ops as cdo
-    from cudist._collectives import nccl as nccl_mod
+    from cudist._dataplane.transports import nccl as nccl_mod
 
     nccl = fake_nccl(available=True)
     calls = []
@@ -510,7 +555,7 @@ def test_auto_op_picks_nccl_by_size_and_layout(monkeypatch, fake_nccl):
 
 def test_nccl_op_uses_nccl_only_for_distinct_gpus(monkeypatch, fake_nccl):
     from cudist import _cross_device_ops as cdo
-    from cudist._collectives import nccl as nccl_mod
+    from cudist._dataplane.transports import nccl as nccl_mod
 
     fake_nccl(available=True)
     ops = cudist.NcclAllReduce()

@@ -1,5 +1,6 @@
 """The documentation under docs/ cannot rot: its Python snippets run, and its environment-variable
-table lists every ``CUDIST_*`` variable the code reads.
+table lists every ``CUDIST_*`` variable the code reads: ``cudist._settings`` reads them all (no other
+module of ``src/`` does) and its ``TABLE`` is what the page's tables print.
 
 Snippets: every fenced ```` ```python ```` block of ``docs/**/*.md`` runs, a page's blocks in order in
 one fresh interpreter (later blocks may use names from earlier ones, as a reader would), from an empty
@@ -82,7 +83,8 @@ def _is_environ(node: ast.AST) -> bool:
 def python_env_reads(path: Path) -> set[str]:
     """``CUDIST_*`` names read from the environment by one module: the argument of
     ``os.environ.get/pop/setdefault``, ``os.getenv``, ``os.environ[...]`` and ``... in os.environ``,
-    given as a literal or as a module-level constant holding one."""
+    given as a literal or as a module-level constant holding one. ``os.environ[...] = value`` sets a
+    variable (for a child process) and is not a read."""
     tree = ast.parse(path.read_text(encoding="utf-8"))
     consts = {}
     for node in ast.walk(tree):
@@ -105,7 +107,7 @@ def python_env_reads(path: Path) -> set[str]:
             if (isinstance(f, ast.Attribute) and f.attr in ("get", "pop", "setdefault") and _is_environ(f.value)) or (
                     isinstance(f, (ast.Attribute, ast.Name)) and ast.unparse(f).endswith("getenv")):
                 keys.append(value(node.args[0]))
-        elif isinstance(node, ast.Subscript) and _is_environ(node.value):
+        elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Load) and _is_environ(node.value):
             keys.append(value(node.slice))
         elif isinstance(node, ast.Compare) and any(isinstance(o, (ast.In, ast.NotIn)) for o in node.ops):
             if any(_is_environ(c) for c in node.comparators):
@@ -119,9 +121,14 @@ def cpp_env_reads(path: Path) -> set[str]:
 
 def code_env_reads() -> dict[str, list[str]]:
     """Every ``CUDIST_*`` variable src/ and csrc/ read, with the files that read it."""
+    from cudist import _settings
+
     found: dict[str, list[str]] = {}
     for p in sorted((ROOT / "src").rglob("*.py")):
-        for name in python_env_reads(p):
+        # _settings reads through helpers taking the variable as an argument; its TABLE lists what it
+        # reads (tests/test_settings.py checks each accessor against the environment).
+        names = {s.name for s in _settings.TABLE} if p.name == "_settings.py" else python_env_reads(p)
+        for name in names:
             found.setdefault(name, []).append(str(p.relative_to(ROOT)))
     for p in sorted((ROOT / "csrc").rglob("*")):
         if p.suffix in (".hpp", ".cpp", ".cuh", ".cu", ".h"):
@@ -142,13 +149,41 @@ def test_env_scanner_finds_the_known_reads():
 def test_env_scanner_on_planted_reads(tmp_path):
     p = tmp_path / "m.py"
     p.write_text('import os\nX = "CUDIST_PLANTED_A"\nos.environ.get(X)\nos.getenv("CUDIST_PLANTED_B")\n'
-                 'os.environ["CUDIST_PLANTED_C"]\n"CUDIST_PLANTED_D" in os.environ\nY = "CUDIST_NOT_READ"\n')
+                 'os.environ["CUDIST_PLANTED_C"]\n"CUDIST_PLANTED_D" in os.environ\nY = "CUDIST_NOT_READ"\n'
+                 'os.environ["CUDIST_ONLY_SET"] = "1"\n')
     assert python_env_reads(p) == {"CUDIST_PLANTED_A", "CUDIST_PLANTED_B", "CUDIST_PLANTED_C", "CUDIST_PLANTED_D"}
 
 
 def test_every_env_variable_the_code_reads_is_documented():
     missing = {k: v for k, v in code_env_reads().items() if k not in documented_variables()}
     assert not missing, f"add these to docs/reference/environment.md: {missing}"
+
+
+def test_only_settings_reads_cudist_variables():
+    """``cudist._settings`` is the one module of src/ that reads a ``CUDIST_*`` variable."""
+    readers = {p for paths in code_env_reads().values() for p in paths if p.startswith("src/")}
+    assert readers == {"src/cudist/_settings.py"}, sorted(readers)
+
+
+def test_settings_table_covers_every_read():
+    """Each variable src/ or csrc/ reads has a row in ``_settings.TABLE`` (the C++ pool's included)."""
+    from cudist import _settings
+
+    names = {s.name for s in _settings.TABLE}
+    assert set(code_env_reads()) <= names, sorted(set(code_env_reads()) - names)
+
+
+def test_env_page_tables_are_the_settings_table():
+    """The page's Runtime, Set-by-cudist and Benchmarks tables are ``_settings.markdown_table``'s output."""
+    from cudist import _settings
+
+    text = ENV_PAGE.read_text(encoding="utf-8")
+    for section, title in _settings.SECTIONS.items():
+        part = text.split(f"## {title}\n", 1)[1].split("\n## ", 1)[0]
+        table = "\n".join(line for line in part.splitlines() if line.startswith("|"))
+        assert table == _settings.markdown_table(section), (
+            f"docs/reference/environment.md's {title!r} table differs from cudist._settings.TABLE; print it with "
+            f"python -c \"from cudist import _settings; print(_settings.markdown_table({section!r}))\"")
 
 
 def test_every_documented_variable_exists():

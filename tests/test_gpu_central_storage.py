@@ -31,7 +31,7 @@ def test_defaults_place_variables_on_the_cpu(strategy):
     with strategy.scope():
         v = cudist.Variable(np.arange(6, dtype=np.float32).reshape(2, 3))
     assert isinstance(v, cudist.Variable) and v.device == CPU0
-    assert type(v._array) is np.ndarray
+    assert type(v.storage.array) is np.ndarray
     np.testing.assert_array_equal(v.numpy(), np.arange(6).reshape(2, 3))
     assert type(v.value()) is np.ndarray  # cross-replica reads stay on the parameter device
 
@@ -95,11 +95,11 @@ def test_replica_updates_aggregate_onto_the_host(strategy, aggregation):
         want = init + s / np.float32(n)
     else:
         want = init + deltas[0]
-    assert type(v._array) is np.ndarray
+    assert type(v.storage.array) is np.ndarray
     np.testing.assert_allclose(v.numpy(), want, rtol=1e-6)
     # Cross-replica assigns of GPU values land on the host too.
     v.assign(cupy.asarray(init * 2))
-    assert type(v._array) is np.ndarray
+    assert type(v.storage.array) is np.ndarray
     np.testing.assert_array_equal(v.numpy(), init * 2)
 
 
@@ -183,4 +183,4 @@ def test_physical_gpus_read_on_their_own_gpu():
         assert a.device.id == r
         np.testing.assert_array_equal(cupy.asnumpy(a), np.arange(4))
     np.testing.assert_array_equal(v.numpy(), np.arange(4) * (1 + 2 * count))
-    assert type(v._array) is np.ndarray
+    assert type(v.storage.array) is np.ndarray

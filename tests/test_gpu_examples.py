@@ -49,6 +49,6 @@ def test_gpu_variables_live_on_the_replica_gpus(train_mlp):
         copies = strategy.experimental_local_results(var)
         assert len(copies) == 3
         for i, c in enumerate(copies):
-            assert isinstance(c._array, cupy.ndarray)
+            assert isinstance(c.storage.array, cupy.ndarray)
             assert c.device.endswith(f"device:GPU:{i}")
-            np.testing.assert_array_equal(cupy.asnumpy(c._array), cupy.asnumpy(copies[0]._array))
+            np.testing.assert_array_equal(cupy.asnumpy(c.storage.array), cupy.asnumpy(copies[0].storage.array))

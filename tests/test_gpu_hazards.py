@@ -81,7 +81,7 @@ def test_all_gather_sources_may_be_freed_right_after(backend, streams_out_of_ord
 def test_packing_orders_the_copy_of_a_leaf_on_another_gpu():
     """GPU 1 is still computing the leaf when replica 0's pack copies it to GPU 0 (the fake's lazy
     order runs GPU 0's queue first unless the copy waits for GPU 1)."""
-    from cudist._collectives import packing
+    from cudist._dataplane import reduce as reductions
 
     count = 777
     with cupy.cuda.Device(1):
@@ -89,7 +89,7 @@ def test_packing_orders_the_copy_of_a_leaf_on_another_gpu():
         far *= 2
     near = _on(0, np.ones(count, np.float32))
     other = [_on(1, np.full(count, 3, np.float32)), _on(1, np.full(count, 5, np.float32))]
-    out = packing.batch_reduce("test", ReduceOp.SUM, [[near, far], other])
+    out = reductions.batch_reduce("test", ReduceOp.SUM, [[near, far], other])
     with cupy.cuda.Device(1):
         far.fill(-1)  # GPU 1 overwrites the leaf right after
     np.testing.assert_array_equal(cupy.asnumpy(out[0]), np.full(count, 4, np.float32))

@@ -72,7 +72,7 @@ def test_nccl_hint_names_the_package_for_cupys_cuda(runtime, package):
     code = (
         "from cupy.cuda import nccl\n"
         "nccl.available = False\n"
-        "from cudist._collectives import nccl as cn\n"
+        "from cudist._dataplane.transports import nccl as cn\n"
         "print(cn.load()[1])\n"
     )
     out = _run(code, CUDIST_EMU_RUNTIME=runtime, CUDIST_EMU_DRIVER="13000")

@@ -220,7 +220,7 @@ def test_one_device_strategy_on_a_logical_gpu(strategy):
 
 # ---------------------------------------------------------------------------------------------- several physical GPUs
 def _nccl_or_skip():
-    from cudist._collectives.nccl import load as _nccl_module
+    from cudist._dataplane.transports.nccl import load as _nccl_module
 
     nccl, why = _nccl_module()
     if nccl is None:

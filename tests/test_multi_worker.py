@@ -233,10 +233,17 @@ def test_a_worker_ending_first_with_nothing_owed_is_fine(no_shm_left):
     assert "FINISHED 0" in proc.stdout
 
 
-def test_the_early_hook_knows_the_launchers_variables():
-    from cudist._collectives import mpi
+def test_the_early_hook_knows_the_launchers_variables(monkeypatch):
+    """``import cudist``'s early abort hook and the strategy share one test of "started by mpiexec"."""
+    from cudist import _settings
 
-    assert cudist._MPI_LAUNCHER_ENV == mpi.LAUNCHER_ENV
+    for k in _settings.MPI_LAUNCHER_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert not _settings.launched_by_mpi()
+    for k in ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS"):
+        monkeypatch.setenv(k, "1")
+        assert _settings.launched_by_mpi(), k
+        monkeypatch.delenv(k)
 
 
 @needs_mpi
@@ -651,7 +658,7 @@ def test_tf_config_resolver(monkeypatch):
 @pytest.mark.parametrize("value,mode", [(None, "quick"), ("", "quick"), ("1", "full"), ("yes", "full"),
                                         ("0", "off"), ("off", "off"), ("False", "off")])
 def test_collective_checks_are_on_by_default(monkeypatch, value, mode):
-    from cudist._collectives import mpi
+    from cudist._dataplane.transports import mpi
 
     if value is None:
         monkeypatch.delenv("CUDIST_CHECK_COLLECTIVES", raising=False)

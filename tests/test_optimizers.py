@@ -93,8 +93,8 @@ def _rid():
 
 
 def _skip_unsupported(var):
-    if var.dtype not in var._kernel().dtypes:
-        pytest.skip(f"backend {var._kernel().name} lacks {var.dtype.name}")
+    if var.dtype not in var.storage.kernel().dtypes:
+        pytest.skip(f"backend {var.storage.kernel().name} lacks {var.dtype.name}")
 
 
 # ---------------------------------------------------------------------------- numerics over strategies
@@ -252,7 +252,7 @@ def test_one_merge_call_one_kernel_pass_per_variable(monkeypatch, ops):
     with strategy.scope():
         variables = [cudist.Variable(_random(s, np.float32, rng)) for s in [(8,), (2, 3), (5, 1)]]
         opt = optimizers.Adam(0.01)
-    kernels = variables[0]._kernel().trusted
+    kernels = variables[0].storage.kernel().trusted
     calls = {"merge": 0, "batch_reduce": 0, "adam": [], "fused": []}
 
     real_merge = cudist.ReplicaContext.merge_call
@@ -544,7 +544,7 @@ def test_gradient_aliasing_the_variable():
         var = cudist.Variable(w0)
         opt = optimizers.SGD(0.5)
         # a view of copy 1 (which the kernel writes) as the gradient: must read the old values
-        opt.apply_gradients([(var.values[1]._array[:], var)])
+        opt.apply_gradients([(var.values[1].storage.array[:], var)])
     for c in _local(strategy, var):
         np.testing.assert_array_equal(c, w0 - np.float32(0.5) * w0)
 
@@ -562,7 +562,7 @@ def test_a_step_reads_gradients_that_alias_another_variable_before_any_update(ho
     with strategy.scope():
         a, b = cudist.Variable(a0), cudist.Variable(b0)
         opt = optimizers.SGD(0.5)
-    store = (a.values[0] if where != "one-device" else a)._array  # what the update of a writes (host copies share it)
+    store = (a.values[0] if where != "one-device" else a).storage.array  # what the update of a writes (host copies share it)
 
     def step():
         g = {"storage": store, "view": store[:], "dlpack": np.from_dlpack(a)}[how]
@@ -615,11 +615,11 @@ def test_mirrored_on_logical_gpus(kind):
         ref_w, ref_slots = w0.copy(), [np.zeros(33, np.float32) for _ in SLOTS[kind]]
         for t in range(STEPS):
             ref_w, ref_slots = reference_step(kind, ref_w, ref_slots, reference_sum(grads[t]), LR[kind], t + 1)
-        copies = [cupy.asnumpy(c._array) for c in var.values]
+        copies = [cupy.asnumpy(c.storage.array) for c in var.values]
         np.testing.assert_allclose(copies[0], ref_w, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(copies[1], copies[0])
         slot = opt.get_slot(var, SLOTS[kind][0])
-        assert all(type(c._array) is cupy.ndarray for c in slot.values)
-        np.testing.assert_allclose(cupy.asnumpy(slot.values[1]._array), ref_slots[0], rtol=1e-5, atol=1e-6)
+        assert all(type(c.storage.array) is cupy.ndarray for c in slot.values)
+        np.testing.assert_allclose(cupy.asnumpy(slot.values[1].storage.array), ref_slots[0], rtol=1e-5, atol=1e-6)
     finally:
         config.set_logical_device_configuration(gpu0, None)

@@ -9,7 +9,7 @@ import pytest
 
 import cudist
 from cudist import PerReplica
-from cudist._collectives import pool
+from cudist._dataplane import pool
 
 BIG = (1 << 16,)  # 256 KiB of float32: pooled
 

@@ -217,7 +217,7 @@ def test_error_classes_keep_the_builtin_types_we_raised():
     assert issubclass(E.DeadlineExceededError, TimeoutError)
     assert issubclass(E.UnimplementedError, NotImplementedError)
     assert issubclass(E.ResourceExhaustedError, MemoryError)
-    from cudist._collectives import mpi
+    from cudist._dataplane.transports import mpi
 
     assert mpi.DeadlineExceededError is E.DeadlineExceededError  # the multi-worker timeout
 

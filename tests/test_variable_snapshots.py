@@ -207,7 +207,7 @@ def test_checkpoint_restore_keeps_held_snapshots(tmp_path):
 
 # ------------------------------------------------------------------ host mirrored copies share storage
 def _storages(v):
-    return len({id(c._array) for c in v.values})
+    return len({id(c.storage.array) for c in v.values})
 
 
 def test_host_mirrored_copies_share_one_storage_until_one_is_written_alone():

@@ -255,10 +255,10 @@ def test_creation_in_scope(strategy):
         assert [c.device for c in v.values] == list(strategy.extended.worker_devices)
         assert v.device == strategy.extended.worker_devices[0]
         if any("GPU" in d for d in strategy.extended.worker_devices):
-            assert len({id(c._array) for c in v.values}) == n  # one buffer per device
-            assert all(not np.shares_memory(a._array, b._array) for a in v.values for b in v.values if a is not b)
+            assert len({id(c.storage.array) for c in v.values}) == n  # one buffer per device
+            assert all(not np.shares_memory(a.storage.array, b.storage.array) for a in v.values for b in v.values if a is not b)
         else:  # host copies share one array until one is written alone (test_variable_snapshots.py)
-            assert len({id(c._array) for c in v.values}) == 1
+            assert len({id(c.storage.array) for c in v.values}) == 1
         for c in v.values:
             np.testing.assert_array_equal(c.numpy(), x)
         assert repr(v).startswith("MirroredVariable:{\n  0: <cudist.Variable 'v:0' shape=(3, 2) dtype=float32")
@@ -363,7 +363,7 @@ def test_assign_component_to_all():
     s = make_strategy("mirrored3")
     with s.scope():
         v = cudist.Variable(np.arange(4.0, dtype=np.float32))
-    v.values[1]._array[:] = 9  # desynchronise on purpose, then resynchronise from component 1
+    v.values[1].storage.array[:] = 9  # desynchronise on purpose, then resynchronise from component 1
     v.assign(v.values[1])
     for c in v.values:
         np.testing.assert_array_equal(c.numpy(), np.full(4, 9.0))

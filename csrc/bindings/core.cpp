@@ -332,7 +332,7 @@ py::handle shared_output(py::handle out, Shape&& shape, PyObject* descr, py::obj
   return made;
 }
 
-// The user's one-array all-reduce on CPU replicas (cudist._collectives.packing): reduce_to_one of
+// The user's one-array all-reduce on CPU replicas (cudist._dataplane.reduce): reduce_to_one of
 // the N arrays into `out` (a pooled buffer of theirs), made read-only, returned as [out] + N-1 views
 // of it (one distinct read-only object per replica, as TF's tensors are). Returns None, doing
 // nothing, unless bufs is a list or tuple of at least 2 numpy.ndarray (exactly) of one shape and
@@ -546,7 +546,7 @@ void batch_reduce_to_one(py::handle inputs, py::handle op_h, py::handle out) {
   });
 }
 
-// A step's gradients all-reduced by a replica (cudist._collectives.packing): batch_reduce_to_one of
+// A step's gradients all-reduced by a replica (cudist._dataplane.reduce): batch_reduce_to_one of
 // inputs[r][j] (leaf j of replica r) into `out` (a 1-d pooled buffer, the leaves back to back), made
 // read-only; returns per replica the list of its leaves' results: replica 0's are views of `out` in
 // its leaves' shapes, the others' views of those (distinct read-only objects sharing the memory).

@@ -16,7 +16,7 @@ from mkdocs.exceptions import PluginError
 #: The modules whose every public name must be in the reference.
 MODULES = ("cudist", "cudist.data", "cudist.config", "cudist.experimental", "cudist.errors", "cudist.optimizers",
            "cudist.optimizers.schedules", "cudist.cluster_resolver", "cudist.losses", "cudist.metrics", "cudist.nn",
-           "cudist.train", "cudist.launch")
+           "cudist.train", "cudist.train.experimental", "cudist.launch")
 
 
 def inventory_names(path: Path) -> set[str]:

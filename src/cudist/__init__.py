@@ -160,12 +160,6 @@ __all__ = [
 ]
 
 
-#: Environment variables MPI launchers set in the processes they start; the same as
-#: ``cudist._collectives.mpi.LAUNCHER_ENV`` (tests/test_multi_worker.py checks), copied so that
-#: ``import cudist`` need not import that module.
-_MPI_LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
-
-
 def _abort_job_on_early_errors() -> None:
     """In a process started by an MPI launcher: an uncaught exception ends the whole job.
 
@@ -175,10 +169,11 @@ def _abort_job_on_early_errors() -> None:
     is installed here, at no cost: it loads MPI only if an exception reaches it, and then hands
     over to the strategy's hook (which prints the traceback and aborts the job).
     """
-    import os  # noqa: PLC0415
     import sys  # noqa: PLC0415
 
-    if not any(k in os.environ for k in _MPI_LAUNCHER_ENV):
+    from cudist import _settings  # noqa: PLC0415 - cheap: the environment only, no MPI
+
+    if not _settings.launched_by_mpi():
         return
     previous = sys.excepthook
 
@@ -188,7 +183,7 @@ def _abort_job_on_early_errors() -> None:
             return
         sys.excepthook = previous
         try:
-            from cudist._collectives import mpi  # noqa: PLC0415
+            from cudist._dataplane.transports import mpi  # noqa: PLC0415
 
             mpi.world()  # loads MPI; in a job of several processes, installs the aborting hook
         except BaseException:  # noqa: BLE001 - whatever fails here, the traceback must still be printed

@@ -13,6 +13,7 @@ def _info() -> str:
     import numpy as np
 
     import cudist
+    from cudist import _settings
     from cudist._kernels import BACKENDS, BackendUnavailableError, available_backends, cuda_launch_policy, get_backend
 
     lines = [
@@ -43,7 +44,7 @@ def _info() -> str:
     lines.append(f"cupy launch path: {cuda_launch_policy()}" + ("" if "cupy" in installed else " (once CuPy is installed)"))
     if "cupy" in installed:
         lines.append(_cuda_info())
-    env = os.environ.get("CUDIST_BACKEND")
+    env = _settings.backend()
     if not env:
         lines.append(f"default CPU backend: {get_backend().name}")
     elif env.strip().lower() == "cupy":  # as above: name it without initialising CUDA

@@ -17,12 +17,12 @@ import logging
 
 import numpy as np
 
-from cudist import _devices
+from cudist import _devices, _settings
 from cudist._arrays import like, to_host
 from cudist._collective_ops import CollectiveAllReduce
 from cudist._collective_util import CommunicationImplementation, CommunicationOptions
-from cudist._collectives import mpi
-from cudist._collectives import nccl as nccl_lib
+from cudist._dataplane.transports import mpi
+from cudist._dataplane.transports import nccl as nccl_lib
 from cudist._cross_device_ops import select_cross_device_ops
 from cudist._distribute_lib import Strategy, default_devices, parse_devices
 from cudist._kernels import BackendUnavailableError
@@ -48,7 +48,7 @@ def _default_resolver():
     tf_config = TFConfigClusterResolver()
     if tf_config.task_type is not None and tf_config.cluster_spec():
         return tf_config
-    if mpi.launched_by_mpi():
+    if _settings.launched_by_mpi():
         return MPIClusterResolver()
     return tf_config
 
@@ -194,14 +194,16 @@ class CollectiveAllReduceExtended(MirroredExtended):
         if comm is None or not isinstance(var, DistributedValues) or getattr(var, "_cudist_broadcast", False):
             return var
         comps = var.values
-        first = comps[0]._array
+        first = comps[0].storage.array
         host = np.array(to_host(first), copy=True, order="C")
         comm.bcast(host, root=0, kind=f"initial value of {var.name}")
-        if isinstance(var, MirroredVariable):  # its host copies may share one storage: write it once
-            var._all_write("assign", comps[0]._coerce(host, "assign"))
+        # Creation runs in cross-replica context (a replica's creation goes through merge_call), where
+        # a mirrored variable's assign writes every copy in one pass (host copies sharing one storage: once).
+        if isinstance(var, MirroredVariable):
+            var.assign(host, read_value=False)
         else:
             for c in comps:
-                c._write("assign", like(host, c._array))
+                c.assign(host, read_value=False)
         var._cudist_broadcast = True
         return var
 
@@ -236,6 +238,22 @@ class CollectiveAllReduceExtended(MirroredExtended):
             return PerReplica([value] * self._num)
         return value
 
+    # -------------------------------------------------------------- the strategy's own checks
+    def _check_replica_counts(self):
+        """Raises ValueError unless every worker has as many local replicas as this one."""
+        if self._num_workers > 1:
+            counts = self._global_count(self._num)
+            if counts != self._num * self._num_workers:
+                raise ValueError(
+                    f"MultiWorkerMirroredStrategy: workers have different numbers of local replicas "
+                    f"(this worker {self._num}, {counts} in all over {self._num_workers} workers); give every worker as many"
+                )
+
+    def _describe(self):
+        """``worker I of W (chief), N local replica(s)``: for the log line and ``repr``."""
+        role = "chief" if self._is_chief else "not chief"
+        return f"worker {self._worker_index} of {self._num_workers} ({role}), {self._num} local replica(s)"
+
 
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous training on the workers of an MPI job (``tf.distribute.MultiWorkerMirroredStrategy``).
@@ -259,18 +277,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     def __init__(self, cluster_resolver=None, communication_options=None, *, devices=None):
         super().__init__(CollectiveAllReduceExtended(self, cluster_resolver, communication_options, devices))
         ext = self._extended
-        if ext._num_workers > 1:
-            counts = ext._global_count(ext._num)
-            if counts != ext._num * ext._num_workers:
-                raise ValueError(
-                    f"MultiWorkerMirroredStrategy: workers have different numbers of local replicas "
-                    f"(this worker {ext._num}, {counts} in all over {ext._num_workers} workers); give every worker as many"
-                )
-        _log.info(
-            "MultiWorkerMirroredStrategy: worker %d of %d (%s), %d local replica(s), %d in sync",
-            ext._worker_index, ext._num_workers, "chief" if ext._is_chief else "not chief", ext._num,
-            self.num_replicas_in_sync,
-        )
+        ext._check_replica_counts()
+        _log.info("MultiWorkerMirroredStrategy: %s, %d in sync", ext._describe(), self.num_replicas_in_sync)
 
     def __repr__(self) -> str:
         ext = self._extended

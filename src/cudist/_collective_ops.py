@@ -6,7 +6,7 @@ A hierarchical all-reduce over the workers of an MPI job:
    packed host buffer; a single local replica's single leaf is sent as it is, without a copy);
 2. one non-blocking MPI ``Iallreduce`` (SUM) per packed buffer of about ``bytes_per_pack`` bytes
    (0: one buffer per dtype), all started before any is waited for, polled with the
-   communicator's deadline (see :mod:`cudist._collectives.mpi`);
+   communicator's deadline (see :mod:`cudist._dataplane.transports.mpi`);
 3. MEAN divides the global sum by the GLOBAL replica count (integers: a true division, float64 or float32 as
    TF; variables keep their dtype, see ``cudist._variables``), then each local replica gets its
    own copy of the result on its own device (the local broadcast).
@@ -14,7 +14,7 @@ A hierarchical all-reduce over the workers of an MPI job:
 GPU replicas, with NCCL (``CommunicationImplementation.NCCL``, or AUTO when CuPy can load NCCL):
 step 1 sums the local replicas with the kernels into packed buffers on the worker's first GPU
 (``bytes_per_pack`` as for MPI), step 2 is one grouped NCCL all-reduce of those buffers across the
-workers (:class:`cudist._collectives.nccl.WorkerCommunicator`: one rank per worker, queued on the
+workers (:class:`cudist._dataplane.transports.nccl.WorkerCommunicator`: one rank per worker, queued on the
 GPU's current stream, waited for with the same deadline, stall warning and fingerprint checks as
 MPI), then MEAN's division and the local broadcast happen on the GPUs. Without NCCL (RING, or
 AUTO without a loadable NCCL), and for dtypes NCCL lacks, GPU replicas are summed on their GPUs
@@ -32,9 +32,11 @@ from __future__ import annotations
 import numpy as np
 
 from cudist._arrays import array_module, contiguous, device_context, gpu_of, is_device_array, like, to_host
-from cudist._collectives import packing, pool
-from cudist._collectives.mpi import describe
-from cudist._collectives.placement import on_destinations, resolve_destinations
+from cudist._dataplane import packing, pool
+from cudist._dataplane import reduce as reductions
+from cudist._dataplane.transports.mpi import describe
+from cudist._dataplane.placement import on_destinations, resolve_destinations
+from cudist import _cross_device_ops as cross_device_ops_lib
 from cudist._cross_device_ops import CrossDeviceOps
 from cudist._kernels import backend_for, cpu_backend
 from cudist._reduce_util import ReduceOp, int_mean_dtype
@@ -49,11 +51,11 @@ class CollectiveAllReduce(CrossDeviceOps):
     """All-reduce across the workers of a multi-worker job, hierarchically (``tf.distribute`` internal).
 
     Args:
-        communicator: the workers' :class:`cudist._collectives.mpi.Communicator` (None: one worker).
+        communicator: the workers' :class:`cudist._dataplane.transports.mpi.Communicator` (None: one worker).
         local_ops: the cross-device ops of the worker's local replicas (what MirroredStrategy picks).
         bytes_per_pack: the size of the packed buffers each MPI (or NCCL) all-reduce carries (0: one per dtype).
         nccl: the cross-worker NCCL communicator for GPU values
-            (:class:`cudist._collectives.nccl.WorkerCommunicator`); None: GPU values go through MPI.
+            (:class:`cudist._dataplane.transports.nccl.WorkerCommunicator`); None: GPU values go through MPI.
     """
 
     def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None):
@@ -90,7 +92,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         # batch_reduce_to (and so through MPI) instead. One worker: exactly the local ops.
         if self._workers > 1:
             return None
-        return self._local._fused_sum_backend(arrays)
+        return cross_device_ops_lib.fused_sum_backend(self._local, arrays)
 
     # ------------------------------------------------------------------ the global sum
     def _global_sums(self, where, kind, per_replica_leaves):
@@ -111,7 +113,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             packing.check_reducible(where, a.dtype)
             if any(is_device_array(x) for x in arrs):
                 # GPU leaves: summed on the GPUs first, then one copy to the host for MPI.
-                local = packing.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
+                local = reductions.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
                 arrs = [to_host(local)]
             host[j] = arrs
         by_dtype: dict = {}
@@ -242,7 +244,7 @@ class CollectiveAllReduce(CrossDeviceOps):
     # ------------------------------------------------------------------ CrossDeviceOps
     def _all_reduce_leaves(self, op, per_replica_leaves, paths=None):
         if self._workers == 1:
-            return self._local._all_reduce_leaves(op, per_replica_leaves, paths)
+            return cross_device_ops_lib.all_reduce(self._local, op, per_replica_leaves, paths)
         if len(per_replica_leaves) > 1:
             packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
         results = self._global_results("all_reduce", _KINDS[op], op, per_replica_leaves)
@@ -258,6 +260,11 @@ class CollectiveAllReduce(CrossDeviceOps):
                     mine.append(res if r == 0 else res.copy())
             outs.append(mine)
         return outs
+
+    def _all_reduce_arrays(self, op, arrays):
+        if self._workers == 1:
+            return cross_device_ops_lib.all_reduce_arrays(self._local, op, arrays)
+        return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):
         if self._workers == 1:

@@ -27,10 +27,11 @@ import numpy as np
 
 from cudist import _devices
 from cudist._arrays import Array, as_array, gpu_of, is_device_array, like, place, snapshot, to_host
-from cudist._collectives import nccl as _nccl
-from cudist._collectives import packing
-from cudist._collectives.packing import LeafPaths, Reducer
-from cudist._collectives.placement import (
+from cudist._dataplane.transports import nccl as _nccl
+from cudist._dataplane import packing
+from cudist._dataplane import reduce as reductions
+from cudist._dataplane.packing import LeafPaths, Reducer
+from cudist._dataplane.placement import (
     Destinations,
     describe_layout,
     gpu_layout,
@@ -53,6 +54,9 @@ __all__ = [
     "AutoGpuAllReduce",
     "default_gpu_ops",
     "select_cross_device_ops",
+    "all_reduce",
+    "all_reduce_arrays",
+    "fused_sum_backend",
 ]
 
 
@@ -148,7 +152,7 @@ class CrossDeviceOps:
         self._check_devices(devices)
         comps = self._uniform("reduce", self._values_of("reduce", per_replica_value))
         packing.check_same_leaves("reduce", [[c] for c in comps])
-        return on_destinations(packing.reduce_arrays("reduce", self._to_reduce_device(comps), op), devices)
+        return on_destinations(reductions.reduce_arrays("reduce", self._to_reduce_device(comps), op), devices)
 
     def _to_reduce_device(self, comps: Sequence[Any]) -> Sequence[Any]:
         """The components where the reduction happens (as they are; ReductionToOneDevice moves them)."""
@@ -202,7 +206,7 @@ class CrossDeviceOps:
         per_replica: list[Sequence[Any]] = [[c[r] for c in comps] for r in range(n)]
         packing.check_same_leaves("batch_reduce", per_replica)
         per_replica = [self._to_reduce_device(leaves) for leaves in per_replica]
-        outs = packing.batch_reduce("batch_reduce", op, per_replica, num_packs=self.num_packs)
+        outs = reductions.batch_reduce("batch_reduce", op, per_replica, num_packs=self.num_packs)
         return [on_destinations(o, d) for o, d in zip(outs, devs)]
 
     def broadcast(self, tensor: Any, destinations: Destinations) -> Array | Mirrored:
@@ -228,14 +232,12 @@ class CrossDeviceOps:
         """The replica-context all-reduce (``ReplicaContext.all_reduce``): ``out[r][j]``, fresh arrays.
 
         ``per_replica_leaves[r][j]`` is leaf ``j`` of replica ``r``; ``paths`` names the leaves in
-        errors. One packed kernel call per dtype and pack.
+        errors. This algorithm's: the data plane's all-reduce (host fast path, then one packed
+        kernel call per dtype and pack, GPU packs through :meth:`_reducer`). A class whose
+        algorithm differs overrides this and :meth:`_all_reduce_arrays` both.
         """
-        checked = packing.host_all_reduce_checked(op, per_replica_leaves, self.num_packs)
-        if checked is not None:  # host leaves, checked and reduced in one native call
-            return checked
-        packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
-        return packing.all_reduce(
-            "all_reduce", op, per_replica_leaves, num_packs=self.num_packs, reducer=self._reducer(per_replica_leaves)
+        return reductions.all_reduce(
+            op, per_replica_leaves, num_packs=self.num_packs, reducer_for=self._reducer, paths=paths
         )
 
     def _all_reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any]) -> list[Array]:
@@ -243,11 +245,7 @@ class CrossDeviceOps:
 
         The per-step common case: host arrays skip the nest handling (same results, same errors).
         """
-        if type(self)._all_reduce_leaves is CrossDeviceOps._all_reduce_leaves:
-            out = packing.all_reduce_arrays(op, arrays)
-            if out is not None:
-                return out
-        return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
+        return reductions.all_reduce_arrays(op, arrays, num_packs=self.num_packs, reducer_for=self._reducer)
 
 
 class KernelAllReduce(CrossDeviceOps):
@@ -260,13 +258,23 @@ class KernelAllReduce(CrossDeviceOps):
         ValueError: ``num_packs`` is negative or not an int.
     """
 
+    #: Whether optimizers may fuse this algorithm's sum into their update: False for a subclass that
+    #: defines its own ``reduce`` or ``batch_reduce`` (:meth:`__init_subclass__`), which then reduces.
+    _fuses_sum = True
+
     def __init__(self, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs(type(self).__name__, num_packs)
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A user's reduce or batch_reduce is always the one that reduces: decided once, when the
+        # class is made, not at each step.
+        if "reduce" in cls.__dict__ or "batch_reduce" in cls.__dict__:
+            cls._fuses_sum = False
+
     def _fused_sum_backend(self, arrays: Sequence[Any]) -> KernelBackend | None:
-        cls = type(self)
-        if cls.batch_reduce is not CrossDeviceOps.batch_reduce or cls.reduce is not CrossDeviceOps.reduce:
-            return None  # a user's override is always the one that reduces
+        if not self._fuses_sum:
+            return None
         b = cpu_backend()
         seen = None  # a step's gradients share one dtype object or a few: each is checked once
         for a in arrays:
@@ -318,12 +326,15 @@ class ReductionToOneDevice(CrossDeviceOps):
     ) -> list[list[Array]]:
         """Reduce to one device (``reduce_to_device``, else the first replica's), then broadcast."""
         packing.check_same_leaves("all_reduce", per_replica_leaves, paths)
-        outs = packing.all_reduce_via_one(
+        outs = reductions.all_reduce_via_one(
             "all_reduce", op, [self._to_reduce_device(leaves) for leaves in per_replica_leaves]
         )
         if self.reduce_to_device is not None:  # each replica's result back on its own device
             outs = [[like(o, a) for o, a in zip(out, leaves)] for out, leaves in zip(outs, per_replica_leaves)]
         return outs
+
+    def _all_reduce_arrays(self, op: ReduceOp, arrays: Sequence[Any]) -> list[Array]:
+        return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
 
 
 class HierarchicalCopyAllReduce(KernelAllReduce):
@@ -447,7 +458,7 @@ class AutoGpuAllReduce(CrossDeviceOps):
 
     Args:
         physical: the CUDA device id of each replica (distinct).
-        nccl: the ``cupy.cuda.nccl`` module (see :func:`cudist._collectives.nccl.load`).
+        nccl: the ``cupy.cuda.nccl`` module (see :func:`cudist._dataplane.transports.nccl.load`).
         num_packs: how many buffers per dtype a batch is split into (0: one per value).
     """
 
@@ -503,6 +514,35 @@ def default_gpu_ops(physical: Sequence[int]) -> CrossDeviceOps:
     ops = P2PAllReduce()
     ops._default_note = note
     return ops
+
+
+# ------------------------------------------------------------------- what the orchestration calls
+def all_reduce(
+    ops: CrossDeviceOps, op: ReduceOp, per_replica_leaves: Sequence[Sequence[Any]], paths: LeafPaths | None = None
+) -> list[list[Array]]:
+    """The replica-context all-reduce (``ReplicaContext.all_reduce``) of ``ops``'s algorithm.
+
+    Args:
+        ops: the strategy's cross-device ops.
+        op: ``ReduceOp.SUM`` or ``ReduceOp.MEAN``.
+        per_replica_leaves: ``per_replica_leaves[r][j]`` is leaf ``j`` (an array) of replica ``r``.
+        paths: the leaves' names, for errors.
+
+    Returns:
+        ``out[r][j]``, fresh arrays.
+    """
+    return ops._all_reduce_leaves(op, per_replica_leaves, paths)
+
+
+def all_reduce_arrays(ops: CrossDeviceOps, op: ReduceOp, arrays: Sequence[Any]) -> list[Array]:
+    """:func:`all_reduce` of one array per replica (the per-step common case): ``out[r]``."""
+    return ops._all_reduce_arrays(op, arrays)
+
+
+def fused_sum_backend(ops: CrossDeviceOps, arrays: Sequence[Any]) -> KernelBackend | None:
+    """The kernel backend that may sum these per-replica arrays fused into an optimizer update
+    under ``ops`` (None: optimizers reduce through ``extended.batch_reduce_to`` first)."""
+    return ops._fused_sum_backend(arrays)
 
 
 def _format_bytes(n: int) -> str:

@@ -27,6 +27,7 @@ import numpy as np
 import numpy.typing as npt
 import optree
 
+from cudist import _cross_device_ops as cross_device_ops_lib
 from cudist import _devices, _replica_engine
 from cudist._context import COLOCATE as _COLOCATE
 from cudist._context import CTX as _CTX
@@ -51,11 +52,12 @@ from cudist._values import (
     select_replica,
     select_replicas,
     select_replicas_exact,
+    stays_in_replica,
 )
 
 if TYPE_CHECKING:
     from cudist._arrays import Array
-    from cudist._collectives.placement import Destinations
+    from cudist._dataplane.placement import Destinations
     from cudist._cross_device_ops import CrossDeviceOps
     from cudist._input_lib import (
         DistributedDataset,
@@ -239,7 +241,7 @@ def _check_component_counts(where: str, tree: Any, n: int) -> None:
         return  # run()'s common args: arrays, per-replica values, lists and tuples of them
     leaves = (tree,) if isinstance(tree, DistributedValues) else optree.tree_leaves(tree, is_leaf=_is_dv)
     for x in leaves:
-        if isinstance(x, DistributedValues) and not x._keep_in_replica and len(x.values) != n:
+        if isinstance(x, DistributedValues) and len(x.values) != n and not stays_in_replica(x):
             raise ValueError(
                 f"{where} got a {type(x).__name__} with {len(x.values)} component(s), but the strategy has {n} "
                 f"replicas (on this worker); build per-replica values with "
@@ -255,7 +257,7 @@ def _counts_match(items: list[Any] | tuple[Any, ...], n: int) -> bool:
         if t is np.ndarray:
             continue
         if isinstance(x, DistributedValues):
-            if not x._keep_in_replica and len(x.values) != n:
+            if len(x.values) != n and not stays_in_replica(x):
                 return False
         elif t is list or t is tuple:
             if not _counts_match(x, n):
@@ -303,7 +305,7 @@ class _LazyPaths:
 
     def __getitem__(self, j: int) -> str:
         if self._paths is None:
-            from cudist._collectives.packing import tree_leaves_with_paths
+            from cudist._dataplane.packing import tree_leaves_with_paths
 
             self._paths = tree_leaves_with_paths(self._tree)[2]
         return self._paths[j]
@@ -313,7 +315,10 @@ class _LazyPaths:
 
 
 def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) -> list[Any]:
+    """``ReplicaContext.all_reduce`` of every replica at once: flattens each replica's nest, checks
+    that the replicas agree, calls the strategy's cross-device ops once, unflattens the results."""
     op, v0 = payloads[0]
+    ops = strategy._extended._cross_device_ops
     if type(v0) is np.ndarray:
         # One NumPy array per replica, every replica with the same op: the per-step common case.
         host = []
@@ -322,14 +327,13 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
                 break
             host.append(v)
         else:
-            return strategy._extended._cross_device_ops._all_reduce_arrays(op, host)
+            return cross_device_ops_lib.all_reduce_arrays(ops, op, host)
     for r, (o, _) in enumerate(payloads[1:], 1):
         if o is not op:
             raise ValueError(f"all_reduce: replica 0 reduces with {op.name} but replica {r} with {o.name}")
-    ops = strategy._extended._cross_device_ops
     if isinstance(v0, _SIMPLE_LEAVES) and all(isinstance(p[1], _SIMPLE_LEAVES) for p in payloads):
         # One array or scalar per replica: the per-step common case, without tree flattening.
-        res = ops._all_reduce_arrays(op, [as_array(p[1]) for p in payloads])
+        res = cross_device_ops_lib.all_reduce_arrays(ops, op, [as_array(p[1]) for p in payloads])
         if isinstance(v0, np.ndarray):
             return res
         return [_scalarize(o) for o in res]
@@ -341,7 +345,7 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
     ):
         # A flat list or tuple of host arrays (a step's gradients): no tree walk, and no scalars. (Lists
         # of the user's lists' items, not those lists: a cross-device ops subclass may change them.)
-        out = ops._all_reduce_leaves(op, [list(p[1]) for p in payloads], _LazyPaths(v0))
+        out = cross_device_ops_lib.all_reduce(ops, op, [list(p[1]) for p in payloads], _LazyPaths(v0))
         return [t0(o) for o in out]
     flat = [optree.tree_flatten(v) for _, v in payloads]
     leaves0, spec0 = flat[0]
@@ -349,7 +353,7 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
         if spec != spec0:
             raise ValueError(f"all_reduce: replica {r} passed a structure {spec} but replica 0 passed {spec0}")
     arrays = [[x if type(x) is np.ndarray else as_array(x) for x in leaves] for leaves, _ in flat]
-    out = ops._all_reduce_leaves(op, arrays, _LazyPaths(v0))
+    out = cross_device_ops_lib.all_reduce(ops, op, arrays, _LazyPaths(v0))
     scalar = [type(x) is not np.ndarray and not is_device_array(x) for x in leaves0]
     results: list[Any] = []
     for r in range(len(payloads)):
@@ -359,7 +363,8 @@ def _h_all_reduce(strategy: Strategy, payloads: Sequence[tuple[ReduceOp, Any]]) 
 
 
 def _h_all_gather(strategy: Strategy, payloads: Sequence[tuple[Any, int]]) -> list[Any]:
-    from cudist._collectives.packing import gather_arrays, tree_leaves_with_paths
+    from cudist._dataplane.packing import tree_leaves_with_paths
+    from cudist._dataplane.reduce import gather_arrays
 
     a: Any  # a replica's axis, then a replica's array
     axis = payloads[0][1]
@@ -630,7 +635,7 @@ class StrategyExtended:
         # The physical GPU of each replica (None on CPUs): made current while the replica runs.
         self._replica_gpus: tuple[int, ...] | None = None
         if _devices.any_gpu(self._devices):
-            from cudist._collectives.placement import gpu_layout
+            from cudist._dataplane.placement import gpu_layout
 
             self._replica_gpus = gpu_layout(self._devices)
         self._check_devices_exist()
@@ -705,7 +710,7 @@ class StrategyExtended:
         None unless this strategy's cross-device ops reduce with exactly that kernel sum (see
         ``CrossDeviceOps._fused_sum_backend``); optimizers then use ``batch_reduce_to``.
         """
-        return self._cross_device_ops._fused_sum_backend(arrays)
+        return cross_device_ops_lib.fused_sum_backend(self._cross_device_ops, arrays)
 
     def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """``experimental_distribute_values_from_function``: a PerReplica at each leaf, even for one replica."""
@@ -1274,7 +1279,7 @@ class Strategy:
             raise TypeError(f"Strategy.gather: axis must be an int, got {type(axis).__name__}")
         if _is_nest_of_dv(value):
             return optree.tree_map(lambda v: self.gather(v, axis), value, is_leaf=_is_dv)
-        from cudist._collectives.packing import gather_arrays
+        from cudist._dataplane.reduce import gather_arrays
 
         comps = value.values if isinstance(value, DistributedValues) else (value,)
         return self._extended._gather_across_workers(gather_arrays([to_host(c) for c in comps], int(axis)), int(axis))

@@ -67,6 +67,9 @@ class _ExtendedLike(Protocol):
     def _num_workers(self) -> int: ...
 
     @property
+    def worker_devices(self) -> tuple[str, ...]: ...  # this worker's replicas' devices
+
+    @property
     def _worker_index(self) -> int: ...
 
     @property

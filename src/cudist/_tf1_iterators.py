@@ -27,7 +27,7 @@ __all__ = ["DatasetIterator", "InputFunctionIterator"]
 class _V1Iterator:
     def __init__(self, strategy: StrategyLike) -> None:
         self._strategy = strategy
-        self._n = int(strategy.num_replicas_in_sync) // strategy.extended._num_workers
+        self._n = len(strategy.extended.worker_devices)  # this worker's replicas
         self._iterator: DistributedIterator | None = None
         self.initialize()
 
@@ -99,7 +99,7 @@ class InputFunctionIterator(_V1Iterator):
             raise ValueError(f"Input replication mode not supported: {replication_mode!r}")
         if not callable(input_fn):
             raise TypeError(f"make_input_fn_iterator: input_fn must be callable, got {type(input_fn).__name__}")
-        n = int(strategy.num_replicas_in_sync) // strategy.extended._num_workers
+        n = len(strategy.extended.worker_devices)  # this worker's replicas
         self._dataset = _data.as_dataset(input_fn(InputContext(1, 0, n)), "make_input_fn_iterator")
         super().__init__(strategy)
 

@@ -17,6 +17,7 @@ __all__ = [
     "select_replicas",
     "select_replicas_exact",
     "is_distributed",
+    "stays_in_replica",
 ]
 
 
@@ -124,6 +125,12 @@ def _select_sequence(n: int, x: list[Any] | tuple[Any, ...], exact: bool = False
     if not cols:
         return [tx() for _ in range(n)]
     return [tx(row) for row in zip(*cols)]
+
+
+def stays_in_replica(value: DistributedValues) -> bool:
+    """Whether ``value`` goes whole into each replica of ``run`` (a distributed variable, which picks
+    its local component itself) rather than being split into its components."""
+    return value._keep_in_replica
 
 
 def select_replica(replica_id: int, structured: Any) -> Any:

@@ -34,7 +34,6 @@ import functools
 import inspect
 import itertools
 import re
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -53,14 +52,15 @@ from cudist._arrays import (
     is_foreign_array,
     like,
     may_share_memory,
+    physical_gpu,
     place,
     python_dtype,
     snapshot,
     to_gpu,
     to_host,
 )
-from cudist._kernels import backend_for
-from cudist._devices import any_gpu, canonicalize, display_name
+from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
+from cudist._devices import any_gpu, canonicalize, display_name, parse_device
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
 from cudist.errors import InvalidArgumentError
@@ -71,7 +71,6 @@ if TYPE_CHECKING:
     from cudist._arrays import Array
     from cudist._devices import DeviceLike
     from cudist._distribute_lib import ReplicaContext, Strategy
-    from cudist._kernels import KernelBackend
 
 _E = TypeVar("_E", bound=enum.Enum)
 _V = TypeVar("_V", bound="Variable")
@@ -134,13 +133,6 @@ _uid_lock = threading.Lock()
 def _next_uid() -> int:
     with _uid_lock:
         return next(_uid)
-
-
-# ---------------------------------------------------------------------------- array helpers
-def kernel_backend(arr: Any) -> KernelBackend | None:
-    """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
-    backend = backend_for(arr)
-    return backend if arr.dtype in backend.dtypes else None
 
 
 # ---------------------------------------------------------------------------- value conversion
@@ -362,8 +354,9 @@ class Variable(metaclass=_VariableMeta):
     __signature__: ClassVar[inspect.Signature]
     #: Set on each component of a distributed variable: a weak reference to that variable.
     _distributed_container: weakref.ref[DistributedVariable]
-    #: The kernel backend, chosen on first use (see :meth:`_kernel`).
-    _kernel_cached: KernelBackend | None
+    #: The variable's storage (internal to the package, stable for its modules): its arrays, the
+    #: copy-on-write snapshots, the kernel backend; see :mod:`cudist._dataplane.storage`.
+    storage: Storage
 
     if TYPE_CHECKING:
         # ``Variable(...)`` goes through _VariableMeta.__call__ to the factory; this is the
@@ -392,7 +385,7 @@ class Variable(metaclass=_VariableMeta):
         shape_spec: _ShapeSpec,
         strategy: Strategy | None,
     ) -> None:
-        self._array = array
+        self.storage = Storage(array)
         self._base_name = name
         self._name = f"{name}:0"
         self._device = device
@@ -423,14 +416,14 @@ class Variable(metaclass=_VariableMeta):
     @property
     def dtype(self) -> np.dtype[Any]:
         """The NumPy dtype."""
-        return self._array.dtype
+        return self.storage.array.dtype
 
     @property
     def shape(self) -> tuple[int | None, ...]:
         """The shape (a tuple; None entries for dimensions left unknown through ``shape=``)."""
         if self._shape_spec is not None:
             return self._shape_spec
-        return self._array.shape
+        return self.storage.array.shape
 
     def get_shape(self) -> tuple[int | None, ...]:
         """Same as :attr:`shape`."""
@@ -439,7 +432,7 @@ class Variable(metaclass=_VariableMeta):
     @property
     def ndim(self) -> int:
         """The number of dimensions."""
-        return self._array.ndim
+        return self.storage.array.ndim
 
     @property
     def trainable(self) -> bool:
@@ -457,12 +450,9 @@ class Variable(metaclass=_VariableMeta):
         return self._aggregation
 
     # ---- reads
-    #: The read-only view of the host storage that :meth:`_cow_snapshot`'s snapshots are views of.
-    _snap: npt.NDArray[Any] | None = None
-
     def _read_live(self) -> Array:
         """The live storage (no copy); callers must not keep or write it."""
-        return self._array
+        return self.storage.array
 
     def value(self) -> Array:
         """A snapshot of the current value (a NumPy or CuPy array).
@@ -481,57 +471,10 @@ class Variable(metaclass=_VariableMeta):
 
     def _read_snapshot(self) -> Array:
         """What value() and read_value() return (a distributed variable: of its local component)."""
-        return self._cow_snapshot()
-
-    def _cow_snapshot(self) -> Array:
-        """A snapshot of this storage: a shared read-only view on the host, a copy on a GPU.
-
-        Why a view over a memoryview rather than ``a.view()``: NumPy collapses the base of every
-        view derived from ``a.view()`` to ``a`` itself, but stops at an array whose base is not an
-        array, so every array derived from this snapshot (``s.T``, ``s[1:]``...) keeps the snapshot
-        object alive and :meth:`_detach_shared` sees them all in its reference count.
-        """
-        a = self._array
-        if type(a) is not np.ndarray:
-            return snapshot(a)
-        s = self._snap
-        if s is None or s.base.obj is not a:  # type: ignore[union-attr]  # the memoryview's exporter
-            s = np.asarray(a.data)  # a.data: a memoryview of the storage
-            s.flags.writeable = False
-            self._snap = s
-        # A new object per read (its base is ``s``), as every TF read is a new tensor: ``run`` keeps
-        # the same object returned by every replica unwrapped, distinct ones become PerReplica.
-        return s.view()
-
-    def _snapshot_held(self) -> bool:
-        """Whether a snapshot of this storage (or an array derived from one) is referenced outside."""
-        snap = self._snap
-        # References: the attribute, ``snap`` and getrefcount's argument; more are snapshot holders.
-        return snap is not None and sys.getrefcount(snap) > 3
-
-    def _shares_storage(self) -> bool:
-        """Whether another component of this variable's distributed variable uses the same storage."""
-        ref = self.__dict__.get("_distributed_container")
-        container = ref() if ref is not None else None
-        if container is None:
-            return False
-        a = self._array
-        return any(c is not self and c._array is a for c in container._values)
-
-    def _split_storage(self) -> None:
-        """Gives every component storage of its own (a plain variable has one already)."""
-
-    def _detach_shared(self) -> Array:
-        """The storage, ready for a write of this component alone: moved to fresh memory first if a
-        snapshot of it is still referenced (copy-on-write) or another component shares it (host
-        copies of a mirrored variable). Every single-component in-place writer calls this."""
-        if self._snapshot_held() or self._shares_storage():
-            self._array = self._array.copy()
-            self._snap = None
-        return self._array
+        return self.storage.snapshot()
 
     def _read_host(self) -> npt.NDArray[Any]:
-        """What host reads (numpy(), __array__) copy from: the live storage, or a host copy of it."""
+        """What host reads (numpy(), __array__, checkpoints) copy from: the live storage, or a host copy of it."""
         return to_host(self._read_live())
 
     def numpy(self) -> HostValue:
@@ -565,26 +508,10 @@ class Variable(metaclass=_VariableMeta):
         """The DLPack device of the storage :meth:`__dlpack__` exports: (1, 0) on the host, (2, gpu) on a GPU."""
         return self._read_live().__dlpack_device__()
 
-    def _buffers(self) -> tuple[Array, ...]:
-        """The storage arrays to write in place, one per component (for fused optimizer kernels);
-        see :meth:`_detach_shared`."""
-        return (self._detach_shared(),)
-
-    def _primary_array(self) -> Array:
-        return self._array
-
-    def _kernel(self) -> KernelBackend | None:
-        """The kernel backend for this variable's arrays (None if none handles its dtype), chosen once."""
-        try:
-            return self._kernel_cached
-        except AttributeError:
-            self._kernel_cached = kernel_backend(self._primary_array())
-            return self._kernel_cached
-
     # ---- updates
     def _coerce(self, value: Any, method: str) -> Array:
         """``value`` as an array of this variable's dtype and shape on its device."""
-        ref = self._array
+        ref = self.storage.array
         if type(value) is np.ndarray and type(ref) is np.ndarray and value.dtype == ref.dtype and value.shape == ref.shape:
             return value  # the common case, kept cheap: per-step updates of host variables
         what = f"{method} to variable '{self.name}'"
@@ -604,7 +531,7 @@ class Variable(metaclass=_VariableMeta):
 
     def _write(self, method: str, arr: Array) -> None:
         """Applies an already-coerced update to this single storage array."""
-        ref = self._detach_shared()
+        ref = self.storage.detach()
         xp = array_module(ref)
         if xp is not np:
             with device_context(ref):  # CuPy works on the current device: make it this component's
@@ -615,7 +542,7 @@ class Variable(metaclass=_VariableMeta):
     def _write_arrays(self, xp: ModuleType, method: str, ref: Array, arr: Array) -> None:
         if method == "assign":
             if arr.shape != ref.shape:  # allowed by a partially unknown `shape=`
-                self._array = xp.array(arr, order="C", copy=True)
+                self.storage.replace(xp.array(arr, order="C", copy=True))
             else:
                 xp.copyto(ref, arr)
         elif method == "assign_add":
@@ -717,8 +644,8 @@ class Variable(metaclass=_VariableMeta):
         """An independent variable with a copy of the value: same name, device, settings and strategy."""
         new = object.__new__(type(self))
         memo[id(self)] = new
-        state = {k: v for k, v in vars(self).items() if k not in ("_kernel_cached", "_distributed_container", "_snap")}
-        state["_array"] = snapshot(self._array)
+        state = {k: v for k, v in vars(self).items() if k != "_distributed_container"}
+        state["storage"] = self.storage.clone()
         state["_unique_id"] = f"{self._base_name.split('/')[0]}_{_next_uid()}"
         new.__dict__.update(state)
         return new
@@ -734,10 +661,10 @@ class Variable(metaclass=_VariableMeta):
         rebuild = functools.partial(
             create_plain_variable,
             None,
-            initial_value=to_host(self._array),
+            initial_value=to_host(self.storage.array),
             trainable=self._trainable,
             name=self._base_name,
-            dtype=self._array.dtype,
+            dtype=self.storage.array.dtype,
             synchronization=self._synchronization,
             aggregation=self._aggregation,
             shape=self._shape_spec,
@@ -845,6 +772,11 @@ del _name, _fn
 
 
 # ---------------------------------------------------------------------------- distributed
+def _replica_zero_value(strategy: Strategy, value: Any) -> Any:
+    """ONLY_FIRST_REPLICA's value: replica 0's of the whole job (the chief's first, on every worker)."""
+    return strategy.extended._first_replica_value(value)  # private-read: the strategy's multi-worker hook (TF's *Extended pattern)
+
+
 def _aggregate(strategy: Strategy, value: Any, aggregation: VariableAggregation, var: Variable) -> Any:
     """Combines a regrouped replica-context update value (inside merge_call) into one array.
 
@@ -853,10 +785,11 @@ def _aggregate(strategy: Strategy, value: Any, aggregation: VariableAggregation,
     Python constant) cannot be summed: TF raises, as the sum would silently be N times it.
     """
     if aggregation is VariableAggregation.ONLY_FIRST_REPLICA:
-        return strategy.extended._first_replica_value(value)
+        return _replica_zero_value(strategy, value)
     op = ReduceOp.from_variable_aggregation(aggregation)
     n = strategy.num_replicas_in_sync
-    value = strategy.extended._local_value_of(value)  # multi-worker: a worker's plain value is its contribution
+    # Multi-worker: a worker's plain value is its contribution.
+    value = strategy.extended._local_value_of(value)  # private-read: the strategy's multi-worker hook (TF's *Extended pattern)
     if not isinstance(value, DistributedValues):
         if op is ReduceOp.SUM and n > 1:
             raise ValueError(f"A non-DistributedValues value {value!r} cannot be reduced with the given reduce op {op}.")
@@ -867,7 +800,7 @@ def _aggregate(strategy: Strategy, value: Any, aggregation: VariableAggregation,
             f"update to variable '{var.name}' has {len(value.values)} per-replica values but the strategy has "
             f"{n_local} local replicas"
         )
-    ref = var._primary_array()
+    ref = var.storage.primary
     arrays: list[Array] = []
     for i, v in enumerate(value.values):
         if type(v) is np.ndarray and type(ref) is np.ndarray and v.dtype == ref.dtype and v.shape == ref.shape:
@@ -903,6 +836,8 @@ class DistributedVariable(DistributedValues, Variable):
     _keep_in_replica = True
     _values: tuple[Variable, ...]  # the components
     _distribute_strategy: Strategy  # always set for distributed variables
+    #: The components' storages as one group (their arrays are the components' ``storage``).
+    storage: GroupStorage  # type: ignore[assignment]  # a distributed variable's storage is its components' group
 
     def _setup_distributed(
         self,
@@ -920,15 +855,13 @@ class DistributedVariable(DistributedValues, Variable):
         self._trainable = trainable
         self._synchronization = synchronization
         self._aggregation = aggregation
+        self.storage = GroupStorage([c.storage for c in components], mirrored=isinstance(self, Mirrored))
 
     @classmethod
     def _build_distributed(cls, strategy: Strategy, components: Sequence[Variable], **kwargs: Any) -> Self:
         obj = object.__new__(cls)
         obj._setup_distributed(strategy, components, **kwargs)
         return obj
-
-    def _primary_array(self) -> Array:
-        return self._values[0]._array
 
     def _replica_ctx(self) -> ReplicaContext | None:
         return _replica_context_of(self._distribute_strategy)
@@ -944,7 +877,8 @@ class DistributedVariable(DistributedValues, Variable):
             ctx = self._replica_ctx()
         if ctx is None:
             return self._values[0]
-        return self._values[ctx._replica_id]  # this worker's replica index
+        # This worker's replica index: the components are this worker's replicas, in order.
+        return self._values[ctx.replica_id_in_sync_group % len(self._values)]
 
     # ---- properties resolve to the primary (or the local component where TF does)
     @property
@@ -956,7 +890,7 @@ class DistributedVariable(DistributedValues, Variable):
     def device(self) -> str:
         """The calling replica's component's device inside ``run``; else the primary's."""
         ctx = _replica_context_of(self._distribute_strategy, strict=False)
-        return self._values[0 if ctx is None else ctx._replica_id].device
+        return self._values[0 if ctx is None else ctx.replica_id_in_sync_group % len(self._values)].device
 
     @property
     def dtype(self) -> np.dtype[Any]:
@@ -977,19 +911,11 @@ class DistributedVariable(DistributedValues, Variable):
     def _unique_id(self) -> str:  # type: ignore[override]  # Variable's is set in _setup; a component's here
         return self._values[0]._unique_id
 
-    def _buffers(self) -> tuple[Array, ...]:
-        return tuple(c._detach_shared() for c in self._values)
-
     def _read_snapshot(self) -> Array:
-        return self._local()._cow_snapshot()
-
-    def _split_storage(self) -> None:
-        """Gives every component storage of its own (a no-op unless some share it)."""
-        for c in self._values:
-            c._detach_shared()
+        return self._local()._read_snapshot()
 
     def _read_live(self) -> Array:
-        return self._local()._array
+        return self._local().storage.array
 
     def __len__(self) -> int:
         return Variable.__len__(self)
@@ -1026,52 +952,12 @@ class MirroredVariable(DistributedVariable, Mirrored):
     update writes every component, in one fused kernel pass.
     """
 
-    @property
-    def _host(self) -> bool:
-        """Whether every component is a NumPy array (CPU devices)."""
-        return all(type(c._array) is np.ndarray for c in self._values)
-
-    def _buffers(self) -> tuple[Array, ...]:
-        """The distinct storage arrays to write in place, in component order.
-
-        Components on CPU devices start out sharing one host array (they would hold the same bytes
-        in the same memory), so an update of every copy writes it once; a write of one component
-        alone (aggregation NONE in replica context) gives that component its own copy first
-        (:meth:`Variable._detach_shared`). A storage with a snapshot still held moves to fresh
-        memory for every component sharing it.
-        """
-        values = self._values
-        a0 = values[0]._array
-        for c in values:  # the common case first: one shared storage, no snapshot held (or taken)
-            if c._array is not a0 or (c._snap is not None and c._snapshot_held()):
-                break
-        else:
-            return (a0,)
-        out: list[Array] = []
-        for i, c in enumerate(values):
-            a = c._array
-            if any(a is o for o in out):
-                continue
-            group = [c] + [o for o in values[i + 1 :] if o._array is a]
-            if any(o._snapshot_held() for o in group):
-                a = a.copy()
-                for o in group:
-                    o._array = a
-                    o._snap = None
-            out.append(a)
-        return tuple(out)
-
-    def _snapshots(self) -> tuple[Array, ...]:
-        """A snapshot of the (identical) value per component, as TF's update results are: a
-        copy-on-write view of each host component (:meth:`Variable._cow_snapshot`), a copy on each
-        device component's own GPU."""
-        return tuple(c._cow_snapshot() for c in self._values)
-
     def _all_write(self, method: str, arr: Array) -> None:
         """Applies a coerced update to every component with one fused kernel pass."""
-        copies = self._buffers()
-        if self._host and type(arr) is np.ndarray and arr.shape == copies[0].shape:
-            backend = self._kernel()
+        storage = self.storage
+        copies = storage.buffers()
+        if storage.host() and type(arr) is np.ndarray and arr.shape == copies[0].shape:
+            backend = storage.kernel()
             if backend is not None:
                 if any(np.may_share_memory(arr, c) for c in copies):
                     arr = arr.copy()  # e.g. assigning one component to all: kernels may not allow aliasing
@@ -1079,7 +965,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
                 return
         if arr.shape != copies[0].shape:  # a shape change allowed by `shape=`: reallocate
             for c in self._values:
-                c._write(method, like(arr, c._array))
+                c._write(method, like(arr, c.storage.array))
             return
         if any(may_share_memory(arr, c) for c in copies):
             arr = snapshot(arr)  # e.g. assigning one component to all: kernels may not allow aliasing
@@ -1094,7 +980,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             new = copies[0] + arr if method == "assign_add" else copies[0] - arr
             new = new.astype(copies[0].dtype, copy=False)
         for c in self._values:
-            c._write("assign", like(new, c._array))
+            c._write("assign", like(new, c.storage.array))
 
     def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         ctx = self._replica_ctx()
@@ -1108,13 +994,13 @@ class MirroredVariable(DistributedVariable, Mirrored):
                     )
                 for c, v in zip(self._values, value.values):
                     c._write(method, c._coerce(v, method))
-                return Mirrored(self._snapshots()) if read_value else None
+                return Mirrored(self.storage.snapshots()) if read_value else None
             if isinstance(value, DistributedValues):
                 value = value.values[0]
             self._all_write(method, self._values[0]._coerce(value, method))
             if not read_value:
                 return None
-            return Mirrored(self._snapshots())
+            return Mirrored(self.storage.snapshots())
         if self._aggregation is VariableAggregation.NONE:
             return self._local(ctx)._update(method, value, read_value)
 
@@ -1122,7 +1008,7 @@ class MirroredVariable(DistributedVariable, Mirrored):
             self._all_write(method, self._values[0]._coerce(_aggregate(strategy, v, self._aggregation, self), method))
 
         ctx.merge_call(merge_fn, args=(value,))
-        return self._local(ctx)._cow_snapshot() if read_value else None
+        return self._local(ctx)._read_snapshot() if read_value else None
 
 
 class SyncOnReadVariable(DistributedVariable):
@@ -1138,24 +1024,24 @@ class SyncOnReadVariable(DistributedVariable):
     def _aggregated(self) -> Array:
         agg = self._aggregation
         if agg is VariableAggregation.ONLY_FIRST_REPLICA:  # replica 0 of the job (of every worker)
-            return self._distribute_strategy.extended._first_replica_value(PerReplica(self._arrays()))
+            return _replica_zero_value(self._distribute_strategy, PerReplica(self._arrays()))
         op = ReduceOp.from_variable_aggregation(agg)  # NONE raises, as in TF
         return _reduce_components(self._distribute_strategy, self._arrays(), op, self._values[0].device)
 
     def _arrays(self) -> tuple[Array, ...]:
-        """The components' storage, to read (writers use :meth:`_buffers`)."""
-        return tuple(c._array for c in self._values)
+        """The components' storage, to read (writers use ``storage.buffers()``)."""
+        return self.storage.arrays()
 
     def _read_live(self) -> Array:
         ctx = self._replica_ctx()
         if ctx is not None:
-            return self._local(ctx)._array
+            return self._local(ctx).storage.array
         return self._aggregated()
 
     def _read_snapshot(self) -> Array:
         ctx = self._replica_ctx()
         if ctx is not None:
-            return self._local(ctx)._cow_snapshot()
+            return self._local(ctx)._read_snapshot()
         return snapshot(self._aggregated())
 
     def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
@@ -1181,16 +1067,16 @@ class SyncOnReadVariable(DistributedVariable):
                     arr = arr / arr.dtype.type(n)
                 else:  # TF divides, then casts back (truncation toward zero)
                     arr = xp.trunc(arr / n).astype(arr.dtype)
-            copies = self._buffers()
+            copies = self.storage.buffers()
             backend = kernel_backend(copies[0])
             if backend is not None and array_module(copies[0]) is np and arr.shape == copies[0].shape:
                 backend.assign(copies, contiguous(arr))  # type: ignore[no-untyped-call]  # _kernels
             else:
                 for c in self._values:
-                    c._write("assign", like(arr, c._array))
+                    c._write("assign", like(arr, c.storage.array))
         else:
             for c in self._values:  # components differ: each gets the delta
-                c._write(method, like(arr, c._array))
+                c._write(method, like(arr, c.storage.array))
         return self._aggregated().copy() if read_value else None
 
 
@@ -1221,10 +1107,11 @@ class AggregatingVariable(Variable):
         ctx = _replica_context_of(strategy, strict=False)
         if ctx is None:
             return None
-        gpu = strategy.extended._gpu_of_replica(int(ctx.replica_id_in_sync_group))
-        if gpu is None:
+        device = ctx.devices[0]
+        if ":GPU:" not in device:
             return None  # CPU replicas share host memory with a host variable
-        arr = self._array
+        gpu = physical_gpu(parse_device(device))  # the GPU the replica runs on (made current while it runs)
+        arr = self.storage.array
         if type(arr) is not np.ndarray and int(arr.device.id) == gpu:  # type: ignore[union-attr]  # CuPy's device
             return None
         return gpu
@@ -1232,20 +1119,20 @@ class AggregatingVariable(Variable):
     def _read_live(self) -> Array:
         gpu = self._replica_gpu()
         if gpu is None:
-            return self._array
-        return to_gpu(self._array, gpu, copy=True)
+            return self.storage.array
+        return to_gpu(self.storage.array, gpu, copy=True)
 
     def value(self) -> Array:
         """A snapshot of the current value; a CuPy array on the replica's GPU inside a GPU replica."""
         gpu = self._replica_gpu()
         if gpu is None:
-            return self._cow_snapshot()
-        return to_gpu(self._array, gpu, copy=True)  # a fresh copy already
+            return self._read_snapshot()
+        return to_gpu(self.storage.array, gpu, copy=True)  # a fresh copy already
 
     read_value = value
 
     def _read_host(self) -> npt.NDArray[Any]:
-        return to_host(self._array)  # the storage itself, never a replica's GPU copy
+        return to_host(self.storage.array)  # the storage itself, never a replica's GPU copy
 
     def _update(self, method: str, value: Any, read_value: bool) -> UpdateResult:
         ctx = _replica_context_of(self._distribute_strategy)
@@ -1262,6 +1149,24 @@ class AggregatingVariable(Variable):
         ctx.merge_call(merge_fn, args=(value,))
         return self if read_value else None
 
+
+
+# ---------------------------------------------------------------------------- for the package
+def strategy_of(var: Variable) -> Strategy | None:
+    """The strategy ``var`` was created in (None: a plain variable made outside any strategy).
+
+    For the package's modules (the optimizer's slots, checkpoints): a plain variable has no public
+    ``distribute_strategy`` (TF's has none either), but its slots belong to the same strategy.
+    """
+    return var._distribute_strategy
+
+
+def read_host(var: Variable) -> npt.NDArray[Any]:
+    """What a host read of ``var`` copies from (no copy where it can be avoided; do not write it):
+    the storage of a plain, mirrored (replica 0's or the calling replica's component) or aggregating
+    variable, the aggregate of a sync-on-read variable in cross-replica context. Checkpoints save it.
+    """
+    return var._read_host()
 
 
 # ---------------------------------------------------------------------------- the factory
@@ -1459,7 +1364,7 @@ def create_mirrored_variable(
     base = name if name is not None else "Variable"
     cls = SyncOnReadVariable if synchronization is VariableSynchronization.ON_READ else MirroredVariable
     # Mirrored copies on CPU devices share one host array until one of them is written alone (see
-    # MirroredVariable._buffers); sync-on-read components differ by design, each has its own.
+    # GroupStorage.buffers); sync-on-read components differ by design, each has its own.
     shared = place(arr, devices[0], copy=True) if cls is MirroredVariable and not any_gpu(devices) else None
     components = tuple(
         Variable._build(

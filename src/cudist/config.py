@@ -10,12 +10,12 @@ chooses how CPU replicas execute (greenlets or threads; see :mod:`cudist._replic
 from __future__ import annotations
 
 import importlib
-import os
 import threading
 import warnings
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+from cudist import _settings
 from cudist._devices import CPU, GPU, local_task
 
 __all__ = [
@@ -353,8 +353,7 @@ def get_replica_execution() -> str:
     """
     if _replica_execution:
         return _replica_execution[0]
-    env = os.environ.get(REPLICA_EXECUTION_ENV)
-    m = "auto" if env is None or not env.strip() else _check_mode(env, f"${REPLICA_EXECUTION_ENV}")
+    m = _settings.replica_execution() or "auto"
     with _lock:
         if not _replica_execution:
             _replica_execution.append(m)

@@ -687,6 +687,7 @@ class _OneShot:
     def __init__(self, iterator: Iterator[Any]) -> None:
         self._it = iterator
         self._buffer: list[Any] = []
+        self.exhausted = False  # a pass reached its end: later passes are empty
 
     def peek(self) -> Any:
         if not self._buffer:
@@ -697,6 +698,7 @@ class _OneShot:
         while self._buffer:
             yield self._buffer.pop(0)
         yield from self._it
+        self.exhausted = True
 
 
 class DatasetIterator:
@@ -1410,13 +1412,29 @@ def _first_spec(iter_fn: Callable[[], Iterable[Any]], where: str) -> Any:
     return _structure_spec(first)
 
 
+def _second_pass(where: str) -> Iterator[Any]:
+    raise ValueError(
+        f"{where}: this input is a one-pass Python iterator (a generator, iter(...)) that an earlier pass left "
+        "unfinished: it cannot be iterated again from the start, nor replayed to restore a checkpointed iterator position; pass a re-iterable input (a list, a "
+        "cudist.data.Dataset, Dataset.from_generator(fn)) instead"
+    )
+    yield  # a generator: raises at the first next(), as iteration would
+
+
 def _iterable_dataset(obj: Iterable[Any], where: str) -> Dataset:
     """Wraps a Python iterable of elements (batches) as a Dataset (re-iterable if ``obj`` is)."""
     is_iterator = iter(obj) is obj
     if is_iterator:
         source = _OneShot(cast("Iterator[Any]", obj))
+        passes = [0]
 
         def it() -> Iterator[Any]:
+            # A second pass over a one-pass iterator is empty once the first reached the end; one that
+            # starts where an unfinished first pass stopped would silently hand out the wrong elements
+            # (a checkpoint restore replaying the input would land on them): an error.
+            passes[0] += 1
+            if passes[0] > 1 and not source.exhausted:
+                return _second_pass(where)
             return (_normalize(e, where) for e in source)
 
         def spec() -> Any:

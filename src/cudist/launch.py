@@ -8,7 +8,14 @@ through MPI. Options:
   ``localhost:<port>``) and its own task index (= its MPI rank), for scripts that read TF_CONFIG
   (``TFConfigClusterResolver``);
 * ``--mpiexec PATH``: the launcher to use (default: the one next to this Python, else on PATH);
-* ``--timeout S``: end the job after S seconds (exit code 124).
+* ``--timeout S``: end the job after S seconds (exit code 124; with restarts, each attempt gets S seconds);
+* ``--max-restarts N`` (torchrun's name): when the job fails (a worker killed by a signal, exiting
+  with a nonzero code, a preemption's exit code 42 included), say which worker failed and how, end
+  and clean up the job (``/dev/shm`` included), and start it again, up to N times. The workers of
+  restart K see ``CUDIST_RESTART_COUNT=K`` (0 the first time); a job that resumes from its latest
+  checkpoint (:class:`cudist.train.experimental.PreemptionCheckpointHandler`,
+  ``CheckpointManager.restore_or_initialize``) continues where it stopped. ``--timeout`` and a
+  signal to the launcher end the job without a restart; the exit code is the last attempt's.
 
 Each worker's BLAS/OpenMP/Numba thread count is set to cores / N (``OMP_NUM_THREADS``,
 ``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ``NUMBA_NUM_THREADS``, unless already set, as
@@ -39,9 +46,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from cudist import _settings
+
 __all__ = ["main", "find_mpiexec", "build_command", "worker_env"]
 
 _STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
+#: Set in each worker's environment: how many times the launcher has restarted the job (read by user scripts).
+_RESTART_COUNT = _settings.RESTART_COUNT
 _THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
 _BASE_PORT = 23456
 
@@ -112,11 +123,11 @@ def _worker(args) -> int:
     An error exit (an exception, ``sys.exit`` with a nonzero code, Ctrl-C) aborts the whole job at
     once, as ``python -m mpi4py`` does; a clean one waits for the other workers to exit too, and
     aborts the job if one of them waits in a collective this worker never made
-    (:func:`cudist._collectives.mpi.await_peers_at_exit`). Either way no worker is left waiting for
+    (:func:`cudist._dataplane.transports.mpi.await_peers_at_exit`). Either way no worker is left waiting for
     this one, nor this one blocked in ``MPI_Finalize``.
     """
     rank = _rank()
-    directory = os.environ.get(_STATUS_DIR)
+    directory = _settings.launch_status_dir()
     if directory:
         Path(directory, f"{rank}.pid").write_text(str(os.getpid()))
         _connect_watch(directory, rank)
@@ -165,11 +176,11 @@ def _worker(args) -> int:
 def _start_mpi(directory: str | None, rank: int):
     """Starts MPI in a worker: notes its shared-memory files (for the launcher to remove if the job
     dies) and creates the job communicator (set-up collectives, the exit rendezvous). Returns
-    ``cudist._collectives.mpi``, or None without mpi4py (the script will say so if it needs MPI)."""
+    ``cudist._dataplane.transports.mpi``, or None without mpi4py (the script will say so if it needs MPI)."""
     try:
         from mpi4py import MPI  # noqa: F401, PLC0415 - initializes MPI (the script would anyway)
 
-        from cudist._collectives import mpi  # noqa: PLC0415
+        from cudist._dataplane.transports import mpi  # noqa: PLC0415
     except ImportError:
         return None
     if directory:
@@ -253,7 +264,12 @@ def _tag_output(rank: int, prefix: bool, log_dir: str | None) -> None:
     log = None
     if log_dir is not None:
         os.makedirs(log_dir, exist_ok=True)
-        log = open(os.path.join(log_dir, f"worker-{rank}.log"), "w", buffering=1, encoding="utf-8")  # noqa: SIM115
+        # A restarted job (--max-restarts) appends, so the log keeps the failed attempts' output too.
+        restart = _settings.restart_count()
+        mode = "w" if restart == 0 else "a"
+        log = open(os.path.join(log_dir, f"worker-{rank}.log"), mode, buffering=1, encoding="utf-8")  # noqa: SIM115
+        if mode == "a":
+            log.write(f"--- cudist.launch: restart {restart} ---\n")
     tag = f"[{rank}] " if prefix else ""
     if tag or log is not None:
         sys.stdout = _RankLines(sys.stdout, tag, log)
@@ -581,6 +597,8 @@ def main(argv=None) -> int:
                         help="do not put each worker's rank ('[0] ') in front of its output lines")
     parser.add_argument("--log-dir", default=None,
                         help="also write each worker's output to DIR/worker-<rank>.log (created if missing)")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                        help="restart a failed job up to this many times (default 0)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("script", help="the script (or module with -m) every worker runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="the script's arguments")
@@ -592,6 +610,8 @@ def main(argv=None) -> int:
     n = args.num_workers
     if n is None or n < 1:
         parser.error("-n N (N >= 1 workers) is required")
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be >= 0")
     mpiexec = find_mpiexec(args.mpiexec)
     if mpiexec is None:
         sys.stderr.write(
@@ -610,6 +630,20 @@ def main(argv=None) -> int:
             sys.stderr.write(f"cudist.launch: --log-dir {args.log_dir}: {e.strerror or e}\n")
             return 2
     env = worker_env(n)
+    restart = 0
+    while True:
+        env[_RESTART_COUNT] = str(restart)
+        code, restartable = _run_job(args, mpiexec, n, env)
+        if code == 0 or not restartable or restart >= args.max_restarts:
+            return code
+        restart += 1
+        sys.stderr.write(f"cudist.launch: restarting the job ({restart} of {args.max_restarts} restarts)\n")
+        sys.stderr.flush()
+
+
+def _run_job(args: argparse.Namespace, mpiexec: str, n: int, env: dict) -> tuple[int, bool]:
+    """Runs the job once: (its exit code, whether a failure may be restarted: not when mpiexec
+    could not start, the job ran past --timeout or the launcher was signalled)."""
     with tempfile.TemporaryDirectory(prefix="cudist-launch-") as directory:
         env[_STATUS_DIR] = directory
         cmd = build_command(mpiexec, n, args.script, args.args, tf_config_flag=args.tf_config, module=args.module,
@@ -621,7 +655,7 @@ def main(argv=None) -> int:
                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
             except OSError as e:
                 sys.stderr.write(f"cudist.launch: cannot start {mpiexec}: {e.strerror or e}\n")
-                return 127
+                return 127, False
             job.started(proc)
             bad = {"pid": None, "code": None}
 
@@ -647,13 +681,13 @@ def main(argv=None) -> int:
                 _remove_recorded_shm(directory)
                 if job.timed_out:
                     sys.stderr.write(f"cudist.launch: the job ran past --timeout {args.timeout:g} s and was ended\n")
-                    return 124
+                    return 124, False
                 signum = job.signal
                 assert signum is not None
                 sys.stderr.write(
                     f"cudist.launch: received {signal.Signals(signum).name}; the job of {n} worker(s) was ended\n"
                 )
-                return 128 + signum
+                return 128 + signum, False
         reader.join(timeout=5)
         watch.stop()
         _remove_recorded_shm(directory)
@@ -676,7 +710,7 @@ def main(argv=None) -> int:
                 f"cudist.launch: the job of {n} worker(s) failed after {time.monotonic() - start:.1f} s "
                 f"(exit code {code}):\n" + "".join(f"  {line}\n" for line in lines)
             )
-        return code
+        return code, True
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ Distribution follows Keras's default (``experimental_aggregate_gradients=True``)
 Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` / ``adamw`` /
 ``amsgrad`` / ``rmsprop`` / ``adagrad`` / ``adamax`` / ``nadam`` / ``lion`` of the variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
 and of its slots in one pass, so the copies stay bitwise equal. Under CentralStorageStrategy the
-single copy on the parameter device is updated once.
+single copy on the parameter device is updated once. Each optimizer here names its step's rule (a
+row of the kernels' table ``UPDATE_KERNELS``) and scalars; :mod:`cudist._dataplane.update` plans,
+settles the gradients and calls the kernels.
 
 Keras 3's base arguments work on every optimizer: ``weight_decay`` (decoupled, inside the update
 pass; SGD's is a pass of its own; ``exclude_from_weight_decay``), ``clipnorm`` / ``clipvalue`` /
@@ -39,12 +41,9 @@ per-replica buffers, not variables (a checkpoint does not save a half-accumulate
 
 from __future__ import annotations
 
-import bisect
 import contextlib
-import itertools
 import math
 import numbers
-import operator
 import re
 import sys
 import threading
@@ -57,8 +56,8 @@ import numpy.typing as npt
 
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
-from cudist._arrays import array_module, device_context, from_dlpack, gpu_of, is_array, is_foreign_array, like
-from cudist._kernels import adam_lr_t, adamax_lr_t, nadam_step, numpy_backend
+from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
+from cudist._dataplane.update import Rule, UpdatePass, adam_lr_t, adamax_lr_t, nadam_step
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -69,7 +68,7 @@ from cudist._variables import (
     Variable,
     VariableAggregation,
     cast_value,
-    kernel_backend,
+    strategy_of,
 )
 
 if TYPE_CHECKING:
@@ -77,8 +76,6 @@ if TYPE_CHECKING:
 
     from cudist._arrays import Array
     from cudist._distribute_lib import Strategy
-    # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
-    from cudist._kernels import KernelBackend, TrustedKernels
 
 __all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "schedules"]
 
@@ -89,10 +86,6 @@ sys.modules.setdefault(__name__ + ".schedules", schedules)
 #: A learning rate (Keras 3): a number, a schedule called with the iteration count (0 on the first
 #: step), or a callable of no arguments.
 LearningRate: TypeAlias = "float | LearningRateSchedule | Callable[[], float]"
-#: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend).
-_Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
-#: A variable's validated kernel work: (the storage arrays it was validated for, its groups).
-_Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[_Group, ...]]"
 
 
 def _check_real(
@@ -139,116 +132,12 @@ def _clip_by_global_norm(grads: list[Any], clipnorm: float) -> list[Any]:
     return [g * g.dtype.type(scale) for g in grads]
 
 
-def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) -> None:
-    """The decoupled weight decay as its own pass, ``w -= w * decay`` (optimizers whose kernel has no
-    weight-decay factor: SGD)."""
-    w = copies[0]
-    kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
-
-
-def _settle_inputs(
-    passes: Sequence[tuple[Sequence[Any], tuple[Any, ...]]], *, aliasing: bool = True, kernels: TrustedKernels | None = None
-) -> list[list[Any]]:
-    """The host gradients each of a step's passes reads, settled before the first pass writes.
-
-    Args:
-        passes: per pass, (its gradient arrays, the arrays it writes).
-        aliasing: whether a gradient may share memory with what the passes write (False: they are
-            fresh results of a reduction, only made C-contiguous).
-        kernels: trusted kernels whose ``settle_plain`` (the native backend's) takes the common case
-            -- every gradient a contiguous array of its own, none written -- in one call.
-
-    Returns:
-        Per pass its gradients, C-contiguous, copied where they are or view memory that some pass of
-        the step writes (identity, or a NumPy view's owning base; a gradient whose memory comes
-        from elsewhere, DLPack, by byte range), so every update sees the gradients as they were
-        before the step.
-    """
-    plain = kernels.settle_plain if kernels is not None else None
-    if plain is not None:
-        as_is: list[list[Any]] | None = plain(passes, aliasing)
-        if as_is is not None:
-            return as_is
-    written_ids: set[int] = set()
-    if aliasing:
-        for _, written in passes:
-            for w in written:
-                written_ids.add(id(w))
-                if w.base is not None:
-                    written_ids.add(id(w.base))
-    spans: _Spans | None = None  # of every written array, once a gradient of foreign memory needs it
-    out: list[list[Any]] = []
-    for grads, written in passes:
-        ins: list[Any] = []
-        for c in grads:
-            if not c.flags.c_contiguous:
-                c = np.ascontiguousarray(c)
-            elif aliasing:
-                base = c.base
-                if id(c) in written_ids:
-                    alias = True
-                elif base is None:
-                    alias = False
-                elif type(base) is np.ndarray:  # a NumPy view: its base owns the memory
-                    alias = id(base) in written_ids or any(np.may_share_memory(c, w) for w in written)
-                else:  # memory from elsewhere (DLPack: a JAX or PyTorch gradient, a variable's export)
-                    if spans is None:
-                        spans = _Spans([w for _, ws in passes for w in ws])
-                    alias = spans.overlaps(c)
-                if alias:
-                    c = c.copy()
-            ins.append(c)
-        out.append(ins)
-    return out
-
-
-class _Spans:
-    """The byte ranges of C-contiguous host arrays, sorted for an O(log k) overlap test."""
-
-    def __init__(self, arrays: Sequence[npt.NDArray[Any]]) -> None:
-        spans = sorted({_span(a) for a in arrays if a.nbytes})
-        self._starts = [s for s, _ in spans]
-        self._ends = list(itertools.accumulate((e for _, e in spans), max))  # the furthest end so far
-
-    def overlaps(self, a: npt.NDArray[Any]) -> bool:
-        """Whether C-contiguous ``a`` shares a byte with any of the arrays."""
-        if not a.nbytes:
-            return False
-        start, end = _span(a)
-        i = bisect.bisect_left(self._starts, end) - 1  # the last range starting before ``a`` ends
-        return i >= 0 and self._ends[i] > start
-
-
-def _span(a: npt.NDArray[Any]) -> tuple[int, int]:
-    start: int = a.__array_interface__["data"][0]
-    return start, start + a.nbytes
-
-
 def _base_name(var: Variable) -> str:
     return var.name.split(":")[0]
 
 
 def _primary_device(var: Variable) -> str:
     return var.values[0].device if isinstance(var, DistributedValues) else var.device
-
-
-def _same_arrays(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Whether two tuples hold the very same arrays (identity, not values)."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-def _device_groups(bufs: Sequence[Any]) -> list[tuple[int, ...]]:
-    """Indices of ``bufs`` grouped by the memory they live in (host, or one GPU each).
-
-    A fused kernel call writes copies in one memory; mirrored copies on several GPUs are updated
-    per GPU, each group from its own copy (the copies are equal, so the results are too).
-    """
-    if all(type(b) is np.ndarray for b in bufs):
-        return [tuple(range(len(bufs)))]
-    groups: dict[int | None, list[int]] = {}
-    for i, b in enumerate(bufs):
-        groups.setdefault(gpu_of(b), []).append(i)  # None: host memory
-    return [tuple(g) for g in groups.values()]
 
 
 class _ReplicaGrads:
@@ -286,8 +175,9 @@ def _auto_name(class_name: str) -> str:
 class Optimizer:
     """Base class of the cudist optimizers (Keras 3's ``keras.optimizers.Optimizer`` API subset).
 
-    Subclasses name their slots in ``_slot_names`` and implement ``_kernel_update`` (and
-    ``_step_params`` when a step needs more scalars than the learning rate).
+    Subclasses name their slots in ``_slot_names`` and their update rule in ``_rule`` (a row of
+    the kernels' table of update rules, run by :mod:`cudist._dataplane.update`), and implement
+    ``_step_params`` when a step needs more scalars than the learning rate.
 
     Args:
         learning_rate: a real number; a :class:`~cudist.optimizers.schedules.LearningRateSchedule`
@@ -412,7 +302,7 @@ class Optimizer:
                 aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
             )
         self._slots: dict[Variable, dict[str, Variable]] = {}  # {slot name: slot} per variable (by identity)
-        self._plans: dict[Variable, _Plan] = {}  # variable -> validated kernel work, see _plan
+        self._update = UpdatePass(name)  # the kernel side: each variable's validated work, the passes
         self._one = np.ones((), dtype=np.int64)
         self._built = False
         self._ema: dict[Variable, Variable] = {}  # use_ema: the moving average of each variable
@@ -687,7 +577,7 @@ class Optimizer:
         if not self._slot_names and not self._use_ema:  # nothing to create (plain SGD): no strategy to enter, as Keras
             slots = self._slots[var] = {}
             return slots
-        strategy = var._distribute_strategy or _distribute_lib.get_strategy()
+        strategy = strategy_of(var) or _distribute_lib.get_strategy()
         slots = {}
         scope = contextlib.ExitStack()  # holds the strategy's scope until the slots are made
         try:
@@ -703,7 +593,7 @@ class Optimizer:
                 "the slots first with optimizer.build(var_list) inside `with strategy.scope():`"
             ) from e
         with scope, strategy.extended.colocate_vars_with(var):
-            shape = var._primary_array().shape
+            shape = var.storage.primary.shape
             prefix = f"{self.name}/{_base_name(var).replace('/', '_')}_"  # Keras 3's path: "adam/dense_kernel_momentum"
             for slot_name in self._slot_names:
                 slots[slot_name] = Variable(
@@ -720,7 +610,7 @@ class Optimizer:
 
     # ------------------------------------------------------------------ checks
     def _check_variable(self, var: object) -> None:
-        if isinstance(var, Variable) and var in self._plans:
+        if isinstance(var, Variable) and var in self._update.plans:
             return  # checked before its kernel work was planned; type, dtype and device never change
         if not isinstance(var, Variable):
             raise TypeError(f"{self.name}: expected a cudist.Variable to update, got {type(var).__name__}")
@@ -734,14 +624,14 @@ class Optimizer:
                 f"{self.name}: cannot update variable '{var.name}' of dtype {var.dtype.name}: the optimizer "
                 "kernels need a floating-point dtype (float16, float32, float64)"
             )
-        if var._kernel() is None and array_module(var._primary_array()) is not np:
+        if var.storage.kernel() is None and array_module(var.storage.primary) is not np:
             raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")
 
     def _check_grad(self, grad: Any, var: Variable, *, cross_replica: bool) -> Array:
         """``grad`` as an array of ``var``'s shape (not yet on its device); a float or integer dtype
         other than the variable's is cast by :meth:`_local_grads`, after the clipping (Keras)."""
         if type(grad) is np.ndarray:  # the per-step common case, as the general checks below accept it
-            ref = var._primary_array()
+            ref = var.storage.primary
             if grad.dtype == ref.dtype and grad.shape == ref.shape:
                 return grad
         if isinstance(grad, DistributedValues):
@@ -769,7 +659,7 @@ class Optimizer:
                 )
         else:  # Python numbers and lists convert under TF's rules
             grad = cast_value(grad, var.dtype, f"{self.name}: gradient of variable '{var.name}'")
-        shape = var._primary_array().shape  # var.shape may have None dimensions (``shape=`` at creation)
+        shape = var.storage.primary.shape  # var.shape may have None dimensions (``shape=`` at creation)
         if grad.shape != shape:
             raise InvalidArgumentError(  # TF's error (a ValueError too)
                 f"{self.name}: the gradient of variable '{var.name}' has shape {grad.shape} but the variable "
@@ -809,7 +699,7 @@ class Optimizer:
         grads: list[Any] = []
         variables: list[Variable] = []
         missing: list[str] = []
-        plans = self._plans
+        plans = self._update.plans
         cast = False  # whether some gradient may need a cast to its variable's dtype
         for item in grads_and_vars:
             try:
@@ -824,7 +714,7 @@ class Optimizer:
             variables.append(var)
             if ctx is not None:  # a replica's gradient (cross-replica ones are checked below)
                 if type(grad) is np.ndarray:  # the per-step common case (_check_grad's own first test, inlined)
-                    ref = var._primary_array()
+                    ref = var.storage.primary
                     if grad.dtype == ref.dtype and grad.shape == ref.shape:
                         grads.append(grad)
                         continue
@@ -854,7 +744,7 @@ class Optimizer:
             if not update:  # gradient accumulation: this step only accumulated
                 self._after_update()
                 return
-            rows = [h.grads for h in held._values] if isinstance(held, PerReplica) else [held.grads]
+            rows = [h.grads for h in held.values] if isinstance(held, PerReplica) else [held.grads]
             for r, row in enumerate(rows[1:], 1):
                 if len(row) != len(rows[0]):
                     raise ValueError(
@@ -923,9 +813,9 @@ class Optimizer:
             iteration = self._update_step(self._iteration()) - 1  # Keras's (accumulated) iterations
             momentum = self._ema_momentum if iteration != 0 else 0.0
             for var, average in self._ema.items():
-                value = var._primary_array()
+                value = var.storage.primary
                 dt = value.dtype.type
-                new = dt(momentum) * average._primary_array() + dt(1.0 - momentum) * value
+                new = dt(momentum) * average.storage.primary + dt(1.0 - momentum) * value
                 average.assign(new, read_value=False)
             freq = self._ema_overwrite_frequency
             if freq and (iteration + 1) % freq == 0:
@@ -936,16 +826,16 @@ class Optimizer:
     def _iteration(self) -> int:
         """``int(self._iterations)``, read from its primary copy: every copy of the counter holds the
         same count (ONLY_FIRST_REPLICA), and this skips the replica-context lookup of a read."""
-        return int(self._iterations._primary_array())
+        return int(self._iterations.storage.primary)
 
     def _count_step(self) -> None:
         """``iterations += 1``. The counter's host copies are incremented in place: a 0-d int64 add,
         where ``assign_add`` goes through the update checks and a kernel call (~8 us a step, most of
-        a small update's cost). The copies come from ``_buffers``, which moves a storage whose
+        a small update's cost). The copies come from ``storage.buffers()``, which moves a storage whose
         snapshot someone holds (``iterations.read_value()``) to fresh memory first, as every write does."""
         it = self._iterations
         if type(it) is MirroredVariable or type(it) is Variable:
-            bufs = it._buffers()
+            bufs = it.storage.buffers()
             if all(type(b) is np.ndarray for b in bufs):
                 for b in bufs:
                     b += 1
@@ -967,38 +857,43 @@ class Optimizer:
             ReduceOp.SUM, [(PerReplica(comps), _primary_device(v)) for comps, v in zip(per_var, variables)]
         )
 
+    def _step(self) -> tuple[float, tuple[float, ...]]:
+        """This step's learning rate and scalars (:meth:`_step_params`), computed once for all variables."""
+        iteration = self._iteration()
+        lr = self._current_learning_rate(iteration)
+        return lr, self._step_params(lr, self._update_step(iteration))
+
+    def _rules(self, variables: Sequence[Variable], lr: float, params: tuple[float, ...]) -> Sequence[Rule]:
+        """Per variable this step's update rule (one per distinct weight decay)."""
+        if not self._weight_decay:  # the common case: one rule for every variable
+            return [self._rule(params, 0.0)] * len(variables)
+        made: dict[float, Rule] = {}
+        out: list[Rule] = []
+        for var in variables:
+            decay = self._decay(var, lr)
+            rule = made.get(decay)
+            if rule is None:
+                rule = made[decay] = self._rule(params, decay)
+            out.append(rule)
+        return out
+
     def _apply_fused(self, strategy: Strategy, per_var: Sequence[Sequence[Any]], variables: Sequence[Variable]) -> bool:
         """Sums each variable's per-replica gradients and updates it in ONE kernel pass, if it can.
 
         ``per_var``: per variable, its gradient from each of this worker's replicas. Possible when
         every gradient and every copy is in host memory and the strategy's cross-device ops reduce
-        with the kernels' own replica-order sum (the default ops; see
-        ``extended._fused_sum_backend``): then the pass reads the N gradients and copy 0 of the
-        variable and slots and writes every copy -- bit-identical to reducing first, then
-        updating. Returns False (nothing done) otherwise, for the general path.
+        with the kernels' own replica-order sum (see :meth:`UpdatePass.fusable`). Returns False
+        (nothing done) otherwise, for the general path.
         """
         if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
             return False
-        # One check of every gradient: host arrays of kernel dtypes, and cross-device ops that sum as the kernels do.
-        backend = strategy.extended._fused_sum_backend([c for comps in per_var for c in comps])
+        update, ensure_slots = self._update, self._ensure_slots
+        plans = [update.plan(v, ensure_slots(v)) for v in variables]
+        backend = update.fusable(strategy, per_var, plans)
         if backend is None:
             return False
-        work: list[tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], Sequence[Any], Variable]] = []
-        for comps, var in zip(per_var, variables):
-            groups = self._plan(var)[1]
-            if len(groups) != 1:
-                return False
-            copies, slots, var_backend = groups[0]
-            if var_backend is not backend or type(copies[0]) is not np.ndarray:
-                return False
-            work.append((copies, slots, comps, var))
-        iteration = self._iteration()
-        lr = self._current_learning_rate(iteration)
-        params = self._step_params(lr, self._update_step(iteration))
-        trusted = backend.trusted
-        inputs = _settle_inputs([(comps, copies + sum(slots, ())) for copies, slots, comps, _ in work], kernels=trusted)
-        for (copies, slots, _, var), ins in zip(work, inputs):
-            self._kernel_update_reduced(trusted, copies, slots, ins, params, self._decay(var, lr))
+        lr, params = self._step()
+        update.apply_fused(backend, per_var, plans, self._rules(variables, lr, params))
         self._after_update()
         return True
 
@@ -1007,103 +902,19 @@ class Optimizer:
 
         ``fresh``: the gradients are new buffers (results of the reduction) that alias nothing.
         """
-        plans = [self._plan(v) for v in variables]  # slots are all created before any variable changes
-        iteration = self._iteration()
-        lr = self._current_learning_rate(iteration)
-        params = self._step_params(lr, self._update_step(iteration))
-        host: list[tuple[Any, tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, float]] = []
-        for grad, plan, var in zip(grads, plans, variables):
-            decay = self._decay(var, lr)
-            for copies, slots, backend in plan[1]:
-                ref = copies[0]
-                if type(ref) is np.ndarray:  # updated below, once every host gradient is settled
-                    host.append((grad if type(grad) is np.ndarray else like(grad, ref), copies, slots, backend, decay))
-                else:
-                    with device_context(ref):
-                        g = like(grad, ref)
-                        if not g.flags.c_contiguous or any(g is c for c in copies):
-                            g = g.copy(order="C")
-                        self._kernel_update(backend.trusted, copies, slots, g, params, decay)
-        ins = _settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, _, _ in host], aliasing=not fresh)
-        for (_, copies, slots, backend, decay), (g,) in zip(host, ins):
-            self._kernel_update(backend.trusted, copies, slots, g, params, decay)
+        update, ensure_slots = self._update, self._ensure_slots
+        plans = [update.plan(v, ensure_slots(v)) for v in variables]  # slots are all created before any variable changes
+        lr, params = self._step()
+        update.apply(plans, grads, self._rules(variables, lr, params), fresh=fresh)
         self._after_update()
-
-    def _plan(self, var: Variable) -> _Plan:
-        """The validated kernel work of ``var``: per memory, (copies, slot copies, backend).
-
-        Validated once through the backends' own checks, then reused while the variable and its
-        slots keep the same storage arrays (an assign of a new shape reallocates them), so each step
-        calls the kernels' hooks directly instead of re-checking every buffer.
-        """
-        slots = self._ensure_slots(var)
-        bufs = var._buffers()
-        plan = self._plans.get(var)
-        if plan is not None:
-            # The per-step case: the variable and its slots kept the storage the plan was made for.
-            key = bufs
-            for s in slots.values():
-                key += s._buffers()
-            if _same_arrays(plan[0], key):
-                return plan
-        slot_bufs = tuple(s._buffers() for s in slots.values())
-        if any(len(sb) != len(bufs) for sb in slot_bufs):
-            # Host copies share storage until one is written alone; once the variable's (or a
-            # slot's) copies have gone their own ways, every one of them gets its own storage.
-            for v in (var, *slots.values()):
-                v._split_storage()
-            bufs = var._buffers()
-            slot_bufs = tuple(s._buffers() for s in slots.values())
-        key = bufs + sum(slot_bufs, ())
-        plan = self._plans.get(var)
-        if plan is not None and _same_arrays(plan[0], key):
-            return plan
-        where = f"{self.name} update of '{var.name}'"
-        groups: list[_Group] = []
-        for idx in _device_groups(bufs):
-            copies = tuple(bufs[i] for i in idx)
-            backend = var._kernel() if len(idx) == len(bufs) else kernel_backend(copies[0])
-            if backend is None:  # a dtype the fast CPU backend lacks: the NumPy reference has all
-                backend = numpy_backend()
-            copies = backend.check_bufs(where, copies, writable=True, what="copy")
-            backend.check_float(where, copies[0])
-            group_slots: list[tuple[Any, ...]] = []
-            for name, sb in zip(slots, slot_bufs):
-                sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
-                backend.check_same_slots(where, copies, sc, name)  # type: ignore[no-untyped-call]
-                group_slots.append(sc)
-            groups.append((copies, tuple(group_slots), backend))
-        plan = (key, tuple(groups))
-        self._plans[var] = plan
-        return plan
 
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         """The scalars of one step (``step`` is 1-based), computed once for all variables."""
         return (lr,)
 
-    def _kernel_update(  # pragma: no cover - abstract
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's
-        ``trusted``), after the weight decay ``w -= w * decay`` when ``decay`` is not 0."""
-        raise NotImplementedError
-
-    def _kernel_update_reduced(  # pragma: no cover - abstract
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        """As :meth:`_kernel_update`, from per-replica ``grads`` summed in the same pass."""
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:  # pragma: no cover - abstract
+        """This step's update rule: a row of the kernels' table of update rules with its scalars
+        (the weight decay ``w -= w * decay`` applies first when ``decay`` is not 0)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ checkpoints, copies
@@ -1144,8 +955,8 @@ class Optimizer:
         new = object.__new__(type(self))
         memo[id(self)] = new
         for k, v in vars(self).items():
-            if k == "_plans":
-                new._plans = {}  # kernel work validated for the original's buffers
+            if k == "_update":
+                new._update = UpdatePass(v.name)  # kernel work validated for the original's buffers
             elif k == "_slots":
                 new._slots = {copy.deepcopy(var, memo): copy.deepcopy(named, memo) for var, named in v.items()}
             else:
@@ -1233,37 +1044,10 @@ class SGD(Optimizer):
         )
         return config
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        if decay:
-            _decay_pass(kernels, copies, decay)
-        if slots:
-            kernels.momentum(copies, slots[0], grad, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
-        else:
-            kernels.sgd(copies, grad, params[0])  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        if decay:
-            _decay_pass(kernels, copies, decay)
-        if slots:
-            kernels.all_reduce_momentum(copies, slots[0], grads, params[0], self.momentum, self.nesterov)  # type: ignore[no-untyped-call]
-        else:
-            kernels.all_reduce_sgd(copies, grads, params[0])  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        if self._slot_names:
+            return Rule("momentum", (params[0], self.momentum, self.nesterov), decay)
+        return Rule("sgd", (params[0],), decay)
 
 
 class Adam(Optimizer):
@@ -1359,45 +1143,11 @@ class Adam(Optimizer):
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         return (adam_lr_t(lr, self.beta_1, self.beta_2, step),)
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        scalars = (params[0], self.beta_1, self.beta_2, self.epsilon)
         if self._amsgrad:
-            kernels.amsgrad(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], slots[2], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay
-            )
-        elif decay:
-            kernels.adamw(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
-        else:
-            kernels.adam(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        if self._amsgrad:
-            kernels.all_reduce_amsgrad(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], slots[2], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay
-            )
-        elif decay:
-            kernels.all_reduce_adamw(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay
-            )
-        else:
-            kernels.all_reduce_adam(  # type: ignore[no-untyped-call]
-                copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon
-            )
+            return Rule("amsgrad", scalars, decay)
+        return Rule("adamw" if decay else "adam", scalars, decay)
 
 
 class AdamW(Adam):
@@ -1518,6 +1268,8 @@ class RMSprop(Optimizer):
             ("velocity",) + (("momentum",) if self.momentum > 0 else ()) + (("average_gradient",) if self.centered else ())
         )
         self._grouped_slot_names = self._slot_names  # Keras 3 lists RMSprop's slots by kind
+        # The rule's slots (velocity, momentum, average_gradient) by index into _slot_names; None: absent.
+        self._rule_slots = (0, 1 if self.momentum > 0 else None, len(self._slot_names) - 1 if self.centered else None)
         super().__init__(
             learning_rate,
             name,
@@ -1545,35 +1297,8 @@ class RMSprop(Optimizer):
         )
         return config
 
-    def _split(self, slots: tuple[tuple[Any, ...], ...]) -> tuple[Any, Any, Any]:
-        """(velocities, momentums or None, average gradients or None) from the plan's slot groups."""
-        it = iter(slots)
-        vels = next(it)
-        moms = next(it) if self.momentum > 0 else None
-        avgs = next(it) if self.centered else None
-        return vels, moms, avgs
-
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.rmsprop(copies, *self._split(slots), grad, params[0], self.rho, self.momentum, self.epsilon, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_rmsprop(copies, *self._split(slots), grads, params[0], self.rho, self.momentum, self.epsilon, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("rmsprop", (params[0], self.rho, self.momentum, self.epsilon), decay, self._rule_slots)
 
 
 class Adagrad(Optimizer):
@@ -1646,27 +1371,8 @@ class Adagrad(Optimizer):
     def _slot_initial_value(self, slot_name: str) -> float:
         return self.initial_accumulator_value
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.adagrad(copies, slots[0], grad, params[0], self.epsilon, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_adagrad(copies, slots[0], grads, params[0], self.epsilon, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("adagrad", (params[0], self.epsilon), decay)
 
 
 class Adamax(Optimizer):
@@ -1744,27 +1450,8 @@ class Adamax(Optimizer):
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         return (adamax_lr_t(lr, self.beta_1, step),)
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.adamax(copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_adamax(copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("adamax", (params[0], self.beta_1, self.beta_2, self.epsilon), decay)
 
 
 class Nadam(Optimizer):
@@ -1884,31 +1571,8 @@ class Nadam(Optimizer):
         _, c_m, c_g, c_v = nadam_step(self.beta_1, self.beta_2, step, self._u_product(step - 1))
         return (lr, c_m, c_g, c_v)
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.nadam(  # type: ignore[no-untyped-call]
-            copies, slots[0], slots[1], grad, params[0], self.beta_1, self.beta_2, self.epsilon, params[1], params[2], params[3], decay
-        )
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_nadam(  # type: ignore[no-untyped-call]
-            copies, slots[0], slots[1], grads, params[0], self.beta_1, self.beta_2, self.epsilon, params[1], params[2], params[3], decay
-        )
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("nadam", (params[0], self.beta_1, self.beta_2, self.epsilon, *params[1:]), decay)
 
 
 class Lion(Optimizer):
@@ -1980,24 +1644,5 @@ class Lion(Optimizer):
         )
         return config
 
-    def _kernel_update(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grad: Any,
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.lion(copies, slots[0], grad, params[0], self.beta_1, self.beta_2, decay)  # type: ignore[no-untyped-call]
-
-    def _kernel_update_reduced(
-        self,
-        kernels: TrustedKernels,
-        copies: tuple[Any, ...],
-        slots: tuple[tuple[Any, ...], ...],
-        grads: list[Any],
-        params: tuple[float, ...],
-        decay: float = 0.0,
-    ) -> None:
-        kernels.all_reduce_lion(copies, slots[0], grads, params[0], self.beta_1, self.beta_2, decay)  # type: ignore[no-untyped-call]
+    def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
+        return Rule("lion", (params[0], self.beta_1, self.beta_2), decay)

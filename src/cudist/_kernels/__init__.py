@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import os
 import threading
 
 import numpy as np
 
+from cudist import _settings
 from cudist._kernels._base import (
     FLOAT_DTYPES,
     SUPPORTED_DTYPES,
@@ -124,7 +124,7 @@ def get_backend(name: str | None = None) -> KernelBackend:
         BackendUnavailableError: the backend is known but cannot be used here.
     """
     if name is None:
-        name = os.environ.get("CUDIST_BACKEND") or None
+        name = _settings.backend()
     if name is None:
         return default_cpu_backend()
     key = str(name).strip().lower()

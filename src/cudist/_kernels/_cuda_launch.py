@@ -13,9 +13,10 @@
 from __future__ import annotations
 
 import functools
-import os
 import re
 from pathlib import Path
+
+from cudist import _settings
 
 __all__ = [
     "KERNEL_LIST",
@@ -125,14 +126,7 @@ def launch_mode() -> str:
     Raises:
         ValueError: any other value (the message names the variable and the choices).
     """
-    raw = os.environ.get(LAUNCHERS_ENV, "")
-    mode = raw.strip().lower() or "auto"
-    if mode not in LAUNCH_MODES:
-        raise ValueError(
-            f"{LAUNCHERS_ENV}={raw!r} is not one of {', '.join(LAUNCH_MODES)} (auto: cudist._core's CUDA "
-            "launchers for the collectives where they can run, else NVRTC; core: always the launchers; nvrtc: never)"
-        )
-    return mode
+    return _settings.cuda_launchers()
 
 
 def launch_policy() -> str:

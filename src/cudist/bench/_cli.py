@@ -8,6 +8,7 @@ import os
 import sys
 import time
 
+from cudist import _settings
 from cudist.bench import _tf
 from cudist.bench._errors import BenchError
 from cudist.bench._sizes import check_fits_in_memory, format_size, parse_size, size_sweep
@@ -602,7 +603,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(["suite"] + argv)
         args._argv = argv
     if args.tf_python is None:
-        args.tf_python = os.environ.get("CUDIST_BENCH_TF_PYTHON") or None
+        args.tf_python = _settings.bench_tf_python()
     # Output files are checked before anything runs: a missing matplotlib or directory fails now, not
     # after minutes of measurement.
     try:

@@ -237,7 +237,7 @@ def _run_step(args) -> int:
 
     comm = MPI.COMM_WORLD
     strategy = cudist.MultiWorkerMirroredStrategy()
-    rank, W = strategy.extended._worker_index, strategy.extended._num_workers
+    rank, W = comm.Get_rank(), comm.Get_size()  # started by mpiexec without TF_CONFIG: worker i is rank i
     params, x, y = _problem(args.batch)
     with strategy.scope():
         variables = [cudist.Variable(p) for p in params]
@@ -296,7 +296,7 @@ def main(argv, common: argparse.ArgumentParser) -> int:
         parser.error(f"-d/--datatype {','.join(bad)}: not available with --workers (MPI reduces {', '.join(_DTYPES)})")
     if args.backend != "all":
         os.environ["CUDIST_BACKEND"] = args.backend  # also when started by mpiexec directly
-    from cudist._collectives.mpi import launched_by_mpi
+    from cudist._settings import launched_by_mpi
 
     if not launched_by_mpi():
         return _relaunch(args, argv)

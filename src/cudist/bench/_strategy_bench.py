@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 
 import numpy as np
 
@@ -28,19 +27,15 @@ def use_backend(name):
     if name is None:
         yield
         return
+    from cudist import _settings
     from cudist._kernels import reset_backend_cache as reset
 
-    old = os.environ.get("CUDIST_BACKEND")
-    os.environ["CUDIST_BACKEND"] = name
-    reset()
     try:
-        yield
+        with _settings.overridden(_settings.BACKEND, name):
+            reset()
+            yield
     finally:
-        if old is None:
-            os.environ.pop("CUDIST_BACKEND", None)
-        else:
-            os.environ["CUDIST_BACKEND"] = old
-        reset()
+        reset()  # after the variable is restored: the next collective re-reads it
 
 
 def _strategies(ctx, n):

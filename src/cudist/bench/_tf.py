@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cudist import _settings
+
 __all__ = ["TFUnavailable", "find_tf_python", "run_worker", "compare", "modes", "WORKER"]
 
 WORKER = Path(__file__).with_name("_tf_worker.py")
@@ -30,7 +32,7 @@ def find_tf_python(python: str | None = None) -> str:
     Raises:
         TFUnavailable: none given, and TensorFlow is not importable in this interpreter.
     """
-    python = python or os.environ.get("CUDIST_BENCH_TF_PYTHON") or None
+    python = python or _settings.bench_tf_python()
     if python:
         if not (os.path.isfile(python) and os.access(python, os.X_OK)):
             raise TFUnavailable(f"--tf-python {python!r} is not an executable file")

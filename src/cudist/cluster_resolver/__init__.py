@@ -420,7 +420,7 @@ class MPIClusterResolver(ClusterResolver):
     """
 
     def __init__(self, comm=None):
-        from cudist._collectives import mpi  # noqa: PLC0415
+        from cudist._dataplane.transports import mpi  # noqa: PLC0415
 
         if comm is None:
             comm = mpi.world()

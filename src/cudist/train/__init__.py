@@ -32,7 +32,9 @@ The index is committed last, by an atomic rename after the tensors are fsynced: 
 during a save leaves the previous checkpoints intact and ``latest_checkpoint`` naming one of them.
 Saving streams one tensor at a time (host variables are written from their storage, without a
 copy). Restoring checks everything (checksums included) before it assigns anything; a damaged
-checkpoint is :class:`cudist.errors.DataLossError` naming the file and the problem. Integrity,
+checkpoint is :class:`cudist.errors.DataLossError` naming the file and the problem. Saves can be asynchronous
+(``CheckpointOptions(enable_async=True)``: :mod:`cudist.train._async`); surviving preemption:
+:mod:`cudist.train.experimental`. Integrity,
 locking and cleanup: :mod:`cudist.train._format`. Why safetensors rather than ``.npz`` (measured):
 :mod:`cudist.train._format`.
 """
@@ -40,7 +42,17 @@ locking and cleanup: :mod:`cudist.train._format`. Why safetensors rather than ``
 from __future__ import annotations
 
 from cudist.cluster_resolver import ClusterSpec
+from cudist.train import experimental
+from cudist.train._async import CheckpointOptions
 from cudist.train._checkpoint import Checkpoint, CheckpointLoadStatus, InitializationOnlyStatus
 from cudist.train._manager import CheckpointManager, latest_checkpoint
 
-__all__ = ["Checkpoint", "ClusterSpec", "CheckpointManager", "CheckpointLoadStatus", "InitializationOnlyStatus", "latest_checkpoint"]
+__all__ = [
+    "Checkpoint",
+    "ClusterSpec",
+    "CheckpointManager",
+    "CheckpointLoadStatus",
+    "CheckpointOptions",
+    "InitializationOnlyStatus",
+    "latest_checkpoint",
+]

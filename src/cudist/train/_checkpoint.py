@@ -53,7 +53,7 @@ import functools
 import os
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -68,13 +68,49 @@ from cudist._variables import (
     VariableAggregation,
     VariableSynchronization,
     create_plain_variable,
+    read_host,
+    strategy_of,
 )
 from cudist.data import Dataset, DatasetIterator
 from cudist.errors import InvalidArgumentError, NotFoundError
 from cudist.optimizers import Optimizer
-from cudist.train import _format
+from cudist.train import _async, _format
+from cudist.train._async import CheckpointOptions
 
 __all__ = ["Checkpoint", "CheckpointLoadStatus", "InitializationOnlyStatus"]
+
+class _Saveable(Protocol):
+    """The checkpoint protocol of the non-variable state a checkpoint tracks (optimizers, iterators):
+    owned by this module, implemented by ``cudist.optimizers.Optimizer`` and the dataset iterators
+    (TF's ``Trackable`` plays this part; its methods are underscored there too, kept off the objects'
+    public API)."""
+
+    def _checkpoint_state(self) -> dict[str, Any]:
+        """What the checkpoint records (an optimizer: hyperparameters, iterations, slots; an
+        iterator: its position)."""
+
+    def _restore_state(self, state: dict[str, Any], var_list: Any = ()) -> None:
+        """Restores an optimizer's state (creating the slots of ``var_list``)."""
+
+    def _prepare_restore(self, state: dict[str, Any]) -> Callable[[], None]:
+        """Checks an iterator's saved position; the returned function commits it."""
+
+
+def _saveable(obj: object) -> _Saveable:
+    """``obj`` (an optimizer or an iterator the graph walk found) as the protocol's implementer."""
+    return cast(_Saveable, obj)
+
+
+def write_checkpoint(
+    checkpoint: Checkpoint,
+    prefix: str,
+    options: CheckpointOptions | None = None,
+    committed: Callable[[], None] | None = None,
+) -> bool:
+    """Writes ``checkpoint`` at ``prefix`` atomically (``CheckpointManager.save``), then calls
+    ``committed``; False when this worker must not write (see ``Checkpoint._write``)."""
+    return checkpoint._write(prefix, options, committed)
+
 
 _SLOT = ".OPTIMIZER_SLOT"
 #: A restore checks every tensor it reads before it assigns any; up to this many bytes of them are
@@ -153,7 +189,7 @@ class _Graph:
                 self.leaves[path] = (kind, obj)
                 self.path_of[id(obj)] = path
                 if kind == "optimizer":
-                    state = obj._checkpoint_state()
+                    state = _saveable(obj)._checkpoint_state()
                     optimizers.append((path, state))
                     queue.append((path, state["iterations"], "iterations"))
                 continue
@@ -193,7 +229,7 @@ class _Graph:
         out: list[Any] = []
         for kind, obj in self.leaves.values():
             if kind in ("variable", "slot"):
-                s = getattr(obj, "_distribute_strategy", None)
+                s = strategy_of(obj)
                 if s is not None and all(s is not o for o in out):
                     out.append(s)
         return out
@@ -201,12 +237,26 @@ class _Graph:
 
 # ------------------------------------------------------------------------------------- variables
 def _shape_dtype(var: Variable) -> tuple[tuple[int, ...], np.dtype[Any]]:
-    arr = var._primary_array()
+    arr = var.storage.primary
     return tuple(int(d) for d in arr.shape), np.dtype(arr.dtype)
 
 
-def _save_entries(path: str, var: Variable, record: dict[str, Any]) -> list[_format.TensorSpec]:
-    """The tensor specs (key, dtype, shape, get) of a variable, filling its index ``record``."""
+#: Captures a tensor now for a write in another thread: (key, value) -> the spec's ``get``.
+_Stage = Callable[[str, Any], Callable[[], Any]]
+
+
+def _reader(key: str, var: Variable, stage: _Stage | None) -> Callable[[], Any]:
+    """What a spec's ``get`` is: the variable's host read, or (``stage``, for an asynchronous save)
+    its value captured now (:mod:`cudist.train._async`)."""
+    if stage is None:
+        return functools.partial(read_host, var)
+    return stage(key, var.read_value())
+
+
+def _save_entries(path: str, var: Variable, record: dict[str, Any], stage: _Stage | None = None) -> list[_format.TensorSpec]:
+    """The tensor specs (key, dtype, shape, get) of a variable, filling its index ``record``.
+
+    With ``stage`` the values are captured now, for a write in another thread."""
     shape, dtype = _shape_dtype(var)
     record.update(
         tensor=path,
@@ -225,19 +275,22 @@ def _save_entries(path: str, var: Variable, record: dict[str, Any]) -> list[_for
                 f"cannot checkpoint SyncOnReadVariable '{var.name}' (at {path!r}): with aggregation NONE it has no "
                 "cross-replica value to save (TF raises too); give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"
             )
-        specs = [(path, dtype, shape, var._read_host)]  # the aggregate: a cross-replica read
+        aggregate: Callable[[], Any] = functools.partial(read_host, var)  # the aggregate: a cross-replica read (a collective)
+        if stage is not None:  # taken now (it may be a component's storage: ONLY_FIRST_REPLICA)
+            aggregate = stage(path, aggregate())
+        specs = [(path, dtype, shape, aggregate)]
         total, local = _replica_counts(var)
         if local == total:  # every replica's component is here (not so for one worker of several)
             keys = []
             for i, c in enumerate(var.values):
                 key = f"{path}/{_PER_REPLICA}/{i}"
                 keys.append(key)
-                specs.append((key, dtype, shape, c._read_host))
+                specs.append((key, dtype, shape, _reader(key, c, stage)))
             record["per_replica"] = keys
         return specs
     if isinstance(var, DistributedValues):  # MirroredVariable: one value, component 0's
-        return [(path, dtype, shape, var.values[0]._read_host)]
-    return [(path, dtype, shape, var._read_host)]  # plain, AggregatingVariable: the storage
+        return [(path, dtype, shape, _reader(path, var.values[0], stage))]
+    return [(path, dtype, shape, _reader(path, var, stage))]  # plain, AggregatingVariable: the storage
 
 
 def _replica_counts(var: Variable) -> tuple[int, int]:
@@ -245,7 +298,7 @@ def _replica_counts(var: Variable) -> tuple[int, int]:
     if not isinstance(var, DistributedValues):
         return 1, 1
     local = len(var.values)
-    strategy = var._distribute_strategy
+    strategy = strategy_of(var)
     return (local if strategy is None else int(strategy.num_replicas_in_sync)), local
 
 
@@ -306,7 +359,7 @@ def _restore_variable(var: Variable, record: dict[str, Any], read: Callable[[str
             return
         if var.aggregation is VariableAggregation.SUM:
             # This worker's share of the split over every replica of the job (its global replica ids).
-            first = 0 if total == local else getattr(var._distribute_strategy.extended, "_worker_index", 0) * local
+            first = 0 if total == local else getattr(strategy_of(var).extended, "_worker_index", 0) * local
             _assign_components(var, _split_sum(value, total)[first : first + local])
         else:  # MEAN, ONLY_FIRST_REPLICA, NONE: every component the value (as TF)
             _assign_components(var, [value] * local)
@@ -487,12 +540,14 @@ class Checkpoint:
     _save_counter: Variable | None
     _pending_save_counter: Any
     _restoration: _Restoration | None
+    _writer: _async.AsyncWriter
 
     def __init__(self, **kwargs: Any) -> None:
         self.__dict__["_children"] = {}
         self.__dict__["_save_counter"] = None
         self.__dict__["_pending_save_counter"] = None
         self.__dict__["_restoration"] = None
+        self.__dict__["_writer"] = _async.AsyncWriter()  # background writes (CheckpointOptions(enable_async=True))
         for name, value in kwargs.items():
             setattr(self, name, value)
 
@@ -556,33 +611,56 @@ class Checkpoint:
         return self._save_counter
 
     # -- saving
-    def save(self, file_prefix: str | os.PathLike[str], options: object = None) -> str:
+    def save(self, file_prefix: str | os.PathLike[str], options: CheckpointOptions | None = None) -> str:
         """Saves a numbered checkpoint ``<file_prefix>-<save_counter>`` and makes it the latest one.
 
         Increments ``save_counter`` (saved with it), writes the checkpoint atomically, then records
         it in the directory's ``checkpoint`` state file (see :func:`cudist.train.latest_checkpoint`).
 
+        Args:
+            file_prefix: the path prefix; ``-<save_counter>`` is appended.
+            options: a :class:`cudist.train.CheckpointOptions`; with ``enable_async=True`` the call
+                returns once the state is captured and the checkpoint is written (and recorded as
+                the latest) in the background (see :meth:`sync`).
+
         Returns:
             The checkpoint's path prefix, e.g. ``"/tmp/ckpt-3"`` (pass it to :meth:`restore`).
+
+        Raises:
+            Exception: the error of the previous asynchronous write, if it failed.
         """
         require_cross_replica("Checkpoint.save")
+        options = _async.check_options(options)
+        self._writer.sync()  # one write at a time; a failed earlier one raises here
         counter = self.save_counter
         counter.assign_add(1, read_value=False)
         path = f"{os.fspath(file_prefix)}-{int(counter)}"
-        wrote = self._write(path)
-        if wrote:
-            directory, name = os.path.dirname(path) or ".", os.path.basename(os.fspath(file_prefix))
+        directory, name = os.path.dirname(path) or ".", os.path.basename(os.fspath(file_prefix))
+
+        def committed() -> None:
             # TF lists only this save; the state file's checkpoints of other names (a manager's) stay listed.
             _format.write_state(directory, path, name, [(path, None)])
             _format.remove_orphans(directory, name)
+
+        self._write(path, options, committed)
         return path
 
-    def write(self, file_prefix: str | os.PathLike[str], options: object = None) -> str:
+    def write(self, file_prefix: str | os.PathLike[str], options: CheckpointOptions | None = None) -> str:
         """Writes a checkpoint at exactly ``file_prefix`` (no numbering, no state file; ``save_counter``
-        is saved if it exists but not incremented). Returns ``file_prefix``."""
+        is saved if it exists but not incremented).
+
+        Args:
+            file_prefix: the checkpoint's path prefix.
+            options: a :class:`cudist.train.CheckpointOptions` (``enable_async``: see :meth:`save`).
+
+        Returns:
+            ``file_prefix``.
+        """
         require_cross_replica("Checkpoint.write")
+        options = _async.check_options(options)
+        self._writer.sync()
         path = os.fspath(file_prefix)
-        self._write(path)
+        self._write(path, options)
         return path
 
     def _should_write(self, graph: _Graph) -> bool:
@@ -592,20 +670,34 @@ class Checkpoint:
             strategies.append(_distribute_lib.get_strategy())
         return all(getattr(s.extended, "should_checkpoint", True) for s in strategies)
 
-    def _write(self, prefix: str) -> bool:
-        """Writes the checkpoint at ``prefix`` atomically; False when this worker must not write."""
+    def _write(
+        self, prefix: str, options: CheckpointOptions | None = None, committed: Callable[[], None] | None = None
+    ) -> bool:
+        """Writes the checkpoint at ``prefix`` atomically, then calls ``committed`` (the caller's
+        bookkeeping) and the options' write callbacks; False when this worker must not write.
+
+        With ``options.enable_async`` the state is captured now and the rest runs in the background
+        (:mod:`cudist.train._async`); the caller must have waited for the previous write."""
+        skip_slots = options is not None and options.experimental_skip_slot_variables
         graph = _Graph(self)
+        if skip_slots:
+            graph.leaves = {p: leaf for p, leaf in graph.leaves.items() if leaf[0] != "slot"}
+            graph.slots = {}
+        writes = self._should_write(graph)
+        # A worker that writes nothing reads in the foreground (its collectives) and stages nothing.
+        capture = writes and options is not None and options.enable_async
+        stage = self._writer.stage if capture else None
         objects: dict[str, dict[str, Any]] = {}
         specs: list[_format.TensorSpec] = []
         for path, (kind, obj) in graph.leaves.items():
             record: dict[str, Any]
             if kind == "variable":
                 record = {"kind": "variable"}
-                specs += _save_entries(path, obj, record)
+                specs += _save_entries(path, obj, record, stage)
             elif kind == "slot":
                 opt_path, var_path, slot_name = graph.slots[path]
                 record = {"kind": "slot", "optimizer": opt_path, "variable": var_path, "slot": slot_name}
-                specs += _save_entries(path, obj, record)
+                specs += _save_entries(path, obj, record, stage)
             elif kind == "optimizer":
                 state = graph.optimizers[path]
                 slots: dict[str, dict[str, str]] = {}
@@ -620,21 +712,32 @@ class Checkpoint:
                     "slots": slots,
                 }
             else:  # iterator
-                record = {"kind": "iterator", **obj._checkpoint_state()}
+                record = {"kind": "iterator", **_saveable(obj)._checkpoint_state()}
             objects[path] = record
         directory = os.path.dirname(prefix) or "."
         if not os.path.basename(prefix):
             raise ValueError(f"a checkpoint prefix must name a file, got {prefix!r}")
         # A non-chief worker too: TF's multi-worker tutorial saves there and then removes the directory.
         os.makedirs(directory, exist_ok=True)
-        if not self._should_write(graph):
+        if not writes:
             for *_, get in specs:  # still take part in the collectives a read may be (sync-on-read aggregates)
                 get()
             return False
         save_counter = None if self._save_counter is None else int(self._save_counter)
-        _format.write_checkpoint(
-            prefix, specs, lambda tensors: {"tensors": tensors, "save_counter": save_counter, "objects": objects}
-        )
+
+        def write() -> None:
+            _format.write_checkpoint(
+                prefix, specs, lambda tensors: {"tensors": tensors, "save_counter": save_counter, "objects": objects}
+            )
+            if committed is not None:
+                committed()
+            _async.run_write_callbacks(options, prefix)
+
+        if capture:
+            self._writer.release_unstaged()
+            self._writer.submit(write, os.path.basename(prefix))
+        else:
+            write()
         return True
 
     # -- restoring
@@ -670,6 +773,7 @@ class Checkpoint:
         if save_path is None:
             return InitializationOnlyStatus()
         require_cross_replica("Checkpoint.restore")
+        self._writer.sync()  # a pending asynchronous write may be the checkpoint asked for
         self.save_counter  # noqa: B018 - TF creates the counter before restoring, so it is matched
         return self._read(save_path)
 
@@ -681,6 +785,7 @@ class Checkpoint:
         if save_path is None:
             return InitializationOnlyStatus()
         require_cross_replica("Checkpoint.read")
+        self._writer.sync()
         return self._read(save_path)
 
     def _read(self, save_path: str | os.PathLike[str], deferred: _Restoration | None = None) -> CheckpointLoadStatus:
@@ -741,7 +846,7 @@ class Checkpoint:
                 verify([r for *_, r in matched])
             matched, _, _ = self._match(graph, saved)
             # An iterator replays its input on a fresh copy: a position past its end raises here.
-            commits = [obj._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
+            commits = [_saveable(obj)._prepare_restore(record) for _, kind, obj, record in matched if kind == "iterator"]
 
             # Nothing can fail from here on: assign.
             def read(key: str) -> npt.NDArray[Any]:
@@ -755,7 +860,7 @@ class Checkpoint:
                 self._pending_save_counter = read(counter_record["tensor"])
         for _, kind, obj, record in matched:
             if kind == "optimizer":
-                obj._restore_state(record["hyperparameters"])
+                _saveable(obj)._restore_state(record["hyperparameters"])
         for commit in commits:
             commit()
         restoration.restored.update(path for path, *_ in matched)
@@ -794,14 +899,19 @@ class Checkpoint:
                     var_list.append(leaf[1])
             for var in var_list:
                 try:
-                    opt._restore_state({}, [var])
+                    _saveable(opt)._restore_state({}, [var])
                     built = True
                 except (TypeError, ValueError):
                     pass  # a variable the optimizer cannot train now: its slots stay unmatched
         return built
 
     def sync(self) -> None:
-        """Waits for pending writes: there are none (saves are synchronous)."""
+        """Waits for the pending asynchronous write (``CheckpointOptions(enable_async=True)``), if any.
+
+        Raises:
+            Exception: the error that write failed with (raised once).
+        """
+        self._writer.sync()
 
     def __repr__(self) -> str:
         return f"<cudist.train.Checkpoint {list(self._children)}>"

@@ -18,7 +18,9 @@ from collections.abc import Callable
 from typing import Any
 
 from cudist.train import _format
-from cudist.train._checkpoint import Checkpoint, require_cross_replica
+from cudist.train import _async
+from cudist.train._async import CheckpointOptions
+from cudist.train._checkpoint import Checkpoint, require_cross_replica, write_checkpoint
 
 __all__ = ["CheckpointManager", "latest_checkpoint"]
 
@@ -164,18 +166,30 @@ class CheckpointManager:
             self._directory, self._latest_checkpoint, self._name, self._maybe_delete.items(), self._last_preserved_timestamp
         )
 
-    def save(self, checkpoint_number: Any = None, check_interval: bool = True, options: object = None) -> str | None:
+    def save(
+        self, checkpoint_number: Any = None, check_interval: bool = True, options: CheckpointOptions | None = None
+    ) -> str | None:
         """Saves a new checkpoint, records it as the latest, and deletes the ones no longer kept.
 
         Args:
             checkpoint_number: the number to give it (an int or an integer variable); by default the
                 checkpoint's ``save_counter``, which is incremented either way.
             check_interval: with ``checkpoint_interval``, save only if the step counter advanced by it.
+            options: a :class:`cudist.train.CheckpointOptions`. With ``enable_async=True`` the call
+                returns once the state is captured; the write, the state file and the deletion of
+                checkpoints no longer kept follow in the background, in that order (so the state
+                file names the new checkpoint only once it is committed); as in TF,
+                :attr:`latest_checkpoint` names it once it is written. :meth:`sync` waits for it.
 
         Returns:
             The new checkpoint's prefix, or None when ``checkpoint_interval`` skipped the save.
+
+        Raises:
+            Exception: the error of the previous asynchronous write, if it failed.
         """
         require_cross_replica("CheckpointManager.save")
+        options = _async.check_options(options)
+        self.sync()  # one write at a time (this manager's bookkeeping included); a failed one raises here
         if self._checkpoint_interval is not None:
             step = int(self._step_counter)
             if self._last_checkpoint_step is not None:
@@ -188,18 +202,22 @@ class CheckpointManager:
         counter.assign_add(1, read_value=False)
         number = int(counter) if checkpoint_number is None else int(checkpoint_number)
         path = f"{self._checkpoint_prefix}-{number}"
-        wrote = self._checkpoint._write(path)
-        stamp = time.time()
-        self._maybe_delete.pop(path, None)
-        self._maybe_delete[path] = stamp
-        self._latest_checkpoint = path
-        if not wrote:  # not the chief: the same bookkeeping in memory, no files touched
+
+        def note() -> None:  # the new checkpoint in memory, once written (TF's write_done_callback)
+            self._maybe_delete.pop(path, None)
+            self._maybe_delete[path] = time.time()
+            self._latest_checkpoint = path
+
+        def committed() -> None:
+            note()
+            self._record_state()
+            self._sweep()
+            self._record_state()
+            _format.remove_orphans(self._directory, self._name)  # debris of this name's crashed or failed saves
+
+        if not write_checkpoint(self._checkpoint, path, options, committed):
+            note()  # not the chief: the same bookkeeping in memory, no files touched
             self._sweep(delete=False)
-            return path
-        self._record_state()
-        self._sweep()
-        self._record_state()
-        _format.remove_orphans(self._directory, self._name)  # debris of this name's crashed or failed saves
         return path
 
     def restore_or_initialize(self) -> str | None:
@@ -215,7 +233,12 @@ class CheckpointManager:
         return None
 
     def sync(self) -> None:
-        """Waits for pending saves: there are none (saves are synchronous)."""
+        """Waits for the pending asynchronous save of the managed checkpoint, if any (see :meth:`save`).
+
+        Raises:
+            Exception: the error that save failed with (raised once).
+        """
+        self._checkpoint.sync()
 
     def __repr__(self) -> str:
         return f"<cudist.train.CheckpointManager {self._checkpoint_prefix!r} latest={self._latest_checkpoint!r}>"

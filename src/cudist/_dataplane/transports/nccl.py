@@ -17,7 +17,7 @@ from cudist import config, errors
 from cudist._reduce_util import ReduceOp
 
 if TYPE_CHECKING:
-    from cudist._collectives.mpi import Communicator
+    from cudist._dataplane.transports.mpi import Communicator
 
 __all__ = ["load", "dtype_codes", "communicators_for", "all_reduce", "WorkerCommunicator", "UNIQUE_ID_BYTES"]
 
@@ -128,7 +128,7 @@ class WorkerCommunicator:
     uid, worker)`` on its GPU (in a helper thread, so that the init, which blocks until every rank
     has joined, is waited for with the deadline). Every NCCL collective is numbered, checked
     (``CUDIST_CHECK_COLLECTIVES``) and waited for by ``comm`` like its MPI collectives
-    (:meth:`cudist._collectives.mpi.Communicator.collective`): queued on the GPU's current CuPy
+    (:meth:`cudist._dataplane.transports.mpi.Communicator.collective`): queued on the GPU's current CuPy
     stream, then an event recorded behind it is polled with ``timeout_seconds``, the stall
     warning, and ``ncclCommGetAsyncError`` (so an all-reduce returns once NCCL has finished, as
     the MPI path does: the price of a deadline is no overlap of later host work with the transfer); a timeout aborts the communicator
@@ -142,7 +142,7 @@ class WorkerCommunicator:
 
     Args:
         nccl: the ``cupy.cuda.nccl`` module (see :func:`load`).
-        comm: the workers' MPI communicator (:class:`cudist._collectives.mpi.Communicator`).
+        comm: the workers' MPI communicator (:class:`cudist._dataplane.transports.mpi.Communicator`).
     """
 
     def __init__(self, nccl: ModuleType, comm: Communicator) -> None:

@@ -20,7 +20,7 @@ Every cross-worker collective of a :class:`Communicator` is non-blocking (``Iall
   ``CUDIST_CHECK_COLLECTIVES=0`` turns the check off.
 
 Collectives another library carries (NCCL for GPU buffers, see
-:class:`cudist._collectives.nccl.WorkerCommunicator`) go through :meth:`Communicator.collective`,
+:class:`cudist._dataplane.transports.nccl.WorkerCommunicator`) go through :meth:`Communicator.collective`,
 which numbers, checks and waits for them the same way.
 
 Who arrived is learnt from small notices: a worker that has waited a little while (a fraction of a
@@ -50,7 +50,7 @@ from typing import Any, NoReturn
 import numpy as np
 import numpy.typing as npt
 
-from cudist import errors
+from cudist import _settings, errors
 from cudist._replica_engine import ReplicaMismatchError
 
 __all__ = [
@@ -60,7 +60,6 @@ __all__ = [
     "CollectiveStallWarning",
     "DeadlineExceededError",
     "ReplicaMismatchError",
-    "launched_by_mpi",
     "load",
     "world",
     "install_abort_hook",
@@ -83,8 +82,6 @@ _HASH_MUL = 0x100000001B3  # FNV-1's 64-bit prime
 #: Seconds a worker waits in one collective before a CollectiveStallWarning names the missing workers
 #: (env ``CUDIST_STALL_WARNING_SECONDS`` overrides it).
 STALL_WARNING_SECONDS = 60.0
-#: Environment variables MPI launchers set in the processes they start (MPICH/Hydra, PMIx, Open MPI, Slurm).
-LAUNCHER_ENV = ("PMI_RANK", "PMI_SIZE", "PMIX_RANK", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS")
 _FINGERPRINT_BYTES = 512
 #: A wait polls MPI without pause this long, then every half millisecond.
 _SPIN_SECONDS = 1.0
@@ -106,11 +103,6 @@ DeadlineExceededError = errors.DeadlineExceededError
 
 class CollectiveStallWarning(RuntimeWarning):
     """A worker has waited unusually long in a cross-worker collective."""
-
-
-def launched_by_mpi() -> bool:
-    """Whether this process was started by an MPI launcher (so that it has peers)."""
-    return any(k in os.environ for k in LAUNCHER_ENV)
 
 
 _MPI: ModuleType | None = None
@@ -140,7 +132,7 @@ def world() -> Any:
     Raises:
         RuntimeError: started by a launcher of several processes, but mpi4py is missing.
     """
-    if not launched_by_mpi():
+    if not _settings.launched_by_mpi():
         return None
     MPI, why = load()
     if MPI is None:
@@ -230,8 +222,9 @@ def abort(code: int, message: str) -> NoReturn:
         if MPI is not None:
             MPI.COMM_WORLD.Abort(code)
         # MPICH's MPI_Abort can return once it has told mpiexec (seen here): this process must not
-        # go on to run more Python, nor block in MPI_Finalize.
-        os._exit(code or 1)
+        # go on to run more Python, nor block in MPI_Finalize. (os._exit is the standard library's
+        # documented exit without cleanup, not another module's private attribute.)
+        os._exit(code or 1)  # private-read: the standard library's exit without cleanup
 
 
 def await_peers_at_exit(poll_seconds: float = 0.002) -> str | None:
@@ -366,10 +359,7 @@ def install_abort_hook() -> bool:
 def check_mode() -> str:
     """``"quick"`` (the default: a hash of each collective rides with it), ``"full"``
     (``CUDIST_CHECK_COLLECTIVES=1``: whole fingerprints gathered first) or ``"off"`` (``=0``)."""
-    value = os.environ.get(ENV_CHECK, "").strip().lower()
-    if value == "":
-        return "quick"
-    return "off" if value in ("0", "false", "no", "off") else "full"
+    return _settings.check_collectives()
 
 
 def _dtype_of_num(num: int) -> np.dtype[Any] | str:
@@ -427,7 +417,7 @@ class Communicator:
         self._hash_send = np.zeros(2, np.int64)
         self._hash_recv = np.zeros(2, np.int64)
         if stall_warning_seconds is None:
-            stall_warning_seconds = float(os.environ.get("CUDIST_STALL_WARNING_SECONDS", STALL_WARNING_SECONDS))
+            stall_warning_seconds = _settings.stall_warning_seconds(STALL_WARNING_SECONDS)
         self.stall_warning_seconds = stall_warning_seconds
         self.seq = 0
         self._broken: str | None = None

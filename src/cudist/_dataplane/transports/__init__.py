@@ -1,0 +1,5 @@
+"""Transports: how reduced bytes cross processes and GPUs.
+
+* :mod:`.mpi`: the workers' communicator (mpi4py), its checks, deadlines and stall warnings;
+* :mod:`.nccl`: CuPy's NCCL bindings, the single-process and cross-worker communicators.
+"""

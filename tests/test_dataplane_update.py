@@ -1,0 +1,63 @@
+"""The fused update pass's table of rules (cudist._dataplane.update): every optimizer's step maps to a
+row of ``UPDATE_KERNELS`` with the scalars that row names, and a bad rule is refused up front."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cudist import optimizers
+from cudist._dataplane.update import Rule
+from cudist._kernels import UPDATE_KERNELS
+
+OPTIMIZERS = [
+    optimizers.SGD(0.1),
+    optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+    optimizers.Adam(0.1),
+    optimizers.Adam(0.1, amsgrad=True),
+    optimizers.AdamW(0.1),
+    optimizers.RMSprop(0.1),
+    optimizers.RMSprop(0.1, momentum=0.5),
+    optimizers.RMSprop(0.1, centered=True),
+    optimizers.RMSprop(0.1, momentum=0.5, centered=True),
+    optimizers.Adagrad(0.1),
+    optimizers.Adamax(0.1),
+    optimizers.Nadam(0.1),
+    optimizers.Lion(0.1),
+]
+
+
+@pytest.mark.parametrize("opt", OPTIMIZERS, ids=lambda o: f"{type(o).__name__}{o._slot_names}")
+@pytest.mark.parametrize("decay", [0.0, 0.25])
+def test_every_optimizer_step_is_a_row_of_the_table(opt, decay):
+    rule = opt._rule(opt._step_params(0.1, 1), decay)
+    slots, scalars = UPDATE_KERNELS[rule.kernel]
+    assert rule.fused == f"all_reduce_{rule.kernel}"
+    assert len(rule.scalars) == len(scalars)
+    if scalars[-1] == "decay":
+        assert rule.scalars[-1] == decay and not rule.decay_pass  # the kernel folds the decay in
+    else:
+        assert rule.decay_pass == bool(decay)  # SGD: a pass of its own
+    # The rule's slots are filled from the optimizer's, in the table's order (None: left out).
+    order = rule.slots if rule.slots is not None else tuple(range(len(opt._slot_names)))
+    assert len(order) == len(slots)
+    filled = [i for i in order if i is not None]
+    assert sorted(filled) == list(range(len(opt._slot_names)))
+    for i, name in zip(order, slots):
+        if i is not None and type(opt) is optimizers.RMSprop:
+            assert opt._slot_names[i] == name
+
+
+def test_rmsprop_passes_its_optional_slots_as_absent():
+    rule = optimizers.RMSprop(0.1, centered=True)._rule((0.1,), 0.0)
+    a, b = np.zeros(2), np.ones(2)
+    assert rule._slot_args(((a,), (b,))) == ((a,), None, (b,))
+
+
+def test_a_bad_rule_is_refused():
+    with pytest.raises(ValueError, match="no update rule 'adamx'"):
+        Rule("adamx", (0.1,))
+    with pytest.raises(ValueError, match=r"update rule 'adam' takes 4 scalars"):
+        Rule("adam", (0.1, 0.9, 0.999))
+    with pytest.raises(ValueError, match=r"update rule 'lion' takes 3 scalars"):
+        Rule("lion", (0.1, 0.9, 0.99, 0.0))  # the decay is not one of the scalars passed
