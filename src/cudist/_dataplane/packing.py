@@ -23,7 +23,7 @@ import optree
 from cudist._arrays import device_context, is_device_array, like
 from cudist.errors import InvalidArgumentError
 # cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
-from cudist._kernels import KernelBackend, backend_for, numpy_backend
+from cudist._kernels import KernelBackend, backend_for, is_bfloat16, numpy_backend
 from cudist._reduce_util import ReduceOp
 
 __all__ = [
@@ -52,8 +52,8 @@ class LeafPaths(Protocol):
 
 
 def check_reducible(where: str, dtype: np.dtype[Any]) -> None:
-    """Raises TypeError unless ``dtype`` can be summed."""
-    if dtype.kind not in "iufc":
+    """Raises TypeError unless ``dtype`` can be summed (bfloat16, NumPy kind "V", can)."""
+    if dtype.kind not in "iufc" and not is_bfloat16(dtype):
         raise TypeError(f"{where}: cannot reduce values of dtype {dtype} (only numeric dtypes can be summed)")
 
 
@@ -126,12 +126,12 @@ def pack_groups(sizes: Sequence[int], num_packs: int) -> list[list[int]]:
 def kernel_backend(a: Any, dt: np.dtype[Any]) -> KernelBackend | None:
     """The backend that reduces buffers like ``a`` of dtype ``dt``; None for host dtypes outside the contract."""
     b = backend_for(a)
-    if dt in b.dtypes:
+    if b.computes(dt):
         return b
     if b.xp is not np:
         raise TypeError(f"all_reduce: dtype {dt} is not supported by the GPU kernels")
-    b = numpy_backend()
-    return b if dt in b.dtypes else None
+    b = numpy_backend()  # the reference backend also computes bfloat16 (float32 accumulation)
+    return b if b.computes(dt) else None
 
 
 def pack_plan(

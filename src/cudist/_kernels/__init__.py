@@ -29,6 +29,7 @@ from cudist._kernels._base import (
     TrustedKernels,
     adam_lr_t,
     adamax_lr_t,
+    is_bfloat16,
     nadam_step,
 )
 from cudist._kernels._cuda_launch import launch_policy as cuda_launch_policy
@@ -41,6 +42,7 @@ __all__ = [
     "TrustedKernels",
     "SUPPORTED_DTYPES",
     "FLOAT_DTYPES",
+    "is_bfloat16",
     "available_backends",
     "get_backend",
     "default_cpu_backend",

@@ -51,6 +51,7 @@ __all__ = [
     "TrustedKernels",
     "UPDATE_ENTRY_POINTS",
     "SUPPORTED_DTYPES",
+    "is_bfloat16",
     "FLOAT_DTYPES",
     "adam_lr_t",
     "adamax_lr_t",
@@ -61,6 +62,15 @@ __all__ = [
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
 FLOAT_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64"))
 _DTYPE_NAMES = ", ".join(d.name for d in SUPPORTED_DTYPES)
+
+
+def is_bfloat16(dtype) -> bool:
+    """Whether ``dtype`` is ``ml_dtypes.bfloat16``, decided without importing ml_dtypes.
+
+    bfloat16 is an optional dtype (the ``bf16`` extra installs ml_dtypes); NumPy files it under
+    kind ``"V"``, so it is recognised by name. Only backends with ``bfloat16 = True`` compute it.
+    """
+    return getattr(dtype, "name", None) == "bfloat16"
 
 
 def adam_lr_t(lr: float, beta_1: float, beta_2: float, step: int) -> float:
@@ -117,6 +127,8 @@ class KernelBackend:
     name: str = "abstract"
     #: Dtypes this backend computes; a subset of SUPPORTED_DTYPES.
     dtypes: tuple = SUPPORTED_DTYPES
+    #: Whether this backend also computes ``ml_dtypes.bfloat16`` (float32 accumulation, one rounding).
+    bfloat16: bool = False
     #: Array module of the buffers this backend takes (numpy, or cupy for the GPU backend).
     xp = np
 
@@ -127,6 +139,10 @@ class KernelBackend:
 
     def __repr__(self) -> str:
         return f"<cudist kernel backend {self.name!r}>"
+
+    def computes(self, dtype) -> bool:
+        """Whether this backend's kernels take arrays of ``dtype`` (its ``dtypes``, plus bfloat16 where set)."""
+        return dtype in self._dtype_set or (self.bfloat16 and is_bfloat16(dtype))
 
     # ------------------------------------------------------------------ the trusted entry points
     @functools.cached_property
@@ -150,9 +166,15 @@ class KernelBackend:
                 f"{where}: {what} has dtype {dt.str!r}, which is not in the machine's byte order; "
                 f"convert it first with .astype({dt.newbyteorder('=').name!r})"
             )
-        if dt not in SUPPORTED_DTYPES:
+        if is_bfloat16(dt):
+            if not self.bfloat16:
+                raise TypeError(
+                    f"{where}: backend {self.name!r} does not support dtype bfloat16 "
+                    f"(it supports: {', '.join(d.name for d in self.dtypes)}); the numpy backend computes it"
+                )
+        elif dt not in SUPPORTED_DTYPES:
             raise TypeError(f"{where}: unsupported dtype {dt.name} for {what} (supported: {_DTYPE_NAMES})")
-        if dt not in self.dtypes:
+        elif dt not in self.dtypes:
             raise TypeError(
                 f"{where}: backend {self.name!r} does not support dtype {dt.name} "
                 f"(it supports: {', '.join(d.name for d in self.dtypes)})"

@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from cudist._kernels._base import KernelBackend
+from cudist._kernels._base import KernelBackend, is_bfloat16
 from cudist._reduce_util import ReduceOp
 
 
 def reference_reduce(bufs, op):
-    """Returns the reduction of ``bufs`` as a new array, in the contract's fixed order."""
+    """Returns the reduction of ``bufs`` as a new array, in the contract's fixed order.
+
+    bfloat16 accumulates in float32 in replica order (the mean divides the float32 sum) and rounds
+    once at the end: its 8-bit mantissa would lose low replicas' bits if rounded after every addition.
+    """
+    if is_bfloat16(bufs[0].dtype):
+        return reference_reduce([b.astype(np.float32) for b in bufs], op).astype(bufs[0].dtype)
     s = bufs[0].copy()
     for b in bufs[1:]:
         np.add(s, b, out=s)
@@ -39,6 +45,7 @@ class NumpyBackend(KernelBackend):
     """Reference implementation in plain NumPy (not fused; clarity over speed)."""
 
     name = "numpy"
+    bfloat16 = True
 
     def _hook_all_reduce(self, inputs, outputs, op):
         # Everything is reduced before anything is written: outputs may be (or overlap) inputs.
