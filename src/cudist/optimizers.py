@@ -57,7 +57,7 @@ import numpy.typing as npt
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
 from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
-from cudist._dataplane.update import Rule, UpdatePass, adam_lr_t, adamax_lr_t, nadam_step
+from cudist._dataplane.update import Rule, UpdatePass, adam_lr_t, adamax_lr_t, is_bfloat16, nadam_step
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -652,7 +652,9 @@ class Optimizer:
         elif is_foreign_array(grad):  # a JAX array, a PyTorch tensor: NumPy/CuPy through DLPack, no copy
             grad = from_dlpack(grad)
         if is_array(grad):
-            if grad.dtype != var.dtype and grad.dtype.kind not in "fiu":
+            # bfloat16 (NumPy kind "V") is a float: mixed precision casts it exactly to the variable's
+            # float32 before the float32 sum over replicas.
+            if grad.dtype != var.dtype and grad.dtype.kind not in "fiu" and not is_bfloat16(grad.dtype):
                 raise TypeError(
                     f"{self.name}: the gradient of variable '{var.name}' has dtype {grad.dtype.name}, which cannot "
                     f"be cast to the variable's {var.dtype.name}"

@@ -33,12 +33,13 @@ import numpy.typing as npt
 
 from cudist._arrays import device_context, gpu_of, like
 from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, adamax_lr_t, nadam_step, numpy_backend
+from cudist._kernels import UPDATE_KERNELS, adam_lr_t, adamax_lr_t, is_bfloat16, nadam_step, numpy_backend
 
 if TYPE_CHECKING:
     from cudist._kernels import KernelBackend, TrustedKernels
 
 __all__ = [
+    "is_bfloat16",
     "Plan",
     "Rule",
     "UpdatePass",
