@@ -77,7 +77,7 @@ if TYPE_CHECKING:
     from cudist._arrays import Array
     from cudist._distribute_lib import Strategy
 
-__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "schedules"]
+__all__ = ["Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "LossScaleOptimizer", "schedules"]
 
 # ``import cudist.optimizers.schedules`` / ``from cudist.optimizers.schedules import CosineDecay``
 # find the schedules module under its public name (this module is not a package).
@@ -1648,3 +1648,91 @@ class Lion(Optimizer):
 
     def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
         return Rule("lion", (params[0], self.beta_1, self.beta_2), decay)
+
+
+class LossScaleOptimizer:
+    """Keras 3's dynamic loss scaling around an optimizer (``keras.optimizers.LossScaleOptimizer``).
+
+    Multiply the loss by :meth:`scale_loss` before differentiating, and pass the resulting (scaled)
+    gradients to :meth:`apply_gradients`: when every gradient is finite they are divided by the
+    scale and applied by ``inner_optimizer``, and after ``dynamic_growth_steps`` such steps in a row
+    the scale doubles; a step with an inf or NaN gradient is skipped (the inner optimizer's
+    ``iterations`` does not move) and halves the scale. Under a strategy every replica decides on
+    the all-reduced finiteness, so all replicas skip the same steps.
+
+    This first version checks finiteness in its own pass over the gradients (the check is not yet
+    fused into the all-reduce + update pass).
+
+    Args:
+        inner_optimizer: the optimizer that applies the unscaled gradients.
+        initial_scale: the first loss scale (Keras: ``2**15``).
+        dynamic_growth_steps: finite steps in a row after which the scale doubles.
+        name: the optimizer's name.
+    """
+
+    def __init__(
+        self,
+        inner_optimizer: Optimizer,
+        initial_scale: float = 2.0**15,
+        dynamic_growth_steps: int = 2000,
+        name: str = "loss_scale_optimizer",
+    ) -> None:
+        if not isinstance(inner_optimizer, Optimizer):
+            raise TypeError(f"LossScaleOptimizer: inner_optimizer must be a cudist optimizer, got {type(inner_optimizer).__name__}")
+        scale = _check_real("initial_scale", initial_scale)
+        if scale <= 0:
+            raise ValueError(f"`initial_scale` must be > 0, got {scale}")
+        if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) or dynamic_growth_steps < 1:
+            raise ValueError(f"`dynamic_growth_steps` must be a positive integer, got {dynamic_growth_steps!r}")
+        self.name = name
+        self.inner_optimizer = inner_optimizer
+        self.dynamic_growth_steps = int(dynamic_growth_steps)
+        # ONLY_FIRST_REPLICA, as the iteration counter: every replica computes the same new value.
+        self.dynamic_scale = Variable(
+            np.float32(scale), name=f"{name}/dynamic_scale", trainable=False,
+            aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+        self.step_counter = Variable(
+            0, dtype=np.int64, name=f"{name}/step_counter", trainable=False,
+            aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
+        )
+
+    @property
+    def iterations(self) -> Variable:
+        """The inner optimizer's iteration count (skipped steps do not count)."""
+        return self.inner_optimizer.iterations
+
+    @property
+    def variables(self) -> list[Variable]:
+        """The inner optimizer's variables, then the scale and the step counter."""
+        return [*self.inner_optimizer.variables, self.dynamic_scale, self.step_counter]
+
+    def scale_loss(self, loss: Any) -> Any:
+        """``loss`` multiplied by the current scale (Keras's ``scale_loss``)."""
+        return np.multiply(loss, np.asarray(self.dynamic_scale.read_value()).astype(np.asarray(loss).dtype))
+
+    def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Variable]]) -> Variable:
+        """Applies the unscaled gradients when all are finite (on every replica), else skips the step.
+
+        Returns:
+            The inner optimizer's ``iterations`` variable.
+        """
+        pairs = list(grads_and_vars)
+        finite = all(g is None or bool(np.isfinite(np.asarray(g, dtype=np.float32)).all()) for g, _ in pairs)
+        ctx = _distribute_lib.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            bad = ctx.all_reduce(ReduceOp.SUM, np.float32(0.0 if finite else 1.0))
+            finite = float(np.asarray(bad)) == 0.0
+        scale = np.float32(np.asarray(self.dynamic_scale.read_value()))
+        if not finite:
+            self.dynamic_scale.assign(scale / np.float32(2.0))
+            self.step_counter.assign(0)
+            return self.inner_optimizer.iterations
+        unscaled = [(None if g is None else np.asarray(g, dtype=np.float32) / scale, v) for g, v in pairs]
+        self.inner_optimizer.apply_gradients(unscaled)
+        count = int(np.asarray(self.step_counter.read_value())) + 1
+        if count >= self.dynamic_growth_steps:
+            self.dynamic_scale.assign(scale * np.float32(2.0))
+            count = 0
+        self.step_counter.assign(count)
+        return self.inner_optimizer.iterations
