@@ -531,7 +531,7 @@ def test_bad_arguments():
 
 def test_exported_names():
     assert optimizers.__all__ == [
-        "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "schedules"
+        "Optimizer", "SGD", "Adam", "AdamW", "RMSprop", "Adagrad", "Adamax", "Nadam", "Lion", "LossScaleOptimizer", "schedules"
     ]  # fmt: skip
     assert "learning_rate" in repr(optimizers.SGD.__init__.__code__.co_varnames)
     assert repr(optimizers.SGD(name="SGD")).startswith("<cudist.optimizers.SGD name='SGD' iterations=0")

@@ -1684,15 +1684,15 @@ class LossScaleOptimizer:
             raise ValueError(f"`initial_scale` must be > 0, got {scale}")
         if isinstance(dynamic_growth_steps, bool) or not isinstance(dynamic_growth_steps, numbers.Integral) or dynamic_growth_steps < 1:
             raise ValueError(f"`dynamic_growth_steps` must be a positive integer, got {dynamic_growth_steps!r}")
-        self.name = name
-        self.inner_optimizer = inner_optimizer
-        self.dynamic_growth_steps = int(dynamic_growth_steps)
+        self.name: str = name
+        self.inner_optimizer: Optimizer = inner_optimizer
+        self.dynamic_growth_steps: int = int(dynamic_growth_steps)
         # ONLY_FIRST_REPLICA, as the iteration counter: every replica computes the same new value.
-        self.dynamic_scale = Variable(
+        self.dynamic_scale: Variable = Variable(
             np.float32(scale), name=f"{name}/dynamic_scale", trainable=False,
             aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
         )
-        self.step_counter = Variable(
+        self.step_counter: Variable = Variable(
             0, dtype=np.int64, name=f"{name}/step_counter", trainable=False,
             aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
         )
