@@ -166,19 +166,22 @@ def test_jax_arrays_are_taken_without_a_copy_and_variables_feed_jax():
     assert v.numpy().tolist() == [1.0, 1.0, 1.0]
 
 
-def test_bfloat16_is_held_as_ml_dtypes_or_refused_by_name():
+def test_bfloat16_is_held_as_ml_dtypes_and_reduced():
     jax = _jax()
     ml_dtypes = pytest.importorskip("ml_dtypes")
     x = jax.numpy.ones(3, jax.numpy.bfloat16)
     a = as_array(x)  # NumPy cannot import bfloat16 through DLPack; JAX's own conversion holds it
     assert a.dtype == ml_dtypes.bfloat16 and a.tolist() == [1.0, 1.0, 1.0]
     s = _mirrored(2)
-    with pytest.raises(TypeError, match="bfloat16"):
-        s.run(lambda: cudist.get_replica_context().all_reduce("sum", x))
+    # Issue #28: JAX's bfloat16 is all-reduced (float32 accumulation) and updates float32 variables.
+    out = s.run(lambda: cudist.get_replica_context().all_reduce("sum", x))
+    for r in s.experimental_local_results(out):
+        assert np.asarray(r).dtype == ml_dtypes.bfloat16 and np.asarray(r).tolist() == [2.0, 2.0, 2.0]
     with s.scope():
         v = cudist.Variable(np.zeros(3, np.float32))
-    with pytest.raises(TypeError, match="bfloat16"):
-        s.run(lambda: cudist.optimizers.SGD(0.1).apply_gradients([(x, v)]))
+        opt = cudist.optimizers.SGD(0.1)
+    s.run(lambda: opt.apply_gradients([(x, v)]))
+    np.testing.assert_array_equal(np.asarray(v.read_value()), np.full(3, np.float32(0.0) - np.float32(0.1) * np.float32(2.0)))
 
 
 # ------------------------------------------------------------------------------ autograd, PyTorch
