@@ -383,12 +383,36 @@ void all_reduce_momentum(T* const* copies, T* const* velocities, std::size_t n, 
                          const T* const* grads, std::size_t m, double lr, double momentum, bool nesterov,
                          thread_pool* pool = &thread_pool::global()) {
   static_assert(detail::is_update_float<T>, "cudist::all_reduce_momentum needs a floating-point type");
-  T* const* const state[2] = {velocities, copies};
-  if (nesterov) {
-    detail::run_rule<rules::nesterov>(state, n, count, grads, m, 0.0, pool, lr, momentum);
-  } else {
-    detail::run_rule<rules::momentum>(state, n, count, grads, m, 0.0, pool, lr, momentum);
-  }
+  if (n == 0 || m == 0 || count == 0) return;
+  using C = detail::compute_t<T>;
+  using A = detail::arith<T>;
+  constexpr std::size_t K = detail::kLineBytes / sizeof(T);
+  // Still hand-written on the host (rules::momentum / rules::nesterov serve the CUDA kernels): with
+  // the shared rule inside the same loop it measured ~35% slower (4 x 4096 float32: 5.9 us against
+  // 4.3 us; 4 x 64K: 56 against 43), not yet understood (the loop vectorizes either way).
+  const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
+  std::vector<std::vector<T>> keep;
+  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
+  const T* v0 = detail::snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
+  const detail::grad_list<T> gl(grads, m, {copies, velocities}, n, count, keep);
+  const T* const* gp = gl.data();
+  T* const* const slots[2] = {velocities, copies};
+  detail::run_update<T, 2>(slots, n, count, m + 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+    typename A::acc_t acc[K];
+    const auto* g = detail::sum_grads_line<T>(gp, m, b, len, acc);
+    const T* w = w0 + b;
+    const T* v = v0 + b;
+    detail::prefetch(w);
+    detail::prefetch(v);
+    for (std::size_t k = 0; k < len; ++k) {
+      const C gk = static_cast<C>(g[k]);
+      const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
+      const C wk = static_cast<C>(A::load(w[k]));
+      const C wn = nesterov ? wk + (mom * vk - lr_c * gk) : wk + vk;
+      out[0][at + k] = static_cast<T>(vk);
+      out[1][at + k] = static_cast<T>(wn);
+    }
+  });
 }
 
 /// SGD with momentum (Keras formulation) on N variable copies and N velocity copies:

@@ -72,8 +72,14 @@ struct momentum_rule {
   template <class Dec>
   CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
     const C lr_g = M::mul(lr, g);
-    x[0] = M::sub(M::mul(momentum, x[0]), lr_g);
-    x[1] = kNesterov ? M::add(dec(x[1]), M::sub(M::mul(momentum, x[0]), lr_g)) : M::add(dec(x[1]), x[0]);
+    const C v = M::sub(M::mul(momentum, x[0]), lr_g);
+    const C w = dec(x[1]);
+    x[0] = v;
+    if constexpr (kNesterov) {
+      x[1] = M::add(w, M::sub(M::mul(momentum, v), lr_g));
+    } else {
+      x[1] = M::add(w, v);
+    }
   }
 };
 template <class C, class M>
