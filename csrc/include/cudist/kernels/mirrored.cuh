@@ -140,15 +140,6 @@ struct RuleUpdate {
   }
 };
 
-template <class T, int NS, class Rule>
-__device__ __forceinline__ void run_rule(const Ptrs<T> (&s)[NS], int n, const Ptrs<T>& g, int n_grads, const Rule& rule,
-                                         long long count) {
-  RuleUpdate<T, NS, Rule, SumGrads<T>> f{{}, {g, n_grads}, n, rule};
-#pragma unroll
-  for (int j = 0; j < NS; ++j) f.s[j] = s[j];
-  for_each<T>(0, count, f.aligned(), f);
-}
-
 // The device arithmetic of the shared rules (<cudist/detail/update_rules.hpp>): the helpers above,
 // which round like NumPy whatever flags the kernels are compiled with.
 struct device_math {
@@ -215,9 +206,8 @@ __device__ __forceinline__ void run_shared_rule(const Ptrs<T> (&s)[NS], int n, c
 template <class T, class G>
 __device__ __forceinline__ void run_sgd(const Ptrs<T>& c, int n, const G& grad, typename compute<T>::type lr,
                                         long long count) {
-  using R = rules::sgd<typename compute<T>::type, device_math>;
-  RuleUpdate<T, 1, Bound<R, rules::no_decay>, G> f{{c}, grad, n, {R(lr), {}}};
-  for_each<T>(0, count, f.aligned(), f);
+  const Ptrs<T> s[1] = {c};
+  run_rule_from<rules::sgd, T, 1>(s, n, grad, rules::no_decay{}, count, lr);
 }
 
 // SGD with momentum (rules::momentum / rules::nesterov, picked once per launch).
