@@ -43,11 +43,10 @@ STORE_128_EXEMPT = {"reduce_scatter_packed"}
 #: (256, 2) spilled nothing but raised most kernels' registers by 10-110% (one-shot float32 48 -> 84),
 #: fewer resident blocks for no measured gain.
 REGISTER_BUDGET = 128
-#: Kernels over the budget, each with its own ceiling (no spills still): the fused all-reduce +
-#: AMSGrad update (N gradients, three slots) takes 134 (float32, sm_80) to 143 (float64) registers
-#: with NVRTC 13 (2026-11-28), one 256-thread block per SM. Not yet measured on a GPU: the next GPU
-#: session times it (bench/gpu_session.sh) against Adam's before trying __launch_bounds__ here.
-REGISTER_EXEMPT = {"mirrored_all_reduce_amsgrad_packed": 144}
+#: Kernels over the budget, each with its own ceiling (no spills still). None today: the fused
+#: all-reduce + AMSGrad update took 134-143 registers until the kernels told NVVM their pointers
+#: address global memory (kernels/common.cuh, assume_global); 100-122 since (NVRTC 13, 2026-11-28).
+REGISTER_EXEMPT: dict[str, int] = {}
 
 
 def _real_env() -> dict[str, str] | None:

@@ -46,6 +46,90 @@
 namespace cudist {
 namespace rules {
 
+/// Gradient descent, no slot: ``w = w - lr * g``.
+template <class C, class M>
+struct sgd {
+  static constexpr int kSlots = 0;
+  static constexpr int kHyper = 1;
+  C lr;
+  CUDIST_HD explicit sgd(C lr_) : lr(lr_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    x[0] = M::sub(dec(x[0]), M::mul(lr, g));
+  }
+};
+
+/// SGD with momentum (Keras), slot velocity: ``v = momentum * v - lr * g``; then
+/// ``w = w + (momentum * v - lr * g)`` with Nesterov, else ``w = w + v`` (``v`` unrounded within
+/// the step, as the reference computes it). Nesterov is a template parameter, so each form is
+/// straight-line code (the callers pick the instantiation once per call).
+template <class C, class M, bool kNesterov>
+struct momentum_rule {
+  static constexpr int kSlots = 1;
+  static constexpr int kHyper = 2;
+  C lr, momentum;
+  CUDIST_HD momentum_rule(C lr_, C momentum_) : lr(lr_), momentum(momentum_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    const C lr_g = M::mul(lr, g);
+    const C v = M::sub(M::mul(momentum, x[0]), lr_g);
+    const C w = dec(x[1]);
+    x[0] = v;
+    if constexpr (kNesterov) {
+      x[1] = M::add(w, M::sub(M::mul(momentum, v), lr_g));
+    } else {
+      x[1] = M::add(w, v);
+    }
+  }
+};
+template <class C, class M>
+using momentum = momentum_rule<C, M, false>;
+template <class C, class M>
+using nesterov = momentum_rule<C, M, true>;
+
+/// RMSprop (Keras), slots velocity, then momentum (when ``kMomentum``), then average gradient
+/// (when ``kCentered``): ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a + (1 - rho) * g``,
+/// ``d = v - a*a + epsilon``, else ``d = v + epsilon``; ``inc = lr * g / sqrt(d)``; with momentum
+/// ``mo = momentum * mo + inc; w = dec(w) - mo``, else ``w = dec(w) - inc``.
+///
+/// The optional slots are template parameters, not null pointers or flags: every instantiation
+/// indexes ``x`` with constants only, so its values stay in registers (a form that took the
+/// optional slots' addresses gave the CUDA kernel a stack frame).
+template <class C, class M, bool kMomentum, bool kCentered>
+struct rmsprop_rule {
+  static constexpr int kSlots = 1 + (kMomentum ? 1 : 0) + (kCentered ? 1 : 0);
+  static constexpr int kHyper = 4;
+  static constexpr int kMo = 1;                      // the momentum slot, when kMomentum
+  static constexpr int kAvg = kMomentum ? 2 : 1;     // the average-gradient slot, when kCentered
+  C lr, rho, omr, momentum, epsilon;
+  CUDIST_HD rmsprop_rule(C lr_, C rho_, C momentum_, C epsilon_)
+      : lr(lr_), rho(rho_), omr(M::sub(C(1), rho_)), momentum(momentum_), epsilon(epsilon_) {}
+  template <class Dec>
+  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+    x[0] = M::add(M::mul(rho, x[0]), M::mul(omr, M::mul(g, g)));
+    C d = M::add(x[0], epsilon);
+    if constexpr (kCentered) {
+      x[kAvg] = M::add(M::mul(rho, x[kAvg]), M::mul(omr, g));
+      d = M::add(M::sub(x[0], M::mul(x[kAvg], x[kAvg])), epsilon);
+    }
+    const C inc = M::div(M::mul(lr, g), M::sqrt(d));
+    if constexpr (kMomentum) {
+      x[kMo] = M::add(M::mul(momentum, x[kMo]), inc);
+      x[kSlots] = M::sub(dec(x[kSlots]), x[kMo]);
+    } else {
+      x[kSlots] = M::sub(dec(x[kSlots]), inc);
+    }
+  }
+};
+template <class C, class M>
+using rmsprop = rmsprop_rule<C, M, false, false>;
+template <class C, class M>
+using rmsprop_momentum = rmsprop_rule<C, M, true, false>;
+template <class C, class M>
+using rmsprop_centered = rmsprop_rule<C, M, false, true>;
+template <class C, class M>
+using rmsprop_centered_momentum = rmsprop_rule<C, M, true, true>;
+
 /// Adam's moments, shared by Adam(W) and AMSGrad:
 /// ``m += (g - m) * c1``; ``v += (g*g - v) * c2`` (c1 = 1 - beta_1, c2 = 1 - beta_2).
 template <class C, class M>

@@ -136,12 +136,29 @@ struct Ptrs {
   T* p[kMaxReplicas];
 };
 
+// Tells the compiler that the first n pointers address global memory (device buffers, or pinned
+// host memory mapped into the global space), so it emits LDG/STG rather than generic loads and
+// stores: left to itself, NVVM infers the space for some kernels' pointers and not others, by
+// how their code happens to be shaped.
+template <class T>
+__device__ __forceinline__ void assume_global(const Ptrs<T>& r, int n) {
+#if defined(__CUDACC__) || defined(__CUDACC_RTC__)
+#pragma unroll
+  for (int i = 0; i < kMaxReplicas; ++i)
+    if (i < n) __builtin_assume(__isGlobal(r.p[i]));
+#else
+  (void)r;
+  (void)n;
+#endif
+}
+
 // From a device-side table of pointers (CuPy entry points) ...
 template <class T>
 __device__ __forceinline__ Ptrs<T> load_ptrs(T* const* table, int n) {
   Ptrs<T> r;
 #pragma unroll
   for (int i = 0; i < kMaxReplicas; ++i) r.p[i] = i < n ? table[i] : nullptr;
+  assume_global(r, n);
   return r;
 }
 // ... or from a by-value pack (C++ launchers).
@@ -150,6 +167,7 @@ __device__ __forceinline__ Ptrs<T> load_ptrs(const PtrPack<T>& pack, int n) {
   Ptrs<T> r;
 #pragma unroll
   for (int i = 0; i < kMaxReplicas; ++i) r.p[i] = i < n ? pack.p[i] : nullptr;
+  assume_global(r, n);
   return r;
 }
 
