@@ -105,7 +105,7 @@ struct rmsprop_rule {
   CUDIST_HD rmsprop_rule(C lr_, C rho_, C momentum_, C epsilon_)
       : lr(lr_), rho(rho_), omr(M::sub(C(1), rho_)), momentum(momentum_), epsilon(epsilon_) {}
   template <class Dec>
-  CUDIST_HD void operator()(C g, C (&x)[kSlots + 1], const Dec& dec) const {
+  CUDIST_HD void operator()(C g, C (&x)[static_cast<unsigned>(kSlots) + 1u], const Dec& dec) const {
     x[0] = M::add(M::mul(rho, x[0]), M::mul(omr, M::mul(g, g)));
     C d = M::add(x[0], epsilon);
     if constexpr (kCentered) {
