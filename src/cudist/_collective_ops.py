@@ -65,8 +65,7 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None, host_transport=None):
         self._comm = communicator
-        # Host buffers' all-reduces: the node's shared memory where it serves, else the communicator (MPI).
-        self._host = host_transport if host_transport is not None else communicator
+        self._shm = host_transport if communicator is not None else None
         self._local = local_ops
         self.bytes_per_pack = int(bytes_per_pack)
         self.num_packs = local_ops.num_packs
@@ -91,7 +90,14 @@ class CollectiveAllReduce(CrossDeviceOps):
     @property
     def host_implementation(self) -> str:
         """How host values cross workers: "MPI", or the shared-memory transport's description."""
-        return "MPI" if self._host is self._comm else self._host.name
+        return "MPI" if self._shm is None else self._shm.name
+
+    def _host_allreduce(self, pairs, kind, detail):
+        """SUM all-reduces host ``(send, recv)`` pairs: the results, ``recv`` or (shared memory) read-only views."""
+        if self._shm is not None:
+            return self._shm.allreduce(pairs, kind, detail)
+        self._comm.allreduce(pairs, kind, detail)
+        return [recv for _, recv in pairs]
 
     def _check_devices(self, devices):
         self._local._check_devices(devices)
@@ -160,8 +166,8 @@ class CollectiveAllReduce(CrossDeviceOps):
                         off += s
                 pairs.append((send, recv))
                 unpack.append((ids, recv))
-        self._host.allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
-        for ids, recv in unpack:
+        results = self._host_allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
+        for (ids, _), recv in zip(unpack, results):
             off = 0
             for j in ids:
                 shape = host[j][0].shape
@@ -233,8 +239,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             packing.check_reducible(kind, a.dtype)
         send = a if a.flags.c_contiguous else np.ascontiguousarray(a)
         recv = pool.take(a.shape, a.dtype)
-        self._host.allreduce(((send, recv),), kind, lambda: describe((a,)))
-        return recv
+        return self._host_allreduce(((send, recv),), kind, lambda: describe((a,)))[0]
 
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
@@ -249,6 +254,8 @@ class CollectiveAllReduce(CrossDeviceOps):
                 with device_context(s):
                     if s.dtype.kind in "iu":
                         sums[j] = xp.true_divide(s, total, dtype=int_mean_dtype(s.dtype))
+                    elif not s.flags.writeable:  # a view of the node's shared sum: divided into a copy of its own
+                        sums[j] = xp.true_divide(s, s.dtype.type(total), out=pool.take(s.shape, s.dtype))
                     else:
                         xp.true_divide(s, s.dtype.type(total), out=s)
         return sums

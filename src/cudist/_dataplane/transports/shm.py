@@ -33,6 +33,7 @@ MPI's own ``Iallreduce``, whose latency for small messages is lower than two rou
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -52,8 +53,13 @@ __all__ = ["SharedMemoryAllReduce", "connect", "DEFAULT_MIN_BYTES"]
 DEFAULT_MIN_BYTES = 32 << 10
 #: Every buffer starts on its own cache line in a slot; each worker's slice is a multiple of this.
 _ALIGN = 64
-#: The control area: one cache line per flag (no false sharing between writers).
+#: The control area: one cache line per flag (no false sharing between writers), one row per kind.
 _LINE = _ALIGN // 8  # int64 entries per line
+_ARRIVED, _REDUCED, _FINAL, _HELD = range(4)
+_FLAGS = 4
+#: Result banks: a result is a read-only view of one, and a bank is reused once no worker holds a
+#: view of it (reference counts, published with the arrival). Past that, a scratch bank, copied out.
+_BANKS = 3
 
 
 def _round_up(n: int, to: int) -> int:
@@ -97,7 +103,9 @@ class SharedMemoryAllReduce:
         self._win: Any = None
         self._capacity = 0  # bytes per slot
         self._slots: list[npt.NDArray[np.uint8]] = []
-        self._result: npt.NDArray[np.uint8] = np.empty(0, np.uint8)
+        self._banks: list[npt.NDArray[np.uint8]] = []
+        self._free_refs = 0
+        self._retired: list[Any] = []  # smaller windows, kept mapped (results may be views of them)
         self._ctrl: npt.NDArray[np.int64] = np.empty(0, np.int64)
         self._count = 0  # shared-memory all-reduces so far (the flags' values)
         #: Bytes this worker copied into and out of shared memory, and summed, over its all-reduces.
@@ -117,42 +125,45 @@ class SharedMemoryAllReduce:
 
     # ------------------------------------------------------------------ the window
     def _ensure(self, nbytes: int) -> None:
-        """A window whose slots hold ``nbytes`` (collective over the node; all workers ask the same size)."""
+        """A window whose slots hold ``nbytes`` (collective over the node; all workers ask the same size).
+
+        A smaller window is retired, not freed: results handed out are views of its banks, and
+        freeing it (unmapping them) under a user's array would crash the process. Capacities
+        double, so the retired windows cost at most as much as the current one.
+        """
         if nbytes <= self._capacity:
             return
         MPI = self._MPI
-        self.close()
+        if self._win is not None:
+            self._retired.append(self._win)
         cap = max(1 << 16, 1 << (nbytes - 1).bit_length())
         n = self.node_size
-        ctrl_bytes = _round_up(3 * n * _ALIGN, 4096)
-        total = ctrl_bytes + (n + 1) * cap
-        # Node rank 0 holds the whole window (contiguous, its NUMA node: first touch below).
+        ctrl_bytes = _round_up(_FLAGS * n * _ALIGN, 4096)
+        total = ctrl_bytes + (n + _BANKS + 1) * cap
+        # Node rank 0 holds the whole window (one contiguous mapping on every worker).
         win = MPI.Win.Allocate_shared(total if self.node_rank == 0 else 0, 1, comm=self.node)
         buf, _ = win.Shared_query(0)
-        mem = np.frombuffer(buf, np.uint8, total)
-        ctrl = mem[:ctrl_bytes].view(np.int64)
+        raw = memoryview(buf)
+        ctrl = np.frombuffer(raw[:ctrl_bytes], np.int64)
         if self.node_rank == 0:
             ctrl[:] = 0
         win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for Win.Sync, the memory barrier of the flags
+
+        def area(i: int) -> npt.NDArray[np.uint8]:
+            # Each area its own base object (a memoryview, not an array): views of a result keep
+            # exactly their bank referenced, which is how a bank is known to be held.
+            lo = ctrl_bytes + i * cap
+            return np.frombuffer(raw[lo : lo + cap], np.uint8)
+
         self._win = win
         self._ctrl = ctrl
-        self._slots = [mem[ctrl_bytes + w * cap : ctrl_bytes + (w + 1) * cap] for w in range(n)]
-        self._result = mem[ctrl_bytes + n * cap : ctrl_bytes + (n + 1) * cap]
+        self._slots = [area(w) for w in range(n)]
+        self._banks = [area(n + k) for k in range(_BANKS + 1)]  # the last: the scratch bank, copied out
+        self._free_refs = sys.getrefcount(self._banks[0])
         self._capacity = cap
         self._count = 0
         win.Sync()
         self.node.Barrier()  # the zeroed flags are seen by all before any is raised
-
-    def close(self) -> None:
-        """Frees the window (collective over the node); the next all-reduce allocates a new one."""
-        win, self._win = self._win, None
-        if win is None:
-            return
-        self._slots, self._result = [], np.empty(0, np.uint8)
-        self._ctrl = np.empty(0, np.int64)
-        self._capacity = 0
-        win.Unlock_all()
-        win.Free()
 
     # ------------------------------------------------------------------ flags
     def _flag(self, kind: int, w: int) -> int:
@@ -169,6 +180,24 @@ class SharedMemoryAllReduce:
             return True
         return False
 
+    def _held(self) -> int:
+        """The banks this worker still holds results in (a bit each), by their reference counts."""
+        getrefcount = sys.getrefcount
+        banks = self._banks
+        free = self._free_refs  # measured the same way: the list's reference and the argument
+        return sum(1 << k for k in range(_BANKS) if getrefcount(banks[k]) > free)
+
+    def _pick_bank(self) -> int:
+        """The first bank no worker of the node holds (every worker computes the same from the masks)."""
+        lo = self._flag(_HELD, 0)
+        held = 0
+        for m in self._ctrl[lo : lo + self.node_size * _LINE : _LINE]:
+            held |= int(m)
+        for k in range(_BANKS):
+            if not held >> k & 1:
+                return k
+        return _BANKS  # every bank held somewhere: the scratch bank, copied out before the next call
+
     # ------------------------------------------------------------------ the all-reduce
     def serves(self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> bool:
         """Whether :meth:`allreduce` carries ``pairs`` through shared memory (else through MPI)."""
@@ -176,7 +205,7 @@ class SharedMemoryAllReduce:
             return False
         total = 0
         for send, recv in pairs:
-            if not self._kernels.computes(recv.dtype) or send.dtype != recv.dtype or not recv.flags.c_contiguous:
+            if not self._kernels.computes(recv.dtype) or send.dtype != recv.dtype or not send.flags.c_contiguous:
                 return False
             total += recv.nbytes
         return total >= self.min_bytes and total > 0
@@ -186,11 +215,16 @@ class SharedMemoryAllReduce:
         pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
         kind: str = "all_reduce",
         detail: str | Callable[[], str] | None = None,
-    ) -> None:
-        """SUM all-reduces each ``(send, recv)`` pair, as :meth:`mpi.Communicator.allreduce` does.
+    ) -> list[npt.NDArray[Any]]:
+        """SUM all-reduces each ``(send, recv)`` pair: the results, one per pair.
+
+        A result is a read-only view of the node's shared memory, valid as long as it is held (its
+        bank is reused once no worker of the node holds it), or ``recv`` filled with the sum (MPI's
+        path for small or non-kernel buffers, and when every bank is held).
 
         Args:
-            pairs: (send, recv) contiguous host arrays, one pair per buffer (``send is recv``: in place).
+            pairs: (send, recv) host arrays, one pair per buffer (``send is recv``: in place);
+                ``send`` C-contiguous, ``recv`` of its shape and dtype.
             kind: names the collective in fingerprints and errors.
             detail: describes the call in fingerprints (default: the buffers' shapes and dtypes).
 
@@ -201,13 +235,21 @@ class SharedMemoryAllReduce:
         if not self.serves(pairs):
             self.stats["mpi_calls"] += 1
             self.communicator.allreduce(pairs, kind, detail)
-            return
+            return [recv for _, recv in pairs]
         if detail is None:
             detail = mpi.describe([p[1] for p in pairs])
-        self.communicator.collective(kind, detail, lambda: self._start(pairs))
+        results: list[npt.NDArray[Any]] = []
+        self.communicator.collective(kind, detail, lambda: self._start(pairs, results))
+        return results
 
-    def _start(self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> Callable[[], bool]:
-        """Every worker has arrived with the same buffers (the hash check): copy in, then the flags' rounds."""
+    def _start(
+        self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]], results: list[npt.NDArray[Any]]
+    ) -> Callable[[], bool]:
+        """Every worker has arrived with the same buffers (the hash check): copy in, then the flags' rounds.
+
+        Each worker copies into its slot only the slices the others sum (its own it sums from
+        ``send`` directly), and writes its slice of the sum once, into a bank every worker reads.
+        """
         offsets = []
         off = 0
         for _, recv in pairs:
@@ -216,66 +258,78 @@ class SharedMemoryAllReduce:
         self._ensure(off)
         self._count += 1
         self.stats["calls"] += 1
-        mine = self._slots[self.node_rank]
+        self._ctrl[self._flag(_HELD, self.node_rank)] = self._held()
+        me = self.node_rank
+        mine = self._slots[me]
+        slices = []
         for (send, recv), o in zip(pairs, offsets):
-            np.copyto(mine[o : o + recv.nbytes].view(recv.dtype), send.reshape(-1), casting="no")
-        self._raise(0)
-        views = [(recv, o) for (_, recv), o in zip(pairs, offsets)]
+            flat = send.reshape(-1)
+            lo, hi = self._slice(recv.size, me)
+            slot = mine[o : o + recv.nbytes].view(recv.dtype)
+            if lo > 0:
+                np.copyto(slot[:lo], flat[:lo], casting="no")
+            if hi < recv.size:
+                np.copyto(slot[hi:], flat[hi:], casting="no")
+            slices.append((flat, recv, o, lo, hi))
+        self._raise(_ARRIVED)
         phase = 0
+        bank: npt.NDArray[np.uint8] = self._banks[0]
         reqs: list[Any] = []
 
         def done() -> bool:
-            nonlocal phase, reqs
-            if phase == 0:  # wait for every slot, then sum this worker's slices
-                if not self._all_up(0):
+            nonlocal phase, bank, reqs
+            if phase == 0:  # every slot written: sum this worker's slices
+                if not self._all_up(_ARRIVED):
                     return False
-                self._reduce_my_slices(views)
-                self._raise(1)
+                bank = self._banks[self._pick_bank()]
+                reduce_to_one = self._kernels.trusted.reduce_to_one
+                for flat, recv, o, lo, hi in slices:
+                    if lo < hi:
+                        nb = recv.nbytes
+                        ins = [flat[lo:hi] if w == me else s[o : o + nb].view(recv.dtype)[lo:hi]
+                               for w, s in enumerate(self._slots)]
+                        reduce_to_one(ins, ReduceOp.SUM, bank[o : o + nb].view(recv.dtype)[lo:hi])
+                self._raise(_REDUCED)
                 phase = 1
-            if phase == 1:  # wait for every slice
-                if not self._all_up(1):
+            if phase == 1:  # every slice summed
+                if not self._all_up(_REDUCED):
                     return False
                 phase = 2
                 if self.num_nodes > 1 and self.leaders is not None:
                     MPI = self._MPI
-                    reqs = [self.leaders.Iallreduce(MPI.IN_PLACE, self._result_view(r, o), MPI.SUM) for r, o in views]
+                    reqs = [self.leaders.Iallreduce(MPI.IN_PLACE, bank[o : o + recv.nbytes].view(recv.dtype), MPI.SUM)
+                            for _, recv, o, _, _ in slices]
             if phase == 2 and self.num_nodes > 1:  # across nodes: the leaders' MPI all-reduce
                 if self.leaders is not None:
                     if not self._MPI.Request.Testall(reqs):
                         return False
-                    self._raise(2)
+                    self._raise(_FINAL)
                 elif not self._leader_done():
                     return False
-            for recv, o in views:
-                np.copyto(recv.reshape(-1), self._result_view(recv, o), casting="no")
-            self.stats["bytes"] += sum(r.nbytes for r, _ in views)
+            scratch = bank is self._banks[_BANKS]
+            for _, recv, o, _, _ in slices:
+                view = bank[o : o + recv.nbytes].view(recv.dtype).reshape(recv.shape)
+                if scratch:
+                    np.copyto(recv, view, casting="no")
+                    results.append(recv)
+                else:
+                    view.flags.writeable = False  # the other workers read it too
+                    results.append(view)
+            self.stats["bytes"] += sum(r.nbytes for _, r, _, _, _ in slices)
             return True
 
         return done
 
+    def _slice(self, size: int, w: int) -> tuple[int, int]:
+        """The elements ``[lo, hi)`` of a buffer of ``size`` that worker ``w`` sums (on cache lines)."""
+        step = _round_up(-(-size // self.node_size), _ALIGN)
+        return min(size, w * step), min(size, (w + 1) * step)
+
     def _leader_done(self) -> bool:
-        if self._ctrl[self._flag(2, 0)] >= self._count:
+        if self._ctrl[self._flag(_FINAL, 0)] >= self._count:
             self._win.Sync()
             return True
         return False
-
-    def _result_view(self, recv: npt.NDArray[Any], offset: int) -> npt.NDArray[Any]:
-        return self._result[offset : offset + recv.nbytes].view(recv.dtype)
-
-    def _reduce_my_slices(self, views: Sequence[tuple[npt.NDArray[Any], int]]) -> None:
-        """This worker's slice of every buffer, summed over the slots in worker order into the result."""
-        n = self.node_size
-        w = self.node_rank
-        reduce_to_one = self._kernels.trusted.reduce_to_one
-        for recv, o in views:
-            size = recv.size
-            step = _round_up(-(-size // n), _ALIGN)  # elements: slices on cache lines whatever the dtype
-            lo, hi = w * step, min(size, (w + 1) * step)
-            if lo >= hi:
-                continue
-            nb = recv.nbytes
-            ins = [s[o : o + nb].view(recv.dtype)[lo:hi] for s in self._slots]
-            reduce_to_one(ins, ReduceOp.SUM, self._result_view(recv, o)[lo:hi])
 
 
 def connect(communicator: mpi.Communicator | None, enabled: bool = True) -> SharedMemoryAllReduce | None:
