@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from cudist import _settings
 from cudist._dataplane.transports import mpi
-from cudist._kernels import cpu_backend
+from cudist._kernels import KernelBackend, cpu_backend, numpy_backend
 from cudist._reduce_util import ReduceOp
 
 __all__ = ["SharedMemoryAllReduce", "connect", "DEFAULT_MIN_BYTES"]
@@ -99,7 +99,7 @@ class SharedMemoryAllReduce:
         self.num_nodes = int(self.node.bcast(self.leaders.Get_size() if self.leaders is not None else 0, root=0))
         #: Whether any node has several workers (else shared memory saves nothing: every call is MPI's).
         self.useful = bool(comm.allreduce(self.node_size, op=MPI.MAX) > 1)
-        self._kernels = cpu_backend()
+        self._kernels: Any = cpu_backend()
         self._win: Any = None
         self._capacity = 0  # bytes per slot
         self._slots: list[npt.NDArray[np.uint8]] = []
@@ -199,15 +199,32 @@ class SharedMemoryAllReduce:
         return _BANKS  # every bank held somewhere: the scratch bank, copied out before the next call
 
     # ------------------------------------------------------------------ the all-reduce
+    def _kernels_for(self, dtype: np.dtype[Any]) -> Any:
+        """The kernels that sum ``dtype`` as MirroredStrategy does: the CPU backend's, else NumPy's
+        (bfloat16: float32 accumulation, one rounding), else None."""
+        if self._kernels.computes(dtype):
+            return self._kernels
+        fallback: KernelBackend = numpy_backend()
+        return fallback if fallback.computes(dtype) else None
+
     def serves(self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> bool:
-        """Whether :meth:`allreduce` carries ``pairs`` through shared memory (else through MPI)."""
+        """Whether :meth:`allreduce` carries ``pairs`` through shared memory (else through MPI).
+
+        Buffers of a kernel dtype of ``min_bytes`` or more in all; and, on one node, buffers of a
+        dtype only the kernels sum (bfloat16: MPI has no such type) whatever their size.
+        """
         if not self.useful:
             return False
         total = 0
+        mpi_lacks = False
         for send, recv in pairs:
-            if not self._kernels.computes(recv.dtype) or send.dtype != recv.dtype or not send.flags.c_contiguous:
+            dt = recv.dtype
+            if send.dtype != dt or not send.flags.c_contiguous or self._kernels_for(dt) is None:
                 return False
+            mpi_lacks = mpi_lacks or dt.kind == "V"
             total += recv.nbytes
+        if mpi_lacks:
+            return self.num_nodes == 1 and total > 0
         return total >= self.min_bytes and total > 0
 
     def allreduce(
@@ -282,9 +299,9 @@ class SharedMemoryAllReduce:
                 if not self._all_up(_ARRIVED):
                     return False
                 bank = self._banks[self._pick_bank()]
-                reduce_to_one = self._kernels.trusted.reduce_to_one
                 for flat, recv, o, lo, hi in slices:
                     if lo < hi:
+                        reduce_to_one = self._kernels_for(recv.dtype).trusted.reduce_to_one
                         nb = recv.nbytes
                         ins = [flat[lo:hi] if w == me else s[o : o + nb].view(recv.dtype)[lo:hi]
                                for w, s in enumerate(self._slots)]
