@@ -170,11 +170,16 @@ def test_a_worker_ending_while_another_waits_in_shared_memory(mode, monkeypatch,
     tmw.test_a_worker_ending_any_way_ends_the_job_naming_it(mode, None)
 
 
+#: float32 counts of the one-round path (4 KiB) and of the reduce-scatter (400 KB).
+SIZES = pytest.mark.parametrize("n", ["1000", "100000"], ids=["one-round", "reduce-scatter"])
+
+
 @needs_mpi
 @pytest.mark.multi_worker
-def test_a_worker_hanging_inside_the_protocol_times_out_named(no_shm_left):
-    """Worker 1 copies its data in, then never sums its slice: worker 0 raises DeadlineExceededError naming it."""
-    proc, took = _launch(2, "shm_hang", env={**EVERY_SIZE, "CUDIST_STALL_WARNING_SECONDS": "1"}, timeout=60)
+@SIZES
+def test_a_worker_hanging_inside_the_protocol_times_out_named(n, no_shm_left):
+    """Worker 1 copies its data in, then never sums: worker 0 raises DeadlineExceededError naming it."""
+    proc, took = _launch(2, "shm_hang", n, env={**EVERY_SIZE, "CUDIST_STALL_WARNING_SECONDS": "1"}, timeout=60)
     assert proc.returncode != 0
     assert "UNREACHABLE" not in proc.stdout
     assert took < 2 + 10
@@ -193,8 +198,9 @@ def test_a_worker_hanging_inside_the_protocol_times_out_named(no_shm_left):
         ("shm_kill", tmw._KILLED_WORKER_1),
     ],
 )
-def test_a_worker_failing_inside_the_protocol_ends_the_job_named(mode, named, no_shm_left):
-    proc, took = _launch(2, mode, env=EVERY_SIZE, timeout=60)
+@SIZES
+def test_a_worker_failing_inside_the_protocol_ends_the_job_named(mode, named, n, no_shm_left):
+    proc, took = _launch(2, mode, n, env=EVERY_SIZE, timeout=60)
     assert proc.returncode != 0
     assert "UNREACHABLE" not in proc.stdout
     assert took < 15

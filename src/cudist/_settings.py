@@ -143,9 +143,9 @@ TABLE: tuple[Setting, ...] = (
         "When a MultiWorkerMirroredStrategy is created",
     ),
     Setting(
-        SHM_MIN_BYTES, "runtime", "`32768`",
+        SHM_MIN_BYTES, "runtime", "`0`",
         "All-reduces of fewer bytes (all buffers of one call together) go through MPI's own all-reduce rather "
-        "than shared memory (lower latency for small messages); `0`: shared memory for every size. A value that "
+        "than shared memory; `0` (the default: shared memory measured faster at every size): none. A value that "
         "is not a non-negative integer is a `ValueError`.",
         "When a MultiWorkerMirroredStrategy is created",
     ),

@@ -45,18 +45,22 @@ from cudist._dataplane.transports import mpi
 from cudist._kernels import KernelBackend, cpu_backend, numpy_backend
 from cudist._reduce_util import ReduceOp
 
-__all__ = ["SharedMemoryAllReduce", "connect", "DEFAULT_MIN_BYTES"]
+__all__ = ["SharedMemoryAllReduce", "connect", "DEFAULT_MIN_BYTES", "EAGER_BYTES"]
 
 #: All-reduces of fewer bytes (all buffers of one call together) go through MPI's own Iallreduce
-#: (``CUDIST_SHM_MIN_BYTES`` overrides it). Measured with ``cudist-bench all-reduce --workers 2``
-#: (bench/PERFORMANCE.md): the crossover on a 2-core VM lies between 16 and 64 KiB.
-DEFAULT_MIN_BYTES = 32 << 10
+#: (``CUDIST_SHM_MIN_BYTES`` overrides it): 0, shared memory measured faster at every size.
+DEFAULT_MIN_BYTES = 0
+#: Below this many bytes, one round (every worker sums every slot: N times the arithmetic, one
+#: synchronization); from it on, the reduce-scatter (each worker a slice, two rounds).
+EAGER_BYTES = 32 << 10
 #: Every buffer starts on its own cache line in a slot; each worker's slice is a multiple of this.
 _ALIGN = 64
 #: The control area: one cache line per flag (no false sharing between writers), one row per kind.
 _LINE = _ALIGN // 8  # int64 entries per line
-_ARRIVED, _REDUCED, _FINAL, _HELD = range(4)
-_FLAGS = 4
+#: The hashes alternate between two rows by the call's parity: a worker posts the next call's hash
+#: while a slower one may still compare this call's.
+_ARRIVED, _REDUCED, _FINAL, _HELD, _HASH = range(5)
+_FLAGS = 6
 #: Result banks: a result is a read-only view of one, and a bank is reused once no worker holds a
 #: view of it (reference counts, published with the arrival). Past that, a scratch bank, copied out.
 _BANKS = 3
@@ -72,20 +76,29 @@ class SharedMemoryAllReduce:
     Created collectively by every worker of ``communicator`` (use :func:`connect`).
 
     Args:
-        communicator: the strategy's MPI communicator; its collectives carry this one's checks and
-            deadlines.
+        communicator: the strategy's MPI communicator; its collectives carry this one's numbers,
+            deadlines and notices.
         node_size: workers per node, consecutive in worker order (a simulated split for tests);
             None: the nodes MPI reports (``COMM_TYPE_SHARED``).
         min_bytes: all-reduces of fewer bytes go through MPI.
+        eager_bytes: all-reduces of fewer bytes take the one-round path.
     """
 
-    def __init__(self, communicator: mpi.Communicator, *, node_size: int | None = None, min_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        communicator: mpi.Communicator,
+        *,
+        node_size: int | None = None,
+        min_bytes: int = 0,
+        eager_bytes: int = EAGER_BYTES,
+    ) -> None:
         MPI, why = mpi.load()
         if MPI is None:  # pragma: no cover - a Communicator exists only with mpi4py
             raise RuntimeError(why)
         self._MPI = MPI
         self.communicator = communicator
         self.min_bytes = int(min_bytes)
+        self.eager_bytes = int(eager_bytes)
         comm = communicator.comm
         rank = comm.Get_rank()
         if node_size is None:
@@ -102,34 +115,41 @@ class SharedMemoryAllReduce:
         self._kernels: Any = cpu_backend()
         self._win: Any = None
         self._capacity = 0  # bytes per slot
+        self._eager_cap = _round_up(max(self.eager_bytes, _ALIGN), 4096) if self.num_nodes == 1 else 0
+        self._eager: list[list[npt.NDArray[np.uint8]]] = [[], []]  # [parity][worker]
         self._slots: list[npt.NDArray[np.uint8]] = []
         self._banks: list[npt.NDArray[np.uint8]] = []
         self._free_refs = 0
         self._retired: list[Any] = []  # smaller windows, kept mapped (results may be views of them)
         self._ctrl: npt.NDArray[np.int64] = np.empty(0, np.int64)
-        self._count = 0  # shared-memory all-reduces so far (the flags' values)
-        #: Bytes this worker copied into and out of shared memory, and summed, over its all-reduces.
-        self.stats = {"calls": 0, "mpi_calls": 0, "bytes": 0}
+        self._flags: Any = memoryview(b"")  # the control area as int64 items: a flag read is ~40 ns, not numpy's ~1 us
+        self._rows: list[range] = []  # per kind, the flag indices of the node's workers
+        self._count = 0  # shared-memory all-reduces since the window was made (the flags' values)
+        #: This worker's all-reduces by path, and the bytes the shared-memory ones all-reduced.
+        self.stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0}
+        if self.useful:
+            self._ensure(1 << 16)  # the eager path's buffers exist from the start (it has no resize step)
 
     def __repr__(self) -> str:
-        return (
-            f"<cudist shared-memory all-reduce: node rank {self.node_rank} of {self.node_size}, "
-            f"{self.num_nodes} node(s), MPI below {self.min_bytes} B>"
-        )
+        return f"<cudist shared-memory all-reduce: node rank {self.node_rank} of {self.node_size}, {self.name}>"
 
     @property
     def name(self) -> str:
         """What carries host all-reduces, for logs and benchmarks."""
         level = "shared memory" if self.num_nodes == 1 else f"shared memory + MPI across {self.num_nodes} nodes"
-        return f"{level} (MPI below {self.min_bytes} B)"
+        small = (f"one round below {self.eager_bytes} B" if self.num_nodes == 1 else
+                 f"MPI below {max(self.eager_bytes, self.min_bytes)} B")
+        mpi_note = f", MPI below {self.min_bytes} B" if self.min_bytes and self.num_nodes == 1 else ""
+        return f"{level} ({small}{mpi_note})"
 
     # ------------------------------------------------------------------ the window
     def _ensure(self, nbytes: int) -> None:
         """A window whose slots hold ``nbytes`` (collective over the node; all workers ask the same size).
 
-        A smaller window is retired, not freed: results handed out are views of its banks, and
-        freeing it (unmapping them) under a user's array would crash the process. Capacities
-        double, so the retired windows cost at most as much as the current one.
+        Called once every worker of the node is known to be here (at creation, or after the
+        arrival flags of a collective). A smaller window is retired, not freed: results handed out
+        are views of its banks, and freeing it (unmapping them) under a user's array would crash
+        the process. Capacities double, so the retired windows cost at most the current one.
         """
         if nbytes <= self._capacity:
             return
@@ -139,7 +159,8 @@ class SharedMemoryAllReduce:
         cap = max(1 << 16, 1 << (nbytes - 1).bit_length())
         n = self.node_size
         ctrl_bytes = _round_up(_FLAGS * n * _ALIGN, 4096)
-        total = ctrl_bytes + (n + _BANKS + 1) * cap
+        eager = 2 * n * self._eager_cap
+        total = ctrl_bytes + eager + (n + _BANKS + 1) * cap
         # Node rank 0 holds the whole window (one contiguous mapping on every worker).
         win = MPI.Win.Allocate_shared(total if self.node_rank == 0 else 0, 1, comm=self.node)
         buf, _ = win.Shared_query(0)
@@ -149,16 +170,20 @@ class SharedMemoryAllReduce:
             ctrl[:] = 0
         win.Lock_all(MPI.MODE_NOCHECK)  # a passive epoch for Win.Sync, the memory barrier of the flags
 
-        def area(i: int) -> npt.NDArray[np.uint8]:
+        def area(lo: int, size: int) -> npt.NDArray[np.uint8]:
             # Each area its own base object (a memoryview, not an array): views of a result keep
             # exactly their bank referenced, which is how a bank is known to be held.
-            lo = ctrl_bytes + i * cap
-            return np.frombuffer(raw[lo : lo + cap], np.uint8)
+            return np.frombuffer(raw[lo : lo + size], np.uint8)
 
+        e = self._eager_cap
+        self._eager = [[area(ctrl_bytes + (p * n + w) * e, e) for w in range(n)] for p in range(2)]
+        base = ctrl_bytes + eager
         self._win = win
         self._ctrl = ctrl
-        self._slots = [area(w) for w in range(n)]
-        self._banks = [area(n + k) for k in range(_BANKS + 1)]  # the last: the scratch bank, copied out
+        self._flags = memoryview(ctrl).cast("B").cast("q")
+        self._rows = [range(self._flag(k, 0), self._flag(k, n), _LINE) for k in range(_FLAGS)]
+        self._slots = [area(base + w * cap, cap) for w in range(n)]
+        self._banks = [area(base + (n + k) * cap, cap) for k in range(_BANKS + 1)]  # the last: scratch, copied out
         self._free_refs = sys.getrefcount(self._banks[0])
         self._capacity = cap
         self._count = 0
@@ -171,14 +196,29 @@ class SharedMemoryAllReduce:
 
     def _raise(self, kind: int) -> None:
         self._win.Sync()  # the data written before is visible before the flag
-        self._ctrl[self._flag(kind, self.node_rank)] = self._count
+        self._flags[self._flag(kind, self.node_rank)] = self._count
 
     def _all_up(self, kind: int) -> bool:
-        lo = self._flag(kind, 0)
-        if (self._ctrl[lo : lo + self.node_size * _LINE : _LINE] >= self._count).all():
-            self._win.Sync()  # the others' data is read after their flags
-            return True
-        return False
+        flags = self._flags
+        count = self._count
+        for i in self._rows[kind]:
+            if flags[i] < count:
+                return False
+        self._win.Sync()  # the others' data is read after their flags
+        return True
+
+    def _post_hash(self, kind: str, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> None:
+        """This call's hash (the MPI check's, of the sizes and dtypes), for the others to compare."""
+        shape = [x for _, recv in pairs for x in (recv.size, recv.dtype.num)]
+        self._flags[self._flag(_HASH + (self._count & 1), self.node_rank)] = self.communicator.call_hash(kind, shape)
+
+    def _check_hashes(self, kind: str, detail: str | Callable[[], str]) -> None:
+        """Raises the communicator's mismatch error unless every worker of the node posted this worker's hash."""
+        flags = self._flags
+        row = _HASH + (self._count & 1)
+        mine = flags[self._flag(row, self.node_rank)]
+        if any(flags[i] != mine for i in self._rows[row]):
+            raise self.communicator.mismatch_error(kind, detail, self.communicator.seq)
 
     def _held(self) -> int:
         """The banks this worker still holds results in (a bit each), by their reference counts."""
@@ -189,10 +229,9 @@ class SharedMemoryAllReduce:
 
     def _pick_bank(self) -> int:
         """The first bank no worker of the node holds (every worker computes the same from the masks)."""
-        lo = self._flag(_HELD, 0)
         held = 0
-        for m in self._ctrl[lo : lo + self.node_size * _LINE : _LINE]:
-            held |= int(m)
+        for i in self._rows[_HELD]:
+            held |= self._flags[i]
         for k in range(_BANKS):
             if not held >> k & 1:
                 return k
@@ -207,25 +246,32 @@ class SharedMemoryAllReduce:
         fallback: KernelBackend = numpy_backend()
         return fallback if fallback.computes(dtype) else None
 
-    def serves(self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> bool:
-        """Whether :meth:`allreduce` carries ``pairs`` through shared memory (else through MPI).
+    def path(self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> str:
+        """How :meth:`allreduce` carries ``pairs``: ``"eager"`` (one round: every worker sums every
+        slot), ``"scatter"`` (each worker sums a slice, results in shared banks) or ``"mpi"``.
 
-        Buffers of a kernel dtype of ``min_bytes`` or more in all; and, on one node, buffers of a
-        dtype only the kernels sum (bfloat16: MPI has no such type) whatever their size.
+        Buffers of a kernel dtype take shared memory from ``min_bytes`` in all; on one node, buffers
+        of a dtype only the kernels sum (bfloat16: MPI has no such type) whatever their size.
         """
         if not self.useful:
-            return False
+            return "mpi"
         total = 0
         mpi_lacks = False
         for send, recv in pairs:
             dt = recv.dtype
             if send.dtype != dt or not send.flags.c_contiguous or self._kernels_for(dt) is None:
-                return False
+                return "mpi"
             mpi_lacks = mpi_lacks or dt.kind == "V"
-            total += recv.nbytes
-        if mpi_lacks:
-            return self.num_nodes == 1 and total > 0
-        return total >= self.min_bytes and total > 0
+            total = _round_up(total + recv.nbytes, _ALIGN)
+        if total == 0 or (mpi_lacks and self.num_nodes > 1):
+            return "mpi"
+        if total < self.min_bytes and not mpi_lacks:
+            return "mpi"
+        if total <= self._eager_cap and (total < self.eager_bytes or mpi_lacks):
+            return "eager"
+        if total < self.eager_bytes and not mpi_lacks:
+            return "mpi"  # several nodes: small messages cross them in one MPI all-reduce
+        return "scatter"
 
     def allreduce(
         self,
@@ -235,13 +281,13 @@ class SharedMemoryAllReduce:
     ) -> list[npt.NDArray[Any]]:
         """SUM all-reduces each ``(send, recv)`` pair: the results, one per pair.
 
-        A result is a read-only view of the node's shared memory, valid as long as it is held (its
-        bank is reused once no worker of the node holds it), or ``recv`` filled with the sum (MPI's
-        path for small or non-kernel buffers, and when every bank is held).
+        A result is ``recv`` filled with the sum (the eager and MPI paths, and the scatter path when
+        every bank is held), or a read-only view of the node's shared memory, valid as long as it is
+        held (its bank is reused once no worker of the node holds it).
 
         Args:
             pairs: (send, recv) host arrays, one pair per buffer (``send is recv``: in place);
-                ``send`` C-contiguous, ``recv`` of its shape and dtype.
+                ``send`` C-contiguous, ``recv`` C-contiguous of its shape and dtype.
             kind: names the collective in fingerprints and errors.
             detail: describes the call in fingerprints (default: the buffers' shapes and dtypes).
 
@@ -249,45 +295,100 @@ class SharedMemoryAllReduce:
             DeadlineExceededError: a worker did not join within ``timeout_seconds``.
             ReplicaMismatchError: the workers called different collectives.
         """
-        if not self.serves(pairs):
+        path = self.path(pairs)
+        if path == "mpi":
             self.stats["mpi_calls"] += 1
             self.communicator.allreduce(pairs, kind, detail)
             return [recv for _, recv in pairs]
         if detail is None:
-            detail = mpi.describe([p[1] for p in pairs])
+            detail = lambda: mpi.describe([p[1] for p in pairs])  # noqa: E731 - described only for an error
         results: list[npt.NDArray[Any]] = []
-        self.communicator.collective(kind, detail, lambda: self._start(pairs, results))
+        start = self._start_eager if path == "eager" else self._start_scatter
+        # No MPI hash check: the workers compare the same hash in shared memory, at the first flag.
+        self.communicator.collective(kind, detail, lambda: start(pairs, results, kind, detail), hash_check=False)
         return results
 
-    def _start(
-        self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]], results: list[npt.NDArray[Any]]
+    def _start_eager(
+        self,
+        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        results: list[npt.NDArray[Any]],
+        kind: str,
+        detail: str | Callable[[], str],
     ) -> Callable[[], bool]:
-        """Every worker has arrived with the same buffers (the hash check): copy in, then the flags' rounds.
+        """One round: every worker copies its buffers in and sums every slot itself into ``recv``.
+
+        Two sets of slots, used by turns: a worker reuses a set only after every worker has arrived
+        in the next collective, so after every worker has finished reading that set.
+        """
+        self._count += 1
+        self.stats["eager_calls"] += 1
+        slots = self._eager[self._count & 1]
+        mine = slots[self.node_rank]
+        placed = []
+        off = 0
+        for send, recv in pairs:
+            nb = recv.nbytes
+            np.copyto(mine[off : off + nb].view(recv.dtype), send.reshape(-1), casting="no")
+            placed.append((recv, off, nb))
+            off = _round_up(off + nb, _ALIGN)
+        self._post_hash(kind, pairs)
+        self._raise(_ARRIVED)
+
+        def done() -> bool:
+            if not self._all_up(_ARRIVED):
+                return False
+            self._check_hashes(kind, detail)
+            for recv, o, nb in placed:
+                ins = [s[o : o + nb].view(recv.dtype) for s in slots]
+                self._kernels_for(recv.dtype).trusted.reduce_to_one(ins, ReduceOp.SUM, recv.reshape(-1))
+                results.append(recv)
+            self.stats["bytes"] += sum(nb for _, _, nb in placed)
+            return True
+
+        return done
+
+    def _start_scatter(
+        self,
+        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        results: list[npt.NDArray[Any]],
+        kind: str,
+        detail: str | Callable[[], str],
+    ) -> Callable[[], bool]:
+        """A reduce-scatter then an all-gather by reading, in rounds of flags.
 
         Each worker copies into its slot only the slices the others sum (its own it sums from
         ``send`` directly), and writes its slice of the sum once, into a bank every worker reads.
+        A window too small for the call grows first, once every worker has arrived (it announces
+        its call without data, then copies it in once the new window exists).
         """
         offsets = []
         off = 0
         for _, recv in pairs:
             offsets.append(off)
             off = _round_up(off + recv.nbytes, _ALIGN)
-        self._ensure(off)
+        nbytes = off
         self._count += 1
         self.stats["calls"] += 1
-        self._ctrl[self._flag(_HELD, self.node_rank)] = self._held()
         me = self.node_rank
-        mine = self._slots[me]
         slices = []
         for (send, recv), o in zip(pairs, offsets):
-            flat = send.reshape(-1)
             lo, hi = self._slice(recv.size, me)
-            slot = mine[o : o + recv.nbytes].view(recv.dtype)
-            if lo > 0:
-                np.copyto(slot[:lo], flat[:lo], casting="no")
-            if hi < recv.size:
-                np.copyto(slot[hi:], flat[hi:], casting="no")
-            slices.append((flat, recv, o, lo, hi))
+            slices.append((send.reshape(-1), recv, o, lo, hi))
+
+        def copy_in() -> None:
+            self._flags[self._flag(_HELD, me)] = self._held()
+            mine = self._slots[me]
+            for flat, recv, o, lo, hi in slices:
+                slot = mine[o : o + recv.nbytes].view(recv.dtype)
+                if lo > 0:
+                    np.copyto(slot[:lo], flat[:lo], casting="no")
+                if hi < recv.size:
+                    np.copyto(slot[hi:], flat[hi:], casting="no")
+
+        grow = nbytes > self._capacity
+        if not grow:
+            copy_in()
+        self._post_hash(kind, pairs)
         self._raise(_ARRIVED)
         phase = 0
         bank: npt.NDArray[np.uint8] = self._banks[0]
@@ -295,28 +396,38 @@ class SharedMemoryAllReduce:
 
         def done() -> bool:
             nonlocal phase, bank, reqs
-            if phase == 0:  # every slot written: sum this worker's slices
+            if phase == 0:  # every worker here with the same call
                 if not self._all_up(_ARRIVED):
+                    return False
+                self._check_hashes(kind, detail)
+                if grow:  # every worker grows it (same sizes): a blocking collective among present workers
+                    self._ensure(nbytes)
+                    self._count = 1
+                    copy_in()
+                    self._raise(_ARRIVED)
+                phase = 1
+            if phase == 1:  # every slot written: sum this worker's slices
+                if grow and not self._all_up(_ARRIVED):
                     return False
                 bank = self._banks[self._pick_bank()]
                 for flat, recv, o, lo, hi in slices:
                     if lo < hi:
-                        reduce_to_one = self._kernels_for(recv.dtype).trusted.reduce_to_one
                         nb = recv.nbytes
                         ins = [flat[lo:hi] if w == me else s[o : o + nb].view(recv.dtype)[lo:hi]
                                for w, s in enumerate(self._slots)]
+                        reduce_to_one = self._kernels_for(recv.dtype).trusted.reduce_to_one
                         reduce_to_one(ins, ReduceOp.SUM, bank[o : o + nb].view(recv.dtype)[lo:hi])
                 self._raise(_REDUCED)
-                phase = 1
-            if phase == 1:  # every slice summed
+                phase = 2
+            if phase == 2:  # every slice summed
                 if not self._all_up(_REDUCED):
                     return False
-                phase = 2
+                phase = 3
                 if self.num_nodes > 1 and self.leaders is not None:
                     MPI = self._MPI
                     reqs = [self.leaders.Iallreduce(MPI.IN_PLACE, bank[o : o + recv.nbytes].view(recv.dtype), MPI.SUM)
                             for _, recv, o, _, _ in slices]
-            if phase == 2 and self.num_nodes > 1:  # across nodes: the leaders' MPI all-reduce
+            if phase == 3 and self.num_nodes > 1:  # across nodes: the leaders' MPI all-reduce
                 if self.leaders is not None:
                     if not self._MPI.Request.Testall(reqs):
                         return False
@@ -343,7 +454,7 @@ class SharedMemoryAllReduce:
         return min(size, w * step), min(size, (w + 1) * step)
 
     def _leader_done(self) -> bool:
-        if self._ctrl[self._flag(_FINAL, 0)] >= self._count:
+        if self._flags[self._flag(_FINAL, 0)] >= self._count:
             self._win.Sync()
             return True
         return False
