@@ -254,7 +254,7 @@ class CollectiveAllReduce(CrossDeviceOps):
                 with device_context(s):
                     if s.dtype.kind in "iu":
                         sums[j] = xp.true_divide(s, total, dtype=int_mean_dtype(s.dtype))
-                    elif not s.flags.writeable:  # a view of the node's shared sum: divided into a copy of its own
+                    elif type(s) is np.ndarray and not s.flags.writeable:  # a view of the node's shared sum: divided into a copy
                         sums[j] = xp.true_divide(s, s.dtype.type(total), out=pool.take(s.shape, s.dtype))
                     else:
                         xp.true_divide(s, s.dtype.type(total), out=s)
