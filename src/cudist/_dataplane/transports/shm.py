@@ -1,34 +1,44 @@
-"""The intra-node transport of multi-worker jobs: an all-reduce over MPI-3 shared memory.
+"""The intra-node transport of multi-worker jobs: host all-reduces over MPI-3 shared memory.
 
 The workers of one node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``, or consecutive groups of
-``CUDIST_NODE_SIZE`` workers) share one window (``MPI.Win.Allocate_shared``): a slot per worker, a
-result area and a control area of flags. One all-reduce of host buffers is
+``CUDIST_NODE_SIZE`` workers) share one window (``MPI.Win.Allocate_shared``): per worker a slot
+(and two small ones), result banks and a control area of flags, one cache line each. Two paths:
 
-1. each worker copies its buffers into its slot and raises its "arrived" flag;
-2. once every flag is up, each worker sums its slice of every buffer over all slots, in worker
-   order, with the CPU backend's ``reduce_to_one`` (a reduce-scatter over shared memory; the sum
-   of ``w0, w1, ..., wN`` in that order is what MirroredStrategy computes over the same replicas,
-   so the result is bit for bit the same), into the result area, and raises its "reduced" flag;
-3. once every "reduced" flag is up, each worker copies the whole result out (the all-gather by
-   reading).
+* the reduce-scatter (from :data:`EAGER_BYTES`): each worker copies into its slot only the slices
+  the others sum and raises its "arrived" flag; once every flag is up, each worker sums its slice
+  over all workers, in worker order, with the CPU backend's ``reduce_to_one`` (its own slice read
+  straight from its buffer) into a result bank, and raises "reduced"; once all are up, every worker
+  takes the whole sum as a read-only view of the bank (the all-gather by reading: no copy out). A
+  bank is reused once no worker of the node holds a view of it (reference counts, published with
+  the arrival); with every bank held, a scratch bank is copied out. Bytes moved per worker for S
+  bytes and N workers: S(N-1)/N copied in (read + write), S read and S/N written by the sum.
+* the one-round path (below :data:`EAGER_BYTES`): each worker copies its buffers into its small
+  slot (two sets, used by turns), raises "arrived", and sums every slot itself into its own
+  result: one synchronization instead of two, for messages where latency dominates.
 
-A job spanning nodes is hierarchical: after step 2 the node leaders (node rank 0) all-reduce their
-node's result over MPI (``Iallreduce`` among the leaders) and raise a "final" flag the others wait
-for, then every worker copies the result out. Across nodes the sum is MPI's order, not worker
-order (float tolerance).
+The sum of ``w0, w1, ..., wN`` in that order is what MirroredStrategy computes over the same
+replicas, so one node's results are MirroredStrategy's bit for bit (float32, float64, float16,
+integers; bfloat16, which MPI cannot carry, through NumPy's kernels as MirroredStrategy sums it).
 
-The engine is still MPI: the window comes from MPI, and every collective is numbered, hash-checked
-and waited for by the strategy's :class:`~cudist._dataplane.transports.mpi.Communicator`
+A job spanning nodes is hierarchical: after the reduce-scatter the node leaders (node rank 0)
+all-reduce their node's sum over MPI (``Iallreduce`` among the leaders) and raise a "final" flag
+the others wait for; below :data:`EAGER_BYTES` the call is one MPI all-reduce over every worker.
+Across nodes the sum is MPI's order, not worker order (float tolerance).
+
+The engine is still MPI: the window comes from MPI, and every collective is numbered and waited
+for by the strategy's :class:`~cudist._dataplane.transports.mpi.Communicator`
 (:meth:`~cudist._dataplane.transports.mpi.Communicator.collective`): the same deadline
 (``timeout_seconds``), stall warning, arrival notices naming missing workers and exit rendezvous as
-every MPI collective. The hash check (an ``Iallreduce`` of 16 bytes, waited for before the data
-moves) doubles as proof that every worker arrived with the same buffers, so resizing the window
-(a blocking collective) only happens among workers known to be present. MPICH unlinks the window's
-file as soon as every worker has mapped it, so nothing stays in ``/dev/shm`` whatever happens to
-the job.
+every MPI collective. The default check's hash of each call is compared in shared memory (posted
+with the arrival, in two rows by turns) instead of by an MPI ``Iallreduce``: workers that disagree
+get the same :class:`~cudist._replica_engine.ReplicaMismatchError`, before any data is read, and a
+window too small for a call grows only after every worker has arrived with the same sizes. (The
+comparison costs nothing, so it is made with ``CUDIST_CHECK_COLLECTIVES=0`` too.) MPICH unlinks the
+window's file as soon as every worker has mapped it, so nothing stays in ``/dev/shm`` whatever
+happens to the job.
 
-Below ``CUDIST_SHM_MIN_BYTES`` (and for dtypes the CPU kernels lack) an all-reduce goes through
-MPI's own ``Iallreduce``, whose latency for small messages is lower than two rounds of flags.
+``CUDIST_SHM_MIN_BYTES`` sends smaller all-reduces through MPI instead (default 0: none, the
+one-round path measured faster than MPI at every size).
 """
 
 from __future__ import annotations
@@ -105,8 +115,8 @@ class SharedMemoryAllReduce:
             self.node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank)
         else:
             self.node = comm.Split(rank // node_size, rank)
-        self.node_rank = self.node.Get_rank()
-        self.node_size = self.node.Get_size()
+        self.node_rank = int(self.node.Get_rank())
+        self.node_size = int(self.node.Get_size())
         leaders = comm.Split(0 if self.node_rank == 0 else MPI.UNDEFINED, rank)
         self.leaders: Any = None if leaders == MPI.COMM_NULL else leaders
         self.num_nodes = int(self.node.bcast(self.leaders.Get_size() if self.leaders is not None else 0, root=0))
@@ -180,7 +190,7 @@ class SharedMemoryAllReduce:
         base = ctrl_bytes + eager
         self._win = win
         self._ctrl = ctrl
-        self._flags = memoryview(ctrl).cast("B").cast("q")
+        self._flags = raw[:ctrl_bytes].cast("q")
         self._rows = [range(self._flag(k, 0), self._flag(k, n), _LINE) for k in range(_FLAGS)]
         self._slots = [area(base + w * cap, cap) for w in range(n)]
         self._banks = [area(base + (n + k) * cap, cap) for k in range(_BANKS + 1)]  # the last: scratch, copied out
