@@ -103,6 +103,7 @@ class CollectiveAllReduceExtended(MirroredExtended):
             self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack, nccl=worker_nccl,
             host_transport=host_transport,
         )
+        self._host_transport = host_transport
         if host_transport is not None:
             _log.info("MultiWorkerMirroredStrategy: host values cross workers through %s", host_transport.name)
         if self._communicator is not None and _devices.any_gpu(devs):
@@ -189,6 +190,19 @@ class CollectiveAllReduceExtended(MirroredExtended):
     def should_save_summary(self) -> bool:
         """Whether this worker should write summaries (the chief)."""
         return self._is_chief
+
+    @property
+    def host_communication(self) -> str:
+        """cudist extension: how host values cross workers ("MPI", or the shared-memory transport's
+        description: ``"shared memory (one round below 32768 B)"``; "none" for one worker)."""
+        if self._communicator is None:
+            return "none"
+        return self._cross_device_ops.host_implementation
+
+    @property
+    def host_transport(self):
+        """cudist extension: the shared-memory transport (``cudist._dataplane.transports.shm``), or None (MPI)."""
+        return self._host_transport
 
     @property
     def _communication(self):

@@ -283,6 +283,18 @@ class SharedMemoryAllReduce:
             return "mpi"  # several nodes: small messages cross them in one MPI all-reduce
         return "scatter"
 
+    def traffic(self, nbytes: int) -> tuple[str, int]:
+        """The path of a one-buffer float32 all-reduce of ``nbytes`` and the bytes each worker moves through
+        memory for it (reads + writes: copies in, the sum's reads and writes, copies out), for benchmarks."""
+        path = self.path([(np.empty(0, np.float32), np.empty(0, np.float32))] if nbytes == 0 else
+                         [(np.empty(nbytes // 4, np.float32),) * 2])
+        n = self.node_size
+        if path == "eager":  # copy in (read + write), sum every slot (n reads, one write)
+            return path, (3 + n) * nbytes
+        if path == "scatter":  # the others' slices copied in, one slice summed from every worker, no copy out
+            return path, (2 * (n - 1) * nbytes + n * nbytes + nbytes) // n
+        return path, 0
+
     def allreduce(
         self,
         pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
