@@ -483,6 +483,54 @@ def shm(exact):
     report(rank, c.results)
 
 
+def shm_train():
+    """Training over the reduce-scatter path (50000 float32 per tensor: read-only shared results): four
+    optimizers, ON_WRITE SUM and MEAN variables, a MEAN all-reduce and a reduce, each against MirroredStrategy
+    over the same replicas, bit for bit (one node)."""
+    from cudist import optimizers
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
+    mw = cudist.MultiWorkerMirroredStrategy()
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    n = 50000
+    c = Checks()
+
+    def vals(g, k):
+        return (np.random.default_rng(g * 31 + k).standard_normal(n) * 0.01).astype(np.float32)
+
+    makers = {"sgd": lambda: optimizers.SGD(0.1), "momentum": lambda: optimizers.SGD(0.1, momentum=0.9),
+              "adam": lambda: optimizers.Adam(0.01), "rmsprop": lambda: optimizers.RMSprop(0.01)}
+    for name, make in makers.items():
+        outs = []
+        for s in (mw, ref):
+            with s.scope():
+                w = cudist.Variable(np.linspace(-1, 1, n, dtype=np.float32))
+                v_sum = cudist.Variable(np.zeros(n, np.float32), synchronization=cudist.VariableSynchronization.ON_WRITE,
+                                        aggregation=cudist.VariableAggregation.SUM)
+                v_mean = cudist.Variable(np.zeros(n, np.float32), aggregation=cudist.VariableAggregation.MEAN)
+                opt = make()
+
+            def step(k, w=w, v_sum=v_sum, v_mean=v_mean, opt=opt):
+                g = cudist.get_replica_context().replica_id_in_sync_group
+                opt.apply_gradients([(vals(g, k), w)])
+                v_sum.assign_add(vals(g, k + 100))
+                v_mean.assign(vals(g, k + 200))
+                return cudist.get_replica_context().all_reduce("mean", vals(g, k + 300))
+
+            for k in range(4):
+                r = s.run(step, args=(k,))
+            red = s.reduce("sum", s.run(lambda: vals(cudist.get_replica_context().replica_id_in_sync_group, 9)), axis=None)
+            outs.append([w.read_value(), v_sum.read_value(), v_mean.read_value(), s.experimental_local_results(r)[0], red])
+        for what, a, b in zip(("weights", "on_write_sum", "mean_variable", "all_reduce_mean", "reduce"), *outs):
+            ok, why = same(np.asarray(a), np.asarray(b), True)
+            c.check(f"{name}_{what}", ok, why)
+    st = _shm_transport(mw).stats
+    c.check("reduce_scatter_used", st["calls"] >= 60 and st["mpi_calls"] == 0, st)
+    report(rank, c.results)
+
+
 class _Stuck:
     """A kernel backend whose reduce never returns, or raises: a worker failing inside the shared-memory protocol."""
 
@@ -944,6 +992,8 @@ def nccl_auto():
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]), sys.argv[3:] == ["exact"])
+    elif sys.argv[1] == "shm_train":
+        shm_train()
     elif sys.argv[1] == "shm":
         shm(sys.argv[2] == "exact")
     elif sys.argv[1].startswith("shm_"):

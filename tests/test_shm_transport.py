@@ -100,6 +100,17 @@ def test_one_node_equals_mirrored_strategy_bit_for_bit(workers, no_shm_left):
 
 @needs_mpi
 @pytest.mark.multi_worker
+@pytest.mark.parametrize("workers", [2, 4])
+def test_training_over_read_only_shared_results_equals_mirrored_strategy(workers, no_shm_left):
+    """Tensors large enough for the reduce-scatter (results are read-only views of shared memory): SGD,
+    momentum, Adam, RMSprop, ON_WRITE SUM/MEAN variables, MEAN all-reduce, reduce; bit for bit."""
+    proc, _ = _launch(workers, "shm_train")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(_results(proc, workers)[0]) == 21
+
+
+@needs_mpi
+@pytest.mark.multi_worker
 def test_two_simulated_hosts_of_two_workers_within_tolerance(no_shm_left):
     proc, _ = _launch(4, "shm", "tolerance", env={**EVERY_SIZE, "CUDIST_NODE_SIZE": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
