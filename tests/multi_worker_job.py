@@ -531,6 +531,23 @@ def shm_train():
     report(rank, c.results)
 
 
+def shm_mismatch(case):
+    """Workers whose calls take different paths (one node) get ReplicaMismatchError, never a hang: float32 on
+    worker 0 (shared memory) against uint8 on worker 1 (MPI: not a kernel dtype), or 4 KiB (one round) against
+    400 KB (the reduce-scatter, which would first grow the window)."""
+    rank, _ = _rank_size()
+    mw = cudist.MultiWorkerMirroredStrategy()
+    if case == "dtype":
+        x = np.ones(8, np.float32) if rank == 0 else np.ones(8, np.uint8)
+    else:
+        x = np.ones(1000 if rank == 0 else 100000, np.float32)
+    try:
+        mw.run(lambda: cudist.get_replica_context().all_reduce("sum", x))
+        print(f"NO ERROR {rank}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"RAISED {rank} {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+
+
 class _Stuck:
     """A kernel backend whose reduce never returns, or raises: a worker failing inside the shared-memory protocol."""
 
@@ -992,6 +1009,8 @@ def nccl_auto():
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]), sys.argv[3:] == ["exact"])
+    elif sys.argv[1] == "shm_mismatch":
+        shm_mismatch(sys.argv[2])
     elif sys.argv[1] == "shm_train":
         shm_train()
     elif sys.argv[1] == "shm":

@@ -155,6 +155,17 @@ def test_the_opt_outs_give_mpi(how, no_shm_left):
     assert proc.stdout.count("IMPL MPI") == 2, proc.stdout
 
 
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("case", ["dtype", "size"])
+def test_workers_on_different_paths_get_a_mismatch_error(case, no_shm_left):
+    proc, took = _launch(2, "shm_mismatch", case, env={"CUDIST_STALL_WARNING_SECONDS": "5"}, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert took < 20
+    for rank in (0, 1):
+        assert f"RAISED {rank} ReplicaMismatchError: cross-worker collectives differ" in proc.stdout, proc.stdout
+
+
 # ---------------------------------------------------------------------------------------------- failures
 @needs_mpi
 @pytest.mark.multi_worker

@@ -318,17 +318,51 @@ class SharedMemoryAllReduce:
             ReplicaMismatchError: the workers called different collectives.
         """
         path = self.path(pairs)
+        several_nodes = self.num_nodes > 1
         if path == "mpi":
             self.stats["mpi_calls"] += 1
-            self.communicator.allreduce(pairs, kind, detail)
-            return [recv for _, recv in pairs]
+            if several_nodes:  # MPI's own hash check covers every worker of every node
+                self.communicator.allreduce(pairs, kind, detail)
+                return [recv for _, recv in pairs]
         if detail is None:
             detail = lambda: mpi.describe([p[1] for p in pairs])  # noqa: E731 - described only for an error
         results: list[npt.NDArray[Any]] = []
-        start = self._start_eager if path == "eager" else self._start_scatter
-        # No MPI hash check: the workers compare the same hash in shared memory, at the first flag.
-        self.communicator.collective(kind, detail, lambda: start(pairs, results, kind, detail), hash_check=False)
+        start = {"eager": self._start_eager, "scatter": self._start_scatter, "mpi": self._start_mpi}[path]
+        # One node: no MPI hash check; every path (MPI's too, so that workers that disagree on the
+        # path meet at the first flag rather than in different protocols) compares the call's hash
+        # in shared memory. Several nodes: MPI's check, across them, before anything else.
+        self.communicator.collective(kind, detail, lambda: start(pairs, results, kind, detail),
+                                     hash_check=several_nodes)
         return results
+
+    def _start_mpi(
+        self,
+        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        results: list[npt.NDArray[Any]],
+        kind: str,
+        detail: str | Callable[[], str],
+    ) -> Callable[[], bool]:
+        """MPI's all-reduce (dtypes the kernels lack, or below ``min_bytes``), after the hashes' round."""
+        self._count += 1
+        self._post_hash(kind, pairs)
+        self._raise(_ARRIVED)
+        reqs: list[Any] = []
+
+        def done() -> bool:
+            nonlocal reqs
+            if not reqs:
+                if not self._all_up(_ARRIVED):
+                    return False
+                self._check_hashes(kind, detail)
+                MPI = self._MPI
+                comm = self.communicator.comm
+                reqs = [comm.Iallreduce(MPI.IN_PLACE if send is recv else send, recv, MPI.SUM) for send, recv in pairs]
+            if not self._MPI.Request.Testall(reqs):
+                return False
+            results.extend(recv for _, recv in pairs)
+            return True
+
+        return done
 
     def _start_eager(
         self,
