@@ -29,11 +29,13 @@ The engine is still MPI: the window comes from MPI, and every collective is numb
 for by the strategy's :class:`~cudist._dataplane.transports.mpi.Communicator`
 (:meth:`~cudist._dataplane.transports.mpi.Communicator.collective`): the same deadline
 (``timeout_seconds``), stall warning, arrival notices naming missing workers and exit rendezvous as
-every MPI collective. The default check's hash of each call is compared in shared memory (posted
-with the arrival, in two rows by turns) instead of by an MPI ``Iallreduce``: workers that disagree
-get the same :class:`~cudist._replica_engine.ReplicaMismatchError`, before any data is read, and a
-window too small for a call grows only after every worker has arrived with the same sizes. (The
-comparison costs nothing, so it is made with ``CUDIST_CHECK_COLLECTIVES=0`` too.) MPICH unlinks the
+every MPI collective. On one node the default check's hash of each call is compared in shared
+memory (posted with the arrival, in two rows by turns) instead of by an MPI ``Iallreduce``, on
+every path (MPI's included, so workers that disagree on the path meet there too): workers that
+disagree get the same :class:`~cudist._replica_engine.ReplicaMismatchError` before any data is
+read, and a window too small for a call grows only after every worker has arrived with the same
+sizes. (The comparison costs nothing, so it is made with ``CUDIST_CHECK_COLLECTIVES=0`` too.) A
+job of several nodes keeps MPI's hash check, which covers every worker of every node. MPICH unlinks the
 window's file as soon as every worker has mapped it, so nothing stays in ``/dev/shm`` whatever
 happens to the job.
 
