@@ -62,12 +62,14 @@ def report(rank, payload):
             print("RESULT", r, json.dumps(p), flush=True)
 
 
-def parity(R):
+def parity(R, exact_workers=False):
     rank, W = _rank_size()
     G = W * R
     cpu = cudist.config.list_physical_devices("CPU")[0]
     cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * G)
-    exact = R == 1 and W == 2  # 2 workers x 1 replica: one addition per element, as MirroredStrategy
+    # 2 workers x 1 replica: one addition per element, as MirroredStrategy; N workers x 1 replica when
+    # the caller knows every sum is in worker order (one node's shared memory, CUDIST_SHM_MIN_BYTES=0).
+    exact = R == 1 and (W == 2 or exact_workers)
     mw = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
     ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(G)])
     mine = [rank * R + r for r in range(R)]  # this worker's global replica ids
@@ -367,6 +369,222 @@ def failing(mode):
         if mode == "hang":
             time.sleep(60)
     strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(4, np.float32)))
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
+def _shm_transport(strategy):
+    return strategy.extended._cross_device_ops._shm  # private-read: which transport the strategy chose
+
+
+def shm(exact):
+    """The shared-memory transport (CUDIST_SHM_MIN_BYTES=0: every host all-reduce) against MirroredStrategy
+    over the same replicas: every kernel dtype, odd sizes, SUM and MEAN, nests and packs, results held
+    past the transport's result banks; prints RESULT lines as parity does."""
+    from cudist import optimizers
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
+    mw = cudist.MultiWorkerMirroredStrategy()
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    transport = _shm_transport(mw)
+    c = Checks()
+    c.check("transport", transport is not None and "shared memory" in mw.extended._cross_device_ops.host_implementation,
+            repr(transport))
+
+    def values(g, dt, n):
+        rng = np.random.default_rng(1000 * g + n)
+        if np.dtype(dt).kind in "iu":
+            return rng.integers(-50, 50, n).astype(dt)
+        return (rng.standard_normal(n) * 10).astype(dt)
+
+    def compare(name, got, want, exact_=exact):
+        ok, why = same(mw.experimental_local_results(got)[0], ref.experimental_local_results(want)[rank], exact_)
+        c.check(name, ok, why)
+
+    dtypes = [np.float32, np.float64, np.float16, np.int32, np.int64]
+    if exact:  # one node: bfloat16 (which MPI cannot carry) too, summed by NumPy's kernels as MirroredStrategy sums it
+        try:
+            import ml_dtypes
+
+            dtypes.append(ml_dtypes.bfloat16)
+        except ImportError:
+            pass
+    for dt in dtypes:
+        for n in (1, 7, 1000, 4099, 65537):
+            for op in ("sum", "mean"):
+
+                def step(dt=dt, n=n, op=op):
+                    ctx = cudist.get_replica_context()
+                    return ctx.all_reduce(op, values(ctx.replica_id_in_sync_group, dt, n))
+
+                name = f"{op}_{np.dtype(dt).name}_{n}"
+                got, want = mw.run(step), ref.run(step)
+                if np.dtype(dt).name == "bfloat16" and op == "mean":
+                    # the bfloat16 sum (exact, checked above) divided after its rounding, where MirroredStrategy
+                    # divides the float32 accumulation: one bfloat16 rounding apart
+                    a = np.asarray(mw.experimental_local_results(got)[0], np.float32)
+                    b = np.asarray(ref.experimental_local_results(want)[rank], np.float32)
+                    c.check(name, np.allclose(a, b, rtol=1e-2, atol=1e-2), f"{a[:4]} vs {b[:4]}")
+                else:
+                    compare(name, got, want)
+
+    def nest_step():
+        ctx = cudist.get_replica_context()
+        g = ctx.replica_id_in_sync_group
+        return ctx.all_reduce("sum", {"a": values(g, np.float32, 7), "b": values(g, np.int32, 33),
+                                     "c": values(g, np.float32, 3001), "d": values(g, np.float64, 5)})
+
+    want = ref.run(nest_step)
+    for name, strategy in (("nest", mw), ("packs", cudist.MultiWorkerMirroredStrategy(
+            communication_options=cudist.experimental.CommunicationOptions(bytes_per_pack=256)))):
+        got = strategy.run(nest_step)
+        for key in "abcd":
+            ok, why = same(strategy.experimental_local_results(got[key])[0], ref.experimental_local_results(want[key])[rank],
+                           exact)
+            c.check(f"{name}_{key}", ok, why)
+
+    # Results held past the banks: none is overwritten by the later all-reduces, and none is writable.
+    def held_step(k):
+        return cudist.get_replica_context().all_reduce("sum", values(cudist.get_replica_context().replica_id_in_sync_group,
+                                                                     np.float32, 16000 + k))
+
+    held = [mw.run(held_step, args=(k,)) for k in range(7)]
+    for k, got in enumerate(held):
+        compare(f"held_{k}", got, ref.run(held_step, args=(k,)))
+    c.check("read_only", not mw.experimental_local_results(held[0])[0].flags.writeable)
+    del held
+    compare("after_release", mw.run(held_step, args=(1,)), ref.run(held_step, args=(1,)))
+
+    # A training step (SGD momentum): the variables stay as MirroredStrategy's over the same replicas.
+    def train(strategy):
+        with strategy.scope():
+            w = cudist.Variable(np.linspace(-1, 1, 3000, dtype=np.float32).reshape(1000, 3))
+            opt = optimizers.SGD(0.05, momentum=0.9)
+
+        def tstep():
+            g = cudist.get_replica_context().replica_id_in_sync_group
+            grad = values(g, np.float32, 3000).reshape(1000, 3) * np.float32(0.01)
+            opt.apply_gradients([(grad, w)])
+
+        for _ in range(3):
+            strategy.run(tstep)
+        return w
+
+    got_w, want_w = train(mw), train(ref)
+    ok, why = same(np.asarray(got_w.read_value()), np.asarray(want_w.read_value()), exact)
+    c.check("sgd_momentum", ok, why)
+    st = transport.stats if transport is not None else {}
+    if exact:  # one node: small calls take the one-round path, none MPI
+        c.check("used_shared_memory", st.get("calls", 0) >= 10 and st.get("eager_calls", 0) >= 10
+                and st.get("mpi_calls", 1) == 0, st)
+    else:  # several nodes: small calls cross them by MPI, large ones by shared memory then the leaders
+        c.check("used_shared_memory", st.get("calls", 0) >= 10, st)
+    report(rank, c.results)
+
+
+def shm_train():
+    """Training over the reduce-scatter path (50000 float32 per tensor: read-only shared results): four
+    optimizers, ON_WRITE SUM and MEAN variables, a MEAN all-reduce and a reduce, each against MirroredStrategy
+    over the same replicas, bit for bit (one node)."""
+    from cudist import optimizers
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
+    mw = cudist.MultiWorkerMirroredStrategy()
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    n = 50000
+    c = Checks()
+
+    def vals(g, k):
+        return (np.random.default_rng(g * 31 + k).standard_normal(n) * 0.01).astype(np.float32)
+
+    makers = {"sgd": lambda: optimizers.SGD(0.1), "momentum": lambda: optimizers.SGD(0.1, momentum=0.9),
+              "adam": lambda: optimizers.Adam(0.01), "rmsprop": lambda: optimizers.RMSprop(0.01)}
+    for name, make in makers.items():
+        outs = []
+        for s in (mw, ref):
+            with s.scope():
+                w = cudist.Variable(np.linspace(-1, 1, n, dtype=np.float32))
+                v_sum = cudist.Variable(np.zeros(n, np.float32), synchronization=cudist.VariableSynchronization.ON_WRITE,
+                                        aggregation=cudist.VariableAggregation.SUM)
+                v_mean = cudist.Variable(np.zeros(n, np.float32), aggregation=cudist.VariableAggregation.MEAN)
+                opt = make()
+
+            def step(k, w=w, v_sum=v_sum, v_mean=v_mean, opt=opt):
+                g = cudist.get_replica_context().replica_id_in_sync_group
+                opt.apply_gradients([(vals(g, k), w)])
+                v_sum.assign_add(vals(g, k + 100))
+                v_mean.assign(vals(g, k + 200))
+                return cudist.get_replica_context().all_reduce("mean", vals(g, k + 300))
+
+            for k in range(4):
+                r = s.run(step, args=(k,))
+            red = s.reduce("sum", s.run(lambda: vals(cudist.get_replica_context().replica_id_in_sync_group, 9)), axis=None)
+            outs.append([w.read_value(), v_sum.read_value(), v_mean.read_value(), s.experimental_local_results(r)[0], red])
+        for what, a, b in zip(("weights", "on_write_sum", "mean_variable", "all_reduce_mean", "reduce"), *outs):
+            ok, why = same(np.asarray(a), np.asarray(b), True)
+            c.check(f"{name}_{what}", ok, why)
+    st = _shm_transport(mw).stats
+    c.check("reduce_scatter_used", st["calls"] >= 60 and st["mpi_calls"] == 0, st)
+    report(rank, c.results)
+
+
+def shm_mismatch(case):
+    """Workers whose calls take different paths (one node) get ReplicaMismatchError, never a hang: float32 on
+    worker 0 (shared memory) against uint8 on worker 1 (MPI: not a kernel dtype), or 4 KiB (one round) against
+    400 KB (the reduce-scatter, which would first grow the window)."""
+    rank, _ = _rank_size()
+    mw = cudist.MultiWorkerMirroredStrategy()
+    if case == "dtype":
+        x = np.ones(8, np.float32) if rank == 0 else np.ones(8, np.uint8)
+    else:
+        x = np.ones(1000 if rank == 0 else 100000, np.float32)
+    try:
+        mw.run(lambda: cudist.get_replica_context().all_reduce("sum", x))
+        print(f"NO ERROR {rank}", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"RAISED {rank} {type(e).__name__}: {str(e).splitlines()[0]}", flush=True)
+
+
+class _Stuck:
+    """A kernel backend whose reduce never returns, or raises: a worker failing inside the shared-memory protocol."""
+
+    def __init__(self, backend, mode):
+        self._backend, self._mode = backend, mode
+
+    def computes(self, dtype):
+        return self._backend.computes(dtype)
+
+    @property
+    def trusted(self):
+        return self
+
+    def reduce_to_one(self, *args):
+        if self._mode == "shm_hang":
+            time.sleep(60)
+        if self._mode == "shm_kill":
+            import signal
+
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ZeroDivisionError("worker 1 fails on purpose inside the shared-memory protocol")
+
+
+def shm_failing(mode, n):
+    """Worker 1 hangs, is killed or raises inside the shared-memory protocol (after copying its data in),
+    in an all-reduce of ``n`` float32 (small: the one-round path; large: the reduce-scatter)."""
+    rank, _ = _rank_size()
+    options = cudist.experimental.CommunicationOptions(timeout_seconds=2 if mode == "shm_hang" else None)
+    strategy = cudist.MultiWorkerMirroredStrategy(communication_options=options)
+    transport = _shm_transport(strategy)
+    assert transport is not None, "the shared-memory transport is not in use"
+    strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(n, np.float32)))
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+    if rank == 1:
+        transport._kernels = _Stuck(transport._kernels, mode)  # private-read: the test's fault injection
+    for _ in range(2):  # the one-round path needs nothing of worker 1 after its arrival: the next call does
+        strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(n, np.float32)))
     print(f"UNREACHABLE {rank}", flush=True)
 
 
@@ -790,7 +1008,15 @@ def nccl_auto():
 
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
-        parity(int(sys.argv[2]))
+        parity(int(sys.argv[2]), sys.argv[3:] == ["exact"])
+    elif sys.argv[1] == "shm_mismatch":
+        shm_mismatch(sys.argv[2])
+    elif sys.argv[1] == "shm_train":
+        shm_train()
+    elif sys.argv[1] == "shm":
+        shm(sys.argv[2] == "exact")
+    elif sys.argv[1].startswith("shm_"):
+        shm_failing(sys.argv[1], int(sys.argv[2]))
     elif sys.argv[1].startswith("exit:"):
         exiting(sys.argv[1][5:])
     elif sys.argv[1] == "checkpoint":

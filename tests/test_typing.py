@@ -58,6 +58,7 @@ ANNOTATED_MODULES = [
     "cudist._dataplane.transports",
     "cudist._dataplane.transports.mpi",
     "cudist._dataplane.transports.nccl",
+    "cudist._dataplane.transports.shm",
     "cudist._context",
     "cudist._core",  # the stub, src/cudist/_core.pyi
     "cudist._dataplane.storage",

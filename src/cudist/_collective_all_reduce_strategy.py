@@ -23,6 +23,7 @@ from cudist._collective_ops import CollectiveAllReduce
 from cudist._collective_util import CommunicationImplementation, CommunicationOptions
 from cudist._dataplane.transports import mpi
 from cudist._dataplane.transports import nccl as nccl_lib
+from cudist._dataplane.transports import shm
 from cudist._cross_device_ops import select_cross_device_ops
 from cudist._distribute_lib import Strategy, default_devices, parse_devices
 from cudist._kernels import BackendUnavailableError
@@ -94,9 +95,17 @@ class CollectiveAllReduceExtended(MirroredExtended):
         worker_nccl = None
         if nccl is not None and self._communicator is not None:
             worker_nccl = nccl_lib.WorkerCommunicator(nccl, self._communicator)
-        ops = CollectiveAllReduce(
-            self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack, nccl=worker_nccl
+        # RING asks for MPI's own all-reduce for every byte (as it stages GPU values through MPI).
+        host_transport = shm.connect(
+            self._communicator, communication_options.implementation is not CommunicationImplementation.RING
         )
+        ops = CollectiveAllReduce(
+            self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack, nccl=worker_nccl,
+            host_transport=host_transport,
+        )
+        self._host_transport = host_transport
+        if host_transport is not None:
+            _log.info("MultiWorkerMirroredStrategy: host values cross workers through %s", host_transport.name)
         if self._communicator is not None and _devices.any_gpu(devs):
             _log.info("MultiWorkerMirroredStrategy: GPU values cross workers through %s", ops.gpu_implementation)
         super().__init__(container_strategy, devs, ops)
@@ -181,6 +190,19 @@ class CollectiveAllReduceExtended(MirroredExtended):
     def should_save_summary(self) -> bool:
         """Whether this worker should write summaries (the chief)."""
         return self._is_chief
+
+    @property
+    def host_communication(self) -> str:
+        """cudist extension: how host values cross workers ("MPI", or the shared-memory transport's
+        description: ``"shared memory (one round below 32768 B)"``; "none" for one worker)."""
+        if self._communicator is None:
+            return "none"
+        return self._cross_device_ops.host_implementation
+
+    @property
+    def host_transport(self):
+        """cudist extension: the shared-memory transport (``cudist._dataplane.transports.shm``), or None (MPI)."""
+        return self._host_transport
 
     @property
     def _communication(self):

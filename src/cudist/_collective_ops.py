@@ -6,7 +6,10 @@ A hierarchical all-reduce over the workers of an MPI job:
    packed host buffer; a single local replica's single leaf is sent as it is, without a copy);
 2. one non-blocking MPI ``Iallreduce`` (SUM) per packed buffer of about ``bytes_per_pack`` bytes
    (0: one buffer per dtype), all started before any is waited for, polled with the
-   communicator's deadline (see :mod:`cudist._dataplane.transports.mpi`);
+   communicator's deadline (see :mod:`cudist._dataplane.transports.mpi`); when several workers
+   share a node, host buffers go through the node's shared memory instead
+   (:mod:`cudist._dataplane.transports.shm`: summed in worker order by the kernels, node
+   leaders over MPI across nodes), under the same deadlines and checks;
 3. MEAN divides the global sum by the GLOBAL replica count (integers: a true division, float64 or float32 as
    TF; variables keep their dtype, see ``cudist._variables``), then each local replica gets its
    own copy of the result on its own device (the local broadcast).
@@ -56,10 +59,13 @@ class CollectiveAllReduce(CrossDeviceOps):
         bytes_per_pack: the size of the packed buffers each MPI (or NCCL) all-reduce carries (0: one per dtype).
         nccl: the cross-worker NCCL communicator for GPU values
             (:class:`cudist._dataplane.transports.nccl.WorkerCommunicator`); None: GPU values go through MPI.
+        host_transport: what all-reduces host buffers across workers
+            (:class:`cudist._dataplane.transports.shm.SharedMemoryAllReduce`); None: ``communicator`` (MPI).
     """
 
-    def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None):
+    def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None, host_transport=None):
         self._comm = communicator
+        self._shm = host_transport if communicator is not None else None
         self._local = local_ops
         self.bytes_per_pack = int(bytes_per_pack)
         self.num_packs = local_ops.num_packs
@@ -80,6 +86,18 @@ class CollectiveAllReduce(CrossDeviceOps):
     def gpu_implementation(self) -> str:
         """How GPU values cross workers: "NCCL", or "MPI" (staged through the host)."""
         return "NCCL" if self._nccl is not None else "MPI"
+
+    @property
+    def host_implementation(self) -> str:
+        """How host values cross workers: "MPI", or the shared-memory transport's description."""
+        return "MPI" if self._shm is None else self._shm.name
+
+    def _host_allreduce(self, pairs, kind, detail):
+        """SUM all-reduces host ``(send, recv)`` pairs: the results, ``recv`` or (shared memory) read-only views."""
+        if self._shm is not None:
+            return self._shm.allreduce(pairs, kind, detail)
+        self._comm.allreduce(pairs, kind, detail)
+        return [recv for _, recv in pairs]
 
     def _check_devices(self, devices):
         self._local._check_devices(devices)
@@ -148,8 +166,8 @@ class CollectiveAllReduce(CrossDeviceOps):
                         off += s
                 pairs.append((send, recv))
                 unpack.append((ids, recv))
-        self._comm.allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
-        for ids, recv in unpack:
+        results = self._host_allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
+        for (ids, _), recv in zip(unpack, results):
             off = 0
             for j in ids:
                 shape = host[j][0].shape
@@ -221,8 +239,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             packing.check_reducible(kind, a.dtype)
         send = a if a.flags.c_contiguous else np.ascontiguousarray(a)
         recv = pool.take(a.shape, a.dtype)
-        self._comm.allreduce(((send, recv),), kind, lambda: describe((a,)))
-        return recv
+        return self._host_allreduce(((send, recv),), kind, lambda: describe((a,)))[0]
 
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
@@ -237,6 +254,8 @@ class CollectiveAllReduce(CrossDeviceOps):
                 with device_context(s):
                     if s.dtype.kind in "iu":
                         sums[j] = xp.true_divide(s, total, dtype=int_mean_dtype(s.dtype))
+                    elif type(s) is np.ndarray and not s.flags.writeable:  # a view of the node's shared sum: divided into a copy
+                        sums[j] = xp.true_divide(s, s.dtype.type(total), out=pool.take(s.shape, s.dtype))
                     else:
                         xp.true_divide(s, s.dtype.type(total), out=s)
         return sums

@@ -31,6 +31,9 @@ __all__ = [
     "cuda_launchers",
     "check_collectives",
     "stall_warning_seconds",
+    "shm_transport",
+    "shm_min_bytes",
+    "node_size",
     "launch_status_dir",
     "bench_tf_python",
     "bench_torch_python",
@@ -39,6 +42,9 @@ __all__ = [
     "CUDA_LAUNCHERS",
     "CHECK_COLLECTIVES",
     "STALL_WARNING_SECONDS",
+    "SHM_TRANSPORT",
+    "SHM_MIN_BYTES",
+    "NODE_SIZE",
     "POOL_SPIN_US",
     "LAUNCH_STATUS_DIR",
     "BENCH_TF_PYTHON",
@@ -74,6 +80,9 @@ POOL_SPIN_US = "CUDIST_POOL_SPIN_US"
 CUDA_LAUNCHERS = "CUDIST_CUDA_LAUNCHERS"
 CHECK_COLLECTIVES = "CUDIST_CHECK_COLLECTIVES"
 STALL_WARNING_SECONDS = "CUDIST_STALL_WARNING_SECONDS"
+SHM_TRANSPORT = "CUDIST_SHM_TRANSPORT"
+SHM_MIN_BYTES = "CUDIST_SHM_MIN_BYTES"
+NODE_SIZE = "CUDIST_NODE_SIZE"
 LAUNCH_STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
 RESTART_COUNT = "CUDIST_RESTART_COUNT"
 BENCH_TF_PYTHON = "CUDIST_BENCH_TF_PYTHON"
@@ -125,6 +134,27 @@ TABLE: tuple[Setting, ...] = (
         "Seconds a multi-worker collective waits before a `CollectiveStallWarning` names the workers that have "
         "not arrived. A value that is not a positive number is a `ValueError` naming the variable.",
         "When the strategy's MPI communicator is created",
+    ),
+    Setting(
+        SHM_TRANSPORT, "runtime", "`auto`",
+        "How the workers of one node all-reduce host values in a multi-worker job: `auto` (MPI-3 shared memory "
+        "when a node has several workers, MPI across nodes) or `off` (MPI for every byte, as "
+        "`CommunicationOptions(implementation=\"RING\")`). Any other value is a `ValueError`.",
+        "When a MultiWorkerMirroredStrategy is created",
+    ),
+    Setting(
+        SHM_MIN_BYTES, "runtime", "`0`",
+        "All-reduces of fewer bytes (all buffers of one call together) go through MPI's own all-reduce rather "
+        "than shared memory; `0` (the default: shared memory measured faster at every size): none. A value that "
+        "is not a non-negative integer is a `ValueError`.",
+        "When a MultiWorkerMirroredStrategy is created",
+    ),
+    Setting(
+        NODE_SIZE, "runtime", "unset: the nodes MPI reports",
+        "Workers per node for the shared-memory transport, consecutive in worker order: `2` in a 4-worker job on "
+        "one machine simulates 2 hosts x 2 workers (node leaders all-reduce over MPI). A value that is not a "
+        "positive integer is a `ValueError`.",
+        "When a MultiWorkerMirroredStrategy is created",
     ),
     Setting(
         RESTART_COUNT, "internal", "unset",
@@ -264,6 +294,51 @@ def stall_warning_seconds(default: float) -> float:
     if not seconds > 0:  # nan too
         raise ValueError(f"${STALL_WARNING_SECONDS}={value!r} is not a positive number of seconds")
     return seconds
+
+
+def shm_transport() -> bool:
+    """``CUDIST_SHM_TRANSPORT``: True for ``auto`` (also when unset), False for ``off``.
+
+    Raises:
+        ValueError: any other value (the message names the variable and the choices).
+    """
+    return _choice(SHM_TRANSPORT, ("auto", "off"), "auto") == "auto"
+
+
+def _count(name: str, minimum: int) -> int | None:
+    value = _raw(name)
+    if value is None:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = minimum - 1
+    if count < minimum:
+        what = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise ValueError(f"${name}={value!r} is not {what}")
+    return count
+
+
+def shm_min_bytes(default: int) -> int:
+    """``CUDIST_SHM_MIN_BYTES`` as an int, else ``default``.
+
+    Args:
+        default: the value when unset or empty.
+
+    Raises:
+        ValueError: not a non-negative integer (the message names the variable).
+    """
+    count = _count(SHM_MIN_BYTES, 0)
+    return default if count is None else count
+
+
+def node_size() -> int | None:
+    """``CUDIST_NODE_SIZE`` as an int, or None when unset or empty (the nodes MPI reports).
+
+    Raises:
+        ValueError: not a positive integer (the message names the variable).
+    """
+    return _count(NODE_SIZE, 1)
 
 
 def launch_status_dir() -> str | None:

@@ -17,8 +17,8 @@ and the fast paths live here:
   structure checks;
 * :mod:`cudist._dataplane.placement`: destinations, results placed on them, the GPU layout of a
   device list;
-* :mod:`cudist._dataplane.transports`: how bytes cross processes (``transports.mpi``) and GPUs
-  (``transports.nccl``).
+* :mod:`cudist._dataplane.transports`: how bytes cross processes (``transports.mpi``; within a
+  node ``transports.shm``) and GPUs (``transports.nccl``).
 
 Nothing here imports the TF-shaped modules; the kernels (:mod:`cudist._kernels`) sit below.
 """

@@ -104,6 +104,7 @@ def _run(args) -> int:
         cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * R)
     strategy = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
     G = strategy.num_replicas_in_sync
+    transport = strategy.extended.host_transport
     sizes = []
     s = args.minbytes
     while s <= args.maxbytes:
@@ -129,8 +130,13 @@ def _run(args) -> int:
         print(f"# cudist-bench all-reduce --workers {size}: {R} local replica(s) per worker, {G} in sync; "
               f"{', '.join(args.datatype)} {args.op.upper()}; {args.iters} calls per size and variant, interleaved; "
               "times are medians of the slowest worker per call", file=out, flush=True)
+        print(f"# host values cross workers through: {strategy.extended.host_communication}", file=out, flush=True)
+        print("# path: shared memory's (eager: one round; scatter: reduce-scatter) or mpi; moved: bytes each worker "
+              "reads + writes per call, in multiples of the size; %copy: that traffic at this machine's memcpy speed "
+              "(np.copyto on every worker at once, timed in the same rounds) as a share of cudist's time", file=out,
+              flush=True)
         print(f"# {'size':>8} {'dtype':>8} {'mpi4py us':>11} {'cudist us':>11} {'mpi4py GB/s':>12} {'cudist GB/s':>12} "
-              f"{'cudist/mpi4py':>14} {'check':>6}", file=out, flush=True)
+              f"{'cudist/mpi4py':>14} {'path':>8} {'moved':>6} {'%copy':>6} {'check':>6}", file=out, flush=True)
     for dtype, nbytes in [(d, n) for d in args.datatype for n in sizes]:
         dt = np.dtype(dtype)
         count = max(1, nbytes // dt.itemsize)
@@ -151,19 +157,32 @@ def _run(args) -> int:
         def ours():
             return strategy.run(step, args=(values,))
 
+        copy_dst = np.empty_like(send)
+
+        def copy():  # the memory-speed yardstick: one memcpy of the size, every worker at once
+            np.copyto(copy_dst, send)
+
         for _ in range(args.warmup_iters):
             raw()
             ours()
-        raw_t, ours_t = [], []
+            copy()
+        raw_t, ours_t, copy_t = [], [], []
         per_round = max(1, args.iters // 4)
         done = 0
         while done < args.iters:
             k = min(per_round, args.iters - done)
             raw_t.append(timed(raw, k))
             ours_t.append(timed(ours, k))
+            copy_t.append(timed(copy, k))
             done += k
         raw_us = float(np.median(np.concatenate(raw_t))) * 1e6
         ours_us = float(np.median(np.concatenate(ours_t))) * 1e6
+        copy_us = float(np.median(np.concatenate(copy_t))) * 1e6
+        path, moved = transport.traffic(count * dt.itemsize) if transport is not None else ("mpi", 0)
+        if R > 1:
+            moved = 0  # the local sum's pack comes first: not this formula's
+        # a memcpy of S bytes moves 2S (read + write): the traffic's time at that speed, against ours
+        pct_copy = 100 * moved / (2 * count * dt.itemsize) * copy_us / ours_us if moved else float("nan")
         ok = True
         if args.check:
             res = strategy.experimental_local_results(ours())
@@ -176,15 +195,18 @@ def _run(args) -> int:
         row = {
             "bytes": nbytes, "dtype": dtype, "op": args.op, "mpi4py_us": raw_us, "cudist_us": ours_us,
             "mpi4py_GBps": nbytes / raw_us / 1e3, "cudist_GBps": nbytes / ours_us / 1e3,
-            "ratio": raw_us / ours_us, "check": ok,
+            "ratio": raw_us / ours_us, "check": ok, "path": path, "moved_bytes": moved, "memcpy_us": copy_us,
+            "pct_copy": pct_copy,
         }
         rows.append(row)
         if rank == 0:
             print(f"  {_fmt_size(nbytes):>8} {dtype:>8} {raw_us:11.1f} {ours_us:11.1f} {row['mpi4py_GBps']:12.2f} "
-                  f"{row['cudist_GBps']:12.2f} {100 * row['ratio']:13.1f}% {'ok' if ok else 'FAIL':>6}",
+                  f"{row['cudist_GBps']:12.2f} {100 * row['ratio']:13.1f}% {path:>8} "
+                  f"{moved / (count * dt.itemsize):5.2f}x {pct_copy:5.1f}% {'ok' if ok else 'FAIL':>6}",
                   file=out, flush=True)
     if rank == 0 and args.json:
-        doc = {"workers": size, "replicas_per_worker": R, "op": args.op, "rows": rows, "ok": ok_all}
+        doc = {"workers": size, "replicas_per_worker": R, "op": args.op, "rows": rows, "ok": ok_all,
+               "host_communication": strategy.extended.host_communication}
         if args.json == "-":
             print(json.dumps(doc, indent=1), flush=True)
         else:

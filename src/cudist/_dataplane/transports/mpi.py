@@ -431,13 +431,16 @@ class Communicator:
         return f"<cudist MPI communicator: worker {self.rank} of {self.size}, timeout {self.timeout_seconds}>"
 
     # ------------------------------------------------------------------ waiting
-    def _begin(self, kind: str, detail: str | Callable[[], str], shape: Iterable[int] = ()) -> int:
+    def _begin(
+        self, kind: str, detail: str | Callable[[], str], shape: Iterable[int] = (), hash_check: bool = True
+    ) -> int:
         """Numbers a collective; with the default check, starts its hash check (before its data).
 
         Args:
             kind: the collective's name (the workers' must be the same).
             detail: its description for errors (a string, or a function giving one).
             shape: integers that must agree across workers (buffer sizes, dtype numbers, ...).
+            hash_check: False: the caller compares :meth:`call_hash` across workers itself.
         """
         if self._broken is not None:
             raise RuntimeError(
@@ -446,16 +449,28 @@ class Communicator:
         self.seq += 1
         if self.size > 1:
             if self.quick:
-                self._start_hash_check(kind, shape)
+                if hash_check:
+                    self._start_hash_check(kind, shape)
             elif self.check:
                 self._check_fingerprint(kind, detail() if callable(detail) else detail)
         return self.seq
 
-    def _start_hash_check(self, kind: str, shape: Iterable[int]) -> None:
-        """Starts the default check: an ``Iallreduce`` MAX of ``[h, -h]``, h hashing the call."""
+    def call_hash(self, kind: str, shape: Iterable[int]) -> int:
+        """The default check's hash of the current collective (its number, ``kind`` and ``shape``)."""
         h = (zlib.crc32(kind.encode()) ^ (self.seq << 32)) & _HASH_MASK
         for x in shape:
             h = (h * _HASH_MUL + x) & _HASH_MASK
+        return h
+
+    def mismatch_error(self, kind: str, detail: str | Callable[[], str], seq: int) -> ReplicaMismatchError:
+        """The error for collective ``seq``, whose hashes differ across workers (every worker found it:
+        each gathers the others' descriptions); the communicator refuses further collectives."""
+        self._broken = f"mismatched collectives at #{seq}"
+        return self._mismatch(self._gather_prints(self._side, kind, detail() if callable(detail) else detail, seq))
+
+    def _start_hash_check(self, kind: str, shape: Iterable[int]) -> None:
+        """Starts the default check: an ``Iallreduce`` MAX of ``[h, -h]``, h hashing the call."""
+        h = self.call_hash(kind, shape)
         send = self._hash_send
         send[0] = h
         send[1] = -h
@@ -695,6 +710,7 @@ class Communicator:
         detail: str | Callable[[], str],
         start: Callable[[], Callable[[], bool]],
         on_timeout: Callable[[], None] | None = None,
+        hash_check: bool = True,
     ) -> None:
         """A cross-worker collective carried by another library (NCCL), numbered, checked and waited
         for like this communicator's own.
@@ -711,16 +727,19 @@ class Communicator:
             detail: describes the call in fingerprints (a string, or a function giving one).
             start: queues the collective; returns its poll function.
             on_timeout: called when the deadline passes, before the error is raised.
+            hash_check: False: no MPI hash check; ``start`` compares :meth:`call_hash` across the
+                workers itself (the shared-memory transport, in shared memory) when :attr:`quick`.
 
         Raises:
             DeadlineExceededError: a worker did not join within ``timeout_seconds``.
             ReplicaMismatchError: (fingerprint checks) the workers called different collectives.
         """
         seq = self._begin(kind, detail, (zlib.crc32((detail() if callable(detail) else detail).encode()),)
-                          if self.quick else ())
+                          if self.quick and hash_check else (), hash_check)
         try:
             # Checked before NCCL is called: mismatched NCCL calls would spin on the GPU, not fail.
-            self._finish_hash_check(kind, detail, seq)
+            if hash_check:
+                self._finish_hash_check(kind, detail, seq)
             done = start()
             if not done():
                 self._poll(done, kind, seq, on_timeout)

@@ -1,0 +1,229 @@
+"""The shared-memory transport of multi-worker jobs (``cudist._dataplane.transports.shm``).
+
+Real MPI jobs on this machine (``python -m cudist.launch -n N``), each under a timeout:
+
+* 2 and 4 workers on one node equal a MirroredStrategy over the same replicas bit for bit (every
+  kernel dtype and bfloat16, odd sizes, SUM and MEAN, nests, packs, held results, an optimizer), and
+  so does the whole parity job of ``test_multi_worker`` over shared memory;
+* ``CUDIST_NODE_SIZE=2`` with 4 workers simulates 2 hosts x 2 workers (the node leaders' MPI
+  level): equal within float32 tolerance;
+* the fault tests of ``test_multi_worker`` (raise, kill, hang, a worker ending any way) pass with
+  every all-reduce over shared memory, and a worker that hangs, raises or is killed *inside* the
+  protocol ends the job within the same deadlines, named; nothing is left in ``/dev/shm``.
+
+``CUDIST_SHM_MIN_BYTES=0`` puts every host all-reduce through shared memory (the tests' buffers are
+small; by default those go through MPI).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+import test_multi_worker as tmw
+from cudist import _settings
+
+JOB = tmw.JOB
+needs_mpi = tmw.needs_mpi
+no_shm_left = tmw.no_shm_left
+EVERY_SIZE = {"CUDIST_SHM_MIN_BYTES": "0"}
+
+
+def _launch(n, *args, env=None, timeout=120):
+    cmd = [sys.executable, "-m", "cudist.launch", "-n", str(n), JOB, *args]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=tmw._env(**(env or {})),
+                          cwd=tmw.HERE)
+    return proc, time.monotonic() - start
+
+
+def _results(proc, n):
+    out = {}
+    for line in proc.stdout.splitlines():
+        m = re.match(r"(?:\[\d+\] )?RESULT (\d+) (.*)$", line)
+        if m:
+            out[int(m.group(1))] = json.loads(m.group(2))
+    assert sorted(out) == list(range(n)), f"missing worker results:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    failed = {f"worker {r}: {name}": detail for r, res in out.items() for name, (ok, detail) in res.items() if not ok}
+    assert not failed, failed
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- settings
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("CUDIST_SHM_TRANSPORT", "fast", "is not one of auto, off"),
+        ("CUDIST_SHM_MIN_BYTES", "-1", "is not a non-negative integer"),
+        ("CUDIST_SHM_MIN_BYTES", "4k", "is not a non-negative integer"),
+        ("CUDIST_NODE_SIZE", "0", "is not a positive integer"),
+        ("CUDIST_NODE_SIZE", "two", "is not a positive integer"),
+    ],
+)
+def test_bad_settings_are_errors_naming_the_variable(monkeypatch, name, value, message):
+    monkeypatch.setenv(name, value)
+    read = {"CUDIST_SHM_TRANSPORT": _settings.shm_transport, "CUDIST_NODE_SIZE": _settings.node_size,
+            "CUDIST_SHM_MIN_BYTES": lambda: _settings.shm_min_bytes(7)}[name]
+    with pytest.raises(ValueError, match=rf"\${name}={value!r} {message}"):
+        read()
+
+
+def test_settings_defaults_and_values(monkeypatch):
+    for name in ("CUDIST_SHM_TRANSPORT", "CUDIST_SHM_MIN_BYTES", "CUDIST_NODE_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert _settings.shm_transport() is True
+    assert _settings.shm_min_bytes(123) == 123
+    assert _settings.node_size() is None
+    monkeypatch.setenv("CUDIST_SHM_TRANSPORT", "OFF")
+    monkeypatch.setenv("CUDIST_SHM_MIN_BYTES", "0")
+    monkeypatch.setenv("CUDIST_NODE_SIZE", "3")
+    assert _settings.shm_transport() is False
+    assert _settings.shm_min_bytes(123) == 0
+    assert _settings.node_size() == 3
+
+
+# ---------------------------------------------------------------------------------------------- results
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("workers", [2, 4])
+def test_one_node_equals_mirrored_strategy_bit_for_bit(workers, no_shm_left):
+    proc, _ = _launch(workers, "shm", "exact", env=EVERY_SIZE)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = _results(proc, workers)
+    assert len(results[0]) >= 75  # every check ran (bfloat16 included)
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("workers", [2, 4])
+def test_training_over_read_only_shared_results_equals_mirrored_strategy(workers, no_shm_left):
+    """Tensors large enough for the reduce-scatter (results are read-only views of shared memory): SGD,
+    momentum, Adam, RMSprop, ON_WRITE SUM/MEAN variables, MEAN all-reduce, reduce; bit for bit."""
+    proc, _ = _launch(workers, "shm_train")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(_results(proc, workers)[0]) == 21
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+def test_two_simulated_hosts_of_two_workers_within_tolerance(no_shm_left):
+    proc, _ = _launch(4, "shm", "tolerance", env={**EVERY_SIZE, "CUDIST_NODE_SIZE": "2"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _results(proc, 4)
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize(
+    ("workers", "flags", "env"),
+    [(2, [], {}), (4, ["exact"], {}), (4, [], {"CUDIST_NODE_SIZE": "2"})],
+    ids=["2-workers", "4-workers-bit-exact", "2x2-hosts"],
+)
+def test_the_parity_job_over_shared_memory(workers, flags, env, no_shm_left):
+    """Every check of test_multi_worker's parity job (run, reduce, gather, variables, optimizers, datasets,
+    mismatch errors) with every host all-reduce over shared memory."""
+    proc, _ = _launch(workers, "parity", "1", *flags, env={**EVERY_SIZE, **env})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(_results(proc, workers)[0]) >= 45
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("how", ["setting", "ring"])
+def test_the_opt_outs_give_mpi(how, no_shm_left):
+    """CUDIST_SHM_TRANSPORT=off, or CommunicationImplementation.RING: host values go through MPI."""
+    code = (
+        "import cudist\n"
+        "opts = cudist.experimental.CommunicationOptions(implementation={impl!r})\n"
+        "s = cudist.MultiWorkerMirroredStrategy(communication_options=opts)\n"
+        "print('IMPL', s.extended._cross_device_ops.host_implementation, flush=True)\n"
+    ).format(impl="RING" if how == "ring" else "AUTO")
+    env = {"CUDIST_SHM_TRANSPORT": "off"} if how == "setting" else {}
+    script = tmw.HERE / f".shm_opt_out_{how}.py"
+    script.write_text(code)
+    try:
+        cmd = [sys.executable, "-m", "cudist.launch", "-n", "2", str(script)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env=tmw._env(**env), cwd=tmw.HERE)
+    finally:
+        script.unlink()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("IMPL MPI") == 2, proc.stdout
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("case", ["dtype", "size"])
+def test_workers_on_different_paths_get_a_mismatch_error(case, no_shm_left):
+    proc, took = _launch(2, "shm_mismatch", case, env={"CUDIST_STALL_WARNING_SECONDS": "5"}, timeout=60)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert took < 20
+    for rank in (0, 1):
+        assert f"RAISED {rank} ReplicaMismatchError: cross-worker collectives differ" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------- failures
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize(
+    "test",
+    [
+        tmw.test_a_worker_that_raises_ends_the_job,
+        tmw.test_a_killed_worker_ends_the_job,
+        tmw.test_a_hung_worker_times_out,
+        tmw.test_a_worker_ending_first_with_nothing_owed_is_fine,
+    ],
+    ids=lambda t: t.__name__[5:],
+)
+def test_the_fault_tests_pass_over_shared_memory(test, monkeypatch, no_shm_left):
+    monkeypatch.setenv("CUDIST_SHM_MIN_BYTES", "0")
+    test(None)
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("mode", ["exit0", "return", "term"])
+def test_a_worker_ending_while_another_waits_in_shared_memory(mode, monkeypatch, no_shm_left):
+    monkeypatch.setenv("CUDIST_SHM_MIN_BYTES", "0")
+    tmw.test_a_worker_ending_any_way_ends_the_job_naming_it(mode, None)
+
+
+#: float32 counts of the one-round path (4 KiB) and of the reduce-scatter (400 KB).
+SIZES = pytest.mark.parametrize("n", ["1000", "100000"], ids=["one-round", "reduce-scatter"])
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@SIZES
+def test_a_worker_hanging_inside_the_protocol_times_out_named(n, no_shm_left):
+    """Worker 1 copies its data in, then never sums: worker 0 raises DeadlineExceededError naming it."""
+    proc, took = _launch(2, "shm_hang", n, env={**EVERY_SIZE, "CUDIST_STALL_WARNING_SECONDS": "1"}, timeout=60)
+    assert proc.returncode != 0
+    assert "UNREACHABLE" not in proc.stdout
+    assert took < 2 + 10
+    assert "DeadlineExceededError" in proc.stderr
+    assert "worker(s) [1] did not join it" in proc.stderr, proc.stderr[-2000:]
+    assert re.search(r"CollectiveStallWarning: cudist: worker 0 has waited 1 s in all_reduce SUM, collective #\d+, "
+                     r"for worker\(s\) \[1\]", proc.stderr), proc.stderr[-2000:]
+
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize(
+    ("mode", "named"),
+    [
+        ("shm_raise", "worker 1 raised ZeroDivisionError: worker 1 fails on purpose inside the shared-memory protocol"),
+        ("shm_kill", tmw._KILLED_WORKER_1),
+    ],
+)
+@SIZES
+def test_a_worker_failing_inside_the_protocol_ends_the_job_named(mode, named, n, no_shm_left):
+    proc, took = _launch(2, mode, n, env=EVERY_SIZE, timeout=60)
+    assert proc.returncode != 0
+    assert "UNREACHABLE" not in proc.stdout
+    assert took < 15
+    assert re.search(named, proc.stderr), proc.stderr[-2000:]
