@@ -415,7 +415,7 @@ def test_update_covers_every_optimizer(tmp_path):
     from cudist.bench import _cli
     from cudist.bench._ops import UPDATE_OPTIMIZERS
 
-    assert _cli.UPDATE_OPTIMIZERS == UPDATE_OPTIMIZERS
+    assert tuple(_cli.UPDATE_OPTIMIZERS) == UPDATE_OPTIMIZERS
     assert set(UPDATE_OPTIMIZERS) >= {"sgd", "momentum", "adam", "adamw", "rmsprop", "rmsprop_centered", "adagrad",
                                       "adamax", "nadam", "lion"}
     moved = {"rmsprop": (3, 2), "rmsprop_centered": (5, 4), "adagrad": (3, 2), "lion": (3, 2), "adamw": (4, 3),

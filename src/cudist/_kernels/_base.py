@@ -54,7 +54,6 @@ __all__ = [
     "is_bfloat16",
     "FLOAT_DTYPES",
     "adam_lr_t",
-    "adamax_lr_t",
     "nadam_step",
     "UPDATE_KERNELS",
 ]
@@ -74,13 +73,13 @@ def is_bfloat16(dtype) -> bool:
 
 
 def adam_lr_t(lr: float, beta_1: float, beta_2: float, step: int) -> float:
-    """Adam's bias-corrected step size for 1-based ``step`` (computed once, in float64)."""
+    """The bias-corrected step size ``lr * sqrt(1 - beta_2**step) / (1 - beta_1**step)`` for 1-based
+    ``step`` (computed once, in float64).
+
+    ``beta_2 = 0`` gives the first moment's correction alone, ``lr / (1 - beta_1**step)``, bit for
+    bit (``sqrt(1.0)`` is exactly 1.0): the step size of the optimizers that correct only ``m``.
+    """
     return lr * math.sqrt(1.0 - beta_2**step) / (1.0 - beta_1**step)
-
-
-def adamax_lr_t(lr: float, beta_1: float, step: int) -> float:
-    """Adamax's bias-corrected step size ``lr / (1 - beta_1**step)`` for 1-based ``step`` (float64)."""
-    return lr / (1.0 - beta_1**step)
 
 
 def nadam_step(beta_1: float, beta_2: float, step: int, u_product: float) -> tuple[float, float, float, float]:
@@ -135,6 +134,7 @@ class KernelBackend:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._dtype_set = frozenset(cls.dtypes)
+        _default_update_hooks(cls)
         _bridge_legacy_hooks(cls)
 
     def __repr__(self) -> str:
@@ -669,13 +669,13 @@ class KernelBackend:
 
     def adamax(self, copies, ms, us, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.0):
         """Adamax (Keras): ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``;
-        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`adamax_lr_t`,
-        what the trusted form takes). ``maximum`` is NumPy's (a NaN wins). Returns ``copies``."""
+        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`adam_lr_t` with
+        ``beta_2 = 0``, what the trusted form takes). ``maximum`` is NumPy's (a NaN wins). Returns ``copies``."""
         return self._adamax("adamax", False, copies, ms, us, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
 
     def _adamax(self, where, fused, copies, ms, us, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
         copies, (ms, us), g = self._check_opt(where, copies, (("m", ms), ("u", us)), **{"grads" if fused else "grad": g})
-        lr_t = adamax_lr_t(float(lr), float(beta_1), self._step(where, step))
+        lr_t = adam_lr_t(float(lr), float(beta_1), 0.0, self._step(where, step))
         hook = self._hook_all_reduce_adamax if fused else self._hook_adamax
         hook(copies, ms, us, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
         return copies
@@ -899,27 +899,6 @@ class KernelBackend:
     def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
         self._hook_adam(copies, ms, vs, self._sum_grads(grads), lr_t, beta_1, beta_2, epsilon)
 
-    def _hook_all_reduce_adamw(self, copies, ms, vs, grads, *hyper):
-        self._hook_adamw(copies, ms, vs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_amsgrad(self, copies, ms, vs, v_hats, grads, *hyper):
-        self._hook_amsgrad(copies, ms, vs, v_hats, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, *hyper):
-        self._hook_rmsprop(copies, vels, moms, avgs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_adagrad(self, copies, accs, grads, *hyper):
-        self._hook_adagrad(copies, accs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_adamax(self, copies, ms, us, grads, *hyper):
-        self._hook_adamax(copies, ms, us, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_nadam(self, copies, ms, vs, grads, *hyper):
-        self._hook_nadam(copies, ms, vs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_lion(self, copies, ms, grads, *hyper):
-        self._hook_lion(copies, ms, self._sum_grads(grads), *hyper)
-
     # ------------------------------------------------------------------ deprecated names
     # Kept only until the callers outside _kernels use `trusted` and the public check_* methods.
     def _check_bufs(self, where: str, bufs, *, writable: bool, what: str = "replica", same_shape: bool = True):
@@ -993,7 +972,7 @@ class TrustedKernels:
       ``rmsprop(copies, velocities, momentums, average_grads, grad, lr, rho, momentum, epsilon, decay)``
       (``momentums`` / ``average_grads`` None when absent); ``adagrad(copies, accs, grad, lr, epsilon,
       decay)``; ``adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (``lr_t`` of
-      :func:`adamax_lr_t`); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
+      :func:`adam_lr_t` with ``beta_2 = 0``); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
       decay)`` (:func:`nadam_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
       an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
       ``weight_decay * lr`` (0.0: none).
@@ -1014,26 +993,7 @@ class TrustedKernels:
         "broadcast",
         "assign",
         "assign_add",
-        "sgd",
-        "momentum",
-        "adam",
-        "all_reduce_sgd",
-        "all_reduce_momentum",
-        "all_reduce_adam",
-        "adamw",
-        "all_reduce_adamw",
-        "amsgrad",
-        "all_reduce_amsgrad",
-        "rmsprop",
-        "all_reduce_rmsprop",
-        "adagrad",
-        "all_reduce_adagrad",
-        "adamax",
-        "all_reduce_adamax",
-        "nadam",
-        "all_reduce_nadam",
-        "lion",
-        "all_reduce_lion",
+        "__dict__",  # the update kernels' entry points, one pair per row of UPDATE_KERNELS
         "check_bufs",
         "check_like",
         "check_float",
@@ -1056,26 +1016,9 @@ class TrustedKernels:
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add
-        self.sgd = backend._hook_sgd
-        self.momentum = backend._hook_momentum
-        self.adam = backend._hook_adam
-        self.all_reduce_sgd = backend._hook_all_reduce_sgd
-        self.all_reduce_momentum = backend._hook_all_reduce_momentum
-        self.all_reduce_adam = backend._hook_all_reduce_adam
-        self.adamw = backend._hook_adamw
-        self.all_reduce_adamw = backend._hook_all_reduce_adamw
-        self.amsgrad = backend._hook_amsgrad
-        self.all_reduce_amsgrad = backend._hook_all_reduce_amsgrad
-        self.rmsprop = backend._hook_rmsprop
-        self.all_reduce_rmsprop = backend._hook_all_reduce_rmsprop
-        self.adagrad = backend._hook_adagrad
-        self.all_reduce_adagrad = backend._hook_all_reduce_adagrad
-        self.adamax = backend._hook_adamax
-        self.all_reduce_adamax = backend._hook_all_reduce_adamax
-        self.nadam = backend._hook_nadam
-        self.all_reduce_nadam = backend._hook_all_reduce_nadam
-        self.lion = backend._hook_lion
-        self.all_reduce_lion = backend._hook_all_reduce_lion
+        for name in UPDATE_KERNELS:
+            setattr(self, name, getattr(backend, f"_hook_{name}"))
+            setattr(self, f"all_reduce_{name}", getattr(backend, f"_hook_all_reduce_{name}"))
         self.check_bufs = backend.check_bufs
         self.check_like = backend.check_like
         self.check_float = backend.check_float
@@ -1172,3 +1115,36 @@ def _bridge_legacy_hooks(cls):
             setattr(cls, old, make_alias(own[new]))
         elif old in own and new not in own:
             setattr(cls, new, make_bridge(old))
+
+
+# ---------------------------------------------------------------------------- update hooks from the table
+def _abstract_update_hook(name):
+    def hook(self, *args):  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} does not implement the update kernel {name!r}")
+
+    hook.__name__ = f"_hook_{name}"
+    return hook
+
+
+def _fused_update_hook(name):
+    nslots = len(UPDATE_KERNELS[name][0])
+
+    def hook(self, copies, *args):
+        # The definition of the fused form: reduce_to_one into a temporary, then the plain update.
+        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots]), *args[nslots + 1 :])
+
+    hook.__name__ = f"_hook_all_reduce_{name}"
+    return hook
+
+
+def _default_update_hooks(cls):
+    """Gives ``cls`` the hooks of the UPDATE_KERNELS rows it lacks: the plain one abstract, the fused
+    one the plain one on the summed gradients. A backend writes only the hooks it computes itself."""
+    for name in UPDATE_KERNELS:
+        if not hasattr(cls, f"_hook_{name}"):
+            setattr(cls, f"_hook_{name}", _abstract_update_hook(name))
+        if not hasattr(cls, f"_hook_all_reduce_{name}"):
+            setattr(cls, f"_hook_all_reduce_{name}", _fused_update_hook(name))
+
+
+_default_update_hooks(KernelBackend)
