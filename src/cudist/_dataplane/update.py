@@ -129,7 +129,7 @@ def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) 
     """The decoupled weight decay as its own pass, ``w -= w * decay`` (rules whose kernel has no
     weight-decay factor: SGD's)."""
     w = copies[0]
-    kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
+    kernels.assign_add(copies, w * w.dtype.type(decay), True)
 
 
 # ------------------------------------------------------------------------------------- settling
@@ -285,7 +285,7 @@ class UpdatePass:
             group_slots: list[tuple[Any, ...]] = []
             for name, sb in zip(named_slots, slot_bufs):
                 sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
-                backend.check_same_slots(where, copies, sc, name)  # type: ignore[no-untyped-call]
+                backend.check_same_slots(where, copies, sc, name)
                 group_slots.append(sc)
             groups.append((copies, tuple(group_slots), backend))
         plan = (key, tuple(groups))
