@@ -111,8 +111,8 @@ def test_check_detects_a_wrong_kernel():
     from cudist._kernels._numpy import NumpyBackend
 
     class Broken(NumpyBackend):
-        def _all_reduce(self, bufs, op):
-            super()._all_reduce(bufs[:-1], op)
+        def _hook_all_reduce(self, inputs, outputs, op):
+            super()._hook_all_reduce(inputs[:-1], outputs[:-1], op)
 
     case = make_case("all-reduce", Broken(), 1000, "float32", 3)
     assert case.check() == 3 * 1000
@@ -415,7 +415,7 @@ def test_update_covers_every_optimizer(tmp_path):
     from cudist.bench import _cli
     from cudist.bench._ops import UPDATE_OPTIMIZERS
 
-    assert _cli.UPDATE_OPTIMIZERS == UPDATE_OPTIMIZERS
+    assert tuple(_cli.UPDATE_OPTIMIZERS) == UPDATE_OPTIMIZERS
     assert set(UPDATE_OPTIMIZERS) >= {"sgd", "momentum", "adam", "adamw", "rmsprop", "rmsprop_centered", "adagrad",
                                       "adamax", "nadam", "lion"}
     moved = {"rmsprop": (3, 2), "rmsprop_centered": (5, 4), "adagrad": (3, 2), "lion": (3, 2), "adamw": (4, 3),
@@ -437,17 +437,17 @@ def test_update_case_mirrors_are_distinct_buffers(opt):
     seen = []
 
     class Spy(NumpyBackend):
-        def _sgd(self, copies, grad, lr):
+        def _hook_sgd(self, copies, grad, lr):
             seen.append([copies])
-            return super()._sgd(copies, grad, lr)
+            return super()._hook_sgd(copies, grad, lr)
 
-        def _momentum(self, copies, vels, grad, lr, momentum, nesterov):
+        def _hook_momentum(self, copies, vels, grad, lr, momentum, nesterov):
             seen.append([copies, vels])
-            return super()._momentum(copies, vels, grad, lr, momentum, nesterov)
+            return super()._hook_momentum(copies, vels, grad, lr, momentum, nesterov)
 
-        def _adam(self, copies, ms, vs, grad, lr_t, b1, b2, eps):
+        def _hook_adam(self, copies, ms, vs, grad, lr_t, b1, b2, eps):
             seen.append([copies, ms, vs])
-            return super()._adam(copies, ms, vs, grad, lr_t, b1, b2, eps)
+            return super()._hook_adam(copies, ms, vs, grad, lr_t, b1, b2, eps)
 
     case = make_case(f"update/{opt}", Spy(), 64, "float32", 4)
     assert case.check() == 0

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, adamax_lr_t, nadam_step
+from cudist._kernels import UPDATE_KERNELS, adam_lr_t, nadam_step
 from cudist._kernels._numpy import NumpyBackend
 
 _BUILD_PY = Path(__file__).resolve().parent / "emu" / "build.py"
@@ -119,7 +119,7 @@ def _params(rng, name):
                 (adam_lr_t(lr, b1, b2, step), b1, b2, eps, wd * lr))
     if name == "adamax":
         return (dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, weight_decay=wd),
-                (adamax_lr_t(lr, b1, step), b1, b2, eps, wd * lr))
+                (adam_lr_t(lr, b1, 0.0, step), b1, b2, eps, wd * lr))
     if name == "nadam":
         u = 1.0
         for t in range(1, step):

@@ -1233,50 +1233,6 @@ def test_error_fused_updates_name_the_problem(backend):
         assert_bitwise(c, c0, "a rejected call must not write")
 
 
-# ---------------------------------------------------------------------------- old names keep working
-def test_deprecated_hook_names_still_work(backend):
-    rng = np.random.default_rng(6)
-    bufs = [random_array(rng, (50,), "float64") for _ in range(3)]
-    exp = reference_reduce(bufs, ReduceOp.SUM)
-    backend._all_reduce(bufs, ReduceOp.SUM)
-    for b in bufs:
-        assert_bitwise(b, exp, "_all_reduce")
-    assert backend._check_bufs("x", bufs, writable=True) == tuple(bufs)
-    g = random_array(rng, (50,), "float64")
-    w = mirrors(rng, (50,), "float64", 2)
-    ew = [c.copy() for c in w]
-    REF.sgd(ew, g, lr=0.5)
-    backend._sgd(w, g, 0.5)
-    _check_fused(backend, ["_sgd"], [w], [ew])
-
-
-def test_a_subclass_overriding_old_hook_names_is_still_used():
-    from cudist._kernels._numpy import NumpyBackend
-
-    seen = []
-
-    class Old(NumpyBackend):
-        def _all_reduce(self, bufs, op):
-            seen.append(("all_reduce", len(bufs)))
-            super()._all_reduce(bufs, op)
-
-        def _sgd(self, copies, grad, lr):
-            seen.append(("sgd", len(copies)))
-            return super()._sgd(copies, grad, lr)
-
-    be = Old()
-    a, b = np.ones(3), np.full(3, 2.0)
-    be.all_reduce([a, b])
-    assert a.tolist() == [3.0] * 3 and seen == [("all_reduce", 2)]
-    outs = [np.empty(3), np.empty(3)]
-    be.all_reduce([np.ones(3), np.ones(3)], outputs=outs)  # out of place, through the old in-place hook
-    assert outs[1].tolist() == [2.0] * 3 and seen[-1] == ("all_reduce", 2)
-    w = [np.ones(3)]
-    be.sgd(w, np.ones(3), lr=0.5)
-    be.trusted.sgd(w, np.ones(3), 0.5)
-    assert w[0].tolist() == [0.0] * 3 and seen[-2:] == [("sgd", 1), ("sgd", 1)]
-
-
 # ---------------------------------------------------------------------------- backend_for
 def test_backend_for_picks_the_cpu_backend_once(monkeypatch):
     import cudist._kernels as K

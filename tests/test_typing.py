@@ -460,6 +460,23 @@ def _stub_names() -> tuple[dict[str, ast.FunctionDef], set[str]]:
     return functions, attributes
 
 
+RULES_HEADER = ROOT / "csrc" / "include" / "cudist" / "detail" / "update_rules.hpp"
+
+
+def _rules_table() -> dict[str, tuple[list[str], list[str]]]:
+    """CUDIST_UPDATE_RULES: name -> (slot names, hyper-parameter names before ``decay``)."""
+    row = re.compile(r'^\s*X\((\w+),\s*\w+,\s*\(([^)]*)\),\s*\(([^)]*)\)\)', re.M)
+    return {
+        name: (re.findall(r'"(\w+)"', slots), re.findall(r'"(\w+)"', hyper))
+        for name, slots, hyper in row.findall(RULES_HEADER.read_text())
+    }
+
+
+def _rule_functions() -> set[str]:
+    """The extension's functions bound from the rules' table (the stub declares them by ``__getattr__``)."""
+    return {f for name in _rules_table() for f in (name, f"all_reduce_{name}")}
+
+
 def _bindings_source() -> tuple[set[str], set[str], set[str]]:
     """From core.cpp: (functions defined, attributes set, functions defined only with CUDA)."""
     text = BINDINGS.read_text()
@@ -467,9 +484,7 @@ def _bindings_source() -> tuple[set[str], set[str], set[str]]:
     defined = re.compile(r'\bm\.def\(\s*"(\w+)"')
     functions = set(defined.findall(body))
     if "CUDIST_UPDATE_RULES(" in body:  # the optimizers' bindings, generated from the rules' table
-        rules = (ROOT / "csrc" / "include" / "cudist" / "detail" / "update_rules.hpp").read_text()
-        for name in re.findall(r"^\s*X\((\w+),", rules, re.M):
-            functions |= {name, f"all_reduce_{name}"}
+        functions |= _rule_functions()
     attributes = set(re.findall(r'\bm\.attr\(\s*"(\w+)"\)', body))
     cuda_only: set[str] = set()
     m = re.search(r"#ifdef CUDIST_CORE_WITH_CUDA(.*?)#else(.*?)#endif", body, re.S)
@@ -490,7 +505,10 @@ def test_core_stub_matches_the_extension() -> None:
     # Functions that only a CUDA build defines may be missing from a CPU-only build.
     cuda_only = _bindings_source()[2] if BINDINGS.is_file() else {"cuda_all_reduce", "cuda_p2p_all_reduce"}
     optional = set() if core.cuda_built else cuda_only
-    assert callables - set(functions) == set(), "in cudist._core but not in _core.pyi"
+    rules = _rule_functions()
+    assert rules and rules <= callables, "the rules' table names functions cudist._core lacks"
+    assert not rules & set(functions), "a rule of the table declared by name in _core.pyi (its __getattr__ covers them)"
+    assert callables - set(functions) - rules == set(), "in cudist._core but not in _core.pyi"
     assert set(functions) - callables - optional == set(), "in _core.pyi but not in cudist._core"
     assert (public - callables) | {"__version__"} == attributes, "module attributes differ from the stub's"
 
@@ -501,7 +519,8 @@ def test_core_stub_matches_the_bindings_source() -> None:
         pytest.skip("no source tree")
     functions, attributes, _ = _bindings_source()
     stub_functions, stub_attributes = _stub_names()
-    assert functions == set(stub_functions), "core.cpp's m.def names differ from _core.pyi's functions"
+    assert functions - _rule_functions() == set(stub_functions), "core.cpp's m.def names differ from _core.pyi's functions"
+    assert "def __getattr__(name: str) -> Callable[..., None]:" in STUB.read_text(), "the rules' generic entry"
     assert attributes == stub_attributes, "core.cpp's m.attr names differ from _core.pyi's attributes"
 
 
@@ -532,3 +551,20 @@ def test_core_stub_parameters_match_the_extension() -> None:
         args = fn.args.posonlyargs + fn.args.args
         stub = [(a.arg, i >= len(args) - len(fn.args.defaults)) for i, a in enumerate(args)]
         assert stub == _pybind_parameters(getattr(core, name).__doc__, name), name
+
+
+def test_rule_bindings_take_the_tables_parameters() -> None:
+    """Each binding generated from CUDIST_UPDATE_RULES takes ``copies``, its slots' copies (``<slot>s``),
+    the gradient(s), the table's hyper-parameters and ``decay``, in that order, none defaulted; and the
+    C++ table agrees with the Python one (cudist._kernels.UPDATE_KERNELS)."""
+    from cudist._kernels import UPDATE_KERNELS
+
+    core = _core_module()
+    table = _rules_table()
+    assert len(table) >= 6
+    for name, (slots, hyper) in table.items():
+        assert UPDATE_KERNELS[name] == (tuple(slots), (*hyper, "decay")), name
+        for fused in (False, True):
+            fn = f"all_reduce_{name}" if fused else name
+            want = ["copies", *(f"{s}s" for s in slots), "grads" if fused else "grad", *hyper, "decay"]
+            assert _pybind_parameters(getattr(core, fn).__doc__, fn) == [(p, False) for p in want], fn

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, adamax_lr_t, get_backend, nadam_step
+from cudist._kernels import UPDATE_KERNELS, adam_lr_t, get_backend, nadam_step
 from cudist._kernels._numpy import NumpyBackend
 
 CPU_BACKENDS = ["numpy", "numba", "native"]
@@ -235,7 +235,7 @@ def test_trusted_matches_public(backend):
             "amsgrad": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
             "rmsprop": (dict(lr=lr, momentum=0.5, weight_decay=wd), (lr, 0.9, 0.5, 1e-7, wd * lr)),
             "adagrad": (dict(lr=lr, weight_decay=wd), (lr, 1e-7, wd * lr)),
-            "adamax": (dict(lr=lr, step=2, weight_decay=wd), (adamax_lr_t(lr, 0.9, 2), 0.9, 0.999, 1e-7, wd * lr)),
+            "adamax": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.0, 2), 0.9, 0.999, 1e-7, wd * lr)),
             "nadam": (dict(lr=lr, step=2, u_product=u_prev, weight_decay=wd), (lr, 0.9, 0.999, 1e-7, c_m, c_g, c_v, wd * lr)),
             "lion": (dict(lr=lr, weight_decay=wd), (lr, 0.9, 0.99, wd * lr)),
         }
@@ -351,3 +351,13 @@ def test_cupy_matches_reference(name, dtype, n, m):
                     assert_bitwise(cp.asnumpy(a), b, f"cupy {name} fused={fused} {shape} group {gi} copy {r}")
             for x, h in zip(dgrads, grads):
                 assert_bitwise(cp.asnumpy(x), h, "a gradient was written")
+
+
+@given(
+    lr=st.floats(1e-6, 10.0),
+    beta_1=st.floats(0.0, 0.999),
+    step=st.integers(1, 10_000),
+)
+def test_adam_lr_t_without_beta_2_is_the_first_moment_correction(lr, beta_1, step):
+    """beta_2 = 0 is the step size of the rules that correct only m (Adamax): lr / (1 - beta_1**step), bit for bit."""
+    assert adam_lr_t(lr, beta_1, 0.0, step) == lr / (1.0 - beta_1**step)

@@ -119,61 +119,16 @@ def adam(
 ) -> None:
     """Adam (Keras formulation) with the bias-corrected step size ``lr_t``."""
 
-# AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam, Lion: ``decay`` is weight_decay * lr (0: none).
+# RMSprop and the optimizers of the rules' table: ``decay`` is weight_decay * lr (0: none).
 
-def adamw(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grad: _Array,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """AdamW: ``w -= w * decay``, then Adam with the bias-corrected step size ``lr_t``."""
+def __getattr__(name: str) -> Callable[..., None]:
+    """The optimizers of the rules' table (CUDIST_UPDATE_RULES in csrc/include/cudist/detail/update_rules.hpp),
+    bound from that table as ``<name>(copies, *slots, grad, *hyper, decay)`` and
+    ``all_reduce_<name>(copies, *slots, grads, *hyper, decay)``: each slot the list of its copies, named
+    ``<slot>s``; the hyper-parameters those of ``cudist._kernels.UPDATE_KERNELS``. Declared here once, so
+    that adding a row to the table needs no stub edit (tests/test_typing.py checks the bound signatures
+    against the table)."""
 
-def all_reduce_adamw(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grads: _Arrays,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then AdamW; one pass."""
-
-def amsgrad(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    v_hats: _Arrays,
-    grad: _Array,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """AMSGrad: AdamW with ``v_hat = maximum(v_hat, v)`` in the denominator."""
-
-def all_reduce_amsgrad(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    v_hats: _Arrays,
-    grads: _Arrays,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then AMSGrad; one pass."""
 
 def rmsprop(
     copies: _Arrays,
@@ -202,106 +157,6 @@ def all_reduce_rmsprop(
     decay: _Float,
 ) -> None:
     """Fused: the sum of ``grads``, then RMSprop; one pass."""
-
-def adagrad(
-    copies: _Arrays,
-    accumulators: _Arrays,
-    grad: _Array,
-    lr: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Adagrad: acc += g*g; w -= lr * g / sqrt(acc + epsilon)."""
-
-def all_reduce_adagrad(
-    copies: _Arrays,
-    accumulators: _Arrays,
-    grads: _Arrays,
-    lr: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then Adagrad; one pass."""
-
-def adamax(
-    copies: _Arrays,
-    ms: _Arrays,
-    us: _Arrays,
-    grad: _Array,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Adamax with the bias-corrected step size ``lr_t = lr / (1 - beta_1**step)``."""
-
-def all_reduce_adamax(
-    copies: _Arrays,
-    ms: _Arrays,
-    us: _Arrays,
-    grads: _Arrays,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then Adamax; one pass."""
-
-def nadam(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grad: _Array,
-    lr: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    c_m: _Float,
-    c_g: _Float,
-    c_v: _Float,
-    decay: _Float,
-) -> None:
-    """Nadam (Keras 3) with the step's coefficients of cudist._kernels.nadam_step."""
-
-def all_reduce_nadam(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grads: _Arrays,
-    lr: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-    c_m: _Float,
-    c_g: _Float,
-    c_v: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then Nadam; one pass."""
-
-def lion(
-    copies: _Arrays,
-    ms: _Arrays,
-    grad: _Array,
-    lr: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    decay: _Float,
-) -> None:
-    """Lion: w -= lr * sign(m * beta_1 + g * (1 - beta_1)); m = m * beta_2 + g * (1 - beta_2)."""
-
-def all_reduce_lion(
-    copies: _Arrays,
-    ms: _Arrays,
-    grads: _Arrays,
-    lr: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then Lion; one pass."""
 
 def reduce_to_one_shared(
     bufs: _Arrays, op: _Op, out: _Array | Callable[[tuple[int, ...], np.dtype[Any]], _Array]

@@ -38,7 +38,6 @@ from cudist._dataplane.placement import (
     on_destinations,
     resolve_destinations,
 )
-# cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._kernels import BackendUnavailableError, KernelBackend, cpu_backend
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored
@@ -443,7 +442,7 @@ class NcclAllReduce(CrossDeviceOps):
             if bufs[0].dtype in dtypes and len({b.device.id for b in bufs}) == len(bufs):
                 _nccl.all_reduce(nccl, bufs, op)
             else:
-                backend.all_reduce(bufs, op)  # type: ignore[no-untyped-call]
+                backend.all_reduce(bufs, op)
 
         return reduce
 
@@ -492,7 +491,7 @@ class AutoGpuAllReduce(CrossDeviceOps):
             ):
                 _nccl.all_reduce(nccl, bufs, op)
             else:
-                backend.all_reduce(bufs, op)  # type: ignore[no-untyped-call]
+                backend.all_reduce(bufs, op)
 
         return reduce
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import optree
@@ -106,7 +108,7 @@ class DeviceBatch:
 
     __slots__ = ("batch",)
 
-    def __init__(self, batch):
+    def __init__(self, batch: Any) -> None:
         self.batch = batch
 
 
@@ -141,7 +143,7 @@ class GpuFeeder:
     keep them.
     """
 
-    def __init__(self, gpus):
+    def __init__(self, gpus: Sequence[int]) -> None:
         self.gpus = tuple(int(g) for g in gpus)
         self._free = collections.deque()  # slots ready for reuse, oldest first
         self.slots: list = []  # every slot made (what close() waits for)

@@ -32,7 +32,6 @@ from cudist import data as _data
 from cudist._arrays import is_array, is_device_array, physical_gpu, to_gpu
 from cudist._devices import DeviceLike, DeviceSpec, any_gpu, parse_device
 from cudist.errors import InvalidArgumentError, NotFoundError, OutOfRangeError
-# cudist._gpu_feeder is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._gpu_feeder import DeviceBatch, DeviceSteps, GpuFeeder, group_step
 from cudist._values import PerReplica, regroup
 
@@ -405,7 +404,7 @@ def _placer(strategy: StrategyLike, fetch_to_device: bool) -> Placer:
     putters = _putters(strategy, fetch_to_device)
     devices = strategy.extended._devices
     if fetch_to_device and any_gpu(devices):
-        return GpuFeeder([physical_gpu(parse_device(d)) for d in devices])  # type: ignore[no-untyped-call]
+        return GpuFeeder([physical_gpu(parse_device(d)) for d in devices])
     return putters
 
 
@@ -464,7 +463,7 @@ def split_steps(
             yield treedef.unflatten([PerReplica([a[s:e] for s, e in bounds]) for a in arrays])
         elif feeder is not None and any(is_device_array(a) for a in arrays):
             # Already on a GPU: split there by the scatter kernel (in the consumer's stream order).
-            yield DeviceBatch(treedef.unflatten(arrays))  # type: ignore[no-untyped-call]
+            yield DeviceBatch(treedef.unflatten(arrays))
         else:
             pieces = [treedef.unflatten([a[s:e] for a in arrays]) for s, e in bounds]
             yield _make_step(putters, pieces, n)

@@ -1070,7 +1070,7 @@ class SyncOnReadVariable(DistributedVariable):
             copies = self.storage.buffers()
             backend = kernel_backend(copies[0])
             if backend is not None and array_module(copies[0]) is np and arr.shape == copies[0].shape:
-                backend.assign(copies, contiguous(arr))  # type: ignore[no-untyped-call]  # _kernels
+                backend.assign(copies, contiguous(arr))
             else:
                 for c in self._values:
                     c._write("assign", like(arr, c.storage.array))

@@ -22,7 +22,6 @@ import optree
 
 from cudist._arrays import device_context, is_device_array, like
 from cudist.errors import InvalidArgumentError
-# cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._kernels import KernelBackend, backend_for, is_bfloat16, numpy_backend
 from cudist._reduce_util import ReduceOp
 

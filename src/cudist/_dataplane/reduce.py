@@ -29,7 +29,6 @@ import numpy as np
 from cudist._arrays import Array, contiguous, device_context, is_device_array, like, to_host
 from cudist._dataplane import packing, pool
 from cudist._dataplane.packing import LeafPaths, Reducer
-# cudist._kernels is not annotated yet: calls into it carry `type: ignore[no-untyped-call]`.
 from cudist._kernels import KernelBackend, backend_for, cpu_backend, numpy_backend
 from cudist._reduce_util import ReduceOp, int_mean_dtype
 from cudist.errors import InvalidArgumentError
@@ -126,13 +125,13 @@ def all_reduce_via_one(
         xp = backend_for(bufs[0]).xp
         if n > 1:
             with device_context(bufs[0]):  # the reduction happens on the first replica's device
-                red = b.reduce_to_one(bufs, kop) if b is not None else reduce_arrays(where, bufs, kop)  # type: ignore[no-untyped-call]
+                red = b.reduce_to_one(bufs, kop) if b is not None else reduce_arrays(where, bufs, kop)
                 if int_mean:
                     red = _int_mean(xp, red, n)
             if int_mean:
                 bufs = [red] + [like(red, buf, copy=True) for buf in bufs[1:]]
             elif b is not None:
-                b.broadcast(red, bufs)  # type: ignore[no-untyped-call]
+                b.broadcast(red, bufs)
             else:
                 for buf in bufs:
                     xp.copyto(buf, red)
@@ -161,7 +160,7 @@ def batch_reduce(
             red = reduce_arrays(where, bufs, op)
         else:
             with device_context(bufs[0]):
-                red = b.reduce_to_one(bufs, kop)  # type: ignore[no-untyped-call]
+                red = b.reduce_to_one(bufs, kop)
                 if int_mean:
                     red = _int_mean(b.xp, red, n)
         off = 0
@@ -197,7 +196,7 @@ def reduce_arrays(where: str, arrs: Sequence[Any], op: ReduceOp) -> Array:
                 out = arrs[0].copy()
             else:
                 packing.kernel_backend(arrs[0], dt)  # raises, naming the dtype, if the GPU kernels lack it
-                out = b.reduce_to_one([contiguous(a) for a in arrs], kop)  # type: ignore[no-untyped-call]
+                out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
             if int_mean:
                 out = _int_mean(xp, out, len(arrs))
         return out
@@ -206,7 +205,7 @@ def reduce_arrays(where: str, arrs: Sequence[Any], op: ReduceOp) -> Array:
     else:
         b = packing.kernel_backend(arrs[0], dt)
         if b is not None:
-            out = b.reduce_to_one([contiguous(a) for a in arrs], kop)  # type: ignore[no-untyped-call]
+            out = b.reduce_to_one([contiguous(a) for a in arrs], kop)
         else:  # numeric dtypes outside the kernel contract (int8, uint*, complex): plain numpy
             out = np.array(arrs[0], copy=True)
             for a in arrs[1:]:
@@ -289,7 +288,7 @@ def _host_all_reduce(
         pack_ins = [[a if a.flags.c_contiguous else np.ascontiguousarray(a) for a in (leaves[j] for j in ids)]
                     for leaves in per_replica_leaves]
         buf = pool.take((total,), dt)
-        trusted.batch_reduce_to_one(pack_ins, kop, buf)  # type: ignore[no-untyped-call]
+        trusted.batch_reduce_to_one(pack_ins, kop, buf)
         del pack_ins
         if int_mean:
             buf = _int_mean(np, buf, n)
@@ -331,7 +330,7 @@ def _packed_all_reduce(
             elif reducer is not None and b.xp is not np:
                 reducer(b, bufs, kop)
             else:
-                b.all_reduce(bufs, kop)  # type: ignore[no-untyped-call]
+                b.all_reduce(bufs, kop)
         if int_mean:
             bufs = _divide(xp, bufs, n)
         packing.unpack_all(ref, ids, bufs, outs)
@@ -368,15 +367,15 @@ def gather_arrays(arrs: Sequence[Any], axis: int) -> Array:
         xp = b.xp
         with device_context(arrs[0]):
             if arrs[0].dtype in b.dtypes:
-                return b.all_gather(arrs, axis)  # type: ignore[no-untyped-call]
+                return b.all_gather(arrs, axis)
             # Validated like a kernel call (shapes, axis), then concatenated by CuPy.
-            numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)  # type: ignore[no-untyped-call]
+            numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
             return xp.concatenate([like(a, arrs[0]) for a in arrs], axis=axis)  # cross-GPU copies ordered
     arrs = [contiguous(to_host(a)) for a in arrs]
     b = cpu_backend()
     if arrs[0].dtype not in b.dtypes:
         b = numpy_backend()
     if arrs[0].dtype in b.dtypes:
-        return b.all_gather(arrs, axis)  # type: ignore[no-untyped-call]
-    numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)  # type: ignore[no-untyped-call]
+        return b.all_gather(arrs, axis)
+    numpy_backend().all_gather([np.zeros(a.shape, np.float32) for a in arrs], axis)
     return np.concatenate(arrs, axis=axis)

@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from cudist._arrays import device_context, gpu_of, like
 from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, adamax_lr_t, is_bfloat16, nadam_step, numpy_backend
+from cudist._kernels import UPDATE_KERNELS, adam_lr_t, is_bfloat16, nadam_step, numpy_backend
 
 if TYPE_CHECKING:
     from cudist._kernels import KernelBackend, TrustedKernels
@@ -45,7 +45,6 @@ __all__ = [
     "UpdatePass",
     "Updatable",
     "adam_lr_t",
-    "adamax_lr_t",
     "device_groups",
     "nadam_step",
     "settle_inputs",
@@ -65,11 +64,6 @@ class Updatable(Protocol):
 Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
 #: A variable's validated kernel work: (the storage arrays it was validated for, its groups).
 Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...]]"
-
-#: The rules whose kernels take the decoupled weight decay as their last scalar; the others (sgd,
-#: momentum) get a pass of their own before the update (:func:`_decay_pass`).
-_DECAY_RULES = frozenset(name for name, (_, scalars) in UPDATE_KERNELS.items() if scalars[-1:] == ("decay",))
-
 
 class Rule:
     """One step's kernel work for a variable: an ``UPDATE_KERNELS`` rule with its scalars.
@@ -93,7 +87,9 @@ class Rule:
         entry = UPDATE_KERNELS.get(name)
         if entry is None:
             raise ValueError(f"no update rule {name!r} (the rules: {', '.join(UPDATE_KERNELS)})")
-        in_kernel = name in _DECAY_RULES
+        # A rule whose kernel takes the decoupled weight decay as its last scalar; the others (sgd,
+        # momentum) get a pass of their own before the update (_decay_pass).
+        in_kernel = entry[1][-1:] == ("decay",)
         expected = len(entry[1]) - in_kernel
         if len(scalars) != expected:
             raise ValueError(f"update rule {name!r} takes {expected} scalars ({entry[1]}), got {len(scalars)}")
@@ -133,7 +129,7 @@ def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) 
     """The decoupled weight decay as its own pass, ``w -= w * decay`` (rules whose kernel has no
     weight-decay factor: SGD's)."""
     w = copies[0]
-    kernels.assign_add(copies, w * w.dtype.type(decay), True)  # type: ignore[no-untyped-call]
+    kernels.assign_add(copies, w * w.dtype.type(decay), True)
 
 
 # ------------------------------------------------------------------------------------- settling
@@ -289,7 +285,7 @@ class UpdatePass:
             group_slots: list[tuple[Any, ...]] = []
             for name, sb in zip(named_slots, slot_bufs):
                 sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
-                backend.check_same_slots(where, copies, sc, name)  # type: ignore[no-untyped-call]
+                backend.check_same_slots(where, copies, sc, name)
                 group_slots.append(sc)
             groups.append((copies, tuple(group_slots), backend))
         plan = (key, tuple(groups))

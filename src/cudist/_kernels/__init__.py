@@ -28,7 +28,6 @@ from cudist._kernels._base import (
     KernelBackend,
     TrustedKernels,
     adam_lr_t,
-    adamax_lr_t,
     is_bfloat16,
     nadam_step,
 )
@@ -51,7 +50,6 @@ __all__ = [
     "numpy_backend",
     "reset_backend_cache",
     "adam_lr_t",
-    "adamax_lr_t",
     "nadam_step",
     "UPDATE_KERNELS",
     "split",

@@ -28,19 +28,15 @@ Semantics every backend must follow bit for bit on the CPU:
   as ``reduce_to_one(grads, SUM)`` does (in the gradients' dtype), then apply the update: the result
   is bit-identical to ``g = reduce_to_one(grads, SUM); sgd(copies, g, ...)``, in one pass.
 
-Hook names are ``_hook_<operation>``. The names before them (``_all_reduce(bufs, op)``, ``_sgd``,
-``_momentum``, ``_adam``, ``_reduce_to_one``, ``_broadcast``, ``_assign_add``, ``_all_gather``) and
-``_check_bufs`` / ``_check_float`` / ``_check_same_slots`` / ``_check_like`` remain as deprecated
-aliases until their callers move to :attr:`KernelBackend.trusted` and the public ``check_*``
-methods; a subclass that still overrides an old hook name keeps working (the new hook is routed
-through it).
+Hook names are ``_hook_<operation>``; callers that validated once use :attr:`KernelBackend.trusted`
+and the public ``check_*`` methods.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -54,7 +50,6 @@ __all__ = [
     "is_bfloat16",
     "FLOAT_DTYPES",
     "adam_lr_t",
-    "adamax_lr_t",
     "nadam_step",
     "UPDATE_KERNELS",
 ]
@@ -74,13 +69,13 @@ def is_bfloat16(dtype) -> bool:
 
 
 def adam_lr_t(lr: float, beta_1: float, beta_2: float, step: int) -> float:
-    """Adam's bias-corrected step size for 1-based ``step`` (computed once, in float64)."""
+    """The bias-corrected step size ``lr * sqrt(1 - beta_2**step) / (1 - beta_1**step)`` for 1-based
+    ``step`` (computed once, in float64).
+
+    ``beta_2 = 0`` gives the first moment's correction alone, ``lr / (1 - beta_1**step)``, bit for
+    bit (``sqrt(1.0)`` is exactly 1.0): the step size of the optimizers that correct only ``m``.
+    """
     return lr * math.sqrt(1.0 - beta_2**step) / (1.0 - beta_1**step)
-
-
-def adamax_lr_t(lr: float, beta_1: float, step: int) -> float:
-    """Adamax's bias-corrected step size ``lr / (1 - beta_1**step)`` for 1-based ``step`` (float64)."""
-    return lr / (1.0 - beta_1**step)
 
 
 def nadam_step(beta_1: float, beta_2: float, step: int, u_product: float) -> tuple[float, float, float, float]:
@@ -135,7 +130,7 @@ class KernelBackend:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         cls._dtype_set = frozenset(cls.dtypes)
-        _bridge_legacy_hooks(cls)
+        _default_update_hooks(cls)
 
     def __repr__(self) -> str:
         return f"<cudist kernel backend {self.name!r}>"
@@ -185,7 +180,9 @@ class KernelBackend:
             raise ValueError(f"{where}: {what} is read-only but is written by this operation")
         return a
 
-    def check_bufs(self, where: str, bufs, *, writable: bool, what: str = "replica", same_shape: bool = True):
+    def check_bufs(
+        self, where: str, bufs: Any, *, writable: bool, what: str = "replica", same_shape: bool = True
+    ) -> tuple[Any, ...]:
         """Validates a list of buffers once; returns them as a tuple.
 
         Checks: a non-empty list or tuple of this backend's arrays (``xp.ndarray``), of one supported
@@ -226,7 +223,7 @@ class KernelBackend:
                 raise ValueError(f"{where}: {what} {i} has shape {b.shape} but {what} 0 has shape {first.shape}")
         return bufs
 
-    def check_like(self, where: str, what: str, a, ref, *, writable: bool):
+    def check_like(self, where: str, what: str, a: Any, ref: Any, *, writable: bool) -> Any:
         """Validates one array ``a`` (named ``what``) against ``ref``: same dtype and shape. Returns ``a``."""
         self._check_array(where, what, a, writable=writable)
         if a.dtype != ref.dtype:
@@ -235,12 +232,12 @@ class KernelBackend:
             raise ValueError(f"{where}: {what} has shape {a.shape} but the replicas have shape {ref.shape}")
         return a
 
-    def check_float(self, where: str, ref):
+    def check_float(self, where: str, ref: Any) -> None:
         """Raises TypeError unless ``ref`` has a floating-point dtype (the optimizer updates)."""
         if ref.dtype not in FLOAT_DTYPES:
             raise TypeError(f"{where}: needs a floating-point dtype, got {ref.dtype.name}")
 
-    def check_same_slots(self, where, copies, slots, slot):
+    def check_same_slots(self, where: str, copies: Sequence[Any], slots: Sequence[Any], slot: str) -> None:
         """Raises ValueError unless the slot copies ``slots`` (named ``slot``) match ``copies``."""
         if len(slots) != len(copies):
             raise ValueError(f"{where}: got {len(copies)} variable copies but {len(slots)} {slot} copies")
@@ -302,7 +299,7 @@ class KernelBackend:
             active.append((start, end, tag))
 
     # ------------------------------------------------------------------ collectives
-    def all_reduce(self, bufs, op=ReduceOp.SUM, outputs=None):
+    def all_reduce(self, bufs: Any, op: ReduceOp | str = ReduceOp.SUM, outputs: Any = None) -> Any:
         """Reduces N replica buffers elementwise and writes the result into every output.
 
         One fused pass: every input element is read once and every output element written once.
@@ -355,7 +352,7 @@ class KernelBackend:
             self._hook_batch_all_reduce(inputs, outputs, op)
         return outputs
 
-    def batch_reduce_to_one(self, inputs, op=ReduceOp.SUM, out=None):
+    def batch_reduce_to_one(self, inputs: Any, op: ReduceOp | str = ReduceOp.SUM, out: Any = None) -> Any:
         """Reduces several leaves at once into one packed buffer, without packing the inputs first.
 
         The reduced leaves land back to back in ``out``, in leaf order: leaf j occupies the
@@ -452,7 +449,7 @@ class KernelBackend:
             )
         return inputs, outputs
 
-    def reduce_to_one(self, bufs, op=ReduceOp.SUM, out=None):
+    def reduce_to_one(self, bufs: Any, op: ReduceOp | str = ReduceOp.SUM, out: Any = None) -> Any:
         """Reduces N replica buffers elementwise into ``out`` (a new array when None).
 
         ``out`` may be one of ``bufs``. Returns ``out``.
@@ -466,14 +463,14 @@ class KernelBackend:
         self._hook_reduce_to_one(bufs, op, out)
         return out
 
-    def broadcast(self, src, dsts):
+    def broadcast(self, src: Any, dsts: Any) -> tuple[Any, ...]:
         """Copies ``src`` into every array of ``dsts`` (same shape and dtype). Returns ``dsts``."""
         dsts = self.check_bufs("broadcast", dsts, writable=True, what="destination")
         self.check_like("broadcast", "src", src, dsts[0], writable=False)
         self._hook_broadcast(src, dsts)
         return dsts
 
-    def all_gather(self, bufs, axis=0):
+    def all_gather(self, bufs: Any, axis: int = 0) -> Any:
         """Concatenates the replica buffers along ``axis`` in replica order into a new array.
 
         The buffers may differ in size along ``axis`` only (partial batches). Negative axes count
@@ -507,7 +504,7 @@ class KernelBackend:
         return split(batch, n)
 
     # ------------------------------------------------------------------ mirrored updates
-    def assign(self, copies, value):
+    def assign(self, copies: Any, value: Any) -> tuple[Any, ...]:
         """Writes ``value`` into every copy. Returns ``copies``."""
         copies = self.check_bufs("assign", copies, writable=True, what="copy")
         self.check_like("assign", "value", value, copies[0], writable=False)
@@ -669,13 +666,13 @@ class KernelBackend:
 
     def adamax(self, copies, ms, us, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.0):
         """Adamax (Keras): ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``;
-        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`adamax_lr_t`,
-        what the trusted form takes). ``maximum`` is NumPy's (a NaN wins). Returns ``copies``."""
+        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`adam_lr_t` with
+        ``beta_2 = 0``, what the trusted form takes). ``maximum`` is NumPy's (a NaN wins). Returns ``copies``."""
         return self._adamax("adamax", False, copies, ms, us, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
 
     def _adamax(self, where, fused, copies, ms, us, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
         copies, (ms, us), g = self._check_opt(where, copies, (("m", ms), ("u", us)), **{"grads" if fused else "grad": g})
-        lr_t = adamax_lr_t(float(lr), float(beta_1), self._step(where, step))
+        lr_t = adam_lr_t(float(lr), float(beta_1), 0.0, self._step(where, step))
         hook = self._hook_all_reduce_adamax if fused else self._hook_adamax
         hook(copies, ms, us, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
         return copies
@@ -899,45 +896,6 @@ class KernelBackend:
     def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
         self._hook_adam(copies, ms, vs, self._sum_grads(grads), lr_t, beta_1, beta_2, epsilon)
 
-    def _hook_all_reduce_adamw(self, copies, ms, vs, grads, *hyper):
-        self._hook_adamw(copies, ms, vs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_amsgrad(self, copies, ms, vs, v_hats, grads, *hyper):
-        self._hook_amsgrad(copies, ms, vs, v_hats, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, *hyper):
-        self._hook_rmsprop(copies, vels, moms, avgs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_adagrad(self, copies, accs, grads, *hyper):
-        self._hook_adagrad(copies, accs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_adamax(self, copies, ms, us, grads, *hyper):
-        self._hook_adamax(copies, ms, us, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_nadam(self, copies, ms, vs, grads, *hyper):
-        self._hook_nadam(copies, ms, vs, self._sum_grads(grads), *hyper)
-
-    def _hook_all_reduce_lion(self, copies, ms, grads, *hyper):
-        self._hook_lion(copies, ms, self._sum_grads(grads), *hyper)
-
-    # ------------------------------------------------------------------ deprecated names
-    # Kept only until the callers outside _kernels use `trusted` and the public check_* methods.
-    def _check_bufs(self, where: str, bufs, *, writable: bool, what: str = "replica", same_shape: bool = True):
-        """Deprecated: :meth:`check_bufs`."""
-        return self.check_bufs(where, bufs, writable=writable, what=what, same_shape=same_shape)
-
-    def _check_like(self, where: str, what: str, a, ref, *, writable: bool):
-        """Deprecated: :meth:`check_like`."""
-        return self.check_like(where, what, a, ref, writable=writable)
-
-    def _check_float(self, where: str, ref):
-        """Deprecated: :meth:`check_float`."""
-        return self.check_float(where, ref)
-
-    def _check_same_slots(self, where, copies, slots, slot):
-        """Deprecated: :meth:`check_same_slots`."""
-        return self.check_same_slots(where, copies, slots, slot)
-
 
 #: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
 UPDATE_ENTRY_POINTS = tuple(f"{form}{name}" for name in UPDATE_KERNELS for form in ("", "all_reduce_"))
@@ -993,7 +951,7 @@ class TrustedKernels:
       ``rmsprop(copies, velocities, momentums, average_grads, grad, lr, rho, momentum, epsilon, decay)``
       (``momentums`` / ``average_grads`` None when absent); ``adagrad(copies, accs, grad, lr, epsilon,
       decay)``; ``adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (``lr_t`` of
-      :func:`adamax_lr_t`); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
+      :func:`adam_lr_t` with ``beta_2 = 0``); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
       decay)`` (:func:`nadam_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
       an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
       ``weight_decay * lr`` (0.0: none).
@@ -1014,26 +972,7 @@ class TrustedKernels:
         "broadcast",
         "assign",
         "assign_add",
-        "sgd",
-        "momentum",
-        "adam",
-        "all_reduce_sgd",
-        "all_reduce_momentum",
-        "all_reduce_adam",
-        "adamw",
-        "all_reduce_adamw",
-        "amsgrad",
-        "all_reduce_amsgrad",
-        "rmsprop",
-        "all_reduce_rmsprop",
-        "adagrad",
-        "all_reduce_adagrad",
-        "adamax",
-        "all_reduce_adamax",
-        "nadam",
-        "all_reduce_nadam",
-        "lion",
-        "all_reduce_lion",
+        "__dict__",  # the update kernels' entry points, one pair per row of UPDATE_KERNELS
         "check_bufs",
         "check_like",
         "check_float",
@@ -1042,7 +981,17 @@ class TrustedKernels:
         "check_grads",
     )
 
-    def __init__(self, backend: KernelBackend):
+    # The entry points callers outside the kernel layer use, typed for them (the update kernels'
+    # are reached by name, getattr(trusted, rule), through the update pass).
+    all_reduce: Callable[..., None]
+    batch_all_reduce: Callable[..., None]
+    batch_reduce_to_one: Callable[..., None]
+    reduce_to_one: Callable[..., None]
+    broadcast: Callable[..., None]
+    assign: Callable[..., None]
+    assign_add: Callable[..., None]
+
+    def __init__(self, backend: KernelBackend) -> None:
         self.backend = backend
         # Bound methods stored once: a call is one attribute load and the hook itself.
         self.all_reduce = backend._hook_all_reduce
@@ -1056,26 +1005,9 @@ class TrustedKernels:
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add
-        self.sgd = backend._hook_sgd
-        self.momentum = backend._hook_momentum
-        self.adam = backend._hook_adam
-        self.all_reduce_sgd = backend._hook_all_reduce_sgd
-        self.all_reduce_momentum = backend._hook_all_reduce_momentum
-        self.all_reduce_adam = backend._hook_all_reduce_adam
-        self.adamw = backend._hook_adamw
-        self.all_reduce_adamw = backend._hook_all_reduce_adamw
-        self.amsgrad = backend._hook_amsgrad
-        self.all_reduce_amsgrad = backend._hook_all_reduce_amsgrad
-        self.rmsprop = backend._hook_rmsprop
-        self.all_reduce_rmsprop = backend._hook_all_reduce_rmsprop
-        self.adagrad = backend._hook_adagrad
-        self.all_reduce_adagrad = backend._hook_all_reduce_adagrad
-        self.adamax = backend._hook_adamax
-        self.all_reduce_adamax = backend._hook_all_reduce_adamax
-        self.nadam = backend._hook_nadam
-        self.all_reduce_nadam = backend._hook_all_reduce_nadam
-        self.lion = backend._hook_lion
-        self.all_reduce_lion = backend._hook_all_reduce_lion
+        for name in UPDATE_KERNELS:
+            setattr(self, name, getattr(backend, f"_hook_{name}"))
+            setattr(self, f"all_reduce_{name}", getattr(backend, f"_hook_all_reduce_{name}"))
         self.check_bufs = backend.check_bufs
         self.check_like = backend.check_like
         self.check_float = backend.check_float
@@ -1116,59 +1048,34 @@ def _tag_name(tag):
     return f"{kind} {idx[0]}"
 
 
-# ---------------------------------------------------------------------------- legacy hook names
-def _legacy_all_reduce(hook):
-    def _all_reduce(self, bufs, op):
-        """Deprecated: the in-place all-reduce hook; use ``trusted.all_reduce(bufs, bufs, op)``."""
-        hook(self, bufs, bufs, op)
+# ---------------------------------------------------------------------------- update hooks from the table
+def _abstract_update_hook(name):
+    def hook(self, *args):  # pragma: no cover - abstract
+        raise NotImplementedError(f"{type(self).__name__} does not implement the update kernel {name!r}")
 
-    return _all_reduce
-
-
-def _bridge_all_reduce(self, inputs, outputs, op):
-    # A subclass overriding the old in-place hook: stage the inputs into the outputs, then reduce.
-    if outputs is not inputs and any(o is not i for o, i in zip(outputs, inputs)):
-        for o, i in zip(outputs, inputs):
-            if o is not i:
-                self.xp.copyto(o, i)
-    self._all_reduce(outputs, op)
+    hook.__name__ = f"_hook_{name}"
+    return hook
 
 
-def _same_args_alias(hook):
-    def alias(self, *args):
-        return hook(self, *args)
+def _fused_update_hook(name):
+    nslots = len(UPDATE_KERNELS[name][0])
 
-    alias.__doc__ = f"Deprecated: ``{hook.__name__}``."
-    return alias
+    def hook(self, copies, *args):
+        # The definition of the fused form: reduce_to_one into a temporary, then the plain update.
+        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots]), *args[nslots + 1 :])
 
-
-def _same_args_bridge(old):
-    def bridge(self, *args):
-        return getattr(self, old)(*args)
-
-    return bridge
+    hook.__name__ = f"_hook_all_reduce_{name}"
+    return hook
 
 
-# old hook name -> (new hook name, make the old name from the new hook, bridge new -> old)
-_LEGACY_HOOKS = {
-    "_all_reduce": ("_hook_all_reduce", _legacy_all_reduce, lambda old: _bridge_all_reduce),
-    **{
-        f"_{name}": (f"_hook_{name}", _same_args_alias, _same_args_bridge)
-        for name in ("reduce_to_one", "broadcast", "all_gather", "assign_add", "sgd", "momentum", "adam")
-    },
-}
+def _default_update_hooks(cls):
+    """Gives ``cls`` the hooks of the UPDATE_KERNELS rows it lacks: the plain one abstract, the fused
+    one the plain one on the summed gradients. A backend writes only the hooks it computes itself."""
+    for name in UPDATE_KERNELS:
+        if not hasattr(cls, f"_hook_{name}"):
+            setattr(cls, f"_hook_{name}", _abstract_update_hook(name))
+        if not hasattr(cls, f"_hook_all_reduce_{name}"):
+            setattr(cls, f"_hook_all_reduce_{name}", _fused_update_hook(name))
 
 
-def _bridge_legacy_hooks(cls):
-    """Keeps the old hook names of ``cls`` and its new ones in step.
-
-    A class that defines a new hook gets the old name as an alias bound to *its* hook (so that a
-    subclass calling ``super()._sgd(...)`` reaches it without coming back to itself); a class that
-    still overrides an old name gets the new hook routed through that override.
-    """
-    own = cls.__dict__
-    for old, (new, make_alias, make_bridge) in _LEGACY_HOOKS.items():
-        if new in own and old not in own:
-            setattr(cls, old, make_alias(own[new]))
-        elif old in own and new not in own:
-            setattr(cls, new, make_bridge(old))
+_default_update_hooks(KernelBackend)

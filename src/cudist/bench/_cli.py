@@ -7,16 +7,36 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterator
 
 from cudist import _settings
 from cudist.bench import _tf
 from cudist.bench._errors import BenchError
 from cudist.bench._sizes import check_fits_in_memory, format_size, parse_size, size_sweep
 
-#: ``update --optimizer`` choices: _ops.UPDATE_OPTIMIZERS (a literal here, so that building the parser
-#: imports no NumPy; tests/test_bench_cli.py checks the two agree).
-UPDATE_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "amsgrad", "rmsprop", "adagrad", "adamax", "nadam", "lion",
-                     "rmsprop_centered")
+class _UpdateOptimizers:
+    """``update --optimizer`` choices: _ops.UPDATE_OPTIMIZERS (derived from the kernels' table), read
+    on first use, so that building the parser imports no NumPy."""
+
+    def _names(self) -> tuple[str, ...]:
+        from cudist.bench._ops import UPDATE_OPTIMIZERS as names
+
+        return names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+UPDATE_OPTIMIZERS = _UpdateOptimizers()
 
 __all__ = ["main", "build_parser"]
 

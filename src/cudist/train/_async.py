@@ -177,7 +177,7 @@ class AsyncWriter:
             self._staging[key] = buf
         self._staged.add(key)
         if value.dtype in SUPPORTED_DTYPES and value.nbytes >= _PARALLEL_COPY_BYTES and value.flags.c_contiguous:
-            backend_for(buf).broadcast(value, [buf])  # type: ignore[no-untyped-call]  # the multi-threaded copy
+            backend_for(buf).broadcast(value, [buf])  # the multi-threaded copy
         else:
             np.copyto(buf, value)
         return functools.partial(_identity, buf)
