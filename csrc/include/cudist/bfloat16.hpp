@@ -16,9 +16,10 @@ namespace detail {
 inline std::uint16_t float_to_bfloat16_bits(float f) noexcept {
   std::uint32_t x;
   std::memcpy(&x, &f, sizeof x);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>(((x >> 16) & 0x8000u) | 0x7fc0u);
-  x += 0x7fffu + ((x >> 16) & 1u);  // RNE bias; a carry into the exponent rounds up correctly (to inf at the top)
-  return static_cast<std::uint16_t>(x >> 16);
+  // Branch-free (a select), so the reductions' loops vectorize.
+  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;  // RNE; a carry rounds up (to inf at the top)
+  const std::uint32_t nan = ((x >> 16) & 0x8000u) | 0x7fc0u;
+  return static_cast<std::uint16_t>((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded);
 }
 
 /// bfloat16 bits -> float32 (exact: the upper half of a float32).
