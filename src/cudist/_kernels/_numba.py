@@ -360,11 +360,13 @@ def _reduce_range_bf16(argp, lo, hi):
             if mode == _SUB:
                 for j in range(m):
                     t = tmp[j]
-                    tmp[j] = t if t != t else t - _bf2f(x[j])
+                    d = t - _bf2f(x[j])
+                    tmp[j] = t if t != t else d
             else:
                 for j in range(m):
                     t = tmp[j]
-                    tmp[j] = t if t != t else t + _bf2f(x[j])
+                    s = t + _bf2f(x[j])
+                    tmp[j] = t if t != t else s
         if mode == _MEAN:
             n = np.float32(nin)
             for j in range(m):
