@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -85,6 +86,38 @@ def test_kernel_subcommands(tmp_path, capsys, cmd):
     text = capsys.readouterr().out
     assert "# Out of bounds values : 0 OK" in text and "# Avg bus bandwidth" in text
     assert "# CPU:" in text and "copy ceiling" in text
+
+
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_bfloat16_rows_on_every_cpu_backend(tmp_path, op):
+    pytest.importorskip("ml_dtypes")
+    rc, doc = _run(tmp_path, "all-reduce", *TINY, "-o", op, "-d", "bf16,float32", "--replicas", "3",
+                   "--backend", "all")
+    assert rc == 0
+    rows = _rows(doc)
+    assert {(r["dtype"], r["backend"]) for r in rows} >= {
+        (d, b) for d in ("bfloat16", "float32") for b in ("numpy", "numba", "native")
+    }
+    for r in rows:  # each row checked bit for bit against the reference on random data
+        assert r["wrong"] == 0 and r["time_us"] > 0
+    assert {r["count"] for r in rows if r["dtype"] == "bfloat16"} == {2 << 10, 8 << 10}
+
+
+def test_bfloat16_option_without_ml_dtypes_says_what_to_install(monkeypatch):
+    import builtins
+
+    from cudist.bench._cli import _dtype_list
+
+    real = builtins.__import__
+
+    def no_ml_dtypes(name, *args, **kwargs):
+        if name == "ml_dtypes":
+            raise ImportError(name)
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_ml_dtypes)
+    with pytest.raises(argparse.ArgumentTypeError, match="ml_dtypes"):
+        _dtype_list("bfloat16")
 
 
 def test_long_sum_loops_overflow_quietly(tmp_path):

@@ -19,7 +19,7 @@ REPLICAS = 4
 
 @pytest.fixture(params=["numpy", "native", "numba"])
 def numpy_backend(request, monkeypatch):
-    """Each CPU backend selected: the ones without bfloat16 kernels hand bfloat16 to the reference."""
+    """Each CPU backend selected (each computes bfloat16 with its own kernels)."""
     monkeypatch.setenv("CUDIST_BACKEND", request.param)
     reset_backend_cache()
     assert cpu_backend().name == request.param
@@ -98,11 +98,21 @@ def test_kernel_collectives():
         np.testing.assert_array_equal(d.view(np.uint16), values[1].view(np.uint16))
 
 
-def test_other_backends_refuse_bfloat16_clearly():
-    assert "numba" in available_backends()
-    be = get_backend("numba")
+def test_backends_without_bfloat16_refuse_it_clearly():
+    from cudist._kernels._numpy import NumpyBackend
+
+    class NoBfloat16(NumpyBackend):
+        name = "no-bf16"
+        bfloat16 = False
+
     with pytest.raises(TypeError, match="does not support dtype bfloat16"):
-        be.all_reduce([np.zeros(4, BF16), np.zeros(4, BF16)])
+        NoBfloat16().all_reduce([np.ones(4, BF16), np.ones(4, BF16)])
+
+
+def test_every_cpu_backend_computes_bfloat16():
+    for name in ("numpy", "native", "numba"):
+        assert name in available_backends()
+        assert get_backend(name).computes(BF16), name
 
 
 def _train(make_opt, grads, steps=3):

@@ -11,6 +11,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <initializer_list>
 #include <string>
@@ -33,9 +34,9 @@ namespace py = pybind11;
 
 namespace {
 
-enum class kind { f16, f32, f64, i32, i64 };
+enum class kind { f16, f32, f64, i32, i64, bf16 };
 constexpr kind kKinds[] = {kind::f16, kind::f32, kind::f64, kind::i32, kind::i64};
-constexpr const char* kSupportedDtypes = "(supported: float16, float32, float64, int32, int64)";
+constexpr const char* kSupportedDtypes = "(supported: float16, float32, float64, int32, int64, bfloat16)";
 
 // Below this many bytes moved, the GIL is kept: releasing and retaking it costs more than the work.
 constexpr std::size_t kReleaseGilBytes = std::size_t{64} << 10;
@@ -59,6 +60,7 @@ const char* kind_name(kind k) {
     case kind::f32: return "float32";
     case kind::f64: return "float64";
     case kind::i32: return "int32";
+    case kind::bf16: return "bfloat16";
     default: return "int64";
   }
 }
@@ -72,6 +74,15 @@ std::size_t elements(const array_proxy_t* a) {
   std::size_t size = 1;
   for (int d = 0; d < a->nd; ++d) size *= static_cast<std::size_t>(a->dimensions[d]);
   return size;
+}
+
+// ml_dtypes.bfloat16, recognised by its scalar type's name (cudist never imports ml_dtypes); NumPy
+// files it under kind 'V' like structured dtypes, which have no such name.
+bool is_bfloat16_descr(const py::detail::PyArrayDescr_Proxy* d) {
+  const char* name = d->typeobj != nullptr ? reinterpret_cast<PyTypeObject*>(d->typeobj)->tp_name : nullptr;
+  if (name == nullptr) return false;
+  const char* dot = std::strrchr(name, '.');
+  return std::strcmp(dot != nullptr ? dot + 1 : name, "bfloat16") == 0;
 }
 
 // The kernel dtype of an array's descriptor; false for other dtypes and the swapped byte order.
@@ -88,6 +99,8 @@ bool kind_of(PyObject* descr, kind& k) {
     if (itemsize == 4) k = kind::i32;
     else if (itemsize == 8) k = kind::i64;
     else return false;
+  } else if (d->kind == 'V' && itemsize == 2 && is_bfloat16_descr(d)) {
+    k = kind::bf16;
   } else {
     return false;
   }
@@ -178,6 +191,7 @@ void dispatch(kind k, F&& fn) {
     case kind::f64: fn(double{}); break;
     case kind::i32: fn(std::int32_t{}); break;
     case kind::i64: fn(std::int64_t{}); break;
+    case kind::bf16: fn(cudist::bfloat16{}); break;
   }
 }
 
@@ -193,7 +207,7 @@ void dispatch_float(kind k, const char* where, F&& fn) {
 
 std::size_t itemsize(kind k) {
   switch (k) {
-    case kind::f16: return 2;
+    case kind::f16: case kind::bf16: return 2;
     case kind::f32: case kind::i32: return 4;
     default: return 8;
   }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "detail/arith.hpp"
+#include "detail/bf16_line.hpp"
 #include "detail/parallel.hpp"
 #include "detail/store.hpp"
 #include "half.hpp"
@@ -33,6 +34,12 @@ namespace detail {
 template <class T, std::size_t K>
 inline void reduce_line(const T* const* in, std::size_t n_in, std::size_t i, bool mean,
                         typename arith<T>::acc_t cnt, T* res) noexcept {
+#ifdef CUDIST_BF16_SSE2
+  if constexpr (std::is_same<T, bfloat16>::value) {
+    reduce_line_bf16<K>(in, n_in, i, mean, cnt, res);
+    return;
+  }
+#endif
   using A = arith<T>;
   typename A::acc_t acc[K];
   const T* p0 = in[0] + i;

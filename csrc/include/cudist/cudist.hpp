@@ -7,6 +7,7 @@
 #pragma once
 
 #include "all_reduce.hpp"
+#include "bfloat16.hpp"
 #include "half.hpp"
 #include "reduce_op.hpp"
 #include "thread_pool.hpp"

@@ -56,6 +56,7 @@ class NativeBackend(KernelBackend):
     """C++ kernels: fused, multi-threaded, streaming stores for large buffers."""
 
     name = "native"
+    bfloat16 = True
 
     def all_reduce(self, bufs, op=ReduceOp.SUM, outputs=None):
         # Fast path for the hot call: the extension checks arrays, dtypes, sizes, contiguity,

@@ -46,7 +46,7 @@ from llvmlite import ir
 from numba import cfunc, njit, prange, types
 from numba.extending import intrinsic, overload
 
-from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend
+from cudist._kernels._base import FLOAT_DTYPES, SUPPORTED_DTYPES, KernelBackend, is_bfloat16
 from cudist._kernels._numpy import NumpyBackend
 from cudist._reduce_util import ReduceOp
 
@@ -217,6 +217,22 @@ def _f2h(f):
     return np.uint16(sgn + ((fe - 0x38000000) >> 13) + (fs >> 13))
 
 
+@_cached(njit)
+def _bf2f(b):
+    """bfloat16 bits (uint16) -> float32; exact (the upper half of a float32)."""
+    return _bits_f32(np.int64(b) << 16)
+
+
+@_cached(njit)
+def _f2bf(f):
+    """float32 -> bfloat16 bits (uint16), round to nearest even, as ml_dtypes does: a NaN becomes the
+    quiet NaN 0x7fc0 with its sign (so no rounding carry can make it inf)."""
+    x = _f32_bits(f)
+    if (x & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16(((x >> 16) & 0x8000) | 0x7FC0)
+    return np.uint16((x + 0x7FFF + ((x >> 16) & 1)) >> 16)
+
+
 # Element operations, chosen at compile time by the storage type (uint16 stands for float16).
 def _add(a, b):  # pragma: no cover - typing stubs, implemented by the overloads below
     raise NotImplementedError
@@ -321,6 +337,44 @@ def _reduce_range(argp, lo, hi, dtype):
             y = _view(a[_HDR + nin + i] + off, m, dtype)
             for j in range(m):
                 y[j] = tmp[j]
+
+
+@_cached(njit)
+def _reduce_range_bf16(argp, lo, hi):
+    """_reduce_range for bfloat16 (uint16 bits): the block accumulates in float32 in replica order
+    and is rounded once when written, the reference's rule (float16 rounds after every addition)."""
+    a = numba.carray(_ptr_like(argp, np.int64), (_HDR,))
+    mode, nin, nout = a[0], a[2], a[3]
+    a = numba.carray(_ptr_like(argp, np.int64), (_HDR + nin + nout,))
+    tmp = np.empty(_CHUNK, np.float32)
+    for start in range(lo, hi, _CHUNK):
+        m = np.uint64(min(_CHUNK, hi - start))
+        off = start * 2
+        x = _view(a[_HDR] + off, m, np.uint16)
+        for j in range(m):
+            tmp[j] = _bf2f(x[j])
+        for i in range(1, nin):
+            x = _view(a[_HDR + i] + off, m, np.uint16)
+            # A NaN sum keeps its NaN: x86 returns the first NaN operand (NumPy's sign), but LLVM
+            # may swap an addition's operands, which would pick the other NaN's sign.
+            if mode == _SUB:
+                for j in range(m):
+                    t = tmp[j]
+                    d = t - _bf2f(x[j])
+                    tmp[j] = t if t != t else d
+            else:
+                for j in range(m):
+                    t = tmp[j]
+                    s = t + _bf2f(x[j])
+                    tmp[j] = t if t != t else s
+        if mode == _MEAN:
+            n = np.float32(nin)
+            for j in range(m):
+                tmp[j] /= n
+        for i in range(nout):
+            y = _view(a[_HDR + nin + i] + off, m, np.uint16)
+            for j in range(m):
+                y[j] = _f2bf(tmp[j])
 
 
 @_cached(njit)
@@ -551,6 +605,10 @@ def _reduce_f16(argp, lo, hi):
     _reduce_range(argp, lo, hi, np.uint16)
 
 
+def _reduce_bf16(argp, lo, hi):
+    _reduce_range_bf16(argp, lo, hi)
+
+
 def _reduce_f32(argp, lo, hi):
     _reduce_range(argp, lo, hi, np.float32)
 
@@ -685,6 +743,9 @@ def _pack8(args, off, a0, a1, a2, a3, a4, a5, a6, a7):
 _WORKER_SIG = types.void(types.int64, types.int64, types.int64)
 _REDUCE_PY = dict(zip(SUPPORTED_DTYPES, (_reduce_f16, _reduce_f32, _reduce_f64, _reduce_i32, _reduce_i64)))
 _UPDATE_PY = dict(zip(FLOAT_DTYPES, (_update_f16, _update_f32, _update_f64)))
+#: The bfloat16 worker, keyed by the dtype's name (ml_dtypes is not imported here); broadcast copies
+#: bfloat16 bits with the float16 worker (one input, SUM: a plain copy of uint16 bits, NaN payloads kept).
+_REDUCE_BF16 = {"bfloat16": _reduce_bf16}
 _workers: dict = {}
 _workers_lock = threading.Lock()
 _NO_HP = np.zeros(_NHP, np.float64)
@@ -705,6 +766,13 @@ def _worker(table, dtype) -> int:
     return addr
 
 
+def _reduce_worker(dtype, copy: bool = False) -> int:
+    """Address of the reduce worker for ``dtype``; ``copy``: the call only copies (one input, SUM)."""
+    if is_bfloat16(dtype):
+        return _worker(_REDUCE_PY, np.dtype(np.float16)) if copy else _worker(_REDUCE_BF16, "bfloat16")
+    return _worker(_REDUCE_PY, dtype)
+
+
 def _args(arrays, writable: bool):
     """The int64 argument block with the addresses of ``arrays`` (one dtype and shape) filled in.
 
@@ -713,7 +781,8 @@ def _args(arrays, writable: bool):
     rather than given a specialisation per pattern).
     """
     k = len(arrays)
-    if arrays[0].dtype == np.float16:  # Numba has no float16 arrays; the addresses are the same
+    if arrays[0].dtype == np.float16 or is_bfloat16(arrays[0].dtype):
+        # Numba has no float16 or bfloat16 arrays; the addresses are the same
         arrays = tuple(a.view(np.uint16) for a in arrays)
     # 1-D views, so that one specialisation of _pack8 serves leaves of every rank.
     arrays = tuple(a if a.ndim == 1 else a.ravel() for a in arrays)
@@ -793,15 +862,16 @@ class NumbaBackend(KernelBackend):
 
     name = "numba"
     dtypes = SUPPORTED_DTYPES
+    bfloat16 = True
 
-    def _combine(self, ins, outs, mode, fallback):
+    def _combine(self, ins, outs, mode, fallback, copy=False):
         ref = outs[0]
         size = ref.size
         if size == 0:
             return
         args = _args(tuple(ins) + tuple(outs), ins is outs)
         moved = ref.nbytes * (len(ins) + len(outs))
-        fn = _worker(_REDUCE_PY, ref.dtype)
+        fn = _reduce_worker(ref.dtype, copy)
         if not _k_par(fn, args, _NO_HP, _nthreads(moved), ref.itemsize, mode, size, len(ins), len(outs), 0):
             fallback()
 
@@ -832,7 +902,7 @@ class NumbaBackend(KernelBackend):
         blocks[:, 8:_HDR] = 0
         ok = np.empty(m, np.int8)
         moved = int(sizes.sum()) * ref.itemsize * 2 * n
-        fn = _worker(_REDUCE_PY, ref.dtype)
+        fn = _reduce_worker(ref.dtype)
         if _k_batch(fn, blocks, sizes, ok, _nthreads(moved), ref.itemsize):
             for j in np.flatnonzero(ok == 0).tolist():
                 if sizes[j]:
@@ -845,7 +915,7 @@ class NumbaBackend(KernelBackend):
         self._combine(bufs, (out,), mode, lambda: _NP._hook_reduce_to_one(bufs, op, out))
 
     def _hook_broadcast(self, src, dsts):
-        self._combine((src,), dsts, _SUM, lambda: _NP._hook_broadcast(src, dsts))
+        self._combine((src,), dsts, _SUM, lambda: _NP._hook_broadcast(src, dsts), copy=True)
 
     def _hook_all_gather(self, bufs, axis):
         return np.concatenate(bufs, axis=axis)

@@ -89,8 +89,8 @@ for _opt, (_r, _w) in _UPDATE_MOVED.items():
 def random_array(rng, count: int, dtype, *, nonneg: bool = False) -> np.ndarray:
     """Random host data of ``dtype`` (never zeros): floats in [-1, 1) (or [0.01, 1)), ints in [-1000, 1000)."""
     dtype = np.dtype(dtype)
-    if dtype.kind == "f":
-        a = rng.random(count, dtype=np.float64 if dtype == np.float16 else dtype)
+    if dtype.kind == "f" or dtype.name == "bfloat16":
+        a = rng.random(count, dtype=dtype if dtype in (np.float32, np.float64) else np.float64)
         a = a * 0.99 + 0.01 if nonneg else a * 2 - 1
         return a.astype(dtype, copy=False)
     return rng.integers(0 if nonneg else -1000, 1000, count, dtype=dtype)
@@ -105,11 +105,14 @@ def count_wrong(got, ref, *, exact: bool) -> int:
     got = _to_host(got)
     if got.shape != ref.shape:
         return int(max(ref.size, got.size))
+    itemsize = ref.dtype.itemsize
+    if ref.dtype.name == "bfloat16":  # ml_dtypes': compared as float32, exactly or within bfloat16's ulps
+        got, ref = got.astype(np.float32), ref.astype(np.float32)
     if ref.dtype.kind != "f":
         return int(np.count_nonzero(got != ref))
     if exact:
         return int(np.count_nonzero(~((got == ref) | (np.isnan(got) & np.isnan(ref)))))
-    rtol = {2: 2e-3, 4: 2e-6, 8: 1e-12}[ref.dtype.itemsize]
+    rtol = 2e-2 if itemsize == 2 and ref.dtype == np.float32 else {2: 2e-3, 4: 2e-6, 8: 1e-12}[itemsize]
     return int(np.count_nonzero(~np.isclose(got, ref, rtol=rtol, atol=rtol, equal_nan=True)))
 
 

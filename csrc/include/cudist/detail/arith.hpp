@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../bfloat16.hpp"
 #include "../half.hpp"
 
 namespace cudist {
@@ -61,6 +62,25 @@ struct arith<half, void> {
   static acc_t div_n(acc_t a, acc_t n) noexcept { return round_to_half(a / n); }
   // NumPy divides by float16(n), which rounds for n > 2048.
   static acc_t count(std::size_t n) noexcept { return round_to_half(static_cast<float>(n)); }
+};
+
+// bfloat16 reductions accumulate in float32 and round once, in store(): an 8-bit mantissa rounded
+// after every addition would drop the low replicas' bits (the NumPy reference's definition, and
+// what NCCL and DeepSpeed do). The mean divides the float32 sum by float32(n).
+template <>
+struct arith<bfloat16, void> {
+  using acc_t = float;
+  using compute_t = float;
+  static constexpr bool is_float = true;
+  static acc_t load(bfloat16 x) noexcept { return static_cast<float>(x); }
+  static bfloat16 store(acc_t a) noexcept { return bfloat16(a); }
+  // Plain float32 additions, like the float32 kernels': the accumulator stays the first operand of
+  // the vector add, so a NaN + NaN sum keeps the first NaN's sign as NumPy's loop does (checked by
+  // tests/test_bfloat16_kernels.py). A select guarding it stops vectorization (5x slower, -ftrapping-math).
+  static acc_t add(acc_t a, acc_t b) noexcept { return a + b; }
+  static acc_t sub(acc_t a, acc_t b) noexcept { return a - b; }
+  static acc_t div_n(acc_t a, acc_t n) noexcept { return a / n; }
+  static acc_t count(std::size_t n) noexcept { return static_cast<float>(n); }
 };
 
 /// Type of the mirrored-update arithmetic: the variable type, float32 for half.
