@@ -256,13 +256,13 @@ def guide_custom_loop():
 
 # ------------------------------------------------------------------- the Strategy API page's examples
 def _identity(x):
-    return tf.identity(x) if BACKEND == "tf" else np.asarray(x)
+    return tf.identity(x) if BACKEND == "tf" else np.array(x, copy=True)
 
 
 def strategy_api():
     """The examples of the ``tf.distribute.Strategy`` API page (the class's and its methods' docstrings),
     on two logical CPUs where the page says ``["GPU:0", "GPU:1"]`` (and ``"GPU:0"``-``"GPU:3"`` for
-    ``gather``'s second example), with the porting guide's renames (``tf.identity(x)`` -> ``np.asarray``,
+    ``gather``'s second example), with the porting guide's renames (``tf.identity(x)`` -> ``np.array(x, copy=True)``,
     ``tf.constant`` -> a NumPy array, ``tf.reshape(tf.range(6), ...)`` -> ``np.arange(6).reshape``)."""
     out = {}
     dist = lib().distribute if BACKEND == "tf" else cd
