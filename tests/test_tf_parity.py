@@ -863,6 +863,15 @@ def test_single_process_argument_errors():
     assert float(s.reduce("SUM", pr, axis=None)) == 1.0
 
 
+def test_nccl_all_reduce_on_cpus_is_invalid_argument_before_the_first_step():
+    # TF 2.21: NcclAllReduce() constructs on a CPU-only machine, and MirroredStrategy over CPUs with it
+    # raises InvalidArgumentError at the first collective; cudist raises the same class when the
+    # strategy is made (porting guide: "Inputs TF 2.21 accepts and cudist refuses").
+    ops = cudist.NcclAllReduce()
+    with pytest.raises(cudist.errors.InvalidArgumentError, match="NcclAllReduce needs GPU devices"):
+        cudist.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+
+
 def test_porting_names():
     # TF 2.21 has tf.distribute.experimental.ValueContext (its only public path), tf.train.ClusterSpec
     # and tf.function; cudist.function returns the function itself (no graphs to trace here).
