@@ -520,6 +520,19 @@ def test_replicas_creating_one_variable_under_different_names_raise():
     assert [float(c.numpy()) for c in u.values] == [0.0, 0.0]
 
 
+def test_unnamed_variables_made_inside_run_are_one_variable_each():
+    # TF 2.21 (2 logical CPUs): run(lambda: tf.Variable(1.)) twice -> ['Variable:0', 'Variable/replica_1:0']
+    # each time; two unnamed variables in one fn -> the same names, distinct variables, values 1. and 2.
+    s = _mirrored(2)
+    for _ in range(2):
+        v = s.run(lambda: cudist.Variable(1.0))
+        assert [c.name for c in v.values] == ["Variable:0", "Variable/replica_1:0"]
+    a, b = s.run(lambda: (cudist.Variable(1.0), cudist.Variable(2.0)))
+    assert [c.name for c in a.values] == [c.name for c in b.values] == ["Variable:0", "Variable/replica_1:0"]
+    assert a is not b and [float(c.numpy()) for c in b.values] == [2.0, 2.0]
+    assert [float(c.numpy()) for c in a.values] == [1.0, 1.0]
+
+
 def test_cross_replica_assign_of_per_replica_writes_each_component():
     # TF 2.21: in cross-replica context mv.assign(pr) with pr = ([1, 2], [2, 4]) writes component i
     # with pr's value i and returns Mirrored {0: [1, 2], 1: [2, 4]}; then mv.assign_add(pr) gives
