@@ -268,6 +268,7 @@ class Optimizer:
             )
         self._gradient_accumulation_steps = None if gradient_accumulation_steps is None else int(gradient_accumulation_steps)
         self._learning_rate: float | LearningRateSchedule | Callable[[], Any] = 0.0
+        self._learning_rate_rounded = math.nan  # float32 rounding of a numeric _learning_rate (nan: none)
         self._set_learning_rate(learning_rate, constructing=True)
         # Keras creates its iteration counter with ONLY_FIRST_REPLICA aggregation under the strategy
         # current at construction: a replica-context update must be applied once, not N times.
@@ -367,6 +368,8 @@ class Optimizer:
                 f"Received instead: learning_rate={value!r}"
             )
         self._learning_rate = _check_real("learning_rate", value)
+        # What the variable holds after this set (compared with it each step: no conversion there).
+        self._learning_rate_rounded = float(np.float32(self._learning_rate))
         lr_variable = None if constructing else self._learning_rate_variable
         if lr_variable is not None:
             lr_variable.assign(np.float32(self._learning_rate), read_value=False)
@@ -403,11 +406,9 @@ class Optimizer:
         lr_variable = self._learning_rate_variable
         if lr_variable is None:  # (callers check; a schedule or a callable has no variable)
             return self._current_learning_rate(self._iteration())
-        held = lr_variable.storage.primary
+        held = float(lr_variable.storage.primary)
         lr = self._learning_rate
-        if type(lr) is float and held == np.float32(lr):
-            return lr
-        return float(held)
+        return lr if held == self._learning_rate_rounded and type(lr) is float else held
 
     # Keras 3's base arguments, as given to the constructor (read-only).
     @property
