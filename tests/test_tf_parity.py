@@ -520,6 +520,20 @@ def test_replicas_creating_one_variable_under_different_names_raise():
     assert [float(c.numpy()) for c in u.values] == [0.0, 0.0]
 
 
+def test_empty_per_replica_batches_keep_the_element_shape_like_tf():
+    # TF 2.21 (2 logical CPUs): from_tensor_slices(ones((3, 16, 1))).batch(1) gives every step
+    # [(1, 16, 1), (0, 16, 1)]; ones((5, 16, 1)).batch(4): [(2, 16, 1), (2, 16, 1)], [(1, 16, 1), (0, 16, 1)].
+    s = _mirrored(2)
+    rng = np.random.default_rng(5)
+
+    def shapes(n, b):
+        ds = cudist.data.Dataset.from_tensor_slices(rng.standard_normal((n, 16, 1)).astype(np.float32)).batch(b)
+        return [[tuple(np.shape(c)) for c in s.experimental_local_results(x)] for x in s.experimental_distribute_dataset(ds)]
+
+    assert shapes(3, 1) == [[(1, 16, 1), (0, 16, 1)]] * 3
+    assert shapes(5, 4) == [[(2, 16, 1), (2, 16, 1)], [(1, 16, 1), (0, 16, 1)]]
+
+
 def test_unnamed_variables_made_inside_run_are_one_variable_each():
     # TF 2.21 (2 logical CPUs): run(lambda: tf.Variable(1.)) twice -> ['Variable:0', 'Variable/replica_1:0']
     # each time; two unnamed variables in one fn -> the same names, distinct variables, values 1. and 2.
