@@ -1,6 +1,6 @@
 """TensorFlow's documents' loops ported to cudist, against TF 2.21's recorded outputs (issue #31).
 
-``tools/tf_parity/documents.py`` holds the Distributed input tutorial's snippets and the Distributed
+``tools/tf_parity/documents.py`` holds the Distributed input tutorial's snippets, the Strategy API page's examples and the Distributed
 training guide's custom loop, written once for both libraries with the porting guide's renames;
 ``tools/tf_parity/record.py documents`` ran them on TF 2.21 (two logical CPUs) into
 ``tests/data/tf_documents.json``. Here they run on cudist, in this process: the input tutorial's
@@ -49,3 +49,18 @@ def test_guide_custom_loop_port_equals_tf(ported):
     np.testing.assert_allclose(got["kernel"], want["kernel"], rtol=1e-6)
     np.testing.assert_allclose(got["bias"], want["bias"], rtol=1e-6)
     assert got["losses"][-1] < got["losses"][0] / 10  # it trains
+
+
+@pytest.mark.parametrize("key", sorted(RECORDED["strategy_api"]))
+def test_strategy_api_page_port_equals_tf(ported, key):
+    """The ``tf.distribute.Strategy`` API page's examples, ported (tools/tf_parity/documents.py)."""
+    assert ported["strategy_api"][key] == RECORDED["strategy_api"][key]
+
+
+def test_strategy_api_page_recording_is_the_page():
+    # What the page prints, on two replicas: replica ids summed, a constant doubled on each replica,
+    # range(4).batch(2) doubled, the gathers' shapes (2, 1) -> (4, 1) and (1, 2, 3) -> (2, 2, 3) / (1, 4, 3) / (1, 2, 6).
+    page = RECORDED["strategy_api"]
+    assert page["reduce"] == 1 and page["run_tensor_input"] == [6.0, 6.0] and page["run_all_reduce"] == [1, 1]
+    assert page["experimental_distribute_dataset"] == [[[0], [2]], [[4], [6]]]
+    assert [np.shape(g) for g in page["gather_axes"]] == [(2, 2, 3), (1, 4, 3), (1, 2, 6)]

@@ -520,6 +520,33 @@ def test_replicas_creating_one_variable_under_different_names_raise():
     assert [float(c.numpy()) for c in u.values] == [0.0, 0.0]
 
 
+def test_empty_per_replica_batches_keep_the_element_shape_like_tf():
+    # TF 2.21 (2 logical CPUs): from_tensor_slices(ones((3, 16, 1))).batch(1) gives every step
+    # [(1, 16, 1), (0, 16, 1)]; ones((5, 16, 1)).batch(4): [(2, 16, 1), (2, 16, 1)], [(1, 16, 1), (0, 16, 1)].
+    s = _mirrored(2)
+    rng = np.random.default_rng(5)
+
+    def shapes(n, b):
+        ds = cudist.data.Dataset.from_tensor_slices(rng.standard_normal((n, 16, 1)).astype(np.float32)).batch(b)
+        return [[tuple(np.shape(c)) for c in s.experimental_local_results(x)] for x in s.experimental_distribute_dataset(ds)]
+
+    assert shapes(3, 1) == [[(1, 16, 1), (0, 16, 1)]] * 3
+    assert shapes(5, 4) == [[(2, 16, 1), (2, 16, 1)], [(1, 16, 1), (0, 16, 1)]]
+
+
+def test_unnamed_variables_made_inside_run_are_one_variable_each():
+    # TF 2.21 (2 logical CPUs): run(lambda: tf.Variable(1.)) twice -> ['Variable:0', 'Variable/replica_1:0']
+    # each time; two unnamed variables in one fn -> the same names, distinct variables, values 1. and 2.
+    s = _mirrored(2)
+    for _ in range(2):
+        v = s.run(lambda: cudist.Variable(1.0))
+        assert [c.name for c in v.values] == ["Variable:0", "Variable/replica_1:0"]
+    a, b = s.run(lambda: (cudist.Variable(1.0), cudist.Variable(2.0)))
+    assert [c.name for c in a.values] == [c.name for c in b.values] == ["Variable:0", "Variable/replica_1:0"]
+    assert a is not b and [float(c.numpy()) for c in b.values] == [2.0, 2.0]
+    assert [float(c.numpy()) for c in a.values] == [1.0, 1.0]
+
+
 def test_cross_replica_assign_of_per_replica_writes_each_component():
     # TF 2.21: in cross-replica context mv.assign(pr) with pr = ([1, 2], [2, 4]) writes component i
     # with pr's value i and returns Mirrored {0: [1, 2], 1: [2, 4]}; then mv.assign_add(pr) gives
@@ -863,6 +890,15 @@ def test_single_process_argument_errors():
     assert float(s.reduce("SUM", pr, axis=None)) == 1.0
 
 
+def test_nccl_all_reduce_on_cpus_is_invalid_argument_before_the_first_step():
+    # TF 2.21: NcclAllReduce() constructs on a CPU-only machine, and MirroredStrategy over CPUs with it
+    # raises InvalidArgumentError at the first collective; cudist raises the same class when the
+    # strategy is made (porting guide: "Inputs TF 2.21 accepts and cudist refuses").
+    ops = cudist.NcclAllReduce()
+    with pytest.raises(cudist.errors.InvalidArgumentError, match="NcclAllReduce needs GPU devices"):
+        cudist.MirroredStrategy(["/cpu:0", "/cpu:1"], cross_device_ops=ops)
+
+
 def test_porting_names():
     # TF 2.21 has tf.distribute.experimental.ValueContext (its only public path), tf.train.ClusterSpec
     # and tf.function; cudist.function returns the function itself (no graphs to trace here).
@@ -900,7 +936,9 @@ def test_optimizer_argument_errors(cls):
         with pytest.raises(ValueError, match="Argument `learning_rate` should be float, or an instance of LearningRateSchedule"):
             cls(learning_rate=lr)
     opt = cls(learning_rate=0.1)
-    with pytest.raises(ValueError, match="Argument `learning_rate` should be float"):
+    # A later set is Keras's assign of its learning-rate variable: TypeError ("Cannot convert 'fast' to
+    # EagerTensor of dtype float"; tests/data/keras_learning_rate.json), not the constructor's ValueError.
+    with pytest.raises(TypeError, match="Argument `learning_rate` should be float"):
         opt.learning_rate = "fast"
     v = cudist.Variable(np.ones((2, 3), np.float32))
     for bad in (np.ones((3, 2), np.float32), np.ones(4, np.float32)):
@@ -1058,3 +1096,109 @@ def test_checkpoint_plain_dataset_iterator_and_errors(tmp_path):
     fpath = cudist.train.Checkpoint(x=f).save(str(tmp_path / "f"))
     with pytest.raises(cudist.errors.InvalidArgumentError):
         cudist.train.Checkpoint(x=cudist.Variable(np.int32(1), name="x")).restore(fpath)
+
+
+# ------------------------------------------------------------------ Keras 3's learning-rate variable (issue #31)
+LEARNING_RATE = __import__("json").loads(
+    (__import__("pathlib").Path(__file__).parent / "data" / "keras_learning_rate.json").read_text()
+)
+
+
+@pytest.mark.parametrize("rec", LEARNING_RATE["trajectories"], ids=lambda r: r["optimizer"])
+def test_learning_rate_is_the_variable_each_step_reads(rec):
+    # Keras 3.15 (tests/data/record_keras_learning_rate.py): optimizer.learning_rate IS the float32
+    # variable listed second; .assign(0.01) changes the next step's rate, and so does setting it.
+    from cudist import optimizers
+
+    w = cudist.Variable(np.asarray(rec["w0"], np.float32), name="w")
+    opt = getattr(optimizers, rec["optimizer"])(learning_rate=0.1)
+    lr = opt.learning_rate
+    assert isinstance(lr, cudist.Variable) == rec["is_variable"]
+    assert (lr is opt.variables[1]) == rec["is_listed_second"]
+    assert lr.name == rec["path"].replace(rec["path"].split("/")[0], opt.name) + ":0"
+    assert lr.dtype == np.float32 and not lr.trainable
+    for i, g in enumerate(rec["grads"]):
+        if i == 1:
+            opt.learning_rate.assign(0.01)
+        elif i == 2:
+            opt.learning_rate = 0.001
+        assert float(opt.learning_rate.numpy()) == rec["lr"][i]
+        opt.apply_gradients([(np.asarray(g, np.float32), w)])
+        # Keras computes Adam's scalars in float32 (cudist in float64): ~1e-6 apart after a 0.1 step. A
+        # rate not taken from the variable (0.1 or 0.01 kept after a change) would be off by ~1e-3 or more.
+        np.testing.assert_allclose(w.numpy(), np.asarray(rec["w"][i], np.float32), rtol=0, atol=2e-5)
+    # Keras gives the variable's float32 value as a Python float; cudist the number set while the
+    # variable holds its rounding (a float64 rate for float64 variables: README): equal in float32.
+    assert np.float32(opt.get_config()["learning_rate"]) == np.float32(rec["config_learning_rate"])
+
+
+def test_learning_rate_under_a_strategy_is_read_once_per_step():
+    # The fused mirrored update reads the (mirrored) variable's rate: an assign inside the scope
+    # between two steps changes the second, every copy alike.
+    from cudist import optimizers
+
+    s = _mirrored(2)
+    with s.scope():
+        w = cudist.Variable(np.ones(3, np.float32), name="w")
+        opt = optimizers.SGD(0.1)
+    g = np.full(3, 0.5, np.float32)
+
+    def step():
+        opt.apply_gradients([(g, w)])
+
+    s.run(step)
+    opt.learning_rate.assign(0.01)
+    s.run(step)
+    want = np.float32(1.0) - np.float32(0.1) * np.float32(1.0) - np.float32(0.01) * np.float32(1.0)
+    for c in w.values:
+        np.testing.assert_allclose(c.numpy(), np.full(3, want), rtol=1e-6)
+    assert [float(c.numpy()) for c in opt.learning_rate.values] == [np.float32(0.01)] * 2
+
+
+def test_learning_rate_schedules_callables_errors_and_checkpoints(tmp_path):
+    from cudist import optimizers, train
+    from cudist.optimizers import schedules
+
+    rec = LEARNING_RATE
+    sched = optimizers.SGD(schedules.ExponentialDecay(0.1, 3, 0.5))
+    w = cudist.Variable(np.ones(2, np.float32))
+    for want in rec["schedule"]["values"]:  # a read-only float32 value at `iterations`
+        lr = sched.learning_rate
+        assert type(lr) is np.float32 and float(lr) == want["value"]
+        sched.apply_gradients([(np.ones(2, np.float32), w)])
+    with pytest.raises(getattr(__import__("builtins"), rec["schedule"]["set_float"])):
+        sched.learning_rate = 0.1
+    with pytest.raises(getattr(__import__("builtins"), rec["schedule"]["assign"])):
+        sched.learning_rate.assign(0.1)
+    assert [v.name.split("/", 1)[1] for v in sched.variables] == [n + ":0" for n in rec["schedule"]["variables"]]
+
+    call = optimizers.SGD(lambda: 0.3)
+    assert call.learning_rate == rec["callable_value"]
+    assert [v.name.split("/", 1)[1] for v in call.variables] == [n + ":0" for n in rec["callable_variables"]]
+
+    err = rec["errors"]
+    with pytest.raises(getattr(__import__("builtins"), err["constructor_str"])):
+        optimizers.Adam("fast")
+    plain = optimizers.Adam(0.01)
+    with pytest.raises(getattr(__import__("builtins"), err["setter_str"])):
+        plain.learning_rate = "fast"
+    plain.learning_rate = 1  # Keras's setter takes an int (its constructor does not: see the README)
+    assert float(plain.learning_rate.numpy()) == err["setter_int_value"]
+
+    later = optimizers.SGD(0.1)
+    later.learning_rate = schedules.ExponentialDecay(0.2, 3, 0.5)
+    assert [v.name.split("/", 1)[1] for v in later.variables] == [n + ":0" for n in rec["schedule_set_later"]["variables"]]
+    assert float(later.learning_rate) == rec["schedule_set_later"]["value"]
+
+    saved = optimizers.Adam(0.01)
+    saved.learning_rate.assign(0.25)  # assigned through the variable, not the setter: still saved
+    path = train.Checkpoint(optimizer=saved).save(str(tmp_path / "ckpt"))
+    restored = optimizers.Adam(0.5)
+    train.Checkpoint(optimizer=restored).restore(path).assert_existing_objects_matched()
+    assert float(restored.learning_rate.numpy()) == rec["checkpoint"]["restored"]
+
+    inner = optimizers.SGD(0.1)
+    lso = optimizers.LossScaleOptimizer(inner)
+    assert (lso.learning_rate is inner.learning_rate) == rec["loss_scale"]["same_variable"]
+    lso.learning_rate = 0.05
+    assert float(inner.learning_rate.numpy()) == rec["loss_scale"]["inner_after_set"]

@@ -33,9 +33,9 @@ weight decay and the update then apply once to the variable. ``learning_rate`` i
 :class:`~cudist.optimizers.schedules.LearningRateSchedule` (called with the iteration count) or a
 callable of no arguments, as in Keras. Gradients of another dtype are cast to the variable's.
 
-Deliberate differences from Keras: the learning rate is a Python number, not a variable (and not
-in ``variables``); Nadam's running momentum product is computed from ``iterations`` rather than
-kept in a variable; the gradient accumulators of ``gradient_accumulation_steps`` are host-side
+As in Keras 3, a numeric learning rate is a float32 variable (``optimizer.learning_rate``, listed
+second in ``variables``) that each step reads once. Deliberate differences from Keras: Nadam's
+running momentum product is computed from ``iterations`` rather than kept in a variable; the gradient accumulators of ``gradient_accumulation_steps`` are host-side
 per-replica buffers, not variables (a checkpoint does not save a half-accumulated step).
 """
 
@@ -268,7 +268,8 @@ class Optimizer:
             )
         self._gradient_accumulation_steps = None if gradient_accumulation_steps is None else int(gradient_accumulation_steps)
         self._learning_rate: float | LearningRateSchedule | Callable[[], Any] = 0.0
-        self.learning_rate = learning_rate
+        self._learning_rate_rounded = math.nan  # float32 rounding of a numeric _learning_rate (nan: none)
+        self._set_learning_rate(learning_rate, constructing=True)
         # Keras creates its iteration counter with ONLY_FIRST_REPLICA aggregation under the strategy
         # current at construction: a replica-context update must be applied once, not N times.
         self._iterations = Variable(
@@ -290,8 +291,8 @@ class Optimizer:
                 aggregation=VariableAggregation.ONLY_FIRST_REPLICA,
             )
         # Keras 3's learning-rate variable (float32, absent for a schedule or a callable): what
-        # ``optimizer.variables`` lists; the float in _learning_rate stays what the updates use, and
-        # the setter keeps the two equal.
+        # ``optimizer.learning_rate`` returns and ``optimizer.variables`` lists second. The updates read
+        # it (once per step, as they read ``iterations``), so assigning it changes the next step's rate.
         self._learning_rate_variable: Variable | None = None
         if not callable(self._learning_rate):
             self._learning_rate_variable = Variable(
@@ -326,18 +327,27 @@ class Optimizer:
         return iteration // steps + 1 if steps else iteration + 1
 
     @property
-    def learning_rate(self) -> float:
-        """The learning rate of the next step (Keras 3): the float set, the schedule's value at
-        ``iterations``, or the no-argument callable's value.
+    def learning_rate(self) -> Variable | float | np.float32:
+        """The learning rate (Keras 3): for a number, the optimizer's float32 ``learning_rate``
+        variable itself (``opt.learning_rate.assign(0.01)`` changes the rate of the next step); for a
+        :class:`~cudist.optimizers.schedules.LearningRateSchedule`, its float32 value at
+        ``iterations`` (a read-only ``numpy.float32``); for a callable, its value.
 
-        Setting it takes what the constructor takes; an optimizer made with a
-        :class:`~cudist.optimizers.schedules.LearningRateSchedule` refuses a number (TypeError, as
-        Keras).
+        Setting a number assigns the variable (checked as ``assign`` checks: TypeError for a value
+        that is not a real number, as Keras); setting a schedule or a callable replaces the rate and
+        drops the variable from :attr:`variables`, as Keras 3 untracks it. An optimizer made with a
+        schedule refuses a number (TypeError, as Keras).
         """
-        return self._current_learning_rate(int(self._iterations))
+        if self._learning_rate_variable is not None:
+            return self._learning_rate_variable
+        value = self._current_learning_rate(int(self._iterations))
+        return np.float32(value) if _is_schedule(self._learning_rate) else value
 
     @learning_rate.setter
     def learning_rate(self, value: LearningRate) -> None:
+        self._set_learning_rate(value, constructing=False)
+
+    def _set_learning_rate(self, value: LearningRate, *, constructing: bool) -> None:
         if _is_schedule(value) or callable(value):
             self._learning_rate = value
             self._learning_rate_variable = None  # as Keras 3, which untracks it
@@ -349,17 +359,24 @@ class Optimizer:
                 "to be settable, you should instantiate the optimizer with a float `learning_rate` argument."
             )
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise ValueError(  # Keras 3's error and message
+            # Keras 3: the constructor's check is a ValueError; a later set is the variable's assign,
+            # whose conversion fails with a TypeError.
+            cls = ValueError if constructing else TypeError
+            raise cls(
                 "Argument `learning_rate` should be float, or an instance of LearningRateSchedule, or a callable "
                 "(that takes in the current iteration value and returns the corresponding learning rate value). "
                 f"Received instead: learning_rate={value!r}"
             )
         self._learning_rate = _check_real("learning_rate", value)
-        lr_variable = getattr(self, "_learning_rate_variable", None)  # (not made yet in __init__)
+        # What the variable holds after this set (compared with it each step: no conversion there).
+        self._learning_rate_rounded = float(np.float32(self._learning_rate))
+        lr_variable = None if constructing else self._learning_rate_variable
         if lr_variable is not None:
-            lr_variable.assign(np.float32(self._learning_rate))
+            lr_variable.assign(np.float32(self._learning_rate), read_value=False)
 
     def _current_learning_rate(self, iteration: int) -> float:
+        if self._learning_rate_variable is not None:
+            return self._variable_learning_rate()
         lr: Any = self._learning_rate
         if type(lr) is float:
             return lr
@@ -380,6 +397,18 @@ class Optimizer:
             except (TypeError, ValueError):
                 pass
         return _check_real(f"learning_rate at iteration {iteration}", value)
+
+    def _variable_learning_rate(self) -> float:
+        """The rate the learning-rate variable holds, read once a step from its primary copy (every
+        copy holds the same rate: ONLY_FIRST_REPLICA, as :meth:`_iteration` reads). While it holds
+        the float32 rounding of the number last set, that number itself: float64 variables keep
+        their float64 rate (see the porting guide); after an ``assign`` of the variable, its value."""
+        lr_variable = self._learning_rate_variable
+        if lr_variable is None:  # (callers check; a schedule or a callable has no variable)
+            return self._current_learning_rate(self._iteration())
+        held = float(lr_variable.storage.primary)
+        lr = self._learning_rate
+        return lr if held == self._learning_rate_rounded and type(lr) is float else held
 
     # Keras 3's base arguments, as given to the constructor (read-only).
     @property
@@ -466,6 +495,8 @@ class Optimizer:
         lr: Any = self._learning_rate
         if isinstance(lr, LearningRateSchedule):
             lr = schedules.serialize(lr)
+        elif self._learning_rate_variable is not None:
+            lr = self._variable_learning_rate()  # an assign of the variable included, as Keras 3
         return {
             "name": self.name,
             "learning_rate": lr,
@@ -928,6 +959,8 @@ class Optimizer:
         when it is a callable).
         """
         lr = self._learning_rate
+        if self._learning_rate_variable is not None:
+            lr = self._variable_learning_rate()  # what the next step uses (the variable may have been assigned)
         hyper: dict[str, bool | int | float | str | None] = {"learning_rate": None if callable(lr) else lr}
         for k, v in vars(self).items():
             if not k.startswith("_") and isinstance(v, (bool, int, float, str)):
@@ -1702,6 +1735,15 @@ class LossScaleOptimizer:
     def iterations(self) -> Variable:
         """The inner optimizer's iteration count (skipped steps do not count)."""
         return self.inner_optimizer.iterations
+
+    @property
+    def learning_rate(self) -> Variable | float | np.float32:
+        """The inner optimizer's learning rate (its variable for a number), as Keras 3; setting it sets the inner one's."""
+        return self.inner_optimizer.learning_rate
+
+    @learning_rate.setter
+    def learning_rate(self, value: LearningRate) -> None:
+        self.inner_optimizer.learning_rate = value
 
     @property
     def variables(self) -> list[Variable]:

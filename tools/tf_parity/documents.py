@@ -17,6 +17,9 @@ Each function is one document's snippet or loop, as the document writes it, with
 * The Distributed training guide's custom loop (tensorflow.org/guide/distributed_training, "Use
   tf.distribute.Strategy with custom training loops"): a one-unit dense layer with an L2 regularizer,
   SGD, ``from_tensors(([1.], [1.])).repeat(1000).batch(global_batch_size)``, the mean loss of each step.
+* The ``tf.distribute.Strategy`` API page (tensorflow.org/api_docs/python/tf/distribute/Strategy): the
+  examples of ``scope``, ``experimental_distribute_dataset``, ``run``, ``reduce``,
+  ``experimental_distribute_values_from_function``, ``gather`` and the class's custom training loop.
 """
 
 from __future__ import annotations
@@ -251,20 +254,178 @@ def guide_custom_loop():
     return {"losses": losses, "kernel": _np(trainable[0]).tolist(), "bias": _np(trainable[1]).tolist()}
 
 
-DOCUMENTS = {"input_tutorial": input_tutorial, "guide_custom_loop": guide_custom_loop}
+# ------------------------------------------------------------------- the Strategy API page's examples
+def _identity(x):
+    return tf.identity(x) if BACKEND == "tf" else np.array(x, copy=True)
 
 
-def run(backend):
+def strategy_api():
+    """The examples of the ``tf.distribute.Strategy`` API page (the class's and its methods' docstrings),
+    on two logical CPUs where the page says ``["GPU:0", "GPU:1"]`` (and ``"GPU:0"``-``"GPU:3"`` for
+    ``gather``'s second example), with the porting guide's renames (``tf.identity(x)`` -> ``np.array(x, copy=True)``,
+    ``tf.constant`` -> a NumPy array, ``tf.reshape(tf.range(6), ...)`` -> ``np.arange(6).reshape``)."""
+    out = {}
+    dist = lib().distribute if BACKEND == "tf" else cd
+    ctx_of = dist.get_replica_context
+
+    # Strategy.scope: a variable created inside the scope is mirrored, outside it is a plain variable.
+    strategy = _strategy()
+    with strategy.scope():
+        mirrored_variable = lib().Variable(1.0)
+    regular_variable = lib().Variable(1.0)
+    out["scope"] = {"inside": _local(strategy, mirrored_variable),
+                    "outside": _local(strategy, regular_variable),
+                    "inside_is_distributed": type(mirrored_variable).__name__ == "MirroredVariable",
+                    "outside_is_distributed": type(regular_variable).__name__ == "MirroredVariable"}
+
+    # Strategy.experimental_distribute_dataset
+    global_batch_size = 2
+    dataset = lib().data.Dataset.range(4).batch(global_batch_size)
+    dist_dataset = strategy.experimental_distribute_dataset(dataset)
+
+    @_function
+    def replica_fn(input):  # noqa: A002 - the page's name
+        return input * 2
+
+    result = []
+    for x in dist_dataset:
+        result.append(strategy.run(replica_fn, args=(x,)))
+    out["experimental_distribute_dataset"] = [_local(strategy, r) for r in result]
+
+    strategy = _strategy()  # each example makes its own, as the page does
+    # Strategy.run: a tensor input, the same on every replica
+    tensor_input = _constant(3.0)
+
+    @_function
+    def replica_fn_2(input):  # noqa: A002
+        return input * 2.0
+
+    out["run_tensor_input"] = _local(strategy, strategy.run(replica_fn_2, args=(tensor_input,)))
+
+    strategy = _strategy()  # each example makes its own, as the page does
+    # Strategy.run: values from a function, then a replica-context all_reduce
+    @_function
+    def run_values():
+        def value_fn(value_context):
+            return value_context.num_replicas_in_sync
+
+        distributed_values = strategy.experimental_distribute_values_from_function(value_fn)
+
+        def replica_fn2(input):  # noqa: A002
+            return input * 2
+
+        return strategy.run(replica_fn2, args=(distributed_values,))
+
+    out["run_values_from_function"] = _local(strategy, run_values())
+
+    @_function
+    def run_all_reduce():
+        def value_fn(value_context):
+            return _constant_int(value_context.replica_id_in_sync_group)
+
+        distributed_values = strategy.experimental_distribute_values_from_function(value_fn)
+
+        def replica_fn(input):  # noqa: A002
+            return ctx_of().all_reduce("sum", input)
+
+        return strategy.run(replica_fn, args=(distributed_values,))
+
+    out["run_all_reduce"] = _local(strategy, run_all_reduce())
+
+    strategy = _strategy()  # each example makes its own, as the page does
+    # Strategy.reduce: the replica ids, summed
+    def step_fn():
+        i = ctx_of().replica_id_in_sync_group
+        return _identity(i)
+
+    per_replica_result = strategy.run(step_fn)
+    total = strategy.reduce("SUM", per_replica_result, axis=None)
+    out["reduce"] = _np(total).tolist()
+
+    strategy = _strategy()  # each example makes its own, as the page does
+    # Strategy.experimental_distribute_values_from_function / experimental_local_results
+    out["values_from_function"] = {
+        "constant": _local(strategy, strategy.experimental_distribute_values_from_function(lambda ctx: _constant(1.0))),
+        "array_value": _local(strategy, strategy.experimental_distribute_values_from_function(
+            lambda ctx: np.array([3.0, 2.0, 1.0])[ctx.replica_id_in_sync_group])),
+        "num_replicas_in_sync": _local(strategy, strategy.experimental_distribute_values_from_function(
+            lambda ctx: ctx.num_replicas_in_sync)),
+    }
+
+    strategy = _strategy()  # each example makes its own, as the page does
+    # Strategy.gather
+    distributed_values = strategy.experimental_distribute_values_from_function(lambda _: _identity(_constant_int([[1], [2]])))
+
+    @_function
+    def run_gather():
+        return strategy.gather(distributed_values, axis=0)
+
+    out["gather"] = _np(run_gather()).tolist()
+    strategy = _strategy()  # each example makes its own, as the page does
+    single_tensor = _constant_int(np.arange(6).reshape(1, 2, 3))
+    distributed_values = strategy.experimental_distribute_values_from_function(lambda _: _identity(single_tensor))
+
+    @_function
+    def run_gather_axis(axis):
+        return strategy.gather(distributed_values, axis=axis)
+
+    out["gather_axes"] = [_np(run_gather_axis(axis)).tolist() for axis in (0, 1, 2)]
+
+    strategy = _strategy()  # each example makes its own, as the page does
+    # The class's custom training loop ("can be as simple as"), an epoch's reduced sum over two epochs
+    with strategy.scope():
+        @_function
+        def distribute_train_epoch(dataset):
+            def replica_fn(input):  # noqa: A002
+                return input * 3
+            # The page starts from ``0`` and reduces with ``axis=None``: for batches of float32 that fails
+            # in TF's loop (an int32 then a [2]-shaped loop variable); a float and ``axis=0`` run on both.
+            total_result = 0.0
+            for x in dataset:
+                per_replica_result = strategy.run(replica_fn, args=(x,))
+                total_result += strategy.reduce(_reduce_op("SUM"), per_replica_result, axis=0)
+            return total_result
+
+        dataset = lib().data.Dataset.from_tensor_slices(np.arange(8, dtype=np.float32)).batch(4)
+        dist_dataset = strategy.experimental_distribute_dataset(dataset)
+        out["custom_loop_epochs"] = [_np(distribute_train_epoch(dist_dataset)).tolist() for _ in range(2)]
+    return out
+
+
+def _constant_int(x):
+    return tf.constant(x) if BACKEND == "tf" else np.asarray(x, dtype=np.int32)
+
+
+DOCUMENTS = {"input_tutorial": input_tutorial, "guide_custom_loop": guide_custom_loop, "strategy_api": strategy_api}
+
+
+def run(backend, only=None):
+    if backend == "tf" and only is None:
+        # One process per document: TF 2.21's collective instance keys start over with each strategy,
+        # and a gather after another document's all-reduces on the same devices is aborted
+        # ("Collective instance 100 expected type 0 ... but got type 2").
+        import subprocess  # noqa: PLC0415
+        import tempfile  # noqa: PLC0415
+
+        out = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in DOCUMENTS:
+                path = os.path.join(tmp, name + ".json")
+                subprocess.run([sys.executable, __file__, "--backend", "tf", "--only", name, "--out", path], check=True)
+                with open(path) as f:
+                    out.update(json.load(f))
+        return out
     _setup(backend)
-    return {name: fn() for name, fn in DOCUMENTS.items()}
+    return {name: fn() for name, fn in DOCUMENTS.items() if only is None or name == only}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--backend", choices=["tf", "cudist"], required=True)
+    p.add_argument("--only", choices=sorted(DOCUMENTS), help="run one document (each in its own process on TF)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
-    result = run(args.backend)
+    result = run(args.backend, args.only)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0
