@@ -123,6 +123,24 @@ def test_parity_with_mirrored_strategy(local_replicas, no_shm_left):
     assert len(results[0]) >= 45  # every check ran
 
 
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("local_replicas", [1, 2], ids=["2x1", "2x2"])
+def test_bfloat16_and_loss_scaling_across_workers(local_replicas, no_shm_left):
+    """bfloat16 all-reduce / reduce bit for bit as a MirroredStrategy over every replica in worker order
+    (also 2x2, where summing per worker first would differ); bf16 gradients into float32 variables;
+    LossScaleOptimizer with an inf/NaN on one worker only: every worker skips the same steps."""
+    pytest.importorskip("ml_dtypes")
+    proc = _mpiexec("mixed", str(local_replicas))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = _results(proc)
+    failed = {f"worker {r}: {name}": detail for r, res in results.items()
+              for name, (ok, detail) in res["results"].items() if not ok}
+    assert not failed, failed
+    assert len(results[0]["results"]) == 14  # every check ran
+    assert results[0]["trace"] == results[1]["trace"]  # same scale and inner iterations on both workers
+
 def _ready_time(proc, started):
     """When the first worker had its strategy (the output of a worker that was killed may be lost)."""
     times = [float(t) for t in re.findall(r"READY \d ([0-9.]+)", proc.stdout)]

@@ -24,7 +24,9 @@ Summation order: the local replicas in replica order, then MPI's (or NCCL's) ord
 workers, which for more than two workers is not replica order (MPI: pairwise ((w0 + w1) + (w2 +
 w3)); NCCL: its ring's chunked order). With one replica per worker and two workers the result is
 a single addition, bit-identical to a MirroredStrategy over two replicas; otherwise it can
-differ from it in the last bits (float tolerance).
+differ from it in the last bits (float tolerance). bfloat16 is the exception: MPI has no bfloat16,
+so the replicas' bfloat16 values are all-gathered and every worker sums all of them in float32 in
+global replica order, bit-identical to a MirroredStrategy over every replica in worker order.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from cudist._dataplane.transports.mpi import describe
 from cudist._dataplane.placement import on_destinations, resolve_destinations
 from cudist import _cross_device_ops as cross_device_ops_lib
 from cudist._cross_device_ops import CrossDeviceOps
-from cudist._kernels import backend_for, cpu_backend
+from cudist._kernels import backend_for, cpu_backend, is_bfloat16
 from cudist._reduce_util import ReduceOp, int_mean_dtype
 from cudist._values import DistributedValues
 
@@ -224,8 +226,47 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._comm.allreduce(((send, recv),), kind, lambda: describe((a,)))
         return recv
 
+    def _bfloat16_results(self, where, kind, op, per_replica_leaves, ids):
+        """The global reduction of the bfloat16 leaves ``ids``, bit-identical to a MirroredStrategy over
+        every replica of every worker in worker order.
+
+        MPI has no bfloat16 and a reduction op would round after every addition, so the replicas'
+        own bfloat16 values travel (one ``Iallgatherv`` of all of them, as 16-bit words: half the
+        bytes of float32) and every worker sums all of them in float32 in global replica order and
+        rounds once, as the local kernels do. The bytes each worker receives grow with the number of
+        replicas (an all-gather), which for two workers is half a float32 all-reduce's.
+        """
+        n = len(per_replica_leaves)
+        ref = [per_replica_leaves[0][j] for j in ids]
+        dt = ref[0].dtype
+        sizes = [a.size for a in ref]
+        packed = np.empty((n, sum(sizes)), dt)
+        for r, leaves in enumerate(per_replica_leaves):
+            off = 0
+            for j, s in zip(ids, sizes):
+                np.copyto(packed[r, off : off + s], to_host(leaves[j]).reshape(-1))
+                off += s
+        rows = self._comm.allgather_rows(packed.view(np.uint16), 0, kind).view(dt)  # (global replicas, elements)
+        out, off = [], 0
+        for a, s in zip(ref, sizes):
+            parts = [rows[g, off : off + s] for g in range(len(rows))]
+            out.append(reductions.reduce_arrays(where, parts, op).reshape(a.shape))
+            off += s
+        return out
+
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
+        half = [j for j, a in enumerate(per_replica_leaves[0]) if is_bfloat16(a.dtype)]
+        if half:
+            results = [None] * len(per_replica_leaves[0])
+            for j, res in zip(half, self._bfloat16_results(where, kind, op, per_replica_leaves, half)):
+                results[j] = res
+            rest = [j for j in range(len(results)) if results[j] is None]
+            if rest:
+                sub = [[leaves[j] for j in rest] for leaves in per_replica_leaves]
+                for j, res in zip(rest, self._global_results(where, kind, op, sub)):
+                    results[j] = res
+            return results
         if len(per_replica_leaves) == 1 and len(per_replica_leaves[0]) == 1 and type(per_replica_leaves[0][0]) is np.ndarray:
             sums = [self._one_sum(kind, per_replica_leaves[0][0])]  # the per-step common case, kept short
         else:
