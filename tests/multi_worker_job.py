@@ -895,13 +895,51 @@ def mixed(R):
                           np.asarray(w.numpy()).tolist()])
         return trace
 
-    got, want = loss_scale(mw), loss_scale(ref)
+    got_trace, want = loss_scale(mw), loss_scale(ref)
     skips = [i for i in range(1, len(want)) if want[i][1] == want[i - 1][1]]
-    c.check("loss_scale_skips", [t[:2] for t in got] == [t[:2] for t in want] and skips == sorted(schedule),
-            f"{[t[:2] for t in got]} vs {[t[:2] for t in want]}; skipped steps {skips}")
-    ok, why = same(np.array([t[2] for t in got], np.float32), np.array([t[2] for t in want], np.float32), R == 1 and W == 2)
+    c.check("loss_scale_skips", [t[:2] for t in got_trace] == [t[:2] for t in want] and skips == sorted(schedule),
+            f"{[t[:2] for t in got_trace]} vs {[t[:2] for t in want]}; skipped steps {skips}")
+    ok, why = same(np.array([t[2] for t in got_trace], np.float32), np.array([t[2] for t in want], np.float32),
+                   R == 1 and W == 2)
     c.check("loss_scale_variables", ok, why)
-    report(rank, {"results": c.results, "trace": [t[:2] for t in got]})
+
+    # CommunicationOptions(compression=...): float32 across the workers in 16 bits, summed in float32.
+    def fvalues(g, size=1001):
+        rng = np.random.default_rng(500 + g)
+        return (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3, size)).astype(np.float32)
+
+    partial = []  # each worker's float32 partial sum, replica order
+    for w in range(W):
+        s = fvalues(w * R)
+        for r in range(1, R):
+            s = s + fvalues(w * R + r)
+        partial.append(s)
+    exact_sum = np.sum([p.astype(np.float64) for p in partial], axis=0)
+    magnitude = np.sum([np.abs(p.astype(np.float64)) for p in partial], axis=0)
+
+    def fstep():
+        ctx = cudist.get_replica_context()
+        return ctx.all_reduce("sum", fvalues(ctx.replica_id_in_sync_group))
+
+    plain = np.asarray(local(mw, mw.run(fstep))[0])
+    squeezed = {}
+    for comp, u, e in (("bfloat16", 2.0**-8, 2.0**-134), ("float16", 2.0**-11, 2.0**-25)):
+        mwc = cudist.MultiWorkerMirroredStrategy(
+            communication_options=cudist.experimental.CommunicationOptions(compression=comp),
+            devices=[f"/cpu:{i}" for i in range(R)],
+        )
+        got = [np.asarray(x) for x in local(mwc, mwc.run(fstep))]
+        err = np.abs(got[0].astype(np.float64) - exact_sum)
+        bound = (u + W * 2.0**-24) * magnitude + W * e
+        ok = all(x.dtype == np.float32 and np.array_equal(x, got[0]) for x in got) and bool(np.all(err <= bound))
+        c.check(f"compression_{comp}_bound", ok, f"worst error/bound {np.max(err / bound):.3g}")
+        # It did compress: the result is not the exact float32 one (rounding to 16 bits shows).
+        c.check(f"compression_{comp}_differs", not np.array_equal(got[0], plain), "equal to the uncompressed sum")
+        mean = np.asarray(local(mwc, mwc.run(lambda: cudist.get_replica_context().all_reduce(
+            "mean", fvalues(cudist.get_replica_context().replica_id_in_sync_group))))[0])
+        c.check(f"compression_{comp}_mean", np.array_equal(mean, got[0] / np.float32(G)), "")
+        squeezed[comp] = got[0].view(np.uint32).tolist()[:50]
+    report(rank, {"results": c.results, "trace": [t[:2] for t in got_trace], "squeezed": squeezed})
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ class CollectiveAllReduceExtended(MirroredExtended):
         if nccl is not None and self._communicator is not None:
             worker_nccl = nccl_lib.WorkerCommunicator(nccl, self._communicator)
         ops = CollectiveAllReduce(
-            self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack, nccl=worker_nccl
+            self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack, nccl=worker_nccl,
+            compression=communication_options.compression,
         )
         if self._communicator is not None and _devices.any_gpu(devs):
             _log.info("MultiWorkerMirroredStrategy: GPU values cross workers through %s", ops.gpu_implementation)
@@ -265,7 +266,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: a :class:`cudist.cluster_resolver.ClusterResolver` (default: TF_CONFIG if
             it names this task, else the MPI job's ranks, else one local worker).
         communication_options: a :class:`cudist.experimental.CommunicationOptions`
-            (``bytes_per_pack``, ``timeout_seconds``, ``implementation``).
+            (``bytes_per_pack``, ``timeout_seconds``, ``implementation``; cudist's ``compression``).
         devices: cudist extension: this worker's local devices, one replica each (default: as
             MirroredStrategy, every logical GPU else "/cpu:0"); every worker must have as many.
 

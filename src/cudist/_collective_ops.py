@@ -58,10 +58,15 @@ class CollectiveAllReduce(CrossDeviceOps):
         bytes_per_pack: the size of the packed buffers each MPI (or NCCL) all-reduce carries (0: one per dtype).
         nccl: the cross-worker NCCL communicator for GPU values
             (:class:`cudist._dataplane.transports.nccl.WorkerCommunicator`); None: GPU values go through MPI.
+        compression: None, or "bfloat16" / "float16": float32 host values cross the workers in that
+            dtype (``CommunicationOptions.compression``; see :meth:`_compressed_sums`).
     """
 
-    def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None):
+    def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None, compression=None):
         self._comm = communicator
+        self.compression = compression
+        # The 16-bit dtype float32 host values cross the workers in (CommunicationOptions.compression).
+        self._wire = None if compression is None else _wire_dtype(compression)
         self._local = local_ops
         self.bytes_per_pack = int(bytes_per_pack)
         self.num_packs = local_ops.num_packs
@@ -97,15 +102,53 @@ class CollectiveAllReduce(CrossDeviceOps):
         return cross_device_ops_lib.fused_sum_backend(self._local, arrays)
 
     # ------------------------------------------------------------------ the global sum
+    def _compressible(self, per_replica_leaves):
+        """The ids of the leaves that cross the workers compressed: float32 host arrays in every replica."""
+        if self._wire is None:
+            return []
+        return [j for j, a in enumerate(per_replica_leaves[0])
+                if a.dtype == np.float32 and all(type(leaves[j]) is np.ndarray for leaves in per_replica_leaves)]
+
+    def _compressed_sums(self, where, kind, per_replica_leaves, ids, sums):
+        """Sets ``sums[j]`` (``j`` in ``ids``) to the global float32 SUM of leaf ``j``, compressed on the wire.
+
+        The local replicas are summed exactly (float32, replica order); that partial sum is rounded
+        once to the 16-bit wire dtype; the workers' rounded sums are all-gathered (MPI has no
+        bfloat16, and a reduction op would add in 16 bits) and added in float32 in worker order,
+        the same on every worker. Error: see ``CommunicationOptions.compression``.
+        """
+        n = len(per_replica_leaves)
+        sizes = [per_replica_leaves[0][j].size for j in ids]
+        packed = np.empty((1, sum(sizes)), self._wire)
+        off = 0
+        for j, s in zip(ids, sizes):
+            arrs = [leaves[j] for leaves in per_replica_leaves]
+            local = reductions.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
+            packed[0, off : off + s] = local.reshape(-1)  # the one rounding to the wire dtype
+            off += s
+        rows = self._comm.allgather_rows(packed.view(np.uint16), 0, kind).view(self._wire)
+        total = rows[0].astype(np.float32)
+        for w in range(1, len(rows)):
+            total += rows[w].astype(np.float32)
+        off = 0
+        for j, s in zip(ids, sizes):
+            sums[j] = total[off : off + s].reshape(per_replica_leaves[0][j].shape)
+            off += s
+
     def _global_sums(self, where, kind, per_replica_leaves):
         """The global SUM of leaf ``j`` over every replica of every worker: ``sums[j]``, fresh host arrays."""
         n = len(per_replica_leaves)
         ref = per_replica_leaves[0]
         sums = [None] * len(ref)
+        squeezed = self._compressible(per_replica_leaves)
+        if squeezed:
+            self._compressed_sums(where, kind, per_replica_leaves, squeezed, sums)
+            if len(squeezed) == len(ref):
+                return sums
         gpu = self._nccl_leaves(where, per_replica_leaves)
         if gpu:
             self._nccl_sums(kind, per_replica_leaves, gpu, sums)
-            if len(gpu) == len(ref):
+            if len(gpu) + len(squeezed) == len(ref):
                 return sums
         host = {}  # per leaf (not all-reduced by NCCL): the arrays to sum locally, all on the host
         for j, a in enumerate(ref):
@@ -267,7 +310,8 @@ class CollectiveAllReduce(CrossDeviceOps):
                 for j, res in zip(rest, self._global_results(where, kind, op, sub)):
                     results[j] = res
             return results
-        if len(per_replica_leaves) == 1 and len(per_replica_leaves[0]) == 1 and type(per_replica_leaves[0][0]) is np.ndarray:
+        if (len(per_replica_leaves) == 1 and len(per_replica_leaves[0]) == 1 and type(per_replica_leaves[0][0]) is np.ndarray
+                and self._wire is None):
             sums = [self._one_sum(kind, per_replica_leaves[0][0])]  # the per-step common case, kept short
         else:
             sums = self._global_sums(where, kind, per_replica_leaves)
@@ -345,6 +389,19 @@ class CollectiveAllReduce(CrossDeviceOps):
         if isinstance(value, DistributedValues):
             return [np.asarray(v) if not is_device_array(v) else v for v in value.values]
         return [np.asarray(value) if not is_device_array(value) else value]
+
+
+def _wire_dtype(compression):
+    """The NumPy dtype of a ``CommunicationOptions.compression`` name."""
+    if compression == "float16":
+        return np.dtype(np.float16)
+    try:
+        import ml_dtypes  # noqa: PLC0415 - optional: only for bfloat16
+    except ImportError:
+        raise ImportError(
+            "CommunicationOptions(compression='bfloat16') needs the ml_dtypes package: pip install \"cudist[bf16]\""
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _byte_packs(nbytes, bytes_per_pack):
