@@ -155,3 +155,68 @@ def test_compute_dtype_casts_gradients_for_float32_variables():
     strategy.run(step)
     total = grads[0].astype(np.float32) + grads[1].astype(np.float32) + grads[2].astype(np.float32)
     np.testing.assert_array_equal(v.numpy(), np.float32(1) - np.float32(0.5) * total)
+
+
+# ------------------------------------------------------------------------------- float16 sums
+@pytest.fixture(params=["numpy", "native", "numba"])
+def cpu_backend_named(request, monkeypatch):
+    from cudist._kernels import cpu_backend, reset_backend_cache
+
+    monkeypatch.setenv("CUDIST_BACKEND", request.param)
+    reset_backend_cache()
+    assert cpu_backend().name == request.param
+    yield request.param
+    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
+    reset_backend_cache()
+
+
+@pytest.mark.parametrize("size", [1, 7, 1000, 4099])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_float16_all_reduce_accumulates_in_float32(cpu_backend_named, size, op):
+    """float16 has bfloat16's contract: float32 accumulation in replica order, one rounding (the mean
+    divides the float32 sum), bit for bit on every CPU backend, through strategy.run with 4 replicas."""
+    rng = np.random.default_rng(size)
+    values = [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3, size)).astype(np.float16) for _ in range(4)]
+    strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
+
+    def step():
+        ctx = cudist.get_replica_context()
+        return ctx.all_reduce(op, values[ctx.replica_id_in_sync_group])
+
+    acc = values[0].astype(np.float32)
+    for v in values[1:]:
+        acc = acc + v.astype(np.float32)
+    want = (acc / np.float32(4) if op == "mean" else acc).astype(np.float16)
+    for local in strategy.experimental_local_results(strategy.run(step)):
+        got = np.asarray(local)
+        assert got.dtype == np.float16
+        np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    naive = values[0]
+    for v in values[1:]:
+        naive = naive + v  # NumPy's float16 addition rounds every time
+    if op == "sum" and size >= 1000:
+        assert not np.array_equal(naive.view(np.uint16), want.view(np.uint16))  # the test can fail
+
+
+def test_float16_fused_update_rounds_the_gradient_sum_once(cpu_backend_named):
+    """float16 variables, float16 gradients from 4 replicas: the fused all-reduce + momentum equals the
+    reference's reduce_to_one (float32 accumulation, one rounding) then momentum, bit for bit."""
+    from cudist._kernels import get_backend
+
+    rng = np.random.default_rng(5)
+    init = rng.standard_normal(1001).astype(np.float16)
+    grads = [(rng.standard_normal(1001) * 10.0 ** rng.integers(-2, 2, 1001)).astype(np.float16) for _ in range(4)]
+    strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
+    with strategy.scope():
+        v = cudist.Variable(init, name="w")
+        opt = cudist.optimizers.SGD(0.1, momentum=0.9)
+
+    def step():
+        opt.apply_gradients([(grads[cudist.get_replica_context().replica_id_in_sync_group], v)])
+
+    strategy.run(step)
+    ref = get_backend("numpy")
+    g = ref.reduce_to_one(grads, "sum")
+    w, vel = [init.copy()], [np.zeros_like(init)]
+    ref.momentum(w, vel, g, lr=0.1, momentum=0.9)
+    np.testing.assert_array_equal(v.numpy().view(np.uint16), w[0].view(np.uint16))

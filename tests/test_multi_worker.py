@@ -139,7 +139,7 @@ def test_bfloat16_and_loss_scaling_across_workers(local_replicas, no_shm_left):
     failed = {f"worker {r}: {name}": detail for r, res in results.items()
               for name, (ok, detail) in res["results"].items() if not ok}
     assert not failed, failed
-    assert len(results[0]["results"]) == 20  # every check ran
+    assert len(results[0]["results"]) == 21  # every check ran
     assert results[0]["trace"] == results[1]["trace"]  # same scale and inner iterations on both workers
     assert results[0]["squeezed"] == results[1]["squeezed"]  # compressed sums: the same bits on both workers
 

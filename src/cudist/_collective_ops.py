@@ -24,9 +24,10 @@ Summation order: the local replicas in replica order, then MPI's (or NCCL's) ord
 workers, which for more than two workers is not replica order (MPI: pairwise ((w0 + w1) + (w2 +
 w3)); NCCL: its ring's chunked order). With one replica per worker and two workers the result is
 a single addition, bit-identical to a MirroredStrategy over two replicas; otherwise it can
-differ from it in the last bits (float tolerance). bfloat16 is the exception: MPI has no bfloat16,
-so the replicas' bfloat16 values are all-gathered and every worker sums all of them in float32 in
-global replica order, bit-identical to a MirroredStrategy over every replica in worker order.
+differ from it in the last bits (float tolerance). The 16-bit floats are the exception: MPI has no
+bfloat16 and would round float16 sums per addition, so the replicas' bfloat16 / float16 values are
+all-gathered and every worker sums all of them in float32 in global replica order, rounding once:
+bit-identical to a MirroredStrategy over every replica in worker order.
 """
 
 from __future__ import annotations
@@ -269,12 +270,13 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._comm.allreduce(((send, recv),), kind, lambda: describe((a,)))
         return recv
 
-    def _bfloat16_results(self, where, kind, op, per_replica_leaves, ids):
-        """The global reduction of the bfloat16 leaves ``ids``, bit-identical to a MirroredStrategy over
-        every replica of every worker in worker order.
+    def _half_results(self, where, kind, op, per_replica_leaves, ids):
+        """The global reduction of the 16-bit float leaves ``ids`` (all bfloat16, or all float16: one
+        call per dtype), bit-identical to a MirroredStrategy over every replica of every worker in
+        worker order.
 
-        MPI has no bfloat16 and a reduction op would round after every addition, so the replicas'
-        own bfloat16 values travel (one ``Iallgatherv`` of all of them, as 16-bit words: half the
+        MPI has no bfloat16 and its sums would round after every addition (or per worker), so the
+        replicas' own 16-bit values travel (one ``Iallgatherv`` of all of them, as 16-bit words: half the
         bytes of float32) and every worker sums all of them in float32 in global replica order and
         rounds once, as the local kernels do. The bytes each worker receives grow with the number of
         replicas (an all-gather), which for two workers is half a float32 all-reduce's.
@@ -299,11 +301,13 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
-        half = [j for j, a in enumerate(per_replica_leaves[0]) if is_bfloat16(a.dtype)]
+        half = [j for j, a in enumerate(per_replica_leaves[0]) if a.dtype == np.float16 or is_bfloat16(a.dtype)]
         if half:
             results = [None] * len(per_replica_leaves[0])
-            for j, res in zip(half, self._bfloat16_results(where, kind, op, per_replica_leaves, half)):
-                results[j] = res
+            for dt in dict.fromkeys(per_replica_leaves[0][j].dtype for j in half):
+                ids = [j for j in half if per_replica_leaves[0][j].dtype == dt]
+                for j, res in zip(ids, self._half_results(where, kind, op, per_replica_leaves, ids)):
+                    results[j] = res
             rest = [j for j in range(len(results)) if results[j] is None]
             if rest:
                 sub = [[leaves[j] for j in rest] for leaves in per_replica_leaves]
