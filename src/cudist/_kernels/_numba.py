@@ -240,6 +240,39 @@ def _ol_div(s, n):
     return None
 
 
+def _sum_grads(a, g0, ng, off, m, g, tg, ta, dtype):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_sum_grads)
+def _ol_sum_grads(a, g0, ng, off, m, g, tg, ta, dtype):
+    """The ``ng`` gradients of a block summed into ``tg`` in replica order: float16 (uint16) in the
+    float32 scratch ``ta``, rounded once; the other dtypes straight in ``tg`` (no extra pass)."""
+    if dtype.instance_type == types.uint16:
+
+        def impl(a, g0, ng, off, m, g, tg, ta, dtype):
+            for j in range(m):
+                ta[j] = _h2f(g[j])
+            for i in range(1, ng):
+                x = _view(a[g0 + i] + off, m, dtype)
+                for j in range(m):
+                    ta[j] = ta[j] + _h2f(x[j])
+            for j in range(m):
+                tg[j] = _f2h(ta[j])
+
+        return impl
+
+    def plain(a, g0, ng, off, m, g, tg, ta, dtype):
+        for j in range(m):
+            tg[j] = g[j]
+        for i in range(1, ng):
+            x = _view(a[g0 + i] + off, m, dtype)
+            for j in range(m):
+                tg[j] = tg[j] + x[j]
+
+    return plain
+
+
 @overload(_ld)
 def _ol_ld(x):
     if x == types.uint16:
@@ -453,7 +486,7 @@ def _update_range(argp, lo, hi, dtype, ctype):
     t3 = np.empty(_CHUNK if n3 > 0 else 1, dtype)
     tc = np.empty(_CHUNK if mode >= _ADAMW else 1, ctype)  # copy 0 after the weight decay
     tg = np.empty(_CHUNK if ng > 1 else 1, dtype)
-    ta = np.empty(_CHUNK if ng > 1 else 1, ctype)
+    ta = np.empty(_CHUNK if ng > 1 else 1, ctype)  # float16's float32 running sum (see _sum_grads)
     isz = tw.itemsize
     for start in range(lo, hi, _CHUNK):
         m = np.uint64(min(_CHUNK, hi - start))
@@ -463,14 +496,7 @@ def _update_range(argp, lo, hi, dtype, ctype):
         if ng > 1:
             # The fused all-reduce: the gradients summed in replica order in the compute type and
             # rounded once to their dtype (float16), exactly what reduce_to_one would store.
-            for j in range(m):
-                ta[j] = _ld(g[j])
-            for i in range(1, ng):
-                x = _view(a[g0 + i] + off, m, dtype)
-                for j in range(m):
-                    ta[j] = ta[j] + _ld(x[j])
-            for j in range(m):
-                tg[j] = _st(ta[j], dtype)
+            _sum_grads(a, g0, ng, off, m, g, tg, ta, dtype)
             g = _view(tg.ctypes.data, m, dtype)
         if mode == _SGD:
             lr = hp[0]
