@@ -27,7 +27,8 @@ a single addition, bit-identical to a MirroredStrategy over two replicas; otherw
 differ from it in the last bits (float tolerance). The 16-bit floats are the exception: MPI has no
 bfloat16 and would round float16 sums per addition, so the replicas' bfloat16 / float16 values are
 all-gathered and every worker sums all of them in float32 in global replica order, rounding once:
-bit-identical to a MirroredStrategy over every replica in worker order.
+bit-identical to a MirroredStrategy over every replica in worker order (float16 GPU values that
+NCCL carries keep NCCL's float16 all-reduce).
 """
 
 from __future__ import annotations
@@ -301,7 +302,10 @@ class CollectiveAllReduce(CrossDeviceOps):
 
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
-        half = [j for j, a in enumerate(per_replica_leaves[0]) if a.dtype == np.float16 or is_bfloat16(a.dtype)]
+        nccl = set(self._nccl_leaves(where, per_replica_leaves)) if self._nccl is not None else set()
+        # float16 GPU values keep NCCL's native float16 all-reduce (its order, as for float32).
+        half = [j for j, a in enumerate(per_replica_leaves[0])
+                if is_bfloat16(a.dtype) or (a.dtype == np.float16 and j not in nccl)]
         if half:
             results = [None] * len(per_replica_leaves[0])
             for dt in dict.fromkeys(per_replica_leaves[0][j].dtype for j in half):
