@@ -111,7 +111,9 @@ def parity(R, exact_workers=False):
                 ctx = cudist.get_replica_context()
                 return ctx.all_reduce(op, values(ctx.replica_id_in_sync_group, dt))
 
-            compare(f"all_reduce_{op}_{np.dtype(dt).name}", mw.run(step), ref.run(step))
+            # float16 is summed in float32 over every replica in worker order (issue 28): exact on any layout.
+            exact_f16 = True if dt == np.float16 else None
+            compare(f"all_reduce_{op}_{np.dtype(dt).name}", mw.run(step), ref.run(step), exact_f16)
 
     def nest_step():
         ctx = cudist.get_replica_context()
@@ -1006,6 +1008,168 @@ def nccl_auto():
                   "sum": cp.asnumpy(out).tolist(), "on_gpu": isinstance(out, cp.ndarray)})
 
 
+def mixed(R):
+    """bfloat16 across workers and LossScaleOptimizer skips (issue 28), against a MirroredStrategy over
+    all W*R replicas in this process: bfloat16 results bit for bit (every worker sums every replica in
+    float32 in worker order); the loss-scale trajectory with an inf on one worker only."""
+    import ml_dtypes
+
+    from cudist import optimizers
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    rank, W = _rank_size()
+    G = W * R
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * G)
+    mw = cudist.MultiWorkerMirroredStrategy(devices=[f"/cpu:{i}" for i in range(R)])
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(G)])
+    mine = [rank * R + r for r in range(R)]
+    c = Checks()
+
+    def local(strategy, x):
+        return strategy.experimental_local_results(x)
+
+    def compare(name, got, want_all, exact=True):
+        got = local(mw, got)
+        want = [local(ref, want_all)[g] for g in mine]
+        for r, (a, b) in enumerate(zip(got, want)):
+            a, b = np.asarray(a), np.asarray(b)
+            if a.dtype == bf16 and b.dtype == bf16:  # bits, NaN payloads and signed zeros included
+                ok, why = a.shape == b.shape and np.array_equal(a.view(np.uint16), b.view(np.uint16)), ""
+                why = "" if ok else f"{a.ravel()[:6]} vs {b.ravel()[:6]}"
+            else:
+                ok, why = same(a, b, exact)
+            if not ok:
+                c.check(name, False, f"replica {mine[r]}: {why}")
+                return
+        c.check(name, True)
+
+    def values(g, size):
+        rng = np.random.default_rng(300 + g)
+        # Mixed magnitudes: rounding after every addition (or summing per worker first) gives other bits.
+        return (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3, size)).astype(bf16)
+
+    for size in (1, 7, 1001):
+        for op in ("sum", "mean"):
+
+            def step(size=size, op=op):
+                ctx = cudist.get_replica_context()
+                return ctx.all_reduce(op, values(ctx.replica_id_in_sync_group, size))
+
+            compare(f"bf16_all_reduce_{op}_{size}", mw.run(step), ref.run(step))
+
+    def f16_step():  # float16 too: float32 accumulation over every replica, one rounding (bits compared)
+        ctx = cudist.get_replica_context()
+        return ctx.all_reduce("sum", values(ctx.replica_id_in_sync_group, 1001).astype(np.float32).astype(np.float16))
+
+    got = [np.asarray(x).view(np.uint16) for x in local(mw, mw.run(f16_step))]
+    want = [np.asarray(local(ref, ref.run(f16_step))[g]).view(np.uint16) for g in mine]
+    c.check("f16_all_reduce_bits", all(np.array_equal(a, b) for a, b in zip(got, want)), "")
+
+    def nest_step():
+        ctx = cudist.get_replica_context()
+        g = ctx.replica_id_in_sync_group
+        return ctx.all_reduce("sum", {"a": values(g, 5), "b": np.float32(g + 0.5), "c": values(g + 7, 300).reshape(30, 10)})
+
+    got, want = mw.run(nest_step), ref.run(nest_step)
+    for key in ("a", "b", "c"):
+        compare(f"bf16_nest_{key}", got[key], want[key], exact=R == 1 and W == 2)
+
+    def per_replica():
+        return values(cudist.get_replica_context().replica_id_in_sync_group, 33)
+
+    for op in ("sum", "mean"):
+        a = mw.reduce(op, mw.run(per_replica), axis=None)
+        b = ref.reduce(op, ref.run(per_replica), axis=None)
+        ok = np.array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16))
+        c.check(f"bf16_strategy_reduce_{op}", ok, f"{np.asarray(a)[:4]} vs {np.asarray(b)[:4]}")
+
+    # bfloat16 gradients into float32 variables: cast exactly, summed in float32 across the workers.
+    def train(strategy):
+        with strategy.scope():
+            w = cudist.Variable(np.linspace(-1, 1, 9, dtype=np.float32), name="w")
+            opt = optimizers.SGD(0.25, momentum=0.5)
+
+        def fn():
+            opt.apply_gradients([(values(cudist.get_replica_context().replica_id_in_sync_group, 9), w)])
+
+        for _ in range(3):
+            strategy.run(fn)
+        return np.asarray(w.numpy())
+
+    ok, why = same(train(mw), train(ref), R == 1 and W == 2)
+    c.check("bf16_grads_float32_variables", ok, why)
+
+    # LossScaleOptimizer: an inf or NaN on one worker's replica only; every worker skips those steps.
+    schedule = {1: ("inf", W - 1), 2: ("nan", 0), 4: ("inf", W - 1)}  # step -> (bad value, worker)
+
+    def loss_scale(strategy):
+        with strategy.scope():
+            w = cudist.Variable(np.array([1.0, -2.0, 0.5], np.float32), name="w")
+            opt = optimizers.LossScaleOptimizer(optimizers.SGD(0.5), initial_scale=8.0, dynamic_growth_steps=2)
+        trace = []
+        for step in range(7):
+
+            def fn(step=step):
+                g = cudist.get_replica_context().replica_id_in_sync_group
+                grad = np.array([g + 1.0, -0.5, 0.25], np.float32) * np.float32(step + 1)
+                bad = schedule.get(step)
+                if bad and g == bad[1] * R:  # the first replica of that worker
+                    grad[1] = np.float32(bad[0])
+                opt.apply_gradients([(grad, w)])
+
+            strategy.run(fn)
+            trace.append([float(np.asarray(opt.dynamic_scale.read_value())), int(np.asarray(opt.iterations.read_value())),
+                          np.asarray(w.numpy()).tolist()])
+        return trace
+
+    got_trace, want = loss_scale(mw), loss_scale(ref)
+    skips = [i for i in range(1, len(want)) if want[i][1] == want[i - 1][1]]
+    c.check("loss_scale_skips", [t[:2] for t in got_trace] == [t[:2] for t in want] and skips == sorted(schedule),
+            f"{[t[:2] for t in got_trace]} vs {[t[:2] for t in want]}; skipped steps {skips}")
+    ok, why = same(np.array([t[2] for t in got_trace], np.float32), np.array([t[2] for t in want], np.float32),
+                   R == 1 and W == 2)
+    c.check("loss_scale_variables", ok, why)
+
+    # CommunicationOptions(compression=...): float32 across the workers in 16 bits, summed in float32.
+    def fvalues(g, size=1001):
+        rng = np.random.default_rng(500 + g)
+        return (rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3, size)).astype(np.float32)
+
+    partial = []  # each worker's float32 partial sum, replica order
+    for w in range(W):
+        s = fvalues(w * R)
+        for r in range(1, R):
+            s = s + fvalues(w * R + r)
+        partial.append(s)
+    exact_sum = np.sum([p.astype(np.float64) for p in partial], axis=0)
+    magnitude = np.sum([np.abs(p.astype(np.float64)) for p in partial], axis=0)
+
+    def fstep():
+        ctx = cudist.get_replica_context()
+        return ctx.all_reduce("sum", fvalues(ctx.replica_id_in_sync_group))
+
+    plain = np.asarray(local(mw, mw.run(fstep))[0])
+    squeezed = {}
+    for comp, u, e in (("bfloat16", 2.0**-8, 2.0**-134), ("float16", 2.0**-11, 2.0**-25)):
+        mwc = cudist.MultiWorkerMirroredStrategy(
+            communication_options=cudist.experimental.CommunicationOptions(compression=comp),
+            devices=[f"/cpu:{i}" for i in range(R)],
+        )
+        got = [np.asarray(x) for x in local(mwc, mwc.run(fstep))]
+        err = np.abs(got[0].astype(np.float64) - exact_sum)
+        bound = (u + W * 2.0**-24) * magnitude + W * e
+        ok = all(x.dtype == np.float32 and np.array_equal(x, got[0]) for x in got) and bool(np.all(err <= bound))
+        c.check(f"compression_{comp}_bound", ok, f"worst error/bound {np.max(err / bound):.3g}")
+        # It did compress: the result is not the exact float32 one (rounding to 16 bits shows).
+        c.check(f"compression_{comp}_differs", not np.array_equal(got[0], plain), "equal to the uncompressed sum")
+        mean = np.asarray(local(mwc, mwc.run(lambda: cudist.get_replica_context().all_reduce(
+            "mean", fvalues(cudist.get_replica_context().replica_id_in_sync_group))))[0])
+        c.check(f"compression_{comp}_mean", np.array_equal(mean, got[0] / np.float32(G)), "")
+        squeezed[comp] = got[0].view(np.uint32).tolist()[:50]
+    report(rank, {"results": c.results, "trace": [t[:2] for t in got_trace], "squeezed": squeezed})
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "parity":
         parity(int(sys.argv[2]), sys.argv[3:] == ["exact"])
@@ -1029,6 +1193,8 @@ if __name__ == "__main__":
         gpu()
     elif sys.argv[1] == "nccl":
         nccl(int(sys.argv[2]))
+    elif sys.argv[1] == "mixed":
+        mixed(int(sys.argv[2]))
     elif sys.argv[1] == "nccl_auto":
         nccl_auto()
     elif sys.argv[1].startswith("nccl_"):

@@ -11,6 +11,7 @@ from cudist._dataplane.packing import pack_groups as _pack_groups
 from cudist._cross_device_ops import KernelAllReduce
 from cudist._reduce_util import ReduceOp
 from cudist._kernels import cpu_backend as _cpu_backend
+from cudist._kernels._numpy import reference_reduce
 
 CPU = "/job:localhost/replica:0/task:0/device:CPU:{}"
 CPU_OPS = [
@@ -95,10 +96,8 @@ class KernelPassCounter:
 
 
 def ref_sum(parts):
-    s = parts[0].copy()
-    for p in parts[1:]:
-        s = (s + p).astype(parts[0].dtype)
-    return s
+    """The contract's SUM in replica order (float16 accumulated in float32, rounded once)."""
+    return reference_reduce([np.asarray(p) for p in parts], ReduceOp.SUM)
 
 
 @pytest.mark.parametrize("make", CPU_OPS, ids=["kernel", "to_one", "hier2", "nopack"])
@@ -257,8 +256,9 @@ def test_host_leaves_are_reduced_once_into_a_shared_read_only_result(monkeypatch
     assert len({id(r[0]) for r in results}) == n  # one object per replica, as TF's tensors
     for j in range(2):
         want = ref_sum([g[j] for g in grads])
-        if op == "mean":  # TF: a float mean in the dtype; an integer sum true-divided in float64
-            want = want / want.dtype.type(n) if want.dtype.kind == "f" else np.true_divide(want, n)
+        if op == "mean":  # TF: a float mean in the dtype (the contract's); an integer sum true-divided in float64
+            parts = [g[j] for g in grads]
+            want = reference_reduce(parts, ReduceOp.MEAN) if want.dtype.kind == "f" else np.true_divide(want, n)
         for r in results:
             assert not r[j].flags.writeable and np.shares_memory(r[j], results[0][j])
             np.testing.assert_array_equal(r[j], want)

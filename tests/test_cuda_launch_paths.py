@@ -324,9 +324,14 @@ def test_core_path_equals_numpy_and_nvrtc_on_one_gpu(fake, make, dtype, n):
             new = launchers.calls[calls:]
             # In place (nothing to do for one replica), out of place, reduce_to_one twice (into a
             # temporary then a copy when `out` is an input of a later pass), broadcast.
-            assert [c.name for c in new] == ["cuda_all_reduce"] * (n > 1) + [
+            expected = ["cuda_all_reduce"] * (n > 1) + [
                 "cuda_all_reduce_into", "cuda_reduce_to_one", "cuda_reduce_to_one"] + ["cuda_broadcast"] * (n > 8) + [
                 "cuda_broadcast"]
+            if dtype == "float16" and n > 8:
+                # float16 sums over more than 8 buffers are done on the host (one rounding; the
+                # launchers would round between their passes and refuse them).
+                expected = ["cuda_broadcast"]
+            assert [c.name for c in new] == expected
             assert all(c.device == 0 and c.streams == (handles[0],) and c.dtype == dtype for c in new)
             assert not core_be._functions, "the core path compiled NVRTC kernels for the collectives"
             ref, _ = _run_all(cp, nvrtc_be, dtype, n, count, op, [0] * n, seed)
@@ -357,6 +362,13 @@ def test_core_path_across_gpus_uses_each_devices_current_stream(fake, make, dtyp
         calls = len(launchers.calls)
         got, want = _run_all(cp, core_be, dtype, n, count, "mean", devices, seed)
         new = launchers.calls[calls:]
+        if dtype == "float16" and n > 8:
+            # float16 sums over more than 8 buffers are done on the host (one rounding): only the
+            # broadcast launches; the results must still be the reference's.
+            assert [c.name for c in new] == ["cuda_broadcast"]
+            for i, (g, w) in enumerate(zip(got, want)):
+                _same(g, w, f"result {i} vs NumPy ({dtype}, devices={devices}, count={count})")
+            continue
         two_shot = count > 1031 and devices == [0, 1]  # distinct GPUs, all peers, >= 1 MiB
         assert new[0].name == ("cuda_p2p_all_reduce" if two_shot else "cuda_all_reduce")
         for c in new:

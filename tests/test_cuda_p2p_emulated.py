@@ -105,7 +105,13 @@ def _check(lib, rng, dtype, devices, count, op, offset=0, streams=None):
     data = [_random(rng, dtype, count) for _ in devices]
     bufs = [_buffer(d, offset) for d in data]
     expected = reference_reduce([d.copy() for d in data], op)
-    assert _p2p(lib, dtype, bufs, devices, op=OPS[op], streams=streams) == CUDA_SUCCESS
+    rc = _p2p(lib, dtype, bufs, devices, op=OPS[op], streams=streams)
+    if dtype == "float16" and len(devices) > 8 and count > 0:
+        # float16 over more than a kernel's 8 buffers would round between passes: refused, untouched.
+        assert rc == 801
+        assert all(np.array_equal(b.view(np.uint8), d.view(np.uint8)) for b, d in zip(bufs, data))
+        return
+    assert rc == CUDA_SUCCESS
     for r, b in enumerate(bufs):
         assert np.array_equal(b.view(np.uint8), expected.view(np.uint8)), f"buffer {r} differs from the reference"
     assert lib.cudist_emu_get_last_error() == CUDA_SUCCESS

@@ -122,3 +122,28 @@ def test_script_runs_from_the_command_line():
     assert "CentralStorageStrategy, 2 replica(s)" in proc.stdout
     final_acc = float(lines[-1].split("Test Accuracy: ")[1].split("%")[0])
     assert final_acc > 90.0
+
+
+def test_mixed_precision_example_reaches_float32_accuracy():
+    """examples/train_mlp_mixed_precision.py: bfloat16 (and float16 + loss scaling) gradients from JAX
+    into float32 variables train the MLP to the float32 run's accuracy."""
+    pytest.importorskip("jax")
+    pytest.importorskip("ml_dtypes")
+    from conftest import load_example
+
+    from cudist import mixed_precision
+
+    example = load_example("train_mlp_mixed_precision")
+    runs = {p: example.main(["--policy", p, "--quiet"]) for p in ("float32", "mixed_bfloat16", "mixed_float16")}
+    assert mixed_precision.global_policy().name == "float32"  # the example restores the default
+    base = runs["float32"]
+    assert base["grad_dtypes"] == ["float32"] and base["test_accuracy"][-1] > 0.9
+    for policy, grads in (("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")):
+        h = runs[policy]
+        assert h["grad_dtypes"] == [grads], policy  # the replicas really passed 16-bit gradients
+        assert h["variable_dtypes"] == ["float32"], policy
+        assert h["step_losses"][0] > 1.0 and h["loss"][-1] < 0.25 * h["step_losses"][0], policy
+        assert abs(h["test_accuracy"][-1] - base["test_accuracy"][-1]) <= 0.02, (policy, h["test_accuracy"])
+        assert abs(h["accuracy"][-1] - base["accuracy"][-1]) <= 0.02, (policy, h["accuracy"])
+        # Not the float32 run in disguise: 16-bit compute changes the losses.
+        assert h["step_losses"] != base["step_losses"], policy

@@ -13,17 +13,17 @@ from conftest import gpu0_split
 
 import cudist
 from cudist import PerReplica
+from cudist._kernels._numpy import reference_reduce
 from cudist._kernels._split import split_sizes
+from cudist._reduce_util import ReduceOp
 
 pytestmark = pytest.mark.gpu
 GPU = "/job:localhost/replica:0/task:0/device:GPU:{}"
 
 
 def ref_sum(parts):
-    s = parts[0].copy()
-    for p in parts[1:]:
-        s = (s + p).astype(parts[0].dtype)
-    return s
+    """The contract's SUM in replica order (float16 accumulated in float32, rounded once)."""
+    return reference_reduce([np.asarray(p) for p in parts], ReduceOp.SUM)
 
 
 @pytest.fixture(params=[2, 4], ids=["2logical", "4logical"])

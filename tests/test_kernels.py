@@ -198,13 +198,17 @@ def test_integer_sum_wraps_and_mean_truncates_toward_zero(backend, dtype):
     assert three[2].tolist() == [-3, 3, -1]
 
 
-def test_float16_rounds_after_every_addition(backend):
-    # 2048 + 1 is not representable in float16 (ties to even 2048); three ones added one at a
-    # time give 2048 again, while float32 accumulation would give 2051 -> 2052.
+def test_float16_accumulates_in_float32_and_rounds_once(backend):
+    # 2048 + 1 is not representable in float16 (ties to even 2048): rounded after every addition,
+    # three ones would give 2048 again; the contract accumulates in float32: 2051 -> 2052 once.
     bufs = [np.array([2048.0, 1.0], np.float16)] + [np.array([1.0, 2048.0], np.float16) for _ in range(3)]
     backend.all_reduce(bufs, "sum")
-    assert bufs[0].tolist() == [2048.0, 6144.0]
+    assert bufs[0].tolist() == [2052.0, 6144.0]
     assert_bitwise(bufs[3], bufs[0], "float16 replicas")
+    # MEAN divides the float32 sum: 2051 / 4 = 512.75 -> 513 (rounding every addition: 2048 / 4 = 512).
+    bufs = [np.array([2048.0], np.float16)] + [np.array([1.0], np.float16) for _ in range(3)]
+    backend.all_reduce(bufs, "mean")
+    assert bufs[0].tolist() == [513.0]
 
 
 def test_all_reduce_with_the_same_buffer_twice(backend):
@@ -1028,12 +1032,17 @@ def test_fused_updates_large_multithreaded(backend, dtype, n, m):
     _check_fused(backend, ["sgd w"], [w], [ew])
 
 
-def test_fused_float16_gradient_sum_rounds_after_every_addition(backend):
-    # The gradient sum is taken in float16, as reduce_to_one does (2048 + 1 + 1 + 1 = 2048 there).
+def test_fused_float16_gradient_sum_rounds_once(backend):
+    # The gradient sum is taken as reduce_to_one takes it: in float32, rounded once to float16
+    # (2048 + 1 + 1 + 1 = 2051 -> 2052), then applied.
     grads = [np.array([2048.0], np.float16)] + [np.array([1.0], np.float16)] * 3
     w = [np.array([0.0], np.float16) for _ in range(2)]
     backend.all_reduce_sgd(w, grads, lr=1.0)
-    assert w[0].tolist() == [-2048.0] and w[1].tolist() == [-2048.0]
+    assert w[0].tolist() == [-2052.0] and w[1].tolist() == [-2052.0]
+    # Rounded before the update, not applied unrounded: 0.1 * 2051 and 0.1 * 2052 differ in float16.
+    w = [np.array([0.0], np.float16) for _ in range(2)]
+    backend.all_reduce_sgd(w, grads, lr=0.1)
+    assert w[0].tolist() == [float(np.float16(-np.float32(0.1) * np.float32(2052)))]
 
 
 def test_fused_update_with_the_same_gradient_object_from_every_replica(backend):

@@ -23,7 +23,7 @@ LAYERS = [
     # 0: no cudist imports above these: device names, ops, the context stack, values, arrays, errors
     ["cudist._core", "cudist._devices", "cudist._reduce_util", "cudist._context", "cudist._values",
      "cudist.errors", "cudist.config", "cudist._arrays", "cudist._collective_util", "cudist._blas",
-     "cudist._settings"],
+     "cudist._settings", "cudist.mixed_precision"],
     # 1: the kernel contract and its backends
     ["cudist._kernels"],
     # 2: the data plane (variable storage, the fused update pass, reductions, pool, transports),

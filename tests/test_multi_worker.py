@@ -123,6 +123,26 @@ def test_parity_with_mirrored_strategy(local_replicas, no_shm_left):
     assert len(results[0]) >= 45  # every check ran
 
 
+
+@needs_mpi
+@pytest.mark.multi_worker
+@pytest.mark.parametrize("local_replicas", [1, 2], ids=["2x1", "2x2"])
+def test_bfloat16_and_loss_scaling_across_workers(local_replicas, no_shm_left):
+    """bfloat16 all-reduce / reduce bit for bit as a MirroredStrategy over every replica in worker order
+    (also 2x2, where summing per worker first would differ); bf16 gradients into float32 variables;
+    LossScaleOptimizer with an inf/NaN on one worker only: every worker skips the same steps;
+    CommunicationOptions(compression=bfloat16 / float16) within its documented error bound."""
+    pytest.importorskip("ml_dtypes")
+    proc = _mpiexec("mixed", str(local_replicas))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = _results(proc)
+    failed = {f"worker {r}: {name}": detail for r, res in results.items()
+              for name, (ok, detail) in res["results"].items() if not ok}
+    assert not failed, failed
+    assert len(results[0]["results"]) == 21  # every check ran
+    assert results[0]["trace"] == results[1]["trace"]  # same scale and inner iterations on both workers
+    assert results[0]["squeezed"] == results[1]["squeezed"]  # compressed sums: the same bits on both workers
+
 def _ready_time(proc, started):
     """When the first worker had its strategy (the output of a worker that was killed may be lost)."""
     times = [float(t) for t in re.findall(r"READY \d ([0-9.]+)", proc.stdout)]
@@ -621,6 +641,27 @@ def test_communication_options():
         cudist.MultiWorkerMirroredStrategy(communication_options=CO(implementation=CI.NCCL))
     with pytest.raises(ValueError, match="communication_options"):
         cudist.MultiWorkerMirroredStrategy(communication_options={"bytes_per_pack": 1})
+
+
+def test_communication_options_compression():
+    """cudist's ``compression`` field: off by default, Horovod's / torch's spellings, merged like the others."""
+    CO = cudist.experimental.CommunicationOptions
+    assert CO().compression is None and CO(compression="none").compression is None
+    assert "compression" not in repr(CO())  # TF's repr while it is off
+    for spelling, name in (("bfloat16", "bfloat16"), ("BF16", "bfloat16"), ("float16", "float16"), ("fp16", "float16")):
+        assert CO(compression=spelling).compression == name
+    assert repr(CO(compression="bf16")).endswith("compression='bfloat16')")
+    assert CO(compression="fp16") == CO(compression="float16") != CO()
+    assert CO(bytes_per_pack=64).merge(CO(compression="bf16")).compression == "bfloat16"
+    assert CO(compression="fp16").merge(CO(bytes_per_pack=8)).compression == "float16"
+    for bad in ("float32", "int8", 16, True):
+        with pytest.raises(ValueError, match="compression.*'bfloat16'"):
+            CO(compression=bad)
+    # One worker: no wire, so nothing is compressed (the local sum is exact float32).
+    s = cudist.MultiWorkerMirroredStrategy(communication_options=CO(compression="bf16"), devices=["/cpu:0", "/cpu:1"])
+    vals = [np.float32(1) + np.float32(2.0**-20), np.float32(3)]
+    out = s.run(lambda: cudist.get_replica_context().all_reduce("sum", vals[cudist.get_replica_context().replica_id_in_sync_group]))
+    assert [float(x) for x in s.experimental_local_results(out)] == [float(vals[0] + vals[1])] * 2
 
 
 def test_cluster_spec_and_chief_rules():

@@ -55,9 +55,13 @@ def test_all_reduce_matches_numpy_over_fixture(strategy, dtype):
     raw = [rng.standard_normal(shape) * (1 if dtype.startswith(("float", "complex")) else 20) for _ in range(n)]
     parts = [r.astype(dtype) for r in raw]
     originals = [p.copy() for p in parts]
-    ref = parts[0].copy()
+    # Replica order; float16 accumulates in float32 and rounds once (the contract), the others round
+    # to their dtype after each addition.
+    acc_dtype = np.float32 if dtype == "float16" else dtype
+    acc = parts[0].astype(acc_dtype)
     for p in parts[1:]:
-        ref = (ref + p).astype(dtype)  # replica order, rounding to dtype after each add
+        acc = (acc + p.astype(acc_dtype)).astype(acc_dtype)
+    ref = acc.astype(dtype)
     for op in ("sum", "mean"):
         out = strategy.run(lambda x: cudist.get_replica_context().all_reduce(op, x), args=(PerReplica(parts),))
         res = local(strategy, out)
@@ -68,7 +72,7 @@ def test_all_reduce_matches_numpy_over_fixture(strategy, dtype):
             # Integer MEAN is a true division, as TF's: float32 for 8/16-bit ints, else float64.
             want = np.true_divide(ref, n, dtype=np.float32 if ref.dtype.itemsize <= 2 else np.float64)
         else:
-            want = (ref / np.dtype(dtype).type(n)).astype(dtype)
+            want = (acc / np.dtype(acc_dtype).type(n)).astype(dtype)
         for r in res:
             assert r.dtype == want.dtype and r.shape == shape
             np.testing.assert_array_equal(r, want)

@@ -15,7 +15,7 @@ from mkdocs.exceptions import PluginError
 
 #: The modules whose every public name must be in the reference.
 MODULES = ("cudist", "cudist.data", "cudist.config", "cudist.experimental", "cudist.errors", "cudist.optimizers",
-           "cudist.optimizers.schedules", "cudist.cluster_resolver", "cudist.losses", "cudist.metrics", "cudist.nn",
+           "cudist.mixed_precision", "cudist.optimizers.schedules", "cudist.cluster_resolver", "cudist.losses", "cudist.metrics", "cudist.nn",
            "cudist.train", "cudist.train.experimental", "cudist.launch")
 
 

@@ -16,7 +16,20 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     # What the lazy ``__getattr__`` below returns, for type checkers only; keep in step with
     # _EXPORTS and _SUBMODULES (tests/test_typing.py checks that they agree).
-    from cudist import cluster_resolver, config, data, errors, experimental, launch, losses, metrics, nn, optimizers, train
+    from cudist import (
+        cluster_resolver,
+        config,
+        data,
+        errors,
+        experimental,
+        launch,
+        losses,
+        metrics,
+        mixed_precision,
+        nn,
+        optimizers,
+        train,
+    )
     from cudist._central_storage_strategy import CentralStorageStrategy
     from cudist._collective_all_reduce_strategy import MultiWorkerMirroredStrategy
     from cudist._cross_device_ops import (
@@ -102,7 +115,7 @@ _EXPORTS = {
     "P2PAllReduce": "_cross_device_ops",
     "function": "_def_function",
 }
-_SUBMODULES = ("data", "config", "experimental", "errors", "optimizers", "cluster_resolver", "launch", "losses", "metrics", "nn", "train")
+_SUBMODULES = ("data", "config", "experimental", "errors", "optimizers", "cluster_resolver", "launch", "losses", "metrics", "mixed_precision", "nn", "train")
 
 # Written out (not computed from _EXPORTS) so that type checkers read it; tests/test_typing.py
 # checks that it holds exactly _EXPORTS, _SUBMODULES, get_include, get_cmake_dir and __version__.
@@ -152,6 +165,7 @@ __all__ = [
     "launch",
     "losses",
     "metrics",
+    "mixed_precision",
     "nn",
     "train",
     "get_include",

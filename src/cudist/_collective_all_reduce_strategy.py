@@ -101,7 +101,7 @@ class CollectiveAllReduceExtended(MirroredExtended):
         )
         ops = CollectiveAllReduce(
             self._communicator, select_cross_device_ops(devs), communication_options.bytes_per_pack, nccl=worker_nccl,
-            host_transport=host_transport,
+            host_transport=host_transport, compression=communication_options.compression,
         )
         self._host_transport = host_transport
         if host_transport is not None:
@@ -287,7 +287,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: a :class:`cudist.cluster_resolver.ClusterResolver` (default: TF_CONFIG if
             it names this task, else the MPI job's ranks, else one local worker).
         communication_options: a :class:`cudist.experimental.CommunicationOptions`
-            (``bytes_per_pack``, ``timeout_seconds``, ``implementation``).
+            (``bytes_per_pack``, ``timeout_seconds``, ``implementation``; cudist's ``compression``).
         devices: cudist extension: this worker's local devices, one replica each (default: as
             MirroredStrategy, every logical GPU else "/cpu:0"); every worker must have as many.
 

@@ -27,7 +27,11 @@ Summation order: the local replicas in replica order, then MPI's (or NCCL's) ord
 workers, which for more than two workers is not replica order (MPI: pairwise ((w0 + w1) + (w2 +
 w3)); NCCL: its ring's chunked order). With one replica per worker and two workers the result is
 a single addition, bit-identical to a MirroredStrategy over two replicas; otherwise it can
-differ from it in the last bits (float tolerance).
+differ from it in the last bits (float tolerance). The 16-bit floats are the exception: MPI has no
+bfloat16 and would round float16 sums per addition, so the replicas' bfloat16 / float16 values are
+all-gathered and every worker sums all of them in float32 in global replica order, rounding once:
+bit-identical to a MirroredStrategy over every replica in worker order (float16 GPU values that
+NCCL carries keep NCCL's float16 all-reduce).
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ from cudist._dataplane.transports.mpi import describe
 from cudist._dataplane.placement import on_destinations, resolve_destinations
 from cudist import _cross_device_ops as cross_device_ops_lib
 from cudist._cross_device_ops import CrossDeviceOps
-from cudist._kernels import backend_for, cpu_backend
+from cudist._kernels import backend_for, cpu_backend, is_bfloat16
 from cudist._reduce_util import ReduceOp, int_mean_dtype
 from cudist._values import DistributedValues
 
@@ -61,11 +65,16 @@ class CollectiveAllReduce(CrossDeviceOps):
             (:class:`cudist._dataplane.transports.nccl.WorkerCommunicator`); None: GPU values go through MPI.
         host_transport: what all-reduces host buffers across workers
             (:class:`cudist._dataplane.transports.shm.SharedMemoryAllReduce`); None: ``communicator`` (MPI).
+        compression: None, or "bfloat16" / "float16": float32 host values cross the workers in that
+            dtype (``CommunicationOptions.compression``; see :meth:`_compressed_sums`).
     """
 
-    def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None, host_transport=None):
+    def __init__(self, communicator, local_ops, bytes_per_pack=0, nccl=None, host_transport=None, compression=None):
         self._comm = communicator
         self._shm = host_transport if communicator is not None else None
+        self.compression = compression
+        # The 16-bit dtype float32 host values cross the workers in (CommunicationOptions.compression).
+        self._wire = None if compression is None else _wire_dtype(compression)
         self._local = local_ops
         self.bytes_per_pack = int(bytes_per_pack)
         self.num_packs = local_ops.num_packs
@@ -113,15 +122,53 @@ class CollectiveAllReduce(CrossDeviceOps):
         return cross_device_ops_lib.fused_sum_backend(self._local, arrays)
 
     # ------------------------------------------------------------------ the global sum
+    def _compressible(self, per_replica_leaves):
+        """The ids of the leaves that cross the workers compressed: float32 host arrays in every replica."""
+        if self._wire is None:
+            return []
+        return [j for j, a in enumerate(per_replica_leaves[0])
+                if a.dtype == np.float32 and all(type(leaves[j]) is np.ndarray for leaves in per_replica_leaves)]
+
+    def _compressed_sums(self, where, kind, per_replica_leaves, ids, sums):
+        """Sets ``sums[j]`` (``j`` in ``ids``) to the global float32 SUM of leaf ``j``, compressed on the wire.
+
+        The local replicas are summed exactly (float32, replica order); that partial sum is rounded
+        once to the 16-bit wire dtype; the workers' rounded sums are all-gathered (MPI has no
+        bfloat16, and a reduction op would add in 16 bits) and added in float32 in worker order,
+        the same on every worker. Error: see ``CommunicationOptions.compression``.
+        """
+        n = len(per_replica_leaves)
+        sizes = [per_replica_leaves[0][j].size for j in ids]
+        packed = np.empty((1, sum(sizes)), self._wire)
+        off = 0
+        for j, s in zip(ids, sizes):
+            arrs = [leaves[j] for leaves in per_replica_leaves]
+            local = reductions.reduce_arrays(where, arrs, ReduceOp.SUM) if n > 1 else arrs[0]
+            packed[0, off : off + s] = local.reshape(-1)  # the one rounding to the wire dtype
+            off += s
+        rows = self._comm.allgather_rows(packed.view(np.uint16), 0, kind).view(self._wire)
+        total = rows[0].astype(np.float32)
+        for w in range(1, len(rows)):
+            total += rows[w].astype(np.float32)
+        off = 0
+        for j, s in zip(ids, sizes):
+            sums[j] = total[off : off + s].reshape(per_replica_leaves[0][j].shape)
+            off += s
+
     def _global_sums(self, where, kind, per_replica_leaves):
         """The global SUM of leaf ``j`` over every replica of every worker: ``sums[j]``, fresh host arrays."""
         n = len(per_replica_leaves)
         ref = per_replica_leaves[0]
         sums = [None] * len(ref)
+        squeezed = self._compressible(per_replica_leaves)
+        if squeezed:
+            self._compressed_sums(where, kind, per_replica_leaves, squeezed, sums)
+            if len(squeezed) == len(ref):
+                return sums
         gpu = self._nccl_leaves(where, per_replica_leaves)
         if gpu:
             self._nccl_sums(kind, per_replica_leaves, gpu, sums)
-            if len(gpu) == len(ref):
+            if len(gpu) + len(squeezed) == len(ref):
                 return sums
         host = {}  # per leaf (not all-reduced by NCCL): the arrays to sum locally, all on the host
         for j, a in enumerate(ref):
@@ -241,9 +288,55 @@ class CollectiveAllReduce(CrossDeviceOps):
         recv = pool.take(a.shape, a.dtype)
         return self._host_allreduce(((send, recv),), kind, lambda: describe((a,)))[0]
 
+    def _half_results(self, where, kind, op, per_replica_leaves, ids):
+        """The global reduction of the 16-bit float leaves ``ids`` (all bfloat16, or all float16: one
+        call per dtype), bit-identical to a MirroredStrategy over every replica of every worker in
+        worker order.
+
+        MPI has no bfloat16 and its sums would round after every addition (or per worker), so the
+        replicas' own 16-bit values travel (one ``Iallgatherv`` of all of them, as 16-bit words: half the
+        bytes of float32) and every worker sums all of them in float32 in global replica order and
+        rounds once, as the local kernels do. The bytes each worker receives grow with the number of
+        replicas (an all-gather), which for two workers is half a float32 all-reduce's.
+        """
+        n = len(per_replica_leaves)
+        ref = [per_replica_leaves[0][j] for j in ids]
+        dt = ref[0].dtype
+        sizes = [a.size for a in ref]
+        packed = np.empty((n, sum(sizes)), dt)
+        for r, leaves in enumerate(per_replica_leaves):
+            off = 0
+            for j, s in zip(ids, sizes):
+                np.copyto(packed[r, off : off + s], to_host(leaves[j]).reshape(-1))
+                off += s
+        rows = self._comm.allgather_rows(packed.view(np.uint16), 0, kind).view(dt)  # (global replicas, elements)
+        out, off = [], 0
+        for a, s in zip(ref, sizes):
+            parts = [rows[g, off : off + s] for g in range(len(rows))]
+            out.append(reductions.reduce_arrays(where, parts, op).reshape(a.shape))
+            off += s
+        return out
+
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
-        if len(per_replica_leaves) == 1 and len(per_replica_leaves[0]) == 1 and type(per_replica_leaves[0][0]) is np.ndarray:
+        nccl = set(self._nccl_leaves(where, per_replica_leaves)) if self._nccl is not None else set()
+        # float16 GPU values keep NCCL's native float16 all-reduce (its order, as for float32).
+        half = [j for j, a in enumerate(per_replica_leaves[0])
+                if is_bfloat16(a.dtype) or (a.dtype == np.float16 and j not in nccl)]
+        if half:
+            results = [None] * len(per_replica_leaves[0])
+            for dt in dict.fromkeys(per_replica_leaves[0][j].dtype for j in half):
+                ids = [j for j in half if per_replica_leaves[0][j].dtype == dt]
+                for j, res in zip(ids, self._half_results(where, kind, op, per_replica_leaves, ids)):
+                    results[j] = res
+            rest = [j for j in range(len(results)) if results[j] is None]
+            if rest:
+                sub = [[leaves[j] for j in rest] for leaves in per_replica_leaves]
+                for j, res in zip(rest, self._global_results(where, kind, op, sub)):
+                    results[j] = res
+            return results
+        if (len(per_replica_leaves) == 1 and len(per_replica_leaves[0]) == 1 and type(per_replica_leaves[0][0]) is np.ndarray
+                and self._wire is None):
             sums = [self._one_sum(kind, per_replica_leaves[0][0])]  # the per-step common case, kept short
         else:
             sums = self._global_sums(where, kind, per_replica_leaves)
@@ -323,6 +416,19 @@ class CollectiveAllReduce(CrossDeviceOps):
         if isinstance(value, DistributedValues):
             return [np.asarray(v) if not is_device_array(v) else v for v in value.values]
         return [np.asarray(value) if not is_device_array(value) else value]
+
+
+def _wire_dtype(compression):
+    """The NumPy dtype of a ``CommunicationOptions.compression`` name."""
+    if compression == "float16":
+        return np.dtype(np.float16)
+    try:
+        import ml_dtypes  # noqa: PLC0415 - optional: only for bfloat16
+    except ImportError:
+        raise ImportError(
+            "CommunicationOptions(compression='bfloat16') needs the ml_dtypes package: pip install \"cudist[bf16]\""
+        ) from None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def _byte_packs(nbytes, bytes_per_pack):

@@ -64,6 +64,7 @@ from cudist._devices import any_gpu, canonicalize, display_name, parse_device
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
 from cudist.errors import InvalidArgumentError
+from cudist.mixed_precision import global_policy, variable_dtype_for
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -1229,6 +1230,9 @@ def initial_array(initial_value: Any, dtype: npt.DTypeLike | None, shape: object
             arr = arr.copy()
     else:
         arr = _infer_array(initial_value)
+        policy_dtype = variable_dtype_for(arr.dtype)
+        if policy_dtype is not None:
+            arr = _cast_to_policy(arr, policy_dtype)
     _check_dtype_supported(arr.dtype, "cudist.Variable")
     spec = _shape_spec(shape)
     if not _compatible(spec, arr.shape):
@@ -1237,6 +1241,17 @@ def initial_array(initial_value: Any, dtype: npt.DTypeLike | None, shape: object
             f"the explicitly supplied `shape` argument ({spec})."
         )
     return arr, spec
+
+
+def _cast_to_policy(arr: Array, dtype_name: str) -> Array:
+    """``arr`` cast to the global mixed-precision policy's variable dtype (a copy: a new variable)."""
+    if dtype_name == "bfloat16":
+        raise TypeError(
+            f"cudist.Variable: the global policy {global_policy().name!r} makes variables bfloat16, which cudist "
+            "variables cannot hold yet; use the 'mixed_bfloat16' policy (float32 variables, bfloat16 compute) or "
+            "pass dtype= explicitly"
+        )
+    return arr.astype(dtype_name)
 
 
 def _default_trainable(trainable: bool | None, synchronization: VariableSynchronization) -> bool:

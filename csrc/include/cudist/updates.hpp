@@ -202,7 +202,7 @@ void assign_sub(T* const* copies, std::size_t n, std::size_t count, const T* val
 namespace detail {
 
 /// Elements [b, b+len) of the sum of the ``m`` gradients, in replica order and with the
-/// reduction's arithmetic (float16 rounds after every addition), so they are exactly what
+/// reduction's arithmetic (float16: in float32, rounded once), so they are exactly what
 /// reduce_to_one(grads, sum) would store. Summed into ``acc``; a single gradient that needs no
 /// conversion is returned in place.
 template <class T, class Len>
@@ -219,6 +219,11 @@ inline const typename arith<T>::acc_t* sum_grads_line(const T* const* g, std::si
     p = g[r] + b;
     prefetch(p);
     for (std::size_t k = 0; k < len; ++k) acc[k] = A::add(acc[k], A::load(p[k]));
+  }
+  if constexpr (!std::is_same<typename A::acc_t, T>::value) {
+    // float16: the float32 sum rounded once, as reduce_to_one stores it.
+    if (m > 1)
+      for (std::size_t k = 0; k < len; ++k) acc[k] = A::load(A::store(acc[k]));
   }
   return acc;
 }
@@ -355,7 +360,7 @@ void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, co
 }  // namespace detail
 
 /// Fused all-reduce + gradient descent: ``g = grads[0] + ... + grads[m-1]`` (in replica order, in
-/// T: float16 rounds after every addition), then every one of the ``n`` copies becomes
+/// T: float16 in float32, rounded once), then every one of the ``n`` copies becomes
 /// ``copies[0] - lr * g``; one pass over memory (m + 1 buffers read, n written).
 ///
 /// Bit-identical to reduce_to_one(grads, m, count, sum, g) followed by sgd(copies, n, count, g, lr).

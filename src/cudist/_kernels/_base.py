@@ -18,14 +18,16 @@ to the hooks (the native backend: straight to the C++ extension).
 Semantics every backend must follow bit for bit on the CPU:
 
 * SUM adds in replica order: ``((b0 + b1) + b2) + ...`` elementwise, in the buffers' dtype
-  (float16 rounds to float16 after every addition; integers wrap around).
-* MEAN is that sum divided by N: true division for floats (not a multiplication by 1/N), truncation
-  toward zero for integers (C semantics).
+  (integers wrap around), except the 16-bit floats (float16, bfloat16): they accumulate in float32
+  and round to their dtype once, at the end.
+* MEAN is that sum divided by N: true division for floats (not a multiplication by 1/N; the 16-bit
+  floats divide the float32 sum by float32(N), then round), truncation toward zero for integers
+  (C semantics).
 * Mirrored updates read copy 0 (the copies are mirrors, so copy 0 stands for all of them) and write
   every copy. Arithmetic is in the variable dtype, except float16, which computes in float32 and
   rounds on store. Scalar hyper-parameters are converted to that compute type first.
 * The fused all-reduce + update forms (``all_reduce_sgd`` ...) first sum their M gradients exactly
-  as ``reduce_to_one(grads, SUM)`` does (in the gradients' dtype), then apply the update: the result
+  as ``reduce_to_one(grads, SUM)`` does (rounded to the gradients' dtype), then apply the update: the result
   is bit-identical to ``g = reduce_to_one(grads, SUM); sgd(copies, g, ...)``, in one pass.
 
 Hook names are ``_hook_<operation>``; callers that validated once use :attr:`KernelBackend.trusted`

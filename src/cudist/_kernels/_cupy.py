@@ -52,6 +52,7 @@ import optree
 from cudist._arrays import join_streams
 from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBackend
 from cudist._kernels._cuda_headers import cuda_include_dirs
+from cudist._kernels._numpy import reference_reduce
 from cudist._kernels._cuda_launch import LAUNCHERS_ENV, dtype_ctypes, kernel_list, launch_mode, runs_on
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
@@ -499,9 +500,24 @@ class CupyBackend(KernelBackend):
         return all(self._reachable(d, b) for d in devices for b in bufs)
 
     # ------------------------------------------------------------------ hooks
+    @staticmethod
+    def _half_on_host(bufs) -> bool:
+        """float16 over more than MAX_REPLICAS buffers: summed on the host by the reference.
+
+        float16 accumulates in float32 and rounds once (the contract); the kernels keep the running
+        sum between their passes of MAX_REPLICAS buffers in float16, which would round at every
+        pass (the C++ launchers refuse them: cudaErrorNotSupported). Only logical GPUs give more.
+        """
+        return len(bufs) > MAX_REPLICAS and bufs[0].dtype == np.float16
+
     def _hook_all_reduce(self, inputs, outputs, op):
         n, count = len(inputs), inputs[0].size
         if count == 0:
+            return
+        if self._half_on_host(inputs):
+            s = reference_reduce([cupy.asnumpy(x) for x in inputs], op)
+            for o in outputs:
+                o.set(s)
             return
         divisor = n if op is ReduceOp.MEAN else 0
         if outputs is inputs or all(o is i for o, i in zip(outputs, inputs)):
@@ -562,6 +578,9 @@ class CupyBackend(KernelBackend):
 
     def _hook_reduce_to_one(self, bufs, op, out):
         if out.size == 0:
+            return
+        if self._half_on_host(bufs):
+            out.set(reference_reduce([cupy.asnumpy(x) for x in bufs], op))
             return
         n = len(bufs)
         divisor = n if op is ReduceOp.MEAN else 0
@@ -645,7 +664,12 @@ class CupyBackend(KernelBackend):
         elif grads is None:
             args = (*tables, np.int32(m), g_arrs[0], *scalars, np.int64(count))
         else:
-            if k > MAX_REPLICAS:
+            if k > MAX_REPLICAS and self._half_on_host(g_arrs):
+                with cupy.cuda.Device(device):
+                    tmp = cupy.empty_like(g_arrs[0])
+                tmp.set(reference_reduce([cupy.asnumpy(x) for x in g_arrs], ReduceOp.SUM))
+                g_arrs = [tmp]
+            elif k > MAX_REPLICAS:
                 # Replica order kept: the head summed into a temporary, the kernel adds the rest.
                 head = k - (MAX_REPLICAS - 1)
                 with cupy.cuda.Device(device):

@@ -16,9 +16,9 @@ Design notes (why it looks the way it does):
   sees each input read once and each output written once, and an output that *is* an input
   (all_reduce in place) is safe.
 * float16 has no Numba arithmetic, so it travels as ``uint16`` bits and is converted in the
-  kernel with NumPy's round-to-nearest-even rule (``npy_floatbits_to_halfbits``); every operation
-  goes through float32 and is rounded back, as NumPy's float16 loops do, so results are
-  bit-identical.
+  kernel with NumPy's round-to-nearest-even rule (``npy_floatbits_to_halfbits``); sums accumulate
+  in float32 and round once (the contract), updates compute in float32 and round on store, so
+  results are bit-identical to the reference.
 * Buffers that partially overlap, or are misaligned, would break the blockwise multi-threaded
   scheme; the driver detects them and the NumPy reference does those (rare) calls instead.
 * Calls moving fewer than ``_PARALLEL_MIN_BYTES`` run the worker on the calling thread (the same
@@ -234,15 +234,7 @@ def _f2bf(f):
 
 
 # Element operations, chosen at compile time by the storage type (uint16 stands for float16).
-def _add(a, b):  # pragma: no cover - typing stubs, implemented by the overloads below
-    raise NotImplementedError
-
-
-def _sub(a, b):  # pragma: no cover
-    raise NotImplementedError
-
-
-def _div(s, n):  # pragma: no cover
+def _div(s, n):  # pragma: no cover - typing stubs, implemented by the overloads below
     raise NotImplementedError
 
 
@@ -254,30 +246,47 @@ def _st(v, proto):  # pragma: no cover
     raise NotImplementedError
 
 
-@overload(_add)
-def _ol_add(a, b):
-    if a == types.uint16:
-        return lambda a, b: _f2h(_h2f(a) + _h2f(b))
-    return lambda a, b: a + b  # ints: the store into the buffer dtype wraps
-
-
-@overload(_sub)
-def _ol_sub(a, b):
-    if a == types.uint16:
-        return lambda a, b: _f2h(_h2f(a) - _h2f(b))
-    return lambda a, b: a - b
-
-
 @overload(_div)
 def _ol_div(s, n):
-    if s == types.uint16:
-        return lambda s, n: _f2h(_h2f(s) / np.float32(n))
     if isinstance(s, types.Float):
         cast = np.float32 if s.bitwidth == 32 else np.float64
         return lambda s, n: s / cast(n)  # true division, not a multiplication by 1/n
     if isinstance(s, types.Integer):
         return lambda s, n: _sdiv(s, n)
     return None
+
+
+def _sum_grads(a, g0, ng, off, m, g, tg, ta, dtype):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_sum_grads)
+def _ol_sum_grads(a, g0, ng, off, m, g, tg, ta, dtype):
+    """The ``ng`` gradients of a block summed into ``tg`` in replica order: float16 (uint16) in the
+    float32 scratch ``ta``, rounded once; the other dtypes straight in ``tg`` (no extra pass)."""
+    if dtype.instance_type == types.uint16:
+
+        def impl(a, g0, ng, off, m, g, tg, ta, dtype):
+            for j in range(m):
+                ta[j] = _h2f(g[j])
+            for i in range(1, ng):
+                x = _view(a[g0 + i] + off, m, dtype)
+                for j in range(m):
+                    ta[j] = ta[j] + _h2f(x[j])
+            for j in range(m):
+                tg[j] = _f2h(ta[j])
+
+        return impl
+
+    def plain(a, g0, ng, off, m, g, tg, ta, dtype):
+        for j in range(m):
+            tg[j] = g[j]
+        for i in range(1, ng):
+            x = _view(a[g0 + i] + off, m, dtype)
+            for j in range(m):
+                tg[j] = tg[j] + x[j]
+
+    return plain
 
 
 @overload(_ld)
@@ -308,12 +317,13 @@ _HDR = 9
 
 
 @_cached(njit)
-def _reduce_range(argp, lo, hi, dtype):
+def _reduce_range(argp, lo, hi, dtype, ctype):
     a = numba.carray(_ptr_like(argp, np.int64), (_HDR,))
     mode, nin, nout = a[0], a[2], a[3]
     a = numba.carray(_ptr_like(argp, np.int64), (_HDR + nin + nout,))
-    tmp = np.empty(_CHUNK, dtype)
-    isz = tmp.itemsize
+    # The running sum in the compute type: float16 accumulates in float32 and rounds once, on store.
+    tmp = np.empty(_CHUNK, ctype)
+    isz = np.empty(1, dtype).itemsize
     for start in range(lo, hi, _CHUNK):
         # Views of this block indexed by an unsigned j: no negative-index wraparound, so the
         # loops vectorize into plain SIMD loads and stores.
@@ -321,22 +331,22 @@ def _reduce_range(argp, lo, hi, dtype):
         off = start * isz
         x = _view(a[_HDR] + off, m, dtype)
         for j in range(m):
-            tmp[j] = x[j]
+            tmp[j] = _ld(x[j])
         for i in range(1, nin):
             x = _view(a[_HDR + i] + off, m, dtype)
             if mode == _SUB:
                 for j in range(m):
-                    tmp[j] = _sub(tmp[j], x[j])
+                    tmp[j] = tmp[j] - _ld(x[j])
             else:
                 for j in range(m):
-                    tmp[j] = _add(tmp[j], x[j])
+                    tmp[j] = tmp[j] + _ld(x[j])
         if mode == _MEAN:
             for j in range(m):
                 tmp[j] = _div(tmp[j], nin)
         for i in range(nout):
             y = _view(a[_HDR + nin + i] + off, m, dtype)
             for j in range(m):
-                y[j] = tmp[j]
+                y[j] = _st(tmp[j], dtype)
 
 
 @_cached(njit)
@@ -530,6 +540,7 @@ def _update_range(argp, lo, hi, dtype, ctype):
     t3 = np.empty(_CHUNK if n3 > 0 else 1, dtype)
     tc = np.empty(_CHUNK if mode >= _ADAMW else 1, ctype)  # copy 0 after the weight decay
     tg = np.empty(_CHUNK if ng > 1 else 1, dtype)
+    ta = np.empty(_CHUNK if ng > 1 else 1, ctype)  # float16's float32 running sum (see _sum_grads)
     isz = tw.itemsize
     for start in range(lo, hi, _CHUNK):
         m = np.uint64(min(_CHUNK, hi - start))
@@ -537,14 +548,9 @@ def _update_range(argp, lo, hi, dtype, ctype):
         w = _view(a[_HDR] + off, m, dtype)
         g = _view(a[g0] + off, m, dtype)
         if ng > 1:
-            # The fused all-reduce: the gradients summed in replica order in their dtype (float16
-            # rounds after every addition), exactly what reduce_to_one would store.
-            for j in range(m):
-                tg[j] = g[j]
-            for i in range(1, ng):
-                x = _view(a[g0 + i] + off, m, dtype)
-                for j in range(m):
-                    tg[j] = _add(tg[j], x[j])
+            # The fused all-reduce: the gradients summed in replica order in the compute type and
+            # rounded once to their dtype (float16), exactly what reduce_to_one would store.
+            _sum_grads(a, g0, ng, off, m, g, tg, ta, dtype)
             g = _view(tg.ctypes.data, m, dtype)
         if mode == _SGD:
             lr = hp[0]
@@ -602,7 +608,7 @@ def _update_range(argp, lo, hi, dtype, ctype):
 
 # The per-dtype workers (compiled as cfuncs on first use; uint16 carries float16 bits).
 def _reduce_f16(argp, lo, hi):
-    _reduce_range(argp, lo, hi, np.uint16)
+    _reduce_range(argp, lo, hi, np.uint16, np.float32)
 
 
 def _reduce_bf16(argp, lo, hi):
@@ -610,19 +616,19 @@ def _reduce_bf16(argp, lo, hi):
 
 
 def _reduce_f32(argp, lo, hi):
-    _reduce_range(argp, lo, hi, np.float32)
+    _reduce_range(argp, lo, hi, np.float32, np.float32)
 
 
 def _reduce_f64(argp, lo, hi):
-    _reduce_range(argp, lo, hi, np.float64)
+    _reduce_range(argp, lo, hi, np.float64, np.float64)
 
 
 def _reduce_i32(argp, lo, hi):
-    _reduce_range(argp, lo, hi, np.int32)
+    _reduce_range(argp, lo, hi, np.int32, np.int32)
 
 
 def _reduce_i64(argp, lo, hi):
-    _reduce_range(argp, lo, hi, np.int64)
+    _reduce_range(argp, lo, hi, np.int64, np.int64)
 
 
 def _update_f16(argp, lo, hi):

@@ -11,10 +11,11 @@ from cudist._reduce_util import ReduceOp
 def reference_reduce(bufs, op):
     """Returns the reduction of ``bufs`` as a new array, in the contract's fixed order.
 
-    bfloat16 accumulates in float32 in replica order (the mean divides the float32 sum) and rounds
-    once at the end: its 8-bit mantissa would lose low replicas' bits if rounded after every addition.
+    The 16-bit floats (float16, bfloat16) accumulate in float32 in replica order (the mean divides
+    the float32 sum by float32(N)) and round once at the end: rounded after every addition, their
+    11- and 8-bit significands would lose the low bits of later replicas.
     """
-    if is_bfloat16(bufs[0].dtype):
+    if bufs[0].dtype == np.float16 or is_bfloat16(bufs[0].dtype):
         return reference_reduce([b.astype(np.float32) for b in bufs], op).astype(bufs[0].dtype)
     s = bufs[0].copy()
     for b in bufs[1:]:

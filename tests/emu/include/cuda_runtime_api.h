@@ -46,6 +46,7 @@ enum cudaError {
   cudaErrorNotReady = 600,
   cudaErrorPeerAccessAlreadyEnabled = 704,
   cudaErrorPeerAccessNotEnabled = 705,
+  cudaErrorNotSupported = 801,
 };
 typedef enum cudaError cudaError_t;
 
@@ -150,6 +151,7 @@ inline const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorInvalidResourceHandle: return "cudaErrorInvalidResourceHandle";
     case cudaErrorNotReady: return "cudaErrorNotReady";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
     case cudaErrorPeerAccessAlreadyEnabled: return "cudaErrorPeerAccessAlreadyEnabled";
     case cudaErrorPeerAccessNotEnabled: return "cudaErrorPeerAccessNotEnabled";
   }

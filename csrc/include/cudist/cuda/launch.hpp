@@ -8,13 +8,17 @@
 ///
 /// Conventions shared by every launcher:
 ///  * replica buffers are given as a host array of `n` device pointers (n >= 1; any n: more than
-///    cudist::kernels::kMaxReplicas are handled in several launches, summation order unchanged);
+///    cudist::kernels::kMaxReplicas are handled in several launches, summation order unchanged;
+///    except float16 sums, which accumulate in float32 and round once: more than kMaxReplicas
+///    float16 buffers to sum in one call return cudaErrorNotSupported (cudist's CuPy backend sums
+///    those on the host));
 ///  * `count` is the number of elements of each buffer;
 ///  * the work is enqueued on `stream` and the call returns without synchronizing; buffers on other
 ///    GPUs must be reachable from the current device (peer access enabled, or pinned host memory);
 ///  * the return value is the launch status (cudaSuccess, cudaErrorInvalidValue for bad arguments,
 ///    or the error of the failed launch).
-/// The numerics are those of cudist's kernel contract: replica-order sums in the buffer type, MEAN
+/// The numerics are those of cudist's kernel contract: replica-order sums in the buffer type (float16
+/// in float32, rounded once), MEAN
 /// as a true division (floats) or truncation toward zero (integers), float16 updates computed in
 /// float32; results equal cudist's NumPy reference bit for bit (up to float32 subnormals when the
 /// kernels are built with flush-to-zero).

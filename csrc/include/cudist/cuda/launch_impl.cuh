@@ -10,6 +10,7 @@
 #endif
 
 #include <initializer_list>
+#include <type_traits>
 
 #include "../kernels/kernels.cuh"
 #include "launch.hpp"
@@ -76,12 +77,21 @@ cudaError_t broadcast_from(const T* src, T* const* dsts, int first, int n, long 
   return cudaSuccess;
 }
 
+// float16 sums accumulate in float32 and round once (the contract): a running sum kept in __half
+// between the passes of more than kMaxReplicas buffers would round at every pass.
+template <class T>
+constexpr bool rounds_between_passes() {
+  return std::is_same<T, __half>::value;
+}
+
 // Reduces bufs[0..n) into `out` (and, on the last pass, also into extra[0..n_extra), n_extra <
 // kMaxReplicas). More than kMaxReplicas inputs: the running sum is kept in `out` between passes,
-// which preserves the order ((b0 + b1) + ...) exactly since every partial sum is rounded to T anyway.
+// which preserves the order ((b0 + b1) + ...) exactly since every partial sum of those types is
+// rounded to T anyway; float16 refuses them (cudaErrorNotSupported, see rounds_between_passes).
 template <class T>
 cudaError_t reduce_into(const T* const* bufs, int n, T* out, T* const* extra, int n_extra, long long count,
                         int divisor, cudaStream_t stream) {
+  if (rounds_between_passes<T>() && n > kMaxReplicas) return cudaErrorNotSupported;
   int done = 0;
   while (done < n) {
     PtrPack<T> in{};
@@ -270,6 +280,7 @@ cudaError_t grads_pack(const T* const* grads, int m, long long count, cudaStream
     n_pack = m;
     return cudaSuccess;
   }
+  if (rounds_between_passes<T>()) return cudaErrorNotSupported;  // the temporary would round the head's sum
   // Reduce all but the last kMaxReplicas - 1 into the temporary; the kernel adds those in order.
   const int head = m - (kMaxReplicas - 1);
   cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(tmp), static_cast<size_t>(count) * sizeof(T), stream);

@@ -15,8 +15,7 @@ namespace detail {
 /// Arithmetic of the reductions and updates for storage type T.
 ///
 /// ``acc_t`` is the type values are computed in (float32 for half); ``add`` is the reduction's
-/// addition *including* the rounding NumPy applies after it, so a chain of ``add`` calls gives
-/// NumPy's chain of float16 additions.
+/// addition in that type, and ``store`` rounds to T (once, at the end of a sum).
 template <class T, class Enable = void>
 struct arith;
 
@@ -50,6 +49,9 @@ struct arith<T, std::enable_if_t<std::is_integral<T>::value>> {
   static acc_t count(std::size_t n) noexcept { return static_cast<T>(n); }
 };
 
+// float16 accumulates in float32 and rounds once, on store: a sum over replicas rounded after every
+// addition would lose the low bits of later replicas (the contract, cudist/_kernels/_base.py).
+// assign_add / assign_sub are one addition, so rounding on store is NumPy's float16 result.
 template <>
 struct arith<half, void> {
   using acc_t = float;
@@ -57,11 +59,11 @@ struct arith<half, void> {
   static constexpr bool is_float = true;
   static acc_t load(half x) noexcept { return static_cast<float>(x); }
   static half store(acc_t a) noexcept { return half(a); }
-  static acc_t add(acc_t a, acc_t b) noexcept { return round_to_half(a + b); }
-  static acc_t sub(acc_t a, acc_t b) noexcept { return round_to_half(a - b); }
-  static acc_t div_n(acc_t a, acc_t n) noexcept { return round_to_half(a / n); }
-  // NumPy divides by float16(n), which rounds for n > 2048.
-  static acc_t count(std::size_t n) noexcept { return round_to_half(static_cast<float>(n)); }
+  static acc_t add(acc_t a, acc_t b) noexcept { return a + b; }
+  static acc_t sub(acc_t a, acc_t b) noexcept { return a - b; }
+  // The float32 sum divided by float32(n) (true division), rounded by store().
+  static acc_t div_n(acc_t a, acc_t n) noexcept { return a / n; }
+  static acc_t count(std::size_t n) noexcept { return static_cast<float>(n); }
 };
 
 // bfloat16 reductions accumulate in float32 and round once, in store(): an 8-bit mantissa rounded

@@ -5,9 +5,10 @@
 // that no <cstdint>/<cstddef> is needed under NVRTC.
 //
 // Numerics follow the kernel contract of cudist (src/cudist/_kernels/_base.py) bit for bit:
-//  * sums add in replica order 0, 1, ..., N-1 in the buffer dtype (float16 rounds after every
-//    addition; integers wrap around);
-//  * MEAN divides that sum by N: IEEE division for floats, truncation toward zero for integers;
+//  * sums add in replica order 0, 1, ..., N-1 in the buffer dtype (integers wrap around), except
+//    float16, which accumulates in float32 and rounds once, on store;
+//  * MEAN divides that sum by N: IEEE division for floats (float16: the float32 sum by float32(N)),
+//    truncation toward zero for integers;
 //  * updates of float16 variables compute in float32 and round to nearest even on store.
 // Floating-point arithmetic goes through the `__d*_rn` intrinsics and, for float32, `.rn` PTX
 // without `.ftz`: never contracted into FMAs, always rounded to nearest, subnormals kept, whatever
@@ -40,6 +41,8 @@ template <> struct compute<__half> { using type = float; };
 __device__ __forceinline__ float to_compute(__half x) { return __half2float(x); }
 __device__ __forceinline__ float to_compute(float x) { return x; }
 __device__ __forceinline__ double to_compute(double x) { return x; }
+__device__ __forceinline__ int to_compute(int x) { return x; }
+__device__ __forceinline__ long long to_compute(long long x) { return x; }
 
 template <class T> __device__ __forceinline__ T from_compute(typename compute<T>::type x) { return x; }
 template <> __device__ __forceinline__ __half from_compute<__half>(float x) { return __float2half_rn(x); }
@@ -99,9 +102,6 @@ __device__ __forceinline__ long long sub(long long a, long long b) {
 // MEAN: the (already reduced) sum divided by the replica count n >= 1.
 __device__ __forceinline__ float divide_by(float s, int n) { return div(s, (float)n); }
 __device__ __forceinline__ double divide_by(double s, int n) { return __ddiv_rn(s, (double)n); }
-__device__ __forceinline__ __half divide_by(__half s, int n) {
-  return __float2half_rn(div(__half2float(s), (float)n));
-}
 // C division truncates toward zero, which is the contract; n >= 1 so INT_MIN / n is defined.
 __device__ __forceinline__ int divide_by(int s, int n) { return s / n; }
 __device__ __forceinline__ long long divide_by(long long s, int n) { return s / (long long)n; }
@@ -198,19 +198,27 @@ __device__ __forceinline__ void for_each(long long begin, long long end, bool ve
 // runs to kMaxReplicas with constant indices (unrolled) so that the pointers stay in registers.
 template <class T, int W>
 __device__ __forceinline__ Pack<T, W> reduce_packs(const Ptrs<T>& p, int n, int divisor, long long i) {
-  Pack<T, W> s = load<W>(p.p[0] + i);
+  // The running sum in the compute type: float16 accumulates in float32 and rounds once, on store.
+  using C = typename compute<T>::type;
+  const Pack<T, W> x0 = load<W>(p.p[0] + i);
+  C acc[W];
+#pragma unroll
+  for (int k = 0; k < W; ++k) acc[k] = to_compute(x0.v[k]);
 #pragma unroll
   for (int r = 1; r < kMaxReplicas; ++r) {
     if (r < n) {
       const Pack<T, W> x = load<W>(p.p[r] + i);
 #pragma unroll
-      for (int k = 0; k < W; ++k) s.v[k] = add(s.v[k], x.v[k]);
+      for (int k = 0; k < W; ++k) acc[k] = add(acc[k], to_compute(x.v[k]));
     }
   }
   if (divisor > 0) {
 #pragma unroll
-    for (int k = 0; k < W; ++k) s.v[k] = divide_by(s.v[k], divisor);
+    for (int k = 0; k < W; ++k) acc[k] = divide_by(acc[k], divisor);
   }
+  Pack<T, W> s;
+#pragma unroll
+  for (int k = 0; k < W; ++k) s.v[k] = from_compute<T>(acc[k]);
   return s;
 }
 

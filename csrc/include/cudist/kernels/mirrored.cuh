@@ -7,7 +7,7 @@
 // converted to the compute type; no FMA contraction.
 //
 // The fused all-reduce + update kernels (mirrored_all_reduce_sgd / _momentum / _adam) first sum
-// their n_grads gradients in replica order in T (float16 rounds after every addition), exactly as
+// their n_grads gradients in replica order in T (float16: in float32, rounded once), exactly as
 // all_reduce_one_shot / reduce_to_one would store the sum, then apply the same update: one pass
 // reads the gradients, copy 0 and slot copy 0 and writes every copy.
 //
@@ -69,7 +69,7 @@ struct OneGrad {
   __device__ __forceinline__ bool aligned() const { return aligned16(p); }
 };
 
-// ... or the sum of n of them, in replica order in T (the fused all-reduce).
+// ... or the sum of n of them, in replica order (float16 in float32, rounded once; the fused all-reduce).
 template <class T>
 struct SumGrads {
   Ptrs<T> p;

@@ -38,6 +38,7 @@ _ERRORS = {
     9: ("cudaErrorInvalidConfiguration", "invalid configuration argument"),
     101: ("cudaErrorInvalidDevice", "invalid device ordinal"),
     400: ("cudaErrorInvalidResourceHandle", "invalid resource handle"),
+    801: ("cudaErrorNotSupported", "operation not supported"),
 }
 
 
