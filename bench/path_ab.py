@@ -7,7 +7,9 @@ The cases (4 replicas on logical CPUs, float32):
 * ``nest-256K``: ``strategy.run`` of a function that all-reduces its replica's list of 64 leaves
   (``cudist-bench user-path``'s nest sizes, 256 KiB in all);
 * ``vars64-momentum`` / ``vars64-adam``: ``strategy.run`` of ``optimizer.apply_gradients`` over 64
-  variables (32 of 64x64 and 32 of 64), the gradients a list of PerReplica arguments.
+  variables (32 of 64x64 and 32 of 64), the gradients a list of PerReplica arguments;
+* ``mlp-step``: ``bench/step_compare.py``'s MLP training step (784-512-512-10, batch 256 split over
+  the replicas, NumPy forward and backward, SGD with momentum through ``apply_gradients``).
 
 Each (tree, case) runs in a process of its own, ``--rounds`` times, the trees alternating; each
 process prints the median time of its calls (microseconds; ``cudist.bench._timing.time_calls``,
@@ -26,7 +28,7 @@ import statistics
 import subprocess
 import sys
 
-CASES = ("one-256K", "one-4M", "nest-256K", "vars64-momentum", "vars64-adam")
+CASES = ("one-256K", "one-4M", "nest-256K", "vars64-momentum", "vars64-adam", "mlp-step")
 REPLICAS = 4
 
 
@@ -86,6 +88,26 @@ def child(tree: str, case: str, scale: float) -> float:
             opt.apply_gradients(zip(gs, vs))
 
         return median_of(lambda: s.run(apply, args=(g,)), max(5, int(300 * scale)))
+    if case == "mlp-step":
+        import importlib.util
+        import os
+
+        spec = importlib.util.spec_from_file_location("step_compare", os.path.join(os.path.dirname(__file__), "step_compare.py"))
+        assert spec is not None and spec.loader is not None
+        sc = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sc)
+        params, xs, ys = sc.make_problem(0, 256)
+        parts = sc.shards(n, xs, ys)
+        with s.scope():
+            vs = [cudist.Variable(p.copy()) for p in params]
+            opt = cudist.optimizers.SGD(learning_rate=sc.LR, momentum=sc.MOMENTUM)
+        data = s.experimental_distribute_values_from_function(lambda c: parts[c.replica_id_in_sync_group])
+
+        def replica_step(xy):
+            grads, _ = sc.mlp_grads([v.read_value() for v in vs], xy[0], xy[1], 1.0 / len(xs))
+            opt.apply_gradients(zip(grads, vs))
+
+        return median_of(lambda: s.run(replica_step, args=(data,)), max(5, int(60 * scale)))
     raise SystemExit(f"unknown case {case!r}; the cases: {', '.join(CASES)}")
 
 
