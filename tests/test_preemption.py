@@ -66,12 +66,32 @@ def _mapped_shm():
     return mapped
 
 
+def _running(tag):
+    """Processes (other than this one) whose command line names ``tag``: a job's workers, its launcher."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+            pid = int(cmdline.parent.name)
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and any(tag.encode() in a for a in args):
+            found.append((pid, b" ".join(args).decode(errors="replace")[:200]))
+    return found
+
+
 @pytest.fixture
-def no_shm_left():
+def no_shm_left(tmp_path):
+    """After the test: no MPI segment left in /dev/shm, and no process left that the test's job made
+    (every job names the test's ``tmp_path`` on its command line)."""
     before = _shm()
     yield
     left = _shm() - before - _mapped_shm()
     assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
+    deadline = time.monotonic() + 10  # a killed worker's parent may still be reaping it
+    while (alive := _running(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"processes of the job left running: {alive}"
 
 
 @pytest.fixture
