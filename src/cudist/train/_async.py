@@ -20,7 +20,19 @@ but the next training step, writing every variable while its snapshot is held, m
 fresh memory, and faulting in 256 MiB of new pages cost that step ~450 ms: more than the
 synchronous save (~370 ms). Copying into buffers that stay mapped between saves costs the call one
 copy (the first save also faults the buffers in) and nothing after. The price is memory: a
-checkpoint that saved asynchronously keeps one host copy of its tensors.
+checkpoint that saved asynchronously keeps one host copy of its tensors. Recycling the memory the
+copy-on-write moves to (a warm buffer instead of fresh pages) was measured too: the call drops to
+~0.5 ms, but the first step after it then makes the same copy, since the update pass detaches every
+variable and slot before it updates any (the background write has read none of them by then): the
+loop is blocked as long. Capture becomes free only when the update itself can write to other memory
+than it reads (an update kernel reading the snapshot-held copy and writing a recycled buffer), a
+kernel change.
+
+Where the blocked time goes (``bench/PERFORMANCE.md``): the capture's copy is ~80% of the call,
+the rest the hand-off to the writer thread. But on 2 loaded cores, with update kernels that use
+both, the background write (page-cache copy, checksums, the flush) slows the training steps that
+run meanwhile by most of a synchronous save's time: that, not the call, dominates what the loop
+pays there.
 """
 
 from __future__ import annotations
@@ -56,7 +68,7 @@ class CheckpointOptions:
             with the checkpoint's path prefix if they take an argument (as TF). With ``enable_async``
             they run in the background thread.
         enable_async: write in a background thread: the save returns once the state is captured
-            (copy-on-write snapshots of the variables). ``Checkpoint.sync()`` /
+            (copied into staging buffers the checkpoint keeps between saves). ``Checkpoint.sync()`` /
             ``CheckpointManager.sync()`` wait for the write; the next save waits for it too; an
             error in it is raised by the next save or ``sync()``.
         experimental_skip_slot_variables: save without the optimizers' slot variables.
