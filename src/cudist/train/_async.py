@@ -12,7 +12,7 @@ An asynchronous save captures the state in the caller's thread and writes it in 
   crash or SIGKILL during it leaves the previous checkpoints intact;
 * one write at a time per :class:`~cudist.train.Checkpoint`: a save waits for the previous one
   first, and raises its error, if it had one (as does ``sync()``, which waits for it);
-* an interpreter that exits normally finishes the pending write first (an exit hook waits for it).
+* the thread is not a daemon: an interpreter that exits normally finishes the pending write first.
 
 Why staging copies rather than the variables' copy-on-write snapshots (measured, 256 MiB of
 variables + momentum slots, 2 loaded cores): the snapshots make the save call itself cheap (4 ms),
@@ -20,19 +20,17 @@ but the next training step, writing every variable while its snapshot is held, m
 fresh memory, and faulting in 256 MiB of new pages cost that step ~450 ms: more than the
 synchronous save (~370 ms). Copying into buffers that stay mapped between saves costs the call one
 copy (the first save also faults the buffers in) and nothing after. The price is memory: a
-checkpoint that saved asynchronously keeps one host copy of its tensors. Recycling the memory the
-copy-on-write moves to (a warm buffer instead of fresh pages) was measured too: the call drops to
-~0.5 ms, but the first step after it then makes the same copy, since the update pass detaches every
-variable and slot before it updates any (the background write has read none of them by then): the
-loop is blocked as long. Capture becomes free only when the update itself can write to other memory
-than it reads (an update kernel reading the snapshot-held copy and writing a recycled buffer), a
-kernel change.
+checkpoint that saved asynchronously keeps one host copy of its tensors. Copy-on-write into
+recycled warm buffers (instead of fresh pages) was measured too: the call drops to ~8 ms, but the
+first step after it took 136 ms instead of 45: the update pass detaches every variable and slot
+before it updates any, when the background write has read none of them, so that step makes the whole
+copy itself. Capture becomes free only when the update can write other memory than it reads (an
+update kernel reading the snapshot-held copy and writing a recycled buffer): a kernel change.
 
-Where the blocked time goes (``bench/PERFORMANCE.md``): the capture's copy is ~80% of the call,
-the rest the hand-off to the writer thread. But on 2 loaded cores, with update kernels that use
-both, the background write (page-cache copy, checksums, the flush) slows the training steps that
-run meanwhile by most of a synchronous save's time: that, not the call, dominates what the loop
-pays there.
+Where the blocked time goes (``bench/PERFORMANCE.md``): the capture's copy is ~80% of the call.
+But on 2 loaded cores, with update kernels that use both, the background write (the page-cache
+copy, checksums, the flush) slows the training steps that run meanwhile by up to most of a
+synchronous save's time: that, not the call, dominates what the loop pays there.
 """
 
 from __future__ import annotations
@@ -41,7 +39,6 @@ import atexit
 import functools
 import inspect
 import logging
-import queue
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -151,60 +148,16 @@ def _device_to_host(value: Any, event: Any) -> np.ndarray:
         return to_host(value)
 
 
-#: Every writer with a thread started: at exit, pending writes are finished and a write that failed
-#: unobserved is logged.
+#: Every writer with a thread started: at exit, a write that failed unobserved is logged.
 _WRITERS: weakref.WeakSet[AsyncWriter] = weakref.WeakSet()
 
 
-class _Worker:
-    """A writer's background thread and what it shares with it (not the writer itself, so the
-    thread does not keep the writer alive: when the writer goes, its finalizer ends the thread)."""
-
-    def __init__(self, name: str) -> None:
-        self.jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self.idle = threading.Event()
-        self.idle.set()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                job()
-            except BaseException as e:  # kept for the next save or sync() to raise in the caller's thread
-                self.error = e
-            finally:
-                del job  # the captured tensors: freed before the thread waits for the next write
-                self.idle.set()
-
-
-    def wait(self) -> None:
-        """Waits until no write is pending (at once in a forked child: the parent's write is not its own)."""
-        while not self.idle.wait(0.5):
-            if not self.thread.is_alive():
-                return
-
-
-def _stop(worker: _Worker) -> None:
-    worker.jobs.put(None)
-
-
 class AsyncWriter:
-    """Runs one checkpoint's background writes, one at a time.
-
-    Why one long-lived thread rather than a thread per write: ``Thread.start()`` waits until the new
-    thread runs, a scheduler round trip the save call paid every time (~6 ms of a 36 ms capture,
-    measured on 2 loaded cores); handing a job to a waiting thread does not wait. The thread is a
-    daemon (an idle one must not hold the interpreter open), so an exit hook finishes a pending write
-    instead of the interpreter's join of non-daemon threads.
-    """
+    """Runs one checkpoint's background writes, one at a time."""
 
     def __init__(self) -> None:
-        self._worker: _Worker | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._staging: dict[str, np.ndarray] = {}  # tensor key -> its host buffer, reused by every save
         self._staged: set[str] = set()  # the keys the save being captured uses
@@ -248,47 +201,49 @@ class AsyncWriter:
     @property
     def pending(self) -> bool:
         """Whether a write is still running."""
-        worker = self._worker
-        return worker is not None and not worker.idle.is_set()
+        t = self._thread
+        return t is not None and t.is_alive()
 
     def submit(self, job: Callable[[], None], what: str) -> None:
-        """Waits for the previous write (raising its error), then starts ``job`` in the background thread.
+        """Waits for the previous write (raising its error), then starts ``job`` in a background thread.
 
         Args:
             job: the write (and what follows its commit: state files, callbacks).
-            what: names the write in the exit log and the thread's name.
+            what: names the write in the thread's name and in the exit log.
         """
         self.sync()
+        thread = threading.Thread(target=self._run, args=(job,), name=f"cudist-checkpoint-write {what}", daemon=False)
         with self._lock:
-            worker = self._worker
-            if worker is None or not worker.thread.is_alive():  # the first write, or a forked child
-                worker = self._worker = _Worker("cudist-checkpoint-write")
-                weakref.finalize(self, _stop, worker)
-            worker.thread.name = f"cudist-checkpoint-write {what}"
-            worker.idle.clear()
+            self._thread = thread
         _WRITERS.add(self)
-        worker.jobs.put(job)
+        thread.start()
+
+    def _run(self, job: Callable[[], None]) -> None:
+        try:
+            job()
+        except BaseException as e:  # kept for the next save or sync() to raise in the caller's thread
+            with self._lock:
+                self._error = e
 
     def sync(self) -> None:
         """Waits for the pending write; raises its error if it failed (once)."""
-        worker = self._worker
-        if worker is None:
-            return
-        worker.wait()
         with self._lock:
-            error, worker.error = worker.error, None
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+        with self._lock:
+            if thread is not None and self._thread is thread:
+                self._thread = None
+            error, self._error = self._error, None
         if error is not None:
             raise error
 
 
 @atexit.register
-def _finish_pending_writes() -> None:
-    # A program that ends with a write pending (no sync() after its last save) still commits it;
-    # one that failed after the program's last sync() is reported rather than lost.
+def _report_unobserved_errors() -> None:
+    # Non-daemon writer threads have been joined by the time atexit runs (threading's shutdown comes
+    # first): a write that failed after the program's last sync() is reported rather than lost.
     for writer in list(_WRITERS):
-        worker = writer._worker
-        if worker is None:
-            continue
-        worker.wait()
-        if worker.error is not None:
-            _log.error("an asynchronous checkpoint write failed: %r", worker.error)
+        error = writer._error
+        if error is not None:
+            _log.error("an asynchronous checkpoint write failed: %r", error)
