@@ -66,12 +66,32 @@ def _mapped_shm():
     return mapped
 
 
+def _running(tag):
+    """Processes (other than this one) whose command line names ``tag``: a job's workers, its launcher."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+            pid = int(cmdline.parent.name)
+        except (OSError, ValueError):
+            continue
+        if pid != os.getpid() and any(tag.encode() in a for a in args):
+            found.append((pid, b" ".join(args).decode(errors="replace")[:200]))
+    return found
+
+
 @pytest.fixture
-def no_shm_left():
+def no_shm_left(tmp_path):
+    """After the test: no MPI segment left in /dev/shm, and no process left that the test's job made
+    (every job names the test's ``tmp_path`` on its command line)."""
     before = _shm()
     yield
     left = _shm() - before - _mapped_shm()
     assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
+    deadline = time.monotonic() + 10  # a killed worker's parent may still be reaping it
+    while (alive := _running(str(tmp_path))) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive, f"processes of the job left running: {alive}"
 
 
 @pytest.fixture
@@ -515,6 +535,94 @@ def test_a_second_save_waits_for_the_first(tmp_path, monkeypatch):
     assert done.is_set()
     ckpt.sync()
     assert _format.exists(str(tmp_path / "a")) and _format.exists(str(tmp_path / "b"))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_large_async_saves_hold_the_bits_of_each_call_while_training_goes_on(tmp_path, monkeypatch, dtype):
+    """Tensors above the multi-threaded copy's threshold (odd sizes, random values), two saves in a row
+    (the second reuses the first's staging buffers): each checkpoint holds the variable and its
+    momentum slot as they were at its save call, whatever the steps after it wrote meanwhile."""
+    rng = np.random.default_rng(29)
+    shapes = [(300_007,), (517, 1031)]
+    ws = [cudist.Variable(rng.standard_normal(s).astype(dtype), name=f"w{i}") for i, s in enumerate(shapes)]
+    grads = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    opt = cudist.optimizers.SGD(0.01, momentum=0.9)
+
+    def step():
+        opt.apply_gradients(zip(grads, ws))
+
+    step()
+    ckpt = train.Checkpoint(optimizer=opt, w0=ws[0], w1=ws[1])
+    gate = threading.Event()
+    monkeypatch.setattr(_format, "before_commit", lambda prefix: gate.wait(10))  # hold each write open
+    saved = []
+    for _ in range(2):
+        step()
+        want = {f"w{i}": (w.numpy().tobytes(), opt.get_slot(w, "momentum").numpy().tobytes())
+                for i, w in enumerate(ws)}
+        gate.clear()
+        path = ckpt.save(str(tmp_path / "c"), options=ASYNC)
+        for _ in range(3):  # every variable and slot is written while the write is pending
+            step()
+        gate.set()
+        ckpt.sync()
+        saved.append((path, want))
+    for path, want in saved:
+        values = _values(path)
+        for key, (w_bytes, m_bytes) in want.items():
+            assert values[key].tobytes() == w_bytes, f"{path}: {key} is not the value of the save call"
+            assert values[f"{key}/.OPTIMIZER_SLOT/optimizer/momentum"].tobytes() == m_bytes
+        fresh = [cudist.Variable(np.zeros(s, dtype)) for s in shapes]
+        train.Checkpoint(w0=fresh[0], w1=fresh[1]).restore(path).expect_partial()
+        for i, f in enumerate(fresh):
+            assert f.numpy().tobytes() == want[f"w{i}"][0]
+    assert saved[0][1] != saved[1][1]  # training moved the values between the saves
+
+
+def _writer_threads():
+    return [t for t in threading.enumerate() if t.name.startswith("cudist-checkpoint-write") and t.is_alive()]
+
+
+def test_no_writer_thread_outlives_its_write(tmp_path, monkeypatch):
+    before = set(_writer_threads())
+    gate = threading.Event()
+    monkeypatch.setattr(_format, "before_commit", lambda prefix: gate.wait(10))
+    ckpt = train.Checkpoint(w=cudist.Variable(np.ones(4, np.float32)))
+    ckpt.write(str(tmp_path / "a"), options=ASYNC)
+    mine = set(_writer_threads()) - before
+    assert len(mine) == 1  # the pending write's
+    gate.set()
+    ckpt.sync()
+    assert not any(t.is_alive() for t in mine), "the writer thread outlived its write"
+
+
+_FORK_CHILD = """
+import os, sys, threading
+import numpy as np
+import cudist
+from cudist import train
+from cudist.train import _format
+gate = threading.Event()
+_format.before_commit = lambda prefix: gate.wait(30)
+ckpt = train.Checkpoint(w=cudist.Variable(np.ones(4, np.float32)))
+ckpt.write(os.path.join(sys.argv[1], "a"), options=train.CheckpointOptions(enable_async=True))
+pid = os.fork()
+if pid == 0:  # the parent's write is not the child's to wait for
+    ckpt.sync()
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+gate.set()
+ckpt.sync()
+print("child", os.waitstatus_to_exitcode(status), flush=True)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_does_not_wait_for_its_parents_pending_write(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", _FORK_CHILD, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "child 0" in proc.stdout
+    assert _format.exists(str(tmp_path / "a"))
 
 
 def test_async_manager_saves_keep_max_to_keep_and_the_state_file(tmp_path):

@@ -20,7 +20,17 @@ but the next training step, writing every variable while its snapshot is held, m
 fresh memory, and faulting in 256 MiB of new pages cost that step ~450 ms: more than the
 synchronous save (~370 ms). Copying into buffers that stay mapped between saves costs the call one
 copy (the first save also faults the buffers in) and nothing after. The price is memory: a
-checkpoint that saved asynchronously keeps one host copy of its tensors.
+checkpoint that saved asynchronously keeps one host copy of its tensors. Copy-on-write into
+recycled warm buffers (instead of fresh pages) was measured too: the call drops to ~8 ms, but the
+first step after it took 136 ms instead of 45: the update pass detaches every variable and slot
+before it updates any, when the background write has read none of them, so that step makes the whole
+copy itself. Capture becomes free only when the update can write other memory than it reads (an
+update kernel reading the snapshot-held copy and writing a recycled buffer): a kernel change.
+
+Where the blocked time goes (``bench/PERFORMANCE.md``): the capture's copy is ~80% of the call.
+But on 2 loaded cores, with update kernels that use both, the background write (the page-cache
+copy, checksums, the flush) slows the training steps that run meanwhile by up to most of a
+synchronous save's time: that, not the call, dominates what the loop pays there.
 """
 
 from __future__ import annotations
@@ -55,7 +65,7 @@ class CheckpointOptions:
             with the checkpoint's path prefix if they take an argument (as TF). With ``enable_async``
             they run in the background thread.
         enable_async: write in a background thread: the save returns once the state is captured
-            (copy-on-write snapshots of the variables). ``Checkpoint.sync()`` /
+            (copied into staging buffers the checkpoint keeps between saves). ``Checkpoint.sync()`` /
             ``CheckpointManager.sync()`` wait for the write; the next save waits for it too; an
             error in it is raised by the next save or ``sync()``.
         experimental_skip_slot_variables: save without the optimizers' slot variables.
