@@ -696,7 +696,7 @@ class Optimizer:
             grad = from_dlpack(grad)
         if is_array(grad):
             # bfloat16 (NumPy kind "V") is a float: mixed precision casts it exactly to the variable's
-            # float32 before the float32 sum over replicas.
+            # float32 before the float32 sum over replicas (or the fused pass widens it: _narrow_ok).
             if grad.dtype != var.dtype and grad.dtype.kind not in "fiu" and not is_bfloat16(grad.dtype):
                 raise TypeError(
                     f"{self.name}: the gradient of variable '{var.name}' has dtype {grad.dtype.name}, which cannot "
