@@ -8,8 +8,14 @@ round the median of ``--calls`` timed calls; the table gives the median over rou
 Before timing, every backend's result is checked bit for bit against the NumPy reference (float32
 accumulation in replica order, one rounding).
 
+``--update``: instead, the fused all-reduce + SGD-momentum through ``optimizer.apply_gradients``
+inside ``strategy.run``: a float32 variable of the same element count updated from float32
+gradients against bfloat16 gradients (mixed precision; on backends with ``mixed_gradients`` the
+fused pass widens them itself, no float32 copy). Checked first: both give the NumPy reference's
+bits for the same gradient values.
+
 Usage: ``python bench/bf16_allreduce.py [--mib 64] [--replicas 4] [--rounds 7] [--calls 5]
-[--backends native,numba,numpy]``
+[--backends native,numba,numpy] [--update]``
 """
 
 from __future__ import annotations
@@ -27,7 +33,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--backends", default="native,numba,numpy")
+    p.add_argument("--update", action="store_true", help="the fused all-reduce + SGD-momentum instead")
     a = p.parse_args()
+    if a.update:
+        update_bench(a)
+        return
 
     import ml_dtypes
     import numpy as np
@@ -81,6 +91,72 @@ def main() -> None:
                 times[dt].append(statistics.median(s) * 1e3)
         f, b = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
         print(f"  {name:>8} {f:11.2f} {b:12.2f} {f / b:8.2f}x")
+    os.environ.pop("CUDIST_BACKEND", None)
+
+
+def update_bench(a: argparse.Namespace) -> None:
+    """Fused all-reduce + SGD-momentum via apply_gradients: float32 vs bfloat16 gradients, float32 variable."""
+    import ml_dtypes
+    import numpy as np
+
+    import cudist
+    from cudist import config
+    from cudist._kernels import cpu_backend, reset_backend_cache
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    count = int(a.mib * (1 << 20)) // 4
+    n = a.replicas
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
+    rng = np.random.default_rng(0)
+    g16 = [(rng.random(count, dtype=np.float32) * 2 - 1).astype(bf16) for _ in range(n)]
+    grads = {"float32": [g.astype(np.float32) for g in g16], "bfloat16": g16}  # the same values
+    init = rng.random(count, dtype=np.float32)
+
+    def trained(strategy, dt, steps=1):
+        with strategy.scope():
+            w = cudist.Variable(init, name="w")
+            opt = cudist.optimizers.SGD(0.01, momentum=0.9)
+        x = strategy.experimental_distribute_values_from_function(lambda c: grads[dt][c.replica_id_in_sync_group])
+
+        def step(g):
+            opt.apply_gradients([(g, w)])
+
+        for _ in range(steps):
+            strategy.run(step, args=(x,))
+        return w, x, step
+
+    print(f"# strategy.run + SGD(momentum=0.9).apply_gradients (fused all-reduce + update), {n} replicas, "
+          f"float32 variable of {count} elements; gradients float32 ({count * 4 / 2**20:.0f} MiB per replica) "
+          f"vs bfloat16 ({count * 2 / 2**20:.0f} MiB); {a.rounds} interleaved rounds x median of {a.calls} calls")
+    print(f"# {'backend':>8} {'f32 grads ms':>12} {'bf16 grads ms':>13} {'f32/bf16':>9}")
+    os.environ["CUDIST_BACKEND"] = "numpy"
+    reset_backend_cache()
+    want = np.asarray(trained(cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)]), "float32", 2)[0].read_value())
+    for name in a.backends.split(","):
+        os.environ["CUDIST_BACKEND"] = name
+        reset_backend_cache()
+        assert cpu_backend().name == name
+        strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+        runs = {}
+        for dt in grads:
+            w, x, step = trained(strategy, dt, 2)
+            assert np.asarray(w.read_value()).tobytes() == want.tobytes(), (name, dt)
+            runs[dt] = (x, step)
+        times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        for r in range(a.rounds):
+            order = ("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32")
+            for dt in order:
+                x, step = runs[dt]
+                strategy.run(step, args=(x,))  # warm-up
+                s = []
+                for _ in range(a.calls):
+                    t0 = time.perf_counter()
+                    strategy.run(step, args=(x,))
+                    s.append(time.perf_counter() - t0)
+                times[dt].append(statistics.median(s) * 1e3)
+        f, b = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+        print(f"  {name:>8} {f:12.2f} {b:13.2f} {f / b:8.2f}x")
     os.environ.pop("CUDIST_BACKEND", None)
 
 

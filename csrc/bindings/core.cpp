@@ -763,31 +763,48 @@ void assign(py::handle copies, py::handle value) {
   });
 }
 
-// The gradients of a fused all-reduce + update: one or more arrays of the copies' dtype and size.
-py::tuple inspect_grads(py::handle grads, const char* where, kind k, std::size_t size, std::vector<void*>& pg) {
+// The gradients of a fused all-reduce + update: one or more arrays of the copies' size, of their
+// dtype or -- mixed precision, float32 copies only -- of bfloat16 or float16, widened exactly inside
+// the pass (``kg``: the gradients' kind).
+py::tuple inspect_grads(py::handle grads, const char* where, kind k, std::size_t size, std::vector<void*>& pg,
+                        kind& kg) {
   std::size_t gsize = 0;
-  kind kg;
   py::tuple keep = inspect_all(grads, where, "gradient", false, pg, gsize, kg);
-  if (kg != k)
+  if (kg != k && !(k == kind::f32 && (kg == kind::bf16 || kg == kind::f16)))
     throw py::type_error(std::string(where) + ": the gradients have dtype " + kind_name(kg) + " but the copies have dtype " +
-                         kind_name(k));
+                         kind_name(k) + " (float32 copies also take bfloat16 or float16 gradients)");
   if (gsize != size)
     throw py::value_error(std::string(where) + ": the gradients have " + std::to_string(gsize) +
                           " elements but the copies have " + std::to_string(size));
   return keep;
 }
 
+// Calls fn(T{}, G{}): T the copies' float type, G the gradients' (T, or narrower for float32 copies).
+template <class F>
+void dispatch_mixed(kind k, kind kg, const char* where, F&& fn) {
+  if (kg == k) {
+    dispatch_float(k, where, [&](auto t) { fn(t, t); });
+  } else if (kg == kind::bf16) {
+    fn(float{}, cudist::bfloat16{});
+  } else {
+    fn(float{}, cudist::half{});
+  }
+}
+
 void all_reduce_sgd(py::handle copies, py::handle grads, double lr) {
   const char* where = "all_reduce_sgd";
   std::vector<void*> p, pg;
   std::size_t size = 0;
-  kind k;
+  kind k, kg;
   const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
-  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg);
-  dispatch_float(k, where, [&](auto t) {
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
+  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
     using T = decltype(t);
-    maybe_nogil((p.size() + pg.size() + 1) * size * sizeof(T), [&] {
-      cudist::all_reduce_sgd<T>(typed<T>(p), p.size(), size, reinterpret_cast<const T* const*>(pg.data()), pg.size(), lr);
+    using G = decltype(tg);
+    maybe_nogil((p.size() + 1) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
+      T* const* const state[1] = {typed<T>(p)};
+      cudist::detail::run_rule<cudist::rules::sgd>(state, p.size(), size, reinterpret_cast<const G* const*>(pg.data()),
+                                                   pg.size(), 0.0, &cudist::thread_pool::global(), lr);
     });
   });
 }
@@ -796,17 +813,19 @@ void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, d
   const char* where = "all_reduce_momentum";
   std::vector<void*> p, pv, pg;
   std::size_t size = 0, vsize = 0;
-  kind k, kv;
+  kind k, kv, kg;
   const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
   const py::tuple keep_v = inspect_all(vels, where, "velocity copy", true, pv, vsize, kv);
   if (kv != k || vsize != size || pv.size() != p.size())
     throw py::value_error("all_reduce_momentum: velocities must match the variable copies in number, dtype and size");
-  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg);
-  dispatch_float(k, where, [&](auto t) {
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
+  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
     using T = decltype(t);
-    maybe_nogil((2 * p.size() + pg.size() + 2) * size * sizeof(T), [&] {
-      cudist::all_reduce_momentum<T>(typed<T>(p), typed<T>(pv), p.size(), size,
-                                     reinterpret_cast<const T* const*>(pg.data()), pg.size(), lr, mom, nesterov);
+    using G = decltype(tg);
+    maybe_nogil((2 * p.size() + 2) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
+      cudist::detail::momentum_update<T, G>(typed<T>(p), typed<T>(pv), p.size(), size,
+                                            reinterpret_cast<const G* const*>(pg.data()), pg.size(), lr, mom, nesterov,
+                                            &cudist::thread_pool::global());
     });
   });
 }
@@ -822,12 +841,15 @@ void all_reduce_adam(py::handle copies, py::handle ms, py::handle vs, py::handle
   const py::tuple keep_v = inspect_all(vs, where, "v copy", true, pv, vsize, kv);
   if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
     throw py::value_error("all_reduce_adam: the m and v slots must match the variable copies in number, dtype and size");
-  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg);
-  dispatch_float(k, where, [&](auto t) {
+  kind kg;
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
+  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
     using T = decltype(t);
-    maybe_nogil((3 * p.size() + pg.size() + 3) * size * sizeof(T), [&] {
-      cudist::all_reduce_adam<T>(typed<T>(p), typed<T>(pm), typed<T>(pv), p.size(), size,
-                                 reinterpret_cast<const T* const*>(pg.data()), pg.size(), lr_t, b1, b2, eps);
+    using G = decltype(tg);
+    maybe_nogil((3 * p.size() + 3) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
+      T* const* const state[3] = {typed<T>(pm), typed<T>(pv), typed<T>(p)};
+      cudist::detail::run_rule<cudist::rules::adam>(state, p.size(), size, reinterpret_cast<const G* const*>(pg.data()),
+                                                    pg.size(), 0.0, &cudist::thread_pool::global(), lr_t, b1, b2, eps);
     });
   });
 }
@@ -892,20 +914,21 @@ struct update_args {
   std::vector<py::tuple> keep;          // the arrays, held while the kernel runs
   std::size_t size = 0;
   kind k = kind::f32;
+  kind kg = kind::f32;  // the gradients' (k, or narrower: see inspect_grads)
 
   template <class T>
   T* const* slot_ptrs(int s) {
     return slot[s].empty() ? nullptr : typed<T>(slot[s]);
   }
-  template <class T>
-  const T* const* grads() const {
-    return reinterpret_cast<const T* const*>(pg.data());
+  template <class G>
+  const G* const* grads() const {
+    return reinterpret_cast<const G* const*>(pg.data());
   }
   std::size_t bytes_moved() const {
-    std::size_t buffers = p.size() + pg.size() + 1;
+    std::size_t buffers = p.size() + 1;
     for (const auto& s : slot)
       if (!s.empty()) buffers += s.size() + 1;
-    return buffers * size * itemsize(k);
+    return buffers * size * itemsize(k) + pg.size() * size * itemsize(kg);
   }
 };
 
@@ -931,19 +954,21 @@ update_args inspect_update(const char* where, py::handle copies,
     ++s;
   }
   if (fused) {
-    u.keep.push_back(inspect_grads(g, where, u.k, u.size, u.pg));
+    u.keep.push_back(inspect_grads(g, where, u.k, u.size, u.pg, u.kg));
   } else {
     u.pg.push_back(const_cast<void*>(inspect_like(g, where, "grad", u.k, u.size, false)));
+    u.kg = u.k;
   }
   if (u.k != kind::f16 && u.k != kind::f32 && u.k != kind::f64)
     throw py::type_error(std::string(where) + ": needs a floating-point dtype, got " + kind_name(u.k));
   return u;
 }
 
-// Runs ``fn(T{})`` for the update's float type, without the GIL when it moves enough bytes.
+// Runs ``fn(T{}, G{})`` for the update's float type T and its gradients' type G (a fused form's may be
+// narrower, see inspect_grads), without the GIL when it moves enough bytes.
 template <class F>
-void run_update_call(update_args& u, const char* where, F&& fn) {
-  dispatch_float(u.k, where, [&](auto t) { maybe_nogil(u.bytes_moved(), [&] { fn(t); }); });
+void run_mixed_update_call(update_args& u, const char* where, F&& fn) {
+  dispatch_mixed(u.k, u.kg, where, [&](auto t, auto tg) { maybe_nogil(u.bytes_moved(), [&] { fn(t, tg); }); });
 }
 
 void rmsprop_any(bool fused, py::handle copies, py::handle vels, py::handle moms, py::handle avgs, py::handle g,
@@ -951,11 +976,12 @@ void rmsprop_any(bool fused, py::handle copies, py::handle vels, py::handle moms
   const char* where = fused ? "all_reduce_rmsprop" : "rmsprop";
   update_args u = inspect_update(
       where, copies, {{vels, "velocity", false}, {moms, "momentum", true}, {avgs, "average_gradient", true}}, g, fused);
-  run_update_call(u, where, [&](auto t) {
+  run_mixed_update_call(u, where, [&](auto t, auto tg) {
     using T = decltype(t);
-    cudist::all_reduce_rmsprop<T>(typed<T>(u.p), u.slot_ptrs<T>(0),
-                                  u.slot_ptrs<T>(1), u.slot_ptrs<T>(2), u.p.size(), u.size, u.grads<T>(), u.pg.size(),
-                                  lr, rho, momentum, eps, decay);
+    using G = decltype(tg);
+    cudist::detail::rmsprop_update<T, G>(typed<T>(u.p), u.slot_ptrs<T>(0), u.slot_ptrs<T>(1), u.slot_ptrs<T>(2),
+                                         u.p.size(), u.size, u.grads<G>(), u.pg.size(), lr, rho, momentum, eps, decay,
+                                         &cudist::thread_pool::global());
   });
 }
 
@@ -987,10 +1013,11 @@ void def_rule(py::module_& m, const char* name, const std::array<const char*, si
                               double decay) {
           update_args u = inspect_update(where.c_str(), copies, {std::make_tuple(slot_copies, slots[S], false)...}, g,
                                          fused);
-          run_update_call(u, where.c_str(), [&](auto t) {
+          run_mixed_update_call(u, where.c_str(), [&](auto t, auto tg) {
             using T = decltype(t);
+            using G = decltype(tg);
             T* const* const state[sizeof...(S) + 1] = {u.slot_ptrs<T>(S)..., typed<T>(u.p)};
-            cudist::detail::run_rule<Rule>(state, u.p.size(), u.size, u.grads<T>(), u.pg.size(), decay,
+            cudist::detail::run_rule<Rule>(state, u.p.size(), u.size, u.grads<G>(), u.pg.size(), decay,
                                            &cudist::thread_pool::global(), h...);
           });
         },

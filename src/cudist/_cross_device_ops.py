@@ -281,7 +281,7 @@ class KernelAllReduce(CrossDeviceOps):
                 return None
             dt = a.dtype
             if dt is not seen:
-                if dt not in b.dtypes:
+                if not b.computes(dt):  # (bfloat16: the gradients of a mixed-precision fused update)
                     return None
                 seen = dt
         return b

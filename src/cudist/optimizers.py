@@ -114,6 +114,18 @@ def _is_schedule(lr: object) -> bool:
     )
 
 
+def _narrow_ok(grad: Any, var: Variable) -> bool:
+    """Whether ``grad`` may reach the fused all-reduce + update of ``var`` uncast: a host bfloat16 or
+    float16 gradient of a float32 variable whose backend's fused kernels widen it in the pass
+    (exactly: the bits of casting it first, without the float32 copy)."""
+    if type(grad) is not np.ndarray or var.dtype != np.float32:
+        return False
+    if grad.dtype != np.float16 and not is_bfloat16(grad.dtype):
+        return False
+    backend = var.storage.kernel()
+    return backend is not None and backend.mixed_gradients
+
+
 def _clip_by_norm(g: Any, clipnorm: float) -> Any:
     """``tf.clip_by_norm`` (Keras 3's TF backend): ``g * clipnorm / max(norm, clipnorm)`` in g's dtype."""
     xp = array_module(g)
@@ -684,7 +696,7 @@ class Optimizer:
             grad = from_dlpack(grad)
         if is_array(grad):
             # bfloat16 (NumPy kind "V") is a float: mixed precision casts it exactly to the variable's
-            # float32 before the float32 sum over replicas.
+            # float32 before the float32 sum over replicas (or the fused pass widens it: _narrow_ok).
             if grad.dtype != var.dtype and grad.dtype.kind not in "fiu" and not is_bfloat16(grad.dtype):
                 raise TypeError(
                     f"{self.name}: the gradient of variable '{var.name}' has dtype {grad.dtype.name}, which cannot "
@@ -770,8 +782,10 @@ class Optimizer:
             else:
                 self._after_update()
             return self._iterations
-        local, update = self._local_grads(grads, variables, ctx.replica_id_in_sync_group, cast=cast)
         aggregate = bool(experimental_aggregate_gradients)
+        # A fused all-reduce + update may widen bf16/float16 gradients itself (see _narrow_ok).
+        narrow = cast and aggregate and ctx.num_replicas_in_sync > 1
+        local, update = self._local_grads(grads, variables, ctx.replica_id_in_sync_group, cast=cast, narrow=narrow)
 
         def merge_fn(strategy: Strategy, held: _ReplicaGrads | PerReplica) -> None:
             if not update:  # gradient accumulation: this step only accumulated
@@ -788,6 +802,11 @@ class Optimizer:
             n = strategy.num_replicas_in_sync
             if n > 1 and aggregate and self._apply_fused(strategy, per_var, variables):
                 return
+            if narrow:  # gradients left narrow for a fused pass that did not happen: cast them now
+                per_var = [
+                    tuple(c if c.dtype == v.dtype else c.astype(v.dtype) for c in comps)
+                    for comps, v in zip(per_var, variables)
+                ]
             reduced = self._aggregate(strategy, per_var, variables, aggregate)
             self._apply(reduced, variables, fresh=n > 1 and aggregate)
 
@@ -795,13 +814,16 @@ class Optimizer:
         return self._iterations
 
     def _local_grads(
-        self, grads: Sequence[Any], variables: Sequence[Variable], replica: int, *, cast: bool = True
+        self, grads: Sequence[Any], variables: Sequence[Variable], replica: int, *, cast: bool = True, narrow: bool = False
     ) -> tuple[list[Any], bool]:
         """One replica's gradients made ready for the sum, as Keras 3 does before its all-reduce:
         divided by ``loss_scale_factor``, accumulated (``gradient_accumulation_steps``), clipped
         (``clipnorm`` / ``global_clipnorm`` / ``clipvalue``), cast to each variable's dtype.
 
         ``cast=False``: the caller knows every gradient has its variable's dtype already.
+        ``narrow=True``: a host bfloat16 or float16 gradient of a float32 variable whose backend's
+        fused kernels widen it themselves (``KernelBackend.mixed_gradients``) stays uncast; the
+        caller casts it if the fused pass does not happen.
 
         Returns the gradients and whether this step updates the variables (False: an
         accumulation-only step).
@@ -836,7 +858,7 @@ class Optimizer:
             v = self._clipvalue
             out = [array_module(g).clip(g, -v, v) for g in out]
         for i, (g, var) in enumerate(zip(out, variables)):
-            if g.dtype != var.dtype:
+            if g.dtype != var.dtype and not (narrow and _narrow_ok(g, var)):
                 out[i] = g.astype(var.dtype)
         return out, update
 

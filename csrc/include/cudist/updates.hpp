@@ -205,22 +205,29 @@ namespace detail {
 /// reduction's arithmetic (float16: in float32, rounded once), so they are exactly what
 /// reduce_to_one(grads, sum) would store. Summed into ``acc``; a single gradient that needs no
 /// conversion is returned in place.
-template <class T, class Len>
-inline const typename arith<T>::acc_t* sum_grads_line(const T* const* g, std::size_t m, std::size_t b, Len len,
+///
+/// ``G``, the gradients' type, may be narrower than T (bfloat16 or float16 gradients of a float32
+/// variable, mixed precision): each is widened exactly while loaded, so the sum is the one of the
+/// gradients cast to T first -- without a copy of them in T.
+template <class T, class G = T, class Len>
+inline const typename arith<T>::acc_t* sum_grads_line(const G* const* g, std::size_t m, std::size_t b, Len len,
                                                       typename arith<T>::acc_t* acc) noexcept {
   using A = arith<T>;
-  const T* p = g[0] + b;
+  using AG = arith<G>;
+  using acc_t = typename A::acc_t;
+  static_assert(std::is_same<G, T>::value || sizeof(G) < sizeof(T), "gradients may only be narrower than the variable");
+  const G* p = g[0] + b;
   prefetch(p);
-  if constexpr (std::is_same<typename A::acc_t, T>::value) {
+  if constexpr (std::is_same<acc_t, T>::value && std::is_same<G, T>::value) {
     if (m == 1) return p;
   }
-  for (std::size_t k = 0; k < len; ++k) acc[k] = A::load(p[k]);
+  for (std::size_t k = 0; k < len; ++k) acc[k] = static_cast<acc_t>(AG::load(p[k]));
   for (std::size_t r = 1; r < m; ++r) {
     p = g[r] + b;
     prefetch(p);
-    for (std::size_t k = 0; k < len; ++k) acc[k] = A::add(acc[k], A::load(p[k]));
+    for (std::size_t k = 0; k < len; ++k) acc[k] = A::add(acc[k], static_cast<acc_t>(AG::load(p[k])));
   }
-  if constexpr (!std::is_same<typename A::acc_t, T>::value) {
+  if constexpr (!std::is_same<acc_t, T>::value) {
     // float16: the float32 sum rounded once, as reduce_to_one stores it.
     if (m > 1)
       for (std::size_t k = 0; k < len; ++k) acc[k] = A::load(A::store(acc[k]));
@@ -229,28 +236,46 @@ inline const typename arith<T>::acc_t* sum_grads_line(const T* const* g, std::si
 }
 
 /// The gradient pointers of a fused update, each replaced by a private copy when it partially
-/// overlaps a buffer the update writes (no allocation for up to kInline gradients).
-template <class T>
+/// overlaps a buffer the update writes (no allocation for up to kInline gradients). Gradients of
+/// another type than the buffers (``G`` narrower than T) are copied when they share any byte with one.
+template <class T, class G = T>
 class grad_list {
  public:
-  grad_list(const T* const* grads, std::size_t m, std::initializer_list<T* const*> slots, std::size_t n,
-            std::size_t count, std::vector<std::vector<T>>& keep) {
+  grad_list(const G* const* grads, std::size_t m, std::initializer_list<T* const*> slots, std::size_t n,
+            std::size_t count, std::vector<std::vector<G>>& keep) {
     ptrs_ = inline_;
     if (m > kInline) {
       heap_.resize(m);
       ptrs_ = heap_.data();
     }
-    for (std::size_t r = 0; r < m; ++r) ptrs_[r] = snapshot_if_overlapping<T>(grads[r], slots, n, count, keep);
+    for (std::size_t r = 0; r < m; ++r) ptrs_[r] = snapshot(grads[r], slots, n, count, keep);
   }
   grad_list(const grad_list&) = delete;
   grad_list& operator=(const grad_list&) = delete;
-  const T* const* data() const noexcept { return ptrs_; }
+  const G* const* data() const noexcept { return ptrs_; }
 
  private:
+  static const G* snapshot(const G* p, std::initializer_list<T* const*> slots, std::size_t n, std::size_t count,
+                           std::vector<std::vector<G>>& keep) {
+    if constexpr (std::is_same<G, T>::value) {
+      return snapshot_if_overlapping<T>(p, slots, n, count, keep);
+    } else {
+      const auto x = reinterpret_cast<std::uintptr_t>(p);
+      for (T* const* slot : slots)
+        for (std::size_t c = 0; c < n; ++c) {
+          const auto y = reinterpret_cast<std::uintptr_t>(slot[c]);
+          if (x < y + count * sizeof(T) && y < x + count * sizeof(G)) {
+            keep.emplace_back(p, p + count);
+            return keep.back().data();
+          }
+        }
+      return p;
+    }
+  }
   static constexpr std::size_t kInline = 16;
-  const T* inline_[kInline];
-  std::vector<const T*> heap_;
-  const T** ptrs_;
+  const G* inline_[kInline];
+  std::vector<const G*> heap_;
+  const G** ptrs_;
 };
 
 }  // namespace detail
@@ -284,16 +309,17 @@ inline C np_sign(C x) noexcept {
   return x != x ? x : s;
 }
 
-template <class T, std::size_t NS, class Rule, std::size_t... I>
-void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const T* const* grads,
+template <class T, class G, std::size_t NS, class Rule, std::size_t... I>
+void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads,
                        std::size_t m, thread_pool* pool, Rule& rule, std::index_sequence<I...>) {
   using C = compute_t<T>;
   using A = arith<T>;
   constexpr std::size_t K = kLineBytes / sizeof(T);
   std::vector<std::vector<T>> keep;
+  std::vector<std::vector<G>> keep_g;
   const T* const s0[NS] = {snapshot_if_overlapping<T>(state[I][0], {state[I]...}, n, count, keep)...};
-  const grad_list<T> gl(grads, m, {state[I]...}, n, count, keep);
-  const T* const* gp = gl.data();
+  const grad_list<T, G> gl(grads, m, {state[I]...}, n, count, keep_g);
+  const G* const* gp = gl.data();
   run_update<T, NS>(state, n, count, m + NS, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     // Local copies of the rule (its constants) and of the read pointers: a store to ``out`` may
     // alias any float reached through a reference, so without them the constants are reloaded
@@ -301,7 +327,7 @@ void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t 
     const Rule r = rule;
     const T* const p[NS] = {(s0[I] + b)...};
     typename A::acc_t acc[K];
-    const auto* g = sum_grads_line<T>(gp, m, b, len, acc);
+    const auto* g = sum_grads_line<T, G>(gp, m, b, len, acc);
     for (std::size_t s = 0; s < NS; ++s) prefetch(p[s]);
     for (std::size_t k = 0; k < len; ++k) {
       C x[NS] = {static_cast<C>(A::load(p[I][k]))...};
@@ -313,10 +339,10 @@ void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t 
 
 /// The shared driver of these optimizers: ``state`` lists the slot groups then the variable's
 /// copies (last); ``rule(g, x)`` turns x (copy 0 of each, in the compute type) into the new values.
-template <class T, std::size_t NS, class Rule>
-void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const T* const* grads,
+template <class T, std::size_t NS, class Rule, class G>
+void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads,
                        std::size_t m, thread_pool* pool, Rule&& rule) {
-  fused_rule_update<T, NS>(state, n, count, grads, m, pool, rule, std::make_index_sequence<NS>{});
+  fused_rule_update<T, G, NS>(state, n, count, grads, m, pool, rule, std::make_index_sequence<NS>{});
 }
 
 /// The host arithmetic of the rules of <cudist/detail/update_rules.hpp>: IEEE operators (the
@@ -344,8 +370,8 @@ struct host_math {
 /// slot groups then the variable's copies, ``hyper`` are the rule's hyper-parameters (converted to
 /// the compute type first, as the reference does) and ``decay`` the decoupled weight decay
 /// (0: none).
-template <template <class, class> class Rule, class T, std::size_t NS, class... H>
-void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, const T* const* grads, std::size_t m,
+template <template <class, class> class Rule, class T, std::size_t NS, class G, class... H>
+void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads, std::size_t m,
               double decay, thread_pool* pool, H... hyper) {
   if (n == 0 || m == 0 || count == 0) return;
   using C = compute_t<T>;
@@ -380,35 +406,34 @@ void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, doub
   all_reduce_sgd<T>(copies, n, count, &grad, 1, lr, pool);
 }
 
-/// Fused all-reduce + momentum: the ``m`` gradients summed as in all_reduce_sgd(), then the
-/// momentum() update of the ``n`` variable copies and ``n`` velocity copies, in one pass
-/// (m + 2 buffers read, 2n written). Bit-identical to reduce_to_one + momentum().
-template <class T>
-void all_reduce_momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t count,
-                         const T* const* grads, std::size_t m, double lr, double momentum, bool nesterov,
-                         thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_momentum needs a floating-point type");
+namespace detail {
+
+/// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision).
+template <class T, class G>
+void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const G* const* grads,
+                     std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool) {
   if (n == 0 || m == 0 || count == 0) return;
-  using C = detail::compute_t<T>;
-  using A = detail::arith<T>;
-  constexpr std::size_t K = detail::kLineBytes / sizeof(T);
+  using C = compute_t<T>;
+  using A = arith<T>;
+  constexpr std::size_t K = kLineBytes / sizeof(T);
   // Still hand-written on the host (rules::momentum / rules::nesterov serve the CUDA kernels): with
   // the shared rule inside the same loop it measured ~35% slower (4 x 4096 float32: 5.9 us against
   // 4.3 us; 4 x 64K: 56 against 43), not yet understood (the loop vectorizes either way).
   const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
   std::vector<std::vector<T>> keep;
-  const T* w0 = detail::snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
-  const T* v0 = detail::snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
-  const detail::grad_list<T> gl(grads, m, {copies, velocities}, n, count, keep);
-  const T* const* gp = gl.data();
+  std::vector<std::vector<G>> keep_g;
+  const T* w0 = snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
+  const T* v0 = snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
+  const grad_list<T, G> gl(grads, m, {copies, velocities}, n, count, keep_g);
+  const G* const* gp = gl.data();
   T* const* const slots[2] = {velocities, copies};
-  detail::run_update<T, 2>(slots, n, count, m + 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
+  run_update<T, 2>(slots, n, count, m + 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     typename A::acc_t acc[K];
-    const auto* g = detail::sum_grads_line<T>(gp, m, b, len, acc);
+    const auto* g = sum_grads_line<T, G>(gp, m, b, len, acc);
     const T* w = w0 + b;
     const T* v = v0 + b;
-    detail::prefetch(w);
-    detail::prefetch(v);
+    prefetch(w);
+    prefetch(v);
     for (std::size_t k = 0; k < len; ++k) {
       const C gk = static_cast<C>(g[k]);
       const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
@@ -418,6 +443,19 @@ void all_reduce_momentum(T* const* copies, T* const* velocities, std::size_t n, 
       out[1][at + k] = static_cast<T>(wn);
     }
   });
+}
+
+}  // namespace detail
+
+/// Fused all-reduce + momentum: the ``m`` gradients summed as in all_reduce_sgd(), then the
+/// momentum() update of the ``n`` variable copies and ``n`` velocity copies, in one pass
+/// (m + 2 buffers read, 2n written). Bit-identical to reduce_to_one + momentum().
+template <class T>
+void all_reduce_momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t count,
+                         const T* const* grads, std::size_t m, double lr, double momentum, bool nesterov,
+                         thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::all_reduce_momentum needs a floating-point type");
+  detail::momentum_update<T, T>(copies, velocities, n, count, grads, m, lr, momentum, nesterov, pool);
 }
 
 /// SGD with momentum (Keras formulation) on N variable copies and N velocity copies:
@@ -502,6 +540,31 @@ void amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, std
   all_reduce_amsgrad<T>(copies, ms, vs, v_hats, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, pool);
 }
 
+namespace detail {
+
+/// The body of all_reduce_rmsprop(), for gradients of type ``G`` (T, or narrower: mixed precision).
+template <class T, class G>
+void rmsprop_update(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
+                    std::size_t n, std::size_t count, const G* const* grads, std::size_t m, double lr, double rho,
+                    double momentum, double epsilon, double decay, thread_pool* pool) {
+  if (momentums != nullptr && average_grads != nullptr) {
+    T* const* const state[4] = {velocities, momentums, average_grads, copies};
+    run_rule<rules::rmsprop_centered_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum,
+                                                       epsilon);
+  } else if (momentums != nullptr) {
+    T* const* const state[3] = {velocities, momentums, copies};
+    run_rule<rules::rmsprop_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
+  } else if (average_grads != nullptr) {
+    T* const* const state[3] = {velocities, average_grads, copies};
+    run_rule<rules::rmsprop_centered>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
+  } else {
+    T* const* const state[2] = {velocities, copies};
+    run_rule<rules::rmsprop>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
+  }
+}
+
+}  // namespace detail
+
 /// Fused all-reduce + RMSprop (Keras formulation). ``momentums`` (momentum > 0) and
 /// ``average_grads`` (centered) may be null when the optimizer has no such slot:
 /// ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a + (1 - rho) * g``,
@@ -512,20 +575,8 @@ void all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* moment
                         std::size_t n, std::size_t count, const T* const* grads, std::size_t m, double lr, double rho,
                         double momentum, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
   static_assert(detail::is_update_float<T>, "cudist::all_reduce_rmsprop needs a floating-point type");
-  if (momentums != nullptr && average_grads != nullptr) {
-    T* const* const state[4] = {velocities, momentums, average_grads, copies};
-    detail::run_rule<rules::rmsprop_centered_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum,
-                                                       epsilon);
-  } else if (momentums != nullptr) {
-    T* const* const state[3] = {velocities, momentums, copies};
-    detail::run_rule<rules::rmsprop_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  } else if (average_grads != nullptr) {
-    T* const* const state[3] = {velocities, average_grads, copies};
-    detail::run_rule<rules::rmsprop_centered>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  } else {
-    T* const* const state[2] = {velocities, copies};
-    detail::run_rule<rules::rmsprop>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  }
+  detail::rmsprop_update<T, T>(copies, velocities, momentums, average_grads, n, count, grads, m, lr, rho, momentum,
+                               epsilon, decay, pool);
 }
 
 /// RMSprop on N copies (see all_reduce_rmsprop()).

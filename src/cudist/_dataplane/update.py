@@ -336,12 +336,21 @@ class UpdatePass:
         )
         if backend is None:
             return None
-        for plan in plans:
+        mixed = backend.mixed_gradients
+        for plan, comps in zip(plans, per_var):
             groups = plan[1]
             if len(groups) != 1:
                 return None
             copies, _, var_backend = groups[0]
             if var_backend is not backend or type(copies[0]) is not np.ndarray:
+                return None
+            dt = comps[0].dtype
+            if dt != copies[0].dtype:
+                # Narrow gradients (the optimizer left them uncast): one dtype over the replicas,
+                # which the fused kernels widen themselves.
+                if not mixed or any(c.dtype != dt for c in comps):
+                    return None
+            elif dt not in backend.dtypes:  # bfloat16 variables: their updates have no fused kernel
                 return None
         return backend
 

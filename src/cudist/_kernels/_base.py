@@ -126,6 +126,10 @@ class KernelBackend:
     dtypes: tuple = SUPPORTED_DTYPES
     #: Whether this backend also computes ``ml_dtypes.bfloat16`` (float32 accumulation, one rounding).
     bfloat16: bool = False
+    #: Whether the fused all-reduce + update kernels (``all_reduce_<rule>``) also take bfloat16 and
+    #: float16 gradients for float32 variables, widened exactly inside the pass (mixed precision:
+    #: no float32 copy of the gradients; the bits of casting them first).
+    mixed_gradients: bool = False
     #: Array module of the buffers this backend takes (numpy, or cupy for the GPU backend).
     xp = np
 

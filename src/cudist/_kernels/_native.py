@@ -57,6 +57,7 @@ class NativeBackend(KernelBackend):
 
     name = "native"
     bfloat16 = True
+    mixed_gradients = True
 
     def all_reduce(self, bufs, op=ReduceOp.SUM, outputs=None):
         # Fast path for the hot call: the extension checks arrays, dtypes, sizes, contiguity,

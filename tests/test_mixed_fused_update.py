@@ -1,0 +1,184 @@
+"""Mixed precision inside the fused all-reduce + update (issue #28, item 2): float32 variables take
+bfloat16 or float16 gradients straight into the fused pass, which widens them while it sums (no
+float32 copy of the gradients), on the backends with ``mixed_gradients``.
+
+The contract: the same bits as casting each replica's gradient to float32 first, then the float32
+fused update (bfloat16/float16 -> float32 is exact; the sum is in float32 in replica order either way),
+which is what the NumPy reference does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import cudist
+from cudist._kernels import UPDATE_KERNELS, cpu_backend, get_backend, reset_backend_cache
+
+ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
+BF16 = np.dtype(ml_dtypes.bfloat16)
+NARROW = [BF16, np.dtype(np.float16)]
+
+#: Hyper-parameters by name for every row of the table (decay non-zero: its path is exercised too).
+HYPER = {
+    "lr": 0.01, "lr_t": 0.003, "momentum": 0.9, "nesterov": True, "beta_1": 0.9, "beta_2": 0.999,
+    "epsilon": 1e-7, "decay": 0.004, "rho": 0.9, "c_m": 0.11, "c_g": 0.3, "c_v": 0.05,
+}
+
+
+def _grads(dtype, m, size, seed):
+    rng = np.random.default_rng(seed)
+    # Mixed magnitudes: a sum rounded to the narrow type (or added in it) would differ.
+    return [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3, size)).astype(dtype) for _ in range(m)]
+
+
+def _state(name, n, size, seed):
+    rng = np.random.default_rng(seed)
+    slots = UPDATE_KERNELS[name][0]
+    w = rng.standard_normal(size).astype(np.float32)
+    # Positive slot values: v / v_hat / accumulators / RMSprop velocities are under a sqrt.
+    # The centered RMSprop's average gradient small, so v - a * a stays positive.
+    s = [
+        (np.abs(rng.standard_normal(size)) * (0.01 if slot == "average_gradient" else 1.0) + (slot != "average_gradient"))
+        .astype(np.float32)
+        for slot in slots
+    ]
+    return [w.copy() for _ in range(n)], [[x.copy() for _ in range(n)] for x in s]
+
+
+@pytest.mark.parametrize("name", sorted(UPDATE_KERNELS))
+@pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("size", [1, 37, 4099])
+def test_fused_kernels_take_narrow_gradients(name, dtype, m, size):
+    """Every fused kernel of the table on the native backend: narrow gradients for float32 copies
+    equal the NumPy reference's update from the gradients cast to float32, bit for bit."""
+    native = get_backend("native")
+    assert native.mixed_gradients
+    ref = get_backend("numpy")
+    hyper = [HYPER[h] for h in UPDATE_KERNELS[name][1]]
+    grads = _grads(dtype, m, size, seed=size + m)
+    n = 2  # two mirrored copies: every one is written
+    got_w, got_s = _state(name, n, size, seed=size)
+    want_w, want_s = _state(name, n, size, seed=size)
+    getattr(native.trusted, f"all_reduce_{name}")(got_w, *got_s, grads, *hyper)
+    getattr(ref.trusted, f"all_reduce_{name}")(want_w, *want_s, [g.astype(np.float32) for g in grads], *hyper)
+    for got, want in zip([got_w, *got_s], [want_w, *want_s]):
+        for g, w in zip(got, want):
+            assert g.dtype == np.float32
+            np.testing.assert_array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+def test_fused_kernels_refuse_other_gradient_dtypes():
+    """Only float32 copies take narrow gradients, and only bfloat16 / float16 ones; anything else
+    is a TypeError naming both dtypes."""
+    trusted = get_backend("native")
+    w64 = [np.zeros(5)]
+    with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float64"):
+        trusted.all_reduce_sgd(w64, [np.zeros(5, BF16)], lr=0.1)
+    with pytest.raises(TypeError, match="gradients have dtype float64 but the copies have dtype float32"):
+        trusted.all_reduce_sgd([np.zeros(5, np.float32)], [np.zeros(5)], lr=0.1)
+    w16 = [np.zeros(5, np.float16)]
+    with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float16"):
+        trusted.all_reduce_sgd(w16, [np.zeros(5, BF16)], lr=0.1)
+
+
+def test_gradient_overlapping_a_copy_is_read_before_the_write():
+    """A narrow gradient whose bytes lie inside a float32 copy it updates is read as it was before
+    the pass (snapshot), as for same-type gradients."""
+    native = get_backend("native").trusted
+    rng = np.random.default_rng(3)
+    buf = rng.standard_normal(1000).astype(np.float32)
+    g = buf.view(np.float16)[:1000]  # the first half of the copy's bytes
+    g[:] = rng.standard_normal(1000).astype(np.float16)
+    want = buf.copy() - np.float32(0.5) * g.astype(np.float32)
+    native.all_reduce_sgd([buf], [g], lr=0.5)
+    np.testing.assert_array_equal(buf.view(np.uint32), want.view(np.uint32))
+
+
+# ------------------------------------------------------------------------ through apply_gradients
+OPTIMIZERS = {
+    "sgd": lambda: cudist.optimizers.SGD(0.01),
+    "sgd_wd": lambda: cudist.optimizers.SGD(0.01, weight_decay=0.01),
+    "momentum": lambda: cudist.optimizers.SGD(0.01, momentum=0.9),
+    "nesterov": lambda: cudist.optimizers.SGD(0.01, momentum=0.9, nesterov=True),
+    "adam": lambda: cudist.optimizers.Adam(0.01),
+    "adamw": lambda: cudist.optimizers.AdamW(0.01),
+    "amsgrad": lambda: cudist.optimizers.Adam(0.01, amsgrad=True),
+    "rmsprop": lambda: cudist.optimizers.RMSprop(0.01),
+    "rmsprop_centered_momentum": lambda: cudist.optimizers.RMSprop(0.01, momentum=0.5, centered=True),
+    "adagrad": lambda: cudist.optimizers.Adagrad(0.01),
+    "adamax": lambda: cudist.optimizers.Adamax(0.01),
+    "nadam": lambda: cudist.optimizers.Nadam(0.01),
+    "lion": lambda: cudist.optimizers.Lion(0.001),
+}
+
+
+@pytest.fixture(params=["native", "numba"])
+def backend_named(request, monkeypatch):
+    monkeypatch.setenv("CUDIST_BACKEND", request.param)
+    reset_backend_cache()
+    assert cpu_backend().name == request.param
+    yield request.param
+    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
+    reset_backend_cache()
+
+
+def _train(make_opt, init, steps_grads, replicas):
+    strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
+    with strategy.scope():
+        w = cudist.Variable(init, name="w")
+        opt = make_opt()
+    for grads in steps_grads:
+        def step(grads=grads):
+            opt.apply_gradients([(grads[cudist.get_replica_context().replica_id_in_sync_group], w)])
+
+        strategy.run(step)
+    return np.asarray(w.read_value()), [np.asarray(v.read_value()) for v in opt.variables[1:]]
+
+
+@pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("replicas", [1, 2, 3, 4])
+def test_apply_gradients_with_narrow_gradients(backend_named, monkeypatch, opt_name, dtype, replicas):
+    """MirroredStrategy, float32 variable, narrow gradients from every replica for 3 steps: the
+    variable and slots equal the NumPy reference trained on the gradients cast to float32."""
+    size = 1031
+    init = np.random.default_rng(9).standard_normal(size).astype(np.float32)
+    steps = [_grads(dtype, replicas, size, seed=40 + s) for s in range(3)]
+    got_w, got_slots = _train(OPTIMIZERS[opt_name], init, steps, replicas)
+    monkeypatch.setenv("CUDIST_BACKEND", "numpy")
+    reset_backend_cache()
+    want_w, want_slots = _train(OPTIMIZERS[opt_name], init, [[g.astype(np.float32) for g in gs] for gs in steps], replicas)
+    assert got_w.dtype == np.float32
+    np.testing.assert_array_equal(got_w.view(np.uint32), want_w.view(np.uint32))
+    assert len(got_slots) == len(want_slots)
+    for g, w in zip(got_slots, want_slots):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert g.tobytes() == w.tobytes()
+    # The test can fail: the float32 variable keeps more than the narrow type holds.
+    assert not np.array_equal(got_w, got_w.astype(dtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
+def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, dtype):
+    """On a backend with ``mixed_gradients`` the fused kernel receives the replicas' narrow
+    gradients themselves (no float32 copy); on one without, float32 casts of them."""
+    monkeypatch.setenv("CUDIST_BACKEND", "native")
+    reset_backend_cache()
+    trusted = cpu_backend().trusted
+    seen = []
+    real = trusted.all_reduce_momentum
+
+    def spy(copies, velocities, grads, *args):
+        seen.append([g.dtype for g in grads])
+        return real(copies, velocities, grads, *args)
+
+    monkeypatch.setattr(trusted, "all_reduce_momentum", spy)
+    steps = [_grads(dtype, 4, 257, seed=1)]
+    _train(OPTIMIZERS["momentum"], np.ones(257, np.float32), steps, 4)
+    assert seen == [[dtype] * 4]
+    monkeypatch.setattr(type(cpu_backend()), "mixed_gradients", False)
+    seen.clear()
+    _train(OPTIMIZERS["momentum"], np.ones(257, np.float32), steps, 4)
+    assert seen == [[np.dtype(np.float32)] * 4]
