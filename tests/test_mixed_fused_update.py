@@ -182,3 +182,28 @@ def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, dtype):
     seen.clear()
     _train(OPTIMIZERS["momentum"], np.ones(257, np.float32), steps, 4)
     assert seen == [[np.dtype(np.float32)] * 4]
+
+
+@pytest.mark.parametrize("mix", [("f32", "bf16", "f32"), ("bf16", "f16", "bf16"), ("f16", "f32", "f32")])
+def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_named, monkeypatch, mix):
+    """Replicas may pass one variable's gradient in different dtypes (one bf16, another float32):
+    each is cast as Keras does and the step equals the reference on the float32-cast gradients
+    (the fused kernels take one gradient dtype per variable; this once raised TypeError)."""
+    dts = {"f32": np.dtype(np.float32), "bf16": BF16, "f16": np.dtype(np.float16)}
+    size = 517
+    init = np.random.default_rng(5).standard_normal(size).astype(np.float32)
+    steps = []
+    for s in range(2):
+        gs = _grads(np.float32, len(mix), size, seed=70 + s)
+        steps.append([g.astype(dts[k]) for g, k in zip(gs, mix)])
+
+    def make_opt():
+        return cudist.optimizers.SGD(0.01, momentum=0.9)
+
+    got_w, got_slots = _train(make_opt, init, steps, len(mix))
+    monkeypatch.setenv("CUDIST_BACKEND", "numpy")
+    reset_backend_cache()
+    want_w, want_slots = _train(make_opt, init, [[g.astype(np.float32) for g in gs] for gs in steps], len(mix))
+    assert got_w.tobytes() == want_w.tobytes()
+    assert [g.tobytes() for g in got_slots] == [w.tobytes() for w in want_slots]
+    assert not np.array_equal(got_w, init)

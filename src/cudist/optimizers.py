@@ -157,10 +157,11 @@ class _ReplicaGrads:
     regroups the replicas' lists as one PerReplica instead of one per variable (which the fused
     update would unwrap again)."""
 
-    __slots__ = ("grads",)
+    __slots__ = ("grads", "narrow")
 
-    def __init__(self, grads: list[Any]) -> None:
+    def __init__(self, grads: list[Any], narrow: bool = False) -> None:
         self.grads = grads
+        self.narrow = narrow  # some gradient was left narrow for the fused pass to widen (_narrow_ok)
 
 
 #: How many optimizers took each default name so far (Keras 3's ``uniquify``, per process).
@@ -776,7 +777,7 @@ class Optimizer:
         self._built = True
         if ctx is None:  # cross-replica: the gradients are final
             checked = [self._check_grad(g, v, cross_replica=True) for g, v in zip(grads, variables)]
-            final, update = self._local_grads(checked, variables, 0)
+            final, update, _ = self._local_grads(checked, variables, 0)
             if update:
                 self._apply(final, variables)
             else:
@@ -785,13 +786,16 @@ class Optimizer:
         aggregate = bool(experimental_aggregate_gradients)
         # A fused all-reduce + update may widen bf16/float16 gradients itself (see _narrow_ok).
         narrow = cast and aggregate and ctx.num_replicas_in_sync > 1
-        local, update = self._local_grads(grads, variables, ctx.replica_id_in_sync_group, cast=cast, narrow=narrow)
+        local, update, left_narrow = self._local_grads(
+            grads, variables, ctx.replica_id_in_sync_group, cast=cast, narrow=narrow
+        )
 
         def merge_fn(strategy: Strategy, held: _ReplicaGrads | PerReplica) -> None:
             if not update:  # gradient accumulation: this step only accumulated
                 self._after_update()
                 return
-            rows = [h.grads for h in held.values] if isinstance(held, PerReplica) else [held.grads]
+            each = held.values if isinstance(held, PerReplica) else (held,)
+            rows = [h.grads for h in each]
             for r, row in enumerate(rows[1:], 1):
                 if len(row) != len(rows[0]):
                     raise ValueError(
@@ -799,6 +803,13 @@ class Optimizer:
                         f"{len(rows[0])}; every replica must pass a gradient for each of the same variables"
                     )
             per_var = list(zip(*rows))  # per variable, its gradient from each of this worker's replicas
+            if any(h.narrow for h in each):
+                # The fused kernels take one gradient dtype per variable: where the replicas' dtypes
+                # differ (one left bf16, another float32), cast that variable's gradients as Keras does.
+                per_var = [
+                    comps if all(c.dtype == comps[0].dtype for c in comps) else tuple(c.astype(v.dtype) for c in comps)
+                    for comps, v in zip(per_var, variables)
+                ]
             n = strategy.num_replicas_in_sync
             if n > 1 and aggregate and self._apply_fused(strategy, per_var, variables):
                 return
@@ -810,12 +821,12 @@ class Optimizer:
             reduced = self._aggregate(strategy, per_var, variables, aggregate)
             self._apply(reduced, variables, fresh=n > 1 and aggregate)
 
-        ctx.merge_call(merge_fn, args=(_ReplicaGrads(local),))
+        ctx.merge_call(merge_fn, args=(_ReplicaGrads(local, left_narrow),))
         return self._iterations
 
     def _local_grads(
         self, grads: Sequence[Any], variables: Sequence[Variable], replica: int, *, cast: bool = True, narrow: bool = False
-    ) -> tuple[list[Any], bool]:
+    ) -> tuple[list[Any], bool, bool]:
         """One replica's gradients made ready for the sum, as Keras 3 does before its all-reduce:
         divided by ``loss_scale_factor``, accumulated (``gradient_accumulation_steps``), clipped
         (``clipnorm`` / ``global_clipnorm`` / ``clipvalue``), cast to each variable's dtype.
@@ -825,15 +836,15 @@ class Optimizer:
         fused kernels widen it themselves (``KernelBackend.mixed_gradients``) stays uncast; the
         caller casts it if the fused pass does not happen.
 
-        Returns the gradients and whether this step updates the variables (False: an
-        accumulation-only step).
+        Returns the gradients, whether this step updates the variables (False: an
+        accumulation-only step) and whether a gradient was left narrow.
         """
         out = list(grads)
         scale = self._loss_scale_factor
         if not cast and scale is None and not self._gradient_accumulation_steps and not (
             self._clipnorm or self._global_clipnorm or self._clipvalue
         ):
-            return out, True  # nothing to do (the per-step common case)
+            return out, True, False  # nothing to do (the per-step common case)
         if scale is not None:
             out = [g / g.dtype.type(scale) for g in out]
         update = True
@@ -849,7 +860,7 @@ class Optimizer:
                 else:
                     per_replica[replica] = (g if acc is None else g + acc).astype(var.dtype)
             if not update:
-                return out, False
+                return out, False, False
         if self._clipnorm:
             out = [_clip_by_norm(g, self._clipnorm) for g in out]
         elif self._global_clipnorm:
@@ -857,10 +868,14 @@ class Optimizer:
         elif self._clipvalue:
             v = self._clipvalue
             out = [array_module(g).clip(g, -v, v) for g in out]
+        left = False
         for i, (g, var) in enumerate(zip(out, variables)):
-            if g.dtype != var.dtype and not (narrow and _narrow_ok(g, var)):
-                out[i] = g.astype(var.dtype)
-        return out, update
+            if g.dtype != var.dtype:
+                if narrow and _narrow_ok(g, var):
+                    left = True
+                else:
+                    out[i] = g.astype(var.dtype)
+        return out, update, left
 
     def _after_update(self) -> None:
         """The end of every step (cross-replica context): the moving averages, then ``iterations += 1``."""
