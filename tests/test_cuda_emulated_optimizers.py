@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, nadam_step
+from cudist._kernels import UPDATE_KERNELS, adam_lr_t, momentum_schedule_step
 from cudist._kernels._numpy import NumpyBackend
 
 _BUILD_PY = Path(__file__).resolve().parent / "emu" / "build.py"
@@ -124,8 +124,8 @@ def _params(rng, name):
     if name == "nadam":
         u = 1.0
         for t in range(1, step):
-            u = nadam_step(b1, b2, t, u)[0]
-        _, c_m, c_g, c_v = nadam_step(b1, b2, step, u)
+            u = momentum_schedule_step(b1, b2, t, u)[0]
+        _, c_m, c_g, c_v = momentum_schedule_step(b1, b2, step, u)
         return (dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, u_product=u, weight_decay=wd),
                 (lr, b1, b2, eps, c_m, c_g, c_v, wd * lr))
     if name == "rmsprop":

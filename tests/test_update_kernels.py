@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, get_backend, nadam_step
+from cudist._kernels import UPDATE_KERNELS, adam_lr_t, get_backend, momentum_schedule_step
 from cudist._kernels._numpy import NumpyBackend
 
 CPU_BACKENDS = ["numpy", "numba", "native"]
@@ -92,7 +92,7 @@ def hypers(draw, name):
     if name == "nadam":
         u = 1.0
         for t in range(1, min(step, 50)):
-            u = nadam_step(b1, b2, t, u)[0]
+            u = momentum_schedule_step(b1, b2, t, u)[0]
         return dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=min(step, 50), u_product=u, weight_decay=wd)
     if name == "rmsprop":
         return dict(lr=lr, rho=draw(st.floats(0.5, 0.99)), momentum=draw(st.sampled_from([0.0, 0.9])), epsilon=eps,
@@ -228,8 +228,8 @@ def test_trusted_matches_public(backend):
     shape, n, lr, wd = (5, 41), 3, 0.02, 0.1
     for dtype in FLOATS:
         grads = [random_array(rng, shape, dtype) for _ in range(2)]
-        u_prev = nadam_step(0.9, 0.999, 1, 1.0)[0]
-        _, c_m, c_g, c_v = nadam_step(0.9, 0.999, 2, u_prev)
+        u_prev = momentum_schedule_step(0.9, 0.999, 1, 1.0)[0]
+        _, c_m, c_g, c_v = momentum_schedule_step(0.9, 0.999, 2, u_prev)
         cases = {
             "adamw": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
             "amsgrad": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),

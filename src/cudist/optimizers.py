@@ -57,7 +57,7 @@ import numpy.typing as npt
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
 from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
-from cudist._dataplane.update import Rule, UpdatePass, adam_lr_t, is_bfloat16, nadam_step
+from cudist._dataplane.update import Rule, UpdatePass, adam_lr_t, is_bfloat16, momentum_schedule_step
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -1636,12 +1636,12 @@ class Nadam(Optimizer):
             done, u = 0, 1.0
         while done < steps:
             done += 1
-            u = nadam_step(self.beta_1, self.beta_2, done, u)[0]
+            u = momentum_schedule_step(self.beta_1, self.beta_2, done, u)[0]
         self._u_cache = (done, u)
         return u
 
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
-        _, c_m, c_g, c_v = nadam_step(self.beta_1, self.beta_2, step, self._u_product(step - 1))
+        _, c_m, c_g, c_v = momentum_schedule_step(self.beta_1, self.beta_2, step, self._u_product(step - 1))
         return (lr, c_m, c_g, c_v)
 
     def _rule(self, params: tuple[float, ...], decay: float) -> Rule:

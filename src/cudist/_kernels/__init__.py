@@ -29,7 +29,7 @@ from cudist._kernels._base import (
     TrustedKernels,
     adam_lr_t,
     is_bfloat16,
-    nadam_step,
+    momentum_schedule_step,
 )
 from cudist._kernels._cuda_launch import launch_policy as cuda_launch_policy
 from cudist._kernels._split import split, split_sizes
@@ -50,7 +50,7 @@ __all__ = [
     "numpy_backend",
     "reset_backend_cache",
     "adam_lr_t",
-    "nadam_step",
+    "momentum_schedule_step",
     "UPDATE_KERNELS",
     "split",
     "split_sizes",

@@ -52,7 +52,7 @@ __all__ = [
     "is_bfloat16",
     "FLOAT_DTYPES",
     "adam_lr_t",
-    "nadam_step",
+    "momentum_schedule_step",
     "UPDATE_KERNELS",
 ]
 
@@ -80,7 +80,7 @@ def adam_lr_t(lr: float, beta_1: float, beta_2: float, step: int) -> float:
     return lr * math.sqrt(1.0 - beta_2**step) / (1.0 - beta_1**step)
 
 
-def nadam_step(beta_1: float, beta_2: float, step: int, u_product: float) -> tuple[float, float, float, float]:
+def momentum_schedule_step(beta_1: float, beta_2: float, step: int, u_product: float) -> tuple[float, float, float, float]:
     """Nadam's scalars for 1-based ``step`` (Keras 3's schedule of the momentum decay), in float64.
 
     ``u_product`` is the product ``u_1 * ... * u_(step-1)`` of the earlier steps (1.0 before the
@@ -688,7 +688,7 @@ class KernelBackend:
         """Nadam (Keras 3 formulation).
 
         ``u_product``: Keras's ``_u_product`` before this step (1.0 before the first); the caller
-        keeps the new one, the first value :func:`nadam_step` returns. With that function's
+        keeps the new one, the first value :func:`momentum_schedule_step` returns. With that function's
         ``c_m, c_g, c_v`` (what the trusted form takes): ``m += (g - m) * (1 - beta_1)``;
         ``v += (g*g - v) * (1 - beta_2)``; ``m_hat = c_m * m + c_g * g``; ``v_hat = v / c_v``;
         ``w -= m_hat * lr / (sqrt(v_hat) + epsilon)``. Returns ``copies``.
@@ -698,7 +698,7 @@ class KernelBackend:
 
     def _nadam(self, where, fused, copies, ms, vs, g, lr, beta_1, beta_2, epsilon, step, u_product, weight_decay):
         copies, (ms, vs), g = self._check_opt(where, copies, (("m", ms), ("v", vs)), **{"grads" if fused else "grad": g})
-        _, c_m, c_g, c_v = nadam_step(float(beta_1), float(beta_2), self._step(where, step), float(u_product))
+        _, c_m, c_g, c_v = momentum_schedule_step(float(beta_1), float(beta_2), self._step(where, step), float(u_product))
         hook = self._hook_all_reduce_nadam if fused else self._hook_nadam
         hook(copies, ms, vs, g, float(lr), float(beta_1), float(beta_2), float(epsilon), c_m, c_g, c_v,
              float(weight_decay) * float(lr))
@@ -958,7 +958,7 @@ class TrustedKernels:
       (``momentums`` / ``average_grads`` None when absent); ``adagrad(copies, accs, grad, lr, epsilon,
       decay)``; ``adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (``lr_t`` of
       :func:`adam_lr_t` with ``beta_2 = 0``); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
-      decay)`` (:func:`nadam_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
+      decay)`` (:func:`momentum_schedule_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
       an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
       ``weight_decay * lr`` (0.0: none).
     * ``check_bufs(where, bufs, *, writable, what="replica", same_shape=True)`` and the other
