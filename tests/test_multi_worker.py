@@ -99,13 +99,14 @@ def _launch(*args, timeout=60, flags=(), env=None):
     return p, time.monotonic() - start
 
 
-def _results(proc):
+def _results(proc, n=2):
+    """``{rank: result}`` from the job's ``RESULT <rank> <json>`` lines, one for each of the ``n`` workers."""
     out = {}
     for line in proc.stdout.splitlines():
         m = re.match(r"(?:\[\d+\] )?RESULT (\d+) (.*)$", line)  # the launcher's "[rank] " in front, or not
         if m:
             out[int(m.group(1))] = json.loads(m.group(2))
-    assert sorted(out) == [0, 1], f"missing worker results:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert sorted(out) == list(range(n)), f"missing worker results:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return out
 
 

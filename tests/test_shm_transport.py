@@ -17,7 +17,6 @@ small; by default those go through MPI).
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -43,12 +42,7 @@ def _launch(n, *args, env=None, timeout=120):
 
 
 def _results(proc, n):
-    out = {}
-    for line in proc.stdout.splitlines():
-        m = re.match(r"(?:\[\d+\] )?RESULT (\d+) (.*)$", line)
-        if m:
-            out[int(m.group(1))] = json.loads(m.group(2))
-    assert sorted(out) == list(range(n)), f"missing worker results:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    out = tmw._results(proc, n)
     failed = {f"worker {r}: {name}": detail for r, res in out.items() for name, (ok, detail) in res.items() if not ok}
     assert not failed, failed
     return out
