@@ -21,7 +21,7 @@ import pytest
 
 import cudist
 from cudist._kernels._cuda_headers import cuda_include_dirs
-from cudist._kernels._cuda_launch import dtype_ctypes, kernel_list
+from cudist._kernels._cuda_launch import UPDATE_RULES, dtype_ctypes, kernel_list, parse_update_rules
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS: dict[str, tuple[str, ...]] = kernel_list(cudist.get_include())
@@ -69,6 +69,11 @@ def test_kernel_list_covers_the_headers():
     text = "\n".join(p.read_text() for p in sorted((INCLUDE / "cudist" / "kernels").glob("*.cuh")))
     declared = set(re.findall(r"__global__\s+void\s+(\w+)\s*\(", text))
     assert declared, "no kernels found in the headers"
+    # The update rules' kernels: one generator (both forms) expanded over the rules' table.
+    assert re.search(r"__global__\s+void\s+mirrored_all_reduce_##name##suffix\(", text)
+    assert "CUDIST_UPDATE_RULE_LIST(CUDIST_RULE_KERNELS_, ~)" in text
+    rules = parse_update_rules((INCLUDE / UPDATE_RULES).read_text())
+    declared |= {f"mirrored_all_reduce_{name}{form}" for name in rules for form in ("", "_packed")}
     expected = set(KERNELS) | {k + "_packed" for k in KERNELS}
     assert declared == expected
     assert set(CTYPES) == {"float16", "float32", "float64", "int32", "int64"}

@@ -32,7 +32,16 @@ import pytest
 
 import cudist
 from cudist import _core
-from cudist._kernels._cuda_launch import KERNEL_LIST, LAUNCHERS_ENV, kernel_list, launch_mode, launch_policy, runs_on
+from cudist._kernels._cuda_launch import (
+    KERNEL_LIST,
+    LAUNCHERS_ENV,
+    UPDATE_RULES,
+    kernel_list,
+    launch_mode,
+    launch_policy,
+    parse_update_rules,
+    runs_on,
+)
 from cudist._kernels._numpy import NumpyBackend
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,14 +65,42 @@ _LAUNCHERS_MACRO = re.compile(r"#define\s+CUDIST_CUDA_LAUNCHERS_(\w+)\(L, T, nam
 _LAUNCHER = re.compile(r"\bL\((launch|p2p),\s*(\w+),\s*T,\s*\(([^()]*)\)\)")
 
 
+RULES = parse_update_rules((SOURCE_INCLUDE / UPDATE_RULES).read_text())
+
+
+def _rule_launchers(name: str, slots: tuple[str, ...], hyper: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """The two launchers launch.hpp generates for a row of the rules' table (as _launchers lists them)."""
+    ptrs = ", ".join(["T* const*"] * (1 + len(slots)))
+    doubles = ", ".join(["double"] * (len(hyper) + 1))  # the hyper-parameters, then decay
+    return [("launch", name, f"{ptrs}, int, const T*, {doubles}, long long, cudaStream_t"),
+            ("launch", f"all_reduce_{name}", f"{ptrs}, int, const T* const*, int, {doubles}, long long, cudaStream_t")]
+
+
 def _launchers() -> dict[str, list[tuple[str, str, str]]]:
-    """launch.hpp's list: kernel -> [(header, launcher, parameters)]."""
+    """launch.hpp's list: kernel -> [(header, launcher, parameters)], the rules' kernels' generated."""
     text = (SOURCE_INCLUDE / "cudist" / "cuda" / "launch.hpp").read_text()
     out = {}
     for m in _LAUNCHERS_MACRO.finditer(text):
         body = re.sub(r"\\\n", " ", m.group(2))
         out[m.group(1)] = [(h, name, " ".join(p.split())) for h, name, p in _LAUNCHER.findall(body)]
+    assert "CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_LAUNCHERS_, L)" in text
+    for name, (_, slots, hyper) in RULES.items():
+        assert f"mirrored_all_reduce_{name}" not in out, f"{name}'s launchers are generated from the table"
+        out[f"mirrored_all_reduce_{name}"] = _rule_launchers(name, slots, hyper)
     return out
+
+
+def _preprocessed(tmp_path: Path, *headers: str) -> str:
+    """The headers as the C++ preprocessor expands them (the emulation's CUDA headers standing in)."""
+    cxx = emu_build.compiler()
+    if cxx is None:
+        pytest.skip("needs a C++ compiler (c++ or g++)")
+    src = tmp_path / "pp.cpp"
+    src.write_text("".join(f"#include <{h}>\n" for h in headers))
+    out = subprocess.run([cxx, "-std=c++17", "-E", "-P", f"-I{emu_build.EMU_INCLUDE}", f"-I{SOURCE_INCLUDE}", str(src)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
 
 
 def _expected_launchers() -> collections.Counter:
@@ -95,10 +132,16 @@ def test_kernel_list_is_what_the_backend_and_the_installed_headers_use():
 def test_kernel_list_is_every_global_template_of_the_headers():
     text = "\n".join(p.read_text() for p in sorted((SOURCE_INCLUDE / "cudist" / "kernels").glob("*.cuh")))
     declared = set(re.findall(r"__global__\s+void\s+(\w+)\s*\(", text))
+    # The rules' kernels: one generator (both forms) expanded over the table (the emulation and
+    # NVRTC tests compile and run every name of KERNELS, so a missing expansion fails there too).
+    assert re.search(r"__global__\s+void\s+mirrored_all_reduce_##name##suffix\(", text)
+    assert "CUDIST_UPDATE_RULE_LIST(CUDIST_RULE_KERNELS_, ~)" in text
+    declared |= {f"mirrored_all_reduce_{name}{form}" for name in RULES for form in ("", "_packed")}
     assert declared == set(KERNELS) | {k + "_packed" for k in KERNELS}
+    assert {f"mirrored_all_reduce_{name}" for name in RULES} <= set(KERNELS)
 
 
-def test_every_kernel_has_its_launchers_listed_once():
+def test_every_kernel_has_its_launchers_listed_once(tmp_path):
     launchers = _launchers()
     assert set(launchers) == set(KERNELS), "CUDIST_CUDA_LAUNCHERS_<kernel> macros differ from the kernel list"
     listed = [(name, params) for entries in launchers.values() for _, name, params in entries]
@@ -106,9 +149,7 @@ def test_every_kernel_has_its_launchers_listed_once():
     names = {name for name, _ in listed}
     # Every launcher template that launch.hpp / p2p.hpp declare is listed (so it gets instantiated).
     decl = re.compile(r"template <class T>\s*cudaError_t\s+(\w+)\(")
-    declared = set()
-    for header in ("launch.hpp", "p2p.hpp"):
-        declared |= set(decl.findall((SOURCE_INCLUDE / "cudist" / "cuda" / header).read_text()))
+    declared = set(decl.findall(_preprocessed(tmp_path, "cudist/cuda/launch.hpp", "cudist/cuda/p2p.hpp")))
     assert names == declared
     assert ("p2p", "p2p_all_reduce") in {(h, n) for e in launchers.values() for h, n, _ in e}
 
@@ -130,17 +171,21 @@ def test_emulation_library_matches_the_kernel_list():
 
 
 def test_launch_headers_declare_exactly_the_listed_instantiations(tmp_path):
-    """What launch.hpp and p2p.hpp expand to (the extern templates C++ users compile against)."""
-    cxx = emu_build.compiler()
-    if cxx is None:
-        pytest.skip("needs a C++ compiler (c++ or g++)")
-    src = tmp_path / "decl.cpp"
-    src.write_text("#include <cudist/cuda/launch.hpp>\n#include <cudist/cuda/p2p.hpp>\n")
-    out = subprocess.run([cxx, "-std=c++17", "-E", "-P", f"-I{emu_build.EMU_INCLUDE}", f"-I{SOURCE_INCLUDE}", str(src)],
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    got = collections.Counter(re.findall(r"extern template cudaError_t (\w+)<([\w ]+)>", out.stdout))
+    """What launch.hpp and p2p.hpp expand to (the extern templates C++ users compile against), with
+    the parameters listed (those of the rules' launchers derived from the table)."""
+    text = _preprocessed(tmp_path, "cudist/cuda/launch.hpp", "cudist/cuda/p2p.hpp")
+    got = collections.Counter(re.findall(r"extern template cudaError_t (\w+)<([\w ]+)>", text))
     assert got == _expected_launchers()
+    expanded = {(name, t, re.sub(r"\s+", "", params))
+                for name, t, params in re.findall(r"extern template cudaError_t (\w+)<([\w ]+)>\s*\(([^;]*)\);", text)}
+    for kernel, entries in _launchers().items():
+        for header, name, params in entries:
+            if header != "launch":
+                continue
+            for dt in KERNELS[kernel]:
+                t = CTYPES[dt]
+                want = re.sub(r"\s+", "", re.sub(r"\bT\b", t, params))
+                assert (name, t, want) in expanded, (name, t, want)
 
 
 _STUB = re.compile(r"__device_stub__ZN6cudist7kernels(\d+)(\w+)")

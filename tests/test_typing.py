@@ -464,12 +464,11 @@ RULES_HEADER = ROOT / "csrc" / "include" / "cudist" / "detail" / "update_rules.h
 
 
 def _rules_table() -> dict[str, tuple[list[str], list[str]]]:
-    """CUDIST_UPDATE_RULES: name -> (slot names, hyper-parameter names before ``decay``)."""
-    row = re.compile(r'^\s*X\((\w+),\s*\w+,\s*\(([^)]*)\),\s*\(([^)]*)\)\)', re.M)
-    return {
-        name: (re.findall(r'"(\w+)"', slots), re.findall(r'"(\w+)"', hyper))
-        for name, slots, hyper in row.findall(RULES_HEADER.read_text())
-    }
+    """CUDIST_UPDATE_RULE_LIST: name -> (slot names, hyper-parameter names before ``decay``)."""
+    from cudist._kernels._cuda_launch import parse_update_rules
+
+    rows = parse_update_rules(RULES_HEADER.read_text())
+    return {name: (list(slots), list(hyper)) for name, (_, slots, hyper) in rows.items()}
 
 
 def _rule_functions() -> set[str]:

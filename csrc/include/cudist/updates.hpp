@@ -1,8 +1,8 @@
 /// @file updates.hpp
 /// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
-/// momentum (optionally Nesterov), Adam, AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam and Lion, and the
-/// fused all-reduce + update forms (all_reduce_sgd, ..., all_reduce_lion) that sum M gradients in
-/// the same pass.
+/// momentum (optionally Nesterov), Adam, RMSprop and the optimizers of CUDIST_UPDATE_RULE_LIST
+/// (<cudist/detail/update_rules.hpp>), and the fused all-reduce + update forms (all_reduce_sgd, ...)
+/// that sum M gradients in the same pass.
 ///
 /// Every update reads copy 0 (and slot copy 0), computes the new values once and writes all N
 /// copies in the same pass. The arithmetic follows cudist's NumPy reference operation by
@@ -490,7 +490,7 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
 }
 
 // ---------------------------------------------------------------------------------------------
-// The optimizers of Keras 3 beyond SGD and Adam: AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion.
+// The optimizers of Keras 3 beyond SGD and Adam: RMSprop and those of CUDIST_UPDATE_RULE_LIST.
 //
 // Each follows cudist's NumPy reference (src/cudist/_kernels/_numpy.py) operation by operation, in
 // the compute type (float32 for half): copy 0 of the variable and of every slot is read, the
@@ -498,47 +498,6 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
 // is not 0, then the update; every slot and the variable are written to all n copies in one pass.
 // The ``all_reduce_*`` forms first sum m gradients as all_reduce_sgd() does.
 
-
-/// Fused all-reduce + AdamW: the m gradients summed as in all_reduce_sgd(), then the decoupled
-/// weight decay and Adam with the bias-corrected ``lr_t`` (see adam_lr_t()) on the n copies of the
-/// variable and of its slots m and v: ``w -= w * decay``; ``m += (g - m) * (1 - beta_1)``;
-/// ``v += (g*g - v) * (1 - beta_2)``; ``w -= lr_t * m / (sqrt(v) + epsilon)``.
-template <class T>
-void all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count,
-                      const T* const* grads, std::size_t m, double lr_t, double beta_1, double beta_2, double epsilon,
-                      double decay, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adamw needs a floating-point type");
-  T* const* const state[3] = {ms, vs, copies};
-  detail::run_rule<rules::adam>(state, n, count, grads, m, decay, pool, lr_t, beta_1, beta_2, epsilon);
-}
-
-/// AdamW on N copies (see all_reduce_adamw()).
-template <class T>
-void adamw(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr_t,
-           double beta_1, double beta_2, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
-  all_reduce_adamw<T>(copies, ms, vs, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, pool);
-}
-
-/// Fused all-reduce + AMSGrad (Keras 3's ``Adam(amsgrad=True)`` / ``AdamW(amsgrad=True)``): the
-/// m gradients summed as in all_reduce_sgd(), then ``w -= w * decay`` (when ``decay`` is not 0) and
-/// the adamw() moments on the n copies of the variable and of its slots m, v and v_hat, with
-/// ``v_hat = maximum(v_hat, v)`` (NumPy's) in the denominator: ``w -= lr_t * m / (sqrt(v_hat) + epsilon)``.
-template <class T>
-void all_reduce_amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, std::size_t n,
-                        std::size_t count, const T* const* grads, std::size_t m, double lr_t, double beta_1,
-                        double beta_2, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_amsgrad needs a floating-point type");
-  T* const* const state[4] = {ms, vs, v_hats, copies};
-  detail::run_rule<rules::amsgrad>(state, n, count, grads, m, decay, pool, lr_t, beta_1, beta_2, epsilon);
-}
-
-/// AMSGrad on N copies (see all_reduce_amsgrad()).
-template <class T>
-void amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, std::size_t n, std::size_t count,
-             const T* grad, double lr_t, double beta_1, double beta_2, double epsilon, double decay,
-             thread_pool* pool = &thread_pool::global()) {
-  all_reduce_amsgrad<T>(copies, ms, vs, v_hats, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, pool);
-}
 
 namespace detail {
 
@@ -588,84 +547,30 @@ void rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* con
                         decay, pool);
 }
 
-/// Fused all-reduce + Adagrad: ``acc += g*g``; ``w -= lr * g / sqrt(acc + epsilon)`` (after
-/// ``w -= w * decay``).
-template <class T>
-void all_reduce_adagrad(T* const* copies, T* const* accumulators, std::size_t n, std::size_t count,
-                        const T* const* grads, std::size_t m, double lr, double epsilon, double decay,
-                        thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adagrad needs a floating-point type");
-  T* const* const state[2] = {accumulators, copies};
-  detail::run_rule<rules::adagrad>(state, n, count, grads, m, decay, pool, lr, epsilon);
-}
-
-/// Adagrad on N copies (see all_reduce_adagrad()).
-template <class T>
-void adagrad(T* const* copies, T* const* accumulators, std::size_t n, std::size_t count, const T* grad, double lr,
-             double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
-  all_reduce_adagrad<T>(copies, accumulators, n, count, &grad, 1, lr, epsilon, decay, pool);
-}
-
-/// Adamax's bias-corrected step size ``lr / (1 - beta_1^step)`` for the 1-based ``step``, in double.
-inline double adamax_lr_t(double lr, double beta_1, long long step) {
-  return lr / (1.0 - std::pow(beta_1, static_cast<double>(step)));
-}
-
-/// Fused all-reduce + Adamax: ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``
-/// (NumPy's maximum); ``w -= lr_t * m / (u + epsilon)`` with ``lr_t`` from adamax_lr_t() (after
-/// ``w -= w * decay``).
-template <class T>
-void all_reduce_adamax(T* const* copies, T* const* ms, T* const* us, std::size_t n, std::size_t count,
-                       const T* const* grads, std::size_t m, double lr_t, double beta_1, double beta_2, double epsilon,
-                       double decay, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adamax needs a floating-point type");
-  T* const* const state[3] = {ms, us, copies};
-  detail::run_rule<rules::adamax>(state, n, count, grads, m, decay, pool, lr_t, beta_1, beta_2, epsilon);
-}
-
-/// Adamax on N copies (see all_reduce_adamax()).
-template <class T>
-void adamax(T* const* copies, T* const* ms, T* const* us, std::size_t n, std::size_t count, const T* grad, double lr_t,
-            double beta_1, double beta_2, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
-  all_reduce_adamax<T>(copies, ms, us, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, pool);
-}
-
-/// Fused all-reduce + Nadam (Keras 3): ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
-/// ``m_hat = c_m * m + c_g * g``; ``v_hat = v / c_v``; ``w -= m_hat * lr / (sqrt(v_hat) + epsilon)``
-/// (after ``w -= w * decay``), with the step's scalars c_m, c_g, c_v of cudist.nadam_step (Python).
-template <class T>
-void all_reduce_nadam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count,
-                      const T* const* grads, std::size_t m, double lr, double beta_1, double beta_2, double epsilon,
-                      double c_m, double c_g, double c_v, double decay, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_nadam needs a floating-point type");
-  T* const* const state[3] = {ms, vs, copies};
-  detail::run_rule<rules::nadam>(state, n, count, grads, m, decay, pool, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v);
-}
-
-/// Nadam on N copies (see all_reduce_nadam()).
-template <class T>
-void nadam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr,
-           double beta_1, double beta_2, double epsilon, double c_m, double c_g, double c_v, double decay,
-           thread_pool* pool = &thread_pool::global()) {
-  all_reduce_nadam<T>(copies, ms, vs, n, count, &grad, 1, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay, pool);
-}
-
-/// Fused all-reduce + Lion: ``w -= lr * sign(m * beta_1 + g * (1 - beta_1))`` (NumPy's sign, after
-/// ``w -= w * decay``); ``m = m * beta_2 + g * (1 - beta_2)``.
-template <class T>
-void all_reduce_lion(T* const* copies, T* const* ms, std::size_t n, std::size_t count, const T* const* grads,
-                     std::size_t m, double lr, double beta_1, double beta_2, double decay,
-                     thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_lion needs a floating-point type");
-  T* const* const state[2] = {ms, copies};
-  detail::run_rule<rules::lion>(state, n, count, grads, m, decay, pool, lr, beta_1, beta_2);
-}
-
-/// Lion on N copies (see all_reduce_lion()).
-template <class T>
-void lion(T* const* copies, T* const* ms, std::size_t n, std::size_t count, const T* grad, double lr, double beta_1,
-          double beta_2, double decay, thread_pool* pool = &thread_pool::global()) {
-  all_reduce_lion<T>(copies, ms, n, count, &grad, 1, lr, beta_1, beta_2, decay, pool);
-}
+/// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST
+/// (<cudist/detail/update_rules.hpp>, where each rule's formula is documented), generated:
+///   all_reduce_name(copies, <slot>s..., n, count, grads, m, hyper..., decay, pool): the m
+///     gradients summed as in all_reduce_sgd(), then ``w -= w * decay`` (when ``decay`` is not 0)
+///     and the rule on the n copies of the variable and of its slots;
+///   name(copies, <slot>s..., n, count, grad, hyper..., decay, pool): the same from one gradient.
+#define CUDIST_HOST_RULE_(A, name, rule, slots, hyper)                                                              \
+  template <class T>                                                                                              \
+  void all_reduce_##name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) std::size_t n,       \
+                         std::size_t count, const T* const* grads, std::size_t m,                                 \
+                         CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay,                              \
+                         thread_pool* pool = &thread_pool::global()) {                                            \
+    static_assert(detail::is_update_float<T>, "cudist::all_reduce_" #name " needs a floating-point type");        \
+    T* const* const state[] = {CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) copies};                                 \
+    detail::run_rule<rules::rule>(state, n, count, grads, m, decay, pool CUDIST_PP_MAP(CUDIST_PP_LEAD, , hyper));  \
+  }                                                                                                               \
+  template <class T>                                                                                              \
+  void name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) std::size_t n, std::size_t count, \
+            const T* grad, CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay,                            \
+            thread_pool* pool = &thread_pool::global()) {                                                         \
+    all_reduce_##name<T>(copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) n, count, &grad, 1,                    \
+                         CUDIST_PP_MAP(CUDIST_PP_TRAIL, , hyper) decay, pool);                                    \
+  }
+CUDIST_UPDATE_RULE_LIST(CUDIST_HOST_RULE_, ~)
+#undef CUDIST_HOST_RULE_
 
 }  // namespace cudist

@@ -1,8 +1,10 @@
 """What the CuPy backend launches, and through what; importable without CuPy (or a GPU).
 
-* The kernel list is declared once, in ``<cudist/kernels/kernel_list.cuh>``: the C++ launchers of
-  ``cudist::cuda`` are instantiated from it, and :func:`kernel_list` parses it for the CuPy
-  backend's NVRTC name expressions (``cudist::kernels::<kernel>_packed<T>``).
+* The kernel list is declared once, in ``<cudist/kernels/kernel_list.cuh>`` plus one fused kernel
+  ``mirrored_all_reduce_<name>`` (floating-point dtypes) per row of the update rules' table
+  (``CUDIST_UPDATE_RULE_LIST`` in ``<cudist/detail/update_rules.hpp>``): the C++ kernels and
+  launchers of ``cudist::cuda`` are generated / instantiated from them, and :func:`kernel_list`
+  parses both for the CuPy backend's NVRTC name expressions (``cudist::kernels::<kernel>_packed<T>``).
 * The launch path: where ``cudist._core`` was built with CUDA and its runtime sees the GPUs (and
   its kernels were built for them, :func:`runs_on`), the CuPy backend runs its collectives through
   those launchers, on CuPy's current stream; NVRTC (``cupy.RawModule``) is the fallback and runs
@@ -27,11 +29,16 @@ __all__ = [
     "launch_mode",
     "launch_policy",
     "parse_kernel_list",
+    "parse_update_rules",
     "runs_on",
 ]
 
 #: The header declaring the kernel list, relative to :func:`cudist.get_include`.
 KERNEL_LIST = "cudist/kernels/kernel_list.cuh"
+#: The header of the update rules' table, relative to :func:`cudist.get_include`.
+UPDATE_RULES = "cudist/detail/update_rules.hpp"
+#: The dtype set of the kernels generated from that table.
+RULE_KERNEL_DTYPES = "FLOAT"
 #: The environment variable choosing the CuPy backend's launch path.
 LAUNCHERS_ENV = "CUDIST_CUDA_LAUNCHERS"
 #: Its values: the launchers where they can serve (default), always them, never them.
@@ -43,10 +50,35 @@ _DTYPE_SET = re.compile(_MACRO.format(name=r"CUDIST_DTYPES_(\w+)", params=r"D, A
 _DTYPE = re.compile(r"\bD\(A,\s*([\w ]+?),\s*(\w+)\)")
 _KERNELS = re.compile(_MACRO.format(name="CUDIST_KERNELS", params=r"X, A"))
 _KERNEL = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+)\)")
+_RULES = re.compile(_MACRO.format(name="CUDIST_UPDATE_RULE_LIST", params=r"X, A"))
+_RULE = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+),\s*\(([^()]*)\),\s*\(([^()]*)\)\)")
 
 
-def parse_kernel_list(text: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
+def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """``{name: (rule, slots, hyper-parameters)}`` from the rules' header text, in table order.
+
+    Raises:
+        ValueError: the text has no ``CUDIST_UPDATE_RULE_LIST(X, A)`` macro, or it lists no row.
+    """
+    body = _RULES.search(text)
+    if body is None:
+        raise ValueError(f"{UPDATE_RULES}: no CUDIST_UPDATE_RULE_LIST(X, A) macro found")
+    rows = {
+        name: (rule, tuple(s.strip() for s in slots.split(",")), tuple(h.strip() for h in hyper.split(",")))
+        for name, rule, slots, hyper in _RULE.findall(body.group(1))
+    }
+    if not rows:
+        raise ValueError(f"{UPDATE_RULES}: CUDIST_UPDATE_RULE_LIST lists no rule")
+    return rows
+
+
+def parse_kernel_list(text: str, rules_text: str = "") -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
     """``({kernel: NumPy dtype names}, {NumPy dtype name: C++ type})`` from the header's text.
+
+    Args:
+        text: the kernel list header's text.
+        rules_text: the update rules' header text: adds ``mirrored_all_reduce_<name>`` for each of
+            its rows (none when empty).
 
     Raises:
         ValueError: the text declares no kernel, or a kernel names an undeclared dtype set.
@@ -62,6 +94,9 @@ def parse_kernel_list(text: str) -> tuple[dict[str, tuple[str, ...]], dict[str, 
         if dset not in sets:
             raise ValueError(f"{KERNEL_LIST}: kernel {kernel} names dtype set {dset}, which is not declared")
         kernels[kernel] = tuple(name for _, name in sets[dset])
+    if rules_text:
+        for rule in parse_update_rules(rules_text):
+            kernels[f"mirrored_all_reduce_{rule}"] = tuple(name for _, name in sets[RULE_KERNEL_DTYPES])
     if not kernels:
         raise ValueError(f"{KERNEL_LIST}: CUDIST_KERNELS lists no kernel")
     ctypes = {name: c for entries in sets.values() for c, name in entries}
@@ -70,7 +105,8 @@ def parse_kernel_list(text: str) -> tuple[dict[str, tuple[str, ...]], dict[str, 
 
 @functools.lru_cache(maxsize=None)
 def _parsed(include_dir: str) -> tuple[dict[str, tuple[str, ...]], dict[str, str]]:
-    return parse_kernel_list((Path(include_dir) / KERNEL_LIST).read_text())
+    root = Path(include_dir)
+    return parse_kernel_list((root / KERNEL_LIST).read_text(), (root / UPDATE_RULES).read_text())
 
 
 def kernel_list(include_dir) -> dict[str, tuple[str, ...]]:

@@ -27,6 +27,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include "../detail/update_rules.hpp"
 #include "../kernels/kernel_list.cuh"
 #include "../reduce_op.hpp"
 
@@ -104,28 +105,13 @@ cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n,
                             double lr_t, double beta_1, double beta_2, double epsilon, long long count,
                             cudaStream_t stream = nullptr);
 
-/// AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam and Lion (cudist's kernel contract, Keras 3 formulas):
-/// the plain update on the n copies from `grad`, and the fused all-reduce form from the m gradients
-/// `grads` (summed in replica order in T as all_reduce_sgd does; more than kMaxReplicas are first
-/// reduced into a stream-ordered temporary). `decay` is the decoupled weight decay
-/// (weight_decay * lr: w -= w * decay first; 0: none). RMSprop's `momentums` / `average_grads` may
-/// be null (no momentum / not centered). Gradients must not overlap what is written.
-template <class T>
-cudaError_t adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
-                  double beta_2, double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                             double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
-                             cudaStream_t stream = nullptr);
-/// AMSGrad (Keras 3's Adam(amsgrad=True)) takes adamw's arguments and the slot v_hat.
-template <class T>
-cudaError_t amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n, const T* grad, double lr_t,
-                    double beta_1, double beta_2, double epsilon, double decay, long long count,
-                    cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t all_reduce_amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n,
-                               const T* const* grads, int m, double lr_t, double beta_1, double beta_2, double epsilon,
-                               double decay, long long count, cudaStream_t stream = nullptr);
+/// RMSprop and the optimizers of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>; cudist's
+/// kernel contract, Keras 3 formulas): the plain update on the n copies from `grad`, and the fused
+/// all-reduce form from the m gradients `grads` (summed in replica order in T as all_reduce_sgd does;
+/// more than kMaxReplicas are first reduced into a stream-ordered temporary). `decay` is the
+/// decoupled weight decay (weight_decay * lr: w -= w * decay first; 0: none). RMSprop's `momentums`
+/// / `average_grads` may be null (no momentum / not centered). Gradients must not overlap what is
+/// written.
 template <class T>
 cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, int n,
                     const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
@@ -134,35 +120,23 @@ template <class T>
 cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
                                int n, const T* const* grads, int m, double lr, double rho, double momentum,
                                double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t adagrad(T* const* copies, T* const* accumulators, int n, const T* grad, double lr, double epsilon,
-                    double decay, long long count, cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t all_reduce_adagrad(T* const* copies, T* const* accumulators, int n, const T* const* grads, int m, double lr,
-                               double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
-/// Adamax takes lr_t = lr / (1 - beta_1^step) (cudist::adamax_lr_t in <cudist/updates.hpp>).
-template <class T>
-cudaError_t adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* grad, double lr_t, double beta_1,
-                   double beta_2, double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t all_reduce_adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* const* grads, int m,
-                              double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
-                              cudaStream_t stream = nullptr);
-/// Nadam takes the step's coefficients c_m, c_g, c_v (cudist._kernels.nadam_step in Python).
-template <class T>
-cudaError_t nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr, double beta_1,
-                  double beta_2, double epsilon, double c_m, double c_g, double c_v, double decay, long long count,
-                  cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t all_reduce_nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                             double lr, double beta_1, double beta_2, double epsilon, double c_m, double c_g,
-                             double c_v, double decay, long long count, cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t lion(T* const* copies, T* const* ms, int n, const T* grad, double lr, double beta_1, double beta_2,
-                 double decay, long long count, cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* const* grads, int m, double lr,
-                            double beta_1, double beta_2, double decay, long long count, cudaStream_t stream = nullptr);
+
+/// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST, generated (the rule's
+/// hyper-parameters as the table names them, e.g. Adam's bias-corrected lr_t):
+///   name(copies, <slot>s..., n, grad, hyper..., decay, count, stream)
+///   all_reduce_name(copies, <slot>s..., n, grads, m, hyper..., decay, count, stream)
+/// with every `<slot>s` a host array of the n device pointers of that slot's copies.
+#define CUDIST_CUDA_RULE_DECLARE_(A, name, rule, slots, hyper)                                                      \
+  template <class T>                                                                                              \
+  cudaError_t name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) int n, const T* grad,      \
+                   CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay, long long count,                   \
+                   cudaStream_t stream = nullptr);                                                                \
+  template <class T>                                                                                              \
+  cudaError_t all_reduce_##name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) int n,         \
+                                const T* const* grads, int m, CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper)        \
+                                double decay, long long count, cudaStream_t stream = nullptr);
+CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_DECLARE_, ~)
+#undef CUDIST_CUDA_RULE_DECLARE_
 
 /// The launchers, declared once: CUDIST_CUDA_LAUNCHERS_<kernel>(L, T, name) lists, for each kernel
 /// of CUDIST_KERNELS (<cudist/kernels/kernel_list.cuh>), the launchers built on it as
@@ -201,20 +175,6 @@ cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* cons
   L(launch, all_reduce_adam, T,                                                                                 \
     (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, long long,     \
      cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adamw(L, T, name)                                             \
-  L(launch, adamw, T,                                                                                           \
-    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double, long long,         \
-     cudaStream_t))                                                                                             \
-  L(launch, all_reduce_adamw, T,                                                                                \
-    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, double,        \
-     long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_amsgrad(L, T, name)                                           \
-  L(launch, amsgrad, T,                                                                                         \
-    (T* const*, T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double,         \
-     long long, cudaStream_t))                                                                                  \
-  L(launch, all_reduce_amsgrad, T,                                                                              \
-    (T* const*, T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double,     \
-     double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_rmsprop(L, T, name)                                           \
   L(launch, rmsprop, T,                                                                                         \
     (T* const*, T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double,         \
@@ -222,34 +182,25 @@ cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* cons
   L(launch, all_reduce_rmsprop, T,                                                                              \
     (T* const*, T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double,     \
      double, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adagrad(L, T, name)                                           \
-  L(launch, adagrad, T, (T* const*, T* const*, int, const T*, double, double, double, long long, cudaStream_t)) \
-  L(launch, all_reduce_adagrad, T,                                                                              \
-    (T* const*, T* const*, int, const T* const*, int, double, double, double, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adamax(L, T, name)                                            \
-  L(launch, adamax, T,                                                                                          \
-    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double, long long,         \
-     cudaStream_t))                                                                                             \
-  L(launch, all_reduce_adamax, T,                                                                               \
-    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, double,        \
-     long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_nadam(L, T, name)                                             \
-  L(launch, nadam, T,                                                                                           \
-    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double, double, double,    \
-     double, long long, cudaStream_t))                                                                          \
-  L(launch, all_reduce_nadam, T,                                                                                \
-    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, double,        \
-     double, double, double, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_lion(L, T, name)                                              \
-  L(launch, lion, T, (T* const*, T* const*, int, const T*, double, double, double, double, long long,           \
-                      cudaStream_t))                                                                            \
-  L(launch, all_reduce_lion, T,                                                                                 \
-    (T* const*, T* const*, int, const T* const*, int, double, double, double, double, long long, cudaStream_t))
 
 /// L(header, launcher, T, (parameters)) for every launcher and every dtype of the kernel it is
 /// listed under (a kernel of CUDIST_KERNELS without a CUDIST_CUDA_LAUNCHERS_<kernel> is an error).
-#define CUDIST_CUDA_FOR_EACH_LAUNCHER(L) CUDIST_KERNELS(CUDIST_CUDA_KERNEL_LAUNCHERS_, L)
+/// The launchers of the rules' kernels are generated from CUDIST_UPDATE_RULE_LIST (float dtypes).
+#define CUDIST_CUDA_FOR_EACH_LAUNCHER(L)                    \
+  CUDIST_KERNELS(CUDIST_CUDA_KERNEL_LAUNCHERS_, L)          \
+  CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_LAUNCHERS_, L)
 #define CUDIST_CUDA_KERNEL_LAUNCHERS_(L, kernel, SET) CUDIST_DTYPES_##SET(CUDIST_CUDA_LAUNCHERS_##kernel, L)
+#define CUDIST_CUDA_RULE_LAUNCHERS_(L, name, rule, slots, hyper) \
+  CUDIST_DTYPES_FLOAT(CUDIST_CUDA_RULE_LAUNCHERS_T_, (L, name, slots, hyper))
+#define CUDIST_CUDA_RULE_LAUNCHERS_T_(A, T, dtype) CUDIST_CUDA_RULE_LAUNCHERS_T2_(CUDIST_PP_REM A, T)
+#define CUDIST_CUDA_RULE_LAUNCHERS_T2_(...) CUDIST_CUDA_RULE_LAUNCHERS_T3_(__VA_ARGS__)
+#define CUDIST_CUDA_RULE_LAUNCHERS_T3_(L, name, slots, hyper, T)                                                   \
+  L(launch, name, T,                                                                                            \
+    (T* const*, CUDIST_PP_MAP(CUDIST_PP_TYPE, T* const*, slots) int, const T*,                                  \
+     CUDIST_PP_MAP(CUDIST_PP_TYPE, double, hyper) double, long long, cudaStream_t))                             \
+  L(launch, all_reduce_##name, T,                                                                               \
+    (T* const*, CUDIST_PP_MAP(CUDIST_PP_TYPE, T* const*, slots) int, const T* const*, int,                       \
+     CUDIST_PP_MAP(CUDIST_PP_TYPE, double, hyper) double, long long, cudaStream_t))
 
 // The definitions live in the cudist::cuda library (csrc/src/cuda/launch.cu).
 #ifndef CUDIST_CUDA_IMPLEMENTATION

@@ -375,9 +375,9 @@ cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n,
 }
 
 namespace detail {
-// The fused updates of AdamW ... Lion: the gradients packed (more than kMaxReplicas pre-reduced),
-// `launch(k, grads, n_grads)` on copies [0, k) of every group, then copy 0 of each non-null group
-// broadcast to the other copies.
+// The fused updates of RMSprop and the rules' table: the gradients packed (more than kMaxReplicas
+// pre-reduced), `launch(k, grads, n_grads)` on copies [0, k) of every group, then copy 0 of each
+// non-null group broadcast to the other copies.
 template <class T, class Launch>
 cudaError_t run_fused(std::initializer_list<T* const*> groups, int n, const T* const* grads, int m, long long count,
                       cudaStream_t stream, Launch&& launch) {
@@ -403,51 +403,6 @@ inline PtrPack<T> pack_or_null(T* const* ptrs, int n) {
   return ptrs == nullptr ? PtrPack<T>{} : pack(ptrs, n);
 }
 }  // namespace detail
-template <class T>
-cudaError_t all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                             double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
-                             cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>({ms, vs, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
-    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adamw_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k), k, g, ng,
-                         static_cast<C>(lr_t), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
-                         static_cast<C>(decay), count);
-  });
-}
-template <class T>
-cudaError_t adamw(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
-                  double beta_2, double epsilon, double decay, long long count, cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_adamw<T>(copies, ms, vs, n, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, count, stream);
-}
-template <class T>
-cudaError_t all_reduce_amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n,
-                               const T* const* grads, int m, double lr_t, double beta_1, double beta_2, double epsilon,
-                               double decay, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || v_hats == nullptr ||
-      detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>({ms, vs, v_hats, copies}, n, grads, m, count, stream,
-                              [&](int k, const detail::PtrPack<T>& g, int ng) {
-    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_amsgrad_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k),
-                         detail::pack(v_hats, k), k, g, ng, static_cast<C>(lr_t), static_cast<C>(beta_1),
-                         static_cast<C>(beta_2), static_cast<C>(epsilon), static_cast<C>(decay), count);
-  });
-}
-template <class T>
-cudaError_t amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n, const T* grad, double lr_t,
-                    double beta_1, double beta_2, double epsilon, double decay, long long count, cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_amsgrad<T>(copies, ms, vs, v_hats, n, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, count,
-                               stream);
-}
 template <class T>
 cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
                                int n, const T* const* grads, int m, double lr, double rho, double momentum,
@@ -475,89 +430,41 @@ cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums,
   return all_reduce_rmsprop<T>(copies, velocities, momentums, average_grads, n, &grad, 1, lr, rho, momentum, epsilon,
                                decay, count, stream);
 }
-template <class T>
-cudaError_t all_reduce_adagrad(T* const* copies, T* const* accumulators, int n, const T* const* grads, int m, double lr,
-                               double epsilon, double decay, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || accumulators == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>({accumulators, copies}, n, grads, m, count, stream,
-                              [&](int k, const detail::PtrPack<T>& g, int ng) {
-                                CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adagrad_packed<T>,
-                                                     detail::grid_for<T>(count), detail::kThreads, stream,
-                                                     detail::pack(copies, k), detail::pack(accumulators, k), k, g, ng,
-                                                     static_cast<C>(lr), static_cast<C>(epsilon), static_cast<C>(decay),
-                                                     count);
-                              });
-}
-template <class T>
-cudaError_t adagrad(T* const* copies, T* const* accumulators, int n, const T* grad, double lr, double epsilon,
-                    double decay, long long count, cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_adagrad<T>(copies, accumulators, n, &grad, 1, lr, epsilon, decay, count, stream);
-}
-template <class T>
-cudaError_t all_reduce_adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* const* grads, int m,
-                              double lr_t, double beta_1, double beta_2, double epsilon, double decay, long long count,
-                              cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || us == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>({ms, us, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
-    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adamax_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(us, k), k, g, ng,
-                         static_cast<C>(lr_t), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
-                         static_cast<C>(decay), count);
-  });
-}
-template <class T>
-cudaError_t adamax(T* const* copies, T* const* ms, T* const* us, int n, const T* grad, double lr_t, double beta_1,
-                   double beta_2, double epsilon, double decay, long long count, cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_adamax<T>(copies, ms, us, n, &grad, 1, lr_t, beta_1, beta_2, epsilon, decay, count, stream);
-}
-template <class T>
-cudaError_t all_reduce_nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                             double lr, double beta_1, double beta_2, double epsilon, double c_m, double c_g,
-                             double c_v, double decay, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>({ms, vs, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
-    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_nadam_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                         stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k), k, g, ng,
-                         static_cast<C>(lr), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
-                         static_cast<C>(c_m), static_cast<C>(c_g), static_cast<C>(c_v), static_cast<C>(decay), count);
-  });
-}
-template <class T>
-cudaError_t nadam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr, double beta_1,
-                  double beta_2, double epsilon, double c_m, double c_g, double c_v, double decay, long long count,
-                  cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_nadam<T>(copies, ms, vs, n, &grad, 1, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v, decay, count,
-                             stream);
-}
-template <class T>
-cudaError_t all_reduce_lion(T* const* copies, T* const* ms, int n, const T* const* grads, int m, double lr,
-                            double beta_1, double beta_2, double decay, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || detail::bad_grads(grads, m)) return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>({ms, copies}, n, grads, m, count, stream, [&](int k, const detail::PtrPack<T>& g, int ng) {
-    CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_lion_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                         stream, detail::pack(copies, k), detail::pack(ms, k), k, g, ng, static_cast<C>(lr),
-                         static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(decay), count);
-  });
-}
-template <class T>
-cudaError_t lion(T* const* copies, T* const* ms, int n, const T* grad, double lr, double beta_1, double beta_2,
-                 double decay, long long count, cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_lion<T>(copies, ms, n, &grad, 1, lr, beta_1, beta_2, decay, count, stream);
-}
+// The launchers of CUDIST_UPDATE_RULE_LIST's kernels (declared in <cudist/cuda/launch.hpp>): every
+// slot must be given; the fused form runs the rule's kernel over the slots then the copies.
+#define CUDIST_CUDA_RULE_NULL_(A, slot) || slot##s == nullptr
+#define CUDIST_CUDA_RULE_PACK_(A, slot) detail::pack(slot##s, k),
+#define CUDIST_CUDA_RULE_CAST_(A, h) static_cast<C>(h),
+#define CUDIST_CUDA_RULE_DEFINE_(A, name, rule, slots, hyper)                                                        \
+  template <class T>                                                                                               \
+  cudaError_t all_reduce_##name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) int n,          \
+                                const T* const* grads, int m, CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper)         \
+                                double decay, long long count, cudaStream_t stream) {                              \
+    using C = typename kernels::detail::compute<T>::type;                                                          \
+    if (detail::bad_args(copies, n, count) CUDIST_PP_MAP(CUDIST_CUDA_RULE_NULL_, ~, slots) ||                      \
+        detail::bad_grads(grads, m))                                                                               \
+      return cudaErrorInvalidValue;                                                                                \
+    if (count == 0) return cudaSuccess;                                                                            \
+    return detail::run_fused<T>({CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) copies}, n, grads, m, count, stream,     \
+                                [&](int k, const detail::PtrPack<T>& g, int ng) {                                  \
+      CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_##name##_packed<T>, detail::grid_for<T>(count),           \
+                           detail::kThreads, stream, detail::pack(copies, k),                                       \
+                           CUDIST_PP_MAP(CUDIST_CUDA_RULE_PACK_, ~, slots) k, g, ng,                                \
+                           CUDIST_PP_MAP(CUDIST_CUDA_RULE_CAST_, ~, hyper) static_cast<C>(decay), count);            \
+    });                                                                                                            \
+  }                                                                                                                \
+  template <class T>                                                                                               \
+  cudaError_t name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) int n, const T* grad,       \
+                   CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay, long long count,                    \
+                   cudaStream_t stream) {                                                                          \
+    if (grad == nullptr) return cudaErrorInvalidValue;                                                             \
+    return all_reduce_##name<T>(copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) n, &grad, 1,                     \
+                                CUDIST_PP_MAP(CUDIST_PP_TRAIL, , hyper) decay, count, stream);                     \
+  }
+CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_DEFINE_, ~)
+#undef CUDIST_CUDA_RULE_DEFINE_
+#undef CUDIST_CUDA_RULE_CAST_
+#undef CUDIST_CUDA_RULE_PACK_
+#undef CUDIST_CUDA_RULE_NULL_
 }  // namespace cuda
 }  // namespace cudist

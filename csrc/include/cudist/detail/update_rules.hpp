@@ -19,9 +19,13 @@
 ///  * ``operator()(g, x, dec)``: one element; ``dec(w)`` is the decoupled weight decay
 ///    ``w - w * decay``, or the identity (the caller picks, so the common case carries no branch).
 ///
-/// The rules' names and slots are tabled in CUDIST_UPDATE_RULES below. No includes: NVRTC compiles
-/// this header as it is.
+/// The rules' names and slots are tabled in CUDIST_UPDATE_RULE_LIST below. No includes: NVRTC compiles
+/// this header as it is (the one host-only helper aside).
 #pragma once
+
+#if !defined(__CUDACC_RTC__)
+#include <cmath>  // adamax_lr_t; NVRTC sees no include
+#endif
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
 #define CUDIST_HD __host__ __device__ __forceinline__
@@ -30,18 +34,57 @@
 #define CUDIST_HD inline
 #endif
 
-/// X(name, rule, (slot names), (hyper-parameter names)) for every optimizer whose update is a rule
-/// of this header, its hyper-parameters followed by the weight decay ``decay`` (``weight_decay *
-/// lr``, 0: none). The names are those of cudist._kernels.UPDATE_KERNELS; the Python extension's
-/// bindings (csrc/bindings/core.cpp) are generated from this table, each slot passed as the list of
-/// its copies named ``<slot>s``.
-#define CUDIST_UPDATE_RULES(X)                                                                 \
-  X(adamw, adam, ("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon"))                           \
-  X(amsgrad, amsgrad, ("m", "v", "v_hat"), ("lr_t", "beta_1", "beta_2", "epsilon"))             \
-  X(adagrad, adagrad, ("accumulator"), ("lr", "epsilon"))                                       \
-  X(adamax, adamax, ("m", "u"), ("lr_t", "beta_1", "beta_2", "epsilon"))                        \
-  X(nadam, nadam, ("m", "v"), ("lr", "beta_1", "beta_2", "epsilon", "c_m", "c_g", "c_v"))       \
-  X(lion, lion, ("m"), ("lr", "beta_1", "beta_2"))
+/// The optimizers whose update is a rule of this header: X(A, name, rule, (slots), (hyper)), ``A``
+/// passed through, ``name`` the optimizer's (that of cudist._kernels.UPDATE_KERNELS), ``rule`` its
+/// struct below, then its slots and its hyper-parameters (followed by the weight decay ``decay``,
+/// ``weight_decay * lr``, 0: none) as identifiers. This is the one place a rule is named in C++:
+/// the CUDA kernels (<cudist/kernels/mirrored.cuh>), their entry in the kernel list (read by
+/// src/cudist/_kernels/_cuda_launch.py too), the CUDA launchers (<cudist/cuda/launch.hpp>), the host
+/// entry points (<cudist/updates.hpp>) and the Python bindings (csrc/bindings/core.cpp) are all
+/// generated from it; a slot ``s`` is passed as the list of its copies named ``<s>s``.
+#define CUDIST_UPDATE_RULE_LIST(X, A)                                                \
+  X(A, adamw, adam, (m, v), (lr_t, beta_1, beta_2, epsilon))                         \
+  X(A, amsgrad, amsgrad, (m, v, v_hat), (lr_t, beta_1, beta_2, epsilon))             \
+  X(A, adagrad, adagrad, (accumulator), (lr, epsilon))                               \
+  X(A, adamax, adamax, (m, u), (lr_t, beta_1, beta_2, epsilon))                      \
+  X(A, nadam, nadam, (m, v), (lr, beta_1, beta_2, epsilon, c_m, c_g, c_v))           \
+  X(A, lion, lion, (m), (lr, beta_1, beta_2))
+
+// The preprocessor helpers the generated code is written with (lists of at most 8 items).
+#define CUDIST_PP_REM(...) __VA_ARGS__
+#define CUDIST_PP_CAT(a, b) CUDIST_PP_CAT_(a, b)
+#define CUDIST_PP_CAT_(a, b) a##b
+#define CUDIST_PP_NARG(...) CUDIST_PP_NARG_(__VA_ARGS__, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define CUDIST_PP_NARG_(_1, _2, _3, _4, _5, _6, _7, _8, N, ...) N
+/// F(A, x) for every x of the parenthesized list ``list``, juxtaposed (F supplies any commas).
+#define CUDIST_PP_MAP(F, A, list) CUDIST_PP_MAP_(F, A, CUDIST_PP_REM list)
+#define CUDIST_PP_MAP_(F, A, ...) CUDIST_PP_CAT(CUDIST_PP_MAP_N, CUDIST_PP_NARG(__VA_ARGS__))(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N1(F, A, x) F(A, x)
+#define CUDIST_PP_MAP_N2(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N1(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N3(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N2(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N4(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N3(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N5(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N4(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N6(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N5(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N7(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N6(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N8(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N7(F, A, __VA_ARGS__)
+/// The common items: ``P x,`` / ``, P x`` (P a type, or empty), the same with a slot's copies
+/// (``P xs,``, ``, P xs``), and ``P,`` (a parameter's type alone).
+#define CUDIST_PP_TYPE(P, x) P,
+#define CUDIST_PP_TRAIL(P, x) P x,
+#define CUDIST_PP_LEAD(P, x) , P x
+#define CUDIST_PP_TRAIL_S(P, x) P x##s,
+#define CUDIST_PP_LEAD_S(P, x) , P x##s
+/// The items of ``list`` as string literals, comma-separated.
+#define CUDIST_PP_STRINGS(list) CUDIST_PP_DROP1_(CUDIST_PP_MAP(CUDIST_PP_STRING_, ~, list))
+#define CUDIST_PP_STRING_(A, x) , #x
+#define CUDIST_PP_DROP1_(...) CUDIST_PP_DROP1__(__VA_ARGS__)
+#define CUDIST_PP_DROP1__(first, ...) __VA_ARGS__
+
+/// X(name, rule, (slot names), (hyper-parameter names)): CUDIST_UPDATE_RULE_LIST with the names as
+/// string literals (the Python bindings' argument names).
+#define CUDIST_UPDATE_RULES(X) CUDIST_UPDATE_RULE_LIST(CUDIST_UPDATE_RULE_STRINGS_, X)
+#define CUDIST_UPDATE_RULE_STRINGS_(X, name, rule, slots, hyper) \
+  X(name, rule, (CUDIST_PP_STRINGS(slots)), (CUDIST_PP_STRINGS(hyper)))
 
 namespace cudist {
 namespace rules {
@@ -254,4 +297,13 @@ struct no_decay {
 };
 
 }  // namespace rules
+
+#if !defined(__CUDACC_RTC__)
+/// Adamax's bias-corrected step size ``lr / (1 - beta_1^step)`` for the 1-based ``step``, in double
+/// (host code; the rule's ``lr_t``).
+inline double adamax_lr_t(double lr, double beta_1, long long step) {
+  return lr / (1.0 - std::pow(beta_1, static_cast<double>(step)));
+}
+#endif
+
 }  // namespace cudist

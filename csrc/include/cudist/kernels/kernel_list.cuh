@@ -26,7 +26,10 @@
 
 /// X(A, kernel, SET) for every kernel (each has a pointer-table form `kernel<T>` and the by-value
 /// form `kernel_packed<T>` that the launchers and the CuPy backend launch), SET naming the
-/// CUDIST_DTYPES_<SET> it is instantiated for.
+/// CUDIST_DTYPES_<SET> it is instantiated for. Besides these, each row `name` of
+/// CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>) has the kernel
+/// `mirrored_all_reduce_<name>`, FLOAT (generated in <cudist/kernels/mirrored.cuh>, so that a rule
+/// is named once).
 #define CUDIST_KERNELS(X, A)                  \
   X(A, all_reduce_one_shot, ALL)              \
   X(A, reduce_scatter, ALL)                   \
@@ -40,10 +43,4 @@
   X(A, mirrored_all_reduce_sgd, FLOAT)        \
   X(A, mirrored_all_reduce_momentum, FLOAT)   \
   X(A, mirrored_all_reduce_adam, FLOAT)       \
-  X(A, mirrored_all_reduce_adamw, FLOAT)      \
-  X(A, mirrored_all_reduce_amsgrad, FLOAT)    \
-  X(A, mirrored_all_reduce_rmsprop, FLOAT)    \
-  X(A, mirrored_all_reduce_adagrad, FLOAT)    \
-  X(A, mirrored_all_reduce_adamax, FLOAT)     \
-  X(A, mirrored_all_reduce_nadam, FLOAT)      \
-  X(A, mirrored_all_reduce_lion, FLOAT)
+  X(A, mirrored_all_reduce_rmsprop, FLOAT)

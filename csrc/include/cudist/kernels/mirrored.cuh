@@ -16,8 +16,8 @@
 // launchers broadcast copy 0 to the rest when there are more copies, and pre-reduce the gradients
 // when there are more gradients).
 //
-// AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam and Lion have the fused form only (mirrored_all_reduce_*);
-// their plain update is that kernel with one gradient.
+// RMSprop and the optimizers of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>) have the
+// fused form only (mirrored_all_reduce_*); their plain update is that kernel with one gradient.
 //
 // Every update's per-element arithmetic is its rule in <cudist/detail/update_rules.hpp>, shared with
 // the host kernels (<cudist/updates.hpp>); the kernels here only load, call the rule and store
@@ -377,9 +377,9 @@ __global__ void mirrored_all_reduce_adam_packed(PtrPack<T> copies, PtrPack<T> ms
 }
 
 // ---------------------------------------------------------------------------------------------
-// AdamW, RMSprop, Adagrad, Adamax, Nadam, Lion: one kernel each (pointer-table and `_packed`
-// forms), the fused all-reduce form; the plain update is the same kernel with one gradient. The
-// arithmetic is that of the NumPy reference (`_hook_adamw` ... in _numpy.py): the decoupled weight
+// RMSprop and the rules' table: one kernel each (pointer-table and `_packed` forms), the fused
+// all-reduce form; the plain update is the same kernel with one gradient. The arithmetic is that
+// of the NumPy reference (its `_hook_<name>` in _numpy.py): the decoupled weight
 // decay w - w * decay first (skipped when decay is 0), then the update, in the compute type.
 
 namespace detail {
@@ -418,57 +418,6 @@ __device__ __forceinline__ void rmsprop_body(const Src& c, const Src& v, const S
 // The table form takes device arrays of pointers (CuPy), the `_packed` form PtrPacks by value (the
 // C++ launchers); 1 <= n, n_grads <= kMaxReplicas. Hyper-parameters in the compute type.
 
-/// Fused all-reduce + AdamW: g = the sum of the n_grads gradients (replica order, in T), then
-/// w -= w * decay and Adam with the bias-corrected lr_t on the n copies and the m and v slots.
-template <class T>
-__global__ void mirrored_all_reduce_adamw(T* const* copies, T* const* ms, T* const* vs, int n, T* const* grads,
-                                          int n_grads, typename detail::compute<T>::type lr_t,
-                                          typename detail::compute<T>::type beta_1,
-                                          typename detail::compute<T>::type beta_2,
-                                          typename detail::compute<T>::type epsilon,
-                                          typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::adam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
-}
-template <class T>
-__global__ void mirrored_all_reduce_adamw_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
-                                                 PtrPack<T> grads, int n_grads, typename detail::compute<T>::type lr_t,
-                                                 typename detail::compute<T>::type beta_1,
-                                                 typename detail::compute<T>::type beta_2,
-                                                 typename detail::compute<T>::type epsilon,
-                                                 typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::adam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
-}
-
-/// Fused all-reduce + AMSGrad (Keras 3's Adam(amsgrad=True)): AdamW's pass with the slot v_hat =
-/// maximum(v_hat, v) in the denominator (rules::amsgrad).
-template <class T>
-__global__ void mirrored_all_reduce_amsgrad(T* const* copies, T* const* ms, T* const* vs, T* const* v_hats, int n,
-                                            T* const* grads, int n_grads, typename detail::compute<T>::type lr_t,
-                                            typename detail::compute<T>::type beta_1,
-                                            typename detail::compute<T>::type beta_2,
-                                            typename detail::compute<T>::type epsilon,
-                                            typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[4] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(v_hats, n),
-                                detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::amsgrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1,
-                                          beta_2, epsilon);
-}
-template <class T>
-__global__ void mirrored_all_reduce_amsgrad_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, PtrPack<T> v_hats,
-                                                   int n, PtrPack<T> grads, int n_grads,
-                                                   typename detail::compute<T>::type lr_t,
-                                                   typename detail::compute<T>::type beta_1,
-                                                   typename detail::compute<T>::type beta_2,
-                                                   typename detail::compute<T>::type epsilon,
-                                                   typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[4] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(v_hats, n),
-                                detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::amsgrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1,
-                                          beta_2, epsilon);
-}
-
 /// Fused all-reduce + RMSprop (Keras formulation); the momentum slot is used when has_momentum,
 /// the average-gradient slot when centered (otherwise their pointers are not read).
 template <class T>
@@ -495,93 +444,31 @@ __global__ void mirrored_all_reduce_rmsprop_packed(PtrPack<T> copies, PtrPack<T>
                           centered, count);
 }
 
-/// Fused all-reduce + Adagrad: acc += g*g; w = w - w * decay - lr * g / sqrt(acc + epsilon).
-template <class T>
-__global__ void mirrored_all_reduce_adagrad(T* const* copies, T* const* accs, int n, T* const* grads, int n_grads,
-                                            typename detail::compute<T>::type lr,
-                                            typename detail::compute<T>::type epsilon,
-                                            typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[2] = {detail::load_ptrs(accs, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::adagrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, epsilon);
-}
-template <class T>
-__global__ void mirrored_all_reduce_adagrad_packed(PtrPack<T> copies, PtrPack<T> accs, int n, PtrPack<T> grads,
-                                                   int n_grads, typename detail::compute<T>::type lr,
-                                                   typename detail::compute<T>::type epsilon,
-                                                   typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[2] = {detail::load_ptrs(accs, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::adagrad>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, epsilon);
-}
-
-/// Fused all-reduce + Adamax with lr_t = lr / (1 - beta_1^step).
-template <class T>
-__global__ void mirrored_all_reduce_adamax(T* const* copies, T* const* ms, T* const* us, int n, T* const* grads,
-                                           int n_grads, typename detail::compute<T>::type lr_t,
-                                           typename detail::compute<T>::type beta_1,
-                                           typename detail::compute<T>::type beta_2,
-                                           typename detail::compute<T>::type epsilon,
-                                           typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(us, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::adamax>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
-}
-template <class T>
-__global__ void mirrored_all_reduce_adamax_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> us, int n,
-                                                  PtrPack<T> grads, int n_grads,
-                                                  typename detail::compute<T>::type lr_t,
-                                                  typename detail::compute<T>::type beta_1,
-                                                  typename detail::compute<T>::type beta_2,
-                                                  typename detail::compute<T>::type epsilon,
-                                                  typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(us, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::adamax>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr_t, beta_1, beta_2, epsilon);
-}
-
-/// Fused all-reduce + Nadam (Keras 3) with the step's coefficients c_m, c_g, c_v (cudist's nadam_step).
-template <class T>
-__global__ void mirrored_all_reduce_nadam(T* const* copies, T* const* ms, T* const* vs, int n, T* const* grads,
-                                          int n_grads, typename detail::compute<T>::type lr,
-                                          typename detail::compute<T>::type beta_1,
-                                          typename detail::compute<T>::type beta_2,
-                                          typename detail::compute<T>::type epsilon,
-                                          typename detail::compute<T>::type c_m, typename detail::compute<T>::type c_g,
-                                          typename detail::compute<T>::type c_v,
-                                          typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::nadam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v);
-}
-template <class T>
-__global__ void mirrored_all_reduce_nadam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
-                                                 PtrPack<T> grads, int n_grads, typename detail::compute<T>::type lr,
-                                                 typename detail::compute<T>::type beta_1,
-                                                 typename detail::compute<T>::type beta_2,
-                                                 typename detail::compute<T>::type epsilon,
-                                                 typename detail::compute<T>::type c_m,
-                                                 typename detail::compute<T>::type c_g,
-                                                 typename detail::compute<T>::type c_v,
-                                                 typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[3] = {detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::nadam>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v);
-}
-
-/// Fused all-reduce + Lion: w = w - w * decay - lr * sign(m * beta_1 + g * (1 - beta_1));
-/// m = m * beta_2 + g * (1 - beta_2).
-template <class T>
-__global__ void mirrored_all_reduce_lion(T* const* copies, T* const* ms, int n, T* const* grads, int n_grads,
-                                         typename detail::compute<T>::type lr, typename detail::compute<T>::type beta_1,
-                                         typename detail::compute<T>::type beta_2,
-                                         typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[2] = {detail::load_ptrs(ms, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::lion>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2);
-}
-template <class T>
-__global__ void mirrored_all_reduce_lion_packed(PtrPack<T> copies, PtrPack<T> ms, int n, PtrPack<T> grads,
-                                                int n_grads, typename detail::compute<T>::type lr,
-                                                typename detail::compute<T>::type beta_1,
-                                                typename detail::compute<T>::type beta_2,
-                                                typename detail::compute<T>::type decay, long long count) {
-  const detail::Ptrs<T> s[2] = {detail::load_ptrs(ms, n), detail::load_ptrs(copies, n)};
-  detail::run_shared_rule<rules::lion>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay, count, lr, beta_1, beta_2);
-}
+/// Fused all-reduce + the rule of each row of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>):
+/// ``mirrored_all_reduce_<name>(copies, <slot>s..., n, grads, n_grads, hyper..., decay, count)``:
+/// g = the sum of the n_grads gradients (replica order, in T), then w -= w * decay (skipped when
+/// decay is 0) and the rule on the n copies of the variable and of its slots; hyper-parameters in
+/// the compute type. Generated so that a rule is named once in C++: each pair is the same code a
+/// hand-written kernel would be (the slots then the copies, as rmsprop_body passes them).
+#define CUDIST_RULE_KERNEL_HYPER_(A, h) typename detail::compute<T>::type h,
+#define CUDIST_RULE_KERNEL_LOAD_(A, slot) detail::load_ptrs(slot##s, n),
+#define CUDIST_RULE_KERNEL_(P, suffix, name, rule, slots, hyper)                                                   \
+  template <class T>                                                                                             \
+  __global__ void mirrored_all_reduce_##name##suffix(                                                            \
+      P copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, P, slots) int n, P grads, int n_grads,                          \
+      CUDIST_PP_MAP(CUDIST_RULE_KERNEL_HYPER_, ~, hyper) typename detail::compute<T>::type decay, long long count) { \
+    const detail::Ptrs<T> s[] = {CUDIST_PP_MAP(CUDIST_RULE_KERNEL_LOAD_, ~, slots) detail::load_ptrs(copies, n)};  \
+    detail::run_shared_rule<rules::rule>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay,                  \
+                                         count CUDIST_PP_MAP(CUDIST_PP_LEAD, , hyper));                          \
+  }
+#define CUDIST_RULE_KERNELS_(A, name, rule, slots, hyper)             \
+  CUDIST_RULE_KERNEL_(T* const*, , name, rule, slots, hyper)          \
+  CUDIST_RULE_KERNEL_(PtrPack<T>, _packed, name, rule, slots, hyper)
+CUDIST_UPDATE_RULE_LIST(CUDIST_RULE_KERNELS_, ~)
+#undef CUDIST_RULE_KERNELS_
+#undef CUDIST_RULE_KERNEL_
+#undef CUDIST_RULE_KERNEL_LOAD_
+#undef CUDIST_RULE_KERNEL_HYPER_
 
 }  // namespace kernels
 }  // namespace cudist
