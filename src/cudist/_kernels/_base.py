@@ -886,7 +886,11 @@ class KernelBackend:
         raise NotImplementedError
 
     # The fused forms default to the definition: reduce_to_one into a temporary, then the update.
-    def _sum_grads(self, grads):
+    def _sum_grads(self, grads, dtype):
+        if grads[0].dtype != dtype:
+            # Mixed precision (bfloat16 / float16 gradients of float32 copies, from a backend with
+            # ``mixed_gradients`` falling back here): the definition casts each gradient first.
+            grads = [g.astype(dtype) for g in grads]
         if len(grads) == 1:
             return grads[0]
         g = self.xp.empty_like(grads[0])
@@ -894,13 +898,13 @@ class KernelBackend:
         return g
 
     def _hook_all_reduce_sgd(self, copies, grads, lr):
-        self._hook_sgd(copies, self._sum_grads(grads), lr)
+        self._hook_sgd(copies, self._sum_grads(grads, copies[0].dtype), lr)
 
     def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
-        self._hook_momentum(copies, velocities, self._sum_grads(grads), lr, momentum, nesterov)
+        self._hook_momentum(copies, velocities, self._sum_grads(grads, copies[0].dtype), lr, momentum, nesterov)
 
     def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        self._hook_adam(copies, ms, vs, self._sum_grads(grads), lr_t, beta_1, beta_2, epsilon)
+        self._hook_adam(copies, ms, vs, self._sum_grads(grads, copies[0].dtype), lr_t, beta_1, beta_2, epsilon)
 
 
 #: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
@@ -1068,7 +1072,7 @@ def _fused_update_hook(name):
 
     def hook(self, copies, *args):
         # The definition of the fused form: reduce_to_one into a temporary, then the plain update.
-        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots]), *args[nslots + 1 :])
+        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots], copies[0].dtype), *args[nslots + 1 :])
 
     hook.__name__ = f"_hook_all_reduce_{name}"
     return hook
