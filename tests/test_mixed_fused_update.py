@@ -217,19 +217,24 @@ def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_nam
 
 
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
-def test_numba_mixed_falls_back_to_the_cast_definition(dtype):
-    """A Numba mixed-precision call its driver refuses (a gradient 2-byte aligned but not 4-byte:
-    the NumPy reference takes the call) still gives the bits of casting the gradients first."""
+def test_numba_mixed_falls_back_to_the_cast_definition(monkeypatch, dtype):
+    """A Numba mixed-precision call its driver refuses (two gradients partially overlapping: the
+    NumPy reference takes the call) still gives the bits of casting the gradients first."""
+    from cudist._kernels._numpy import NumpyBackend
+
     numba_be = get_backend("numba").trusted
     ref = get_backend("numpy").trusted
+    calls = []
+    real = NumpyBackend._hook_sgd
+    monkeypatch.setattr(NumpyBackend, "_hook_sgd", lambda self, *a: (calls.append(a[1].dtype), real(self, *a)))
     rng = np.random.default_rng(5)
     size = 1001
-    raw = rng.standard_normal(size + 1).astype(dtype)
-    grads = [raw[1:], rng.standard_normal(size).astype(dtype)]  # the first one 2 bytes off
-    assert grads[0].ctypes.data % 4 == 2
+    raw = (rng.standard_normal(size + 1) * 10.0 ** rng.integers(-3, 3, size + 1)).astype(dtype)
+    grads = [raw[:size], raw[1:]]  # one element apart: the blocks of one would overlap the other's
     init = rng.standard_normal(size).astype(np.float32)
     got, want = [init.copy()], [init.copy()]
     numba_be.all_reduce_sgd(got, grads, 0.25)
+    assert calls == [np.dtype(np.float32)]  # the reference ran, on float32 casts
     ref.all_reduce_sgd(want, [g.astype(np.float32) for g in grads], 0.25)
     assert got[0].tobytes() == want[0].tobytes()
     # The test can fail: the narrow sum rounded to the gradients' dtype gives other bits.
