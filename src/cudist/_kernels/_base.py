@@ -897,6 +897,16 @@ class KernelBackend:
         self._hook_reduce_to_one(grads, ReduceOp.SUM, g)
         return g
 
+    def _hook_reduce_unscale_finite(self, grads, scale, out):
+        """The definition of LossScaleOptimizer's fused reduce: ``out`` = the gradients' sum (as the
+        fused updates sum them, narrow gradients of a wider ``out`` cast first) divided by ``scale``
+        in the compute type; returns whether every element of ``out`` is finite."""
+        with np.errstate(all="ignore"):  # an inf or NaN is the answer here, not a warning
+            s = self._sum_grads(grads, out.dtype)
+            ct = np.dtype(np.float32) if out.dtype == np.float16 else out.dtype
+            np.copyto(out, np.divide(s.astype(ct, copy=False), ct.type(scale)), casting="unsafe")
+            return bool(np.isfinite(out).all())
+
     def _hook_all_reduce_sgd(self, copies, grads, lr):
         self._hook_sgd(copies, self._sum_grads(grads, copies[0].dtype), lr)
 
@@ -951,6 +961,11 @@ class TrustedKernels:
       call: per pass (gradients, written arrays) its gradients as a list when every gradient is a
       C-contiguous ndarray owning its memory and, with ``aliasing``, neither a written array nor the
       base of one; else None.
+    * ``reduce_unscale_finite(grads, scale, out)`` -> bool: ``out`` (a fresh buffer of the variable's
+      float dtype and the gradients' shape) becomes the sum of ``grads`` (one or more; of ``out``'s
+      dtype, or bfloat16 / float16 for a float32 ``out`` where ``mixed_gradients``), summed as the
+      fused updates sum them, divided by ``scale``; returns whether every element of ``out`` is finite.
+      LossScaleOptimizer's step: the finiteness check is part of the reduction's pass.
     * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
       ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
@@ -982,6 +997,7 @@ class TrustedKernels:
         "broadcast",
         "assign",
         "assign_add",
+        "reduce_unscale_finite",
         "__dict__",  # the update kernels' entry points, one pair per row of UPDATE_KERNELS
         "check_bufs",
         "check_like",
@@ -1000,6 +1016,7 @@ class TrustedKernels:
     broadcast: Callable[..., None]
     assign: Callable[..., None]
     assign_add: Callable[..., None]
+    reduce_unscale_finite: Callable[..., bool]
 
     def __init__(self, backend: KernelBackend) -> None:
         self.backend = backend
@@ -1015,6 +1032,7 @@ class TrustedKernels:
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add
+        self.reduce_unscale_finite = backend._hook_reduce_unscale_finite
         for name in UPDATE_KERNELS:
             setattr(self, name, getattr(backend, f"_hook_{name}"))
             setattr(self, f"all_reduce_{name}", getattr(backend, f"_hook_all_reduce_{name}"))
