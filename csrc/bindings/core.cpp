@@ -791,6 +791,28 @@ void dispatch_mixed(kind k, kind kg, const char* where, F&& fn) {
   }
 }
 
+// The bfloat16 reduction's SIMD kernel: "auto" (by the CPU), "sse2" or "avx2" (where the CPU has
+// it), for tests and A/B benchmarks; returns the one in use after the call ("sse2", "avx2", or
+// "generic" on builds without the x86 kernels). ``choice`` None only asks.
+std::string bf16_simd(py::object choice) {
+#ifdef CUDIST_BF16_AVX2
+  if (!choice.is_none()) {
+    const auto c = choice.cast<std::string>();
+    if (c != "auto" && c != "sse2" && c != "avx2")
+      throw py::value_error("bf16_simd: choice must be 'auto', 'sse2' or 'avx2', got '" + c + "'");
+    cudist::detail::bf16_simd_choice().store(c == "auto" ? -1 : c == "avx2" ? 1 : 0);
+  }
+  return cudist::detail::bf16_use_avx2() ? "avx2" : "sse2";
+#elif defined(CUDIST_BF16_SSE2)
+  if (!choice.is_none() && choice.cast<std::string>() == "avx2")
+    throw py::value_error("bf16_simd: this build has no AVX2 kernel");
+  return "sse2";
+#else
+  (void)choice;
+  return "generic";
+#endif
+}
+
 // LossScaleOptimizer's step: the per-replica gradients summed, unscaled and checked in one pass
 // (cudist::reduce_unscale_finite); ``out`` of the variable's dtype, the gradients of it or, for
 // float32, of bfloat16 / float16. Returns whether every element of ``out`` is finite.
@@ -1366,6 +1388,8 @@ PYBIND11_MODULE(_core, m) {
         "Every copy becomes copies[0] + value (or - value when ``negate``).");
   m.def("assign", &assign, py::arg("copies"), py::arg("value"), "Writes ``value`` into every copy.");
   m.def("sgd", &sgd, py::arg("copies"), py::arg("grad"), py::arg("lr"), "Every copy becomes copies[0] - lr * grad.");
+  m.def("bf16_simd", &bf16_simd, py::arg("choice") = py::none(),
+        "the bfloat16 reduction's SIMD kernel: set 'auto' / 'sse2' / 'avx2' (None: only ask); returns the one in use");
   m.def("reduce_unscale_finite", &reduce_unscale_finite, py::arg("grads"), py::arg("scale"), py::arg("out"),
         "out = (sum of grads in replica order) / scale in one pass; returns whether every element of out is finite");
   m.def("all_reduce_sgd", &all_reduce_sgd, py::arg("copies"), py::arg("grads"), py::arg("lr"),

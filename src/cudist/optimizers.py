@@ -1842,8 +1842,8 @@ class LossScaleOptimizer:
         pairs = list(grads_and_vars)
         ctx = _distribute_lib.get_replica_context()
         if ctx is not None and ctx.num_replicas_in_sync > 1:
-            if math.frexp(float(np.asarray(self.dynamic_scale.read_value())))[0] == 0.5 and all(  # a power of two
-                g is not None for g, _ in pairs
+            if pairs and math.frexp(float(np.asarray(self.dynamic_scale.read_value())))[0] == 0.5 and all(
+                g is not None for g, _ in pairs  # (frexp's mantissa 0.5: a power of two)
             ):
                 # One merge_call decides for every replica (each gets its result): fused, or None.
                 done = ctx.merge_call(self._fused_step, args=(_ReplicaGrads([g for g, _ in pairs]),),

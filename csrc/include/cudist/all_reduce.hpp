@@ -37,7 +37,7 @@ inline void reduce_line(const T* const* in, std::size_t n_in, std::size_t i, boo
 #ifdef CUDIST_BF16_SSE2
   if constexpr (std::is_same<T, bfloat16>::value) {
 #ifdef CUDIST_BF16_AVX2
-    if (cpu_has_avx2()) {
+    if (bf16_use_avx2()) {
       reduce_line_bf16_avx2<K>(in, n_in, i, mean, cnt, res);
       return;
     }

@@ -516,6 +516,17 @@ def _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, has_decay, zero, one,
             tw[j] = _st(tc[j] - lr * sg, dtype)
 
 
+def _is_mixed(dtype, gtype):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_is_mixed)
+def _ol_is_mixed(dtype, gtype):
+    """Whether the gradients' storage type is not the copies' (a compile-time constant)."""
+    mixed = dtype.instance_type != gtype.instance_type
+    return lambda dtype, gtype: mixed
+
+
 def _block_grads(a, g0, ng, start, m, tg, ta, dtype, gtype):  # pragma: no cover
     raise NotImplementedError
 
@@ -585,7 +596,7 @@ def _update_range(argp, lo, hi, dtype, ctype, gtype):
     tc = np.empty(_CHUNK if mode >= _ADAMW else 1, ctype)  # copy 0 after the weight decay
     tg = np.empty(_CHUNK if ng > 1 else 1, dtype)
     # float16's float32 running sum (see _sum_grads), or the widened sum of mixed-precision gradients.
-    ta = np.empty(_CHUNK, ctype)
+    ta = np.empty(_CHUNK if ng > 1 or _is_mixed(dtype, gtype) else 1, ctype)
     isz = tw.itemsize
     for start in range(lo, hi, _CHUNK):
         m = np.uint64(min(_CHUNK, hi - start))

@@ -10,6 +10,7 @@
 /// to nearest even, a NaN stored as the quiet NaN with its sign.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 
@@ -97,6 +98,18 @@ inline void reduce_line_bf16(const bfloat16* const* in, std::size_t n_in, std::s
 inline bool cpu_has_avx2() noexcept {
   static const bool has = __builtin_cpu_supports("avx2") != 0;
   return has;
+}
+
+/// -1: pick by the CPU; 0: the SSE2 kernel; 1: AVX2 where the CPU has it. Set by tests and A/B
+/// benchmarks (``cudist._core.bf16_simd``) to run both kernels on the same data in one process.
+inline std::atomic<int>& bf16_simd_choice() noexcept {
+  static std::atomic<int> choice{-1};
+  return choice;
+}
+
+/// Whether the bfloat16 reduction uses the AVX2 line kernel.
+inline bool bf16_use_avx2() noexcept {
+  return bf16_simd_choice().load(std::memory_order_relaxed) != 0 && cpu_has_avx2();
 }
 
 /// add_keep_first_nan() of 8 floats.
