@@ -15,7 +15,10 @@ fused pass widens them itself, no float32 copy). Checked first: both give the Nu
 bits for the same gradient values.
 
 Usage: ``python bench/bf16_allreduce.py [--mib 64] [--replicas 4] [--rounds 7] [--calls 5]
-[--backends native,numba,numpy] [--update]``
+[--backends native,numba,numpy] [--update] [--simd-ab]``
+
+``--simd-ab``: native only, float32 against bfloat16 with the SSE2 and with the AVX2 line kernel
+(``cudist._core.bf16_simd``), the three rotated round by round.
 """
 
 from __future__ import annotations
@@ -34,7 +37,12 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--backends", default="native,numba,numpy")
     p.add_argument("--update", action="store_true", help="the fused all-reduce + SGD-momentum instead")
+    p.add_argument("--simd-ab", action="store_true",
+                   help="native only: bfloat16 with the SSE2 and the AVX2 line kernel, each against float32")
     a = p.parse_args()
+    if a.simd_ab:
+        simd_ab(a)
+        return
     if a.update:
         update_bench(a)
         return
@@ -91,6 +99,59 @@ def main() -> None:
                 times[dt].append(statistics.median(s) * 1e3)
         f, b = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
         print(f"  {name:>8} {f:11.2f} {b:12.2f} {f / b:8.2f}x")
+    os.environ.pop("CUDIST_BACKEND", None)
+
+
+def simd_ab(a: argparse.Namespace) -> None:
+    """Native bfloat16 all-reduce through strategy.run with each SIMD line kernel, and float32, interleaved."""
+    import ml_dtypes
+    import numpy as np
+
+    import cudist
+    from cudist import _core, config
+    from cudist._kernels import cpu_backend, reset_backend_cache
+
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    count = int(a.mib * (1 << 20)) // 4
+    n = a.replicas
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
+    os.environ["CUDIST_BACKEND"] = "native"
+    reset_backend_cache()
+    assert cpu_backend().name == "native"
+    rng = np.random.default_rng(0)
+    host32 = [(rng.random(count, dtype=np.float32) * 2 - 1) for _ in range(n)]
+    strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
+    xs = {dt: strategy.experimental_distribute_values_from_function(lambda c, h=h: h[c.replica_id_in_sync_group])
+          for dt, h in (("float32", host32), ("bfloat16", [h.astype(bf16) for h in host32]))}
+
+    def fn(x):
+        return cudist.get_replica_context().all_reduce("sum", x)
+
+    variants = [("float32", "auto"), ("bfloat16", "sse2"), ("bfloat16", "avx2")]
+    got = {}
+    for dt, simd in variants[1:]:
+        assert _core.bf16_simd(simd) == simd
+        got[simd] = np.asarray(strategy.experimental_local_results(strategy.run(fn, args=(xs[dt],)))[0]).tobytes()
+    assert got["sse2"] == got["avx2"]
+    print(f"# native strategy.run + all_reduce(SUM), {n} replicas, {count} elements per replica; bfloat16 with "
+          f"each SIMD line kernel; {a.rounds} rounds (order rotated) x median of {a.calls} calls")
+    times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
+    for r in range(a.rounds):
+        for dt, simd in variants[r % 3:] + variants[: r % 3]:
+            _core.bf16_simd(simd)
+            strategy.run(fn, args=(xs[dt],))  # warm-up
+            s = []
+            for _ in range(a.calls):
+                t0 = time.perf_counter()
+                strategy.run(fn, args=(xs[dt],))
+                s.append(time.perf_counter() - t0)
+            times[(dt, simd)].append(statistics.median(s) * 1e3)
+    _core.bf16_simd("auto")
+    f = statistics.median(times[variants[0]])
+    b_sse, b_avx = statistics.median(times[variants[1]]), statistics.median(times[variants[2]])
+    print(f"# float32 ms  bf16-sse2 ms  bf16-avx2 ms  f32/sse2  f32/avx2  sse2/avx2")
+    print(f"  {f:10.2f} {b_sse:13.2f} {b_avx:13.2f} {f / b_sse:8.2f}x {f / b_avx:8.2f}x {b_sse / b_avx:9.2f}x")
     os.environ.pop("CUDIST_BACKEND", None)
 
 

@@ -46,23 +46,29 @@ def _state(name, n, size, seed):
     return [w.copy() for _ in range(n)], [[x.copy() for _ in range(n)] for x in s]
 
 
+@pytest.mark.parametrize("backend", ["native", "numba"])
 @pytest.mark.parametrize("name", sorted(UPDATE_KERNELS))
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("size", [1, 37, 4099])
-def test_fused_kernels_take_narrow_gradients(name, dtype, m, size):
-    """Every fused kernel of the table on the native backend: narrow gradients for float32 copies
-    equal the NumPy reference's update from the gradients cast to float32, bit for bit."""
-    native = get_backend("native")
+@pytest.mark.parametrize("size", [1, 37, 20011])
+def test_fused_kernels_take_narrow_gradients(backend, name, dtype, m, size):
+    """Every fused kernel of the table on the native and Numba backends: narrow gradients for
+    float32 copies equal the NumPy reference's update from the gradients cast to float32, bit for
+    bit (20011 elements: several of Numba's blocks, split over its threads)."""
+    native = get_backend(backend)
     assert native.mixed_gradients
     ref = get_backend("numpy")
     hyper = [HYPER[h] for h in UPDATE_KERNELS[name][1]]
     grads = _grads(dtype, m, size, seed=size + m)
+    if size > 1:  # a NaN and an inf among the gradients: the widened sums carry them as the cast ones
+        grads[0][size // 3] = np.nan
+        grads[-1][size // 2] = -np.inf
     n = 2  # two mirrored copies: every one is written
     got_w, got_s = _state(name, n, size, seed=size)
     want_w, want_s = _state(name, n, size, seed=size)
     getattr(native.trusted, f"all_reduce_{name}")(got_w, *got_s, grads, *hyper)
-    getattr(ref.trusted, f"all_reduce_{name}")(want_w, *want_s, [g.astype(np.float32) for g in grads], *hyper)
+    with np.errstate(all="ignore"):  # (the NaN and the inf: the reference's NumPy warnings)
+        getattr(ref.trusted, f"all_reduce_{name}")(want_w, *want_s, [g.astype(np.float32) for g in grads], *hyper)
     for got, want in zip([got_w, *got_s], [want_w, *want_s]):
         for g, w in zip(got, want):
             assert g.dtype == np.float32
@@ -160,11 +166,12 @@ def test_apply_gradients_with_narrow_gradients(backend_named, monkeypatch, opt_n
     assert not np.array_equal(got_w, got_w.astype(dtype).astype(np.float32))
 
 
+@pytest.mark.parametrize("backend", ["native", "numba"])
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
-def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, dtype):
+def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, backend, dtype):
     """On a backend with ``mixed_gradients`` the fused kernel receives the replicas' narrow
     gradients themselves (no float32 copy); on one without, float32 casts of them."""
-    monkeypatch.setenv("CUDIST_BACKEND", "native")
+    monkeypatch.setenv("CUDIST_BACKEND", backend)
     reset_backend_cache()
     trusted = cpu_backend().trusted
     seen = []
@@ -207,3 +214,29 @@ def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_nam
     assert got_w.tobytes() == want_w.tobytes()
     assert [g.tobytes() for g in got_slots] == [w.tobytes() for w in want_slots]
     assert not np.array_equal(got_w, init)
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
+def test_numba_mixed_falls_back_to_the_cast_definition(monkeypatch, dtype):
+    """A Numba mixed-precision call its driver refuses (two gradients partially overlapping: the
+    NumPy reference takes the call) still gives the bits of casting the gradients first."""
+    from cudist._kernels._numpy import NumpyBackend
+
+    numba_be = get_backend("numba").trusted
+    ref = get_backend("numpy").trusted
+    calls = []
+    real = NumpyBackend._hook_sgd
+    monkeypatch.setattr(NumpyBackend, "_hook_sgd", lambda self, *a: (calls.append(a[1].dtype), real(self, *a)))
+    rng = np.random.default_rng(5)
+    size = 1001
+    raw = (rng.standard_normal(size + 1) * 10.0 ** rng.integers(-3, 3, size + 1)).astype(dtype)
+    grads = [raw[:size], raw[1:]]  # one element apart: the blocks of one would overlap the other's
+    init = rng.standard_normal(size).astype(np.float32)
+    got, want = [init.copy()], [init.copy()]
+    numba_be.all_reduce_sgd(got, grads, 0.25)
+    assert calls == [np.dtype(np.float32)]  # the reference ran, on float32 casts
+    ref.all_reduce_sgd(want, [g.astype(np.float32) for g in grads], 0.25)
+    assert got[0].tobytes() == want[0].tobytes()
+    # The test can fail: the narrow sum rounded to the gradients' dtype gives other bits.
+    narrow = init - np.float32(0.25) * (grads[0] + grads[1]).astype(np.float32)
+    assert narrow.tobytes() != want[0].tobytes()

@@ -791,6 +791,57 @@ void dispatch_mixed(kind k, kind kg, const char* where, F&& fn) {
   }
 }
 
+// The bfloat16 reduction's SIMD kernel: "auto" (by the CPU), "sse2" or "avx2" (where the CPU has
+// it), for tests and A/B benchmarks; returns the one in use after the call ("sse2", "avx2", or
+// "generic" on builds without the x86 kernels). ``choice`` None only asks.
+std::string bf16_simd(py::object choice) {
+#ifdef CUDIST_BF16_AVX2
+  if (!choice.is_none()) {
+    const auto c = choice.cast<std::string>();
+    if (c != "auto" && c != "sse2" && c != "avx2")
+      throw py::value_error("bf16_simd: choice must be 'auto', 'sse2' or 'avx2', got '" + c + "'");
+    cudist::detail::bf16_simd_choice().store(c == "auto" ? -1 : c == "avx2" ? 1 : 0);
+  }
+  return cudist::detail::bf16_use_avx2() ? "avx2" : "sse2";
+#elif defined(CUDIST_BF16_SSE2)
+  if (!choice.is_none() && choice.cast<std::string>() == "avx2")
+    throw py::value_error("bf16_simd: this build has no AVX2 kernel");
+  return "sse2";
+#else
+  (void)choice;
+  return "generic";
+#endif
+}
+
+// LossScaleOptimizer's step: the per-replica gradients summed, unscaled and checked in one pass
+// (cudist::reduce_unscale_finite); ``out`` of the variable's dtype, the gradients of it or, for
+// float32, of bfloat16 / float16. Returns whether every element of ``out`` is finite.
+bool reduce_unscale_finite(py::handle grads, double scale, py::handle out) {
+  const char* where = "reduce_unscale_finite";
+  std::vector<void*> po, pg;
+  std::size_t size = 0;
+  kind k, kg;
+  const py::tuple keep = inspect_all(py::make_tuple(out), where, "out", true, po, size, k);
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
+  const std::size_t out_bytes = size * itemsize(k), g_bytes = size * itemsize(kg);
+  const auto o = reinterpret_cast<std::uintptr_t>(po[0]);
+  for (void* g : pg) {
+    const auto a = reinterpret_cast<std::uintptr_t>(g);
+    if (size > 0 && a < o + out_bytes && o < a + g_bytes)
+      throw py::value_error(std::string(where) + ": out shares memory with a gradient");
+  }
+  bool finite = true;
+  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
+    using T = decltype(t);
+    using G = decltype(tg);
+    maybe_nogil(out_bytes + pg.size() * g_bytes, [&] {
+      finite = cudist::reduce_unscale_finite<T, G>(reinterpret_cast<const G* const*>(pg.data()), pg.size(), size, scale,
+                                                   static_cast<T*>(po[0]));
+    });
+  });
+  return finite;
+}
+
 void all_reduce_sgd(py::handle copies, py::handle grads, double lr) {
   const char* where = "all_reduce_sgd";
   std::vector<void*> p, pg;
@@ -1337,6 +1388,10 @@ PYBIND11_MODULE(_core, m) {
         "Every copy becomes copies[0] + value (or - value when ``negate``).");
   m.def("assign", &assign, py::arg("copies"), py::arg("value"), "Writes ``value`` into every copy.");
   m.def("sgd", &sgd, py::arg("copies"), py::arg("grad"), py::arg("lr"), "Every copy becomes copies[0] - lr * grad.");
+  m.def("bf16_simd", &bf16_simd, py::arg("choice") = py::none(),
+        "the bfloat16 reduction's SIMD kernel: set 'auto' / 'sse2' / 'avx2' (None: only ask); returns the one in use");
+  m.def("reduce_unscale_finite", &reduce_unscale_finite, py::arg("grads"), py::arg("scale"), py::arg("out"),
+        "out = (sum of grads in replica order) / scale in one pass; returns whether every element of out is finite");
   m.def("all_reduce_sgd", &all_reduce_sgd, py::arg("copies"), py::arg("grads"), py::arg("lr"),
         "Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass.");
   m.def("all_reduce_momentum", &all_reduce_momentum, py::arg("copies"), py::arg("velocities"), py::arg("grads"),

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -572,5 +573,50 @@ void rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* con
   }
 CUDIST_UPDATE_RULE_LIST(CUDIST_HOST_RULE_, ~)
 #undef CUDIST_HOST_RULE_
+
+/// The gradient all-reduce of a loss-scaled step (LossScaleOptimizer), its finiteness check fused
+/// into the same pass: ``out`` becomes the sum of the ``m`` gradients -- in replica order, with the
+/// fused updates' arithmetic (sum_grads_line: float16 rounded once; bfloat16 or float16 gradients
+/// of a float32 ``out`` widened exactly) -- divided by ``scale`` in T's compute type, and the call
+/// returns whether every stored element of ``out`` is finite (an inf or NaN gradient, or a sum that
+/// overflows, makes it false). One read of each gradient and one write of ``out``: the check costs
+/// no pass of its own, and the optimizer then updates from ``out`` or skips the step.
+///
+/// @param grads  the m gradients, ``count`` elements each (type G: T, or narrower for float32 T).
+/// @param m      number of gradients (at least 1).
+/// @param count  elements per gradient.
+/// @param scale  the loss scale the sum is divided by.
+/// @param out    ``count`` elements; must not overlap a gradient.
+/// @param pool   pool to parallelise over, or nullptr to run on the caller.
+template <class T, class G = T>
+bool reduce_unscale_finite(const G* const* grads, std::size_t m, std::size_t count, double scale, T* out,
+                           thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::reduce_unscale_finite needs a floating-point type");
+  using A = detail::arith<T>;
+  using acc_t = typename A::acc_t;
+  if (count == 0 || m == 0) return true;
+  const acc_t s = static_cast<acc_t>(scale);
+  std::atomic<bool> bad{false};
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  const std::size_t bytes = count * (m * sizeof(G) + sizeof(T));
+  detail::run_blocks(pool, count, B, bytes, 0, [&](std::size_t b, std::size_t e, bool) {
+    constexpr std::size_t L = 256;
+    acc_t acc[L];
+    bool ok = true;
+    for (std::size_t i = b; i < e; i += L) {
+      const std::size_t len = std::min(L, e - i);
+      const auto* g = detail::sum_grads_line<T, G>(grads, m, i, len, acc);
+      T* o = out + i;
+      for (std::size_t k = 0; k < len; ++k) {
+        const T v = A::store(static_cast<acc_t>(g[k]) / s);
+        o[k] = v;
+        const acc_t y = A::load(v);
+        ok &= (y - y) == acc_t(0);  // false for inf and NaN only; vectorizes, unlike std::isfinite
+      }
+    }
+    if (!ok) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load(std::memory_order_relaxed);
+}
 
 }  // namespace cudist

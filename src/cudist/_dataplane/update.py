@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist._arrays import device_context, gpu_of, like
+from cudist._dataplane import pool
 from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
 from cudist._kernels import UPDATE_KERNELS, adam_lr_t, is_bfloat16, momentum_schedule_step, numpy_backend
 
@@ -358,6 +359,27 @@ class UpdatePass:
             else:
                 same = dt
         return backend
+
+    def reduce_unscaled(
+        self, backend: KernelBackend, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan], scale: float
+    ) -> list[Any] | None:
+        """LossScaleOptimizer's reduction (after :meth:`fusable`): per variable its per-replica
+        gradients summed and divided by ``scale`` into a pooled buffer of the variable's dtype, the
+        finiteness check in the same kernel pass (``reduce_unscale_finite``).
+
+        Returns:
+            The unscaled sums, or None as soon as one is not finite (the step is skipped: the
+            remaining variables are not reduced).
+        """
+        reduce = backend.trusted.reduce_unscale_finite
+        out: list[Any] = []
+        for comps, plan in zip(per_var, plans):
+            ref = plan[1][0][0][0]  # copy 0 of the variable: its shape and dtype
+            buf = pool.take(ref.shape, ref.dtype)
+            if not reduce([c if c.flags.c_contiguous else np.ascontiguousarray(c) for c in comps], scale, buf):
+                return None
+            out.append(buf)
+        return out
 
     def apply_fused(
         self, backend: KernelBackend, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan], rules: Sequence[Rule]

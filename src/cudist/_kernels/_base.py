@@ -886,21 +886,35 @@ class KernelBackend:
         raise NotImplementedError
 
     # The fused forms default to the definition: reduce_to_one into a temporary, then the update.
-    def _sum_grads(self, grads):
+    def _sum_grads(self, grads, dtype):
+        if grads[0].dtype != dtype:
+            # Mixed precision (bfloat16 / float16 gradients of float32 copies, from a backend with
+            # ``mixed_gradients`` falling back here): the definition casts each gradient first.
+            grads = [g.astype(dtype) for g in grads]
         if len(grads) == 1:
             return grads[0]
         g = self.xp.empty_like(grads[0])
         self._hook_reduce_to_one(grads, ReduceOp.SUM, g)
         return g
 
+    def _hook_reduce_unscale_finite(self, grads, scale, out):
+        """The definition of LossScaleOptimizer's fused reduce: ``out`` = the gradients' sum (as the
+        fused updates sum them, narrow gradients of a wider ``out`` cast first) divided by ``scale``
+        in the compute type; returns whether every element of ``out`` is finite."""
+        with np.errstate(all="ignore"):  # an inf or NaN is the answer here, not a warning
+            s = self._sum_grads(grads, out.dtype)
+            ct = np.dtype(np.float32) if out.dtype == np.float16 else out.dtype
+            np.copyto(out, np.divide(s.astype(ct, copy=False), ct.type(scale)), casting="unsafe")
+            return bool(np.isfinite(out).all())
+
     def _hook_all_reduce_sgd(self, copies, grads, lr):
-        self._hook_sgd(copies, self._sum_grads(grads), lr)
+        self._hook_sgd(copies, self._sum_grads(grads, copies[0].dtype), lr)
 
     def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
-        self._hook_momentum(copies, velocities, self._sum_grads(grads), lr, momentum, nesterov)
+        self._hook_momentum(copies, velocities, self._sum_grads(grads, copies[0].dtype), lr, momentum, nesterov)
 
     def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        self._hook_adam(copies, ms, vs, self._sum_grads(grads), lr_t, beta_1, beta_2, epsilon)
+        self._hook_adam(copies, ms, vs, self._sum_grads(grads, copies[0].dtype), lr_t, beta_1, beta_2, epsilon)
 
 
 #: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
@@ -947,6 +961,11 @@ class TrustedKernels:
       call: per pass (gradients, written arrays) its gradients as a list when every gradient is a
       C-contiguous ndarray owning its memory and, with ``aliasing``, neither a written array nor the
       base of one; else None.
+    * ``reduce_unscale_finite(grads, scale, out)`` -> bool: ``out`` (a fresh buffer of the variable's
+      float dtype and the gradients' shape) becomes the sum of ``grads`` (one or more; of ``out``'s
+      dtype, or bfloat16 / float16 for a float32 ``out`` where ``mixed_gradients``), summed as the
+      fused updates sum them, divided by ``scale``; returns whether every element of ``out`` is finite.
+      LossScaleOptimizer's step: the finiteness check is part of the reduction's pass.
     * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
       ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
@@ -978,6 +997,7 @@ class TrustedKernels:
         "broadcast",
         "assign",
         "assign_add",
+        "reduce_unscale_finite",
         "__dict__",  # the update kernels' entry points, one pair per row of UPDATE_KERNELS
         "check_bufs",
         "check_like",
@@ -996,6 +1016,7 @@ class TrustedKernels:
     broadcast: Callable[..., None]
     assign: Callable[..., None]
     assign_add: Callable[..., None]
+    reduce_unscale_finite: Callable[..., bool]
 
     def __init__(self, backend: KernelBackend) -> None:
         self.backend = backend
@@ -1011,6 +1032,7 @@ class TrustedKernels:
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add
+        self.reduce_unscale_finite = backend._hook_reduce_unscale_finite
         for name in UPDATE_KERNELS:
             setattr(self, name, getattr(backend, f"_hook_{name}"))
             setattr(self, f"all_reduce_{name}", getattr(backend, f"_hook_all_reduce_{name}"))
@@ -1068,7 +1090,7 @@ def _fused_update_hook(name):
 
     def hook(self, copies, *args):
         # The definition of the fused form: reduce_to_one into a temporary, then the plain update.
-        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots]), *args[nslots + 1 :])
+        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots], copies[0].dtype), *args[nslots + 1 :])
 
     hook.__name__ = f"_hook_all_reduce_{name}"
     return hook

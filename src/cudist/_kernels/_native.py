@@ -121,6 +121,9 @@ class NativeBackend(KernelBackend):
     def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
         _core.adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)
 
+    def _hook_reduce_unscale_finite(self, grads, scale, out):
+        return _core.reduce_unscale_finite(grads, scale, out)
+
     def _hook_all_reduce_sgd(self, copies, grads, lr):
         _core.all_reduce_sgd(copies, grads, lr)
 
@@ -166,5 +169,6 @@ class _NativeTrusted(TrustedKernels):
         self.broadcast = _core.broadcast
         self.assign = _core.assign
         self.assign_add = _core.assign_add
+        self.reduce_unscale_finite = _core.reduce_unscale_finite
         for name in UPDATE_ENTRY_POINTS:
             setattr(self, name, getattr(_core, name))

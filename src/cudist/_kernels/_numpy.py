@@ -47,6 +47,9 @@ class NumpyBackend(KernelBackend):
 
     name = "numpy"
     bfloat16 = True
+    # Its fused forms are the definition, which casts narrow gradients first (_sum_grads): the fast
+    # backends' mixed-precision passes and LossScaleOptimizer's fused step are checked against it.
+    mixed_gradients = True
 
     def _hook_all_reduce(self, inputs, outputs, op):
         # Everything is reduced before anything is written: outputs may be (or overlap) inputs.
