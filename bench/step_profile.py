@@ -3,7 +3,8 @@
 Runs the same step (the same model, data split and optimizer) as step_compare's ``cudist
 MultiWorker`` and ``torch DDP gloo`` contestants, N processes each, and times its phases with
 wall-clock and thread CPU time (``time.thread_time_ns``: the work a phase did, whatever else the
-machine runs; with one BLAS thread per worker, the main thread does all of the worker's compute):
+machine runs; with one BLAS thread per worker, the main thread does all of the worker's compute;
+a wait's CPU time is its spinning, to subtract from the phases that contain it):
 
 cudist: ``read`` (the variables' snapshots), ``fwd+bwd`` (NumPy), ``apply_gradients`` and inside it
 ``pack`` (the gradients into the pack), ``transport`` (the shared-memory all-reduce: ``copy in``,
@@ -74,6 +75,9 @@ class Phases:
 
 
 def cudist_worker(args):
+    if args.src:  # another source tree (its built _core inside): ahead of this venv's editable install
+        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in type(f).__module__]
+        sys.path.insert(0, args.src)
     import cudist
     import cudist.optimizers as optimizers
     from cudist._collective_ops import CollectiveAllReduce
@@ -107,14 +111,14 @@ def cudist_worker(args):
         # A wait: from the first poll that finds a flag down to the poll that finds them all up
         # (perf_counter only: the polls are too many for a CPU-time syscall each).
         def waited(fn):
-            since = [0]
+            since = [0, 0]
 
             def poll(*a):
                 up = fn(*a)
                 if not up and not since[0]:
-                    since[0] = _now()
+                    since[:] = _now(), _cpu()
                 elif up and since[0]:
-                    ph.add("  wait (others)", _now() - since[0], 0)
+                    ph.add("  wait (others)", _now() - since[0], _cpu() - since[1])
                     since[0] = 0
                 return up
 
@@ -142,9 +146,11 @@ def cudist_worker(args):
     apply = ph.wrap("apply_gradients", opt.apply_gradients)
     read = ph.wrap("read", lambda: [v.read_value() for v in vs])
 
+    fixed = sc.mlp_grads(params, x, y, scale) if args.no_compute else None
+
     def replica_step(xy):
         xx, yy = xy
-        grads, loss = grads_fn(read(), xx, yy, scale)
+        grads, loss = fixed if fixed is not None else grads_fn(read(), xx, yy, scale)
         apply(zip(grads, vs))
         return loss
 
@@ -156,7 +162,7 @@ def cudist_worker(args):
         else:
             ph.end_step()
     rows = comm.gather(ph.medians(), root=0)
-    info = {"transport": strategy.extended.host_communication,
+    info = {"cudist": os.path.dirname(cudist.__file__), "transport": strategy.extended.host_communication,
             "threads": os.environ.get("OPENBLAS_NUM_THREADS"), "native_threads": _native_threads()}
     if rank == 0:
         print(json.dumps({"cudist": rows, "info": info}), flush=True)
@@ -258,6 +264,9 @@ def main():
     p.add_argument("--bytes-per-pack", type=int, default=0)
     p.add_argument("--torch-python", default=None)
     p.add_argument("--native-threads", type=int, default=0, help="cudist's kernel pool threads per worker (0: default)")
+    p.add_argument("--no-compute", action="store_true",
+                   help="cudist: the same gradients every step (no forward/backward): the step's own overhead")
+    p.add_argument("--src", default="", help="cudist: import cudist from this source tree (A/B of two trees)")
     p.add_argument("--only", choices=("cudist", "torch"), default=None)
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--data", help=argparse.SUPPRESS)
@@ -275,11 +284,17 @@ def main():
         np.savez(data, x=x, y=y, **{f"p{i}": q for i, q in enumerate(params)})
         common = ["--data", data, "--steps", str(a.steps), "--warmup", str(a.warmup), "--world", str(a.workers),
                   "--bytes-per-pack", str(a.bytes_per_pack),
-                  "--native-threads", str(a.native_threads)]
+                  "--native-threads", str(a.native_threads),
+                  *(["--no-compute"] if a.no_compute else []), "--src", a.src]
         here = os.path.abspath(__file__)
         if a.only in (None, "cudist"):
-            out = subprocess.run([sys.executable, "-m", "cudist.launch", "-n", str(a.workers), "--no-prefix", here,
-                                  "--worker", "cudist", *common], capture_output=True, text=True, check=False)
+            # mpiexec itself, with the launcher's environment (cores / N threads each): the launcher's
+            # bootstrap would import this venv's cudist before --src could pick another tree.
+            from cudist import launch
+
+            out = subprocess.run([launch.find_mpiexec(), "-n", str(a.workers), sys.executable, here,
+                                  "--worker", "cudist", *common], capture_output=True, text=True, check=False,
+                                 env=launch.worker_env(a.workers))
             msg = next((json.loads(ln) for ln in out.stdout.splitlines() if ln.startswith("{")), None)
             if msg is None:
                 print(out.stdout[-2000:], out.stderr[-3000:])
