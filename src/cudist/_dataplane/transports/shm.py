@@ -474,7 +474,7 @@ class SharedMemoryAllReduce:
 
     def _start_scatter(
         self,
-        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]] | Sequence[tuple[None, _Pack]],
+        pairs: Sequence[tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | _Pack]],
         results: list[npt.NDArray[Any]],
         kind: str,
         detail: str | Callable[[], str],
@@ -508,6 +508,7 @@ class SharedMemoryAllReduce:
                     start += b.size
                 out = None
             else:
+                assert send is not None  # (send, recv) arrays
                 segs, out = [(0, send.reshape(-1))], recv
             lo, hi = self._slice(recv.size, me)
             slices.append((segs, out, o, recv.dtype, recv.size, lo, hi))
