@@ -3,7 +3,8 @@
 A hierarchical all-reduce over the workers of an MPI job:
 
 1. the worker's local replicas are summed by the kernels (one fused pass per leaf, straight into a
-   packed host buffer; a single local replica's single leaf is sent as it is, without a copy);
+   packed host buffer; a single local replica's leaves are sent as they are, without a copy: one
+   leaf to MPI, every leaf of a pack to the node's shared memory, which packs them in its slots);
 2. one non-blocking MPI ``Iallreduce`` (SUM) per packed buffer of about ``bytes_per_pack`` bytes
    (0: one buffer per dtype), all started before any is waited for, polled with the
    communicator's deadline (see :mod:`cudist._dataplane.transports.mpi`); when several workers

@@ -12,6 +12,9 @@ The workers of one node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``, or consecuti
   bank is reused once no worker of the node holds a view of it (reference counts, published with
   the arrival); with every bank held, a scratch bank is copied out. Bytes moved per worker for S
   bytes and N workers: S(N-1)/N copied in (read + write), S read and S/N written by the sum.
+  :meth:`~SharedMemoryAllReduce.allreduce_packs` takes a pack's buffers where they are (a worker's
+  gradients): the parts the others sum go straight into the slot, this worker's slice is summed
+  from the buffers themselves, and no pack is built (a copy of every byte less).
 * the one-round path (below :data:`EAGER_BYTES`): each worker copies its buffers into its small
   slot (two sets, used by turns), raises "arrived", and sums every slot itself into its own
   result: one synchronization instead of two, for messages where latency dominates.
