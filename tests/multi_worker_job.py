@@ -533,6 +533,58 @@ def shm_train():
     report(rank, c.results)
 
 
+def shm_model():
+    """A model of several variables (odd sizes, one worker's slice of a pack cutting through variables) trained
+    over the reduce-scatter, the gradients never packed (``allreduce_packs``), with one pack and with several
+    (``bytes_per_pack``): momentum and Adam, and a MEAN all-reduce of a nest; bit for bit MirroredStrategy's."""
+    from cudist import optimizers
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    shapes = [(37, 129), (129,), (129, 1001), (1001,), (1001, 3), (3,)]
+    c = Checks()
+
+    def grads(g, k):
+        rng = np.random.default_rng(g * 131 + k)
+        return [(rng.standard_normal(sh) * 0.01).astype(np.float32) for sh in shapes]
+
+    for per_pack in (0, 200_000):
+        mw = cudist.MultiWorkerMirroredStrategy(
+            communication_options=cudist.experimental.CommunicationOptions(bytes_per_pack=per_pack))
+        for name, make in (("momentum", lambda: optimizers.SGD(0.1, momentum=0.9)), ("adam", lambda: optimizers.Adam(0.01))):
+            outs = []
+            for s in (mw, ref):
+                with s.scope():
+                    vs = [cudist.Variable(np.linspace(-1, 1, int(np.prod(sh)), dtype=np.float32).reshape(sh))
+                          for sh in shapes]
+                    opt = make()
+
+                def step(k, vs=vs, opt=opt):
+                    g = cudist.get_replica_context().replica_id_in_sync_group
+                    opt.apply_gradients(zip(grads(g, k), vs))
+
+                for k in range(4):
+                    s.run(step, args=(k,))
+                outs.append([np.asarray(v.read_value()) for v in vs])
+            for j, (a, b) in enumerate(zip(*outs)):
+                ok, why = same(a, b, True)
+                c.check(f"{name}_pack{per_pack}_var{j}", ok, why)
+
+        def nest(k=7):
+            g = cudist.get_replica_context().replica_id_in_sync_group
+            return cudist.get_replica_context().all_reduce("mean", grads(g, k))
+
+        got, want = mw.run(nest), ref.run(nest)
+        for j, (a, b) in enumerate(zip(got, want)):
+            ok, why = same(mw.experimental_local_results(a)[0], ref.experimental_local_results(b)[rank], True)
+            c.check(f"nest_mean_pack{per_pack}_{j}", ok, why)
+        st = _shm_transport(mw).stats
+        c.check(f"unpacked_pack{per_pack}", st["unpacked_calls"] == st["calls"] == 9 and st["mpi_calls"] == 0, st)
+    report(rank, c.results)
+
+
 def shm_mismatch(case):
     """Workers whose calls take different paths (one node) get ReplicaMismatchError, never a hang: float32 on
     worker 0 (shared memory) against uint8 on worker 1 (MPI: not a kernel dtype), or 4 KiB (one round) against
@@ -1177,6 +1229,8 @@ if __name__ == "__main__":
         shm_mismatch(sys.argv[2])
     elif sys.argv[1] == "shm_train":
         shm_train()
+    elif sys.argv[1] == "shm_model":
+        shm_model()
     elif sys.argv[1] == "shm":
         shm(sys.argv[2] == "exact")
     elif sys.argv[1].startswith("shm_"):

@@ -105,6 +105,17 @@ def test_training_over_read_only_shared_results_equals_mirrored_strategy(workers
 
 @needs_mpi
 @pytest.mark.multi_worker
+@pytest.mark.parametrize("workers", [2, 4])
+def test_a_model_trains_from_unpacked_gradients_bit_for_bit(workers, no_shm_left):
+    """Several variables of odd sizes (a worker's slice of a pack cuts through them), one pack or several: the
+    gradients cross the workers from where they are (no pack built), and training equals MirroredStrategy's."""
+    proc, _ = _launch(workers, "shm_model")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert len(_results(proc, workers)[0]) == 2 * (2 * 6 + 6 + 1)
+
+
+@needs_mpi
+@pytest.mark.multi_worker
 def test_two_simulated_hosts_of_two_workers_within_tolerance(no_shm_left):
     proc, _ = _launch(4, "shm", "tolerance", env={**EVERY_SIZE, "CUDIST_NODE_SIZE": "2"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cudist import _core
+from cudist import _core, _settings
 from cudist._kernels._base import UPDATE_ENTRY_POINTS, KernelBackend, TrustedKernels
 from cudist._reduce_util import ReduceOp
 
@@ -50,6 +50,16 @@ def set_num_threads(n: int) -> None:
             f"set_num_threads({n}): the system refused to start a thread ({e}); the kernels keep "
             f"{_core.num_threads()} thread(s) (were {before})"
         ) from e
+
+
+def _threads_from_settings() -> None:
+    """Sizes the pool as ``CUDIST_NUM_THREADS`` asks (the launcher's share of the cores per worker)."""
+    n = _settings.num_threads()
+    if n is not None and n != _core.num_threads():
+        set_num_threads(n)
+
+
+_threads_from_settings()
 
 
 class NativeBackend(KernelBackend):

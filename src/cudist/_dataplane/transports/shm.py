@@ -12,6 +12,9 @@ The workers of one node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``, or consecuti
   bank is reused once no worker of the node holds a view of it (reference counts, published with
   the arrival); with every bank held, a scratch bank is copied out. Bytes moved per worker for S
   bytes and N workers: S(N-1)/N copied in (read + write), S read and S/N written by the sum.
+  :meth:`~SharedMemoryAllReduce.allreduce_packs` takes a pack's buffers where they are (a worker's
+  gradients): the parts the others sum go straight into the slot, this worker's slice is summed
+  from the buffers themselves, and no pack is built (a copy of every byte less).
 * the one-round path (below :data:`EAGER_BYTES`): each worker copies its buffers into its small
   slot (two sets, used by turns), raises "arrived", and sums every slot itself into its own
   result: one synchronization instead of two, for messages where latency dominates.
@@ -46,7 +49,7 @@ one-round path measured faster than MPI at every size).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,6 +83,17 @@ _BANKS = 3
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+class _Pack:
+    """Buffers of one dtype all-reduced as their concatenation (:meth:`SharedMemoryAllReduce.allreduce_packs`)."""
+
+    __slots__ = ("buffers", "dtype", "size")
+
+    def __init__(self, buffers: list[npt.NDArray[Any]], dtype: np.dtype[Any], size: int) -> None:
+        self.buffers = buffers
+        self.dtype = dtype
+        self.size = size
 
 
 class SharedMemoryAllReduce:
@@ -137,8 +151,9 @@ class SharedMemoryAllReduce:
         self._flags: Any = memoryview(b"")  # the control area as int64 items: a flag read is ~40 ns, not numpy's ~1 us
         self._rows: list[range] = []  # per kind, the flag indices of the node's workers
         self._count = 0  # shared-memory all-reduces since the window was made (the flags' values)
-        #: This worker's all-reduces by path, and the bytes the shared-memory ones all-reduced.
-        self.stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0}
+        #: This worker's all-reduces by path (``unpacked_calls``: those of :meth:`allreduce_packs`, among
+        #: ``calls``), and the bytes the shared-memory ones all-reduced.
+        self.stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0, "unpacked_calls": 0}
         if self.useful:
             self._ensure(1 << 16)  # the eager path's buffers exist from the start (it has no resize step)
 
@@ -219,7 +234,7 @@ class SharedMemoryAllReduce:
         self._win.Sync()  # the others' data is read after their flags
         return True
 
-    def _post_hash(self, kind: str, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> None:
+    def _post_hash(self, kind: str, pairs: Sequence[tuple[Any, npt.NDArray[Any] | _Pack]]) -> None:
         """This call's hash (the MPI check's, of the sizes and dtypes), for the others to compare."""
         shape = [x for _, recv in pairs for x in (recv.size, recv.dtype.num)]
         self._flags[self._flag(_HASH + (self._count & 1), self.node_rank)] = self.communicator.call_hash(kind, shape)
@@ -267,14 +282,19 @@ class SharedMemoryAllReduce:
         """
         if not self.useful:
             return "mpi"
+        return self._path(
+            (recv.dtype, recv.nbytes, send.dtype == recv.dtype and send.flags.c_contiguous) for send, recv in pairs
+        )
+
+    def _path(self, buffers: Iterable[tuple[np.dtype[Any], int, bool]]) -> str:
+        """:meth:`path` of buffers given as (dtype, bytes, whether the kernels can read the send side)."""
         total = 0
         mpi_lacks = False
-        for send, recv in pairs:
-            dt = recv.dtype
-            if send.dtype != dt or not send.flags.c_contiguous or self._kernels_for(dt) is None:
+        for dt, nbytes, readable in buffers:
+            if not readable or self._kernels_for(dt) is None:
                 return "mpi"
             mpi_lacks = mpi_lacks or dt.kind == "V"
-            total = _round_up(total + recv.nbytes, _ALIGN)
+            total = _round_up(total + nbytes, _ALIGN)
         if total == 0 or (mpi_lacks and self.num_nodes > 1):
             return "mpi"
         if total < self.min_bytes and not mpi_lacks:
@@ -334,6 +354,56 @@ class SharedMemoryAllReduce:
         # path meet at the first flag rather than in different protocols) compares the call's hash
         # in shared memory. Several nodes: MPI's check, across them, before anything else.
         self.communicator.collective(kind, detail, lambda: start(pairs, results, kind, detail),
+                                     hash_check=several_nodes)
+        return results
+
+    def allreduce_packs(
+        self,
+        packs: Sequence[Sequence[npt.NDArray[Any]]],
+        kind: str = "all_reduce",
+        detail: str | Callable[[], str] | None = None,
+    ) -> list[npt.NDArray[Any]] | None:
+        """SUM all-reduces packs of buffers without packing them: per pack, the sum of the
+        concatenation of its buffers (flat), or None when the call would not take the reduce-scatter.
+
+        Each worker copies the parts of its buffers that the others sum straight into its slot, and
+        sums its own slice reading its buffers where they are: the pack a caller would build (one
+        copy of every byte) is never made. The sums are those of :meth:`allreduce` over the packed
+        buffers, bit for bit (each element is the same sum, in worker order). Collective: every
+        worker calls it with the same sizes and dtypes.
+
+        Args:
+            packs: per pack, flat C-contiguous host arrays of one dtype.
+            kind: names the collective in fingerprints and errors.
+            detail: describes the call in fingerprints (default: the packs' sizes and dtypes).
+
+        Returns:
+            Per pack a flat array: a read-only view of the node's shared memory (see
+            :meth:`allreduce`), or a fresh array when every bank is held; None (nothing done, no
+            collective made) when these packs take another path than the reduce-scatter: then pack
+            them and call :meth:`allreduce`.
+
+        Raises:
+            DeadlineExceededError: a worker did not join within ``timeout_seconds``.
+            ReplicaMismatchError: the workers called different collectives.
+        """
+        if not self.useful:
+            return None
+        items = []
+        for bufs in packs:
+            dt = bufs[0].dtype
+            size = sum(b.size for b in bufs)
+            ok = all(b.dtype == dt and b.ndim == 1 and b.flags.c_contiguous for b in bufs)
+            items.append((dt, size * dt.itemsize, ok))
+        if self._path(items) != "scatter":
+            return None
+        work = [(None, _Pack(list(bufs), dt, nbytes // dt.itemsize)) for bufs, (dt, nbytes, _) in zip(packs, items)]
+        if detail is None:
+            detail = lambda: ", ".join(f"{p.dtype.name}[{p.size}]" for _, p in work)  # noqa: E731
+        results: list[npt.NDArray[Any]] = []
+        several_nodes = self.num_nodes > 1
+        self.stats["unpacked_calls"] += 1
+        self.communicator.collective(kind, detail, lambda: self._start_scatter(work, results, kind, detail),
                                      hash_check=several_nodes)
         return results
 
@@ -407,7 +477,7 @@ class SharedMemoryAllReduce:
 
     def _start_scatter(
         self,
-        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        pairs: Sequence[tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | _Pack]],
         results: list[npt.NDArray[Any]],
         kind: str,
         detail: str | Callable[[], str],
@@ -417,31 +487,48 @@ class SharedMemoryAllReduce:
         Each worker copies into its slot only the slices the others sum (its own it sums from
         ``send`` directly), and writes its slice of the sum once, into a bank every worker reads.
         A window too small for the call grows first, once every worker has arrived (it announces
-        its call without data, then copies it in once the new window exists).
+        its call without data, then copies it in once the new window exists). ``pairs`` are
+        ``(send, recv)`` arrays, or ``(None, pack)`` (:meth:`allreduce_packs`: the send side is the
+        pack's buffers, end to end; the results are flat).
         """
         offsets = []
         off = 0
         for _, recv in pairs:
             offsets.append(off)
-            off = _round_up(off + recv.nbytes, _ALIGN)
+            off = _round_up(off + recv.size * recv.dtype.itemsize, _ALIGN)
         nbytes = off
         self._count += 1
         self.stats["calls"] += 1
         me = self.node_rank
+        # Per buffer: its send side as (start element, flat array) segments, recv (None: a pack's flat
+        # result), its pack offset, dtype, size, and this worker's slice [lo, hi).
         slices = []
         for (send, recv), o in zip(pairs, offsets):
+            if isinstance(recv, _Pack):
+                segs, start = [], 0
+                for b in recv.buffers:
+                    segs.append((start, b))
+                    start += b.size
+                out = None
+            else:
+                assert send is not None  # (send, recv) arrays
+                segs, out = [(0, send.reshape(-1))], recv
             lo, hi = self._slice(recv.size, me)
-            slices.append((send.reshape(-1), recv, o, lo, hi))
+            slices.append((segs, out, o, recv.dtype, recv.size, lo, hi))
 
         def copy_in() -> None:
             self._flags[self._flag(_HELD, me)] = self._held()
             mine = self._slots[me]
-            for flat, recv, o, lo, hi in slices:
-                slot = mine[o : o + recv.nbytes].view(recv.dtype)
-                if lo > 0:
-                    np.copyto(slot[:lo], flat[:lo], casting="no")
-                if hi < recv.size:
-                    np.copyto(slot[hi:], flat[hi:], casting="no")
+            for segs, _, o, dt, size, lo, hi in slices:
+                slot = mine[o : o + size * dt.itemsize].view(dt)
+                for a, flat in segs:
+                    b = a + flat.size
+                    if a < lo:  # the part before this worker's slice
+                        e = min(b, lo)
+                        np.copyto(slot[a:e], flat[: e - a], casting="no")
+                    if b > hi:  # the part after it
+                        x = max(a, hi)
+                        np.copyto(slot[x:b], flat[x - a :], casting="no")
 
         grow = nbytes > self._capacity
         if not grow:
@@ -468,13 +555,16 @@ class SharedMemoryAllReduce:
                 if grow and not self._all_up(_ARRIVED):
                     return False
                 bank = self._banks[self._pick_bank()]
-                for flat, recv, o, lo, hi in slices:
-                    if lo < hi:
-                        nb = recv.nbytes
-                        ins = [flat[lo:hi] if w == me else s[o : o + nb].view(recv.dtype)[lo:hi]
-                               for w, s in enumerate(self._slots)]
-                        reduce_to_one = self._kernels_for(recv.dtype).trusted.reduce_to_one
-                        reduce_to_one(ins, ReduceOp.SUM, bank[o : o + nb].view(recv.dtype)[lo:hi])
+                for segs, _, o, dt, size, lo, hi in slices:
+                    nb = size * dt.itemsize
+                    others = [s[o : o + nb].view(dt) for s in self._slots]
+                    total = bank[o : o + nb].view(dt)
+                    reduce_to_one = self._kernels_for(dt).trusted.reduce_to_one
+                    for a, flat in segs:  # this worker's own part read where it is, segment by segment
+                        x, y = max(a, lo), min(a + flat.size, hi)
+                        if x < y:
+                            ins = [flat[x - a : y - a] if w == me else others[w][x:y] for w in range(len(others))]
+                            reduce_to_one(ins, ReduceOp.SUM, total[x:y])
                 self._raise(_REDUCED)
                 phase = 2
             if phase == 2:  # every slice summed
@@ -483,8 +573,8 @@ class SharedMemoryAllReduce:
                 phase = 3
                 if self.num_nodes > 1 and self.leaders is not None:
                     MPI = self._MPI
-                    reqs = [self.leaders.Iallreduce(MPI.IN_PLACE, bank[o : o + recv.nbytes].view(recv.dtype), MPI.SUM)
-                            for _, recv, o, _, _ in slices]
+                    reqs = [self.leaders.Iallreduce(MPI.IN_PLACE, bank[o : o + size * dt.itemsize].view(dt), MPI.SUM)
+                            for _, _, o, dt, size, _, _ in slices]
             if phase == 3 and self.num_nodes > 1:  # across nodes: the leaders' MPI all-reduce
                 if self.leaders is not None:
                     if not self._MPI.Request.Testall(reqs):
@@ -493,15 +583,19 @@ class SharedMemoryAllReduce:
                 elif not self._leader_done():
                     return False
             scratch = bank is self._banks[_BANKS]
-            for _, recv, o, _, _ in slices:
-                view = bank[o : o + recv.nbytes].view(recv.dtype).reshape(recv.shape)
-                if scratch:
-                    np.copyto(recv, view, casting="no")
-                    results.append(recv)
+            for _, out, o, dt, size, _, _ in slices:
+                view = bank[o : o + size * dt.itemsize].view(dt)
+                if out is not None:
+                    view = view.reshape(out.shape)
+                if scratch:  # the bank is reused by the next call: copied out
+                    if out is None:
+                        out = np.empty(size, dt)
+                    np.copyto(out, view, casting="no")
+                    results.append(out)
                 else:
                     view.flags.writeable = False  # the other workers read it too
                     results.append(view)
-            self.stats["bytes"] += sum(r.nbytes for _, r, _, _, _ in slices)
+            self.stats["bytes"] += sum(size * dt.itemsize for _, _, _, dt, size, _, _ in slices)
             return True
 
         return done
