@@ -1061,7 +1061,8 @@ class StrategyExtended:
             As :meth:`Strategy.run`: ``fn``'s result structure (typed ``Any``), with a PerReplica
             at each leaf where the replicas returned different values.
         """
-        kwargs = _check_run_arguments(args, kwargs)
+        if kwargs is not None or type(args) is not tuple:  # (a tuple and no kwargs: nothing to check)
+            kwargs = _check_run_arguments(args, kwargs)
         f = _CTX.get()
         if f is not None:
             if f.replica_ctx is not None:
