@@ -126,7 +126,10 @@ def _lookup() -> _Found:
             base = path.rsplit("/", 1)[-1].lower()
             if "openblas" in base:
                 try:
-                    lib = ctypes.CDLL(path)
+                    # PyDLL: its calls keep the GIL, where CDLL's release and retake it around each
+                    # call; OpenBLAS's get and set only read or write its count (set starts threads
+                    # when it grows past the pool), and they run twice on every ``run``.
+                    lib = ctypes.PyDLL(path)
                 except OSError:
                     continue
                 names = [f"{p}openblas_{{}}{s}" for p in _OPENBLAS_PREFIXES for s in _OPENBLAS_SUFFIXES]

@@ -1082,7 +1082,7 @@ class StrategyExtended:
             _check_component_counts("strategy.run", args, n)
         if kwargs:
             _check_component_counts("strategy.run", kwargs, n)
-        frames = self._frames()
+        frames = self._replica_frames or self._frames()  # (made once; the call only the first time)
         gpus = self._replica_gpus
         if gpus is not None:
             prev = current_gpu()
@@ -1110,7 +1110,8 @@ class StrategyExtended:
                 f"but the strategy has {n} replicas"
             ) from None
         if gpus is None:
-            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers(), cpu=True)
+            handlers = self.__dict__.get("_handlers_cache") or self._handlers()
+            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, handlers, cpu=True)
         else:
             try:
                 results = _replica_engine.run_replicas(

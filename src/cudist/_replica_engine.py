@@ -724,7 +724,10 @@ def run_replicas(
     if cpu:
         mode = config.get_replica_execution()
         if mode == "auto":
-            policy = _policy(n, fn)
+            try:  # (_policy's lookup of a plain function inlined: it runs on every run)
+                policy = _local.stats[(n, fn.__code__)]
+            except (AttributeError, KeyError):
+                policy = _policy(n, fn)
             threaded = policy.threaded
         else:
             threaded = mode == "threads"
