@@ -16,7 +16,13 @@ asking ctypes for their thread-control symbols, once, on first use:
 
 * OpenBLAS (NumPy's and SciPy's wheels bundle it, with symbols renamed, e.g.
   ``scipy_openblas_set_num_threads64_``): its thread count is process-wide, so :func:`limit` sets it
-  while replicas compute and :func:`restore` puts it back (0.5 us a pair, measured).
+  while replicas compute and :func:`restore` puts it back: a get and, when the share differs from
+  the count, two sets per ``run``. The count is read at every run, never cached, so a program that
+  changes it between runs is honoured; the pool is never left limited between runs, where the
+  program's own BLAS calls (an evaluation in cross-replica context) would get the share.
+  Measured in a no-op-sized ``run`` (256 KiB all-reduce, 4 replicas, loaded 2-core machine):
+  ~2 us a run with CDLL calls, declared argument types and a general loop; the single-OpenBLAS
+  path with GIL-keeping PyDLL calls takes most of that back (bench/PERFORMANCE.md, issue #27).
   ``openblas_set_num_threads_local`` is no help: in pthreads builds it changes the global count too.
 * MKL (conda's NumPy): ``mkl_set_num_threads_local`` is per thread, so each replica thread sets
   its own count once (:func:`per_thread`), and :func:`limit` / :func:`restore` set and reset the
@@ -129,7 +135,7 @@ def _lookup() -> _Found:
                     # PyDLL: its calls keep the GIL, where CDLL's release and retake it around each
                     # call; OpenBLAS's get and set only read or write its count (set starts threads
                     # when it grows past the pool), and they run twice on every ``run``.
-                    lib = ctypes.PyDLL(path)
+                    lib: ctypes.CDLL = ctypes.PyDLL(path)
                 except OSError:
                     continue
                 names = [f"{p}openblas_{{}}{s}" for p in _OPENBLAS_PREFIXES for s in _OPENBLAS_SUFFIXES]
