@@ -43,22 +43,55 @@ def main() -> None:
     if a.simd_ab:
         simd_ab(a)
         return
-    if a.update:
-        update_bench(a)
-        return
+    (update_bench if a.update else all_reduce_bench)(a)
 
+
+def _select(name: str) -> None:
+    """Makes ``name`` the CPU kernel backend of what is created next."""
+    from cudist._kernels import cpu_backend, reset_backend_cache
+
+    os.environ["CUDIST_BACKEND"] = name
+    reset_backend_cache()
+    assert cpu_backend().name == name
+
+
+def _logical_cpus(n: int) -> None:
+    from cudist import config
+
+    cpu = config.list_physical_devices("CPU")[0]
+    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
+
+
+def _interleaved(strategy, runs, rounds: int, calls: int) -> tuple[float, float]:
+    """Median ms of ``strategy.run(fn, args=(x,))`` for ``runs = {"float32": (fn, x), "bfloat16": (fn, x)}``:
+    rounds alternate the order (float32 first, then bfloat16 first), each round a warm-up call, then
+    the median of ``calls`` timed calls; the median over rounds per dtype."""
+    times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+    for r in range(rounds):
+        order = ("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32")
+        for dt in order:
+            fn, x = runs[dt]
+            strategy.run(fn, args=(x,))  # warm-up
+            s = []
+            for _ in range(calls):
+                t0 = time.perf_counter()
+                strategy.run(fn, args=(x,))
+                s.append(time.perf_counter() - t0)
+            times[dt].append(statistics.median(s) * 1e3)
+    return statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+
+
+def all_reduce_bench(a: argparse.Namespace) -> None:
+    """``all_reduce("sum", x)`` inside ``strategy.run``: float32 vs bfloat16 of the same element count."""
     import ml_dtypes
     import numpy as np
 
     import cudist
-    from cudist import config
-    from cudist._kernels import cpu_backend, reset_backend_cache
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     count = int(a.mib * (1 << 20)) // 4
     n = a.replicas
-    cpu = config.list_physical_devices("CPU")[0]
-    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
+    _logical_cpus(n)
     rng = np.random.default_rng(0)
     host32 = [(rng.random(count, dtype=np.float32) * 2 - 1) for _ in range(n)]
     host = {"float32": host32, "bfloat16": [h.astype(bf16) for h in host32]}
@@ -71,33 +104,20 @@ def main() -> None:
           f"{a.rounds} interleaved rounds x median of {a.calls} calls")
     print(f"# {'backend':>8} {'float32 ms':>11} {'bfloat16 ms':>12} {'f32/bf16':>9}")
     for name in a.backends.split(","):
-        os.environ["CUDIST_BACKEND"] = name
-        reset_backend_cache()
-        assert cpu_backend().name == name
+        _select(name)
         strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
-        xs = {}
+        runs = {}
         for dt, h in host.items():
-            xs[dt] = strategy.experimental_distribute_values_from_function(
-                lambda c, h=h: h[c.replica_id_in_sync_group])
-            got = strategy.experimental_local_results(strategy.run(fn, args=(xs[dt],)))
+            x = strategy.experimental_distribute_values_from_function(lambda c, h=h: h[c.replica_id_in_sync_group])
+            got = strategy.experimental_local_results(strategy.run(fn, args=(x,)))
             want = h[0].astype(np.float32)
             for v in h[1:]:
                 want = want + v.astype(np.float32)
             want = want.astype(h[0].dtype)
             for g in got:
                 assert np.asarray(g).tobytes() == want.tobytes(), (name, dt)
-        times = {"float32": [], "bfloat16": []}
-        for r in range(a.rounds):
-            order = ("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32")
-            for dt in order:
-                strategy.run(fn, args=(xs[dt],))  # warm-up
-                s = []
-                for _ in range(a.calls):
-                    t0 = time.perf_counter()
-                    strategy.run(fn, args=(xs[dt],))
-                    s.append(time.perf_counter() - t0)
-                times[dt].append(statistics.median(s) * 1e3)
-        f, b = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+            runs[dt] = (fn, x)
+        f, b = _interleaved(strategy, runs, a.rounds, a.calls)
         print(f"  {name:>8} {f:11.2f} {b:12.2f} {f / b:8.2f}x")
     os.environ.pop("CUDIST_BACKEND", None)
 
@@ -161,14 +181,11 @@ def update_bench(a: argparse.Namespace) -> None:
     import numpy as np
 
     import cudist
-    from cudist import config
-    from cudist._kernels import cpu_backend, reset_backend_cache
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     count = int(a.mib * (1 << 20)) // 4
     n = a.replicas
-    cpu = config.list_physical_devices("CPU")[0]
-    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
+    _logical_cpus(n)
     rng = np.random.default_rng(0)
     g16 = [(rng.random(count, dtype=np.float32) * 2 - 1).astype(bf16) for _ in range(n)]
     grads = {"float32": [g.astype(np.float32) for g in g16], "bfloat16": g16}  # the same values
@@ -191,32 +208,17 @@ def update_bench(a: argparse.Namespace) -> None:
           f"float32 variable of {count} elements; gradients float32 ({count * 4 / 2**20:.0f} MiB per replica) "
           f"vs bfloat16 ({count * 2 / 2**20:.0f} MiB); {a.rounds} interleaved rounds x median of {a.calls} calls")
     print(f"# {'backend':>8} {'f32 grads ms':>12} {'bf16 grads ms':>13} {'f32/bf16':>9}")
-    os.environ["CUDIST_BACKEND"] = "numpy"
-    reset_backend_cache()
+    _select("numpy")
     want = np.asarray(trained(cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)]), "float32", 2)[0].read_value())
     for name in a.backends.split(","):
-        os.environ["CUDIST_BACKEND"] = name
-        reset_backend_cache()
-        assert cpu_backend().name == name
+        _select(name)
         strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
         runs = {}
         for dt in grads:
             w, x, step = trained(strategy, dt, 2)
             assert np.asarray(w.read_value()).tobytes() == want.tobytes(), (name, dt)
-            runs[dt] = (x, step)
-        times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
-        for r in range(a.rounds):
-            order = ("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32")
-            for dt in order:
-                x, step = runs[dt]
-                strategy.run(step, args=(x,))  # warm-up
-                s = []
-                for _ in range(a.calls):
-                    t0 = time.perf_counter()
-                    strategy.run(step, args=(x,))
-                    s.append(time.perf_counter() - t0)
-                times[dt].append(statistics.median(s) * 1e3)
-        f, b = statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+            runs[dt] = (step, x)
+        f, b = _interleaved(strategy, runs, a.rounds, a.calls)
         print(f"  {name:>8} {f:12.2f} {b:13.2f} {f / b:8.2f}x")
     os.environ.pop("CUDIST_BACKEND", None)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._kernels import get_backend, reset_backend_cache
+from cudist._kernels import get_backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -167,20 +167,11 @@ def test_native_refuses_bfloat16_updates_clearly():
         _core.sgd(w, np.ones(8, BF16), 0.1)
 
 
-@pytest.fixture(params=["numpy", "native", "numba"])
-def cpu_backend_env(request, monkeypatch):
-    monkeypatch.setenv("CUDIST_BACKEND", request.param)
-    reset_backend_cache()
-    yield request.param
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
-
-
 _RESULTS: dict = {}
 
 
 @pytest.mark.parametrize("size", [1, 17, 4097, 100003])
-def test_strategy_run_four_replicas_same_bits_on_every_backend(cpu_backend_env, size):
+def test_strategy_run_four_replicas_same_bits_on_every_backend(each_cpu_backend, size):
     vals = values(4, size, seed=size + 5)
     strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
     got = {}

@@ -14,7 +14,7 @@ import pytest
 
 import cudist
 from cudist import optimizers
-from cudist._kernels import cpu_backend, get_backend, reset_backend_cache
+from cudist._kernels import cpu_backend, get_backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -144,16 +144,6 @@ def test_native_refuses_bad_arguments():
 
 
 # ------------------------------------------------------------------------ through the optimizer
-@pytest.fixture(params=BACKENDS)
-def backend_named(request, monkeypatch):
-    monkeypatch.setenv("CUDIST_BACKEND", request.param)
-    reset_backend_cache()
-    assert cpu_backend().name == request.param
-    yield request.param
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
-
-
 def _train(steps, gdt, replicas=4, inner=lambda: optimizers.SGD(0.25, momentum=0.5), growth=2):
     strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(replicas)])
     init = np.random.default_rng(3).standard_normal(101).astype(np.float32)
@@ -183,7 +173,7 @@ def _steps():
 
 
 @pytest.mark.parametrize("gdt", [np.float32, BF16], ids=["float32", "bfloat16"])
-def test_step_skips_and_scales_on_every_backend(backend_named, monkeypatch, gdt):
+def test_step_skips_and_scales_on_every_backend(each_cpu_backend, monkeypatch, gdt):
     """4 replicas, 8 steps, inf / NaN on one replica, a sum that overflows: the fused path runs,
     the skipped steps change nothing, the scale halves on them and doubles after 2 finite steps,
     and the trajectory is the one of the inner optimizer on the unscaled sums."""
@@ -215,14 +205,12 @@ def test_step_skips_and_scales_on_every_backend(backend_named, monkeypatch, gdt)
         assert np.asarray(w.read_value()).tobytes() == trace[k][2].tobytes(), k
 
 
-def test_backends_agree_through_the_optimizer(monkeypatch):
+def test_backends_agree_through_the_optimizer(select_cpu_backend):
     """The same run on native, numba and the NumPy reference: the same bits every step."""
     runs = []
     for name in BACKENDS:
-        monkeypatch.setenv("CUDIST_BACKEND", name)
-        reset_backend_cache()
+        select_cpu_backend(name)
         runs.append(_train(_steps(), BF16, inner=lambda: optimizers.Adam(0.01)))
-    reset_backend_cache()
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
             assert a[0] == b[0] and a[1] == b[1] and a[2].tobytes() == b[2].tobytes()

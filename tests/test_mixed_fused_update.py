@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._kernels import UPDATE_KERNELS, cpu_backend, get_backend, reset_backend_cache
+from cudist._kernels import UPDATE_KERNELS, cpu_backend, get_backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -121,13 +121,9 @@ OPTIMIZERS = {
 
 
 @pytest.fixture(params=["native", "numba"])
-def backend_named(request, monkeypatch):
-    monkeypatch.setenv("CUDIST_BACKEND", request.param)
-    reset_backend_cache()
-    assert cpu_backend().name == request.param
-    yield request.param
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
+def backend_named(request, select_cpu_backend):
+    select_cpu_backend(request.param)
+    return request.param
 
 
 def _train(make_opt, init, steps_grads, replicas):
@@ -146,15 +142,14 @@ def _train(make_opt, init, steps_grads, replicas):
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4])
-def test_apply_gradients_with_narrow_gradients(backend_named, monkeypatch, opt_name, dtype, replicas):
+def test_apply_gradients_with_narrow_gradients(backend_named, select_cpu_backend, opt_name, dtype, replicas):
     """MirroredStrategy, float32 variable, narrow gradients from every replica for 3 steps: the
     variable and slots equal the NumPy reference trained on the gradients cast to float32."""
     size = 1031
     init = np.random.default_rng(9).standard_normal(size).astype(np.float32)
     steps = [_grads(dtype, replicas, size, seed=40 + s) for s in range(3)]
     got_w, got_slots = _train(OPTIMIZERS[opt_name], init, steps, replicas)
-    monkeypatch.setenv("CUDIST_BACKEND", "numpy")
-    reset_backend_cache()
+    select_cpu_backend("numpy")
     want_w, want_slots = _train(OPTIMIZERS[opt_name], init, [[g.astype(np.float32) for g in gs] for gs in steps], replicas)
     assert got_w.dtype == np.float32
     np.testing.assert_array_equal(got_w.view(np.uint32), want_w.view(np.uint32))
@@ -168,11 +163,10 @@ def test_apply_gradients_with_narrow_gradients(backend_named, monkeypatch, opt_n
 
 @pytest.mark.parametrize("backend", ["native", "numba"])
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
-def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, backend, dtype):
+def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, select_cpu_backend, backend, dtype):
     """On a backend with ``mixed_gradients`` the fused kernel receives the replicas' narrow
     gradients themselves (no float32 copy); on one without, float32 casts of them."""
-    monkeypatch.setenv("CUDIST_BACKEND", backend)
-    reset_backend_cache()
+    select_cpu_backend(backend)
     trusted = cpu_backend().trusted
     seen = []
     real = trusted.all_reduce_momentum
@@ -192,7 +186,7 @@ def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, backend, dt
 
 
 @pytest.mark.parametrize("mix", [("f32", "bf16", "f32"), ("bf16", "f16", "bf16"), ("f16", "f32", "f32")])
-def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_named, monkeypatch, mix):
+def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_named, select_cpu_backend, mix):
     """Replicas may pass one variable's gradient in different dtypes (one bf16, another float32):
     each is cast as Keras does and the step equals the reference on the float32-cast gradients
     (the fused kernels take one gradient dtype per variable; this once raised TypeError)."""
@@ -208,8 +202,7 @@ def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_nam
         return cudist.optimizers.SGD(0.01, momentum=0.9)
 
     got_w, got_slots = _train(make_opt, init, steps, len(mix))
-    monkeypatch.setenv("CUDIST_BACKEND", "numpy")
-    reset_backend_cache()
+    select_cpu_backend("numpy")
     want_w, want_slots = _train(make_opt, init, [[g.astype(np.float32) for g in gs] for gs in steps], len(mix))
     assert got_w.tobytes() == want_w.tobytes()
     assert [g.tobytes() for g in got_slots] == [w.tobytes() for w in want_slots]

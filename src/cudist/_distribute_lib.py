@@ -1061,7 +1061,8 @@ class StrategyExtended:
             As :meth:`Strategy.run`: ``fn``'s result structure (typed ``Any``), with a PerReplica
             at each leaf where the replicas returned different values.
         """
-        kwargs = _check_run_arguments(args, kwargs)
+        if kwargs is not None or type(args) is not tuple:  # (a tuple and no kwargs: nothing to check)
+            kwargs = _check_run_arguments(args, kwargs)
         f = _CTX.get()
         if f is not None:
             if f.replica_ctx is not None:
@@ -1081,7 +1082,7 @@ class StrategyExtended:
             _check_component_counts("strategy.run", args, n)
         if kwargs:
             _check_component_counts("strategy.run", kwargs, n)
-        frames = self._frames()
+        frames = self._replica_frames or self._frames()  # (made once; the call only the first time)
         gpus = self._replica_gpus
         if gpus is not None:
             prev = current_gpu()
@@ -1109,7 +1110,8 @@ class StrategyExtended:
                 f"but the strategy has {n} replicas"
             ) from None
         if gpus is None:
-            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers(), cpu=True)
+            handlers = self.__dict__.get("_handlers_cache") or self._handlers()
+            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, handlers, cpu=True)
         else:
             try:
                 results = _replica_engine.run_replicas(

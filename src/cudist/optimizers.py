@@ -955,10 +955,8 @@ class Optimizer:
         with the kernels' own replica-order sum (see :meth:`UpdatePass.fusable`). Returns False
         (nothing done) otherwise, for the general path.
         """
-        if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
-            return False
         update, ensure_slots = self._update, self._ensure_slots
-        plans = [update.plan(v, ensure_slots(v)) for v in variables]
+        plans = [update.plan(v, ensure_slots(v)) for v in variables]  # (the general path reuses them)
         backend = update.fusable(strategy, per_var, plans)
         if backend is None:
             return False

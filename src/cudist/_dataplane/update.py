@@ -63,8 +63,13 @@ class Updatable(Protocol):
 
 #: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend).
 Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
-#: A variable's validated kernel work: (the storage arrays it was validated for, its groups).
-Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...]]"
+#: What a fused all-reduce + update of a variable needs, settled at plan time: (the host backend of
+#: its one group, the variable's dtype, every array the update writes: copies, then slot copies);
+#: None when its update cannot be fused (copies on a GPU or in several memories, a dtype without
+#: fused kernels).
+Fused: TypeAlias = "tuple[KernelBackend, Any, tuple[Any, ...]] | None"
+#: A variable's validated kernel work: (the storage arrays it was validated for, its groups, its Fused).
+Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...], Fused]"
 
 class Rule:
     """One step's kernel work for a variable: an ``UPDATE_KERNELS`` rule with its scalars.
@@ -256,11 +261,13 @@ class UpdatePass:
         bufs = var.storage.buffers()
         plan = self.plans.get(var)
         if plan is not None:
-            # The per-step case: the variable and its slots kept the storage the plan was made for.
+            # The per-step case: the variable and its slots kept the storage the plan was made for
+            # (_same_arrays inlined: this runs for every variable of every step).
             key = bufs
             for s in slots:
                 key += s.storage.buffers()
-            if _same_arrays(plan[0], key):
+            made = plan[0]
+            if len(made) == len(key) and all(map(operator.is_, made, key)):
                 return plan
         slot_bufs = tuple(s.storage.buffers() for s in slots)
         if any(len(sb) != len(bufs) for sb in slot_bufs):
@@ -289,7 +296,14 @@ class UpdatePass:
                 backend.check_same_slots(where, copies, sc, name)
                 group_slots.append(sc)
             groups.append((copies, tuple(group_slots), backend))
-        plan = (key, tuple(groups))
+        fused: Fused = None
+        if len(groups) == 1:
+            copies, gslots, backend = groups[0]
+            ref = copies[0]
+            # bfloat16 variables (not in the backend's dtypes) have no fused kernel.
+            if type(ref) is np.ndarray and ref.dtype in backend.dtypes:
+                fused = (backend, ref.dtype, copies + sum(gslots, ()))
+        plan = (key, tuple(groups), fused)
         self.plans[var] = plan
         return plan
 
@@ -338,26 +352,18 @@ class UpdatePass:
         if backend is None:
             return None
         mixed = backend.mixed_gradients
-        same = None  # the last dtype seen on both sides (dtype comparisons cost ~0.1 us each; 64 variables)
+        # What depends on the variable alone (one host group of this backend, a dtype with fused
+        # kernels) was settled at plan time: per variable one identity test, and one of its dtype.
         for plan, comps in zip(plans, per_var):
-            groups = plan[1]
-            if len(groups) != 1:
-                return None
-            copies, _, var_backend = groups[0]
-            if var_backend is not backend or type(copies[0]) is not np.ndarray:
+            fused = plan[2]
+            if fused is None or fused[0] is not backend:
                 return None
             dt = comps[0].dtype
-            if dt is same and copies[0].dtype is same:
-                continue
-            if dt != copies[0].dtype:
+            if dt is not fused[1] and dt != fused[1]:
                 # Narrow gradients (the optimizer left them uncast): one dtype over the replicas,
                 # which the fused kernels widen themselves.
                 if not mixed or any(c.dtype != dt for c in comps):
                     return None
-            elif dt not in backend.dtypes:  # bfloat16 variables: their updates have no fused kernel
-                return None
-            else:
-                same = dt
         return backend
 
     def reduce_unscaled(
@@ -393,9 +399,18 @@ class UpdatePass:
             rules: per variable the step's rule.
         """
         trusted = backend.trusted
-        work = [plan[1][0] for plan in plans]
-        inputs = settle_inputs(
-            [(comps, copies + sum(slots, ())) for comps, (copies, slots, _) in zip(per_var, work)], kernels=trusted
-        )
-        for (copies, slots, _), ins, rule in zip(work, inputs, rules):
-            rule.run_fused(trusted, copies, slots, ins)
+        inputs = settle_inputs([(comps, plan[2][2]) for comps, plan in zip(per_var, plans)], kernels=trusted)  # type: ignore[index]  # fusable: every plan has its Fused
+        last: Rule | None = None
+        kernel: Any = None
+        scalars: tuple[Any, ...] = ()
+        for plan, ins, rule in zip(plans, inputs, rules):
+            copies, slots, _ = plan[1][0]
+            if rule is not last:  # (one rule for every variable, unless weight decays differ)
+                last, scalars = rule, rule.scalars
+                # The rule's kernel called here directly when it needs no decay pass and no slot
+                # reordering: one Python call per variable, where rule.run_fused would be two.
+                kernel = None if rule.decay_pass or rule.slots is not None else getattr(trusted, rule.fused)
+            if kernel is None:
+                rule.run_fused(trusted, copies, slots, ins)
+            else:
+                kernel(copies, *slots, ins, *scalars)
