@@ -16,6 +16,7 @@ import importlib.util
 import threading
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401 - a test dependency: np.dtype("bfloat16") is then the kernels' bfloat16
 import numpy as np
 import pytest
 
@@ -38,7 +39,9 @@ pytestmark = pytest.mark.skipif(emu_build.compiler() is None, reason="needs a C+
 # The cupy backend's KERNELS: the kernel list of <cudist/kernels/kernel_list.cuh>.
 KERNELS = kernel_list(cudist.get_include())
 REF = NumpyBackend()
-DTYPES = ("float16", "float32", "float64", "int32", "int64")
+#: bfloat16 (ml_dtypes, a test dependency): the collectives, scatter and assign_add, no updates.
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+HALVES = ("float16", "bfloat16")  # summed in float32, rounded once
 FLOATS = ("float16", "float32", "float64")
 SIZES = (0, 1, 7, 165, 1031)
 KERNEL_REPLICAS = (1, 2, 3, 5, 8)
@@ -51,9 +54,9 @@ CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 def _launch_rc(dtype, n, count):
-    """What a launcher summing ``n`` buffers returns: float16 sums over more than MAX_REPLICAS
-    buffers are refused (they would round at every pass; the contract rounds once)."""
-    return CUDA_ERROR_NOT_SUPPORTED if dtype == "float16" and n > MAX_REPLICAS and count > 0 else CUDA_SUCCESS
+    """What a launcher summing ``n`` buffers returns: float16 / bfloat16 sums over more than
+    MAX_REPLICAS buffers are refused (they would round at every pass; the contract rounds once)."""
+    return CUDA_ERROR_NOT_SUPPORTED if dtype in HALVES and n > MAX_REPLICAS and count > 0 else CUDA_SUCCESS
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_CONFIGURATION = 9
 CUDA_ERROR_INVALID_DEVICE = 101
@@ -97,7 +100,7 @@ def _random(rng, count: int, dtype, *, offset: int = 0, positive: bool = False) 
     whole range (so that sums wrap around)."""
     dtype = np.dtype(dtype)
     a = _empty(count, dtype, offset)
-    if dtype.kind == "f":
+    if dtype.kind == "f" or dtype.name == "bfloat16":
         scale = 4.0 if dtype == np.float16 else 2.0 ** rng.integers(-8, 9, size=count)
         v = rng.uniform(-1.0, 1.0, size=count) * scale
         if positive:
