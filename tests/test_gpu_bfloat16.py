@@ -290,3 +290,30 @@ def test_all_reduce_across_gpus_two_shot(cp, be, op):
     for i, d in enumerate(dev):
         assert d.device.id == i
         assert_bits(cp.asnumpy(d), want, f"GPU {i}")
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_strategy_run_all_reduce_on_logical_gpus(cp, n):
+    """bfloat16 all-reduce through strategy.run on logical GPUs (odd sizes, a nest of leaves): the
+    NumPy reference's bits, the same the CPU backends give."""
+    from conftest import gpu0_split
+
+    rng = _rng("strategy", n)
+    parts = [[values(rng, (1031,)), values(rng, (7, 3))] for _ in range(n)]
+    with gpu0_split(n, memory_limit=1024):
+        strategy = cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+
+        def step():
+            ctx = cudist.get_replica_context()
+            xs = [cp.asarray(p) for p in parts[ctx.replica_id_in_sync_group]]
+            return ctx.all_reduce("sum", xs), ctx.all_reduce("mean", xs[0])
+
+        sums, means = strategy.run(step)
+        for leaf in range(2):
+            want = reference([p[leaf] for p in parts], "sum")
+            for s in strategy.experimental_local_results(sums):
+                assert isinstance(s[leaf], cp.ndarray) and s[leaf].dtype == BF16
+                assert_bits(cp.asnumpy(s[leaf]), want, f"sum leaf {leaf}")
+        want = reference([p[0] for p in parts], "mean")
+        for m in strategy.experimental_local_results(means):
+            assert_bits(cp.asnumpy(m), want, "mean")
