@@ -35,7 +35,7 @@ namespace py = pybind11;
 namespace {
 
 enum class kind { f16, f32, f64, i32, i64, bf16 };
-constexpr kind kKinds[] = {kind::f16, kind::f32, kind::f64, kind::i32, kind::i64};
+constexpr kind kKinds[] = {kind::f16, kind::f32, kind::f64, kind::i32, kind::i64, kind::bf16};
 constexpr const char* kSupportedDtypes = "(supported: float16, float32, float64, int32, int64, bfloat16)";
 
 // Below this many bytes moved, the GIL is kept: releasing and retaking it costs more than the work.
@@ -1096,7 +1096,13 @@ void def_rule(py::module_& m, const char* name, const std::array<const char*, si
 // stay alive until the streams have run it.
 
 kind parse_dtype(py::handle dt, const char* where) {
-  // Anything numpy.dtype() takes ("float32", "f4", np.float32, a dtype); judged by its name.
+  // Anything numpy.dtype() takes ("float32", "f4", np.float32, a dtype); judged by its name. A
+  // dtype's own name first: "bfloat16" means something to numpy.dtype() only once ml_dtypes is imported.
+  if (py::isinstance<py::str>(dt)) {
+    const std::string given = dt.cast<std::string>();
+    for (kind k : kKinds)
+      if (given == kind_name(k)) return k;
+  }
   std::string name;
   try {
     name = py::str(py::dtype::from_args(py::reinterpret_borrow<py::object>(dt)).attr("name"));
@@ -1119,8 +1125,10 @@ cudaError_t cuda_dispatch(kind k, F&& fn) {
     case kind::f32: return fn(float{});
     case kind::f64: return fn(double{});
     case kind::i32: return fn(int{});
-    default: return fn(static_cast<long long>(0));
+    case kind::i64: return fn(static_cast<long long>(0));
+    case kind::bf16: return fn(__nv_bfloat16{});
   }
+  return cudaErrorInvalidValue;  // unreachable: parse_dtype gives one of the kinds above
 }
 
 [[noreturn]] void raise_cuda(const char* where, cudaError_t e) {
