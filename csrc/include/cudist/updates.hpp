@@ -310,14 +310,17 @@ inline C np_sign(C x) noexcept {
 }
 
 template <class T, class G, std::size_t NS, class Rule, std::size_t... I>
-void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads,
-                       std::size_t m, thread_pool* pool, Rule& rule, std::index_sequence<I...>) {
+void fused_rule_update(T* const* const (&state)[NS], const T* const* sources, std::size_t n, std::size_t count,
+                       const G* const* grads, std::size_t m, thread_pool* pool, Rule& rule, std::index_sequence<I...>) {
   using C = compute_t<T>;
   using A = arith<T>;
   constexpr std::size_t K = kLineBytes / sizeof(T);
   std::vector<std::vector<T>> keep;
   std::vector<std::vector<G>> keep_g;
-  const T* const s0[NS] = {snapshot_if_overlapping<T>(state[I][0], {state[I]...}, n, count, keep)...};
+  // What the rule reads: copy 0 (in place) or the separate source (out of place: the written copies
+  // are other memory, so a reader of the source still sees the old values).
+  const T* const s0[NS] = {
+      snapshot_if_overlapping<T>(sources != nullptr ? sources[I] : state[I][0], {state[I]...}, n, count, keep)...};
   const grad_list<T, G> gl(grads, m, {state[I]...}, n, count, keep_g);
   const G* const* gp = gl.data();
   run_update<T, NS>(state, n, count, m + NS, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
@@ -338,11 +341,15 @@ void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t 
 }
 
 /// The shared driver of these optimizers: ``state`` lists the slot groups then the variable's
-/// copies (last); ``rule(g, x)`` turns x (copy 0 of each, in the compute type) into the new values.
+/// copies (last); ``rule(g, x)`` turns x (the current values of each, in the compute type) into the
+/// new values, written to every copy. ``sources`` (one per entry of ``state``, or nullptr) are the
+/// arrays the current values are read from; nullptr reads copy 0 (in place). Out of place, a source
+/// may be any memory holding the current values (a snapshot kept by a reader): the same arithmetic,
+/// so the same bits.
 template <class T, std::size_t NS, class Rule, class G>
-void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads,
-                       std::size_t m, thread_pool* pool, Rule&& rule) {
-  fused_rule_update<T, G, NS>(state, n, count, grads, m, pool, rule, std::make_index_sequence<NS>{});
+void fused_rule_update(T* const* const (&state)[NS], const T* const* sources, std::size_t n, std::size_t count,
+                       const G* const* grads, std::size_t m, thread_pool* pool, Rule&& rule) {
+  fused_rule_update<T, G, NS>(state, sources, n, count, grads, m, pool, rule, std::make_index_sequence<NS>{});
 }
 
 /// The host arithmetic of the rules of <cudist/detail/update_rules.hpp>: IEEE operators (the
@@ -366,21 +373,30 @@ struct host_math {
   static C sign(C a) noexcept { return np_sign(a); }
 };
 
-/// The fused update of ``Rule`` (a rule of <cudist/detail/update_rules.hpp>): ``state`` lists the
-/// slot groups then the variable's copies, ``hyper`` are the rule's hyper-parameters (converted to
-/// the compute type first, as the reference does) and ``decay`` the decoupled weight decay
-/// (0: none).
+/// The fused update of ``Rule`` (a rule of <cudist/detail/update_rules.hpp>) reading the current
+/// values from ``sources`` (per entry of ``state``; nullptr: copy 0, in place) and writing every copy
+/// of ``state`` (the slot groups then the variable's copies); ``hyper`` are the rule's
+/// hyper-parameters (converted to the compute type first, as the reference does) and ``decay`` the
+/// decoupled weight decay (0: none).
 template <template <class, class> class Rule, class T, std::size_t NS, class G, class... H>
-void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads, std::size_t m,
-              double decay, thread_pool* pool, H... hyper) {
+void run_rule_reading(T* const* const (&state)[NS], const T* const* sources, std::size_t n, std::size_t count,
+                   const G* const* grads, std::size_t m, double decay, thread_pool* pool, H... hyper) {
   if (n == 0 || m == 0 || count == 0) return;
   using C = compute_t<T>;
   using R = Rule<C, host_math>;
   static_assert(R::kSlots + 1 == NS && R::kHyper == sizeof...(H), "a rule's slots or hyper-parameters mismatch");
   const R rule(static_cast<C>(hyper)...);
   with_decay<C>(decay, [&](auto dec) {  // captured by value: fused_rule_update copies it into registers
-    fused_rule_update<T>(state, n, count, grads, m, pool, [rule, dec](C g, C(&x)[NS]) { rule(g, x, dec); });
+    fused_rule_update<T>(state, sources, n, count, grads, m, pool,
+                         [rule, dec](C g, C(&x)[NS]) { rule(g, x, dec); });
   });
+}
+
+/// run_rule_reading() in place (copy 0 of each entry of ``state`` read).
+template <template <class, class> class Rule, class T, std::size_t NS, class G, class... H>
+void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads, std::size_t m,
+              double decay, thread_pool* pool, H... hyper) {
+  run_rule_reading<Rule>(state, static_cast<const T* const*>(nullptr), n, count, grads, m, decay, pool, hyper...);
 }
 
 }  // namespace detail
@@ -553,22 +569,26 @@ void rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* con
 ///     gradients summed as in all_reduce_sgd(), then ``w -= w * decay`` (when ``decay`` is not 0)
 ///     and the rule on the n copies of the variable and of its slots;
 ///   name(copies, <slot>s..., n, count, grad, hyper..., decay, pool): the same from one gradient.
+/// Both take a last, optional ``sources``: the arrays holding the current values, one per slot then
+/// the variable (a reader's snapshot); the copies are then written without being read (out of
+/// place, same bits). nullptr (the default): copy 0 of each is read, in place.
 #define CUDIST_HOST_RULE_(A, name, rule, slots, hyper)                                                              \
   template <class T>                                                                                              \
   void all_reduce_##name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) std::size_t n,       \
                          std::size_t count, const T* const* grads, std::size_t m,                                 \
                          CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay,                              \
-                         thread_pool* pool = &thread_pool::global()) {                                            \
+                         thread_pool* pool = &thread_pool::global(), const T* const* sources = nullptr) {         \
     static_assert(detail::is_update_float<T>, "cudist::all_reduce_" #name " needs a floating-point type");        \
     T* const* const state[] = {CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) copies};                                 \
-    detail::run_rule<rules::rule>(state, n, count, grads, m, decay, pool CUDIST_PP_MAP(CUDIST_PP_LEAD, , hyper));  \
+    detail::run_rule_reading<rules::rule>(state, sources, n, count, grads, m, decay,                                 \
+                                       pool CUDIST_PP_MAP(CUDIST_PP_LEAD, , hyper));                              \
   }                                                                                                               \
   template <class T>                                                                                              \
   void name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) std::size_t n, std::size_t count, \
             const T* grad, CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay,                            \
-            thread_pool* pool = &thread_pool::global()) {                                                         \
+            thread_pool* pool = &thread_pool::global(), const T* const* sources = nullptr) {                      \
     all_reduce_##name<T>(copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) n, count, &grad, 1,                    \
-                         CUDIST_PP_MAP(CUDIST_PP_TRAIL, , hyper) decay, pool);                                    \
+                         CUDIST_PP_MAP(CUDIST_PP_TRAIL, , hyper) decay, pool, sources);                           \
   }
 CUDIST_UPDATE_RULE_LIST(CUDIST_HOST_RULE_, ~)
 #undef CUDIST_HOST_RULE_

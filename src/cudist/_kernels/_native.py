@@ -168,3 +168,4 @@ class _NativeTrusted(TrustedKernels):
         self.assign_add = _core.assign_add
         for name in UPDATE_ENTRY_POINTS:
             setattr(self, name, getattr(_core, name))
+        self.out_of_place = frozenset(_core.out_of_place_rules)

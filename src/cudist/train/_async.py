@@ -192,6 +192,24 @@ class AsyncWriter:
             np.copyto(buf, value)
         return functools.partial(_identity, buf)
 
+    def stage_variable(self, key: str, var: Any) -> Callable[[], Any]:
+        """Captures a variable's value (``var``: a plain variable or one component) for the background write.
+
+        Where the variable's updates can go out of place (a host variable of the native backend:
+        :meth:`cudist._dataplane.storage.Storage.capture`), the capture is its copy-on-write
+        snapshot: no copy now, and the next update writes recycled memory instead of this. Otherwise
+        a copy, as :meth:`stage`. Call only after :meth:`sync`.
+
+        Returns:
+            The ``get`` of the tensor's spec.
+        """
+        capture = getattr(var.storage, "capture", None)  # a Storage (not a distributed variable's group)
+        snap = capture() if capture is not None else None
+        if snap is None:
+            return self.stage(key, var.read_value())
+        self._staging.pop(key, None)  # a copy no longer needed (it was staged by an earlier save)
+        return functools.partial(_identity, snap)
+
     def release_unstaged(self) -> None:
         """Frees the buffers of tensors the last capture did not use (variables no longer tracked)."""
         for key in [k for k in self._staging if k not in self._staged]:
