@@ -30,6 +30,7 @@ What the loop still pays (``bench/PERFORMANCE.md``): the write's own CPU time (t
 checksums, the flush: ~125 ms per 256 MiB here) competes with the training steps for the cores
 while it runs; where the cores are busy (2 shared cores, update kernels that use both), the steps
 during the write slow down by about that much or more.
+"""
 
 from __future__ import annotations
 
