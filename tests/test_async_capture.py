@@ -71,6 +71,27 @@ def test_out_of_place_kernels_give_the_bits_of_in_place_ones(name, dtype, n, m, 
         assert s.tobytes() == a.tobytes()
 
 
+@pytest.mark.parametrize("name", ["adamw", "nadam", "lion"])
+@pytest.mark.parametrize("offset", [0, 1])
+def test_large_out_of_place_updates_stream_every_copy_with_the_same_bits(name, offset):
+    """Past the streaming threshold (16 MiB written) copy 0 of an out-of-place update is streamed
+    like the other copies; ``offset`` 1 starts the copies off a cache line (the head path)."""
+    trusted = get_backend("native").trusted
+    size = (1 << 21) + 13
+    rng = np.random.default_rng(11)
+    nslots = len(UPDATE_KERNELS[name][0])
+    current = [rng.standard_normal(size).astype(np.float32) for _ in range(1 + nslots)]
+    current[1:] = [np.abs(c) + np.float32(0.1) for c in current[1:]]
+    grad = rng.standard_normal(size).astype(np.float32)
+    hyper = _hyper(name, np.float32)
+    want = [(c.copy(),) for c in current]
+    getattr(trusted, name)(want[0], *want[1:], grad, *hyper)
+    got = [(np.full(size + offset, np.nan, np.float32)[offset:],) for _ in current]
+    getattr(trusted, name)(got[0], *got[1:], grad, *hyper, sources=tuple(current))
+    for (a,), (b,) in zip(got, want):
+        assert a.tobytes() == b.tobytes()
+
+
 def test_out_of_place_kernels_reject_bad_sources():
     trusted = get_backend("native").trusted
     w, m, v, g = (np.ones(8, np.float32) for _ in range(4))
