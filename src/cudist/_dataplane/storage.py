@@ -277,6 +277,9 @@ class GroupStorage:
         bufs = self.buffers()
         return bufs, bufs[0]
 
+    def commit(self, array: Array) -> None:
+        """Nothing to do: :meth:`targets` writes in place (the interface shared with :meth:`Storage.commit`)."""
+
     def buffers(self) -> tuple[Array, ...]:
         """The arrays to write in place, in component order.
 

@@ -66,7 +66,7 @@ class Updatable(Protocol):
 Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, tuple[Any, ...] | None]"
 #: A variable's validated kernel work: (the storage arrays it was validated for, its groups, the
 #: out-of-place writes to commit once it ran: (storage, the array written) each).
-Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...], tuple[tuple[Storage, Any], ...]]"
+Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...], tuple[tuple[Storage | GroupStorage, Any], ...]]"
 
 class Rule:
     """One step's kernel work for a variable: an ``UPDATE_KERNELS`` rule with its scalars.
