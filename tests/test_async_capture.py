@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -216,7 +217,7 @@ def test_the_native_backend_captures_without_a_copy_and_recycles_two_buffers(tmp
     tensors = [w, opt.get_slot(w, "momentum"), opt.get_slot(w, "velocity")]
     ckpt = train.Checkpoint(optimizer=opt, w=w)
     manager = train.CheckpointManager(ckpt, str(tmp_path), max_to_keep=1)
-    seen = [[] for _ in tensors]  # the distinct arrays each tensor's storage has been (strong refs)
+    seen = [[] for _ in tensors]  # weak references to the distinct arrays each tensor's storage has been
     gate = threading.Event()
     monkeypatch.setattr(_format, "before_commit", lambda prefix: gate.wait(10))
     for k in range(20):
@@ -230,13 +231,15 @@ def test_the_native_backend_captures_without_a_copy_and_recycles_two_buffers(tmp
         for t, a, v in zip(tensors, before, values):
             assert t.storage.array is not a  # written out of place ...
             assert a.tobytes() == v.tobytes()  # ... the held array keeps the saved value
+        del before, a  # a buffer someone still holds is not recycled
         gate.set()
         manager.sync()
         opt.apply_gradients([(g, w)])  # no snapshot held now: in place
         for t, s in zip(tensors, seen):
-            if not any(t.storage.array is a for a in s):
-                s.append(t.storage.array)
+            if not any(t.storage.array is r() for r in s):
+                s.append(weakref.ref(t.storage.array))
     assert [len(s) for s in seen] == [2, 2, 2]
+    assert all(r() is not None for s in seen for r in s)  # both still in use: one live, one kept
     restored = cudist.Variable(np.zeros(100_003, np.float32))
     train.Checkpoint(w=restored).restore(manager.latest_checkpoint).expect_partial()
     assert restored.numpy().tobytes() == values[0].tobytes()
@@ -263,3 +266,37 @@ def test_a_held_read_is_not_kept_as_a_recycled_buffer():
     ref_opt.apply_gradients([(g, ref)])
     assert w.numpy().tobytes() == ref.numpy().tobytes()
     assert w.storage._retired is None and w.storage._spare is None  # private-read: nothing pooled
+
+
+def test_an_exported_array_is_not_recycled(tmp_path, monkeypatch):
+    """A DLPack export of the storage an out-of-place write moved away from keeps its memory: the
+    storage does not write into it again while the export lives."""
+    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
+    reset_backend_cache()
+    if cpu_backend().name != "native":
+        pytest.skip("the native backend is not the CPU backend here")  # pragma: no cover
+    rng = np.random.default_rng(9)
+    w = cudist.Variable(rng.standard_normal(5000).astype(np.float32))
+    g = rng.standard_normal(5000).astype(np.float32)
+    opt = cudist.optimizers.Lion(0.001)
+    opt.apply_gradients([(g, w)])
+    ckpt = train.Checkpoint(optimizer=opt, w=w)
+    exported = np.from_dlpack(w)  # shares the live storage
+    first = exported.copy()
+    ckpt.write(str(tmp_path / "a"), options=ASYNC)
+    opt.apply_gradients([(g, w)])  # out of place: the export keeps the saved value
+    ckpt.sync()
+    for k in range(4):  # later saves recycle buffers, never the exported one
+        ckpt.write(str(tmp_path / f"b{k}"), options=ASYNC)
+        opt.apply_gradients([(g, w)])
+        ckpt.sync()
+        assert exported.tobytes() == first.tobytes()
+    del exported
+    seen = []
+    for k in range(4):  # with the export gone, two buffers take turns again
+        ckpt.write(str(tmp_path / f"c{k}"), options=ASYNC)
+        opt.apply_gradients([(g, w)])
+        ckpt.sync()
+        if not any(w.storage.array is r() for r in seen):
+            seen.append(weakref.ref(w.storage.array))
+    assert len(seen) == 2

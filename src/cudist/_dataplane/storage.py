@@ -193,19 +193,27 @@ class Storage:
         s = self._spare
         if s is not None and s.shape == a.shape and s.dtype == a.dtype:
             return s
-        r = self._retired
-        if r is not None and r.shape == a.shape and r.dtype == a.dtype and not self._retired_held():
-            s = r
-        else:
+        s = self._reusable_retired(a)
+        if s is None:
             s = np.empty(a.shape, a.dtype)
         self._retired = self._retired_snap = None
         self._spare = s
         return s
 
-    def _retired_held(self) -> bool:
+    def _reusable_retired(self, like: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
+        """The retired array, if it fits ``like`` and nobody else holds it (nor a view of its snapshot)."""
+        r = self._retired
         snap = self._retired_snap
-        # References: the slot, ``snap`` and getrefcount's argument; more are readers still holding it.
-        return snap is not None and sys.getrefcount(snap) > 3
+        if r is None or r.shape != like.shape or r.dtype != like.dtype:
+            return None
+        # The snapshot view's references: the slot, ``snap``, getrefcount's argument; the array's:
+        # the slot, ``r``, getrefcount's argument and the view's memoryview. More: a reader (the
+        # background write) or an export (DLPack) still holds it.
+        if snap is not None and sys.getrefcount(snap) > 3:
+            return None
+        if sys.getrefcount(r) > 3 + (snap is not None):
+            return None
+        return r
 
     def commit(self, array: Array) -> None:
         """Makes ``array`` (the write buffer :meth:`targets` handed out, now written) the storage."""
