@@ -201,10 +201,12 @@ def test_async_saves_in_between_leave_the_bits_of_training_without_them(
     assert written[0][1] != written[1][1]
 
 
-def test_the_native_backend_captures_without_a_copy_and_recycles_two_buffers(tmp_path, monkeypatch):
+@pytest.mark.parametrize("between", [0, 1])
+def test_the_native_backend_captures_without_a_copy_and_recycles_two_buffers(tmp_path, monkeypatch, between):
     """Native backend, a table rule: the save call copies nothing (the write reads the variables'
     snapshots, no staging buffer is kept), the next step writes elsewhere, and over 20 saves every
-    variable and slot uses two buffers in turn: memory stays bounded."""
+    variable and slot uses two buffers in turn: memory stays bounded (a save before every step, or
+    with an in-place step between)."""
     monkeypatch.delenv("CUDIST_BACKEND", raising=False)
     reset_backend_cache()
     if cpu_backend().name != "native":
@@ -234,7 +236,8 @@ def test_the_native_backend_captures_without_a_copy_and_recycles_two_buffers(tmp
         del before, a  # a buffer someone still holds is not recycled
         gate.set()
         manager.sync()
-        opt.apply_gradients([(g, w)])  # no snapshot held now: in place
+        for _ in range(between):  # no snapshot held now: in place
+            opt.apply_gradients([(g, w)])
         for t, s in zip(tensors, seen):
             if not any(t.storage.array is r() for r in s):
                 s.append(weakref.ref(t.storage.array))

@@ -348,7 +348,13 @@ class UpdatePass:
                     backend.check_like(where, "source", s, copies[0], writable=False)
             groups.append((copies, tuple(group_slots), backend, sources))
         plan = (key, tuple(groups), moves)
-        self.plans[var] = plan
+        if moves:
+            # Not kept: a plan holds its arrays, and the ones written out of place move away from
+            # go back to their storage's pool only once nothing else holds them (Storage.targets).
+            # The next step plans for the new arrays.
+            self.plans.pop(var, None)
+        else:
+            self.plans[var] = plan
         return plan
 
     def apply(self, plans: Sequence[Plan], grads: Sequence[Any], rules: Sequence[Rule], *, fresh: bool = False) -> None:
