@@ -1061,19 +1061,36 @@ void def_rule(py::module_& m, const char* name, const std::array<const char*, si
     m.def(
         where.c_str(),
         [fused, where, slots](py::handle copies, handle_at<S>... slot_copies, py::handle g, double_at<H>... h,
-                              double decay) {
+                              double decay, py::handle sources) {
           update_args u = inspect_update(where.c_str(), copies, {std::make_tuple(slot_copies, slots[S], false)...}, g,
                                          fused);
+          // Out of place: the current values of the variable, then of each slot, read from these
+          // arrays (a reader's snapshot); the copies are written, not read.
+          std::array<const void*, sizeof...(S) + 1> src{};
+          py::tuple keep_src;
+          if (!sources.is_none()) {
+            keep_src = py::tuple(py::reinterpret_borrow<py::object>(sources));
+            if (keep_src.size() != src.size())
+              throw py::value_error(where + ": sources must hold " + std::to_string(src.size()) +
+                                    " arrays (the variable's, then each slot's), got " +
+                                    std::to_string(keep_src.size()));
+            for (std::size_t i = 0; i < src.size(); ++i)
+              src[i] = inspect_like(keep_src[i], where.c_str(), "source", u.k, u.size, false);
+          }
           run_mixed_update_call(u, where.c_str(), [&](auto t, auto tg) {
             using T = decltype(t);
             using G = decltype(tg);
             T* const* const state[sizeof...(S) + 1] = {u.slot_ptrs<T>(S)..., typed<T>(u.p)};
-            cudist::detail::run_rule<Rule>(state, u.p.size(), u.size, u.grads<G>(), u.pg.size(), decay,
-                                           &cudist::thread_pool::global(), h...);
+            const T* const read[sizeof...(S) + 1] = {static_cast<const T*>(src[S + 1])...,
+                                                     static_cast<const T*>(src[0])};
+            cudist::detail::run_rule_reading<Rule>(state, keep_src.empty() ? nullptr : read, u.p.size(), u.size,
+                                                   u.grads<G>(), u.pg.size(), decay, &cudist::thread_pool::global(),
+                                                   h...);
           });
         },
         py::arg("copies"), py::arg(slot_args[S].c_str())..., py::arg(fused ? "grads" : "grad"), py::arg(hyper[H])...,
-        py::arg("decay"), doc.c_str());
+        py::arg("decay"), py::arg("sources") = py::none(), doc.c_str());
+    m.attr("out_of_place_rules").attr("append")(where);
   }
 }
 
@@ -1414,7 +1431,9 @@ PYBIND11_MODULE(_core, m) {
         py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
         "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
 
-  // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table.
+  // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table;
+  // each takes ``sources=`` (out of place), and its names are listed in ``out_of_place_rules``.
+  m.attr("out_of_place_rules") = py::list();
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
   // RMSprop: the plain form and the fused all-reduce form.
   m.def("rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr, double rho,

@@ -133,7 +133,12 @@ def __getattr__(name: str) -> Callable[..., None]:
     ``all_reduce_<name>(copies, *slots, grads, *hyper, decay)``: each slot the list of its copies, named
     ``<slot>s``; the hyper-parameters those of ``cudist._kernels.UPDATE_KERNELS``. Declared here once, so
     that adding a row to the table needs no stub edit (tests/test_typing.py checks the bound signatures
-    against the table)."""
+    against the table). Each also takes ``sources=``: the arrays holding the current values (the
+    variable's, then each slot's), read instead of copy 0 while every copy is written (out of place)."""
+
+#: The names of the entry points bound from the rules' table (plain and ``all_reduce_``): those
+#: taking ``sources=``.
+out_of_place_rules: list[str]
 
 
 def rmsprop(

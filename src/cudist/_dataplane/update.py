@@ -61,15 +61,18 @@ class Updatable(Protocol):
     def storage(self) -> Storage | GroupStorage: ...
 
 
-#: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend).
-Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
+#: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend,
+#: the sources: None (in place) or the arrays holding the current values, the variable's then each
+#: slot's, when the copies are written out of place).
+Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, tuple[Any, ...] | None]"
 #: What a fused all-reduce + update of a variable needs, settled at plan time: (the host backend of
 #: its one group, the variable's dtype, every array the update writes: copies, then slot copies);
 #: None when its update cannot be fused (copies on a GPU or in several memories, a dtype without
 #: fused kernels).
 Fused: TypeAlias = "tuple[KernelBackend, Any, tuple[Any, ...]] | None"
-#: A variable's validated kernel work: (the storage arrays it was validated for, its groups, its Fused).
-Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...], Fused]"
+#: A variable's validated kernel work: (the storage arrays it was validated for, its groups, its
+#: Fused, the out-of-place writes to commit once it ran: (storage, the array written) each).
+Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...], Fused, tuple[tuple[Storage | GroupStorage, Any], ...]]"
 
 class Rule:
     """One step's kernel work for a variable: an ``UPDATE_KERNELS`` rule with its scalars.
@@ -107,21 +110,62 @@ class Rule:
         #: Whether the weight decay is a pass of its own (a rule without a weight-decay factor).
         self.decay_pass = bool(decay) and not in_kernel
 
-    def run(self, kernels: TrustedKernels, copies: tuple[Any, ...], slots: tuple[tuple[Any, ...], ...], grad: Any) -> None:
-        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``)."""
+    def run(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        sources: tuple[Any, ...] | None = None,
+    ) -> None:
+        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``).
+
+        ``sources``: None (in place), or the arrays holding the current values (the variable's,
+        then each slot's) when the copies are to be written without being read (see :class:`Group`).
+        """
+        kernel = getattr(kernels, self.kernel)
+        if sources is not None and self._reads_sources(kernels, self.kernel, copies, slots, sources):
+            kernel(copies, *slots, grad, *self.scalars, sources=sources)
+            return
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
         args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
-        getattr(kernels, self.kernel)(copies, *args, grad, *self.scalars)
+        kernel(copies, *args, grad, *self.scalars)
 
     def run_fused(
-        self, kernels: TrustedKernels, copies: tuple[Any, ...], slots: tuple[tuple[Any, ...], ...], grads: list[Any]
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        sources: tuple[Any, ...] | None = None,
     ) -> None:
         """As :meth:`run`, from per-replica ``grads`` summed in the same pass."""
+        kernel = getattr(kernels, self.fused)
+        if sources is not None and self._reads_sources(kernels, self.fused, copies, slots, sources):
+            kernel(copies, *slots, grads, *self.scalars, sources=sources)
+            return
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
         args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
-        getattr(kernels, self.fused)(copies, *args, grads, *self.scalars)
+        kernel(copies, *args, grads, *self.scalars)
+
+    def _reads_sources(
+        self,
+        kernels: TrustedKernels,
+        entry: str,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        sources: tuple[Any, ...],
+    ) -> bool:
+        """Whether ``entry`` reads ``sources`` itself; if not, copies them into copy 0 of the variable
+        and of each slot first (the same bits: the in-place update then reads what the sources hold)."""
+        if entry in kernels.out_of_place and not self.decay_pass and self.slots is None:
+            return True
+        for dst, src in zip((copies, *slots), sources):
+            if src is not dst[0]:
+                kernels.broadcast(src, (dst[0],))
+        return False
 
     def _slot_args(self, slots: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...] | None, ...]:
         """The rule's slot arguments, in the table's order, from the optimizer's slots."""
@@ -258,29 +302,41 @@ class UpdatePass:
         calls the kernels' hooks directly instead of re-checking every buffer.
         """
         slots = named_slots.values()
-        bufs = var.storage.buffers()
+        # What each storage's update writes and reads (the same array unless it goes out of place:
+        # a snapshot held, e.g. by an asynchronous checkpoint write; see Storage.targets).
+        bufs, src = var.storage.targets()
         plan = self.plans.get(var)
         if plan is not None:
             # The per-step case: the variable and its slots kept the storage the plan was made for
             # (_same_arrays inlined: this runs for every variable of every step).
-            key = bufs
+            key = bufs + (src,)
             for s in slots:
-                key += s.storage.buffers()
+                sb, ss = s.storage.targets()
+                key += sb + (ss,)
             made = plan[0]
             if len(made) == len(key) and all(map(operator.is_, made, key)):
                 return plan
-        slot_bufs = tuple(s.storage.buffers() for s in slots)
-        if any(len(sb) != len(bufs) for sb in slot_bufs):
+        slot_targets = [s.storage.targets() for s in slots]
+        if any(len(sb) != len(bufs) for sb, _ in slot_targets):
             # Host copies share storage until one is written alone; once the variable's (or a
             # slot's) copies have gone their own ways, every one of them gets its own storage.
             for v in (var, *slots):
                 v.storage.split()
-            bufs = var.storage.buffers()
-            slot_bufs = tuple(s.storage.buffers() for s in slots)
-        key = bufs + sum(slot_bufs, ())
+            bufs, src = var.storage.targets()
+            slot_targets = [s.storage.targets() for s in slots]
+        slot_bufs = tuple(sb for sb, _ in slot_targets)
+        key = bufs + (src,) + sum((sb + (ss,) for sb, ss in slot_targets), ())
         plan = self.plans.get(var)
         if plan is not None and _same_arrays(plan[0], key):
             return plan
+        sources: tuple[Any, ...] | None = (src, *(ss for _, ss in slot_targets))
+        moves = tuple(
+            (v.storage, b[0])
+            for v, (b, ss) in zip((var, *slots), [(bufs, src), *slot_targets])
+            if b[0] is not ss
+        )
+        if not moves:
+            sources = None
         where = f"{self.name} update of '{var.name}'"
         groups: list[Group] = []
         for idx in device_groups(bufs):
@@ -295,16 +351,25 @@ class UpdatePass:
                 sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
                 backend.check_same_slots(where, copies, sc, name)
                 group_slots.append(sc)
-            groups.append((copies, tuple(group_slots), backend))
+            if sources is not None:  # out of place: one host group (Storage.targets), read from the sources
+                for s in sources:
+                    backend.check_like(where, "source", s, copies[0], writable=False)
+            groups.append((copies, tuple(group_slots), backend, sources))
         fused: Fused = None
         if len(groups) == 1:
-            copies, gslots, backend = groups[0]
+            copies, gslots, backend, _ = groups[0]
             ref = copies[0]
             # bfloat16 variables (not in the backend's dtypes) have no fused kernel.
             if type(ref) is np.ndarray and ref.dtype in backend.dtypes:
                 fused = (backend, ref.dtype, copies + sum(gslots, ()))
-        plan = (key, tuple(groups), fused)
-        self.plans[var] = plan
+        plan = (key, tuple(groups), fused, moves)
+        if moves:
+            # Not kept: a plan holds its arrays, and the ones written out of place move away from
+            # go back to their storage's pool only once nothing else holds them (Storage.targets).
+            # The next step plans for the new arrays.
+            self.plans.pop(var, None)
+        else:
+            self.plans[var] = plan
         return plan
 
     def apply(self, plans: Sequence[Plan], grads: Sequence[Any], rules: Sequence[Rule], *, fresh: bool = False) -> None:
@@ -316,21 +381,23 @@ class UpdatePass:
             rules: per variable the step's rule.
             fresh: the gradients are new buffers (results of the reduction) that alias nothing.
         """
-        host: list[tuple[Any, tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, Rule]] = []
+        host: list[tuple[Any, tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, Rule, Any]] = []
         for grad, plan, rule in zip(grads, plans, rules):
-            for copies, slots, backend in plan[1]:
+            for copies, slots, backend, sources in plan[1]:
                 ref = copies[0]
                 if type(ref) is np.ndarray:  # updated below, once every host gradient is settled
-                    host.append((grad if type(grad) is np.ndarray else like(grad, ref), copies, slots, backend, rule))
+                    g = grad if type(grad) is np.ndarray else like(grad, ref)
+                    host.append((g, copies, slots, backend, rule, sources))
                 else:
                     with device_context(ref):
                         g = like(grad, ref)
                         if not g.flags.c_contiguous or any(g is c for c in copies):
                             g = g.copy(order="C")
                         rule.run(backend.trusted, copies, slots, g)
-        ins = settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, _, _ in host], aliasing=not fresh)
-        for (_, copies, slots, backend, rule), (g,) in zip(host, ins):
-            rule.run(backend.trusted, copies, slots, g)
+        ins = settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, *_ in host], aliasing=not fresh)
+        for (_, copies, slots, backend, rule, sources), (g,) in zip(host, ins):
+            rule.run(backend.trusted, copies, slots, g, sources)
+        _commit(plans)
 
     def fusable(
         self, strategy: Any, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan]
@@ -404,13 +471,21 @@ class UpdatePass:
         kernel: Any = None
         scalars: tuple[Any, ...] = ()
         for plan, ins, rule in zip(plans, inputs, rules):
-            copies, slots, _ = plan[1][0]
+            copies, slots, _, sources = plan[1][0]
             if rule is not last:  # (one rule for every variable, unless weight decays differ)
                 last, scalars = rule, rule.scalars
                 # The rule's kernel called here directly when it needs no decay pass and no slot
                 # reordering: one Python call per variable, where rule.run_fused would be two.
                 kernel = None if rule.decay_pass or rule.slots is not None else getattr(trusted, rule.fused)
-            if kernel is None:
-                rule.run_fused(trusted, copies, slots, ins)
+            if kernel is None or sources is not None:
+                rule.run_fused(trusted, copies, slots, ins, sources)
             else:
                 kernel(copies, *slots, ins, *scalars)
+        _commit(plans)
+
+
+def _commit(plans: Sequence[Plan]) -> None:
+    """Makes the arrays written out of place the storages (after every update of the pass ran)."""
+    for plan in plans:
+        for storage, written in plan[3]:
+            storage.commit(written)

@@ -980,6 +980,12 @@ class TrustedKernels:
       decay)`` (:func:`momentum_schedule_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
       an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
       ``weight_decay * lr`` (0.0: none).
+    * ``out_of_place``: the names of the update entry points above that also take ``sources=``, a
+      tuple of arrays (the variable's, then each slot's in the entry point's order; read-only is
+      fine; each the copies' dtype and size, sharing no memory with them unless it IS copy 0) holding
+      the current values: the update reads them instead of copy 0 and writes every copy without
+      reading it (out of place; the bits of the in-place update). Empty where no entry point does
+      (the NumPy, Numba and CuPy backends): callers copy the values into copy 0 first.
     * ``check_bufs(where, bufs, *, writable, what="replica", same_shape=True)`` and the other
       validators (``check_like``, ``check_float``, ``check_same_slots``, ``check_outputs``,
       ``check_grads``): the backend's own, for validating once.
@@ -994,6 +1000,7 @@ class TrustedKernels:
         "reduce_to_one_shared",
         "batch_reduce_to_one_shared",
         "settle_plain",
+        "out_of_place",
         "broadcast",
         "assign",
         "assign_add",
@@ -1029,6 +1036,9 @@ class TrustedKernels:
         self.reduce_to_one_shared: Any = None
         self.batch_reduce_to_one_shared: Any = None
         self.settle_plain: Any = None
+        #: The update entry points (rule names, plain and ``all_reduce_`` forms) that take
+        #: ``sources=`` (the native backend's table rules; empty elsewhere): see the class docstring.
+        self.out_of_place: frozenset[str] = frozenset()
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add

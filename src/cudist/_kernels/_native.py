@@ -182,3 +182,4 @@ class _NativeTrusted(TrustedKernels):
         self.reduce_unscale_finite = _core.reduce_unscale_finite
         for name in UPDATE_ENTRY_POINTS:
             setattr(self, name, getattr(_core, name))
+        self.out_of_place = frozenset(_core.out_of_place_rules)
