@@ -52,6 +52,8 @@ from cudist._values import DistributedValues
 __all__ = ["CollectiveAllReduce"]
 
 _KINDS = {op: f"all_reduce {op.name}" for op in ReduceOp}
+#: The dtypes of :meth:`CollectiveAllReduce._small_sum` (the 16-bit floats take their own route).
+_SMALL_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 
 
 class CollectiveAllReduce(CrossDeviceOps):
@@ -288,6 +290,17 @@ class CollectiveAllReduce(CrossDeviceOps):
         recv = pool.take(a.shape, a.dtype)
         return self._host_allreduce(((send, recv),), kind, lambda: describe((a,)))[0]
 
+    def _small_sum(self, op, a):
+        """The one-round shared-memory all-reduce of the only replica's host array (the per-step common
+        case: what :meth:`_global_results` computes, without its walk), or None where it does not apply."""
+        if type(a) is not np.ndarray or a.dtype not in _SMALL_DTYPES or (op is ReduceOp.MEAN and a.dtype.kind != "f"):
+            return None
+        send = a if a.flags.c_contiguous else np.ascontiguousarray(a)
+        res = self._shm.allreduce_one(send, pool.take(a.shape, a.dtype), _KINDS[op], lambda: describe((a,)))
+        if res is not None and op is ReduceOp.MEAN:
+            np.true_divide(res, res.dtype.type(self._workers), out=res)
+        return res
+
     def _half_results(self, where, kind, op, per_replica_leaves, ids):
         """The global reduction of the 16-bit float leaves ``ids`` (all bfloat16, or all float16: one
         call per dtype), bit-identical to a MirroredStrategy over every replica of every worker in
@@ -376,6 +389,10 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _all_reduce_arrays(self, op, arrays):
         if self._workers == 1:
             return cross_device_ops_lib.all_reduce_arrays(self._local, op, arrays)
+        if len(arrays) == 1 and self._shm is not None and self._wire is None:
+            res = self._small_sum(op, arrays[0])
+            if res is not None:
+                return [res]
         return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):

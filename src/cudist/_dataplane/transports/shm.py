@@ -46,15 +46,16 @@ one-round path measured faster than MPI at every size).
 from __future__ import annotations
 
 import sys
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from cudist import _settings
+from cudist import _core, _settings
 from cudist._dataplane.transports import mpi
-from cudist._kernels import KernelBackend, cpu_backend, numpy_backend
+from cudist._kernels import KernelBackend, cpu_backend, is_bfloat16, numpy_backend
 from cudist._reduce_util import ReduceOp
 
 __all__ = ["SharedMemoryAllReduce", "connect", "DEFAULT_MIN_BYTES", "EAGER_BYTES"]
@@ -76,6 +77,16 @@ _FLAGS = 6
 #: Result banks: a result is a read-only view of one, and a bank is reused once no worker holds a
 #: view of it (reference counts, published with the arrival). Past that, a scratch bank, copied out.
 _BANKS = 3
+#: How long one call of the extension spins for the other workers before returning to be polled
+#: under the communicator's deadline (it yields the CPU every few checks meanwhile).
+_SPIN_NS = 100_000
+#: The dtypes the extension sums (its kernel dtypes, bfloat16 by name: ml_dtypes is not imported).
+_NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+
+
+def _native_sum(dtype: np.dtype[Any]) -> bool:
+    """Whether the extension's one-round all-reduce sums ``dtype`` (a kernel dtype)."""
+    return dtype in _NATIVE_DTYPES or is_bfloat16(dtype)
 
 
 def _round_up(n: int, to: int) -> int:
@@ -129,6 +140,8 @@ class SharedMemoryAllReduce:
         self._capacity = 0  # bytes per slot
         self._eager_cap = _round_up(max(self.eager_bytes, _ALIGN), 4096) if self.num_nodes == 1 else 0
         self._eager: list[list[npt.NDArray[np.uint8]]] = [[], []]  # [parity][worker]
+        self._eager_area: npt.NDArray[np.uint8] = np.empty(0, np.uint8)  # both sets, for the extension
+        self._kind_crcs: dict[str, int] = {}
         self._slots: list[npt.NDArray[np.uint8]] = []
         self._banks: list[npt.NDArray[np.uint8]] = []
         self._free_refs = 0
@@ -139,6 +152,10 @@ class SharedMemoryAllReduce:
         self._count = 0  # shared-memory all-reduces since the window was made (the flags' values)
         #: This worker's all-reduces by path, and the bytes the shared-memory ones all-reduced.
         self.stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0}
+        #: The byte sizes :meth:`allreduce_one` takes (the one-round path's, from ``min_bytes``; none
+        #: across nodes, where small messages are MPI's).
+        self._small_lo = max(1, self.min_bytes)
+        self._small_hi = self.eager_bytes if self.num_nodes == 1 and self.useful else 0
         if self.useful:
             self._ensure(1 << 16)  # the eager path's buffers exist from the start (it has no resize step)
 
@@ -189,6 +206,7 @@ class SharedMemoryAllReduce:
 
         e = self._eager_cap
         self._eager = [[area(ctrl_bytes + (p * n + w) * e, e) for w in range(n)] for p in range(2)]
+        self._eager_area = area(ctrl_bytes, eager)
         base = ctrl_bytes + eager
         self._win = win
         self._ctrl = ctrl
@@ -337,6 +355,26 @@ class SharedMemoryAllReduce:
                                      hash_check=several_nodes)
         return results
 
+    def allreduce_one(
+        self, send: npt.NDArray[Any], recv: npt.NDArray[Any], kind: str, detail: str | Callable[[], str]
+    ) -> npt.NDArray[Any] | None:
+        """:meth:`allreduce` of one ``(send, recv)`` pair when it takes the one-round path: ``recv``
+        (the sum); None, having done nothing, when it would take another path (call :meth:`allreduce`).
+
+        The per-step common case (one array of one replica per worker), decided without
+        :meth:`path`'s walk: the one-round path's call is one call of the extension.
+        """
+        total = -(-recv.nbytes // _ALIGN) * _ALIGN  # as path() counts it
+        if not (self._small_lo <= total < self._small_hi) or recv.dtype not in _NATIVE_DTYPES:
+            return None
+        if send.dtype != recv.dtype or not send.flags.c_contiguous:
+            return None
+        results: list[npt.NDArray[Any]] = []
+        pairs = ((send, recv),)
+        self.communicator.collective(kind, detail, lambda: self._start_eager(pairs, results, kind, detail),
+                                     hash_check=False)
+        return recv
+
     def _start_mpi(
         self,
         pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
@@ -373,34 +411,52 @@ class SharedMemoryAllReduce:
         kind: str,
         detail: str | Callable[[], str],
     ) -> Callable[[], bool]:
-        """One round: every worker copies its buffers in and sums every slot itself into ``recv``.
+        """One round, in one call of the extension (``_core.shm_all_reduce``): every worker copies
+        its buffers in, posts the call's hash, raises "arrived", spins briefly for the others and
+        sums every slot itself into ``recv``, in worker order.
 
-        Two sets of slots, used by turns: a worker reuses a set only after every worker has arrived
-        in the next collective, so after every worker has finished reading that set.
+        A wait longer than the spin returns here, to be polled (``_core.shm_wait``) under the
+        communicator's deadline, stall warning and notices. Two sets of slots, used by turns: a
+        worker reuses a set only after every worker has arrived in the next collective, so after
+        every worker has finished reading that set.
         """
         self._count += 1
+        count = self._count
         self.stats["eager_calls"] += 1
-        slots = self._eager[self._count & 1]
-        mine = slots[self.node_rank]
-        placed = []
-        off = 0
-        for send, recv in pairs:
-            nb = recv.nbytes
-            np.copyto(mine[off : off + nb].view(recv.dtype), send.reshape(-1), casting="no")
-            placed.append((recv, off, nb))
-            off = _round_up(off + nb, _ALIGN)
-        self._post_hash(kind, pairs)
-        self._raise(_ARRIVED)
+        crc = self._kind_crcs.get(kind)
+        if crc is None:
+            crc = self._kind_crcs[kind] = zlib.crc32(kind.encode())
+        # The CPU backends sum bit for bit alike, so the extension sums the kernel dtypes whatever
+        # backend was chosen; anything else (other dtypes, a test's faulty kernels) is called here.
+        native = isinstance(self._kernels, KernelBackend) and all(_native_sum(p[1].dtype) for p in pairs)
+        window = (self._ctrl, self._eager_area, self.node_size, self.node_rank, count)
+        status = _core.shm_all_reduce(*window, pairs, crc, self.communicator.seq, _SPIN_NS, native)
+        summed = status == 0 and native
 
         def done() -> bool:
-            if not self._all_up(_ARRIVED):
-                return False
-            self._check_hashes(kind, detail)
-            for recv, o, nb in placed:
-                ins = [s[o : o + nb].view(recv.dtype) for s in slots]
-                self._kernels_for(recv.dtype).trusted.reduce_to_one(ins, ReduceOp.SUM, recv.reshape(-1))
+            nonlocal status
+            if status == 1:
+                status = _core.shm_wait(*window, _SPIN_NS)
+                if status == 1:
+                    return False
+            if status == 2:
+                raise self.communicator.mismatch_error(kind, detail, self.communicator.seq)
+            if native:
+                if not summed:
+                    _core.shm_sum(*window, pairs)
+            else:
+                slots = self._eager[count & 1]
+                off = 0
+                for _, recv in pairs:
+                    nb = recv.nbytes
+                    ins = [s[off : off + nb].view(recv.dtype) for s in slots]
+                    self._kernels_for(recv.dtype).trusted.reduce_to_one(ins, ReduceOp.SUM, recv.reshape(-1))
+                    off = _round_up(off + nb, _ALIGN)
+            nbytes = 0
+            for _, recv in pairs:
                 results.append(recv)
-            self.stats["bytes"] += sum(nb for _, _, nb in placed)
+                nbytes += recv.nbytes
+            self.stats["bytes"] += nbytes
             return True
 
         return done
