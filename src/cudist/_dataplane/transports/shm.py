@@ -89,6 +89,10 @@ def _native_sum(dtype: np.dtype[Any]) -> bool:
     return dtype in _NATIVE_DTYPES or is_bfloat16(dtype)
 
 
+def _finished() -> bool:
+    return True
+
+
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
 
@@ -142,6 +146,7 @@ class SharedMemoryAllReduce:
         self._eager: list[list[npt.NDArray[np.uint8]]] = [[], []]  # [parity][worker]
         self._eager_area: npt.NDArray[np.uint8] = np.empty(0, np.uint8)  # both sets, for the extension
         self._kind_crcs: dict[str, int] = {}
+        self._window: tuple[Any, ...] = ()
         self._slots: list[npt.NDArray[np.uint8]] = []
         self._banks: list[npt.NDArray[np.uint8]] = []
         self._free_refs = 0
@@ -191,9 +196,12 @@ class SharedMemoryAllReduce:
         eager = 2 * n * self._eager_cap
         total = ctrl_bytes + eager + (n + _BANKS + 1) * cap
         # Node rank 0 holds the whole window (one contiguous mapping on every worker).
-        win = MPI.Win.Allocate_shared(total if self.node_rank == 0 else 0, 1, comm=self.node)
+        win = MPI.Win.Allocate_shared(total + _ALIGN if self.node_rank == 0 else 0, 1, comm=self.node)
         buf, _ = win.Shared_query(0)
         raw = memoryview(buf)
+        # The layout starts on a cache line (the extension's atomics and slots need it; a shared
+        # mapping is page-aligned, so every worker skips the same bytes).
+        raw = raw[-np.frombuffer(raw, np.uint8, 1).ctypes.data % _ALIGN :]
         ctrl = np.frombuffer(raw[:ctrl_bytes], np.int64)
         if self.node_rank == 0:
             ctrl[:] = 0
@@ -207,6 +215,7 @@ class SharedMemoryAllReduce:
         e = self._eager_cap
         self._eager = [[area(ctrl_bytes + (p * n + w) * e, e) for w in range(n)] for p in range(2)]
         self._eager_area = area(ctrl_bytes, eager)
+        self._window = (ctrl, self._eager_area, n, self.node_rank)  # the extension's first arguments
         base = ctrl_bytes + eager
         self._win = win
         self._ctrl = ctrl
@@ -371,7 +380,8 @@ class SharedMemoryAllReduce:
             return None
         results: list[npt.NDArray[Any]] = []
         pairs = ((send, recv),)
-        self.communicator.collective(kind, detail, lambda: self._start_eager(pairs, results, kind, detail),
+        native = isinstance(self._kernels, KernelBackend)
+        self.communicator.collective(kind, detail, lambda: self._start_eager(pairs, results, kind, detail, native),
                                      hash_check=False)
         return recv
 
@@ -410,6 +420,7 @@ class SharedMemoryAllReduce:
         results: list[npt.NDArray[Any]],
         kind: str,
         detail: str | Callable[[], str],
+        native: bool | None = None,
     ) -> Callable[[], bool]:
         """One round, in one call of the extension (``_core.shm_all_reduce``): every worker copies
         its buffers in, posts the call's hash, raises "arrived", spins briefly for the others and
@@ -418,7 +429,8 @@ class SharedMemoryAllReduce:
         A wait longer than the spin returns here, to be polled (``_core.shm_wait``) under the
         communicator's deadline, stall warning and notices. Two sets of slots, used by turns: a
         worker reuses a set only after every worker has arrived in the next collective, so after
-        every worker has finished reading that set.
+        every worker has finished reading that set. ``native``: whether the extension sums (None:
+        decided here).
         """
         self._count += 1
         count = self._count
@@ -426,24 +438,25 @@ class SharedMemoryAllReduce:
         crc = self._kind_crcs.get(kind)
         if crc is None:
             crc = self._kind_crcs[kind] = zlib.crc32(kind.encode())
-        # The CPU backends sum bit for bit alike, so the extension sums the kernel dtypes whatever
-        # backend was chosen; anything else (other dtypes, a test's faulty kernels) is called here.
-        native = isinstance(self._kernels, KernelBackend) and all(_native_sum(p[1].dtype) for p in pairs)
-        window = (self._ctrl, self._eager_area, self.node_size, self.node_rank, count)
-        status = _core.shm_all_reduce(*window, pairs, crc, self.communicator.seq, _SPIN_NS, native)
-        summed = status == 0 and native
+        if native is None:
+            # The CPU backends sum bit for bit alike, so the extension sums the kernel dtypes whatever
+            # backend was chosen; anything else (other dtypes, a test's faulty kernels) is summed here.
+            native = isinstance(self._kernels, KernelBackend) and all(_native_sum(p[1].dtype) for p in pairs)
+        window = self._window
+        status = _core.shm_all_reduce(*window, count, pairs, crc, self.communicator.seq, _SPIN_NS, native)
+        if status == 0 and native:  # the usual end: every worker was there within the spin
+            return self._finish(pairs, results)
 
         def done() -> bool:
             nonlocal status
             if status == 1:
-                status = _core.shm_wait(*window, _SPIN_NS)
+                status = _core.shm_wait(*window, count, _SPIN_NS)
                 if status == 1:
                     return False
             if status == 2:
                 raise self.communicator.mismatch_error(kind, detail, self.communicator.seq)
             if native:
-                if not summed:
-                    _core.shm_sum(*window, pairs)
+                _core.shm_sum(*window, count, pairs)
             else:
                 slots = self._eager[count & 1]
                 off = 0
@@ -452,14 +465,19 @@ class SharedMemoryAllReduce:
                     ins = [s[off : off + nb].view(recv.dtype) for s in slots]
                     self._kernels_for(recv.dtype).trusted.reduce_to_one(ins, ReduceOp.SUM, recv.reshape(-1))
                     off = _round_up(off + nb, _ALIGN)
-            nbytes = 0
-            for _, recv in pairs:
-                results.append(recv)
-                nbytes += recv.nbytes
-            self.stats["bytes"] += nbytes
-            return True
+            return self._finish(pairs, results)()
 
         return done
+
+    def _finish(self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+                results: list[npt.NDArray[Any]]) -> Callable[[], bool]:
+        """Hands out the one-round results (each ``recv``): the poll function of a finished call."""
+        nbytes = 0
+        for _, recv in pairs:
+            results.append(recv)
+            nbytes += recv.nbytes
+        self.stats["bytes"] += nbytes
+        return _finished
 
     def _start_scatter(
         self,
