@@ -52,8 +52,13 @@ from cudist._values import DistributedValues
 __all__ = ["CollectiveAllReduce"]
 
 _KINDS = {op: f"all_reduce {op.name}" for op in ReduceOp}
-#: The dtypes of :meth:`CollectiveAllReduce._small_sum` (the 16-bit floats take their own route).
-_SMALL_DTYPES = frozenset(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
+# For the per-step path (:meth:`CollectiveAllReduce._small_sum`): an Enum's hash and class
+# attributes are Python-level lookups, a few hundred ns each.
+_SUM, _MEAN = ReduceOp.SUM, ReduceOp.MEAN
+_SUM_KIND, _MEAN_KIND = _KINDS[_SUM], _KINDS[_MEAN]
+#: The dtypes of :meth:`CollectiveAllReduce._small_sum` (the 16-bit floats take their own route),
+#: the canonical objects, compared by identity (a dtype's hash is computed afresh at every lookup).
+_SMALL_DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 
 
 class CollectiveAllReduce(CrossDeviceOps):
@@ -293,12 +298,15 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _small_sum(self, op, a):
         """The one-round shared-memory all-reduce of the only replica's host array (the per-step common
         case: what :meth:`_global_results` computes, without its walk), or None where it does not apply."""
-        if type(a) is not np.ndarray or a.dtype not in _SMALL_DTYPES or (op is ReduceOp.MEAN and a.dtype.kind != "f"):
+        dt = a.dtype
+        if not (dt is _SMALL_DTYPES[0] or dt is _SMALL_DTYPES[1] or dt is _SMALL_DTYPES[2] or dt is _SMALL_DTYPES[3]):
             return None
-        send = a if a.flags.c_contiguous else np.ascontiguousarray(a)
-        res = self._shm.allreduce_one(send, pool.take(a.shape, a.dtype), _KINDS[op], lambda: describe((a,)))
-        if res is not None and op is ReduceOp.MEAN:
-            np.true_divide(res, res.dtype.type(self._workers), out=res)
+        mean = op is _MEAN
+        if mean and dt.kind != "f":
+            return None  # (an integer MEAN gives floats: the general path)
+        res = self._shm.allreduce_one(a, _MEAN_KIND if mean else _SUM_KIND, lambda: describe((a,)))
+        if res is not None and mean:
+            np.true_divide(res, dt.type(self._workers), out=res)
         return res
 
     def _half_results(self, where, kind, op, per_replica_leaves, ids):
@@ -389,7 +397,7 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _all_reduce_arrays(self, op, arrays):
         if self._workers == 1:
             return cross_device_ops_lib.all_reduce_arrays(self._local, op, arrays)
-        if len(arrays) == 1 and self._shm is not None and self._wire is None:
+        if len(arrays) == 1 and self._shm is not None and self._wire is None and type(arrays[0]) is np.ndarray:
             res = self._small_sum(op, arrays[0])
             if res is not None:
                 return [res]

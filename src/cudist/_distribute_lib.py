@@ -249,6 +249,24 @@ def _check_component_counts(where: str, tree: Any, n: int) -> None:
             )
 
 
+def _only_replica_args(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``run``'s positional ``args`` for the only local replica, checked and selected in one pass:
+    arrays as they are, DistributedValues of one component by that component; None when anything
+    else is in them (the general path checks and selects those)."""
+    out = []
+    for x in args:
+        if type(x) is np.ndarray:
+            out.append(x)
+        elif isinstance(x, DistributedValues) and not stays_in_replica(x):
+            values = x.values
+            if len(values) != 1:
+                return None
+            out.append(values[0])
+        else:
+            return None
+    return tuple(out)
+
+
 def _counts_match(items: list[Any] | tuple[Any, ...], n: int) -> bool:
     """True when ``items`` holds only arrays, DistributedValues of ``n`` components (or variables),
     and lists and tuples of them; False when anything else is in it (then the caller looks closer)."""
@@ -1075,6 +1093,10 @@ class StrategyExtended:
                 )
         kwargs = kwargs or {}
         n = self._num
+        if n == 1 and not kwargs and type(args) is tuple and self._replica_gpus is None:
+            picked = _only_replica_args(args)
+            if picked is not None:  # the per-step common case: arrays and one-component values
+                return contextvars.copy_context().run(_call_in_frame, self._frames()[0], fn, picked, kwargs)
         # The usual arguments are checked and selected in one pass; anything else the general way.
         args_list = select_replicas_exact(n, tuple(args)) if args and n > 1 else None
         if args and args_list is None:

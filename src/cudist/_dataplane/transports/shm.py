@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import sys
 import zlib
+from functools import partial
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist import _core, _settings
+from cudist._dataplane import pool
 from cudist._dataplane.transports import mpi
 from cudist._kernels import KernelBackend, cpu_backend, is_bfloat16, numpy_backend
 from cudist._reduce_util import ReduceOp
@@ -356,33 +358,36 @@ class SharedMemoryAllReduce:
         if detail is None:
             detail = lambda: mpi.describe([p[1] for p in pairs])  # noqa: E731 - described only for an error
         results: list[npt.NDArray[Any]] = []
-        start = {"eager": self._start_eager, "scatter": self._start_scatter, "mpi": self._start_mpi}[path]
+        if path == "eager":
+            start: Callable[[], Callable[[], bool]] = partial(self._start_eager, pairs, kind, detail)
+            results = [recv for _, recv in pairs]
+            self.stats["bytes"] += sum(recv.nbytes for recv in results)
+        else:
+            start = partial(self._start_scatter if path == "scatter" else self._start_mpi, pairs, results, kind, detail)
         # One node: no MPI hash check; every path (MPI's too, so that workers that disagree on the
         # path meet at the first flag rather than in different protocols) compares the call's hash
         # in shared memory. Several nodes: MPI's check, across them, before anything else.
-        self.communicator.collective(kind, detail, lambda: start(pairs, results, kind, detail),
-                                     hash_check=several_nodes)
+        self.communicator.collective(kind, detail, start, hash_check=several_nodes)
         return results
 
     def allreduce_one(
-        self, send: npt.NDArray[Any], recv: npt.NDArray[Any], kind: str, detail: str | Callable[[], str]
+        self, send: npt.NDArray[Any], kind: str, detail: str | Callable[[], str]
     ) -> npt.NDArray[Any] | None:
-        """:meth:`allreduce` of one ``(send, recv)`` pair when it takes the one-round path: ``recv``
-        (the sum); None, having done nothing, when it would take another path (call :meth:`allreduce`).
+        """:meth:`allreduce` of one host array when it takes the one-round path: its sum, a new array
+        (pooled); None, having done nothing, when it would take another path (call :meth:`allreduce`).
 
         The per-step common case (one array of one replica per worker), decided without
-        :meth:`path`'s walk: the one-round path's call is one call of the extension.
+        :meth:`path`'s walk: the call is one call of the extension.
         """
-        total = -(-recv.nbytes // _ALIGN) * _ALIGN  # as path() counts it
-        if not (self._small_lo <= total < self._small_hi) or recv.dtype not in _NATIVE_DTYPES:
+        dt = send.dtype
+        total = -(-send.nbytes // _ALIGN) * _ALIGN  # as path() counts it
+        if not (self._small_lo <= total < self._small_hi and _native_sum(dt) and send.flags.c_contiguous):
             return None
-        if send.dtype != recv.dtype or not send.flags.c_contiguous:
-            return None
-        results: list[npt.NDArray[Any]] = []
-        pairs = ((send, recv),)
-        native = isinstance(self._kernels, KernelBackend)
-        self.communicator.collective(kind, detail, lambda: self._start_eager(pairs, results, kind, detail, native),
+        recv = pool.take(send.shape, dt)
+        native = isinstance(self._kernels, KernelBackend)  # (a test's faulty kernels are called from Python)
+        self.communicator.collective(kind, detail, partial(self._start_eager, ((send, recv),), kind, detail, native),
                                      hash_check=False)
+        self.stats["bytes"] += recv.nbytes
         return recv
 
     def _start_mpi(
@@ -417,7 +422,6 @@ class SharedMemoryAllReduce:
     def _start_eager(
         self,
         pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
-        results: list[npt.NDArray[Any]],
         kind: str,
         detail: str | Callable[[], str],
         native: bool | None = None,
@@ -430,7 +434,7 @@ class SharedMemoryAllReduce:
         communicator's deadline, stall warning and notices. Two sets of slots, used by turns: a
         worker reuses a set only after every worker has arrived in the next collective, so after
         every worker has finished reading that set. ``native``: whether the extension sums (None:
-        decided here).
+        decided here). The results are the ``recv`` arrays, filled once the poll function is true.
         """
         self._count += 1
         count = self._count
@@ -445,7 +449,7 @@ class SharedMemoryAllReduce:
         window = self._window
         status = _core.shm_all_reduce(*window, count, pairs, crc, self.communicator.seq, _SPIN_NS, native)
         if status == 0 and native:  # the usual end: every worker was there within the spin
-            return self._finish(pairs, results)
+            return _finished
 
         def done() -> bool:
             nonlocal status
@@ -465,19 +469,10 @@ class SharedMemoryAllReduce:
                     ins = [s[off : off + nb].view(recv.dtype) for s in slots]
                     self._kernels_for(recv.dtype).trusted.reduce_to_one(ins, ReduceOp.SUM, recv.reshape(-1))
                     off = _round_up(off + nb, _ALIGN)
-            return self._finish(pairs, results)()
+            status = 0
+            return True
 
         return done
-
-    def _finish(self, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
-                results: list[npt.NDArray[Any]]) -> Callable[[], bool]:
-        """Hands out the one-round results (each ``recv``): the poll function of a finished call."""
-        nbytes = 0
-        for _, recv in pairs:
-            results.append(recv)
-            nbytes += recv.nbytes
-        self.stats["bytes"] += nbytes
-        return _finished
 
     def _start_scatter(
         self,
