@@ -11,6 +11,11 @@ Real MPI jobs on this machine (``python -m cudist.launch -n N``), each under a t
   every all-reduce over shared memory, and a worker that hangs, raises or is killed *inside* the
   protocol ends the job within the same deadlines, named; nothing is left in ``/dev/shm``.
 
+The one-round path's single call of the extension (``_core.shm_all_reduce``) is also driven in one
+process, every worker of a node simulated on one window: worker-order sums bit for bit, the posted
+hash, mismatches, the bounded wait and bad arguments; and in real jobs around its size threshold, and
+with a worker killed or interrupted while it waits inside it.
+
 ``CUDIST_SHM_MIN_BYTES=0`` puts every host all-reduce through shared memory (the tests' buffers are
 small; by default those go through MPI).
 """

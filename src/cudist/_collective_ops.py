@@ -52,11 +52,11 @@ from cudist._values import DistributedValues
 __all__ = ["CollectiveAllReduce"]
 
 _KINDS = {op: f"all_reduce {op.name}" for op in ReduceOp}
-# For the per-step path (:meth:`CollectiveAllReduce._small_sum`): an Enum's hash and class
+# For the per-step path (in :meth:`CollectiveAllReduce._all_reduce_arrays`): an Enum's hash and class
 # attributes are Python-level lookups, a few hundred ns each.
 _SUM, _MEAN = ReduceOp.SUM, ReduceOp.MEAN
 _SUM_KIND, _MEAN_KIND = _KINDS[_SUM], _KINDS[_MEAN]
-#: The dtypes of :meth:`CollectiveAllReduce._small_sum` (the 16-bit floats take their own route),
+#: The dtypes of that path (the 16-bit floats take their own route),
 #: the canonical objects, compared by identity (a dtype's hash is computed afresh at every lookup).
 _SMALL_DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 
@@ -295,20 +295,6 @@ class CollectiveAllReduce(CrossDeviceOps):
         recv = pool.take(a.shape, a.dtype)
         return self._host_allreduce(((send, recv),), kind, lambda: describe((a,)))[0]
 
-    def _small_sum(self, op, a):
-        """The one-round shared-memory all-reduce of the only replica's host array (the per-step common
-        case: what :meth:`_global_results` computes, without its walk), or None where it does not apply."""
-        dt = a.dtype
-        if not (dt is _SMALL_DTYPES[0] or dt is _SMALL_DTYPES[1] or dt is _SMALL_DTYPES[2] or dt is _SMALL_DTYPES[3]):
-            return None
-        mean = op is _MEAN
-        if mean and dt.kind != "f":
-            return None  # (an integer MEAN gives floats: the general path)
-        res = self._shm.allreduce_one(a, _MEAN_KIND if mean else _SUM_KIND, lambda: describe((a,)))
-        if res is not None and mean:
-            np.true_divide(res, dt.type(self._workers), out=res)
-        return res
-
     def _half_results(self, where, kind, op, per_replica_leaves, ids):
         """The global reduction of the 16-bit float leaves ``ids`` (all bfloat16, or all float16: one
         call per dtype), bit-identical to a MirroredStrategy over every replica of every worker in
@@ -397,10 +383,20 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _all_reduce_arrays(self, op, arrays):
         if self._workers == 1:
             return cross_device_ops_lib.all_reduce_arrays(self._local, op, arrays)
-        if len(arrays) == 1 and self._shm is not None and self._wire is None and type(arrays[0]) is np.ndarray:
-            res = self._small_sum(op, arrays[0])
-            if res is not None:
-                return [res]
+        if len(arrays) == 1 and self._shm is not None and self._wire is None:
+            # The per-step common case, one host array of the only replica, on the one-round path
+            # (what _global_results computes, without its walk).
+            a = arrays[0]
+            dt = a.dtype
+            if type(a) is np.ndarray and (dt is _SMALL_DTYPES[0] or dt is _SMALL_DTYPES[1] or dt is _SMALL_DTYPES[2]
+                                          or dt is _SMALL_DTYPES[3]):
+                mean = op is _MEAN
+                if not mean or dt.kind == "f":  # (an integer MEAN gives floats: the general path)
+                    res = self._shm.allreduce_one(a, _MEAN_KIND if mean else _SUM_KIND, lambda: describe((a,)))
+                    if res is not None:
+                        if mean:
+                            np.true_divide(res, dt.type(self._workers), out=res)
+                        return [res]
         return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):

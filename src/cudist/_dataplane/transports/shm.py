@@ -148,12 +148,14 @@ class SharedMemoryAllReduce:
         self._eager: list[list[npt.NDArray[np.uint8]]] = [[], []]  # [parity][worker]
         self._eager_area: npt.NDArray[np.uint8] = np.empty(0, np.uint8)  # both sets, for the extension
         self._kind_crcs: dict[str, int] = {}
-        self._window: tuple[Any, ...] = ()
         self._slots: list[npt.NDArray[np.uint8]] = []
         self._banks: list[npt.NDArray[np.uint8]] = []
         self._free_refs = 0
         self._retired: list[Any] = []  # smaller windows, kept mapped (results may be views of them)
         self._ctrl: npt.NDArray[np.int64] = np.empty(0, np.int64)
+        #: The extension's first arguments: the control area, the one-round slots, node size and rank.
+        self._window: tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8], int, int] = (
+            self._ctrl, self._eager_area, self.node_size, self.node_rank)
         self._flags: Any = memoryview(b"")  # the control area as int64 items: a flag read is ~40 ns, not numpy's ~1 us
         self._rows: list[range] = []  # per kind, the flag indices of the node's workers
         self._count = 0  # shared-memory all-reduces since the window was made (the flags' values)
