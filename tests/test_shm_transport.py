@@ -301,6 +301,26 @@ def test_the_one_round_call_sums_in_worker_order_bit_for_bit(n, dt):
                 assert np.array_equal(recvs[w][j].view(np.uint8), want.view(np.uint8)), (count, w, j)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_the_one_array_call_makes_its_result_and_sums_in_worker_order(n):
+    """``shm_all_reduce_one`` (the per-step call): the result is a new array of the input's shape and dtype."""
+    rng = np.random.default_rng(n)
+    ctrl, slots = _window(n)
+    ref = numpy_backend().trusted
+    for count, dt in enumerate((np.float32, np.float64, np.int32, np.int64), start=1):
+        sends = [_values(rng, np.dtype(dt), 3 * 333).reshape(3, 333) for _ in range(n)]
+        got = [_core.shm_all_reduce_one(ctrl, slots, n, w, count, sends[w], 99, 5, 0) for w in range(n)]
+        assert [status for status, _ in got[:-1]] == [1] * (n - 1) and got[-1][0] == 0
+        for w in range(n - 1):
+            assert _core.shm_wait(ctrl, slots, n, w, count, 0) == 0
+            _core.shm_sum(ctrl, slots, n, w, count, [(sends[w], got[w][1])])
+        want = np.empty_like(sends[0])
+        ref.reduce_to_one([s.reshape(-1) for s in sends], ReduceOp.SUM, want.reshape(-1))
+        for w, (_, recv) in enumerate(got):
+            assert recv.shape == (3, 333) and recv.dtype == dt and recv.flags.c_contiguous and recv.flags.writeable
+            assert recv is not sends[w] and np.array_equal(recv, want), (count, w)
+
+
 def test_the_one_round_call_posts_the_mpi_checks_hash_and_its_flags():
     """The hash posted is the MPI check's (Communicator.call_hash), in the row of the call's parity; the
     arrival flag holds the call's number; every slot set alternates by parity."""
@@ -367,9 +387,15 @@ def test_bad_arguments_are_errors_not_crashes():
         ro = np.empty_like(x)
         ro.flags.writeable = False
         _core.shm_all_reduce(ctrl, slots, n, 0, 1, [(x, ro)], 1, 1, 0, True)
+    u = np.ones(8, np.uint8)
     with pytest.raises(TypeError, match="not a kernel dtype"):
-        u = np.ones(8, np.uint8)
         _core.shm_sum(ctrl, slots, n, 0, 1, [(u, np.empty_like(u))])
+    with pytest.raises(TypeError, match="not a kernel dtype"):  # refused before arriving, when asked to sum
+        _core.shm_all_reduce(ctrl, slots, n, 0, 1, [(u, np.empty_like(u))], 1, 1, 0, True)
+    with pytest.raises(TypeError, match="not a kernel dtype"):
+        _core.shm_all_reduce_one(ctrl, slots, n, 0, 1, x.astype(">f4"), 1, 1, 0)
+    with pytest.raises(TypeError, match="not a numpy.ndarray"):
+        _core.shm_all_reduce_one(ctrl, slots, n, 0, 1, [1.0, 2.0], 1, 1, 0)
     assert not ctrl.any()  # nothing was posted by a refused call
 
 

@@ -1423,9 +1423,13 @@ int shm_wait_(const shm_node& v, std::int64_t count, long long spin_ns) {
 }
 
 // recv = the sum of every worker's slot, in worker order (MirroredStrategy's order and kernels).
-void shm_sum_(const shm_node& v, std::int64_t count, const std::vector<shm_pair>& pairs) {
+void shm_check_summable(const std::vector<shm_pair>& pairs) {
   for (const shm_pair& q : pairs)
     if (!q.summable) throw py::type_error(std::string("shm: a pair's dtype is not a kernel dtype ") + kSupportedDtypes);
+}
+
+void shm_sum_(const shm_node& v, std::int64_t count, const std::vector<shm_pair>& pairs) {
+  shm_check_summable(pairs);
   std::vector<void*> ptrs(v.n);
   std::size_t off = 0;
   for (const shm_pair& q : pairs) {
@@ -1443,10 +1447,33 @@ int shm_all_reduce(py::handle ctrl, py::handle slots, long long node_size, long 
   const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
   py::tuple keep;
   const auto ps = shm_pairs(pairs, v, keep);
+  if (sum) shm_check_summable(ps);  // refused before arriving: the others are not left to sum a call it cannot
   shm_arrive_(v, count, ps, kind_crc, seq);
   const int status = shm_wait_(v, count, spin_ns);
   if (status == 0 && sum) shm_sum_(v, count, ps);
   return status;
+}
+
+// The per-step common case, one array: shm_all_reduce of (send, recv) with recv made here (a new C-order
+// array of send's shape and dtype), summed by the kernels. Returns (status, recv).
+py::tuple shm_all_reduce_one(py::handle ctrl, py::handle slots, long long node_size, long long node_rank,
+                             long long count, py::handle send, std::uint32_t kind_crc, std::uint64_t seq,
+                             long long spin_ns) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  if (!PyObject_TypeCheck(send.ptr(), ndarray_type())) throw py::type_error("shm: send is not a numpy.ndarray");
+  auto* a = py::detail::array_proxy(send.ptr());
+  Py_INCREF(a->descr);  // PyArray_NewFromDescr steals it
+  auto recv = py::reinterpret_steal<py::object>(py::detail::npy_api::get().PyArray_NewFromDescr_(
+      ndarray_type(), a->descr, a->nd, a->dimensions, nullptr, nullptr, 0, nullptr));
+  if (!recv) throw py::error_already_set();
+  const py::tuple pairs = py::make_tuple(py::make_tuple(send, recv));
+  py::tuple keep;
+  const auto ps = shm_pairs(pairs, v, keep);
+  shm_check_summable(ps);
+  shm_arrive_(v, count, ps, kind_crc, seq);
+  const int status = shm_wait_(v, count, spin_ns);
+  if (status == 0) shm_sum_(v, count, ps);
+  return py::make_tuple(status, recv);
 }
 
 int shm_wait(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
@@ -1521,6 +1548,10 @@ PYBIND11_MODULE(_core, m) {
         "copies each send of ``pairs`` ((send, recv) tuples) into this worker's slot, posts the call's hash, raises "
         "its arrival flag, spins up to ``spin_ns`` for the others; 0: all arrived with the same hash (and, with "
         "``sum``, each recv is the sum of the slots in worker order), 1: not yet (poll shm_wait), 2: hashes differ.");
+  m.def("shm_all_reduce_one", &shm_all_reduce_one, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"),
+        py::arg("node_rank"), py::arg("count"), py::arg("send"), py::arg("kind_crc"), py::arg("seq"),
+        py::arg("spin_ns"),
+        "shm_all_reduce of one array, summed, into a new array like it: (status, recv).");
   m.def("shm_wait", &shm_wait, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"), py::arg("node_rank"),
         py::arg("count"), py::arg("spin_ns"),
         "Spins up to ``spin_ns`` for every worker's arrival in call ``count``: shm_all_reduce's 0, 1 or 2.");

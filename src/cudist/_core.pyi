@@ -193,6 +193,19 @@ def shm_all_reduce(
     other workers. 0: all arrived with the same hash (and, with ``sum``, each recv holds the sum of
     the slots in worker order); 1: not yet (poll :func:`shm_wait`); 2: the hashes differ."""
 
+def shm_all_reduce_one(
+    ctrl: _Array,
+    slots: _Array,
+    node_size: _Int,
+    node_rank: _Int,
+    count: _Int,
+    send: _Array,
+    kind_crc: _Int,
+    seq: _Int,
+    spin_ns: _Int,
+) -> tuple[int, _Array]:
+    """:func:`shm_all_reduce` of one array, summed, into a new array of its shape and dtype: ``(status, recv)``."""
+
 def shm_wait(ctrl: _Array, slots: _Array, node_size: _Int, node_rank: _Int, count: _Int, spin_ns: _Int) -> int:
     """Spins up to ``spin_ns`` for every worker's arrival in call ``count``: :func:`shm_all_reduce`'s 0, 1 or 2."""
 

@@ -257,7 +257,7 @@ def _only_replica_args(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     for x in args:
         if type(x) is np.ndarray:
             out.append(x)
-        elif isinstance(x, DistributedValues) and not stays_in_replica(x):
+        elif type(x) is PerReplica or (isinstance(x, DistributedValues) and not stays_in_replica(x)):
             values = x.values
             if len(values) != 1:
                 return None

@@ -14,7 +14,12 @@ The workers of one node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``, or consecuti
   bytes and N workers: S(N-1)/N copied in (read + write), S read and S/N written by the sum.
 * the one-round path (below :data:`EAGER_BYTES`): each worker copies its buffers into its small
   slot (two sets, used by turns), raises "arrived", and sums every slot itself into its own
-  result: one synchronization instead of two, for messages where latency dominates.
+  result: one synchronization instead of two, for messages where latency dominates. All of it is
+  one call of the extension (``_core.shm_all_reduce``; ``shm_all_reduce_one`` for the per-step
+  single array, :meth:`SharedMemoryAllReduce.allreduce_one`), with C++ acquire/release atomics on
+  the flags; a wait longer than ``_SPIN_NS`` (spinning, yielding the CPU every few checks) returns
+  to the communicator's poll (``_core.shm_wait``), so deadlines, stall warnings, notices and
+  signals work as for every collective.
 
 The sum of ``w0, w1, ..., wN`` in that order is what MirroredStrategy computes over the same
 replicas, so one node's results are MirroredStrategy's bit for bit (float32, float64, float16,
@@ -55,7 +60,6 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist import _core, _settings
-from cudist._dataplane import pool
 from cudist._dataplane.transports import mpi
 from cudist._kernels import KernelBackend, cpu_backend, is_bfloat16, numpy_backend
 from cudist._reduce_util import ReduceOp
@@ -84,6 +88,9 @@ _BANKS = 3
 _SPIN_NS = 100_000
 #: The dtypes the extension sums (its kernel dtypes, bfloat16 by name: ml_dtypes is not imported).
 _NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+#: Their canonical objects' ids (a dtype's hash is computed afresh at every lookup; these objects live
+#: as long as NumPy): the per-step check, before the general one.
+_NATIVE_IDS = frozenset(id(d) for d in _NATIVE_DTYPES)
 
 
 def _native_sum(dtype: np.dtype[Any]) -> bool:
@@ -148,6 +155,9 @@ class SharedMemoryAllReduce:
         self._eager: list[list[npt.NDArray[np.uint8]]] = [[], []]  # [parity][worker]
         self._eager_area: npt.NDArray[np.uint8] = np.empty(0, np.uint8)  # both sets, for the extension
         self._kind_crcs: dict[str, int] = {}
+        # allreduce_one's call and its result, handed to and from _start_one around the communicator
+        self._pending: tuple[npt.NDArray[Any], str, str | Callable[[], str]] = (np.empty(0), "", "")
+        self._result: npt.NDArray[Any] = np.empty(0)
         self._slots: list[npt.NDArray[np.uint8]] = []
         self._banks: list[npt.NDArray[np.uint8]] = []
         self._free_refs = 0
@@ -375,22 +385,36 @@ class SharedMemoryAllReduce:
     def allreduce_one(
         self, send: npt.NDArray[Any], kind: str, detail: str | Callable[[], str]
     ) -> npt.NDArray[Any] | None:
-        """:meth:`allreduce` of one host array when it takes the one-round path: its sum, a new array
-        (pooled); None, having done nothing, when it would take another path (call :meth:`allreduce`).
+        """:meth:`allreduce` of one host array when it takes the one-round path: its sum, a new array;
+        None, having done nothing, when it would take another path (call :meth:`allreduce`).
 
         The per-step common case (one array of one replica per worker), decided without
-        :meth:`path`'s walk: the call is one call of the extension.
+        :meth:`path`'s walk: one call of the extension copies in, waits, sums and makes the result.
         """
         dt = send.dtype
         total = -(-send.nbytes // _ALIGN) * _ALIGN  # as path() counts it
-        if not (self._small_lo <= total < self._small_hi and _native_sum(dt) and send.flags.c_contiguous):
-            return None
-        recv = pool.take(send.shape, dt)
-        native = isinstance(self._kernels, KernelBackend)  # (a test's faulty kernels are called from Python)
-        self.communicator.collective(kind, detail, partial(self._start_eager, ((send, recv),), kind, detail, native),
-                                     hash_check=False)
-        self.stats["bytes"] += recv.nbytes
-        return recv
+        if not (self._small_lo <= total < self._small_hi and (id(dt) in _NATIVE_IDS or _native_sum(dt))
+                and send.flags.c_contiguous and isinstance(self._kernels, KernelBackend)):
+            return None  # (a test's faulty kernels are called from Python, on the general path)
+        self._pending = (send, kind, detail)
+        self.communicator.collective(kind, detail, self._start_one, hash_check=False)
+        self.stats["bytes"] += send.nbytes
+        return self._result
+
+    def _start_one(self) -> Callable[[], bool]:
+        """:meth:`_start_eager` of :meth:`allreduce_one`'s array, the result made by the extension."""
+        send, kind, detail = self._pending
+        self._count += 1
+        count = self._count
+        self.stats["eager_calls"] += 1
+        crc = self._kind_crcs.get(kind)
+        if crc is None:
+            crc = self._kind_crc(kind)
+        status, recv = _core.shm_all_reduce_one(*self._window, count, send, crc, self.communicator.seq, _SPIN_NS)
+        self._result = recv
+        if status == 0:
+            return _finished
+        return self._eager_poll(status, count, ((send, recv),), kind, detail, True)
 
     def _start_mpi(
         self,
@@ -441,17 +465,35 @@ class SharedMemoryAllReduce:
         self._count += 1
         count = self._count
         self.stats["eager_calls"] += 1
-        crc = self._kind_crcs.get(kind)
-        if crc is None:
-            crc = self._kind_crcs[kind] = zlib.crc32(kind.encode())
         if native is None:
             # The CPU backends sum bit for bit alike, so the extension sums the kernel dtypes whatever
             # backend was chosen; anything else (other dtypes, a test's faulty kernels) is summed here.
             native = isinstance(self._kernels, KernelBackend) and all(_native_sum(p[1].dtype) for p in pairs)
-        window = self._window
-        status = _core.shm_all_reduce(*window, count, pairs, crc, self.communicator.seq, _SPIN_NS, native)
+        status = _core.shm_all_reduce(*self._window, count, pairs, self._kind_crc(kind), self.communicator.seq,
+                                      _SPIN_NS, native)
         if status == 0 and native:  # the usual end: every worker was there within the spin
             return _finished
+        return self._eager_poll(status, count, pairs, kind, detail, native)
+
+    def _kind_crc(self, kind: str) -> int:
+        crc = self._kind_crcs.get(kind)
+        if crc is None:
+            crc = self._kind_crcs[kind] = zlib.crc32(kind.encode())
+        return crc
+
+    def _eager_poll(
+        self,
+        status: int,
+        count: int,
+        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        kind: str,
+        detail: str | Callable[[], str],
+        native: bool,
+    ) -> Callable[[], bool]:
+        """The poll function of one-round call ``count`` after its first call of the extension (``status``):
+        waits for the others (under the communicator's deadline), then sums (the extension, or the
+        CPU backend from here when not ``native``)."""
+        window = self._window
 
         def done() -> bool:
             nonlocal status
