@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -1288,6 +1289,7 @@ void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype,
 constexpr std::size_t kShmLine = 8;  // int64 per cache line
 constexpr std::size_t kShmArrived = 0, kShmHash = 4, kShmKinds = 6;
 constexpr std::size_t kShmAlign = 64;
+constexpr long long kShmBusyNs = 20000;  // the first part of a wait spins without yielding the CPU
 constexpr std::uint64_t kShmHashMask = (std::uint64_t{1} << 62) - 1;
 constexpr std::uint64_t kShmHashMul = 0x100000001B3ULL;  // the MPI check's (mpi.py's call_hash)
 static_assert(sizeof(std::atomic<std::int64_t>) == sizeof(std::int64_t) && std::atomic<std::int64_t>::is_always_lock_free,
@@ -1413,7 +1415,17 @@ int shm_wait_(const shm_node& v, std::int64_t count, long long spin_ns) {
   };
   if (!all_here()) {
     py::gil_scoped_release nogil;  // a wait for a slower worker: let this process's other threads run
-    if (!cudist::thread_pool::spin_until(all_here, spin_ns)) return 1;
+    // Without yielding at first: a peer a few microseconds behind (the usual case) is seen at once,
+    // not after this core was given away for a time slice; then spinning that yields the CPU.
+    const long long busy = std::min(spin_ns, kShmBusyNs);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(busy);
+    for (unsigned i = 1; !all_here(); ++i) {
+      cudist::thread_pool::cpu_relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) {
+        if (!cudist::thread_pool::spin_until(all_here, spin_ns - busy)) return 1;
+        break;
+      }
+    }
   }
   const std::size_t row = kShmHash + static_cast<std::size_t>(count & 1);
   const std::int64_t mine = v.flag(row, v.rank).load(std::memory_order_relaxed);
