@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -1351,6 +1353,229 @@ void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype,
 }
 #endif  // CUDIST_CORE_WITH_CUDA
 
+// ---- the one-round all-reduce of the shared-memory transport (cudist._dataplane.transports.shm)
+//
+// One call per small all-reduce: copy in, raise the arrival flag, spin for the others, compare
+// the calls' hashes, sum in worker order. The layout is shm.py's: the control area `ctrl` (int64)
+// holds one cache line per flag, one row of `node_size` lines per kind (arrived = row 0, the
+// hashes rows 4 and 5 by the call's parity); `slots` holds two sets (by parity) of `node_size`
+// slots. A worker reuses a set only after every worker has arrived in the next call, so after
+// every worker has read it. The flags are C++ atomics: a release store of the arrival publishes
+// the slot and hash written before it; an acquire load of the others' orders the reads after.
+constexpr std::size_t kShmLine = 8;  // int64 per cache line
+constexpr std::size_t kShmArrived = 0, kShmHash = 4, kShmKinds = 6;
+constexpr std::size_t kShmAlign = 64;
+constexpr long long kShmBusyNs = 20000;  // the first part of a wait spins without yielding the CPU
+constexpr std::uint64_t kShmHashMask = (std::uint64_t{1} << 62) - 1;
+constexpr std::uint64_t kShmHashMul = 0x100000001B3ULL;  // the MPI check's (mpi.py's call_hash)
+static_assert(sizeof(std::atomic<std::int64_t>) == sizeof(std::int64_t) && std::atomic<std::int64_t>::is_always_lock_free,
+              "the flags are lock-free int64 atomics in shared memory");
+
+struct shm_node {
+  std::int64_t* ctrl;
+  unsigned char* slots;
+  std::size_t cap;  // bytes per slot
+  std::size_t n, rank;
+
+  std::atomic<std::int64_t>& flag(std::size_t kind, std::size_t w) const {
+    return *reinterpret_cast<std::atomic<std::int64_t>*>(ctrl + (kind * n + w) * kShmLine);
+  }
+  unsigned char* slot(std::int64_t count, std::size_t w) const {
+    return slots + ((static_cast<std::size_t>(count & 1) * n) + w) * cap;
+  }
+};
+
+// A writable, C-contiguous 1-d numpy array of `itemsize`-byte items (the window's areas).
+void* shm_area(py::handle h, const char* what, py::ssize_t itemsize, std::size_t& size) {
+  if (!py::isinstance<py::array>(h)) throw py::type_error(std::string("shm: ") + what + " is not a numpy.ndarray");
+  auto* a = py::detail::array_proxy(h.ptr());
+  constexpr int need = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  if ((a->flags & need) != need || py::reinterpret_borrow<py::dtype>(a->descr).itemsize() != itemsize) {
+    throw py::value_error(std::string("shm: ") + what + " must be a writable C-contiguous array of " +
+                          std::to_string(itemsize) + "-byte items");
+  }
+  size = elements(a);
+  return a->data;
+}
+
+shm_node shm_open(py::handle ctrl, py::handle slots, long long node_size, long long node_rank) {
+  if (node_size < 1 || node_rank < 0 || node_rank >= node_size) {
+    throw py::value_error("shm: node_rank " + std::to_string(node_rank) + " is not in [0, " + std::to_string(node_size) + ")");
+  }
+  const auto n = static_cast<std::size_t>(node_size);
+  std::size_t ctrl_len = 0, slots_len = 0;
+  shm_node v{static_cast<std::int64_t*>(shm_area(ctrl, "ctrl", 8, ctrl_len)),
+             static_cast<unsigned char*>(shm_area(slots, "slots", 1, slots_len)), slots_len / (2 * n), n,
+             static_cast<std::size_t>(node_rank)};
+  if (ctrl_len < kShmKinds * n * kShmLine || reinterpret_cast<std::uintptr_t>(v.ctrl) % kShmAlign != 0) {
+    throw py::value_error("shm: ctrl must be a cache-line aligned int64 array of at least " +
+                          std::to_string(kShmKinds * n * kShmLine) + " items");
+  }
+  if (v.cap % kShmAlign != 0 || reinterpret_cast<std::uintptr_t>(v.slots) % kShmAlign != 0) {
+    throw py::value_error("shm: slots must be 2 * node_size cache-line aligned slots");
+  }
+  return v;
+}
+
+struct shm_pair {
+  const void* send;
+  void* recv;
+  std::size_t size, bytes;
+  int type_num;
+  bool summable;  // a kernel dtype
+  kind k;
+};
+
+// The (send, recv) pairs of one call: send C-contiguous, recv writable C-contiguous of send's
+// dtype and size; they must fit a slot at cache-line offsets. `keep` holds them during the call.
+std::vector<shm_pair> shm_pairs(py::handle pairs, const shm_node& v, py::tuple& keep) {
+  if (!sequence_tuple(pairs.ptr(), keep)) throw py::type_error("shm: pairs must be a tuple or list of (send, recv)");
+  const Py_ssize_t m = PyTuple_GET_SIZE(keep.ptr());
+  std::vector<shm_pair> out(static_cast<std::size_t>(m));
+  std::size_t off = 0;
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    PyObject* p = PyTuple_GET_ITEM(keep.ptr(), i);
+    if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2) throw py::type_error("shm: pair " + std::to_string(i) + " is not a (send, recv) tuple");
+    auto where = [i] { return "shm: pair " + std::to_string(i); };  // built only for an error
+    PyObject* s = PyTuple_GET_ITEM(p, 0);
+    PyObject* r = PyTuple_GET_ITEM(p, 1);
+    if (Py_TYPE(s) != ndarray_type() && !PyObject_TypeCheck(s, ndarray_type())) throw py::type_error(where() + ": send is not a numpy.ndarray");
+    if (Py_TYPE(r) != ndarray_type() && !PyObject_TypeCheck(r, ndarray_type())) throw py::type_error(where() + ": recv is not a numpy.ndarray");
+    auto* sa = py::detail::array_proxy(s);
+    auto* ra = py::detail::array_proxy(r);
+    constexpr int contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
+    constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    if (!(sa->flags & contiguous) || (ra->flags & (contiguous | writeable)) != (contiguous | writeable)) {
+      throw py::value_error(where() + ": send must be C-contiguous and recv writable and C-contiguous");
+    }
+    auto& api = py::detail::npy_api::get();
+    if (sa->descr != ra->descr && !api.PyArray_EquivTypes_(sa->descr, ra->descr)) throw py::type_error(where() + ": send and recv differ in dtype");
+    shm_pair& q = out[static_cast<std::size_t>(i)];
+    q.size = elements(ra);
+    if (elements(sa) != q.size) throw py::value_error(where() + ": send and recv differ in size");
+    q.bytes = q.size * static_cast<std::size_t>(py::reinterpret_borrow<py::dtype>(ra->descr).itemsize());
+    q.send = sa->data;
+    q.recv = ra->data;
+    q.type_num = py::detail::array_descriptor_proxy(ra->descr)->type_num;
+    q.summable = kind_of(ra->descr, q.k);
+    off = (off + q.bytes + kShmAlign - 1) / kShmAlign * kShmAlign;
+  }
+  if (off > v.cap) throw py::value_error("shm: " + std::to_string(off) + " bytes do not fit a slot of " + std::to_string(v.cap));
+  return out;
+}
+
+// Copies this worker's buffers into its slot, posts the call's hash (mpi.py's call_hash of the
+// kind's CRC-32, the sequence number and each pair's (size, dtype number)) and raises its flag.
+void shm_arrive_(const shm_node& v, std::int64_t count, const std::vector<shm_pair>& pairs, std::uint32_t kind_crc,
+                 std::uint64_t seq) {
+  unsigned char* mine = v.slot(count, v.rank);
+  std::uint64_t h = (static_cast<std::uint64_t>(kind_crc) ^ (seq << 32)) & kShmHashMask;
+  std::size_t off = 0;
+  for (const shm_pair& q : pairs) {
+    if (q.bytes) std::memcpy(mine + off, q.send, q.bytes);
+    h = (h * kShmHashMul + q.size) & kShmHashMask;
+    h = (h * kShmHashMul + static_cast<std::uint64_t>(q.type_num)) & kShmHashMask;
+    off = (off + q.bytes + kShmAlign - 1) / kShmAlign * kShmAlign;
+  }
+  v.flag(kShmHash + static_cast<std::size_t>(count & 1), v.rank).store(static_cast<std::int64_t>(h), std::memory_order_relaxed);
+  v.flag(kShmArrived, v.rank).store(count, std::memory_order_release);
+}
+
+// 0: every worker of the node has arrived in call `count` with this worker's hash; 1: not all
+// within `spin_ns` (the caller polls again, with its deadline); 2: a worker's hash differs.
+int shm_wait_(const shm_node& v, std::int64_t count, long long spin_ns) {
+  std::size_t next = 0;  // the first worker not yet seen to arrive
+  auto all_here = [&] {
+    while (next < v.n && v.flag(kShmArrived, next).load(std::memory_order_acquire) >= count) ++next;
+    return next == v.n;
+  };
+  if (!all_here()) {
+    py::gil_scoped_release nogil;  // a wait for a slower worker: let this process's other threads run
+    // Without yielding at first: a peer a few microseconds behind (the usual case) is seen at once,
+    // not after this core was given away for a time slice; then spinning that yields the CPU.
+    const long long busy = std::min(spin_ns, kShmBusyNs);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(busy);
+    for (unsigned i = 1; !all_here(); ++i) {
+      cudist::thread_pool::cpu_relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) {
+        if (!cudist::thread_pool::spin_until(all_here, spin_ns - busy)) return 1;
+        break;
+      }
+    }
+  }
+  const std::size_t row = kShmHash + static_cast<std::size_t>(count & 1);
+  const std::int64_t mine = v.flag(row, v.rank).load(std::memory_order_relaxed);
+  for (std::size_t w = 0; w < v.n; ++w)
+    if (v.flag(row, w).load(std::memory_order_relaxed) != mine) return 2;
+  return 0;
+}
+
+// recv = the sum of every worker's slot, in worker order (MirroredStrategy's order and kernels).
+void shm_check_summable(const std::vector<shm_pair>& pairs) {
+  for (const shm_pair& q : pairs)
+    if (!q.summable) throw py::type_error(std::string("shm: a pair's dtype is not a kernel dtype ") + kSupportedDtypes);
+}
+
+void shm_sum_(const shm_node& v, std::int64_t count, const std::vector<shm_pair>& pairs) {
+  shm_check_summable(pairs);
+  std::vector<void*> ptrs(v.n);
+  std::size_t off = 0;
+  for (const shm_pair& q : pairs) {
+    for (std::size_t w = 0; w < v.n; ++w) ptrs[w] = v.slot(count, w) + off;
+    dispatch(q.k, [&](auto t) {
+      using T = decltype(t);
+      cudist::reduce_to_one<T>(typed<T>(ptrs), v.n, q.size, cudist::reduce_op::sum, static_cast<T*>(q.recv));
+    });
+    off = (off + q.bytes + kShmAlign - 1) / kShmAlign * kShmAlign;
+  }
+}
+
+int shm_all_reduce(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
+                   py::handle pairs, std::uint32_t kind_crc, std::uint64_t seq, long long spin_ns, bool sum) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  py::tuple keep;
+  const auto ps = shm_pairs(pairs, v, keep);
+  if (sum) shm_check_summable(ps);  // refused before arriving: the others are not left to sum a call it cannot
+  shm_arrive_(v, count, ps, kind_crc, seq);
+  const int status = shm_wait_(v, count, spin_ns);
+  if (status == 0 && sum) shm_sum_(v, count, ps);
+  return status;
+}
+
+// The per-step common case, one array: shm_all_reduce of (send, recv) with recv made here (a new C-order
+// array of send's shape and dtype), summed by the kernels. Returns (status, recv).
+py::tuple shm_all_reduce_one(py::handle ctrl, py::handle slots, long long node_size, long long node_rank,
+                             long long count, py::handle send, std::uint32_t kind_crc, std::uint64_t seq,
+                             long long spin_ns) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  if (!PyObject_TypeCheck(send.ptr(), ndarray_type())) throw py::type_error("shm: send is not a numpy.ndarray");
+  auto* a = py::detail::array_proxy(send.ptr());
+  Py_INCREF(a->descr);  // PyArray_NewFromDescr steals it
+  auto recv = py::reinterpret_steal<py::object>(py::detail::npy_api::get().PyArray_NewFromDescr_(
+      ndarray_type(), a->descr, a->nd, a->dimensions, nullptr, nullptr, 0, nullptr));
+  if (!recv) throw py::error_already_set();
+  const py::tuple pairs = py::make_tuple(py::make_tuple(send, recv));
+  py::tuple keep;
+  const auto ps = shm_pairs(pairs, v, keep);
+  shm_check_summable(ps);
+  shm_arrive_(v, count, ps, kind_crc, seq);
+  const int status = shm_wait_(v, count, spin_ns);
+  if (status == 0) shm_sum_(v, count, ps);
+  return py::make_tuple(status, recv);
+}
+
+int shm_wait(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
+             long long spin_ns) {
+  return shm_wait_(shm_open(ctrl, slots, node_size, node_rank), count, spin_ns);
+}
+
+void shm_sum(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
+             py::handle pairs) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  py::tuple keep;
+  shm_sum_(v, count, shm_pairs(pairs, v, keep));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -1404,6 +1629,23 @@ PYBIND11_MODULE(_core, m) {
         "numpy.ndarray owning its memory and (aliasing) neither a written array nor a written array's base; else None.");
   m.def("register_reduce_ops", &register_reduce_ops, py::arg("sum"), py::arg("mean"),
         "Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1.");
+  m.def("shm_all_reduce", &shm_all_reduce, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"),
+        py::arg("node_rank"), py::arg("count"), py::arg("pairs"), py::arg("kind_crc"), py::arg("seq"),
+        py::arg("spin_ns"), py::arg("sum"),
+        "The shared-memory transport's one-round all-reduce (call ``count`` of the window ``ctrl`` / ``slots``): "
+        "copies each send of ``pairs`` ((send, recv) tuples) into this worker's slot, posts the call's hash, raises "
+        "its arrival flag, spins up to ``spin_ns`` for the others; 0: all arrived with the same hash (and, with "
+        "``sum``, each recv is the sum of the slots in worker order), 1: not yet (poll shm_wait), 2: hashes differ.");
+  m.def("shm_all_reduce_one", &shm_all_reduce_one, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"),
+        py::arg("node_rank"), py::arg("count"), py::arg("send"), py::arg("kind_crc"), py::arg("seq"),
+        py::arg("spin_ns"),
+        "shm_all_reduce of one array, summed, into a new array like it: (status, recv).");
+  m.def("shm_wait", &shm_wait, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"), py::arg("node_rank"),
+        py::arg("count"), py::arg("spin_ns"),
+        "Spins up to ``spin_ns`` for every worker's arrival in call ``count``: shm_all_reduce's 0, 1 or 2.");
+  m.def("shm_sum", &shm_sum, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"), py::arg("node_rank"),
+        py::arg("count"), py::arg("pairs"),
+        "Each recv of ``pairs`` becomes the sum of the node's slots of call ``count``, in worker order.");
   m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),
         "Reduces ``bufs`` elementwise into ``out`` (which may be one of them).");
   m.def("broadcast", &broadcast, py::arg("src"), py::arg("dsts"), "Copies ``src`` into every array of ``dsts``.");

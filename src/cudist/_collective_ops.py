@@ -53,6 +53,13 @@ from cudist._values import DistributedValues
 __all__ = ["CollectiveAllReduce"]
 
 _KINDS = {op: f"all_reduce {op.name}" for op in ReduceOp}
+# For the per-step path (in :meth:`CollectiveAllReduce._all_reduce_arrays`): an Enum's hash and class
+# attributes are Python-level lookups, a few hundred ns each.
+_SUM, _MEAN = ReduceOp.SUM, ReduceOp.MEAN
+_SUM_KIND, _MEAN_KIND = _KINDS[_SUM], _KINDS[_MEAN]
+#: The dtypes of that path (the 16-bit floats take their own route),
+#: the canonical objects, compared by identity (a dtype's hash is computed afresh at every lookup).
+_SMALL_DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 
 
 class CollectiveAllReduce(CrossDeviceOps):
@@ -391,6 +398,20 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _all_reduce_arrays(self, op, arrays):
         if self._workers == 1:
             return cross_device_ops_lib.all_reduce_arrays(self._local, op, arrays)
+        if len(arrays) == 1 and self._shm is not None and self._wire is None:
+            # The per-step common case, one host array of the only replica, on the one-round path
+            # (what _global_results computes, without its walk).
+            a = arrays[0]
+            dt = a.dtype
+            if type(a) is np.ndarray and (dt is _SMALL_DTYPES[0] or dt is _SMALL_DTYPES[1] or dt is _SMALL_DTYPES[2]
+                                          or dt is _SMALL_DTYPES[3]):
+                mean = op is _MEAN
+                if not mean or dt.kind == "f":  # (an integer MEAN gives floats: the general path)
+                    res = self._shm.allreduce_one(a, _MEAN_KIND if mean else _SUM_KIND, lambda: describe((a,)))
+                    if res is not None:
+                        if mean:
+                            np.true_divide(res, dt.type(self._workers), out=res)
+                        return [res]
         return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):

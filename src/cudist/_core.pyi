@@ -186,6 +186,45 @@ def batch_reduce_to_one_shared(
     of one shape) and out a writable C-contiguous array of that dtype and their total size (or a
     callable ``out(shape, dtype)`` returning one, called only once the inputs pass)."""
 
+def shm_all_reduce(
+    ctrl: _Array,
+    slots: _Array,
+    node_size: _Int,
+    node_rank: _Int,
+    count: _Int,
+    pairs: Sequence[tuple[_Array, _Array]],
+    kind_crc: _Int,
+    seq: _Int,
+    spin_ns: _Int,
+    sum: bool,
+) -> int:
+    """The shared-memory transport's one-round all-reduce (call ``count`` of the window's control
+    area ``ctrl``, int64, and eager ``slots``, bytes): copies each send of ``pairs`` into this
+    worker's slot, posts the call's hash, raises its arrival flag and spins up to ``spin_ns`` for the
+    other workers. 0: all arrived with the same hash (and, with ``sum``, each recv holds the sum of
+    the slots in worker order); 1: not yet (poll :func:`shm_wait`); 2: the hashes differ."""
+
+def shm_all_reduce_one(
+    ctrl: _Array,
+    slots: _Array,
+    node_size: _Int,
+    node_rank: _Int,
+    count: _Int,
+    send: _Array,
+    kind_crc: _Int,
+    seq: _Int,
+    spin_ns: _Int,
+) -> tuple[int, _Array]:
+    """:func:`shm_all_reduce` of one array, summed, into a new array of its shape and dtype: ``(status, recv)``."""
+
+def shm_wait(ctrl: _Array, slots: _Array, node_size: _Int, node_rank: _Int, count: _Int, spin_ns: _Int) -> int:
+    """Spins up to ``spin_ns`` for every worker's arrival in call ``count``: :func:`shm_all_reduce`'s 0, 1 or 2."""
+
+def shm_sum(
+    ctrl: _Array, slots: _Array, node_size: _Int, node_rank: _Int, count: _Int, pairs: Sequence[tuple[_Array, _Array]]
+) -> None:
+    """Each recv of ``pairs`` becomes the sum of the node's slots of call ``count``, in worker order."""
+
 def settle_plain(passes: Sequence[tuple[Sequence[_Array], Sequence[Any]]], aliasing: bool) -> list[list[_Array]] | None:
     """Per pass (gradients, written arrays) its gradients as a list when every gradient is a
     C-contiguous numpy.ndarray owning its memory and (aliasing) neither a written array nor a
