@@ -539,13 +539,6 @@ def shm_model():
     (``bytes_per_pack``): momentum and Adam, and a MEAN all-reduce of a nest; bit for bit MirroredStrategy's."""
     from cudist import optimizers
 
-def shm_small():
-    """The one-round path's single C++ call (one array per worker through strategy.run): sizes around the
-    one-round threshold (both sides of it), every dtype of that path and float16, SUM and MEAN, several
-    calls in a row (the two slot sets used by turns), against MirroredStrategy over the same replicas, bit
-    for bit; the transport's counters show which path each size took."""
-    from cudist._dataplane.transports import shm as shm_lib
-
     rank, W = _rank_size()
     cpu = cudist.config.list_physical_devices("CPU")[0]
     cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
@@ -591,6 +584,17 @@ def shm_small():
         c.check(f"unpacked_pack{per_pack}", st["unpacked_calls"] == st["calls"] == 9 and st["mpi_calls"] == 0, st)
     report(rank, c.results)
 
+
+def shm_small():
+    """The one-round path's single C++ call (one array per worker through strategy.run): sizes around the
+    one-round threshold (both sides of it), every dtype of that path and float16, SUM and MEAN, several
+    calls in a row (the two slot sets used by turns), against MirroredStrategy over the same replicas, bit
+    for bit; the transport's counters show which path each size took."""
+    from cudist._dataplane.transports import shm as shm_lib
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
     mw = cudist.MultiWorkerMirroredStrategy()
     ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
     transport = _shm_transport(mw)
