@@ -79,3 +79,20 @@ def test_sgd_is_float32_arithmetic_rounded_once(select_cpu_backend):
         cudist.optimizers.SGD(0.1).apply_gradients([(G, v)])
         expect = (W0.astype(np.float32) - np.float32(0.1) * G.astype(np.float32)).astype(BF16)
         np.testing.assert_array_equal(v.numpy().view(np.uint16), expect.view(np.uint16))
+
+
+def test_checkpoint_round_trip_bit_for_bit(tmp_path):
+    rng = np.random.default_rng(3)
+    v = cudist.Variable(rng.standard_normal(11).astype(BF16))
+    opt = cudist.optimizers.Adam(0.01)
+    opt.apply_gradients([(rng.standard_normal(11).astype(BF16), v)])
+    path = cudist.train.Checkpoint(v=v, opt=opt).save(str(tmp_path / "c"))
+    v2 = cudist.Variable(np.zeros(11, BF16))
+    opt2 = cudist.optimizers.Adam(0.01)
+    opt2.build([v2])
+    cudist.train.Checkpoint(v=v2, opt=opt2).restore(path)
+    np.testing.assert_array_equal(v2.numpy().view(np.uint16), v.numpy().view(np.uint16))
+    for a, b in zip(opt.variables, opt2.variables):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.atleast_1d(b.numpy()).view(np.uint8), np.atleast_1d(a.numpy()).view(np.uint8))
+    assert any(s.dtype == BF16 for s in opt2.variables)
