@@ -129,10 +129,14 @@ def test_float16_and_float64_policies():
     assert cudist.Variable(1.5).dtype == np.float32
 
 
-def test_bfloat16_policy_refuses_variables_clearly():
+def test_bfloat16_policy_makes_bfloat16_variables():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
     mp.set_global_policy("bfloat16")
-    with pytest.raises(TypeError, match="policy 'bfloat16' makes variables bfloat16.*mixed_bfloat16"):
-        cudist.Variable(np.ones(2, np.float32))
+    v = cudist.Variable(np.array([1.0, 1.00390625, 3.3], np.float32))
+    assert v.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(v.numpy(), np.array([1.0, 1.00390625, 3.3], np.float32).astype(ml_dtypes.bfloat16))
+    assert cudist.Variable(1.5).dtype == ml_dtypes.bfloat16
+    assert cudist.Variable(np.arange(3)).dtype == np.int64  # integers keep their dtype
     assert cudist.Variable(np.ones(2, np.float32), dtype=np.float32).dtype == np.float32
 
 

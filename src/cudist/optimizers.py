@@ -663,10 +663,10 @@ class Optimizer:
                 f"{self.name}: cannot apply gradients to variable '{var.name}': it is a SyncOnReadVariable "
                 "(synchronization=ON_READ), whose components differ by design"
             )
-        if var.dtype.kind != "f":
+        if var.dtype.kind != "f" and not is_bfloat16(var.dtype):
             raise TypeError(
                 f"{self.name}: cannot update variable '{var.name}' of dtype {var.dtype.name}: the optimizer "
-                "kernels need a floating-point dtype (float16, float32, float64)"
+                "kernels need a floating-point dtype (float16, bfloat16, float32, float64)"
             )
         if var.storage.kernel() is None and array_module(var.storage.primary) is not np:
             raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")

@@ -40,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist._arrays import snapshot as _device_snapshot
-from cudist._kernels import backend_for
+from cudist._kernels import backend_for, is_bfloat16, numpy_backend
 
 if TYPE_CHECKING:
     from cudist._arrays import Array
@@ -56,7 +56,13 @@ _UNSET: Any = object()
 def kernel_backend(arr: Any) -> KernelBackend | None:
     """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
     backend = backend_for(arr)
-    return backend if arr.dtype in backend.dtypes else None
+    if arr.dtype in backend.dtypes:
+        return backend
+    if is_bfloat16(arr.dtype) and type(arr) is np.ndarray:
+        # bfloat16 variables: the one fallback point. Only the NumPy reference updates them (float32
+        # arithmetic, one rounding per stored value), so every CPU backend gives the same bits.
+        return numpy_backend()
+    return None
 
 
 class Storage:

@@ -240,7 +240,7 @@ class KernelBackend:
 
     def check_float(self, where: str, ref: Any) -> None:
         """Raises TypeError unless ``ref`` has a floating-point dtype (the optimizer updates)."""
-        if ref.dtype not in FLOAT_DTYPES:
+        if ref.dtype not in FLOAT_DTYPES and not (self.bfloat16 and is_bfloat16(ref.dtype)):
             raise TypeError(f"{where}: needs a floating-point dtype, got {ref.dtype.name}")
 
     def check_same_slots(self, where: str, copies: Sequence[Any], slots: Sequence[Any], slot: str) -> None:

@@ -39,7 +39,8 @@ def _copy_to_all(src, dsts):
 
 
 def _compute_dtype(dtype):
-    return np.dtype(np.float32) if dtype == np.float16 else dtype
+    # The 16-bit floats compute in float32 and round once per stored value (Keras does the same).
+    return np.dtype(np.float32) if dtype == np.float16 or is_bfloat16(dtype) else dtype
 
 
 class NumpyBackend(KernelBackend):
