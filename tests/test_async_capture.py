@@ -24,7 +24,7 @@ from cudist._kernels import UPDATE_KERNELS, cpu_backend, get_backend, reset_back
 from cudist.train import _format
 
 ASYNC = train.CheckpointOptions(enable_async=True)
-#: The rules whose native kernels take ``sources=`` (the C++ rule table's).
+#: The rules whose native kernels take ``sources=`` (the C++ rule table's, and momentum's).
 TABLE = sorted(n for n in get_backend("native").trusted.out_of_place if not n.startswith("all_reduce_"))
 
 
@@ -32,7 +32,7 @@ def _hyper(name, dtype):
     """Scalars for a rule of the table (the weight decay last), plausible values."""
     scalars = UPDATE_KERNELS[name][1]
     values = {"lr": 0.01, "lr_t": 0.003, "beta_1": 0.9, "beta_2": 0.99, "epsilon": 1e-7, "c_m": 0.4,
-              "c_g": 0.05, "c_v": 0.3, "decay": 0.002}
+              "c_g": 0.05, "c_v": 0.3, "decay": 0.002, "momentum": 0.9, "nesterov": True}
     return tuple(values[s] for s in scalars)
 
 
@@ -103,7 +103,12 @@ def test_out_of_place_kernels_reject_bad_sources():
         trusted.adamw((w,), (m,), (v,), g, 0.1, 0.9, 0.99, 1e-7, 0.0, sources=(good[0][:7], *good[1:]))
     with pytest.raises(TypeError, match="source has dtype float64"):
         trusted.adamw((w,), (m,), (v,), g, 0.1, 0.9, 0.99, 1e-7, 0.0, sources=(good[0].astype(np.float64), *good[1:]))
-    assert "momentum" not in trusted.out_of_place  # the hand-written kernels: the update pass copies first
+    with pytest.raises(ValueError, match="sources must hold 2 arrays"):
+        trusted.momentum((w,), (m,), g, 0.1, 0.9, False, sources=good)
+    with pytest.raises(TypeError, match="source has dtype float64"):
+        trusted.all_reduce_momentum((w,), (m,), (g, g), 0.1, 0.9, False, sources=(good[0].astype(np.float64), good[1]))
+    assert "momentum" in trusted.out_of_place and "all_reduce_momentum" in trusted.out_of_place
+    assert "sgd" not in trusted.out_of_place  # the hand-written kernels without sources: the update pass copies first
     for name in ("numpy", "numba"):
         try:
             assert not get_backend(name).trusted.out_of_place

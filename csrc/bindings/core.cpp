@@ -862,7 +862,22 @@ void all_reduce_sgd(py::handle copies, py::handle grads, double lr) {
   });
 }
 
-void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, double lr, double mom, bool nesterov) {
+/// Out of place (``sources`` not None): the variable's and the velocity's current values, read from
+/// ``sources`` (two arrays like copy 0) instead of copy 0; nullptr when None.
+std::array<const void*, 2> momentum_sources(py::handle sources, py::tuple& keep, const char* where, kind k,
+                                            std::size_t size) {
+  std::array<const void*, 2> src{};
+  if (sources.is_none()) return src;
+  keep = py::tuple(py::reinterpret_borrow<py::object>(sources));
+  if (keep.size() != 2)
+    throw py::value_error(std::string(where) + ": sources must hold 2 arrays (the variable's, then the velocity's), got " +
+                          std::to_string(keep.size()));
+  for (std::size_t i = 0; i < 2; ++i) src[i] = inspect_like(keep[i], where, "source", k, size, false);
+  return src;
+}
+
+void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, double lr, double mom, bool nesterov,
+                         py::handle sources) {
   const char* where = "all_reduce_momentum";
   std::vector<void*> p, pv, pg;
   std::size_t size = 0, vsize = 0;
@@ -872,13 +887,16 @@ void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, d
   if (kv != k || vsize != size || pv.size() != p.size())
     throw py::value_error("all_reduce_momentum: velocities must match the variable copies in number, dtype and size");
   const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
+  py::tuple keep_src;
+  const std::array<const void*, 2> src = momentum_sources(sources, keep_src, where, k, size);
   dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
     using T = decltype(t);
     using G = decltype(tg);
+    const T* const read[2] = {static_cast<const T*>(src[0]), static_cast<const T*>(src[1])};
     maybe_nogil((2 * p.size() + 2) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
       cudist::detail::momentum_update<T, G>(typed<T>(p), typed<T>(pv), p.size(), size,
                                             reinterpret_cast<const G* const*>(pg.data()), pg.size(), lr, mom, nesterov,
-                                            &cudist::thread_pool::global());
+                                            &cudist::thread_pool::global(), keep_src.empty() ? nullptr : read);
     });
   });
 }
@@ -920,7 +938,8 @@ void sgd(py::handle copies, py::handle grad, double lr) {
   });
 }
 
-void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, double mom, bool nesterov) {
+void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, double mom, bool nesterov,
+              py::handle sources) {
   std::vector<void*> p, pv;
   std::size_t size = 0, vsize = 0;
   kind k, kv;
@@ -929,10 +948,15 @@ void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, do
   if (kv != k || vsize != size || pv.size() != p.size())
     throw py::value_error("momentum: velocities must match the variable copies in number, dtype and size");
   const void* g = inspect_like(grad, "momentum", "grad", k, size, false);
+  py::tuple keep_src;
+  const std::array<const void*, 2> src = momentum_sources(sources, keep_src, "momentum", k, size);
   dispatch_float(k, "momentum", [&](auto t) {
     using T = decltype(t);
+    const T* const read[2] = {static_cast<const T*>(src[0]), static_cast<const T*>(src[1])};
+    const T* const gp = static_cast<const T*>(g);
     maybe_nogil((2 * p.size() + 3) * size * sizeof(T), [&] {
-      cudist::momentum<T>(typed<T>(p), typed<T>(pv), p.size(), size, static_cast<const T*>(g), lr, mom, nesterov);
+      cudist::detail::momentum_update<T, T>(typed<T>(p), typed<T>(pv), p.size(), size, &gp, 1, lr, mom, nesterov,
+                                            &cudist::thread_pool::global(), keep_src.empty() ? nullptr : read);
     });
   });
 }
@@ -1662,13 +1686,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("all_reduce_sgd", &all_reduce_sgd, py::arg("copies"), py::arg("grads"), py::arg("lr"),
         "Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass.");
   m.def("all_reduce_momentum", &all_reduce_momentum, py::arg("copies"), py::arg("velocities"), py::arg("grads"),
-        py::arg("lr"), py::arg("momentum"), py::arg("nesterov"),
+        py::arg("lr"), py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
         "Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass.");
   m.def("all_reduce_adam", &all_reduce_adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"),
         py::arg("lr_t"), py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
         "Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass.");
   m.def("momentum", &momentum, py::arg("copies"), py::arg("velocities"), py::arg("grad"), py::arg("lr"),
-        py::arg("momentum"), py::arg("nesterov"), "Momentum SGD (Keras formulation) on N copies and N velocities.");
+        py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
+        "Momentum SGD (Keras formulation) on N copies and N velocities.");
   m.def("adam", &adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"),
         py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
         "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
@@ -1676,6 +1701,7 @@ PYBIND11_MODULE(_core, m) {
   // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table;
   // each takes ``sources=`` (out of place), and its names are listed in ``out_of_place_rules``.
   m.attr("out_of_place_rules") = py::list();
+  m.attr("out_of_place_rules").attr("extend")(py::make_tuple("momentum", "all_reduce_momentum"));
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
   // RMSprop: the plain form and the fused all-reduce form.
   m.def("rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr, double rho,

@@ -92,7 +92,13 @@ def all_reduce_sgd(copies: _Arrays, grads: _Arrays, lr: _Float) -> None:
     """Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass."""
 
 def all_reduce_momentum(
-    copies: _Arrays, velocities: _Arrays, grads: _Arrays, lr: _Float, momentum: _Float, nesterov: bool
+    copies: _Arrays,
+    velocities: _Arrays,
+    grads: _Arrays,
+    lr: _Float,
+    momentum: _Float,
+    nesterov: bool,
+    sources: tuple[_Array, _Array] | None = None,
 ) -> None:
     """Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass."""
 
@@ -109,7 +115,13 @@ def all_reduce_adam(
     """Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass."""
 
 def momentum(
-    copies: _Arrays, velocities: _Arrays, grad: _Array, lr: _Float, momentum: _Float, nesterov: bool
+    copies: _Arrays,
+    velocities: _Arrays,
+    grad: _Array,
+    lr: _Float,
+    momentum: _Float,
+    nesterov: bool,
+    sources: tuple[_Array, _Array] | None = None,
 ) -> None:
     """Momentum SGD (Keras formulation) on N copies and N velocities."""
 

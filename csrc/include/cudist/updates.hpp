@@ -438,7 +438,8 @@ namespace detail {
 /// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision).
 template <class T, class G>
 void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const G* const* grads,
-                     std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool) {
+                     std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool,
+                     const T* const* sources = nullptr) {
   if (n == 0 || m == 0 || count == 0) return;
   using C = compute_t<T>;
   using A = arith<T>;
@@ -449,8 +450,13 @@ void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std:
   const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
   std::vector<std::vector<T>> keep;
   std::vector<std::vector<G>> keep_g;
-  const T* w0 = snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
-  const T* v0 = snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
+  // What the update reads: copy 0 (in place) or ``sources`` (out of place: the variable's, then the
+  // velocity's current values, e.g. held by an asynchronous checkpoint write; see fused_rule_update).
+  const T* w0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[0] : copies[0], {copies, velocities}, n,
+                                           count, keep);
+  const T* v0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[1] : velocities[0], {copies, velocities}, n,
+                                           count, keep);
+  const unsigned unread0 = (v0 != velocities[0] ? 1u : 0u) | (w0 != copies[0] ? 2u : 0u);  // see run_update
   const grad_list<T, G> gl(grads, m, {copies, velocities}, n, count, keep_g);
   const G* const* gp = gl.data();
   T* const* const slots[2] = {velocities, copies};
@@ -469,7 +475,7 @@ void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std:
       out[0][at + k] = static_cast<T>(vk);
       out[1][at + k] = static_cast<T>(wn);
     }
-  });
+  }, unread0);
 }
 
 }  // namespace detail
