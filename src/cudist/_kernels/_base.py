@@ -126,6 +126,9 @@ class KernelBackend:
     dtypes: tuple = SUPPORTED_DTYPES
     #: Whether this backend also computes ``ml_dtypes.bfloat16`` (float32 accumulation, one rounding).
     bfloat16: bool = False
+    #: Whether the optimizers' updates also take bfloat16 variables (the NumPy reference only: every
+    #: CPU backend hands them to it, so they get one set of bits; the GPU has no such kernels).
+    bfloat16_updates: bool = False
     #: Whether the fused all-reduce + update kernels (``all_reduce_<rule>``) also take bfloat16 and
     #: float16 gradients for float32 variables, widened exactly inside the pass (mixed precision:
     #: no float32 copy of the gradients; the bits of casting them first).
@@ -240,7 +243,7 @@ class KernelBackend:
 
     def check_float(self, where: str, ref: Any) -> None:
         """Raises TypeError unless ``ref`` has a floating-point dtype (the optimizer updates)."""
-        if ref.dtype not in FLOAT_DTYPES and not (self.bfloat16 and is_bfloat16(ref.dtype)):
+        if ref.dtype not in FLOAT_DTYPES and not (self.bfloat16_updates and is_bfloat16(ref.dtype)):
             raise TypeError(f"{where}: needs a floating-point dtype, got {ref.dtype.name}")
 
     def check_same_slots(self, where: str, copies: Sequence[Any], slots: Sequence[Any], slot: str) -> None:

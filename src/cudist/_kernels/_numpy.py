@@ -48,6 +48,7 @@ class NumpyBackend(KernelBackend):
 
     name = "numpy"
     bfloat16 = True
+    bfloat16_updates = True
     # Its fused forms are the definition, which casts narrow gradients first (_sum_grads): the fast
     # backends' mixed-precision passes and LossScaleOptimizer's fused step are checked against it.
     mixed_gradients = True
