@@ -3,7 +3,7 @@ per-replica sweep, A/B in one process (interleaved rounds).
 
 B (this tree): one merge_call reduces each variable's per-replica gradients, unscales them and
 reports finiteness in one kernel pass (``reduce_unscale_finite``), then the inner optimizer updates
-from the sums. A (before): the previous ``LossScaleOptimizer.apply_gradients``, copied below: each
+from the sums. A (before): the previous ``LossScaleOptimizer.apply_gradients`` (its non-fused path, still there): each
 replica checks its gradients (``np.isfinite`` over a float32 copy), the replicas all-reduce the
 verdict, each divides its gradients by the scale (a float32 copy), and the inner optimizer's fused
 all-reduce + update runs on those. Both are checked to give the same bits first.
@@ -21,30 +21,11 @@ import time
 
 
 def before_apply_gradients(self, grads_and_vars):
-    """LossScaleOptimizer.apply_gradients as it was before the fused check (commit b0f2386)."""
-    import numpy as np
+    """LossScaleOptimizer.apply_gradients as it was before the fused check (commit b0f2386): its
+    per-replica path, which the optimizer still takes where the check cannot be fused."""
+    from cudist import get_replica_context
 
-    from cudist import ReduceOp, get_replica_context
-
-    pairs = list(grads_and_vars)
-    finite = all(g is None or bool(np.isfinite(np.asarray(g, dtype=np.float32)).all()) for g, _ in pairs)
-    ctx = get_replica_context()
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
-        bad = ctx.all_reduce(ReduceOp.SUM, np.float32(0.0 if finite else 1.0))
-        finite = float(np.asarray(bad)) == 0.0
-    scale = np.float32(np.asarray(self.dynamic_scale.read_value()))
-    if not finite:
-        self.dynamic_scale.assign(scale / np.float32(2.0))
-        self.step_counter.assign(0)
-        return self.inner_optimizer.iterations
-    unscaled = [(None if g is None else np.asarray(g, dtype=np.float32) / scale, v) for g, v in pairs]
-    self.inner_optimizer.apply_gradients(unscaled)
-    count = int(np.asarray(self.step_counter.read_value())) + 1
-    if count >= self.dynamic_growth_steps:
-        self.dynamic_scale.assign(scale * np.float32(2.0))
-        count = 0
-    self.step_counter.assign(count)
-    return self.inner_optimizer.iterations
+    return self._apply_checked(list(grads_and_vars), get_replica_context())
 
 
 def main() -> None:

@@ -1848,6 +1848,11 @@ class LossScaleOptimizer:
                                       kwargs={"variables": [v for _, v in pairs]})
                 if done is not None:
                     return self.inner_optimizer.iterations
+        return self._apply_checked(pairs, ctx)
+
+    def _apply_checked(self, pairs: list[tuple[Any, Variable]], ctx: Any) -> Variable:
+        """apply_gradients where the check is not fused: each replica checks its own gradients, the
+        replicas all-reduce the verdict, each unscales its gradients for the inner optimizer."""
         finite = all(g is None or bool(np.isfinite(np.asarray(g, dtype=np.float32)).all()) for g, _ in pairs)
         if ctx is not None and ctx.num_replicas_in_sync > 1:
             bad = ctx.all_reduce(ReduceOp.SUM, np.float32(0.0 if finite else 1.0))
