@@ -62,23 +62,27 @@ def _logical_cpus(n: int) -> None:
     config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
 
 
-def _interleaved(strategy, runs, rounds: int, calls: int) -> tuple[float, float]:
-    """Median ms of ``strategy.run(fn, args=(x,))`` for ``runs = {"float32": (fn, x), "bfloat16": (fn, x)}``:
-    rounds alternate the order (float32 first, then bfloat16 first), each round a warm-up call, then
-    the median of ``calls`` timed calls; the median over rounds per dtype."""
-    times: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+def _interleaved(strategy, runs, rounds: int, calls: int, setup=None) -> dict[str, float]:
+    """Median ms of ``strategy.run(fn, args=(x,))`` per key of ``runs = {key: (fn, x)}``: each round
+    takes the keys in an order rotated by one (first key first, then the second, ...), each key a
+    ``setup(key)`` call when given, a warm-up call, then the median of ``calls`` timed calls; the
+    median over rounds per key."""
+    keys = list(runs)
+    times: dict[str, list[float]] = {k: [] for k in keys}
     for r in range(rounds):
-        order = ("float32", "bfloat16") if r % 2 == 0 else ("bfloat16", "float32")
-        for dt in order:
-            fn, x = runs[dt]
+        shift = r % len(keys)
+        for key in keys[shift:] + keys[:shift]:
+            if setup is not None:
+                setup(key)
+            fn, x = runs[key]
             strategy.run(fn, args=(x,))  # warm-up
             s = []
             for _ in range(calls):
                 t0 = time.perf_counter()
                 strategy.run(fn, args=(x,))
                 s.append(time.perf_counter() - t0)
-            times[dt].append(statistics.median(s) * 1e3)
-    return statistics.median(times["float32"]), statistics.median(times["bfloat16"])
+            times[key].append(statistics.median(s) * 1e3)
+    return {k: statistics.median(t) for k, t in times.items()}
 
 
 def all_reduce_bench(a: argparse.Namespace) -> None:
@@ -117,7 +121,8 @@ def all_reduce_bench(a: argparse.Namespace) -> None:
             for g in got:
                 assert np.asarray(g).tobytes() == want.tobytes(), (name, dt)
             runs[dt] = (fn, x)
-        f, b = _interleaved(strategy, runs, a.rounds, a.calls)
+        t = _interleaved(strategy, runs, a.rounds, a.calls)
+        f, b = t["float32"], t["bfloat16"]
         print(f"  {name:>8} {f:11.2f} {b:12.2f} {f / b:8.2f}x")
     os.environ.pop("CUDIST_BACKEND", None)
 
@@ -128,17 +133,13 @@ def simd_ab(a: argparse.Namespace) -> None:
     import numpy as np
 
     import cudist
-    from cudist import _core, config
-    from cudist._kernels import cpu_backend, reset_backend_cache
+    from cudist import _core
 
     bf16 = np.dtype(ml_dtypes.bfloat16)
     count = int(a.mib * (1 << 20)) // 4
     n = a.replicas
-    cpu = config.list_physical_devices("CPU")[0]
-    config.set_logical_device_configuration(cpu, [config.LogicalDeviceConfiguration()] * n)
-    os.environ["CUDIST_BACKEND"] = "native"
-    reset_backend_cache()
-    assert cpu_backend().name == "native"
+    _logical_cpus(n)
+    _select("native")
     rng = np.random.default_rng(0)
     host32 = [(rng.random(count, dtype=np.float32) * 2 - 1) for _ in range(n)]
     strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(n)])
@@ -156,20 +157,10 @@ def simd_ab(a: argparse.Namespace) -> None:
     assert got["sse2"] == got["avx2"]
     print(f"# native strategy.run + all_reduce(SUM), {n} replicas, {count} elements per replica; bfloat16 with "
           f"each SIMD line kernel; {a.rounds} rounds (order rotated) x median of {a.calls} calls")
-    times: dict[tuple[str, str], list[float]] = {v: [] for v in variants}
-    for r in range(a.rounds):
-        for dt, simd in variants[r % 3:] + variants[: r % 3]:
-            _core.bf16_simd(simd)
-            strategy.run(fn, args=(xs[dt],))  # warm-up
-            s = []
-            for _ in range(a.calls):
-                t0 = time.perf_counter()
-                strategy.run(fn, args=(xs[dt],))
-                s.append(time.perf_counter() - t0)
-            times[(dt, simd)].append(statistics.median(s) * 1e3)
+    runs = {f"{dt}-{simd}": (fn, xs[dt]) for dt, simd in variants}
+    t = _interleaved(strategy, runs, a.rounds, a.calls, setup=lambda key: _core.bf16_simd(key.split("-")[1]))
     _core.bf16_simd("auto")
-    f = statistics.median(times[variants[0]])
-    b_sse, b_avx = statistics.median(times[variants[1]]), statistics.median(times[variants[2]])
+    f, b_sse, b_avx = t["float32-auto"], t["bfloat16-sse2"], t["bfloat16-avx2"]
     print(f"# float32 ms  bf16-sse2 ms  bf16-avx2 ms  f32/sse2  f32/avx2  sse2/avx2")
     print(f"  {f:10.2f} {b_sse:13.2f} {b_avx:13.2f} {f / b_sse:8.2f}x {f / b_avx:8.2f}x {b_sse / b_avx:9.2f}x")
     os.environ.pop("CUDIST_BACKEND", None)
@@ -218,7 +209,8 @@ def update_bench(a: argparse.Namespace) -> None:
             w, x, step = trained(strategy, dt, 2)
             assert np.asarray(w.read_value()).tobytes() == want.tobytes(), (name, dt)
             runs[dt] = (step, x)
-        f, b = _interleaved(strategy, runs, a.rounds, a.calls)
+        t = _interleaved(strategy, runs, a.rounds, a.calls)
+        f, b = t["float32"], t["bfloat16"]
         print(f"  {name:>8} {f:12.2f} {b:13.2f} {f / b:8.2f}x")
     os.environ.pop("CUDIST_BACKEND", None)
 
