@@ -19,28 +19,15 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._kernels._numpy import NumpyBackend
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
 
 pytestmark = pytest.mark.gpu
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-NS = [1, 2, 3, 5, 8, 11]  # 11: past one launch's 8 buffers (summed on the host: one rounding)
-SHAPES = [(), (1,), (7,), (33, 5), (1031,)]  # odd sizes: scalar tails after the 8-element vectors
-REF = NumpyBackend()
-
-
-@pytest.fixture(scope="module")
-def cp():
-    return pytest.importorskip("cupy")
-
-
-@pytest.fixture(scope="module")
-def be():
-    from cudist._kernels import get_backend
-
-    return get_backend("cupy")
+# The GPU kernel tests' replica counts (11: past one launch's 8 buffers, summed on the host with one
+# rounding), odd sizes, reference backend and fixtures.
+from test_gpu_kernels import NS, REF, SHAPES, be, cp  # noqa: E402,F401
 
 
 def bits(a):
