@@ -585,6 +585,77 @@ def shm_model():
     report(rank, c.results)
 
 
+def pipeline(R):
+    """``CUDIST_PIPELINE_UPDATE=on`` against the unpipelined reduction, bit for bit: a model of odd-sized
+    float32 and bfloat16 variables (and a float32 variable holding a bfloat16 one's place in no pack of its
+    own) trained by three optimizers with one pack, two packs and many packs (``bytes_per_pack``), R local
+    replicas per worker, over the transport the environment picks; with one node, MirroredStrategy's bits too.
+    A gradient that is a view of its own variable is read as it was before the step."""
+    import ml_dtypes
+
+    from cudist import _settings, optimizers
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * (W * R))
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W * R)])
+    mine = [f"/cpu:{i}" for i in range(R)]
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    mixed = [((37, 129), np.float32), ((129,), np.float32), ((300, 101), bf16), ((129, 1001), np.float32),
+             ((1001,), bf16), ((1001, 3), np.float32), ((3,), np.float32), ((50_001,), np.float32)]
+    c = Checks()
+
+    def grads(g, k, specs):
+        rng = np.random.default_rng(g * 131 + k)
+        return [(rng.standard_normal(sh) * 0.01).astype(dt) for sh, dt in specs]
+
+    makers = (("momentum", lambda: optimizers.SGD(0.1, momentum=0.9)), ("adam", lambda: optimizers.Adam(0.01)),
+              ("adamw", lambda: optimizers.AdamW(0.01, weight_decay=0.1)))
+    # One pack: float32 alone, bytes_per_pack 0 (nothing to pipeline); two: one per dtype; many: 20 kB packs.
+    for per_pack, packs in ((0, "one"), (0, "two"), (20_000, "many")):
+        specs = [sp for sp in mixed if sp[1] is np.float32] if packs == "one" else mixed
+        opts = cudist.experimental.CommunicationOptions(bytes_per_pack=per_pack)
+        with _settings.overridden(_settings.PIPELINE_UPDATE, "on"):
+            on = cudist.MultiWorkerMirroredStrategy(communication_options=opts, devices=mine)
+        off = cudist.MultiWorkerMirroredStrategy(communication_options=opts, devices=mine)
+        for name, make in makers:
+            outs = []
+            for s in (on, off, ref):
+                with s.scope():
+                    vs = [cudist.Variable(np.linspace(-1, 1, int(np.prod(sh)), dtype=np.float32).astype(dt).reshape(sh))
+                          for sh, dt in specs]
+                    opt = make()
+
+                def step(k, vs=vs, opt=opt, specs=specs):
+                    g = cudist.get_replica_context().replica_id_in_sync_group
+                    gs = grads(g, k, specs)
+                    if k == 3:  # a gradient that is the variable's own memory (read before the step writes it)
+                        gs[1] = np.from_dlpack(vs[1])
+                    opt.apply_gradients(zip(gs, vs))
+
+                for k in range(5):
+                    s.run(step, args=(k,))
+                # (the storage itself: a bfloat16 variable's read_value goes through a memoryview, which has no bfloat16)
+                outs.append([np.array(v.storage.primary) for v in vs])
+            for j, (a, b, m) in enumerate(zip(*outs)):
+                ok, why = same(a, b, True)
+                c.check(f"{name}_{packs}_var{j}_vs_unpipelined", ok, why)
+                # MirroredStrategy's bits with one replica per worker on one node (R > 1: each worker sums
+                # its replicas first, float32 tolerance; bfloat16 sums every replica in order: its bits).
+                exact = (R == 1 and _settings.node_size() is None) or a.dtype == bf16
+                ok, why = same(a.astype(np.float32), m.astype(np.float32), exact)
+                c.check(f"{name}_{packs}_var{j}_vs_mirrored", ok, why)
+        ops = on.extended._cross_device_ops  # private-read: the test reads how many reductions were pipelined
+        want = 0 if packs == "one" else 5 * len(makers)
+        c.check(f"pipelined_{packs}", ops.pipelined_calls == want, ops.pipelined_calls)
+        c.check(f"unpipelined_{packs}", off.extended._cross_device_ops.pipelined_calls == 0)  # private-read: as above
+    import threading
+
+    c.check("no_thread_left", [t.name for t in threading.enumerate() if t.name == "cudist-comm"] == [],
+            threading.enumerate())
+    report(rank, c.results)
+
+
 def shm_small():
     """The one-round path's single C++ call (one array per worker through strategy.run): sizes around the
     one-round threshold (both sides of it), every dtype of that path and float16, SUM and MEAN, several
@@ -707,6 +778,37 @@ def shm_failing(mode, n):
         transport._kernels = _Stuck(transport._kernels, mode)  # private-read: the test's fault injection
     for _ in range(2):  # the one-round path needs nothing of worker 1 after its arrival: the next call does
         strategy.run(lambda: cudist.get_replica_context().all_reduce("sum", np.ones(n, np.float32)))
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
+def pipeline_failing(mode, pipelined):
+    """Worker 1 raises, is killed or hangs inside the shared-memory protocol during a pipelined
+    ``apply_gradients`` (four packs on the reduce-scatter; ``pipelined`` "off": the same step unpipelined,
+    the reference for the error the job ends with)."""
+    from cudist import _settings, optimizers
+
+    rank, _ = _rank_size()
+    options = cudist.experimental.CommunicationOptions(timeout_seconds=2 if mode == "shm_hang" else None,
+                                                       bytes_per_pack=200_000)
+    with _settings.overridden(_settings.PIPELINE_UPDATE, pipelined):
+        strategy = cudist.MultiWorkerMirroredStrategy(communication_options=options)
+    transport = _shm_transport(strategy)
+    assert transport is not None, "the shared-memory transport is not in use"
+    with strategy.scope():
+        vs = [cudist.Variable(np.zeros(50_000, np.float32)) for _ in range(4)]
+        opt = optimizers.Adam(0.01)
+
+    def step():
+        opt.apply_gradients([(np.ones(50_000, np.float32), v) for v in vs])
+
+    strategy.run(step)
+    ops = strategy.extended._cross_device_ops  # private-read: the test checks the step ran pipelined
+    assert ops.pipelined_calls == (1 if pipelined == "on" else 0), ops.pipelined_calls
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+    if rank == 1:
+        transport._kernels = _Stuck(transport._kernels, mode)  # private-read: the test's fault injection
+    for _ in range(2):
+        strategy.run(step)
     print(f"UNREACHABLE {rank}", flush=True)
 
 
@@ -1301,8 +1403,12 @@ if __name__ == "__main__":
         shm_model()
     elif sys.argv[1] == "shm":
         shm(sys.argv[2] == "exact")
+    elif sys.argv[1] == "pipeline":
+        pipeline(int(sys.argv[2]))
     elif sys.argv[1] == "shm_small":
         shm_small()
+    elif sys.argv[1] == "pipeline_failing":
+        pipeline_failing(sys.argv[2], sys.argv[3])
     elif sys.argv[1].startswith("shm_small_"):
         shm_small_failing(sys.argv[1][len("shm_small_"):])
     elif sys.argv[1].startswith("shm_"):

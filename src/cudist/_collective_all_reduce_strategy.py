@@ -218,7 +218,9 @@ class CollectiveAllReduceExtended(MirroredExtended):
         comps = var.values
         first = comps[0].storage.array
         host = np.array(to_host(first), copy=True, order="C")
-        comm.bcast(host, root=0, kind=f"initial value of {var.name}")
+        # MPI has no bfloat16 (ml_dtypes' kind "V"): such values travel as their bytes.
+        comm.bcast(host if host.dtype.kind in "biufc" else host.reshape(-1).view(np.uint8), root=0,
+                   kind=f"initial value of {var.name}")
         # Creation runs in cross-replica context (a replica's creation goes through merge_call), where
         # a mirrored variable's assign writes every copy in one pass (host copies sharing one storage: once).
         if isinstance(var, MirroredVariable):

@@ -37,10 +37,13 @@ NCCL carries keep NCCL's float16 all-reduce).
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from cudist._arrays import array_module, contiguous, device_context, gpu_of, is_device_array, like, to_host
-from cudist._dataplane import packing, pool
+from cudist import _settings
+from cudist._dataplane import packing, pipeline, pool
 from cudist._dataplane import reduce as reductions
 from cudist._dataplane.transports.mpi import describe
 from cudist._dataplane.placement import on_destinations, resolve_destinations
@@ -88,6 +91,10 @@ class CollectiveAllReduce(CrossDeviceOps):
         self.num_packs = local_ops.num_packs
         self._workers = 1 if communicator is None else communicator.size
         self._nccl = nccl if self._workers > 1 else None
+        #: Whether optimizers' reductions of several packs run pipelined (``CUDIST_PIPELINE_UPDATE``).
+        self.pipeline = _settings.pipeline_update()
+        #: How many reductions ran pipelined (for tests and benchmarks).
+        self.pipelined_calls = 0
 
     def __repr__(self) -> str:
         return (
@@ -217,33 +224,34 @@ class CollectiveAllReduce(CrossDeviceOps):
         """The global SUM of each group of leaves (``host[j]``: leaf ``j``'s local arrays), packed: per
         group a flat host array, the local replicas summed into it by the kernels."""
         backend = cpu_backend()
-        trusted = backend.trusted
-        pairs = []
-        for ids in groups:
-            dt = host[ids[0]][0].dtype
-            total = sum(host[j][0].size for j in ids)
-            if len(ids) == 1 and len(host[ids[0]]) == 1:
-                # One leaf of one local replica: sent as it is, received into a pooled buffer.
-                send = contiguous(host[ids[0]][0]).reshape(-1)
-                recv = pool.take((total,), dt)
-            else:
-                send = recv = pool.take((total,), dt)
-                off = 0
-                for j in ids:
-                    arrs = host[j]
-                    s = arrs[0].size
-                    view = send[off : off + s]
-                    if len(arrs) == 1:
-                        np.copyto(view, arrs[0].reshape(-1))
-                    elif dt in backend.dtypes:
-                        trusted.reduce_to_one([contiguous(x).reshape(-1) for x in arrs], ReduceOp.SUM, view)
-                    else:
-                        np.copyto(view, arrs[0].reshape(-1))
-                        for x in arrs[1:]:
-                            np.add(view, x.reshape(-1), out=view)
-                    off += s
-            pairs.append((send, recv))
+        pairs = [self._pack(host, ids, backend) for ids in groups]
         return self._host_allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
+
+    @staticmethod
+    def _pack(host, ids, backend):
+        """The ``(send, recv)`` pair of one group of leaves: their local replicas summed (in replica
+        order, by the kernels) into one flat pooled buffer; one leaf of one replica is sent as it is."""
+        dt = host[ids[0]][0].dtype
+        total = sum(host[j][0].size for j in ids)
+        if len(ids) == 1 and len(host[ids[0]]) == 1:
+            # One leaf of one local replica: sent as it is, received into a pooled buffer.
+            return contiguous(host[ids[0]][0]).reshape(-1), pool.take((total,), dt)
+        send = pool.take((total,), dt)
+        off = 0
+        for j in ids:
+            arrs = host[j]
+            s = arrs[0].size
+            view = send[off : off + s]
+            if len(arrs) == 1:
+                np.copyto(view, arrs[0].reshape(-1))
+            elif dt in backend.dtypes:
+                backend.trusted.reduce_to_one([contiguous(x).reshape(-1) for x in arrs], ReduceOp.SUM, view)
+            else:
+                np.copyto(view, arrs[0].reshape(-1))
+                for x in arrs[1:]:
+                    np.add(view, x.reshape(-1), out=view)
+            off += s
+        return send, send
 
     def _nccl_leaves(self, where, per_replica_leaves):
         """The ids of the leaves NCCL all-reduces: on a GPU in every local replica, of a dtype NCCL has."""
@@ -321,19 +329,30 @@ class CollectiveAllReduce(CrossDeviceOps):
         rounds once, as the local kernels do. The bytes each worker receives grow with the number of
         replicas (an all-gather), which for two workers is half a float32 all-reduce's.
         """
+        packed = self._half_pack(per_replica_leaves, ids)
+        rows = self._comm.allgather_rows(packed.view(np.uint16), 0, kind).view(packed.dtype)  # (global replicas, elements)
+        return self._half_finish(where, op, rows, [per_replica_leaves[0][j] for j in ids])
+
+    @staticmethod
+    def _half_pack(per_replica_leaves, ids):
+        """The 16-bit leaves ``ids`` of every local replica, one row per replica (what the workers all-gather)."""
         n = len(per_replica_leaves)
         ref = [per_replica_leaves[0][j] for j in ids]
-        dt = ref[0].dtype
         sizes = [a.size for a in ref]
-        packed = np.empty((n, sum(sizes)), dt)
+        packed = np.empty((n, sum(sizes)), ref[0].dtype)
         for r, leaves in enumerate(per_replica_leaves):
             off = 0
             for j, s in zip(ids, sizes):
                 np.copyto(packed[r, off : off + s], to_host(leaves[j]).reshape(-1))
                 off += s
-        rows = self._comm.allgather_rows(packed.view(np.uint16), 0, kind).view(dt)  # (global replicas, elements)
+        return packed
+
+    @staticmethod
+    def _half_finish(where, op, rows, ref):
+        """Each leaf (``ref``: its replica-0 arrays) reduced over the gathered ``rows``, in global replica order."""
         out, off = [], 0
-        for a, s in zip(ref, sizes):
+        for a in ref:
+            s = a.size
             parts = [rows[g, off : off + s] for g in range(len(rows))]
             out.append(reductions.reduce_arrays(where, parts, op).reshape(a.shape))
             off += s
@@ -374,6 +393,101 @@ class CollectiveAllReduce(CrossDeviceOps):
                     else:
                         xp.true_divide(s, s.dtype.type(total), out=s)
         return sums
+
+    # ------------------------------------------------------------------ the pipelined sum
+    def _pipelined_sums(self, per_replica_leaves, consume, settle=None):
+        """The global SUM of each leaf, pack by pack, handed to ``consume(ids, sums)`` in the caller's
+        thread as each pack's arrives: the cross-worker all-reduce of pack k runs on a communication
+        thread (:class:`cudist._dataplane.pipeline.CommThread`) while this thread sums pack k+1 over
+        the local replicas and ``consume`` works on pack k-1 (an optimizer: its update).
+
+        The packs are :meth:`_global_sums`' (per dtype, ``bytes_per_pack``; the 16-bit float leaves:
+        :meth:`_half_results`' all-gather, per pack) and each is all-reduced by the same transport call,
+        so every sum has the bits of the unpipelined reduction. Returns False, having done nothing,
+        unless the pipeline is on (``CUDIST_PIPELINE_UPDATE``), the job has several workers, every
+        leaf is a host array, no compression applies and the leaves form at least two packs.
+        ``sums`` may be read-only views of the node's shared memory (see :meth:`_host_allreduce`).
+        ``settle()``: called once the pipeline is decided, before any work; the leaves to read instead
+        (an optimizer's gradients, copied where they share memory with what ``consume`` writes).
+        """
+        if not self.pipeline or self._workers == 1 or self._wire is not None:
+            return False
+        ref = per_replica_leaves[0]
+        for leaves in per_replica_leaves:
+            for a in leaves:
+                if type(a) is not np.ndarray:
+                    return False
+        if len(per_replica_leaves) > 1:
+            packing.check_same_leaves("batch_reduce", per_replica_leaves)
+        kind = f"batch_reduce {ReduceOp.SUM.name}"
+        by_dtype: dict = {}
+        for j, a in enumerate(ref):
+            if a.dtype.kind not in "iufc":
+                packing.check_reducible("batch_reduce", a.dtype)
+            by_dtype.setdefault(a.dtype, []).append(j)
+        # The 16-bit floats first (as _global_results takes them), then the other dtypes.
+        order = sorted(by_dtype, key=lambda dt: not (is_bfloat16(dt) or dt == np.float16))
+        groups = [(dt, [leaf_ids[i] for i in ids]) for dt in order for leaf_ids in (by_dtype[dt],)
+                  for ids in _byte_packs([ref[j].size * dt.itemsize for j in leaf_ids], self.bytes_per_pack)]
+        if len(groups) < 2:
+            return False
+        if settle is not None:
+            per_replica_leaves = settle()
+        host = {j: [leaves[j] for leaves in per_replica_leaves] for j in range(len(ref))}
+        backend = cpu_backend()
+        comm = pipeline.CommThread()
+        failed = True
+        try:
+            pending = None  # the previous pack: (its ids, how to finish it, its job)
+            for dt, ids in groups:
+                local, run, finish = self._pipeline_stage(dt, ids, host, per_replica_leaves, kind, backend)
+                job = comm.submit(partial(run, local()))
+                if pending is not None:
+                    consume(pending[0], pending[1](comm.wait(pending[2])))
+                pending = (ids, finish, job)
+            consume(pending[0], pending[1](comm.wait(pending[2])))
+            failed = False
+            self.pipelined_calls += 1
+        finally:
+            comm.close(failed)
+        return True
+
+    def _pipeline_stage(self, dt, ids, host, per_replica_leaves, kind, backend):
+        """One pack of :meth:`_pipelined_sums`: (its local work, its collective given the local work's
+        result -- run on the communication thread --, its unpacking into per-leaf sums)."""
+        if is_bfloat16(dt) or dt == np.float16:
+            ref = [per_replica_leaves[0][j] for j in ids]
+            return (
+                lambda: self._half_pack(per_replica_leaves, ids),
+                lambda packed: self._comm.allgather_rows(packed.view(np.uint16), 0, kind).view(dt),
+                lambda rows: self._half_finish("batch_reduce", ReduceOp.SUM, rows, ref),
+            )
+        detail = lambda: describe(host[j][0] for j in ids)  # noqa: E731 - described only for an error
+
+        def unpack(recv):
+            sums, off = [], 0
+            for j in ids:
+                a = host[j][0]
+                sums.append(recv[off : off + a.size].reshape(a.shape))
+                off += a.size
+            return sums
+
+        if self._shm is not None and len(per_replica_leaves) == 1:
+            # One local replica: its gradients go into the node's shared memory where they are
+            # (_global_sums' allreduce_packs); a pack that takes another path is built there.
+            def unpacked(bufs):
+                res = self._shm.allreduce_packs([bufs], kind, detail)
+                if res is None:
+                    pair = self._pack(host, ids, backend) if len(bufs) == 1 else (np.concatenate(bufs),) * 2
+                    res = self._host_allreduce([pair], kind, detail)
+                return res[0]
+
+            return lambda: [contiguous(host[j][0]).reshape(-1) for j in ids], unpacked, unpack
+        return (
+            lambda: self._pack(host, ids, backend),
+            lambda pair: self._host_allreduce([pair], kind, detail)[0],
+            unpack,
+        )
 
     # ------------------------------------------------------------------ CrossDeviceOps
     def _all_reduce_leaves(self, op, per_replica_leaves, paths=None):

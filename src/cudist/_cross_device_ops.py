@@ -102,6 +102,19 @@ class CrossDeviceOps:
         del per_replica_leaves
         return None
 
+    def _pipelined_sums(
+        self,
+        per_replica_leaves: Sequence[Sequence[Any]],
+        consume: Callable[[list[int], list[Any]], None],
+        settle: Callable[[], Sequence[Sequence[Any]]] | None = None,
+    ) -> bool:
+        """Sums the leaves pack by pack, overlapping each pack's cross-worker all-reduce with the local
+        work on the packs around it, handing each pack's sums to ``consume(leaf ids, sums)``
+        (``settle()``, once decided: the leaves to read instead); False (nothing done) where no
+        pipeline applies: every op but the multi-worker one."""
+        del per_replica_leaves, consume, settle
+        return False
+
     def _fused_sum_backend(self, arrays: Sequence[Any]) -> KernelBackend | None:
         """The kernel backend that may sum these per-replica arrays fused into an optimizer update.
 
@@ -542,6 +555,17 @@ def fused_sum_backend(ops: CrossDeviceOps, arrays: Sequence[Any]) -> KernelBacke
     """The kernel backend that may sum these per-replica arrays fused into an optimizer update
     under ``ops`` (None: optimizers reduce through ``extended.batch_reduce_to`` first)."""
     return ops._fused_sum_backend(arrays)
+
+
+def pipelined_sums(
+    ops: CrossDeviceOps,
+    per_replica_leaves: Sequence[Sequence[Any]],
+    consume: Callable[[list[int], list[Any]], None],
+    settle: Callable[[], Sequence[Sequence[Any]]] | None = None,
+) -> bool:
+    """The SUM of each leaf over every replica, pack by pack into ``consume``, pipelined; False: not
+    done (optimizers reduce through ``extended.batch_reduce_to``)."""
+    return ops._pipelined_sums(per_replica_leaves, consume, settle)
 
 
 def _format_bytes(n: int) -> str:

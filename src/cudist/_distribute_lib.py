@@ -736,6 +736,18 @@ class StrategyExtended:
         """
         return cross_device_ops_lib.fused_sum_backend(self._cross_device_ops, arrays)
 
+    def _pipelined_sums(
+        self,
+        per_replica_leaves: Sequence[Sequence[Any]],
+        consume: Callable[[list[int], list[Any]], None],
+        settle: Callable[[], Sequence[Sequence[Any]]] | None = None,
+    ) -> bool:
+        """The SUM of each leaf over every replica, handed pack by pack to ``consume(leaf ids, sums)``
+        while the next packs cross the workers; False, nothing done, unless this strategy's
+        cross-device ops pipeline it (``MultiWorkerMirroredStrategy`` with ``CUDIST_PIPELINE_UPDATE=on``).
+        ``settle()``: called once the pipeline is decided, before any work: the leaves to read instead."""
+        return cross_device_ops_lib.pipelined_sums(self._cross_device_ops, per_replica_leaves, consume, settle)
+
     def _distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """``experimental_distribute_values_from_function``: a PerReplica at each leaf, even for one replica."""
         from cudist import _input_lib

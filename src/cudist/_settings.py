@@ -34,6 +34,7 @@ __all__ = [
     "shm_transport",
     "shm_min_bytes",
     "node_size",
+    "pipeline_update",
     "num_threads",
     "launch_status_dir",
     "bench_tf_python",
@@ -46,6 +47,7 @@ __all__ = [
     "SHM_TRANSPORT",
     "SHM_MIN_BYTES",
     "NODE_SIZE",
+    "PIPELINE_UPDATE",
     "POOL_SPIN_US",
     "NUM_THREADS",
     "LAUNCH_STATUS_DIR",
@@ -86,6 +88,7 @@ STALL_WARNING_SECONDS = "CUDIST_STALL_WARNING_SECONDS"
 SHM_TRANSPORT = "CUDIST_SHM_TRANSPORT"
 SHM_MIN_BYTES = "CUDIST_SHM_MIN_BYTES"
 NODE_SIZE = "CUDIST_NODE_SIZE"
+PIPELINE_UPDATE = "CUDIST_PIPELINE_UPDATE"
 LAUNCH_STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
 RESTART_COUNT = "CUDIST_RESTART_COUNT"
 BENCH_TF_PYTHON = "CUDIST_BENCH_TF_PYTHON"
@@ -165,6 +168,15 @@ TABLE: tuple[Setting, ...] = (
         "Workers per node for the shared-memory transport, consecutive in worker order: `2` in a 4-worker job on "
         "one machine simulates 2 hosts x 2 workers (node leaders all-reduce over MPI). A value that is not a "
         "positive integer is a `ValueError`.",
+        "When a MultiWorkerMirroredStrategy is created",
+    ),
+    Setting(
+        PIPELINE_UPDATE, "runtime", "`off`",
+        "`on`: in a multi-worker job, an optimizer's `apply_gradients` whose gradients form several packs "
+        "(`CommunicationOptions(bytes_per_pack=...)`) runs the cross-worker all-reduce of pack k on a "
+        "communication thread while the caller sums pack k+1 over its local replicas and applies pack k-1's "
+        "update (the same bits as `off`). Off by default: on a machine with no spare core it measured slower "
+        "(see the multi-worker guide). Every worker must set the same value. Any other value is a `ValueError`.",
         "When a MultiWorkerMirroredStrategy is created",
     ),
     Setting(
@@ -314,6 +326,15 @@ def shm_transport() -> bool:
         ValueError: any other value (the message names the variable and the choices).
     """
     return _choice(SHM_TRANSPORT, ("auto", "off"), "auto") == "auto"
+
+
+def pipeline_update() -> bool:
+    """``CUDIST_PIPELINE_UPDATE``: True for ``on``, False for ``off`` (also when unset).
+
+    Raises:
+        ValueError: any other value (the message names the variable and the choices).
+    """
+    return _choice(PIPELINE_UPDATE, ("off", "on"), "off") == "on"
 
 
 def _count(name: str, minimum: int) -> int | None:

@@ -57,7 +57,7 @@ import numpy.typing as npt
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
 from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
-from cudist._dataplane.update import Rule, UpdatePass, adam_lr_t, is_bfloat16, momentum_schedule_step
+from cudist._dataplane.update import Plan, Rule, UpdatePass, adam_lr_t, is_bfloat16, momentum_schedule_step, settle_inputs
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -818,6 +818,8 @@ class Optimizer:
                     tuple(c if c.dtype == v.dtype else c.astype(v.dtype) for c in comps)
                     for comps, v in zip(per_var, variables)
                 ]
+            if n > 1 and aggregate and self._apply_pipelined(strategy, per_var, variables):
+                return
             reduced = self._aggregate(strategy, per_var, variables, aggregate)
             self._apply(reduced, variables, fresh=n > 1 and aggregate)
 
@@ -996,6 +998,40 @@ class Optimizer:
         if sums is None:
             return False
         self._apply(sums, variables, fresh=True)
+        return True
+
+    def _apply_pipelined(
+        self, strategy: Strategy, per_var: Sequence[Sequence[Any]], variables: Sequence[Variable]
+    ) -> bool:
+        """The reduction and update of :meth:`_apply`, pipelined pack by pack where the strategy does it
+        (``MultiWorkerMirroredStrategy`` with ``CUDIST_PIPELINE_UPDATE=on`` and several packs): each
+        pack's variables are updated as soon as their sums arrive, while the next packs cross the
+        workers. Every variable's update is the one :meth:`_apply` makes (same sums, same rule, same
+        kernel), and reads the gradients as they were before the step (a gradient that shares memory
+        with a variable or slot is copied first). Returns False, nothing done, where the strategy
+        does not pipeline.
+        """
+        update, ensure_slots = self._update, self._ensure_slots
+        made: list[tuple[list[Plan], Sequence[Rule]]] = []
+
+        def settle() -> list[list[Any]]:
+            # Once the pipeline is decided, before any sum or update: every plan (and slot), the
+            # step's rules, and the gradients settled against everything the step writes.
+            plans = [update.plan(v, ensure_slots(v)) for v in variables]
+            lr, params = self._step()
+            made.append((plans, self._rules(variables, lr, params)))
+            written = tuple(a for plan in plans for copies, slots, _, _ in plan[1] for a in copies + sum(slots, ()))
+            settled = settle_inputs([(comps, written) for comps in per_var])
+            return [list(row) for row in zip(*settled)]  # per replica, its gradient of each variable
+
+        def consume(ids: list[int], sums: list[Any]) -> None:
+            plans, rules = made[0]
+            update.apply([plans[i] for i in ids], sums, [rules[i] for i in ids], fresh=True)
+
+        rows = [list(row) for row in zip(*per_var)]
+        if not strategy.extended._pipelined_sums(rows, consume, settle):  # private-read: the strategy's pipelined-reduction hook (TF's *Extended pattern)
+            return False
+        self._after_update()
         return True
 
     def _apply(self, grads: Sequence[Any], variables: Sequence[Variable], fresh: bool = False) -> None:
