@@ -649,6 +649,31 @@ def pipeline(R):
         want = 0 if packs == "one" else 5 * len(makers)
         c.check(f"pipelined_{packs}", ops.pipelined_calls == want, ops.pipelined_calls)
         c.check(f"unpipelined_{packs}", off.extended._cross_device_ops.pipelined_calls == 0)  # private-read: as above
+    # experimental_aggregate_gradients=False, as TF's: the user reduces (one all_reduce of the list), then
+    # apply_gradients only updates -- no collective of its own -- with the bits of the aggregating step.
+    specs = mixed
+    with on.scope():
+        va = [cudist.Variable(np.ones(sh, np.float32).astype(dt)) for sh, dt in specs]
+        vb = [cudist.Variable(np.ones(sh, np.float32).astype(dt)) for sh, dt in specs]
+        opt_a, opt_b = optimizers.Adam(0.01), optimizers.Adam(0.01)
+    comm = on.extended._communicator  # private-read: the test counts the collectives apply_gradients makes
+    made = []
+
+    def user_step(k):
+        g = cudist.get_replica_context().replica_id_in_sync_group
+        gs = grads(g, k, specs)
+        opt_a.apply_gradients(zip(gs, va))
+        summed = cudist.get_replica_context().all_reduce("sum", gs)
+        before = comm.seq
+        opt_b.apply_gradients(zip(summed, vb), experimental_aggregate_gradients=False)
+        made.append(comm.seq - before)
+
+    for k in range(3):
+        on.run(user_step, args=(k,))
+    ok = all(np.array_equal(np.array(a.storage.primary).view(np.uint8), np.array(b.storage.primary).view(np.uint8))
+             for a, b in zip(va, vb))
+    # (the first step creates Adam's slots, each broadcast from the chief as every variable is)
+    c.check("aggregate_false_is_update_only", ok and made[R:] == [0] * (2 * R), made)
     import threading
 
     c.check("no_thread_left", [t.name for t in threading.enumerate() if t.name == "cudist-comm"] == [],

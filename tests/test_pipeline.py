@@ -94,8 +94,9 @@ def test_the_pipelined_step_equals_the_unpipelined_one_bit_for_bit(workers, repl
     proc, _ = _launch(workers, "pipeline", str(replicas), env={**EVERY_SIZE, **env}, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = _results(proc, workers)
-    # every check ran: 3 optimizers x (6 + 8 + 8 variables) x 2 comparisons, 2 call counts per pack setting, the threads
-    assert len(results[0]) == 3 * 22 * 2 + 3 * 2 + 1
+    # every check ran: 3 optimizers x (6 + 8 + 8 variables) x 2 comparisons, 2 call counts per pack setting,
+    # experimental_aggregate_gradients=False, the threads
+    assert len(results[0]) == 3 * 22 * 2 + 3 * 2 + 2
 
 
 # ---------------------------------------------------------------------------------------------- failures
