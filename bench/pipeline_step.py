@@ -7,9 +7,10 @@ same optimizer, then times ``strategy.run(step)`` where the step is ``apply_grad
 per-replica gradients (the all-reduce and the update: what the pipeline changes), in interleaved
 rounds (A then B, B then A, ...; the workers start each side together after a barrier). Rank 0
 prints the median step time of each side and their ratio, per optimizer and replica count: ratios
-from one run, not absolute claims. ``--user-ms`` adds that much of the caller's own NumPy work after
-the step, for the ``experimental_aggregate_gradients=False`` rows (the user's reduction, then their
-own work, then an update-only ``apply_gradients``).
+from one run, not absolute claims. A third side, "user-reduced", is TF's
+``experimental_aggregate_gradients=False`` pattern on the unpipelined strategy: the user's own
+``all_reduce`` of the gradients, then an update-only ``apply_gradients`` (timed on its own too: the
+part of the step a user's work placed between the two does not wait on).
 """
 
 from __future__ import annotations
@@ -64,6 +65,20 @@ def main() -> None:
                     opt.apply_gradients(zip(grads[r], vs))
 
                 sides[label] = (s, step)
+            with off.scope():
+                vs_u = [cudist.Variable(np.zeros(n, np.float32)) for _ in range(args.vars)]
+                opt_u = makers[name]()
+            in_apply: list[float] = []
+
+            def user_step(vs=vs_u, opt=opt_u):
+                # experimental_aggregate_gradients=False: the user's own all-reduce, then an update-only apply
+                ctx = cudist.get_replica_context()
+                summed = ctx.all_reduce("sum", grads[ctx.replica_id_in_sync_group % R])
+                t = time.perf_counter()
+                opt.apply_gradients(zip(summed, vs), experimental_aggregate_gradients=False)
+                in_apply.append(time.perf_counter() - t)
+
+            sides["user-reduced"] = (off, user_step)
             times: dict[str, list[float]] = {k: [] for k in sides}
             for k in sides:  # warm-up: plans, slots, pools, the shared window
                 for _ in range(2):
@@ -79,17 +94,21 @@ def main() -> None:
                     times[k].append((time.perf_counter() - t0) / args.steps)
             assert on.extended._cross_device_ops.pipelined_calls > 0  # private-read: the A side really pipelined
             mine = {k: statistics.median(v) for k, v in times.items()}
+            mine["apply"] = statistics.median(in_apply) * R  # the R replicas' update-only calls, per step
             worst = world.allreduce(mine, op=_max_dict)
-            rows.append((R, name, worst["pipelined"], worst["unpipelined"]))
+            rows.append((R, name, worst))
     if rank == 0:
         total = n * 4 * args.vars
         print(f"{W} workers, {args.vars} float32 variables, {total / (1 << 20):.1f} MiB per replica, "
               f"bytes_per_pack {per_pack} ({args.packs} packs), {args.rounds} interleaved rounds x {args.steps} steps; "
               "median step, slowest worker")
-        print("| replicas/worker | optimizer | pipelined ms | unpipelined ms | pipelined / unpipelined |")
-        print("|---|---|---|---|---|")
-        for R, name, a, b in rows:
-            print(f"| {R} | {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.3f} |")
+        print("| replicas/worker | optimizer | pipelined ms | unpipelined ms | pipelined / unpipelined "
+              "| user-reduced ms (aggregate=False) | of which update-only apply ms |")
+        print("|---|---|---|---|---|---|---|")
+        for R, name, t in rows:
+            a, b = t["pipelined"], t["unpipelined"]
+            print(f"| {R} | {name} | {a * 1e3:.2f} | {b * 1e3:.2f} | {a / b:.3f} | {t['user-reduced'] * 1e3:.2f} "
+                  f"| {t['apply'] * 1e3:.2f} |")
 
 
 def _max_dict(a, b, datatype=None):  # an MPI reduction op over {side: seconds} dicts (mpi4py's pickled op)

@@ -436,6 +436,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         host = {j: [leaves[j] for leaves in per_replica_leaves] for j in range(len(ref))}
         backend = cpu_backend()
         comm = pipeline.CommThread()
+        self._comm.yielding = True
         failed = True
         try:
             pending = None  # the previous pack: (its ids, how to finish it, its job)
@@ -450,6 +451,7 @@ class CollectiveAllReduce(CrossDeviceOps):
             self.pipelined_calls += 1
         finally:
             comm.close(failed)
+            self._comm.yielding = False
         return True
 
     def _pipeline_stage(self, dt, ids, host, per_replica_leaves, kind, backend):

@@ -425,6 +425,9 @@ class Communicator:
         self._notice_buf = np.zeros(1, np.int64)
         self._sends: list[Any] = []  # mpi4py Requests
         self._hash_req: Any = None  # the default check's request, between _begin and _finish_hash_check
+        #: Whether waits yield the CPU at every poll (a pipelined reduction's communication thread sets
+        #: it: its spin would take the core from the caller's thread, which works meanwhile).
+        self.yielding = False
         _LIVE.add(self)
 
     def __repr__(self) -> str:
@@ -560,10 +563,11 @@ class Communicator:
         monotonic = time.monotonic
         sleep = time.sleep
         sched_yield = os.sched_yield
+        yielding = _YIELD or self.yielding
         while not done():
             now = monotonic()
             if now - start < _SPIN_SECONDS:
-                if _YIELD:
+                if yielding:
                     sched_yield()  # spin, letting an oversubscribed core go: MPI progresses only inside Testall
                 continue
             sleep(0.0005)  # a long wait (a slow or stuck worker): poll without burning a core
