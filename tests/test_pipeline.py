@@ -133,3 +133,26 @@ def test_a_worker_hanging_mid_pipeline_times_out_named(no_shm_left):
     assert re.search(r"worker 0 raised DeadlineExceededError: cudist: worker 0 of 2 timed out after 2 s "
                      r"\(CommunicationOptions.timeout_seconds\) in batch_reduce SUM, collective #\d+: "
                      r"worker\(s\) \[1\] did not join it", proc.stderr), proc.stderr[-2000:]
+
+
+def test_no_pipeline_without_a_thread_level_that_allows_it(monkeypatch):
+    """Under MPI_THREAD_FUNNELED (only the main thread may call MPI) the setting is ignored, with a warning."""
+    import cudist._collective_ops as ops
+
+    class Funneled:
+        THREAD_FUNNELED, THREAD_SERIALIZED, THREAD_MULTIPLE = 1, 2, 3
+
+        @staticmethod
+        def Query_thread():  # noqa: N802 - mpi4py's name
+            return Funneled.THREAD_FUNNELED
+
+    class Serialized(Funneled):
+        @staticmethod
+        def Query_thread():  # noqa: N802 - mpi4py's name
+            return Funneled.THREAD_SERIALIZED
+
+    monkeypatch.setattr(ops, "mpi_load", lambda: (Funneled, None))
+    with pytest.warns(RuntimeWarning, match="CUDIST_PIPELINE_UPDATE=on is ignored: MPI was initialized below"):
+        assert ops._threaded_mpi() is False
+    monkeypatch.setattr(ops, "mpi_load", lambda: (Serialized, None))
+    assert ops._threaded_mpi() is True

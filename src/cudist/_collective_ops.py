@@ -37,6 +37,7 @@ NCCL carries keep NCCL's float16 all-reduce).
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
 
 import numpy as np
@@ -46,6 +47,7 @@ from cudist import _settings
 from cudist._dataplane import packing, pipeline, pool
 from cudist._dataplane import reduce as reductions
 from cudist._dataplane.transports.mpi import describe
+from cudist._dataplane.transports.mpi import load as mpi_load
 from cudist._dataplane.placement import on_destinations, resolve_destinations
 from cudist import _cross_device_ops as cross_device_ops_lib
 from cudist._cross_device_ops import CrossDeviceOps
@@ -92,7 +94,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         self._workers = 1 if communicator is None else communicator.size
         self._nccl = nccl if self._workers > 1 else None
         #: Whether optimizers' reductions of several packs run pipelined (``CUDIST_PIPELINE_UPDATE``).
-        self.pipeline = _settings.pipeline_update()
+        self.pipeline = _settings.pipeline_update() and self._workers > 1 and _threaded_mpi()
         #: How many reductions ran pipelined (for tests and benchmarks).
         self.pipelined_calls = 0
 
@@ -568,6 +570,18 @@ class CollectiveAllReduce(CrossDeviceOps):
         if isinstance(value, DistributedValues):
             return [np.asarray(v) if not is_device_array(v) else v for v in value.values]
         return [np.asarray(value) if not is_device_array(value) else value]
+
+
+def _threaded_mpi():
+    """Whether MPI lets a thread other than the main one make the collectives (``MPI_THREAD_SERIALIZED``
+    or more: what the pipeline's communication thread needs; mpi4py asks for ``MPI_THREAD_MULTIPLE``)."""
+    MPI, _ = mpi_load()
+    if MPI is not None and MPI.Query_thread() >= MPI.THREAD_SERIALIZED:
+        return True
+    warnings.warn(
+        "cudist: CUDIST_PIPELINE_UPDATE=on is ignored: MPI was initialized below MPI_THREAD_SERIALIZED "
+        "(mpi4py.rc.thread_level), so only the main thread may make collectives", RuntimeWarning, stacklevel=4)
+    return False
 
 
 def _wire_dtype(compression):
