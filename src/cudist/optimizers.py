@@ -12,7 +12,9 @@ Distribution follows Keras's default (``experimental_aggregate_gradients=True``)
   ops, each variable's N gradients are summed inside its update kernel (one pass: the gradients
   and copy 0 read, every copy and slot written; bit-identical to reducing first); otherwise ONE
   batched reduction (``extended.batch_reduce_to``, so a user's cross-device ops) for all variables,
-  then each variable is updated once;
+  then each variable is updated once (in a multi-worker job with ``CUDIST_PIPELINE_UPDATE=on`` and
+  several packs, pack by pack: each pack's variables updated while the next packs cross the
+  workers, the same bits);
 * called in cross-replica context (inside ``scope()``, or with no strategy), the gradients are final.
 
 Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` / ``adamw`` /
