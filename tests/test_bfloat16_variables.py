@@ -96,3 +96,22 @@ def test_checkpoint_round_trip_bit_for_bit(tmp_path):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(np.atleast_1d(b.numpy()).view(np.uint8), np.atleast_1d(a.numpy()).view(np.uint8))
     assert any(s.dtype == BF16 for s in opt2.variables)
+
+
+@pytest.mark.parametrize("mirrored", [False, True])
+def test_read_value_is_a_read_only_snapshot(mirrored):
+    """``read_value()`` of a bfloat16 variable (a dtype the buffer protocol cannot name) is the
+    same copy-on-write snapshot as for the other dtypes: read-only, unchanged by a later update."""
+    strategy = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"]) if mirrored else cudist.get_strategy()
+    with strategy.scope():
+        v = cudist.Variable(W0)
+    before = v.read_value()
+    assert before.dtype == BF16 and not before.flags.writeable
+    np.testing.assert_array_equal(before.view(np.uint16), W0.view(np.uint16))
+    v.assign_add(G)
+    np.testing.assert_array_equal(before.view(np.uint16), W0.view(np.uint16))
+    expect = (W0.astype(np.float32) + G.astype(np.float32)).astype(BF16)
+    np.testing.assert_array_equal(v.read_value().view(np.uint16), expect.view(np.uint16))
+    per_replica = strategy.run(lambda: v.read_value())
+    for r in strategy.experimental_local_results(per_replica):
+        np.testing.assert_array_equal(np.asarray(r).view(np.uint16), expect.view(np.uint16))

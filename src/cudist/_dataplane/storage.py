@@ -65,6 +65,17 @@ def kernel_backend(arr: Any) -> KernelBackend | None:
     return None
 
 
+def _views_of(s: npt.NDArray[Any], a: npt.NDArray[Any]) -> bool:
+    """Whether the snapshot base ``s`` (an array over a memoryview) views the memory of ``a``."""
+    exporter = s.base.obj  # type: ignore[union-attr]
+    if exporter is a:
+        return True
+    # A dtype exported as integers (see Storage.snapshot): the exporter is a view of ``a`` made for
+    # it. It keeps its memory alive, so an array at the same address and layout is that memory.
+    return (s.dtype != a.dtype and exporter.shape == a.shape and exporter.strides == a.strides
+            and exporter.__array_interface__["data"][0] == a.__array_interface__["data"][0])
+
+
 class Storage:
     """One array of a variable (a plain variable's, or one component's of a distributed variable).
 
@@ -124,13 +135,19 @@ class Storage:
         if type(a) is not np.ndarray:
             return _device_snapshot(a)
         s = self._snap
-        if s is None or s.base.obj is not a:  # type: ignore[union-attr]  # the memoryview's exporter
-            s = np.asarray(a.data)  # a.data: a memoryview of the storage
+        if s is None or not _views_of(s, a):
+            try:
+                m = a.data  # a memoryview of the storage
+            except ValueError:
+                # A dtype the buffer protocol cannot name (ml_dtypes' bfloat16): the same bytes as
+                # unsigned integers of its size; reads view them back as the variable's dtype.
+                m = a.view(f"u{a.dtype.itemsize}").data
+            s = np.asarray(m)
             s.flags.writeable = False
             self._snap = s
         # A new object per read (its base is ``s``), as every TF read is a new tensor: ``run`` keeps
         # the same object returned by every replica unwrapped, distinct ones become PerReplica.
-        return s.view()
+        return s.view(a.dtype)
 
     def snapshot_held(self) -> bool:
         """Whether a snapshot of this array (or an array derived from one) is referenced outside."""
