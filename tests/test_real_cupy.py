@@ -107,7 +107,13 @@ def test_cupy_compiles_every_kernel_and_dtype_for_sm80_and_sm90(compiled):
         got = {expr.split("::")[-1].split("<")[0] for expr in b["mapping"]}
         assert got == want, (b["arch"], b["dtype"])
         assert all(m.startswith("_Z") for m in b["mapping"].values())
-        assert len(set(b["mapping"].values())) == len(want)
+        # The fused kernels' mixed-precision <T, G> instantiations compile into T's module too.
+        mixed = {f"{k}_packed<{g}>" for k in want if k.startswith("mirrored_all_reduce_")
+                 for g in compiled["mixed"].get(b["dtype"], ())}
+        assert len(set(b["mapping"].values())) == len(want) + len(mixed)
+        if b["dtype"] == "float32":
+            assert len(mixed) == 2 * sum(k.startswith("mirrored_all_reduce_") for k in want) > 0
+            assert sum(", __nv_bfloat16>" in e or ", __half>" in e for e in b["mapping"]) == len(mixed)
 
 
 def test_no_flush_to_zero_arithmetic_under_cupys_ftz_flag(compiled):
