@@ -79,7 +79,7 @@ def dtype_codes(nccl: ModuleType, *, bfloat16: bool = False) -> dict[np.dtype[An
             cross-worker communicator asks: within a process the kernels sum bfloat16 in float32
             and round once, which NCCL's per-step bfloat16 rounding would not match.
     """
-    codes = {
+    codes: dict[np.dtype[Any], int] = {
         np.dtype(np.float16): nccl.NCCL_FLOAT16,
         np.dtype(np.float32): nccl.NCCL_FLOAT32,
         np.dtype(np.float64): nccl.NCCL_FLOAT64,
