@@ -137,12 +137,18 @@ def _pack(arrays) -> np.ndarray:
     return p
 
 
+def _dtype_name(dtype) -> str:
+    # "bfloat16" is a NumPy dtype only once ml_dtypes is imported: names pass as they are.
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
 def name_expression(kernel: str, dtype, grad_dtype=None) -> str:
     """The NVRTC name expression of a kernel instantiation, e.g. ``cudist::kernels::broadcast<float>``;
     with ``grad_dtype`` a fused kernel's mixed-precision one, ``...<float, __nv_bfloat16>``."""
-    args = CTYPES[np.dtype(dtype).name]
-    if grad_dtype is not None and np.dtype(grad_dtype) != np.dtype(dtype):
-        args += f", {CTYPES[np.dtype(grad_dtype).name]}"
+    name = _dtype_name(dtype)
+    args = CTYPES[name]
+    if grad_dtype is not None and _dtype_name(grad_dtype) != name:
+        args += f", {CTYPES[_dtype_name(grad_dtype)]}"
     return f"cudist::kernels::{kernel}<{args}>"
 
 
