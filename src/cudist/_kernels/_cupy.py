@@ -364,9 +364,15 @@ class CupyBackend(KernelBackend):
         return start, start + a.nbytes
 
     # ------------------------------------------------------------------ compilation and launch
+    @staticmethod
+    def _key(device: int, dtype, kernel: str, grad_dtype=None) -> tuple:
+        """A compiled kernel's key: (device, dtype, kernel), and the gradients' dtype where mixed."""
+        key = (device, np.dtype(dtype).name, kernel)
+        return key if grad_dtype is None else (*key, np.dtype(grad_dtype).name)
+
     def _function(self, device: int, dtype, kernel: str, grad_dtype=None):
         dtype = np.dtype(dtype)
-        key = (device, dtype.name, kernel) if grad_dtype is None else (device, dtype.name, kernel, np.dtype(grad_dtype).name)
+        key = self._key(device, dtype, kernel, grad_dtype)
         fn = self._functions.get(key)
         if fn is not None:
             return fn
@@ -386,20 +392,21 @@ class CupyBackend(KernelBackend):
                 self._functions[key] = fn
         return fn
 
-    def _grid(self, device: int, count: int, itemsize: int, kernel: str | None = None, dtype=None) -> int:
+    def _grid(self, device: int, count: int, itemsize: int, kernel: str | None = None, dtype=None,
+              grad_dtype=None) -> int:
         """Blocks for ``count`` elements: one 16-byte vector per thread, at most one full wave (SMs x
         the kernel's resident blocks per SM, queried once per device and kernel); the kernels'
         grid-stride loops cover the rest."""
         sms = self._sms.get(device)
         if sms is None:
             sms = self._sms[device] = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
-        per_sm = self._occupancy.get((device, np.dtype(dtype).name, kernel), _BLOCKS_PER_SM) if kernel else _BLOCKS_PER_SM
+        per_sm = self._occupancy.get(self._key(device, dtype, kernel, grad_dtype), _BLOCKS_PER_SM) if kernel else _BLOCKS_PER_SM
         groups = -(-count * itemsize // _VEC_BYTES)
         return max(1, min(-(-groups // _THREADS), sms * per_sm))
 
     def _launch(self, device, kernel, dtype, count, args, *, grid_y=1, grad_dtype=None):
         fn = self._function(device, dtype, kernel, grad_dtype)
-        blocks = self._grid(device, count, np.dtype(dtype).itemsize, kernel, dtype)
+        blocks = self._grid(device, count, np.dtype(dtype).itemsize, kernel, dtype, grad_dtype)
         with cupy.cuda.Device(device):
             fn((blocks, grid_y), (_THREADS,), args)
 
