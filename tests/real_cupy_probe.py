@@ -85,7 +85,8 @@ def compile_all(out_dir: Path) -> dict:
     # (cupy._core.core.compile_with_cache), then -ftz=true (compiler._compile_with_cache_cuda).
     full = core.assemble_cupy_compiler_options(tuple(options)) + ("-ftz=true",)
     tool = cuobjdump()
-    report: dict = {"kernels": {k: list(v) for k, v in backend.KERNELS.items()}, "cupy": cupy.__version__, "nvrtc": list(compiler._get_nvrtc_version()), "options": list(full),
+    report: dict = {"kernels": {k: list(v) for k, v in backend.KERNELS.items()},
+                    "mixed": {k: list(v) for k, v in backend.MIXED.items()}, "cupy": cupy.__version__, "nvrtc": list(compiler._get_nvrtc_version()), "options": list(full),
                     "cuobjdump": tool, "builds": []}  # fmt: skip
     for arch in ARCHS:
         for dt in DTYPES:

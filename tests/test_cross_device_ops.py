@@ -716,3 +716,32 @@ def test_native_checked_calls_and_the_python_path_give_the_same_results(monkeypa
     for j in range(leaves):
         objs = [row[j] for row in native]
         assert len({id(o) for o in objs}) == 3
+
+
+@pytest.mark.parametrize(
+    "version, has_constant, want",
+    [(21000, True, True), (22105, True, True), (20912, True, False), (22105, False, False)],
+    ids=["2.10.0", "2.21.5", "2.9.12", "no-constant"],
+)
+def test_nccl_carries_bfloat16_across_workers_only_where_nccl_has_it(version, has_constant, want):
+    """ncclBfloat16 (9) is used from NCCL 2.10 and only by the cross-worker communicator; the
+    in-process ops (NcclAllReduce, AutoGpuAllReduce) keep bfloat16 on the kernels, which sum in
+    float32 and round once where NCCL would round after every addition."""
+    import types
+
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    from cudist._dataplane.transports import nccl as nccl_mod
+
+    module = types.SimpleNamespace(
+        NCCL_SUM=0, NCCL_FLOAT16=6, NCCL_FLOAT32=7, NCCL_FLOAT64=8, NCCL_INT32=2, NCCL_INT64=4, available=True,
+        get_version=lambda: version,
+    )
+    if has_constant:
+        module.NCCL_BFLOAT16 = 9
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    assert bf16 not in nccl_mod.dtype_codes(module)  # in-process: never
+    codes = nccl_mod.dtype_codes(module, bfloat16=True)
+    assert (codes.get(bf16) == 9) is want
+    assert nccl_mod.bfloat16_code(module) == (9 if want else None)
+    assert (bf16 in nccl_mod.WorkerCommunicator(module, None).dtypes) is want
+    assert codes[np.dtype(np.float32)] == 7  # the others unchanged

@@ -21,11 +21,19 @@ import pytest
 
 import cudist
 from cudist._kernels._cuda_headers import cuda_include_dirs
-from cudist._kernels._cuda_launch import UPDATE_RULES, dtype_ctypes, kernel_list, parse_update_rules
+from cudist._kernels._cuda_launch import (
+    FUSED_PREFIX,
+    UPDATE_RULES,
+    dtype_ctypes,
+    kernel_list,
+    mixed_gradients,
+    parse_update_rules,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS: dict[str, tuple[str, ...]] = kernel_list(cudist.get_include())
 CTYPES: dict[str, str] = dtype_ctypes(cudist.get_include())
+MIXED: dict[str, tuple[str, ...]] = mixed_gradients(cudist.get_include())
 INCLUDE = Path(cudist.get_include())
 
 
@@ -59,8 +67,12 @@ def _instantiations(packed: bool) -> list[str]:
     out = []
     for kernel, dtypes in KERNELS.items():
         for dt in dtypes:
-            for suffix in ("", "_packed") if packed else ("",):
-                out.append(f"cudist::kernels::{kernel}{suffix}<{CTYPES[dt]}>")
+            # The fused kernels' mixed-precision forms <T, G> too (CUDIST_MIXED_GRADIENTS).
+            args = [CTYPES[dt]] + ([f"{CTYPES[dt]}, {CTYPES[g]}" for g in MIXED.get(dt, ())]
+                                   if kernel.startswith(FUSED_PREFIX) else [])
+            for a in args:
+                for suffix in ("", "_packed") if packed else ("",):
+                    out.append(f"cudist::kernels::{kernel}{suffix}<{a}>")
     return out
 
 

@@ -125,7 +125,7 @@ def _emu_name(launcher: str, params: str) -> str:
 def test_kernel_list_is_what_the_backend_and_the_installed_headers_use():
     assert KERNEL_LIST == "cudist/kernels/kernel_list.cuh"
     assert kernel_list(INCLUDE) == KERNELS, "the installed headers (cudist.get_include()) are stale: reinstall cudist"
-    assert "all_reduce_one_shot" in KERNELS and KERNELS["mirrored_sgd"] == ("float16", "float32", "float64")
+    assert "all_reduce_one_shot" in KERNELS and KERNELS["mirrored_sgd"] == ("float16", "float32", "float64", "bfloat16")
     # _cupy.py keeps no list of its own: KERNELS and CTYPES come from the header.
     tree = ast.parse((ROOT / "src" / "cudist" / "_kernels" / "_cupy.py").read_text())
     literals = [t.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
@@ -199,8 +199,12 @@ _MANGLED = {"f": "float32", "d": "float64", "i": "int32", "x": "int64", "6__half
 
 def _stub_kernel(length: str, rest: str) -> tuple[str, str]:
     name, rest = rest[: int(length)], rest[int(length):]
-    m = re.match(r"I(6__half|13__nv_bfloat16|[fdix])E", rest)
+    # kernel<T>, or a fused kernel<T, G> (G defaulted to T: the launchers instantiate no mixed form).
+    # (A repeated class type is mangled as a substitution, S<n>_.)
+    m = re.match(r"I(6__half|13__nv_bfloat16|[fdix])(6__half|13__nv_bfloat16|[fdix]|S\d*_)?E", rest)
     assert m, rest
+    same = m.group(2) is None or m.group(2) == m.group(1) or m.group(2).startswith("S")
+    assert same, f"{name}: a mixed-precision instantiation in the C++ launchers: {rest}"
     return name, _MANGLED[m.group(1)]
 
 

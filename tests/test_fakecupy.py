@@ -190,6 +190,36 @@ def test_nccl_all_reduce_needs_a_group(cp):
         np.testing.assert_array_equal(cp.asnumpy(b), np.arange(5) * 3.0)
 
 
+def test_nccl_bfloat16_rounds_after_every_addition_as_nccl_does(cp):
+    """ncclBfloat16 SUM as NCCL computes it (FuncSum<__nv_bfloat16>: each addition rounded to
+    bfloat16, rank order here; a NaN is CUDA's 0x7fff), not the kernels' float32 accumulation."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    bf = ml_dtypes.bfloat16
+    nccl = cp.cuda.nccl
+    assert nccl.get_version() >= 21000 and nccl.NCCL_BFLOAT16 == 9
+    # 256 + 1 + 1: rounded after each addition 256 + 1 -> 256 (ties to even), twice; in float32 258.
+    vals = [np.array([256.0, 1.0, np.nan], np.float32).astype(bf),
+            np.array([1.0, 2.0**-9, 1.0], np.float32).astype(bf),
+            np.array([1.0, 2.0**-9, 1.0], np.float32).astype(bf)]
+    vals[0].view(np.uint16)[2] = 0xFFC1  # a negative NaN with a payload
+    comms = nccl.NcclCommunicator.initAll([0, 1, 2])
+    bufs = []
+    for d, v in enumerate(vals):
+        with cp.cuda.Device(d):
+            bufs.append(cp.asarray(v))
+    nccl.groupStart()
+    for d, (c, b) in enumerate(zip(comms, bufs)):
+        with cp.cuda.Device(d):
+            c.allReduce(b.data.ptr, b.data.ptr, 3, nccl.NCCL_BFLOAT16, nccl.NCCL_SUM, cp.cuda.get_current_stream().ptr)
+    nccl.groupEnd()
+    once = sum(v.astype(np.float32) for v in vals).astype(bf)  # the kernels' rule, for contrast
+    for b in bufs:
+        got = cp.asnumpy(b)
+        assert got.dtype == bf
+        assert got.view(np.uint16).tolist() == [np.array(256.0, bf).view(np.uint16), np.array(1.0, bf).view(np.uint16), 0x7FFF]
+        assert got.view(np.uint16)[0] != once.view(np.uint16)[0]
+
+
 @pytest.fixture(scope="module")
 def one_shot(cp):
     if shutil.which(os.environ.get("CXX") or "c++") is None and shutil.which("g++") is None:

@@ -90,7 +90,8 @@ def _rng(*key):
 
 def test_backend_takes_bfloat16_arrays(cp, be):
     assert be.bfloat16 and be.computes(BF16)
-    assert not be.mixed_gradients  # mixed-precision gradients are cast before they reach the kernels
+    assert be.bfloat16_updates  # bfloat16 variables: the update kernels' __nv_bfloat16 forms
+    assert be.mixed_gradients  # 16-bit gradients of float32 variables: the fused kernels' <float, G> forms
     x = cp.asarray(np.arange(5).astype(BF16))
     assert x.dtype == BF16
 
@@ -210,19 +211,109 @@ def test_assign_add_and_sub(cp, be, n):
             assert_bits(cp.asnumpy(c), want[0], method)
 
 
-def test_updates_refuse_bfloat16_variables(cp, be):
-    w = [cp.asarray(values(_rng("w"), (5,), specials=False))]
-    with pytest.raises(TypeError, match="floating-point dtype, got bfloat16"):
-        be.sgd(w, w[0].copy(), lr=0.1)
+# Hyper-parameters by name for every row of UPDATE_KERNELS (decay non-zero: its path runs too).
+HYPER = {
+    "lr": 0.01, "lr_t": 0.003, "momentum": 0.9, "nesterov": True, "beta_1": 0.9, "beta_2": 0.999,
+    "epsilon": 1e-7, "decay": 0.004, "rho": 0.9, "c_m": 0.11, "c_g": 0.3, "c_v": 0.05,
+}
 
 
-def test_fused_update_refuses_narrow_gradients_instead_of_misreading_them(cp, be):
-    """The trusted fused update checks nothing else, but a bfloat16 gradient for float32 copies
-    would be read as float32 by the kernel: a TypeError saying to cast it instead."""
-    w = [cp.zeros(7, np.float32)]
+def _update_state(name, dtype, n, size, rng):
+    """n copies of a variable and of each of its slots (positive where a sqrt reads them)."""
+    from cudist._kernels import UPDATE_KERNELS
+
+    w = (rng.standard_normal(size) * 3).astype(np.float32)
+    slots = [
+        (np.abs(rng.standard_normal(size)) * (0.01 if s == "average_gradient" else 1.0) + (s != "average_gradient"))
+        .astype(np.float32)
+        for s in UPDATE_KERNELS[name][0]
+    ]
+    return [[x.astype(dtype) for _ in range(n)] for x in (w, *slots)]
+
+
+def _run_update(backend, name, groups, grads, fused):
+    """``backend``'s update ``name`` (fused: ``all_reduce_<name>`` over ``grads``; else the plain one)."""
+    from cudist._kernels import UPDATE_KERNELS
+
+    hyper = [HYPER[h] for h in UPDATE_KERNELS[name][1]]
+    entry = getattr(backend.trusted, f"all_reduce_{name}" if fused else name)
+    with np.errstate(all="ignore"):
+        entry(groups[0], *groups[1:], grads if fused else grads[0], *hyper)
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["plain", "fused"])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw", "amsgrad", "rmsprop", "adagrad", "adamax",
+                                  "nadam", "lion"])
+def test_bfloat16_variables_match_the_reference(cp, be, name, fused):
+    """bfloat16 variables (and slots) on the GPU: every optimizer's kernel, plain and fused (3
+    gradients summed in float32 and rounded once), float32 arithmetic rounded once per stored
+    value: the NumPy reference's bits (what every CPU backend gives), on 2 and 9 copies (past one
+    launch: broadcast) and odd sizes."""
+    for n, size in ((2, 1031), (9, 37)):
+        rng = _rng("bf16_update", name, fused, n)
+        host = _update_state(name, BF16, n, size, rng)
+        grads = [values(rng, (size,), specials=False) for _ in range(3 if fused else 1)]
+        want = [[x.copy() for x in g] for g in host]
+        _run_update(REF, name, want, [g.copy() for g in grads], fused)
+        dev = [[cp.asarray(x) for x in g] for g in host]
+        _run_update(be, name, dev, [cp.asarray(g) for g in grads], fused)
+        for j, (dg, wg) in enumerate(zip(dev, want)):
+            for r, d in enumerate(dg):
+                assert_bits(cp.asnumpy(d), wg[0], f"{name} n={n} group {j} copy {r}")
+        # The test can fail: the update moved the weights.
+        assert not np.array_equal(bits(cp.asnumpy(dev[0][0])), bits(host[0][0]))
+
+
+@pytest.mark.parametrize("gdtype", [BF16, np.dtype(np.float16)], ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("name", ["sgd", "momentum", "adam", "adamw", "amsgrad", "rmsprop", "adagrad", "adamax",
+                                  "nadam", "lion"])
+@pytest.mark.parametrize("m", [1, 3, 8, 11])
+def test_fused_update_widens_narrow_gradients_in_the_kernel(cp, be, name, gdtype, m, monkeypatch):
+    """float32 variables from bfloat16 / float16 gradients: the fused kernel's <float, G> form reads
+    the 16-bit gradients and sums them widened in float32 (replica order): bit for bit the reference
+    updating from the gradients cast to float32, which is the CPU backends' mixed path. Up to 8
+    gradients no float32 copy is made (the mixed kernel is the one launched); 11 are widened first
+    and pre-summed in float32 (the same bits)."""
+    import cudist._kernels._cupy as cupy_mod
+
+    launched = []
+    real = cupy_mod.CupyBackend._launch
+
+    def spy(self, device, kernel, dtype, count, args, **kw):
+        launched.append((kernel, np.dtype(dtype), kw.get("grad_dtype")))
+        return real(self, device, kernel, dtype, count, args, **kw)
+
+    monkeypatch.setattr(cupy_mod.CupyBackend, "_launch", spy)
+    size = 1031
+    rng = _rng("mixed_kernel", name, gdtype, m)
+    host = _update_state(name, np.float32, 2, size, rng)
+    grads = [(rng.standard_normal(size) * 10.0 ** rng.integers(-3, 3, size)).astype(gdtype) for _ in range(m)]
+    grads[0][5] = np.nan
+    grads[-1][9] = -np.inf
+    want = [[x.copy() for x in g] for g in host]
+    _run_update(REF, name, want, [g.astype(np.float32) for g in grads], True)
+    dev = [[cp.asarray(x) for x in g] for g in host]
+    _run_update(be, name, dev, [cp.asarray(g) for g in grads], True)
+    for j, (dg, wg) in enumerate(zip(dev, want)):
+        for r, d in enumerate(dg):
+            got = cp.asnumpy(d)
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got.view(np.uint32), wg[0].view(np.uint32), err_msg=f"{name} group {j} copy {r}")
+    kernel = "mirrored_all_reduce_" + name
+    mixed = [g for k, dt, g in launched if k == kernel and dt == np.float32]
+    assert mixed == ([np.dtype(gdtype)] if m <= 8 else [None]), launched
+
+
+def test_narrow_gradients_refused_where_no_kernel_reads_them(cp, be):
+    """Only the kernel list's pairs (float32 copies; bfloat16 / float16 gradients) in the fused
+    kernels: other pairs, and the plain kernels, are a TypeError naming both dtypes, never a misread."""
     g = [cp.asarray(values(_rng("g"), (7,), specials=False))]
+    with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float64"):
+        be.trusted.all_reduce_sgd([cp.zeros(7, np.float64)], g, 0.1)
+    with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float16"):
+        be.trusted.all_reduce_sgd([cp.zeros(7, np.float16)], g, 0.1)
     with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float32"):
-        be.trusted.all_reduce_sgd(w, g, 0.1)
+        be.trusted.sgd([cp.zeros(7, np.float32)], g[0], 0.1)  # mirrored_sgd: same-type gradients only
 
 
 def test_mixed_precision_apply_gradients_matches_the_cpu_fused_pass(cp):
@@ -304,3 +395,44 @@ def test_strategy_run_all_reduce_on_logical_gpus(cp, n):
         want = reference([p[0] for p in parts], "mean")
         for m in strategy.experimental_local_results(means):
             assert_bits(cp.asnumpy(m), want, "mean")
+
+
+@pytest.mark.parametrize("opt_name", ["sgd_momentum", "adam"])
+def test_bfloat16_variables_train_on_gpus_as_on_the_cpu(cp, opt_name):
+    """bfloat16 variables under a MirroredStrategy on logical GPUs (refused before the kernels had
+    bfloat16 update forms): 3 steps of bfloat16 gradients give the CPU backends' bits (the NumPy
+    reference's), weights and slots."""
+    from conftest import gpu0_split
+
+    n, size = 3, 1031
+    init = values(_rng("bf16_var_init"), (size,), specials=False)
+    steps = [[values(_rng("bf16_var", s, r), (size,), specials=False) for r in range(n)] for s in range(3)]
+    make = {"sgd_momentum": lambda: cudist.optimizers.SGD(0.01, momentum=0.9),
+            "adam": lambda: cudist.optimizers.Adam(0.01)}[opt_name]
+
+    def train(devices, to_device):
+        strategy = cudist.MirroredStrategy(devices)
+        with strategy.scope():
+            w = cudist.Variable(init, name="w")
+            opt = make()
+        for grads in steps:
+            def step(grads=grads):
+                g = grads[cudist.get_replica_context().replica_id_in_sync_group]
+                opt.apply_gradients([(to_device(g), w)])
+
+            strategy.run(step)
+        return [np.asarray(x) for x in strategy.experimental_local_results(w)], [np.asarray(v.numpy()) for v in opt.variables[1:]]
+
+    with gpu0_split(n, memory_limit=1024):
+        got_w, got_slots = train([f"/gpu:{i}" for i in range(n)], cp.asarray)
+    want_w, want_slots = train([f"/cpu:{i}" for i in range(n)], lambda g: g)
+    assert got_w[0].dtype == BF16
+    for r, g in enumerate(got_w):
+        assert_bits(g, want_w[0], f"weights, replica {r}")
+    assert len(got_slots) == len(want_slots) and sum(s.dtype == BF16 for s in want_slots) == (1 if opt_name == "sgd_momentum" else 2)
+    for g, w in zip(got_slots, want_slots):  # the bfloat16 slots, and the optimizer's float32 scalars
+        if w.dtype == BF16:
+            assert_bits(g, w, "slot")
+        else:
+            np.testing.assert_array_equal(g, w)
+    assert not np.array_equal(bits(got_w[0]), bits(init))  # the weights moved

@@ -43,10 +43,13 @@ STORE_128_EXEMPT = {"reduce_scatter_packed"}
 #: (256, 2) spilled nothing but raised most kernels' registers by 10-110% (one-shot float32 48 -> 84),
 #: fewer resident blocks for no measured gain.
 REGISTER_BUDGET = 128
-#: Kernels over the budget, each with its own ceiling (no spills still). None today: the fused
+#: Kernels over the budget, each with its own ceiling (no spills still). The fused
 #: all-reduce + AMSGrad update took 134-143 registers until the kernels told NVVM their pointers
 #: address global memory (kernels/common.cuh, assume_global); 100-122 since (NVRTC 13, 2026-11-28).
-REGISTER_EXEMPT: dict[str, int] = {}
+#: RMSprop's fused kernel on bfloat16 variables (each stored value rounded to bfloat16 on its bits,
+#: ml_dtypes' NaN) took 130 on sm_90 (NVRTC 13.5, 2026-11-28), no spills: one resident 256-thread
+#: block per SM instead of two; its other dtypes stay under the budget.
+REGISTER_EXEMPT: dict[str, int] = {"mirrored_all_reduce_rmsprop_packed": 136}
 
 
 def _real_env() -> dict[str, str] | None:
@@ -107,7 +110,13 @@ def test_cupy_compiles_every_kernel_and_dtype_for_sm80_and_sm90(compiled):
         got = {expr.split("::")[-1].split("<")[0] for expr in b["mapping"]}
         assert got == want, (b["arch"], b["dtype"])
         assert all(m.startswith("_Z") for m in b["mapping"].values())
-        assert len(set(b["mapping"].values())) == len(want)
+        # The fused kernels' mixed-precision <T, G> instantiations compile into T's module too.
+        mixed = {f"{k}_packed<{g}>" for k in want if k.startswith("mirrored_all_reduce_")
+                 for g in compiled["mixed"].get(b["dtype"], ())}
+        assert len(set(b["mapping"].values())) == len(want) + len(mixed)
+        if b["dtype"] == "float32":
+            assert len(mixed) == 2 * sum(k.startswith("mirrored_all_reduce_") for k in want) > 0
+            assert sum(", __nv_bfloat16>" in e or ", __half>" in e for e in b["mapping"]) == len(mixed)
 
 
 def test_no_flush_to_zero_arithmetic_under_cupys_ftz_flag(compiled):

@@ -31,8 +31,13 @@ a single addition, bit-identical to a MirroredStrategy over two replicas; otherw
 differ from it in the last bits (float tolerance). The 16-bit floats are the exception: MPI has no
 bfloat16 and would round float16 sums per addition, so the replicas' bfloat16 / float16 values are
 all-gathered and every worker sums all of them in float32 in global replica order, rounding once:
-bit-identical to a MirroredStrategy over every replica in worker order (float16 GPU values that
-NCCL carries keep NCCL's float16 all-reduce).
+bit-identical to a MirroredStrategy over every replica in worker order. GPU values that NCCL
+carries keep NCCL's native all-reduce instead: float16, and bfloat16 from NCCL 2.10 (half the
+bytes of float32 on the wire; each worker's local replicas summed in float32 and rounded once,
+then NCCL adds the workers' bfloat16 sums rounding to bfloat16 after every addition, in its ring's
+order: with two workers of one replica each that is one addition, bit-identical to the staged path
+but for a NaN's bits (CUDA's 0x7fff); in general within (workers - 1) bfloat16 roundings of it,
+see docs/guides/mixed-precision.md). Older NCCL keeps bfloat16 on the staged path.
 """
 
 from __future__ import annotations
@@ -264,7 +269,7 @@ class CollectiveAllReduce(CrossDeviceOps):
         ids = []
         for j, a in enumerate(per_replica_leaves[0]):
             if a.dtype in dtypes and all(is_device_array(leaves[j]) for leaves in per_replica_leaves):
-                if a.dtype in backend_for(a).dtypes:  # the local sum is a kernel call
+                if backend_for(a).computes(a.dtype):  # the local sum is a kernel call (bfloat16 included)
                     ids.append(j)
         return ids
 
@@ -363,9 +368,10 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _global_results(self, where, kind, op, per_replica_leaves):
         """The global reduction of each leaf (SUM, or MEAN over the global replica count), host arrays."""
         nccl = set(self._nccl_leaves(where, per_replica_leaves)) if self._nccl is not None else set()
-        # float16 GPU values keep NCCL's native float16 all-reduce (its order, as for float32).
+        # The 16-bit floats NCCL carries (float16; bfloat16 from NCCL 2.10) keep its native all-reduce
+        # (its order and its rounding per addition, as for float32).
         half = [j for j, a in enumerate(per_replica_leaves[0])
-                if is_bfloat16(a.dtype) or (a.dtype == np.float16 and j not in nccl)]
+                if (is_bfloat16(a.dtype) or a.dtype == np.float16) and j not in nccl]
         if half:
             results = [None] * len(per_replica_leaves[0])
             for dt in dict.fromkeys(per_replica_leaves[0][j].dtype for j in half):

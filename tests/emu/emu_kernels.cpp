@@ -60,23 +60,28 @@ void run(void (*kernel)(P...), unsigned gx, unsigned gy, unsigned bx, A... args)
                                                  C beta_1, C beta_2, C epsilon, long long count) {                 \
     run(&k::mirrored_adam<T>, gx, gy, bx, copies, ms, vs, n, grad, lr_t, beta_1, beta_2, epsilon, count);          \
   }                                                                                                                \
+  CUDIST_EMU_FUSED(T, T, C, DT)
+
+// The fused all-reduce + update kernels with gradients of type G: T's own, or (mixed precision) a
+// 16-bit float for float32 copies, as cudist_emu_<kernel>_float32_g<gradient dtype>.
+#define CUDIST_EMU_FUSED(T, G, C, DT)                                                                                \
   extern "C" void cudist_emu_mirrored_all_reduce_sgd_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies, \
-                                                           int n, T* const* grads, int n_grads, C lr,              \
+                                                           int n, G* const* grads, int n_grads, C lr,              \
                                                            long long count) {                                      \
-    run(&k::mirrored_all_reduce_sgd<T>, gx, gy, bx, copies, n, grads, n_grads, lr, count);                         \
+    run(&k::mirrored_all_reduce_sgd<T, G>, gx, gy, bx, copies, n, grads, n_grads, lr, count);                         \
   }                                                                                                                \
   extern "C" void cudist_emu_mirrored_all_reduce_momentum_##DT(unsigned gx, unsigned gy, unsigned bx,              \
                                                                 T* const* copies, T* const* vels, int n,           \
-                                                                T* const* grads, int n_grads, C lr, C momentum,    \
+                                                                G* const* grads, int n_grads, C lr, C momentum,    \
                                                                 int nesterov, long long count) {                   \
-    run(&k::mirrored_all_reduce_momentum<T>, gx, gy, bx, copies, vels, n, grads, n_grads, lr, momentum, nesterov,  \
+    run(&k::mirrored_all_reduce_momentum<T, G>, gx, gy, bx, copies, vels, n, grads, n_grads, lr, momentum, nesterov,  \
         count);                                                                                                    \
   }                                                                                                                \
   extern "C" void cudist_emu_mirrored_all_reduce_adam_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies, \
-                                                            T* const* ms, T* const* vs, int n, T* const* grads,    \
+                                                            T* const* ms, T* const* vs, int n, G* const* grads,    \
                                                             int n_grads, C lr_t, C beta_1, C beta_2, C epsilon,    \
                                                             long long count) {                                     \
-    run(&k::mirrored_all_reduce_adam<T>, gx, gy, bx, copies, ms, vs, n, grads, n_grads, lr_t, beta_1, beta_2,      \
+    run(&k::mirrored_all_reduce_adam<T, G>, gx, gy, bx, copies, ms, vs, n, grads, n_grads, lr_t, beta_1, beta_2,      \
         epsilon, count);                                                                                           \
   }
 
@@ -89,6 +94,9 @@ CUDIST_EMU_ALL_DTYPES(__nv_bfloat16, bfloat16)
 CUDIST_EMU_FLOAT_DTYPES(__half, float, float16)
 CUDIST_EMU_FLOAT_DTYPES(float, float, float32)
 CUDIST_EMU_FLOAT_DTYPES(double, double, float64)
+CUDIST_EMU_FLOAT_DTYPES(__nv_bfloat16, float, bfloat16)
+CUDIST_EMU_FUSED(float, __half, float, float32_gfloat16)
+CUDIST_EMU_FUSED(float, __nv_bfloat16, float, float32_gbfloat16)
 
 // ------------------------------------------------------------------------------------- runtime
 /// The calling thread's last error (an emulated cudaError_t), cleared: cudaGetLastError.

@@ -58,10 +58,13 @@ def kernel_backend(arr: Any) -> KernelBackend | None:
     backend = backend_for(arr)
     if arr.dtype in backend.dtypes:
         return backend
-    if is_bfloat16(arr.dtype) and type(arr) is np.ndarray:
-        # bfloat16 variables: the one fallback point. Only the NumPy reference updates them (float32
-        # arithmetic, one rounding per stored value), so every CPU backend gives the same bits.
-        return numpy_backend()
+    if is_bfloat16(arr.dtype):
+        if backend.bfloat16_updates:
+            return backend  # the GPU's kernels: float32 arithmetic, one rounding per stored value
+        if type(arr) is np.ndarray:
+            # bfloat16 variables on the CPU: the one fallback point. Only the NumPy reference updates
+            # them (the same arithmetic), so every CPU backend gives the same bits.
+            return numpy_backend()
     return None
 
 

@@ -126,8 +126,9 @@ class KernelBackend:
     dtypes: tuple = SUPPORTED_DTYPES
     #: Whether this backend also computes ``ml_dtypes.bfloat16`` (float32 accumulation, one rounding).
     bfloat16: bool = False
-    #: Whether the optimizers' updates also take bfloat16 variables (the NumPy reference only: every
-    #: CPU backend hands them to it, so they get one set of bits; the GPU has no such kernels).
+    #: Whether the optimizers' updates also take bfloat16 variables (float32 arithmetic, one rounding
+    #: per stored value): the NumPy reference, to which every CPU backend hands them so they get one
+    #: set of bits, and the GPU's kernels (their ``__nv_bfloat16`` forms, the same bits).
     bfloat16_updates: bool = False
     #: Whether the fused all-reduce + update kernels (``all_reduce_<rule>``) also take bfloat16 and
     #: float16 gradients for float32 variables, widened exactly inside the pass (mixed precision:

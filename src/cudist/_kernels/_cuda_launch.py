@@ -30,6 +30,9 @@ __all__ = [
     "launch_policy",
     "parse_kernel_list",
     "parse_update_rules",
+    "parse_mixed_gradients",
+    "mixed_gradients",
+    "FUSED_PREFIX",
     "runs_on",
 ]
 
@@ -50,7 +53,11 @@ _DTYPE_SET = re.compile(_MACRO.format(name=r"CUDIST_DTYPES_(\w+)", params=r"D, A
 _DTYPE = re.compile(r"\bD\(A,\s*([\w ]+?),\s*(\w+)\)")
 _KERNELS = re.compile(_MACRO.format(name="CUDIST_KERNELS", params=r"X, A"))
 _KERNEL = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+)\)")
+_MIXED = re.compile(_MACRO.format(name="CUDIST_MIXED_GRADIENTS", params=r"M, A"))
+_MIXED_PAIR = re.compile(r"\bM\(A,\s*(\w+),\s*(\w+)\)")
 _RULES = re.compile(_MACRO.format(name="CUDIST_UPDATE_RULE_LIST", params=r"X, A"))
+#: The fused all-reduce + update kernels: the ones CUDIST_MIXED_GRADIENTS also instantiates mixed.
+FUSED_PREFIX = "mirrored_all_reduce_"
 _RULE = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+),\s*\(([^()]*)\),\s*\(([^()]*)\)\)")
 
 
@@ -101,6 +108,23 @@ def parse_kernel_list(text: str, rules_text: str = "") -> tuple[dict[str, tuple[
         raise ValueError(f"{KERNEL_LIST}: CUDIST_KERNELS lists no kernel")
     ctypes = {name: c for entries in sets.values() for c, name in entries}
     return kernels, ctypes
+
+
+def parse_mixed_gradients(text: str) -> dict[str, tuple[str, ...]]:
+    """``{variable dtype: gradient dtypes}`` (NumPy names) from the kernel list's
+    ``CUDIST_MIXED_GRADIENTS(M, A)``: the fused kernels' mixed-precision instantiations (none
+    without the macro)."""
+    body = _MIXED.search(text)
+    pairs: dict[str, tuple[str, ...]] = {}
+    if body is not None:
+        for var, grad in _MIXED_PAIR.findall(body.group(1)):
+            pairs[var] = (*pairs.get(var, ()), grad)
+    return pairs
+
+
+def mixed_gradients(include_dir) -> dict[str, tuple[str, ...]]:
+    """Variable dtype -> the narrower gradient dtypes its fused kernels also take (NumPy names)."""
+    return dict(parse_mixed_gradients((Path(include_dir) / KERNEL_LIST).read_text()))
 
 
 @functools.lru_cache(maxsize=None)

@@ -40,10 +40,13 @@ bfloat16: CuPy arrays of dtype ``ml_dtypes.bfloat16`` -- the dtype NumPy users h
 forms: all-reduce, reduce-to-one, broadcast, the two-shot phases, the batch scatter and assign_add,
 summed in float32 in replica order and rounded once, bit for bit the NumPy reference (ml_dtypes'
 rounding and NaN, 0x7fc0). A ``uint16`` array is not taken for bfloat16 (it is an integer dtype
-cudist does not sum): ``a.view(ml_dtypes.bfloat16)`` says what its bits are. The updates refuse
-bfloat16 variables, as on every backend; mixed-precision gradients (bfloat16 / float16 for float32
-variables) are cast to float32 before they reach these kernels (``mixed_gradients`` is False), which
-gives the bits of the CPU backends' fused pass.
+cudist does not sum): ``a.view(ml_dtypes.bfloat16)`` says what its bits are. bfloat16 variables
+are updated by the kernels' ``__nv_bfloat16`` forms (float32 arithmetic, rounded once per stored
+value: the NumPy reference's bits, ``bfloat16_updates``). The fused all-reduce + update kernels
+also take bfloat16 / float16 gradients for float32 variables (``mixed_gradients``): their
+``<float, G>`` instantiations (``CUDIST_MIXED_GRADIENTS`` in the kernel list) widen each gradient
+exactly while summing in float32 in replica order, the bits of casting first, without the float32
+copy.
 
 Importing this module imports CuPy: :func:`cudist._kernels.get_backend` does so only when the
 ``cupy`` backend is asked for.
@@ -63,7 +66,15 @@ from cudist._arrays import join_streams
 from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBackend, is_bfloat16
 from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._numpy import reference_reduce
-from cudist._kernels._cuda_launch import LAUNCHERS_ENV, dtype_ctypes, kernel_list, launch_mode, runs_on
+from cudist._kernels._cuda_launch import (
+    FUSED_PREFIX,
+    LAUNCHERS_ENV,
+    dtype_ctypes,
+    kernel_list,
+    launch_mode,
+    mixed_gradients,
+    runs_on,
+)
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
 
@@ -95,6 +106,8 @@ CTYPES = dtype_ctypes(_include_dir())
 #: Kernel templates in namespace ``cudist::kernels`` and the dtypes each is instantiated for: the
 #: kernel list of <cudist/kernels/kernel_list.cuh>, which the C++ launchers are instantiated from too.
 KERNELS = kernel_list(_include_dir())
+#: Variable dtype -> the gradient dtypes its fused kernels also take (CUDIST_MIXED_GRADIENTS).
+MIXED = mixed_gradients(_include_dir())
 #: Most replica buffers one launch touches (cudist::kernels::kMaxReplicas).
 MAX_REPLICAS = 8
 _THREADS = 256
@@ -124,9 +137,19 @@ def _pack(arrays) -> np.ndarray:
     return p
 
 
-def name_expression(kernel: str, dtype) -> str:
-    """The NVRTC name expression of a kernel instantiation, e.g. ``cudist::kernels::broadcast<float>``."""
-    return f"cudist::kernels::{kernel}<{CTYPES[np.dtype(dtype).name]}>"
+def _dtype_name(dtype) -> str:
+    # "bfloat16" is a NumPy dtype only once ml_dtypes is imported: names pass as they are.
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def name_expression(kernel: str, dtype, grad_dtype=None) -> str:
+    """The NVRTC name expression of a kernel instantiation, e.g. ``cudist::kernels::broadcast<float>``;
+    with ``grad_dtype`` a fused kernel's mixed-precision one, ``...<float, __nv_bfloat16>``."""
+    name = _dtype_name(dtype)
+    args = CTYPES[name]
+    if grad_dtype is not None and _dtype_name(grad_dtype) != name:
+        args += f", {CTYPES[_dtype_name(grad_dtype)]}"
+    return f"cudist::kernels::{kernel}<{args}>"
 
 
 def _cuda_include_dirs() -> list[str]:
@@ -161,7 +184,11 @@ def compiled_names(dtype) -> list[str]:
     """The name expressions compiled for ``dtype``: the by-value ``*_packed`` forms only (their
     pointers travel in the kernel parameters, where the table forms load them from device memory)."""
     dt = np.dtype(dtype).name
-    return [name_expression(k + "_packed", dt) for k, dts in KERNELS.items() if dt in dts]
+    names = [name_expression(k + "_packed", dt) for k, dts in KERNELS.items() if dt in dts]
+    # The fused kernels' mixed-precision instantiations go into the variables' dtype's module.
+    names += [name_expression(k + "_packed", dt, g) for k, dts in KERNELS.items()
+              if k.startswith(FUSED_PREFIX) and dt in dts for g in MIXED.get(dt, ())]
+    return names
 
 
 def _ranges_overlap(a, b) -> bool:
@@ -303,6 +330,10 @@ class CupyBackend(KernelBackend):
     # CuPy arrays of dtype ml_dtypes.bfloat16 (CuPy >= 14 holds them when ml_dtypes is installed):
     # the collectives, the batch scatter and assign_add run the kernels' __nv_bfloat16 forms.
     bfloat16 = True
+    # bfloat16 variables: the update kernels' __nv_bfloat16 forms (float32 math, one rounding per store).
+    bfloat16_updates = True
+    # bfloat16 / float16 gradients of float32 variables: the fused kernels' <float, G> forms.
+    mixed_gradients = True
     xp = cupy
 
     def __init__(self):
@@ -333,9 +364,15 @@ class CupyBackend(KernelBackend):
         return start, start + a.nbytes
 
     # ------------------------------------------------------------------ compilation and launch
-    def _function(self, device: int, dtype, kernel: str):
+    @staticmethod
+    def _key(device: int, dtype, kernel: str, grad_dtype=None) -> tuple:
+        """A compiled kernel's key: (device, dtype, kernel), and the gradients' dtype where mixed."""
+        key = (device, np.dtype(dtype).name, kernel)
+        return key if grad_dtype is None else (*key, np.dtype(grad_dtype).name)
+
+    def _function(self, device: int, dtype, kernel: str, grad_dtype=None):
         dtype = np.dtype(dtype)
-        key = (device, dtype.name, kernel)
+        key = self._key(device, dtype, kernel, grad_dtype)
         fn = self._functions.get(key)
         if fn is not None:
             return fn
@@ -350,25 +387,26 @@ class CupyBackend(KernelBackend):
                     mod = cupy.RawModule(code=source, options=options, name_expressions=compiled_names(dtype))
                     self._modules[dtype.name] = mod
                 with cupy.cuda.Device(device):
-                    fn = mod.get_function(name_expression(kernel + "_packed", dtype))  # compiles for this device
+                    fn = mod.get_function(name_expression(kernel + "_packed", dtype, grad_dtype))  # compiles for this device
                     self._occupancy[key] = _blocks_per_sm(fn)
                 self._functions[key] = fn
         return fn
 
-    def _grid(self, device: int, count: int, itemsize: int, kernel: str | None = None, dtype=None) -> int:
+    def _grid(self, device: int, count: int, itemsize: int, kernel: str | None = None, dtype=None,
+              grad_dtype=None) -> int:
         """Blocks for ``count`` elements: one 16-byte vector per thread, at most one full wave (SMs x
         the kernel's resident blocks per SM, queried once per device and kernel); the kernels'
         grid-stride loops cover the rest."""
         sms = self._sms.get(device)
         if sms is None:
             sms = self._sms[device] = int(cupy.cuda.runtime.getDeviceProperties(device)["multiProcessorCount"])
-        per_sm = self._occupancy.get((device, np.dtype(dtype).name, kernel), _BLOCKS_PER_SM) if kernel else _BLOCKS_PER_SM
+        per_sm = self._occupancy.get(self._key(device, dtype, kernel, grad_dtype), _BLOCKS_PER_SM) if kernel else _BLOCKS_PER_SM
         groups = -(-count * itemsize // _VEC_BYTES)
         return max(1, min(-(-groups // _THREADS), sms * per_sm))
 
-    def _launch(self, device, kernel, dtype, count, args, *, grid_y=1):
-        fn = self._function(device, dtype, kernel)
-        blocks = self._grid(device, count, np.dtype(dtype).itemsize, kernel, dtype)
+    def _launch(self, device, kernel, dtype, count, args, *, grid_y=1, grad_dtype=None):
+        fn = self._function(device, dtype, kernel, grad_dtype)
+        blocks = self._grid(device, count, np.dtype(dtype).itemsize, kernel, dtype, grad_dtype)
         with cupy.cuda.Device(device):
             fn((blocks, grid_y), (_THREADS,), args)
 
@@ -666,14 +704,23 @@ class CupyBackend(KernelBackend):
         (RMSprop passes the velocities' for a slot it does not have and does not read)."""
         n, count, dtype = len(copies), copies[0].size, copies[0].dtype
         inputs = [grad] if grads is None else list(grads)
+        grad_dtype = None
         if inputs[0].dtype != dtype:
-            # The kernels take the gradients in the copies' dtype (mixed_gradients is False): the
-            # trusted path's callers cast them first (the optimizers do), never a silent misread.
-            raise TypeError(
-                f"{kernel}: the gradients have dtype {inputs[0].dtype.name} but the copies have dtype {dtype.name}; "
-                f"the cupy backend's kernels take gradients of the copies' dtype (cast them first, e.g. "
-                f"g.astype({dtype.name!r}): exact for bfloat16/float16 -> float32)"
-            )
+            if grads is None or inputs[0].dtype.name not in MIXED.get(dtype.name, ()):
+                # Only the fused kernels have mixed instantiations, and only for the pairs of the
+                # kernel list: anything else would be misread by the kernel, never silently.
+                raise TypeError(
+                    f"{kernel}: the gradients have dtype {inputs[0].dtype.name} but the copies have dtype "
+                    f"{dtype.name}; the cupy backend's kernels take gradients of the copies' dtype, or bfloat16 / "
+                    f"float16 ones for float32 copies in the fused all-reduce forms (cast them first, e.g. "
+                    f"g.astype({dtype.name!r}): exact for bfloat16/float16 -> float32)"
+                )
+            if len(inputs) > MAX_REPLICAS:
+                # Past one launch's gradients the head is pre-summed into a temporary of the copies'
+                # dtype: widened first (exact), so that sum is float32 too, not a 16-bit rounding.
+                inputs = [g.astype(dtype) for g in inputs]
+            else:
+                grad_dtype = inputs[0].dtype
         if count == 0:
             return
         device = copies[0].device.id
@@ -707,7 +754,7 @@ class CupyBackend(KernelBackend):
                 g_arrs = [tmp, *g_arrs[head:]]
             gt = _pack(g_arrs)
             args = (*tables, np.int32(m), gt, np.int32(len(g_arrs)), *scalars, np.int64(count))
-        self._launch(device, kernel, dtype, count, args)
+        self._launch(device, kernel, dtype, count, args, grad_dtype=grad_dtype)
         if n > m:
             for group in staged_groups:
                 self._broadcast_from(device, group[0], group[m:])
@@ -715,7 +762,8 @@ class CupyBackend(KernelBackend):
 
     @staticmethod
     def _ct(dtype):
-        return np.float32 if dtype == np.float16 else np.dtype(dtype).type
+        # The 16-bit floats' kernels take their hyper-parameters in float32, their compute type.
+        return np.float32 if dtype == np.float16 or is_bfloat16(dtype) else np.dtype(dtype).type
 
     def _hook_assign_add(self, copies, value, negate):
         self._mirrored("mirrored_assign_add", copies, [], value, (np.int32(1 if negate else 0),))

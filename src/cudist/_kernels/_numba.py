@@ -349,6 +349,41 @@ def _reduce_range(argp, lo, hi, dtype, ctype):
                 y[j] = _st(tmp[j], dtype)
 
 
+def _widen_sum(a, first, n, off, m, acc, gtype, sub):  # pragma: no cover - typing stub, see the overload
+    raise NotImplementedError
+
+
+@overload(_widen_sum)
+def _ol_widen_sum(a, first, n, off, m, acc, gtype, sub):
+    """``acc[:m]`` = the 16-bit buffers at addresses ``a[first : first + n]`` (``off`` bytes in, ``m``
+    elements) widened exactly to float32 and added (``sub``: subtracted from the first) in replica
+    order in float32, never rounded to 16 bits: the bfloat16 collectives' accumulation and the
+    mixed-precision gradients' sum, one loop for both. ``gtype``: int16 marks bfloat16 bits, uint16
+    float16 bits (a compile-time choice)."""
+    widen = _bf2f if gtype.instance_type == types.int16 else _h2f
+
+    def impl(a, first, n, off, m, acc, gtype, sub):
+        x = _view(a[first] + off, m, np.uint16)
+        for j in range(m):
+            acc[j] = widen(x[j])
+        for i in range(1, n):
+            x = _view(a[first + i] + off, m, np.uint16)
+            # A NaN sum keeps its first NaN (NumPy's sign): x86 returns the first NaN operand, but
+            # LLVM may swap an addition's operands, which would pick the other NaN's sign.
+            if sub:
+                for j in range(m):
+                    t = acc[j]
+                    d = t - widen(x[j])
+                    acc[j] = t if t != t else d
+            else:
+                for j in range(m):
+                    t = acc[j]
+                    s = t + widen(x[j])
+                    acc[j] = t if t != t else s
+
+    return impl
+
+
 @_cached(njit)
 def _reduce_range_bf16(argp, lo, hi):
     """_reduce_range for bfloat16 (uint16 bits): the block accumulates in float32 in replica order
@@ -360,23 +395,7 @@ def _reduce_range_bf16(argp, lo, hi):
     for start in range(lo, hi, _CHUNK):
         m = np.uint64(min(_CHUNK, hi - start))
         off = start * 2
-        x = _view(a[_HDR] + off, m, np.uint16)
-        for j in range(m):
-            tmp[j] = _bf2f(x[j])
-        for i in range(1, nin):
-            x = _view(a[_HDR + i] + off, m, np.uint16)
-            # A NaN sum keeps its NaN: x86 returns the first NaN operand (NumPy's sign), but LLVM
-            # may swap an addition's operands, which would pick the other NaN's sign.
-            if mode == _SUB:
-                for j in range(m):
-                    t = tmp[j]
-                    d = t - _bf2f(x[j])
-                    tmp[j] = t if t != t else d
-            else:
-                for j in range(m):
-                    t = tmp[j]
-                    s = t + _bf2f(x[j])
-                    tmp[j] = t if t != t else s
+        _widen_sum(a, _HDR, nin, off, m, tmp, np.int16, mode == _SUB)
         if mode == _MEAN:
             n = np.float32(nin)
             for j in range(m):
@@ -552,20 +571,8 @@ def _ol_block_grads(a, g0, ng, start, m, tg, ta, dtype, gtype):
             return g
 
         return same
-    widen = _bf2f if g_t == types.int16 else _h2f
-
     def mixed(a, g0, ng, start, m, tg, ta, dtype, gtype):
-        off = start * 2
-        x = _view(a[g0] + off, m, np.uint16)
-        for j in range(m):
-            ta[j] = widen(x[j])
-        for i in range(1, ng):
-            x = _view(a[g0 + i] + off, m, np.uint16)
-            # A NaN sum keeps its first NaN (NumPy's sign): LLVM may swap an addition's operands.
-            for j in range(m):
-                t = ta[j]
-                s = t + widen(x[j])
-                ta[j] = t if t != t else s
+        _widen_sum(a, g0, ng, start * 2, m, ta, gtype, False)
         return _view(ta.ctypes.data, m, dtype)
 
     return mixed

@@ -243,19 +243,21 @@ __device__ __forceinline__ void for_each(long long begin, long long end, bool ve
 
 // (p[0][i..i+W) + p[1][i..] + ... + p[n-1][i..]) (/ divisor), summed in replica order. The loop
 // runs to kMaxReplicas with constant indices (unrolled) so that the pointers stay in registers.
-template <class T, int W>
-__device__ __forceinline__ Pack<T, W> reduce_packs(const Ptrs<T>& p, int n, int divisor, long long i) {
+// The buffers' type G is T, or (mixed precision: T float, G __half / __nv_bfloat16) a 16-bit float
+// widened exactly into T's compute type and summed there, never rounded to G.
+template <class T, int W, class G = T>
+__device__ __forceinline__ Pack<T, W> reduce_packs(const Ptrs<G>& p, int n, int divisor, long long i) {
   // The running sum in the compute type: the 16-bit floats accumulate in float32 and round once,
   // on store.
   using C = typename compute<T>::type;
-  const Pack<T, W> x0 = load<W>(p.p[0] + i);
+  const Pack<G, W> x0 = load<W>(p.p[0] + i);
   C acc[W];
 #pragma unroll
   for (int k = 0; k < W; ++k) acc[k] = to_compute(x0.v[k]);
 #pragma unroll
   for (int r = 1; r < kMaxReplicas; ++r) {
     if (r < n) {
-      const Pack<T, W> x = load<W>(p.p[r] + i);
+      const Pack<G, W> x = load<W>(p.p[r] + i);
 #pragma unroll
       for (int k = 0; k < W; ++k) acc[k] = add(acc[k], to_compute(x.v[k]));
     }

@@ -14,8 +14,8 @@
 /// D(A, T, name) for every dtype of a set: A passed through, T the C++ element type, name NumPy's.
 /// ALL is every dtype cudist's kernels support: the collectives, the batch scatter and assign_add
 /// take them all, bfloat16 (``ml_dtypes.bfloat16``; CUDA's __nv_bfloat16, summed in float32 and
-/// rounded once, see common.cuh) included. FLOAT is the floating-point ones the updates take
-/// (bfloat16 variables have no update kernel on any backend).
+/// rounded once, see common.cuh) included. FLOAT is the floating-point ones the updates take: the
+/// 16-bit floats compute in float32 and round once per stored value (bfloat16 as float16).
 #define CUDIST_DTYPES_ALL(D, A) \
   D(A, __half, float16)         \
   D(A, float, float32)          \
@@ -26,7 +26,17 @@
 #define CUDIST_DTYPES_FLOAT(D, A) \
   D(A, __half, float16)           \
   D(A, float, float32)            \
-  D(A, double, float64)
+  D(A, double, float64)           \
+  D(A, __nv_bfloat16, bfloat16)
+
+/// Mixed precision: M(A, variable dtype, gradient dtype) for every pair whose fused all-reduce +
+/// update kernels (every `mirrored_all_reduce_*` below and of the rules' table) are also
+/// instantiated `kernel<T, G>` (T the variables', G the gradients' C++ type; NumPy names here):
+/// the gradients widened exactly while summed in float32. The CuPy backend compiles their
+/// `_packed` forms through NVRTC; the C++ launchers take gradients of the variables' dtype.
+#define CUDIST_MIXED_GRADIENTS(M, A) \
+  M(A, float32, float16)             \
+  M(A, float32, bfloat16)
 
 /// X(A, kernel, SET) for every kernel (each has a pointer-table form `kernel<T>` and the by-value
 /// form `kernel_packed<T>` that the launchers and the CuPy backend launch), SET naming the

@@ -23,7 +23,9 @@
 // the host kernels (<cudist/updates.hpp>); the kernels here only load, call the rule and store
 // (RuleUpdate), picking a rule's variant (Nesterov, RMSprop's optional slots) once per launch.
 //
-// T: assign_add: float, double, __half, int, long long, __nv_bfloat16; the updates: float, double, __half.
+// T: assign_add: float, double, __half, int, long long, __nv_bfloat16; the updates: float, double,
+// __half, __nv_bfloat16 (computed in float32 and rounded once per stored value, as float16 is).
+// G (the fused all-reduce kernels' gradients): T, or __half / __nv_bfloat16 for float copies.
 #pragma once
 
 #include "common.cuh"
@@ -70,9 +72,11 @@ struct OneGrad {
 };
 
 // ... or the sum of n of them, in replica order (float16 in float32, rounded once; the fused all-reduce).
-template <class T>
+// G: the gradients' type, T's, or a 16-bit float for float32 copies (mixed precision): widened
+// exactly while summed in float32, the bits of casting each gradient to float32 first.
+template <class T, class G = T>
 struct SumGrads {
-  Ptrs<T> p;
+  Ptrs<G> p;
   int n;
 
   template <int W>
@@ -195,11 +199,11 @@ __device__ __forceinline__ void run_rule_from(const Ptrs<T> (&s)[NS], int n, con
 }
 
 // Runs rule Rule over `s` from the sum of the n_grads gradients, `decay` the weight decay (0: none).
-template <template <class, class> class Rule, class T, int NS, class... H>
-__device__ __forceinline__ void run_shared_rule(const Ptrs<T> (&s)[NS], int n, const Ptrs<T>& g, int n_grads,
+template <template <class, class> class Rule, class T, int NS, class G, class... H>
+__device__ __forceinline__ void run_shared_rule(const Ptrs<T> (&s)[NS], int n, const Ptrs<G>& g, int n_grads,
                                                 typename compute<T>::type decay, long long count, H... hyper) {
   using C = typename compute<T>::type;
-  run_rule_from<Rule, T, NS>(s, n, SumGrads<T>{g, n_grads}, Decayed<C>{decay}, count, hyper...);
+  run_rule_from<Rule, T, NS>(s, n, SumGrads<T, G>{g, n_grads}, Decayed<C>{decay}, count, hyper...);
 }
 
 // SGD (rules::sgd), from one gradient (G = OneGrad) or the sum of several (SumGrads).
@@ -298,57 +302,59 @@ __global__ void mirrored_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T
 
 namespace detail {
 
-template <class T>
-__device__ __forceinline__ void all_reduce_sgd_body(const Ptrs<T>& c, int n, const Ptrs<T>& g, int n_grads,
+template <class T, class G>
+__device__ __forceinline__ void all_reduce_sgd_body(const Ptrs<T>& c, int n, const Ptrs<G>& g, int n_grads,
                                                     typename compute<T>::type lr, long long count) {
-  run_sgd<T>(c, n, SumGrads<T>{g, n_grads}, lr, count);
+  run_sgd<T>(c, n, SumGrads<T, G>{g, n_grads}, lr, count);
 }
 
-template <class T>
-__device__ __forceinline__ void all_reduce_momentum_body(const Ptrs<T>& c, const Ptrs<T>& v, int n, const Ptrs<T>& g,
+template <class T, class G>
+__device__ __forceinline__ void all_reduce_momentum_body(const Ptrs<T>& c, const Ptrs<T>& v, int n, const Ptrs<G>& g,
                                                          int n_grads, typename compute<T>::type lr,
                                                          typename compute<T>::type momentum, int nesterov,
                                                          long long count) {
-  run_momentum<T>(c, v, n, SumGrads<T>{g, n_grads}, lr, momentum, nesterov, count);
+  run_momentum<T>(c, v, n, SumGrads<T, G>{g, n_grads}, lr, momentum, nesterov, count);
 }
 
-template <class T>
+template <class T, class G>
 __device__ __forceinline__ void all_reduce_adam_body(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n,
-                                                     const Ptrs<T>& g, int n_grads, typename compute<T>::type lr_t,
+                                                     const Ptrs<G>& g, int n_grads, typename compute<T>::type lr_t,
                                                      typename compute<T>::type beta_1,
                                                      typename compute<T>::type beta_2,
                                                      typename compute<T>::type epsilon, long long count) {
-  run_adam<T>(c, m, v, n, SumGrads<T>{g, n_grads}, lr_t, beta_1, beta_2, epsilon, count);
+  run_adam<T>(c, m, v, n, SumGrads<T, G>{g, n_grads}, lr_t, beta_1, beta_2, epsilon, count);
 }
 
 }  // namespace detail
 
 /// Fused all-reduce + SGD: g = grads[0] + ... + grads[n_grads-1] (replica order, in T), then every
 /// one of the n copies becomes copies[0] - lr * g. 1 <= n, n_grads <= kMaxReplicas.
-template <class T>
-__global__ void mirrored_all_reduce_sgd(T* const* copies, int n, T* const* grads, int n_grads,
+/// Every fused all-reduce kernel (mirrored_all_reduce_*) takes gradients of type G: T's, or a
+/// 16-bit float for float32 copies (CUDIST_MIXED_GRADIENTS in kernel_list.cuh), summed in float32.
+template <class T, class G = T>
+__global__ void mirrored_all_reduce_sgd(T* const* copies, int n, G* const* grads, int n_grads,
                                         typename detail::compute<T>::type lr, long long count) {
   detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
                                  count);
 }
-template <class T>
-__global__ void mirrored_all_reduce_sgd_packed(PtrPack<T> copies, int n, PtrPack<T> grads, int n_grads,
+template <class T, class G = T>
+__global__ void mirrored_all_reduce_sgd_packed(PtrPack<T> copies, int n, PtrPack<G> grads, int n_grads,
                                                typename detail::compute<T>::type lr, long long count) {
   detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
                                  count);
 }
 
 /// Fused all-reduce + momentum SGD (the gradients summed as in mirrored_all_reduce_sgd).
-template <class T>
-__global__ void mirrored_all_reduce_momentum(T* const* copies, T* const* vels, int n, T* const* grads, int n_grads,
+template <class T, class G = T>
+__global__ void mirrored_all_reduce_momentum(T* const* copies, T* const* vels, int n, G* const* grads, int n_grads,
                                              typename detail::compute<T>::type lr,
                                              typename detail::compute<T>::type momentum, int nesterov,
                                              long long count) {
   detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
                                       detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
 }
-template <class T>
-__global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, PtrPack<T> grads,
+template <class T, class G = T>
+__global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, PtrPack<G> grads,
                                                     int n_grads, typename detail::compute<T>::type lr,
                                                     typename detail::compute<T>::type momentum, int nesterov,
                                                     long long count) {
@@ -357,8 +363,8 @@ __global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T
 }
 
 /// Fused all-reduce + Adam (the gradients summed as in mirrored_all_reduce_sgd; lr_t bias-corrected).
-template <class T>
-__global__ void mirrored_all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, T* const* grads,
+template <class T, class G = T>
+__global__ void mirrored_all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, G* const* grads,
                                          int n_grads, typename detail::compute<T>::type lr_t,
                                          typename detail::compute<T>::type beta_1,
                                          typename detail::compute<T>::type beta_2,
@@ -366,9 +372,9 @@ __global__ void mirrored_all_reduce_adam(T* const* copies, T* const* ms, T* cons
   detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
                                   detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
 }
-template <class T>
+template <class T, class G = T>
 __global__ void mirrored_all_reduce_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
-                                                PtrPack<T> grads, int n_grads, typename detail::compute<T>::type lr_t,
+                                                PtrPack<G> grads, int n_grads, typename detail::compute<T>::type lr_t,
                                                 typename detail::compute<T>::type beta_1,
                                                 typename detail::compute<T>::type beta_2,
                                                 typename detail::compute<T>::type epsilon, long long count) {
@@ -389,9 +395,9 @@ namespace detail {
 // The pointers are loaded inside each branch (`Src`: a device table or a PtrPack): loaded before
 // the branch, all four groups' pointers stay live across it (measured: 134 registers, float64
 // sm_80, against 108 for the largest branch alone).
-template <class T, class Src>
+template <class T, class Src, class GSrc>
 __device__ __forceinline__ void rmsprop_body(const Src& c, const Src& v, const Src& mo, const Src& a, int n,
-                                             const Src& g, int n_grads, typename compute<T>::type lr,
+                                             const GSrc& g, int n_grads, typename compute<T>::type lr,
                                              typename compute<T>::type rho, typename compute<T>::type momentum,
                                              typename compute<T>::type epsilon, typename compute<T>::type decay,
                                              int has_momentum, int centered, long long count) {
@@ -420,9 +426,9 @@ __device__ __forceinline__ void rmsprop_body(const Src& c, const Src& v, const S
 
 /// Fused all-reduce + RMSprop (Keras formulation); the momentum slot is used when has_momentum,
 /// the average-gradient slot when centered (otherwise their pointers are not read).
-template <class T>
+template <class T, class G = T>
 __global__ void mirrored_all_reduce_rmsprop(T* const* copies, T* const* vels, T* const* moms, T* const* avgs, int n,
-                                            T* const* grads, int n_grads, typename detail::compute<T>::type lr,
+                                            G* const* grads, int n_grads, typename detail::compute<T>::type lr,
                                             typename detail::compute<T>::type rho,
                                             typename detail::compute<T>::type momentum,
                                             typename detail::compute<T>::type epsilon,
@@ -431,9 +437,9 @@ __global__ void mirrored_all_reduce_rmsprop(T* const* copies, T* const* vels, T*
   detail::rmsprop_body<T>(copies, vels, moms, avgs, n, grads, n_grads, lr, rho, momentum, epsilon, decay, has_momentum,
                           centered, count);
 }
-template <class T>
+template <class T, class G = T>
 __global__ void mirrored_all_reduce_rmsprop_packed(PtrPack<T> copies, PtrPack<T> vels, PtrPack<T> moms,
-                                                   PtrPack<T> avgs, int n, PtrPack<T> grads, int n_grads,
+                                                   PtrPack<T> avgs, int n, PtrPack<G> grads, int n_grads,
                                                    typename detail::compute<T>::type lr,
                                                    typename detail::compute<T>::type rho,
                                                    typename detail::compute<T>::type momentum,
@@ -452,18 +458,18 @@ __global__ void mirrored_all_reduce_rmsprop_packed(PtrPack<T> copies, PtrPack<T>
 /// hand-written kernel would be (the slots then the copies, as rmsprop_body passes them).
 #define CUDIST_RULE_KERNEL_HYPER_(A, h) typename detail::compute<T>::type h,
 #define CUDIST_RULE_KERNEL_LOAD_(A, slot) detail::load_ptrs(slot##s, n),
-#define CUDIST_RULE_KERNEL_(P, suffix, name, rule, slots, hyper)                                                   \
-  template <class T>                                                                                             \
+#define CUDIST_RULE_KERNEL_(P, GP, suffix, name, rule, slots, hyper)                                               \
+  template <class T, class G = T>                                                                                \
   __global__ void mirrored_all_reduce_##name##suffix(                                                            \
-      P copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, P, slots) int n, P grads, int n_grads,                          \
+      P copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, P, slots) int n, GP grads, int n_grads,                         \
       CUDIST_PP_MAP(CUDIST_RULE_KERNEL_HYPER_, ~, hyper) typename detail::compute<T>::type decay, long long count) { \
     const detail::Ptrs<T> s[] = {CUDIST_PP_MAP(CUDIST_RULE_KERNEL_LOAD_, ~, slots) detail::load_ptrs(copies, n)};  \
     detail::run_shared_rule<rules::rule>(s, n, detail::load_ptrs(grads, n_grads), n_grads, decay,                  \
                                          count CUDIST_PP_MAP(CUDIST_PP_LEAD, , hyper));                          \
   }
 #define CUDIST_RULE_KERNELS_(A, name, rule, slots, hyper)             \
-  CUDIST_RULE_KERNEL_(T* const*, , name, rule, slots, hyper)          \
-  CUDIST_RULE_KERNEL_(PtrPack<T>, _packed, name, rule, slots, hyper)
+  CUDIST_RULE_KERNEL_(T* const*, G* const*, , name, rule, slots, hyper)          \
+  CUDIST_RULE_KERNEL_(PtrPack<T>, PtrPack<G>, _packed, name, rule, slots, hyper)
 CUDIST_UPDATE_RULE_LIST(CUDIST_RULE_KERNELS_, ~)
 #undef CUDIST_RULE_KERNELS_
 #undef CUDIST_RULE_KERNEL_

@@ -19,7 +19,7 @@ from cudist._reduce_util import ReduceOp
 if TYPE_CHECKING:
     from cudist._dataplane.transports.mpi import Communicator
 
-__all__ = ["load", "dtype_codes", "communicators_for", "all_reduce", "WorkerCommunicator", "UNIQUE_ID_BYTES"]
+__all__ = ["load", "dtype_codes", "bfloat16_code", "BFLOAT16_MIN_VERSION", "communicators_for", "all_reduce", "WorkerCommunicator", "UNIQUE_ID_BYTES"]
 
 #: ``NCCL_UNIQUE_ID_BYTES``: the length of the tuple ``get_unique_id()`` returns.
 UNIQUE_ID_BYTES = 128
@@ -39,19 +39,59 @@ def load() -> tuple[ModuleType, None] | tuple[None, str]:
     return nccl, None
 
 
-def dtype_codes(nccl: ModuleType) -> dict[np.dtype[Any], int]:
-    """NumPy dtype -> NCCL data type code, for the dtypes the kernels support.
+#: ``ncclGetVersion()`` of the first NCCL with ``ncclBfloat16`` (2.10.0: ``major * 10000 + minor * 100``).
+BFLOAT16_MIN_VERSION = 21000
+
+
+def bfloat16_code(nccl: ModuleType) -> int | None:
+    """NCCL's ``ncclBfloat16`` code (9), or None where NCCL or CuPy lack it (NCCL before 2.10, a CuPy
+    without the constant, no ``ml_dtypes``: then bfloat16 stays on the staged path).
+
+    NCCL's bfloat16 SUM adds two bfloat16 values and rounds the sum to bfloat16 at every step of its
+    ring or tree (``FuncSum<__nv_bfloat16>``: ``__hadd`` from sm_80, float32 addition rounded with
+    ``__floats2bfloat162_rn`` before), in its own order, and a NaN comes out as CUDA's 0x7fff.
 
     Args:
         nccl: the ``cupy.cuda.nccl`` module (see :func:`load`).
     """
-    return {
+    code = getattr(nccl, "NCCL_BFLOAT16", None)
+    if code is None:
+        return None
+    try:
+        version = int(nccl.get_version())
+    except Exception:  # noqa: BLE001 - a CuPy that cannot say: the staged path, which every version has
+        return None
+    if version < BFLOAT16_MIN_VERSION:
+        return None
+    try:
+        import ml_dtypes  # noqa: F401, PLC0415 - optional: NumPy knows no bfloat16 without it
+    except ImportError:
+        return None
+    return int(code)
+
+
+def dtype_codes(nccl: ModuleType, *, bfloat16: bool = False) -> dict[np.dtype[Any], int]:
+    """NumPy dtype -> NCCL data type code, for the dtypes the kernels support.
+
+    Args:
+        nccl: the ``cupy.cuda.nccl`` module (see :func:`load`).
+        bfloat16: also ``ml_dtypes.bfloat16`` where NCCL has it (:func:`bfloat16_code`). Only the
+            cross-worker communicator asks: within a process the kernels sum bfloat16 in float32
+            and round once, which NCCL's per-step bfloat16 rounding would not match.
+    """
+    codes: dict[np.dtype[Any], int] = {
         np.dtype(np.float16): nccl.NCCL_FLOAT16,
         np.dtype(np.float32): nccl.NCCL_FLOAT32,
         np.dtype(np.float64): nccl.NCCL_FLOAT64,
         np.dtype(np.int32): nccl.NCCL_INT32,
         np.dtype(np.int64): nccl.NCCL_INT64,
     }
+    code = bfloat16_code(nccl) if bfloat16 else None
+    if code is not None:
+        import ml_dtypes  # noqa: PLC0415 - present: bfloat16_code checked
+
+        codes[np.dtype(ml_dtypes.bfloat16)] = code
+    return codes
 
 
 _comm_lock = threading.Lock()
@@ -148,7 +188,7 @@ class WorkerCommunicator:
     def __init__(self, nccl: ModuleType, comm: Communicator) -> None:
         self._nccl = nccl
         self._comm = comm
-        self._codes = dtype_codes(nccl)
+        self._codes = dtype_codes(nccl, bfloat16=True)
         self._nc: Any = None  # the NcclCommunicator, once created
         self._broken: str | None = None
         self.device: int | None = None
@@ -161,7 +201,8 @@ class WorkerCommunicator:
 
     @property
     def dtypes(self) -> frozenset[np.dtype[Any]]:
-        """The dtypes NCCL all-reduces here (the others are staged through MPI)."""
+        """The dtypes NCCL all-reduces here (the others are staged through MPI): bfloat16 too from
+        NCCL 2.10 (:func:`bfloat16_code`)."""
         return frozenset(self._codes)
 
     def _where(self) -> str:

@@ -149,20 +149,26 @@ class RawModule:
     def get_function(self, name: str) -> RawKernel:
         if self.name_expressions and name not in self.name_expressions:
             raise CUDADriverError(CUDA_ERROR_NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: named symbol not found ({name!r} is not among name_expressions)")
-        m = re.fullmatch(r"cudist::kernels::(\w+)<(.+)>", name)
-        if m is None or m.group(2) not in _CTYPE_TO_DTYPE or m.group(1) not in self._sigs:
+        # kernel<T>, or a fused kernel's mixed-precision kernel<T, G> (G: the gradients' type).
+        m = re.fullmatch(r"cudist::kernels::(\w+)<([\w ]+?)(?:, ([\w ]+))?>", name)
+        if (m is None or m.group(2) not in _CTYPE_TO_DTYPE or m.group(1) not in self._sigs
+                or (m.group(3) is not None and m.group(3) not in _CTYPE_TO_DTYPE)):
             raise CUDADriverError(CUDA_ERROR_NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: named symbol not found ({name!r})")
         kernel, dtype = m.group(1), _CTYPE_TO_DTYPE[m.group(2)]
-        if dtype == "bfloat16":
+        gdtype = _CTYPE_TO_DTYPE[m.group(3)] if m.group(3) is not None else dtype
+        if "bfloat16" in (dtype, gdtype):
             import ml_dtypes  # noqa: PLC0415, F401 - NumPy knows the name "bfloat16" once it is imported
         # A `_packed` kernel runs through the emulated pointer-table form of the same kernel (same
         # parameters in the same order, one body): its PtrPack arguments become host tables. The
         # packed bodies themselves run in tests/test_cuda_emulated.py through the C++ launchers.
         entry = kernel[: -len("_packed")] if kernel.endswith("_packed") else kernel
-        fn = getattr(_library(), f"cudist_emu_{entry}_{dtype}", None)
+        suffix = dtype if gdtype == dtype else f"{dtype}_g{gdtype}"
+        fn = getattr(_library(), f"cudist_emu_{entry}_{suffix}", None)
         if fn is None:
             raise CUDADriverError(CUDA_ERROR_NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: no emulated entry point for {name!r}")
-        return RawKernel._make(name, entry, np.dtype(dtype), self._sigs[kernel], fn, self._max_replicas)
+        kern = RawKernel._make(name, entry, np.dtype(dtype), self._sigs[kernel], fn, self._max_replicas)
+        kern.gdtype = np.dtype(gdtype)
+        return kern
 
 
 def _dim3(v, what):
@@ -179,6 +185,7 @@ class RawKernel:
     def _make(cls, name, kernel, dtype, params, fn, max_replicas):
         self = cls.__new__(cls)
         self.name, self._entry, self.dtype, self.params, self._fn, self._max = name, kernel, dtype, params, fn, max_replicas
+        self.gdtype = dtype  # the gradients' dtype (a mixed-precision fused kernel's differs)
         self.launches = 0
         return self
 
@@ -305,11 +312,12 @@ class RawKernel:
         self.launches += 1
 
     def _check_pointers(self, touched, dev, *, pooled, since=None):
-        item = self.dtype.itemsize
         allocs = []
         for what, p, count in touched:
             if count <= 0:
                 continue
+            # The gradients of a mixed-precision kernel are 16-bit: their extent and alignment.
+            item = (self.gdtype if what.startswith("grads") else self.dtype).itemsize
             if p % item:
                 raise RuntimeError(f"cudaErrorMisalignedAddress: {self.name} {what} = {p:#x} is not {item}-byte aligned")
             allocs.append(_emu.check_range(p, count * item, f"{self.name} {what}", device=dev, pooled=pooled, since=since))

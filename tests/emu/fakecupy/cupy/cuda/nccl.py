@@ -51,6 +51,12 @@ NCCL_BFLOAT16 = 9
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 
 _DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16, 7: np.float32, 8: np.float64}
+try:  # ncclBfloat16 (NCCL >= 2.10) needs NumPy to know bfloat16
+    import ml_dtypes as _ml_dtypes
+
+    _DTYPES[NCCL_BFLOAT16] = _ml_dtypes.bfloat16
+except ImportError:
+    _ml_dtypes = None
 _OPS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}
 
 
@@ -131,15 +137,25 @@ def _launch(calls):
                 _emu.enqueue(q, run, "ncclAllReduce", deps=before)
 
 
+def _cuda_nan(acc, dt):
+    """A bfloat16 NaN as CUDA's arithmetic writes it (0x7fff, whatever its operands' signs and
+    payloads: ``__hadd`` / ``__floats2bfloat162_rn``), where ml_dtypes' rounding gives 0x7fc0."""
+    if _ml_dtypes is not None and dt == np.dtype(_ml_dtypes.bfloat16):
+        u = acc.view(np.uint16)
+        u[(u & 0x7FFF) > 0x7F80] = 0x7FFF
+    return acc
+
+
 def _combine(ins, op, dt):
-    """The reduction of ``ins`` (rank order) as NCCL's ``op`` gives it in dtype ``dt``."""
+    """The reduction of ``ins`` (rank order) as NCCL's ``op`` gives it in dtype ``dt``: rounded to
+    ``dt`` after every operation (NCCL's FuncSum of two 16-bit floats returns a 16-bit float)."""
     acc = ins[0].copy()
     if op == NCCL_AVG:
         for x in ins[1:]:
-            acc = np.add(acc, x, dtype=dt)
-        return (acc / len(ins)).astype(dt)
+            acc = _cuda_nan(np.add(acc, x, dtype=dt), dt)
+        return _cuda_nan((acc / len(ins)).astype(dt), dt)
     for x in ins[1:]:
-        acc = _OPS[op](acc, x).astype(dt)
+        acc = _cuda_nan(_OPS[op](acc, x).astype(dt), dt)
     return acc
 
 
