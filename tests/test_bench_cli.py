@@ -449,9 +449,9 @@ def test_update_covers_every_optimizer(tmp_path):
     from cudist.bench._ops import UPDATE_OPTIMIZERS
 
     assert tuple(_cli.UPDATE_OPTIMIZERS) == UPDATE_OPTIMIZERS
-    assert set(UPDATE_OPTIMIZERS) >= {"sgd", "momentum", "adam", "adamw", "rmsprop", "rmsprop_centered", "adagrad",
+    assert set(UPDATE_OPTIMIZERS) >= {"sgd", "momentum", "adam", "adamw", "rmsprop", "rmsprop_momentum_average_gradient", "adagrad",
                                       "adamax", "nadam", "lion"}
-    moved = {"rmsprop": (3, 2), "rmsprop_centered": (5, 4), "adagrad": (3, 2), "lion": (3, 2), "adamw": (4, 3),
+    moved = {"rmsprop": (3, 2), "rmsprop_momentum_average_gradient": (5, 4), "rmsprop_momentum": (4, 3), "adagrad": (3, 2), "lion": (3, 2), "adamw": (4, 3),
              "adamax": (4, 3), "nadam": (4, 3)}
     for opt, (r, w) in moved.items():
         rc, doc = _run(tmp_path, "update", "--optimizer", opt, *TINY, "--replicas", "3", "-d", "float32,float16")

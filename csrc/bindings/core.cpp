@@ -905,11 +905,11 @@ void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, doub
 }
 
 // ---------------------------------------------------------------------------------------------
-// RMSprop and the optimizers of CUDIST_UPDATE_RULES: one inspection for the plain form (``grad``, one
+// The optimizers of CUDIST_UPDATE_RULES: one inspection for the plain form (``grad``, one
 // array) and the fused all-reduce form (``grads``, one or more).
 struct update_args {
   std::vector<void*> p;                 // the variable's copies
-  std::vector<void*> slot[3];           // slot copies (empty: the slot is absent)
+  std::vector<void*> slot[8];           // slot copies (CUDIST_PP_MAP's bound on a row's slots)
   std::vector<void*> pg;                // the gradients (one for the plain form)
   std::vector<py::tuple> keep;          // the arrays, held while the kernel runs
   std::size_t size = 0;
@@ -918,7 +918,7 @@ struct update_args {
 
   template <class T>
   T* const* slot_ptrs(int s) {
-    return slot[s].empty() ? nullptr : typed<T>(slot[s]);
+    return typed<T>(slot[s]);
   }
   template <class G>
   const G* const* grads() const {
@@ -932,19 +932,14 @@ struct update_args {
   }
 };
 
-// ``slots``: (array list or None, name); None is allowed only where ``optional``.
+// ``slots``: (array list, name).
 update_args inspect_update(const char* where, py::handle copies,
-                           std::initializer_list<std::tuple<py::handle, const char*, bool>> slots, py::handle g,
-                           bool fused) {
+                           std::initializer_list<std::pair<py::handle, const char*>> slots, py::handle g, bool fused) {
   update_args u;
   u.keep.push_back(inspect_all(copies, where, "copy", true, u.p, u.size, u.k));
   int s = 0;
-  for (const auto& [h, name, optional] : slots) {
-    if (h.is_none()) {
-      if (!optional) throw py::type_error(std::string(where) + ": the " + name + " slot copies are required");
-      ++s;
-      continue;
-    }
+  for (const auto& [h, name] : slots) {
+    if (h.is_none()) throw py::type_error(std::string(where) + ": the " + name + " slot copies are required");
     std::size_t ssize = 0;
     kind ks;
     u.keep.push_back(inspect_all(h, where, (std::string(name) + " copy").c_str(), true, u.slot[s], ssize, ks));
@@ -969,20 +964,6 @@ update_args inspect_update(const char* where, py::handle copies,
 template <class F>
 void run_mixed_update_call(update_args& u, const char* where, F&& fn) {
   dispatch_mixed(u.k, u.kg, where, [&](auto t, auto tg) { maybe_nogil(u.bytes_moved(), [&] { fn(t, tg); }); });
-}
-
-void rmsprop_any(bool fused, py::handle copies, py::handle vels, py::handle moms, py::handle avgs, py::handle g,
-                 double lr, double rho, double momentum, double eps, double decay) {
-  const char* where = fused ? "all_reduce_rmsprop" : "rmsprop";
-  update_args u = inspect_update(
-      where, copies, {{vels, "velocity", false}, {moms, "momentum", true}, {avgs, "average_gradient", true}}, g, fused);
-  run_mixed_update_call(u, where, [&](auto t, auto tg) {
-    using T = decltype(t);
-    using G = decltype(tg);
-    cudist::detail::rmsprop_update<T, G>(typed<T>(u.p), u.slot_ptrs<T>(0), u.slot_ptrs<T>(1), u.slot_ptrs<T>(2),
-                                         u.p.size(), u.size, u.grads<G>(), u.pg.size(), lr, rho, momentum, eps, decay,
-                                         &cudist::thread_pool::global());
-  });
 }
 
 // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>): their plain and fused
@@ -1011,7 +992,7 @@ void def_rule(py::module_& m, const char* name, const std::array<const char*, si
         where.c_str(),
         [fused, where, slots](py::handle copies, handle_at<S>... slot_copies, py::handle g, double_at<H>... h,
                               double decay) {
-          update_args u = inspect_update(where.c_str(), copies, {std::make_tuple(slot_copies, slots[S], false)...}, g,
+          update_args u = inspect_update(where.c_str(), copies, {std::make_pair(slot_copies, slots[S])...}, g,
                                          fused);
           run_mixed_update_call(u, where.c_str(), [&](auto t, auto tg) {
             using T = decltype(t);
@@ -1353,19 +1334,6 @@ PYBIND11_MODULE(_core, m) {
 
   // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table.
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
-  // RMSprop: the plain form and the fused all-reduce form.
-  m.def("rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr, double rho,
-                      double mom, double eps, double decay) { rmsprop_any(false, c, v, mo, a, g, lr, rho, mom, eps, decay); },
-        py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grad"),
-        py::arg("lr"), py::arg("rho"), py::arg("momentum"), py::arg("epsilon"), py::arg("decay"),
-        "RMSprop (Keras formulation); ``momentums`` / ``average_grads`` None when absent.");
-  m.def("all_reduce_rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr,
-                                 double rho, double mom, double eps, double decay) {
-          rmsprop_any(true, c, v, mo, a, g, lr, rho, mom, eps, decay);
-        },
-        py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grads"),
-        py::arg("lr"), py::arg("rho"), py::arg("momentum"), py::arg("epsilon"), py::arg("decay"),
-        "Fused: the sum of ``grads``, then RMSprop; one pass.");
   m.def(
       "num_threads", [] { return cudist::thread_pool::global().size(); },
       "Threads the kernels use (the calling thread included).");

@@ -119,7 +119,7 @@ def adam(
 ) -> None:
     """Adam (Keras formulation) with the bias-corrected step size ``lr_t``."""
 
-# RMSprop and the optimizers of the rules' table: ``decay`` is weight_decay * lr (0: none).
+# The optimizers of the rules' table: ``decay`` is weight_decay * lr (0: none).
 
 def __getattr__(name: str) -> Callable[..., None]:
     """The optimizers of the rules' table (CUDIST_UPDATE_RULES in csrc/include/cudist/detail/update_rules.hpp),
@@ -129,34 +129,6 @@ def __getattr__(name: str) -> Callable[..., None]:
     that adding a row to the table needs no stub edit (tests/test_typing.py checks the bound signatures
     against the table)."""
 
-
-def rmsprop(
-    copies: _Arrays,
-    velocities: _Arrays,
-    momentums: _Arrays | None,
-    average_grads: _Arrays | None,
-    grad: _Array,
-    lr: _Float,
-    rho: _Float,
-    momentum: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """RMSprop (Keras formulation); ``momentums`` / ``average_grads`` None when absent."""
-
-def all_reduce_rmsprop(
-    copies: _Arrays,
-    velocities: _Arrays,
-    momentums: _Arrays | None,
-    average_grads: _Arrays | None,
-    grads: _Arrays,
-    lr: _Float,
-    rho: _Float,
-    momentum: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then RMSprop; one pass."""
 
 def reduce_to_one_shared(
     bufs: _Arrays, op: _Op, out: _Array | Callable[[tuple[int, ...], np.dtype[Any]], _Array]

@@ -1,6 +1,6 @@
 /// @file updates.hpp
 /// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
-/// momentum (optionally Nesterov), Adam, RMSprop and the optimizers of CUDIST_UPDATE_RULE_LIST
+/// momentum (optionally Nesterov), Adam and the optimizers of CUDIST_UPDATE_RULE_LIST
 /// (<cudist/detail/update_rules.hpp>), and the fused all-reduce + update forms (all_reduce_sgd, ...)
 /// that sum M gradients in the same pass.
 ///
@@ -490,7 +490,7 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
 }
 
 // ---------------------------------------------------------------------------------------------
-// The optimizers of Keras 3 beyond SGD and Adam: RMSprop and those of CUDIST_UPDATE_RULE_LIST.
+// The optimizers of CUDIST_UPDATE_RULE_LIST (Keras 3's beyond SGD and Adam).
 //
 // Each follows cudist's NumPy reference (src/cudist/_kernels/_numpy.py) operation by operation, in
 // the compute type (float32 for half): copy 0 of the variable and of every slot is read, the
@@ -498,54 +498,6 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
 // is not 0, then the update; every slot and the variable are written to all n copies in one pass.
 // The ``all_reduce_*`` forms first sum m gradients as all_reduce_sgd() does.
 
-
-namespace detail {
-
-/// The body of all_reduce_rmsprop(), for gradients of type ``G`` (T, or narrower: mixed precision).
-template <class T, class G>
-void rmsprop_update(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
-                    std::size_t n, std::size_t count, const G* const* grads, std::size_t m, double lr, double rho,
-                    double momentum, double epsilon, double decay, thread_pool* pool) {
-  if (momentums != nullptr && average_grads != nullptr) {
-    T* const* const state[4] = {velocities, momentums, average_grads, copies};
-    run_rule<rules::rmsprop_centered_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum,
-                                                       epsilon);
-  } else if (momentums != nullptr) {
-    T* const* const state[3] = {velocities, momentums, copies};
-    run_rule<rules::rmsprop_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  } else if (average_grads != nullptr) {
-    T* const* const state[3] = {velocities, average_grads, copies};
-    run_rule<rules::rmsprop_centered>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  } else {
-    T* const* const state[2] = {velocities, copies};
-    run_rule<rules::rmsprop>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  }
-}
-
-}  // namespace detail
-
-/// Fused all-reduce + RMSprop (Keras formulation). ``momentums`` (momentum > 0) and
-/// ``average_grads`` (centered) may be null when the optimizer has no such slot:
-/// ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a + (1 - rho) * g``,
-/// ``d = v - a*a + epsilon``, else ``d = v + epsilon``; ``inc = lr * g / sqrt(d)``; with momentums
-/// ``mo = momentum * mo + inc; w -= mo``, else ``w -= inc`` (after ``w -= w * decay``).
-template <class T>
-void all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
-                        std::size_t n, std::size_t count, const T* const* grads, std::size_t m, double lr, double rho,
-                        double momentum, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_rmsprop needs a floating-point type");
-  detail::rmsprop_update<T, T>(copies, velocities, momentums, average_grads, n, count, grads, m, lr, rho, momentum,
-                               epsilon, decay, pool);
-}
-
-/// RMSprop on N copies (see all_reduce_rmsprop()).
-template <class T>
-void rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, std::size_t n,
-             std::size_t count, const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
-             thread_pool* pool = &thread_pool::global()) {
-  all_reduce_rmsprop<T>(copies, velocities, momentums, average_grads, n, count, &grad, 1, lr, rho, momentum, epsilon,
-                        decay, pool);
-}
 
 /// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST
 /// (<cudist/detail/update_rules.hpp>, where each rule's formula is documented), generated:

@@ -73,7 +73,7 @@ class Rule:
         scalars: the rule's scalars in the table's order, the weight decay excluded.
         decay: the decoupled weight decay ``w -= w * decay`` of this step (0: none).
         slots: per slot of the rule, the index of the optimizer's slot that fills it, or None for
-            a slot the rule leaves out (RMSprop's optional ones); None: the optimizer's slots in order.
+            a slot the rule leaves out (one of its OPTIONAL_SLOTS); None: the optimizer's slots in order.
 
     Raises:
         ValueError: a rule the table does not have, or the wrong number of scalars.
@@ -105,7 +105,7 @@ class Rule:
         """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``)."""
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
-        args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
+        args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
         getattr(kernels, self.kernel)(copies, *args, grad, *self.scalars)
 
     def run_fused(
@@ -114,7 +114,7 @@ class Rule:
         """As :meth:`run`, from per-replica ``grads`` summed in the same pass."""
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
-        args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
+        args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
         getattr(kernels, self.fused)(copies, *args, grads, *self.scalars)
 
     def _slot_args(self, slots: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...] | None, ...]:

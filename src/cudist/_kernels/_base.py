@@ -54,6 +54,9 @@ __all__ = [
     "adam_lr_t",
     "momentum_schedule_step",
     "UPDATE_KERNELS",
+    "OPTIONAL_SLOTS",
+    "update_variants",
+    "variant_of",
 ]
 
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
@@ -100,8 +103,8 @@ def momentum_schedule_step(beta_1: float, beta_2: float, step: int, u_product: f
 
 #: The optimizer update kernels of the contract: name -> (slot names, trusted hyper-parameters).
 #: Each has a plain form ``name(copies, *slots, grad, *hyper)`` and a fused all-reduce form
-#: ``all_reduce_<name>(copies, *slots, grads, *hyper)``; a slot given as None is absent (rmsprop's
-#: optional momentum and average-gradient slots). The trusted entry points (:class:`TrustedKernels`),
+#: ``all_reduce_<name>(copies, *slots, grads, *hyper)``; a slot given as None is absent (those of
+#: OPTIONAL_SLOTS). The trusted entry points (:class:`TrustedKernels`),
 #: the native backend's hooks and the fused forms' default hooks are generated from this table.
 UPDATE_KERNELS = {
     "sgd": ((), ("lr",)),
@@ -115,6 +118,38 @@ UPDATE_KERNELS = {
     "nadam": (("m", "v"), ("lr", "beta_1", "beta_2", "epsilon", "c_m", "c_g", "c_v", "decay")),
     "lion": (("m",), ("lr", "beta_1", "beta_2", "decay")),
 }
+
+#: The slots of an UPDATE_KERNELS row that a call may give as None (absent). Each combination of
+#: them is a variant of the rule with its slots fixed: a row of the C++ table of its own
+#: (``CUDIST_UPDATE_RULE_LIST``), named ``<name>_<slot>...`` after the optional slots it has, in the
+#: row's order, which the native and CUDA hooks pick per call (:func:`variant_of`).
+OPTIONAL_SLOTS: dict[str, tuple[str, ...]] = {
+    "rmsprop": ("momentum", "average_gradient"),
+}
+
+
+def update_variants() -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """Every kernel of the C++ rules' table: variant name -> (its UPDATE_KERNELS row, its slots, the
+    row's hyper-parameters), in the rows' order; a row without optional slots is its one variant.
+    Computed from the tables when called (a row added to them is in it)."""
+    out = {}
+    for name, (slots, hyper) in UPDATE_KERNELS.items():
+        optional = OPTIONAL_SLOTS.get(name, ())
+        for mask in range(1 << len(optional)):
+            present = {s for i, s in enumerate(optional) if mask >> i & 1}
+            kept = tuple(s for s in slots if s not in optional or s in present)
+            out[name + "".join(f"_{s}" for s in slots if s in present)] = (name, kept, hyper)
+    return out
+
+
+def variant_of(name: str, slots: Sequence[Any]) -> tuple[str, tuple[Any, ...]]:
+    """The variant of row ``name`` that the slot arguments ``slots`` (None: absent) call for, and
+    the slots it takes (those given)."""
+    optional = OPTIONAL_SLOTS.get(name)
+    if not optional:
+        return name, tuple(slots)
+    suffix = "".join(f"_{s}" for s, a in zip(UPDATE_KERNELS[name][0], slots) if a is not None and s in optional)
+    return name + suffix, tuple(a for a in slots if a is not None)
 
 
 class KernelBackend:

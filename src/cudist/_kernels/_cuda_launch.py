@@ -51,7 +51,8 @@ _DTYPE = re.compile(r"\bD\(A,\s*([\w ]+?),\s*(\w+)\)")
 _KERNELS = re.compile(_MACRO.format(name="CUDIST_KERNELS", params=r"X, A"))
 _KERNEL = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+)\)")
 _RULES = re.compile(_MACRO.format(name="CUDIST_UPDATE_RULE_LIST", params=r"X, A"))
-_RULE = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+),\s*\(([^()]*)\),\s*\(([^()]*)\)\)")
+# A row may continue on the next line (``\`` and a newline are blanks to it).
+_RULE = re.compile(r"\bX\(A,[\s\\]*(\w+),[\s\\]*(\w+),[\s\\]*\(([^()]*)\),[\s\\]*\(([^()]*)\)\)")
 
 
 def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
@@ -64,7 +65,7 @@ def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple
     if body is None:
         raise ValueError(f"{UPDATE_RULES}: no CUDIST_UPDATE_RULE_LIST(X, A) macro found")
     rows = {
-        name: (rule, tuple(s.strip() for s in slots.split(",")), tuple(h.strip() for h in hyper.split(",")))
+        name: (rule, tuple(s.strip(" \\\n") for s in slots.split(",")), tuple(h.strip(" \\\n") for h in hyper.split(",")))
         for name, rule, slots, hyper in _RULE.findall(body.group(1))
     }
     if not rows:

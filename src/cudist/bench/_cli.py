@@ -231,7 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, parents=[_common_parser()], help=helps[name], description=helps[name])
         if name == "update":
             sp.add_argument("--optimizer", type=str.lower, choices=UPDATE_OPTIMIZERS, default="sgd",
-                            help="update rule (default sgd; rmsprop_centered: RMSprop with momentum, centered)")
+                            help="update rule: a kernel variant of the rules' table (default sgd)")
     sp = sub.add_parser(
         "run-overhead",
         parents=[_common_parser(sizes=False, defaults={"n": 200, "w": 20})],

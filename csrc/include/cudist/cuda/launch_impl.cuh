@@ -375,9 +375,9 @@ cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n,
 }
 
 namespace detail {
-// The fused updates of RMSprop and the rules' table: the gradients packed (more than kMaxReplicas
+// The fused updates of the rules' table: the gradients packed (more than kMaxReplicas
 // pre-reduced), `launch(k, grads, n_grads)` on copies [0, k) of every group, then copy 0 of each
-// non-null group broadcast to the other copies.
+// group broadcast to the other copies.
 template <class T, class Launch>
 cudaError_t run_fused(std::initializer_list<T* const*> groups, int n, const T* const* grads, int m, long long count,
                       cudaStream_t stream, Launch&& launch) {
@@ -392,44 +392,12 @@ cudaError_t run_fused(std::initializer_list<T* const*> groups, int n, const T* c
   if (tmp != nullptr) cudaFreeAsync(tmp, stream);
   if (e != cudaSuccess) return e;
   for (T* const* group : groups) {
-    if (group == nullptr) continue;
     e = broadcast_from<T>(group[0], group, k, n, count, stream);
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
-template <class T>
-inline PtrPack<T> pack_or_null(T* const* ptrs, int n) {
-  return ptrs == nullptr ? PtrPack<T>{} : pack(ptrs, n);
-}
 }  // namespace detail
-template <class T>
-cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
-                               int n, const T* const* grads, int m, double lr, double rho, double momentum,
-                               double epsilon, double decay, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || velocities == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>(
-      {velocities, momentums, average_grads, copies}, n, grads, m, count, stream,
-      [&](int k, const detail::PtrPack<T>& g, int ng) {
-        CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_rmsprop_packed<T>, detail::grid_for<T>(count),
-                             detail::kThreads, stream, detail::pack(copies, k), detail::pack(velocities, k),
-                             detail::pack_or_null(momentums, k), detail::pack_or_null(average_grads, k), k, g, ng,
-                             static_cast<C>(lr), static_cast<C>(rho), static_cast<C>(momentum), static_cast<C>(epsilon),
-                             static_cast<C>(decay), momentums != nullptr ? 1 : 0, average_grads != nullptr ? 1 : 0,
-                             count);
-      });
-}
-template <class T>
-cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, int n,
-                    const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
-                    long long count, cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_rmsprop<T>(copies, velocities, momentums, average_grads, n, &grad, 1, lr, rho, momentum, epsilon,
-                               decay, count, stream);
-}
 // The launchers of CUDIST_UPDATE_RULE_LIST's kernels (declared in <cudist/cuda/launch.hpp>): every
 // slot must be given; the fused form runs the rule's kernel over the slots then the copies.
 #define CUDIST_CUDA_RULE_NULL_(A, slot) || slot##s == nullptr

@@ -42,5 +42,4 @@
   X(A, mirrored_adam, FLOAT)                  \
   X(A, mirrored_all_reduce_sgd, FLOAT)        \
   X(A, mirrored_all_reduce_momentum, FLOAT)   \
-  X(A, mirrored_all_reduce_adam, FLOAT)       \
-  X(A, mirrored_all_reduce_rmsprop, FLOAT)
+  X(A, mirrored_all_reduce_adam, FLOAT)
