@@ -172,8 +172,9 @@ void updates() {
   cudist::sgd(p.data(), n, count, grad.data(), 0.25);
   check(static_cast<double>(b[1][0]) == 0.5, "sgd");
   cudist::momentum(p.data(), p.data() + n, n, count, grad.data(), 0.1, 0.9, true);
-  cudist::adam(p.data(), p.data() + n, p.data() + 2 * n, n, count, grad.data(), cudist::adam_lr_t(0.1, 0.9, 0.999, 1),
-               0.9, 0.999, 1e-7);
+  // Adam: the adamw row without weight decay.
+  cudist::adamw(p.data(), p.data() + n, p.data() + 2 * n, n, count, grad.data(), cudist::adam_lr_t(0.1, 0.9, 0.999, 1),
+                0.9, 0.999, 1e-7, 0.0);
   // AdamW ... Lion, plain and fused (two gradients), RMSprop's variants with and without its optional slots.
   T* const* c = p.data();
   T* const* s1 = p.data() + n;

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudist._kernels import UPDATE_KERNELS, update_variants, adam_lr_t, momentum_schedule_step
+from cudist._kernels import UPDATE_KERNELS, update_variants, bias_corrected_lr, momentum_schedule_step
 from cudist._kernels._cuda_launch import parse_update_rules
 from cudist._kernels._numpy import NumpyBackend
 
@@ -114,10 +114,10 @@ def _params(rng, name):
     eps, wd, step = float(rng.choice([1e-7, 1e-3])), float(rng.choice([0.0, 0.004, 0.1])), int(rng.integers(1, 40))
     if name in ("adamw", "amsgrad"):
         return (dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, weight_decay=wd),
-                (adam_lr_t(lr, b1, b2, step), b1, b2, eps, wd * lr))
+                (bias_corrected_lr(lr, b1, b2, step), b1, b2, eps, wd * lr))
     if name == "adamax":
         return (dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, weight_decay=wd),
-                (adam_lr_t(lr, b1, 0.0, step), b1, b2, eps, wd * lr))
+                (bias_corrected_lr(lr, b1, 0.0, step), b1, b2, eps, wd * lr))
     if name == "nadam":
         u = 1.0
         for t in range(1, step):

@@ -830,30 +830,6 @@ void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, d
   });
 }
 
-void all_reduce_adam(py::handle copies, py::handle ms, py::handle vs, py::handle grads, double lr_t, double b1,
-                     double b2, double eps) {
-  const char* where = "all_reduce_adam";
-  std::vector<void*> p, pm, pv, pg;
-  std::size_t size = 0, msize = 0, vsize = 0;
-  kind k, km, kv;
-  const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
-  const py::tuple keep_m = inspect_all(ms, where, "m copy", true, pm, msize, km);
-  const py::tuple keep_v = inspect_all(vs, where, "v copy", true, pv, vsize, kv);
-  if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
-    throw py::value_error("all_reduce_adam: the m and v slots must match the variable copies in number, dtype and size");
-  kind kg;
-  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
-  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
-    using T = decltype(t);
-    using G = decltype(tg);
-    maybe_nogil((3 * p.size() + 3) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
-      T* const* const state[3] = {typed<T>(pm), typed<T>(pv), typed<T>(p)};
-      cudist::detail::run_rule<cudist::rules::adam>(state, p.size(), size, reinterpret_cast<const G* const*>(pg.data()),
-                                                    pg.size(), 0.0, &cudist::thread_pool::global(), lr_t, b1, b2, eps);
-    });
-  });
-}
-
 void sgd(py::handle copies, py::handle grad, double lr) {
   std::vector<void*> p;
   std::size_t size = 0;
@@ -880,26 +856,6 @@ void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, do
     using T = decltype(t);
     maybe_nogil((2 * p.size() + 3) * size * sizeof(T), [&] {
       cudist::momentum<T>(typed<T>(p), typed<T>(pv), p.size(), size, static_cast<const T*>(g), lr, mom, nesterov);
-    });
-  });
-}
-
-void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, double lr_t, double b1, double b2,
-          double eps) {
-  std::vector<void*> p, pm, pv;
-  std::size_t size = 0, msize = 0, vsize = 0;
-  kind k, km, kv;
-  const py::tuple keep = inspect_all(copies, "adam", "copy", true, p, size, k);
-  const py::tuple keep_m = inspect_all(ms, "adam", "m copy", true, pm, msize, km);
-  const py::tuple keep_v = inspect_all(vs, "adam", "v copy", true, pv, vsize, kv);
-  if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
-    throw py::value_error("adam: the m and v slots must match the variable copies in number, dtype and size");
-  const void* g = inspect_like(grad, "adam", "grad", k, size, false);
-  dispatch_float(k, "adam", [&](auto t) {
-    using T = decltype(t);
-    maybe_nogil((3 * p.size() + 4) * size * sizeof(T), [&] {
-      cudist::adam<T>(typed<T>(p), typed<T>(pm), typed<T>(pv), p.size(), size, static_cast<const T*>(g), lr_t, b1, b2,
-                      eps);
     });
   });
 }
@@ -1323,14 +1279,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("all_reduce_momentum", &all_reduce_momentum, py::arg("copies"), py::arg("velocities"), py::arg("grads"),
         py::arg("lr"), py::arg("momentum"), py::arg("nesterov"),
         "Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass.");
-  m.def("all_reduce_adam", &all_reduce_adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"),
-        py::arg("lr_t"), py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
-        "Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass.");
   m.def("momentum", &momentum, py::arg("copies"), py::arg("velocities"), py::arg("grad"), py::arg("lr"),
         py::arg("momentum"), py::arg("nesterov"), "Momentum SGD (Keras formulation) on N copies and N velocities.");
-  m.def("adam", &adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"),
-        py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
-        "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
 
   // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table.
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)

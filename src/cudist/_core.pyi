@@ -90,34 +90,11 @@ def all_reduce_momentum(
 ) -> None:
     """Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass."""
 
-def all_reduce_adam(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grads: _Arrays,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass."""
-
 def momentum(
     copies: _Arrays, velocities: _Arrays, grad: _Array, lr: _Float, momentum: _Float, nesterov: bool
 ) -> None:
     """Momentum SGD (Keras formulation) on N copies and N velocities."""
 
-def adam(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grad: _Array,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-) -> None:
-    """Adam (Keras formulation) with the bias-corrected step size ``lr_t``."""
 
 # The optimizers of the rules' table: ``decay`` is weight_decay * lr (0: none).
 

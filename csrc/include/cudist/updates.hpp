@@ -1,6 +1,6 @@
 /// @file updates.hpp
 /// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
-/// momentum (optionally Nesterov), Adam and the optimizers of CUDIST_UPDATE_RULE_LIST
+/// momentum (optionally Nesterov) and the optimizers of CUDIST_UPDATE_RULE_LIST
 /// (<cudist/detail/update_rules.hpp>), and the fused all-reduce + update forms (all_reduce_sgd, ...)
 /// that sum M gradients in the same pass.
 ///
@@ -30,12 +30,6 @@
 
 namespace cudist {
 
-/// Adam's bias-corrected step size for the 1-based ``step``, computed in double:
-/// ``lr * sqrt(1 - beta_2^step) / (1 - beta_1^step)``.
-inline double adam_lr_t(double lr, double beta_1, double beta_2, long long step) {
-  return lr * std::sqrt(1.0 - std::pow(beta_2, static_cast<double>(step))) /
-         (1.0 - std::pow(beta_1, static_cast<double>(step)));
-}
 
 namespace detail {
 
@@ -50,7 +44,7 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// In cache, work goes block by block: a block of every slot is computed into L1, then written to
 /// copy 0 with ordinary stores (copy 0 was just read, so its lines are in cache) and to the other
 /// copies. Keeping the arithmetic and the stores in separate tight loops is faster than
-/// interleaving them per cache line (measured: ~1.6x on SGD and Adam, 4 x 64 KiB in cache, one
+/// interleaving them per cache line (measured: ~1.6x on SGD and a two-slot rule, 4 x 64 KiB in cache, one
 /// thread). When the update is large, the other copies are written with streaming stores (they
 /// are write-only: streaming saves reading them first), two whole cache lines at a time right
 /// after they are computed, which in memory beats the block scheme.
@@ -58,7 +52,7 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// A buffer passed more than once in a slot is written once: every copy gets the same values, so
 /// the result is the same for less traffic. It matters most with streaming stores, which would
 /// otherwise evict the lines just written to that buffer and write them again (measured: 4 copies
-/// that are one 64 MiB buffer, SGD 2.4x and Adam 3.5x faster).
+/// that are one 64 MiB buffer, SGD 2.4x and a two-slot rule 3.5x faster).
 template <class T, std::size_t NSlots, class Compute>
 void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t count, std::size_t n_inputs,
                 thread_pool* pool, Compute&& compute) {
@@ -323,7 +317,7 @@ void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t 
   run_update<T, NS>(state, n, count, m + NS, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     // Local copies of the rule (its constants) and of the read pointers: a store to ``out`` may
     // alias any float reached through a reference, so without them the constants are reloaded
-    // every element (measured: Adam 64 x 4 KiB updates ~25% slower).
+    // every element (measured: a two-slot rule, 64 x 4 KiB updates, ~25% slower).
     const Rule r = rule;
     const T* const p[NS] = {(s0[I] + b)...};
     typename A::acc_t acc[K];
@@ -467,30 +461,8 @@ void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t
   all_reduce_momentum<T>(copies, velocities, n, count, &grad, 1, lr, momentum, nesterov, pool);
 }
 
-/// Fused all-reduce + Adam: the ``m`` gradients summed as in all_reduce_sgd(), then the adam()
-/// update of the ``n`` copies of the variable and of its slots m and v, in one pass (m + 3 buffers
-/// read, 3n written). Bit-identical to reduce_to_one + adam().
-template <class T>
-void all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count,
-                     const T* const* grads, std::size_t m, double lr_t, double beta_1, double beta_2, double epsilon,
-                     thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adam needs a floating-point type");
-  T* const* const state[3] = {ms, vs, copies};
-  detail::run_rule<rules::adam>(state, n, count, grads, m, 0.0, pool, lr_t, beta_1, beta_2, epsilon);
-}
-
-/// Adam (Keras formulation) on N copies of the variable and of its slots m and v, with the
-/// bias-corrected ``lr_t`` (see adam_lr_t()):
-/// ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
-/// ``w -= lr_t * m / (sqrt(v) + epsilon)``.
-template <class T>
-void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr_t,
-          double beta_1, double beta_2, double epsilon, thread_pool* pool = &thread_pool::global()) {
-  all_reduce_adam<T>(copies, ms, vs, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, pool);
-}
-
 // ---------------------------------------------------------------------------------------------
-// The optimizers of CUDIST_UPDATE_RULE_LIST (Keras 3's beyond SGD and Adam).
+// The optimizers of CUDIST_UPDATE_RULE_LIST.
 //
 // Each follows cudist's NumPy reference (src/cudist/_kernels/_numpy.py) operation by operation, in
 // the compute type (float32 for half): copy 0 of the variable and of every slot is read, the

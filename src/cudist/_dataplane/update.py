@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from cudist._arrays import device_context, gpu_of, like
 from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, is_bfloat16, momentum_schedule_step, numpy_backend
+from cudist._kernels import UPDATE_KERNELS, bias_corrected_lr, is_bfloat16, momentum_schedule_step, numpy_backend
 
 if TYPE_CHECKING:
     from cudist._kernels import KernelBackend, TrustedKernels
@@ -44,7 +44,7 @@ __all__ = [
     "Rule",
     "UpdatePass",
     "Updatable",
-    "adam_lr_t",
+    "bias_corrected_lr",
     "device_groups",
     "momentum_schedule_step",
     "settle_inputs",

@@ -51,7 +51,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "is_bfloat16",
     "FLOAT_DTYPES",
-    "adam_lr_t",
+    "bias_corrected_lr",
     "momentum_schedule_step",
     "UPDATE_KERNELS",
     "OPTIONAL_SLOTS",
@@ -73,7 +73,7 @@ def is_bfloat16(dtype) -> bool:
     return getattr(dtype, "name", None) == "bfloat16"
 
 
-def adam_lr_t(lr: float, beta_1: float, beta_2: float, step: int) -> float:
+def bias_corrected_lr(lr: float, beta_1: float, beta_2: float, step: int) -> float:
     """The bias-corrected step size ``lr * sqrt(1 - beta_2**step) / (1 - beta_1**step)`` for 1-based
     ``step`` (computed once, in float64).
 
@@ -109,7 +109,6 @@ def momentum_schedule_step(beta_1: float, beta_2: float, step: int, u_product: f
 UPDATE_KERNELS = {
     "sgd": ((), ("lr",)),
     "momentum": (("velocity",), ("lr", "momentum", "nesterov")),
-    "adam": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon")),
     "adamw": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
     "amsgrad": (("m", "v", "v_hat"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
     "rmsprop": (("velocity", "momentum", "average_gradient"), ("lr", "rho", "momentum", "epsilon", "decay")),
@@ -601,15 +600,16 @@ class KernelBackend:
         self.check_same_slots("adam", copies, ms, "m")
         self.check_same_slots("adam", copies, vs, "v")
         self.check_like("adam", "grad", grad, copies[0], writable=False)
-        lr_t = self._adam_lr_t("adam", lr, beta_1, beta_2, step)
-        self._hook_adam(copies, ms, vs, grad, lr_t, float(beta_1), float(beta_2), float(epsilon))
+        lr_t = self._bias_corrected_lr("adam", lr, beta_1, beta_2, step)
+        # Keras 3's Adam is AdamW's update without the weight decay: the adamw row, decay 0.
+        self._hook_adamw(copies, ms, vs, grad, lr_t, float(beta_1), float(beta_2), float(epsilon), 0.0)
         return copies
 
     @staticmethod
-    def _adam_lr_t(where, lr, beta_1, beta_2, step):
+    def _bias_corrected_lr(where, lr, beta_1, beta_2, step):
         if int(step) < 1:
             raise ValueError(f"{where}: step must be >= 1 (1-based), got {step}")
-        return adam_lr_t(float(lr), float(beta_1), float(beta_2), int(step))
+        return bias_corrected_lr(float(lr), float(beta_1), float(beta_2), int(step))
 
     # ------------------------------------------------------------------ more optimizer updates
     # Every one reads copy 0 of the variable and of its slots and writes all N copies in one pass;
@@ -640,7 +640,7 @@ class KernelBackend:
 
     def _adamw(self, where, fused, copies, ms, vs, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
         copies, (ms, vs), g = self._check_opt(where, copies, (("m", ms), ("v", vs)), **{"grads" if fused else "grad": g})
-        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
+        lr_t = self._bias_corrected_lr(where, lr, beta_1, beta_2, step)
         hook = self._hook_all_reduce_adamw if fused else self._hook_adamw
         hook(copies, ms, vs, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
         return copies
@@ -648,7 +648,7 @@ class KernelBackend:
     def adamw(self, copies, ms, vs, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.004):
         """AdamW (Keras): decoupled weight decay ``w -= w * (weight_decay * lr)``, then :meth:`adam`.
 
-        The trusted form takes the bias-corrected ``lr_t`` (:func:`adam_lr_t`) and
+        The trusted form takes the bias-corrected ``lr_t`` (:func:`bias_corrected_lr`) and
         ``decay = weight_decay * lr``. Returns ``copies``.
         """
         return self._adamw("adamw", False, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
@@ -657,7 +657,7 @@ class KernelBackend:
         copies, (ms, vs, v_hats), g = self._check_opt(
             where, copies, (("m", ms), ("v", vs), ("v_hat", v_hats)), **{"grads" if fused else "grad": g}
         )
-        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
+        lr_t = self._bias_corrected_lr(where, lr, beta_1, beta_2, step)
         hook = self._hook_all_reduce_amsgrad if fused else self._hook_amsgrad
         hook(copies, ms, vs, v_hats, g, lr_t, float(beta_1), float(beta_2), float(epsilon),
              float(weight_decay) * float(lr))
@@ -668,7 +668,7 @@ class KernelBackend:
         """AMSGrad (Keras 3's ``Adam(amsgrad=True)``): :meth:`adamw`'s moments, then
         ``v_hat = maximum(v_hat, v)`` (NumPy's) and ``w -= lr_t * m / (sqrt(v_hat) + epsilon)``.
 
-        The trusted form takes the bias-corrected ``lr_t`` (:func:`adam_lr_t`) and
+        The trusted form takes the bias-corrected ``lr_t`` (:func:`bias_corrected_lr`) and
         ``decay = weight_decay * lr``. Returns ``copies``.
         """
         return self._amsgrad("amsgrad", False, copies, ms, vs, v_hats, grad, lr, beta_1, beta_2, epsilon, step,
@@ -707,13 +707,13 @@ class KernelBackend:
 
     def adamax(self, copies, ms, us, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.0):
         """Adamax (Keras): ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``;
-        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`adam_lr_t` with
+        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`bias_corrected_lr` with
         ``beta_2 = 0``, what the trusted form takes). ``maximum`` is NumPy's (a NaN wins). Returns ``copies``."""
         return self._adamax("adamax", False, copies, ms, us, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
 
     def _adamax(self, where, fused, copies, ms, us, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
         copies, (ms, us), g = self._check_opt(where, copies, (("m", ms), ("u", us)), **{"grads" if fused else "grad": g})
-        lr_t = adam_lr_t(float(lr), float(beta_1), 0.0, self._step(where, step))
+        lr_t = bias_corrected_lr(float(lr), float(beta_1), 0.0, self._step(where, step))
         hook = self._hook_all_reduce_adamax if fused else self._hook_adamax
         hook(copies, ms, us, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
         return copies
@@ -812,8 +812,8 @@ class KernelBackend:
         where = "all_reduce_adam"
         copies, (ms, vs) = self._check_update(where, copies, (("m", ms), ("v", vs)))
         grads = self.check_grads(where, grads, copies, (("m", ms), ("v", vs)))
-        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
-        self._hook_all_reduce_adam(copies, ms, vs, grads, lr_t, float(beta_1), float(beta_2), float(epsilon))
+        lr_t = self._bias_corrected_lr(where, lr, beta_1, beta_2, step)
+        self._hook_all_reduce_adamw(copies, ms, vs, grads, lr_t, float(beta_1), float(beta_2), float(epsilon), 0.0)
         return copies
 
     def all_reduce_adamw(self, copies, ms, vs, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step,
@@ -896,9 +896,6 @@ class KernelBackend:
     def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):  # pragma: no cover - abstract
-        raise NotImplementedError
-
     def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -934,8 +931,6 @@ class KernelBackend:
     def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
         self._hook_momentum(copies, velocities, self._sum_grads(grads), lr, momentum, nesterov)
 
-    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        self._hook_adam(copies, ms, vs, self._sum_grads(grads), lr_t, beta_1, beta_2, epsilon)
 
 
 #: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
@@ -954,9 +949,9 @@ class TrustedKernels:
     * ``op`` is a :class:`~cudist._reduce_util.ReduceOp` member (not a string);
     * an output is exactly its own input (in place) or shares no memory with any other buffer of the
       call; gradients share no memory with the copies or slots an update writes;
-    * the updates (sgd, momentum, adam and their fused forms) get floating-point buffers; slot lists
-      are as long as the copy list; hyper-parameters are Python floats (``lr_t`` of ``adam`` is the
-      bias-corrected step size of :func:`adam_lr_t`) and ``nesterov`` a bool.
+    * the updates (every row of UPDATE_KERNELS and its fused form) get floating-point buffers; slot
+      lists are as long as the copy list; hyper-parameters are Python floats (an ``lr_t`` is the
+      bias-corrected step size of :func:`bias_corrected_lr`) and ``nesterov`` a bool.
 
     Breaking them is undefined behaviour on the fast backends (a wrong result, not necessarily an
     error). Use :meth:`check_bufs` (and the backend's other ``check_*`` methods) once, then call these.
@@ -982,17 +977,16 @@ class TrustedKernels:
       call: per pass (gradients, written arrays) its gradients as a list when every gradient is a
       C-contiguous ndarray owning its memory and, with ``aliasing``, neither a written array nor the
       base of one; else None.
-    * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
-      ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
+    * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
-      ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``;
-      ``all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)``.
-    * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)``;
+      ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``.
+    * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (also the public
+      :meth:`KernelBackend.adam`'s, decay 0);
       ``amsgrad(copies, ms, vs, v_hats, grad, lr_t, beta_1, beta_2, epsilon, decay)``;
       ``rmsprop(copies, velocities, momentums, average_grads, grad, lr, rho, momentum, epsilon, decay)``
-      (``momentums`` / ``average_grads`` None when absent); ``adagrad(copies, accs, grad, lr, epsilon,
+      (``momentums`` / ``average_grads`` None when absent: OPTIONAL_SLOTS); ``adagrad(copies, accs, grad, lr, epsilon,
       decay)``; ``adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (``lr_t`` of
-      :func:`adam_lr_t` with ``beta_2 = 0``); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
+      :func:`bias_corrected_lr` with ``beta_2 = 0``); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
       decay)`` (:func:`momentum_schedule_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
       an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
       ``weight_decay * lr`` (0.0: none).

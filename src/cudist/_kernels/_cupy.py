@@ -697,10 +697,6 @@ class CupyBackend(KernelBackend):
             "mirrored_momentum", copies, [velocities], grad, (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
         )
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
-        ct = self._ct(copies[0].dtype)
-        self._mirrored("mirrored_adam", copies, [ms, vs], grad, (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon)))
-
     def _hook_all_reduce_sgd(self, copies, grads, lr):
         ct = self._ct(copies[0].dtype)
         self._mirrored("mirrored_all_reduce_sgd", copies, [], None, (ct(lr),), grads=grads)
@@ -709,11 +705,6 @@ class CupyBackend(KernelBackend):
         ct = self._ct(copies[0].dtype)
         scalars = (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
         self._mirrored("mirrored_all_reduce_momentum", copies, [velocities], None, scalars, grads=grads)
-
-    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        ct = self._ct(copies[0].dtype)
-        scalars = (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon))
-        self._mirrored("mirrored_all_reduce_adam", copies, [ms, vs], None, scalars, grads=grads)
 
     # The other optimizers of UPDATE_KERNELS: one fused kernel per variant (``mirrored_all_reduce_<name>``,
     # their hooks generated from the table below the class); the plain update is that kernel with

@@ -126,17 +126,11 @@ class NativeBackend(KernelBackend):
     def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
         _core.momentum(copies, velocities, grad, lr, momentum, nesterov)
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
-        _core.adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)
-
     def _hook_all_reduce_sgd(self, copies, grads, lr):
         _core.all_reduce_sgd(copies, grads, lr)
 
     def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
         _core.all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)
-
-    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        _core.all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)
 
 
 def _core_variants(name, form):

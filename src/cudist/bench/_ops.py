@@ -9,8 +9,9 @@ Sizes are bytes per replica (per mirrored copy for updates). Bandwidth formulas 
 * split: algbw = busbw = n*size / t (the batch); the pieces are views, so no bytes move (%copy n/a).
 * update: algbw = size / t; busbw = bytes moved / t, moved = (r + w*n)*size with r buffers read (the
   variable's copy 0, each slot's copy 0, the gradient) and w per copy written (the variable and each
-  slot): with k slots, (2+k) + (1+k)*n: SGD (2+n), momentum (3+2n), Adam (4+3n: var, m, v, grad
-  read; 3n copies written), RMSprop (3+2n; centered with momentum, 3 slots: 5+4n).
+  slot): with k slots, (2+k) + (1+k)*n, one case per kernel variant of
+  cudist._kernels.update_variants() (a rule with optional slots has one per combination of them):
+  no slot 2+n, one 3+2n, two 4+3n (var, two slots and grad read; 3n copies written), three 5+4n.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 
 from cudist._kernels import UPDATE_KERNELS, update_variants
 
-__all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "make_case", "random_array", "count_wrong"]
+__all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "SUITE_UPDATES", "make_case", "random_array", "count_wrong"]
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ _UPDATE_ARGS = {
 }
 #: The update rules ``cudist-bench update --optimizer`` takes.
 UPDATE_OPTIMIZERS = tuple(_UPDATE_MOVED)
+#: Those ``cudist-bench suite`` times: no slot, and two (with the weight decay).
+SUITE_UPDATES = ("sgd", "adamw")
 
 OPS = {
     "all-reduce": OpSpec(

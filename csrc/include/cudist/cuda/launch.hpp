@@ -80,11 +80,6 @@ template <class T>
 cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* grad, double lr, double momentum,
                      bool nesterov, long long count, cudaStream_t stream = nullptr);
 
-/// Keras Adam with the bias-corrected step lr_t (see cudist::adam_lr_t in <cudist/updates.hpp>).
-template <class T>
-cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
-                 double beta_2, double epsilon, long long count, cudaStream_t stream = nullptr);
-
 /// Fused all-reduce + SGD: g = grads[0] + ... + grads[m-1] (replica order, in T), then every copy
 /// becomes copies[0] - lr * g; bit-identical to reduce_to_one then sgd. Any m >= 1 (more than
 /// kMaxReplicas gradients are first reduced into a stream-ordered temporary, cudaMallocAsync).
@@ -98,12 +93,6 @@ template <class T>
 cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, const T* const* grads, int m,
                                 double lr, double momentum, bool nesterov, long long count,
                                 cudaStream_t stream = nullptr);
-
-/// Fused all-reduce + Adam: the m gradients summed as in all_reduce_sgd, then adam().
-template <class T>
-cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                            double lr_t, double beta_1, double beta_2, double epsilon, long long count,
-                            cudaStream_t stream = nullptr);
 
 /// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>;
 /// cudist's kernel contract, Keras 3 formulas), generated (the rule's hyper-parameters as the table
@@ -151,18 +140,11 @@ CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_DECLARE_, ~)
   L(launch, sgd, T, (T* const*, int, const T*, double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_momentum(L, T, name)                                                     \
   L(launch, momentum, T, (T* const*, T* const*, int, const T*, double, double, bool, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_adam(L, T, name)                                                         \
-  L(launch, adam, T,                                                                                            \
-    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_sgd(L, T, name)                                               \
   L(launch, all_reduce_sgd, T, (T* const*, int, const T* const*, int, double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_momentum(L, T, name)                                          \
   L(launch, all_reduce_momentum, T,                                                                             \
     (T* const*, T* const*, int, const T* const*, int, double, double, bool, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adam(L, T, name)                                              \
-  L(launch, all_reduce_adam, T,                                                                                 \
-    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, long long,     \
-     cudaStream_t))
 
 /// L(header, launcher, T, (parameters)) for every launcher and every dtype of the kernel it is
 /// listed under (a kernel of CUDIST_KERNELS without a CUDIST_CUDA_LAUNCHERS_<kernel> is an error).

@@ -245,27 +245,6 @@ cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* gra
   return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
 }
 
-template <class T>
-cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
-                 double beta_2, double epsilon, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || grad == nullptr)
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_adam_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
-                       detail::pack(copies, m), detail::pack(ms, m), detail::pack(vs, m), m, grad, static_cast<C>(lr_t),
-                       static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon), count);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  T* const* const slots[3] = {ms, vs, copies};
-  for (T* const* slot : slots) {
-    e = detail::broadcast_from<T>(slot[0], slot, m, n, count, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
 namespace detail {
 
 // The gradients of a fused update as at most kMaxReplicas pointers: more are first reduced (in
@@ -343,35 +322,6 @@ cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, c
   e = detail::broadcast_from<T>(velocities[0], velocities, k, n, count, stream);
   if (e != cudaSuccess) return e;
   return detail::broadcast_from<T>(copies[0], copies, k, n, count, stream);
-}
-
-template <class T>
-cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                            double lr_t, double beta_1, double beta_2, double epsilon, long long count,
-                            cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  detail::PtrPack<T> g{};
-  int ng = 0;
-  T* tmp = nullptr;
-  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
-  if (e != cudaSuccess) return e;
-  const int k = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adam_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                       stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k), k, g, ng,
-                       static_cast<C>(lr_t), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
-                       count);
-  e = cudaGetLastError();
-  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
-  if (e != cudaSuccess) return e;
-  T* const* const slots[3] = {ms, vs, copies};
-  for (T* const* slot : slots) {
-    e = detail::broadcast_from<T>(slot[0], slot, k, n, count, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
 }
 
 namespace detail {

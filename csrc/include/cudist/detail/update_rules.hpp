@@ -24,7 +24,7 @@
 #pragma once
 
 #if !defined(__CUDACC_RTC__)
-#include <cmath>  // adamax_lr_t; NVRTC sees no include
+#include <cmath>  // adam_lr_t, adamax_lr_t; NVRTC sees no include
 #endif
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -309,6 +309,13 @@ struct no_decay {
 }  // namespace rules
 
 #if !defined(__CUDACC_RTC__)
+/// Adam's bias-corrected step size for the 1-based ``step``, computed in double (host code; the
+/// ``lr_t`` of the rules adam and amsgrad): ``lr * sqrt(1 - beta_2^step) / (1 - beta_1^step)``.
+inline double adam_lr_t(double lr, double beta_1, double beta_2, long long step) {
+  return lr * std::sqrt(1.0 - std::pow(beta_2, static_cast<double>(step))) /
+         (1.0 - std::pow(beta_1, static_cast<double>(step)));
+}
+
 /// Adamax's bias-corrected step size ``lr / (1 - beta_1^step)`` for the 1-based ``step``, in double
 /// (host code; the rule's ``lr_t``).
 inline double adamax_lr_t(double lr, double beta_1, long long step) {

@@ -6,7 +6,7 @@
 // which computes in float32 and rounds to nearest even on store; hyper-parameters arrive already
 // converted to the compute type; no FMA contraction.
 //
-// The fused all-reduce + update kernels (mirrored_all_reduce_sgd / _momentum / _adam) first sum
+// The fused all-reduce + update kernels (mirrored_all_reduce_sgd / _momentum / _<rule>) first sum
 // their n_grads gradients in replica order in T (float16: in float32, rounded once), exactly as
 // all_reduce_one_shot / reduce_to_one would store the sum, then apply the same update: one pass
 // reads the gradients, copy 0 and slot copy 0 and writes every copy.
@@ -223,16 +223,6 @@ __device__ __forceinline__ void run_momentum(const Ptrs<T>& c, const Ptrs<T>& v,
   }
 }
 
-// Adam (rules::adam without weight decay) from one gradient (G = OneGrad) or the sum of several.
-template <class T, class G>
-__device__ __forceinline__ void run_adam(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n, const G& grad,
-                                         typename compute<T>::type lr_t, typename compute<T>::type beta_1,
-                                         typename compute<T>::type beta_2, typename compute<T>::type epsilon,
-                                         long long count) {
-  const Ptrs<T> s[3] = {m, v, c};
-  run_rule_from<rules::adam, T, 3>(s, n, grad, rules::no_decay{}, count, lr_t, beta_1, beta_2, epsilon);
-}
-
 }  // namespace detail
 
 /// Every copy becomes copies[0] + value (negate = 0) or copies[0] - value (negate != 0).
@@ -277,25 +267,6 @@ __global__ void mirrored_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int
                           momentum, nesterov, count);
 }
 
-/// Adam (Keras formulation) on n copies of the variable and of its m and v slots; lr_t is the
-/// bias-corrected step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), computed by the caller.
-template <class T>
-__global__ void mirrored_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad,
-                              typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
-                              typename detail::compute<T>::type beta_2, typename detail::compute<T>::type epsilon,
-                              long long count) {
-  detail::run_adam<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                      detail::OneGrad<T>{grad}, lr_t, beta_1, beta_2, epsilon, count);
-}
-template <class T>
-__global__ void mirrored_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n, const T* grad,
-                                     typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
-                                     typename detail::compute<T>::type beta_2,
-                                     typename detail::compute<T>::type epsilon, long long count) {
-  detail::run_adam<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                      detail::OneGrad<T>{grad}, lr_t, beta_1, beta_2, epsilon, count);
-}
-
 namespace detail {
 
 template <class T>
@@ -310,15 +281,6 @@ __device__ __forceinline__ void all_reduce_momentum_body(const Ptrs<T>& c, const
                                                          typename compute<T>::type momentum, int nesterov,
                                                          long long count) {
   run_momentum<T>(c, v, n, SumGrads<T>{g, n_grads}, lr, momentum, nesterov, count);
-}
-
-template <class T>
-__device__ __forceinline__ void all_reduce_adam_body(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n,
-                                                     const Ptrs<T>& g, int n_grads, typename compute<T>::type lr_t,
-                                                     typename compute<T>::type beta_1,
-                                                     typename compute<T>::type beta_2,
-                                                     typename compute<T>::type epsilon, long long count) {
-  run_adam<T>(c, m, v, n, SumGrads<T>{g, n_grads}, lr_t, beta_1, beta_2, epsilon, count);
 }
 
 }  // namespace detail
@@ -354,26 +316,6 @@ __global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T
                                                     long long count) {
   detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
                                       detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
-}
-
-/// Fused all-reduce + Adam (the gradients summed as in mirrored_all_reduce_sgd; lr_t bias-corrected).
-template <class T>
-__global__ void mirrored_all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, T* const* grads,
-                                         int n_grads, typename detail::compute<T>::type lr_t,
-                                         typename detail::compute<T>::type beta_1,
-                                         typename detail::compute<T>::type beta_2,
-                                         typename detail::compute<T>::type epsilon, long long count) {
-  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
-}
-template <class T>
-__global__ void mirrored_all_reduce_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
-                                                PtrPack<T> grads, int n_grads, typename detail::compute<T>::type lr_t,
-                                                typename detail::compute<T>::type beta_1,
-                                                typename detail::compute<T>::type beta_2,
-                                                typename detail::compute<T>::type epsilon, long long count) {
-  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
 }
 
 // ---------------------------------------------------------------------------------------------
