@@ -55,6 +55,11 @@ _RULES = re.compile(_MACRO.format(name="CUDIST_UPDATE_RULE_LIST", params=r"X, A"
 _RULE = re.compile(r"\bX\(A,[\s\\]*(\w+),[\s\\]*(\w+),[\s\\]*\(([^()]*)\),[\s\\]*\(([^()]*)\)\)")
 
 
+def _names(text: str) -> tuple[str, ...]:
+    """The identifiers of a row's parenthesized list (a continued line's ``\\`` a blank to it)."""
+    return tuple(x.strip(" \\\n") for x in text.split(","))
+
+
 def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
     """``{name: (rule, slots, hyper-parameters)}`` from the rules' header text, in table order.
 
@@ -65,7 +70,7 @@ def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple
     if body is None:
         raise ValueError(f"{UPDATE_RULES}: no CUDIST_UPDATE_RULE_LIST(X, A) macro found")
     rows = {
-        name: (rule, tuple(s.strip(" \\\n") for s in slots.split(",")), tuple(h.strip(" \\\n") for h in hyper.split(",")))
+        name: (rule, _names(slots), _names(hyper))
         for name, rule, slots, hyper in _RULE.findall(body.group(1))
     }
     if not rows:
