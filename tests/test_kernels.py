@@ -1098,10 +1098,10 @@ def test_trusted_kernels_match_the_public_methods(backend):
             ew, ev, es = ([a.copy() for a in x] for x in (w, v, s))
             REF.adam(ew, ev, es, g, lr=0.01, step=4)
             lr_t = bias_corrected_lr(0.01, 0.9, 0.999, 4)
-            if fused:
-                t.all_reduce_adam(w, v, s, grads, lr_t, 0.9, 0.999, 1e-7)
+            if fused:  # Adam: the adamw row with the weight decay 0
+                t.all_reduce_adamw(w, v, s, grads, lr_t, 0.9, 0.999, 1e-7, 0.0)
             else:
-                t.adam(w, v, s, g, lr_t, 0.9, 0.999, 1e-7)
+                t.adamw(w, v, s, g, lr_t, 0.9, 0.999, 1e-7, 0.0)
             _check_fused(backend, ["trusted adam w", "m", "v"], [w, v, s], [ew, ev, es])
             REF.momentum(ew, ev, g, lr=0.1, momentum=0.9, nesterov=True)
             if fused:
