@@ -1,15 +1,28 @@
 """How long a checkpoint save blocks the training loop: synchronous against ``CheckpointOptions(enable_async=True)``.
 
-``python bench/async_checkpoint.py [MiB] [rounds] [steps]``: a model of ``MiB``/2 MiB of float32
-variables (8 of them) trained by SGD with momentum (as many MiB of slots: ``MiB`` in all, 256 by
-default), saved by a ``CheckpointManager`` (fsync included) in rounds that alternate:
+``python bench/async_checkpoint.py [MiB] [rounds] [steps] [optimizer]``: a model of float32
+variables (8 of them) and their optimizer's slots, ``MiB`` in all (256 by default), trained by
+``optimizer`` (``momentum``, the default: SGD with momentum; ``adamw``, ``nadam``: two slots each)
+and saved by a ``CheckpointManager`` (fsync included) in rounds that alternate:
 
 * sync: ``manager.save()``; the time the call takes is the time the loop is blocked;
 * async: ``manager.save(options=CheckpointOptions(enable_async=True))``, then ``steps`` training
   steps while the background thread writes, then ``manager.sync()``. Blocked: the call, plus what
-  the steps after it cost beyond the same steps without a save (the copy-on-write: each variable
-  and slot written while its snapshot is held moves to fresh memory once), plus any wait left at
-  ``sync()`` (none when the steps outlast the write).
+  the steps after it cost beyond the same steps without a save (the first step after the call
+  writes every variable and slot out of place, or copies them first where its kernel cannot, and
+  the background write competes for the cores), plus any wait left at ``sync()`` (none when the
+  steps outlast the write).
+
+* capture alone: the same asynchronous save with its background write held back until the steps
+  are done (``_format.write_checkpoint`` waits): the call plus what the steps cost beyond plain
+  ones is what capturing the state costs the loop, without the write competing for the cores.
+
+The process's CPU time (all threads) during the asynchronous save and its steps, beyond that of the
+plain steps, is the background write's own work: what it takes from the loop where no core is spare.
+
+Extras are paired within a round (each round's steps against that round's plain steps), then the
+median is taken. One asynchronous round runs before the measured ones: the first one faults in the buffers that the
+later ones recycle.
 
 Prints the medians over the rounds (ms) and the ratios to the synchronous save. The steps' own
 time is measured in the same run, as is a plain copy of the same bytes (the copy-on-write's floor).
@@ -20,24 +33,32 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
 
 import cudist
 from cudist import train
+from cudist.train import _format
 
 
 def main() -> None:
     mib = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
     steps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
+    name = sys.argv[4] if len(sys.argv) > 4 else "momentum"
+    make, nslots = {
+        "momentum": (lambda: cudist.optimizers.SGD(0.01, momentum=0.9), 1),
+        "adamw": (lambda: cudist.optimizers.AdamW(0.001), 2),
+        "nadam": (lambda: cudist.optimizers.Nadam(0.001), 2),
+    }[name]
     nvars = 8
-    n = ((mib // 2) << 18) // nvars  # float32 elements per variable: half the bytes are variables, half slots
+    n = (mib << 18) // (nvars * (1 + nslots))  # float32 elements per variable: MiB in all, slots included
     rng = np.random.default_rng(0)
     variables = [cudist.Variable(rng.standard_normal(n, dtype=np.float32), name=f"v{i}") for i in range(nvars)]
     grads = [np.full(n, 1e-3, np.float32) for _ in range(nvars)]
-    opt = cudist.optimizers.SGD(0.01, momentum=0.9)
+    opt = make()
 
     def step() -> None:
         opt.apply_gradients(zip(grads, variables))
@@ -45,21 +66,34 @@ def main() -> None:
     step()  # creates the slots
     ckpt = train.Checkpoint(optimizer=opt, variables=variables)
     asynchronous = train.CheckpointOptions(enable_async=True)
-    t: dict[str, list[float]] = {k: [] for k in ("sync save", "async call", "steps after", "sync wait", "steps plain", "copy")}
+    keys = ("sync save", "async call", "steps extra", "sync wait", "steps plain", "copy", "held call", "held extra",
+            "cpu extra", "held cpu extra")
+    t: dict[str, list[float]] = {k: [] for k in keys}
+    write = _format.write_checkpoint
+    gate = threading.Event()
+
+    def held_write(*args: object, **kwargs: object) -> None:
+        gate.wait(600)
+        write(*args, **kwargs)  # type: ignore[arg-type]
     with tempfile.TemporaryDirectory() as d:
         manager = train.CheckpointManager(ckpt, d, max_to_keep=2)
         manager.save()  # warm: the files exist, the page cache is in its steady state
+        manager.save(options=asynchronous)  # warm: the buffers later saves recycle are faulted in
+        for _ in range(steps):
+            step()
+        manager.sync()
         for _ in range(rounds):
-            a = time.perf_counter()
+            a, cpu = time.perf_counter(), time.process_time()
             for _ in range(steps):
                 step()
-            t["steps plain"].append(time.perf_counter() - a)
+            plain, plain_cpu = time.perf_counter() - a, time.process_time() - cpu
+            t["steps plain"].append(plain)
 
             a = time.perf_counter()
             manager.save()
             t["sync save"].append(time.perf_counter() - a)
 
-            a = time.perf_counter()
+            a, cpu = time.perf_counter(), time.process_time()
             manager.save(options=asynchronous)
             b = time.perf_counter()
             for _ in range(steps):
@@ -67,27 +101,49 @@ def main() -> None:
             c = time.perf_counter()
             manager.sync()
             e = time.perf_counter()
+            t["cpu extra"].append(time.process_time() - cpu - plain_cpu)  # every thread's: the write's
             t["async call"].append(b - a)
-            t["steps after"].append(c - b)
+            t["steps extra"].append(c - b - plain)
             t["sync wait"].append(e - c)
+
+            gate.clear()
+            _format.write_checkpoint = held_write
+            try:
+                a, cpu = time.perf_counter(), time.process_time()
+                manager.save(options=asynchronous)
+                b = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                c = time.perf_counter()
+                t["held cpu extra"].append(time.process_time() - cpu - plain_cpu)
+            finally:
+                _format.write_checkpoint = write
+                gate.set()
+            manager.sync()
+            t["held call"].append(b - a)
+            t["held extra"].append(c - b - plain)
 
             src = [v.numpy() for v in variables]
             a = time.perf_counter()
             for s in src:
-                s.copy()
-                s.copy()  # the variable and its slot
+                for _ in range(1 + nslots):  # the variable and its slots
+                    s.copy()
             t["copy"].append(time.perf_counter() - a)
     med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
-    extra = max(0.0, med["steps after"] - med["steps plain"])
-    blocked = med["async call"] + extra + med["sync wait"]
-    print(f"{mib} MiB of variables + momentum slots ({nvars} variables), {rounds} rounds, {steps} steps after each "
+    extra = med["steps extra"]
+    blocked = med["async call"] + max(0.0, extra) + med["sync wait"]
+    capture = med["held call"] + max(0.0, med["held extra"])
+    print(f"{mib} MiB of variables + {name} slots ({nvars} variables), {rounds} rounds, {steps} steps after each "
           "async save; medians in ms")
+    sync = med["sync save"]
     print("| sync save | async save call | steps after it, beyond plain | wait at sync() | blocked in all | "
-          f"{steps} plain steps | copy of the bytes |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| {med['sync save']:.1f} | {med['async call']:.2f} ({100 * med['async call'] / med['sync save']:.1f}%) | "
-          f"{extra:.1f} | {med['sync wait']:.1f} | {blocked:.1f} ({100 * blocked / med['sync save']:.1f}%) | "
-          f"{med['steps plain']:.1f} | {med['copy']:.1f} |")
+          f"capture alone: call + steps beyond plain | {steps} plain steps | copy of the bytes | process CPU beyond plain: "
+          "with the write, capture alone |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| {sync:.1f} | {med['async call']:.2f} ({100 * med['async call'] / sync:.1f}%) | "
+          f"{extra:.1f} | {med['sync wait']:.1f} | {blocked:.1f} ({100 * blocked / sync:.1f}%) | "
+          f"{med['held call']:.2f} + {med['held extra']:.1f} = {capture:.1f} ({100 * capture / sync:.1f}%) | "
+          f"{med['steps plain']:.1f} | {med['copy']:.1f} | {med['cpu extra']:.1f}, {med['held cpu extra']:.1f} |")
 
 
 if __name__ == "__main__":

@@ -219,6 +219,30 @@ def load_example(name: str):
     return module
 
 
+@pytest.fixture
+def select_cpu_backend(monkeypatch):
+    """``select_cpu_backend(name)`` makes ``name`` the CPU kernel backend (``CUDIST_BACKEND`` and
+    an emptied backend cache) for what the test creates afterwards; the process's own choice is
+    back after the test."""
+    from cudist._kernels import cpu_backend, reset_backend_cache
+
+    def select(name: str) -> None:
+        monkeypatch.setenv("CUDIST_BACKEND", name)
+        reset_backend_cache()
+        assert cpu_backend().name == name
+
+    yield select
+    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
+    reset_backend_cache()
+
+
+@pytest.fixture(params=["numpy", "native", "numba"])
+def each_cpu_backend(request, select_cpu_backend):
+    """The test runs once per CPU kernel backend, selected (:func:`select_cpu_backend`) before it starts."""
+    select_cpu_backend(request.param)
+    return request.param
+
+
 @pytest.fixture(params=["greenlets", "threads"])
 def replica_execution(request):
     """The test runs twice: ``strategy.run``'s CPU replicas on greenlets, then on replica threads.

@@ -533,6 +533,126 @@ def shm_train():
     report(rank, c.results)
 
 
+def shm_model():
+    """A model of several variables (odd sizes, one worker's slice of a pack cutting through variables) trained
+    over the reduce-scatter, the gradients never packed (``allreduce_packs``), with one pack and with several
+    (``bytes_per_pack``): momentum and Adam, and a MEAN all-reduce of a nest; bit for bit MirroredStrategy's."""
+    from cudist import optimizers
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    shapes = [(37, 129), (129,), (129, 1001), (1001,), (1001, 3), (3,)]
+    c = Checks()
+
+    def grads(g, k):
+        rng = np.random.default_rng(g * 131 + k)
+        return [(rng.standard_normal(sh) * 0.01).astype(np.float32) for sh in shapes]
+
+    for per_pack in (0, 200_000):
+        mw = cudist.MultiWorkerMirroredStrategy(
+            communication_options=cudist.experimental.CommunicationOptions(bytes_per_pack=per_pack))
+        for name, make in (("momentum", lambda: optimizers.SGD(0.1, momentum=0.9)), ("adam", lambda: optimizers.Adam(0.01))):
+            outs = []
+            for s in (mw, ref):
+                with s.scope():
+                    vs = [cudist.Variable(np.linspace(-1, 1, int(np.prod(sh)), dtype=np.float32).reshape(sh))
+                          for sh in shapes]
+                    opt = make()
+
+                def step(k, vs=vs, opt=opt):
+                    g = cudist.get_replica_context().replica_id_in_sync_group
+                    opt.apply_gradients(zip(grads(g, k), vs))
+
+                for k in range(4):
+                    s.run(step, args=(k,))
+                outs.append([np.asarray(v.read_value()) for v in vs])
+            for j, (a, b) in enumerate(zip(*outs)):
+                ok, why = same(a, b, True)
+                c.check(f"{name}_pack{per_pack}_var{j}", ok, why)
+
+        def nest(k=7):
+            g = cudist.get_replica_context().replica_id_in_sync_group
+            return cudist.get_replica_context().all_reduce("mean", grads(g, k))
+
+        got, want = mw.run(nest), ref.run(nest)
+        for j, (a, b) in enumerate(zip(got, want)):
+            ok, why = same(mw.experimental_local_results(a)[0], ref.experimental_local_results(b)[rank], True)
+            c.check(f"nest_mean_pack{per_pack}_{j}", ok, why)
+        st = _shm_transport(mw).stats
+        c.check(f"unpacked_pack{per_pack}", st["unpacked_calls"] == st["calls"] == 9 and st["mpi_calls"] == 0, st)
+    report(rank, c.results)
+
+
+def shm_small():
+    """The one-round path's single C++ call (one array per worker through strategy.run): sizes around the
+    one-round threshold (both sides of it), every dtype of that path and float16, SUM and MEAN, several
+    calls in a row (the two slot sets used by turns), against MirroredStrategy over the same replicas, bit
+    for bit; the transport's counters show which path each size took."""
+    from cudist._dataplane.transports import shm as shm_lib
+
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
+    mw = cudist.MultiWorkerMirroredStrategy()
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    transport = _shm_transport(mw)
+    c = Checks()
+    eager = shm_lib.EAGER_BYTES
+
+    def values(g, dt, n, k):
+        rng = np.random.default_rng(7919 * g + 31 * n + k)
+        if np.dtype(dt).kind in "iu":
+            return rng.integers(-1000, 1000, n).astype(dt)
+        return (rng.standard_normal(n) * 10).astype(dt)
+
+    expected_eager = 0
+    for dt in (np.float32, np.float64, np.int32, np.int64, np.float16):
+        size = np.dtype(dt).itemsize
+        below, at = (eager - 64) // size, eager // size  # the last size of the one-round path, the first past it
+        for n in (1, 3, below - 1, below, at - 1, at, at + 1):
+            for op in ("sum", "mean") if np.dtype(dt).kind == "f" else ("sum",):
+                for k in range(3):
+                    def step(dt=dt, n=n, op=op, k=k):
+                        ctx = cudist.get_replica_context()
+                        return ctx.all_reduce(op, values(ctx.replica_id_in_sync_group, dt, n, k))
+
+                    before = transport.stats["eager_calls"]
+                    got, want = mw.run(step), ref.run(step)
+                    ok, why = same(mw.experimental_local_results(got)[0], ref.experimental_local_results(want)[rank], True)
+                    c.check(f"{op}_{np.dtype(dt).name}_{n}_{k}", ok, why)
+                    if dt is not np.float16:  # (float16 takes MPI's all-gather: summed in float32 once)
+                        one_round = -(-n * size // 64) * 64 < eager
+                        expected_eager += one_round
+                        c.check(f"path_{np.dtype(dt).name}_{n}_{k}",
+                                transport.stats["eager_calls"] - before == int(one_round), transport.stats)
+    c.check("one_round_calls", transport.stats["eager_calls"] >= expected_eager > 0, transport.stats)
+    report(rank, c.results)
+
+
+def shm_small_failing(mode):
+    """Worker 1 waits inside the one-round C++ call for worker 0 (which comes 3 s late) and is killed there
+    (``kill``: SIGKILL) or interrupted (``sigint``: SIGINT, which must reach Python: the wait returns to the
+    communicator's poll every few microseconds). The job must end at once, naming worker 1."""
+    import signal
+    import threading
+
+    rank, _ = _rank_size()
+    strategy = cudist.MultiWorkerMirroredStrategy()
+    assert _shm_transport(strategy) is not None, "the shared-memory transport is not in use"
+    step = lambda: cudist.get_replica_context().all_reduce("sum", np.ones(1000, np.float32))  # noqa: E731
+    strategy.run(step)
+    print(f"READY {rank} {time.time():.3f}", flush=True)
+    if rank == 0:
+        time.sleep(3)
+    else:
+        sig = signal.SIGKILL if mode == "kill" else signal.SIGINT
+        threading.Timer(0.5, os.kill, (os.getpid(), sig)).start()
+    strategy.run(step)
+    print(f"UNREACHABLE {rank}", flush=True)
+
+
 def shm_mismatch(case):
     """Workers whose calls take different paths (one node) get ReplicaMismatchError, never a hang: float32 on
     worker 0 (shared memory) against uint8 on worker 1 (MPI: not a kernel dtype), or 4 KiB (one round) against
@@ -1177,8 +1297,14 @@ if __name__ == "__main__":
         shm_mismatch(sys.argv[2])
     elif sys.argv[1] == "shm_train":
         shm_train()
+    elif sys.argv[1] == "shm_model":
+        shm_model()
     elif sys.argv[1] == "shm":
         shm(sys.argv[2] == "exact")
+    elif sys.argv[1] == "shm_small":
+        shm_small()
+    elif sys.argv[1].startswith("shm_small_"):
+        shm_small_failing(sys.argv[1][len("shm_small_"):])
     elif sys.argv[1].startswith("shm_"):
         shm_failing(sys.argv[1], int(sys.argv[2]))
     elif sys.argv[1].startswith("exit:"):

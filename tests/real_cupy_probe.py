@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 ARCHS = ("80", "90")
-DTYPES = ("float16", "float32", "float64", "int32", "int64")
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
 
 
 def _cupy():
@@ -73,6 +73,8 @@ def compile_all(out_dir: Path) -> dict:
     cupy = _cupy()
     from cupy._core import core
     from cupy.cuda import compiler
+
+    import ml_dtypes  # noqa: F401 - np.dtype("bfloat16") is then the kernels' bfloat16
 
     from cudist._kernels import _cupy as backend
 

@@ -16,7 +16,7 @@ import pytest
 
 import cudist
 from cudist import optimizers
-from cudist._kernels import available_backends, cpu_backend, reset_backend_cache
+from cudist._kernels import available_backends, cpu_backend
 
 REPLICAS, SIZE = 4, 7
 SCALES = (2.0, 1.0, 0.5, 0.25, 1.0)
@@ -58,20 +58,6 @@ def grad(step, replica):
     return ((((i * 7 + replica * 3 + step * 5) % 11) - 5) * 0.25 * SCALES[step]).astype(np.float32)
 
 
-@pytest.fixture
-def use_backend(monkeypatch):
-    """Selects a CPU kernel backend for the variables created afterwards."""
-
-    def select(name):
-        monkeypatch.setenv("CUDIST_BACKEND", name)
-        reset_backend_cache()
-        assert cpu_backend().name == name
-
-    yield select
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
-
-
 def replay(name, on_step=None):
     """Runs the recorded case ``name`` under MirroredStrategy (4 replicas); returns (w, optimizer)."""
     strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
@@ -92,8 +78,8 @@ def replay(name, on_step=None):
 
 @pytest.mark.parametrize("name", sorted(KERAS))
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-def test_amsgrad_follows_keras_step_by_step_on_4_replicas(use_backend, backend, name):
-    use_backend(backend)
+def test_amsgrad_follows_keras_step_by_step_on_4_replicas(select_cpu_backend, backend, name):
+    select_cpu_backend(backend)
     want = KERAS[name]
     fused_calls = []
     trusted = cpu_backend().trusted
@@ -127,10 +113,10 @@ def test_amsgrad_follows_keras_step_by_step_on_4_replicas(use_backend, backend, 
 
 
 @pytest.mark.parametrize("name", sorted(KERAS))
-def test_cpu_backends_agree_bit_for_bit(use_backend, name):
+def test_cpu_backends_agree_bit_for_bit(select_cpu_backend, name):
     results = {}
     for backend in CPU_BACKENDS:
-        use_backend(backend)
+        select_cpu_backend(backend)
         w, opt = replay(name)
         results[backend] = [w.numpy()] + [opt.get_slot(w, s).numpy() for s in ("momentum", "velocity", "velocity_hat")]
     ref = results.pop("numpy")

@@ -10,22 +10,11 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._kernels import available_backends, cpu_backend, get_backend, reset_backend_cache
+from cudist._kernels import available_backends, get_backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
 BF16 = np.dtype(ml_dtypes.bfloat16)
 REPLICAS = 4
-
-
-@pytest.fixture(params=["numpy", "native", "numba"])
-def numpy_backend(request, monkeypatch):
-    """Each CPU backend selected (each computes bfloat16 with its own kernels)."""
-    monkeypatch.setenv("CUDIST_BACKEND", request.param)
-    reset_backend_cache()
-    assert cpu_backend().name == request.param
-    yield
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
 
 
 def replica_values(size, seed=0):
@@ -45,7 +34,7 @@ def expected(values, op):
 
 @pytest.mark.parametrize("size", [1, 7, 1000, 4099])
 @pytest.mark.parametrize("op", ["sum", "mean"])
-def test_all_reduce_through_run_rounds_once(numpy_backend, size, op):
+def test_all_reduce_through_run_rounds_once(each_cpu_backend, size, op):
     values = replica_values(size, seed=size)
     strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
     reduce_op = cudist.ReduceOp.SUM if op == "sum" else cudist.ReduceOp.MEAN
@@ -68,7 +57,7 @@ def test_all_reduce_through_run_rounds_once(numpy_backend, size, op):
         assert not np.array_equal(naive.view(np.uint16), want.view(np.uint16))
 
 
-def test_strategy_reduce_and_gather(numpy_backend):
+def test_strategy_reduce_and_gather(each_cpu_backend):
     values = replica_values(33, seed=3)
     strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(REPLICAS)])
 
@@ -134,7 +123,7 @@ def _train(make_opt, grads, steps=3):
     [lambda: cudist.optimizers.SGD(0.01, momentum=0.9), lambda: cudist.optimizers.Adam(0.01)],
     ids=["sgd_momentum", "adam"],
 )
-def test_float32_variables_from_bfloat16_gradients(numpy_backend, make_opt):
+def test_float32_variables_from_bfloat16_gradients(each_cpu_backend, make_opt):
     """Mixed precision: bfloat16 gradients update float32 variables and slots as their exact float32
     values do (bfloat16 -> float32 is exact), the sum over replicas in float32."""
     grads = replica_values(37, seed=11)

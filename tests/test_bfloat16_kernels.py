@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._kernels import get_backend, reset_backend_cache
+from cudist._kernels import get_backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -167,20 +167,11 @@ def test_native_refuses_bfloat16_updates_clearly():
         _core.sgd(w, np.ones(8, BF16), 0.1)
 
 
-@pytest.fixture(params=["numpy", "native", "numba"])
-def cpu_backend_env(request, monkeypatch):
-    monkeypatch.setenv("CUDIST_BACKEND", request.param)
-    reset_backend_cache()
-    yield request.param
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
-
-
 _RESULTS: dict = {}
 
 
 @pytest.mark.parametrize("size", [1, 17, 4097, 100003])
-def test_strategy_run_four_replicas_same_bits_on_every_backend(cpu_backend_env, size):
+def test_strategy_run_four_replicas_same_bits_on_every_backend(each_cpu_backend, size):
     vals = values(4, size, seed=size + 5)
     strategy = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(4)])
     got = {}
@@ -200,3 +191,31 @@ def test_strategy_run_four_replicas_same_bits_on_every_backend(cpu_backend_env, 
     prev = _RESULTS.setdefault(size, got)
     for op in OPS:
         np.testing.assert_array_equal(prev[op], got[op])
+
+
+@pytest.mark.parametrize("simd", ["sse2", "avx2"])
+@pytest.mark.parametrize("n", [2, 3, 4, 5])
+def test_native_simd_kernels_match_reference(simd, n):
+    """The native bfloat16 reduction's SSE2 and AVX2 line kernels (picked at run time; forced here)
+    give the reference's bits: random bit patterns (every NaN payload and sign, infs, subnormals),
+    NaN + NaN keeping the first NaN's sign, odd sizes that end in a partial line, SUM and MEAN."""
+    from cudist import _core
+
+    if simd == "avx2" and _core.bf16_simd("avx2") != "avx2":
+        pytest.skip("this CPU or build has no AVX2 kernel")
+    try:
+        assert _core.bf16_simd(simd) == simd
+        rng = np.random.default_rng(n)
+        for size in (31, 64 * 33 + 7, 300001):
+            vals = [rng.integers(0, 1 << 16, size, dtype=np.uint16).view(BF16) for _ in range(n)]
+            vals[0][:16] = np.array([0xFFC0, 0x7FC1, 0xFF81, 0x7F80] * 4, np.uint16).view(BF16)
+            vals[1][:16] = np.array([0x7FC0, 0xFFC1, 0x7F81, 0xFF80] * 4, np.uint16).view(BF16)
+            for op in OPS:
+                want = reference(vals, op)
+                got = np.empty_like(vals[0])
+                get_backend("native").reduce_to_one(vals, op, out=got)
+                assert bits(got).tobytes() == bits(want).tobytes(), (size, op)
+    finally:
+        _core.bf16_simd("auto")
+    with pytest.raises(ValueError, match="'auto', 'sse2' or 'avx2'"):
+        _core.bf16_simd("avx512")

@@ -334,8 +334,7 @@ def test_reduction_to_one_device_arguments():
     assert "ReductionToOneDevice" in repr(r)
 
 
-def test_backends_agree_bitwise_through_the_strategy(monkeypatch):
-    from cudist._kernels import reset_backend_cache as _reset_backend_cache
+def test_backends_agree_bitwise_through_the_strategy(select_cpu_backend):
     from cudist._kernels import available_backends
 
     s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1", "/cpu:2"])
@@ -346,15 +345,9 @@ def test_backends_agree_bitwise_through_the_strategy(monkeypatch):
         return cudist.get_replica_context().all_reduce("mean", [v, v * 2])
 
     results = {}
-    try:
-        for name in [b for b in available_backends() if b != "cupy"]:
-            monkeypatch.setenv("CUDIST_BACKEND", name)
-            _reset_backend_cache()
-            assert _cpu_backend().name == name
-            results[name] = s.experimental_local_results(s.run(step, args=(x,)))
-    finally:
-        monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-        _reset_backend_cache()
+    for name in [b for b in available_backends() if b != "cupy"]:
+        select_cpu_backend(name)
+        results[name] = s.experimental_local_results(s.run(step, args=(x,)))
     ref = results.pop("numpy")
     for name, res in results.items():
         for r, rr in zip(res, ref):

@@ -76,7 +76,8 @@ def test_kernel_list_covers_the_headers():
     declared |= {f"mirrored_all_reduce_{name}{form}" for name in rules for form in ("", "_packed")}
     expected = set(KERNELS) | {k + "_packed" for k in KERNELS}
     assert declared == expected
-    assert set(CTYPES) == {"float16", "float32", "float64", "int32", "int64"}
+    assert set(CTYPES) == {"float16", "float32", "float64", "int32", "int64", "bfloat16"}
+    assert CTYPES["bfloat16"] == "__nv_bfloat16"
     for kernel, dtypes in KERNELS.items():
         assert set(dtypes) <= set(CTYPES), kernel
 

@@ -16,6 +16,7 @@ import importlib.util
 import threading
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401 - a test dependency: np.dtype("bfloat16") is then the kernels' bfloat16
 import numpy as np
 import pytest
 
@@ -38,7 +39,9 @@ pytestmark = pytest.mark.skipif(emu_build.compiler() is None, reason="needs a C+
 # The cupy backend's KERNELS: the kernel list of <cudist/kernels/kernel_list.cuh>.
 KERNELS = kernel_list(cudist.get_include())
 REF = NumpyBackend()
-DTYPES = ("float16", "float32", "float64", "int32", "int64")
+#: bfloat16 (ml_dtypes, a test dependency): the collectives, scatter and assign_add, no updates.
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+HALVES = ("float16", "bfloat16")  # summed in float32, rounded once
 FLOATS = ("float16", "float32", "float64")
 SIZES = (0, 1, 7, 165, 1031)
 KERNEL_REPLICAS = (1, 2, 3, 5, 8)
@@ -51,9 +54,9 @@ CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 def _launch_rc(dtype, n, count):
-    """What a launcher summing ``n`` buffers returns: float16 sums over more than MAX_REPLICAS
-    buffers are refused (they would round at every pass; the contract rounds once)."""
-    return CUDA_ERROR_NOT_SUPPORTED if dtype == "float16" and n > MAX_REPLICAS and count > 0 else CUDA_SUCCESS
+    """What a launcher summing ``n`` buffers returns: float16 / bfloat16 sums over more than
+    MAX_REPLICAS buffers are refused (they would round at every pass; the contract rounds once)."""
+    return CUDA_ERROR_NOT_SUPPORTED if dtype in HALVES and n > MAX_REPLICAS and count > 0 else CUDA_SUCCESS
 CUDA_ERROR_INVALID_VALUE = 1
 CUDA_ERROR_INVALID_CONFIGURATION = 9
 CUDA_ERROR_INVALID_DEVICE = 101
@@ -97,7 +100,7 @@ def _random(rng, count: int, dtype, *, offset: int = 0, positive: bool = False) 
     whole range (so that sums wrap around)."""
     dtype = np.dtype(dtype)
     a = _empty(count, dtype, offset)
-    if dtype.kind == "f":
+    if dtype.kind == "f" or dtype.name == "bfloat16":
         scale = 4.0 if dtype == np.float16 else 2.0 ** rng.integers(-8, 9, size=count)
         v = rng.uniform(-1.0, 1.0, size=count) * scale
         if positive:
@@ -937,3 +940,67 @@ def test_new_launchers_reject_bad_arguments(lib):
         for r in range(len(bufs)):
             _assert_bits(bufs[r], orig[r], f"{what}: buffer {r} written")
     assert lib.cudist_emu_get_last_error() == CUDA_SUCCESS
+
+
+# ------------------------------------------------------------------------------------- bfloat16 specials
+def _bf16_specials(rng, n: int, count: int) -> list[np.ndarray]:
+    """n bfloat16 buffers of mixed magnitudes with subnormals, +-inf, NaNs (payloads, both signs),
+    -0 and the largest finite value (two of them overflow to inf), at random positions."""
+    out = []
+    for _ in range(n):
+        a = _empty(count, "bfloat16", 0)
+        v = rng.standard_normal(count).astype(np.float32) * np.float32(10.0) ** rng.integers(-6, 6, count)
+        u = v.astype("bfloat16").view(np.uint16)
+        k = rng.permutation(count)[:9]
+        u[k] = (0x0001 + rng.integers(0, 0x7F), 0x8001 + rng.integers(0, 0x7F), 0x7F7F, 0xFF7F, 0x7F80, 0xFF80,
+                0x7FFF, 0xFFC1, 0x8000)
+        a.view(np.uint16)[...] = u
+        out.append(a)
+    return out
+
+
+def _assert_bf16_sum_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bit for bit, except a computed NaN's sign (the hardware's: x86, here, gives inf + -inf as
+    -NaN, a GPU +NaN); every NaN must be ml_dtypes' 0x7fc0 | sign, never CUDA's 0x7fff."""
+    g, w = got.view(np.uint16), want.view(np.uint16)
+    nan = (w & 0x7FFF) > 0x7F80
+    assert np.array_equal((g & 0x7FFF) > 0x7F80, nan), f"{what}: NaN positions differ"
+    assert np.all(g[nan] & 0x7FFF == 0x7FC0), f"{what}: NaNs {g[nan]}"
+    _assert_bits(np.where(nan, 0, g), np.where(nan, 0, w), what)
+
+
+@pytest.mark.parametrize("ftz", [0, 1], ids=["ieee", "ftz"])
+def test_bfloat16_nan_inf_subnormal_sums(lib, ftz):
+    """The kernel and the launchers round float32 to bfloat16 themselves: nearest even, ml_dtypes'
+    NaN, subnormal sums kept. The emulation's ftz mode (float32 intrinsics flushing subnormals, as
+    CuPy's -ftz does on a GPU) must change nothing: the sums avoid those intrinsics and the rounding
+    is integer arithmetic."""
+    rng = np.random.default_rng(31)
+    kernel = _kernel(lib, "all_reduce_one_shot", "bfloat16")
+    launcher = _launcher(lib, "all_reduce", "bfloat16")
+    lib.cudist_emu_set_modes(0, ftz, 0)
+    try:
+        for n in (2, 3, 8):
+            for count in (9, 165, 1031):
+                bufs = _bf16_specials(rng, n, count)
+                for op in (ReduceOp.SUM, ReduceOp.MEAN):
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        want = REF.reduce_to_one([b.copy() for b in bufs], op)
+                    divisor = n if op is ReduceOp.MEAN else 0
+                    out = _empty(count, "bfloat16", 0)
+                    kernel(_cupy_grid(count, 2), 1, THREADS, _table(bufs), n, _table([out]), 1, count, divisor)
+                    _assert_bf16_sum_bits(out, want, f"kernel n={n} count={count} {op.name} ftz={ftz}")
+                    copies = _like(bufs)
+                    assert launcher(_table(copies), n, count, int(op is ReduceOp.MEAN), None) == CUDA_SUCCESS
+                    for r in range(n):
+                        _assert_bf16_sum_bits(copies[r], want, f"launcher n={n} count={count} {op.name} replica {r}")
+    finally:
+        lib.cudist_emu_set_modes(0, 0, 0)
+    # Each case on its own, so the bits are known: a subnormal sum, overflow, a tie to even, NaNs.
+    a = np.array([0x0003, 0x7F7F, 0x3F80, 0x7FA5, 0xFFFF, 0x7F80], np.uint16).view("bfloat16")
+    b = np.array([0x0004, 0x7F7F, 0x3B80, 0x3F80, 0xBF80, 0xFF80], np.uint16).view("bfloat16")
+    x, y = _like([a, b])
+    kernel(1, 1, THREADS, _table([x, y]), 2, _table([x]), 1, a.size, 0)
+    got = x.view(np.uint16)
+    assert got[0] == 0x0007 and got[1] == 0x7F80 and got[2] == 0x3F80  # 1 + 2**-8: the tie rounds to even
+    assert all(v & 0x7FFF == 0x7FC0 for v in got[3:])  # NaN in, inf - inf: 0x7fc0 | sign

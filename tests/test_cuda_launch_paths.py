@@ -27,6 +27,7 @@ import sys
 import zlib
 from pathlib import Path
 
+import ml_dtypes  # noqa: F401 - a test dependency: np.dtype("bfloat16") is then the kernels' bfloat16
 import numpy as np
 import pytest
 
@@ -48,8 +49,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SOURCE_INCLUDE = ROOT / "csrc" / "include"
 INCLUDE = Path(cudist.get_include())
 FAKE = str(ROOT / "tests" / "emu" / "fakecupy")
-DTYPES = ("float16", "float32", "float64", "int32", "int64")
-CTYPES = {"float16": "__half", "float32": "float", "float64": "double", "int32": "int", "int64": "long long"}
+DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+CTYPES = {"float16": "__half", "float32": "float", "float64": "double", "int32": "int", "int64": "long long",
+          "bfloat16": "__nv_bfloat16"}
+#: The 16-bit floats: summed in float32 and rounded once, so more than 8 buffers are summed on the host.
+HALVES = ("float16", "bfloat16")
 KERNELS = kernel_list(SOURCE_INCLUDE)
 REF = NumpyBackend()
 
@@ -189,12 +193,13 @@ def test_launch_headers_declare_exactly_the_listed_instantiations(tmp_path):
 
 
 _STUB = re.compile(r"__device_stub__ZN6cudist7kernels(\d+)(\w+)")
-_MANGLED = {"f": "float32", "d": "float64", "i": "int32", "x": "int64", "6__half": "float16"}
+_MANGLED = {"f": "float32", "d": "float64", "i": "int32", "x": "int64", "6__half": "float16",
+            "13__nv_bfloat16": "bfloat16"}
 
 
 def _stub_kernel(length: str, rest: str) -> tuple[str, str]:
     name, rest = rest[: int(length)], rest[int(length):]
-    m = re.match(r"I(6__half|[fdix])E", rest)
+    m = re.match(r"I(6__half|13__nv_bfloat16|[fdix])E", rest)
     assert m, rest
     return name, _MANGLED[m.group(1)]
 
@@ -372,9 +377,9 @@ def test_core_path_equals_numpy_and_nvrtc_on_one_gpu(fake, make, dtype, n):
             expected = ["cuda_all_reduce"] * (n > 1) + [
                 "cuda_all_reduce_into", "cuda_reduce_to_one", "cuda_reduce_to_one"] + ["cuda_broadcast"] * (n > 8) + [
                 "cuda_broadcast"]
-            if dtype == "float16" and n > 8:
-                # float16 sums over more than 8 buffers are done on the host (one rounding; the
-                # launchers would round between their passes and refuse them).
+            if dtype in HALVES and n > 8:
+                # float16 / bfloat16 sums over more than 8 buffers are done on the host (one
+                # rounding; the launchers would round between their passes and refuse them).
                 expected = ["cuda_broadcast"]
             assert [c.name for c in new] == expected
             assert all(c.device == 0 and c.streams == (handles[0],) and c.dtype == dtype for c in new)
@@ -386,7 +391,7 @@ def test_core_path_equals_numpy_and_nvrtc_on_one_gpu(fake, make, dtype, n):
                 _same(g, r, f"result {i} vs NVRTC ({dtype}, n={n}, count={count}, {op})")
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32", "int64"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int64", "bfloat16"])
 @pytest.mark.parametrize(
     "devices",
     [
@@ -407,8 +412,8 @@ def test_core_path_across_gpus_uses_each_devices_current_stream(fake, make, dtyp
         calls = len(launchers.calls)
         got, want = _run_all(cp, core_be, dtype, n, count, "mean", devices, seed)
         new = launchers.calls[calls:]
-        if dtype == "float16" and n > 8:
-            # float16 sums over more than 8 buffers are done on the host (one rounding): only the
+        if dtype in HALVES and n > 8:
+            # float16 / bfloat16 sums over more than 8 buffers are done on the host (one rounding): only the
             # broadcast launches; the results must still be the reference's.
             assert [c.name for c in new] == ["cuda_broadcast"]
             for i, (g, w) in enumerate(zip(got, want)):

@@ -61,3 +61,35 @@ def test_a_bad_rule_is_refused():
         Rule("adamw", (0.1, 0.9, 0.999))
     with pytest.raises(ValueError, match=r"update rule 'lion' takes 3 scalars"):
         Rule("lion", (0.1, 0.9, 0.99, 0.0))  # the decay is not one of the scalars passed
+
+
+def test_fusable_decides_from_the_plans_and_each_variables_gradient_dtype():
+    """What depends on the variable alone is settled at plan time (``plan[2]``: the backend, the
+    dtype, every array the update writes); ``fusable`` then checks the replica count, the plans'
+    backend and each variable's gradient dtype."""
+    import cudist
+    from cudist._dataplane.update import UpdatePass
+
+    s = cudist.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    rng = np.random.default_rng(3)
+    with s.scope():
+        v32 = cudist.Variable(rng.standard_normal(5).astype(np.float32))
+        v64 = cudist.Variable(rng.standard_normal((2, 3)))
+        slot = cudist.Variable(np.zeros(5, np.float32))
+    update = UpdatePass("test")
+    plans = [update.plan(v32, {"m": slot}), update.plan(v64, {})]
+    for plan, var, written in zip(plans, (v32, v64), ((v32, slot), (v64,))):
+        backend, dtype, arrays = plan[2]
+        assert dtype == var.dtype and backend is plan[1][0][2]
+        assert len(arrays) == len(written) and all(a is w.storage.buffers()[0] for a, w in zip(arrays, written))
+    assert update.plan(v32, {"m": slot}) is plans[0]  # reused while the storage stays
+
+    def grads(v, *dtypes):
+        return tuple(rng.standard_normal(v.shape).astype(d) for d in dtypes)
+
+    ok = [grads(v32, np.float32, np.float32), grads(v64, np.float64, np.float64)]
+    backend = update.fusable(s, ok, plans)
+    assert backend is not None and backend is plans[0][2][0]
+    assert update.fusable(s, [g[:1] for g in ok], plans) is None  # one gradient for two replicas
+    assert update.fusable(s, [grads(v32, np.float16, np.float32), ok[1]], plans) is None  # replicas disagree
+    assert update.fusable(s, [ok[0], grads(v64, np.float32, np.float64)], plans) is None

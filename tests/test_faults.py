@@ -13,6 +13,7 @@ import os
 import random
 import signal
 import sys
+import threading
 import time
 import weakref
 
@@ -199,7 +200,10 @@ class _Interrupter:
 
     def _fire(self, signum, frame):
         self.sent += 1
-        os.kill(os.getpid(), signal.SIGINT)
+        # To this (the main) thread itself, so the SIGINT is delivered before pthread_kill returns;
+        # os.kill lets the kernel pick any thread, and on a loaded machine that thread may run the
+        # C handler only after disarm() has stopped waiting, i.e. during the checks.
+        signal.pthread_kill(threading.get_ident(), signal.SIGINT)
 
     def arm(self):
         signal.setitimer(signal.ITIMER_REAL, self._rng.uniform(1e-6, 400e-6))

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._kernels import UPDATE_KERNELS, cpu_backend, get_backend, reset_backend_cache
+from cudist._kernels import UPDATE_KERNELS, cpu_backend, get_backend
 
 ml_dtypes = pytest.importorskip("ml_dtypes", reason="bfloat16 needs the optional ml_dtypes package")
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -46,23 +46,29 @@ def _state(name, n, size, seed):
     return [w.copy() for _ in range(n)], [[x.copy() for _ in range(n)] for x in s]
 
 
+@pytest.mark.parametrize("backend", ["native", "numba"])
 @pytest.mark.parametrize("name", sorted(UPDATE_KERNELS))
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
-@pytest.mark.parametrize("size", [1, 37, 4099])
-def test_fused_kernels_take_narrow_gradients(name, dtype, m, size):
-    """Every fused kernel of the table on the native backend: narrow gradients for float32 copies
-    equal the NumPy reference's update from the gradients cast to float32, bit for bit."""
-    native = get_backend("native")
+@pytest.mark.parametrize("size", [1, 37, 20011])
+def test_fused_kernels_take_narrow_gradients(backend, name, dtype, m, size):
+    """Every fused kernel of the table on the native and Numba backends: narrow gradients for
+    float32 copies equal the NumPy reference's update from the gradients cast to float32, bit for
+    bit (20011 elements: several of Numba's blocks, split over its threads)."""
+    native = get_backend(backend)
     assert native.mixed_gradients
     ref = get_backend("numpy")
     hyper = [HYPER[h] for h in UPDATE_KERNELS[name][1]]
     grads = _grads(dtype, m, size, seed=size + m)
+    if size > 1:  # a NaN and an inf among the gradients: the widened sums carry them as the cast ones
+        grads[0][size // 3] = np.nan
+        grads[-1][size // 2] = -np.inf
     n = 2  # two mirrored copies: every one is written
     got_w, got_s = _state(name, n, size, seed=size)
     want_w, want_s = _state(name, n, size, seed=size)
     getattr(native.trusted, f"all_reduce_{name}")(got_w, *got_s, grads, *hyper)
-    getattr(ref.trusted, f"all_reduce_{name}")(want_w, *want_s, [g.astype(np.float32) for g in grads], *hyper)
+    with np.errstate(all="ignore"):  # (the NaN and the inf: the reference's NumPy warnings)
+        getattr(ref.trusted, f"all_reduce_{name}")(want_w, *want_s, [g.astype(np.float32) for g in grads], *hyper)
     for got, want in zip([got_w, *got_s], [want_w, *want_s]):
         for g, w in zip(got, want):
             assert g.dtype == np.float32
@@ -115,13 +121,9 @@ OPTIMIZERS = {
 
 
 @pytest.fixture(params=["native", "numba"])
-def backend_named(request, monkeypatch):
-    monkeypatch.setenv("CUDIST_BACKEND", request.param)
-    reset_backend_cache()
-    assert cpu_backend().name == request.param
-    yield request.param
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
+def backend_named(request, select_cpu_backend):
+    select_cpu_backend(request.param)
+    return request.param
 
 
 def _train(make_opt, init, steps_grads, replicas):
@@ -140,15 +142,14 @@ def _train(make_opt, init, steps_grads, replicas):
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("replicas", [1, 2, 3, 4])
-def test_apply_gradients_with_narrow_gradients(backend_named, monkeypatch, opt_name, dtype, replicas):
+def test_apply_gradients_with_narrow_gradients(backend_named, select_cpu_backend, opt_name, dtype, replicas):
     """MirroredStrategy, float32 variable, narrow gradients from every replica for 3 steps: the
     variable and slots equal the NumPy reference trained on the gradients cast to float32."""
     size = 1031
     init = np.random.default_rng(9).standard_normal(size).astype(np.float32)
     steps = [_grads(dtype, replicas, size, seed=40 + s) for s in range(3)]
     got_w, got_slots = _train(OPTIMIZERS[opt_name], init, steps, replicas)
-    monkeypatch.setenv("CUDIST_BACKEND", "numpy")
-    reset_backend_cache()
+    select_cpu_backend("numpy")
     want_w, want_slots = _train(OPTIMIZERS[opt_name], init, [[g.astype(np.float32) for g in gs] for gs in steps], replicas)
     assert got_w.dtype == np.float32
     np.testing.assert_array_equal(got_w.view(np.uint32), want_w.view(np.uint32))
@@ -160,12 +161,12 @@ def test_apply_gradients_with_narrow_gradients(backend_named, monkeypatch, opt_n
     assert not np.array_equal(got_w, got_w.astype(dtype).astype(np.float32))
 
 
+@pytest.mark.parametrize("backend", ["native", "numba"])
 @pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
-def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, dtype):
+def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, select_cpu_backend, backend, dtype):
     """On a backend with ``mixed_gradients`` the fused kernel receives the replicas' narrow
     gradients themselves (no float32 copy); on one without, float32 casts of them."""
-    monkeypatch.setenv("CUDIST_BACKEND", "native")
-    reset_backend_cache()
+    select_cpu_backend(backend)
     trusted = cpu_backend().trusted
     seen = []
     real = trusted.all_reduce_momentum
@@ -185,7 +186,7 @@ def test_narrow_gradients_reach_the_fused_kernel_uncast(monkeypatch, dtype):
 
 
 @pytest.mark.parametrize("mix", [("f32", "bf16", "f32"), ("bf16", "f16", "bf16"), ("f16", "f32", "f32")])
-def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_named, monkeypatch, mix):
+def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_named, select_cpu_backend, mix):
     """Replicas may pass one variable's gradient in different dtypes (one bf16, another float32):
     each is cast as Keras does and the step equals the reference on the float32-cast gradients
     (the fused kernels take one gradient dtype per variable; this once raised TypeError)."""
@@ -201,9 +202,34 @@ def test_replicas_passing_different_gradient_dtypes_for_one_variable(backend_nam
         return cudist.optimizers.SGD(0.01, momentum=0.9)
 
     got_w, got_slots = _train(make_opt, init, steps, len(mix))
-    monkeypatch.setenv("CUDIST_BACKEND", "numpy")
-    reset_backend_cache()
+    select_cpu_backend("numpy")
     want_w, want_slots = _train(make_opt, init, [[g.astype(np.float32) for g in gs] for gs in steps], len(mix))
     assert got_w.tobytes() == want_w.tobytes()
     assert [g.tobytes() for g in got_slots] == [w.tobytes() for w in want_slots]
     assert not np.array_equal(got_w, init)
+
+
+@pytest.mark.parametrize("dtype", NARROW, ids=["bfloat16", "float16"])
+def test_numba_mixed_falls_back_to_the_cast_definition(monkeypatch, dtype):
+    """A Numba mixed-precision call its driver refuses (two gradients partially overlapping: the
+    NumPy reference takes the call) still gives the bits of casting the gradients first."""
+    from cudist._kernels._numpy import NumpyBackend
+
+    numba_be = get_backend("numba").trusted
+    ref = get_backend("numpy").trusted
+    calls = []
+    real = NumpyBackend._hook_sgd
+    monkeypatch.setattr(NumpyBackend, "_hook_sgd", lambda self, *a: (calls.append(a[1].dtype), real(self, *a)))
+    rng = np.random.default_rng(5)
+    size = 1001
+    raw = (rng.standard_normal(size + 1) * 10.0 ** rng.integers(-3, 3, size + 1)).astype(dtype)
+    grads = [raw[:size], raw[1:]]  # one element apart: the blocks of one would overlap the other's
+    init = rng.standard_normal(size).astype(np.float32)
+    got, want = [init.copy()], [init.copy()]
+    numba_be.all_reduce_sgd(got, grads, 0.25)
+    assert calls == [np.dtype(np.float32)]  # the reference ran, on float32 casts
+    ref.all_reduce_sgd(want, [g.astype(np.float32) for g in grads], 0.25)
+    assert got[0].tobytes() == want[0].tobytes()
+    # The test can fail: the narrow sum rounded to the gradients' dtype gives other bits.
+    narrow = init - np.float32(0.25) * (grads[0] + grads[1]).astype(np.float32)
+    assert narrow.tobytes() != want[0].tobytes()

@@ -129,10 +129,14 @@ def test_float16_and_float64_policies():
     assert cudist.Variable(1.5).dtype == np.float32
 
 
-def test_bfloat16_policy_refuses_variables_clearly():
+def test_bfloat16_policy_makes_bfloat16_variables():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
     mp.set_global_policy("bfloat16")
-    with pytest.raises(TypeError, match="policy 'bfloat16' makes variables bfloat16.*mixed_bfloat16"):
-        cudist.Variable(np.ones(2, np.float32))
+    v = cudist.Variable(np.array([1.0, 1.00390625, 3.3], np.float32))
+    assert v.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(v.numpy(), np.array([1.0, 1.00390625, 3.3], np.float32).astype(ml_dtypes.bfloat16))
+    assert cudist.Variable(1.5).dtype == ml_dtypes.bfloat16
+    assert cudist.Variable(np.arange(3)).dtype == np.int64  # integers keep their dtype
     assert cudist.Variable(np.ones(2, np.float32), dtype=np.float32).dtype == np.float32
 
 
@@ -158,21 +162,9 @@ def test_compute_dtype_casts_gradients_for_float32_variables():
 
 
 # ------------------------------------------------------------------------------- float16 sums
-@pytest.fixture(params=["numpy", "native", "numba"])
-def cpu_backend_named(request, monkeypatch):
-    from cudist._kernels import cpu_backend, reset_backend_cache
-
-    monkeypatch.setenv("CUDIST_BACKEND", request.param)
-    reset_backend_cache()
-    assert cpu_backend().name == request.param
-    yield request.param
-    monkeypatch.delenv("CUDIST_BACKEND", raising=False)
-    reset_backend_cache()
-
-
 @pytest.mark.parametrize("size", [1, 7, 1000, 4099])
 @pytest.mark.parametrize("op", ["sum", "mean"])
-def test_float16_all_reduce_accumulates_in_float32(cpu_backend_named, size, op):
+def test_float16_all_reduce_accumulates_in_float32(each_cpu_backend, size, op):
     """float16 has bfloat16's contract: float32 accumulation in replica order, one rounding (the mean
     divides the float32 sum), bit for bit on every CPU backend, through strategy.run with 4 replicas."""
     rng = np.random.default_rng(size)
@@ -198,7 +190,7 @@ def test_float16_all_reduce_accumulates_in_float32(cpu_backend_named, size, op):
         assert not np.array_equal(naive.view(np.uint16), want.view(np.uint16))  # the test can fail
 
 
-def test_float16_fused_update_rounds_the_gradient_sum_once(cpu_backend_named):
+def test_float16_fused_update_rounds_the_gradient_sum_once(each_cpu_backend):
     """float16 variables, float16 gradients from 4 replicas: the fused all-reduce + momentum equals the
     reference's reduce_to_one (float32 accumulation, one rounding) then momentum, bit for bit."""
     from cudist._kernels import get_backend

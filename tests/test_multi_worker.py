@@ -69,13 +69,28 @@ def _mapped_shm():
     return mapped
 
 
+def _shm_left(before):
+    """Segments new since ``before`` and mapped by no live process, looked at until they persist for 2 s.
+
+    A job running beside us (another test run on this machine) has its segments in /dev/shm for a
+    moment before it maps them, and after it unmapped them before it removes them: such a segment
+    vanishes or becomes mapped within that time; a leaked one stays.
+    """
+    deadline = time.monotonic() + 2
+    while True:
+        left = _shm() - before - _mapped_shm()
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
+
+
 @pytest.fixture
 def no_shm_left():
     before = _shm()
     yield
     # Left = new and mapped by no live process: a job started meanwhile by another test run on this
     # machine holds its segments mapped, and removes them itself.
-    left = _shm() - before - _mapped_shm()
+    left = _shm_left(before)
     assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
 
 

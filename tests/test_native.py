@@ -1013,3 +1013,24 @@ def test_settle_plain_takes_only_gradients_that_cannot_alias_what_the_step_write
     assert len(row) == 2 and row[0] is g[0] and row[1] is w1
     assert _core.settle_plain([([g[0], g[1][:4]], ())], False) is None
     assert _core.settle_plain([], True) == []
+
+
+@pytest.mark.parametrize(("value", "want"), [("1", "1"), ("3", "3"), ("0", "ValueError: $CUDIST_NUM_THREADS='0' is not a positive integer")])
+def test_the_pool_size_comes_from_cudist_num_threads(value, want):
+    """CUDIST_NUM_THREADS sizes the native pool when the backend loads (the launcher's share of the cores)."""
+    import subprocess
+    import sys
+
+    code = ("try:\n from cudist._kernels import _native\n print(_native.num_threads())\n"
+            "except ValueError as e:\n print('ValueError:', e)\n")
+    env = dict(os.environ, CUDIST_NUM_THREADS=value)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.stdout.strip() == want, out.stderr[-2000:]
+
+
+def test_the_launcher_gives_each_worker_its_share_of_the_kernel_threads():
+    from cudist import launch
+
+    cores = os.cpu_count() or 1
+    assert launch.worker_env(2, {})["CUDIST_NUM_THREADS"] == str(max(1, cores // 2))
+    assert launch.worker_env(2, {"CUDIST_NUM_THREADS": "7"})["CUDIST_NUM_THREADS"] == "7"  # a user's choice stays

@@ -175,6 +175,35 @@ def test_numpy_dtypes_are_accepted():
             assert "CUDA error" in str(e)
 
 
+_BF16_BY_NAME = """
+import sys
+from cudist import _core
+assert "ml_dtypes" not in sys.modules  # NumPy does not know the name "bfloat16" without it
+try:
+    _core.cuda_all_reduce([4096], 0, "bfloat16", 0)
+except RuntimeError as e:  # no device here: the CUDA error, after the dtype was understood
+    assert "CUDA error" in str(e), e
+print("ok")
+"""
+
+
+@cuda_built
+def test_bfloat16_is_accepted_by_name_and_as_ml_dtypes_dtype():
+    """The cupy backend passes ``dtype.name``: "bfloat16" must mean __nv_bfloat16 whether or not
+    ml_dtypes is imported (the dispatch once fell through to int64 for it); an unknown name is still
+    refused, naming the supported ones."""
+    out = subprocess.run([sys.executable, "-c", _BF16_BY_NAME], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stdout + out.stderr
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    for dt in (np.dtype(ml_dtypes.bfloat16), ml_dtypes.bfloat16):
+        try:
+            _core.cuda_all_reduce([4096], 0, dt, 0)
+        except RuntimeError as e:
+            assert "CUDA error" in str(e)
+    with pytest.raises(ValueError, match=r"unsupported dtype 'bfloat17' \(supported: .*bfloat16\)"):
+        _core.cuda_all_reduce([4096], 0, "bfloat17", 0)
+
+
 # ------------------------------------------------------------------------------------- on GPUs
 def _random(rng, dtype, count):
     dtype = np.dtype(dtype)

@@ -47,23 +47,10 @@ def _mpi_missing():
     return None
 
 
+from test_multi_worker import _shm, _shm_left  # the MPI segments check of the other job tests
+
 MISSING = _mpi_missing()
 needs_mpi = pytest.mark.skipif(MISSING is not None, reason=f"jobs need MPI: {MISSING}")
-
-
-def _shm():
-    return {p.name for p in Path("/dev/shm").glob("mpich_shm_*")} if Path("/dev/shm").is_dir() else set()
-
-
-def _mapped_shm():
-    mapped = set()
-    for maps in Path("/proc").glob("[0-9]*/maps"):
-        try:
-            text = maps.read_text()
-        except OSError:
-            continue
-        mapped.update(m.rsplit("/", 1)[1] for m in re.findall(r"/dev/shm/mpich_shm_\S+", text))
-    return mapped
 
 
 def _running(tag):
@@ -86,7 +73,7 @@ def no_shm_left(tmp_path):
     (every job names the test's ``tmp_path`` on its command line)."""
     before = _shm()
     yield
-    left = _shm() - before - _mapped_shm()
+    left = _shm_left(before)
     assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
     deadline = time.monotonic() + 10  # a killed worker's parent may still be reaping it
     while (alive := _running(str(tmp_path))) and time.monotonic() < deadline:

@@ -100,7 +100,8 @@ def test_cupy_compiles_every_kernel_and_dtype_for_sm80_and_sm90(compiled):
     assert "-ftz=true" in compiled["options"] and any(o.startswith("--std=") or o.startswith("-std=")
                                                       for o in compiled["options"])  # fmt: skip
     seen = {(b["arch"], b["dtype"]) for b in compiled["builds"]}
-    assert seen == {(a, d) for a in ("80", "90") for d in ("float16", "float32", "float64", "int32", "int64")}
+    dtypes = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
+    assert seen == {(a, d) for a in ("80", "90") for d in dtypes}
     for b in compiled["builds"]:
         want = {k + "_packed" for k, dts in KERNELS.items() if b["dtype"] in dts}
         got = {expr.split("::")[-1].split("<")[0] for expr in b["mapping"]}

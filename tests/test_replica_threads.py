@@ -227,6 +227,46 @@ def test_blas_threads_are_shared_out_while_replicas_compute_in_every_mode_and_re
     assert "OpenBLAS" in _blas.describe()
 
 
+def test_the_blas_count_is_read_at_every_run_so_a_count_the_program_sets_between_runs_is_shared_out_and_put_back(
+    mode, monkeypatch
+):
+    """The count to share out is never cached across runs: a program may set it itself between
+    runs (threadpoolctl, openblas_set_num_threads). A run whose share equals the count changes
+    nothing (no set call at all); any other run sets it twice, to the share and back."""
+    found = _blas._lookup()
+    if found.one is None:
+        pytest.skip("the single-OpenBLAS fast path is not in use here")
+    set_fn, get = found.one
+    calls = []
+
+    def recording_set(count):
+        calls.append(count)
+        set_fn(count)
+
+    monkeypatch.setattr(found, "one", (recording_set, get))
+    before = get()
+    seen = []
+
+    def step():
+        seen.append(get())
+        cudist.get_replica_context().all_reduce("sum", 1.0)
+
+    s = _strategy(2)
+    try:
+        for m in ("greenlets", "threads"):
+            mode(m)
+            for count in (1, 2, 1):
+                set_fn(count)
+                seen.clear()
+                calls.clear()
+                s.run(step)
+                assert seen == [max(1, count // 2)] * 2
+                assert get() == count
+                assert calls == ([] if count == 1 else [count // 2, count])
+    finally:
+        set_fn(before)
+
+
 # ----------------------------------------------------------------------------- interrupts
 def _interrupt_main_once_started(started, n):
     """From a helper thread: SIGINT to the main thread once ``n`` replicas are computing."""

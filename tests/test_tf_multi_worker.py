@@ -47,12 +47,12 @@ def _env(**extra):
 
 
 def _job(cmd, out, env):
-    from test_multi_worker import _mapped_shm, _shm  # the MPI segments check of the other job tests
+    from test_multi_worker import _shm, _shm_left  # the MPI segments check of the other job tests
 
     before = _shm()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    left = _shm() - before - _mapped_shm()
+    left = _shm_left(before)
     assert not left, f"MPI shared-memory segments left in /dev/shm: {sorted(left)}"
     return [json.loads((out / f"w{i}.json").read_text()) for i in range(2)]
 

@@ -554,8 +554,9 @@ def test_core_stub_parameters_match_the_extension() -> None:
 
 def test_rule_bindings_take_the_tables_parameters() -> None:
     """Each binding generated from CUDIST_UPDATE_RULES takes ``copies``, its slots' copies (``<slot>s``),
-    the gradient(s), the table's hyper-parameters and ``decay``, in that order, none defaulted; and the
-    C++ table agrees with the Python one (cudist._kernels.update_variants(): its rows' variants)."""
+    the gradient(s), the table's hyper-parameters and ``decay``, in that order, none defaulted, then
+    ``sources`` (defaulted: in place), and is listed in ``out_of_place_rules``; and the C++ table
+    agrees with the Python one (cudist._kernels.update_variants(): its rows' variants)."""
     from cudist._kernels import update_variants
 
     core = _core_module()
@@ -567,4 +568,6 @@ def test_rule_bindings_take_the_tables_parameters() -> None:
         for fused in (False, True):
             fn = f"all_reduce_{name}" if fused else name
             want = ["copies", *(f"{s}s" for s in slots), "grads" if fused else "grad", *hyper, "decay"]
-            assert _pybind_parameters(getattr(core, fn).__doc__, fn) == [(p, False) for p in want], fn
+            got = _pybind_parameters(getattr(core, fn).__doc__, fn)
+            assert got == [(p, False) for p in want] + [("sources", True)], fn
+            assert fn in core.out_of_place_rules, fn

@@ -9,6 +9,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -35,7 +37,7 @@ namespace py = pybind11;
 namespace {
 
 enum class kind { f16, f32, f64, i32, i64, bf16 };
-constexpr kind kKinds[] = {kind::f16, kind::f32, kind::f64, kind::i32, kind::i64};
+constexpr kind kKinds[] = {kind::f16, kind::f32, kind::f64, kind::i32, kind::i64, kind::bf16};
 constexpr const char* kSupportedDtypes = "(supported: float16, float32, float64, int32, int64, bfloat16)";
 
 // Below this many bytes moved, the GIL is kept: releasing and retaking it costs more than the work.
@@ -791,6 +793,57 @@ void dispatch_mixed(kind k, kind kg, const char* where, F&& fn) {
   }
 }
 
+// The bfloat16 reduction's SIMD kernel: "auto" (by the CPU), "sse2" or "avx2" (where the CPU has
+// it), for tests and A/B benchmarks; returns the one in use after the call ("sse2", "avx2", or
+// "generic" on builds without the x86 kernels). ``choice`` None only asks.
+std::string bf16_simd(py::object choice) {
+#ifdef CUDIST_BF16_AVX2
+  if (!choice.is_none()) {
+    const auto c = choice.cast<std::string>();
+    if (c != "auto" && c != "sse2" && c != "avx2")
+      throw py::value_error("bf16_simd: choice must be 'auto', 'sse2' or 'avx2', got '" + c + "'");
+    cudist::detail::bf16_simd_choice().store(c == "auto" ? -1 : c == "avx2" ? 1 : 0);
+  }
+  return cudist::detail::bf16_use_avx2() ? "avx2" : "sse2";
+#elif defined(CUDIST_BF16_SSE2)
+  if (!choice.is_none() && choice.cast<std::string>() == "avx2")
+    throw py::value_error("bf16_simd: this build has no AVX2 kernel");
+  return "sse2";
+#else
+  (void)choice;
+  return "generic";
+#endif
+}
+
+// LossScaleOptimizer's step: the per-replica gradients summed, unscaled and checked in one pass
+// (cudist::reduce_unscale_finite); ``out`` of the variable's dtype, the gradients of it or, for
+// float32, of bfloat16 / float16. Returns whether every element of ``out`` is finite.
+bool reduce_unscale_finite(py::handle grads, double scale, py::handle out) {
+  const char* where = "reduce_unscale_finite";
+  std::vector<void*> po, pg;
+  std::size_t size = 0;
+  kind k, kg;
+  const py::tuple keep = inspect_all(py::make_tuple(out), where, "out", true, po, size, k);
+  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
+  const std::size_t out_bytes = size * itemsize(k), g_bytes = size * itemsize(kg);
+  const auto o = reinterpret_cast<std::uintptr_t>(po[0]);
+  for (void* g : pg) {
+    const auto a = reinterpret_cast<std::uintptr_t>(g);
+    if (size > 0 && a < o + out_bytes && o < a + g_bytes)
+      throw py::value_error(std::string(where) + ": out shares memory with a gradient");
+  }
+  bool finite = true;
+  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
+    using T = decltype(t);
+    using G = decltype(tg);
+    maybe_nogil(out_bytes + pg.size() * g_bytes, [&] {
+      finite = cudist::reduce_unscale_finite<T, G>(reinterpret_cast<const G* const*>(pg.data()), pg.size(), size, scale,
+                                                   static_cast<T*>(po[0]));
+    });
+  });
+  return finite;
+}
+
 void all_reduce_sgd(py::handle copies, py::handle grads, double lr) {
   const char* where = "all_reduce_sgd";
   std::vector<void*> p, pg;
@@ -809,7 +862,22 @@ void all_reduce_sgd(py::handle copies, py::handle grads, double lr) {
   });
 }
 
-void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, double lr, double mom, bool nesterov) {
+/// Out of place (``sources`` not None): the variable's and the velocity's current values, read from
+/// ``sources`` (two arrays like copy 0) instead of copy 0; nullptr when None.
+std::array<const void*, 2> momentum_sources(py::handle sources, py::tuple& keep, const char* where, kind k,
+                                            std::size_t size) {
+  std::array<const void*, 2> src{};
+  if (sources.is_none()) return src;
+  keep = py::tuple(py::reinterpret_borrow<py::object>(sources));
+  if (keep.size() != 2)
+    throw py::value_error(std::string(where) + ": sources must hold 2 arrays (the variable's, then the velocity's), got " +
+                          std::to_string(keep.size()));
+  for (std::size_t i = 0; i < 2; ++i) src[i] = inspect_like(keep[i], where, "source", k, size, false);
+  return src;
+}
+
+void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, double lr, double mom, bool nesterov,
+                         py::handle sources) {
   const char* where = "all_reduce_momentum";
   std::vector<void*> p, pv, pg;
   std::size_t size = 0, vsize = 0;
@@ -819,13 +887,16 @@ void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, d
   if (kv != k || vsize != size || pv.size() != p.size())
     throw py::value_error("all_reduce_momentum: velocities must match the variable copies in number, dtype and size");
   const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
+  py::tuple keep_src;
+  const std::array<const void*, 2> src = momentum_sources(sources, keep_src, where, k, size);
   dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
     using T = decltype(t);
     using G = decltype(tg);
+    const T* const read[2] = {static_cast<const T*>(src[0]), static_cast<const T*>(src[1])};
     maybe_nogil((2 * p.size() + 2) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
       cudist::detail::momentum_update<T, G>(typed<T>(p), typed<T>(pv), p.size(), size,
                                             reinterpret_cast<const G* const*>(pg.data()), pg.size(), lr, mom, nesterov,
-                                            &cudist::thread_pool::global());
+                                            &cudist::thread_pool::global(), keep_src.empty() ? nullptr : read);
     });
   });
 }
@@ -843,7 +914,8 @@ void sgd(py::handle copies, py::handle grad, double lr) {
   });
 }
 
-void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, double mom, bool nesterov) {
+void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, double mom, bool nesterov,
+              py::handle sources) {
   std::vector<void*> p, pv;
   std::size_t size = 0, vsize = 0;
   kind k, kv;
@@ -852,10 +924,15 @@ void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, do
   if (kv != k || vsize != size || pv.size() != p.size())
     throw py::value_error("momentum: velocities must match the variable copies in number, dtype and size");
   const void* g = inspect_like(grad, "momentum", "grad", k, size, false);
+  py::tuple keep_src;
+  const std::array<const void*, 2> src = momentum_sources(sources, keep_src, "momentum", k, size);
   dispatch_float(k, "momentum", [&](auto t) {
     using T = decltype(t);
+    const T* const read[2] = {static_cast<const T*>(src[0]), static_cast<const T*>(src[1])};
+    const T* const gp = static_cast<const T*>(g);
     maybe_nogil((2 * p.size() + 3) * size * sizeof(T), [&] {
-      cudist::momentum<T>(typed<T>(p), typed<T>(pv), p.size(), size, static_cast<const T*>(g), lr, mom, nesterov);
+      cudist::detail::momentum_update<T, T>(typed<T>(p), typed<T>(pv), p.size(), size, &gp, 1, lr, mom, nesterov,
+                                            &cudist::thread_pool::global(), keep_src.empty() ? nullptr : read);
     });
   });
 }
@@ -947,19 +1024,36 @@ void def_rule(py::module_& m, const char* name, const std::array<const char*, si
     m.def(
         where.c_str(),
         [fused, where, slots](py::handle copies, handle_at<S>... slot_copies, py::handle g, double_at<H>... h,
-                              double decay) {
+                              double decay, py::handle sources) {
           update_args u = inspect_update(where.c_str(), copies, {std::make_pair(slot_copies, slots[S])...}, g,
                                          fused);
+          // Out of place: the current values of the variable, then of each slot, read from these
+          // arrays (a reader's snapshot); the copies are written, not read.
+          std::array<const void*, sizeof...(S) + 1> src{};
+          py::tuple keep_src;
+          if (!sources.is_none()) {
+            keep_src = py::tuple(py::reinterpret_borrow<py::object>(sources));
+            if (keep_src.size() != src.size())
+              throw py::value_error(where + ": sources must hold " + std::to_string(src.size()) +
+                                    " arrays (the variable's, then each slot's), got " +
+                                    std::to_string(keep_src.size()));
+            for (std::size_t i = 0; i < src.size(); ++i)
+              src[i] = inspect_like(keep_src[i], where.c_str(), "source", u.k, u.size, false);
+          }
           run_mixed_update_call(u, where.c_str(), [&](auto t, auto tg) {
             using T = decltype(t);
             using G = decltype(tg);
             T* const* const state[sizeof...(S) + 1] = {u.slot_ptrs<T>(S)..., typed<T>(u.p)};
-            cudist::detail::run_rule<Rule>(state, u.p.size(), u.size, u.grads<G>(), u.pg.size(), decay,
-                                           &cudist::thread_pool::global(), h...);
+            const T* const read[sizeof...(S) + 1] = {static_cast<const T*>(src[S + 1])...,
+                                                     static_cast<const T*>(src[0])};
+            cudist::detail::run_rule_reading<Rule>(state, keep_src.empty() ? nullptr : read, u.p.size(), u.size,
+                                                   u.grads<G>(), u.pg.size(), decay, &cudist::thread_pool::global(),
+                                                   h...);
           });
         },
         py::arg("copies"), py::arg(slot_args[S].c_str())..., py::arg(fused ? "grads" : "grad"), py::arg(hyper[H])...,
-        py::arg("decay"), doc.c_str());
+        py::arg("decay"), py::arg("sources") = py::none(), doc.c_str());
+    m.attr("out_of_place_rules").attr("append")(where);
   }
 }
 
@@ -982,7 +1076,13 @@ void def_rule(py::module_& m, const char* name, const std::array<const char*, si
 // stay alive until the streams have run it.
 
 kind parse_dtype(py::handle dt, const char* where) {
-  // Anything numpy.dtype() takes ("float32", "f4", np.float32, a dtype); judged by its name.
+  // Anything numpy.dtype() takes ("float32", "f4", np.float32, a dtype); judged by its name. A
+  // dtype's own name first: "bfloat16" means something to numpy.dtype() only once ml_dtypes is imported.
+  if (py::isinstance<py::str>(dt)) {
+    const std::string given = dt.cast<std::string>();
+    for (kind k : kKinds)
+      if (given == kind_name(k)) return k;
+  }
   std::string name;
   try {
     name = py::str(py::dtype::from_args(py::reinterpret_borrow<py::object>(dt)).attr("name"));
@@ -1005,8 +1105,10 @@ cudaError_t cuda_dispatch(kind k, F&& fn) {
     case kind::f32: return fn(float{});
     case kind::f64: return fn(double{});
     case kind::i32: return fn(int{});
-    default: return fn(static_cast<long long>(0));
+    case kind::i64: return fn(static_cast<long long>(0));
+    case kind::bf16: return fn(__nv_bfloat16{});
   }
+  return cudaErrorInvalidValue;  // unreachable: parse_dtype gives one of the kinds above
 }
 
 [[noreturn]] void raise_cuda(const char* where, cudaError_t e) {
@@ -1212,6 +1314,229 @@ void cuda_p2p_all_reduce(py::handle bufs_seq, long long count, py::handle dtype,
 }
 #endif  // CUDIST_CORE_WITH_CUDA
 
+// ---- the one-round all-reduce of the shared-memory transport (cudist._dataplane.transports.shm)
+//
+// One call per small all-reduce: copy in, raise the arrival flag, spin for the others, compare
+// the calls' hashes, sum in worker order. The layout is shm.py's: the control area `ctrl` (int64)
+// holds one cache line per flag, one row of `node_size` lines per kind (arrived = row 0, the
+// hashes rows 4 and 5 by the call's parity); `slots` holds two sets (by parity) of `node_size`
+// slots. A worker reuses a set only after every worker has arrived in the next call, so after
+// every worker has read it. The flags are C++ atomics: a release store of the arrival publishes
+// the slot and hash written before it; an acquire load of the others' orders the reads after.
+constexpr std::size_t kShmLine = 8;  // int64 per cache line
+constexpr std::size_t kShmArrived = 0, kShmHash = 4, kShmKinds = 6;
+constexpr std::size_t kShmAlign = 64;
+constexpr long long kShmBusyNs = 20000;  // the first part of a wait spins without yielding the CPU
+constexpr std::uint64_t kShmHashMask = (std::uint64_t{1} << 62) - 1;
+constexpr std::uint64_t kShmHashMul = 0x100000001B3ULL;  // the MPI check's (mpi.py's call_hash)
+static_assert(sizeof(std::atomic<std::int64_t>) == sizeof(std::int64_t) && std::atomic<std::int64_t>::is_always_lock_free,
+              "the flags are lock-free int64 atomics in shared memory");
+
+struct shm_node {
+  std::int64_t* ctrl;
+  unsigned char* slots;
+  std::size_t cap;  // bytes per slot
+  std::size_t n, rank;
+
+  std::atomic<std::int64_t>& flag(std::size_t kind, std::size_t w) const {
+    return *reinterpret_cast<std::atomic<std::int64_t>*>(ctrl + (kind * n + w) * kShmLine);
+  }
+  unsigned char* slot(std::int64_t count, std::size_t w) const {
+    return slots + ((static_cast<std::size_t>(count & 1) * n) + w) * cap;
+  }
+};
+
+// A writable, C-contiguous 1-d numpy array of `itemsize`-byte items (the window's areas).
+void* shm_area(py::handle h, const char* what, py::ssize_t itemsize, std::size_t& size) {
+  if (!py::isinstance<py::array>(h)) throw py::type_error(std::string("shm: ") + what + " is not a numpy.ndarray");
+  auto* a = py::detail::array_proxy(h.ptr());
+  constexpr int need = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_ | py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  if ((a->flags & need) != need || py::reinterpret_borrow<py::dtype>(a->descr).itemsize() != itemsize) {
+    throw py::value_error(std::string("shm: ") + what + " must be a writable C-contiguous array of " +
+                          std::to_string(itemsize) + "-byte items");
+  }
+  size = elements(a);
+  return a->data;
+}
+
+shm_node shm_open(py::handle ctrl, py::handle slots, long long node_size, long long node_rank) {
+  if (node_size < 1 || node_rank < 0 || node_rank >= node_size) {
+    throw py::value_error("shm: node_rank " + std::to_string(node_rank) + " is not in [0, " + std::to_string(node_size) + ")");
+  }
+  const auto n = static_cast<std::size_t>(node_size);
+  std::size_t ctrl_len = 0, slots_len = 0;
+  shm_node v{static_cast<std::int64_t*>(shm_area(ctrl, "ctrl", 8, ctrl_len)),
+             static_cast<unsigned char*>(shm_area(slots, "slots", 1, slots_len)), slots_len / (2 * n), n,
+             static_cast<std::size_t>(node_rank)};
+  if (ctrl_len < kShmKinds * n * kShmLine || reinterpret_cast<std::uintptr_t>(v.ctrl) % kShmAlign != 0) {
+    throw py::value_error("shm: ctrl must be a cache-line aligned int64 array of at least " +
+                          std::to_string(kShmKinds * n * kShmLine) + " items");
+  }
+  if (v.cap % kShmAlign != 0 || reinterpret_cast<std::uintptr_t>(v.slots) % kShmAlign != 0) {
+    throw py::value_error("shm: slots must be 2 * node_size cache-line aligned slots");
+  }
+  return v;
+}
+
+struct shm_pair {
+  const void* send;
+  void* recv;
+  std::size_t size, bytes;
+  int type_num;
+  bool summable;  // a kernel dtype
+  kind k;
+};
+
+// The (send, recv) pairs of one call: send C-contiguous, recv writable C-contiguous of send's
+// dtype and size; they must fit a slot at cache-line offsets. `keep` holds them during the call.
+std::vector<shm_pair> shm_pairs(py::handle pairs, const shm_node& v, py::tuple& keep) {
+  if (!sequence_tuple(pairs.ptr(), keep)) throw py::type_error("shm: pairs must be a tuple or list of (send, recv)");
+  const Py_ssize_t m = PyTuple_GET_SIZE(keep.ptr());
+  std::vector<shm_pair> out(static_cast<std::size_t>(m));
+  std::size_t off = 0;
+  for (Py_ssize_t i = 0; i < m; ++i) {
+    PyObject* p = PyTuple_GET_ITEM(keep.ptr(), i);
+    if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != 2) throw py::type_error("shm: pair " + std::to_string(i) + " is not a (send, recv) tuple");
+    auto where = [i] { return "shm: pair " + std::to_string(i); };  // built only for an error
+    PyObject* s = PyTuple_GET_ITEM(p, 0);
+    PyObject* r = PyTuple_GET_ITEM(p, 1);
+    if (Py_TYPE(s) != ndarray_type() && !PyObject_TypeCheck(s, ndarray_type())) throw py::type_error(where() + ": send is not a numpy.ndarray");
+    if (Py_TYPE(r) != ndarray_type() && !PyObject_TypeCheck(r, ndarray_type())) throw py::type_error(where() + ": recv is not a numpy.ndarray");
+    auto* sa = py::detail::array_proxy(s);
+    auto* ra = py::detail::array_proxy(r);
+    constexpr int contiguous = py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_;
+    constexpr int writeable = py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+    if (!(sa->flags & contiguous) || (ra->flags & (contiguous | writeable)) != (contiguous | writeable)) {
+      throw py::value_error(where() + ": send must be C-contiguous and recv writable and C-contiguous");
+    }
+    auto& api = py::detail::npy_api::get();
+    if (sa->descr != ra->descr && !api.PyArray_EquivTypes_(sa->descr, ra->descr)) throw py::type_error(where() + ": send and recv differ in dtype");
+    shm_pair& q = out[static_cast<std::size_t>(i)];
+    q.size = elements(ra);
+    if (elements(sa) != q.size) throw py::value_error(where() + ": send and recv differ in size");
+    q.bytes = q.size * static_cast<std::size_t>(py::reinterpret_borrow<py::dtype>(ra->descr).itemsize());
+    q.send = sa->data;
+    q.recv = ra->data;
+    q.type_num = py::detail::array_descriptor_proxy(ra->descr)->type_num;
+    q.summable = kind_of(ra->descr, q.k);
+    off = (off + q.bytes + kShmAlign - 1) / kShmAlign * kShmAlign;
+  }
+  if (off > v.cap) throw py::value_error("shm: " + std::to_string(off) + " bytes do not fit a slot of " + std::to_string(v.cap));
+  return out;
+}
+
+// Copies this worker's buffers into its slot, posts the call's hash (mpi.py's call_hash of the
+// kind's CRC-32, the sequence number and each pair's (size, dtype number)) and raises its flag.
+void shm_arrive_(const shm_node& v, std::int64_t count, const std::vector<shm_pair>& pairs, std::uint32_t kind_crc,
+                 std::uint64_t seq) {
+  unsigned char* mine = v.slot(count, v.rank);
+  std::uint64_t h = (static_cast<std::uint64_t>(kind_crc) ^ (seq << 32)) & kShmHashMask;
+  std::size_t off = 0;
+  for (const shm_pair& q : pairs) {
+    if (q.bytes) std::memcpy(mine + off, q.send, q.bytes);
+    h = (h * kShmHashMul + q.size) & kShmHashMask;
+    h = (h * kShmHashMul + static_cast<std::uint64_t>(q.type_num)) & kShmHashMask;
+    off = (off + q.bytes + kShmAlign - 1) / kShmAlign * kShmAlign;
+  }
+  v.flag(kShmHash + static_cast<std::size_t>(count & 1), v.rank).store(static_cast<std::int64_t>(h), std::memory_order_relaxed);
+  v.flag(kShmArrived, v.rank).store(count, std::memory_order_release);
+}
+
+// 0: every worker of the node has arrived in call `count` with this worker's hash; 1: not all
+// within `spin_ns` (the caller polls again, with its deadline); 2: a worker's hash differs.
+int shm_wait_(const shm_node& v, std::int64_t count, long long spin_ns) {
+  std::size_t next = 0;  // the first worker not yet seen to arrive
+  auto all_here = [&] {
+    while (next < v.n && v.flag(kShmArrived, next).load(std::memory_order_acquire) >= count) ++next;
+    return next == v.n;
+  };
+  if (!all_here()) {
+    py::gil_scoped_release nogil;  // a wait for a slower worker: let this process's other threads run
+    // Without yielding at first: a peer a few microseconds behind (the usual case) is seen at once,
+    // not after this core was given away for a time slice; then spinning that yields the CPU.
+    const long long busy = std::min(spin_ns, kShmBusyNs);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(busy);
+    for (unsigned i = 1; !all_here(); ++i) {
+      cudist::thread_pool::cpu_relax();
+      if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) {
+        if (!cudist::thread_pool::spin_until(all_here, spin_ns - busy)) return 1;
+        break;
+      }
+    }
+  }
+  const std::size_t row = kShmHash + static_cast<std::size_t>(count & 1);
+  const std::int64_t mine = v.flag(row, v.rank).load(std::memory_order_relaxed);
+  for (std::size_t w = 0; w < v.n; ++w)
+    if (v.flag(row, w).load(std::memory_order_relaxed) != mine) return 2;
+  return 0;
+}
+
+// recv = the sum of every worker's slot, in worker order (MirroredStrategy's order and kernels).
+void shm_check_summable(const std::vector<shm_pair>& pairs) {
+  for (const shm_pair& q : pairs)
+    if (!q.summable) throw py::type_error(std::string("shm: a pair's dtype is not a kernel dtype ") + kSupportedDtypes);
+}
+
+void shm_sum_(const shm_node& v, std::int64_t count, const std::vector<shm_pair>& pairs) {
+  shm_check_summable(pairs);
+  std::vector<void*> ptrs(v.n);
+  std::size_t off = 0;
+  for (const shm_pair& q : pairs) {
+    for (std::size_t w = 0; w < v.n; ++w) ptrs[w] = v.slot(count, w) + off;
+    dispatch(q.k, [&](auto t) {
+      using T = decltype(t);
+      cudist::reduce_to_one<T>(typed<T>(ptrs), v.n, q.size, cudist::reduce_op::sum, static_cast<T*>(q.recv));
+    });
+    off = (off + q.bytes + kShmAlign - 1) / kShmAlign * kShmAlign;
+  }
+}
+
+int shm_all_reduce(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
+                   py::handle pairs, std::uint32_t kind_crc, std::uint64_t seq, long long spin_ns, bool sum) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  py::tuple keep;
+  const auto ps = shm_pairs(pairs, v, keep);
+  if (sum) shm_check_summable(ps);  // refused before arriving: the others are not left to sum a call it cannot
+  shm_arrive_(v, count, ps, kind_crc, seq);
+  const int status = shm_wait_(v, count, spin_ns);
+  if (status == 0 && sum) shm_sum_(v, count, ps);
+  return status;
+}
+
+// The per-step common case, one array: shm_all_reduce of (send, recv) with recv made here (a new C-order
+// array of send's shape and dtype), summed by the kernels. Returns (status, recv).
+py::tuple shm_all_reduce_one(py::handle ctrl, py::handle slots, long long node_size, long long node_rank,
+                             long long count, py::handle send, std::uint32_t kind_crc, std::uint64_t seq,
+                             long long spin_ns) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  if (!PyObject_TypeCheck(send.ptr(), ndarray_type())) throw py::type_error("shm: send is not a numpy.ndarray");
+  auto* a = py::detail::array_proxy(send.ptr());
+  Py_INCREF(a->descr);  // PyArray_NewFromDescr steals it
+  auto recv = py::reinterpret_steal<py::object>(py::detail::npy_api::get().PyArray_NewFromDescr_(
+      ndarray_type(), a->descr, a->nd, a->dimensions, nullptr, nullptr, 0, nullptr));
+  if (!recv) throw py::error_already_set();
+  const py::tuple pairs = py::make_tuple(py::make_tuple(send, recv));
+  py::tuple keep;
+  const auto ps = shm_pairs(pairs, v, keep);
+  shm_check_summable(ps);
+  shm_arrive_(v, count, ps, kind_crc, seq);
+  const int status = shm_wait_(v, count, spin_ns);
+  if (status == 0) shm_sum_(v, count, ps);
+  return py::make_tuple(status, recv);
+}
+
+int shm_wait(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
+             long long spin_ns) {
+  return shm_wait_(shm_open(ctrl, slots, node_size, node_rank), count, spin_ns);
+}
+
+void shm_sum(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
+             py::handle pairs) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  py::tuple keep;
+  shm_sum_(v, count, shm_pairs(pairs, v, keep));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
@@ -1265,6 +1590,23 @@ PYBIND11_MODULE(_core, m) {
         "numpy.ndarray owning its memory and (aliasing) neither a written array nor a written array's base; else None.");
   m.def("register_reduce_ops", &register_reduce_ops, py::arg("sum"), py::arg("mean"),
         "Registers the objects (cudist.ReduceOp.SUM, .MEAN) accepted as ``op`` besides 0 and 1.");
+  m.def("shm_all_reduce", &shm_all_reduce, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"),
+        py::arg("node_rank"), py::arg("count"), py::arg("pairs"), py::arg("kind_crc"), py::arg("seq"),
+        py::arg("spin_ns"), py::arg("sum"),
+        "The shared-memory transport's one-round all-reduce (call ``count`` of the window ``ctrl`` / ``slots``): "
+        "copies each send of ``pairs`` ((send, recv) tuples) into this worker's slot, posts the call's hash, raises "
+        "its arrival flag, spins up to ``spin_ns`` for the others; 0: all arrived with the same hash (and, with "
+        "``sum``, each recv is the sum of the slots in worker order), 1: not yet (poll shm_wait), 2: hashes differ.");
+  m.def("shm_all_reduce_one", &shm_all_reduce_one, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"),
+        py::arg("node_rank"), py::arg("count"), py::arg("send"), py::arg("kind_crc"), py::arg("seq"),
+        py::arg("spin_ns"),
+        "shm_all_reduce of one array, summed, into a new array like it: (status, recv).");
+  m.def("shm_wait", &shm_wait, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"), py::arg("node_rank"),
+        py::arg("count"), py::arg("spin_ns"),
+        "Spins up to ``spin_ns`` for every worker's arrival in call ``count``: shm_all_reduce's 0, 1 or 2.");
+  m.def("shm_sum", &shm_sum, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"), py::arg("node_rank"),
+        py::arg("count"), py::arg("pairs"),
+        "Each recv of ``pairs`` becomes the sum of the node's slots of call ``count``, in worker order.");
   m.def("reduce_to_one", &reduce_to_one, py::arg("bufs"), py::arg("op"), py::arg("out"),
         "Reduces ``bufs`` elementwise into ``out`` (which may be one of them).");
   m.def("broadcast", &broadcast, py::arg("src"), py::arg("dsts"), "Copies ``src`` into every array of ``dsts``.");
@@ -1274,15 +1616,23 @@ PYBIND11_MODULE(_core, m) {
         "Every copy becomes copies[0] + value (or - value when ``negate``).");
   m.def("assign", &assign, py::arg("copies"), py::arg("value"), "Writes ``value`` into every copy.");
   m.def("sgd", &sgd, py::arg("copies"), py::arg("grad"), py::arg("lr"), "Every copy becomes copies[0] - lr * grad.");
+  m.def("bf16_simd", &bf16_simd, py::arg("choice") = py::none(),
+        "the bfloat16 reduction's SIMD kernel: set 'auto' / 'sse2' / 'avx2' (None: only ask); returns the one in use");
+  m.def("reduce_unscale_finite", &reduce_unscale_finite, py::arg("grads"), py::arg("scale"), py::arg("out"),
+        "out = (sum of grads in replica order) / scale in one pass; returns whether every element of out is finite");
   m.def("all_reduce_sgd", &all_reduce_sgd, py::arg("copies"), py::arg("grads"), py::arg("lr"),
         "Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass.");
   m.def("all_reduce_momentum", &all_reduce_momentum, py::arg("copies"), py::arg("velocities"), py::arg("grads"),
-        py::arg("lr"), py::arg("momentum"), py::arg("nesterov"),
+        py::arg("lr"), py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
         "Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass.");
   m.def("momentum", &momentum, py::arg("copies"), py::arg("velocities"), py::arg("grad"), py::arg("lr"),
-        py::arg("momentum"), py::arg("nesterov"), "Momentum SGD (Keras formulation) on N copies and N velocities.");
+        py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
+        "Momentum SGD (Keras formulation) on N copies and N velocities.");
 
-  // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table.
+  // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table;
+  // each takes ``sources=`` (out of place), and its names are listed in ``out_of_place_rules``.
+  m.attr("out_of_place_rules") = py::list();
+  m.attr("out_of_place_rules").attr("extend")(py::make_tuple("momentum", "all_reduce_momentum"));
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
   m.def(
       "num_threads", [] { return cudist::thread_pool::global().size(); },

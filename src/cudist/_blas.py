@@ -16,7 +16,13 @@ asking ctypes for their thread-control symbols, once, on first use:
 
 * OpenBLAS (NumPy's and SciPy's wheels bundle it, with symbols renamed, e.g.
   ``scipy_openblas_set_num_threads64_``): its thread count is process-wide, so :func:`limit` sets it
-  while replicas compute and :func:`restore` puts it back (0.5 us a pair, measured).
+  while replicas compute and :func:`restore` puts it back: a get and, when the share differs from
+  the count, two sets per ``run``. The count is read at every run, never cached, so a program that
+  changes it between runs is honoured; the pool is never left limited between runs, where the
+  program's own BLAS calls (an evaluation in cross-replica context) would get the share.
+  Measured in a no-op-sized ``run`` (256 KiB all-reduce, 4 replicas, loaded 2-core machine):
+  ~2 us a run with CDLL calls, declared argument types and a general loop; the single-OpenBLAS
+  path with GIL-keeping PyDLL calls takes most of that back (bench/PERFORMANCE.md, issue #27).
   ``openblas_set_num_threads_local`` is no help: in pthreads builds it changes the global count too.
 * MKL (conda's NumPy): ``mkl_set_num_threads_local`` is per thread, so each replica thread sets
   its own count once (:func:`per_thread`), and :func:`limit` / :func:`restore` set and reset the
@@ -49,6 +55,9 @@ class _Found:
     def __init__(self) -> None:
         self.openblas: list[tuple[str, Any, Any]] = []  # (path, set_num_threads, get_num_threads)
         self.mkl: tuple[str, Any, Any] | None = None  # (path, set_num_threads_local, get_max_threads)
+        #: (set, get) of the only BLAS when it is one OpenBLAS (NumPy's wheel): :func:`limit` and
+        #: :func:`restore` run on every ``run``, and their general loops cost ~2 us a pair more.
+        self.one: tuple[Any, Any] | None = None
 
 
 _found: _Found | None = None
@@ -59,6 +68,8 @@ _lookup_lock = threading.Lock()
 _count_lock = threading.Lock()
 _users = 0
 _saved: list[int] = []
+#: The one OpenBLAS's count to put back when the last user restores (0: :func:`limit` left it as it was).
+_restore_one = 0
 
 
 class _MklLocal(threading.local):
@@ -97,7 +108,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _symbol(lib: Any, names: list[str], argtypes: list[Any], restype: Any) -> Any:
+def _symbol(lib: Any, names: list[str], argtypes: list[Any] | None, restype: Any) -> Any:
     for name in names:
         fn = getattr(lib, name, None)
         if fn is not None:
@@ -121,11 +132,16 @@ def _lookup() -> _Found:
             base = path.rsplit("/", 1)[-1].lower()
             if "openblas" in base:
                 try:
-                    lib = ctypes.CDLL(path)
+                    # PyDLL: its calls keep the GIL, where CDLL's release and retake it around each
+                    # call; OpenBLAS's get and set only read or write its count (set starts threads
+                    # when it grows past the pool), and they run twice on every ``run``.
+                    lib: ctypes.CDLL = ctypes.PyDLL(path)
                 except OSError:
                     continue
                 names = [f"{p}openblas_{{}}{s}" for p in _OPENBLAS_PREFIXES for s in _OPENBLAS_SUFFIXES]
-                set_fn = _symbol(lib, [n.format("set_num_threads") for n in names], [ctypes.c_int], None)
+                # No argtypes: ctypes then passes the Python int as a C int itself, where a declared
+                # c_int argument costs ~0.4 us a call in its conversion (two calls on every run).
+                set_fn = _symbol(lib, [n.format("set_num_threads") for n in names], None, None)
                 get_fn = _symbol(lib, [n.format("get_num_threads") for n in names], [], ctypes.c_int)
                 if set_fn is not None and get_fn is not None:
                     found.openblas.append((path, set_fn, get_fn))
@@ -138,6 +154,8 @@ def _lookup() -> _Found:
                 get_fn = _symbol(lib, ["mkl_get_max_threads", "MKL_Get_Max_Threads"], [], ctypes.c_int)
                 if set_fn is not None and get_fn is not None:
                     found.mkl = (path, set_fn, get_fn)
+        if len(found.openblas) == 1 and found.mkl is None:
+            found.one = found.openblas[0][1:]
         _found = found
         return found
 
@@ -161,10 +179,25 @@ def limit(n: int) -> None:
     """Limits every process-wide BLAS pool to ``max(1, threads // n)`` threads (n replicas compute).
 
     Calls nest and may come from several threads: the first one limits, the matching last
-    :func:`restore` puts the counts back.
+    :func:`restore` puts the counts back. The count to limit is read from the BLAS at every first
+    call, never cached: a program that sets the count itself between runs (``threadpoolctl``,
+    ``openblas_set_num_threads``) gets its count shared out and back.
     """
-    global _users
-    f = _lookup()
+    global _users, _restore_one
+    f = _found if _found is not None else _lookup()
+    one = f.one
+    if one is not None:  # the usual case, on every run: one OpenBLAS, nothing else
+        with _count_lock:
+            _users += 1
+            if _users == 1:
+                was = one[1]()
+                want = was // n or 1
+                if want != was:
+                    one[0](want)
+                    _restore_one = was
+                else:
+                    _restore_one = 0
+        return
     if f.mkl is not None:
         _, set_local, get_max = f.mkl
         _mkl_local.saved.append(int(set_local(max(1, int(get_max()) // n))))
@@ -183,7 +216,16 @@ def limit(n: int) -> None:
 def restore() -> None:
     """Undoes one :func:`limit`; the last one puts the saved thread counts back."""
     global _users
-    f = _lookup()
+    f = _found if _found is not None else _lookup()
+    one = f.one
+    if one is not None:
+        with _count_lock:
+            if _users == 0:
+                return
+            _users -= 1
+            if _users == 0 and _restore_one:
+                one[0](_restore_one)
+        return
     if f.mkl is not None and _mkl_local.saved:
         f.mkl[1](_mkl_local.saved.pop())  # the previous local count (0: MKL's global one)
     if not f.openblas:

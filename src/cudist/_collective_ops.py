@@ -3,7 +3,8 @@
 A hierarchical all-reduce over the workers of an MPI job:
 
 1. the worker's local replicas are summed by the kernels (one fused pass per leaf, straight into a
-   packed host buffer; a single local replica's single leaf is sent as it is, without a copy);
+   packed host buffer; a single local replica's leaves are sent as they are, without a copy: one
+   leaf to MPI, every leaf of a pack to the node's shared memory, which packs them in its slots);
 2. one non-blocking MPI ``Iallreduce`` (SUM) per packed buffer of about ``bytes_per_pack`` bytes
    (0: one buffer per dtype), all started before any is waited for, polled with the
    communicator's deadline (see :mod:`cudist._dataplane.transports.mpi`); when several workers
@@ -52,6 +53,13 @@ from cudist._values import DistributedValues
 __all__ = ["CollectiveAllReduce"]
 
 _KINDS = {op: f"all_reduce {op.name}" for op in ReduceOp}
+# For the per-step path (in :meth:`CollectiveAllReduce._all_reduce_arrays`): an Enum's hash and class
+# attributes are Python-level lookups, a few hundred ns each.
+_SUM, _MEAN = ReduceOp.SUM, ReduceOp.MEAN
+_SUM_KIND, _MEAN_KIND = _KINDS[_SUM], _KINDS[_MEAN]
+#: The dtypes of that path (the 16-bit floats take their own route),
+#: the canonical objects, compared by identity (a dtype's hash is computed afresh at every lookup).
+_SMALL_DTYPES = tuple(np.dtype(t) for t in ("float32", "float64", "int32", "int64"))
 
 
 class CollectiveAllReduce(CrossDeviceOps):
@@ -184,37 +192,19 @@ class CollectiveAllReduce(CrossDeviceOps):
         by_dtype: dict = {}
         for j, arrs in host.items():
             by_dtype.setdefault(arrs[0].dtype, []).append(j)
-        backend = cpu_backend()
-        trusted = backend.trusted
-        pairs, unpack = [], []
-        for dt, leaf_ids in by_dtype.items():
-            for ids in _byte_packs([host[j][0].size * dt.itemsize for j in leaf_ids], self.bytes_per_pack):
-                ids = [leaf_ids[i] for i in ids]
-                total = sum(host[j][0].size for j in ids)
-                if len(ids) == 1 and len(host[ids[0]]) == 1:
-                    # One leaf of one local replica: sent as it is, received into a pooled buffer.
-                    send = contiguous(host[ids[0]][0]).reshape(-1)
-                    recv = pool.take((total,), dt)
-                else:
-                    send = recv = pool.take((total,), dt)
-                    off = 0
-                    for j in ids:
-                        arrs = host[j]
-                        s = arrs[0].size
-                        view = send[off : off + s]
-                        if len(arrs) == 1:
-                            np.copyto(view, arrs[0].reshape(-1))
-                        elif dt in backend.dtypes:
-                            trusted.reduce_to_one([contiguous(x).reshape(-1) for x in arrs], ReduceOp.SUM, view)
-                        else:
-                            np.copyto(view, arrs[0].reshape(-1))
-                            for x in arrs[1:]:
-                                np.add(view, x.reshape(-1), out=view)
-                        off += s
-                pairs.append((send, recv))
-                unpack.append((ids, recv))
-        results = self._host_allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
-        for (ids, _), recv in zip(unpack, results):
+        groups = [[leaf_ids[i] for i in ids] for dt, leaf_ids in by_dtype.items()
+                  for ids in _byte_packs([host[j][0].size * dt.itemsize for j in leaf_ids], self.bytes_per_pack)]
+        results = None
+        if self._shm is not None and all(len(arrs) == 1 for arrs in host.values()):
+            # One local replica: its gradients go into the node's shared memory where they are, no pack
+            # built (None: these sizes take another path, which the packs below serve).
+            results = self._shm.allreduce_packs(
+                [[contiguous(host[j][0]).reshape(-1) for j in ids] for ids in groups], kind,
+                lambda: describe(arrs[0] for arrs in host.values()),
+            )
+        if results is None:
+            results = self._packed_allreduce(host, groups, kind)
+        for ids, recv in zip(groups, results):
             off = 0
             for j in ids:
                 shape = host[j][0].shape
@@ -222,6 +212,38 @@ class CollectiveAllReduce(CrossDeviceOps):
                 sums[j] = recv[off : off + s].reshape(shape)
                 off += s
         return sums
+
+    def _packed_allreduce(self, host, groups, kind):
+        """The global SUM of each group of leaves (``host[j]``: leaf ``j``'s local arrays), packed: per
+        group a flat host array, the local replicas summed into it by the kernels."""
+        backend = cpu_backend()
+        trusted = backend.trusted
+        pairs = []
+        for ids in groups:
+            dt = host[ids[0]][0].dtype
+            total = sum(host[j][0].size for j in ids)
+            if len(ids) == 1 and len(host[ids[0]]) == 1:
+                # One leaf of one local replica: sent as it is, received into a pooled buffer.
+                send = contiguous(host[ids[0]][0]).reshape(-1)
+                recv = pool.take((total,), dt)
+            else:
+                send = recv = pool.take((total,), dt)
+                off = 0
+                for j in ids:
+                    arrs = host[j]
+                    s = arrs[0].size
+                    view = send[off : off + s]
+                    if len(arrs) == 1:
+                        np.copyto(view, arrs[0].reshape(-1))
+                    elif dt in backend.dtypes:
+                        trusted.reduce_to_one([contiguous(x).reshape(-1) for x in arrs], ReduceOp.SUM, view)
+                    else:
+                        np.copyto(view, arrs[0].reshape(-1))
+                        for x in arrs[1:]:
+                            np.add(view, x.reshape(-1), out=view)
+                    off += s
+            pairs.append((send, recv))
+        return self._host_allreduce(pairs, kind, lambda: describe(arrs[0] for arrs in host.values()))
 
     def _nccl_leaves(self, where, per_replica_leaves):
         """The ids of the leaves NCCL all-reduces: on a GPU in every local replica, of a dtype NCCL has."""
@@ -376,6 +398,20 @@ class CollectiveAllReduce(CrossDeviceOps):
     def _all_reduce_arrays(self, op, arrays):
         if self._workers == 1:
             return cross_device_ops_lib.all_reduce_arrays(self._local, op, arrays)
+        if len(arrays) == 1 and self._shm is not None and self._wire is None:
+            # The per-step common case, one host array of the only replica, on the one-round path
+            # (what _global_results computes, without its walk).
+            a = arrays[0]
+            dt = a.dtype
+            if type(a) is np.ndarray and (dt is _SMALL_DTYPES[0] or dt is _SMALL_DTYPES[1] or dt is _SMALL_DTYPES[2]
+                                          or dt is _SMALL_DTYPES[3]):
+                mean = op is _MEAN
+                if not mean or dt.kind == "f":  # (an integer MEAN gives floats: the general path)
+                    res = self._shm.allreduce_one(a, _MEAN_KIND if mean else _SUM_KIND, lambda: describe((a,)))
+                    if res is not None:
+                        if mean:
+                            np.true_divide(res, dt.type(self._workers), out=res)
+                        return [res]
         return [o[0] for o in self._all_reduce_leaves(op, [[a] for a in arrays])]
 
     def reduce(self, reduce_op, per_replica_value, destinations, options=None):

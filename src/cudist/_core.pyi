@@ -82,16 +82,34 @@ def assign(copies: _Arrays, value: _Array) -> None:
 def sgd(copies: _Arrays, grad: _Array, lr: _Float) -> None:
     """Every copy becomes copies[0] - lr * grad."""
 
+def bf16_simd(choice: str | None = None) -> str:
+    """The bfloat16 reduction's SIMD kernel: set 'auto' / 'sse2' / 'avx2' (None: only ask); returns the one in use."""
+
+def reduce_unscale_finite(grads: _Arrays, scale: _Float, out: _Array) -> bool:
+    """out = (sum of ``grads`` in replica order) / scale in one pass; returns whether every element of out is finite."""
+
 def all_reduce_sgd(copies: _Arrays, grads: _Arrays, lr: _Float) -> None:
     """Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass."""
 
 def all_reduce_momentum(
-    copies: _Arrays, velocities: _Arrays, grads: _Arrays, lr: _Float, momentum: _Float, nesterov: bool
+    copies: _Arrays,
+    velocities: _Arrays,
+    grads: _Arrays,
+    lr: _Float,
+    momentum: _Float,
+    nesterov: bool,
+    sources: tuple[_Array, _Array] | None = None,
 ) -> None:
     """Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass."""
 
 def momentum(
-    copies: _Arrays, velocities: _Arrays, grad: _Array, lr: _Float, momentum: _Float, nesterov: bool
+    copies: _Arrays,
+    velocities: _Arrays,
+    grad: _Array,
+    lr: _Float,
+    momentum: _Float,
+    nesterov: bool,
+    sources: tuple[_Array, _Array] | None = None,
 ) -> None:
     """Momentum SGD (Keras formulation) on N copies and N velocities."""
 
@@ -104,7 +122,12 @@ def __getattr__(name: str) -> Callable[..., None]:
     ``all_reduce_<name>(copies, *slots, grads, *hyper, decay)``: each slot the list of its copies, named
     ``<slot>s``; the hyper-parameters those of ``cudist._kernels.UPDATE_KERNELS``. Declared here once, so
     that adding a row to the table needs no stub edit (tests/test_typing.py checks the bound signatures
-    against the table)."""
+    against the table). Each also takes ``sources=``: the arrays holding the current values (the
+    variable's, then each slot's), read instead of copy 0 while every copy is written (out of place)."""
+
+#: The names of the entry points bound from the rules' table (plain and ``all_reduce_``): those
+#: taking ``sources=``.
+out_of_place_rules: list[str]
 
 
 def reduce_to_one_shared(
@@ -123,6 +146,45 @@ def batch_reduce_to_one_shared(
     the same >= 1 C-contiguous numpy.ndarray leaves of one kernel dtype (not an integer MEAN; leaf j
     of one shape) and out a writable C-contiguous array of that dtype and their total size (or a
     callable ``out(shape, dtype)`` returning one, called only once the inputs pass)."""
+
+def shm_all_reduce(
+    ctrl: _Array,
+    slots: _Array,
+    node_size: _Int,
+    node_rank: _Int,
+    count: _Int,
+    pairs: Sequence[tuple[_Array, _Array]],
+    kind_crc: _Int,
+    seq: _Int,
+    spin_ns: _Int,
+    sum: bool,
+) -> int:
+    """The shared-memory transport's one-round all-reduce (call ``count`` of the window's control
+    area ``ctrl``, int64, and eager ``slots``, bytes): copies each send of ``pairs`` into this
+    worker's slot, posts the call's hash, raises its arrival flag and spins up to ``spin_ns`` for the
+    other workers. 0: all arrived with the same hash (and, with ``sum``, each recv holds the sum of
+    the slots in worker order); 1: not yet (poll :func:`shm_wait`); 2: the hashes differ."""
+
+def shm_all_reduce_one(
+    ctrl: _Array,
+    slots: _Array,
+    node_size: _Int,
+    node_rank: _Int,
+    count: _Int,
+    send: _Array,
+    kind_crc: _Int,
+    seq: _Int,
+    spin_ns: _Int,
+) -> tuple[int, _Array]:
+    """:func:`shm_all_reduce` of one array, summed, into a new array of its shape and dtype: ``(status, recv)``."""
+
+def shm_wait(ctrl: _Array, slots: _Array, node_size: _Int, node_rank: _Int, count: _Int, spin_ns: _Int) -> int:
+    """Spins up to ``spin_ns`` for every worker's arrival in call ``count``: :func:`shm_all_reduce`'s 0, 1 or 2."""
+
+def shm_sum(
+    ctrl: _Array, slots: _Array, node_size: _Int, node_rank: _Int, count: _Int, pairs: Sequence[tuple[_Array, _Array]]
+) -> None:
+    """Each recv of ``pairs`` becomes the sum of the node's slots of call ``count``, in worker order."""
 
 def settle_plain(passes: Sequence[tuple[Sequence[_Array], Sequence[Any]]], aliasing: bool) -> list[list[_Array]] | None:
     """Per pass (gradients, written arrays) its gradients as a list when every gradient is a

@@ -249,6 +249,24 @@ def _check_component_counts(where: str, tree: Any, n: int) -> None:
             )
 
 
+def _only_replica_args(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """``run``'s positional ``args`` for the only local replica, checked and selected in one pass:
+    arrays as they are, DistributedValues of one component by that component; None when anything
+    else is in them (the general path checks and selects those)."""
+    out = []
+    for x in args:
+        if type(x) is np.ndarray:
+            out.append(x)
+        elif type(x) is PerReplica or (isinstance(x, DistributedValues) and not stays_in_replica(x)):
+            values = x.values
+            if len(values) != 1:
+                return None
+            out.append(values[0])
+        else:
+            return None
+    return tuple(out)
+
+
 def _counts_match(items: list[Any] | tuple[Any, ...], n: int) -> bool:
     """True when ``items`` holds only arrays, DistributedValues of ``n`` components (or variables),
     and lists and tuples of them; False when anything else is in it (then the caller looks closer)."""
@@ -503,6 +521,12 @@ class ReplicaContext:
         op = _OPS.get(reduce_op) if isinstance(reduce_op, str) else reduce_op
         if op.__class__ is not ReduceOp:
             op = ReduceOp.parse(reduce_op, where="ReplicaContext.all_reduce")
+        if self._num == 1 and type(value) is np.ndarray:
+            # The per-step common case (what _h_all_reduce does with one array), a few calls shorter.
+            f = _CTX.get()
+            if f is not None and f.replica_ctx is self:
+                ops = self._strategy._extended._cross_device_ops
+                return cross_device_ops_lib.all_reduce_arrays(ops, op, [value])[0]  # type: ignore[return-value]  # an array, as value
         return self._collective("all_reduce", (op, value))  # type: ignore[no-any-return]  # value's structure
 
     def all_gather(self, value: _T, axis: int, options: object = None) -> _T:
@@ -1061,7 +1085,8 @@ class StrategyExtended:
             As :meth:`Strategy.run`: ``fn``'s result structure (typed ``Any``), with a PerReplica
             at each leaf where the replicas returned different values.
         """
-        kwargs = _check_run_arguments(args, kwargs)
+        if kwargs is not None or type(args) is not tuple:  # (a tuple and no kwargs: nothing to check)
+            kwargs = _check_run_arguments(args, kwargs)
         f = _CTX.get()
         if f is not None:
             if f.replica_ctx is not None:
@@ -1075,13 +1100,17 @@ class StrategyExtended:
                 )
         kwargs = kwargs or {}
         n = self._num
+        if n == 1 and not kwargs and type(args) is tuple and self._replica_gpus is None:
+            picked = _only_replica_args(args)
+            if picked is not None:  # the per-step common case: arrays and one-component values
+                return contextvars.copy_context().run(_call_in_frame, self._frames()[0], fn, picked, kwargs)
         # The usual arguments are checked and selected in one pass; anything else the general way.
         args_list = select_replicas_exact(n, tuple(args)) if args and n > 1 else None
         if args and args_list is None:
             _check_component_counts("strategy.run", args, n)
         if kwargs:
             _check_component_counts("strategy.run", kwargs, n)
-        frames = self._frames()
+        frames = self._replica_frames or self._frames()  # (made once; the call only the first time)
         gpus = self._replica_gpus
         if gpus is not None:
             prev = current_gpu()
@@ -1109,7 +1138,8 @@ class StrategyExtended:
                 f"but the strategy has {n} replicas"
             ) from None
         if gpus is None:
-            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, self._handlers(), cpu=True)
+            handlers = self.__dict__.get("_handlers_cache") or self._handlers()
+            results = _replica_engine.run_replicas(n, frames, fn, args_list, kwargs_list, handlers, cpu=True)
         else:
             try:
                 results = _replica_engine.run_replicas(

@@ -719,102 +719,93 @@ def run_replicas(
     Returns:
         The list of per-replica return values.
     """
-    if not cpu:
-        return _run_on_pool(n, frames, fn, args_list, kwargs_list, handlers, None, False)
-    mode = config.get_replica_execution()
     policy = None
-    if mode == "auto":
-        policy = _policy(n, fn)
-        threaded = policy.threaded
-    else:
-        threaded = mode == "threads"
-    # The determinism contract: the replicas' BLAS thread count is max(1, threads // n) for the
-    # whole run (collective handlers and merge_call functions included) in every mode, since
-    # OpenBLAS's rounding depends on its thread count (see cudist._blas); so the mode, and auto's
-    # choice by measured time, never change a program's bits.
-    _blas.limit(n)
+    threaded = False
+    if cpu:
+        mode = config.get_replica_execution()
+        if mode == "auto":
+            try:  # (_policy's lookup of a plain function inlined: it runs on every run)
+                policy = _local.stats[(n, fn.__code__)]
+            except (AttributeError, KeyError):
+                policy = _policy(n, fn)
+            threaded = policy.threaded
+        else:
+            threaded = mode == "threads"
+        # The determinism contract: the replicas' BLAS thread count is max(1, threads // n) for the
+        # whole run (collective handlers and merge_call functions included) in every mode, since
+        # OpenBLAS's rounding depends on its thread count (see cudist._blas); so the mode, and auto's
+        # choice by measured time, never change a program's bits.
+        _blas.limit(n)
+    # One function, not a wrapper around the pool loop: a Python call is ~2% of a no-op ``run``.
     try:
-        return _run_on_pool(n, frames, fn, args_list, kwargs_list, handlers, policy, threaded)
-    finally:
-        _blas.restore()
-
-
-def _run_on_pool(
-    n: int,
-    frames: Sequence[Frame],
-    fn: Callable[..., Any],
-    args_list: Sequence[Sequence[Any]],
-    kwargs_list: Sequence[Mapping[str, Any]],
-    handlers: Handlers,
-    policy: AutoPolicy | None,
-    threaded: bool,
-) -> list[Any]:
-    """:func:`run_replicas` on a pool of the given kind, ``policy`` (``auto``'s) told the replica work."""
-    try:
-        pool = _get_pool(n, threaded)
-    except RuntimeError:  # no thread could be started ("can't start new thread")
-        if policy is None:
-            raise
-        policy.refuse_threads()
-        pool = _get_pool(n, False)
-    events: list[Any] = [None] * n  # per replica its last _Event (None: not started); checked by kind
-    everyone = range(n)
-    try:
-        # Inside the try: an interrupt anywhere after it must not leave the pool marked busy for ever.
-        pool.busy = True
-        pool.clean = False  # until every replica is back, idle
-        t0 = _now()
-        pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
-        work = _now() - t0
-        while True:
-            kinds = [ev[0] for ev in events]
-            first = kinds[0]
-            same = kinds.count(first) == n
-            if same and first not in _OUTCOMES:
-                # Every replica waits at the same collective (the common case): perform it once.
-                payloads = [ev[1] for ev in events]
-                events = [(first, None)] * n  # the payloads are the handler's now
-                try:
-                    results = handlers[first](payloads)
-                except BaseException:
+        try:
+            pool = _get_pool(n, threaded)
+        except RuntimeError:  # no thread could be started ("can't start new thread")
+            if policy is None:
+                raise
+            policy.refuse_threads()
+            pool = _get_pool(n, False)
+        events: list[Any] = [None] * n  # per replica its last _Event (None: not started); checked by kind
+        everyone = range(n)
+        try:
+            # Inside the try: an interrupt anywhere after it must not leave the pool marked busy for ever.
+            pool.busy = True
+            pool.clean = False  # until every replica is back, idle
+            t0 = _now()
+            pool.exchange(events, _TASK, [*zip(frames, [fn] * n, args_list, kwargs_list)], everyone)
+            work = _now() - t0
+            while True:
+                kinds = [ev[0] for ev in events]
+                first = kinds[0]
+                same = kinds.count(first) == n
+                if same and first not in _OUTCOMES:
+                    # Every replica waits at the same collective (the common case): perform it once.
+                    payloads = [ev[1] for ev in events]
+                    events = [(first, None)] * n  # the payloads are the handler's now
+                    try:
+                        results = handlers[first](payloads)
+                    except BaseException:
+                        if _abort(pool, events):
+                            pool.clean = True
+                        raise
+                    del payloads
+                    # Every replica gets its result and runs on, even after another one raised (TF's rule).
+                    t0 = _now()
+                    pool.exchange(events, _RESULT, results, everyone)
+                    work += _now() - t0
+                    del results
+                    continue
+                if same and first == _DONE:
+                    pool.clean = True
+                    if policy is not None:
+                        policy.observe(work)
+                    return [ev[1] for ev in events]
+                if _ERROR in kinds:
+                    err = kinds.index(_ERROR)
+                    exc = events[err][1]
+                    events[err] = (_ERROR, None)
                     if _abort(pool, events):
                         pool.clean = True
-                    raise
-                del payloads
-                # Every replica gets its result and runs on, even after another one raised (TF's rule).
-                t0 = _now()
-                pool.exchange(events, _RESULT, results, everyone)
-                work += _now() - t0
-                del results
-                continue
-            if same and first == _DONE:
-                pool.clean = True
-                if policy is not None:
-                    policy.observe(work)
-                return [ev[1] for ev in events]
-            if _ERROR in kinds:
-                err = kinds.index(_ERROR)
-                exc = events[err][1]
-                events[err] = (_ERROR, None)
+                    _note(exc, f"(raised in replica {err} of {n})")
+                    raise exc
+                # Replicas that disagree: different collectives, or some returned while others wait.
+                groups: dict[str, list[int]] = {}
+                for i, ev in enumerate(events):
+                    groups.setdefault(_describe(ev), []).append(i)
+                desc = "; ".join(
+                    f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} {what}"
+                    for what, ids in groups.items()
+                )
                 if _abort(pool, events):
                     pool.clean = True
-                _note(exc, f"(raised in replica {err} of {n})")
-                raise exc
-            # Replicas that disagree: different collectives, or some returned while others wait.
-            groups: dict[str, list[int]] = {}
-            for i, ev in enumerate(events):
-                groups.setdefault(_describe(ev), []).append(i)
-            desc = "; ".join(
-                f"replica{'s' if len(ids) > 1 else ''} {', '.join(map(str, ids))} {what}"
-                for what, ids in groups.items()
-            )
-            if _abort(pool, events):
-                pool.clean = True
-            raise ReplicaMismatchError(
-                f"replicas disagree at the same step: {desc}; every replica must make the same "
-                "collective calls (all_reduce, all_gather, merge_call) in the same order"
-            )
+                raise ReplicaMismatchError(
+                    f"replicas disagree at the same step: {desc}; every replica must make the same "
+                    "collective calls (all_reduce, all_gather, merge_call) in the same order"
+                )
+        finally:
+            pool.busy = False
+            if not pool.clean:
+                pool.abandon()
     finally:
-        pool.busy = False
-        if not pool.clean:
-            pool.abandon()
+        if cpu:
+            _blas.restore()

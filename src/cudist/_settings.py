@@ -34,6 +34,7 @@ __all__ = [
     "shm_transport",
     "shm_min_bytes",
     "node_size",
+    "num_threads",
     "launch_status_dir",
     "bench_tf_python",
     "bench_torch_python",
@@ -46,6 +47,7 @@ __all__ = [
     "SHM_MIN_BYTES",
     "NODE_SIZE",
     "POOL_SPIN_US",
+    "NUM_THREADS",
     "LAUNCH_STATUS_DIR",
     "BENCH_TF_PYTHON",
     "BENCH_TORCH_PYTHON",
@@ -77,6 +79,7 @@ class Setting:
 BACKEND = "CUDIST_BACKEND"
 REPLICA_EXECUTION = "CUDIST_REPLICA_EXECUTION"
 POOL_SPIN_US = "CUDIST_POOL_SPIN_US"
+NUM_THREADS = "CUDIST_NUM_THREADS"
 CUDA_LAUNCHERS = "CUDIST_CUDA_LAUNCHERS"
 CHECK_COLLECTIVES = "CUDIST_CHECK_COLLECTIVES"
 STALL_WARNING_SECONDS = "CUDIST_STALL_WARNING_SECONDS"
@@ -112,6 +115,14 @@ TABLE: tuple[Setting, ...] = (
         "How long (microseconds) the native kernels' pool workers spin waiting for the next kernel before "
         "blocking; `0` never spins. Read by the C++ thread pool (`thread_pool.hpp`).",
         "At the first native kernel (process-wide)",
+    ),
+    Setting(
+        NUM_THREADS, "runtime", "unset: every hardware thread (`python -m cudist.launch` sets cores / N for its N workers)",
+        "Threads of the native kernels' pool per process (the caller included), as `OMP_NUM_THREADS` is for "
+        "BLAS: the workers of one machine share its cores instead of each starting one thread per core. A value "
+        "that is not a positive integer is a `ValueError`. `cudist._kernels._native.set_num_threads` changes it "
+        "later.",
+        "When the native backend loads (the first native kernel)",
     ),
     Setting(
         CUDA_LAUNCHERS, "runtime", "`auto`",
@@ -339,6 +350,15 @@ def node_size() -> int | None:
         ValueError: not a positive integer (the message names the variable).
     """
     return _count(NODE_SIZE, 1)
+
+
+def num_threads() -> int | None:
+    """``CUDIST_NUM_THREADS`` as an int, or None when unset or empty (every hardware thread).
+
+    Raises:
+        ValueError: not a positive integer (the message names the variable).
+    """
+    return _count(NUM_THREADS, 1)
 
 
 def launch_status_dir() -> str | None:

@@ -63,6 +63,7 @@ from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
 from cudist._devices import any_gpu, canonicalize, display_name, parse_device
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored, PerReplica, select_replica
+from cudist._kernels import is_bfloat16
 from cudist.errors import InvalidArgumentError
 from cudist.mixed_precision import global_policy, variable_dtype_for
 
@@ -163,8 +164,14 @@ def _infer_array(value: Any) -> Array:
     return python_dtype(a)
 
 
+def _kind(dtype: np.dtype[Any]) -> str:
+    """NumPy's dtype kind, with bfloat16 (kind "V" to NumPy) counted as the float it is."""
+    return "f" if is_bfloat16(dtype) else dtype.kind
+
+
 def _check_dtype_supported(dtype: np.dtype[Any], what: str) -> None:
-    if dtype.kind not in "biufc":
+    # bfloat16 (ml_dtypes) is kind "V" in NumPy; it is the one non-builtin numeric dtype allowed.
+    if _kind(dtype) not in "biufc":
         raise TypeError(f"{what}: unsupported dtype {dtype.name}; cudist variables hold numeric or bool arrays")
 
 
@@ -189,16 +196,18 @@ def cast_value(value: Any, dtype: np.dtype[Any], what: str) -> Array:
     """
     value = _unwrap(value)
     if is_array(value):
-        if value.dtype.kind not in "biufc":
+        if _kind(value.dtype) not in "biufc":
             raise TypeError(f"{what}: cannot convert a value of dtype {value.dtype.name} to {dtype.name}")
-        if value.dtype.kind == "c" and dtype.kind != "c":
+        if value.dtype.kind == "c" and _kind(dtype) != "c":
             raise TypeError(f"{what}: cannot convert a complex value to {dtype.name}")
         return value.astype(dtype, copy=False) if value.dtype != dtype else value
     try:
         a = np.asarray(value)
     except (ValueError, TypeError) as e:
         raise TypeError(f"{what}: cannot convert {value!r} to {dtype.name}: {e}") from None
-    if a.dtype.kind not in "biufc" or not np.can_cast(a.dtype, dtype, "same_kind"):
+    # bfloat16 takes Python floats and ints like float16 does (NumPy has no casting rules for it).
+    target = np.dtype(np.float16) if is_bfloat16(dtype) else dtype
+    if a.dtype.kind not in "biufc" or not np.can_cast(a.dtype, target, "same_kind"):
         raise TypeError(
             f"{what}: cannot convert {value!r} to {dtype.name} (Python values convert only within their kind or "
             f"upward, as in TF; this one is {a.dtype.name})"
@@ -1246,11 +1255,9 @@ def initial_array(initial_value: Any, dtype: npt.DTypeLike | None, shape: object
 def _cast_to_policy(arr: Array, dtype_name: str) -> Array:
     """``arr`` cast to the global mixed-precision policy's variable dtype (a copy: a new variable)."""
     if dtype_name == "bfloat16":
-        raise TypeError(
-            f"cudist.Variable: the global policy {global_policy().name!r} makes variables bfloat16, which cudist "
-            "variables cannot hold yet; use the 'mixed_bfloat16' policy (float32 variables, bfloat16 compute) or "
-            "pass dtype= explicitly"
-        )
+        import ml_dtypes  # noqa: PLC0415 - optional, and only a bfloat16 policy needs it
+
+        return arr.astype(ml_dtypes.bfloat16)
     return arr.astype(dtype_name)
 
 

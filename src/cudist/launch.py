@@ -17,9 +17,9 @@ through MPI. Options:
   ``CheckpointManager.restore_or_initialize``) continues where it stopped. ``--timeout`` and a
   signal to the launcher end the job without a restart; the exit code is the last attempt's.
 
-Each worker's BLAS/OpenMP/Numba thread count is set to cores / N (``OMP_NUM_THREADS``,
-``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ``NUMBA_NUM_THREADS``, unless already set, as
-``torchrun`` does): N workers each running a matmul over every core would slow each other down
+Each worker's BLAS/OpenMP/Numba/native-kernel thread count is set to cores / N (``OMP_NUM_THREADS``,
+``OPENBLAS_NUM_THREADS``, ``MKL_NUM_THREADS``, ``NUMBA_NUM_THREADS``, ``CUDIST_NUM_THREADS``, unless
+already set, as ``torchrun`` does): N workers each running a matmul over every core would slow each other down
 several times over. When there are more workers than CPU cores, ``MPIR_CVAR_ENABLE_HEAVY_YIELD=1``
 is set so that waiting workers yield the CPU instead of spinning. The exit code is the job's; when it fails, the
 launcher says which worker failed and how (raised an exception, exited with a code, was killed). A
@@ -53,7 +53,8 @@ __all__ = ["main", "find_mpiexec", "build_command", "worker_env"]
 _STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
 #: Set in each worker's environment: how many times the launcher has restarted the job (read by user scripts).
 _RESTART_COUNT = _settings.RESTART_COUNT
-_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS")
+_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS",
+                _settings.NUM_THREADS)
 _BASE_PORT = 23456
 
 

@@ -663,10 +663,10 @@ class Optimizer:
                 f"{self.name}: cannot apply gradients to variable '{var.name}': it is a SyncOnReadVariable "
                 "(synchronization=ON_READ), whose components differ by design"
             )
-        if var.dtype.kind != "f":
+        if var.dtype.kind != "f" and not is_bfloat16(var.dtype):
             raise TypeError(
                 f"{self.name}: cannot update variable '{var.name}' of dtype {var.dtype.name}: the optimizer "
-                "kernels need a floating-point dtype (float16, float32, float64)"
+                "kernels need a floating-point dtype (float16, bfloat16, float32, float64)"
             )
         if var.storage.kernel() is None and array_module(var.storage.primary) is not np:
             raise TypeError(f"{self.name}: no GPU kernel supports variable '{var.name}' of dtype {var.dtype.name}")
@@ -955,16 +955,47 @@ class Optimizer:
         with the kernels' own replica-order sum (see :meth:`UpdatePass.fusable`). Returns False
         (nothing done) otherwise, for the general path.
         """
-        if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
-            return False
         update, ensure_slots = self._update, self._ensure_slots
-        plans = [update.plan(v, ensure_slots(v)) for v in variables]
+        plans = [update.plan(v, ensure_slots(v)) for v in variables]  # (the general path reuses them)
         backend = update.fusable(strategy, per_var, plans)
         if backend is None:
             return False
         lr, params = self._step()
         update.apply_fused(backend, per_var, plans, self._rules(variables, lr, params))
         self._after_update()
+        return True
+
+    def _apply_unscaled_fused(
+        self, strategy: Strategy, per_var: Sequence[Sequence[Any]], variables: Sequence[Variable], scale: float
+    ) -> bool | None:
+        """LossScaleOptimizer's step with the finiteness check fused into the all-reduce: each
+        variable's per-replica gradients summed and divided by ``scale`` in one kernel pass that
+        also reports whether the result is finite; then the update from those sums, or nothing.
+
+        Possible where :meth:`_apply_fused` is (host arrays, the kernels' replica-order sum) and
+        this optimizer changes no per-replica gradient before the sum (no ``loss_scale_factor``,
+        accumulation or clipping, which Keras applies per replica). Returns None (nothing done)
+        otherwise, True when the variables were updated, False when a sum was not finite (the
+        step is skipped: no variable, slot or ``iterations`` changes).
+        """
+        if self._loss_scale_factor is not None or self._gradient_accumulation_steps or (
+            self._clipnorm or self._global_clipnorm or self._clipvalue
+        ):
+            return None
+        for comps, var in zip(per_var, variables):
+            shape = var.shape
+            for c in comps:
+                if type(c) is not np.ndarray or c.shape != shape:
+                    return None
+        update, ensure_slots = self._update, self._ensure_slots
+        plans = [update.plan(v, ensure_slots(v)) for v in variables]
+        backend = update.fusable(strategy, per_var, plans)
+        if backend is None:
+            return None
+        sums = update.reduce_unscaled(backend, per_var, plans, scale)
+        if sums is None:
+            return False
+        self._apply(sums, variables, fresh=True)
         return True
 
     def _apply(self, grads: Sequence[Any], variables: Sequence[Variable], fresh: bool = False) -> None:
@@ -1731,8 +1762,17 @@ class LossScaleOptimizer:
     ``iterations`` does not move) and halves the scale. Under a strategy every replica decides on
     the all-reduced finiteness, so all replicas skip the same steps.
 
-    This first version checks finiteness in its own pass over the gradients (the check is not yet
-    fused into the all-reduce + update pass).
+    Under a MirroredStrategy on the CPU backends (host gradients, the default cross-device ops) the
+    check is fused into the all-reduce: one kernel pass sums each variable's per-replica gradients,
+    divides the sum by the scale and reports whether it is finite, and the inner optimizer then
+    updates from those sums or the step is skipped -- no pass over the gradients of its own. The
+    decision is then taken on the reduced gradients, so a step whose finite gradients overflow to
+    inf in the sum is skipped too (Keras, which checks each replica's gradients, would apply the
+    inf). The sum is divided once instead of each replica's gradient (Keras): the same bits for a
+    power-of-two scale (the only scales the fused step takes; others take the per-replica path)
+    unless an unscaled value is a float32 subnormal. Elsewhere (one replica, multi-worker, GPU,
+    an inner optimizer that clips, accumulates or has ``loss_scale_factor``), each replica checks
+    its gradients and the replicas (and workers) agree through an all-reduce of the verdict.
 
     Args:
         inner_optimizer: the optimizer that applies the unscaled gradients.
@@ -1798,8 +1838,22 @@ class LossScaleOptimizer:
             The inner optimizer's ``iterations`` variable.
         """
         pairs = list(grads_and_vars)
-        finite = all(g is None or bool(np.isfinite(np.asarray(g, dtype=np.float32)).all()) for g, _ in pairs)
         ctx = _distribute_lib.get_replica_context()
+        if ctx is not None and ctx.num_replicas_in_sync > 1:
+            if pairs and math.frexp(float(np.asarray(self.dynamic_scale.read_value())))[0] == 0.5 and all(
+                g is not None for g, _ in pairs  # (frexp's mantissa 0.5: a power of two)
+            ):
+                # One merge_call decides for every replica (each gets its result): fused, or None.
+                done = ctx.merge_call(self._fused_step, args=(_ReplicaGrads([g for g, _ in pairs]),),
+                                      kwargs={"variables": [v for _, v in pairs]})
+                if done is not None:
+                    return self.inner_optimizer.iterations
+        return self._apply_checked(pairs, ctx)
+
+    def _apply_checked(self, pairs: list[tuple[Any, Variable]], ctx: Any) -> Variable:
+        """apply_gradients where the check is not fused: each replica checks its own gradients, the
+        replicas all-reduce the verdict, each unscales its gradients for the inner optimizer."""
+        finite = all(g is None or bool(np.isfinite(np.asarray(g, dtype=np.float32)).all()) for g, _ in pairs)
         if ctx is not None and ctx.num_replicas_in_sync > 1:
             bad = ctx.all_reduce(ReduceOp.SUM, np.float32(0.0 if finite else 1.0))
             finite = float(np.asarray(bad)) == 0.0
@@ -1810,9 +1864,34 @@ class LossScaleOptimizer:
             return self.inner_optimizer.iterations
         unscaled = [(None if g is None else np.asarray(g, dtype=np.float32) / scale, v) for g, v in pairs]
         self.inner_optimizer.apply_gradients(unscaled)
+        self._grow(scale)
+        return self.inner_optimizer.iterations
+
+    def _grow(self, scale: np.floating[Any]) -> None:
+        """After a finite step: one more in a row, the scale doubled every ``dynamic_growth_steps``."""
         count = int(np.asarray(self.step_counter.read_value())) + 1
         if count >= self.dynamic_growth_steps:
             self.dynamic_scale.assign(scale * np.float32(2.0))
             count = 0
         self.step_counter.assign(count)
-        return self.inner_optimizer.iterations
+
+    def _fused_step(
+        self, strategy: Strategy, held: _ReplicaGrads | PerReplica, *, variables: list[Variable]
+    ) -> bool | None:
+        """The merge_call of a fused step (cross-replica context): the inner optimizer's
+        reduce-with-finiteness, then update or skip (and the scale's bookkeeping). None: not fusable
+        here, nothing done; every replica then takes the per-replica path."""
+        each = held.values if isinstance(held, PerReplica) else (held,)
+        if any(len(h.grads) != len(variables) for h in each):
+            return None  # (the per-replica path raises the error about it)
+        per_var = list(zip(*(h.grads for h in each)))
+        scale = float(np.asarray(self.dynamic_scale.read_value()))
+        done = self.inner_optimizer._apply_unscaled_fused(strategy, per_var, variables, scale)
+        if done is None:
+            return None
+        if done:
+            self._grow(np.float32(scale))
+        else:
+            self.dynamic_scale.assign(np.float32(scale) / np.float32(2.0))
+            self.step_counter.assign(0)
+        return done

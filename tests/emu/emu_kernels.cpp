@@ -2,7 +2,8 @@
 // pointer-table form CuPy launches, as an extern "C" host function
 //   void cudist_emu_<kernel>_<dtype>(unsigned gx, unsigned gy, unsigned bx, <kernel parameters>)
 // that runs the real kernel from <cudist/kernels/kernels.cuh> over a (gx, gy) grid of bx-thread
-// blocks (see include/cuda_emu.hpp). float16 buffers are 2-byte __half; float16 kernels take their
+// blocks (see include/cuda_emu.hpp). float16 buffers are 2-byte __half, bfloat16 ones
+// __nv_bfloat16; float16 kernels take their
 // scalars as float, as on the GPU. Plus a few entry points into the emulated runtime.
 #include <cudist/kernels/kernels.cuh>
 
@@ -72,6 +73,7 @@ CUDIST_EMU_ALL_DTYPES(float, float32)
 CUDIST_EMU_ALL_DTYPES(double, float64)
 CUDIST_EMU_ALL_DTYPES(int, int32)
 CUDIST_EMU_ALL_DTYPES(long long, int64)
+CUDIST_EMU_ALL_DTYPES(__nv_bfloat16, bfloat16)
 CUDIST_EMU_FLOAT_DTYPES(__half, float, float16)
 CUDIST_EMU_FLOAT_DTYPES(float, float, float32)
 CUDIST_EMU_FLOAT_DTYPES(double, double, float64)

@@ -22,6 +22,7 @@ CUDIST_EMU_P2P(float, float32)
 CUDIST_EMU_P2P(double, float64)
 CUDIST_EMU_P2P(int, int32)
 CUDIST_EMU_P2P(long long, int64)
+CUDIST_EMU_P2P(__nv_bfloat16, bfloat16)
 
 /// A new stream of `device` (the calling thread's current device is left as it was), or null when
 /// the device is invalid.

@@ -36,6 +36,12 @@ inline void reduce_line(const T* const* in, std::size_t n_in, std::size_t i, boo
                         typename arith<T>::acc_t cnt, T* res) noexcept {
 #ifdef CUDIST_BF16_SSE2
   if constexpr (std::is_same<T, bfloat16>::value) {
+#ifdef CUDIST_BF16_AVX2
+    if (bf16_use_avx2()) {
+      reduce_line_bf16_avx2<K>(in, n_in, i, mean, cnt, res);
+      return;
+    }
+#endif
     reduce_line_bf16<K>(in, n_in, i, mean, cnt, res);
     return;
   }

@@ -198,6 +198,33 @@ class thread_pool {
     return *pool;
   }
 
+  /// One pause of a spin-wait loop (PAUSE on x86, YIELD on ARM; nothing elsewhere).
+  static void cpu_relax() noexcept {
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
+    _mm_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+  }
+
+  /// Spins until ``done()`` or ``ns`` nanoseconds have passed; returns done(). Yields the CPU
+  /// every few checks, so a spinning thread never holds up a runnable one (a replica thread, a
+  /// BLAS thread) for longer than one time slice.
+  template <class P>
+  static bool spin_until(P&& done, long long ns) {
+    if (done()) return true;
+    if (ns <= 0) return false;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
+    for (unsigned i = 1;; ++i) {
+      cpu_relax();
+      if (done()) return true;
+      if (i % 64 == 0) {
+        if (std::chrono::steady_clock::now() >= deadline) return done();
+        std::this_thread::yield();
+      }
+    }
+  }
+
  private:
   struct alignas(64) share {  // one cache line each: the counters are hit by different threads
     std::atomic<std::size_t> next{0};
@@ -247,32 +274,6 @@ class thread_pool {
       if (end != v && *end == '\0' && us >= 0) return us * 1000;
     }
     return kDefaultSpinNs;
-  }
-
-  static void cpu_relax() noexcept {
-#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
-    _mm_pause();
-#elif defined(__aarch64__)
-    __asm__ __volatile__("yield");
-#endif
-  }
-
-  /// Spins until ``done()`` or ``ns`` nanoseconds have passed; returns done(). Yields the CPU
-  /// every few checks, so a spinning thread never holds up a runnable one (a replica thread, a
-  /// BLAS thread) for longer than one time slice.
-  template <class P>
-  static bool spin_until(P&& done, long long ns) {
-    if (done()) return true;
-    if (ns <= 0) return false;
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(ns);
-    for (unsigned i = 1;; ++i) {
-      cpu_relax();
-      if (done()) return true;
-      if (i % 64 == 0) {
-        if (std::chrono::steady_clock::now() >= deadline) return done();
-        std::this_thread::yield();
-      }
-    }
   }
 
   void start(unsigned threads) {

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstddef>
 #include <cstring>
@@ -53,9 +54,13 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// the result is the same for less traffic. It matters most with streaming stores, which would
 /// otherwise evict the lines just written to that buffer and write them again (measured: 4 copies
 /// that are one 64 MiB buffer, SGD 2.4x and a two-slot rule 3.5x faster).
+///
+/// ``unread0``: bit ``s`` set when copy 0 of slot ``s`` is not what ``compute`` reads (an
+/// out-of-place update): it is then written like the other copies, streamed when large (its lines
+/// are not in cache, and reading them for ownership would add a third to the update's traffic).
 template <class T, std::size_t NSlots, class Compute>
 void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t count, std::size_t n_inputs,
-                thread_pool* pool, Compute&& compute) {
+                thread_pool* pool, Compute&& compute, unsigned unread0 = 0) {
   constexpr std::size_t K = kLineBytes / sizeof(T);
   constexpr std::size_t B = kBlockBytes / sizeof(T);
   constexpr std::size_t kInline = 32;
@@ -68,6 +73,8 @@ void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t cou
   }
   T** dst[NSlots];
   std::size_t m[NSlots];
+  std::size_t first[NSlots];  // per slot, the first copy written like the others (0: copy 0 is not read)
+  std::size_t read_copies = 0;
   std::size_t distinct = 0;
   for (std::size_t s = 0; s < NSlots; ++s) {
     dst[s] = dst_ptrs + s * n;
@@ -78,14 +85,16 @@ void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t cou
     }
     m[s] = k;
     distinct += k;
+    first[s] = (unread0 >> s) & 1u ? 0 : 1;
+    read_copies += first[s];
   }
   // The first buffer written with streaming stores (a copy other than copy 0), whose cache lines
   // the streaming loop lines up with.
   T* stream_ref = nullptr;
   for (std::size_t s = 0; s < NSlots && stream_ref == nullptr; ++s)
-    if (m[s] > 1) stream_ref = dst[s][1];
+    if (m[s] > first[s]) stream_ref = dst[s][first[s]];
   const std::size_t bytes = count * sizeof(T);
-  run_blocks(pool, count, B, bytes * (n_inputs + distinct), bytes * (distinct - NSlots),
+  run_blocks(pool, count, B, bytes * (n_inputs + distinct), bytes * (distinct - read_copies),
              [&](std::size_t b, std::size_t e, bool stream) {
                const auto mis = reinterpret_cast<std::uintptr_t>(stream_ref + b) & (kLineBytes - 1);
                if (stream && stream_ref != nullptr && mis % sizeof(T) == 0) {
@@ -108,8 +117,8 @@ void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t cou
                    compute(i, std::integral_constant<std::size_t, K>{}, out2, 0);
                    compute(i + K, std::integral_constant<std::size_t, K>{}, out2, K);
                    for (std::size_t s = 0; s < NSlots; ++s) {
-                     std::memcpy(dst[s][0] + i, out2[s], sizeof out2[s]);
-                     for (std::size_t c = 1; c < m[s]; ++c) {
+                     if (first[s]) std::memcpy(dst[s][0] + i, out2[s], sizeof out2[s]);
+                     for (std::size_t c = first[s]; c < m[s]; ++c) {
                        T* d = dst[s][c] + i;
                        if (line_aligned(d)) {
                          stream_lines<2>(d, out2[s]);
@@ -131,8 +140,8 @@ void run_update(T* const* const (&slots)[NSlots], std::size_t n, std::size_t cou
                    for (std::size_t j = 0; j < len; j += K) compute(i + j, std::min(K, len - j), out, j);
                  }
                  for (std::size_t s = 0; s < NSlots; ++s) {
-                   std::memcpy(dst[s][0] + i, out[s], len * sizeof(T));
-                   for (std::size_t c = 1; c < m[s]; ++c) copy_block(dst[s][c] + i, out[s], len * sizeof(T), stream);
+                   if (first[s]) std::memcpy(dst[s][0] + i, out[s], len * sizeof(T));
+                   for (std::size_t c = first[s]; c < m[s]; ++c) copy_block(dst[s][c] + i, out[s], len * sizeof(T), stream);
                  }
                }
              });
@@ -304,14 +313,19 @@ inline C np_sign(C x) noexcept {
 }
 
 template <class T, class G, std::size_t NS, class Rule, std::size_t... I>
-void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads,
-                       std::size_t m, thread_pool* pool, Rule& rule, std::index_sequence<I...>) {
+void fused_rule_update(T* const* const (&state)[NS], const T* const* sources, std::size_t n, std::size_t count,
+                       const G* const* grads, std::size_t m, thread_pool* pool, Rule& rule, std::index_sequence<I...>) {
   using C = compute_t<T>;
   using A = arith<T>;
   constexpr std::size_t K = kLineBytes / sizeof(T);
   std::vector<std::vector<T>> keep;
   std::vector<std::vector<G>> keep_g;
-  const T* const s0[NS] = {snapshot_if_overlapping<T>(state[I][0], {state[I]...}, n, count, keep)...};
+  // What the rule reads: copy 0 (in place) or the separate source (out of place: the written copies
+  // are other memory, so a reader of the source still sees the old values).
+  const T* const s0[NS] = {
+      snapshot_if_overlapping<T>(sources != nullptr ? sources[I] : state[I][0], {state[I]...}, n, count, keep)...};
+  unsigned unread0 = 0;  // the slots whose copy 0 is written, not read (see run_update)
+  ((unread0 |= s0[I] != state[I][0] ? 1u << I : 0u), ...);
   const grad_list<T, G> gl(grads, m, {state[I]...}, n, count, keep_g);
   const G* const* gp = gl.data();
   run_update<T, NS>(state, n, count, m + NS, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
@@ -328,15 +342,19 @@ void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t 
       r(static_cast<C>(g[k]), x);
       ((out[I][at + k] = static_cast<T>(x[I])), ...);
     }
-  });
+  }, unread0);
 }
 
 /// The shared driver of these optimizers: ``state`` lists the slot groups then the variable's
-/// copies (last); ``rule(g, x)`` turns x (copy 0 of each, in the compute type) into the new values.
+/// copies (last); ``rule(g, x)`` turns x (the current values of each, in the compute type) into the
+/// new values, written to every copy. ``sources`` (one per entry of ``state``, or nullptr) are the
+/// arrays the current values are read from; nullptr reads copy 0 (in place). Out of place, a source
+/// may be any memory holding the current values (a snapshot kept by a reader): the same arithmetic,
+/// so the same bits.
 template <class T, std::size_t NS, class Rule, class G>
-void fused_rule_update(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads,
-                       std::size_t m, thread_pool* pool, Rule&& rule) {
-  fused_rule_update<T, G, NS>(state, n, count, grads, m, pool, rule, std::make_index_sequence<NS>{});
+void fused_rule_update(T* const* const (&state)[NS], const T* const* sources, std::size_t n, std::size_t count,
+                       const G* const* grads, std::size_t m, thread_pool* pool, Rule&& rule) {
+  fused_rule_update<T, G, NS>(state, sources, n, count, grads, m, pool, rule, std::make_index_sequence<NS>{});
 }
 
 /// The host arithmetic of the rules of <cudist/detail/update_rules.hpp>: IEEE operators (the
@@ -360,21 +378,30 @@ struct host_math {
   static C sign(C a) noexcept { return np_sign(a); }
 };
 
-/// The fused update of ``Rule`` (a rule of <cudist/detail/update_rules.hpp>): ``state`` lists the
-/// slot groups then the variable's copies, ``hyper`` are the rule's hyper-parameters (converted to
-/// the compute type first, as the reference does) and ``decay`` the decoupled weight decay
-/// (0: none).
+/// The fused update of ``Rule`` (a rule of <cudist/detail/update_rules.hpp>) reading the current
+/// values from ``sources`` (per entry of ``state``; nullptr: copy 0, in place) and writing every copy
+/// of ``state`` (the slot groups then the variable's copies); ``hyper`` are the rule's
+/// hyper-parameters (converted to the compute type first, as the reference does) and ``decay`` the
+/// decoupled weight decay (0: none).
 template <template <class, class> class Rule, class T, std::size_t NS, class G, class... H>
-void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads, std::size_t m,
-              double decay, thread_pool* pool, H... hyper) {
+void run_rule_reading(T* const* const (&state)[NS], const T* const* sources, std::size_t n, std::size_t count,
+                   const G* const* grads, std::size_t m, double decay, thread_pool* pool, H... hyper) {
   if (n == 0 || m == 0 || count == 0) return;
   using C = compute_t<T>;
   using R = Rule<C, host_math>;
   static_assert(R::kSlots + 1 == NS && R::kHyper == sizeof...(H), "a rule's slots or hyper-parameters mismatch");
   const R rule(static_cast<C>(hyper)...);
   with_decay<C>(decay, [&](auto dec) {  // captured by value: fused_rule_update copies it into registers
-    fused_rule_update<T>(state, n, count, grads, m, pool, [rule, dec](C g, C(&x)[NS]) { rule(g, x, dec); });
+    fused_rule_update<T>(state, sources, n, count, grads, m, pool,
+                         [rule, dec](C g, C(&x)[NS]) { rule(g, x, dec); });
   });
+}
+
+/// run_rule_reading() in place (copy 0 of each entry of ``state`` read).
+template <template <class, class> class Rule, class T, std::size_t NS, class G, class... H>
+void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, const G* const* grads, std::size_t m,
+              double decay, thread_pool* pool, H... hyper) {
+  run_rule_reading<Rule>(state, static_cast<const T* const*>(nullptr), n, count, grads, m, decay, pool, hyper...);
 }
 
 }  // namespace detail
@@ -405,7 +432,8 @@ namespace detail {
 /// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision).
 template <class T, class G>
 void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const G* const* grads,
-                     std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool) {
+                     std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool,
+                     const T* const* sources = nullptr) {
   if (n == 0 || m == 0 || count == 0) return;
   using C = compute_t<T>;
   using A = arith<T>;
@@ -416,8 +444,13 @@ void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std:
   const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
   std::vector<std::vector<T>> keep;
   std::vector<std::vector<G>> keep_g;
-  const T* w0 = snapshot_if_overlapping<T>(copies[0], {copies, velocities}, n, count, keep);
-  const T* v0 = snapshot_if_overlapping<T>(velocities[0], {copies, velocities}, n, count, keep);
+  // What the update reads: copy 0 (in place) or ``sources`` (out of place: the variable's, then the
+  // velocity's current values, e.g. held by an asynchronous checkpoint write; see fused_rule_update).
+  const T* w0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[0] : copies[0], {copies, velocities}, n,
+                                           count, keep);
+  const T* v0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[1] : velocities[0], {copies, velocities}, n,
+                                           count, keep);
+  const unsigned unread0 = (v0 != velocities[0] ? 1u : 0u) | (w0 != copies[0] ? 2u : 0u);  // see run_update
   const grad_list<T, G> gl(grads, m, {copies, velocities}, n, count, keep_g);
   const G* const* gp = gl.data();
   T* const* const slots[2] = {velocities, copies};
@@ -436,7 +469,7 @@ void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std:
       out[0][at + k] = static_cast<T>(vk);
       out[1][at + k] = static_cast<T>(wn);
     }
-  });
+  }, unread0);
 }
 
 }  // namespace detail
@@ -477,24 +510,73 @@ void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t
 ///     gradients summed as in all_reduce_sgd(), then ``w -= w * decay`` (when ``decay`` is not 0)
 ///     and the rule on the n copies of the variable and of its slots;
 ///   name(copies, <slot>s..., n, count, grad, hyper..., decay, pool): the same from one gradient.
+/// Both take a last, optional ``sources``: the arrays holding the current values, one per slot then
+/// the variable (a reader's snapshot); the copies are then written without being read (out of
+/// place, same bits). nullptr (the default): copy 0 of each is read, in place.
 #define CUDIST_HOST_RULE_(A, name, rule, slots, hyper)                                                              \
   template <class T>                                                                                              \
   void all_reduce_##name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) std::size_t n,       \
                          std::size_t count, const T* const* grads, std::size_t m,                                 \
                          CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay,                              \
-                         thread_pool* pool = &thread_pool::global()) {                                            \
+                         thread_pool* pool = &thread_pool::global(), const T* const* sources = nullptr) {         \
     static_assert(detail::is_update_float<T>, "cudist::all_reduce_" #name " needs a floating-point type");        \
     T* const* const state[] = {CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) copies};                                 \
-    detail::run_rule<rules::rule>(state, n, count, grads, m, decay, pool CUDIST_PP_MAP(CUDIST_PP_LEAD, , hyper));  \
+    detail::run_rule_reading<rules::rule>(state, sources, n, count, grads, m, decay,                                 \
+                                       pool CUDIST_PP_MAP(CUDIST_PP_LEAD, , hyper));                              \
   }                                                                                                               \
   template <class T>                                                                                              \
   void name(T* const* copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, T* const*, slots) std::size_t n, std::size_t count, \
             const T* grad, CUDIST_PP_MAP(CUDIST_PP_TRAIL, double, hyper) double decay,                            \
-            thread_pool* pool = &thread_pool::global()) {                                                         \
+            thread_pool* pool = &thread_pool::global(), const T* const* sources = nullptr) {                      \
     all_reduce_##name<T>(copies, CUDIST_PP_MAP(CUDIST_PP_TRAIL_S, , slots) n, count, &grad, 1,                    \
-                         CUDIST_PP_MAP(CUDIST_PP_TRAIL, , hyper) decay, pool);                                    \
+                         CUDIST_PP_MAP(CUDIST_PP_TRAIL, , hyper) decay, pool, sources);                           \
   }
 CUDIST_UPDATE_RULE_LIST(CUDIST_HOST_RULE_, ~)
 #undef CUDIST_HOST_RULE_
+
+/// The gradient all-reduce of a loss-scaled step (LossScaleOptimizer), its finiteness check fused
+/// into the same pass: ``out`` becomes the sum of the ``m`` gradients -- in replica order, with the
+/// fused updates' arithmetic (sum_grads_line: float16 rounded once; bfloat16 or float16 gradients
+/// of a float32 ``out`` widened exactly) -- divided by ``scale`` in T's compute type, and the call
+/// returns whether every stored element of ``out`` is finite (an inf or NaN gradient, or a sum that
+/// overflows, makes it false). One read of each gradient and one write of ``out``: the check costs
+/// no pass of its own, and the optimizer then updates from ``out`` or skips the step.
+///
+/// @param grads  the m gradients, ``count`` elements each (type G: T, or narrower for float32 T).
+/// @param m      number of gradients (at least 1).
+/// @param count  elements per gradient.
+/// @param scale  the loss scale the sum is divided by.
+/// @param out    ``count`` elements; must not overlap a gradient.
+/// @param pool   pool to parallelise over, or nullptr to run on the caller.
+template <class T, class G = T>
+bool reduce_unscale_finite(const G* const* grads, std::size_t m, std::size_t count, double scale, T* out,
+                           thread_pool* pool = &thread_pool::global()) {
+  static_assert(detail::is_update_float<T>, "cudist::reduce_unscale_finite needs a floating-point type");
+  using A = detail::arith<T>;
+  using acc_t = typename A::acc_t;
+  if (count == 0 || m == 0) return true;
+  const acc_t s = static_cast<acc_t>(scale);
+  std::atomic<bool> bad{false};
+  constexpr std::size_t B = detail::kBlockBytes / sizeof(T);
+  const std::size_t bytes = count * (m * sizeof(G) + sizeof(T));
+  detail::run_blocks(pool, count, B, bytes, 0, [&](std::size_t b, std::size_t e, bool) {
+    constexpr std::size_t L = 256;
+    acc_t acc[L];
+    bool ok = true;
+    for (std::size_t i = b; i < e; i += L) {
+      const std::size_t len = std::min(L, e - i);
+      const auto* g = detail::sum_grads_line<T, G>(grads, m, i, len, acc);
+      T* o = out + i;
+      for (std::size_t k = 0; k < len; ++k) {
+        const T v = A::store(static_cast<acc_t>(g[k]) / s);
+        o[k] = v;
+        const acc_t y = A::load(v);
+        ok &= (y - y) == acc_t(0);  // false for inf and NaN only; vectorizes, unlike std::isfinite
+      }
+    }
+    if (!ok) bad.store(true, std::memory_order_relaxed);
+  });
+  return !bad.load(std::memory_order_relaxed);
+}
 
 }  // namespace cudist

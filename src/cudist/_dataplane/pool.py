@@ -28,17 +28,21 @@ PER_SIZE = 8
 #: Buffers smaller than this are allocated fresh: NumPy's small-block cache already reuses them.
 MIN_BYTES = 1 << 14
 
-_local = threading.local()
+class _Local(threading.local):
+    """Per thread: its buffers by byte size (made on the thread's first use, no lookup function)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, list[npt.NDArray[np.uint8]]] = {}
+
+
+_local = _Local()
 _getrefcount = sys.getrefcount
 _empty = np.empty
 _u8 = np.uint8
 
 
 def _buffers() -> dict[int, list[npt.NDArray[np.uint8]]]:
-    d: dict[int, list[npt.NDArray[np.uint8]]] | None = getattr(_local, "buffers", None)
-    if d is None:
-        d = _local.buffers = {}
-    return d
+    return _local.buffers
 
 
 def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
@@ -59,13 +63,14 @@ def take(shape: tuple[int, ...], dtype: npt.DTypeLike) -> npt.NDArray[Any]:
         nbytes *= dim
     if nbytes < MIN_BYTES:
         return _empty(shape, dtype)
-    buffers = _buffers()
+    buffers = _local.buffers
     lst = buffers.get(nbytes)
     if lst is None:
         lst = buffers[nbytes] = []
     for buf in lst:
         if _getrefcount(buf) == 3:  # the list, ``buf`` and getrefcount's argument: nobody else
-            return _typed(buf, dtype, shape)
+            v = buf.view(dtype)  # (_typed inlined: every pooled all-reduce result comes through here)
+            return v if len(shape) == 1 else v.reshape(shape)
     if len(lst) < PER_SIZE:
         buf = _empty(nbytes, _u8)
         lst.append(buf)

@@ -16,6 +16,15 @@ still referenced; that write first moves the storage to fresh memory, so the sna
 value it had, as a TF tensor read from a variable does. Every in-place writer asks for its arrays
 through :meth:`Storage.detach` / ``buffers()``, which do that move.
 
+The optimizers' update pass instead asks for :meth:`Storage.targets`: with a snapshot held and a
+kernel backend whose update kernels can read one array and write another (the native backend's
+``trusted.out_of_place``), the update reads the held array and writes the new value into other
+memory, which :meth:`Storage.commit` then makes the storage: no copy. A storage captured by a
+long-lived reader (:meth:`Storage.capture`: an asynchronous checkpoint's background write) keeps
+the array it moved away from and writes into it again at the next such move, once the reader has
+let go of it: its pages are already mapped, where fresh memory costs a page fault per 4 KiB
+(~450 ms for 256 MiB on the 2-core build machine, more than a synchronous save of it).
+
 The variable semantics (assign, aggregation, synchronization, which component a replica reads) stay
 in :mod:`cudist._variables`; this module knows arrays only.
 """
@@ -31,7 +40,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist._arrays import snapshot as _device_snapshot
-from cudist._kernels import backend_for
+from cudist._kernels import backend_for, is_bfloat16, numpy_backend
 
 if TYPE_CHECKING:
     from cudist._arrays import Array
@@ -47,7 +56,13 @@ _UNSET: Any = object()
 def kernel_backend(arr: Any) -> KernelBackend | None:
     """The kernel backend for buffers like ``arr``, or None when no backend handles its dtype."""
     backend = backend_for(arr)
-    return backend if arr.dtype in backend.dtypes else None
+    if arr.dtype in backend.dtypes:
+        return backend
+    if is_bfloat16(arr.dtype) and type(arr) is np.ndarray:
+        # bfloat16 variables: the one fallback point. Only the NumPy reference updates them (float32
+        # arithmetic, one rounding per stored value), so every CPU backend gives the same bits.
+        return numpy_backend()
+    return None
 
 
 class Storage:
@@ -58,7 +73,7 @@ class Storage:
             without :meth:`detach` (a snapshot or another component may share it).
     """
 
-    __slots__ = ("array", "_snap", "_group", "_backend", "__weakref__")
+    __slots__ = ("array", "_snap", "_group", "_backend", "_spare", "_retired", "_retired_snap", "_recycle", "__weakref__")
 
     def __init__(self, array: Array) -> None:
         self.array = array
@@ -67,6 +82,14 @@ class Storage:
         #: The group of a distributed variable's component (weakly: the variable owns the group).
         self._group: weakref.ref[GroupStorage] | None = None
         self._backend: KernelBackend | None = _UNSET
+        #: The buffer :meth:`targets` hands out for an out-of-place write not yet committed.
+        self._spare: npt.NDArray[Any] | None = None
+        #: The array the last committed out-of-place write moved away from, with its snapshot view
+        #: (whose reference count says whether a reader still holds it): reused once let go of.
+        self._retired: npt.NDArray[Any] | None = None
+        self._retired_snap: npt.NDArray[Any] | None = None
+        #: Whether to keep the retired array (set by :meth:`capture`).
+        self._recycle = False
 
     # ---- the interface shared with GroupStorage
     @property
@@ -133,6 +156,83 @@ class Storage:
             self._snap = None
         return self.array
 
+    # ---- out-of-place writes (the update pass) and recycled buffers
+    def out_of_place(self) -> bool:
+        """Whether a write of this storage can go out of place (:meth:`targets`): a host array of
+        its own (not shared with another copy) whose kernel backend has out-of-place updates."""
+        if type(self.array) is not np.ndarray or self._group is not None:
+            return False
+        backend = self.kernel()
+        return backend is not None and bool(backend.trusted.out_of_place)
+
+    def capture(self) -> Array | None:
+        """A snapshot (:meth:`snapshot`) for a reader that holds it while the variable is updated (an
+        asynchronous checkpoint's background write), or None where writes cannot go out of place
+        (see :meth:`out_of_place`: the reader should copy the value instead).
+
+        From then on the storage recycles memory: the array an out-of-place write moves away from is
+        kept, and the next such write goes into it once its readers have let go of it (at most one
+        array is kept: memory stays bounded however many captures are made).
+        """
+        if not self.out_of_place():
+            return None
+        self._recycle = True
+        return self.snapshot()
+
+    def targets(self) -> tuple[tuple[Array, ...], Array]:
+        """(the arrays an update writes: one, the array it reads the current value from).
+
+        In place (the same array) unless a snapshot is held and the write can go out of place
+        (:meth:`out_of_place`): then the value is read from the held array and written into another
+        one -- a recycled buffer (:meth:`capture`) or fresh memory -- which :meth:`commit` makes the
+        storage once written. Nothing changes before :meth:`commit`: asking again gives the same
+        arrays. Otherwise the write is in place, after :meth:`detach`.
+        """
+        a = self.array
+        if self._snap is None or not self.snapshot_held() or not self.out_of_place():
+            a = self.detach()
+            return (a,), a
+        return (self._write_buffer(a),), a
+
+    def _write_buffer(self, a: npt.NDArray[Any]) -> npt.NDArray[Any]:
+        """The buffer an out-of-place write of ``a``'s new value goes into (the same until committed)."""
+        s = self._spare
+        if s is not None and s.shape == a.shape and s.dtype == a.dtype:
+            return s
+        s = self._reusable_retired(a)
+        if s is None:
+            s = np.empty(a.shape, a.dtype)
+        self._retired = self._retired_snap = None
+        self._spare = s
+        return s
+
+    def _reusable_retired(self, like: npt.NDArray[Any]) -> npt.NDArray[Any] | None:
+        """The retired array, if it fits ``like`` and nobody else holds it (nor a view of its snapshot)."""
+        r = self._retired
+        snap = self._retired_snap
+        if r is None or r.shape != like.shape or r.dtype != like.dtype:
+            return None
+        # The snapshot view's references: the slot, ``snap``, getrefcount's argument; the array's:
+        # the slot, ``r``, getrefcount's argument and the view's memoryview. More: a reader (the
+        # background write) or an export (DLPack) still holds it.
+        if snap is not None and sys.getrefcount(snap) > 3:
+            return None
+        if sys.getrefcount(r) > 3 + (snap is not None):
+            return None
+        return r
+
+    def commit(self, array: Array) -> None:
+        """Makes ``array`` (the write buffer :meth:`targets` handed out, now written) the storage."""
+        old = self.array
+        if array is old:
+            return
+        if self._recycle:
+            self._retired, self._retired_snap = old, self._snap
+        self.array = array
+        self._snap = None
+        if self._spare is array:
+            self._spare = None
+
     def replace(self, array: Array) -> None:
         """Makes ``array`` the storage (a write that reallocates: a new shape allowed by ``shape=``)."""
         self.array = array
@@ -182,6 +282,17 @@ class GroupStorage:
         if backend is _UNSET:
             backend = self._backend = kernel_backend(self.primary)
         return backend
+
+    def targets(self) -> tuple[tuple[Array, ...], Array]:
+        """(the arrays to write, :meth:`buffers`; the array an update reads: the first of them).
+
+        In place: a distributed variable's copies are not written out of place (see
+        :meth:`Storage.targets`)."""
+        bufs = self.buffers()
+        return bufs, bufs[0]
+
+    def commit(self, array: Array) -> None:
+        """Nothing to do: :meth:`targets` writes in place (the interface shared with :meth:`Storage.commit`)."""
 
     def buffers(self) -> tuple[Array, ...]:
         """The arrays to write in place, in component order.

@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 
 from cudist._arrays import device_context, gpu_of, like
+from cudist._dataplane import pool
 from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
 from cudist._kernels import UPDATE_KERNELS, bias_corrected_lr, is_bfloat16, momentum_schedule_step, numpy_backend
 
@@ -60,10 +61,18 @@ class Updatable(Protocol):
     def storage(self) -> Storage | GroupStorage: ...
 
 
-#: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend).
-Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend]"
-#: A variable's validated kernel work: (the storage arrays it was validated for, its groups).
-Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...]]"
+#: One memory's kernel work for a variable: (its copies there, per slot its copies, the backend,
+#: the sources: None (in place) or the arrays holding the current values, the variable's then each
+#: slot's, when the copies are written out of place).
+Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, tuple[Any, ...] | None]"
+#: What a fused all-reduce + update of a variable needs, settled at plan time: (the host backend of
+#: its one group, the variable's dtype, every array the update writes: copies, then slot copies);
+#: None when its update cannot be fused (copies on a GPU or in several memories, a dtype without
+#: fused kernels).
+Fused: TypeAlias = "tuple[KernelBackend, Any, tuple[Any, ...]] | None"
+#: A variable's validated kernel work: (the storage arrays it was validated for, its groups, its
+#: Fused, the out-of-place writes to commit once it ran: (storage, the array written) each).
+Plan: TypeAlias = "tuple[tuple[Any, ...], tuple[Group, ...], Fused, tuple[tuple[Storage | GroupStorage, Any], ...]]"
 
 class Rule:
     """One step's kernel work for a variable: an ``UPDATE_KERNELS`` rule with its scalars.
@@ -101,21 +110,62 @@ class Rule:
         #: Whether the weight decay is a pass of its own (a rule without a weight-decay factor).
         self.decay_pass = bool(decay) and not in_kernel
 
-    def run(self, kernels: TrustedKernels, copies: tuple[Any, ...], slots: tuple[tuple[Any, ...], ...], grad: Any) -> None:
-        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``)."""
+    def run(
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grad: Any,
+        sources: tuple[Any, ...] | None = None,
+    ) -> None:
+        """Updates ``copies`` and their ``slots`` from the final ``grad`` (``kernels``: a backend's ``trusted``).
+
+        ``sources``: None (in place), or the arrays holding the current values (the variable's,
+        then each slot's) when the copies are to be written without being read (see :class:`Group`).
+        """
+        kernel = getattr(kernels, self.kernel)
+        if sources is not None and self._reads_sources(kernels, self.kernel, copies, slots, sources):
+            kernel(copies, *slots, grad, *self.scalars, sources=sources)
+            return
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
         args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
-        getattr(kernels, self.kernel)(copies, *args, grad, *self.scalars)
+        kernel(copies, *args, grad, *self.scalars)
 
     def run_fused(
-        self, kernels: TrustedKernels, copies: tuple[Any, ...], slots: tuple[tuple[Any, ...], ...], grads: list[Any]
+        self,
+        kernels: TrustedKernels,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        grads: list[Any],
+        sources: tuple[Any, ...] | None = None,
     ) -> None:
         """As :meth:`run`, from per-replica ``grads`` summed in the same pass."""
+        kernel = getattr(kernels, self.fused)
+        if sources is not None and self._reads_sources(kernels, self.fused, copies, slots, sources):
+            kernel(copies, *slots, grads, *self.scalars, sources=sources)
+            return
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
         args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
-        getattr(kernels, self.fused)(copies, *args, grads, *self.scalars)
+        kernel(copies, *args, grads, *self.scalars)
+
+    def _reads_sources(
+        self,
+        kernels: TrustedKernels,
+        entry: str,
+        copies: tuple[Any, ...],
+        slots: tuple[tuple[Any, ...], ...],
+        sources: tuple[Any, ...],
+    ) -> bool:
+        """Whether ``entry`` reads ``sources`` itself; if not, copies them into copy 0 of the variable
+        and of each slot first (the same bits: the in-place update then reads what the sources hold)."""
+        if entry in kernels.out_of_place and not self.decay_pass and self.slots is None:
+            return True
+        for dst, src in zip((copies, *slots), sources):
+            if src is not dst[0]:
+                kernels.broadcast(src, (dst[0],))
+        return False
 
     def _slot_args(self, slots: tuple[tuple[Any, ...], ...]) -> tuple[tuple[Any, ...] | None, ...]:
         """The rule's slot arguments, in the table's order, from the optimizer's slots."""
@@ -252,27 +302,41 @@ class UpdatePass:
         calls the kernels' hooks directly instead of re-checking every buffer.
         """
         slots = named_slots.values()
-        bufs = var.storage.buffers()
+        # What each storage's update writes and reads (the same array unless it goes out of place:
+        # a snapshot held, e.g. by an asynchronous checkpoint write; see Storage.targets).
+        bufs, src = var.storage.targets()
         plan = self.plans.get(var)
         if plan is not None:
-            # The per-step case: the variable and its slots kept the storage the plan was made for.
-            key = bufs
+            # The per-step case: the variable and its slots kept the storage the plan was made for
+            # (_same_arrays inlined: this runs for every variable of every step).
+            key = bufs + (src,)
             for s in slots:
-                key += s.storage.buffers()
-            if _same_arrays(plan[0], key):
+                sb, ss = s.storage.targets()
+                key += sb + (ss,)
+            made = plan[0]
+            if len(made) == len(key) and all(map(operator.is_, made, key)):
                 return plan
-        slot_bufs = tuple(s.storage.buffers() for s in slots)
-        if any(len(sb) != len(bufs) for sb in slot_bufs):
+        slot_targets = [s.storage.targets() for s in slots]
+        if any(len(sb) != len(bufs) for sb, _ in slot_targets):
             # Host copies share storage until one is written alone; once the variable's (or a
             # slot's) copies have gone their own ways, every one of them gets its own storage.
             for v in (var, *slots):
                 v.storage.split()
-            bufs = var.storage.buffers()
-            slot_bufs = tuple(s.storage.buffers() for s in slots)
-        key = bufs + sum(slot_bufs, ())
+            bufs, src = var.storage.targets()
+            slot_targets = [s.storage.targets() for s in slots]
+        slot_bufs = tuple(sb for sb, _ in slot_targets)
+        key = bufs + (src,) + sum((sb + (ss,) for sb, ss in slot_targets), ())
         plan = self.plans.get(var)
         if plan is not None and _same_arrays(plan[0], key):
             return plan
+        sources: tuple[Any, ...] | None = (src, *(ss for _, ss in slot_targets))
+        moves = tuple(
+            (v.storage, b[0])
+            for v, (b, ss) in zip((var, *slots), [(bufs, src), *slot_targets])
+            if b[0] is not ss
+        )
+        if not moves:
+            sources = None
         where = f"{self.name} update of '{var.name}'"
         groups: list[Group] = []
         for idx in device_groups(bufs):
@@ -287,9 +351,25 @@ class UpdatePass:
                 sc = backend.check_bufs(where, tuple(sb[i] for i in idx), writable=True, what=f"{name} copy")
                 backend.check_same_slots(where, copies, sc, name)
                 group_slots.append(sc)
-            groups.append((copies, tuple(group_slots), backend))
-        plan = (key, tuple(groups))
-        self.plans[var] = plan
+            if sources is not None:  # out of place: one host group (Storage.targets), read from the sources
+                for s in sources:
+                    backend.check_like(where, "source", s, copies[0], writable=False)
+            groups.append((copies, tuple(group_slots), backend, sources))
+        fused: Fused = None
+        if len(groups) == 1:
+            copies, gslots, backend, _ = groups[0]
+            ref = copies[0]
+            # bfloat16 variables (not in the backend's dtypes) have no fused kernel.
+            if type(ref) is np.ndarray and ref.dtype in backend.dtypes:
+                fused = (backend, ref.dtype, copies + sum(gslots, ()))
+        plan = (key, tuple(groups), fused, moves)
+        if moves:
+            # Not kept: a plan holds its arrays, and the ones written out of place move away from
+            # go back to their storage's pool only once nothing else holds them (Storage.targets).
+            # The next step plans for the new arrays.
+            self.plans.pop(var, None)
+        else:
+            self.plans[var] = plan
         return plan
 
     def apply(self, plans: Sequence[Plan], grads: Sequence[Any], rules: Sequence[Rule], *, fresh: bool = False) -> None:
@@ -301,21 +381,23 @@ class UpdatePass:
             rules: per variable the step's rule.
             fresh: the gradients are new buffers (results of the reduction) that alias nothing.
         """
-        host: list[tuple[Any, tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, Rule]] = []
+        host: list[tuple[Any, tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, Rule, Any]] = []
         for grad, plan, rule in zip(grads, plans, rules):
-            for copies, slots, backend in plan[1]:
+            for copies, slots, backend, sources in plan[1]:
                 ref = copies[0]
                 if type(ref) is np.ndarray:  # updated below, once every host gradient is settled
-                    host.append((grad if type(grad) is np.ndarray else like(grad, ref), copies, slots, backend, rule))
+                    g = grad if type(grad) is np.ndarray else like(grad, ref)
+                    host.append((g, copies, slots, backend, rule, sources))
                 else:
                     with device_context(ref):
                         g = like(grad, ref)
                         if not g.flags.c_contiguous or any(g is c for c in copies):
                             g = g.copy(order="C")
                         rule.run(backend.trusted, copies, slots, g)
-        ins = settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, _, _ in host], aliasing=not fresh)
-        for (_, copies, slots, backend, rule), (g,) in zip(host, ins):
-            rule.run(backend.trusted, copies, slots, g)
+        ins = settle_inputs([([g], copies + sum(slots, ())) for g, copies, slots, *_ in host], aliasing=not fresh)
+        for (_, copies, slots, backend, rule, sources), (g,) in zip(host, ins):
+            rule.run(backend.trusted, copies, slots, g, sources)
+        _commit(plans)
 
     def fusable(
         self, strategy: Any, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan]
@@ -337,27 +419,40 @@ class UpdatePass:
         if backend is None:
             return None
         mixed = backend.mixed_gradients
-        same = None  # the last dtype seen on both sides (dtype comparisons cost ~0.1 us each; 64 variables)
+        # What depends on the variable alone (one host group of this backend, a dtype with fused
+        # kernels) was settled at plan time: per variable one identity test, and one of its dtype.
         for plan, comps in zip(plans, per_var):
-            groups = plan[1]
-            if len(groups) != 1:
-                return None
-            copies, _, var_backend = groups[0]
-            if var_backend is not backend or type(copies[0]) is not np.ndarray:
+            fused = plan[2]
+            if fused is None or fused[0] is not backend:
                 return None
             dt = comps[0].dtype
-            if dt is same and copies[0].dtype is same:
-                continue
-            if dt != copies[0].dtype:
+            if dt is not fused[1] and dt != fused[1]:
                 # Narrow gradients (the optimizer left them uncast): one dtype over the replicas,
                 # which the fused kernels widen themselves.
                 if not mixed or any(c.dtype != dt for c in comps):
                     return None
-            elif dt not in backend.dtypes:  # bfloat16 variables: their updates have no fused kernel
-                return None
-            else:
-                same = dt
         return backend
+
+    def reduce_unscaled(
+        self, backend: KernelBackend, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan], scale: float
+    ) -> list[Any] | None:
+        """LossScaleOptimizer's reduction (after :meth:`fusable`): per variable its per-replica
+        gradients summed and divided by ``scale`` into a pooled buffer of the variable's dtype, the
+        finiteness check in the same kernel pass (``reduce_unscale_finite``).
+
+        Returns:
+            The unscaled sums, or None as soon as one is not finite (the step is skipped: the
+            remaining variables are not reduced).
+        """
+        reduce = backend.trusted.reduce_unscale_finite
+        out: list[Any] = []
+        for comps, plan in zip(per_var, plans):
+            ref = plan[1][0][0][0]  # copy 0 of the variable: its shape and dtype
+            buf = pool.take(ref.shape, ref.dtype)
+            if not reduce([c if c.flags.c_contiguous else np.ascontiguousarray(c) for c in comps], scale, buf):
+                return None
+            out.append(buf)
+        return out
 
     def apply_fused(
         self, backend: KernelBackend, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan], rules: Sequence[Rule]
@@ -371,9 +466,26 @@ class UpdatePass:
             rules: per variable the step's rule.
         """
         trusted = backend.trusted
-        work = [plan[1][0] for plan in plans]
-        inputs = settle_inputs(
-            [(comps, copies + sum(slots, ())) for comps, (copies, slots, _) in zip(per_var, work)], kernels=trusted
-        )
-        for (copies, slots, _), ins, rule in zip(work, inputs, rules):
-            rule.run_fused(trusted, copies, slots, ins)
+        inputs = settle_inputs([(comps, plan[2][2]) for comps, plan in zip(per_var, plans)], kernels=trusted)  # type: ignore[index]  # fusable: every plan has its Fused
+        last: Rule | None = None
+        kernel: Any = None
+        scalars: tuple[Any, ...] = ()
+        for plan, ins, rule in zip(plans, inputs, rules):
+            copies, slots, _, sources = plan[1][0]
+            if rule is not last:  # (one rule for every variable, unless weight decays differ)
+                last, scalars = rule, rule.scalars
+                # The rule's kernel called here directly when it needs no decay pass and no slot
+                # reordering: one Python call per variable, where rule.run_fused would be two.
+                kernel = None if rule.decay_pass or rule.slots is not None else getattr(trusted, rule.fused)
+            if kernel is None or sources is not None:
+                rule.run_fused(trusted, copies, slots, ins, sources)
+            else:
+                kernel(copies, *slots, ins, *scalars)
+        _commit(plans)
+
+
+def _commit(plans: Sequence[Plan]) -> None:
+    """Makes the arrays written out of place the storages (after every update of the pass ran)."""
+    for plan in plans:
+        for storage, written in plan[3]:
+            storage.commit(written)

@@ -160,6 +160,9 @@ class KernelBackend:
     dtypes: tuple = SUPPORTED_DTYPES
     #: Whether this backend also computes ``ml_dtypes.bfloat16`` (float32 accumulation, one rounding).
     bfloat16: bool = False
+    #: Whether the optimizers' updates also take bfloat16 variables (the NumPy reference only: every
+    #: CPU backend hands them to it, so they get one set of bits; the GPU has no such kernels).
+    bfloat16_updates: bool = False
     #: Whether the fused all-reduce + update kernels (``all_reduce_<rule>``) also take bfloat16 and
     #: float16 gradients for float32 variables, widened exactly inside the pass (mixed precision:
     #: no float32 copy of the gradients; the bits of casting them first).
@@ -274,7 +277,7 @@ class KernelBackend:
 
     def check_float(self, where: str, ref: Any) -> None:
         """Raises TypeError unless ``ref`` has a floating-point dtype (the optimizer updates)."""
-        if ref.dtype not in FLOAT_DTYPES:
+        if ref.dtype not in FLOAT_DTYPES and not (self.bfloat16_updates and is_bfloat16(ref.dtype)):
             raise TypeError(f"{where}: needs a floating-point dtype, got {ref.dtype.name}")
 
     def check_same_slots(self, where: str, copies: Sequence[Any], slots: Sequence[Any], slot: str) -> None:
@@ -918,18 +921,32 @@ class KernelBackend:
         raise NotImplementedError
 
     # The fused forms default to the definition: reduce_to_one into a temporary, then the update.
-    def _sum_grads(self, grads):
+    def _sum_grads(self, grads, dtype):
+        if grads[0].dtype != dtype:
+            # Mixed precision (bfloat16 / float16 gradients of float32 copies, from a backend with
+            # ``mixed_gradients`` falling back here): the definition casts each gradient first.
+            grads = [g.astype(dtype) for g in grads]
         if len(grads) == 1:
             return grads[0]
         g = self.xp.empty_like(grads[0])
         self._hook_reduce_to_one(grads, ReduceOp.SUM, g)
         return g
 
+    def _hook_reduce_unscale_finite(self, grads, scale, out):
+        """The definition of LossScaleOptimizer's fused reduce: ``out`` = the gradients' sum (as the
+        fused updates sum them, narrow gradients of a wider ``out`` cast first) divided by ``scale``
+        in the compute type; returns whether every element of ``out`` is finite."""
+        with np.errstate(all="ignore"):  # an inf or NaN is the answer here, not a warning
+            s = self._sum_grads(grads, out.dtype)
+            ct = np.dtype(np.float32) if out.dtype == np.float16 else out.dtype
+            np.copyto(out, np.divide(s.astype(ct, copy=False), ct.type(scale)), casting="unsafe")
+            return bool(np.isfinite(out).all())
+
     def _hook_all_reduce_sgd(self, copies, grads, lr):
-        self._hook_sgd(copies, self._sum_grads(grads), lr)
+        self._hook_sgd(copies, self._sum_grads(grads, copies[0].dtype), lr)
 
     def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
-        self._hook_momentum(copies, velocities, self._sum_grads(grads), lr, momentum, nesterov)
+        self._hook_momentum(copies, velocities, self._sum_grads(grads, copies[0].dtype), lr, momentum, nesterov)
 
 
 
@@ -977,6 +994,11 @@ class TrustedKernels:
       call: per pass (gradients, written arrays) its gradients as a list when every gradient is a
       C-contiguous ndarray owning its memory and, with ``aliasing``, neither a written array nor the
       base of one; else None.
+    * ``reduce_unscale_finite(grads, scale, out)`` -> bool: ``out`` (a fresh buffer of the variable's
+      float dtype and the gradients' shape) becomes the sum of ``grads`` (one or more; of ``out``'s
+      dtype, or bfloat16 / float16 for a float32 ``out`` where ``mixed_gradients``), summed as the
+      fused updates sum them, divided by ``scale``; returns whether every element of ``out`` is finite.
+      LossScaleOptimizer's step: the finiteness check is part of the reduction's pass.
     * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
       ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``.
@@ -990,6 +1012,12 @@ class TrustedKernels:
       decay)`` (:func:`momentum_schedule_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
       an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
       ``weight_decay * lr`` (0.0: none).
+    * ``out_of_place``: the names of the update entry points above that also take ``sources=``, a
+      tuple of arrays (the variable's, then each slot's in the entry point's order; read-only is
+      fine; each the copies' dtype and size, sharing no memory with them unless it IS copy 0) holding
+      the current values: the update reads them instead of copy 0 and writes every copy without
+      reading it (out of place; the bits of the in-place update). Empty where no entry point does
+      (the NumPy, Numba and CuPy backends): callers copy the values into copy 0 first.
     * ``check_bufs(where, bufs, *, writable, what="replica", same_shape=True)`` and the other
       validators (``check_like``, ``check_float``, ``check_same_slots``, ``check_outputs``,
       ``check_grads``): the backend's own, for validating once.
@@ -1004,9 +1032,11 @@ class TrustedKernels:
         "reduce_to_one_shared",
         "batch_reduce_to_one_shared",
         "settle_plain",
+        "out_of_place",
         "broadcast",
         "assign",
         "assign_add",
+        "reduce_unscale_finite",
         "__dict__",  # the update kernels' entry points, one pair per row of UPDATE_KERNELS
         "check_bufs",
         "check_like",
@@ -1025,6 +1055,7 @@ class TrustedKernels:
     broadcast: Callable[..., None]
     assign: Callable[..., None]
     assign_add: Callable[..., None]
+    reduce_unscale_finite: Callable[..., bool]
 
     def __init__(self, backend: KernelBackend) -> None:
         self.backend = backend
@@ -1037,9 +1068,13 @@ class TrustedKernels:
         self.reduce_to_one_shared: Any = None
         self.batch_reduce_to_one_shared: Any = None
         self.settle_plain: Any = None
+        #: The update entry points (rule names, plain and ``all_reduce_`` forms) that take
+        #: ``sources=`` (the native backend's table rules; empty elsewhere): see the class docstring.
+        self.out_of_place: frozenset[str] = frozenset()
         self.broadcast = backend._hook_broadcast
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add
+        self.reduce_unscale_finite = backend._hook_reduce_unscale_finite
         for name in UPDATE_KERNELS:
             setattr(self, name, getattr(backend, f"_hook_{name}"))
             setattr(self, f"all_reduce_{name}", getattr(backend, f"_hook_all_reduce_{name}"))
@@ -1097,7 +1132,7 @@ def _fused_update_hook(name):
 
     def hook(self, copies, *args):
         # The definition of the fused form: reduce_to_one into a temporary, then the plain update.
-        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots]), *args[nslots + 1 :])
+        getattr(self, f"_hook_{name}")(copies, *args[:nslots], self._sum_grads(args[nslots], copies[0].dtype), *args[nslots + 1 :])
 
     hook.__name__ = f"_hook_all_reduce_{name}"
     return hook

@@ -35,6 +35,16 @@ results are identical bit for bit. ``CUDIST_CUDA_LAUNCHERS=auto|core|nvrtc`` cho
 :mod:`cudist._kernels._cuda_launch`, which also parses the kernel list both paths are built from,
 <cudist/kernels/kernel_list.cuh>); :attr:`CupyBackend.launch_path` says which path is in use.
 
+bfloat16: CuPy arrays of dtype ``ml_dtypes.bfloat16`` -- the dtype NumPy users have, which CuPy
+(14 and later, with ``ml_dtypes`` installed) holds on the GPU -- go through the kernels' ``__nv_bfloat16``
+forms: all-reduce, reduce-to-one, broadcast, the two-shot phases, the batch scatter and assign_add,
+summed in float32 in replica order and rounded once, bit for bit the NumPy reference (ml_dtypes'
+rounding and NaN, 0x7fc0). A ``uint16`` array is not taken for bfloat16 (it is an integer dtype
+cudist does not sum): ``a.view(ml_dtypes.bfloat16)`` says what its bits are. The updates refuse
+bfloat16 variables, as on every backend; mixed-precision gradients (bfloat16 / float16 for float32
+variables) are cast to float32 before they reach these kernels (``mixed_gradients`` is False), which
+gives the bits of the CPU backends' fused pass.
+
 Importing this module imports CuPy: :func:`cudist._kernels.get_backend` does so only when the
 ``cupy`` backend is asked for.
 """
@@ -50,7 +60,7 @@ import numpy as np
 import optree
 
 from cudist._arrays import join_streams
-from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBackend, variant_of
+from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBackend, is_bfloat16, variant_of
 from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._numpy import reference_reduce
 from cudist._kernels._cuda_launch import LAUNCHERS_ENV, dtype_ctypes, kernel_list, launch_mode, runs_on
@@ -177,6 +187,13 @@ def _from_async_pool(a) -> bool:
     return _MEMORY_ASYNC is not None and isinstance(getattr(a.data, "mem", None), _MEMORY_ASYNC)
 
 
+def _host_reduce(bufs, op):
+    """The reference's reduction of device buffers, on the host (the 16-bit floats past
+    MAX_REPLICAS buffers: see CupyBackend._half_on_host). Quiet about inf and NaN, as the kernels are."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return reference_reduce([cupy.asnumpy(x) for x in bufs], op)
+
+
 def _op_code(op) -> int:
     """The launchers' cudist::reduce_op code (1: MEAN, 0: SUM), decided as the NVRTC path decides its divisor."""
     return 1 if op is ReduceOp.MEAN else 0
@@ -283,6 +300,9 @@ class CupyBackend(KernelBackend):
 
     name = "cupy"
     dtypes = SUPPORTED_DTYPES
+    # CuPy arrays of dtype ml_dtypes.bfloat16 (CuPy >= 14 holds them when ml_dtypes is installed):
+    # the collectives, the batch scatter and assign_add run the kernels' __nv_bfloat16 forms.
+    bfloat16 = True
     xp = cupy
 
     def __init__(self):
@@ -502,20 +522,21 @@ class CupyBackend(KernelBackend):
     # ------------------------------------------------------------------ hooks
     @staticmethod
     def _half_on_host(bufs) -> bool:
-        """float16 over more than MAX_REPLICAS buffers: summed on the host by the reference.
+        """float16 or bfloat16 over more than MAX_REPLICAS buffers: summed on the host by the reference.
 
-        float16 accumulates in float32 and rounds once (the contract); the kernels keep the running
-        sum between their passes of MAX_REPLICAS buffers in float16, which would round at every
-        pass (the C++ launchers refuse them: cudaErrorNotSupported). Only logical GPUs give more.
+        The 16-bit floats accumulate in float32 and round once (the contract); the kernels keep the
+        running sum between their passes of MAX_REPLICAS buffers in the 16-bit dtype, which would
+        round at every pass (the C++ launchers refuse them: cudaErrorNotSupported). Only logical
+        GPUs give more.
         """
-        return len(bufs) > MAX_REPLICAS and bufs[0].dtype == np.float16
+        return len(bufs) > MAX_REPLICAS and (bufs[0].dtype == np.float16 or is_bfloat16(bufs[0].dtype))
 
     def _hook_all_reduce(self, inputs, outputs, op):
         n, count = len(inputs), inputs[0].size
         if count == 0:
             return
         if self._half_on_host(inputs):
-            s = reference_reduce([cupy.asnumpy(x) for x in inputs], op)
+            s = _host_reduce(inputs, op)
             for o in outputs:
                 o.set(s)
             return
@@ -580,7 +601,7 @@ class CupyBackend(KernelBackend):
         if out.size == 0:
             return
         if self._half_on_host(bufs):
-            out.set(reference_reduce([cupy.asnumpy(x) for x in bufs], op))
+            out.set(_host_reduce(bufs, op))
             return
         n = len(bufs)
         divisor = n if op is ReduceOp.MEAN else 0
@@ -642,11 +663,19 @@ class CupyBackend(KernelBackend):
         copy 0 of each to the rest. With ``grads`` (a list), the fused all-reduce form: the kernel
         sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary."""
         n, count, dtype = len(copies), copies[0].size, copies[0].dtype
+        inputs = [grad] if grads is None else list(grads)
+        if inputs[0].dtype != dtype:
+            # The kernels take the gradients in the copies' dtype (mixed_gradients is False): the
+            # trusted path's callers cast them first (the optimizers do), never a silent misread.
+            raise TypeError(
+                f"{kernel}: the gradients have dtype {inputs[0].dtype.name} but the copies have dtype {dtype.name}; "
+                f"the cupy backend's kernels take gradients of the copies' dtype (cast them first, e.g. "
+                f"g.astype({dtype.name!r}): exact for bfloat16/float16 -> float32)"
+            )
         if count == 0:
             return
         device = copies[0].device.id
         groups = [list(copies)] + [list(s) for s in slots]
-        inputs = [grad] if grads is None else list(grads)
         flat = [a for g in groups for a in g] + inputs
         k = len(inputs)
         st = self._Staging(self, device, flat, [True] * (len(flat) - k) + [False] * k)
@@ -663,7 +692,7 @@ class CupyBackend(KernelBackend):
             if k > MAX_REPLICAS and self._half_on_host(g_arrs):
                 with cupy.cuda.Device(device):
                     tmp = cupy.empty_like(g_arrs[0])
-                tmp.set(reference_reduce([cupy.asnumpy(x) for x in g_arrs], ReduceOp.SUM))
+                tmp.set(_host_reduce(g_arrs, ReduceOp.SUM))
                 g_arrs = [tmp]
             elif k > MAX_REPLICAS:
                 # Replica order kept: the head summed into a temporary, the kernel adds the rest.
@@ -769,7 +798,7 @@ class CupyBackend(KernelBackend):
             return outs
         src = a if a.flags.c_contiguous else cupy.ascontiguousarray(a)
         device = src.device.id
-        if src.dtype not in SUPPORTED_DTYPES or any(not self._reachable(device, o) for o in outs):
+        if not self.computes(src.dtype) or any(not self._reachable(device, o) for o in outs):
             # No kernel for this dtype, or no peer access: plain copies (the driver stages them).
             self._wait_for(device, set(devices))
             with cupy.cuda.Device(device):

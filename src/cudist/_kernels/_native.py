@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cudist import _core
+from cudist import _core, _settings
 from cudist._kernels._base import (
     OPTIONAL_SLOTS,
     UPDATE_ENTRY_POINTS,
@@ -58,6 +58,16 @@ def set_num_threads(n: int) -> None:
             f"set_num_threads({n}): the system refused to start a thread ({e}); the kernels keep "
             f"{_core.num_threads()} thread(s) (were {before})"
         ) from e
+
+
+def _threads_from_settings() -> None:
+    """Sizes the pool as ``CUDIST_NUM_THREADS`` asks (the launcher's share of the cores per worker)."""
+    n = _settings.num_threads()
+    if n is not None and n != _core.num_threads():
+        set_num_threads(n)
+
+
+_threads_from_settings()
 
 
 class NativeBackend(KernelBackend):
@@ -126,6 +136,9 @@ class NativeBackend(KernelBackend):
     def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
         _core.momentum(copies, velocities, grad, lr, momentum, nesterov)
 
+    def _hook_reduce_unscale_finite(self, grads, scale, out):
+        return _core.reduce_unscale_finite(grads, scale, out)
+
     def _hook_all_reduce_sgd(self, copies, grads, lr):
         _core.all_reduce_sgd(copies, grads, lr)
 
@@ -188,5 +201,7 @@ class _NativeTrusted(TrustedKernels):
         self.broadcast = _core.broadcast
         self.assign = _core.assign
         self.assign_add = _core.assign_add
+        self.reduce_unscale_finite = _core.reduce_unscale_finite
         for name in UPDATE_ENTRY_POINTS:
             setattr(self, name, _entry_point(name))
+        self.out_of_place = frozenset(_core.out_of_place_rules)

@@ -516,8 +516,63 @@ def _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, has_decay, zero, one,
             tw[j] = _st(tc[j] - lr * sg, dtype)
 
 
+def _is_mixed(dtype, gtype):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_is_mixed)
+def _ol_is_mixed(dtype, gtype):
+    """Whether the gradients' storage type is not the copies' (a compile-time constant)."""
+    mixed = dtype.instance_type != gtype.instance_type
+    return lambda dtype, gtype: mixed
+
+
+def _block_grads(a, g0, ng, start, m, tg, ta, dtype, gtype):  # pragma: no cover
+    raise NotImplementedError
+
+
+@overload(_block_grads)
+def _ol_block_grads(a, g0, ng, start, m, tg, ta, dtype, gtype):
+    """One block's gradient for the update, in the copies' storage type: gradient 0 itself, or the
+    ``ng`` gradients summed in replica order (:func:`_sum_grads`). Mixed precision (``gtype`` is not
+    ``dtype``: float32 copies, float16 gradients as ``uint16`` or bfloat16 ones marked ``int16``):
+    every gradient widened exactly to float32 and summed in float32 into ``ta`` (no rounding to the
+    narrow type), the bits of casting each gradient to float32 first, as the native pass does."""
+    g_t = gtype.instance_type
+    if g_t == dtype.instance_type:
+
+        def same(a, g0, ng, start, m, tg, ta, dtype, gtype):
+            off = start * tg.itemsize
+            g = _view(a[g0] + off, m, dtype)
+            if ng > 1:
+                # The fused all-reduce: the gradients summed in replica order in the compute type and
+                # rounded once to their dtype (float16), exactly what reduce_to_one would store.
+                _sum_grads(a, g0, ng, off, m, g, tg, ta, dtype)
+                g = _view(tg.ctypes.data, m, dtype)
+            return g
+
+        return same
+    widen = _bf2f if g_t == types.int16 else _h2f
+
+    def mixed(a, g0, ng, start, m, tg, ta, dtype, gtype):
+        off = start * 2
+        x = _view(a[g0] + off, m, np.uint16)
+        for j in range(m):
+            ta[j] = widen(x[j])
+        for i in range(1, ng):
+            x = _view(a[g0 + i] + off, m, np.uint16)
+            # A NaN sum keeps its first NaN (NumPy's sign): LLVM may swap an addition's operands.
+            for j in range(m):
+                t = ta[j]
+                s = t + widen(x[j])
+                ta[j] = t if t != t else s
+        return _view(ta.ctypes.data, m, dtype)
+
+    return mixed
+
+
 @_cached(njit)
-def _update_range(argp, lo, hi, dtype, ctype):
+def _update_range(argp, lo, hi, dtype, ctype, gtype):
     a = numba.carray(_ptr_like(argp, np.int64), (_HDR,))
     mode, n, n1, n2, ng, hpp, n3 = a[0], a[2], a[3], a[4], a[5], a[6], a[8]
     if ng < 1:
@@ -540,18 +595,14 @@ def _update_range(argp, lo, hi, dtype, ctype):
     t3 = np.empty(_CHUNK if n3 > 0 else 1, dtype)
     tc = np.empty(_CHUNK if mode >= _ADAMW else 1, ctype)  # copy 0 after the weight decay
     tg = np.empty(_CHUNK if ng > 1 else 1, dtype)
-    ta = np.empty(_CHUNK if ng > 1 else 1, ctype)  # float16's float32 running sum (see _sum_grads)
+    # float16's float32 running sum (see _sum_grads), or the widened sum of mixed-precision gradients.
+    ta = np.empty(_CHUNK if ng > 1 or _is_mixed(dtype, gtype) else 1, ctype)
     isz = tw.itemsize
     for start in range(lo, hi, _CHUNK):
         m = np.uint64(min(_CHUNK, hi - start))
         off = start * isz
         w = _view(a[_HDR] + off, m, dtype)
-        g = _view(a[g0] + off, m, dtype)
-        if ng > 1:
-            # The fused all-reduce: the gradients summed in replica order in the compute type and
-            # rounded once to their dtype (float16), exactly what reduce_to_one would store.
-            _sum_grads(a, g0, ng, off, m, g, tg, ta, dtype)
-            g = _view(tg.ctypes.data, m, dtype)
+        g = _block_grads(a, g0, ng, start, m, tg, ta, dtype, gtype)
         if mode == _SGD:
             lr = hp[0]
             for j in range(m):
@@ -615,20 +666,32 @@ def _reduce_i64(argp, lo, hi):
 
 
 def _update_f16(argp, lo, hi):
-    _update_range(argp, lo, hi, np.uint16, np.float32)
+    _update_range(argp, lo, hi, np.uint16, np.float32, np.uint16)
 
 
 def _update_f32(argp, lo, hi):
-    _update_range(argp, lo, hi, np.float32, np.float32)
+    _update_range(argp, lo, hi, np.float32, np.float32, np.float32)
 
 
 def _update_f64(argp, lo, hi):
-    _update_range(argp, lo, hi, np.float64, np.float64)
+    _update_range(argp, lo, hi, np.float64, np.float64, np.float64)
+
+
+# Mixed precision: float32 copies from float16 (uint16 bits) or bfloat16 (marked int16) gradients.
+def _update_f32_gf16(argp, lo, hi):
+    _update_range(argp, lo, hi, np.float32, np.float32, np.uint16)
+
+
+def _update_f32_gbf16(argp, lo, hi):
+    _update_range(argp, lo, hi, np.float32, np.float32, np.int16)
 
 
 @_cached(njit, parallel=True)
-def _k_par(fn, args, hp, nthreads, itemsize, mode, size, h2, h3, h4):
+def _k_par(fn, args, hp, nthreads, itemsize, mode, size, h2, h3, h4, narrow):
     """Runs worker ``fn`` on the operation ``args`` describes, over contiguous block-aligned ranges.
+
+    ``narrow``: how many of the last addresses are 2-byte gradients of a mixed-precision update
+    (0: every buffer has ``itemsize``).
 
     Returns False, doing nothing, when buffers partially overlap or are misaligned (the caller
     then falls back to NumPy): blocks would read data another block or thread already wrote.
@@ -639,14 +702,17 @@ def _k_par(fn, args, hp, nthreads, itemsize, mode, size, h2, h3, h4):
     args[3] = h3
     args[4] = h4
     args[7] = isz = itemsize
-    nbytes = size * isz
     k = args.size
+    first_narrow = k - narrow
     for i in range(_HDR, k):
-        if args[i] % isz != 0:
+        isz_i = 2 if i >= first_narrow else isz
+        if args[i] % isz_i != 0:
             return False
         for j in range(i + 1, k):
-            d = args[i] - args[j]
-            if d != 0 and -nbytes < d < nbytes:
+            # [a_i, a_i + len_i) and [a_j, a_j + len_j) share a byte but are not the same buffer.
+            len_i = size * isz_i
+            len_j = size * (2 if j >= first_narrow else isz)
+            if args[i] != args[j] and args[i] < args[j] + len_j and args[j] < args[i] + len_i:
                 return False
     args[6] = hp.ctypes.data
     argp = args.ctypes.data
@@ -735,6 +801,8 @@ _UPDATE_PY = dict(zip(FLOAT_DTYPES, (_update_f16, _update_f32, _update_f64)))
 #: The bfloat16 worker, keyed by the dtype's name (ml_dtypes is not imported here); broadcast copies
 #: bfloat16 bits with the float16 worker (one input, SUM: a plain copy of uint16 bits, NaN payloads kept).
 _REDUCE_BF16 = {"bfloat16": _reduce_bf16}
+#: The mixed-precision update workers (float32 copies), keyed by the gradients' dtype name.
+_UPDATE_MIXED = {"bfloat16": _update_f32_gbf16, "float16": _update_f32_gf16}
 _workers: dict = {}
 _workers_lock = threading.Lock()
 _NO_HP = np.zeros(_NHP, np.float64)
@@ -852,6 +920,7 @@ class NumbaBackend(KernelBackend):
     name = "numba"
     dtypes = SUPPORTED_DTYPES
     bfloat16 = True
+    mixed_gradients = True
 
     def _combine(self, ins, outs, mode, fallback, copy=False):
         ref = outs[0]
@@ -861,7 +930,7 @@ class NumbaBackend(KernelBackend):
         args = _args(tuple(ins) + tuple(outs), ins is outs)
         moved = ref.nbytes * (len(ins) + len(outs))
         fn = _reduce_worker(ref.dtype, copy)
-        if not _k_par(fn, args, _NO_HP, _nthreads(moved), ref.itemsize, mode, size, len(ins), len(outs), 0):
+        if not _k_par(fn, args, _NO_HP, _nthreads(moved), ref.itemsize, mode, size, len(ins), len(outs), 0, 0):
             fallback()
 
     def _hook_all_reduce(self, inputs, outputs, op):
@@ -921,13 +990,24 @@ class NumbaBackend(KernelBackend):
             return
         # Copies and slots were checked writeable; only the gradients may be read-only.
         writable = all(g.flags.writeable for g in grads)
-        args = _args(tuple(copies) + tuple(s1) + tuple(s2) + tuple(s3) + tuple(grads), writable)
+        gdt = grads[0].dtype
+        narrow = 0
+        if gdt == ref.dtype:
+            args = _args(tuple(copies) + tuple(s1) + tuple(s2) + tuple(s3) + tuple(grads), writable)
+            fn = _worker(_UPDATE_PY, ref.dtype)
+        else:
+            # Mixed precision (float32 copies, bfloat16 / float16 gradients): the gradients' addresses
+            # packed apart (another storage type), after the copies' and slots'.
+            bufs = tuple(copies) + tuple(s1) + tuple(s2) + tuple(s3)
+            head = _args(bufs, True)[: _HDR + len(bufs)]
+            narrow = len(grads)
+            args = np.concatenate((head, _args(tuple(grads), writable)[_HDR : _HDR + narrow]))
+            fn = _worker(_UPDATE_MIXED, "bfloat16" if is_bfloat16(gdt) else "float16")
         args[5] = len(grads)
         args[8] = len(s3)
         hp = np.array(hp + (0.0,) * (_NHP - 1 - len(hp)) + (decay,), np.float64)
-        moved = ref.nbytes * (1 + len(grads) + len(copies) + 2 * len(s1) + 2 * len(s2) + 2 * len(s3))
-        fn = _worker(_UPDATE_PY, ref.dtype)
-        if not _k_par(fn, args, hp, _nthreads(moved), ref.itemsize, mode, size, len(copies), len(s1), len(s2)):
+        moved = ref.nbytes * (1 + len(copies) + 2 * len(s1) + 2 * len(s2) + 2 * len(s3)) + grads[0].nbytes * len(grads)
+        if not _k_par(fn, args, hp, _nthreads(moved), ref.itemsize, mode, size, len(copies), len(s1), len(s2), narrow):
             fallback()
 
     def _hook_sgd(self, copies, grad, lr):

@@ -39,7 +39,8 @@ def _copy_to_all(src, dsts):
 
 
 def _compute_dtype(dtype):
-    return np.dtype(np.float32) if dtype == np.float16 else dtype
+    # The 16-bit floats compute in float32 and round once per stored value (Keras does the same).
+    return np.dtype(np.float32) if dtype == np.float16 or is_bfloat16(dtype) else dtype
 
 
 class NumpyBackend(KernelBackend):
@@ -47,6 +48,10 @@ class NumpyBackend(KernelBackend):
 
     name = "numpy"
     bfloat16 = True
+    bfloat16_updates = True
+    # Its fused forms are the definition, which casts narrow gradients first (_sum_grads): the fast
+    # backends' mixed-precision passes and LossScaleOptimizer's fused step are checked against it.
+    mixed_gradients = True
 
     def _hook_all_reduce(self, inputs, outputs, op):
         # Everything is reduced before anything is written: outputs may be (or overlap) inputs.

@@ -2,11 +2,23 @@
 
 An asynchronous save captures the state in the caller's thread and writes it in a background one:
 
-* capture: every host tensor is copied into a staging buffer that the checkpoint keeps from one
-  save to the next (the kernel backend's multi-threaded copy: ~25 ms for 256 MiB here); on a GPU
-  the value is a device copy (``read_value()``), moved to the host by the background thread.
-  Small things (the index records, ``save_counter``, an iterator's position, a sync-on-read
-  variable's aggregate, which is a collective) are taken in the caller's thread too;
+* capture, without a copy where it can: a host variable (or component) whose kernel backend updates
+  out of place (the native backend: :meth:`cudist._dataplane.storage.Storage.capture`) is captured
+  as its copy-on-write snapshot. The save call takes references only; the next update reads the
+  held array and writes the new values into another one (the update kernels take separate input
+  and output arrays: the same arithmetic, the same bits), which becomes the variable's storage;
+  when the write has read the held array, it becomes that variable's next write buffer, already
+  faulted in (fresh pages would cost ~450 ms per 256 MiB on the 2-core build machine, more than a
+  synchronous save). So a variable and each slot keep two buffers in turn however many saves run.
+  A rule whose kernel has no out-of-place form yet (see ``out_of_place`` of the trusted kernels, and
+  a row with optional slots) copies the held array into the write buffer first: the same bits, the
+  copy in that step rather than in the call;
+* capture by copy otherwise: on the NumPy and Numba backends, for a component of a distributed
+  variable, a dtype without kernels, the value is copied into a staging buffer that the checkpoint
+  keeps from one save to the next (the kernel backend's multi-threaded copy); on a GPU the value is
+  a device copy (``read_value()``), moved to the host by the background thread. Small things (the
+  index records, ``save_counter``, an iterator's position, a sync-on-read variable's aggregate,
+  which is a collective) are taken in the caller's thread too;
 * write: :func:`cudist.train._format.write_checkpoint` in a background thread, the same atomic
   write as a synchronous save (tensors fsynced and renamed, then the index, the commit point): a
   crash or SIGKILL during it leaves the previous checkpoints intact;
@@ -14,23 +26,10 @@ An asynchronous save captures the state in the caller's thread and writes it in 
   first, and raises its error, if it had one (as does ``sync()``, which waits for it);
 * the thread is not a daemon: an interpreter that exits normally finishes the pending write first.
 
-Why staging copies rather than the variables' copy-on-write snapshots (measured, 256 MiB of
-variables + momentum slots, 2 loaded cores): the snapshots make the save call itself cheap (4 ms),
-but the next training step, writing every variable while its snapshot is held, moves each one to
-fresh memory, and faulting in 256 MiB of new pages cost that step ~450 ms: more than the
-synchronous save (~370 ms). Copying into buffers that stay mapped between saves costs the call one
-copy (the first save also faults the buffers in) and nothing after. The price is memory: a
-checkpoint that saved asynchronously keeps one host copy of its tensors. Copy-on-write into
-recycled warm buffers (instead of fresh pages) was measured too: the call drops to ~8 ms, but the
-first step after it took 136 ms instead of 45: the update pass detaches every variable and slot
-before it updates any, when the background write has read none of them, so that step makes the whole
-copy itself. Capture becomes free only when the update can write other memory than it reads (an
-update kernel reading the snapshot-held copy and writing a recycled buffer): a kernel change.
-
-Where the blocked time goes (``bench/PERFORMANCE.md``): the capture's copy is ~80% of the call.
-But on 2 loaded cores, with update kernels that use both, the background write (the page-cache
-copy, checksums, the flush) slows the training steps that run meanwhile by up to most of a
-synchronous save's time: that, not the call, dominates what the loop pays there.
+What the loop still pays (``bench/PERFORMANCE.md``): the write's own CPU time (the page-cache copy,
+checksums, the flush: ~125 ms per 256 MiB here) competes with the training steps for the cores
+while it runs; where the cores are busy (2 shared cores, update kernels that use both), the steps
+during the write slow down by about that much or more.
 """
 
 from __future__ import annotations
@@ -65,7 +64,8 @@ class CheckpointOptions:
             with the checkpoint's path prefix if they take an argument (as TF). With ``enable_async``
             they run in the background thread.
         enable_async: write in a background thread: the save returns once the state is captured
-            (copied into staging buffers the checkpoint keeps between saves). ``Checkpoint.sync()`` /
+            (host variables of the native backend: their copy-on-write snapshots, no copy; else
+            copied into staging buffers the checkpoint keeps between saves). ``Checkpoint.sync()`` /
             ``CheckpointManager.sync()`` wait for the write; the next save waits for it too; an
             error in it is raised by the next save or ``sync()``.
         experimental_skip_slot_variables: save without the optimizers' slot variables.
@@ -191,6 +191,24 @@ class AsyncWriter:
         else:
             np.copyto(buf, value)
         return functools.partial(_identity, buf)
+
+    def stage_variable(self, key: str, var: Any) -> Callable[[], Any]:
+        """Captures a variable's value (``var``: a plain variable or one component) for the background write.
+
+        Where the variable's updates can go out of place (a host variable of the native backend:
+        :meth:`cudist._dataplane.storage.Storage.capture`), the capture is its copy-on-write
+        snapshot: no copy now, and the next update writes recycled memory instead of this. Otherwise
+        a copy, as :meth:`stage`. Call only after :meth:`sync`.
+
+        Returns:
+            The ``get`` of the tensor's spec.
+        """
+        capture = getattr(var.storage, "capture", None)  # a Storage (not a distributed variable's group)
+        snap = capture() if capture is not None else None
+        if snap is None:
+            return self.stage(key, var.read_value())
+        self._staging.pop(key, None)  # a copy no longer needed (it was staged by an earlier save)
+        return functools.partial(_identity, snap)
 
     def release_unstaged(self) -> None:
         """Frees the buffers of tensors the last capture did not use (variables no longer tracked)."""

@@ -241,22 +241,20 @@ def _shape_dtype(var: Variable) -> tuple[tuple[int, ...], np.dtype[Any]]:
     return tuple(int(d) for d in arr.shape), np.dtype(arr.dtype)
 
 
-#: Captures a tensor now for a write in another thread: (key, value) -> the spec's ``get``.
-_Stage = Callable[[str, Any], Callable[[], Any]]
-
-
-def _reader(key: str, var: Variable, stage: _Stage | None) -> Callable[[], Any]:
-    """What a spec's ``get`` is: the variable's host read, or (``stage``, for an asynchronous save)
-    its value captured now (:mod:`cudist.train._async`)."""
-    if stage is None:
+def _reader(key: str, var: Variable, writer: _async.AsyncWriter | None) -> Callable[[], Any]:
+    """What a spec's ``get`` is: the variable's host read, or (``writer``, for an asynchronous save)
+    its value captured now (:meth:`cudist.train._async.AsyncWriter.stage_variable`)."""
+    if writer is None:
         return functools.partial(read_host, var)
-    return stage(key, var.read_value())
+    return writer.stage_variable(key, var)
 
 
-def _save_entries(path: str, var: Variable, record: dict[str, Any], stage: _Stage | None = None) -> list[_format.TensorSpec]:
+def _save_entries(
+    path: str, var: Variable, record: dict[str, Any], writer: _async.AsyncWriter | None = None
+) -> list[_format.TensorSpec]:
     """The tensor specs (key, dtype, shape, get) of a variable, filling its index ``record``.
 
-    With ``stage`` the values are captured now, for a write in another thread."""
+    With ``writer`` the values are captured now, for a write in another thread."""
     shape, dtype = _shape_dtype(var)
     record.update(
         tensor=path,
@@ -276,8 +274,8 @@ def _save_entries(path: str, var: Variable, record: dict[str, Any], stage: _Stag
                 "cross-replica value to save (TF raises too); give it aggregation SUM, MEAN or ONLY_FIRST_REPLICA"
             )
         aggregate: Callable[[], Any] = functools.partial(read_host, var)  # the aggregate: a cross-replica read (a collective)
-        if stage is not None:  # taken now (it may be a component's storage: ONLY_FIRST_REPLICA)
-            aggregate = stage(path, aggregate())
+        if writer is not None:  # taken now (it may be a component's storage: ONLY_FIRST_REPLICA)
+            aggregate = writer.stage(path, aggregate())
         specs = [(path, dtype, shape, aggregate)]
         total, local = _replica_counts(var)
         if local == total:  # every replica's component is here (not so for one worker of several)
@@ -285,12 +283,12 @@ def _save_entries(path: str, var: Variable, record: dict[str, Any], stage: _Stag
             for i, c in enumerate(var.values):
                 key = f"{path}/{_PER_REPLICA}/{i}"
                 keys.append(key)
-                specs.append((key, dtype, shape, _reader(key, c, stage)))
+                specs.append((key, dtype, shape, _reader(key, c, writer)))
             record["per_replica"] = keys
         return specs
     if isinstance(var, DistributedValues):  # MirroredVariable: one value, component 0's
-        return [(path, dtype, shape, _reader(path, var.values[0], stage))]
-    return [(path, dtype, shape, _reader(path, var, stage))]  # plain, AggregatingVariable: the storage
+        return [(path, dtype, shape, _reader(path, var.values[0], writer))]
+    return [(path, dtype, shape, _reader(path, var, writer))]  # plain, AggregatingVariable: the storage
 
 
 def _replica_counts(var: Variable) -> tuple[int, int]:
@@ -686,18 +684,18 @@ class Checkpoint:
         writes = self._should_write(graph)
         # A worker that writes nothing reads in the foreground (its collectives) and stages nothing.
         capture = writes and options is not None and options.enable_async
-        stage = self._writer.stage if capture else None
+        writer = self._writer if capture else None
         objects: dict[str, dict[str, Any]] = {}
         specs: list[_format.TensorSpec] = []
         for path, (kind, obj) in graph.leaves.items():
             record: dict[str, Any]
             if kind == "variable":
                 record = {"kind": "variable"}
-                specs += _save_entries(path, obj, record, stage)
+                specs += _save_entries(path, obj, record, writer)
             elif kind == "slot":
                 opt_path, var_path, slot_name = graph.slots[path]
                 record = {"kind": "slot", "optimizer": opt_path, "variable": var_path, "slot": slot_name}
-                specs += _save_entries(path, obj, record, stage)
+                specs += _save_entries(path, obj, record, writer)
             elif kind == "optimizer":
                 state = graph.optimizers[path]
                 slots: dict[str, dict[str, str]] = {}

@@ -96,9 +96,11 @@ _CODES = {
     np.dtype(np.complex64): "C64",
 }
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
+# bfloat16 (ml_dtypes, optional) is not imported here; only its byte size matters to the header checks.
+_DTYPES["BF16"] = np.dtype(np.uint16)
 _COMPLEX128 = np.dtype(np.complex128)
 #: The dtype names an index may record.
-DTYPE_NAMES = frozenset([d.name for d in _CODES] + [_COMPLEX128.name])
+DTYPE_NAMES = frozenset([d.name for d in _CODES] + [_COMPLEX128.name, "bfloat16"])
 
 INDEX_SUFFIX = ".index.json"
 DATA_INFIX = ".data-"
@@ -112,11 +114,22 @@ _CRC_PREFIX = "crc32:"
 _CHUNK = 1 << 20  # I/O and checksum granularity of large tensors
 
 
+def _np_dtype(dtype: npt.DTypeLike) -> np.dtype[Any]:
+    """``np.dtype(dtype)``, the name "bfloat16" included (ml_dtypes registers it when imported)."""
+    if dtype == "bfloat16":
+        import ml_dtypes  # noqa: PLC0415 - optional: only bfloat16 checkpoints need it
+
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(dtype)
+
+
 def _stored(dtype: npt.DTypeLike, shape: Sequence[int]) -> tuple[str, list[int]]:
     """The safetensors code and shape a tensor of ``dtype``/``shape`` is stored with."""
-    dtype = np.dtype(dtype)
+    dtype = _np_dtype(dtype)
     if dtype == _COMPLEX128:
         return "F64", [*shape, 2]
+    if dtype.name == "bfloat16":
+        return "BF16", list(shape)
     code = _CODES.get(dtype.newbyteorder("="))
     if code is None:
         raise TypeError(f"cannot checkpoint a tensor of dtype {dtype}: no safetensors dtype for it")
@@ -670,7 +683,7 @@ class TensorReader:
             DataLossError: the data does not match its checksum, or the file shrank meanwhile.
         """
         offset, nbytes, crc = self._entries[key]
-        dtype = np.dtype(dtype)
+        dtype = _np_dtype(dtype)
         out = np.empty(tuple(shape), dtype=dtype.newbyteorder("<"))
         f = self._file
         f.seek(offset)

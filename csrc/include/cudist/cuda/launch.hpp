@@ -3,27 +3,30 @@
 ///
 /// Plain C++ (no CUDA syntax): include it from any compiler that sees the CUDA headers and link the
 /// `cudist::cuda` library (built when cudist is configured with -DCUDIST_WITH_CUDA=ON), which holds
-/// the definitions for T = float, double, __half, int and long long. Code compiled by nvcc may
+/// the definitions for T = float, double, __half, int and long long (the updates) and
+/// __nv_bfloat16 (the collectives, the batch scatter and assign_add). Code compiled by nvcc may
 /// instead include <cudist/cuda/launch_impl.cuh> and get the templates themselves.
 ///
 /// Conventions shared by every launcher:
 ///  * replica buffers are given as a host array of `n` device pointers (n >= 1; any n: more than
 ///    cudist::kernels::kMaxReplicas are handled in several launches, summation order unchanged;
-///    except float16 sums, which accumulate in float32 and round once: more than kMaxReplicas
-///    float16 buffers to sum in one call return cudaErrorNotSupported (cudist's CuPy backend sums
-///    those on the host));
+///    except float16 and bfloat16 sums, which accumulate in float32 and round once: more than
+///    kMaxReplicas such buffers to sum in one call return cudaErrorNotSupported (cudist's CuPy
+///    backend sums those on the host));
 ///  * `count` is the number of elements of each buffer;
 ///  * the work is enqueued on `stream` and the call returns without synchronizing; buffers on other
 ///    GPUs must be reachable from the current device (peer access enabled, or pinned host memory);
 ///  * the return value is the launch status (cudaSuccess, cudaErrorInvalidValue for bad arguments,
 ///    or the error of the failed launch).
 /// The numerics are those of cudist's kernel contract: replica-order sums in the buffer type (float16
-/// in float32, rounded once), MEAN
+/// and bfloat16 in float32, rounded once to nearest even; a bfloat16 NaN comes out as
+/// ml_dtypes' 0x7fc0 with its sign), MEAN
 /// as a true division (floats) or truncation toward zero (integers), float16 updates computed in
 /// float32; results equal cudist's NumPy reference bit for bit (up to float32 subnormals when the
 /// kernels are built with flush-to-zero).
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 

@@ -77,17 +77,19 @@ cudaError_t broadcast_from(const T* src, T* const* dsts, int first, int n, long 
   return cudaSuccess;
 }
 
-// float16 sums accumulate in float32 and round once (the contract): a running sum kept in __half
-// between the passes of more than kMaxReplicas buffers would round at every pass.
+// The 16-bit floats' sums accumulate in float32 and round once (the contract): a running sum kept
+// in __half / __nv_bfloat16 between the passes of more than kMaxReplicas buffers would round at
+// every pass.
 template <class T>
 constexpr bool rounds_between_passes() {
-  return std::is_same<T, __half>::value;
+  return std::is_same<T, __half>::value || std::is_same<T, __nv_bfloat16>::value;
 }
 
 // Reduces bufs[0..n) into `out` (and, on the last pass, also into extra[0..n_extra), n_extra <
 // kMaxReplicas). More than kMaxReplicas inputs: the running sum is kept in `out` between passes,
 // which preserves the order ((b0 + b1) + ...) exactly since every partial sum of those types is
-// rounded to T anyway; float16 refuses them (cudaErrorNotSupported, see rounds_between_passes).
+// rounded to T anyway; the 16-bit floats refuse them (cudaErrorNotSupported, see
+// rounds_between_passes).
 template <class T>
 cudaError_t reduce_into(const T* const* bufs, int n, T* out, T* const* extra, int n_extra, long long count,
                         int divisor, cudaStream_t stream) {

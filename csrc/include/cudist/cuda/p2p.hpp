@@ -2,9 +2,11 @@
 /// @brief Multi-GPU all-reduce over peer-to-peer memory access, launched from one host call.
 ///
 /// Plain C++ (no CUDA syntax), like <cudist/cuda/launch.hpp>: link `cudist::cuda` for T = float,
-/// double, __half, int and long long, or include <cudist/cuda/p2p_impl.cuh> from a .cu file.
+/// double, __half, int, long long and __nv_bfloat16, or include <cudist/cuda/p2p_impl.cuh> from a
+/// .cu file.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 

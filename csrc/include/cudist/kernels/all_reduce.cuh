@@ -10,7 +10,7 @@
 // Buffers may live on other GPUs when peer access is enabled (loads and stores go over NVLink /
 // PCIe then); pinned host memory works too (unified addressing).
 //
-// Template arguments T: float, double, __half, int, long long.
+// Template arguments T: float, double, __half, int, long long, __nv_bfloat16.
 // `divisor`: 0 for SUM; n >= 1 for MEAN over n replicas (the sum is divided by n before it is
 // stored). Launch with a 1-D grid of any size: every kernel is a grid-stride loop.
 #pragma once

@@ -6,9 +6,9 @@
 //
 // Numerics follow the kernel contract of cudist (src/cudist/_kernels/_base.py) bit for bit:
 //  * sums add in replica order 0, 1, ..., N-1 in the buffer dtype (integers wrap around), except
-//    float16, which accumulates in float32 and rounds once, on store;
-//  * MEAN divides that sum by N: IEEE division for floats (float16: the float32 sum by float32(N)),
-//    truncation toward zero for integers;
+//    the 16-bit floats (float16, bfloat16), which accumulate in float32 and round once, on store;
+//  * MEAN divides that sum by N: IEEE division for floats (the 16-bit floats: the float32 sum by
+//    float32(N)), truncation toward zero for integers;
 //  * updates of float16 variables compute in float32 and round to nearest even on store.
 // Floating-point arithmetic goes through the `__d*_rn` intrinsics and, for float32, `.rn` PTX
 // without `.ftz`: never contracted into FMAs, always rounded to nearest, subnormals kept, whatever
@@ -16,6 +16,7 @@
 // -ftz=true) compiles with, so the GPU matches NumPy exactly.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 namespace cudist {
@@ -34,11 +35,49 @@ struct PtrPack {
 namespace detail {
 
 // ----------------------------------------------------------------------------- arithmetic
-// Compute type: float16 computes in float32, everything else in itself.
+// Compute type: the 16-bit floats compute in float32, everything else in itself.
 template <class T> struct compute { using type = T; };
 template <> struct compute<__half> { using type = float; };
+template <> struct compute<__nv_bfloat16> { using type = float; };
+
+// bfloat16 <-> float32 written out on the bits rather than CUDA's __bfloat162float /
+// __float2bfloat16_rn: the rounding must give ml_dtypes' bits, and CUDA's turns every NaN into
+// 0x7fff where ml_dtypes (and cudist's CPU kernels, <cudist/bfloat16.hpp>, which NVRTC cannot
+// include: <cstring>) give the quiet NaN 0x7fc0 with the NaN's sign. Integer operations only, so
+// -ftz (CuPy's) cannot flush a subnormal on the way.
+__device__ __forceinline__ unsigned int float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  unsigned int u;
+  __builtin_memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+__device__ __forceinline__ float bits_float(unsigned int u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  __builtin_memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+// Exact: a bfloat16 is the upper half of a float32.
+__device__ __forceinline__ float bf16_to_float(__nv_bfloat16 x) {
+  return bits_float((unsigned int)__bfloat16_as_ushort(x) << 16);
+}
+// Round to nearest even (a carry out of the mantissa rounds up, to inf past the largest finite);
+// a NaN becomes 0x7fc0 | sign, so no rounding carry can turn it into inf.
+__device__ __forceinline__ __nv_bfloat16 float_to_bf16(float f) {
+  const unsigned int x = float_bits(f);
+  const unsigned int rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
+  const unsigned int nan = ((x >> 16) & 0x8000u) | 0x7fc0u;
+  return __ushort_as_bfloat16((unsigned short)((x & 0x7fffffffu) > 0x7f800000u ? nan : rounded));
+}
 
 __device__ __forceinline__ float to_compute(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_compute(__nv_bfloat16 x) { return bf16_to_float(x); }
 __device__ __forceinline__ float to_compute(float x) { return x; }
 __device__ __forceinline__ double to_compute(double x) { return x; }
 __device__ __forceinline__ int to_compute(int x) { return x; }
@@ -46,6 +85,7 @@ __device__ __forceinline__ long long to_compute(long long x) { return x; }
 
 template <class T> __device__ __forceinline__ T from_compute(typename compute<T>::type x) { return x; }
 template <> __device__ __forceinline__ __half from_compute<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_compute<__nv_bfloat16>(float x) { return float_to_bf16(x); }
 
 // float32 goes through PTX without `.ftz`: CuPy compiles every RawModule with -ftz=true, under
 // which the __f*_rn intrinsics flush subnormal operands and results to zero (NumPy keeps them).
@@ -88,6 +128,13 @@ __device__ __forceinline__ __half add(__half a, __half b) {
 }
 __device__ __forceinline__ __half sub(__half a, __half b) {
   return __float2half_rn(sub(__half2float(a), __half2float(b)));
+}
+// bfloat16 (assign_add): likewise, as ml_dtypes adds (float32 has >= 2*8+2 significand bits).
+__device__ __forceinline__ __nv_bfloat16 add(__nv_bfloat16 a, __nv_bfloat16 b) {
+  return float_to_bf16(add(bf16_to_float(a), bf16_to_float(b)));
+}
+__device__ __forceinline__ __nv_bfloat16 sub(__nv_bfloat16 a, __nv_bfloat16 b) {
+  return float_to_bf16(sub(bf16_to_float(a), bf16_to_float(b)));
 }
 // Integers wrap around: add in the unsigned type (signed overflow would be undefined behaviour).
 __device__ __forceinline__ int add(int a, int b) { return (int)((unsigned)a + (unsigned)b); }
@@ -198,7 +245,8 @@ __device__ __forceinline__ void for_each(long long begin, long long end, bool ve
 // runs to kMaxReplicas with constant indices (unrolled) so that the pointers stay in registers.
 template <class T, int W>
 __device__ __forceinline__ Pack<T, W> reduce_packs(const Ptrs<T>& p, int n, int divisor, long long i) {
-  // The running sum in the compute type: float16 accumulates in float32 and rounds once, on store.
+  // The running sum in the compute type: the 16-bit floats accumulate in float32 and round once,
+  // on store.
   using C = typename compute<T>::type;
   const Pack<T, W> x0 = load<W>(p.p[0] + i);
   C acc[W];

@@ -12,13 +12,17 @@
 #pragma once
 
 /// D(A, T, name) for every dtype of a set: A passed through, T the C++ element type, name NumPy's.
-/// ALL is every dtype cudist's kernels support; FLOAT the floating-point ones (updates).
+/// ALL is every dtype cudist's kernels support: the collectives, the batch scatter and assign_add
+/// take them all, bfloat16 (``ml_dtypes.bfloat16``; CUDA's __nv_bfloat16, summed in float32 and
+/// rounded once, see common.cuh) included. FLOAT is the floating-point ones the updates take
+/// (bfloat16 variables have no update kernel on any backend).
 #define CUDIST_DTYPES_ALL(D, A) \
   D(A, __half, float16)         \
   D(A, float, float32)          \
   D(A, double, float64)         \
   D(A, int, int32)              \
-  D(A, long long, int64)
+  D(A, long long, int64)        \
+  D(A, __nv_bfloat16, bfloat16)
 #define CUDIST_DTYPES_FLOAT(D, A) \
   D(A, __half, float16)           \
   D(A, float, float32)            \

@@ -23,7 +23,7 @@
 // the host kernels (<cudist/updates.hpp>); the kernels here only load, call the rule and store
 // (RuleUpdate), picking a rule's variant (Nesterov) once per launch.
 //
-// T: assign_add: float, double, __half, int, long long; the updates: float, double, __half.
+// T: assign_add: float, double, __half, int, long long, __nv_bfloat16; the updates: float, double, __half.
 #pragma once
 
 #include "common.cuh"

@@ -12,9 +12,17 @@ The workers of one node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``, or consecuti
   bank is reused once no worker of the node holds a view of it (reference counts, published with
   the arrival); with every bank held, a scratch bank is copied out. Bytes moved per worker for S
   bytes and N workers: S(N-1)/N copied in (read + write), S read and S/N written by the sum.
+  :meth:`~SharedMemoryAllReduce.allreduce_packs` takes a pack's buffers where they are (a worker's
+  gradients): the parts the others sum go straight into the slot, this worker's slice is summed
+  from the buffers themselves, and no pack is built (a copy of every byte less).
 * the one-round path (below :data:`EAGER_BYTES`): each worker copies its buffers into its small
   slot (two sets, used by turns), raises "arrived", and sums every slot itself into its own
-  result: one synchronization instead of two, for messages where latency dominates.
+  result: one synchronization instead of two, for messages where latency dominates. All of it is
+  one call of the extension (``_core.shm_all_reduce``; ``shm_all_reduce_one`` for the per-step
+  single array, :meth:`SharedMemoryAllReduce.allreduce_one`), with C++ acquire/release atomics on
+  the flags; a wait longer than ``_SPIN_NS`` (spinning, yielding the CPU every few checks) returns
+  to the communicator's poll (``_core.shm_wait``), so deadlines, stall warnings, notices and
+  signals work as for every collective.
 
 The sum of ``w0, w1, ..., wN`` in that order is what MirroredStrategy computes over the same
 replicas, so one node's results are MirroredStrategy's bit for bit (float32, float64, float16,
@@ -46,15 +54,17 @@ one-round path measured faster than MPI at every size).
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-from cudist import _settings
+from cudist import _core, _settings
 from cudist._dataplane.transports import mpi
-from cudist._kernels import KernelBackend, cpu_backend, numpy_backend
+from cudist._kernels import KernelBackend, cpu_backend, is_bfloat16, numpy_backend
 from cudist._reduce_util import ReduceOp
 
 __all__ = ["SharedMemoryAllReduce", "connect", "DEFAULT_MIN_BYTES", "EAGER_BYTES"]
@@ -76,10 +86,38 @@ _FLAGS = 6
 #: Result banks: a result is a read-only view of one, and a bank is reused once no worker holds a
 #: view of it (reference counts, published with the arrival). Past that, a scratch bank, copied out.
 _BANKS = 3
+#: How long one call of the extension spins for the other workers before returning to be polled
+#: under the communicator's deadline (it yields the CPU every few checks meanwhile).
+_SPIN_NS = 100_000
+#: The dtypes the extension sums (its kernel dtypes, bfloat16 by name: ml_dtypes is not imported).
+_NATIVE_DTYPES = frozenset(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
+#: Their canonical objects' ids (a dtype's hash is computed afresh at every lookup; these objects live
+#: as long as NumPy): the per-step check, before the general one.
+_NATIVE_IDS = frozenset(id(d) for d in _NATIVE_DTYPES)
+
+
+def _native_sum(dtype: np.dtype[Any]) -> bool:
+    """Whether the extension's one-round all-reduce sums ``dtype`` (a kernel dtype)."""
+    return dtype in _NATIVE_DTYPES or is_bfloat16(dtype)
+
+
+def _finished() -> bool:
+    return True
 
 
 def _round_up(n: int, to: int) -> int:
     return -(-n // to) * to
+
+
+class _Pack:
+    """Buffers of one dtype all-reduced as their concatenation (:meth:`SharedMemoryAllReduce.allreduce_packs`)."""
+
+    __slots__ = ("buffers", "dtype", "size")
+
+    def __init__(self, buffers: list[npt.NDArray[Any]], dtype: np.dtype[Any], size: int) -> None:
+        self.buffers = buffers
+        self.dtype = dtype
+        self.size = size
 
 
 class SharedMemoryAllReduce:
@@ -129,16 +167,29 @@ class SharedMemoryAllReduce:
         self._capacity = 0  # bytes per slot
         self._eager_cap = _round_up(max(self.eager_bytes, _ALIGN), 4096) if self.num_nodes == 1 else 0
         self._eager: list[list[npt.NDArray[np.uint8]]] = [[], []]  # [parity][worker]
+        self._eager_area: npt.NDArray[np.uint8] = np.empty(0, np.uint8)  # both sets, for the extension
+        self._kind_crcs: dict[str, int] = {}
+        # allreduce_one's call and its result, handed to and from _start_one around the communicator
+        self._pending: tuple[npt.NDArray[Any], str, str | Callable[[], str]] = (np.empty(0), "", "")
+        self._result: npt.NDArray[Any] = np.empty(0)
         self._slots: list[npt.NDArray[np.uint8]] = []
         self._banks: list[npt.NDArray[np.uint8]] = []
         self._free_refs = 0
         self._retired: list[Any] = []  # smaller windows, kept mapped (results may be views of them)
         self._ctrl: npt.NDArray[np.int64] = np.empty(0, np.int64)
+        #: The extension's first arguments: the control area, the one-round slots, node size and rank.
+        self._window: tuple[npt.NDArray[np.int64], npt.NDArray[np.uint8], int, int] = (
+            self._ctrl, self._eager_area, self.node_size, self.node_rank)
         self._flags: Any = memoryview(b"")  # the control area as int64 items: a flag read is ~40 ns, not numpy's ~1 us
         self._rows: list[range] = []  # per kind, the flag indices of the node's workers
         self._count = 0  # shared-memory all-reduces since the window was made (the flags' values)
-        #: This worker's all-reduces by path, and the bytes the shared-memory ones all-reduced.
-        self.stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0}
+        #: This worker's all-reduces by path (``unpacked_calls``: those of :meth:`allreduce_packs`, among
+        #: ``calls``), and the bytes the shared-memory ones all-reduced.
+        self.stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0, "unpacked_calls": 0}
+        #: The byte sizes :meth:`allreduce_one` takes (the one-round path's, from ``min_bytes``; none
+        #: across nodes, where small messages are MPI's).
+        self._small_lo = max(1, self.min_bytes)
+        self._small_hi = self.eager_bytes if self.num_nodes == 1 and self.useful else 0
         if self.useful:
             self._ensure(1 << 16)  # the eager path's buffers exist from the start (it has no resize step)
 
@@ -174,9 +225,12 @@ class SharedMemoryAllReduce:
         eager = 2 * n * self._eager_cap
         total = ctrl_bytes + eager + (n + _BANKS + 1) * cap
         # Node rank 0 holds the whole window (one contiguous mapping on every worker).
-        win = MPI.Win.Allocate_shared(total if self.node_rank == 0 else 0, 1, comm=self.node)
+        win = MPI.Win.Allocate_shared(total + _ALIGN if self.node_rank == 0 else 0, 1, comm=self.node)
         buf, _ = win.Shared_query(0)
         raw = memoryview(buf)
+        # The layout starts on a cache line (the extension's atomics and slots need it; a shared
+        # mapping is page-aligned, so every worker skips the same bytes).
+        raw = raw[-np.frombuffer(raw, np.uint8, 1).ctypes.data % _ALIGN :]
         ctrl = np.frombuffer(raw[:ctrl_bytes], np.int64)
         if self.node_rank == 0:
             ctrl[:] = 0
@@ -189,6 +243,8 @@ class SharedMemoryAllReduce:
 
         e = self._eager_cap
         self._eager = [[area(ctrl_bytes + (p * n + w) * e, e) for w in range(n)] for p in range(2)]
+        self._eager_area = area(ctrl_bytes, eager)
+        self._window = (ctrl, self._eager_area, n, self.node_rank)  # the extension's first arguments
         base = ctrl_bytes + eager
         self._win = win
         self._ctrl = ctrl
@@ -219,7 +275,7 @@ class SharedMemoryAllReduce:
         self._win.Sync()  # the others' data is read after their flags
         return True
 
-    def _post_hash(self, kind: str, pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]]) -> None:
+    def _post_hash(self, kind: str, pairs: Sequence[tuple[Any, npt.NDArray[Any] | _Pack]]) -> None:
         """This call's hash (the MPI check's, of the sizes and dtypes), for the others to compare."""
         shape = [x for _, recv in pairs for x in (recv.size, recv.dtype.num)]
         self._flags[self._flag(_HASH + (self._count & 1), self.node_rank)] = self.communicator.call_hash(kind, shape)
@@ -267,14 +323,19 @@ class SharedMemoryAllReduce:
         """
         if not self.useful:
             return "mpi"
+        return self._path(
+            (recv.dtype, recv.nbytes, send.dtype == recv.dtype and send.flags.c_contiguous) for send, recv in pairs
+        )
+
+    def _path(self, buffers: Iterable[tuple[np.dtype[Any], int, bool]]) -> str:
+        """:meth:`path` of buffers given as (dtype, bytes, whether the kernels can read the send side)."""
         total = 0
         mpi_lacks = False
-        for send, recv in pairs:
-            dt = recv.dtype
-            if send.dtype != dt or not send.flags.c_contiguous or self._kernels_for(dt) is None:
+        for dt, nbytes, readable in buffers:
+            if not readable or self._kernels_for(dt) is None:
                 return "mpi"
             mpi_lacks = mpi_lacks or dt.kind == "V"
-            total = _round_up(total + recv.nbytes, _ALIGN)
+            total = _round_up(total + nbytes, _ALIGN)
         if total == 0 or (mpi_lacks and self.num_nodes > 1):
             return "mpi"
         if total < self.min_bytes and not mpi_lacks:
@@ -329,13 +390,101 @@ class SharedMemoryAllReduce:
         if detail is None:
             detail = lambda: mpi.describe([p[1] for p in pairs])  # noqa: E731 - described only for an error
         results: list[npt.NDArray[Any]] = []
-        start = {"eager": self._start_eager, "scatter": self._start_scatter, "mpi": self._start_mpi}[path]
+        if path == "eager":
+            start: Callable[[], Callable[[], bool]] = partial(self._start_eager, pairs, kind, detail)
+            results = [recv for _, recv in pairs]
+            self.stats["bytes"] += sum(recv.nbytes for recv in results)
+        else:
+            start = partial(self._start_scatter if path == "scatter" else self._start_mpi, pairs, results, kind, detail)
         # One node: no MPI hash check; every path (MPI's too, so that workers that disagree on the
         # path meet at the first flag rather than in different protocols) compares the call's hash
         # in shared memory. Several nodes: MPI's check, across them, before anything else.
-        self.communicator.collective(kind, detail, lambda: start(pairs, results, kind, detail),
+        self.communicator.collective(kind, detail, start, hash_check=several_nodes)
+        return results
+
+    def allreduce_packs(
+        self,
+        packs: Sequence[Sequence[npt.NDArray[Any]]],
+        kind: str = "all_reduce",
+        detail: str | Callable[[], str] | None = None,
+    ) -> list[npt.NDArray[Any]] | None:
+        """SUM all-reduces packs of buffers without packing them: per pack, the sum of the
+        concatenation of its buffers (flat), or None when the call would not take the reduce-scatter.
+
+        Each worker copies the parts of its buffers that the others sum straight into its slot, and
+        sums its own slice reading its buffers where they are: the pack a caller would build (one
+        copy of every byte) is never made. The sums are those of :meth:`allreduce` over the packed
+        buffers, bit for bit (each element is the same sum, in worker order). Collective: every
+        worker calls it with the same sizes and dtypes.
+
+        Args:
+            packs: per pack, flat C-contiguous host arrays of one dtype.
+            kind: names the collective in fingerprints and errors.
+            detail: describes the call in fingerprints (default: the packs' sizes and dtypes).
+
+        Returns:
+            Per pack a flat array: a read-only view of the node's shared memory (see
+            :meth:`allreduce`), or a fresh array when every bank is held; None (nothing done, no
+            collective made) when these packs take another path than the reduce-scatter: then pack
+            them and call :meth:`allreduce`.
+
+        Raises:
+            DeadlineExceededError: a worker did not join within ``timeout_seconds``.
+            ReplicaMismatchError: the workers called different collectives.
+        """
+        if not self.useful:
+            return None
+        items = []
+        for bufs in packs:
+            dt = bufs[0].dtype
+            size = sum(b.size for b in bufs)
+            ok = all(b.dtype == dt and b.ndim == 1 and b.flags.c_contiguous for b in bufs)
+            items.append((dt, size * dt.itemsize, ok))
+        if self._path(items) != "scatter":
+            return None
+        work = [(None, _Pack(list(bufs), dt, nbytes // dt.itemsize)) for bufs, (dt, nbytes, _) in zip(packs, items)]
+        if detail is None:
+            detail = lambda: ", ".join(f"{p.dtype.name}[{p.size}]" for _, p in work)  # noqa: E731
+        results: list[npt.NDArray[Any]] = []
+        several_nodes = self.num_nodes > 1
+        self.stats["unpacked_calls"] += 1
+        self.communicator.collective(kind, detail, lambda: self._start_scatter(work, results, kind, detail),
                                      hash_check=several_nodes)
         return results
+
+    def allreduce_one(
+        self, send: npt.NDArray[Any], kind: str, detail: str | Callable[[], str]
+    ) -> npt.NDArray[Any] | None:
+        """:meth:`allreduce` of one host array when it takes the one-round path: its sum, a new array;
+        None, having done nothing, when it would take another path (call :meth:`allreduce`).
+
+        The per-step common case (one array of one replica per worker), decided without
+        :meth:`path`'s walk: one call of the extension copies in, waits, sums and makes the result.
+        """
+        dt = send.dtype
+        total = -(-send.nbytes // _ALIGN) * _ALIGN  # as path() counts it
+        if not (self._small_lo <= total < self._small_hi and (id(dt) in _NATIVE_IDS or _native_sum(dt))
+                and send.flags.c_contiguous and isinstance(self._kernels, KernelBackend)):
+            return None  # (a test's faulty kernels are called from Python, on the general path)
+        self._pending = (send, kind, detail)
+        self.communicator.collective(kind, detail, self._start_one, hash_check=False)
+        self.stats["bytes"] += send.nbytes
+        return self._result
+
+    def _start_one(self) -> Callable[[], bool]:
+        """:meth:`_start_eager` of :meth:`allreduce_one`'s array, the result made by the extension."""
+        send, kind, detail = self._pending
+        self._count += 1
+        count = self._count
+        self.stats["eager_calls"] += 1
+        crc = self._kind_crcs.get(kind)
+        if crc is None:
+            crc = self._kind_crc(kind)
+        status, recv = _core.shm_all_reduce_one(*self._window, count, send, crc, self.communicator.seq, _SPIN_NS)
+        self._result = recv
+        if status == 0:
+            return _finished
+        return self._eager_poll(status, count, ((send, recv),), kind, detail, True)
 
     def _start_mpi(
         self,
@@ -369,45 +518,79 @@ class SharedMemoryAllReduce:
     def _start_eager(
         self,
         pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
-        results: list[npt.NDArray[Any]],
         kind: str,
         detail: str | Callable[[], str],
+        native: bool | None = None,
     ) -> Callable[[], bool]:
-        """One round: every worker copies its buffers in and sums every slot itself into ``recv``.
+        """One round, in one call of the extension (``_core.shm_all_reduce``): every worker copies
+        its buffers in, posts the call's hash, raises "arrived", spins briefly for the others and
+        sums every slot itself into ``recv``, in worker order.
 
-        Two sets of slots, used by turns: a worker reuses a set only after every worker has arrived
-        in the next collective, so after every worker has finished reading that set.
+        A wait longer than the spin returns here, to be polled (``_core.shm_wait``) under the
+        communicator's deadline, stall warning and notices. Two sets of slots, used by turns: a
+        worker reuses a set only after every worker has arrived in the next collective, so after
+        every worker has finished reading that set. ``native``: whether the extension sums (None:
+        decided here). The results are the ``recv`` arrays, filled once the poll function is true.
         """
         self._count += 1
+        count = self._count
         self.stats["eager_calls"] += 1
-        slots = self._eager[self._count & 1]
-        mine = slots[self.node_rank]
-        placed = []
-        off = 0
-        for send, recv in pairs:
-            nb = recv.nbytes
-            np.copyto(mine[off : off + nb].view(recv.dtype), send.reshape(-1), casting="no")
-            placed.append((recv, off, nb))
-            off = _round_up(off + nb, _ALIGN)
-        self._post_hash(kind, pairs)
-        self._raise(_ARRIVED)
+        if native is None:
+            # The CPU backends sum bit for bit alike, so the extension sums the kernel dtypes whatever
+            # backend was chosen; anything else (other dtypes, a test's faulty kernels) is summed here.
+            native = isinstance(self._kernels, KernelBackend) and all(_native_sum(p[1].dtype) for p in pairs)
+        status = _core.shm_all_reduce(*self._window, count, pairs, self._kind_crc(kind), self.communicator.seq,
+                                      _SPIN_NS, native)
+        if status == 0 and native:  # the usual end: every worker was there within the spin
+            return _finished
+        return self._eager_poll(status, count, pairs, kind, detail, native)
+
+    def _kind_crc(self, kind: str) -> int:
+        crc = self._kind_crcs.get(kind)
+        if crc is None:
+            crc = self._kind_crcs[kind] = zlib.crc32(kind.encode())
+        return crc
+
+    def _eager_poll(
+        self,
+        status: int,
+        count: int,
+        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        kind: str,
+        detail: str | Callable[[], str],
+        native: bool,
+    ) -> Callable[[], bool]:
+        """The poll function of one-round call ``count`` after its first call of the extension (``status``):
+        waits for the others (under the communicator's deadline), then sums (the extension, or the
+        CPU backend from here when not ``native``)."""
+        window = self._window
 
         def done() -> bool:
-            if not self._all_up(_ARRIVED):
-                return False
-            self._check_hashes(kind, detail)
-            for recv, o, nb in placed:
-                ins = [s[o : o + nb].view(recv.dtype) for s in slots]
-                self._kernels_for(recv.dtype).trusted.reduce_to_one(ins, ReduceOp.SUM, recv.reshape(-1))
-                results.append(recv)
-            self.stats["bytes"] += sum(nb for _, _, nb in placed)
+            nonlocal status
+            if status == 1:
+                status = _core.shm_wait(*window, count, _SPIN_NS)
+                if status == 1:
+                    return False
+            if status == 2:
+                raise self.communicator.mismatch_error(kind, detail, self.communicator.seq)
+            if native:
+                _core.shm_sum(*window, count, pairs)
+            else:
+                slots = self._eager[count & 1]
+                off = 0
+                for _, recv in pairs:
+                    nb = recv.nbytes
+                    ins = [s[off : off + nb].view(recv.dtype) for s in slots]
+                    self._kernels_for(recv.dtype).trusted.reduce_to_one(ins, ReduceOp.SUM, recv.reshape(-1))
+                    off = _round_up(off + nb, _ALIGN)
+            status = 0
             return True
 
         return done
 
     def _start_scatter(
         self,
-        pairs: Sequence[tuple[npt.NDArray[Any], npt.NDArray[Any]]],
+        pairs: Sequence[tuple[npt.NDArray[Any] | None, npt.NDArray[Any] | _Pack]],
         results: list[npt.NDArray[Any]],
         kind: str,
         detail: str | Callable[[], str],
@@ -417,31 +600,48 @@ class SharedMemoryAllReduce:
         Each worker copies into its slot only the slices the others sum (its own it sums from
         ``send`` directly), and writes its slice of the sum once, into a bank every worker reads.
         A window too small for the call grows first, once every worker has arrived (it announces
-        its call without data, then copies it in once the new window exists).
+        its call without data, then copies it in once the new window exists). ``pairs`` are
+        ``(send, recv)`` arrays, or ``(None, pack)`` (:meth:`allreduce_packs`: the send side is the
+        pack's buffers, end to end; the results are flat).
         """
         offsets = []
         off = 0
         for _, recv in pairs:
             offsets.append(off)
-            off = _round_up(off + recv.nbytes, _ALIGN)
+            off = _round_up(off + recv.size * recv.dtype.itemsize, _ALIGN)
         nbytes = off
         self._count += 1
         self.stats["calls"] += 1
         me = self.node_rank
+        # Per buffer: its send side as (start element, flat array) segments, recv (None: a pack's flat
+        # result), its pack offset, dtype, size, and this worker's slice [lo, hi).
         slices = []
         for (send, recv), o in zip(pairs, offsets):
+            if isinstance(recv, _Pack):
+                segs, start = [], 0
+                for b in recv.buffers:
+                    segs.append((start, b))
+                    start += b.size
+                out = None
+            else:
+                assert send is not None  # (send, recv) arrays
+                segs, out = [(0, send.reshape(-1))], recv
             lo, hi = self._slice(recv.size, me)
-            slices.append((send.reshape(-1), recv, o, lo, hi))
+            slices.append((segs, out, o, recv.dtype, recv.size, lo, hi))
 
         def copy_in() -> None:
             self._flags[self._flag(_HELD, me)] = self._held()
             mine = self._slots[me]
-            for flat, recv, o, lo, hi in slices:
-                slot = mine[o : o + recv.nbytes].view(recv.dtype)
-                if lo > 0:
-                    np.copyto(slot[:lo], flat[:lo], casting="no")
-                if hi < recv.size:
-                    np.copyto(slot[hi:], flat[hi:], casting="no")
+            for segs, _, o, dt, size, lo, hi in slices:
+                slot = mine[o : o + size * dt.itemsize].view(dt)
+                for a, flat in segs:
+                    b = a + flat.size
+                    if a < lo:  # the part before this worker's slice
+                        e = min(b, lo)
+                        np.copyto(slot[a:e], flat[: e - a], casting="no")
+                    if b > hi:  # the part after it
+                        x = max(a, hi)
+                        np.copyto(slot[x:b], flat[x - a :], casting="no")
 
         grow = nbytes > self._capacity
         if not grow:
@@ -468,13 +668,16 @@ class SharedMemoryAllReduce:
                 if grow and not self._all_up(_ARRIVED):
                     return False
                 bank = self._banks[self._pick_bank()]
-                for flat, recv, o, lo, hi in slices:
-                    if lo < hi:
-                        nb = recv.nbytes
-                        ins = [flat[lo:hi] if w == me else s[o : o + nb].view(recv.dtype)[lo:hi]
-                               for w, s in enumerate(self._slots)]
-                        reduce_to_one = self._kernels_for(recv.dtype).trusted.reduce_to_one
-                        reduce_to_one(ins, ReduceOp.SUM, bank[o : o + nb].view(recv.dtype)[lo:hi])
+                for segs, _, o, dt, size, lo, hi in slices:
+                    nb = size * dt.itemsize
+                    others = [s[o : o + nb].view(dt) for s in self._slots]
+                    total = bank[o : o + nb].view(dt)
+                    reduce_to_one = self._kernels_for(dt).trusted.reduce_to_one
+                    for a, flat in segs:  # this worker's own part read where it is, segment by segment
+                        x, y = max(a, lo), min(a + flat.size, hi)
+                        if x < y:
+                            ins = [flat[x - a : y - a] if w == me else others[w][x:y] for w in range(len(others))]
+                            reduce_to_one(ins, ReduceOp.SUM, total[x:y])
                 self._raise(_REDUCED)
                 phase = 2
             if phase == 2:  # every slice summed
@@ -483,8 +686,8 @@ class SharedMemoryAllReduce:
                 phase = 3
                 if self.num_nodes > 1 and self.leaders is not None:
                     MPI = self._MPI
-                    reqs = [self.leaders.Iallreduce(MPI.IN_PLACE, bank[o : o + recv.nbytes].view(recv.dtype), MPI.SUM)
-                            for _, recv, o, _, _ in slices]
+                    reqs = [self.leaders.Iallreduce(MPI.IN_PLACE, bank[o : o + size * dt.itemsize].view(dt), MPI.SUM)
+                            for _, _, o, dt, size, _, _ in slices]
             if phase == 3 and self.num_nodes > 1:  # across nodes: the leaders' MPI all-reduce
                 if self.leaders is not None:
                     if not self._MPI.Request.Testall(reqs):
@@ -493,15 +696,19 @@ class SharedMemoryAllReduce:
                 elif not self._leader_done():
                     return False
             scratch = bank is self._banks[_BANKS]
-            for _, recv, o, _, _ in slices:
-                view = bank[o : o + recv.nbytes].view(recv.dtype).reshape(recv.shape)
-                if scratch:
-                    np.copyto(recv, view, casting="no")
-                    results.append(recv)
+            for _, out, o, dt, size, _, _ in slices:
+                view = bank[o : o + size * dt.itemsize].view(dt)
+                if out is not None:
+                    view = view.reshape(out.shape)
+                if scratch:  # the bank is reused by the next call: copied out
+                    if out is None:
+                        out = np.empty(size, dt)
+                    np.copyto(out, view, casting="no")
+                    results.append(out)
                 else:
                     view.flags.writeable = False  # the other workers read it too
                     results.append(view)
-            self.stats["bytes"] += sum(r.nbytes for _, r, _, _, _ in slices)
+            self.stats["bytes"] += sum(size * dt.itemsize for _, _, _, dt, size, _, _ in slices)
             return True
 
         return done

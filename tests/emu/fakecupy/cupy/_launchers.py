@@ -32,7 +32,7 @@ from cupy import _emu
 
 __all__ = ["Call", "EmulatedLaunchers"]
 
-_DTYPES = ("float16", "float32", "float64", "int32", "int64")
+_DTYPES = ("float16", "float32", "float64", "int32", "int64", "bfloat16")
 _ERRORS = {
     1: ("cudaErrorInvalidValue", "invalid argument"),
     9: ("cudaErrorInvalidConfiguration", "invalid configuration argument"),
@@ -211,6 +211,10 @@ class EmulatedLaunchers:
 
     @staticmethod
     def _dtype(where, dtype) -> np.dtype:
+        if isinstance(dtype, str) and dtype == "bfloat16":
+            # The extension takes this name without ml_dtypes; NumPy knows it only once ml_dtypes is imported.
+            import ml_dtypes  # noqa: PLC0415, F401 - registers the name
+
         try:
             dt = np.dtype(dtype)
         except TypeError:

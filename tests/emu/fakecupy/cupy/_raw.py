@@ -36,7 +36,8 @@ _lock = threading.Lock()
 _lib = None
 _build = None
 
-_CTYPE_TO_DTYPE = {"__half": "float16", "float": "float32", "double": "float64", "int": "int32", "long long": "int64"}
+_CTYPE_TO_DTYPE = {"__half": "float16", "float": "float32", "double": "float64", "int": "int32", "long long": "int64",
+                   "__nv_bfloat16": "bfloat16"}
 _SCALAR_TYPES = {"int": np.int32, "long long": np.int64, "float": np.float32, "double": np.float64}
 _CTYPES = {np.int32: ctypes.c_int, np.int64: ctypes.c_longlong, np.float32: ctypes.c_float, np.float64: ctypes.c_double}
 _TABLE_COUNT = {"in": "n_in", "out": "n_out", "dst": "n_dst", "grads": "n_grads"}
@@ -152,6 +153,8 @@ class RawModule:
         if m is None or m.group(2) not in _CTYPE_TO_DTYPE or m.group(1) not in self._sigs:
             raise CUDADriverError(CUDA_ERROR_NOT_FOUND, f"CUDA_ERROR_NOT_FOUND: named symbol not found ({name!r})")
         kernel, dtype = m.group(1), _CTYPE_TO_DTYPE[m.group(2)]
+        if dtype == "bfloat16":
+            import ml_dtypes  # noqa: PLC0415, F401 - NumPy knows the name "bfloat16" once it is imported
         # A `_packed` kernel runs through the emulated pointer-table form of the same kernel (same
         # parameters in the same order, one body): its PtrPack arguments become host tables. The
         # packed bodies themselves run in tests/test_cuda_emulated.py through the C++ launchers.
