@@ -337,10 +337,29 @@ void fused_rule_update(T* const* const (&state)[NS], const T* const* sources, st
     typename A::acc_t acc[K];
     const auto* g = sum_grads_line<T, G>(gp, m, b, len, acc);
     for (std::size_t s = 0; s < NS; ++s) prefetch(p[s]);
-    for (std::size_t k = 0; k < len; ++k) {
+    auto element = [&](std::size_t k) {
       C x[NS] = {static_cast<C>(A::load(p[I][k]))...};
       r(static_cast<C>(g[k]), x);
       ((out[I][at + k] = static_cast<T>(x[I])), ...);
+    };
+    if constexpr (NS > 1) {
+      // Kept a loop until the vectorizer has seen it. With a constant trip count of 16 (one line
+      // of float32), GCC's early complete unrolling (cunrolli, before the vectorizer) peels the
+      // loop whenever the rule's body is small enough (16 copies under
+      // max-completely-peeled-insns); the peeled copies are left to the SLP vectorizer, which does
+      // not reorder the loads of element k+1 above the stores of element k to ``out`` (they may
+      // alias), so they stay mostly scalar: momentum ~1.4x the time of the vectorized loop. Whether
+      // a body crossed the threshold depended on inlining and constant propagation, so on unrelated
+      // code under LTO (the hand-written momentum loop this driver replaces ran 1.6x slower in one
+      // build, as fast again in the next). ``unroll 4``, below the trip count, forbids the
+      // complete peeling: the loop is vectorized (with a run-time alias check) in every build.
+      // Not for a rule without slots (SGD): its peeled body is vectorized whole, and the kept loop
+      // made GCC hold the gradient sum in scalar registers instead (1.7x). See bench/PERFORMANCE.md.
+      const std::size_t L = len;  // (``k < len`` on an integral_constant made GCC drop the pragma)
+#pragma GCC unroll 4
+      for (std::size_t k = 0; k < L; ++k) element(k);
+    } else {
+      for (std::size_t k = 0; k < len; ++k) element(k);
     }
   }, unread0);
 }
@@ -429,47 +448,22 @@ void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, doub
 
 namespace detail {
 
-/// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision).
+/// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision):
+/// the rules' driver over rules::momentum or rules::nesterov (picked once per call), reading
+/// ``sources`` (the variable's, then the velocity's current values) when given (out of place).
 template <class T, class G>
 void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const G* const* grads,
                      std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool,
                      const T* const* sources = nullptr) {
-  if (n == 0 || m == 0 || count == 0) return;
-  using C = compute_t<T>;
-  using A = arith<T>;
-  constexpr std::size_t K = kLineBytes / sizeof(T);
-  // Still hand-written on the host (rules::momentum / rules::nesterov serve the CUDA kernels): with
-  // the shared rule inside the same loop it measured ~35% slower (4 x 4096 float32: 5.9 us against
-  // 4.3 us; 4 x 64K: 56 against 43), not yet understood (the loop vectorizes either way).
-  const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
-  std::vector<std::vector<T>> keep;
-  std::vector<std::vector<G>> keep_g;
-  // What the update reads: copy 0 (in place) or ``sources`` (out of place: the variable's, then the
-  // velocity's current values, e.g. held by an asynchronous checkpoint write; see fused_rule_update).
-  const T* w0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[0] : copies[0], {copies, velocities}, n,
-                                           count, keep);
-  const T* v0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[1] : velocities[0], {copies, velocities}, n,
-                                           count, keep);
-  const unsigned unread0 = (v0 != velocities[0] ? 1u : 0u) | (w0 != copies[0] ? 2u : 0u);  // see run_update
-  const grad_list<T, G> gl(grads, m, {copies, velocities}, n, count, keep_g);
-  const G* const* gp = gl.data();
-  T* const* const slots[2] = {velocities, copies};
-  run_update<T, 2>(slots, n, count, m + 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
-    typename A::acc_t acc[K];
-    const auto* g = sum_grads_line<T, G>(gp, m, b, len, acc);
-    const T* w = w0 + b;
-    const T* v = v0 + b;
-    prefetch(w);
-    prefetch(v);
-    for (std::size_t k = 0; k < len; ++k) {
-      const C gk = static_cast<C>(g[k]);
-      const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
-      const C wk = static_cast<C>(A::load(w[k]));
-      const C wn = nesterov ? wk + (mom * vk - lr_c * gk) : wk + vk;
-      out[0][at + k] = static_cast<T>(vk);
-      out[1][at + k] = static_cast<T>(wn);
-    }
-  }, unread0);
+  T* const* const state[2] = {velocities, copies};
+  // The driver reads one source per entry of ``state`` (the velocity's first).
+  const T* const src[2] = {sources != nullptr ? sources[1] : nullptr, sources != nullptr ? sources[0] : nullptr};
+  const T* const* s = sources != nullptr ? src : nullptr;
+  if (nesterov) {
+    run_rule_reading<rules::nesterov>(state, s, n, count, grads, m, 0.0, pool, lr, momentum);
+  } else {
+    run_rule_reading<rules::momentum>(state, s, n, count, grads, m, 0.0, pool, lr, momentum);
+  }
 }
 
 }  // namespace detail

@@ -204,4 +204,10 @@ class _NativeTrusted(TrustedKernels):
         self.reduce_unscale_finite = _core.reduce_unscale_finite
         for name in UPDATE_ENTRY_POINTS:
             setattr(self, name, _entry_point(name))
-        self.out_of_place = frozenset(_core.out_of_place_rules)
+        # The entry points that take ``sources=``: a row with optional slots is served by its
+        # variants' functions, picked per call (_core_variants), which do not pass it on.
+        self.out_of_place = frozenset(
+            n
+            for n in _core.out_of_place_rules
+            if n in UPDATE_ENTRY_POINTS and n.removeprefix("all_reduce_") not in OPTIONAL_SLOTS
+        )
