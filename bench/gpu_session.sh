@@ -140,7 +140,7 @@ bench() {
       echo "cudist-bench all-reduce ($path) N=$n rc=$?"; snapshot
     done
   done
-  limit "$PY" -m cudist.bench update --optimizer adam --backend cupy --replicas 4 -b 4K -e "$MAX" -f 16 --no-progress \
+  limit "$PY" -m cudist.bench update --optimizer adamw --backend cupy --replicas 4 -b 4K -e "$MAX" -f 16 --no-progress \
     --json "$OUT/adam.json" >"$OUT/adam.txt" 2>&1
   echo "cudist-bench update adam rc=$?"; snapshot
   cat "$OUT/gpu_kernels.txt"

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     print(f"# ceiling method (timed right before and after every large point; the faster of the two is the "
           f"row's ceiling): {method}")
 
-    cases = [("all-reduce", size), ("all-reduce", t.small), ("update/sgd", size), ("update/adam", size)]
+    cases = [("all-reduce", size), ("all-reduce", t.small), ("update/sgd", size), ("update/adamw", size)]
     rows = []
     print()
     print(f"# {'case':<22} {'backend':>7} {'median(us)':>12} {'best(us)':>10} {'copy(GB/s)':>10} {'moved(GB/s)':>11} "
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
         target(f"all-reduce {n}x{format_size(t.small)} median", be, get("all-reduce", t.small, be)["time_us"], 10,
                higher=False, unit=" us")
         target(f"SGD {n}x{format_size(size)} %copy", be, get("update/sgd", size, be)["pct_copy"], 80, unit="%")
-        target(f"Adam {n}x{format_size(size)} %copy", be, get("update/adam", size, be)["pct_copy"], 80, unit="%")
+        target(f"Adam {n}x{format_size(size)} %copy", be, get("update/adamw", size, be)["pct_copy"], 80, unit="%")
     print()
     print(f"# {'target':<30} {'backend':>7} {'measured':>10} {'goal':>9}  verdict")
     for name, be, val, goal, how in verdicts:

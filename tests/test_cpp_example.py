@@ -172,17 +172,18 @@ void updates() {
   cudist::sgd(p.data(), n, count, grad.data(), 0.25);
   check(static_cast<double>(b[1][0]) == 0.5, "sgd");
   cudist::momentum(p.data(), p.data() + n, n, count, grad.data(), 0.1, 0.9, true);
-  cudist::adam(p.data(), p.data() + n, p.data() + 2 * n, n, count, grad.data(), cudist::adam_lr_t(0.1, 0.9, 0.999, 1),
-               0.9, 0.999, 1e-7);
-  // AdamW ... Lion, plain and fused (two gradients), RMSprop with and without its optional slots.
+  // Adam: the adamw row without weight decay.
+  cudist::adamw(p.data(), p.data() + n, p.data() + 2 * n, n, count, grad.data(), cudist::adam_lr_t(0.1, 0.9, 0.999, 1),
+                0.9, 0.999, 1e-7, 0.0);
+  // AdamW ... Lion, plain and fused (two gradients), RMSprop's variants with and without its optional slots.
   T* const* c = p.data();
   T* const* s1 = p.data() + n;
   T* const* s2 = p.data() + 2 * n;
   const T* grads[2] = {grad.data(), grad.data()};
   cudist::adamw(c, s1, s2, n, count, grad.data(), 0.01, 0.9, 0.999, 1e-7, 0.001);
   cudist::all_reduce_adamw(c, s1, s2, n, count, grads, 2, 0.01, 0.9, 0.999, 1e-7, 0.0);
-  cudist::rmsprop<T>(c, s1, s2, nullptr, n, count, grad.data(), 0.01, 0.9, 0.9, 1e-7, 0.001);
-  cudist::all_reduce_rmsprop<T>(c, s1, nullptr, nullptr, n, count, grads, 2, 0.01, 0.9, 0.0, 1e-7, 0.0);
+  cudist::rmsprop_momentum<T>(c, s1, s2, n, count, grad.data(), 0.01, 0.9, 0.9, 1e-7, 0.001);
+  cudist::all_reduce_rmsprop<T>(c, s1, n, count, grads, 2, 0.01, 0.9, 0.0, 1e-7, 0.0);
   cudist::adagrad(c, s1, n, count, grad.data(), 0.01, 1e-7, 0.0);
   cudist::all_reduce_adagrad(c, s1, n, count, grads, 2, 0.01, 1e-7, 0.001);
   cudist::adamax(c, s1, s2, n, count, grad.data(), cudist::adamax_lr_t(0.01, 0.9, 1), 0.9, 0.999, 1e-7, 0.0);

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist._kernels._base import adam_lr_t
+from cudist._kernels._base import bias_corrected_lr
 from cudist._kernels._cuda_launch import kernel_list
 from cudist._kernels._numpy import NumpyBackend
 from cudist._kernels._split import split_sizes
@@ -162,6 +162,8 @@ def _compute(dtype: str):
 
 
 def _kernel(lib, name: str, dtype: str):
+    if name in ("mirrored_adam", "mirrored_all_reduce_adam"):
+        return _adam_kernel(lib, name, dtype)
     """The emulated kernel entry point with its ctypes signature."""
     P, I, L, C = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, _compute(dtype)
     params = {
@@ -173,10 +175,9 @@ def _kernel(lib, name: str, dtype: str):
         "mirrored_assign_add": (P, I, P, L, I),
         "mirrored_sgd": (P, I, P, C, L),
         "mirrored_momentum": (P, P, I, P, C, C, I, L),
-        "mirrored_adam": (P, P, P, I, P, C, C, C, C, L),
         "mirrored_all_reduce_sgd": (P, I, P, I, C, L),
         "mirrored_all_reduce_momentum": (P, P, I, P, I, C, C, I, L),
-        "mirrored_all_reduce_adam": (P, P, P, I, P, I, C, C, C, C, L),
+        "mirrored_all_reduce_adamw": (P, P, P, I, P, I, C, C, C, C, C, L),
     }[name]
     fn = getattr(lib, f"cudist_emu_{name}_{dtype}")
     fn.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, *params)
@@ -185,6 +186,8 @@ def _kernel(lib, name: str, dtype: str):
 
 
 def _launcher(lib, name: str, dtype: str):
+    if name in ("adam", "all_reduce_adam"):
+        return _adam_launcher(lib, name, dtype)
     """The emulated C++ launcher (cudist::cuda::<name><T>) with its ctypes signature."""
     P, I, L, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_double
     params = {
@@ -196,16 +199,41 @@ def _launcher(lib, name: str, dtype: str):
         "assign_add": (P, I, P, L, I, P),
         "sgd": (P, I, P, D, L, P),
         "momentum": (P, P, I, P, D, D, I, L, P),
-        "adam": (P, P, P, I, P, D, D, D, D, L, P),
         "all_reduce_into": (P, P, I, L, I, P),
         "all_reduce_sgd": (P, I, P, I, D, L, P),
         "all_reduce_momentum": (P, P, I, P, I, D, D, I, L, P),
-        "all_reduce_adam": (P, P, P, I, P, I, D, D, D, D, L, P),
+        "adamw": (P, P, P, I, P, D, D, D, D, D, L, P),
+        "all_reduce_adamw": (P, P, P, I, P, I, D, D, D, D, D, L, P),
     }[name]
     fn = getattr(lib, f"cudist_emu_launch_{name}_{dtype}")
     fn.argtypes = params
     fn.restype = ctypes.c_int
     return fn
+
+
+def _adam_kernel(lib, name: str, dtype: str):
+    """Adam's kernel as the tests below call it (plain: one gradient; fused: the gradient table):
+    the adamw row's kernel with the weight decay 0 (Keras 3's Adam is that row)."""
+    fn = _kernel(lib, "mirrored_all_reduce_adamw", dtype)
+    if name == "mirrored_all_reduce_adam":
+        return lambda gx, gy, bx, *args: fn(gx, gy, bx, *args[:-1], 0.0, args[-1])
+
+    def plain(gx, gy, bx, copies, ms, vs, n, grad, lr_t, b1, b2, eps, count):
+        return fn(gx, gy, bx, copies, ms, vs, n, _table_of_ptrs([grad]), 1, lr_t, b1, b2, eps, 0.0, count)
+
+    return plain
+
+
+def _adam_launcher(lib, name: str, dtype: str):
+    """Adam's launchers as the tests below call them: the adamw row's with the weight decay 0."""
+    fn = _launcher(lib, name + "w", dtype)
+    return lambda *args: fn(*args[:-2], 0.0, *args[-2:])
+
+
+def _table_of_ptrs(ptrs):
+    """A device pointer table of raw pointers (ctypes.c_void_p or ints)."""
+    vals = [p.value if isinstance(p, ctypes.c_void_p) else p for p in ptrs]
+    return (ctypes.c_void_p * len(vals))(*vals)
 
 
 def _cases(replicas, layouts=LAYOUTS, sizes=SIZES):
@@ -228,7 +256,7 @@ def test_every_kernel_and_launcher_has_an_entry_point(lib):
                      "scatter_batch", "assign_add"):
         for dt in DTYPES:
             assert hasattr(lib, f"cudist_emu_launch_{launcher}_{dt}"), (launcher, dt)
-    for launcher in ("sgd", "momentum", "adam", "all_reduce_sgd", "all_reduce_momentum", "all_reduce_adam"):
+    for launcher in ("sgd", "momentum", "adamw", "all_reduce_sgd", "all_reduce_momentum", "all_reduce_adamw"):
         for dt in FLOATS:
             assert hasattr(lib, f"cudist_emu_launch_{launcher}_{dt}"), (launcher, dt)
 
@@ -509,7 +537,7 @@ def test_mirrored_adam_kernel(lib, dtype):
     for n, count, layout in _cases(KERNEL_REPLICAS):
         lr, b1, b2, eps = float(rng.uniform(1e-3, 0.1)), 0.9, 0.999, 1e-7
         step = int(rng.integers(1, 50))
-        lr_t = adam_lr_t(lr, b1, b2, step)  # what NumpyBackend.adam passes to its _adam
+        lr_t = bias_corrected_lr(lr, b1, b2, step)  # what NumpyBackend.adam passes to its _adam
         for gx, bx in _grids(count, item):
             what = f"{dtype} n={n} count={count} {layout} step={step} grid={gx}x{bx}"
             copies = _fresh_mirrors(rng, n, count, dtype, layout)
@@ -651,7 +679,7 @@ def test_mirrored_update_launchers(lib, dtype):
         )
         want = [[a.copy() for a in g] for g in groups]
         REF.adam(*want, grad, lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step)
-        lr_t = adam_lr_t(lr, b1, b2, step)
+        lr_t = bias_corrected_lr(lr, b1, b2, step)
         rc = adam(*(_table(g) for g in groups), n, _ptr(grad), lr_t, b1, b2, eps, count, None)
         assert rc == CUDA_SUCCESS
         for name, got, exp in zip(("copy", "m", "v"), groups, want):
@@ -783,7 +811,7 @@ def test_mirrored_all_reduce_update_kernels(lib, dtype):
             lr, mu = float(rng.uniform(1e-3, 0.5)), float(rng.uniform(0.5, 0.99))
             step = int(rng.integers(1, 50))
             b1, b2, eps = 0.9, 0.999, 1e-7
-            lr_t = adam_lr_t(lr, b1, b2, step)
+            lr_t = bias_corrected_lr(lr, b1, b2, step)
             for gx, bx in _grids(count, item)[1:]:
                 what = f"{dtype} n={n} m={m} count={count} {layout} grid={gx}x{bx}"
                 grads, (w, v, s2) = _fused_case(rng, n, m, count, dtype, layout)
@@ -860,7 +888,7 @@ def test_fused_update_launchers(lib, dtype):
             lr, mu, step = float(rng.uniform(1e-3, 0.5)), float(rng.uniform(0.5, 0.99)), int(rng.integers(1, 50))
             want = [[a.copy() for a in x] for x in (w, v, s2)]
             REF.adam(*want, g, lr=lr, step=step)
-            rc = adam(_table(w), _table(v), _table(s2), n, _table(grads), m, adam_lr_t(lr, 0.9, 0.999, step), 0.9,
+            rc = adam(_table(w), _table(v), _table(s2), n, _table(grads), m, bias_corrected_lr(lr, 0.9, 0.999, step), 0.9,
                       0.999, 1e-7, count, None)
             refused = _launch_rc(dtype, m, count)
             assert rc == refused, what

@@ -1,5 +1,5 @@
-"""The CUDA kernels and C++ launchers of AdamW, AMSGrad, RMSprop, Adagrad, Adamax, Nadam and Lion, run on the
-CPU by the host emulation (tests/emu, see tests/test_cuda_emulated.py), bit for bit against the
+"""The CUDA kernels and C++ launchers of the rules' table (every row of CUDIST_UPDATE_RULE_LIST: a
+rule, or one variant of a rule with optional slots), run on the CPU by the host emulation (tests/emu, see tests/test_cuda_emulated.py), bit for bit against the
 NumPy reference: ``reduce_to_one(grads, SUM)`` then the reference's update.
 
 Kernels are called in the pointer-table form CuPy launches (1..8 copies and gradients, several grid
@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, momentum_schedule_step
+from cudist._kernels import UPDATE_KERNELS, update_variants, bias_corrected_lr, momentum_schedule_step
+from cudist._kernels._cuda_launch import parse_update_rules
 from cudist._kernels._numpy import NumpyBackend
 
 _BUILD_PY = Path(__file__).resolve().parent / "emu" / "build.py"
@@ -29,7 +30,9 @@ pytestmark = pytest.mark.skipif(emu_build.compiler() is None, reason="needs a C+
 
 REF = NumpyBackend()
 FLOATS = ("float16", "float32", "float64")
-OPTIMIZERS = ("adamw", "amsgrad", "rmsprop", "adagrad", "adamax", "nadam", "lion")
+#: The kernels of the C++ table: its rows (each a variant of an UPDATE_KERNELS row, update_variants()).
+OPTIMIZERS = tuple(parse_update_rules((Path(__file__).resolve().parents[1] / "csrc" / "include" / "cudist" / "detail"
+                                       / "update_rules.hpp").read_text()))
 THREADS = 256
 CUDA_SUCCESS = 0
 CUDA_ERROR_NOT_SUPPORTED = 801
@@ -67,13 +70,13 @@ def _values(rng, count, dtype, kind):
     return v
 
 
-def _case(rng, name, n, m, count, dtype, layout, *, momentum=True, centered=True):
-    """(gradients, groups): the variable's n copies and each slot's (None: absent), mirrored."""
+def _case(rng, name, n, m, count, dtype, layout):
+    """(gradients, groups): the variable's n copies and each slot's of variant ``name``, mirrored."""
     offsets = {"aligned": [0] * n, "offset": [1] * n, "last_offset": [0] * (n - 1) + [1]}[layout]
     goff = {"aligned": [0] * m, "offset": [1] * m, "last_offset": [0] * (m - 1) + [1]}[layout]
     grads = [_placed(_values(rng, count, dtype, "any"), o) for o in goff]
     values = [_values(rng, count, dtype, "any")]
-    for s in UPDATE_KERNELS[name][0]:
+    for s in update_variants()[name][1]:
         if s in ("velocity", "v", "v_hat", "accumulator", "u"):
             values.append(_values(rng, count, dtype, "positive"))
         elif s == "average_gradient":
@@ -81,14 +84,7 @@ def _case(rng, name, n, m, count, dtype, layout, *, momentum=True, centered=True
             values.append((np.sqrt(v) * rng.uniform(-0.5, 0.5, size=count)).astype(dtype))
         else:
             values.append(_values(rng, count, dtype, "any"))
-    groups = []
-    for i, v in enumerate(values):
-        s = UPDATE_KERNELS[name][0][i - 1] if i else "copy"
-        if (name == "rmsprop" and s == "momentum" and not momentum) or (s == "average_gradient" and not centered):
-            groups.append(None)
-        else:
-            groups.append([_placed(v, o) for o in offsets])
-    return grads, groups
+    return grads, [[_placed(v, o) for o in offsets] for v in values]
 
 
 def _table(arrays):
@@ -113,14 +109,15 @@ def _check(groups, want, what):
 
 def _params(rng, name):
     """(public keyword arguments, the trusted hyper-parameters they make), as KernelBackend does."""
+    name = update_variants()[name][0]
     lr, b1, b2 = float(rng.uniform(1e-3, 0.1)), float(rng.uniform(0.5, 0.99)), float(rng.uniform(0.9, 0.9999))
     eps, wd, step = float(rng.choice([1e-7, 1e-3])), float(rng.choice([0.0, 0.004, 0.1])), int(rng.integers(1, 40))
     if name in ("adamw", "amsgrad"):
         return (dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, weight_decay=wd),
-                (adam_lr_t(lr, b1, b2, step), b1, b2, eps, wd * lr))
+                (bias_corrected_lr(lr, b1, b2, step), b1, b2, eps, wd * lr))
     if name == "adamax":
         return (dict(lr=lr, beta_1=b1, beta_2=b2, epsilon=eps, step=step, weight_decay=wd),
-                (adam_lr_t(lr, b1, 0.0, step), b1, b2, eps, wd * lr))
+                (bias_corrected_lr(lr, b1, 0.0, step), b1, b2, eps, wd * lr))
     if name == "nadam":
         u = 1.0
         for t in range(1, step):
@@ -139,9 +136,8 @@ def _params(rng, name):
 def _kernel(lib, name, dtype):
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     C = ctypes.c_double if dtype == "float64" else ctypes.c_float
-    nslots = len(UPDATE_KERNELS[name][0])
-    nhyper = len(UPDATE_KERNELS[name][1])
-    params = (P,) * (1 + nslots) + (I, P, I) + (C,) * nhyper + ((I, I) if name == "rmsprop" else ()) + (L,)
+    _, slots, hyper = update_variants()[name]
+    params = (P,) * (1 + len(slots)) + (I, P, I) + (C,) * len(hyper) + (L,)
     fn = getattr(lib, f"cudist_emu_mirrored_all_reduce_{name}_{dtype}")
     fn.argtypes = (ctypes.c_uint, ctypes.c_uint, ctypes.c_uint, *params)
     fn.restype = None
@@ -150,9 +146,8 @@ def _kernel(lib, name, dtype):
 
 def _launcher(lib, name, dtype, fused):
     P, I, L, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_double
-    nslots = len(UPDATE_KERNELS[name][0])
-    nhyper = len(UPDATE_KERNELS[name][1])
-    params = (P,) * (1 + nslots) + ((I, P, I) if fused else (I, P)) + (D,) * nhyper + (L, P)
+    _, slots, hyper = update_variants()[name]
+    params = (P,) * (1 + len(slots)) + ((I, P, I) if fused else (I, P)) + (D,) * len(hyper) + (L, P)
     fn = getattr(lib, f"cudist_emu_launch_{'all_reduce_' if fused else ''}{name}_{dtype}")
     fn.argtypes = params
     fn.restype = ctypes.c_int
@@ -160,9 +155,13 @@ def _launcher(lib, name, dtype, fused):
 
 
 def _want(name, groups, grads, kw):
-    want = [None if g is None else [a.copy() for a in g] for g in groups]
+    """The reference's update of variant ``name``: its row's public method, the absent slots None."""
+    row, kept, _ = update_variants()[name]
+    want = [[a.copy() for a in g] for g in groups]
+    given = iter(want[1:])
+    slots = [next(given) if s in kept else None for s in UPDATE_KERNELS[row][0]]
     g = REF.reduce_to_one([x.copy() for x in grads], "sum")
-    getattr(REF, name)(*want, g, **kw)
+    getattr(REF, row)(want[0], *slots, g, **kw)
     return want
 
 
@@ -182,14 +181,11 @@ def test_kernel_matches_reference(lib, name, dtype):
                     blocks = max(1, min(-(-(-(-count * item // 16)) // THREADS), 132 * 8))
                     for gx, bx in ((3, 5), (blocks, THREADS)):
                         kw, hyper = _params(rng, name)
-                        mom, centered = kw.get("momentum", 0.0) > 0, bool(rng.integers(2))
-                        grads, groups = _case(rng, name, n, m, count, dtype, layout, momentum=mom, centered=centered)
+                        grads, groups = _case(rng, name, n, m, count, dtype, layout)
                         what = f"{name} {dtype} n={n} m={m} count={count} {layout} grid={gx}x{bx}"
                         want = _want(name, groups, grads, kw) if count else groups
-                        # An absent rmsprop slot: any valid table (not read when its flag is 0).
-                        tables = [_table(g if g is not None else groups[1]) for g in groups]
-                        flags = (int(mom), int(centered)) if name == "rmsprop" else ()
-                        fn(gx, 1, bx, *tables, n, _table(grads), m, *hyper, *flags, count)
+                        tables = [_table(g) for g in groups]
+                        fn(gx, 1, bx, *tables, n, _table(grads), m, *hyper, count)
                         _check(groups, want, what)
 
 
@@ -207,11 +203,10 @@ def test_launchers_match_reference(lib, name, dtype):
             for count in (0, 7, 165):
                 for layout in ("aligned", "offset"):
                     kw, hyper = _params(rng, name)
-                    mom, centered = kw.get("momentum", 0.0) > 0, bool(rng.integers(2))
-                    grads, groups = _case(rng, name, n, m, count, dtype, layout, momentum=mom, centered=centered)
+                    grads, groups = _case(rng, name, n, m, count, dtype, layout)
                     what = f"launch all_reduce_{name} {dtype} n={n} m={m} count={count} {layout}"
                     want = _want(name, groups, grads, kw)
-                    tables = [None if g is None else _table(g) for g in groups]
+                    tables = [_table(g) for g in groups]
                     rc = fused(*tables, n, _table(grads), m, *hyper, count, None)
                     if dtype == "float16" and m > 8 and count > 0:
                         # float16 sums over more than 8 gradients would round between passes: refused.

@@ -57,8 +57,8 @@ def test_rmsprop_passes_its_optional_slots_as_absent():
 def test_a_bad_rule_is_refused():
     with pytest.raises(ValueError, match="no update rule 'adamx'"):
         Rule("adamx", (0.1,))
-    with pytest.raises(ValueError, match=r"update rule 'adam' takes 4 scalars"):
-        Rule("adam", (0.1, 0.9, 0.999))
+    with pytest.raises(ValueError, match=r"update rule 'adamw' takes 4 scalars"):
+        Rule("adamw", (0.1, 0.9, 0.999))
     with pytest.raises(ValueError, match=r"update rule 'lion' takes 3 scalars"):
         Rule("lion", (0.1, 0.9, 0.99, 0.0))  # the decay is not one of the scalars passed
 

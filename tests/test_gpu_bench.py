@@ -29,7 +29,7 @@ def _rows(doc):
     "cmd",
     [["all-reduce"], ["all-reduce", "-o", "mean", "-d", "float16,int64"], ["all-gather"], ["broadcast"],
      ["split", "-d", "int32"], ["update", "--optimizer", "sgd"], ["update", "--optimizer", "momentum"],
-     ["update", "--optimizer", "adam"]],
+     ["update", "--optimizer", "adamw"]],
     ids=lambda c: "-".join(c),
 )
 def test_cudist_bench_cupy_rows_are_checked(tmp_path, capsys, cmd):

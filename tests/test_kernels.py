@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudist._kernels import SUPPORTED_DTYPES, adam_lr_t, get_backend
+from cudist._kernels import SUPPORTED_DTYPES, bias_corrected_lr, get_backend
 from cudist._kernels._numpy import NumpyBackend, reference_reduce
 from cudist._reduce_util import ReduceOp
 
@@ -1097,11 +1097,11 @@ def test_trusted_kernels_match_the_public_methods(backend):
             w, v, s = (tuple(mirrors(rng, shape, dtype, n, positive=k == 2)) for k in range(3))
             ew, ev, es = ([a.copy() for a in x] for x in (w, v, s))
             REF.adam(ew, ev, es, g, lr=0.01, step=4)
-            lr_t = adam_lr_t(0.01, 0.9, 0.999, 4)
-            if fused:
-                t.all_reduce_adam(w, v, s, grads, lr_t, 0.9, 0.999, 1e-7)
+            lr_t = bias_corrected_lr(0.01, 0.9, 0.999, 4)
+            if fused:  # Adam: the adamw row with the weight decay 0
+                t.all_reduce_adamw(w, v, s, grads, lr_t, 0.9, 0.999, 1e-7, 0.0)
             else:
-                t.adam(w, v, s, g, lr_t, 0.9, 0.999, 1e-7)
+                t.adamw(w, v, s, g, lr_t, 0.9, 0.999, 1e-7, 0.0)
             _check_fused(backend, ["trusted adam w", "m", "v"], [w, v, s], [ew, ev, es])
             REF.momentum(ew, ev, g, lr=0.1, momentum=0.9, nesterov=True)
             if fused:

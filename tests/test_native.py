@@ -585,7 +585,7 @@ def test_core_out_of_place_and_batch_check_their_arguments():
     with pytest.raises(TypeError, match="gradients have dtype float64"):
         _core.all_reduce_sgd([o1], [np.ones(4)], 0.1)
     with pytest.raises(ValueError, match="at least one"):
-        _core.all_reduce_adam([o1], [o2], [o2], [], 0.1, 0.9, 0.999, 1e-7)
+        _core.all_reduce_adamw([o1], [o2], [o2], [], 0.1, 0.9, 0.999, 1e-7, 0.0)
 
 
 def test_core_overlapping_buffers_go_through_a_temporary(ref):
@@ -661,7 +661,7 @@ def test_gil_is_released_during_a_large_batch():
 
 def test_trusted_calls_the_extension_directly(native):
     t = native.trusted
-    assert t.all_reduce is _core.all_reduce_into and t.all_reduce_adam is _core.all_reduce_adam
+    assert t.all_reduce is _core.all_reduce_into and t.all_reduce_adamw is _core.all_reduce_adamw
     assert t.batch_all_reduce is _core.batch_all_reduce and t.sgd is _core.sgd
 
     class Sub(NativeBackend):

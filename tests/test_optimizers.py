@@ -269,7 +269,7 @@ def test_one_merge_call_one_kernel_pass_per_variable(monkeypatch, ops):
         assert op is cudist.ReduceOp.SUM and len(pairs) == len(variables)
         return real_batch(op, pairs, options)
 
-    real_adam, real_fused = kernels.adam, kernels.all_reduce_adam
+    real_adam, real_fused = kernels.adamw, kernels.all_reduce_adamw  # Adam: the adamw row
 
     def adam(copies, ms, vs, grad, *hyper):
         calls["adam"].append((len(copies), len(ms), len(vs)))
@@ -281,8 +281,8 @@ def test_one_merge_call_one_kernel_pass_per_variable(monkeypatch, ops):
 
     monkeypatch.setattr(cudist.ReplicaContext, "merge_call", merge_call)
     monkeypatch.setattr(strategy.extended, "batch_reduce_to", batch_reduce_to)
-    monkeypatch.setattr(kernels, "adam", adam)
-    monkeypatch.setattr(kernels, "all_reduce_adam", fused)
+    monkeypatch.setattr(kernels, "adamw", adam)
+    monkeypatch.setattr(kernels, "all_reduce_adamw", fused)
     grads = [[_random(v.shape, np.float32, rng) for v in variables] for _ in range(n)]
     strategy.run(lambda: opt.apply_gradients(zip(grads[_rid()], variables)))
     assert calls["merge"] == n  # one merge_call per replica: merge_fn runs once

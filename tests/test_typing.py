@@ -556,14 +556,15 @@ def test_rule_bindings_take_the_tables_parameters() -> None:
     """Each binding generated from CUDIST_UPDATE_RULES takes ``copies``, its slots' copies (``<slot>s``),
     the gradient(s), the table's hyper-parameters and ``decay``, in that order, none defaulted, then
     ``sources`` (defaulted: in place), and is listed in ``out_of_place_rules``; and the C++ table
-    agrees with the Python one (cudist._kernels.UPDATE_KERNELS)."""
-    from cudist._kernels import UPDATE_KERNELS
+    agrees with the Python one (cudist._kernels.update_variants(): its rows' variants)."""
+    from cudist._kernels import update_variants
 
     core = _core_module()
     table = _rules_table()
     assert len(table) >= 6
+    assert set(table) == set(update_variants()) - {"sgd", "momentum", "adam"}  # every variant of the Python table
     for name, (slots, hyper) in table.items():
-        assert UPDATE_KERNELS[name] == (tuple(slots), (*hyper, "decay")), name
+        assert update_variants()[name][1:] == (tuple(slots), (*hyper, "decay")), name
         for fused in (False, True):
             fn = f"all_reduce_{name}" if fused else name
             want = ["copies", *(f"{s}s" for s in slots), "grads" if fused else "grad", *hyper, "decay"]

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, get_backend, momentum_schedule_step
+from cudist._kernels import UPDATE_KERNELS, bias_corrected_lr, get_backend, momentum_schedule_step
 from cudist._kernels._numpy import NumpyBackend
 
 CPU_BACKENDS = ["numpy", "numba", "native"]
@@ -231,11 +231,11 @@ def test_trusted_matches_public(backend):
         u_prev = momentum_schedule_step(0.9, 0.999, 1, 1.0)[0]
         _, c_m, c_g, c_v = momentum_schedule_step(0.9, 0.999, 2, u_prev)
         cases = {
-            "adamw": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
-            "amsgrad": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
+            "adamw": (dict(lr=lr, step=2, weight_decay=wd), (bias_corrected_lr(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
+            "amsgrad": (dict(lr=lr, step=2, weight_decay=wd), (bias_corrected_lr(lr, 0.9, 0.999, 2), 0.9, 0.999, 1e-7, wd * lr)),
             "rmsprop": (dict(lr=lr, momentum=0.5, weight_decay=wd), (lr, 0.9, 0.5, 1e-7, wd * lr)),
             "adagrad": (dict(lr=lr, weight_decay=wd), (lr, 1e-7, wd * lr)),
-            "adamax": (dict(lr=lr, step=2, weight_decay=wd), (adam_lr_t(lr, 0.9, 0.0, 2), 0.9, 0.999, 1e-7, wd * lr)),
+            "adamax": (dict(lr=lr, step=2, weight_decay=wd), (bias_corrected_lr(lr, 0.9, 0.0, 2), 0.9, 0.999, 1e-7, wd * lr)),
             "nadam": (dict(lr=lr, step=2, u_product=u_prev, weight_decay=wd), (lr, 0.9, 0.999, 1e-7, c_m, c_g, c_v, wd * lr)),
             "lion": (dict(lr=lr, weight_decay=wd), (lr, 0.9, 0.99, wd * lr)),
         }
@@ -275,14 +275,14 @@ def test_known_values(backend):
     w, (m, v) = run("adamw", 2, lr=lr, step=1, weight_decay=wd)
     wd_w = w0 - w0 * (wd * lr)
     m_e, v_e = g * (1 - b1), g * g * (1 - b2)
-    np.testing.assert_allclose(w, wd_w - adam_lr_t(lr, b1, b2, 1) * m_e / (np.sqrt(v_e) + eps), rtol=1e-13)
+    np.testing.assert_allclose(w, wd_w - bias_corrected_lr(lr, b1, b2, 1) * m_e / (np.sqrt(v_e) + eps), rtol=1e-13)
     w = [w0.copy() for _ in range(2)]
     ms, vs = [[np.zeros(3) for _ in range(2)] for _ in range(2)]
     v_hats = [np.array([1e-4, 0.0, 0.0]) for _ in range(2)]  # above v_e for element 0, below for 1
     backend.amsgrad(w, ms, vs, v_hats, g, lr=lr, step=1)
     v_hat = np.maximum([1e-4, 0.0, 0.0], v_e)
     np.testing.assert_array_equal(v_hats[0], v_hat)
-    np.testing.assert_allclose(w[0], w0 - adam_lr_t(lr, b1, b2, 1) * m_e / (np.sqrt(v_hat) + eps), rtol=1e-13)
+    np.testing.assert_allclose(w[0], w0 - bias_corrected_lr(lr, b1, b2, 1) * m_e / (np.sqrt(v_hat) + eps), rtol=1e-13)
     w, (acc,) = run("adagrad", 1, init=0.1, lr=lr)
     np.testing.assert_allclose(w, w0 - lr * g / np.sqrt(0.1 + g * g + eps), rtol=1e-13)
     w, (m, u) = run("adamax", 2, lr=lr, step=1)
@@ -360,4 +360,4 @@ def test_cupy_matches_reference(name, dtype, n, m):
 )
 def test_adam_lr_t_without_beta_2_is_the_first_moment_correction(lr, beta_1, step):
     """beta_2 = 0 is the step size of the rules that correct only m (Adamax): lr / (1 - beta_1**step), bit for bit."""
-    assert adam_lr_t(lr, beta_1, 0.0, step) == lr / (1.0 - beta_1**step)
+    assert bias_corrected_lr(lr, beta_1, 0.0, step) == lr / (1.0 - beta_1**step)

@@ -901,30 +901,6 @@ void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, d
   });
 }
 
-void all_reduce_adam(py::handle copies, py::handle ms, py::handle vs, py::handle grads, double lr_t, double b1,
-                     double b2, double eps) {
-  const char* where = "all_reduce_adam";
-  std::vector<void*> p, pm, pv, pg;
-  std::size_t size = 0, msize = 0, vsize = 0;
-  kind k, km, kv;
-  const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
-  const py::tuple keep_m = inspect_all(ms, where, "m copy", true, pm, msize, km);
-  const py::tuple keep_v = inspect_all(vs, where, "v copy", true, pv, vsize, kv);
-  if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
-    throw py::value_error("all_reduce_adam: the m and v slots must match the variable copies in number, dtype and size");
-  kind kg;
-  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
-  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
-    using T = decltype(t);
-    using G = decltype(tg);
-    maybe_nogil((3 * p.size() + 3) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
-      T* const* const state[3] = {typed<T>(pm), typed<T>(pv), typed<T>(p)};
-      cudist::detail::run_rule<cudist::rules::adam>(state, p.size(), size, reinterpret_cast<const G* const*>(pg.data()),
-                                                    pg.size(), 0.0, &cudist::thread_pool::global(), lr_t, b1, b2, eps);
-    });
-  });
-}
-
 void sgd(py::handle copies, py::handle grad, double lr) {
   std::vector<void*> p;
   std::size_t size = 0;
@@ -961,32 +937,12 @@ void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, do
   });
 }
 
-void adam(py::handle copies, py::handle ms, py::handle vs, py::handle grad, double lr_t, double b1, double b2,
-          double eps) {
-  std::vector<void*> p, pm, pv;
-  std::size_t size = 0, msize = 0, vsize = 0;
-  kind k, km, kv;
-  const py::tuple keep = inspect_all(copies, "adam", "copy", true, p, size, k);
-  const py::tuple keep_m = inspect_all(ms, "adam", "m copy", true, pm, msize, km);
-  const py::tuple keep_v = inspect_all(vs, "adam", "v copy", true, pv, vsize, kv);
-  if (km != k || kv != k || msize != size || vsize != size || pm.size() != p.size() || pv.size() != p.size())
-    throw py::value_error("adam: the m and v slots must match the variable copies in number, dtype and size");
-  const void* g = inspect_like(grad, "adam", "grad", k, size, false);
-  dispatch_float(k, "adam", [&](auto t) {
-    using T = decltype(t);
-    maybe_nogil((3 * p.size() + 4) * size * sizeof(T), [&] {
-      cudist::adam<T>(typed<T>(p), typed<T>(pm), typed<T>(pv), p.size(), size, static_cast<const T*>(g), lr_t, b1, b2,
-                      eps);
-    });
-  });
-}
-
 // ---------------------------------------------------------------------------------------------
-// RMSprop and the optimizers of CUDIST_UPDATE_RULES: one inspection for the plain form (``grad``, one
+// The optimizers of CUDIST_UPDATE_RULES: one inspection for the plain form (``grad``, one
 // array) and the fused all-reduce form (``grads``, one or more).
 struct update_args {
   std::vector<void*> p;                 // the variable's copies
-  std::vector<void*> slot[3];           // slot copies (empty: the slot is absent)
+  std::vector<void*> slot[8];           // slot copies (CUDIST_PP_MAP's bound on a row's slots)
   std::vector<void*> pg;                // the gradients (one for the plain form)
   std::vector<py::tuple> keep;          // the arrays, held while the kernel runs
   std::size_t size = 0;
@@ -995,7 +951,7 @@ struct update_args {
 
   template <class T>
   T* const* slot_ptrs(int s) {
-    return slot[s].empty() ? nullptr : typed<T>(slot[s]);
+    return typed<T>(slot[s]);
   }
   template <class G>
   const G* const* grads() const {
@@ -1009,19 +965,14 @@ struct update_args {
   }
 };
 
-// ``slots``: (array list or None, name); None is allowed only where ``optional``.
+// ``slots``: (array list, name).
 update_args inspect_update(const char* where, py::handle copies,
-                           std::initializer_list<std::tuple<py::handle, const char*, bool>> slots, py::handle g,
-                           bool fused) {
+                           std::initializer_list<std::pair<py::handle, const char*>> slots, py::handle g, bool fused) {
   update_args u;
   u.keep.push_back(inspect_all(copies, where, "copy", true, u.p, u.size, u.k));
   int s = 0;
-  for (const auto& [h, name, optional] : slots) {
-    if (h.is_none()) {
-      if (!optional) throw py::type_error(std::string(where) + ": the " + name + " slot copies are required");
-      ++s;
-      continue;
-    }
+  for (const auto& [h, name] : slots) {
+    if (h.is_none()) throw py::type_error(std::string(where) + ": the " + name + " slot copies are required");
     std::size_t ssize = 0;
     kind ks;
     u.keep.push_back(inspect_all(h, where, (std::string(name) + " copy").c_str(), true, u.slot[s], ssize, ks));
@@ -1046,20 +997,6 @@ update_args inspect_update(const char* where, py::handle copies,
 template <class F>
 void run_mixed_update_call(update_args& u, const char* where, F&& fn) {
   dispatch_mixed(u.k, u.kg, where, [&](auto t, auto tg) { maybe_nogil(u.bytes_moved(), [&] { fn(t, tg); }); });
-}
-
-void rmsprop_any(bool fused, py::handle copies, py::handle vels, py::handle moms, py::handle avgs, py::handle g,
-                 double lr, double rho, double momentum, double eps, double decay) {
-  const char* where = fused ? "all_reduce_rmsprop" : "rmsprop";
-  update_args u = inspect_update(
-      where, copies, {{vels, "velocity", false}, {moms, "momentum", true}, {avgs, "average_gradient", true}}, g, fused);
-  run_mixed_update_call(u, where, [&](auto t, auto tg) {
-    using T = decltype(t);
-    using G = decltype(tg);
-    cudist::detail::rmsprop_update<T, G>(typed<T>(u.p), u.slot_ptrs<T>(0), u.slot_ptrs<T>(1), u.slot_ptrs<T>(2),
-                                         u.p.size(), u.size, u.grads<G>(), u.pg.size(), lr, rho, momentum, eps, decay,
-                                         &cudist::thread_pool::global());
-  });
 }
 
 // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>): their plain and fused
@@ -1088,7 +1025,7 @@ void def_rule(py::module_& m, const char* name, const std::array<const char*, si
         where.c_str(),
         [fused, where, slots](py::handle copies, handle_at<S>... slot_copies, py::handle g, double_at<H>... h,
                               double decay, py::handle sources) {
-          update_args u = inspect_update(where.c_str(), copies, {std::make_tuple(slot_copies, slots[S], false)...}, g,
+          update_args u = inspect_update(where.c_str(), copies, {std::make_pair(slot_copies, slots[S])...}, g,
                                          fused);
           // Out of place: the current values of the variable, then of each slot, read from these
           // arrays (a reader's snapshot); the copies are written, not read.
@@ -1688,34 +1625,15 @@ PYBIND11_MODULE(_core, m) {
   m.def("all_reduce_momentum", &all_reduce_momentum, py::arg("copies"), py::arg("velocities"), py::arg("grads"),
         py::arg("lr"), py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
         "Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass.");
-  m.def("all_reduce_adam", &all_reduce_adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grads"),
-        py::arg("lr_t"), py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
-        "Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass.");
   m.def("momentum", &momentum, py::arg("copies"), py::arg("velocities"), py::arg("grad"), py::arg("lr"),
         py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
         "Momentum SGD (Keras formulation) on N copies and N velocities.");
-  m.def("adam", &adam, py::arg("copies"), py::arg("ms"), py::arg("vs"), py::arg("grad"), py::arg("lr_t"),
-        py::arg("beta_1"), py::arg("beta_2"), py::arg("epsilon"),
-        "Adam (Keras formulation) with the bias-corrected step size ``lr_t``.");
 
   // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table;
   // each takes ``sources=`` (out of place), and its names are listed in ``out_of_place_rules``.
   m.attr("out_of_place_rules") = py::list();
   m.attr("out_of_place_rules").attr("extend")(py::make_tuple("momentum", "all_reduce_momentum"));
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
-  // RMSprop: the plain form and the fused all-reduce form.
-  m.def("rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr, double rho,
-                      double mom, double eps, double decay) { rmsprop_any(false, c, v, mo, a, g, lr, rho, mom, eps, decay); },
-        py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grad"),
-        py::arg("lr"), py::arg("rho"), py::arg("momentum"), py::arg("epsilon"), py::arg("decay"),
-        "RMSprop (Keras formulation); ``momentums`` / ``average_grads`` None when absent.");
-  m.def("all_reduce_rmsprop", [](py::handle c, py::handle v, py::handle mo, py::handle a, py::handle g, double lr,
-                                 double rho, double mom, double eps, double decay) {
-          rmsprop_any(true, c, v, mo, a, g, lr, rho, mom, eps, decay);
-        },
-        py::arg("copies"), py::arg("velocities"), py::arg("momentums"), py::arg("average_grads"), py::arg("grads"),
-        py::arg("lr"), py::arg("rho"), py::arg("momentum"), py::arg("epsilon"), py::arg("decay"),
-        "Fused: the sum of ``grads``, then RMSprop; one pass.");
   m.def(
       "num_threads", [] { return cudist::thread_pool::global().size(); },
       "Threads the kernels use (the calling thread included).");

@@ -8,7 +8,7 @@ threads doing the MLP benchmark's matmuls took 5.7 ms with OpenBLAS's 2 threads 
 
 That count is the same in every replica execution mode (greenlets too), because OpenBLAS's results
 depend on its thread count: a float32 ``(128, 784) @ (784, 512)`` differs in its last bits between
-1 and 2 threads (OpenBLAS 0.3.31 of NumPy 2.4.6), and Adam turns such bits into visible differences.
+1 and 2 threads (OpenBLAS 0.3.31 of NumPy 2.4.6), and an adaptive optimizer turns such bits into visible differences.
 One count for all modes keeps a program's bits independent of the mode and of ``auto``'s choice.
 
 Found by looking at the shared libraries the process has mapped (``/proc/self/maps``, Linux) and

@@ -102,18 +102,6 @@ def all_reduce_momentum(
 ) -> None:
     """Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass."""
 
-def all_reduce_adam(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grads: _Arrays,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then Adam with the bias-corrected ``lr_t``; one pass."""
-
 def momentum(
     copies: _Arrays,
     velocities: _Arrays,
@@ -125,19 +113,8 @@ def momentum(
 ) -> None:
     """Momentum SGD (Keras formulation) on N copies and N velocities."""
 
-def adam(
-    copies: _Arrays,
-    ms: _Arrays,
-    vs: _Arrays,
-    grad: _Array,
-    lr_t: _Float,
-    beta_1: _Float,
-    beta_2: _Float,
-    epsilon: _Float,
-) -> None:
-    """Adam (Keras formulation) with the bias-corrected step size ``lr_t``."""
 
-# RMSprop and the optimizers of the rules' table: ``decay`` is weight_decay * lr (0: none).
+# The optimizers of the rules' table: ``decay`` is weight_decay * lr (0: none).
 
 def __getattr__(name: str) -> Callable[..., None]:
     """The optimizers of the rules' table (CUDIST_UPDATE_RULES in csrc/include/cudist/detail/update_rules.hpp),
@@ -152,34 +129,6 @@ def __getattr__(name: str) -> Callable[..., None]:
 #: taking ``sources=``.
 out_of_place_rules: list[str]
 
-
-def rmsprop(
-    copies: _Arrays,
-    velocities: _Arrays,
-    momentums: _Arrays | None,
-    average_grads: _Arrays | None,
-    grad: _Array,
-    lr: _Float,
-    rho: _Float,
-    momentum: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """RMSprop (Keras formulation); ``momentums`` / ``average_grads`` None when absent."""
-
-def all_reduce_rmsprop(
-    copies: _Arrays,
-    velocities: _Arrays,
-    momentums: _Arrays | None,
-    average_grads: _Arrays | None,
-    grads: _Arrays,
-    lr: _Float,
-    rho: _Float,
-    momentum: _Float,
-    epsilon: _Float,
-    decay: _Float,
-) -> None:
-    """Fused: the sum of ``grads``, then RMSprop; one pass."""
 
 def reduce_to_one_shared(
     bufs: _Arrays, op: _Op, out: _Array | Callable[[tuple[int, ...], np.dtype[Any]], _Array]

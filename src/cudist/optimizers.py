@@ -59,7 +59,7 @@ import numpy.typing as npt
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
 from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
-from cudist._dataplane.update import Plan, Rule, UpdatePass, adam_lr_t, is_bfloat16, momentum_schedule_step, settle_inputs
+from cudist._dataplane.update import Plan, Rule, UpdatePass, bias_corrected_lr, is_bfloat16, momentum_schedule_step, settle_inputs
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
 from cudist._values import DistributedValues, Mirrored, PerReplica
@@ -1282,13 +1282,13 @@ class Adam(Optimizer):
         return config
 
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
-        return (adam_lr_t(lr, self.beta_1, self.beta_2, step),)
+        return (bias_corrected_lr(lr, self.beta_1, self.beta_2, step),)
 
     def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
         scalars = (params[0], self.beta_1, self.beta_2, self.epsilon)
         if self._amsgrad:
             return Rule("amsgrad", scalars, decay)
-        return Rule("adamw" if decay else "adam", scalars, decay)
+        return Rule("adamw", scalars, decay)  # one rule: the weight decay 0, or not
 
 
 class AdamW(Adam):
@@ -1590,7 +1590,7 @@ class Adamax(Optimizer):
 
     def _step_params(self, lr: float, step: int) -> tuple[float, ...]:
         # beta_2 = 0: only m is bias-corrected, lr / (1 - beta_1**step) exactly.
-        return (adam_lr_t(lr, self.beta_1, 0.0, step),)
+        return (bias_corrected_lr(lr, self.beta_1, 0.0, step),)
 
     def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
         return Rule("adamax", (params[0], self.beta_1, self.beta_2, self.epsilon), decay)

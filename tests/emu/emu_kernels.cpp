@@ -55,11 +55,6 @@ void run(void (*kernel)(P...), unsigned gx, unsigned gy, unsigned bx, A... args)
                                                      int nesterov, long long count) {                              \
     run(&k::mirrored_momentum<T>, gx, gy, bx, copies, vels, n, grad, lr, momentum, nesterov, count);               \
   }                                                                                                                \
-  extern "C" void cudist_emu_mirrored_adam_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies,           \
-                                                 T* const* ms, T* const* vs, int n, const T* grad, C lr_t,         \
-                                                 C beta_1, C beta_2, C epsilon, long long count) {                 \
-    run(&k::mirrored_adam<T>, gx, gy, bx, copies, ms, vs, n, grad, lr_t, beta_1, beta_2, epsilon, count);          \
-  }                                                                                                                \
   CUDIST_EMU_FUSED(T, T, C, DT)
 
 // The fused all-reduce + update kernels with gradients of type G: T's own, or (mixed precision) a
@@ -76,13 +71,6 @@ void run(void (*kernel)(P...), unsigned gx, unsigned gy, unsigned bx, A... args)
                                                                 int nesterov, long long count) {                   \
     run(&k::mirrored_all_reduce_momentum<T, G>, gx, gy, bx, copies, vels, n, grads, n_grads, lr, momentum, nesterov,  \
         count);                                                                                                    \
-  }                                                                                                                \
-  extern "C" void cudist_emu_mirrored_all_reduce_adam_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies, \
-                                                            T* const* ms, T* const* vs, int n, G* const* grads,    \
-                                                            int n_grads, C lr_t, C beta_1, C beta_2, C epsilon,    \
-                                                            long long count) {                                     \
-    run(&k::mirrored_all_reduce_adam<T, G>, gx, gy, bx, copies, ms, vs, n, grads, n_grads, lr_t, beta_1, beta_2,      \
-        epsilon, count);                                                                                           \
   }
 
 CUDIST_EMU_ALL_DTYPES(__half, float16)

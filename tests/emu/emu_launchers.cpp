@@ -52,11 +52,6 @@ inline cudist::reduce_op as_op(int op) { return static_cast<cudist::reduce_op>(o
                                                  void* stream) {                                                   \
     return cc::momentum<T>(copies, velocities, n, grad, lr, momentum, nesterov != 0, count, as_stream(stream));    \
   }                                                                                                                \
-  extern "C" int cudist_emu_launch_adam_##DT(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad,   \
-                                             double lr_t, double beta_1, double beta_2, double epsilon,            \
-                                             long long count, void* stream) {                                      \
-    return cc::adam<T>(copies, ms, vs, n, grad, lr_t, beta_1, beta_2, epsilon, count, as_stream(stream));          \
-  }                                                                                                                \
   extern "C" int cudist_emu_launch_all_reduce_sgd_##DT(T* const* copies, int n, const T* const* grads, int m,      \
                                                        double lr, long long count, void* stream) {                 \
     return cc::all_reduce_sgd<T>(copies, n, grads, m, lr, count, as_stream(stream));                               \
@@ -67,13 +62,6 @@ inline cudist::reduce_op as_op(int op) { return static_cast<cudist::reduce_op>(o
                                                             void* stream) {                                        \
     return cc::all_reduce_momentum<T>(copies, velocities, n, grads, m, lr, momentum, nesterov != 0, count,         \
                                       as_stream(stream));                                                          \
-  }                                                                                                                \
-  extern "C" int cudist_emu_launch_all_reduce_adam_##DT(T* const* copies, T* const* ms, T* const* vs, int n,       \
-                                                        const T* const* grads, int m, double lr_t, double beta_1,  \
-                                                        double beta_2, double epsilon, long long count,            \
-                                                        void* stream) {                                            \
-    return cc::all_reduce_adam<T>(copies, ms, vs, n, grads, m, lr_t, beta_1, beta_2, epsilon, count,               \
-                                  as_stream(stream));                                                              \
   }
 
 CUDIST_EMU_LAUNCH_ALL(__half, float16)

@@ -1,6 +1,6 @@
 /// @file updates.hpp
 /// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
-/// momentum (optionally Nesterov), Adam, RMSprop and the optimizers of CUDIST_UPDATE_RULE_LIST
+/// momentum (optionally Nesterov) and the optimizers of CUDIST_UPDATE_RULE_LIST
 /// (<cudist/detail/update_rules.hpp>), and the fused all-reduce + update forms (all_reduce_sgd, ...)
 /// that sum M gradients in the same pass.
 ///
@@ -31,12 +31,6 @@
 
 namespace cudist {
 
-/// Adam's bias-corrected step size for the 1-based ``step``, computed in double:
-/// ``lr * sqrt(1 - beta_2^step) / (1 - beta_1^step)``.
-inline double adam_lr_t(double lr, double beta_1, double beta_2, long long step) {
-  return lr * std::sqrt(1.0 - std::pow(beta_2, static_cast<double>(step))) /
-         (1.0 - std::pow(beta_1, static_cast<double>(step)));
-}
 
 namespace detail {
 
@@ -51,7 +45,7 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// In cache, work goes block by block: a block of every slot is computed into L1, then written to
 /// copy 0 with ordinary stores (copy 0 was just read, so its lines are in cache) and to the other
 /// copies. Keeping the arithmetic and the stores in separate tight loops is faster than
-/// interleaving them per cache line (measured: ~1.6x on SGD and Adam, 4 x 64 KiB in cache, one
+/// interleaving them per cache line (measured: ~1.6x on SGD and a two-slot rule, 4 x 64 KiB in cache, one
 /// thread). When the update is large, the other copies are written with streaming stores (they
 /// are write-only: streaming saves reading them first), two whole cache lines at a time right
 /// after they are computed, which in memory beats the block scheme.
@@ -59,7 +53,7 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// A buffer passed more than once in a slot is written once: every copy gets the same values, so
 /// the result is the same for less traffic. It matters most with streaming stores, which would
 /// otherwise evict the lines just written to that buffer and write them again (measured: 4 copies
-/// that are one 64 MiB buffer, SGD 2.4x and Adam 3.5x faster).
+/// that are one 64 MiB buffer, SGD 2.4x and a two-slot rule 3.5x faster).
 ///
 /// ``unread0``: bit ``s`` set when copy 0 of slot ``s`` is not what ``compute`` reads (an
 /// out-of-place update): it is then written like the other copies, streamed when large (its lines
@@ -337,16 +331,35 @@ void fused_rule_update(T* const* const (&state)[NS], const T* const* sources, st
   run_update<T, NS>(state, n, count, m + NS, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
     // Local copies of the rule (its constants) and of the read pointers: a store to ``out`` may
     // alias any float reached through a reference, so without them the constants are reloaded
-    // every element (measured: Adam 64 x 4 KiB updates ~25% slower).
+    // every element (measured: a two-slot rule, 64 x 4 KiB updates, ~25% slower).
     const Rule r = rule;
     const T* const p[NS] = {(s0[I] + b)...};
     typename A::acc_t acc[K];
     const auto* g = sum_grads_line<T, G>(gp, m, b, len, acc);
     for (std::size_t s = 0; s < NS; ++s) prefetch(p[s]);
-    for (std::size_t k = 0; k < len; ++k) {
+    auto element = [&](std::size_t k) {
       C x[NS] = {static_cast<C>(A::load(p[I][k]))...};
       r(static_cast<C>(g[k]), x);
       ((out[I][at + k] = static_cast<T>(x[I])), ...);
+    };
+    if constexpr (NS > 1) {
+      // Kept a loop until the vectorizer has seen it. With a constant trip count of 16 (one line
+      // of float32), GCC's early complete unrolling (cunrolli, before the vectorizer) peels the
+      // loop whenever the rule's body is small enough (16 copies under
+      // max-completely-peeled-insns); the peeled copies are left to the SLP vectorizer, which does
+      // not reorder the loads of element k+1 above the stores of element k to ``out`` (they may
+      // alias), so they stay mostly scalar: momentum ~1.4x the time of the vectorized loop. Whether
+      // a body crossed the threshold depended on inlining and constant propagation, so on unrelated
+      // code under LTO (the hand-written momentum loop this driver replaces ran 1.6x slower in one
+      // build, as fast again in the next). ``unroll 4``, below the trip count, forbids the
+      // complete peeling: the loop is vectorized (with a run-time alias check) in every build.
+      // Not for a rule without slots (SGD): its peeled body is vectorized whole, and the kept loop
+      // made GCC hold the gradient sum in scalar registers instead (1.7x). See bench/PERFORMANCE.md.
+      const std::size_t L = len;  // (``k < len`` on an integral_constant made GCC drop the pragma)
+#pragma GCC unroll 4
+      for (std::size_t k = 0; k < L; ++k) element(k);
+    } else {
+      for (std::size_t k = 0; k < len; ++k) element(k);
     }
   }, unread0);
 }
@@ -435,47 +448,22 @@ void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, doub
 
 namespace detail {
 
-/// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision).
+/// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision):
+/// the rules' driver over rules::momentum or rules::nesterov (picked once per call), reading
+/// ``sources`` (the variable's, then the velocity's current values) when given (out of place).
 template <class T, class G>
 void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const G* const* grads,
                      std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool,
                      const T* const* sources = nullptr) {
-  if (n == 0 || m == 0 || count == 0) return;
-  using C = compute_t<T>;
-  using A = arith<T>;
-  constexpr std::size_t K = kLineBytes / sizeof(T);
-  // Still hand-written on the host (rules::momentum / rules::nesterov serve the CUDA kernels): with
-  // the shared rule inside the same loop it measured ~35% slower (4 x 4096 float32: 5.9 us against
-  // 4.3 us; 4 x 64K: 56 against 43), not yet understood (the loop vectorizes either way).
-  const C lr_c = static_cast<C>(lr), mom = static_cast<C>(momentum);
-  std::vector<std::vector<T>> keep;
-  std::vector<std::vector<G>> keep_g;
-  // What the update reads: copy 0 (in place) or ``sources`` (out of place: the variable's, then the
-  // velocity's current values, e.g. held by an asynchronous checkpoint write; see fused_rule_update).
-  const T* w0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[0] : copies[0], {copies, velocities}, n,
-                                           count, keep);
-  const T* v0 = snapshot_if_overlapping<T>(sources != nullptr ? sources[1] : velocities[0], {copies, velocities}, n,
-                                           count, keep);
-  const unsigned unread0 = (v0 != velocities[0] ? 1u : 0u) | (w0 != copies[0] ? 2u : 0u);  // see run_update
-  const grad_list<T, G> gl(grads, m, {copies, velocities}, n, count, keep_g);
-  const G* const* gp = gl.data();
-  T* const* const slots[2] = {velocities, copies};
-  run_update<T, 2>(slots, n, count, m + 2, pool, [&](std::size_t b, auto len, auto out, std::size_t at) {
-    typename A::acc_t acc[K];
-    const auto* g = sum_grads_line<T, G>(gp, m, b, len, acc);
-    const T* w = w0 + b;
-    const T* v = v0 + b;
-    prefetch(w);
-    prefetch(v);
-    for (std::size_t k = 0; k < len; ++k) {
-      const C gk = static_cast<C>(g[k]);
-      const C vk = mom * static_cast<C>(A::load(v[k])) - lr_c * gk;
-      const C wk = static_cast<C>(A::load(w[k]));
-      const C wn = nesterov ? wk + (mom * vk - lr_c * gk) : wk + vk;
-      out[0][at + k] = static_cast<T>(vk);
-      out[1][at + k] = static_cast<T>(wn);
-    }
-  }, unread0);
+  T* const* const state[2] = {velocities, copies};
+  // The driver reads one source per entry of ``state`` (the velocity's first).
+  const T* const src[2] = {sources != nullptr ? sources[1] : nullptr, sources != nullptr ? sources[0] : nullptr};
+  const T* const* s = sources != nullptr ? src : nullptr;
+  if (nesterov) {
+    run_rule_reading<rules::nesterov>(state, s, n, count, grads, m, 0.0, pool, lr, momentum);
+  } else {
+    run_rule_reading<rules::momentum>(state, s, n, count, grads, m, 0.0, pool, lr, momentum);
+  }
 }
 
 }  // namespace detail
@@ -500,30 +488,8 @@ void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t
   all_reduce_momentum<T>(copies, velocities, n, count, &grad, 1, lr, momentum, nesterov, pool);
 }
 
-/// Fused all-reduce + Adam: the ``m`` gradients summed as in all_reduce_sgd(), then the adam()
-/// update of the ``n`` copies of the variable and of its slots m and v, in one pass (m + 3 buffers
-/// read, 3n written). Bit-identical to reduce_to_one + adam().
-template <class T>
-void all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count,
-                     const T* const* grads, std::size_t m, double lr_t, double beta_1, double beta_2, double epsilon,
-                     thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_adam needs a floating-point type");
-  T* const* const state[3] = {ms, vs, copies};
-  detail::run_rule<rules::adam>(state, n, count, grads, m, 0.0, pool, lr_t, beta_1, beta_2, epsilon);
-}
-
-/// Adam (Keras formulation) on N copies of the variable and of its slots m and v, with the
-/// bias-corrected ``lr_t`` (see adam_lr_t()):
-/// ``m += (g - m) * (1 - beta_1)``; ``v += (g*g - v) * (1 - beta_2)``;
-/// ``w -= lr_t * m / (sqrt(v) + epsilon)``.
-template <class T>
-void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size_t count, const T* grad, double lr_t,
-          double beta_1, double beta_2, double epsilon, thread_pool* pool = &thread_pool::global()) {
-  all_reduce_adam<T>(copies, ms, vs, n, count, &grad, 1, lr_t, beta_1, beta_2, epsilon, pool);
-}
-
 // ---------------------------------------------------------------------------------------------
-// The optimizers of Keras 3 beyond SGD and Adam: RMSprop and those of CUDIST_UPDATE_RULE_LIST.
+// The optimizers of CUDIST_UPDATE_RULE_LIST.
 //
 // Each follows cudist's NumPy reference (src/cudist/_kernels/_numpy.py) operation by operation, in
 // the compute type (float32 for half): copy 0 of the variable and of every slot is read, the
@@ -531,54 +497,6 @@ void adam(T* const* copies, T* const* ms, T* const* vs, std::size_t n, std::size
 // is not 0, then the update; every slot and the variable are written to all n copies in one pass.
 // The ``all_reduce_*`` forms first sum m gradients as all_reduce_sgd() does.
 
-
-namespace detail {
-
-/// The body of all_reduce_rmsprop(), for gradients of type ``G`` (T, or narrower: mixed precision).
-template <class T, class G>
-void rmsprop_update(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
-                    std::size_t n, std::size_t count, const G* const* grads, std::size_t m, double lr, double rho,
-                    double momentum, double epsilon, double decay, thread_pool* pool) {
-  if (momentums != nullptr && average_grads != nullptr) {
-    T* const* const state[4] = {velocities, momentums, average_grads, copies};
-    run_rule<rules::rmsprop_centered_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum,
-                                                       epsilon);
-  } else if (momentums != nullptr) {
-    T* const* const state[3] = {velocities, momentums, copies};
-    run_rule<rules::rmsprop_momentum>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  } else if (average_grads != nullptr) {
-    T* const* const state[3] = {velocities, average_grads, copies};
-    run_rule<rules::rmsprop_centered>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  } else {
-    T* const* const state[2] = {velocities, copies};
-    run_rule<rules::rmsprop>(state, n, count, grads, m, decay, pool, lr, rho, momentum, epsilon);
-  }
-}
-
-}  // namespace detail
-
-/// Fused all-reduce + RMSprop (Keras formulation). ``momentums`` (momentum > 0) and
-/// ``average_grads`` (centered) may be null when the optimizer has no such slot:
-/// ``v = rho * v + (1 - rho) * g*g``; centered: ``a = rho * a + (1 - rho) * g``,
-/// ``d = v - a*a + epsilon``, else ``d = v + epsilon``; ``inc = lr * g / sqrt(d)``; with momentums
-/// ``mo = momentum * mo + inc; w -= mo``, else ``w -= inc`` (after ``w -= w * decay``).
-template <class T>
-void all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
-                        std::size_t n, std::size_t count, const T* const* grads, std::size_t m, double lr, double rho,
-                        double momentum, double epsilon, double decay, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_rmsprop needs a floating-point type");
-  detail::rmsprop_update<T, T>(copies, velocities, momentums, average_grads, n, count, grads, m, lr, rho, momentum,
-                               epsilon, decay, pool);
-}
-
-/// RMSprop on N copies (see all_reduce_rmsprop()).
-template <class T>
-void rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, std::size_t n,
-             std::size_t count, const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
-             thread_pool* pool = &thread_pool::global()) {
-  all_reduce_rmsprop<T>(copies, velocities, momentums, average_grads, n, count, &grad, 1, lr, rho, momentum, epsilon,
-                        decay, pool);
-}
 
 /// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST
 /// (<cudist/detail/update_rules.hpp>, where each rule's formula is documented), generated:

@@ -34,7 +34,7 @@ import numpy.typing as npt
 from cudist._arrays import device_context, gpu_of, like
 from cudist._dataplane import pool
 from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
-from cudist._kernels import UPDATE_KERNELS, adam_lr_t, is_bfloat16, momentum_schedule_step, numpy_backend
+from cudist._kernels import UPDATE_KERNELS, bias_corrected_lr, is_bfloat16, momentum_schedule_step, numpy_backend
 
 if TYPE_CHECKING:
     from cudist._kernels import KernelBackend, TrustedKernels
@@ -45,7 +45,7 @@ __all__ = [
     "Rule",
     "UpdatePass",
     "Updatable",
-    "adam_lr_t",
+    "bias_corrected_lr",
     "device_groups",
     "momentum_schedule_step",
     "settle_inputs",
@@ -82,7 +82,7 @@ class Rule:
         scalars: the rule's scalars in the table's order, the weight decay excluded.
         decay: the decoupled weight decay ``w -= w * decay`` of this step (0: none).
         slots: per slot of the rule, the index of the optimizer's slot that fills it, or None for
-            a slot the rule leaves out (RMSprop's optional ones); None: the optimizer's slots in order.
+            a slot the rule leaves out (one of its OPTIONAL_SLOTS); None: the optimizer's slots in order.
 
     Raises:
         ValueError: a rule the table does not have, or the wrong number of scalars.
@@ -129,7 +129,7 @@ class Rule:
             return
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
-        args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
+        args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
         kernel(copies, *args, grad, *self.scalars)
 
     def run_fused(
@@ -147,7 +147,7 @@ class Rule:
             return
         if self.decay_pass:
             _decay_pass(kernels, copies, self.decay)
-        args = slots if self.slots is None else self._slot_args(slots)  # (RMSprop's optional slots)
+        args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
         kernel(copies, *args, grads, *self.scalars)
 
     def _reads_sources(

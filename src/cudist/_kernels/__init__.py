@@ -23,13 +23,16 @@ import numpy as np
 from cudist import _settings
 from cudist._kernels._base import (
     FLOAT_DTYPES,
+    OPTIONAL_SLOTS,
     SUPPORTED_DTYPES,
     UPDATE_KERNELS,
+    update_variants,
     KernelBackend,
     TrustedKernels,
-    adam_lr_t,
+    bias_corrected_lr,
     is_bfloat16,
     momentum_schedule_step,
+    variant_of,
 )
 from cudist._kernels._cuda_launch import launch_policy as cuda_launch_policy
 from cudist._kernels._split import split, split_sizes
@@ -49,9 +52,12 @@ __all__ = [
     "cpu_backend",
     "numpy_backend",
     "reset_backend_cache",
-    "adam_lr_t",
+    "bias_corrected_lr",
     "momentum_schedule_step",
     "UPDATE_KERNELS",
+    "OPTIONAL_SLOTS",
+    "update_variants",
+    "variant_of",
     "split",
     "split_sizes",
     "reference_reduce",

@@ -51,9 +51,12 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "is_bfloat16",
     "FLOAT_DTYPES",
-    "adam_lr_t",
+    "bias_corrected_lr",
     "momentum_schedule_step",
     "UPDATE_KERNELS",
+    "OPTIONAL_SLOTS",
+    "update_variants",
+    "variant_of",
 ]
 
 SUPPORTED_DTYPES = tuple(np.dtype(t) for t in ("float16", "float32", "float64", "int32", "int64"))
@@ -70,7 +73,7 @@ def is_bfloat16(dtype) -> bool:
     return getattr(dtype, "name", None) == "bfloat16"
 
 
-def adam_lr_t(lr: float, beta_1: float, beta_2: float, step: int) -> float:
+def bias_corrected_lr(lr: float, beta_1: float, beta_2: float, step: int) -> float:
     """The bias-corrected step size ``lr * sqrt(1 - beta_2**step) / (1 - beta_1**step)`` for 1-based
     ``step`` (computed once, in float64).
 
@@ -100,13 +103,12 @@ def momentum_schedule_step(beta_1: float, beta_2: float, step: int, u_product: f
 
 #: The optimizer update kernels of the contract: name -> (slot names, trusted hyper-parameters).
 #: Each has a plain form ``name(copies, *slots, grad, *hyper)`` and a fused all-reduce form
-#: ``all_reduce_<name>(copies, *slots, grads, *hyper)``; a slot given as None is absent (rmsprop's
-#: optional momentum and average-gradient slots). The trusted entry points (:class:`TrustedKernels`),
+#: ``all_reduce_<name>(copies, *slots, grads, *hyper)``; a slot given as None is absent (those of
+#: OPTIONAL_SLOTS). The trusted entry points (:class:`TrustedKernels`),
 #: the native backend's hooks and the fused forms' default hooks are generated from this table.
 UPDATE_KERNELS = {
     "sgd": ((), ("lr",)),
     "momentum": (("velocity",), ("lr", "momentum", "nesterov")),
-    "adam": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon")),
     "adamw": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
     "amsgrad": (("m", "v", "v_hat"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
     "rmsprop": (("velocity", "momentum", "average_gradient"), ("lr", "rho", "momentum", "epsilon", "decay")),
@@ -115,6 +117,38 @@ UPDATE_KERNELS = {
     "nadam": (("m", "v"), ("lr", "beta_1", "beta_2", "epsilon", "c_m", "c_g", "c_v", "decay")),
     "lion": (("m",), ("lr", "beta_1", "beta_2", "decay")),
 }
+
+#: The slots of an UPDATE_KERNELS row that a call may give as None (absent). Each combination of
+#: them is a variant of the rule with its slots fixed: a row of the C++ table of its own
+#: (``CUDIST_UPDATE_RULE_LIST``), named ``<name>_<slot>...`` after the optional slots it has, in the
+#: row's order, which the native and CUDA hooks pick per call (:func:`variant_of`).
+OPTIONAL_SLOTS: dict[str, tuple[str, ...]] = {
+    "rmsprop": ("momentum", "average_gradient"),
+}
+
+
+def update_variants() -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
+    """Every kernel of the C++ rules' table: variant name -> (its UPDATE_KERNELS row, its slots, the
+    row's hyper-parameters), in the rows' order; a row without optional slots is its one variant.
+    Computed from the tables when called (a row added to them is in it)."""
+    out = {}
+    for name, (slots, hyper) in UPDATE_KERNELS.items():
+        optional = OPTIONAL_SLOTS.get(name, ())
+        for mask in range(1 << len(optional)):
+            present = {s for i, s in enumerate(optional) if mask >> i & 1}
+            kept = tuple(s for s in slots if s not in optional or s in present)
+            out[name + "".join(f"_{s}" for s in slots if s in present)] = (name, kept, hyper)
+    return out
+
+
+def variant_of(name: str, slots: Sequence[Any]) -> tuple[str, tuple[Any, ...]]:
+    """The variant of row ``name`` that the slot arguments ``slots`` (None: absent) call for, and
+    the slots it takes (those given)."""
+    optional = OPTIONAL_SLOTS.get(name)
+    if not optional:
+        return name, tuple(slots)
+    suffix = "".join(f"_{s}" for s, a in zip(UPDATE_KERNELS[name][0], slots) if a is not None and s in optional)
+    return name + suffix, tuple(a for a in slots if a is not None)
 
 
 class KernelBackend:
@@ -570,15 +604,16 @@ class KernelBackend:
         self.check_same_slots("adam", copies, ms, "m")
         self.check_same_slots("adam", copies, vs, "v")
         self.check_like("adam", "grad", grad, copies[0], writable=False)
-        lr_t = self._adam_lr_t("adam", lr, beta_1, beta_2, step)
-        self._hook_adam(copies, ms, vs, grad, lr_t, float(beta_1), float(beta_2), float(epsilon))
+        lr_t = self._bias_corrected_lr("adam", lr, beta_1, beta_2, step)
+        # Keras 3's Adam is AdamW's update without the weight decay: the adamw row, decay 0.
+        self._hook_adamw(copies, ms, vs, grad, lr_t, float(beta_1), float(beta_2), float(epsilon), 0.0)
         return copies
 
     @staticmethod
-    def _adam_lr_t(where, lr, beta_1, beta_2, step):
+    def _bias_corrected_lr(where, lr, beta_1, beta_2, step):
         if int(step) < 1:
             raise ValueError(f"{where}: step must be >= 1 (1-based), got {step}")
-        return adam_lr_t(float(lr), float(beta_1), float(beta_2), int(step))
+        return bias_corrected_lr(float(lr), float(beta_1), float(beta_2), int(step))
 
     # ------------------------------------------------------------------ more optimizer updates
     # Every one reads copy 0 of the variable and of its slots and writes all N copies in one pass;
@@ -609,7 +644,7 @@ class KernelBackend:
 
     def _adamw(self, where, fused, copies, ms, vs, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
         copies, (ms, vs), g = self._check_opt(where, copies, (("m", ms), ("v", vs)), **{"grads" if fused else "grad": g})
-        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
+        lr_t = self._bias_corrected_lr(where, lr, beta_1, beta_2, step)
         hook = self._hook_all_reduce_adamw if fused else self._hook_adamw
         hook(copies, ms, vs, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
         return copies
@@ -617,7 +652,7 @@ class KernelBackend:
     def adamw(self, copies, ms, vs, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.004):
         """AdamW (Keras): decoupled weight decay ``w -= w * (weight_decay * lr)``, then :meth:`adam`.
 
-        The trusted form takes the bias-corrected ``lr_t`` (:func:`adam_lr_t`) and
+        The trusted form takes the bias-corrected ``lr_t`` (:func:`bias_corrected_lr`) and
         ``decay = weight_decay * lr``. Returns ``copies``.
         """
         return self._adamw("adamw", False, copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
@@ -626,7 +661,7 @@ class KernelBackend:
         copies, (ms, vs, v_hats), g = self._check_opt(
             where, copies, (("m", ms), ("v", vs), ("v_hat", v_hats)), **{"grads" if fused else "grad": g}
         )
-        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
+        lr_t = self._bias_corrected_lr(where, lr, beta_1, beta_2, step)
         hook = self._hook_all_reduce_amsgrad if fused else self._hook_amsgrad
         hook(copies, ms, vs, v_hats, g, lr_t, float(beta_1), float(beta_2), float(epsilon),
              float(weight_decay) * float(lr))
@@ -637,7 +672,7 @@ class KernelBackend:
         """AMSGrad (Keras 3's ``Adam(amsgrad=True)``): :meth:`adamw`'s moments, then
         ``v_hat = maximum(v_hat, v)`` (NumPy's) and ``w -= lr_t * m / (sqrt(v_hat) + epsilon)``.
 
-        The trusted form takes the bias-corrected ``lr_t`` (:func:`adam_lr_t`) and
+        The trusted form takes the bias-corrected ``lr_t`` (:func:`bias_corrected_lr`) and
         ``decay = weight_decay * lr``. Returns ``copies``.
         """
         return self._amsgrad("amsgrad", False, copies, ms, vs, v_hats, grad, lr, beta_1, beta_2, epsilon, step,
@@ -676,13 +711,13 @@ class KernelBackend:
 
     def adamax(self, copies, ms, us, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step, weight_decay=0.0):
         """Adamax (Keras): ``m += (g - m) * (1 - beta_1)``; ``u = maximum(beta_2 * u, |g|)``;
-        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`adam_lr_t` with
+        ``w -= lr_t * m / (u + epsilon)`` with ``lr_t = lr / (1 - beta_1**step)`` (:func:`bias_corrected_lr` with
         ``beta_2 = 0``, what the trusted form takes). ``maximum`` is NumPy's (a NaN wins). Returns ``copies``."""
         return self._adamax("adamax", False, copies, ms, us, grad, lr, beta_1, beta_2, epsilon, step, weight_decay)
 
     def _adamax(self, where, fused, copies, ms, us, g, lr, beta_1, beta_2, epsilon, step, weight_decay):
         copies, (ms, us), g = self._check_opt(where, copies, (("m", ms), ("u", us)), **{"grads" if fused else "grad": g})
-        lr_t = adam_lr_t(float(lr), float(beta_1), 0.0, self._step(where, step))
+        lr_t = bias_corrected_lr(float(lr), float(beta_1), 0.0, self._step(where, step))
         hook = self._hook_all_reduce_adamax if fused else self._hook_adamax
         hook(copies, ms, us, g, lr_t, float(beta_1), float(beta_2), float(epsilon), float(weight_decay) * float(lr))
         return copies
@@ -781,8 +816,8 @@ class KernelBackend:
         where = "all_reduce_adam"
         copies, (ms, vs) = self._check_update(where, copies, (("m", ms), ("v", vs)))
         grads = self.check_grads(where, grads, copies, (("m", ms), ("v", vs)))
-        lr_t = self._adam_lr_t(where, lr, beta_1, beta_2, step)
-        self._hook_all_reduce_adam(copies, ms, vs, grads, lr_t, float(beta_1), float(beta_2), float(epsilon))
+        lr_t = self._bias_corrected_lr(where, lr, beta_1, beta_2, step)
+        self._hook_all_reduce_adamw(copies, ms, vs, grads, lr_t, float(beta_1), float(beta_2), float(epsilon), 0.0)
         return copies
 
     def all_reduce_adamw(self, copies, ms, vs, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step,
@@ -865,9 +900,6 @@ class KernelBackend:
     def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):  # pragma: no cover - abstract
-        raise NotImplementedError
-
     def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):  # pragma: no cover - abstract
         raise NotImplementedError
 
@@ -917,8 +949,6 @@ class KernelBackend:
     def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
         self._hook_momentum(copies, velocities, self._sum_grads(grads, copies[0].dtype), lr, momentum, nesterov)
 
-    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        self._hook_adam(copies, ms, vs, self._sum_grads(grads, copies[0].dtype), lr_t, beta_1, beta_2, epsilon)
 
 
 #: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
@@ -937,9 +967,9 @@ class TrustedKernels:
     * ``op`` is a :class:`~cudist._reduce_util.ReduceOp` member (not a string);
     * an output is exactly its own input (in place) or shares no memory with any other buffer of the
       call; gradients share no memory with the copies or slots an update writes;
-    * the updates (sgd, momentum, adam and their fused forms) get floating-point buffers; slot lists
-      are as long as the copy list; hyper-parameters are Python floats (``lr_t`` of ``adam`` is the
-      bias-corrected step size of :func:`adam_lr_t`) and ``nesterov`` a bool.
+    * the updates (every row of UPDATE_KERNELS and its fused form) get floating-point buffers; slot
+      lists are as long as the copy list; hyper-parameters are Python floats (an ``lr_t`` is the
+      bias-corrected step size of :func:`bias_corrected_lr`) and ``nesterov`` a bool.
 
     Breaking them is undefined behaviour on the fast backends (a wrong result, not necessarily an
     error). Use :meth:`check_bufs` (and the backend's other ``check_*`` methods) once, then call these.
@@ -970,17 +1000,16 @@ class TrustedKernels:
       dtype, or bfloat16 / float16 for a float32 ``out`` where ``mixed_gradients``), summed as the
       fused updates sum them, divided by ``scale``; returns whether every element of ``out`` is finite.
       LossScaleOptimizer's step: the finiteness check is part of the reduction's pass.
-    * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``;
-      ``adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)``.
+    * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``.
     * ``all_reduce_sgd(copies, grads, lr)``;
-      ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``;
-      ``all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)``.
-    * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)``;
+      ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``.
+    * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (also the public
+      :meth:`KernelBackend.adam`'s, decay 0);
       ``amsgrad(copies, ms, vs, v_hats, grad, lr_t, beta_1, beta_2, epsilon, decay)``;
       ``rmsprop(copies, velocities, momentums, average_grads, grad, lr, rho, momentum, epsilon, decay)``
-      (``momentums`` / ``average_grads`` None when absent); ``adagrad(copies, accs, grad, lr, epsilon,
+      (``momentums`` / ``average_grads`` None when absent: OPTIONAL_SLOTS); ``adagrad(copies, accs, grad, lr, epsilon,
       decay)``; ``adamax(copies, ms, us, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (``lr_t`` of
-      :func:`adam_lr_t` with ``beta_2 = 0``); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
+      :func:`bias_corrected_lr` with ``beta_2 = 0``); ``nadam(copies, ms, vs, grad, lr, beta_1, beta_2, epsilon, c_m, c_g, c_v,
       decay)`` (:func:`momentum_schedule_step`); ``lion(copies, ms, grad, lr, beta_1, beta_2, decay)``; each with
       an ``all_reduce_<name>`` form taking ``grads`` in place of ``grad``. ``decay`` is
       ``weight_decay * lr`` (0.0: none).

@@ -58,7 +58,13 @@ _MIXED_PAIR = re.compile(r"\bM\(A,\s*(\w+),\s*(\w+)\)")
 _RULES = re.compile(_MACRO.format(name="CUDIST_UPDATE_RULE_LIST", params=r"X, A"))
 #: The fused all-reduce + update kernels: the ones CUDIST_MIXED_GRADIENTS also instantiates mixed.
 FUSED_PREFIX = "mirrored_all_reduce_"
-_RULE = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+),\s*\(([^()]*)\),\s*\(([^()]*)\)\)")
+# A row may continue on the next line (``\`` and a newline are blanks to it).
+_RULE = re.compile(r"\bX\(A,[\s\\]*(\w+),[\s\\]*(\w+),[\s\\]*\(([^()]*)\),[\s\\]*\(([^()]*)\)\)")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """The identifiers of a row's parenthesized list (a continued line's ``\\`` a blank to it)."""
+    return tuple(x.strip(" \\\n") for x in text.split(","))
 
 
 def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:
@@ -71,7 +77,7 @@ def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple
     if body is None:
         raise ValueError(f"{UPDATE_RULES}: no CUDIST_UPDATE_RULE_LIST(X, A) macro found")
     rows = {
-        name: (rule, tuple(s.strip() for s in slots.split(",")), tuple(h.strip() for h in hyper.split(",")))
+        name: (rule, _names(slots), _names(hyper))
         for name, rule, slots, hyper in _RULE.findall(body.group(1))
     }
     if not rows:

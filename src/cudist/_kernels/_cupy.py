@@ -63,7 +63,7 @@ import numpy as np
 import optree
 
 from cudist._arrays import join_streams
-from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBackend, is_bfloat16
+from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBackend, is_bfloat16, variant_of
 from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._numpy import reference_reduce
 from cudist._kernels._cuda_launch import (
@@ -696,12 +696,10 @@ class CupyBackend(KernelBackend):
         join_streams(cupy, others, (device,))
         return out
 
-    def _mirrored(self, kernel, copies, slots, grad, scalars, grads=None, table_order=None):
+    def _mirrored(self, kernel, copies, slots, grad, scalars, grads=None):
         """Runs a mirrored-update kernel on copies[:MAX_REPLICAS] (and the slots), then broadcasts
         copy 0 of each to the rest. With ``grads`` (a list), the fused all-reduce form: the kernel
-        sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary.
-        ``table_order``: which group's pointer table goes to each of the kernel's table parameters
-        (RMSprop passes the velocities' for a slot it does not have and does not read)."""
+        sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary."""
         n, count, dtype = len(copies), copies[0].size, copies[0].dtype
         inputs = [grad] if grads is None else list(grads)
         grad_dtype = None
@@ -733,8 +731,6 @@ class CupyBackend(KernelBackend):
         staged_groups = [staged[i * n : (i + 1) * n] for i in range(len(groups))]
         m = min(n, MAX_REPLICAS)
         tables = [_pack(g[:m]) for g in staged_groups]
-        if table_order is not None:
-            tables = [tables[i] for i in table_order]
         if kernel == "mirrored_assign_add":
             args = (tables[0], np.int32(m), g_arrs[0], np.int64(count), *scalars)
         elif grads is None:
@@ -778,10 +774,6 @@ class CupyBackend(KernelBackend):
             "mirrored_momentum", copies, [velocities], grad, (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
         )
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
-        ct = self._ct(copies[0].dtype)
-        self._mirrored("mirrored_adam", copies, [ms, vs], grad, (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon)))
-
     def _hook_all_reduce_sgd(self, copies, grads, lr):
         ct = self._ct(copies[0].dtype)
         self._mirrored("mirrored_all_reduce_sgd", copies, [], None, (ct(lr),), grads=grads)
@@ -791,33 +783,13 @@ class CupyBackend(KernelBackend):
         scalars = (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
         self._mirrored("mirrored_all_reduce_momentum", copies, [velocities], None, scalars, grads=grads)
 
-    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        ct = self._ct(copies[0].dtype)
-        scalars = (ct(lr_t), ct(beta_1), ct(beta_2), ct(epsilon))
-        self._mirrored("mirrored_all_reduce_adam", copies, [ms, vs], None, scalars, grads=grads)
-
-    # The other optimizers of UPDATE_KERNELS: one fused kernel each (``mirrored_all_reduce_<name>``,
+    # The other optimizers of UPDATE_KERNELS: one fused kernel per variant (``mirrored_all_reduce_<name>``,
     # their hooks generated from the table below the class); the plain update is that kernel with
     # one gradient.
-    def _opt(self, name, copies, slots, grads, hyper, flags=()):
+    def _opt(self, name, copies, slots, grads, hyper):
         ct = self._ct(copies[0].dtype)
-        scalars = tuple(ct(h) for h in hyper) + tuple(np.int32(f) for f in flags)
+        scalars = tuple(ct(h) for h in hyper)
         self._mirrored(f"mirrored_all_reduce_{name}", copies, list(slots), None, scalars, grads=list(grads))
-
-    def _hook_all_reduce_rmsprop(self, copies, vels, moms, avgs, grads, lr, rho, momentum, epsilon, decay):
-        present = [vels] + [s for s in (moms, avgs) if s is not None]
-        order, i = [0, 1], 2
-        for s in (moms, avgs):
-            order.append(i if s is not None else 1)
-            i += s is not None
-        ct = self._ct(copies[0].dtype)
-        scalars = tuple(ct(h) for h in (lr, rho, momentum, epsilon, decay))
-        scalars += (np.int32(moms is not None), np.int32(avgs is not None))
-        self._mirrored("mirrored_all_reduce_rmsprop", copies, present, None, scalars, grads=list(grads),
-                       table_order=order)
-
-    def _hook_rmsprop(self, copies, vels, moms, avgs, grad, *hyper):
-        self._hook_all_reduce_rmsprop(copies, vels, moms, avgs, (grad,), *hyper)
 
     # ------------------------------------------------------------------ batch scatter
     def scatter(self, batch, devices):
@@ -906,14 +878,17 @@ class CupyBackend(KernelBackend):
 
 
 def _rule_hooks(name):
-    """The plain and fused hooks of ``name``: its ``mirrored_all_reduce_<name>`` kernel."""
+    """The plain and fused hooks of ``name``: the ``mirrored_all_reduce_<variant>`` kernel of the
+    variant its slots call for (:func:`variant_of`: ``name`` itself without optional slots)."""
     nslots = len(UPDATE_KERNELS[name][0])
 
     def plain(self, copies, *args):
-        self._opt(name, copies, args[:nslots], (args[nslots],), args[nslots + 1 :])
+        variant, slots = variant_of(name, args[:nslots])
+        self._opt(variant, copies, slots, (args[nslots],), args[nslots + 1 :])
 
     def fused(self, copies, *args):
-        self._opt(name, copies, args[:nslots], args[nslots], args[nslots + 1 :])
+        variant, slots = variant_of(name, args[:nslots])
+        self._opt(variant, copies, slots, args[nslots], args[nslots + 1 :])
 
     return plain, fused
 

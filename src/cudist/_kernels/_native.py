@@ -10,7 +10,15 @@ from __future__ import annotations
 import numpy as np
 
 from cudist import _core, _settings
-from cudist._kernels._base import UPDATE_ENTRY_POINTS, KernelBackend, TrustedKernels
+from cudist._kernels._base import (
+    OPTIONAL_SLOTS,
+    UPDATE_ENTRY_POINTS,
+    UPDATE_KERNELS,
+    update_variants,
+    KernelBackend,
+    TrustedKernels,
+    variant_of,
+)
 from cudist._reduce_util import ReduceOp
 
 __all__ = ["NativeBackend", "num_threads", "set_num_threads"]
@@ -128,9 +136,6 @@ class NativeBackend(KernelBackend):
     def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
         _core.momentum(copies, velocities, grad, lr, momentum, nesterov)
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
-        _core.adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon)
-
     def _hook_reduce_unscale_finite(self, grads, scale, out):
         return _core.reduce_unscale_finite(grads, scale, out)
 
@@ -140,12 +145,29 @@ class NativeBackend(KernelBackend):
     def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
         _core.all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)
 
-    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        _core.all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon)
+
+def _core_variants(name, form):
+    """The entry point ``form + name`` (``form``: "" or "all_reduce_") of a row with optional slots:
+    the extension's function of the variant the given slots call for (one per combination)."""
+    nslots = len(UPDATE_KERNELS[name][0])
+    fns = {v: getattr(_core, form + v) for v, (row, _, _) in update_variants().items() if row == name}
+
+    def entry(copies, *args):
+        variant, slots = variant_of(name, args[:nslots])
+        fns[variant](copies, *slots, *args[nslots:])
+
+    entry.__name__ = entry.__qualname__ = form + name
+    return entry
+
+
+def _entry_point(name):
+    """The extension's function serving the trusted entry point ``name`` (a form of a table row)."""
+    row = name.removeprefix("all_reduce_")
+    return _core_variants(row, name[: len(name) - len(row)]) if row in OPTIONAL_SLOTS else getattr(_core, name)
 
 
 def _core_hook(name):
-    fn = getattr(_core, name)
+    fn = _entry_point(name)
 
     def hook(self, *args):
         fn(*args)
@@ -181,5 +203,11 @@ class _NativeTrusted(TrustedKernels):
         self.assign_add = _core.assign_add
         self.reduce_unscale_finite = _core.reduce_unscale_finite
         for name in UPDATE_ENTRY_POINTS:
-            setattr(self, name, getattr(_core, name))
-        self.out_of_place = frozenset(_core.out_of_place_rules)
+            setattr(self, name, _entry_point(name))
+        # The entry points that take ``sources=``: a row with optional slots is served by its
+        # variants' functions, picked per call (_core_variants), which do not pass it on.
+        self.out_of_place = frozenset(
+            n
+            for n in _core.out_of_place_rules
+            if n in UPDATE_ENTRY_POINTS and n.removeprefix("all_reduce_") not in OPTIONAL_SLOTS
+        )

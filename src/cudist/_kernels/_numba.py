@@ -64,8 +64,8 @@ _PARALLEL_MIN_BYTES = 4 << 20
 # Modes of _k_reduce.
 _SUM, _MEAN, _SUB = 0, 1, 2
 # Modes of _k_update.
-_SGD, _MOMENTUM, _NESTEROV, _ADAM = 0, 1, 2, 3
-# The optimizers with decoupled weight decay (hyper-parameter _DECAY) and up to three slots.
+_SGD, _MOMENTUM, _NESTEROV = 0, 1, 2
+# The optimizers with decoupled weight decay (hyper-parameter _DECAY) and up to three slots (3 is free).
 _ADAMW, _RMSPROP, _ADAGRAD, _ADAMAX, _NADAM, _LION, _AMSGRAD = 4, 5, 6, 7, 8, 9, 10
 #: Hyper-parameters per update call (float64 in, rounded to the compute type in the kernel);
 #: the last one is the weight-decay factor of the modes from _ADAMW on.
@@ -627,25 +627,8 @@ def _update_range(argp, lo, hi, dtype, ctype, gtype):
                     ww = _ld(w[j]) + vv
                 t1[j] = _st(vv, dtype)
                 tw[j] = _st(ww, dtype)
-        elif mode >= _ADAMW:
-            _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, has_decay, zero, one, tc, t1, t2, t3, tw, dtype)
         else:
-            lr_t = hp[0]
-            c1 = hp[4] - hp[1]  # one - beta_1, in the compute type as NumPy does
-            c2 = hp[4] - hp[2]
-            eps = hp[3]
-            mv = _view(a[_HDR + n] + off, m, dtype)
-            vv_ = _view(a[_HDR + n + n1] + off, m, dtype)
-            for j in range(m):
-                gg = _ld(g[j])
-                mm = _ld(mv[j])
-                vv = _ld(vv_[j])
-                mm = mm + (gg - mm) * c1
-                vv = vv + (gg * gg - vv) * c2
-                ww = _ld(w[j]) - lr_t * mm / (np.sqrt(vv) + eps)
-                t1[j] = _st(mm, dtype)
-                t2[j] = _st(vv, dtype)
-                tw[j] = _st(ww, dtype)
+            _update_more(a, mode, n, n1, n2, n3, off, m, w, g, hp, has_decay, zero, one, tc, t1, t2, t3, tw, dtype)
         for i in range(n1):
             y = _view(a[_HDR + n + i] + off, m, dtype)
             for j in range(m):
@@ -1048,17 +1031,6 @@ class NumbaBackend(KernelBackend):
             lambda: _NP._hook_momentum(copies, velocities, grad, lr, momentum, nesterov),
         )
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
-        self._update(
-            _ADAM,
-            copies,
-            ms,
-            vs,
-            (grad,),
-            (lr_t, beta_1, beta_2, epsilon, 1.0),
-            lambda: _NP._hook_adam(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon),
-        )
-
     def _hook_all_reduce_sgd(self, copies, grads, lr):
         self._update(_SGD, copies, (), (), grads, (lr,), lambda: _NP._hook_all_reduce_sgd(copies, grads, lr))
 
@@ -1071,17 +1043,6 @@ class NumbaBackend(KernelBackend):
             grads,
             (lr, momentum),
             lambda: _NP._hook_all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov),
-        )
-
-    def _hook_all_reduce_adam(self, copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon):
-        self._update(
-            _ADAM,
-            copies,
-            ms,
-            vs,
-            grads,
-            (lr_t, beta_1, beta_2, epsilon, 1.0),
-            lambda: _NP._hook_all_reduce_adam(copies, ms, vs, grads, lr_t, beta_1, beta_2, epsilon),
         )
 
     # ------------------------------------------------------------------ the optimizers with weight decay

@@ -87,21 +87,6 @@ class NumpyBackend(KernelBackend):
         _copy_to_all(v.astype(copies[0].dtype), velocities)
         _copy_to_all(w.astype(copies[0].dtype), copies)
 
-    def _hook_adam(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon):
-        ct = _compute_dtype(copies[0].dtype)
-        one = ct.type(1)
-        lr_t, b1, b2, eps = ct.type(lr_t), ct.type(beta_1), ct.type(beta_2), ct.type(epsilon)
-        g = grad.astype(ct)
-        m = ms[0].astype(ct)
-        v = vs[0].astype(ct)
-        m = m + (g - m) * (one - b1)
-        v = v + (g * g - v) * (one - b2)
-        w = copies[0].astype(ct) - lr_t * m / (np.sqrt(v) + eps)
-        dt = copies[0].dtype
-        _copy_to_all(m.astype(dt), ms)
-        _copy_to_all(v.astype(dt), vs)
-        _copy_to_all(w.astype(dt), copies)
-
     # The optimizers below share one shape: copy 0 of the variable and of each slot read in the
     # compute type, the decoupled weight decay first (``w - w * decay``, skipped when decay is 0),
     # the update, then every slot and the variable written to all their copies.

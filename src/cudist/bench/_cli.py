@@ -15,14 +15,16 @@ from cudist.bench import _tf
 from cudist.bench._errors import BenchError
 from cudist.bench._sizes import check_fits_in_memory, format_size, parse_size, size_sweep
 
-class _UpdateOptimizers:
-    """``update --optimizer`` choices: _ops.UPDATE_OPTIMIZERS (derived from the kernels' table), read
-    on first use, so that building the parser imports no NumPy."""
+class _Names:
+    """A tuple of workload names another bench module registers (``module.attr``), read on first use,
+    so that building the parser imports no NumPy: the registries name the workloads, not this file."""
+
+    def __init__(self, module: str, attr: str) -> None:
+        self._where = (module, attr)
 
     def _names(self) -> tuple[str, ...]:
-        from cudist.bench._ops import UPDATE_OPTIMIZERS as names
-
-        return names
+        module, attr = self._where
+        return tuple(getattr(importlib.import_module(module), attr))
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._names())
@@ -36,8 +38,17 @@ class _UpdateOptimizers:
     def __repr__(self) -> str:
         return repr(self._names())
 
+    def __str__(self) -> str:
+        return ",".join(self._names())
 
-UPDATE_OPTIMIZERS = _UpdateOptimizers()
+
+#: ``update --optimizer`` choices: derived from the kernels' table.
+UPDATE_OPTIMIZERS = _Names("cudist.bench._ops", "UPDATE_OPTIMIZERS")
+#: ``user-path --groups``: every group, and the default list.
+_USER_PATH_GROUPS = _Names("cudist.bench._user_path", "GROUPS")
+_USER_PATH_DEFAULT = _Names("cudist.bench._user_path", "DEFAULT_GROUPS")
+#: ``step --optimizer`` choices.
+_STEP_OPTIMIZERS = _Names("cudist.bench._strategy_bench", "STEP_OPTIMIZERS")
 
 __all__ = ["main", "build_parser"]
 
@@ -150,7 +161,7 @@ def _dtype_list(text):
 
 def _groups_arg(text):
     names = [t.strip().lower() for t in str(text).split(",") if t.strip()]
-    allowed = ("all-reduce", "nest", "momentum", "adam")
+    allowed = tuple(_USER_PATH_GROUPS)
     bad = [t for t in names if t not in allowed]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"unknown group(s) {', '.join(bad) or '(none)'}; expected a comma list of "
@@ -231,7 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp = sub.add_parser(name, parents=[_common_parser()], help=helps[name], description=helps[name])
         if name == "update":
             sp.add_argument("--optimizer", type=str.lower, choices=UPDATE_OPTIMIZERS, default="sgd",
-                            help="update rule (default sgd; rmsprop_centered: RMSprop with momentum, centered)")
+                            help="update rule: a kernel variant of the rules' table (default sgd)")
     sp = sub.add_parser(
         "run-overhead",
         parents=[_common_parser(sizes=False, defaults={"n": 200, "w": 20})],
@@ -244,14 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[_common_parser(sizes=False, defaults={"n": 20, "w": 3})],
         help="a synthetic data-parallel training step of a small MLP",
         description="Per-replica forward/backward of a 2-layer MLP in NumPy, a MEAN all-reduce of the "
-        "gradients and a mirrored SGD/Adam update, via the kernel layer and via MirroredStrategy.run + "
+        "gradients and a mirrored update (--optimizer), via the kernel layer and via MirroredStrategy.run + "
         "cudist.optimizers.",
     )
     sp.add_argument("--batch", type=_positive_int("--batch"), default=256, help="global batch size (default 256)")
     sp.add_argument("--features", type=_positive_int("--features"), default=256, help="input features (default 256)")
     sp.add_argument("--hidden", type=_positive_int("--hidden"), default=1024, help="hidden units (default 1024)")
     sp.add_argument("--classes", type=_positive_int("--classes"), default=16, help="outputs (default 16)")
-    sp.add_argument("--optimizer", type=str.lower, choices=("sgd", "adam"), default="sgd", help="(default sgd)")
+    sp.add_argument("--optimizer", type=str.lower, choices=_STEP_OPTIMIZERS, default="sgd", help="(default sgd)")
     sp.add_argument("--api", choices=("kernel", "strategy", "both"), default="both",
                     help="drive the step through the kernel layer, the strategy API, or both (default both)")
     sp = sub.add_parser(
@@ -261,14 +272,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per size (float32 bytes per replica): the bare in-place all-reduce kernel, strategy.run with "
         "ReplicaContext.all_reduce('sum') on a PerReplica array, the plain NumPy loop and, with --compare tf, "
         "TensorFlow's strategy.run + all_reduce in tf.function; then optimizer.apply_gradients inside "
-        "strategy.run (SGD momentum 0.9, Adam) next to the kernels and a NumPy loop doing the same update. "
+        "strategy.run (the optimizer groups) next to the kernels and a NumPy loop doing the same update. "
         "Rows take turns in interleaved rounds (-n rounds after -w warm-up rounds); %%copy divides by a copy of "
         "--copy-size bytes timed before and after them, %%same by a copy spanning the point's working set timed "
         "in the rounds (the bandwidth of memory in the same cache state). --backend picks the kernels of both the "
         "kernel rows and the strategy (all: the default backend).",
     )
-    sp.add_argument("--groups", type=_groups_arg, default=["all-reduce", "nest", "momentum", "adam"],
-                    help="comma list of all-reduce, nest, momentum, adam (default all four)")
+    sp.add_argument("--groups", type=_groups_arg, default=_USER_PATH_DEFAULT,
+                    help="comma list of groups (default %(default)s)")
     sp.add_argument("--round-ms", type=float, default=20.0, metavar="MS",
                     help="time of one row's block of calls in a round; fast calls repeat to fill it (default 20)")
     sub.add_parser(
@@ -602,7 +613,9 @@ def run_suite(ctx) -> None:
                       title="all-reduce bfloat16 (32M: as many elements as the float32 64M row)")
     run_kernel_op(ctx, "broadcast", sizes=sizes_mid, dtypes=["float32"])
     run_kernel_op(ctx, "all-gather", sizes=sizes_mid, dtypes=["float32"])
-    for opt in ("sgd", "adam"):
+    from cudist.bench._ops import SUITE_UPDATES
+
+    for opt in SUITE_UPDATES:
         a.optimizer = opt
         run_kernel_op(ctx, "update", sizes=[4 << 10, 1 << 20, 64 << 20], dtypes=["float32"])
     from cudist.bench import _strategy_bench, _user_path
@@ -610,13 +623,14 @@ def run_suite(ctx) -> None:
     # The user's path next to the kernels (strategy.run + all_reduce, apply_gradients): small sizes and
     # few rounds, so the suite stays about a minute; `cudist-bench user-path` runs the full sweep.
     iters, warmup = a.iters, a.warmup_iters
-    a.iters, a.warmup_iters, a.groups, a.round_ms = 5, 1, ["all-reduce", "momentum", "adam"], 10.0
+    a.iters, a.warmup_iters, a.groups, a.round_ms = 5, 1, list(_user_path.SUITE_GROUPS), 10.0
     _user_path.run_user_path(ctx, sizes=[256 << 10, 4 << 20])
     a.iters, a.warmup_iters = iters, warmup
     a.iters, a.warmup_iters = max(a.iters, 100), max(a.warmup_iters, 10)
     _strategy_bench.run_overhead(ctx)
     a.iters, a.warmup_iters = 5, 1
-    a.batch, a.features, a.hidden, a.classes, a.optimizer, a.api = 256, 256, 512, 16, "adam", "both"
+    a.batch, a.features, a.hidden, a.classes, a.api = 256, 256, 512, 16, "both"
+    a.optimizer = _strategy_bench.STEP_OPTIMIZERS[-1]  # the one with slots
     _strategy_bench.run_step(ctx)
 
 

@@ -9,8 +9,9 @@ Sizes are bytes per replica (per mirrored copy for updates). Bandwidth formulas 
 * split: algbw = busbw = n*size / t (the batch); the pieces are views, so no bytes move (%copy n/a).
 * update: algbw = size / t; busbw = bytes moved / t, moved = (r + w*n)*size with r buffers read (the
   variable's copy 0, each slot's copy 0, the gradient) and w per copy written (the variable and each
-  slot): with k slots, (2+k) + (1+k)*n: SGD (2+n), momentum (3+2n), Adam (4+3n: var, m, v, grad
-  read; 3n copies written), RMSprop (3+2n; centered with momentum, 3 slots: 5+4n).
+  slot): with k slots, (2+k) + (1+k)*n, one case per kernel variant of
+  cudist._kernels.update_variants() (a rule with optional slots has one per combination of them):
+  no slot 2+n, one 3+2n, two 4+3n (var, two slots and grad read; 3n copies written), three 5+4n.
 """
 
 from __future__ import annotations
@@ -21,9 +22,9 @@ from typing import Callable
 
 import numpy as np
 
-from cudist._kernels import UPDATE_KERNELS
+from cudist._kernels import UPDATE_KERNELS, update_variants
 
-__all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "make_case", "random_array", "count_wrong"]
+__all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "SUITE_UPDATES", "make_case", "random_array", "count_wrong"]
 
 
 @dataclass(frozen=True)
@@ -45,25 +46,22 @@ class Case:
 
 
 #: Update rule -> (buffers read, buffers written per mirrored copy): see the module docstring. One
-#: per kernel of cudist._kernels.UPDATE_KERNELS (its slots read and written besides the variable and
-#: the gradient; RMSprop with its velocity only), and RMSprop with all three slots.
-_UPDATE_MOVED = {
-    name: (2 + k, 1 + k) for name, k in ((name, len(slots)) for name, (slots, _) in UPDATE_KERNELS.items())
-}
-_UPDATE_MOVED["rmsprop"] = (3, 2)
-_UPDATE_MOVED["rmsprop_centered"] = (5, 4)  # momentum and centered: velocity, momentum, average gradient
+#: per kernel variant of cudist._kernels.update_variants() (its slots read and written besides the
+#: variable and the gradient).
+_UPDATE_MOVED = {name: (2 + len(slots), 1 + len(slots)) for name, (_, slots, _) in update_variants().items()}
 #: Slots that hold positive values (the others are signed).
 _POSITIVE_SLOTS = frozenset({"velocity", "v", "v_hat", "u", "accumulator"})
 #: Keyword arguments of an update beyond the learning rate (and the step, where it takes one).
 _UPDATE_ARGS = {
     "momentum": dict(momentum=0.9, nesterov=False),
-    "rmsprop_centered": dict(momentum=0.9),
     "adamw": dict(weight_decay=0.004),
     "amsgrad": dict(weight_decay=0.004),
     "nadam": dict(u_product=0.5),
 }
 #: The update rules ``cudist-bench update --optimizer`` takes.
 UPDATE_OPTIMIZERS = tuple(_UPDATE_MOVED)
+#: Those ``cudist-bench suite`` times: no slot, and two (with the weight decay).
+SUITE_UPDATES = ("sgd", "adamw")
 
 OPS = {
     "all-reduce": OpSpec(
@@ -210,25 +208,27 @@ def make_case(op: str, backend, count: int, dtype, n: int, *, redop="sum", seed:
         hp = dict(lr=0.01)
         signed = lambda: random_array(rng, count, dtype)  # noqa: E731
         positive = lambda: random_array(rng, count, dtype, nonneg=True)  # noqa: E731
-        if opt == "rmsprop_centered":
-            v = positive()  # the average gradient small against sqrt(v), so v - a*a stays positive
-            slots_h = [v, signed(), (signed().astype(np.float64) * 0.1 * np.sqrt(v.astype(np.float64))).astype(dtype)]
-        else:  # second moments, norms and accumulators are positive, first moments signed
-            names = UPDATE_KERNELS[opt][0][: 1 if opt == "rmsprop" else None]
-            slots_h = [positive() if s in _POSITIVE_SLOTS else signed() for s in names]
+        kernel, kept, _ = update_variants()[opt]
+        values = []
+        for s in kept:  # second moments, norms and accumulators are positive, first moments signed
+            if s == "average_gradient":  # small against sqrt(velocity), so v - a*a stays positive
+                v = values[0].astype(np.float64)
+                values.append((signed().astype(np.float64) * 0.1 * np.sqrt(v)).astype(dtype))
+            else:
+                values.append(positive() if s in _POSITIVE_SLOTS else signed())
+        slots_h = values
         hp.update(_UPDATE_ARGS.get(opt, {}))
         slots = [[fresh(s) for _ in range(n)] for s in slots_h]
         step = [0]
-        kernel = "rmsprop" if opt == "rmsprop_centered" else opt
         takes_step = "step" in inspect.signature(getattr(ref_be, kernel)).parameters
 
         def call(be, cps, sl, g):
-            if opt == "rmsprop":
-                return be.rmsprop(cps, sl[0], None, None, g, **hp)
+            given = iter(sl)  # the variant's slots; the row's others absent (None)
+            args = [next(given) if s in kept else None for s in UPDATE_KERNELS[kernel][0]]
             if not takes_step:
-                return getattr(be, kernel)(cps, *sl, g, **hp)
+                return getattr(be, kernel)(cps, *args, g, **hp)
             step[0] += 1
-            return getattr(be, kernel)(cps, *sl, g, step=step[0], **hp)
+            return getattr(be, kernel)(cps, *args, g, step=step[0], **hp)
 
         def check():
             # Restore the mirrors to known values, then one update on both backends from the same state.

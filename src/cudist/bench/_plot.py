@@ -53,7 +53,7 @@ def check_plot_request(path: str, command: str) -> None:
 def write_csv(tables: list, path: str) -> int:
     """Writes one CSV row per measured point of every table; returns the number of rows.
 
-    The first column is the table's name (``all-reduce``, ``update/adam``, ``user-path``, ...), then
+    The first column is the table's name (``all-reduce``, ``update/<rule>``, ``user-path``, ...), then
     every field any row has, in the order first seen (sizes in bytes, times in microseconds,
     bandwidths in GB/s); a field a row lacks is empty.
 

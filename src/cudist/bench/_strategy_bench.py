@@ -6,7 +6,7 @@ import contextlib
 
 import numpy as np
 
-__all__ = ["run_overhead", "run_step", "mlp_grads"]
+__all__ = ["run_overhead", "run_step", "mlp_grads", "STEP_OPTIMIZERS"]
 
 _OVH_COLS = ("strategy", "replicas", "fn", "backend", "time(us)", "min(us)", "#wrong")
 _OVH_FMT = "{:>21} {:>8} {:>18} {:>9} {:>10} {:>10} {:>7}"
@@ -187,6 +187,10 @@ def _init(a, rng):
     return params, x, y
 
 
+#: ``cudist-bench step --optimizer``: plain SGD, and Adam (two slots per parameter).
+STEP_OPTIMIZERS = ("sgd", "adam")
+
+
 class _KernelStep:
     """The data-parallel step written against the kernel layer: N mirrored copies of every parameter."""
 
@@ -314,7 +318,7 @@ def run_step(ctx) -> list:
             # Like with like: the strategy rows against the same step through the same strategy on
             # the NumPy backend. (Against the kernel rows' reference they would differ in the last
             # bits whenever BLAS rounds differently inside a run -- it gets max(1, threads // N)
-            # threads there, see cudist._blas -- and Adam magnifies such bits.)
+            # threads there, see cudist._blas -- and an adaptive optimizer magnifies such bits.)
             with use_backend("numpy"):
                 sref = _strategy_reference(ctx, params, shards)
         for be in backends:

@@ -64,9 +64,12 @@ import numpy as np
 from cudist.bench._sizes import format_size
 from cudist.bench._timing import minor_faults
 
-__all__ = ["run_user_path", "GROUPS", "moved_bytes", "working_set_bytes", "TFServer"]
+__all__ = ["run_user_path", "GROUPS", "DEFAULT_GROUPS", "SUITE_GROUPS", "moved_bytes", "working_set_bytes", "TFServer"]
 
 GROUPS = ("all-reduce", "momentum", "adam", "nest")
+#: ``cudist-bench user-path --groups``'s default, and the groups ``cudist-bench suite`` runs.
+DEFAULT_GROUPS = ("all-reduce", "nest", "momentum", "adam")
+SUITE_GROUPS = ("all-reduce", "momentum", "adam")
 #: Leaves per replica of the ``nest`` group (fewer when S holds fewer float32 elements).
 NEST_LEAVES = 64
 LR, MOMENTUM, BETA_1, BETA_2, EPSILON = 0.01, 0.9, 0.9, 0.999, 1e-7

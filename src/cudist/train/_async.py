@@ -10,9 +10,9 @@ An asynchronous save captures the state in the caller's thread and writes it in 
   when the write has read the held array, it becomes that variable's next write buffer, already
   faulted in (fresh pages would cost ~450 ms per 256 MiB on the 2-core build machine, more than a
   synchronous save). So a variable and each slot keep two buffers in turn however many saves run.
-  A rule whose kernel has no out-of-place form yet (the hand-written SGD, momentum, Adam and
-  RMSprop kernels) copies the held array into the write buffer first: the same bits, the copy in
-  that step rather than in the call;
+  A rule whose kernel has no out-of-place form yet (see ``out_of_place`` of the trusted kernels, and
+  a row with optional slots) copies the held array into the write buffer first: the same bits, the
+  copy in that step rather than in the call;
 * capture by copy otherwise: on the NumPy and Numba backends, for a component of a distributed
   variable, a dtype without kernels, the value is copied into a staging buffer that the checkpoint
   keeps from one save to the next (the kernel backend's multi-threaded copy); on a GPU the value is

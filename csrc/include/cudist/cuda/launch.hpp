@@ -83,11 +83,6 @@ template <class T>
 cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* grad, double lr, double momentum,
                      bool nesterov, long long count, cudaStream_t stream = nullptr);
 
-/// Keras Adam with the bias-corrected step lr_t (see cudist::adam_lr_t in <cudist/updates.hpp>).
-template <class T>
-cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
-                 double beta_2, double epsilon, long long count, cudaStream_t stream = nullptr);
-
 /// Fused all-reduce + SGD: g = grads[0] + ... + grads[m-1] (replica order, in T), then every copy
 /// becomes copies[0] - lr * g; bit-identical to reduce_to_one then sgd. Any m >= 1 (more than
 /// kMaxReplicas gradients are first reduced into a stream-ordered temporary, cudaMallocAsync).
@@ -102,30 +97,12 @@ cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, c
                                 double lr, double momentum, bool nesterov, long long count,
                                 cudaStream_t stream = nullptr);
 
-/// Fused all-reduce + Adam: the m gradients summed as in all_reduce_sgd, then adam().
-template <class T>
-cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                            double lr_t, double beta_1, double beta_2, double epsilon, long long count,
-                            cudaStream_t stream = nullptr);
-
-/// RMSprop and the optimizers of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>; cudist's
-/// kernel contract, Keras 3 formulas): the plain update on the n copies from `grad`, and the fused
-/// all-reduce form from the m gradients `grads` (summed in replica order in T as all_reduce_sgd does;
-/// more than kMaxReplicas are first reduced into a stream-ordered temporary). `decay` is the
-/// decoupled weight decay (weight_decay * lr: w -= w * decay first; 0: none). RMSprop's `momentums`
-/// / `average_grads` may be null (no momentum / not centered). Gradients must not overlap what is
-/// written.
-template <class T>
-cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, int n,
-                    const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
-                    long long count, cudaStream_t stream = nullptr);
-template <class T>
-cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
-                               int n, const T* const* grads, int m, double lr, double rho, double momentum,
-                               double epsilon, double decay, long long count, cudaStream_t stream = nullptr);
-
-/// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST, generated (the rule's
-/// hyper-parameters as the table names them, e.g. Adam's bias-corrected lr_t):
+/// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>;
+/// cudist's kernel contract, Keras 3 formulas), generated (the rule's hyper-parameters as the table
+/// names them): the plain update on the n copies from `grad`, and the fused all-reduce form from the
+/// m gradients `grads` (summed in replica order in T as all_reduce_sgd does; more than kMaxReplicas
+/// are first reduced into a stream-ordered temporary); `decay` is the decoupled weight decay
+/// (weight_decay * lr: w -= w * decay first; 0: none); gradients must not overlap what is written:
 ///   name(copies, <slot>s..., n, grad, hyper..., decay, count, stream)
 ///   all_reduce_name(copies, <slot>s..., n, grads, m, hyper..., decay, count, stream)
 /// with every `<slot>s` a host array of the n device pointers of that slot's copies.
@@ -166,25 +143,11 @@ CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_DECLARE_, ~)
   L(launch, sgd, T, (T* const*, int, const T*, double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_momentum(L, T, name)                                                     \
   L(launch, momentum, T, (T* const*, T* const*, int, const T*, double, double, bool, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_adam(L, T, name)                                                         \
-  L(launch, adam, T,                                                                                            \
-    (T* const*, T* const*, T* const*, int, const T*, double, double, double, double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_sgd(L, T, name)                                               \
   L(launch, all_reduce_sgd, T, (T* const*, int, const T* const*, int, double, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_momentum(L, T, name)                                          \
   L(launch, all_reduce_momentum, T,                                                                             \
     (T* const*, T* const*, int, const T* const*, int, double, double, bool, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_adam(L, T, name)                                              \
-  L(launch, all_reduce_adam, T,                                                                                 \
-    (T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double, long long,     \
-     cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_rmsprop(L, T, name)                                           \
-  L(launch, rmsprop, T,                                                                                         \
-    (T* const*, T* const*, T* const*, T* const*, int, const T*, double, double, double, double, double,         \
-     long long, cudaStream_t))                                                                                  \
-  L(launch, all_reduce_rmsprop, T,                                                                              \
-    (T* const*, T* const*, T* const*, T* const*, int, const T* const*, int, double, double, double, double,     \
-     double, long long, cudaStream_t))
 
 /// L(header, launcher, T, (parameters)) for every launcher and every dtype of the kernel it is
 /// listed under (a kernel of CUDIST_KERNELS without a CUDIST_CUDA_LAUNCHERS_<kernel> is an error).

@@ -247,27 +247,6 @@ cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* gra
   return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
 }
 
-template <class T>
-cudaError_t adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad, double lr_t, double beta_1,
-                 double beta_2, double epsilon, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || grad == nullptr)
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_adam_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
-                       detail::pack(copies, m), detail::pack(ms, m), detail::pack(vs, m), m, grad, static_cast<C>(lr_t),
-                       static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon), count);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  T* const* const slots[3] = {ms, vs, copies};
-  for (T* const* slot : slots) {
-    e = detail::broadcast_from<T>(slot[0], slot, m, n, count, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
 namespace detail {
 
 // The gradients of a fused update as at most kMaxReplicas pointers: more are first reduced (in
@@ -347,39 +326,10 @@ cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, c
   return detail::broadcast_from<T>(copies[0], copies, k, n, count, stream);
 }
 
-template <class T>
-cudaError_t all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* const* grads, int m,
-                            double lr_t, double beta_1, double beta_2, double epsilon, long long count,
-                            cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || ms == nullptr || vs == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  detail::PtrPack<T> g{};
-  int ng = 0;
-  T* tmp = nullptr;
-  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
-  if (e != cudaSuccess) return e;
-  const int k = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_adam_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                       stream, detail::pack(copies, k), detail::pack(ms, k), detail::pack(vs, k), k, g, ng,
-                       static_cast<C>(lr_t), static_cast<C>(beta_1), static_cast<C>(beta_2), static_cast<C>(epsilon),
-                       count);
-  e = cudaGetLastError();
-  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
-  if (e != cudaSuccess) return e;
-  T* const* const slots[3] = {ms, vs, copies};
-  for (T* const* slot : slots) {
-    e = detail::broadcast_from<T>(slot[0], slot, k, n, count, stream);
-    if (e != cudaSuccess) return e;
-  }
-  return cudaSuccess;
-}
-
 namespace detail {
-// The fused updates of RMSprop and the rules' table: the gradients packed (more than kMaxReplicas
+// The fused updates of the rules' table: the gradients packed (more than kMaxReplicas
 // pre-reduced), `launch(k, grads, n_grads)` on copies [0, k) of every group, then copy 0 of each
-// non-null group broadcast to the other copies.
+// group broadcast to the other copies.
 template <class T, class Launch>
 cudaError_t run_fused(std::initializer_list<T* const*> groups, int n, const T* const* grads, int m, long long count,
                       cudaStream_t stream, Launch&& launch) {
@@ -394,44 +344,12 @@ cudaError_t run_fused(std::initializer_list<T* const*> groups, int n, const T* c
   if (tmp != nullptr) cudaFreeAsync(tmp, stream);
   if (e != cudaSuccess) return e;
   for (T* const* group : groups) {
-    if (group == nullptr) continue;
     e = broadcast_from<T>(group[0], group, k, n, count, stream);
     if (e != cudaSuccess) return e;
   }
   return cudaSuccess;
 }
-template <class T>
-inline PtrPack<T> pack_or_null(T* const* ptrs, int n) {
-  return ptrs == nullptr ? PtrPack<T>{} : pack(ptrs, n);
-}
 }  // namespace detail
-template <class T>
-cudaError_t all_reduce_rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads,
-                               int n, const T* const* grads, int m, double lr, double rho, double momentum,
-                               double epsilon, double decay, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || velocities == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  return detail::run_fused<T>(
-      {velocities, momentums, average_grads, copies}, n, grads, m, count, stream,
-      [&](int k, const detail::PtrPack<T>& g, int ng) {
-        CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_rmsprop_packed<T>, detail::grid_for<T>(count),
-                             detail::kThreads, stream, detail::pack(copies, k), detail::pack(velocities, k),
-                             detail::pack_or_null(momentums, k), detail::pack_or_null(average_grads, k), k, g, ng,
-                             static_cast<C>(lr), static_cast<C>(rho), static_cast<C>(momentum), static_cast<C>(epsilon),
-                             static_cast<C>(decay), momentums != nullptr ? 1 : 0, average_grads != nullptr ? 1 : 0,
-                             count);
-      });
-}
-template <class T>
-cudaError_t rmsprop(T* const* copies, T* const* velocities, T* const* momentums, T* const* average_grads, int n,
-                    const T* grad, double lr, double rho, double momentum, double epsilon, double decay,
-                    long long count, cudaStream_t stream) {
-  if (grad == nullptr) return cudaErrorInvalidValue;
-  return all_reduce_rmsprop<T>(copies, velocities, momentums, average_grads, n, &grad, 1, lr, rho, momentum, epsilon,
-                               decay, count, stream);
-}
 // The launchers of CUDIST_UPDATE_RULE_LIST's kernels (declared in <cudist/cuda/launch.hpp>): every
 // slot must be given; the fused form runs the rule's kernel over the slots then the copies.
 #define CUDIST_CUDA_RULE_NULL_(A, slot) || slot##s == nullptr

@@ -24,7 +24,7 @@
 #pragma once
 
 #if !defined(__CUDACC_RTC__)
-#include <cmath>  // adamax_lr_t; NVRTC sees no include
+#include <cmath>  // adam_lr_t, adamax_lr_t; NVRTC sees no include
 #endif
 
 #if defined(__CUDACC__) || defined(__CUDACC_RTC__)
@@ -42,13 +42,23 @@
 /// src/cudist/_kernels/_cuda_launch.py too), the CUDA launchers (<cudist/cuda/launch.hpp>), the host
 /// entry points (<cudist/updates.hpp>) and the Python bindings (csrc/bindings/core.cpp) are all
 /// generated from it; a slot ``s`` is passed as the list of its copies named ``<s>s``.
+///
+/// A rule with optional slots (cudist._kernels.OPTIONAL_SLOTS: RMSprop's momentum and average
+/// gradient) has one row per combination of them, named after the row and the slots it has
+/// (``<name>_<slot>...``, in the slots' order), each with its slots fixed: its values stay in
+/// registers, and the callers (the Python hooks) pick the row once per call.
 #define CUDIST_UPDATE_RULE_LIST(X, A)                                                \
   X(A, adamw, adam, (m, v), (lr_t, beta_1, beta_2, epsilon))                         \
   X(A, amsgrad, amsgrad, (m, v, v_hat), (lr_t, beta_1, beta_2, epsilon))             \
   X(A, adagrad, adagrad, (accumulator), (lr, epsilon))                               \
   X(A, adamax, adamax, (m, u), (lr_t, beta_1, beta_2, epsilon))                      \
   X(A, nadam, nadam, (m, v), (lr, beta_1, beta_2, epsilon, c_m, c_g, c_v))           \
-  X(A, lion, lion, (m), (lr, beta_1, beta_2))
+  X(A, lion, lion, (m), (lr, beta_1, beta_2))                                       \
+  X(A, rmsprop, rmsprop, (velocity), (lr, rho, momentum, epsilon))                   \
+  X(A, rmsprop_momentum, rmsprop_momentum, (velocity, momentum), (lr, rho, momentum, epsilon)) \
+  X(A, rmsprop_average_gradient, rmsprop_centered, (velocity, average_gradient), (lr, rho, momentum, epsilon)) \
+  X(A, rmsprop_momentum_average_gradient, rmsprop_centered_momentum, (velocity, momentum, average_gradient), \
+    (lr, rho, momentum, epsilon))
 
 // The preprocessor helpers the generated code is written with (lists of at most 8 items).
 #define CUDIST_PP_REM(...) __VA_ARGS__
@@ -299,6 +309,13 @@ struct no_decay {
 }  // namespace rules
 
 #if !defined(__CUDACC_RTC__)
+/// Adam's bias-corrected step size for the 1-based ``step``, computed in double (host code; the
+/// ``lr_t`` of the rules adam and amsgrad): ``lr * sqrt(1 - beta_2^step) / (1 - beta_1^step)``.
+inline double adam_lr_t(double lr, double beta_1, double beta_2, long long step) {
+  return lr * std::sqrt(1.0 - std::pow(beta_2, static_cast<double>(step))) /
+         (1.0 - std::pow(beta_1, static_cast<double>(step)));
+}
+
 /// Adamax's bias-corrected step size ``lr / (1 - beta_1^step)`` for the 1-based ``step``, in double
 /// (host code; the rule's ``lr_t``).
 inline double adamax_lr_t(double lr, double beta_1, long long step) {

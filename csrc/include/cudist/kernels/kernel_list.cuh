@@ -53,8 +53,5 @@
   X(A, mirrored_assign_add, ALL)              \
   X(A, mirrored_sgd, FLOAT)                   \
   X(A, mirrored_momentum, FLOAT)              \
-  X(A, mirrored_adam, FLOAT)                  \
   X(A, mirrored_all_reduce_sgd, FLOAT)        \
-  X(A, mirrored_all_reduce_momentum, FLOAT)   \
-  X(A, mirrored_all_reduce_adam, FLOAT)       \
-  X(A, mirrored_all_reduce_rmsprop, FLOAT)
+  X(A, mirrored_all_reduce_momentum, FLOAT)

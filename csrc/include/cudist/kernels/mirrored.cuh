@@ -6,7 +6,7 @@
 // which computes in float32 and rounds to nearest even on store; hyper-parameters arrive already
 // converted to the compute type; no FMA contraction.
 //
-// The fused all-reduce + update kernels (mirrored_all_reduce_sgd / _momentum / _adam) first sum
+// The fused all-reduce + update kernels (mirrored_all_reduce_sgd / _momentum / _<rule>) first sum
 // their n_grads gradients in replica order in T (float16: in float32, rounded once), exactly as
 // all_reduce_one_shot / reduce_to_one would store the sum, then apply the same update: one pass
 // reads the gradients, copy 0 and slot copy 0 and writes every copy.
@@ -16,12 +16,12 @@
 // launchers broadcast copy 0 to the rest when there are more copies, and pre-reduce the gradients
 // when there are more gradients).
 //
-// RMSprop and the optimizers of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>) have the
-// fused form only (mirrored_all_reduce_*); their plain update is that kernel with one gradient.
+// The optimizers of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>) have the fused form
+// only (mirrored_all_reduce_*); their plain update is that kernel with one gradient.
 //
 // Every update's per-element arithmetic is its rule in <cudist/detail/update_rules.hpp>, shared with
 // the host kernels (<cudist/updates.hpp>); the kernels here only load, call the rule and store
-// (RuleUpdate), picking a rule's variant (Nesterov, RMSprop's optional slots) once per launch.
+// (RuleUpdate), picking a rule's variant (Nesterov) once per launch.
 //
 // T: assign_add: float, double, __half, int, long long, __nv_bfloat16; the updates: float, double,
 // __half, __nv_bfloat16 (computed in float32 and rounded once per stored value, as float16 is).
@@ -227,16 +227,6 @@ __device__ __forceinline__ void run_momentum(const Ptrs<T>& c, const Ptrs<T>& v,
   }
 }
 
-// Adam (rules::adam without weight decay) from one gradient (G = OneGrad) or the sum of several.
-template <class T, class G>
-__device__ __forceinline__ void run_adam(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n, const G& grad,
-                                         typename compute<T>::type lr_t, typename compute<T>::type beta_1,
-                                         typename compute<T>::type beta_2, typename compute<T>::type epsilon,
-                                         long long count) {
-  const Ptrs<T> s[3] = {m, v, c};
-  run_rule_from<rules::adam, T, 3>(s, n, grad, rules::no_decay{}, count, lr_t, beta_1, beta_2, epsilon);
-}
-
 }  // namespace detail
 
 /// Every copy becomes copies[0] + value (negate = 0) or copies[0] - value (negate != 0).
@@ -281,25 +271,6 @@ __global__ void mirrored_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int
                           momentum, nesterov, count);
 }
 
-/// Adam (Keras formulation) on n copies of the variable and of its m and v slots; lr_t is the
-/// bias-corrected step size lr * sqrt(1 - beta_2^t) / (1 - beta_1^t), computed by the caller.
-template <class T>
-__global__ void mirrored_adam(T* const* copies, T* const* ms, T* const* vs, int n, const T* grad,
-                              typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
-                              typename detail::compute<T>::type beta_2, typename detail::compute<T>::type epsilon,
-                              long long count) {
-  detail::run_adam<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                      detail::OneGrad<T>{grad}, lr_t, beta_1, beta_2, epsilon, count);
-}
-template <class T>
-__global__ void mirrored_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n, const T* grad,
-                                     typename detail::compute<T>::type lr_t, typename detail::compute<T>::type beta_1,
-                                     typename detail::compute<T>::type beta_2,
-                                     typename detail::compute<T>::type epsilon, long long count) {
-  detail::run_adam<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                      detail::OneGrad<T>{grad}, lr_t, beta_1, beta_2, epsilon, count);
-}
-
 namespace detail {
 
 template <class T, class G>
@@ -314,15 +285,6 @@ __device__ __forceinline__ void all_reduce_momentum_body(const Ptrs<T>& c, const
                                                          typename compute<T>::type momentum, int nesterov,
                                                          long long count) {
   run_momentum<T>(c, v, n, SumGrads<T, G>{g, n_grads}, lr, momentum, nesterov, count);
-}
-
-template <class T, class G>
-__device__ __forceinline__ void all_reduce_adam_body(const Ptrs<T>& c, const Ptrs<T>& m, const Ptrs<T>& v, int n,
-                                                     const Ptrs<G>& g, int n_grads, typename compute<T>::type lr_t,
-                                                     typename compute<T>::type beta_1,
-                                                     typename compute<T>::type beta_2,
-                                                     typename compute<T>::type epsilon, long long count) {
-  run_adam<T>(c, m, v, n, SumGrads<T, G>{g, n_grads}, lr_t, beta_1, beta_2, epsilon, count);
 }
 
 }  // namespace detail
@@ -362,100 +324,20 @@ __global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T
                                       detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
 }
 
-/// Fused all-reduce + Adam (the gradients summed as in mirrored_all_reduce_sgd; lr_t bias-corrected).
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_adam(T* const* copies, T* const* ms, T* const* vs, int n, G* const* grads,
-                                         int n_grads, typename detail::compute<T>::type lr_t,
-                                         typename detail::compute<T>::type beta_1,
-                                         typename detail::compute<T>::type beta_2,
-                                         typename detail::compute<T>::type epsilon, long long count) {
-  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
-}
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_adam_packed(PtrPack<T> copies, PtrPack<T> ms, PtrPack<T> vs, int n,
-                                                PtrPack<G> grads, int n_grads, typename detail::compute<T>::type lr_t,
-                                                typename detail::compute<T>::type beta_1,
-                                                typename detail::compute<T>::type beta_2,
-                                                typename detail::compute<T>::type epsilon, long long count) {
-  detail::all_reduce_adam_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(ms, n), detail::load_ptrs(vs, n), n,
-                                  detail::load_ptrs(grads, n_grads), n_grads, lr_t, beta_1, beta_2, epsilon, count);
-}
-
 // ---------------------------------------------------------------------------------------------
-// RMSprop and the rules' table: one kernel each (pointer-table and `_packed` forms), the fused
-// all-reduce form; the plain update is the same kernel with one gradient. The arithmetic is that
-// of the NumPy reference (its `_hook_<name>` in _numpy.py): the decoupled weight
-// decay w - w * decay first (skipped when decay is 0), then the update, in the compute type.
-
-namespace detail {
-
-// RMSprop: the momentum and average-gradient slots are optional; the flags pick one of the rule's
-// four instantiations once per launch (each with its slots fixed, so its values stay in registers).
-// The pointers are loaded inside each branch (`Src`: a device table or a PtrPack): loaded before
-// the branch, all four groups' pointers stay live across it (measured: 134 registers, float64
-// sm_80, against 108 for the largest branch alone).
-template <class T, class Src, class GSrc>
-__device__ __forceinline__ void rmsprop_body(const Src& c, const Src& v, const Src& mo, const Src& a, int n,
-                                             const GSrc& g, int n_grads, typename compute<T>::type lr,
-                                             typename compute<T>::type rho, typename compute<T>::type momentum,
-                                             typename compute<T>::type epsilon, typename compute<T>::type decay,
-                                             int has_momentum, int centered, long long count) {
-  if (has_momentum && centered) {
-    const Ptrs<T> s[4] = {load_ptrs(v, n), load_ptrs(mo, n), load_ptrs(a, n), load_ptrs(c, n)};
-    run_shared_rule<rules::rmsprop_centered_momentum>(s, n, load_ptrs(g, n_grads), n_grads, decay, count, lr, rho,
-                                                      momentum, epsilon);
-  } else if (has_momentum) {
-    const Ptrs<T> s[3] = {load_ptrs(v, n), load_ptrs(mo, n), load_ptrs(c, n)};
-    run_shared_rule<rules::rmsprop_momentum>(s, n, load_ptrs(g, n_grads), n_grads, decay, count, lr, rho, momentum,
-                                             epsilon);
-  } else if (centered) {
-    const Ptrs<T> s[3] = {load_ptrs(v, n), load_ptrs(a, n), load_ptrs(c, n)};
-    run_shared_rule<rules::rmsprop_centered>(s, n, load_ptrs(g, n_grads), n_grads, decay, count, lr, rho, momentum,
-                                             epsilon);
-  } else {
-    const Ptrs<T> s[2] = {load_ptrs(v, n), load_ptrs(c, n)};
-    run_shared_rule<rules::rmsprop>(s, n, load_ptrs(g, n_grads), n_grads, decay, count, lr, rho, momentum, epsilon);
-  }
-}
-
-}  // namespace detail
-
-// The table form takes device arrays of pointers (CuPy), the `_packed` form PtrPacks by value (the
-// C++ launchers); 1 <= n, n_grads <= kMaxReplicas. Hyper-parameters in the compute type.
-
-/// Fused all-reduce + RMSprop (Keras formulation); the momentum slot is used when has_momentum,
-/// the average-gradient slot when centered (otherwise their pointers are not read).
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_rmsprop(T* const* copies, T* const* vels, T* const* moms, T* const* avgs, int n,
-                                            G* const* grads, int n_grads, typename detail::compute<T>::type lr,
-                                            typename detail::compute<T>::type rho,
-                                            typename detail::compute<T>::type momentum,
-                                            typename detail::compute<T>::type epsilon,
-                                            typename detail::compute<T>::type decay, int has_momentum, int centered,
-                                            long long count) {
-  detail::rmsprop_body<T>(copies, vels, moms, avgs, n, grads, n_grads, lr, rho, momentum, epsilon, decay, has_momentum,
-                          centered, count);
-}
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_rmsprop_packed(PtrPack<T> copies, PtrPack<T> vels, PtrPack<T> moms,
-                                                   PtrPack<T> avgs, int n, PtrPack<G> grads, int n_grads,
-                                                   typename detail::compute<T>::type lr,
-                                                   typename detail::compute<T>::type rho,
-                                                   typename detail::compute<T>::type momentum,
-                                                   typename detail::compute<T>::type epsilon,
-                                                   typename detail::compute<T>::type decay, int has_momentum,
-                                                   int centered, long long count) {
-  detail::rmsprop_body<T>(copies, vels, moms, avgs, n, grads, n_grads, lr, rho, momentum, epsilon, decay, has_momentum,
-                          centered, count);
-}
+// The rules' table: one kernel each (pointer-table and `_packed` forms, 1 <= n, n_grads <=
+// kMaxReplicas), the fused all-reduce form; the plain update is the same kernel with one gradient.
+// The arithmetic is that of the NumPy reference (its `_hook_<name>` in _numpy.py): the decoupled
+// weight decay w - w * decay first (skipped when decay is 0), then the update, in the compute type.
 
 /// Fused all-reduce + the rule of each row of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>):
 /// ``mirrored_all_reduce_<name>(copies, <slot>s..., n, grads, n_grads, hyper..., decay, count)``:
 /// g = the sum of the n_grads gradients (replica order, in T), then w -= w * decay (skipped when
 /// decay is 0) and the rule on the n copies of the variable and of its slots; hyper-parameters in
 /// the compute type. Generated so that a rule is named once in C++: each pair is the same code a
-/// hand-written kernel would be (the slots then the copies, as rmsprop_body passes them).
+/// hand-written kernel would be (the slots then the copies). A rule with optional slots has a
+/// row, so a kernel, per combination of them (each with its slots fixed, so that its values stay in
+/// registers: one kernel that took them all and branched on flags kept every group's pointers live).
 #define CUDIST_RULE_KERNEL_HYPER_(A, h) typename detail::compute<T>::type h,
 #define CUDIST_RULE_KERNEL_LOAD_(A, slot) detail::load_ptrs(slot##s, n),
 #define CUDIST_RULE_KERNEL_(P, GP, suffix, name, rule, slots, hyper)                                               \
