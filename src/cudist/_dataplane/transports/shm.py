@@ -18,11 +18,12 @@ The workers of one node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``, or consecuti
 * the one-round path (below :data:`EAGER_BYTES`): each worker copies its buffers into its small
   slot (two sets, used by turns), raises "arrived", and sums every slot itself into its own
   result: one synchronization instead of two, for messages where latency dominates. All of it is
-  one call of the extension (``_core.shm_all_reduce``; ``shm_all_reduce_one`` for the per-step
-  single array, :meth:`SharedMemoryAllReduce.allreduce_one`), with C++ acquire/release atomics on
-  the flags; a wait longer than ``_SPIN_NS`` (spinning, yielding the CPU every few checks) returns
-  to the communicator's poll (``_core.shm_wait``), so deadlines, stall warnings, notices and
-  signals work as for every collective.
+  one call of the extension (``_core.shm_all_reduce``; for the per-step single array,
+  :meth:`SharedMemoryAllReduce.allreduce_one`, a builtin bound to the window by
+  ``_core.shm_one_caller``: the window checked once, the kind hashed, the result made and the call
+  counted in C++), with C++ acquire/release atomics on the flags; a wait longer than ``_SPIN_NS``
+  (spinning, yielding the CPU every few checks) returns to the communicator's poll
+  (``_core.shm_wait``), so deadlines, stall warnings, notices and signals work as for every collective.
 
 The sum of ``w0, w1, ..., wN`` in that order is what MirroredStrategy computes over the same
 replicas, so one node's results are MirroredStrategy's bit for bit (float32, float64, float16,
