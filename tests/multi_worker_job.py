@@ -453,10 +453,13 @@ def shm(exact):
                            exact)
             c.check(f"{name}_{key}", ok, why)
 
-    # Results held past the banks: none is overwritten by the later all-reduces, and none is writable.
+    # Results held past the banks (sizes of the reduce-scatter): none is overwritten by the later
+    # all-reduces, and none is writable.
+    from cudist._dataplane.transports import shm as shm_lib
+
     def held_step(k):
         return cudist.get_replica_context().all_reduce("sum", values(cudist.get_replica_context().replica_id_in_sync_group,
-                                                                     np.float32, 16000 + k))
+                                                                     np.float32, shm_lib.EAGER_BYTES // 4 + 1000 + k))
 
     held = [mw.run(held_step, args=(k,)) for k in range(7)]
     for k, got in enumerate(held):
