@@ -5,7 +5,7 @@ Run under the launcher with one worker per process, e.g.::
     python -m cudist.launch -n 2 bench/shm_small_stages.py --bytes 4096 --rounds 10 --calls 100
 
 Each stage is timed from its own entry point, so each row includes the rows below it: raw mpi4py
-``Allreduce`` (the yardstick), the extension's one-round call alone on the transport's window
+``Allreduce`` (the yardstick), the extension's per-step one-round call alone on the transport's window
 (copy in, hash, flags, wait, worker-order sum), the transport's ``allreduce_one`` (+ the
 communicator's numbering and deadline frame, the result's allocation), its general ``allreduce``
 (+ the path walk over pairs), the cross-device ops (+ op and dtype dispatch), ``strategy.run`` of a
@@ -46,9 +46,13 @@ def main() -> None:
     def step(v):
         return cudist.get_replica_context().all_reduce("sum", v)
 
-    def one_round():  # the extension's call alone, numbered as the transport numbers its calls
+    def one_round():  # the extension's per-step call alone, numbered as the transport numbers its calls
         tr._count += 1
-        assert _core.shm_all_reduce(*tr._window, tr._count, ((x, recv),), 1, 1, 10**9, True) == 0
+        out = tr._one(tr._count, x, "all_reduce SUM", 1)
+        if out.__class__ is tuple:  # a wait past the call's spin (a loaded machine): finished here
+            while _core.shm_wait(*tr._window, tr._count, 10**9) == 1:
+                pass
+            _core.shm_sum(*tr._window, tr._count, ((out[1], out[1]),))
 
     stages = {
         "raw mpi4py Allreduce": lambda: comm.Allreduce(x, recv, MPI.SUM),

@@ -414,7 +414,19 @@ def failing(mode):
 
 
 def _shm_transport(strategy):
-    return strategy.extended._cross_device_ops._shm  # private-read: which transport the strategy chose
+    return strategy.extended.host_transport
+
+
+def _shm_setup(strategy=True):
+    """The shm jobs' start: this worker's rank, the worker count W, W logical CPUs, the strategy under test
+    (None when ``strategy`` is false: the job makes its own), MirroredStrategy over the same W replicas (the
+    reference) and the job's Checks."""
+    rank, W = _rank_size()
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
+    mw = cudist.MultiWorkerMirroredStrategy() if strategy else None
+    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    return rank, W, mw, ref, Checks()
 
 
 def shm(exact):
@@ -423,13 +435,8 @@ def shm(exact):
     past the transport's result banks; prints RESULT lines as parity does."""
     from cudist import optimizers
 
-    rank, W = _rank_size()
-    cpu = cudist.config.list_physical_devices("CPU")[0]
-    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
-    mw = cudist.MultiWorkerMirroredStrategy()
-    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    rank, W, mw, ref, c = _shm_setup()
     transport = _shm_transport(mw)
-    c = Checks()
     c.check("transport", transport is not None and "shared memory" in mw.extended._cross_device_ops.host_implementation,
             repr(transport))
 
@@ -485,10 +492,13 @@ def shm(exact):
                            exact)
             c.check(f"{name}_{key}", ok, why)
 
-    # Results held past the banks: none is overwritten by the later all-reduces, and none is writable.
+    # Results held past the banks (sizes of the reduce-scatter): none is overwritten by the later
+    # all-reduces, and none is writable.
+    from cudist._dataplane.transports import shm as shm_lib
+
     def held_step(k):
         return cudist.get_replica_context().all_reduce("sum", values(cudist.get_replica_context().replica_id_in_sync_group,
-                                                                     np.float32, 16000 + k))
+                                                                     np.float32, shm_lib.EAGER_BYTES // 4 + 1000 + k))
 
     held = [mw.run(held_step, args=(k,)) for k in range(7)]
     for k, got in enumerate(held):
@@ -530,13 +540,8 @@ def shm_train():
     over the same replicas, bit for bit (one node)."""
     from cudist import optimizers
 
-    rank, W = _rank_size()
-    cpu = cudist.config.list_physical_devices("CPU")[0]
-    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
-    mw = cudist.MultiWorkerMirroredStrategy()
-    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    rank, W, mw, ref, c = _shm_setup()
     n = 50000
-    c = Checks()
 
     def vals(g, k):
         return (np.random.default_rng(g * 31 + k).standard_normal(n) * 0.01).astype(np.float32)
@@ -578,12 +583,8 @@ def shm_model():
     (``bytes_per_pack``): momentum and Adam, and a MEAN all-reduce of a nest; bit for bit MirroredStrategy's."""
     from cudist import optimizers
 
-    rank, W = _rank_size()
-    cpu = cudist.config.list_physical_devices("CPU")[0]
-    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
-    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    rank, W, _, ref, c = _shm_setup(strategy=False)
     shapes = [(37, 129), (129,), (129, 1001), (1001,), (1001, 3), (3,)]
-    c = Checks()
 
     def grads(g, k):
         rng = np.random.default_rng(g * 131 + k)
@@ -727,13 +728,8 @@ def shm_small():
     for bit; the transport's counters show which path each size took."""
     from cudist._dataplane.transports import shm as shm_lib
 
-    rank, W = _rank_size()
-    cpu = cudist.config.list_physical_devices("CPU")[0]
-    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * W)
-    mw = cudist.MultiWorkerMirroredStrategy()
-    ref = cudist.MirroredStrategy([f"/cpu:{i}" for i in range(W)])
+    rank, W, mw, ref, c = _shm_setup()
     transport = _shm_transport(mw)
-    c = Checks()
     eager = shm_lib.EAGER_BYTES
 
     def values(g, dt, n, k):
@@ -763,6 +759,17 @@ def shm_small():
                         c.check(f"path_{np.dtype(dt).name}_{n}_{k}",
                                 transport.stats["eager_calls"] - before == int(one_round), transport.stats)
     c.check("one_round_calls", transport.stats["eager_calls"] >= expected_eager > 0, transport.stats)
+    # A strided array (not C-contiguous) takes the one-round path too, summed as its C-order copy.
+    for n in (3, 1001):
+        def strided(n=n):
+            ctx = cudist.get_replica_context()
+            return ctx.all_reduce("sum", np.repeat(values(ctx.replica_id_in_sync_group, np.float32, n, 5), 2)[::2])
+
+        before = transport.stats["eager_calls"]
+        got, want = mw.run(strided), ref.run(strided)
+        ok, why = same(mw.experimental_local_results(got)[0], ref.experimental_local_results(want)[rank], True)
+        c.check(f"strided_{n}", ok, why)
+        c.check(f"path_strided_{n}", transport.stats["eager_calls"] - before == 1, transport.stats)
     report(rank, c.results)
 
 

@@ -508,7 +508,7 @@ def test_workers_take_the_common_flags(tmp_path):
     out = tmp_path / "mw.json"
     cmd = [sys.executable, "-m", "cudist.bench", "all-reduce", "--workers", "2", "-b", "4K", "-e", "16K", "-f", "4",
            "-n", "2", "-w", "1", "--no-progress", "--seed", "3", "-d", "float64,int32", "-o", "mean",
-           "--replicas", "2", "--backend", "numpy", "-c", "1", "--json", str(out)]
+           "--replicas", "2", "--backend", "numpy", "-c", "1", "--rounds", "2", "--json", str(out)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -516,6 +516,7 @@ def test_workers_take_the_common_flags(tmp_path):
     assert [(r["dtype"], r["bytes"]) for r in doc["rows"]] == [
         ("float64", 4096), ("float64", 16384), ("int32", 4096), ("int32", 16384)]
     assert all(r["check"] for r in doc["rows"])
+    assert all(len(r["round_ratios"]) == 2 and min(r["round_ratios"]) > 0 for r in doc["rows"])  # one per round
     assert "float64, int32 MEAN" in p.stdout
 
 
@@ -525,6 +526,7 @@ def test_workers_take_the_common_flags(tmp_path):
     (["--copy-size", "1M"], "--copy-size"),
     (["-d", "float16"], "-d/--datatype float16: not available with --workers"),
     (["--workers", "0"], "--workers must be >= 1"),
+    (["--rounds", "0"], "--rounds must be >= 1"),
 ])
 def test_workers_refuse_flags_without_meaning_there(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

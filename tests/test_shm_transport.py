@@ -314,22 +314,50 @@ def test_the_one_round_call_sums_in_worker_order_bit_for_bit(n, dt):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_the_one_array_call_makes_its_result_and_sums_in_worker_order(n):
-    """``shm_all_reduce_one`` (the per-step call): the result is a new array of the input's shape and dtype."""
+    """``shm_one_caller``'s call (the per-step one): the result is a new array of the input's shape and
+    dtype, whatever the input's layout (a strided send is summed as its C-order copy); the caller counts."""
     rng = np.random.default_rng(n)
     ctrl, slots = _window(n)
     ref = numpy_backend().trusted
-    for count, dt in enumerate((np.float32, np.float64, np.int32, np.int64), start=1):
-        sends = [_values(rng, np.dtype(dt), 3 * 333).reshape(3, 333) for _ in range(n)]
-        got = [_core.shm_all_reduce_one(ctrl, slots, n, w, count, sends[w], 99, 5, 0) for w in range(n)]
-        assert [status for status, _ in got[:-1]] == [1] * (n - 1) and got[-1][0] == 0
-        for w in range(n - 1):
-            assert _core.shm_wait(ctrl, slots, n, w, count, 0) == 0
-            _core.shm_sum(ctrl, slots, n, w, count, [(sends[w], got[w][1])])
-        want = np.empty_like(sends[0])
-        ref.reduce_to_one([s.reshape(-1) for s in sends], ReduceOp.SUM, want.reshape(-1))
-        for w, (_, recv) in enumerate(got):
-            assert recv.shape == (3, 333) and recv.dtype == dt and recv.flags.c_contiguous and recv.flags.writeable
-            assert recv is not sends[w] and np.array_equal(recv, want), (count, w)
+    ones = [_core.shm_one_caller(ctrl, slots, n, w, 0) for w in range(n)]
+    layouts = [lambda a: a, lambda a: np.asfortranarray(a), lambda a: np.repeat(a, 2, axis=1)[:, ::2]]
+    count = 0
+    for dt in (np.float32, np.float64, np.int32, np.int64, np.float16):
+        for layout in layouts:
+            count += 1
+            sends = [layout(_values(rng, np.dtype(dt), 3 * 333).reshape(3, 333)) for _ in range(n)]
+            got = [ones[w](count, sends[w], "all_reduce SUM", 5) for w in range(n)]
+            assert [g[0] for g in got[:-1]] == [1] * (n - 1) and isinstance(got[-1], np.ndarray)
+            for w in range(n - 1):
+                assert _core.shm_wait(ctrl, slots, n, w, count, 0) == 0
+                _core.shm_sum(ctrl, slots, n, w, count, [(got[w][1], got[w][1])])
+            recvs = [g[1] for g in got[:-1]] + [got[-1]]
+            want = np.empty(sends[0].shape, sends[0].dtype)
+            ref.reduce_to_one([np.ascontiguousarray(s).reshape(-1) for s in sends], ReduceOp.SUM, want.reshape(-1))
+            for w, recv in enumerate(recvs):
+                assert recv.shape == (3, 333) and recv.dtype == dt and recv.flags.c_contiguous and recv.flags.writeable
+                assert recv is not sends[w] and np.array_equal(recv.view(np.uint8), want.view(np.uint8)), (count, w)
+    assert [_core.shm_one_counts(o) for o in ones] == [(count, sum(
+        3 * 333 * np.dtype(d).itemsize * len(layouts) for d in (np.float32, np.float64, np.int32, np.int64, np.float16)))] * n
+
+
+def test_the_one_array_call_posts_the_same_hash_as_the_general_call():
+    """The caller hashes ``kind`` itself (its CRC-32): the hash it posts is the general call's, so workers on
+    the two paths of one collective meet and agree, and one whose ``kind`` differs gets status 2."""
+    n, seq = 2, 9
+    ctrl, slots = _window(n)
+    x = np.arange(12, dtype=np.float32)
+    one = _core.shm_one_caller(ctrl, slots, n, 1, 0)
+    status, _ = one(1, x, "all_reduce SUM", seq)
+    assert status == 1
+    assert _core.shm_all_reduce(ctrl, slots, n, 0, 1, [(x, np.empty_like(x))], zlib.crc32(b"all_reduce SUM"), seq,
+                                0, True) == 0
+    row = 4 + 1
+    assert ctrl[(row * n + 0) * _LINE] == ctrl[(row * n + 1) * _LINE]
+    status, _ = one(2, x, "all_reduce MEAN", seq)
+    assert status == 1
+    assert _core.shm_all_reduce(ctrl, slots, n, 0, 2, [(x, np.empty_like(x))], zlib.crc32(b"all_reduce SUM"), seq,
+                                0, True) == 2
 
 
 def test_the_one_round_call_posts_the_mpi_checks_hash_and_its_flags():
@@ -403,10 +431,26 @@ def test_bad_arguments_are_errors_not_crashes():
         _core.shm_sum(ctrl, slots, n, 0, 1, [(u, np.empty_like(u))])
     with pytest.raises(TypeError, match="not a kernel dtype"):  # refused before arriving, when asked to sum
         _core.shm_all_reduce(ctrl, slots, n, 0, 1, [(u, np.empty_like(u))], 1, 1, 0, True)
+    with pytest.raises(ValueError, match="node_rank 2 is not in"):
+        _core.shm_one_caller(ctrl, slots, n, 2, 0)
+    with pytest.raises(ValueError, match="cache-line aligned int64"):
+        _core.shm_one_caller(_aligned(6 * n * _LINE + 1, np.int64)[1:], slots, n, 0, 0)
+    one = _core.shm_one_caller(ctrl, slots, n, 0, 0)
     with pytest.raises(TypeError, match="not a kernel dtype"):
-        _core.shm_all_reduce_one(ctrl, slots, n, 0, 1, x.astype(">f4"), 1, 1, 0)
+        one(1, x.astype(">f4"), "k", 1)
+    with pytest.raises(TypeError, match="not a kernel dtype"):
+        one(1, np.ones(8, np.uint8), "k", 1)
     with pytest.raises(TypeError, match="not a numpy.ndarray"):
-        _core.shm_all_reduce_one(ctrl, slots, n, 0, 1, [1.0, 2.0], 1, 1, 0)
+        one(1, [1.0, 2.0], "k", 1)
+    with pytest.raises(ValueError, match="do not fit a slot of 4096"):
+        one(1, np.ones(1025, np.float32), "k", 1)
+    with pytest.raises(TypeError, match="takes 4 positional arguments"):
+        one(1, x, "k")
+    with pytest.raises(TypeError):
+        one(1, x, b"k", 1)  # kind is a str
+    with pytest.raises(TypeError, match="not a caller"):
+        _core.shm_one_counts(len)
+    assert _core.shm_one_counts(one) == (0, 0)
     assert not ctrl.any()  # nothing was posted by a refused call
 
 

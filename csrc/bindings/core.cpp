@@ -1451,14 +1451,16 @@ int shm_wait_(const shm_node& v, std::int64_t count, long long spin_ns) {
     return next == v.n;
   };
   if (!all_here()) {
-    py::gil_scoped_release nogil;  // a wait for a slower worker: let this process's other threads run
-    // Without yielding at first: a peer a few microseconds behind (the usual case) is seen at once,
-    // not after this core was given away for a time slice; then spinning that yields the CPU.
+    // Without yielding at first, and with the GIL: a peer a few microseconds behind (the usual case)
+    // is seen at once, not after this core was given away for a time slice, and the GIL is not
+    // retaken on the way out (on the critical path of every call; other threads wait ~20 us at most).
+    // Then, the GIL released for this process's other threads, spinning that yields the CPU.
     const long long busy = std::min(spin_ns, kShmBusyNs);
     const auto until = std::chrono::steady_clock::now() + std::chrono::nanoseconds(busy);
     for (unsigned i = 1; !all_here(); ++i) {
       cudist::thread_pool::cpu_relax();
       if (i % 64 == 0 && std::chrono::steady_clock::now() >= until) {
+        py::gil_scoped_release nogil;  // a longer wait for a slower worker: let this process's other threads run
         if (!cudist::thread_pool::spin_until(all_here, spin_ns - busy)) return 1;
         break;
       }
@@ -1504,25 +1506,126 @@ int shm_all_reduce(py::handle ctrl, py::handle slots, long long node_size, long 
 }
 
 // The per-step common case, one array: shm_all_reduce of (send, recv) with recv made here (a new C-order
-// array of send's shape and dtype), summed by the kernels. Returns (status, recv).
-py::tuple shm_all_reduce_one(py::handle ctrl, py::handle slots, long long node_size, long long node_rank,
-                             long long count, py::handle send, std::uint32_t kind_crc, std::uint64_t seq,
-                             long long spin_ns) {
-  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
-  if (!PyObject_TypeCheck(send.ptr(), ndarray_type())) throw py::type_error("shm: send is not a numpy.ndarray");
-  auto* a = py::detail::array_proxy(send.ptr());
+// array of send's shape and dtype; a send that is not C-contiguous is read through a C-order copy),
+// summed by the kernels. Returns recv once summed (status 0), else (status, recv).
+PyObject* shm_one_(const shm_node& v, std::int64_t count, PyObject* send, std::uint32_t kind_crc, std::uint64_t seq,
+                   long long spin_ns, std::size_t& nbytes) {
+  if (!PyObject_TypeCheck(send, ndarray_type())) throw py::type_error("shm: send is not a numpy.ndarray");
+  auto& api = py::detail::npy_api::get();
+  auto* a = py::detail::array_proxy(send);
+  shm_pair q{};
+  if (!kind_of(a->descr, q.k)) throw py::type_error(std::string("shm: send's dtype is not a kernel dtype ") + kSupportedDtypes);
+  py::object src = py::reinterpret_borrow<py::object>(send);
+  if (!(a->flags & py::detail::npy_api::NPY_ARRAY_C_CONTIGUOUS_)) {
+    src = py::reinterpret_steal<py::object>(api.PyArray_NewCopy_(send, 0 /* C order */));
+    if (!src) throw py::error_already_set();
+  }
   Py_INCREF(a->descr);  // PyArray_NewFromDescr steals it
-  auto recv = py::reinterpret_steal<py::object>(py::detail::npy_api::get().PyArray_NewFromDescr_(
-      ndarray_type(), a->descr, a->nd, a->dimensions, nullptr, nullptr, 0, nullptr));
+  auto recv = py::reinterpret_steal<py::object>(
+      api.PyArray_NewFromDescr_(ndarray_type(), a->descr, a->nd, a->dimensions, nullptr, nullptr, 0, nullptr));
   if (!recv) throw py::error_already_set();
-  const py::tuple pairs = py::make_tuple(py::make_tuple(send, recv));
-  py::tuple keep;
-  const auto ps = shm_pairs(pairs, v, keep);
-  shm_check_summable(ps);
+  auto* ra = py::detail::array_proxy(recv.ptr());
+  q.size = elements(ra);
+  q.bytes = q.size * static_cast<std::size_t>(py::reinterpret_borrow<py::dtype>(ra->descr).itemsize());
+  if ((q.bytes + kShmAlign - 1) / kShmAlign * kShmAlign > v.cap) {
+    throw py::value_error("shm: " + std::to_string(q.bytes) + " bytes do not fit a slot of " + std::to_string(v.cap));
+  }
+  q.send = py::detail::array_proxy(src.ptr())->data;
+  q.recv = ra->data;
+  q.type_num = py::detail::array_descriptor_proxy(ra->descr)->type_num;
+  q.summable = true;
+  const std::vector<shm_pair> ps{q};
   shm_arrive_(v, count, ps, kind_crc, seq);
   const int status = shm_wait_(v, count, spin_ns);
-  if (status == 0) shm_sum_(v, count, ps);
-  return py::make_tuple(status, recv);
+  nbytes = q.bytes;
+  if (status == 0) {
+    shm_sum_(v, count, ps);
+    return recv.release().ptr();
+  }
+  return py::make_tuple(status, recv).release().ptr();
+}
+
+// A node's one-array caller (shm_one_caller): the window's areas, checked once, and this worker's counts.
+struct shm_one_state {
+  shm_node v;
+  PyObject* ctrl;
+  PyObject* slots;  // both held: the caller keeps the mapping alive
+  long long spin_ns;
+  unsigned long long calls, bytes;
+};
+constexpr const char* kShmOneName = "cudist._core.shm_one";
+
+shm_one_state* shm_one_state_of(PyObject* capsule) {
+  return static_cast<shm_one_state*>(PyCapsule_GetPointer(capsule, kShmOneName));
+}
+
+void shm_one_free(PyObject* capsule) {
+  shm_one_state* s = shm_one_state_of(capsule);
+  if (s == nullptr) return;
+  Py_XDECREF(s->ctrl);
+  Py_XDECREF(s->slots);
+  delete s;
+}
+
+// one(count, send, kind, seq): a METH_FASTCALL builtin bound to the state (no argument parsing beyond
+// four positional values: this is the per-step call, where pybind11's dispatch measured a third of it).
+PyObject* shm_one_call(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+  try {
+    if (nargs != 4) throw py::type_error("shm one(count, send, kind, seq) takes 4 positional arguments");
+    shm_one_state* s = shm_one_state_of(self);
+    if (s == nullptr) return nullptr;
+    const long long count = PyLong_AsLongLong(args[0]);
+    if (count == -1 && PyErr_Occurred()) return nullptr;
+    Py_ssize_t len = 0;
+    const char* kind = PyUnicode_AsUTF8AndSize(args[2], &len);  // cached in the str after the first call
+    if (kind == nullptr) return nullptr;
+    const unsigned long long seq = PyLong_AsUnsignedLongLong(args[3]);
+    if (seq == static_cast<unsigned long long>(-1) && PyErr_Occurred()) return nullptr;
+    const std::uint32_t crc =
+        cudist_bindings::crc32(reinterpret_cast<const unsigned char*>(kind), static_cast<std::size_t>(len), 0);
+    std::size_t nbytes = 0;
+    PyObject* out = shm_one_(s->v, count, args[1], crc, seq, s->spin_ns, nbytes);
+    ++s->calls;
+    s->bytes += nbytes;
+    return out;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (py::builtin_exception& e) {
+    e.set_error();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return nullptr;
+}
+
+PyMethodDef kShmOneDef = {"shm_one", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&shm_one_call)),
+                          METH_FASTCALL,
+                          "one(count, send, kind, seq): the one-round all-reduce of one array on this window "
+                          "(kind's CRC-32 hashed here): the sum, a new array; or (status, recv) while waiting."};
+
+py::object shm_one_caller(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long spin_ns) {
+  const shm_node v = shm_open(ctrl, slots, node_size, node_rank);
+  auto* s = new shm_one_state{v, ctrl.inc_ref().ptr(), slots.inc_ref().ptr(), spin_ns, 0, 0};
+  PyObject* capsule = PyCapsule_New(s, kShmOneName, &shm_one_free);
+  if (capsule == nullptr) {
+    Py_DECREF(s->ctrl);
+    Py_DECREF(s->slots);
+    delete s;
+    throw py::error_already_set();
+  }
+  auto cap = py::reinterpret_steal<py::object>(capsule);
+  PyObject* fn = PyCFunction_NewEx(&kShmOneDef, cap.ptr(), nullptr);
+  if (fn == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(fn);
+}
+
+py::tuple shm_one_counts(py::handle one) {
+  if (!PyCFunction_Check(one.ptr()) || PyCFunction_GET_FUNCTION(one.ptr()) != kShmOneDef.ml_meth) {
+    throw py::type_error("shm_one_counts: not a caller made by shm_one_caller");
+  }
+  const shm_one_state* s = shm_one_state_of(PyCFunction_GET_SELF(one.ptr()));
+  if (s == nullptr) throw py::error_already_set();
+  return py::make_tuple(s->calls, s->bytes);
 }
 
 int shm_wait(py::handle ctrl, py::handle slots, long long node_size, long long node_rank, long long count,
@@ -1597,10 +1700,13 @@ PYBIND11_MODULE(_core, m) {
         "copies each send of ``pairs`` ((send, recv) tuples) into this worker's slot, posts the call's hash, raises "
         "its arrival flag, spins up to ``spin_ns`` for the others; 0: all arrived with the same hash (and, with "
         "``sum``, each recv is the sum of the slots in worker order), 1: not yet (poll shm_wait), 2: hashes differ.");
-  m.def("shm_all_reduce_one", &shm_all_reduce_one, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"),
-        py::arg("node_rank"), py::arg("count"), py::arg("send"), py::arg("kind_crc"), py::arg("seq"),
-        py::arg("spin_ns"),
-        "shm_all_reduce of one array, summed, into a new array like it: (status, recv).");
+  m.def("shm_one_caller", &shm_one_caller, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"),
+        py::arg("node_rank"), py::arg("spin_ns"),
+        "The window's per-step caller one(count, send, kind, seq): shm_all_reduce of one array, summed into a "
+        "new array like it (returned), or (status, recv) when not every worker arrived within ``spin_ns`` (1) "
+        "or the hashes differ (2). The window's areas are checked here, once.");
+  m.def("shm_one_counts", &shm_one_counts, py::arg("one"),
+        "(calls, bytes) a caller of shm_one_caller has made and all-reduced.");
   m.def("shm_wait", &shm_wait, py::arg("ctrl"), py::arg("slots"), py::arg("node_size"), py::arg("node_rank"),
         py::arg("count"), py::arg("spin_ns"),
         "Spins up to ``spin_ns`` for every worker's arrival in call ``count``: shm_all_reduce's 0, 1 or 2.");

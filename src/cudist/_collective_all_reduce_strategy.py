@@ -194,7 +194,7 @@ class CollectiveAllReduceExtended(MirroredExtended):
     @property
     def host_communication(self) -> str:
         """cudist extension: how host values cross workers ("MPI", or the shared-memory transport's
-        description: ``"shared memory (one round below 32768 B)"``; "none" for one worker)."""
+        description: ``"shared memory (one round below 131072 B)"``; "none" for one worker)."""
         if self._communicator is None:
             return "none"
         return self._cross_device_ops.host_implementation

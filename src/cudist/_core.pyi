@@ -18,6 +18,8 @@ from cudist._reduce_util import ReduceOp
 _Array: TypeAlias = NDArray[Any]
 _Arrays: TypeAlias = tuple[_Array, ...] | list[_Array]
 _Int: TypeAlias = SupportsInt | SupportsIndex
+#: shm_one_caller's caller: one(count, send, kind, seq) -> the sum, or (status, recv).
+_ShmOne: TypeAlias = Callable[[int, _Array, str, int], _Array | tuple[int, _Array]]
 _Float: TypeAlias = SupportsFloat | SupportsIndex
 #: A reduction: SUM (0) or MEAN (1), or the ReduceOp members given to register_reduce_ops.
 _Op: TypeAlias = int | ReduceOp
@@ -165,18 +167,14 @@ def shm_all_reduce(
     other workers. 0: all arrived with the same hash (and, with ``sum``, each recv holds the sum of
     the slots in worker order); 1: not yet (poll :func:`shm_wait`); 2: the hashes differ."""
 
-def shm_all_reduce_one(
-    ctrl: _Array,
-    slots: _Array,
-    node_size: _Int,
-    node_rank: _Int,
-    count: _Int,
-    send: _Array,
-    kind_crc: _Int,
-    seq: _Int,
-    spin_ns: _Int,
-) -> tuple[int, _Array]:
-    """:func:`shm_all_reduce` of one array, summed, into a new array of its shape and dtype: ``(status, recv)``."""
+def shm_one_caller(ctrl: _Array, slots: _Array, node_size: _Int, node_rank: _Int, spin_ns: _Int) -> _ShmOne:
+    """The window's per-step caller (its areas checked once): ``one(count, send, kind, seq)`` is
+    :func:`shm_all_reduce` of one array (any layout; ``kind``'s CRC-32 taken here), summed into a new
+    array of its shape and dtype: that array, or ``(status, recv)`` when the workers were not all there
+    within ``spin_ns`` (1: poll :func:`shm_wait`, then :func:`shm_sum`) or their hashes differ (2)."""
+
+def shm_one_counts(one: _ShmOne) -> tuple[int, int]:
+    """The calls and bytes a caller of :func:`shm_one_caller` has all-reduced."""
 
 def shm_wait(ctrl: _Array, slots: _Array, node_size: _Int, node_rank: _Int, count: _Int, spin_ns: _Int) -> int:
     """Spins up to ``spin_ns`` for every worker's arrival in call ``count``: :func:`shm_all_reduce`'s 0, 1 or 2."""

@@ -55,6 +55,7 @@ __all__ = [
     "select_cross_device_ops",
     "all_reduce",
     "all_reduce_arrays",
+    "arrays_reducer",
     "fused_sum_backend",
 ]
 
@@ -549,6 +550,11 @@ def all_reduce(
 def all_reduce_arrays(ops: CrossDeviceOps, op: ReduceOp, arrays: Sequence[Any]) -> list[Array]:
     """:func:`all_reduce` of one array per replica (the per-step common case): ``out[r]``."""
     return ops._all_reduce_arrays(op, arrays)
+
+
+def arrays_reducer(ops: CrossDeviceOps) -> Callable[[ReduceOp, Sequence[Any]], list[Array]]:
+    """:func:`all_reduce_arrays` bound to ``ops`` (a caller that keeps it saves a call per all-reduce)."""
+    return ops._all_reduce_arrays
 
 
 def fused_sum_backend(ops: CrossDeviceOps, arrays: Sequence[Any]) -> KernelBackend | None:

@@ -253,6 +253,13 @@ def _only_replica_args(args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """``run``'s positional ``args`` for the only local replica, checked and selected in one pass:
     arrays as they are, DistributedValues of one component by that component; None when anything
     else is in them (the general path checks and selects those)."""
+    if len(args) == 1:  # (the usual step: one argument, checked without building a list)
+        x = args[0]
+        if type(x) is np.ndarray:
+            return args
+        if type(x) is PerReplica:
+            values = x.values
+            return (values[0],) if len(values) == 1 else None
     out = []
     for x in args:
         if type(x) is np.ndarray:
@@ -431,6 +438,10 @@ def _h_merge_call(
     return select_replicas(n, result)
 
 
+#: The keyword arguments of a call without any (shared: ``fn(**kwargs)`` gives fn a copy).
+_NO_KWARGS: dict[str, Any] = {}
+
+
 def _call_in_frame(frame: _Frame, fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Any:
     """``fn(*args, **kwargs)`` with ``frame`` current: run inside a copied context, so it never leaks."""
     _CTX.set(frame)
@@ -456,6 +467,8 @@ class ReplicaContext:
         self._strategy = strategy
         self._replica_id = int(replica_id_in_sync_group)  # local: this worker's replica index
         self._num = len(strategy.extended._devices)  # local replicas (the engine's count)
+        # The cross-device ops' one-array all-reduce (all_reduce's per-step path), bound on first use.
+        self._reduce_arrays: Callable[[ReduceOp, list[Any]], list[Any]] | None = None
 
     def __repr__(self) -> str:
         return (
@@ -525,8 +538,11 @@ class ReplicaContext:
             # The per-step common case (what _h_all_reduce does with one array), a few calls shorter.
             f = _CTX.get()
             if f is not None and f.replica_ctx is self:
-                ops = self._strategy._extended._cross_device_ops
-                return cross_device_ops_lib.all_reduce_arrays(ops, op, [value])[0]  # type: ignore[return-value]  # an array, as value
+                reduce_arrays = self._reduce_arrays
+                if reduce_arrays is None:
+                    ops = self._strategy._extended._cross_device_ops
+                    reduce_arrays = self._reduce_arrays = cross_device_ops_lib.arrays_reducer(ops)
+                return reduce_arrays(op, [value])[0]  # type: ignore[no-any-return]  # an array, as value
         return self._collective("all_reduce", (op, value))  # type: ignore[no-any-return]  # value's structure
 
     def all_gather(self, value: _T, axis: int, options: object = None) -> _T:
@@ -656,6 +672,8 @@ class StrategyExtended:
         self._cross_device_ops = select_cross_device_ops(self._devices, cross_device_ops)
         self._cross_frame = _Frame(container_strategy, None)
         self._replica_frames: list[_Frame] | None = None
+        # The frame of the only replica of a one-CPU-replica strategy, once made (run's shortest path).
+        self._only_cpu_frame: _Frame | None = None
         # The physical GPU of each replica (None on CPUs): made current while the replica runs.
         self._replica_gpus: tuple[int, ...] | None = None
         if _devices.any_gpu(self._devices):
@@ -707,6 +725,8 @@ class StrategyExtended:
             else:
                 frames = [_Frame(s, _GpuReplicaContext(s, i, gpus[i])) for i in range(self._num)]
             self._replica_frames = frames
+            if self._num == 1 and gpus is None:
+                self._only_cpu_frame = frames[0]
         return frames
 
     # -------------------------------------------------------------- hooks each strategy overrides
@@ -1097,6 +1117,15 @@ class StrategyExtended:
             As :meth:`Strategy.run`: ``fn``'s result structure (typed ``Any``), with a PerReplica
             at each leaf where the replicas returned different values.
         """
+        only = self._only_cpu_frame
+        if only is not None and kwargs is None and type(args) is tuple:
+            # The per-step common case: the only (CPU) replica, positional arrays or one-component
+            # values, called outside any scope or in this strategy's (nothing else to check).
+            f = _CTX.get()
+            if f is None or (f.replica_ctx is None and f.strategy is self._container_strategy_ref):
+                picked = _only_replica_args(args)
+                if picked is not None:
+                    return contextvars.copy_context().run(_call_in_frame, only, fn, picked, _NO_KWARGS)
         if kwargs is not None or type(args) is not tuple:  # (a tuple and no kwargs: nothing to check)
             kwargs = _check_run_arguments(args, kwargs)
         f = _CTX.get()

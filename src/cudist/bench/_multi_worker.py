@@ -70,6 +70,9 @@ def build_parser(common: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("command", choices=["all-reduce", "step"])
     p.add_argument("--workers", type=int, required=True, help="number of worker processes (mpiexec -n)")
     p.add_argument("--mpiexec", default=None, help="the mpiexec to use (default: next to python, else PATH)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="all-reduce: interleaved rounds the -n calls of each size are split into (default 4); "
+                        "the JSON rows give each round's cudist/mpi4py ratio")
     p.add_argument("--steps", type=int, default=50, help="step: timed steps (default 50)")
     p.add_argument("--batch", type=int, default=256, help="step: global batch (default 256)")
     return p
@@ -167,7 +170,7 @@ def _run(args) -> int:
             ours()
             copy()
         raw_t, ours_t, copy_t = [], [], []
-        per_round = max(1, args.iters // 4)
+        per_round = max(1, args.iters // args.rounds)
         done = 0
         while done < args.iters:
             k = min(per_round, args.iters - done)
@@ -175,6 +178,7 @@ def _run(args) -> int:
             ours_t.append(timed(ours, k))
             copy_t.append(timed(copy, k))
             done += k
+        round_ratios = [float(np.median(r) / np.median(o)) for r, o in zip(raw_t, ours_t)]
         raw_us = float(np.median(np.concatenate(raw_t))) * 1e6
         ours_us = float(np.median(np.concatenate(ours_t))) * 1e6
         copy_us = float(np.median(np.concatenate(copy_t))) * 1e6
@@ -196,7 +200,7 @@ def _run(args) -> int:
             "bytes": nbytes, "dtype": dtype, "op": args.op, "mpi4py_us": raw_us, "cudist_us": ours_us,
             "mpi4py_GBps": nbytes / raw_us / 1e3, "cudist_GBps": nbytes / ours_us / 1e3,
             "ratio": raw_us / ours_us, "check": ok, "path": path, "moved_bytes": moved, "memcpy_us": copy_us,
-            "pct_copy": pct_copy,
+            "pct_copy": pct_copy, "round_ratios": round_ratios,
         }
         rows.append(row)
         if rank == 0:
@@ -309,6 +313,8 @@ def main(argv, common: argparse.ArgumentParser) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be >= 1")
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
     defaults = parser.parse_args(["all-reduce", "--workers", "1"])
     for name, why in _REFUSED.items():
         if getattr(args, name) != getattr(defaults, name):

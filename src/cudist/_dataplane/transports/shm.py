@@ -18,11 +18,12 @@ The workers of one node (``MPI.Comm.Split_type(COMM_TYPE_SHARED)``, or consecuti
 * the one-round path (below :data:`EAGER_BYTES`): each worker copies its buffers into its small
   slot (two sets, used by turns), raises "arrived", and sums every slot itself into its own
   result: one synchronization instead of two, for messages where latency dominates. All of it is
-  one call of the extension (``_core.shm_all_reduce``; ``shm_all_reduce_one`` for the per-step
-  single array, :meth:`SharedMemoryAllReduce.allreduce_one`), with C++ acquire/release atomics on
-  the flags; a wait longer than ``_SPIN_NS`` (spinning, yielding the CPU every few checks) returns
-  to the communicator's poll (``_core.shm_wait``), so deadlines, stall warnings, notices and
-  signals work as for every collective.
+  one call of the extension (``_core.shm_all_reduce``; for the per-step single array,
+  :meth:`SharedMemoryAllReduce.allreduce_one`, a builtin bound to the window by
+  ``_core.shm_one_caller``: the window checked once, the kind hashed, the result made and the call
+  counted in C++), with C++ acquire/release atomics on the flags; a wait longer than ``_SPIN_NS``
+  (spinning, yielding the CPU every few checks) returns to the communicator's poll
+  (``_core.shm_wait``), so deadlines, stall warnings, notices and signals work as for every collective.
 
 The sum of ``w0, w1, ..., wN`` in that order is what MirroredStrategy computes over the same
 replicas, so one node's results are MirroredStrategy's bit for bit (float32, float64, float16,
@@ -73,8 +74,10 @@ __all__ = ["SharedMemoryAllReduce", "connect", "DEFAULT_MIN_BYTES", "EAGER_BYTES
 #: (``CUDIST_SHM_MIN_BYTES`` overrides it): 0, shared memory measured faster at every size.
 DEFAULT_MIN_BYTES = 0
 #: Below this many bytes, one round (every worker sums every slot: N times the arithmetic, one
-#: synchronization); from it on, the reduce-scatter (each worker a slice, two rounds).
-EAGER_BYTES = 32 << 10
+#: synchronization); from it on, the reduce-scatter (each worker a slice, two rounds). Measured with
+#: 2 workers (issue #30): at 64 KiB one round took 42 us against the reduce-scatter's 54 us (raw
+#: MPI 54 us), at 128 KiB they tie, at 256 KiB the reduce-scatter wins (109 against 136 us).
+EAGER_BYTES = 128 << 10
 #: Every buffer starts on its own cache line in a slot; each worker's slice is a multiple of this.
 _ALIGN = 64
 #: The control area: one cache line per flag (no false sharing between writers), one row per kind.
@@ -162,7 +165,12 @@ class SharedMemoryAllReduce:
         self.num_nodes = int(self.node.bcast(self.leaders.Get_size() if self.leaders is not None else 0, root=0))
         #: Whether any node has several workers (else shared memory saves nothing: every call is MPI's).
         self.useful = bool(comm.allreduce(self.node_size, op=MPI.MAX) > 1)
-        self._kernels: Any = cpu_backend()
+        #: The byte sizes :meth:`allreduce_one` takes (the one-round path's, from ``min_bytes``; none
+        #: across nodes, where small messages are MPI's), as bounds on ``nbytes`` itself (see _kernels).
+        self._small_lo = max(1, self.min_bytes)
+        self._small_hi = self.eager_bytes if self.num_nodes == 1 and self.useful else 0
+        self._one_lo, self._one_hi = 1, -1
+        self._kernels = cpu_backend()
         self._win: Any = None
         self._capacity = 0  # bytes per slot
         self._eager_cap = _round_up(max(self.eager_bytes, _ALIGN), 4096) if self.num_nodes == 1 else 0
@@ -172,6 +180,10 @@ class SharedMemoryAllReduce:
         # allreduce_one's call and its result, handed to and from _start_one around the communicator
         self._pending: tuple[npt.NDArray[Any], str, str | Callable[[], str]] = (np.empty(0), "", "")
         self._result: npt.NDArray[Any] = np.empty(0)
+        #: The extension's per-step call on the current window (``_core.shm_one_caller``), and the
+        #: calls and bytes of the callers of retired windows.
+        self._one: Any = None
+        self._one_counts = (0, 0)
         self._slots: list[npt.NDArray[np.uint8]] = []
         self._banks: list[npt.NDArray[np.uint8]] = []
         self._free_refs = 0
@@ -183,15 +195,37 @@ class SharedMemoryAllReduce:
         self._flags: Any = memoryview(b"")  # the control area as int64 items: a flag read is ~40 ns, not numpy's ~1 us
         self._rows: list[range] = []  # per kind, the flag indices of the node's workers
         self._count = 0  # shared-memory all-reduces since the window was made (the flags' values)
-        #: This worker's all-reduces by path (``unpacked_calls``: those of :meth:`allreduce_packs`, among
-        #: ``calls``), and the bytes the shared-memory ones all-reduced.
-        self.stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0, "unpacked_calls": 0}
-        #: The byte sizes :meth:`allreduce_one` takes (the one-round path's, from ``min_bytes``; none
-        #: across nodes, where small messages are MPI's).
-        self._small_lo = max(1, self.min_bytes)
-        self._small_hi = self.eager_bytes if self.num_nodes == 1 and self.useful else 0
+        # This worker's all-reduces by path but allreduce_one's (counted by the extension): see stats.
+        self._stats = {"calls": 0, "eager_calls": 0, "mpi_calls": 0, "bytes": 0, "unpacked_calls": 0}
         if self.useful:
             self._ensure(1 << 16)  # the eager path's buffers exist from the start (it has no resize step)
+
+    @property
+    def _kernels(self) -> Any:
+        """The CPU backend that sums (a test swaps in faulty kernels, which only the general path calls)."""
+        return self._kernels_now
+
+    @_kernels.setter
+    def _kernels(self, kernels: Any) -> None:
+        self._kernels_now = kernels
+        # allreduce_one's size test, on nbytes without rounding: lo <= roundup(nbytes, _ALIGN) < hi.
+        # Other kernels than a backend's (a test's faulty ones) are called from Python: no sizes then.
+        lo, hi = self._small_lo, self._small_hi if isinstance(kernels, KernelBackend) else 0
+        self._one_lo = (lo - 1) // _ALIGN * _ALIGN + 1
+        self._one_hi = (hi - 1) // _ALIGN * _ALIGN if hi > 0 else -1
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """This worker's all-reduces by path (``unpacked_calls``: those of :meth:`allreduce_packs`, among
+        ``calls``), and the bytes the shared-memory ones all-reduced (a new dict at each read)."""
+        calls, nbytes = self._one_counts
+        if self._one is not None:
+            c, b = _core.shm_one_counts(self._one)
+            calls, nbytes = calls + c, nbytes + b
+        out = dict(self._stats)
+        out["eager_calls"] += calls
+        out["bytes"] += nbytes
+        return out
 
     def __repr__(self) -> str:
         return f"<cudist shared-memory all-reduce: node rank {self.node_rank} of {self.node_size}, {self.name}>"
@@ -245,6 +279,10 @@ class SharedMemoryAllReduce:
         self._eager = [[area(ctrl_bytes + (p * n + w) * e, e) for w in range(n)] for p in range(2)]
         self._eager_area = area(ctrl_bytes, eager)
         self._window = (ctrl, self._eager_area, n, self.node_rank)  # the extension's first arguments
+        if self._one is not None:  # the retired window's caller: its counts are kept
+            c, b = _core.shm_one_counts(self._one)
+            self._one_counts = (self._one_counts[0] + c, self._one_counts[1] + b)
+        self._one = _core.shm_one_caller(ctrl, self._eager_area, n, self.node_rank, _SPIN_NS)
         base = ctrl_bytes + eager
         self._win = win
         self._ctrl = ctrl
@@ -383,7 +421,7 @@ class SharedMemoryAllReduce:
         path = self.path(pairs)
         several_nodes = self.num_nodes > 1
         if path == "mpi":
-            self.stats["mpi_calls"] += 1
+            self._stats["mpi_calls"] += 1
             if several_nodes:  # MPI's own hash check covers every worker of every node
                 self.communicator.allreduce(pairs, kind, detail)
                 return [recv for _, recv in pairs]
@@ -393,7 +431,7 @@ class SharedMemoryAllReduce:
         if path == "eager":
             start: Callable[[], Callable[[], bool]] = partial(self._start_eager, pairs, kind, detail)
             results = [recv for _, recv in pairs]
-            self.stats["bytes"] += sum(recv.nbytes for recv in results)
+            self._stats["bytes"] += sum(recv.nbytes for recv in results)
         else:
             start = partial(self._start_scatter if path == "scatter" else self._start_mpi, pairs, results, kind, detail)
         # One node: no MPI hash check; every path (MPI's too, so that workers that disagree on the
@@ -447,7 +485,7 @@ class SharedMemoryAllReduce:
             detail = lambda: ", ".join(f"{p.dtype.name}[{p.size}]" for _, p in work)  # noqa: E731
         results: list[npt.NDArray[Any]] = []
         several_nodes = self.num_nodes > 1
-        self.stats["unpacked_calls"] += 1
+        self._stats["unpacked_calls"] += 1
         self.communicator.collective(kind, detail, lambda: self._start_scatter(work, results, kind, detail),
                                      hash_check=several_nodes)
         return results
@@ -459,32 +497,29 @@ class SharedMemoryAllReduce:
         None, having done nothing, when it would take another path (call :meth:`allreduce`).
 
         The per-step common case (one array of one replica per worker), decided without
-        :meth:`path`'s walk: one call of the extension copies in, waits, sums and makes the result.
+        :meth:`path`'s walk: one call of the extension copies in (any layout: a send that is not
+        C-contiguous goes through a C-order copy, so every worker takes this path whatever its
+        array's strides), waits, sums, makes the result and counts the call in :attr:`stats`.
         """
-        dt = send.dtype
-        total = -(-send.nbytes // _ALIGN) * _ALIGN  # as path() counts it
-        if not (self._small_lo <= total < self._small_hi and (id(dt) in _NATIVE_IDS or _native_sum(dt))
-                and send.flags.c_contiguous and isinstance(self._kernels, KernelBackend)):
-            return None  # (a test's faulty kernels are called from Python, on the general path)
+        nbytes = send.nbytes
+        if not (self._one_lo <= nbytes <= self._one_hi and (id(send.dtype) in _NATIVE_IDS or _native_sum(send.dtype))):
+            return None
         self._pending = (send, kind, detail)
         self.communicator.collective(kind, detail, self._start_one, hash_check=False)
-        self.stats["bytes"] += send.nbytes
         return self._result
 
     def _start_one(self) -> Callable[[], bool]:
         """:meth:`_start_eager` of :meth:`allreduce_one`'s array, the result made by the extension."""
         send, kind, detail = self._pending
         self._count += 1
-        count = self._count
-        self.stats["eager_calls"] += 1
-        crc = self._kind_crcs.get(kind)
-        if crc is None:
-            crc = self._kind_crc(kind)
-        status, recv = _core.shm_all_reduce_one(*self._window, count, send, crc, self.communicator.seq, _SPIN_NS)
-        self._result = recv
-        if status == 0:
+        out = self._one(self._count, send, kind, self.communicator.seq)
+        if out.__class__ is not tuple:  # the usual end: every worker was there within the spin
+            self._result = out
             return _finished
-        return self._eager_poll(status, count, ((send, recv),), kind, detail, True)
+        status, recv = out
+        self._result = recv
+        # The sum reads only the slots (send is in them already): recv stands for both sides.
+        return self._eager_poll(status, self._count, ((recv, recv),), kind, detail, True)
 
     def _start_mpi(
         self,
@@ -534,7 +569,7 @@ class SharedMemoryAllReduce:
         """
         self._count += 1
         count = self._count
-        self.stats["eager_calls"] += 1
+        self._stats["eager_calls"] += 1
         if native is None:
             # The CPU backends sum bit for bit alike, so the extension sums the kernel dtypes whatever
             # backend was chosen; anything else (other dtypes, a test's faulty kernels) is summed here.
@@ -611,7 +646,7 @@ class SharedMemoryAllReduce:
             off = _round_up(off + recv.size * recv.dtype.itemsize, _ALIGN)
         nbytes = off
         self._count += 1
-        self.stats["calls"] += 1
+        self._stats["calls"] += 1
         me = self.node_rank
         # Per buffer: its send side as (start element, flat array) segments, recv (None: a pack's flat
         # result), its pack offset, dtype, size, and this worker's slice [lo, hi).
@@ -708,7 +743,7 @@ class SharedMemoryAllReduce:
                 else:
                     view.flags.writeable = False  # the other workers read it too
                     results.append(view)
-            self.stats["bytes"] += sum(size * dt.itemsize for _, _, _, dt, size, _, _ in slices)
+            self._stats["bytes"] += sum(size * dt.itemsize for _, _, _, dt, size, _, _ in slices)
             return True
 
         return done
