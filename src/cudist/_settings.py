@@ -34,6 +34,7 @@ __all__ = [
     "shm_transport",
     "shm_min_bytes",
     "node_size",
+    "checkpoint_writer_nice",
     "num_threads",
     "launch_status_dir",
     "bench_tf_python",
@@ -46,6 +47,7 @@ __all__ = [
     "SHM_TRANSPORT",
     "SHM_MIN_BYTES",
     "NODE_SIZE",
+    "CHECKPOINT_WRITER_NICE",
     "POOL_SPIN_US",
     "NUM_THREADS",
     "LAUNCH_STATUS_DIR",
@@ -86,6 +88,7 @@ STALL_WARNING_SECONDS = "CUDIST_STALL_WARNING_SECONDS"
 SHM_TRANSPORT = "CUDIST_SHM_TRANSPORT"
 SHM_MIN_BYTES = "CUDIST_SHM_MIN_BYTES"
 NODE_SIZE = "CUDIST_NODE_SIZE"
+CHECKPOINT_WRITER_NICE = "CUDIST_CHECKPOINT_WRITER_NICE"
 LAUNCH_STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
 RESTART_COUNT = "CUDIST_RESTART_COUNT"
 BENCH_TF_PYTHON = "CUDIST_BENCH_TF_PYTHON"
@@ -166,6 +169,14 @@ TABLE: tuple[Setting, ...] = (
         "one machine simulates 2 hosts x 2 workers (node leaders all-reduce over MPI). A value that is not a "
         "positive integer is a `ValueError`.",
         "When a MultiWorkerMirroredStrategy is created",
+    ),
+    Setting(
+        CHECKPOINT_WRITER_NICE, "runtime", "`10`",
+        "How much lower than the training loop's priority an asynchronous checkpoint write runs (Linux: added to "
+        "the niceness of its background thread only, from 0 to 19; the loop's threads keep theirs). On busy "
+        "cores the write then takes what the loop leaves instead of slowing its steps. `0`: the loop's "
+        "priority. A value that is not an integer from 0 to 19 is a `ValueError`.",
+        "When each asynchronous write starts",
     ),
     Setting(
         RESTART_COUNT, "internal", "unset",
@@ -341,6 +352,31 @@ def shm_min_bytes(default: int) -> int:
     """
     count = _count(SHM_MIN_BYTES, 0)
     return default if count is None else count
+
+
+#: The niceness an asynchronous checkpoint write adds to its thread when the variable is unset.
+CHECKPOINT_WRITER_NICE_DEFAULT = 10
+
+
+def checkpoint_writer_nice() -> int:
+    """``CUDIST_CHECKPOINT_WRITER_NICE``: the niceness an asynchronous checkpoint write's thread adds to its own.
+
+    Returns:
+        0 to 19; :data:`CHECKPOINT_WRITER_NICE_DEFAULT` when unset or empty.
+
+    Raises:
+        ValueError: not an integer from 0 to 19 (the message names the variable).
+    """
+    value = _raw(CHECKPOINT_WRITER_NICE)
+    if value is None:
+        return CHECKPOINT_WRITER_NICE_DEFAULT
+    try:
+        nice = int(value)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ValueError(f"${CHECKPOINT_WRITER_NICE}={value!r} is not an integer from 0 to 19")
+    return nice
 
 
 def node_size() -> int | None:

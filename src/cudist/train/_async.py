@@ -38,6 +38,8 @@ import atexit
 import functools
 import inspect
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -45,10 +47,11 @@ from typing import Any
 
 import numpy as np
 
+from cudist import _settings
 from cudist._arrays import array_module, device_context, is_device_array, to_host
 from cudist._kernels import SUPPORTED_DTYPES, backend_for
 
-__all__ = ["AsyncWriter", "CheckpointOptions", "run_write_callbacks"]
+__all__ = ["AsyncWriter", "CheckpointOptions", "lower_thread_priority", "run_write_callbacks"]
 
 _log = logging.getLogger("cudist")
 
@@ -113,8 +116,12 @@ def check_options(options: object) -> CheckpointOptions | None:
 
     Raises:
         TypeError: ``options`` is neither None nor a :class:`CheckpointOptions`.
+        ValueError: ``enable_async`` with a bad ``CUDIST_CHECKPOINT_WRITER_NICE`` (checked before
+            the save changes anything).
     """
     if options is None or isinstance(options, CheckpointOptions):
+        if options is not None and options.enable_async:
+            _settings.checkpoint_writer_nice()
         return options
     raise TypeError(f"options must be a cudist.train.CheckpointOptions or None, got {type(options).__name__}")
 
@@ -146,6 +153,22 @@ def _device_to_host(value: Any, event: Any) -> np.ndarray:
     event.synchronize()
     with device_context(value):
         return to_host(value)
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Adds ``increment`` to the calling thread's niceness (Linux, where niceness is per thread).
+
+    Only the writer thread calls it, as its first act: the thread ends with the write, so nothing
+    has to restore it (an unprivileged thread could not lower its niceness back anyway). Elsewhere
+    (macOS: ``PRIO_PROCESS`` would renice the whole process) and on a refusal it does nothing.
+    """
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as e:  # a sandbox without setpriority: the write still runs, at the loop's priority
+        _log.debug("could not lower the checkpoint writer's priority: %s", e)
 
 
 #: Every writer with a thread started: at exit, a write that failed unobserved is logged.
@@ -230,14 +253,18 @@ class AsyncWriter:
             what: names the write in the thread's name and in the exit log.
         """
         self.sync()
-        thread = threading.Thread(target=self._run, args=(job,), name=f"cudist-checkpoint-write {what}", daemon=False)
+        nice = _settings.checkpoint_writer_nice()  # read here: a bad value is the save's error, not the thread's
+        thread = threading.Thread(
+            target=self._run, args=(job, nice), name=f"cudist-checkpoint-write {what}", daemon=False
+        )
         with self._lock:
             self._thread = thread
         _WRITERS.add(self)
         thread.start()
 
-    def _run(self, job: Callable[[], None]) -> None:
+    def _run(self, job: Callable[[], None], nice: int) -> None:
         try:
+            lower_thread_priority(nice)
             job()
         except BaseException as e:  # kept for the next save or sync() to raise in the caller's thread
             with self._lock:
