@@ -10,9 +10,9 @@ An asynchronous save captures the state in the caller's thread and writes it in 
   when the write has read the held array, it becomes that variable's next write buffer, already
   faulted in (fresh pages would cost ~450 ms per 256 MiB on the 2-core build machine, more than a
   synchronous save). So a variable and each slot keep two buffers in turn however many saves run.
-  A rule whose kernel has no out-of-place form yet (the hand-written SGD, momentum, Adam and
-  RMSprop kernels) copies the held array into the write buffer first: the same bits, the copy in
-  that step rather than in the call;
+  A rule whose kernel has no out-of-place form yet (the hand-written SGD, Adam and RMSprop
+  kernels) copies the held array into the write buffer first: the same bits, the copy in that
+  step rather than in the call;
 * capture by copy otherwise: on the NumPy and Numba backends, for a component of a distributed
   variable, a dtype without kernels, the value is copied into a staging buffer that the checkpoint
   keeps from one save to the next (the kernel backend's multi-threaded copy); on a GPU the value is
@@ -20,16 +20,27 @@ An asynchronous save captures the state in the caller's thread and writes it in 
   index records, ``save_counter``, an iterator's position, a sync-on-read variable's aggregate,
   which is a collective) are taken in the caller's thread too;
 * write: :func:`cudist.train._format.write_checkpoint` in a background thread, the same atomic
-  write as a synchronous save (tensors fsynced and renamed, then the index, the commit point): a
-  crash or SIGKILL during it leaves the previous checkpoints intact;
+  write as a synchronous save, byte for byte (tensors fsynced and renamed, then the index, the
+  commit point): a crash or SIGKILL during it leaves the previous checkpoints intact;
+* priority: the thread first adds ``CUDIST_CHECKPOINT_WRITER_NICE`` (10 by default) to its own
+  niceness (Linux keeps one per thread; :func:`lower_thread_priority`), so where the cores are
+  busy the write takes what the training loop leaves instead of slowing its steps. Only that
+  thread changes, and it ends with the write: nothing is restored, the caller's threads never
+  change. The setting is read, and checked, by the save call;
 * one write at a time per :class:`~cudist.train.Checkpoint`: a save waits for the previous one
   first, and raises its error, if it had one (as does ``sync()``, which waits for it);
 * the thread is not a daemon: an interpreter that exits normally finishes the pending write first.
 
-What the loop still pays (``bench/PERFORMANCE.md``): the write's own CPU time (the page-cache copy,
-checksums, the flush: ~125 ms per 256 MiB here) competes with the training steps for the cores
-while it runs; where the cores are busy (2 shared cores, update kernels that use both), the steps
-during the write slow down by about that much or more.
+What the loop still pays (``bench/PERFORMANCE.md``, 256 MiB of variables and slots, the 2-core
+build machine): the call (0.2-1% of a synchronous save) and the first update after it, which
+writes new buffers (0.5-2% more). The write itself costs ~110 ms of CPU per 256 MiB (the copy into
+the page cache ~70 ms, the CRC-32s ~20 ms at ~13 GB/s through ``cudist._core.crc32``, the rest the
+header, fsync and renames) and waits ~100 ms for the disk. At the loop's priority that CPU slows
+the steps that run beside it by about as much; at the default lower priority the steps keep most
+of the cores and the write takes longer instead, so it needs more steps to end in the background:
+a save that comes before the previous write ends waits for it (and waits longer where other
+processes keep the cores busy, since the writer is then behind them too). Saving every few hundred
+steps, as loops do, leaves it that time.
 """
 
 from __future__ import annotations
