@@ -31,8 +31,8 @@ time is measured in the same run, as is a plain copy of the same bytes (the copy
 loop as users run it, a save every ``K`` training steps (``K`` long enough for the write to end in
 the background). Each round runs, in an order that rotates from round to round, the same loop of
 ``S`` x (save, ``K`` steps) (3 saves by default) four ways: without saves; with synchronous saves;
-with asynchronous saves at the default writer priority (``CUDIST_CHECKPOINT_WRITER_NICE``, 10
-unless set) and at the loop's own (nice 0). An asynchronous loop ends with ``sync()``, so a write
+with asynchronous saves at the writer priority ``CUDIST_CHECKPOINT_WRITER_NICE`` gives (0, the
+loop's own, unless set) and at nice 10 (or 0 if the variable sets another). An asynchronous loop ends with ``sync()``, so a write
 that outlasts its ``K`` steps is paid for. Blocked per save = (loop time - the same round's loop
 without saves) / ``S``, reported against the synchronous save (its call, timed in the same loops);
 also how long each background write took from the save call to its commit.
@@ -197,7 +197,8 @@ def _loop_mode(
 
     default_nice = _settings.checkpoint_writer_nice()
     env = os.environ.get(_settings.CHECKPOINT_WRITER_NICE)
-    ways = ("plain", "sync", f"async nice {default_nice}", "async nice 0")
+    other_nice = 10 if default_nice == 0 else 0
+    ways = ("plain", "sync", f"async nice {default_nice}", f"async nice {other_nice}")
     loop: dict[str, list[float]] = {w: [] for w in ways}
     save_call: dict[str, list[float]] = {w: [] for w in ways}
     write_time: dict[str, list[float]] = {w: [] for w in ways[2:]}
@@ -206,8 +207,8 @@ def _loop_mode(
 
         def run(way: str) -> None:
             options = None if way == "sync" else asynchronous
-            if way == "async nice 0":
-                os.environ[_settings.CHECKPOINT_WRITER_NICE] = "0"
+            if way == ways[3]:
+                os.environ[_settings.CHECKPOINT_WRITER_NICE] = str(other_nice)
             calls = 0.0
             del writes[:]
             _format.write_checkpoint = timed_write

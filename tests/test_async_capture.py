@@ -317,7 +317,7 @@ def _nice(tid=0):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
-@pytest.mark.parametrize("setting,added", [(None, 10), ("0", 0), ("3", 3), ("19", 19)])
+@pytest.mark.parametrize("setting,added", [(None, 0), ("0", 0), ("3", 3), ("10", 10), ("19", 19)])
 def test_the_write_runs_at_a_lower_priority_in_its_own_thread_only(tmp_path, monkeypatch, setting, added):
     """CUDIST_CHECKPOINT_WRITER_NICE is added to the writer thread's niceness (capped at 19), seen from
     inside the write; the caller's thread, and a thread started after the save, keep theirs; the
@@ -374,3 +374,24 @@ def test_a_bad_writer_priority_is_the_save_calls_error(tmp_path, monkeypatch):
     restored = cudist.Variable(np.zeros(7, np.float32))
     train.Checkpoint(v=restored).read(str(tmp_path / "a"))
     assert np.array_equal(restored.numpy(), v.numpy())
+
+
+@pytest.mark.parametrize("extra", [[], ["--every", "2", "--saves", "2"]])
+def test_the_benchmark_runs_both_modes(extra):
+    """bench/async_checkpoint.py: the steps-after-a-save mode and the save-every-K-steps mode print
+    their tables (1 MiB, so it is quick)."""
+    import subprocess  # noqa: PLC0415 - only this test starts a process
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "async_checkpoint.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "1", "2", "2", "momentum", *extra],
+        capture_output=True, text=True, timeout=300, check=True,
+        env={k: v for k, v in os.environ.items() if k != _settings.CHECKPOINT_WRITER_NICE},
+    ).stdout
+    if extra:
+        assert "2 rounds of 2 x (save, 2 steps)" in out
+        rows = [line for line in out.splitlines() if line.startswith("| async nice ")]
+        assert [r.split(" | ")[0] for r in rows] == ["| async nice 0", "| async nice 10"]
+        assert all(len(r.split(" | ")) == 6 for r in rows)
+    else:
+        assert "2 steps after each async save" in out and out.count("\n|") == 3

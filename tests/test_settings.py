@@ -97,8 +97,8 @@ def test_restart_count(monkeypatch):
 
 def test_checkpoint_writer_nice(monkeypatch):
     monkeypatch.delenv(_settings.CHECKPOINT_WRITER_NICE, raising=False)
-    assert _settings.checkpoint_writer_nice() == _settings.CHECKPOINT_WRITER_NICE_DEFAULT == 10
-    for raw, nice in ((" 0 ", 0), ("19", 19), ("5", 5), ("", 10)):
+    assert _settings.checkpoint_writer_nice() == _settings.CHECKPOINT_WRITER_NICE_DEFAULT == 0
+    for raw, nice in ((" 0 ", 0), ("19", 19), ("5", 5), ("", 0)):
         monkeypatch.setenv(_settings.CHECKPOINT_WRITER_NICE, raw)
         assert _settings.checkpoint_writer_nice() == nice
     for raw in ("-1", "20", "low", "2.5"):

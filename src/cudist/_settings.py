@@ -171,11 +171,13 @@ TABLE: tuple[Setting, ...] = (
         "When a MultiWorkerMirroredStrategy is created",
     ),
     Setting(
-        CHECKPOINT_WRITER_NICE, "runtime", "`10`",
+        CHECKPOINT_WRITER_NICE, "runtime", "`0`",
         "How much lower than the training loop's priority an asynchronous checkpoint write runs (Linux: added to "
-        "the niceness of its background thread only, from 0 to 19; the loop's threads keep theirs). On busy "
-        "cores the write then takes what the loop leaves instead of slowing its steps. `0`: the loop's "
-        "priority. A value that is not an integer from 0 to 19 is a `ValueError`.",
+        "the niceness of its background thread only, from 0 to 19; the loop's threads keep theirs). A higher "
+        "value lets the loop's steps have the cores first and makes the write take longer (about 3x at `10` on "
+        "the busy 2-core build machine, where the steps did not measurably gain: `bench/PERFORMANCE.md`); "
+        "worth trying where a loop saturates dedicated cores and saves far apart. A value that is not an "
+        "integer from 0 to 19 is a `ValueError`.",
         "When each asynchronous write starts",
     ),
     Setting(
@@ -355,7 +357,7 @@ def shm_min_bytes(default: int) -> int:
 
 
 #: The niceness an asynchronous checkpoint write adds to its thread when the variable is unset.
-CHECKPOINT_WRITER_NICE_DEFAULT = 10
+CHECKPOINT_WRITER_NICE_DEFAULT = 0
 
 
 def checkpoint_writer_nice() -> int:

@@ -22,11 +22,13 @@ An asynchronous save captures the state in the caller's thread and writes it in 
 * write: :func:`cudist.train._format.write_checkpoint` in a background thread, the same atomic
   write as a synchronous save, byte for byte (tensors fsynced and renamed, then the index, the
   commit point): a crash or SIGKILL during it leaves the previous checkpoints intact;
-* priority: the thread first adds ``CUDIST_CHECKPOINT_WRITER_NICE`` (10 by default) to its own
-  niceness (Linux keeps one per thread; :func:`lower_thread_priority`), so where the cores are
-  busy the write takes what the training loop leaves instead of slowing its steps. Only that
-  thread changes, and it ends with the write: nothing is restored, the caller's threads never
-  change. The setting is read, and checked, by the save call;
+* priority: the thread first adds ``CUDIST_CHECKPOINT_WRITER_NICE`` (0, none, by default) to its
+  own niceness (Linux keeps one per thread; :func:`lower_thread_priority`). Only that thread
+  changes, and it ends with the write: nothing is restored, the caller's threads never change. The
+  setting is read, and checked, by the save call. Why 0: on the shared 2-core build machine nice 10
+  made the write ~3x longer and the loop beside it no faster within the noise (5 runs,
+  ``bench/PERFORMANCE.md``); a low-priority thread that takes the GIL hundreds of times per write
+  can also hold up the loop's thread when it is preempted while holding it;
 * one write at a time per :class:`~cudist.train.Checkpoint`: a save waits for the previous one
   first, and raises its error, if it had one (as does ``sync()``, which waits for it);
 * the thread is not a daemon: an interpreter that exits normally finishes the pending write first.
@@ -34,13 +36,10 @@ An asynchronous save captures the state in the caller's thread and writes it in 
 What the loop still pays (``bench/PERFORMANCE.md``, 256 MiB of variables and slots, the 2-core
 build machine): the call (0.2-1% of a synchronous save) and the first update after it, which
 writes new buffers (0.5-2% more). The write itself costs ~110 ms of CPU per 256 MiB (the copy into
-the page cache ~70 ms, the CRC-32s ~20 ms at ~13 GB/s through ``cudist._core.crc32``, the rest the
-header, fsync and renames) and waits ~100 ms for the disk. At the loop's priority that CPU slows
-the steps that run beside it by about as much; at the default lower priority the steps keep most
-of the cores and the write takes longer instead, so it needs more steps to end in the background:
-a save that comes before the previous write ends waits for it (and waits longer where other
-processes keep the cores busy, since the writer is then behind them too). Saving every few hundred
-steps, as loops do, leaves it that time.
+the page cache ~70 ms, the CRC-32s ~20 ms at ~12 GB/s through ``cudist._core.crc32``, the rest the
+header, fsync and renames) and waits ~100 ms for the disk; that CPU, and the memory bandwidth of
+the copy, are taken from the steps that run beside it where no core is spare. A save that comes
+before the previous write has ended waits for it.
 """
 
 from __future__ import annotations
