@@ -26,28 +26,54 @@ later ones recycle.
 
 Prints the medians over the rounds (ms) and the ratios to the synchronous save. The steps' own
 time is measured in the same run, as is a plain copy of the same bytes (the copy-on-write's floor).
+
+``python bench/async_checkpoint.py [MiB] [rounds] [steps] [optimizer] --every K [--saves S]``: the
+loop as users run it, a save every ``K`` training steps (``K`` long enough for the write to end in
+the background). Each round runs, in an order that rotates from round to round, the same loop of
+``S`` x (save, ``K`` steps) (3 saves by default) four ways: without saves; with synchronous saves;
+with asynchronous saves at the writer priority ``CUDIST_CHECKPOINT_WRITER_NICE`` gives (0, the
+loop's own, unless set) and at nice 10 (or 0 if the variable sets another). An asynchronous loop ends with ``sync()``, so a write
+that outlasts its ``K`` steps is paid for. Blocked per save = (loop time - the same round's loop
+without saves) / ``S``, reported against the synchronous save (its call, timed in the same loops);
+also how long each background write took from the save call to its commit.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 import cudist
-from cudist import train
+from cudist import _settings, train
 from cudist.train import _format
 
 
+def _option(args: list[str], flag: str, default: int | None) -> int | None:
+    """Removes ``flag VALUE`` from ``args`` and returns VALUE as an int (``default`` if absent)."""
+    if flag not in args:
+        return default
+    i = args.index(flag)
+    value = int(args[i + 1])
+    del args[i : i + 2]
+    return value
+
+
 def main() -> None:
-    mib = int(sys.argv[1]) if len(sys.argv) > 1 else 256
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 5
-    steps = int(sys.argv[3]) if len(sys.argv) > 3 else 10
-    name = sys.argv[4] if len(sys.argv) > 4 else "momentum"
+    args = sys.argv[1:]
+    every = _option(args, "--every", None)
+    saves = _option(args, "--saves", 3)
+    mib = int(args[0]) if len(args) > 0 else 256
+    rounds = int(args[1]) if len(args) > 1 else 5
+    steps = int(args[2]) if len(args) > 2 else 10
+    name = args[3] if len(args) > 3 else "momentum"
     make, nslots = {
         "momentum": (lambda: cudist.optimizers.SGD(0.01, momentum=0.9), 1),
         "adamw": (lambda: cudist.optimizers.AdamW(0.001), 2),
@@ -66,6 +92,9 @@ def main() -> None:
     step()  # creates the slots
     ckpt = train.Checkpoint(optimizer=opt, variables=variables)
     asynchronous = train.CheckpointOptions(enable_async=True)
+    if every is not None:
+        _loop_mode(mib, name, nvars, rounds, every, saves or 3, ckpt, step, asynchronous)
+        return
     keys = ("sync save", "async call", "steps extra", "sync wait", "steps plain", "copy", "held call", "held extra",
             "cpu extra", "held cpu extra")
     t: dict[str, list[float]] = {k: [] for k in keys}
@@ -144,6 +173,90 @@ def main() -> None:
           f"{extra:.1f} | {med['sync wait']:.1f} | {blocked:.1f} ({100 * blocked / sync:.1f}%) | "
           f"{med['held call']:.2f} + {med['held extra']:.1f} = {capture:.1f} ({100 * capture / sync:.1f}%) | "
           f"{med['steps plain']:.1f} | {med['copy']:.1f} | {med['cpu extra']:.1f}, {med['held cpu extra']:.1f} |")
+
+
+def _loop_mode(
+    mib: int,
+    name: str,
+    nvars: int,
+    rounds: int,
+    every: int,
+    saves: int,
+    ckpt: train.Checkpoint,
+    step: Callable[[], None],
+    asynchronous: train.CheckpointOptions,
+) -> None:
+    """The ``--every`` mode: a save every ``every`` steps, the loop timed without saves, with sync and async ones."""
+    write = _format.write_checkpoint
+    writes: list[float] = []
+
+    def timed_write(*args: Any, **kwargs: Any) -> None:
+        a = time.perf_counter()
+        write(*args, **kwargs)
+        writes.append(time.perf_counter() - a)
+
+    default_nice = _settings.checkpoint_writer_nice()
+    env = os.environ.get(_settings.CHECKPOINT_WRITER_NICE)
+    other_nice = 10 if default_nice == 0 else 0
+    ways = ("plain", "sync", f"async nice {default_nice}", f"async nice {other_nice}")
+    loop: dict[str, list[float]] = {w: [] for w in ways}
+    save_call: dict[str, list[float]] = {w: [] for w in ways}
+    write_time: dict[str, list[float]] = {w: [] for w in ways[2:]}
+    with tempfile.TemporaryDirectory() as d:
+        manager = train.CheckpointManager(ckpt, d, max_to_keep=2)
+
+        def run(way: str) -> None:
+            options = None if way == "sync" else asynchronous
+            if way == ways[3]:
+                os.environ[_settings.CHECKPOINT_WRITER_NICE] = str(other_nice)
+            calls = 0.0
+            del writes[:]
+            _format.write_checkpoint = timed_write
+            try:
+                a = time.perf_counter()
+                for _ in range(saves):
+                    if way != "plain":
+                        b = time.perf_counter()
+                        manager.save(options=options)
+                        calls += time.perf_counter() - b
+                    for _ in range(every):
+                        step()
+                manager.sync()
+                loop[way].append(time.perf_counter() - a)
+            finally:
+                _format.write_checkpoint = write
+                if env is None:
+                    os.environ.pop(_settings.CHECKPOINT_WRITER_NICE, None)
+                else:
+                    os.environ[_settings.CHECKPOINT_WRITER_NICE] = env
+            save_call[way].append(calls / saves)
+            if way in write_time:
+                write_time[way].append(statistics.median(writes))
+
+        for way in ways:  # warm: files, page cache, the recycled buffers
+            run(way)
+        for w in ways:
+            loop[w].clear()
+            save_call[w].clear()
+        for w in write_time:
+            write_time[w].clear()
+        for r in range(rounds):
+            for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
+                run(way)
+    plain = loop["plain"]
+    per_save = {w: statistics.median([(x - p) / saves for x, p in zip(loop[w], plain, strict=True)]) * 1e3 for w in ways}
+    sync_call = statistics.median(save_call["sync"]) * 1e3
+    print(f"{mib} MiB of variables + {name} slots ({nvars} variables), {rounds} rounds of {saves} x (save, {every} steps) "
+          "per way, order rotating; medians in ms")
+    print(f"loop without saves: {statistics.median(plain) * 1e3:.1f} ms ({statistics.median(plain) * 1e3 / (saves * every):.2f} ms a step); "
+          f"sync save call: {sync_call:.1f} ms; loop time per sync save beyond plain: {per_save['sync']:.1f} ms")
+    print("| writer | async save call | loop time per save beyond plain | blocked / sync save call | "
+          "blocked / sync loop extra | background write, call to commit |")
+    print("|---|---|---|---|---|---|")
+    for w in ways[2:]:
+        call = statistics.median(save_call[w]) * 1e3
+        print(f"| {w} | {call:.2f} | {per_save[w]:.1f} | {100 * per_save[w] / sync_call:.1f}% | "
+              f"{100 * per_save[w] / per_save['sync']:.1f}% | {statistics.median(write_time[w]) * 1e3:.0f} |")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ call while the loop runs on; the recycled buffers stay two per tensor however ma
 from __future__ import annotations
 
 import json
+import os
+import sys
 import threading
 import weakref
 from pathlib import Path
@@ -19,7 +21,7 @@ import numpy as np
 import pytest
 
 import cudist
-from cudist import train
+from cudist import _settings, train
 from cudist._kernels import UPDATE_KERNELS, cpu_backend, get_backend, reset_backend_cache
 from cudist.train import _format
 
@@ -308,3 +310,88 @@ def test_an_exported_array_is_not_recycled(tmp_path, monkeypatch):
         if not any(w.storage.array is r() for r in seen):
             seen.append(weakref.ref(w.storage.array))
     assert len(seen) == 2
+
+
+def _nice(tid=0):
+    return os.getpriority(os.PRIO_PROCESS, tid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+@pytest.mark.parametrize("setting,added", [(None, 0), ("0", 0), ("3", 3), ("10", 10), ("19", 19)])
+def test_the_write_runs_at_a_lower_priority_in_its_own_thread_only(tmp_path, monkeypatch, setting, added):
+    """CUDIST_CHECKPOINT_WRITER_NICE is added to the writer thread's niceness (capped at 19), seen from
+    inside the write; the caller's thread, and a thread started after the save, keep theirs; the
+    checkpoint is the same bytes as a synchronous save's."""
+    if setting is None:
+        monkeypatch.delenv(_settings.CHECKPOINT_WRITER_NICE, raising=False)
+    else:
+        monkeypatch.setenv(_settings.CHECKPOINT_WRITER_NICE, setting)
+    base = _nice()
+    seen = {}
+    write = _format.write_checkpoint
+
+    def spying_write(*args, **kwargs):
+        seen["tid"] = threading.get_native_id()
+        seen["nice"] = _nice(seen["tid"])
+        write(*args, **kwargs)
+
+    monkeypatch.setattr(_format, "write_checkpoint", spying_write)
+    rng = np.random.default_rng(29)
+    v = cudist.Variable(rng.standard_normal(1001).astype(np.float32))
+    ckpt = train.Checkpoint(v=v)
+    path = ckpt.write(str(tmp_path / "a"), options=ASYNC)
+    ckpt.sync()
+    assert seen["tid"] != threading.get_native_id()
+    assert seen["nice"] == min(19, base + added)
+    assert _nice() == base  # the caller's thread is untouched
+    other = {}
+    t = threading.Thread(target=lambda: other.setdefault("nice", _nice(threading.get_native_id())))
+    t.start()
+    t.join()
+    assert other["nice"] == base  # so are the threads it starts later
+    ckpt.write(str(tmp_path / "b"))
+    data = sorted(tmp_path.glob("a.data-*"))[0].read_bytes()
+    assert data == sorted(tmp_path.glob("b.data-*"))[0].read_bytes().replace(b"b.index.json", b"a.index.json")
+    assert path == str(tmp_path / "a")
+
+
+def test_a_bad_writer_priority_is_the_save_calls_error(tmp_path, monkeypatch):
+    """Read in the caller's thread before the save changes anything: it raises, no write starts,
+    ``save_counter`` is unchanged, and the next save works."""
+    monkeypatch.setenv(_settings.CHECKPOINT_WRITER_NICE, "-5")
+    v = cudist.Variable(np.arange(7, dtype=np.float32))
+    ckpt = train.Checkpoint(v=v)
+    manager = train.CheckpointManager(ckpt, str(tmp_path / "m"), max_to_keep=1)
+    for save in (lambda: ckpt.write(str(tmp_path / "a"), options=ASYNC), lambda: ckpt.save(str(tmp_path / "s"), options=ASYNC),
+                 lambda: manager.save(options=ASYNC)):
+        with pytest.raises(ValueError, match="CUDIST_CHECKPOINT_WRITER_NICE"):
+            save()
+    assert int(ckpt.save_counter) == 0
+    assert [p.name for p in tmp_path.iterdir()] in ([], ["m"]) and not list((tmp_path / "m").glob("*"))
+    monkeypatch.setenv(_settings.CHECKPOINT_WRITER_NICE, "1")
+    ckpt.write(str(tmp_path / "a"), options=ASYNC)
+    ckpt.sync()
+    restored = cudist.Variable(np.zeros(7, np.float32))
+    train.Checkpoint(v=restored).read(str(tmp_path / "a"))
+    assert np.array_equal(restored.numpy(), v.numpy())
+
+
+@pytest.mark.parametrize("extra", [[], ["--every", "2", "--saves", "2"]])
+def test_the_benchmark_runs_both_modes(extra):
+    """bench/async_checkpoint.py: the steps-after-a-save mode and the save-every-K-steps mode print
+    their tables (1 MiB, so it is quick)."""
+    import subprocess  # noqa: PLC0415 - only this test starts a process
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "async_checkpoint.py"
+    out = subprocess.run(
+        [sys.executable, str(script), "1", "2", "2", "momentum", *extra],
+        capture_output=True, text=True, timeout=300, check=True,
+        env={k: v for k, v in os.environ.items() if k != _settings.CHECKPOINT_WRITER_NICE},
+    ).stdout
+    if extra:
+        assert "2 rounds of 2 x (save, 2 steps)" in out
+        rows = [line for line in out.splitlines() if line.startswith("| async nice ")]
+        assert [r.split(" | ")[0] for r in rows] == ["| async nice 0", "| async nice 10"]
+        assert all(len(r.split(" | ")) == 6 for r in rows)
+    else:
+        assert "2 steps after each async save" in out and out.count("\n|") == 3

@@ -93,3 +93,15 @@ def test_restart_count(monkeypatch):
         monkeypatch.setenv(_settings.RESTART_COUNT, bad)
         with pytest.raises(ValueError, match="CUDIST_RESTART_COUNT"):
             _settings.restart_count()
+
+
+def test_checkpoint_writer_nice(monkeypatch):
+    monkeypatch.delenv(_settings.CHECKPOINT_WRITER_NICE, raising=False)
+    assert _settings.checkpoint_writer_nice() == _settings.CHECKPOINT_WRITER_NICE_DEFAULT == 0
+    for raw, nice in ((" 0 ", 0), ("19", 19), ("5", 5), ("", 0)):
+        monkeypatch.setenv(_settings.CHECKPOINT_WRITER_NICE, raw)
+        assert _settings.checkpoint_writer_nice() == nice
+    for raw in ("-1", "20", "low", "2.5"):
+        monkeypatch.setenv(_settings.CHECKPOINT_WRITER_NICE, raw)
+        with pytest.raises(ValueError, match=f"CUDIST_CHECKPOINT_WRITER_NICE={raw!r} is not an integer from 0 to 19"):
+            _settings.checkpoint_writer_nice()

@@ -35,6 +35,7 @@ __all__ = [
     "shm_min_bytes",
     "node_size",
     "pipeline_update",
+    "checkpoint_writer_nice",
     "num_threads",
     "launch_status_dir",
     "bench_tf_python",
@@ -48,6 +49,7 @@ __all__ = [
     "SHM_MIN_BYTES",
     "NODE_SIZE",
     "PIPELINE_UPDATE",
+    "CHECKPOINT_WRITER_NICE",
     "POOL_SPIN_US",
     "NUM_THREADS",
     "LAUNCH_STATUS_DIR",
@@ -89,6 +91,7 @@ SHM_TRANSPORT = "CUDIST_SHM_TRANSPORT"
 SHM_MIN_BYTES = "CUDIST_SHM_MIN_BYTES"
 NODE_SIZE = "CUDIST_NODE_SIZE"
 PIPELINE_UPDATE = "CUDIST_PIPELINE_UPDATE"
+CHECKPOINT_WRITER_NICE = "CUDIST_CHECKPOINT_WRITER_NICE"
 LAUNCH_STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
 RESTART_COUNT = "CUDIST_RESTART_COUNT"
 BENCH_TF_PYTHON = "CUDIST_BENCH_TF_PYTHON"
@@ -178,6 +181,16 @@ TABLE: tuple[Setting, ...] = (
         "update (the same bits as `off`). Off by default: on a machine with no spare core it measured slower "
         "(see the multi-worker guide). Every worker must set the same value. Any other value is a `ValueError`.",
         "When a MultiWorkerMirroredStrategy is created",
+    ),
+    Setting(
+        CHECKPOINT_WRITER_NICE, "runtime", "`0`",
+        "How much lower than the training loop's priority an asynchronous checkpoint write runs (Linux: added to "
+        "the niceness of its background thread only, from 0 to 19; the loop's threads keep theirs). A higher "
+        "value lets the loop's steps have the cores first and makes the write take longer (about 3x at `10` on "
+        "the busy 2-core build machine, where the steps did not measurably gain: `bench/PERFORMANCE.md`); "
+        "worth trying where a loop saturates dedicated cores and saves far apart. A value that is not an "
+        "integer from 0 to 19 is a `ValueError`.",
+        "When each asynchronous write starts",
     ),
     Setting(
         RESTART_COUNT, "internal", "unset",
@@ -362,6 +375,31 @@ def shm_min_bytes(default: int) -> int:
     """
     count = _count(SHM_MIN_BYTES, 0)
     return default if count is None else count
+
+
+#: The niceness an asynchronous checkpoint write adds to its thread when the variable is unset.
+CHECKPOINT_WRITER_NICE_DEFAULT = 0
+
+
+def checkpoint_writer_nice() -> int:
+    """``CUDIST_CHECKPOINT_WRITER_NICE``: the niceness an asynchronous checkpoint write's thread adds to its own.
+
+    Returns:
+        0 to 19; :data:`CHECKPOINT_WRITER_NICE_DEFAULT` when unset or empty.
+
+    Raises:
+        ValueError: not an integer from 0 to 19 (the message names the variable).
+    """
+    value = _raw(CHECKPOINT_WRITER_NICE)
+    if value is None:
+        return CHECKPOINT_WRITER_NICE_DEFAULT
+    try:
+        nice = int(value)
+    except ValueError:
+        nice = -1
+    if not 0 <= nice <= 19:
+        raise ValueError(f"${CHECKPOINT_WRITER_NICE}={value!r} is not an integer from 0 to 19")
+    return nice
 
 
 def node_size() -> int | None:

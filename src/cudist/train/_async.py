@@ -20,16 +20,26 @@ An asynchronous save captures the state in the caller's thread and writes it in 
   index records, ``save_counter``, an iterator's position, a sync-on-read variable's aggregate,
   which is a collective) are taken in the caller's thread too;
 * write: :func:`cudist.train._format.write_checkpoint` in a background thread, the same atomic
-  write as a synchronous save (tensors fsynced and renamed, then the index, the commit point): a
-  crash or SIGKILL during it leaves the previous checkpoints intact;
+  write as a synchronous save, byte for byte (tensors fsynced and renamed, then the index, the
+  commit point): a crash or SIGKILL during it leaves the previous checkpoints intact;
+* priority: the thread first adds ``CUDIST_CHECKPOINT_WRITER_NICE`` (0, none, by default) to its
+  own niceness (Linux keeps one per thread; :func:`lower_thread_priority`). Only that thread
+  changes, and it ends with the write: nothing is restored, the caller's threads never change. The
+  setting is read, and checked, by the save call. Why 0: on the shared 2-core build machine nice 10
+  made the write ~3x longer and the loop beside it no faster within the noise (5 runs,
+  ``bench/PERFORMANCE.md``); a low-priority thread that takes the GIL hundreds of times per write
+  can also hold up the loop's thread when it is preempted while holding it;
 * one write at a time per :class:`~cudist.train.Checkpoint`: a save waits for the previous one
   first, and raises its error, if it had one (as does ``sync()``, which waits for it);
 * the thread is not a daemon: an interpreter that exits normally finishes the pending write first.
 
-What the loop still pays (``bench/PERFORMANCE.md``): the write's own CPU time (the page-cache copy,
-checksums, the flush: ~125 ms per 256 MiB here) competes with the training steps for the cores
-while it runs; where the cores are busy (2 shared cores, update kernels that use both), the steps
-during the write slow down by about that much or more.
+What the loop still pays (``bench/PERFORMANCE.md``, 256 MiB of variables and slots, the 2-core
+build machine): the call (0.2-1% of a synchronous save) and the first update after it, which
+writes new buffers (0.5-2% more). The write itself costs ~110 ms of CPU per 256 MiB (the copy into
+the page cache ~70 ms, the CRC-32s ~20 ms at ~12 GB/s through ``cudist._core.crc32``, the rest the
+header, fsync and renames) and waits ~100 ms for the disk; that CPU, and the memory bandwidth of
+the copy, are taken from the steps that run beside it where no core is spare. A save that comes
+before the previous write has ended waits for it.
 """
 
 from __future__ import annotations
@@ -38,6 +48,8 @@ import atexit
 import functools
 import inspect
 import logging
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -45,10 +57,11 @@ from typing import Any
 
 import numpy as np
 
+from cudist import _settings
 from cudist._arrays import array_module, device_context, is_device_array, to_host
 from cudist._kernels import SUPPORTED_DTYPES, backend_for
 
-__all__ = ["AsyncWriter", "CheckpointOptions", "run_write_callbacks"]
+__all__ = ["AsyncWriter", "CheckpointOptions", "lower_thread_priority", "run_write_callbacks"]
 
 _log = logging.getLogger("cudist")
 
@@ -113,8 +126,12 @@ def check_options(options: object) -> CheckpointOptions | None:
 
     Raises:
         TypeError: ``options`` is neither None nor a :class:`CheckpointOptions`.
+        ValueError: ``enable_async`` with a bad ``CUDIST_CHECKPOINT_WRITER_NICE`` (checked before
+            the save changes anything).
     """
     if options is None or isinstance(options, CheckpointOptions):
+        if options is not None and options.enable_async:
+            _settings.checkpoint_writer_nice()
         return options
     raise TypeError(f"options must be a cudist.train.CheckpointOptions or None, got {type(options).__name__}")
 
@@ -146,6 +163,22 @@ def _device_to_host(value: Any, event: Any) -> np.ndarray:
     event.synchronize()
     with device_context(value):
         return to_host(value)
+
+
+def lower_thread_priority(increment: int) -> None:
+    """Adds ``increment`` to the calling thread's niceness (Linux, where niceness is per thread).
+
+    Only the writer thread calls it, as its first act: the thread ends with the write, so nothing
+    has to restore it (an unprivileged thread could not lower its niceness back anyway). Elsewhere
+    (macOS: ``PRIO_PROCESS`` would renice the whole process) and on a refusal it does nothing.
+    """
+    if increment <= 0 or not sys.platform.startswith("linux"):
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + increment))
+    except OSError as e:  # a sandbox without setpriority: the write still runs, at the loop's priority
+        _log.debug("could not lower the checkpoint writer's priority: %s", e)
 
 
 #: Every writer with a thread started: at exit, a write that failed unobserved is logged.
@@ -230,14 +263,18 @@ class AsyncWriter:
             what: names the write in the thread's name and in the exit log.
         """
         self.sync()
-        thread = threading.Thread(target=self._run, args=(job,), name=f"cudist-checkpoint-write {what}", daemon=False)
+        nice = _settings.checkpoint_writer_nice()  # read here: a bad value is the save's error, not the thread's
+        thread = threading.Thread(
+            target=self._run, args=(job, nice), name=f"cudist-checkpoint-write {what}", daemon=False
+        )
         with self._lock:
             self._thread = thread
         _WRITERS.add(self)
         thread.start()
 
-    def _run(self, job: Callable[[], None]) -> None:
+    def _run(self, job: Callable[[], None], nice: int) -> None:
         try:
+            lower_thread_priority(nice)
             job()
         except BaseException as e:  # kept for the next save or sync() to raise in the caller's thread
             with self._lock:
