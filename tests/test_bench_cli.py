@@ -533,3 +533,31 @@ def test_workers_refuse_flags_without_meaning_there(capsys, argv, message):
         main(["all-reduce", *(["--workers", "2"] if "--workers" not in argv else []), *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_optimizer_defaults_come_from_the_registries():
+    """``--optimizer`` left out is filled from the registries (the parser itself names no rule)."""
+    from cudist.bench._cli import _default_optimizer, build_parser
+    from cudist.bench._ops import SUITE_UPDATES
+    from cudist.bench._strategy_bench import STEP_OPTIMIZERS
+
+    parser = build_parser()
+    for argv, expected in ((["update"], SUITE_UPDATES[0]), (["step"], STEP_OPTIMIZERS[0]),
+                           (["update", "--optimizer", "adamw"], "adamw"), (["step", "--optimizer", "adam"], "adam")):
+        args = parser.parse_args(argv)
+        _default_optimizer(args)
+        assert args.optimizer == expected, argv
+
+
+def test_bench_make_optimizer():
+    """One factory builds the benches' optimizers; an unknown kind is a ValueError naming the kinds."""
+    from cudist.bench._strategy_bench import STEP_OPTIMIZERS, make_optimizer
+
+    momentum = make_optimizer("momentum", 0.05)
+    assert momentum.get_config()["momentum"] == pytest.approx(0.9)
+    assert momentum.get_config()["learning_rate"] == pytest.approx(0.05)
+    assert make_optimizer(STEP_OPTIMIZERS[0]).get_config()["momentum"] == 0.0
+    adam = make_optimizer("adam", beta_2=0.99)
+    assert type(adam) is not type(momentum) and adam.get_config()["beta_2"] == pytest.approx(0.99)
+    with pytest.raises(ValueError, match="sgd, momentum, adam"):
+        make_optimizer("lamb")

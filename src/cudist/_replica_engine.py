@@ -41,7 +41,7 @@ every 1000 runs. Without a BLAS whose threads can be limited (OpenBLAS or MKL), 
 greenlets.
 
 The decision, measured on the project's 2-core machines (``bench/step_compare.py``, the MLP step
-784-512-512-10, global batch 256, SGD momentum; medians of interleaved rounds, quiet machine):
+784-512-512-10, global batch 256, momentum 0.9; medians of interleaved rounds, quiet machine):
 
 * a no-op ``run`` on 2 replicas: greenlets ~4.4 us, ``auto`` ~4.7-5.0 us (3.9 us before threads
   existed: the mode lookup and the timing cost ~0.8 us), threads 17-80 us (each handoff wakes

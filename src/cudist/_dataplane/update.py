@@ -13,7 +13,7 @@ This module then
   settling path, so every update reads the gradients as they were before the step);
 * calls the rule's kernel -- ``name`` from a final gradient, or ``all_reduce_<name>`` from the N
   per-replica gradients summed in the same pass (:meth:`UpdatePass.apply_fused`) -- after the
-  decoupled weight-decay pass for rules whose kernel has no weight-decay factor (SGD's).
+  decoupled weight-decay pass for rules whose kernel has no weight-decay factor (the plain-gradient rules').
 
 Adding an optimizer: a row in ``UPDATE_KERNELS`` (and the kernels it names), then its
 :class:`~cudist.optimizers.Optimizer` subclass names its slots (``_slot_names``), its step scalars
@@ -96,8 +96,8 @@ class Rule:
         entry = UPDATE_KERNELS.get(name)
         if entry is None:
             raise ValueError(f"no update rule {name!r} (the rules: {', '.join(UPDATE_KERNELS)})")
-        # A rule whose kernel takes the decoupled weight decay as its last scalar; the others (sgd,
-        # momentum) get a pass of their own before the update (_decay_pass).
+        # A rule whose kernel takes the decoupled weight decay as its last scalar; the others (the
+        # plain-gradient rules) get a pass of their own before the update (_decay_pass).
         in_kernel = entry[1][-1:] == ("decay",)
         expected = len(entry[1]) - in_kernel
         if len(scalars) != expected:
@@ -177,7 +177,7 @@ class Rule:
 
 def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) -> None:
     """The decoupled weight decay as its own pass, ``w -= w * decay`` (rules whose kernel has no
-    weight-decay factor: SGD's)."""
+    weight-decay factor: the plain-gradient ones)."""
     w = copies[0]
     kernels.assign_add(copies, w * w.dtype.type(decay), True)
 

@@ -241,8 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name in KERNEL_OPS:
         sp = sub.add_parser(name, parents=[_common_parser()], help=helps[name], description=helps[name])
         if name == "update":
-            sp.add_argument("--optimizer", type=str.lower, choices=UPDATE_OPTIMIZERS, default="sgd",
-                            help="update rule: a kernel variant of the rules' table (default sgd)")
+            sp.add_argument("--optimizer", type=str.lower, choices=UPDATE_OPTIMIZERS, default=None,
+                            help="update rule: a kernel variant of the rules' table (default: the suite's "
+                            "first, plain gradient descent)")
     sp = sub.add_parser(
         "run-overhead",
         parents=[_common_parser(sizes=False, defaults={"n": 200, "w": 20})],
@@ -262,7 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--features", type=_positive_int("--features"), default=256, help="input features (default 256)")
     sp.add_argument("--hidden", type=_positive_int("--hidden"), default=1024, help="hidden units (default 1024)")
     sp.add_argument("--classes", type=_positive_int("--classes"), default=16, help="outputs (default 16)")
-    sp.add_argument("--optimizer", type=str.lower, choices=_STEP_OPTIMIZERS, default="sgd", help="(default sgd)")
+    sp.add_argument("--optimizer", type=str.lower, choices=_STEP_OPTIMIZERS, default=None,
+                    help="(default: the first, plain gradient descent)")
     sp.add_argument("--api", choices=("kernel", "strategy", "both"), default="both",
                     help="drive the step through the kernel layer, the strategy API, or both (default both)")
     sp = sub.add_parser(
@@ -635,6 +637,21 @@ def run_suite(ctx) -> None:
 
 
 # ---------------------------------------------------------------------------------------- main
+def _default_optimizer(args: argparse.Namespace) -> None:
+    """Fills ``--optimizer`` left out from the registries (a string default would name a rule here,
+    and building the parser must not import them)."""
+    if getattr(args, "optimizer", "") is not None:
+        return
+    if args.command == "update":
+        from cudist.bench._ops import SUITE_UPDATES
+
+        args.optimizer = SUITE_UPDATES[0]
+    else:
+        from cudist.bench._strategy_bench import STEP_OPTIMIZERS
+
+        args.optimizer = STEP_OPTIMIZERS[0]
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -656,6 +673,7 @@ def main(argv=None) -> int:
         args._argv = argv
     if args.tf_python is None:
         args.tf_python = _settings.bench_tf_python()
+    _default_optimizer(args)
     # Output files are checked before anything runs: a missing matplotlib or directory fails now, not
     # after minutes of measurement.
     try:

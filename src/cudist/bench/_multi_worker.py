@@ -220,7 +220,8 @@ def _run(args) -> int:
 
 
 # The training step of bench/step_compare.py (its torch DDP gloo contestant is the comparison):
-# MLP 784-512-512-10, ReLU, softmax cross-entropy, SGD momentum 0.9, lr 0.01, float32.
+# MLP 784-512-512-10, ReLU, softmax cross-entropy, the user-path bench's momentum optimizer
+# (cudist.bench._strategy_bench.make_optimizer: momentum 0.9, lr 0.01), float32.
 _LAYERS = (784, 512, 512, 10)
 
 
@@ -259,7 +260,7 @@ def _run_step(args) -> int:
     from mpi4py import MPI
 
     import cudist
-    import cudist.optimizers
+    from cudist.bench._strategy_bench import make_optimizer
 
     comm = MPI.COMM_WORLD
     strategy = cudist.MultiWorkerMirroredStrategy()
@@ -267,7 +268,7 @@ def _run_step(args) -> int:
     params, x, y = _problem(args.batch)
     with strategy.scope():
         variables = [cudist.Variable(p) for p in params]
-        opt = cudist.optimizers.SGD(0.01, momentum=0.9)
+        opt = make_optimizer("momentum")
     per = -(-len(x) // W)
     mine = (x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per])
     scale = 1.0 / len(x)
@@ -288,7 +289,7 @@ def _run_step(args) -> int:
     if rank == 0:
         ms = float(np.median(slowest)) * 1e3
         out = sys.stderr if args.json == "-" else sys.stdout  # with --json -, stdout carries only the JSON
-        print(f"# cudist-bench step --workers {W}: MLP 784-512-512-10, global batch {args.batch}, SGD momentum; "
+        print(f"# cudist-bench step --workers {W}: MLP 784-512-512-10, global batch {args.batch}, momentum 0.9; "
               f"threads per worker {os.environ.get('OMP_NUM_THREADS', '?')}", file=out, flush=True)
         print(f"  MultiWorkerMirroredStrategy ({W} workers): median step {ms:.2f} ms (slowest worker per step), "
               f"min {float(slowest.min()) * 1e3:.2f} ms, {args.batch / ms * 1e3:.0f} samples/s; "

@@ -19,7 +19,7 @@ comes from the same rounds. Groups:
   the list from ``run`` adds regrouping it into per-leaf PerReplica values); the NumPy loop over
   the leaves. Not compared with TensorFlow.
 * ``momentum`` / ``adam``: ``optimizer.apply_gradients([(g_r, var)])`` inside ``strategy.run``
-  (``cudist.optimizers.SGD(momentum=0.9)`` / ``Adam``), each replica passing its own gradient; the
+  (``_strategy_bench.make_optimizer``: momentum 0.9 / Adam), each replica passing its own gradient; the
   kernels the same work takes today (in-place ``all_reduce`` of the N gradients, then the mirrored
   ``momentum`` / ``adam`` update: two passes); the NumPy loop; Keras's optimizer under TF's
   ``strategy.run`` in ``tf.function`` with ``--compare tf``.
@@ -400,16 +400,16 @@ def _update_contestants(group, strategy, be, n, count, rng, check, notes):
     each, from the same initial variable, and compares every copy with one float64 reference; the timed
     calls then go on from the checked state with the last step's gradients."""
     import cudist
-    import cudist.optimizers as optimizers
+    from cudist.bench._strategy_bench import make_optimizer
 
     w0 = _rand(rng, count)
     steps = [[_rand(rng, count) for _ in range(n)] for _ in range(2 if check else 1)]
     with strategy.scope():
         var = cudist.Variable(w0.copy())
         if group == "momentum":
-            opt = optimizers.SGD(learning_rate=LR, momentum=MOMENTUM)
+            opt = make_optimizer(group, LR, momentum=MOMENTUM)
         else:
-            opt = optimizers.Adam(learning_rate=LR, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON)
+            opt = make_optimizer(group, LR, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON)
 
     def replica_fn(g):
         opt.apply_gradients([(g, var)])

@@ -9,7 +9,7 @@ graph is walked breadth-first, the first path found to an object naming it (as T
   aggregate (the cross-replica read: SUM, MEAN or replica 0's value), plus its per-replica
   components, so that a restore onto the same number of replicas continues bit for bit (aggregation
   NONE has no aggregate and cannot be saved, as in TF);
-* a cudist optimizer (``cudist.optimizers.SGD``, ...): its ``iterations`` variable (at
+* a cudist optimizer (any of ``cudist.optimizers``): its ``iterations`` variable (at
   ``<optimizer>/iterations``), its hyperparameters (in the index), and one slot variable per
   (tracked variable, slot name) at ``<variable>/.OPTIMIZER_SLOT/<optimizer>/<slot>``, linked to the
   variable's path. As in TF, slots of variables that are not themselves in the checkpoint are not
