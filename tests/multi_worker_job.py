@@ -115,45 +115,6 @@ def parity(R, exact_workers=False):
             exact_f16 = True if dt == np.float16 else None
             compare(f"all_reduce_{op}_{np.dtype(dt).name}", mw.run(step), ref.run(step), exact_f16)
 
-    def bf16():
-        """bfloat16 rides NCCL natively (NCCL >= 2.10, one call per op): each worker's replicas
-        summed in float32 and rounded once, NCCL adding the workers' sums in bfloat16. Against the
-        reference (every replica summed in float32, one rounding): bit-exact for 2x1 (NCCL's one
-        addition of two bfloat16 values is that rounding; MEAN divides by a power of two), else
-        within the documented bound (docs/guides/multi-worker.md) plus the reference's own rounding."""
-        import ml_dtypes
-
-        bf = np.dtype(ml_dtypes.bfloat16)
-        shape = (37,)
-        absum = sum(np.abs(host(values(g, bf, shape)).astype(np.float64)) for g in range(G))
-        for op in ("sum", "mean"):
-
-            def step(op=op):
-                ctx = cudist.get_replica_context()
-                return ctx.all_reduce(op, values(ctx.replica_id_in_sync_group, bf, shape))
-
-            before = calls["allReduce"]
-            got, want = mw.experimental_local_results(mw.run(step)), ref.experimental_local_results(ref.run(step))
-            c.check(f"bfloat16_{op}_by_nccl", calls["allReduce"] == before + 1, calls["allReduce"] - before)
-            # The guide's bound of each side against the exact sum, W * u and u (u = 2**-8), with room
-            # for the second-order terms and the float32 accumulation.
-            bound = 1.1 * (W + 1) * 2.0**-8 * absum / (G if op == "mean" else 1)
-            for r, a in enumerate(got):
-                g_arr, w_arr = host(a), host(want[mine[r]])
-                if not (isinstance(a, cp.ndarray) and a.dtype == bf and a.device.id == r):
-                    c.check(f"bfloat16_{op}", False, f"replica {mine[r]}: {type(a).__name__} {a.dtype} not on GPU {r}")
-                    break
-                if exact:
-                    ok = np.array_equal(g_arr.view(np.uint16), w_arr.view(np.uint16))
-                else:
-                    err = np.abs(g_arr.astype(np.float64) - w_arr.astype(np.float64))
-                    ok = bool(np.all(err <= bound)) and not np.array_equal(bound, 0 * bound)
-                if not ok:
-                    c.check(f"bfloat16_{op}", False, f"replica {mine[r]}: {g_arr[:4]} vs {w_arr[:4]}")
-                    break
-            else:
-                c.check(f"bfloat16_{op}", True)
-
     def nest_step():
         ctx = cudist.get_replica_context()
         g = ctx.replica_id_in_sync_group

@@ -22,7 +22,7 @@ import pytest
 import test_multi_worker as tmw
 from cudist import _settings
 from cudist._dataplane.pipeline import CommThread
-from test_shm_transport import EVERY_SIZE, _launch, _results
+from test_shm_transport import EVERY_SIZE, PROTOCOL_FAILURES, _launch, _results
 
 needs_mpi = tmw.needs_mpi
 no_shm_left = tmw.no_shm_left
@@ -107,13 +107,7 @@ def _failing(mode, pipelined):
 
 @needs_mpi
 @pytest.mark.multi_worker
-@pytest.mark.parametrize(
-    ("mode", "named"),
-    [
-        ("shm_raise", "worker 1 raised ZeroDivisionError: worker 1 fails on purpose inside the shared-memory protocol"),
-        ("shm_kill", tmw._KILLED_WORKER_1),
-    ],
-)
+@pytest.mark.parametrize(("mode", "named"), PROTOCOL_FAILURES)
 def test_a_worker_failing_mid_pipeline_ends_the_job_as_unpipelined(mode, named, no_shm_left):
     for pipelined in ("on", "off"):
         proc, took = _failing(mode, pipelined)

@@ -40,6 +40,11 @@ JOB = tmw.JOB
 needs_mpi = tmw.needs_mpi
 no_shm_left = tmw.no_shm_left
 EVERY_SIZE = {"CUDIST_SHM_MIN_BYTES": "0"}
+# A worker that raises or is killed inside the shared-memory protocol, and how the job names it.
+PROTOCOL_FAILURES = [
+    ("shm_raise", "worker 1 raised ZeroDivisionError: worker 1 fails on purpose inside the shared-memory protocol"),
+    ("shm_kill", tmw._KILLED_WORKER_1),
+]
 
 
 def _launch(n, *args, env=None, timeout=120):
@@ -227,13 +232,7 @@ def test_a_worker_hanging_inside_the_protocol_times_out_named(n, no_shm_left):
 
 @needs_mpi
 @pytest.mark.multi_worker
-@pytest.mark.parametrize(
-    ("mode", "named"),
-    [
-        ("shm_raise", "worker 1 raised ZeroDivisionError: worker 1 fails on purpose inside the shared-memory protocol"),
-        ("shm_kill", tmw._KILLED_WORKER_1),
-    ],
-)
+@pytest.mark.parametrize(("mode", "named"), PROTOCOL_FAILURES)
 @SIZES
 def test_a_worker_failing_inside_the_protocol_ends_the_job_named(mode, named, n, no_shm_left):
     proc, took = _launch(2, mode, n, env=EVERY_SIZE, timeout=60)
