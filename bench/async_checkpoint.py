@@ -104,6 +104,17 @@ def main() -> None:
     def held_write(*args: object, **kwargs: object) -> None:
         gate.wait(600)
         write(*args, **kwargs)  # type: ignore[arg-type]
+
+    def save_then_steps() -> tuple[float, float, float]:
+        """An asynchronous save, then ``steps`` steps: the call's time, the steps' time, and the
+        process CPU time when it began."""
+        a, cpu = time.perf_counter(), time.process_time()
+        manager.save(options=asynchronous)
+        b = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return b - a, time.perf_counter() - b, cpu
+
     with tempfile.TemporaryDirectory() as d:
         manager = train.CheckpointManager(ckpt, d, max_to_keep=2)
         manager.save()  # warm: the files exist, the page cache is in its steady state
@@ -122,35 +133,25 @@ def main() -> None:
             manager.save()
             t["sync save"].append(time.perf_counter() - a)
 
-            a, cpu = time.perf_counter(), time.process_time()
-            manager.save(options=asynchronous)
-            b = time.perf_counter()
-            for _ in range(steps):
-                step()
+            call, stepped, cpu = save_then_steps()
             c = time.perf_counter()
             manager.sync()
-            e = time.perf_counter()
+            t["sync wait"].append(time.perf_counter() - c)
             t["cpu extra"].append(time.process_time() - cpu - plain_cpu)  # every thread's: the write's
-            t["async call"].append(b - a)
-            t["steps extra"].append(c - b - plain)
-            t["sync wait"].append(e - c)
+            t["async call"].append(call)
+            t["steps extra"].append(stepped - plain)
 
             gate.clear()
             _format.write_checkpoint = held_write
             try:
-                a, cpu = time.perf_counter(), time.process_time()
-                manager.save(options=asynchronous)
-                b = time.perf_counter()
-                for _ in range(steps):
-                    step()
-                c = time.perf_counter()
+                call, stepped, cpu = save_then_steps()
                 t["held cpu extra"].append(time.process_time() - cpu - plain_cpu)
             finally:
                 _format.write_checkpoint = write
                 gate.set()
             manager.sync()
-            t["held call"].append(b - a)
-            t["held extra"].append(c - b - plain)
+            t["held call"].append(call)
+            t["held extra"].append(stepped - plain)
 
             src = [v.numpy() for v in variables]
             a = time.perf_counter()
