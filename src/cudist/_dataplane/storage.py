@@ -138,7 +138,7 @@ class Storage:
         if type(a) is not np.ndarray:
             return _device_snapshot(a)
         s = self._snap
-        if s is None or not _views_of(s, a):
+        if s is None or (s.base.obj is not a and not _views_of(s, a)):  # type: ignore[union-attr]
             try:
                 m = a.data  # a memoryview of the storage
             except ValueError:
