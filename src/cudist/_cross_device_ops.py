@@ -38,7 +38,7 @@ from cudist._dataplane.placement import (
     on_destinations,
     resolve_destinations,
 )
-from cudist._kernels import BackendUnavailableError, KernelBackend, cpu_backend
+from cudist._kernels import BackendUnavailableError, KernelBackend, backend_for, cpu_backend
 from cudist._reduce_util import ReduceOp
 from cudist._values import DistributedValues, Mirrored
 from cudist.errors import InvalidArgumentError
@@ -116,16 +116,55 @@ class CrossDeviceOps:
         del per_replica_leaves, consume, settle
         return False
 
+    #: Whether optimizers may fuse this algorithm's sum into their update (its ``batch_reduce`` is
+    #: the kernels' replica-order sum): set by the algorithms whose reduction that is, and False for
+    #: any subclass that defines its own ``reduce`` or ``batch_reduce`` (:meth:`__init_subclass__`).
+    _fuses_sum = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # A user's reduce or batch_reduce is always the one that reduces: decided once, when the
+        # class is made, not at each step.
+        if "reduce" in cls.__dict__ or "batch_reduce" in cls.__dict__:
+            cls._fuses_sum = False
+
     def _fused_sum_backend(self, arrays: Sequence[Any]) -> KernelBackend | None:
         """The kernel backend that may sum these per-replica arrays fused into an optimizer update.
 
         A fused all-reduce + update (one pass: N gradients in, every copy and slot out) is exactly
-        this algorithm's reduction only for the fused-kernel algorithms; for the others (and for
-        any subclass that overrides the reductions) None, and optimizers reduce through
+        this algorithm's reduction only for the algorithms whose ``batch_reduce`` is the kernels'
+        replica-order sum (``_fuses_sum``): host arrays of dtypes the CPU backend computes, or GPU
+        arrays all on one GPU (the CuPy backend's fused kernels; NCCL never serves
+        ``batch_reduce``, so the GPU algorithms qualify too). For the others (and for any subclass
+        that overrides the reductions) None, and optimizers reduce through
         ``extended.batch_reduce_to`` first.
         """
-        del arrays
-        return None
+        if not self._fuses_sum or not arrays:
+            return None
+        first = arrays[0]
+        if type(first) is np.ndarray:
+            b = cpu_backend()
+            kind: type = np.ndarray
+            gpu = None
+        elif is_device_array(first):
+            # One physical GPU (logical GPUs included): a fused kernel there reads every gradient
+            # and writes every copy in its own memory. Across GPUs the copies form several groups,
+            # which the update pass does not fuse (see UpdatePass.fusable).
+            b = backend_for(first)
+            kind = type(first)
+            gpu = gpu_of(first)
+        else:
+            return None
+        seen = None  # a step's gradients share one dtype object or a few: each is checked once
+        for a in arrays:
+            if type(a) is not kind or (gpu is not None and a.device.id != gpu):
+                return None
+            dt = a.dtype
+            if dt is not seen:
+                if not b.computes(dt):  # (bfloat16: the gradients of a mixed-precision fused update)
+                    return None
+                seen = dt
+        return b
 
     def _values_of(self, where: str, value: Any) -> list[Array]:
         if isinstance(value, DistributedValues):
@@ -271,34 +310,10 @@ class KernelAllReduce(CrossDeviceOps):
         ValueError: ``num_packs`` is negative or not an int.
     """
 
-    #: Whether optimizers may fuse this algorithm's sum into their update: False for a subclass that
-    #: defines its own ``reduce`` or ``batch_reduce`` (:meth:`__init_subclass__`), which then reduces.
-    _fuses_sum = True
+    _fuses_sum = True  # (see CrossDeviceOps._fuses_sum)
 
     def __init__(self, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs(type(self).__name__, num_packs)
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        # A user's reduce or batch_reduce is always the one that reduces: decided once, when the
-        # class is made, not at each step.
-        if "reduce" in cls.__dict__ or "batch_reduce" in cls.__dict__:
-            cls._fuses_sum = False
-
-    def _fused_sum_backend(self, arrays: Sequence[Any]) -> KernelBackend | None:
-        if not self._fuses_sum:
-            return None
-        b = cpu_backend()
-        seen = None  # a step's gradients share one dtype object or a few: each is checked once
-        for a in arrays:
-            if type(a) is not np.ndarray:
-                return None
-            dt = a.dtype
-            if dt is not seen:
-                if not b.computes(dt):  # (bfloat16: the gradients of a mixed-precision fused update)
-                    return None
-                seen = dt
-        return b
 
 
 def _check_num_packs(name: str, num_packs: int | np.integer[Any]) -> int:
@@ -389,6 +404,7 @@ class P2PAllReduce(CrossDeviceOps):
     """
 
     _needs_gpu = True
+    _fuses_sum = True  # (see CrossDeviceOps._fuses_sum)
 
     def __init__(self, num_packs: int = 1) -> None:
         self.num_packs = _check_num_packs("P2PAllReduce", num_packs)
@@ -408,6 +424,9 @@ class NcclAllReduce(CrossDeviceOps):
     """
 
     _needs_gpu = True
+    # batch_reduce (the optimizers' reduction) is the P2P kernels' sum: NCCL serves the replica
+    # context's all_reduce only (_reducer).
+    _fuses_sum = True
     _fallback: str | None = None  # why P2P is used instead of NCCL (None: NCCL is used)
     _nccl: ModuleType  # cupy.cuda.nccl, once loaded
 
@@ -476,6 +495,7 @@ class AutoGpuAllReduce(CrossDeviceOps):
     """
 
     _needs_gpu = True
+    _fuses_sum = True  # (as NcclAllReduce's: NCCL serves the replica context's all_reduce only)
     #: Packed buffers of at least this many bytes use NCCL (the replicas being on distinct GPUs).
     NCCL_MIN_BYTES = 8 << 20
 

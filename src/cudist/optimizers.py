@@ -58,7 +58,7 @@ import numpy.typing as npt
 
 from cudist import _distribute_lib
 from cudist import _schedules as schedules
-from cudist._arrays import array_module, from_dlpack, is_array, is_foreign_array
+from cudist._arrays import array_module, device_context, from_dlpack, is_array, is_device_array, is_foreign_array, to_host
 from cudist._dataplane.update import Plan, Rule, UpdatePass, bias_corrected_lr, is_bfloat16, momentum_schedule_step, settle_inputs
 from cudist._reduce_util import ReduceOp
 from cudist._schedules import LearningRateSchedule
@@ -117,15 +117,24 @@ def _is_schedule(lr: object) -> bool:
 
 
 def _narrow_ok(grad: Any, var: Variable) -> bool:
-    """Whether ``grad`` may reach the fused all-reduce + update of ``var`` uncast: a host bfloat16 or
-    float16 gradient of a float32 variable whose backend's fused kernels widen it in the pass
-    (exactly: the bits of casting it first, without the float32 copy)."""
-    if type(grad) is not np.ndarray or var.dtype != np.float32:
+    """Whether ``grad`` may reach the fused all-reduce + update of ``var`` uncast: a bfloat16 or
+    float16 gradient (host or GPU array) of a float32 variable whose backend's fused kernels widen
+    it in the pass (exactly: the bits of casting it first, without the float32 copy)."""
+    if var.dtype != np.float32 or (type(grad) is not np.ndarray and not is_device_array(grad)):
         return False
     if grad.dtype != np.float16 and not is_bfloat16(grad.dtype):
         return False
     backend = var.storage.kernel()
     return backend is not None and backend.mixed_gradients
+
+
+def _cast(grad: Any, dtype: Any) -> Any:
+    """``grad.astype(dtype)`` where ``grad`` lives: a replica's GPU gradient is cast on its own GPU
+    (the merge_call runs with another replica's device current)."""
+    if type(grad) is np.ndarray:
+        return grad.astype(dtype)
+    with device_context(grad):
+        return grad.astype(dtype)
 
 
 def _clip_by_norm(g: Any, clipnorm: float) -> Any:
@@ -809,7 +818,7 @@ class Optimizer:
                 # The fused kernels take one gradient dtype per variable: where the replicas' dtypes
                 # differ (one left bf16, another float32), cast that variable's gradients as Keras does.
                 per_var = [
-                    comps if all(c.dtype == comps[0].dtype for c in comps) else tuple(c.astype(v.dtype) for c in comps)
+                    comps if all(c.dtype == comps[0].dtype for c in comps) else tuple(_cast(c, v.dtype) for c in comps)
                     for comps, v in zip(per_var, variables)
                 ]
             n = strategy.num_replicas_in_sync
@@ -817,7 +826,7 @@ class Optimizer:
                 return
             if narrow:  # gradients left narrow for a fused pass that did not happen: cast them now
                 per_var = [
-                    tuple(c if c.dtype == v.dtype else c.astype(v.dtype) for c in comps)
+                    tuple(c if c.dtype == v.dtype else _cast(c, v.dtype) for c in comps)
                     for comps, v in zip(per_var, variables)
                 ]
             if n > 1 and aggregate and self._apply_pipelined(strategy, per_var, variables):
@@ -955,9 +964,9 @@ class Optimizer:
         """Sums each variable's per-replica gradients and updates it in ONE kernel pass, if it can.
 
         ``per_var``: per variable, its gradient from each of this worker's replicas. Possible when
-        every gradient and every copy is in host memory and the strategy's cross-device ops reduce
-        with the kernels' own replica-order sum (see :meth:`UpdatePass.fusable`). Returns False
-        (nothing done) otherwise, for the general path.
+        every gradient and every copy is in one memory (the host's, or one GPU's) and the strategy's
+        cross-device ops reduce with the kernels' own replica-order sum (see
+        :meth:`UpdatePass.fusable`). Returns False (nothing done) otherwise, for the general path.
         """
         update, ensure_slots = self._update, self._ensure_slots
         plans = [update.plan(v, ensure_slots(v)) for v in variables]  # (the general path reuses them)
@@ -1790,6 +1799,21 @@ class Lion(Optimizer):
         return Rule("lion", (params[0], self.beta_1, self.beta_2), decay)
 
 
+def _as_float32(g: Any) -> Any:
+    """A gradient as float32 where it lives (a GPU gradient on its GPU; anything else on the host)."""
+    if is_device_array(g):
+        return _cast(g, np.float32)
+    return np.asarray(g, dtype=np.float32)
+
+
+def _all_finite(g: Any) -> bool:
+    """Whether every element of gradient ``g`` is finite (checked in float32, on its GPU for a GPU array)."""
+    if is_device_array(g):
+        with device_context(g):
+            return bool(to_host(array_module(g).isfinite(_as_float32(g)).all()))
+    return bool(np.isfinite(np.asarray(g, dtype=np.float32)).all())
+
+
 class LossScaleOptimizer:
     """Keras 3's dynamic loss scaling around an optimizer (``keras.optimizers.LossScaleOptimizer``).
 
@@ -1867,7 +1891,10 @@ class LossScaleOptimizer:
 
     def scale_loss(self, loss: Any) -> Any:
         """``loss`` multiplied by the current scale (Keras's ``scale_loss``)."""
-        return np.multiply(loss, np.asarray(self.dynamic_scale.read_value()).astype(np.asarray(loss).dtype))
+        scale = to_host(self.dynamic_scale.read_value())
+        if is_device_array(loss):  # a GPU loss stays on its GPU, in its dtype
+            return loss * array_module(loss).asarray(scale, dtype=loss.dtype)
+        return np.multiply(loss, scale.astype(np.asarray(loss).dtype))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Variable]]) -> Variable:
         """Applies the unscaled gradients when all are finite (on every replica), else skips the step.
@@ -1878,7 +1905,7 @@ class LossScaleOptimizer:
         pairs = list(grads_and_vars)
         ctx = _distribute_lib.get_replica_context()
         if ctx is not None and ctx.num_replicas_in_sync > 1:
-            if pairs and math.frexp(float(np.asarray(self.dynamic_scale.read_value())))[0] == 0.5 and all(
+            if pairs and math.frexp(float(to_host(self.dynamic_scale.read_value())))[0] == 0.5 and all(
                 g is not None for g, _ in pairs  # (frexp's mantissa 0.5: a power of two)
             ):
                 # One merge_call decides for every replica (each gets its result): fused, or None.
@@ -1891,23 +1918,23 @@ class LossScaleOptimizer:
     def _apply_checked(self, pairs: list[tuple[Any, Variable]], ctx: Any) -> Variable:
         """apply_gradients where the check is not fused: each replica checks its own gradients, the
         replicas all-reduce the verdict, each unscales its gradients for the inner optimizer."""
-        finite = all(g is None or bool(np.isfinite(np.asarray(g, dtype=np.float32)).all()) for g, _ in pairs)
+        finite = all(g is None or _all_finite(g) for g, _ in pairs)
         if ctx is not None and ctx.num_replicas_in_sync > 1:
             bad = ctx.all_reduce(ReduceOp.SUM, np.float32(0.0 if finite else 1.0))
-            finite = float(np.asarray(bad)) == 0.0
-        scale = np.float32(np.asarray(self.dynamic_scale.read_value()))
+            finite = float(to_host(bad)) == 0.0
+        scale = np.float32(to_host(self.dynamic_scale.read_value()))
         if not finite:
             self.dynamic_scale.assign(scale / np.float32(2.0))
             self.step_counter.assign(0)
             return self.inner_optimizer.iterations
-        unscaled = [(None if g is None else np.asarray(g, dtype=np.float32) / scale, v) for g, v in pairs]
+        unscaled = [(None if g is None else _as_float32(g) / scale, v) for g, v in pairs]
         self.inner_optimizer.apply_gradients(unscaled)
         self._grow(scale)
         return self.inner_optimizer.iterations
 
     def _grow(self, scale: np.floating[Any]) -> None:
         """After a finite step: one more in a row, the scale doubled every ``dynamic_growth_steps``."""
-        count = int(np.asarray(self.step_counter.read_value())) + 1
+        count = int(to_host(self.step_counter.read_value())) + 1
         if count >= self.dynamic_growth_steps:
             self.dynamic_scale.assign(scale * np.float32(2.0))
             count = 0
@@ -1923,7 +1950,7 @@ class LossScaleOptimizer:
         if any(len(h.grads) != len(variables) for h in each):
             return None  # (the per-replica path raises the error about it)
         per_var = list(zip(*(h.grads for h in each)))
-        scale = float(np.asarray(self.dynamic_scale.read_value()))
+        scale = float(to_host(self.dynamic_scale.read_value()))
         done = self.inner_optimizer._apply_unscaled_fused(strategy, per_var, variables, scale)
         if done is None:
             return None

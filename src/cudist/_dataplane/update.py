@@ -65,10 +65,10 @@ class Updatable(Protocol):
 #: the sources: None (in place) or the arrays holding the current values, the variable's then each
 #: slot's, when the copies are written out of place).
 Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, tuple[Any, ...] | None]"
-#: What a fused all-reduce + update of a variable needs, settled at plan time: (the host backend of
-#: its one group, the variable's dtype, every array the update writes: copies, then slot copies);
-#: None when its update cannot be fused (copies on a GPU or in several memories, a dtype without
-#: fused kernels).
+#: What a fused all-reduce + update of a variable needs, settled at plan time: (the backend of its
+#: one group -- the host's, or the CuPy backend for copies on one GPU --, the variable's dtype,
+#: every array the update writes: copies, then slot copies); None when its update cannot be fused
+#: (copies in several memories, a dtype without fused kernels).
 Fused: TypeAlias = "tuple[KernelBackend, Any, tuple[Any, ...]] | None"
 #: A variable's validated kernel work: (the storage arrays it was validated for, its groups, its
 #: Fused, the out-of-place writes to commit once it ran: (storage, the array written) each).
@@ -359,8 +359,9 @@ class UpdatePass:
         if len(groups) == 1:
             copies, gslots, backend, _ = groups[0]
             ref = copies[0]
-            # bfloat16 variables (not in the backend's dtypes) have no fused kernel.
-            if type(ref) is np.ndarray and ref.dtype in backend.dtypes:
+            # bfloat16 variables (not in the backend's dtypes) have no fused kernel on the CPU; on
+            # a GPU they are not fused either, so both give the bits of reducing first.
+            if ref.dtype in backend.dtypes:
                 fused = (backend, ref.dtype, copies + sum(gslots, ()))
         plan = (key, tuple(groups), fused, moves)
         if moves:
@@ -405,10 +406,13 @@ class UpdatePass:
         """The backend that can sum each variable's per-replica gradients inside its update, or None.
 
         ``strategy``: the ``cudist.distribute.Strategy`` whose ``merge_call`` runs the step.
-        Possible when every gradient and every copy is in host memory, each variable has one group,
+        Possible when every gradient and every copy is in one memory -- the host's, or one GPU's
+        (logical GPUs split from one physical GPU included) --, each variable has one group there,
         and the strategy's cross-device ops reduce with the kernels' own replica-order sum (the
         default ops): then one pass reads the N gradients and copy 0 of the variable and slots and
-        writes every copy -- bit-identical to reducing first, then updating.
+        writes every copy -- bit-identical to reducing first, then updating. Narrow (bfloat16 /
+        float16) gradients of float32 variables are widened inside that pass where the backend's
+        fused kernels do it (``mixed_gradients``: every backend, the CuPy one included).
         """
         if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
             return None
@@ -419,11 +423,15 @@ class UpdatePass:
         if backend is None:
             return None
         mixed = backend.mixed_gradients
+        # GPU gradients (all on one GPU: _fused_sum_backend) fuse into copies on that same GPU.
+        gpu = None if type(per_var[0][0]) is np.ndarray else gpu_of(per_var[0][0])
         # What depends on the variable alone (one host group of this backend, a dtype with fused
         # kernels) was settled at plan time: per variable one identity test, and one of its dtype.
         for plan, comps in zip(plans, per_var):
             fused = plan[2]
             if fused is None or fused[0] is not backend:
+                return None
+            if gpu is not None and gpu_of(fused[2][0]) != gpu:
                 return None
             dt = comps[0].dtype
             if dt is not fused[1] and dt != fused[1]:
@@ -466,6 +474,9 @@ class UpdatePass:
             rules: per variable the step's rule.
         """
         trusted = backend.trusted
+        if per_var and type(per_var[0][0]) is not np.ndarray:
+            _apply_fused_on_gpu(trusted, per_var, plans, rules)
+            return
         inputs = settle_inputs([(comps, plan[2][2]) for comps, plan in zip(per_var, plans)], kernels=trusted)  # type: ignore[index]  # fusable: every plan has its Fused
         last: Rule | None = None
         kernel: Any = None
@@ -482,6 +493,46 @@ class UpdatePass:
             else:
                 kernel(copies, *slots, ins, *scalars)
         _commit(plans)
+
+
+def _apply_fused_on_gpu(
+    trusted: TrustedKernels, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan], rules: Sequence[Rule]
+) -> None:
+    """:meth:`UpdatePass.apply_fused` for copies and gradients on one GPU: the CuPy backend's fused
+    kernels, one launch per variable (narrow gradients read as they are: no float32 copy).
+
+    The gradients are settled as the host's are (:func:`settle_inputs`): made C-contiguous, and
+    copied where they share memory with anything the pass writes (a kernel reading a gradient that
+    an earlier launch of the pass wrote, or that its own threads write, would read updated values).
+    """
+    written = _DeviceSpans([a for plan in plans for a in plan[2][2]])  # type: ignore[index]  # fusable: every plan has its Fused
+    ref = plans[0][2][2][0]  # type: ignore[index]
+    with device_context(ref):
+        for comps, plan, rule in zip(per_var, plans, rules):
+            copies, slots, _, sources = plan[1][0]
+            ins = [g if g.flags.c_contiguous and not written.overlaps(g) else g.copy(order="C") for g in comps]
+            rule.run_fused(trusted, copies, slots, ins, sources)
+
+
+class _DeviceSpans:
+    """The device-address ranges of GPU arrays (unified addressing: one space over every GPU),
+    sorted for an O(log k) overlap test (as :class:`_Spans` for host arrays)."""
+
+    def __init__(self, arrays: Sequence[Any]) -> None:
+        spans = sorted({(int(a.data.ptr), int(a.data.ptr) + a.nbytes) for a in arrays if a.nbytes})
+        self._starts = [s for s, _ in spans]
+        self._ends = list(itertools.accumulate((e for _, e in spans), max))
+
+    def overlaps(self, a: Any) -> bool:
+        """Whether ``a`` (any layout: its whole extent counts) shares a byte with any of the arrays."""
+        if not a.nbytes:
+            return False
+        start = int(a.data.ptr)
+        # A view's extent: from its lowest to its highest element's last byte.
+        lo = start + sum(min(0, (n - 1) * st) for n, st in zip(a.shape, a.strides))
+        hi = start + sum(max(0, (n - 1) * st) for n, st in zip(a.shape, a.strides)) + a.itemsize
+        i = bisect.bisect_left(self._starts, hi) - 1
+        return i >= 0 and self._ends[i] > lo
 
 
 def _commit(plans: Sequence[Plan]) -> None:
