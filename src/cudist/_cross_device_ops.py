@@ -144,7 +144,7 @@ class CrossDeviceOps:
         first = arrays[0]
         if type(first) is np.ndarray:
             b = cpu_backend()
-            kind: type = np.ndarray
+            kind: Any = np.ndarray
             gpu = None
         elif is_device_array(first):
             # One physical GPU (logical GPUs included): a fused kernel there reads every gradient
