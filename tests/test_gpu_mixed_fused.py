@@ -231,3 +231,43 @@ def test_loss_scale_optimizer_on_logical_gpus(n, launches):
     moved = [not np.array_equal(got[s][0][0][0], got[s - 1][0][0][0]) for s in range(1, len(steps))]
     assert moved == [False, True, False, True, True]
     assert launches["fused"] == len(steps) - 2
+
+
+def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_the_step(launches):
+    """A replica's gradient that is another variable's copy (the pass writes it before the kernel of
+    the second variable reads it) or its own variable's copy, or a non-contiguous view: the update
+    reads the values from before the step, as from fresh copies of the gradients."""
+    import cupy
+
+    n = 2
+    rng = _rng("alias")
+    init = [rng.standard_normal(37).astype(np.float32) for _ in range(3)]
+    wide = rng.standard_normal(74).astype(np.float32)
+
+    def train(fresh):
+        with gpu0_split(n, memory_limit=1024):
+            strategy = cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+            with strategy.scope():
+                ws = [cudist.Variable(x, name=f"w{i}") for i, x in enumerate(init)]
+                opt = cudist.optimizers.SGD(0.25, momentum=0.5)
+            for _ in range(2):
+                def step():
+                    r = cudist.get_replica_context().replica_id_in_sync_group
+                    grads = [
+                        cupy.asarray(wide[r:][:37]) * 0.5,
+                        ws[0].storage.buffers()[r],  # written by the first variable's launch
+                        ws[2].storage.buffers()[r][::-1],  # its own copy, reversed: a view
+                    ]
+                    if fresh:
+                        grads = [cupy.ascontiguousarray(g).copy() for g in grads]
+                    opt.apply_gradients(list(zip(grads, ws)))
+
+                strategy.run(step)
+            return [[cupy.asnumpy(b) for b in w.storage.buffers()] for w in ws]
+
+    got = train(fresh=False)
+    assert launches["fused"] == 2
+    want = train(fresh=True)
+    for v, (g, w) in enumerate(zip(got, want)):
+        for r in range(n):
+            assert g[r].tobytes() == w[r].tobytes(), f"variable {v}, replica {r}"

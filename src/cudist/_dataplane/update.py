@@ -508,9 +508,13 @@ def _apply_fused_on_gpu(
     written = _DeviceSpans([a for plan in plans for a in plan[2][2]])  # type: ignore[index]  # fusable: every plan has its Fused
     ref = plans[0][2][2][0]  # type: ignore[index]
     with device_context(ref):
-        for comps, plan, rule in zip(per_var, plans, rules):
+        # Every gradient settled before the first launch writes anything.
+        inputs = [
+            [g if g.flags.c_contiguous and not written.overlaps(g) else g.copy(order="C") for g in comps]
+            for comps in per_var
+        ]
+        for ins, plan, rule in zip(inputs, plans, rules):
             copies, slots, _, sources = plan[1][0]
-            ins = [g if g.flags.c_contiguous and not written.overlaps(g) else g.copy(order="C") for g in comps]
             rule.run_fused(trusted, copies, slots, ins, sources)
 
 
