@@ -225,6 +225,14 @@ def test_loss_scale_optimizer_on_logical_gpus(n, launches):
     make = OPTIMIZERS["sgd_momentum"]
     with gpu0_split(n, memory_limit=1024):
         got = _train([f"/gpu:{i}" for i in range(n)], cupy.asarray, make, steps, wrap=wrap)
+        # scale_loss of a GPU loss: on its GPU, in its dtype (a new wrapper: the scale is 2**4).
+        strategy = cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
+        with strategy.scope():
+            lso = wrap(make())
+        for dt in (np.float32, BF16):
+            scaled = lso.scale_loss(cupy.asarray(np.array(2.5, dt)))
+            assert isinstance(scaled, cupy.ndarray) and scaled.dtype == dt
+            assert float(cupy.asnumpy(scaled).astype(np.float32)) == 40.0
     want = _train([f"/cpu:{i}" for i in range(n)], lambda g: g, make, steps, wrap=wrap)
     _assert_same(got, want)
     # The test can fail: steps 1 and 3 were skipped (the weights did not move), the others were not.

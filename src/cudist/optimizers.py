@@ -1893,7 +1893,8 @@ class LossScaleOptimizer:
         """``loss`` multiplied by the current scale (Keras's ``scale_loss``)."""
         scale = to_host(self.dynamic_scale.read_value())
         if is_device_array(loss):  # a GPU loss stays on its GPU, in its dtype
-            return loss * array_module(loss).asarray(scale, dtype=loss.dtype)
+            with device_context(loss):
+                return loss * array_module(loss).asarray(scale, dtype=loss.dtype)
         return np.multiply(loss, scale.astype(np.asarray(loss).dtype))
 
     def apply_gradients(self, grads_and_vars: Iterable[tuple[Any, Variable]]) -> Variable:
