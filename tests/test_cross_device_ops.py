@@ -181,6 +181,27 @@ def test_a_subclass_with_its_own_reduction_is_not_fused_into_updates():
     np.testing.assert_array_equal(v.numpy(), np.full(4, -1.0, np.float32))
 
 
+def test_which_algorithms_fuse_the_optimizers_sum():
+    """The algorithms whose batch_reduce is the kernels' replica-order sum (the CPU kernel ops and
+    the GPU ones, whose batch_reduce never goes through NCCL) offer a fused-sum backend; the others,
+    and any subclass with its own reduce, do not; nor do non-arrays or an empty step."""
+    from cudist import _cross_device_ops as lib
+    from cudist._kernels import cpu_backend
+
+    class OwnReduce(cudist.P2PAllReduce):
+        def reduce(self, reduce_op, per_replica_value, destinations, options=None):
+            return super().reduce(reduce_op, per_replica_value, destinations, options)
+
+    grads = [np.ones(4, np.float32), np.ones(4, np.float32)]
+    for ops in (KernelAllReduce(), cudist.P2PAllReduce(), cudist.NcclAllReduce()):
+        assert lib.fused_sum_backend(ops, grads) is cpu_backend(), ops
+    for ops in (cudist.ReductionToOneDevice(), OwnReduce()):
+        assert lib.fused_sum_backend(ops, grads) is None, ops
+    assert lib.fused_sum_backend(KernelAllReduce(), []) is None
+    assert lib.fused_sum_backend(KernelAllReduce(), [[1.0], [2.0]]) is None
+    assert lib.fused_sum_backend(KernelAllReduce(), [grads[0], np.ones(4, np.complex64)]) is None
+
+
 def test_broadcast():
     ops = KernelAllReduce()
     src = np.arange(4.0)
