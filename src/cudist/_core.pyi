@@ -43,6 +43,11 @@ crc32_accelerated: Final[bool]
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """``zlib.crc32(data, value)`` of a C-contiguous buffer (PCLMULQDQ where ``crc32_accelerated``; no GIL)."""
 
+def write_crc32(fd: int, data: bytes | bytearray | memoryview, chunk: int = 1 << 20, value: int = 0) -> int:
+    """Writes ``data`` (C-contiguous) to ``fd`` in ``chunk``-byte writes, every byte, and returns
+    ``zlib.crc32(data, value)``, each chunk summed right after its write; no GIL (except to run signal
+    handlers when a signal interrupts a write: one that raises ends it). OSError when a write fails."""
+
 def all_reduce(bufs: _Arrays, op: _Op) -> None:
     """In place: every array of ``bufs`` becomes their elementwise reduction; op 0=SUM, 1=MEAN."""
 

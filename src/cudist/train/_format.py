@@ -52,6 +52,7 @@ save that fails after its tensors file is complete (no space for the index) remo
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import math
@@ -176,6 +177,22 @@ def _load_crc32() -> Callable[[Any, int], int]:
 _crc32 = _load_crc32()
 
 
+def _load_write_crc32() -> Callable[[int, Any, int], int] | None:
+    """``cudist._core.write_crc32`` where it is built and its CRC-32 folds with PCLMULQDQ, else None
+    (a table-driven CRC-32 would be slower than ``zlib.crc32`` in the Python loop)."""
+    try:
+        from cudist import _core  # noqa: PLC0415 - optional extension
+    except ImportError:
+        return None
+    if not getattr(_core, "crc32_accelerated", False):
+        return None
+    return getattr(_core, "write_crc32", None)
+
+
+#: The native tensor writer (one call per tensor, without the GIL), or None: the Python loop below.
+_write_crc32 = _load_write_crc32()
+
+
 def _crc_through(buf: memoryview, io: Callable[[memoryview], None]) -> int:
     """Passes ``buf`` to ``io`` chunk by chunk (a write from it, or a read into it) and returns its CRC-32.
 
@@ -190,6 +207,29 @@ def _crc_through(buf: memoryview, io: Callable[[memoryview], None]) -> int:
         io(chunk)
         crc = _crc32(chunk, crc)
     return crc
+
+
+def _write_all(fd: int, data: memoryview | bytes) -> None:
+    """``os.write`` until every byte of ``data`` is written (a write may be short)."""
+    view = memoryview(data)
+    while len(view):
+        n = os.write(fd, view)
+        if n == 0:  # no progress and no error: never retried into a hang
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        view = view[n:]
+
+
+def _write_with_crc(fd: int, buf: memoryview) -> int:
+    """Writes ``buf`` to ``fd`` at its offset, 1 MiB at a time, and returns its CRC-32.
+
+    Natively where ``cudist._core`` has it (:data:`_write_crc32`): the GIL is released for the whole
+    tensor. The Python loop took it back after each write and each CRC, ~500 times per 256 MiB, and an
+    asynchronous save's thread then waited behind the training loop's thread for it and held that
+    thread up each time it had it. Both sum each chunk right after writing it, while it is in cache.
+    """
+    if _write_crc32 is not None:
+        return _write_crc32(fd, buf, _CHUNK)
+    return _crc_through(buf, lambda chunk: _write_all(fd, chunk))
 
 
 def _crc_hex(crc: int) -> str:
@@ -351,7 +391,7 @@ def _header(specs: Sequence[TensorSpec], metadata: dict[str, str], crcs: dict[st
     return head + b" " * (-len(head) % 8)  # safetensors aligns the data on 8 bytes (spaces, as the library pads)
 
 
-def _write_tensor_data(f: BinaryIO, specs: Sequence[TensorSpec], crcs: dict[str, str]) -> None:
+def _write_tensor_data(fd: int, specs: Sequence[TensorSpec], crcs: dict[str, str]) -> None:
     for key, dtype, shape, get in specs:
         arr = get()
         if not isinstance(arr, np.ndarray):
@@ -362,7 +402,7 @@ def _write_tensor_data(f: BinaryIO, specs: Sequence[TensorSpec], crcs: dict[str,
                 f"expected {np.dtype(dtype)}{list(shape)}"
             )
         arr = _little(arr)
-        crcs[key] = _crc_hex(_crc_through(_bytes_of(arr), f.write) if arr.size else 0)
+        crcs[key] = _crc_hex(_write_with_crc(fd, _bytes_of(arr)) if arr.size else 0)
         del arr
         tensor_written(key)
 
@@ -385,17 +425,18 @@ def write_checkpoint(prefix: str, specs: Sequence[TensorSpec], make_index: Calla
     fd, tmp = _create_locked(directory, final)
     current = tmp  # the name our file has
     try:
-        with os.fdopen(os.dup(fd), "wb") as f:
+        try:  # straight to the descriptor: the tensors' bytes go from their arrays to write(2)
             meta = {"index": base + INDEX_SUFFIX}
             crcs: dict[str, str] = {}
             head = _header(specs, meta, crcs)
-            f.write(struct.pack("<Q", len(head)))
-            f.write(head)
-            _write_tensor_data(f, specs, crcs)
-            f.seek(8)
-            f.write(_header(specs, meta, crcs))  # the same length: only the checksums' hex digits changed
-            f.flush()
-            os.fsync(f.fileno())
+            _write_all(fd, struct.pack("<Q", len(head)) + head)
+            _write_tensor_data(fd, specs, crcs)
+            head = _header(specs, meta, crcs)  # the same length: only the checksums' hex digits changed
+            os.lseek(fd, 8, os.SEEK_SET)
+            _write_all(fd, head)
+            os.fsync(fd)
+        except OSError as e:
+            raise _naming(e, tmp) from None
         os.replace(tmp, final)
         current = final
         fsync_dir(directory)
@@ -412,6 +453,14 @@ def write_checkpoint(prefix: str, specs: Sequence[TensorSpec], make_index: Calla
     finally:
         os.close(fd)  # releases the lock: from here cleaners may remove the file if no index names it
     remove_stale(directory, base)
+
+
+def _naming(e: OSError, path: str) -> OSError:
+    """``e`` with ``path`` as its file name, if it has none (the native writer's and ``os.write``'s
+    errors name no file); the same subclass and errno."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return type(e)(e.errno, e.strerror, path)
 
 
 def tensor_written(key: str) -> None:
