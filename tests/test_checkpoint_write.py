@@ -203,3 +203,128 @@ def test_a_failed_tensor_write_names_the_file_and_leaves_nothing(tmp_path, monke
     assert calls and info.value.errno == errno.ENOSPC
     assert info.value.filename.startswith(str(tmp_path / ".ckpt.data-")) and info.value.filename.endswith(".tmp")
     assert os.listdir(tmp_path) == []
+
+
+def _aligned_bounce(nbytes: int) -> np.ndarray:
+    raw = np.empty(nbytes + 4096, np.uint8)
+    start = -raw.ctypes.data % 4096
+    return raw[start : start + nbytes]
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_direct_appends_write_the_concatenation_and_each_pieces_crc(tmp_path, direct):
+    """The O_DIRECT stream (through a bounce buffer) on pieces of odd sizes: the file holds exactly their
+    concatenation after the header block, each CRC-32 is zlib's. ``direct=False``: the same calls on a
+    buffered descriptor (the logic, on any file system)."""
+    rng = np.random.default_rng(5)
+    bounce = _aligned_bounce(16384)
+    sizes = [0, 1, 4095, 4096, 4097, 16383, 16384, 16385, 3 * 16384 + 11, 7, 0, 40000]
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    path = str(tmp_path / "f")
+    with open(path, "wb") as f:
+        f.write(b"h" * 4096)
+    try:
+        fd = os.open(path, os.O_WRONLY | (os.O_DIRECT if direct else 0))
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused on {tmp_path} ({e})")
+    fill, offset = 0, 4096
+    try:
+        for data in pieces:
+            crc, fill, offset = core.direct_append_crc32(fd, data, bounce, fill, offset, 0)
+            assert crc == zlib.crc32(data) and offset % 4096 == 0 and 0 <= fill < bounce.nbytes
+        core.direct_finish(fd, bounce, fill, offset)
+    finally:
+        os.close(fd)
+    assert _read(path) == b"h" * 4096 + b"".join(p.tobytes() for p in pieces)
+
+
+def test_direct_writes_refuse_unaligned_buffers_and_offsets_and_raise_oserror(tmp_path):
+    bounce = _aligned_bounce(8192)
+    fd = os.open(str(tmp_path / "f"), os.O_WRONLY | os.O_CREAT)
+    try:
+        for bad in (bounce[1:4097], bounce[:4095], bounce[:0]):
+            with pytest.raises(ValueError, match="4096-aligned"):
+                core.direct_append_crc32(fd, b"x", bad, 0, 0)
+        with pytest.raises(ValueError, match="offset aligned"):
+            core.direct_append_crc32(fd, b"x", bounce, 0, 100)
+        with pytest.raises(ValueError, match="fill must be below"):
+            core.direct_finish(fd, bounce, 8192, 0)
+    finally:
+        os.close(fd)
+    with pytest.raises(OSError) as info:  # closed: the first full bounce buffer fails to write
+        core.direct_append_crc32(fd, np.zeros(9000, np.uint8), bounce, 0, 0)
+    assert info.value.errno == errno.EBADF
+    with pytest.raises(OSError) as info:
+        core.direct_finish(fd, bounce, 10, 0)
+    assert info.value.errno == errno.EBADF
+
+
+def _big_arrays():
+    rng = np.random.default_rng(6)
+    return [  # 9 MiB and a bit, sizes that leave every tensor's file offset unaligned
+        rng.standard_normal((1 << 20) + 3).astype(np.float32),
+        rng.standard_normal((1 << 19) - 5),
+        rng.integers(-100, 100, 1001, dtype=np.int16),
+        rng.standard_normal((1 << 18) + 1).astype(np.float32),
+    ]
+
+
+def _header_length(path: str) -> int:
+    with open(path, "rb") as f:
+        return int.from_bytes(f.read(8), "little")
+
+
+def test_large_checkpoints_go_through_o_direct_with_the_same_data_and_a_padded_header(tmp_path, monkeypatch):
+    if _format._direct is None:
+        pytest.skip("no O_DIRECT writer on this platform")
+    probe = str(tmp_path / "probe")
+    open(probe, "wb").close()
+    stream = _format._DirectStream.open(probe, 0)
+    if stream is None:
+        pytest.skip(f"O_DIRECT refused on {tmp_path}")
+    os.close(stream.fd)
+    os.remove(probe)
+    arrays = _big_arrays()
+    assert sum(a.nbytes for a in arrays) >= _format._DIRECT_MIN_BYTES
+    finished = []
+    finish = _format._DirectStream.finish
+    monkeypatch.setattr(_format._DirectStream, "finish", lambda self: (finished.append(1), finish(self))[1])
+    (tmp_path / "direct").mkdir()
+    (tmp_path / "buffered").mkdir()
+    direct = _save(str(tmp_path / "direct" / "ckpt"), arrays)
+    assert finished == [1]
+    monkeypatch.setattr(_format, "_direct", None)
+    buffered = _save(str(tmp_path / "buffered" / "ckpt"), arrays)
+    assert finished == [1]
+    d, b = _read(_tensors_file(direct)), _read(_tensors_file(buffered))
+    dh, bh = _header_length(_tensors_file(direct)), _header_length(_tensors_file(buffered))
+    assert (8 + dh) % 4096 == 0 and (8 + bh) % 8 == 0 and dh > bh
+    # The same header but for the spaces after its JSON, the same data byte for byte.
+    assert d[8 : 8 + dh].rstrip(b" ") == b[8 : 8 + bh].rstrip(b" ") and d[8 + dh :] == b[8 + bh :]
+    assert len(d) == 8 + dh + sum(a.nbytes for a in arrays)
+    st = pytest.importorskip("safetensors.numpy")
+    loaded = st.load_file(_tensors_file(direct))
+    assert len(loaded) == len(arrays)
+    restored = {f"v{i}": cudist.Variable(np.zeros_like(a)) for i, a in enumerate(arrays)}
+    train.Checkpoint(**restored).read(direct).assert_consumed()
+    for i, a in enumerate(arrays):
+        np.testing.assert_array_equal(restored[f"v{i}"].numpy(), a)
+
+
+def test_a_file_system_that_refuses_o_direct_gets_the_buffered_write(tmp_path, monkeypatch):
+    if _format._direct is None:
+        pytest.skip("no O_DIRECT writer on this platform")
+    refused = []
+
+    def no_direct(fd, data, offset):  # as a file system that opens with O_DIRECT but fails its writes
+        refused.append(offset)
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(_format.os, "pwrite", no_direct)
+    arrays = _big_arrays()
+    path = _save(str(tmp_path / "ckpt"), arrays)
+    assert len(refused) == 1 and (8 + _header_length(_tensors_file(path))) % 4096 == 0
+    restored = {f"v{i}": cudist.Variable(np.zeros_like(a)) for i, a in enumerate(arrays)}
+    train.Checkpoint(**restored).read(path).assert_consumed()
+    for i, a in enumerate(arrays):
+        np.testing.assert_array_equal(restored[f"v{i}"].numpy(), a)
