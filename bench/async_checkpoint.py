@@ -39,15 +39,16 @@ also how long each background write took from the save call to its commit.
 
 ``... --every K [--saves S] --ab``: the writer A/B (issue #29) in the same rotating rounds, instead
 of the two priorities: the loop without saves; synchronous and asynchronous saves through the native
-tensor writer (``cudist._core.write_crc32``: one call per tensor, no GIL) and through the Python loop
-it replaced (``os.write`` + CRC-32 per 1 MiB chunk, ``_format._write_crc32 = None``); and ``memcpy``:
+tensor writer as it is (``O_DIRECT`` through a bounce buffer for 8 MiB or more: ``sync``, ``async``),
+the native buffered one (``cudist._core.write_crc32`` per tensor through the page cache, no GIL:
+``... buffered``) and the Python loop they replaced (``os.write`` + CRC-32 per 1 MiB chunk:
+``... python``); and ``memcpy``:
 at each save point a thread copies the same number of bytes between two buffers faulted in once
 (``np.copyto``, no GIL), joined before the next one: what the loop pays for the write's memory
-traffic alone, with no file, no checksum and no GIL; ``file write``: at each save point a thread
-writes the same bytes to a new file through ``write_crc32`` and fsyncs it (two files kept), outside
-the checkpoint code (what the kernel's side of a write costs the loop); ``spin``: a thread that
-burns as much CPU as a checkpoint write's thread took (median so far), in a Numba ``nogil`` loop
-without memory traffic (what the write's CPU alone costs the loop on this machine's cores).
+traffic alone, with no file, no checksum and no GIL; ``spin``: a thread that burns as much CPU as
+an ``async buffered`` write's thread took (median so far), in a Numba ``nogil`` loop without memory
+traffic (what that write's CPU alone costs the loop on this machine's cores). The last column is
+each way's background thread CPU (``time.thread_time``, system time included).
 """
 
 from __future__ import annotations
@@ -209,6 +210,7 @@ def _loop_mode(
     writes: list[float] = []
 
     write_cpu: list[float] = []  # thread CPU of each asynchronous checkpoint write (the writer thread's)
+    spin_cpu: list[float] = []  # ... of the writes the spin imitates (async buffered: the write before O_DIRECT)
 
     def timed_write(*args: Any, **kwargs: Any) -> None:
         a, cpu = time.perf_counter(), time.thread_time()
@@ -221,10 +223,12 @@ def _loop_mode(
     env = os.environ.get(_settings.CHECKPOINT_WRITER_NICE)
     other_nice = 10 if default_nice == 0 else 0
     native_writer = _format._write_crc32
+    direct_writer = _format._direct
     if ab:
         if native_writer is None:
             raise SystemExit("--ab needs cudist._core.write_crc32 (the extension built, PCLMULQDQ)")
-        ways: tuple[str, ...] = ("plain", "sync", "sync python", "async", "async python", "memcpy", "file write", "spin")
+        ways: tuple[str, ...] = ("plain", "sync", "sync buffered", "sync python", "async", "async buffered",
+                                 "async python", "memcpy", "spin")
         # The copy's buffers: the checkpoint's size, faulted in once (as the page cache's pages are recycled).
         n = (mib << 20) // 8 // 4
         src = [np.random.default_rng(i).standard_normal(n, dtype=np.float32) for i in range(8)]
@@ -234,37 +238,24 @@ def _loop_mode(
         ways = ("plain", "sync", f"async nice {default_nice}", f"async nice {other_nice}")
     loop: dict[str, list[float]] = {w: [] for w in ways}
     save_call: dict[str, list[float]] = {w: [] for w in ways}
-    write_time: dict[str, list[float]] = {w: [] for w in ways if w not in ("plain", "sync", "sync python")}
+    write_time: dict[str, list[float]] = {w: [] for w in ways if w != "plain" and not w.startswith("sync")}
+    cpu_of: dict[str, list[float]] = {w: [] for w in write_time}  # the writer thread's CPU, per write
     with tempfile.TemporaryDirectory() as d:
         manager = train.CheckpointManager(ckpt, d, max_to_keep=2)
 
         def copy_all() -> None:
-            a = time.perf_counter()
+            a, cpu = time.perf_counter(), time.thread_time()
             for x, y in zip(src, dst, strict=True):
                 np.copyto(y, x)
             writes.append(time.perf_counter() - a)
-
-        files: list[str] = []
-
-        def write_file() -> None:
-            a = time.perf_counter()
-            path = os.path.join(d, f"plain-{time.perf_counter_ns()}")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                for x in src:
-                    native_writer(fd, x, 1 << 20)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-            files.append(path)
-            if len(files) > 2:  # as the manager, max_to_keep=2
-                os.remove(files.pop(0))
-            writes.append(time.perf_counter() - a)
+            write_cpu.append(time.thread_time() - cpu)
 
         def spin_write_cpu() -> None:
             a = time.perf_counter()
-            spin(int(statistics.median(write_cpu or [0.1]) * 1e9 / ns_per_iter))
+            cpu = time.thread_time()
+            spin(int(statistics.median(spin_cpu or [0.1]) * 1e9 / ns_per_iter))
             writes.append(time.perf_counter() - a)
+            write_cpu.append(time.thread_time() - cpu)
 
         def run(way: str) -> None:
             options = None if way.startswith("sync") else asynchronous
@@ -272,17 +263,19 @@ def _loop_mode(
                 os.environ[_settings.CHECKPOINT_WRITER_NICE] = str(other_nice)
             calls = 0.0
             del writes[:]
+            del write_cpu[:]
             _format.write_checkpoint = timed_write
             _format._write_crc32 = None if way.endswith("python") else native_writer
+            _format._direct = None if way.endswith(("python", "buffered")) else direct_writer
             copier: threading.Thread | None = None
             try:
                 a = time.perf_counter()
                 for _ in range(saves):
-                    if way in ("memcpy", "file write", "spin"):
+                    if way in ("memcpy", "spin"):
                         b = time.perf_counter()
                         if copier is not None:
                             copier.join()
-                        target = {"memcpy": copy_all, "file write": write_file, "spin": spin_write_cpu}[way]
+                        target = {"memcpy": copy_all, "spin": spin_write_cpu}[way]
                         copier = threading.Thread(target=target)
                         copier.start()
                         calls += time.perf_counter() - b
@@ -299,6 +292,7 @@ def _loop_mode(
             finally:
                 _format.write_checkpoint = write
                 _format._write_crc32 = native_writer
+                _format._direct = direct_writer
                 if env is None:
                     os.environ.pop(_settings.CHECKPOINT_WRITER_NICE, None)
                 else:
@@ -306,6 +300,10 @@ def _loop_mode(
             save_call[way].append(calls / saves)
             if way in write_time:
                 write_time[way].append(statistics.median(writes))
+                if write_cpu:
+                    cpu_of[way].append(statistics.median(write_cpu))
+                if way == "async buffered":
+                    spin_cpu.extend(write_cpu)
 
         for way in ways:  # warm: files, page cache, the recycled buffers
             run(way)
@@ -314,6 +312,7 @@ def _loop_mode(
             save_call[w].clear()
         for w in write_time:
             write_time[w].clear()
+            cpu_of[w].clear()
         for r in range(rounds):
             for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
                 run(way)
@@ -325,18 +324,21 @@ def _loop_mode(
     print(f"loop without saves: {statistics.median(plain) * 1e3:.1f} ms ({statistics.median(plain) * 1e3 / (saves * every):.2f} ms a step); "
           f"sync save call: {sync_call:.1f} ms; loop time per sync save beyond plain: {per_save['sync']:.1f} ms")
     if ab:
-        sync_py = statistics.median(save_call["sync python"]) * 1e3
-        print(f"sync save call, Python writer: {sync_py:.1f} ms (native/Python {sync_call / sync_py:.3f}); "
-              f"loop time per sync save beyond plain, Python writer: {per_save['sync python']:.1f} ms; "
-              f"uptime load now: {os.getloadavg()[0]:.2f}; an async write's thread CPU: "
-              f"{statistics.median(write_cpu) * 1e3:.0f} ms (median)")
+        for w in ("sync buffered", "sync python"):
+            call = statistics.median(save_call[w]) * 1e3
+            print(f"{w} save call: {call:.1f} ms (sync / it: {sync_call / call:.3f}); loop time per save beyond plain: "
+                  f"{per_save[w]:.1f} ms")
+        print(f"writers: sync, async: {'O_DIRECT' if direct_writer else 'buffered'} (native); buffered: native "
+              "write_crc32 through the page cache; python: os.write + CRC-32 per MiB; "
+              f"uptime load now: {os.getloadavg()[0]:.2f}")
     print("| writer | async save call | loop time per save beyond plain | blocked / sync save call | "
-          "blocked / sync loop extra | background write, call to commit |")
-    print("|---|---|---|---|---|---|")
+          "blocked / sync loop extra | background write, call to commit | its thread's CPU |")
+    print("|---|---|---|---|---|---|---|")
     for w in [w for w in ways if w in write_time]:
         call = statistics.median(save_call[w]) * 1e3
         print(f"| {w} | {call:.2f} | {per_save[w]:.1f} | {100 * per_save[w] / sync_call:.1f}% | "
-              f"{100 * per_save[w] / per_save['sync']:.1f}% | {statistics.median(write_time[w]) * 1e3:.0f} |")
+              f"{100 * per_save[w] / per_save['sync']:.1f}% | {statistics.median(write_time[w]) * 1e3:.0f} | "
+              f"{statistics.median(cpu_of[w]) * 1e3 if cpu_of[w] else float('nan'):.0f} |")
 
 
 def _spinner() -> tuple[Callable[[int], int], float]:
