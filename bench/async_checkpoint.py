@@ -39,14 +39,14 @@ also how long each background write took from the save call to its commit.
 
 ``... --every K [--saves S] --ab``: the writer A/B (issue #29) in the same rotating rounds, instead
 of the two priorities: the loop without saves; synchronous and asynchronous saves through the native
-tensor writer as it is (``O_DIRECT`` through a bounce buffer for 8 MiB or more: ``sync``, ``async``),
-the native buffered one (``cudist._core.write_crc32`` per tensor through the page cache, no GIL:
-``... buffered``) and the Python loop they replaced (``os.write`` + CRC-32 per 1 MiB chunk:
+tensor writer as it is (``cudist._core.write_crc32`` per tensor through the page cache, no GIL:
+``sync``, ``async``), with ``CUDIST_CHECKPOINT_DIRECT_IO=on`` (``O_DIRECT`` through a bounce buffer:
+``... direct``) and through the Python loop they replaced (``os.write`` + CRC-32 per 1 MiB chunk:
 ``... python``); and ``memcpy``:
 at each save point a thread copies the same number of bytes between two buffers faulted in once
 (``np.copyto``, no GIL), joined before the next one: what the loop pays for the write's memory
 traffic alone, with no file, no checksum and no GIL; ``spin``: a thread that burns as much CPU as
-an ``async buffered`` write's thread took (median so far), in a Numba ``nogil`` loop without memory
+an ``async`` write's thread took (median so far), in a Numba ``nogil`` loop without memory
 traffic (what that write's CPU alone costs the loop on this machine's cores). The last column is
 each way's background thread CPU (``time.thread_time``, system time included).
 """
@@ -210,7 +210,7 @@ def _loop_mode(
     writes: list[float] = []
 
     write_cpu: list[float] = []  # thread CPU of each asynchronous checkpoint write (the writer thread's)
-    spin_cpu: list[float] = []  # ... of the writes the spin imitates (async buffered: the write before O_DIRECT)
+    spin_cpu: list[float] = []  # ... of the writes the spin imitates (async: the default, buffered writer)
 
     def timed_write(*args: Any, **kwargs: Any) -> None:
         a, cpu = time.perf_counter(), time.thread_time()
@@ -223,11 +223,11 @@ def _loop_mode(
     env = os.environ.get(_settings.CHECKPOINT_WRITER_NICE)
     other_nice = 10 if default_nice == 0 else 0
     native_writer = _format._write_crc32
-    direct_writer = _format._direct
+    direct_env = os.environ.get(_settings.CHECKPOINT_DIRECT_IO)
     if ab:
         if native_writer is None:
             raise SystemExit("--ab needs cudist._core.write_crc32 (the extension built, PCLMULQDQ)")
-        ways: tuple[str, ...] = ("plain", "sync", "sync buffered", "sync python", "async", "async buffered",
+        ways: tuple[str, ...] = ("plain", "sync", "sync direct", "sync python", "async", "async direct",
                                  "async python", "memcpy", "spin")
         # The copy's buffers: the checkpoint's size, faulted in once (as the page cache's pages are recycled).
         n = (mib << 20) // 8 // 4
@@ -266,7 +266,7 @@ def _loop_mode(
             del write_cpu[:]
             _format.write_checkpoint = timed_write
             _format._write_crc32 = None if way.endswith("python") else native_writer
-            _format._direct = None if way.endswith(("python", "buffered")) else direct_writer
+            os.environ[_settings.CHECKPOINT_DIRECT_IO] = "on" if way.endswith("direct") else "off"
             copier: threading.Thread | None = None
             try:
                 a = time.perf_counter()
@@ -292,7 +292,10 @@ def _loop_mode(
             finally:
                 _format.write_checkpoint = write
                 _format._write_crc32 = native_writer
-                _format._direct = direct_writer
+                if direct_env is None:
+                    os.environ.pop(_settings.CHECKPOINT_DIRECT_IO, None)
+                else:
+                    os.environ[_settings.CHECKPOINT_DIRECT_IO] = direct_env
                 if env is None:
                     os.environ.pop(_settings.CHECKPOINT_WRITER_NICE, None)
                 else:
@@ -302,7 +305,7 @@ def _loop_mode(
                 write_time[way].append(statistics.median(writes))
                 if write_cpu:
                     cpu_of[way].append(statistics.median(write_cpu))
-                if way == "async buffered":
+                if way == "async":
                     spin_cpu.extend(write_cpu)
 
         for way in ways:  # warm: files, page cache, the recycled buffers
@@ -324,12 +327,12 @@ def _loop_mode(
     print(f"loop without saves: {statistics.median(plain) * 1e3:.1f} ms ({statistics.median(plain) * 1e3 / (saves * every):.2f} ms a step); "
           f"sync save call: {sync_call:.1f} ms; loop time per sync save beyond plain: {per_save['sync']:.1f} ms")
     if ab:
-        for w in ("sync buffered", "sync python"):
+        for w in ("sync direct", "sync python"):
             call = statistics.median(save_call[w]) * 1e3
             print(f"{w} save call: {call:.1f} ms (sync / it: {sync_call / call:.3f}); loop time per save beyond plain: "
                   f"{per_save[w]:.1f} ms")
-        print(f"writers: sync, async: {'O_DIRECT' if direct_writer else 'buffered'} (native); buffered: native "
-              "write_crc32 through the page cache; python: os.write + CRC-32 per MiB; "
+        print("writers: sync, async: native write_crc32 through the page cache (the default); direct: O_DIRECT "
+              f"({'native' if _format._direct else 'unavailable: buffered'}); python: os.write + CRC-32 per MiB; "
               f"uptime load now: {os.getloadavg()[0]:.2f}")
     print("| writer | async save call | loop time per save beyond plain | blocked / sync save call | "
           "blocked / sync loop extra | background write, call to commit | its thread's CPU |")

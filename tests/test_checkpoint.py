@@ -833,6 +833,7 @@ def _train_main(argv):
             _format.tensor_written = hold  # after the first tensor: a half-written tensors file
             if where == "direct":  # every save through O_DIRECT, however small (where the file system has it)
                 _format._DIRECT_MIN_BYTES = 0
+                os.environ["CUDIST_CHECKPOINT_DIRECT_IO"] = "on"
         else:
             _format.before_commit = hold  # the tensors file complete, its index not yet written
     while int(trainer.opt.iterations) < T:

@@ -287,6 +287,11 @@ def test_large_checkpoints_go_through_o_direct_with_the_same_data_and_a_padded_h
     arrays = _big_arrays()
     assert sum(a.nbytes for a in arrays) >= _format._DIRECT_MIN_BYTES
     finished = []
+    monkeypatch.setenv("CUDIST_CHECKPOINT_DIRECT_IO", "off")  # the default
+    (tmp_path / "default").mkdir()
+    default = _save(str(tmp_path / "default" / "ckpt"), arrays)
+    assert finished == [] and (8 + _header_length(_tensors_file(default))) % 4096 != 0
+    monkeypatch.setenv("CUDIST_CHECKPOINT_DIRECT_IO", "on")
     finish = _format._DirectStream.finish
     monkeypatch.setattr(_format._DirectStream, "finish", lambda self: (finished.append(1), finish(self))[1])
     (tmp_path / "direct").mkdir()
@@ -301,6 +306,7 @@ def test_large_checkpoints_go_through_o_direct_with_the_same_data_and_a_padded_h
     assert (8 + dh) % 4096 == 0 and (8 + bh) % 8 == 0 and dh > bh
     # The same header but for the spaces after its JSON, the same data byte for byte.
     assert d[8 : 8 + dh].rstrip(b" ") == b[8 : 8 + bh].rstrip(b" ") and d[8 + dh :] == b[8 + bh :]
+    assert _read(_tensors_file(default)) == b  # off and no O_DIRECT writer: the same file
     assert len(d) == 8 + dh + sum(a.nbytes for a in arrays)
     st = pytest.importorskip("safetensors.numpy")
     loaded = st.load_file(_tensors_file(direct))
@@ -321,6 +327,7 @@ def test_a_file_system_that_refuses_o_direct_gets_the_buffered_write(tmp_path, m
         raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
 
     monkeypatch.setattr(_format.os, "pwrite", no_direct)
+    monkeypatch.setenv("CUDIST_CHECKPOINT_DIRECT_IO", "on")
     arrays = _big_arrays()
     path = _save(str(tmp_path / "ckpt"), arrays)
     assert len(refused) == 1 and (8 + _header_length(_tensors_file(path))) % 4096 == 0

@@ -80,6 +80,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import numpy.typing as npt
 
+from cudist import _settings
 from cudist.errors import DataLossError
 
 try:
@@ -516,7 +517,7 @@ def write_checkpoint(prefix: str, specs: Sequence[TensorSpec], make_index: Calla
         try:  # straight to the descriptor: the tensors' bytes go from their arrays to write(2)
             meta = {"index": base + INDEX_SUFFIX}
             crcs: dict[str, str] = {}
-            direct = _direct is not None and _data_bytes(specs) >= _DIRECT_MIN_BYTES
+            direct = _direct is not None and _data_bytes(specs) >= _DIRECT_MIN_BYTES and _settings.checkpoint_direct_io()
             align = _DIRECT_ALIGN if direct else 8
             head = _header(specs, meta, crcs, align)
             _write_all(fd, struct.pack("<Q", len(head)) + head)
