@@ -36,12 +36,13 @@ write and read here without the ``safetensors`` package, which also lets the wri
 variable's aggregate, a GPU variable's host copy) and must hold only one at a time.
 
 Writing (:func:`write_checkpoint`): the tensors go from their arrays to the file without a Python
-loop per chunk. A tensors file with at least 8 MiB of data is written with ``O_DIRECT`` where the
-file system allows it (:class:`_DirectStream`): each piece is copied into a 1 MiB aligned bounce
+loop per chunk. With ``CUDIST_CHECKPOINT_DIRECT_IO=on`` (off by default: see the variable), a
+tensors file with at least 8 MiB of data is written with ``O_DIRECT`` where the file system allows
+it (:class:`_DirectStream`): each piece is copied into a 1 MiB aligned bounce
 buffer, summed there while in cache and written by DMA, so the kernel does not copy it into the page
 cache; the header is then padded with spaces so that the data starts at a multiple of 4096 bytes
 (the only difference on disk; every safetensors reader skips them, cudist's own included). Smaller
-files, and file systems without ``O_DIRECT`` (tmpfs), are written through the page cache, one
+files, other settings and file systems without ``O_DIRECT`` (tmpfs) go through the page cache, one
 ``cudist._core.write_crc32`` call per tensor (``os.write`` and ``zlib.crc32`` per MiB without the
 extension). Either way the GIL is not taken back per chunk, which an asynchronous save's thread
 would otherwise contend for with the training loop beside it.
