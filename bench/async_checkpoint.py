@@ -36,6 +36,19 @@ loop's own, unless set) and at nice 10 (or 0 if the variable sets another). An a
 that outlasts its ``K`` steps is paid for. Blocked per save = (loop time - the same round's loop
 without saves) / ``S``, reported against the synchronous save (its call, timed in the same loops);
 also how long each background write took from the save call to its commit.
+
+``... --every K [--saves S] --ab``: the writer A/B (issue #29) in the same rotating rounds, instead
+of the two priorities: the loop without saves; synchronous and asynchronous saves through the native
+tensor writer as it is (``cudist._core.write_crc32`` per tensor through the page cache, no GIL:
+``sync``, ``async``), with ``CUDIST_CHECKPOINT_DIRECT_IO=on`` (``O_DIRECT`` through a bounce buffer:
+``... direct``) and through the Python loop they replaced (``os.write`` + CRC-32 per 1 MiB chunk:
+``... python``); and ``memcpy``:
+at each save point a thread copies the same number of bytes between two buffers faulted in once
+(``np.copyto``, no GIL), joined before the next one: what the loop pays for the write's memory
+traffic alone, with no file, no checksum and no GIL; ``spin``: a thread that burns as much CPU as
+an ``async`` write's thread took (median so far), in a Numba ``nogil`` loop without memory
+traffic (what that write's CPU alone costs the loop on this machine's cores). The last column is
+each way's background thread CPU (``time.thread_time``, system time included).
 """
 
 from __future__ import annotations
@@ -68,6 +81,9 @@ def _option(args: list[str], flag: str, default: int | None) -> int | None:
 
 def main() -> None:
     args = sys.argv[1:]
+    ab = "--ab" in args
+    if ab:
+        args.remove("--ab")
     every = _option(args, "--every", None)
     saves = _option(args, "--saves", 3)
     mib = int(args[0]) if len(args) > 0 else 256
@@ -93,7 +109,7 @@ def main() -> None:
     ckpt = train.Checkpoint(optimizer=opt, variables=variables)
     asynchronous = train.CheckpointOptions(enable_async=True)
     if every is not None:
-        _loop_mode(mib, name, nvars, rounds, every, saves or 3, ckpt, step, asynchronous)
+        _loop_mode(mib, name, nvars, rounds, every, saves or 3, ckpt, step, asynchronous, ab)
         return
     keys = ("sync save", "async call", "steps extra", "sync wait", "steps plain", "copy", "held call", "held extra",
             "cpu extra", "held cpu extra")
@@ -186,46 +202,100 @@ def _loop_mode(
     ckpt: train.Checkpoint,
     step: Callable[[], None],
     asynchronous: train.CheckpointOptions,
+    ab: bool = False,
 ) -> None:
-    """The ``--every`` mode: a save every ``every`` steps, the loop timed without saves, with sync and async ones."""
+    """The ``--every`` mode: a save every ``every`` steps, the loop timed without saves, with sync and async ones
+    (``ab``: each through the native and the Python tensor writer, and a plain copy of the bytes beside the loop)."""
     write = _format.write_checkpoint
     writes: list[float] = []
 
+    write_cpu: list[float] = []  # thread CPU of each asynchronous checkpoint write (the writer thread's)
+    spin_cpu: list[float] = []  # ... of the writes the spin imitates (async: the default, buffered writer)
+
     def timed_write(*args: Any, **kwargs: Any) -> None:
-        a = time.perf_counter()
+        a, cpu = time.perf_counter(), time.thread_time()
         write(*args, **kwargs)
         writes.append(time.perf_counter() - a)
+        if threading.current_thread() is not threading.main_thread():
+            write_cpu.append(time.thread_time() - cpu)
 
     default_nice = _settings.checkpoint_writer_nice()
     env = os.environ.get(_settings.CHECKPOINT_WRITER_NICE)
     other_nice = 10 if default_nice == 0 else 0
-    ways = ("plain", "sync", f"async nice {default_nice}", f"async nice {other_nice}")
+    native_writer = _format._write_crc32
+    direct_env = os.environ.get(_settings.CHECKPOINT_DIRECT_IO)
+    if ab:
+        if native_writer is None:
+            raise SystemExit("--ab needs cudist._core.write_crc32 (the extension built, PCLMULQDQ)")
+        ways: tuple[str, ...] = ("plain", "sync", "sync direct", "sync python", "async", "async direct",
+                                 "async python", "memcpy", "spin")
+        # The copy's buffers: the checkpoint's size, faulted in once (as the page cache's pages are recycled).
+        n = (mib << 20) // 8 // 4
+        src = [np.random.default_rng(i).standard_normal(n, dtype=np.float32) for i in range(8)]
+        dst = [np.ones_like(x) for x in src]
+        spin, ns_per_iter = _spinner()
+    else:
+        ways = ("plain", "sync", f"async nice {default_nice}", f"async nice {other_nice}")
     loop: dict[str, list[float]] = {w: [] for w in ways}
     save_call: dict[str, list[float]] = {w: [] for w in ways}
-    write_time: dict[str, list[float]] = {w: [] for w in ways[2:]}
+    write_time: dict[str, list[float]] = {w: [] for w in ways if w != "plain" and not w.startswith("sync")}
+    cpu_of: dict[str, list[float]] = {w: [] for w in write_time}  # the writer thread's CPU, per write
     with tempfile.TemporaryDirectory() as d:
         manager = train.CheckpointManager(ckpt, d, max_to_keep=2)
 
+        def copy_all() -> None:
+            a, cpu = time.perf_counter(), time.thread_time()
+            for x, y in zip(src, dst, strict=True):
+                np.copyto(y, x)
+            writes.append(time.perf_counter() - a)
+            write_cpu.append(time.thread_time() - cpu)
+
+        def spin_write_cpu() -> None:
+            a = time.perf_counter()
+            cpu = time.thread_time()
+            spin(int(statistics.median(spin_cpu or [0.1]) * 1e9 / ns_per_iter))
+            writes.append(time.perf_counter() - a)
+            write_cpu.append(time.thread_time() - cpu)
+
         def run(way: str) -> None:
-            options = None if way == "sync" else asynchronous
-            if way == ways[3]:
+            options = None if way.startswith("sync") else asynchronous
+            if way == f"async nice {other_nice}":
                 os.environ[_settings.CHECKPOINT_WRITER_NICE] = str(other_nice)
             calls = 0.0
             del writes[:]
+            del write_cpu[:]
             _format.write_checkpoint = timed_write
+            _format._write_crc32 = None if way.endswith("python") else native_writer
+            os.environ[_settings.CHECKPOINT_DIRECT_IO] = "on" if way.endswith("direct") else "off"
+            copier: threading.Thread | None = None
             try:
                 a = time.perf_counter()
                 for _ in range(saves):
-                    if way != "plain":
+                    if way in ("memcpy", "spin"):
+                        b = time.perf_counter()
+                        if copier is not None:
+                            copier.join()
+                        target = {"memcpy": copy_all, "spin": spin_write_cpu}[way]
+                        copier = threading.Thread(target=target)
+                        copier.start()
+                        calls += time.perf_counter() - b
+                    elif way != "plain":
                         b = time.perf_counter()
                         manager.save(options=options)
                         calls += time.perf_counter() - b
                     for _ in range(every):
                         step()
+                if copier is not None:
+                    copier.join()
                 manager.sync()
                 loop[way].append(time.perf_counter() - a)
             finally:
                 _format.write_checkpoint = write
+                _format._write_crc32 = native_writer
+                if direct_env is None:
+                    os.environ.pop(_settings.CHECKPOINT_DIRECT_IO, None)
+                else:
+                    os.environ[_settings.CHECKPOINT_DIRECT_IO] = direct_env
                 if env is None:
                     os.environ.pop(_settings.CHECKPOINT_WRITER_NICE, None)
                 else:
@@ -233,6 +303,10 @@ def _loop_mode(
             save_call[way].append(calls / saves)
             if way in write_time:
                 write_time[way].append(statistics.median(writes))
+                if write_cpu:
+                    cpu_of[way].append(statistics.median(write_cpu))
+                if way == "async":
+                    spin_cpu.extend(write_cpu)
 
         for way in ways:  # warm: files, page cache, the recycled buffers
             run(way)
@@ -241,6 +315,7 @@ def _loop_mode(
             save_call[w].clear()
         for w in write_time:
             write_time[w].clear()
+            cpu_of[w].clear()
         for r in range(rounds):
             for way in ways[r % len(ways) :] + ways[: r % len(ways)]:
                 run(way)
@@ -251,13 +326,41 @@ def _loop_mode(
           "per way, order rotating; medians in ms")
     print(f"loop without saves: {statistics.median(plain) * 1e3:.1f} ms ({statistics.median(plain) * 1e3 / (saves * every):.2f} ms a step); "
           f"sync save call: {sync_call:.1f} ms; loop time per sync save beyond plain: {per_save['sync']:.1f} ms")
+    if ab:
+        for w in ("sync direct", "sync python"):
+            call = statistics.median(save_call[w]) * 1e3
+            print(f"{w} save call: {call:.1f} ms (sync / it: {sync_call / call:.3f}); loop time per save beyond plain: "
+                  f"{per_save[w]:.1f} ms")
+        print("writers: sync, async: native write_crc32 through the page cache (the default); direct: O_DIRECT "
+              f"({'native' if _format._direct else 'unavailable: buffered'}); python: os.write + CRC-32 per MiB; "
+              f"uptime load now: {os.getloadavg()[0]:.2f}")
     print("| writer | async save call | loop time per save beyond plain | blocked / sync save call | "
-          "blocked / sync loop extra | background write, call to commit |")
-    print("|---|---|---|---|---|---|")
-    for w in ways[2:]:
+          "blocked / sync loop extra | background write, call to commit | its thread's CPU |")
+    print("|---|---|---|---|---|---|---|")
+    for w in [w for w in ways if w in write_time]:
         call = statistics.median(save_call[w]) * 1e3
         print(f"| {w} | {call:.2f} | {per_save[w]:.1f} | {100 * per_save[w] / sync_call:.1f}% | "
-              f"{100 * per_save[w] / per_save['sync']:.1f}% | {statistics.median(write_time[w]) * 1e3:.0f} |")
+              f"{100 * per_save[w] / per_save['sync']:.1f}% | {statistics.median(write_time[w]) * 1e3:.0f} | "
+              f"{statistics.median(cpu_of[w]) * 1e3 if cpu_of[w] else float('nan'):.0f} |")
+
+
+def _spinner() -> tuple[Callable[[int], int], float]:
+    """A Numba loop that burns CPU without the GIL or memory traffic (xorshift), and its ns per iteration."""
+    import numba  # noqa: PLC0415 - only the --ab mode needs it
+
+    @numba.njit(nogil=True)
+    def spin(n: int) -> int:
+        x = np.uint64(88172645463325252)
+        for _ in range(n):
+            x ^= x << np.uint64(13)
+            x ^= x >> np.uint64(7)
+            x ^= x << np.uint64(17)
+        return int(x & np.uint64(1))
+
+    spin(10)
+    a = time.thread_time()
+    spin(50_000_000)
+    return spin, (time.thread_time() - a) * 1e9 / 50_000_000
 
 
 if __name__ == "__main__":

@@ -376,7 +376,7 @@ def test_a_bad_writer_priority_is_the_save_calls_error(tmp_path, monkeypatch):
     assert np.array_equal(restored.numpy(), v.numpy())
 
 
-@pytest.mark.parametrize("extra", [[], ["--every", "2", "--saves", "2"]])
+@pytest.mark.parametrize("extra", [[], ["--every", "2", "--saves", "2"], ["--every", "2", "--saves", "2", "--ab"]])
 def test_the_benchmark_runs_both_modes(extra):
     """bench/async_checkpoint.py: the steps-after-a-save mode and the save-every-K-steps mode print
     their tables (1 MiB, so it is quick)."""
@@ -388,10 +388,15 @@ def test_the_benchmark_runs_both_modes(extra):
         capture_output=True, text=True, timeout=300, check=True,
         env={k: v for k, v in os.environ.items() if k != _settings.CHECKPOINT_WRITER_NICE},
     ).stdout
-    if extra:
+    if "--ab" in extra:  # the writers A/B: each way's row, its background thread's CPU last
+        assert "2 rounds of 2 x (save, 2 steps)" in out and "sync direct save call" in out
+        rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| writer")]
+        assert [r.split(" | ")[0] for r in rows] == ["| async", "| async direct", "| async python", "| memcpy", "| spin"]
+        assert all(len(r.split(" | ")) == 7 and "nan" not in r for r in rows)
+    elif extra:
         assert "2 rounds of 2 x (save, 2 steps)" in out
         rows = [line for line in out.splitlines() if line.startswith("| async nice ")]
         assert [r.split(" | ")[0] for r in rows] == ["| async nice 0", "| async nice 10"]
-        assert all(len(r.split(" | ")) == 6 for r in rows)
+        assert all(len(r.split(" | ")) == 7 for r in rows)
     else:
         assert "2 steps after each async save" in out and out.count("\n|") == 3

@@ -808,7 +808,7 @@ class Trainer:
 
 
 def _train_main(argv):
-    """``python tests/test_checkpoint.py train N DIR OUT [--pause data|commit@SAVE]``"""
+    """``python tests/test_checkpoint.py train N DIR OUT [--pause data|direct|commit@SAVE]``"""
     n, directory, out = int(argv[0]), argv[1], argv[2]
     pause = argv[4] if len(argv) > 4 and argv[3] == "--pause" else None
     cudist.config.set_logical_device_configuration(
@@ -829,8 +829,11 @@ def _train_main(argv):
                 print("PAUSED", where, flush=True)
                 time.sleep(60)
 
-        if where == "data":
+        if where in ("data", "direct"):
             _format.tensor_written = hold  # after the first tensor: a half-written tensors file
+            if where == "direct":  # every save through O_DIRECT, however small (where the file system has it)
+                _format._DIRECT_MIN_BYTES = 0
+                os.environ["CUDIST_CHECKPOINT_DIRECT_IO"] = "on"
         else:
             _format.before_commit = hold  # the tensors file complete, its index not yet written
     while int(trainer.opt.iterations) < T:
@@ -899,7 +902,7 @@ def test_sigkill_at_a_random_step_then_resume_is_bit_identical(tmp_path, n):
     _assert_states_equal(state, _reference(n), note)
 
 
-@pytest.mark.parametrize("where", ["data", "commit"])
+@pytest.mark.parametrize("where", ["data", "direct", "commit"])
 def test_sigkill_in_the_middle_of_save_keeps_the_previous_checkpoint(tmp_path, where):
     ckpts = tmp_path / "ckpts"
     _kill_when(_run(2, ckpts, tmp_path / "unused.npz", "--pause", f"{where}@2"), "PAUSED")
@@ -907,7 +910,7 @@ def test_sigkill_in_the_middle_of_save_keeps_the_previous_checkpoint(tmp_path, w
     # (a temporary tensors file, or a complete tensors file that no index names).
     assert train.latest_checkpoint(ckpts) == str(ckpts / "ckpt-1")
     assert not (ckpts / "ckpt-2.index.json").exists()
-    debris = glob.glob(str(ckpts / ".ckpt-2.data-*.tmp")) if where == "data" else glob.glob(str(ckpts / "ckpt-2.data-*"))
+    debris = glob.glob(str(ckpts / ".ckpt-2.data-*.tmp")) if where != "commit" else glob.glob(str(ckpts / "ckpt-2.data-*"))
     assert len(debris) == 1, os.listdir(ckpts)
     restored, state = _finish(2, ckpts, tmp_path / "out.npz")
     assert restored[1:] == [str(ckpts / "ckpt-1"), "3"]

@@ -482,6 +482,9 @@ def _bindings_source() -> tuple[set[str], set[str], set[str]]:
     body = text[text.index("PYBIND11_MODULE(") :]
     defined = re.compile(r'\bm\.def\(\s*"(\w+)"')
     functions = set(defined.findall(body))
+    for other in sorted(BINDINGS.parent.glob("*.cpp")):  # blocks bound from their own files (fdio.cpp)
+        if other != BINDINGS:
+            functions |= set(defined.findall(other.read_text()))
     if "CUDIST_UPDATE_RULES(" in body:  # the optimizers' bindings, generated from the rules' table
         functions |= _rule_functions()
     attributes = set(re.findall(r'\bm\.attr\(\s*"(\w+)"\)', body))

@@ -24,6 +24,7 @@
 #include <cudist/cudist.hpp>
 
 #include "crc32.hpp"
+#include "fdio.hpp"
 
 #ifdef CUDIST_CORE_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -1665,6 +1666,8 @@ PYBIND11_MODULE(_core, m) {
       py::arg("data"), py::arg("value") = 0,
       "zlib.crc32(data, value) of a C-contiguous buffer, by PCLMULQDQ folding where crc32_accelerated; "
       "the GIL is released while it runs.");
+  // Checkpoint tensor writes: write(2) + CRC-32 per chunk, without the GIL (fdio.cpp).
+  cudist_bindings::bind_fdio(m);
 
   m.def("all_reduce", &all_reduce, py::arg("bufs"), py::arg("op"),
         "In place: every array of ``bufs`` (tuple/list) becomes their elementwise reduction; op 0=SUM, 1=MEAN.");

@@ -43,6 +43,23 @@ crc32_accelerated: Final[bool]
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
     """``zlib.crc32(data, value)`` of a C-contiguous buffer (PCLMULQDQ where ``crc32_accelerated``; no GIL)."""
 
+def write_crc32(fd: int, data: bytes | bytearray | memoryview, chunk: int = 1 << 20, value: int = 0) -> int:
+    """Writes ``data`` (C-contiguous) to ``fd`` in ``chunk``-byte writes, every byte, and returns
+    ``zlib.crc32(data, value)``, each chunk summed right after its write; no GIL (except to run signal
+    handlers when a signal interrupts a write: one that raises ends it). OSError when a write fails."""
+
+def direct_append_crc32(
+    fd: int, data: bytes | bytearray | memoryview, bounce: _Array, fill: int, offset: int, value: int = 0
+) -> tuple[int, int, int]:
+    """Appends ``data`` to a file opened with O_DIRECT through ``bounce`` (4096-aligned, a multiple of
+    4096 bytes; bounce[0:fill] still to be written at the aligned file ``offset``): each piece copied
+    in and summed there, a full buffer written with pwrite(2). Returns (zlib.crc32(data, value), fill,
+    offset) for the next call; no GIL. ValueError for a misaligned buffer or offset, OSError when a write fails."""
+
+def direct_finish(fd: int, bounce: _Array, fill: int, offset: int) -> None:
+    """Writes bounce[0:fill] at ``offset`` (zero-padded to 4096 bytes) and truncates the file to
+    ``offset + fill`` bytes. OSError when either fails."""
+
 def all_reduce(bufs: _Arrays, op: _Op) -> None:
     """In place: every array of ``bufs`` becomes their elementwise reduction; op 0=SUM, 1=MEAN."""
 

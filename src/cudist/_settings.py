@@ -50,6 +50,7 @@ __all__ = [
     "NODE_SIZE",
     "PIPELINE_UPDATE",
     "CHECKPOINT_WRITER_NICE",
+    "CHECKPOINT_DIRECT_IO",
     "POOL_SPIN_US",
     "NUM_THREADS",
     "LAUNCH_STATUS_DIR",
@@ -92,6 +93,7 @@ SHM_MIN_BYTES = "CUDIST_SHM_MIN_BYTES"
 NODE_SIZE = "CUDIST_NODE_SIZE"
 PIPELINE_UPDATE = "CUDIST_PIPELINE_UPDATE"
 CHECKPOINT_WRITER_NICE = "CUDIST_CHECKPOINT_WRITER_NICE"
+CHECKPOINT_DIRECT_IO = "CUDIST_CHECKPOINT_DIRECT_IO"
 LAUNCH_STATUS_DIR = "CUDIST_LAUNCH_STATUS_DIR"
 RESTART_COUNT = "CUDIST_RESTART_COUNT"
 BENCH_TF_PYTHON = "CUDIST_BENCH_TF_PYTHON"
@@ -191,6 +193,16 @@ TABLE: tuple[Setting, ...] = (
         "worth trying where a loop saturates dedicated cores and saves far apart. A value that is not an "
         "integer from 0 to 19 is a `ValueError`.",
         "When each asynchronous write starts",
+    ),
+    Setting(
+        CHECKPOINT_DIRECT_IO, "runtime", "`off`",
+        "`on`: checkpoint tensors files of 8 MiB or more are written with `O_DIRECT` (Linux, where the file "
+        "system allows it; elsewhere as `off`) through a 1 MiB bounce buffer: no copy into the page cache, about "
+        "half the write's CPU time, the header padded with spaces so that the data starts at 4096 bytes (every "
+        "safetensors reader skips them). `off`: through the page cache. Off by default: on the 2-core build "
+        "machine it shortened the loop's cost of an asynchronous save only when other processes kept both cores "
+        "busy, and lengthened it on a quiet one (`bench/PERFORMANCE.md`). Any other value is a `ValueError`.",
+        "When each checkpoint is written",
     ),
     Setting(
         RESTART_COUNT, "internal", "unset",
@@ -400,6 +412,15 @@ def checkpoint_writer_nice() -> int:
     if not 0 <= nice <= 19:
         raise ValueError(f"${CHECKPOINT_WRITER_NICE}={value!r} is not an integer from 0 to 19")
     return nice
+
+
+def checkpoint_direct_io() -> bool:
+    """``CUDIST_CHECKPOINT_DIRECT_IO``: True for ``on``, False for ``off`` (also when unset).
+
+    Raises:
+        ValueError: any other value (the message names the variable and the choices).
+    """
+    return _choice(CHECKPOINT_DIRECT_IO, ("off", "on"), "off") == "on"
 
 
 def node_size() -> int | None:

@@ -21,25 +21,33 @@ An asynchronous save captures the state in the caller's thread and writes it in 
   which is a collective) are taken in the caller's thread too;
 * write: :func:`cudist.train._format.write_checkpoint` in a background thread, the same atomic
   write as a synchronous save, byte for byte (tensors fsynced and renamed, then the index, the
-  commit point): a crash or SIGKILL during it leaves the previous checkpoints intact;
+  commit point): a crash or SIGKILL during it leaves the previous checkpoints intact. The tensors'
+  bytes go to the file in native code without the GIL (``cudist._core.write_crc32``, one call per
+  tensor; the Python loop it replaced took the GIL back ~500 times per 256 MiB), through the page
+  cache, or with ``O_DIRECT`` through a 1 MiB bounce buffer where ``CUDIST_CHECKPOINT_DIRECT_IO=on``;
 * priority: the thread first adds ``CUDIST_CHECKPOINT_WRITER_NICE`` (0, none, by default) to its
   own niceness (Linux keeps one per thread; :func:`lower_thread_priority`). Only that thread
   changes, and it ends with the write: nothing is restored, the caller's threads never change. The
   setting is read, and checked, by the save call. Why 0: on the shared 2-core build machine nice 10
   made the write ~3x longer and the loop beside it no faster within the noise (5 runs,
-  ``bench/PERFORMANCE.md``); a low-priority thread that takes the GIL hundreds of times per write
-  can also hold up the loop's thread when it is preempted while holding it;
+  ``bench/PERFORMANCE.md``);
 * one write at a time per :class:`~cudist.train.Checkpoint`: a save waits for the previous one
   first, and raises its error, if it had one (as does ``sync()``, which waits for it);
 * the thread is not a daemon: an interpreter that exits normally finishes the pending write first.
 
 What the loop still pays (``bench/PERFORMANCE.md``, 256 MiB of variables and slots, the 2-core
-build machine): the call (0.2-1% of a synchronous save) and the first update after it, which
-writes new buffers (0.5-2% more). The write itself costs ~110 ms of CPU per 256 MiB (the copy into
-the page cache ~70 ms, the CRC-32s ~20 ms at ~12 GB/s through ``cudist._core.crc32``, the rest the
-header, fsync and renames) and waits ~100 ms for the disk; that CPU, and the memory bandwidth of
-the copy, are taken from the steps that run beside it where no core is spare. A save that comes
-before the previous write has ended waits for it.
+build machine, a save every 40 single-threaded steps): the call (0.4% of a synchronous save), the
+first update after it, which writes new buffers (~2%), and the write beside the steps: in all
+10-13% of a synchronous save on a quiet machine, issue #29's 5% not met. What bounds it (the A/B of
+``bench/async_checkpoint.py --ab``, one run, interleaved): not the GIL (the native writer and the
+Python loop cost the loop the same within the noise), not the write's CPU while a core is spare (a
+thread burning the same ~107 ms of CPU without memory traffic cost the loop 0.4-2%), and only in
+part memory bandwidth (a plain copy of the 256 MiB beside it: 2-4%); the rest is the kernel's side
+of ~256 MiB of file I/O (page cache, block layer, the disk's interrupts) on a 2-vCPU VM. The write
+takes ~107 ms of thread CPU per 256 MiB through the page cache (the copy into it ~56-74 ms, the
+CRC-32s ~20 ms, fsync ~10 ms), ~55 ms with ``O_DIRECT``; where other processes keep every core
+busy that CPU is taken from the steps (there ``O_DIRECT`` cut the loop's cost by ~30%). A save that
+comes before the previous write has ended waits for it.
 """
 
 from __future__ import annotations
