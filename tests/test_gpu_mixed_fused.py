@@ -312,6 +312,31 @@ def test_a_pair_without_peer_access_keeps_the_general_path(launches, monkeypatch
             assert launches["fused"] == (STEPS if _all_peers(2) else 0)
 
 
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("k", [2, 4])
+def test_loss_scale_optimizer_on_physical_gpus(k, launches):
+    """LossScaleOptimizer over bfloat16 gradients, one replica per physical GPU, an inf at step 1:
+    the CPU's skips, scales and bits; the finite steps' unscaled float32 gradients take the fused
+    pass across the GPUs where every pair has peer access."""
+    import cupy
+
+    _physical_gpus_or_skip(k)
+    steps = _grads(BF16, k, "lso_physical")
+    steps[1][k - 1][1][0, 2] = np.inf
+
+    def wrap(opt):
+        return cudist.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**4, dynamic_growth_steps=1)
+
+    make = OPTIMIZERS["adam"]
+    got = _train([f"/gpu:{i}" for i in range(k)], cupy.asarray, make, steps, wrap=wrap)
+    want = _train([f"/cpu:{i}" for i in range(k)], lambda g: g, make, steps, wrap=wrap)
+    _assert_same(got, want)
+    assert np.array_equal(got[1][0][0][0], got[0][0][0][0]) and not np.array_equal(got[2][0][0][0], got[1][0][0][0])
+    assert launches["fused"] == (len(steps) - 1 if _all_peers(k) else 0)
+    if _all_peers(k):
+        _check_fused_per_gpu(launches, k, np.dtype(np.float32), len(steps) - 1)
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_loss_scale_optimizer_on_logical_gpus(n, launches):
     """LossScaleOptimizer over bfloat16 gradients on logical GPUs, an inf in one replica's gradient
@@ -346,19 +371,25 @@ def test_loss_scale_optimizer_on_logical_gpus(n, launches):
     assert launches["fused"] == len(steps) - 2
 
 
-def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_the_step(launches):
+@pytest.mark.parametrize("physical", [False, pytest.param(True, marks=pytest.mark.multi_gpu)], ids=["logical", "physical"])
+def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_the_step(physical, launches):
     """A replica's gradient that is another variable's copy (the pass writes it before the kernel of
     the second variable reads it) or its own variable's copy, or a non-contiguous view: the update
-    reads the values from before the step, as from fresh copies of the gradients."""
+    reads the values from before the step, as from fresh copies of the gradients. On two physical
+    GPUs a GPU's launch reads the other GPU's copies too (they are every replica's gradients)."""
+    import contextlib
+
     import cupy
 
     n = 2
+    if physical:
+        _physical_gpus_or_skip(n)
     rng = _rng("alias")
     init = [rng.standard_normal(37).astype(np.float32) for _ in range(3)]
     wide = rng.standard_normal(74).astype(np.float32)
 
     def train(fresh):
-        with gpu0_split(n, memory_limit=1024):
+        with contextlib.nullcontext() if physical else gpu0_split(n, memory_limit=1024):
             strategy = cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
             with strategy.scope():
                 ws = [cudist.Variable(x, name=f"w{i}") for i, x in enumerate(init)]
@@ -379,7 +410,7 @@ def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_t
             return [[cupy.asnumpy(b) for b in w.storage.buffers()] for w in ws]
 
     got = train(fresh=False)
-    assert launches["fused"] == 2
+    assert launches["fused"] == (2 if not physical or _all_peers(n) else 0)
     want = train(fresh=True)
     for v, (g, w) in enumerate(zip(got, want)):
         for r in range(n):
