@@ -442,7 +442,7 @@ class UpdatePass:
                 # Each GPU's launch reads every replica's gradient where it is: a pair without
                 # peer access (or a gradient in a stream-ordered pool) keeps the general path.
                 for group in plan[1]:
-                    d = gpu_of(group[0][0])
+                    d: int = group[0][0].device.id
                     if not all(backend.reaches(d, c) for c in comps):
                         return None
             dt = comps[0].dtype
