@@ -146,7 +146,6 @@ class CrossDeviceOps:
         if type(first) is np.ndarray:
             b = cpu_backend()
             kind: Any = np.ndarray
-            gpu = None
         elif is_device_array(first):
             # GPU arrays, on one GPU or several: each GPU's fused kernel reads every replica's
             # gradient (peer access; UpdatePass.fusable checks it) and writes its own copies.
