@@ -6,8 +6,10 @@ while they sum in replica order: no float32 copy of the gradients, no reduction 
 The contract: step by step the bits of the CPU backends' mixed path (their fused pass widens the
 gradients too), weights and every slot, for SGD, SGD with momentum, Adam, RMSprop (and its
 centered + momentum variant: the optional slots' row) and decoupled weight decay; 2 and 4 replicas,
-odd sizes. What cannot fuse (copies on several physical GPUs, cross-device ops that reduce their own
-way) takes the general path with the same bits. Marker ``gpu``: on a GPU, and on the CPU under the
+odd sizes. Across physical GPUs (2 and 4) the pass is one launch per variable and GPU, each GPU
+reading every replica's gradient over peer access (narrow and float32 gradients): the same bits.
+What cannot fuse (a pair of GPUs without peer access, cross-device ops that reduce their own way)
+takes the general path with the same bits. Marker ``gpu``: on a GPU, and on the CPU under the
 fake CuPy (tests/test_gpu_emulated.py) in every emulation mode.
 """
 
@@ -105,11 +107,12 @@ def launches(monkeypatch):
     import cudist._kernels._cupy as cupy_mod
     from cudist._dataplane import update
 
-    out = {"kernels": [], "fused": 0}
+    out = {"kernels": [], "devices": [], "fused": 0}
     real = cupy_mod.CupyBackend._launch
 
     def spy(self, device, kernel, dtype, count, args, **kw):
         out["kernels"].append((kernel, np.dtype(dtype), kw.get("grad_dtype")))
+        out["devices"].append(device)
         return real(self, device, kernel, dtype, count, args, **kw)
 
     real_gpu = update._apply_fused_on_gpu
@@ -192,19 +195,146 @@ def test_the_general_path_casts_where_the_pass_cannot_fuse(launches):
     assert not [g for _, _, g in launches["kernels"] if g is not None]  # no mixed launch: cast first
 
 
-@pytest.mark.multi_gpu
-def test_copies_on_several_physical_gpus_take_the_general_path(launches):
-    """One replica per physical GPU: the copies form one group per GPU, which the pass does not
-    fuse (reduce first, then each GPU updates its copies): the same bits as the CPU path."""
+def _physical_gpus_or_skip(k):
     import cupy
 
-    k = min(cupy.cuda.runtime.getDeviceCount(), 4)
-    steps = _grads(BF16, k, "physical")
-    make = OPTIMIZERS["adam"]
+    if cupy.cuda.runtime.getDeviceCount() < k:
+        pytest.skip(f"needs {k} GPUs")  # (never under the fake: it emulates 4)
+
+
+def _all_peers(k):
+    """Whether every pair of GPUs 0..k-1 has peer access (the fake's CUDIST_EMU_PEER decides)."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    return all(rt.deviceCanAccessPeer(i, j) for i in range(k) for j in range(k) if i != j)
+
+
+def _check_fused_per_gpu(launches, k, gdtype, steps):
+    """One fused launch per (variable, GPU) each step, on that GPU, reading gradients of gdtype as
+    they are; nothing reduced first."""
+    fused = [(kern, dt, g, d) for (kern, dt, g), d in zip(launches["kernels"], launches["devices"])
+             if kern.startswith("mirrored_all_reduce_")]  # fmt: skip
+    assert len(fused) == steps * len(SIZES) * k, launches["kernels"]
+    assert sorted(d for *_, d in fused) == sorted(list(range(k)) * steps * len(SIZES))
+    want_g = None if gdtype == np.float32 else gdtype
+    assert all(dt == np.float32 and g == want_g for _, dt, g, _ in fused), fused
+    assert not [kern for kern, _, _ in launches["kernels"] if "reduce" in kern and not kern.startswith("mirrored_all_reduce_")]
+
+
+GDTYPES = [*NARROW, np.dtype(np.float32)]
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("gdtype", GDTYPES, ids=["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+@pytest.mark.parametrize("k", [2, 4])
+def test_copies_on_several_physical_gpus_fuse_per_gpu_as_on_the_cpu(k, opt_name, gdtype, launches):
+    """One replica per physical GPU: with peer access between every pair, each step is one fused
+    launch per variable on each GPU (its kernel sums every replica's gradient in replica order over
+    peer access and updates that GPU's copies), and gives the CPU mixed path's bits step by step.
+    Without peer access (CUDIST_EMU_PEER=none under the fake) the general path runs instead (cast,
+    reduce first, then update per GPU): the same bits."""
+    import cupy
+
+    _physical_gpus_or_skip(k)
+    steps = _grads(gdtype, k, opt_name)
+    make = OPTIMIZERS[opt_name]
     got = _train([f"/gpu:{i}" for i in range(k)], cupy.asarray, make, steps)
     want = _train([f"/cpu:{i}" for i in range(k)], lambda g: g, make, steps)
     _assert_same(got, want)
-    assert launches["fused"] == 0
+    if _all_peers(k):
+        assert launches["fused"] == STEPS
+        _check_fused_per_gpu(launches, k, gdtype, STEPS)
+    else:
+        assert launches["fused"] == 0
+        assert not [g for _, _, g in launches["kernels"] if g is not None]  # no mixed launch: cast first
+    if gdtype != np.float32:  # the test can fail: the weights keep more than the narrow type holds
+        w = got[-1][0][0][0]
+        assert not np.array_equal(w, w.astype(gdtype).astype(np.float32))
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("k", [2, 4])
+def test_across_physical_gpus_no_float32_copy_of_the_gradients(k, launches, monkeypatch):
+    """Across GPUs with peer access the narrow gradients reach every GPU's kernel uncast; without
+    it, the general path casts each replica's gradient (on its own GPU)."""
+    import cupy
+
+    _physical_gpus_or_skip(k)
+    casts = []
+    real = cupy.ndarray.astype
+
+    def astype(self, dtype, *args, **kw):
+        if np.dtype(dtype) == np.float32 and self.dtype == BF16:
+            casts.append(self.device.id)
+        return real(self, dtype, *args, **kw)
+
+    steps = _grads(BF16, k, "no_copy_physical")
+    monkeypatch.setattr(cupy.ndarray, "astype", astype)
+    _train([f"/gpu:{i}" for i in range(k)], cupy.asarray, OPTIMIZERS["adam"], steps)
+    if _all_peers(k):
+        assert launches["fused"] == STEPS
+        assert casts == []
+    else:
+        assert launches["fused"] == 0
+        assert sorted(casts) == sorted(list(range(k)) * STEPS * len(SIZES))
+
+
+@pytest.mark.multi_gpu
+def test_a_pair_without_peer_access_keeps_the_general_path(launches, monkeypatch):
+    """Peer access between GPUs 0 and 1 only (2 and 3 cannot reach them): 4 replicas take the
+    general path, 2 replicas on GPUs 0 and 1 fuse (when the fake or the machine gives that pair
+    peer access): the same bits either way."""
+    import cupy
+
+    import cudist._kernels._cupy as cupy_mod
+
+    _physical_gpus_or_skip(4)
+    real = cupy_mod.CupyBackend._peer_ok
+
+    def peer_ok(self, device, peer):
+        if {device, peer} & {2, 3} and device != peer:
+            return False
+        return real(self, device, peer)
+
+    monkeypatch.setattr(cupy_mod.CupyBackend, "_peer_ok", peer_ok)
+    make = OPTIMIZERS["rmsprop_centered_momentum"]
+    for k in (4, 2):
+        launches["fused"] = 0
+        steps = _grads(np.float16, k, "pair")
+        got = _train([f"/gpu:{i}" for i in range(k)], cupy.asarray, make, steps)
+        want = _train([f"/cpu:{i}" for i in range(k)], lambda g: g, make, steps)
+        _assert_same(got, want)
+        if k == 4:
+            assert launches["fused"] == 0
+        else:
+            assert launches["fused"] == (STEPS if _all_peers(2) else 0)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("k", [2, 4])
+def test_loss_scale_optimizer_on_physical_gpus(k, launches):
+    """LossScaleOptimizer over bfloat16 gradients, one replica per physical GPU, an inf at step 1:
+    the CPU's skips, scales and bits; the finite steps' unscaled float32 gradients take the fused
+    pass across the GPUs where every pair has peer access."""
+    import cupy
+
+    _physical_gpus_or_skip(k)
+    steps = _grads(BF16, k, "lso_physical")
+    steps[1][k - 1][1][0, 2] = np.inf
+
+    def wrap(opt):
+        return cudist.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**4, dynamic_growth_steps=1)
+
+    make = OPTIMIZERS["adam"]
+    got = _train([f"/gpu:{i}" for i in range(k)], cupy.asarray, make, steps, wrap=wrap)
+    want = _train([f"/cpu:{i}" for i in range(k)], lambda g: g, make, steps, wrap=wrap)
+    _assert_same(got, want)
+    assert np.array_equal(got[1][0][0][0], got[0][0][0][0]) and not np.array_equal(got[2][0][0][0], got[1][0][0][0])
+    assert launches["fused"] == (len(steps) - 1 if _all_peers(k) else 0)
+    if _all_peers(k):
+        _check_fused_per_gpu(launches, k, np.dtype(np.float32), len(steps) - 1)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -241,19 +371,25 @@ def test_loss_scale_optimizer_on_logical_gpus(n, launches):
     assert launches["fused"] == len(steps) - 2
 
 
-def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_the_step(launches):
+@pytest.mark.parametrize("physical", [False, pytest.param(True, marks=pytest.mark.multi_gpu)], ids=["logical", "physical"])
+def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_the_step(physical, launches):
     """A replica's gradient that is another variable's copy (the pass writes it before the kernel of
     the second variable reads it) or its own variable's copy, or a non-contiguous view: the update
-    reads the values from before the step, as from fresh copies of the gradients."""
+    reads the values from before the step, as from fresh copies of the gradients. On two physical
+    GPUs a GPU's launch reads the other GPU's copies too (they are every replica's gradients)."""
+    import contextlib
+
     import cupy
 
     n = 2
+    if physical:
+        _physical_gpus_or_skip(n)
     rng = _rng("alias")
     init = [rng.standard_normal(37).astype(np.float32) for _ in range(3)]
     wide = rng.standard_normal(74).astype(np.float32)
 
     def train(fresh):
-        with gpu0_split(n, memory_limit=1024):
+        with contextlib.nullcontext() if physical else gpu0_split(n, memory_limit=1024):
             strategy = cudist.MirroredStrategy([f"/gpu:{i}" for i in range(n)])
             with strategy.scope():
                 ws = [cudist.Variable(x, name=f"w{i}") for i, x in enumerate(init)]
@@ -274,7 +410,7 @@ def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_t
             return [[cupy.asnumpy(b) for b in w.storage.buffers()] for w in ws]
 
     got = train(fresh=False)
-    assert launches["fused"] == 2
+    assert launches["fused"] == (2 if not physical or _all_peers(n) else 0)
     want = train(fresh=True)
     for v, (g, w) in enumerate(zip(got, want)):
         for r in range(n):

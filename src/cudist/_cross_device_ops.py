@@ -134,10 +134,11 @@ class CrossDeviceOps:
         A fused all-reduce + update (one pass: N gradients in, every copy and slot out) is exactly
         this algorithm's reduction only for the algorithms whose ``batch_reduce`` is the kernels'
         replica-order sum (``_fuses_sum``): host arrays of dtypes the CPU backend computes, or GPU
-        arrays all on one GPU (the CuPy backend's fused kernels; NCCL never serves
-        ``batch_reduce``, so the GPU algorithms qualify too). For the others (and for any subclass
-        that overrides the reductions) None, and optimizers reduce through
-        ``extended.batch_reduce_to`` first.
+        arrays (the CuPy backend's fused kernels, on one GPU or several: whether each GPU's kernel
+        can read every gradient over peer access is the update pass's test, see
+        ``UpdatePass.fusable``; NCCL never serves ``batch_reduce``, so the GPU algorithms qualify
+        too). For the others (and for any subclass that overrides the reductions) None, and
+        optimizers reduce through ``extended.batch_reduce_to`` first.
         """
         if not self._fuses_sum or not arrays:
             return None
@@ -145,19 +146,16 @@ class CrossDeviceOps:
         if type(first) is np.ndarray:
             b = cpu_backend()
             kind: Any = np.ndarray
-            gpu = None
         elif is_device_array(first):
-            # One physical GPU (logical GPUs included): a fused kernel there reads every gradient
-            # and writes every copy in its own memory. Across GPUs the copies form several groups,
-            # which the update pass does not fuse (see UpdatePass.fusable).
+            # GPU arrays, on one GPU or several: each GPU's fused kernel reads every replica's
+            # gradient (peer access; UpdatePass.fusable checks it) and writes its own copies.
             b = backend_for(first)
             kind = type(first)
-            gpu = gpu_of(first)
         else:
             return None
         seen = None  # a step's gradients share one dtype object or a few: each is checked once
         for a in arrays:
-            if type(a) is not kind or (gpu is not None and a.device.id != gpu):
+            if type(a) is not kind:
                 return None
             dt = a.dtype
             if dt is not seen:

@@ -66,9 +66,10 @@ class Updatable(Protocol):
 #: slot's, when the copies are written out of place).
 Group: TypeAlias = "tuple[tuple[Any, ...], tuple[tuple[Any, ...], ...], KernelBackend, tuple[Any, ...] | None]"
 #: What a fused all-reduce + update of a variable needs, settled at plan time: (the backend of its
-#: one group -- the host's, or the CuPy backend for copies on one GPU --, the variable's dtype,
-#: every array the update writes: copies, then slot copies); None when its update cannot be fused
-#: (copies in several memories, a dtype without fused kernels).
+#: groups -- the host's one group, or the CuPy backend for copies on one GPU or one group per GPU
+#: --, the variable's dtype, every array the update writes: copies, then slot copies, group by
+#: group); None when its update cannot be fused (copies in the host's memory and a GPU's, a dtype
+#: without fused kernels).
 Fused: TypeAlias = "tuple[KernelBackend, Any, tuple[Any, ...]] | None"
 #: A variable's validated kernel work: (the storage arrays it was validated for, its groups, its
 #: Fused, the out-of-place writes to commit once it ran: (storage, the array written) each).
@@ -356,13 +357,16 @@ class UpdatePass:
                     backend.check_like(where, "source", s, copies[0], writable=False)
             groups.append((copies, tuple(group_slots), backend, sources))
         fused: Fused = None
-        if len(groups) == 1:
-            copies, gslots, backend, _ = groups[0]
-            ref = copies[0]
-            # bfloat16 variables (not in the backend's dtypes) have no fused kernel on the CPU; on
-            # a GPU they are not fused either, so both give the bits of reducing first.
-            if ref.dtype in backend.dtypes:
-                fused = (backend, ref.dtype, copies + sum(gslots, ()))
+        backend = groups[0][2]
+        ref = groups[0][0][0]
+        # One group (the host's, or one GPU's), or one per GPU with one backend (each GPU's launch
+        # of the pass updates its own group). bfloat16 variables (not in the backend's dtypes)
+        # have no fused kernel on the CPU; on a GPU they are not fused either, so both give the
+        # bits of reducing first.
+        if ref.dtype in backend.dtypes and (
+            len(groups) == 1 or all(type(g[0][0]) is not np.ndarray and g[2] is backend for g in groups)
+        ):
+            fused = (backend, ref.dtype, sum((g[0] + sum(g[1], ()) for g in groups), ()))
         plan = (key, tuple(groups), fused, moves)
         if moves:
             # Not kept: a plan holds its arrays, and the ones written out of place move away from
@@ -406,13 +410,17 @@ class UpdatePass:
         """The backend that can sum each variable's per-replica gradients inside its update, or None.
 
         ``strategy``: the ``cudist.distribute.Strategy`` whose ``merge_call`` runs the step.
-        Possible when every gradient and every copy is in one memory -- the host's, or one GPU's
-        (logical GPUs split from one physical GPU included) --, each variable has one group there,
-        and the strategy's cross-device ops reduce with the kernels' own replica-order sum (the
-        default ops): then one pass reads the N gradients and copy 0 of the variable and slots and
-        writes every copy -- bit-identical to reducing first, then updating. Narrow (bfloat16 /
-        float16) gradients of float32 variables are widened inside that pass where the backend's
-        fused kernels do it (``mixed_gradients``: every backend, the CuPy one included).
+        Possible when every gradient and every copy is in the host's memory (one group per
+        variable), or all are GPU arrays -- on one GPU (logical GPUs split from one physical GPU
+        included) or on several, where each GPU holding copies can read every replica's gradient
+        in place (peer access: the backend's ``reaches``, the P2P collectives' own test) --, and
+        the strategy's cross-device ops reduce with the kernels' own replica-order sum (the
+        default ops): then one pass per memory reads the N gradients and copy 0 of the variable
+        and slots there and writes every copy there -- bit-identical to reducing first, then
+        updating. Where some GPU cannot read some gradient, None: the general path (reduce
+        first; the same bits). Narrow (bfloat16 / float16) gradients of float32 variables are
+        widened inside that pass where the backend's fused kernels do it (``mixed_gradients``:
+        every backend, the CuPy one included).
         """
         if per_var and len(per_var[0]) != len(strategy.extended.worker_devices):
             return None
@@ -423,16 +431,20 @@ class UpdatePass:
         if backend is None:
             return None
         mixed = backend.mixed_gradients
-        # GPU gradients (all on one GPU: _fused_sum_backend) fuse into copies on that same GPU.
-        gpu = None if type(per_var[0][0]) is np.ndarray else gpu_of(per_var[0][0])
-        # What depends on the variable alone (one host group of this backend, a dtype with fused
+        on_gpu = type(per_var[0][0]) is not np.ndarray
+        # What depends on the variable alone (its groups of this backend, a dtype with fused
         # kernels) was settled at plan time: per variable one identity test, and one of its dtype.
         for plan, comps in zip(plans, per_var):
             fused = plan[2]
             if fused is None or fused[0] is not backend:
                 return None
-            if gpu is not None and gpu_of(fused[2][0]) != gpu:
-                return None
+            if on_gpu:
+                # Each GPU's launch reads every replica's gradient where it is: a pair without
+                # peer access (or a gradient in a stream-ordered pool) keeps the general path.
+                for group in plan[1]:
+                    d: int = group[0][0].device.id
+                    if not all(backend.reaches(d, c) for c in comps):
+                        return None
             dt = comps[0].dtype
             if dt is not fused[1] and dt != fused[1]:
                 # Narrow gradients (the optimizer left them uncast): one dtype over the replicas,
@@ -498,24 +510,41 @@ class UpdatePass:
 def _apply_fused_on_gpu(
     trusted: TrustedKernels, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan], rules: Sequence[Rule]
 ) -> None:
-    """:meth:`UpdatePass.apply_fused` for copies and gradients on one GPU: the CuPy backend's fused
-    kernels, one launch per variable (narrow gradients read as they are: no float32 copy).
+    """:meth:`UpdatePass.apply_fused` for copies and gradients on GPUs: the CuPy backend's fused
+    kernels, one launch per variable and GPU holding copies (narrow gradients read as they are: no
+    float32 copy). Across GPUs, GPU k's launch reads the N replicas' gradients in replica order
+    over peer access (:meth:`UpdatePass.fusable` checked it), so every GPU computes the same sum,
+    and copy 0 of its own variable and slots (the copies are mirrored: equal), and writes only its
+    own copies and slots.
 
     The gradients are settled as the host's are (:func:`settle_inputs`): made C-contiguous, and
-    copied where they share memory with anything the pass writes (a kernel reading a gradient that
-    an earlier launch of the pass wrote, or that its own threads write, would read updated values).
+    copied (on their own GPU) where they share memory with anything the pass writes on any GPU (a
+    kernel reading a gradient that an earlier launch of the pass wrote, or that its own threads
+    write, would read updated values).
+
+    Why this is race-free across GPUs: no launch writes anything another launch reads -- each
+    writes only its own GPU's copies and slots, reads of copies stay on that GPU, and no gradient
+    shares a byte with any written array (settled above) --, so the launches may run in any order
+    or at once. The stream order is the P2P collectives' (the backend's staging): before GPU k's
+    launch its stream waits for the work queued so far on every gradient's GPU (the gradients and
+    their settling copies are ready), and after it those GPUs' streams wait for it (their later
+    work may overwrite or free a gradient it reads).
     """
     written = _DeviceSpans([a for plan in plans for a in plan[2][2]])  # type: ignore[index]  # fusable: every plan has its Fused
-    ref = plans[0][2][2][0]  # type: ignore[index]
-    with device_context(ref):
-        # Every gradient settled before the first launch writes anything.
-        inputs = [
-            [g if g.flags.c_contiguous and not written.overlaps(g) else g.copy(order="C") for g in comps]
-            for comps in per_var
-        ]
-        for ins, plan, rule in zip(inputs, plans, rules):
-            copies, slots, _, sources = plan[1][0]
-            rule.run_fused(trusted, copies, slots, ins, sources)
+    # Every gradient settled before the first launch writes anything.
+    inputs = []
+    for comps in per_var:
+        ins = []
+        for g in comps:
+            if not g.flags.c_contiguous or written.overlaps(g):
+                with device_context(g):  # (a copy lands on the current GPU: g's own)
+                    g = g.copy(order="C")
+            ins.append(g)
+        inputs.append(ins)
+    for ins, plan, rule in zip(inputs, plans, rules):
+        for copies, slots, _, sources in plan[1]:
+            with device_context(copies[0]):
+                rule.run_fused(trusted, copies, slots, ins, sources)
 
 
 class _DeviceSpans:

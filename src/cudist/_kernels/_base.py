@@ -183,6 +183,12 @@ class KernelBackend:
         """Whether this backend's kernels take arrays of ``dtype`` (its ``dtypes``, plus bfloat16 where set)."""
         return dtype in self._dtype_set or (self.bfloat16 and is_bfloat16(dtype))
 
+    def reaches(self, device: int, a) -> bool:
+        """Whether kernels on GPU ``device`` may read array ``a`` in place (no staging copy): the
+        GPU backends answer by peer access; the host backends' arrays are all in one memory."""
+        del device, a
+        return True
+
     # ------------------------------------------------------------------ the trusted entry points
     @functools.cached_property
     def trusted(self) -> "TrustedKernels":

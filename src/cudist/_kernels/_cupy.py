@@ -436,6 +436,11 @@ class CupyBackend(KernelBackend):
         d = a.device.id
         return d == device or (self._peer_ok(device, d) and not _from_async_pool(a))
 
+    def reaches(self, device: int, a) -> bool:
+        """Whether kernels on ``device`` may read ``a`` in place: the collectives' own test (what
+        fails it, another GPU without peer access or a stream-ordered pool, they stage through copies)."""
+        return self._reachable(device, a)
+
     def _wait_for(self, waiter: int, devices) -> None:
         """Makes ``waiter``'s current stream wait for the work queued so far on ``devices``."""
         join_streams(cupy, (waiter,), devices)
