@@ -111,9 +111,10 @@ def test_whole_gpu_suite_passes_under_the_fake(collected):
 @pytest.mark.parametrize("mode", ["", "core"])
 def test_kernel_and_strategy_suites_pass_without_peer_access(mode):
     """Without peer access every cross-GPU kernel operand must be staged: the multi_gpu tests check
-    it, on the NVRTC path and on the C++ launchers' (``core``)."""
+    it, on the NVRTC path and on the C++ launchers' (``core``); the optimizers' fused pass across
+    GPUs falls back to reducing first there, with the same bits."""
     _compiler_or_skip()
-    files = ["tests/test_gpu_kernels.py", "tests/test_gpu_strategy.py"]
+    files = ["tests/test_gpu_kernels.py", "tests/test_gpu_strategy.py", "tests/test_gpu_mixed_fused.py"]
     passed, _ = _run_gpu_suite(files, "none", CUDIST_EMU_MODE=mode)
     assert passed > 100
 
