@@ -53,7 +53,8 @@ _UPDATE_MOVED = {name: (2 + len(slots), 1 + len(slots)) for name, (_, slots, _) 
 _POSITIVE_SLOTS = frozenset({"velocity", "v", "v_hat", "u", "accumulator"})
 #: Keyword arguments of an update beyond the learning rate (and the step, where it takes one).
 _UPDATE_ARGS = {
-    "momentum": dict(momentum=0.9, nesterov=False),
+    "momentum": dict(momentum=0.9),
+    "nesterov": dict(momentum=0.9),
     "adamw": dict(weight_decay=0.004),
     "amsgrad": dict(weight_decay=0.004),
     "nadam": dict(u_product=0.5),
