@@ -21,12 +21,20 @@ import subprocess
 import sys
 import time
 
-#: name -> (entry point of cudist._core, slot count, arguments after the gradients).
+#: name -> (entry point of cudist._core, slot count, arguments after the gradients): the rows of the
+#: rules' table (every one takes the weight decay last, 0 here).
 CASES = {
+    "momentum": ("all_reduce_momentum", 1, (0.01, 0.9, 0.0)),
+    "nesterov": ("all_reduce_nesterov", 1, (0.01, 0.9, 0.0)),
+    "sgd": ("all_reduce_sgd", 0, (0.01, 0.0)),
+    "adam": ("all_reduce_adamw", 2, (0.001, 0.9, 0.999, 1e-7, 0.0)),
+}
+#: The same work in a tree from before gradient descent and momentum were rows of the table
+#: (hand-written entry points: no weight decay, Nesterov a flag), to A/B against one.
+LEGACY_CASES = {
     "momentum": ("all_reduce_momentum", 1, (0.01, 0.9, False)),
     "nesterov": ("all_reduce_momentum", 1, (0.01, 0.9, True)),
     "sgd": ("all_reduce_sgd", 0, (0.01,)),
-    "adam": ("all_reduce_adamw", 2, (0.001, 0.9, 0.999, 1e-7, 0.0)),
 }
 
 
@@ -39,12 +47,13 @@ def _child(tree: str, cases: list[str], sizes: list[int]) -> None:
     from cudist import _core
 
     assert _core.__file__.startswith(tree), _core.__file__
+    table = hasattr(_core, "all_reduce_nesterov")
     _core.set_num_threads(1)
     rng = np.random.default_rng(0)
     out = {}
     for size in sizes:
         for case in cases:
-            entry, nslots, args = CASES[case]
+            entry, nslots, args = CASES[case] if table else LEGACY_CASES.get(case, CASES[case])
             fn = getattr(_core, entry, None)
             if fn is None:
                 continue

@@ -24,7 +24,9 @@ import numpy as np
 
 from cudist._kernels import UPDATE_KERNELS, update_variants
 
-__all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "SUITE_UPDATES", "make_case", "random_array", "count_wrong"]
+__all__ = [
+    "OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "SUITE_UPDATES", "make_case", "random_array", "count_wrong", "tf_update"
+]
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,21 @@ _UPDATE_ARGS = {
     "amsgrad": dict(weight_decay=0.004),
     "nadam": dict(u_product=0.5),
 }
+#: TensorFlow's fused kernel that ``--compare tf`` times an update row against: (raw op, its extra
+#: attributes); the rows not listed are timed against ResourceApplyAdam (the TF worker names no
+#: optimizer).
+_TF_UPDATES = {
+    "sgd": ("ResourceApplyGradientDescent", {}),
+    "momentum": ("ResourceApplyKerasMomentum", {}),
+    "nesterov": ("ResourceApplyKerasMomentum", {"use_nesterov": True}),
+}
+
+
+def tf_update(op: str) -> tuple[str, dict[str, bool]]:
+    """TensorFlow's raw op (and its attributes) for the benchmark operation ``update/<row>``."""
+    return _TF_UPDATES.get(op.split("/", 1)[-1], ("ResourceApplyAdam", {}))
+
+
 #: The update rules ``cudist-bench update --optimizer`` takes.
 UPDATE_OPTIMIZERS = tuple(_UPDATE_MOVED)
 #: Those ``cudist-bench suite`` times: no slot, and two (with the weight decay).
