@@ -4,7 +4,8 @@ Times ``cudist._core``'s fused all-reduce + update entry points themselves (no s
 optimizer): 4 copies, 4 gradients of ``--sizes`` float32 elements, one thread
 (``_core.set_num_threads(1)``), CPU time of the calling thread per call, the minimum of 7 batches.
 Each round runs every tree once, in a fresh process (the trees alternate, so load drifts touch
-both); the ratio is of the medians of the rounds' results, last tree over first.
+both); the ratios are of the medians of the rounds' results, each later tree over the first (give a
+copy of the first tree last to see the run's noise floor: its ratio would be 1 on a quiet machine).
 
     python bench/kernel_ab.py --trees /tmp/main_site,/tmp/branch_src --rounds 5
 
@@ -96,7 +97,9 @@ def main() -> None:
             continue
         meds = [statistics.median(c) for c in cols]
         rows = "   ".join(" / ".join(f"{x:.2f}" for x in c) for c in cols)
-        print(f"  {key:16s} {rows}   ratio {meds[-1] / meds[0]:.3f}")
+        # Every later tree's ratio to the first: with a copy of the first tree last (A/B/A'), the
+        # last ratio is the noise floor of the run.
+        print(f"  {key:16s} {rows}   ratio {' '.join(f'{m / meds[0]:.3f}' for m in meds[1:])}")
 
 
 if __name__ == "__main__":
