@@ -106,11 +106,11 @@ def test_out_of_place_kernels_reject_bad_sources():
     with pytest.raises(TypeError, match="source has dtype float64"):
         trusted.adamw((w,), (m,), (v,), g, 0.1, 0.9, 0.99, 1e-7, 0.0, sources=(good[0].astype(np.float64), *good[1:]))
     with pytest.raises(ValueError, match="sources must hold 2 arrays"):
-        trusted.momentum((w,), (m,), g, 0.1, 0.9, False, sources=good)
+        trusted.momentum((w,), (m,), g, 0.1, 0.9, 0.0, sources=good)
     with pytest.raises(TypeError, match="source has dtype float64"):
-        trusted.all_reduce_momentum((w,), (m,), (g, g), 0.1, 0.9, False, sources=(good[0].astype(np.float64), good[1]))
+        trusted.all_reduce_momentum((w,), (m,), (g, g), 0.1, 0.9, 0.0, sources=(good[0].astype(np.float64), good[1]))
     assert "momentum" in trusted.out_of_place and "all_reduce_momentum" in trusted.out_of_place
-    assert "sgd" not in trusted.out_of_place  # the hand-written kernels without sources: the update pass copies first
+    assert "sgd" in trusted.out_of_place and "all_reduce_nesterov" in trusted.out_of_place  # every row of the table
     for name in ("numpy", "numba"):
         try:
             assert not get_backend(name).trusted.out_of_place

@@ -470,13 +470,17 @@ def test_update_case_mirrors_are_distinct_buffers(opt):
     seen = []
 
     class Spy(NumpyBackend):
-        def _hook_sgd(self, copies, grad, lr):
+        def _hook_sgd(self, copies, grad, lr, decay):
             seen.append([copies])
-            return super()._hook_sgd(copies, grad, lr)
+            return super()._hook_sgd(copies, grad, lr, decay)
 
-        def _hook_momentum(self, copies, vels, grad, lr, momentum, nesterov):
+        def _hook_momentum(self, copies, vels, grad, lr, momentum, decay):
             seen.append([copies, vels])
-            return super()._hook_momentum(copies, vels, grad, lr, momentum, nesterov)
+            return super()._hook_momentum(copies, vels, grad, lr, momentum, decay)
+
+        def _hook_nesterov(self, copies, vels, grad, lr, momentum, decay):
+            seen.append([copies, vels])
+            return super()._hook_nesterov(copies, vels, grad, lr, momentum, decay)
 
         def _hook_adamw(self, copies, ms, vs, grad, lr_t, b1, b2, eps, decay):
             seen.append([copies, ms, vs])

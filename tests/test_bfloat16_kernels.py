@@ -164,7 +164,7 @@ def test_native_refuses_bfloat16_updates_clearly():
 
     w = [np.ones(8, BF16)]
     with pytest.raises(TypeError, match="bfloat16"):
-        _core.sgd(w, np.ones(8, BF16), 0.1)
+        _core.sgd(w, np.ones(8, BF16), 0.1, 0.0)
 
 
 _RESULTS: dict = {}

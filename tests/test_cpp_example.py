@@ -169,9 +169,9 @@ void updates() {
   std::vector<T*> p;
   for (auto& x : b) p.push_back(x.data());
   const std::vector<T> grad(count, T(2));
-  cudist::sgd(p.data(), n, count, grad.data(), 0.25);
+  cudist::sgd(p.data(), n, count, grad.data(), 0.25, 0.0);
   check(static_cast<double>(b[1][0]) == 0.5, "sgd");
-  cudist::momentum(p.data(), p.data() + n, n, count, grad.data(), 0.1, 0.9, true);
+  cudist::nesterov(p.data(), p.data() + n, n, count, grad.data(), 0.1, 0.9, 0.0);
   // Adam: the adamw row without weight decay.
   cudist::adamw(p.data(), p.data() + n, p.data() + 2 * n, n, count, grad.data(), cudist::adam_lr_t(0.1, 0.9, 0.999, 1),
                 0.9, 0.999, 1e-7, 0.0);

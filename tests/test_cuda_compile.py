@@ -149,7 +149,7 @@ def test_launch_header_is_plain_cpp(tmp_path):
         "  if (e != cudaSuccess) return e;\n"
         "  const int devices[2] = {0, 1};\n"
         "  e = cudist::cuda::p2p_all_reduce<__half>(h, devices, nullptr, 2, 10, cudist::reduce_op::sum);\n"
-        "  return e != cudaSuccess ? e : cudist::cuda::sgd<__half>(h, 2, h[0], 0.1, 10);\n"
+        "  return e != cudaSuccess ? e : cudist::cuda::sgd<__half>(h, 2, h[0], 0.1, 0.0, 10);\n"
         "}\n"
     )
     cmd = ["g++", "-std=c++17", "-Wall", "-Werror", f"-I{INCLUDE}", *(f"-I{d}" for d in inc), "-c", str(src)]

@@ -173,10 +173,9 @@ def _kernel(lib, name: str, dtype: str):
         "broadcast": (P, P, I, L),
         "scatter_batch": (P, P, I, L, L),
         "mirrored_assign_add": (P, I, P, L, I),
-        "mirrored_sgd": (P, I, P, C, L),
-        "mirrored_momentum": (P, P, I, P, C, C, I, L),
-        "mirrored_all_reduce_sgd": (P, I, P, I, C, L),
-        "mirrored_all_reduce_momentum": (P, P, I, P, I, C, C, I, L),
+        "mirrored_all_reduce_sgd": (P, I, P, I, C, C, L),
+        "mirrored_all_reduce_momentum": (P, P, I, P, I, C, C, C, L),
+        "mirrored_all_reduce_nesterov": (P, P, I, P, I, C, C, C, L),
         "mirrored_all_reduce_adamw": (P, P, P, I, P, I, C, C, C, C, C, L),
     }[name]
     fn = getattr(lib, f"cudist_emu_{name}_{dtype}")
@@ -197,11 +196,13 @@ def _launcher(lib, name: str, dtype: str):
         "broadcast": (P, P, I, L, P),
         "scatter_batch": (P, P, I, L, L, P),
         "assign_add": (P, I, P, L, I, P),
-        "sgd": (P, I, P, D, L, P),
-        "momentum": (P, P, I, P, D, D, I, L, P),
+        "sgd": (P, I, P, D, D, L, P),
+        "momentum": (P, P, I, P, D, D, D, L, P),
+        "nesterov": (P, P, I, P, D, D, D, L, P),
         "all_reduce_into": (P, P, I, L, I, P),
-        "all_reduce_sgd": (P, I, P, I, D, L, P),
-        "all_reduce_momentum": (P, P, I, P, I, D, D, I, L, P),
+        "all_reduce_sgd": (P, I, P, I, D, D, L, P),
+        "all_reduce_momentum": (P, P, I, P, I, D, D, D, L, P),
+        "all_reduce_nesterov": (P, P, I, P, I, D, D, D, L, P),
         "adamw": (P, P, P, I, P, D, D, D, D, D, L, P),
         "all_reduce_adamw": (P, P, P, I, P, I, D, D, D, D, D, L, P),
     }[name]
@@ -256,7 +257,8 @@ def test_every_kernel_and_launcher_has_an_entry_point(lib):
                      "scatter_batch", "assign_add"):
         for dt in DTYPES:
             assert hasattr(lib, f"cudist_emu_launch_{launcher}_{dt}"), (launcher, dt)
-    for launcher in ("sgd", "momentum", "adamw", "all_reduce_sgd", "all_reduce_momentum", "all_reduce_adamw"):
+    for launcher in ("sgd", "momentum", "nesterov", "adamw", "all_reduce_sgd", "all_reduce_momentum",
+                     "all_reduce_nesterov", "all_reduce_adamw"):
         for dt in FLOATS:
             assert hasattr(lib, f"cudist_emu_launch_{launcher}_{dt}"), (launcher, dt)
 
@@ -491,45 +493,6 @@ def test_mirrored_assign_add_kernel(lib, dtype):
 
 
 @pytest.mark.parametrize("dtype", FLOATS)
-def test_mirrored_sgd_kernel(lib, dtype):
-    rng = np.random.default_rng(6)
-    fn = _kernel(lib, "mirrored_sgd", dtype)
-    item = np.dtype(dtype).itemsize
-    for n, count, layout in _cases(KERNEL_REPLICAS):
-        lr = float(rng.uniform(1e-3, 0.5))
-        for gx, bx in _grids(count, item):
-            what = f"{dtype} n={n} count={count} {layout} grid={gx}x{bx}"
-            copies = _fresh_mirrors(rng, n, count, dtype, layout)
-            grad = _random(rng, count, dtype, offset=1 if layout == "offset" else 0)
-            want = [c.copy() for c in copies]
-            REF.sgd(want, grad, lr=lr)
-            fn(gx, 1, bx, _table(copies), n, _ptr(grad), lr, count)
-            for r in range(n):
-                _assert_bits(copies[r], want[r], f"sgd {what} copy {r}")
-
-
-@pytest.mark.parametrize("nesterov", (False, True))
-@pytest.mark.parametrize("dtype", FLOATS)
-def test_mirrored_momentum_kernel(lib, dtype, nesterov):
-    rng = np.random.default_rng(7)
-    fn = _kernel(lib, "mirrored_momentum", dtype)
-    item = np.dtype(dtype).itemsize
-    for n, count, layout in _cases(KERNEL_REPLICAS):
-        lr, mom = float(rng.uniform(1e-3, 0.5)), float(rng.uniform(0.5, 0.99))
-        for gx, bx in _grids(count, item):
-            what = f"{dtype} n={n} count={count} {layout} nesterov={nesterov} grid={gx}x{bx}"
-            copies = _fresh_mirrors(rng, n, count, dtype, layout)
-            vels = _fresh_mirrors(rng, n, count, dtype, layout)
-            grad = _random(rng, count, dtype, offset=1 if layout == "offset" else 0)
-            want_w, want_v = [c.copy() for c in copies], [v.copy() for v in vels]
-            REF.momentum(want_w, want_v, grad, lr=lr, momentum=mom, nesterov=nesterov)
-            fn(gx, 1, bx, _table(copies), _table(vels), n, _ptr(grad), lr, mom, int(nesterov), count)
-            for r in range(n):
-                _assert_bits(vels[r], want_v[r], f"momentum {what} velocity {r}")
-                _assert_bits(copies[r], want_w[r], f"momentum {what} copy {r}")
-
-
-@pytest.mark.parametrize("dtype", FLOATS)
 def test_mirrored_adam_kernel(lib, dtype):
     rng = np.random.default_rng(8)
     fn = _kernel(lib, "mirrored_adam", dtype)
@@ -638,7 +601,8 @@ def test_mirrored_update_launchers(lib, dtype):
     is_float = dtype in FLOATS
     assign_add = _launcher(lib, "assign_add", dtype)
     if is_float:
-        sgd, momentum, adam = (_launcher(lib, name, dtype) for name in ("sgd", "momentum", "adam"))
+        sgd, adam = (_launcher(lib, name, dtype) for name in ("sgd", "adam"))
+        moms = {False: _launcher(lib, "momentum", dtype), True: _launcher(lib, "nesterov", dtype)}
     for n, count, layout in _cases(LAUNCH_REPLICAS, LAUNCH_LAYOUTS):
         off = 1 if layout == "offset" else 0
         what = f"{dtype} n={n} count={count} {layout}"
@@ -656,7 +620,7 @@ def test_mirrored_update_launchers(lib, dtype):
         copies = _fresh_mirrors(rng, n, count, dtype, layout)
         want = [c.copy() for c in copies]
         REF.sgd(want, grad, lr=lr)
-        assert sgd(_table(copies), n, _ptr(grad), lr, count, None) == CUDA_SUCCESS
+        assert sgd(_table(copies), n, _ptr(grad), lr, 0.0, count, None) == CUDA_SUCCESS
         for r in range(n):
             _assert_bits(copies[r], want[r], f"sgd {what} copy {r}")
         for nesterov in (False, True):
@@ -665,7 +629,7 @@ def test_mirrored_update_launchers(lib, dtype):
             vels = _fresh_mirrors(rng, n, count, dtype, layout)
             want_w, want_v = [c.copy() for c in copies], [v.copy() for v in vels]
             REF.momentum(want_w, want_v, grad, lr=lr, momentum=mom, nesterov=nesterov)
-            rc = momentum(_table(copies), _table(vels), n, _ptr(grad), lr, mom, int(nesterov), count, None)
+            rc = moms[nesterov](_table(copies), _table(vels), n, _ptr(grad), lr, mom, 0.0, count, None)
             assert rc == CUDA_SUCCESS
             for r in range(n):
                 _assert_bits(vels[r], want_v[r], f"momentum nesterov={nesterov} {what} velocity {r}")
@@ -698,7 +662,7 @@ def test_launchers_reject_bad_arguments(lib):
     x = _ptr(bufs[0])
     L = {name: _launcher(lib, name, dtype) for name in (
         "all_reduce", "all_reduce_two_shot", "reduce_to_one", "broadcast", "scatter_batch", "assign_add", "sgd",
-        "momentum", "adam")}  # fmt: skip
+        "momentum", "nesterov", "adam")}  # fmt: skip
     bad = {
         "all_reduce null bufs": lambda: L["all_reduce"](None, 2, count, 0, None),
         "all_reduce n=0": lambda: L["all_reduce"](t, 0, count, 0, None),
@@ -729,13 +693,13 @@ def test_launchers_reject_bad_arguments(lib):
         "assign_add null value": lambda: L["assign_add"](t, 2, None, count, 0, None),
         "assign_add n=0": lambda: L["assign_add"](t, 0, x, count, 0, None),
         "assign_add count=-1": lambda: L["assign_add"](t, 2, x, -1, 1, None),
-        "sgd null grad": lambda: L["sgd"](t, 2, None, 0.1, count, None),
-        "sgd null copies": lambda: L["sgd"](None, 2, x, 0.1, count, None),
-        "sgd n=0": lambda: L["sgd"](t, 0, x, 0.1, count, None),
-        "sgd count=-1": lambda: L["sgd"](t, 2, x, 0.1, -1, None),
-        "momentum null velocities": lambda: L["momentum"](t, None, 2, x, 0.1, 0.9, 0, count, None),
-        "momentum null grad": lambda: L["momentum"](t, t, 2, None, 0.1, 0.9, 0, count, None),
-        "momentum n=0": lambda: L["momentum"](t, t, 0, x, 0.1, 0.9, 1, count, None),
+        "sgd null grad": lambda: L["sgd"](t, 2, None, 0.1, 0.0, count, None),
+        "sgd null copies": lambda: L["sgd"](None, 2, x, 0.1, 0.0, count, None),
+        "sgd n=0": lambda: L["sgd"](t, 0, x, 0.1, 0.0, count, None),
+        "sgd count=-1": lambda: L["sgd"](t, 2, x, 0.1, 0.0, -1, None),
+        "momentum null velocities": lambda: L["momentum"](t, None, 2, x, 0.1, 0.9, 0.0, count, None),
+        "momentum null grad": lambda: L["momentum"](t, t, 2, None, 0.1, 0.9, 0.0, count, None),
+        "nesterov n=0": lambda: L["nesterov"](t, t, 0, x, 0.1, 0.9, 0.0, count, None),
         "adam null ms": lambda: L["adam"](t, None, t, 2, x, 0.1, 0.9, 0.999, 1e-7, count, None),
         "adam null vs": lambda: L["adam"](t, t, None, 2, x, 0.1, 0.9, 0.999, 1e-7, count, None),
         "adam null grad": lambda: L["adam"](t, t, t, 2, None, 0.1, 0.9, 0.999, 1e-7, count, None),
@@ -799,11 +763,13 @@ def _fused_case(rng, n, m, count, dtype, layout):
 
 @pytest.mark.parametrize("dtype", FLOATS)
 def test_mirrored_all_reduce_update_kernels(lib, dtype):
-    """The fused all-reduce + sgd / momentum (plain and nesterov) / adam kernels: bit for bit the
-    reference's reduce_to_one(grads, SUM) followed by the update, for 1..8 gradients and copies."""
+    """The fused all-reduce + gradient descent / momentum (plain and nesterov: two rows) / adam kernels:
+    bit for bit the reference's reduce_to_one(grads, SUM) followed by the update, for 1..8 gradients
+    and copies (one gradient: the plain update, which launches the same kernel)."""
     rng = np.random.default_rng(22)
     sgd = _kernel(lib, "mirrored_all_reduce_sgd", dtype)
-    mom = _kernel(lib, "mirrored_all_reduce_momentum", dtype)
+    moms = {False: _kernel(lib, "mirrored_all_reduce_momentum", dtype),
+            True: _kernel(lib, "mirrored_all_reduce_nesterov", dtype)}
     adam = _kernel(lib, "mirrored_all_reduce_adam", dtype)
     item = np.dtype(dtype).itemsize
     for n, count, layout in _cases(KERNEL_REPLICAS, sizes=(0, 1, 7, 165)):
@@ -825,13 +791,13 @@ def test_mirrored_all_reduce_update_kernels(lib, dtype):
                 for nesterov in (False, True):
                     want = [[a.copy() for a in x] for x in (w, v)]
                     REF.momentum(*want, g, lr=lr, momentum=mu, nesterov=nesterov)
-                    mom(gx, 1, bx, _table(w), _table(v), n, _table(grads), m, lr, mu, int(nesterov), count)
+                    moms[nesterov](gx, 1, bx, _table(w), _table(v), n, _table(grads), m, lr, mu, 0.0, count)
                     for name, got, exp in zip(("copy", "velocity"), (w, v), want):
                         for r in range(n):
                             _assert_bits(got[r], exp[r], f"all_reduce_momentum nesterov={nesterov} {what} {name} {r}")
                 want = [a.copy() for a in w]
                 REF.sgd(want, g, lr=lr)
-                sgd(gx, 1, bx, _table(w), n, _table(grads), m, lr, count)
+                sgd(gx, 1, bx, _table(w), n, _table(grads), m, lr, 0.0, count)
                 for r in range(n):
                     _assert_bits(w[r], want[r], f"all_reduce_sgd {what} copy {r}")
 
@@ -840,7 +806,7 @@ def test_mirrored_all_reduce_float16_sums_in_float32(lib):
     """2048 + 1 + 1 + 1 is summed in float32 (2051) and rounded once (2052), not 2048 (rounding after each addition)."""
     grads = [np.array([2048.0, 1.0], np.float16)] + [np.array([1.0, 2048.0], np.float16) for _ in range(3)]
     w = [np.zeros(2, np.float16) for _ in range(2)]
-    _kernel(lib, "mirrored_all_reduce_sgd", "float16")(1, 1, THREADS, _table(w), 2, _table(grads), 4, 1.0, 2)
+    _kernel(lib, "mirrored_all_reduce_sgd", "float16")(1, 1, THREADS, _table(w), 2, _table(grads), 4, 1.0, 0.0, 2)
     assert w[0].tolist() == [-2052.0, -6144.0] and w[1].tolist() == [-2052.0, -6144.0]
 
 
@@ -876,7 +842,7 @@ def test_fused_update_launchers(lib, dtype):
     """all_reduce_sgd / _momentum / _adam on 1..17 copies with 1..17 gradients (more than 8: a
     stream-ordered temporary, freed again), bit for bit reduce_to_one + the update."""
     rng = np.random.default_rng(24)
-    sgd, mom, adam = (_launcher(lib, name, dtype) for name in ("all_reduce_sgd", "all_reduce_momentum", "all_reduce_adam"))
+    sgd, mom, adam = (_launcher(lib, name, dtype) for name in ("all_reduce_sgd", "all_reduce_nesterov", "all_reduce_adam"))
     live = lib.cudist_emu_async_allocations
     live.restype = ctypes.c_longlong
     before = live()
@@ -893,21 +859,21 @@ def test_fused_update_launchers(lib, dtype):
             refused = _launch_rc(dtype, m, count)
             assert rc == refused, what
             if refused != CUDA_SUCCESS:  # float16 over more than 8 gradients: every fused launcher refuses
-                assert mom(_table(w), _table(v), n, _table(grads), m, lr, mu, 1, count, None) == refused
-                assert sgd(_table(w), n, _table(grads), m, lr, count, None) == refused
+                assert mom(_table(w), _table(v), n, _table(grads), m, lr, mu, 0.0, count, None) == refused
+                assert sgd(_table(w), n, _table(grads), m, lr, 0.0, count, None) == refused
                 continue
             for name, got, exp in zip(("copy", "m", "v"), (w, v, s2), want):
                 for r in range(n):
                     _assert_bits(got[r], exp[r], f"all_reduce_adam {what} {name} {r}")
             want = [[a.copy() for a in x] for x in (w, v)]
             REF.momentum(*want, g, lr=lr, momentum=mu, nesterov=True)
-            assert mom(_table(w), _table(v), n, _table(grads), m, lr, mu, 1, count, None) == CUDA_SUCCESS
+            assert mom(_table(w), _table(v), n, _table(grads), m, lr, mu, 0.0, count, None) == CUDA_SUCCESS
             for name, got, exp in zip(("copy", "velocity"), (w, v), want):
                 for r in range(n):
-                    _assert_bits(got[r], exp[r], f"all_reduce_momentum {what} {name} {r}")
+                    _assert_bits(got[r], exp[r], f"all_reduce_nesterov {what} {name} {r}")
             want = [a.copy() for a in w]
             REF.sgd(want, g, lr=lr)
-            assert sgd(_table(w), n, _table(grads), m, lr, count, None) == CUDA_SUCCESS
+            assert sgd(_table(w), n, _table(grads), m, lr, 0.0, count, None) == CUDA_SUCCESS
             for r in range(n):
                 _assert_bits(w[r], want[r], f"all_reduce_sgd {what} copy {r}")
     assert live() == before, "a launcher left a cudaMallocAsync temporary behind"
@@ -927,11 +893,11 @@ def test_new_launchers_reject_bad_arguments(lib):
         "into n=0": lambda: into(t, t, 0, count, 0, None),
         "into count=-1": lambda: into(t, t, 2, -1, 0, None),
         "into op=2": lambda: into(t, t, 2, count, 2, None),
-        "sgd null grads": lambda: sgd(t, 2, None, 1, 0.1, count, None),
-        "sgd m=0": lambda: sgd(t, 2, t, 0, 0.1, count, None),
-        "sgd null copies": lambda: sgd(None, 2, t, 1, 0.1, count, None),
-        "momentum null velocities": lambda: mom(t, None, 2, t, 1, 0.1, 0.9, 0, count, None),
-        "momentum m=-1": lambda: mom(t, t, 2, t, -1, 0.1, 0.9, 0, count, None),
+        "sgd null grads": lambda: sgd(t, 2, None, 1, 0.1, 0.0, count, None),
+        "sgd m=0": lambda: sgd(t, 2, t, 0, 0.1, 0.0, count, None),
+        "sgd null copies": lambda: sgd(None, 2, t, 1, 0.1, 0.0, count, None),
+        "momentum null velocities": lambda: mom(t, None, 2, t, 1, 0.1, 0.9, 0.0, count, None),
+        "momentum m=-1": lambda: mom(t, t, 2, t, -1, 0.1, 0.9, 0.0, count, None),
         "adam null vs": lambda: adam(t, t, None, 2, t, 1, 0.1, 0.9, 0.999, 1e-7, count, None),
         "adam count=-1": lambda: adam(t, t, t, 2, t, 1, 0.1, 0.9, 0.999, 1e-7, -1, None),
     }

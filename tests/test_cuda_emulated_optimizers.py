@@ -130,6 +130,11 @@ def _params(rng, name):
         return dict(lr=lr, rho=rho, momentum=mom, epsilon=eps, weight_decay=wd), (lr, rho, mom, eps, wd * lr)
     if name == "adagrad":
         return dict(lr=lr, epsilon=eps, weight_decay=wd), (lr, eps, wd * lr)
+    if name == "sgd":
+        return dict(lr=lr, weight_decay=wd), (lr, wd * lr)
+    if name in ("momentum", "nesterov"):
+        mom = float(rng.uniform(0.5, 0.99))
+        return dict(lr=lr, momentum=mom, weight_decay=wd), (lr, mom, wd * lr)
     return dict(lr=lr, beta_1=b1, beta_2=b2, weight_decay=wd), (lr, b1, b2, wd * lr)
 
 
@@ -240,9 +245,10 @@ def test_launchers_reject_bad_arguments(lib, name):
         "null grads": lambda: fused(*tables, n, None, 1, *hyper, count, None),
         "m=0": lambda: fused(*tables, n, gt, 0, *hyper, count, None),
         "count=-1": lambda: fused(*tables, n, gt, 1, *hyper, -1, None),
-        "null first slot": lambda: fused(tables[0], None, *tables[2:], n, gt, 1, *hyper, count, None),
         "plain null grad": lambda: plain(*tables, n, None, *hyper, count, None),
     }
+    if len(tables) > 1:  # a rule with slots (plain gradient descent has none)
+        bad["null first slot"] = lambda: fused(tables[0], None, *tables[2:], n, gt, 1, *hyper, count, None)
     for what, call in bad.items():
         assert call() == CUDA_ERROR_INVALID_VALUE, what
         _check(groups, orig, f"{name} {what}: written")

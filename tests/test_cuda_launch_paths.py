@@ -125,7 +125,7 @@ def _emu_name(launcher: str, params: str) -> str:
 def test_kernel_list_is_what_the_backend_and_the_installed_headers_use():
     assert KERNEL_LIST == "cudist/kernels/kernel_list.cuh"
     assert kernel_list(INCLUDE) == KERNELS, "the installed headers (cudist.get_include()) are stale: reinstall cudist"
-    assert "all_reduce_one_shot" in KERNELS and KERNELS["mirrored_sgd"] == ("float16", "float32", "float64", "bfloat16")
+    assert "all_reduce_one_shot" in KERNELS and KERNELS["mirrored_all_reduce_sgd"] == ("float16", "float32", "float64", "bfloat16")
     # _cupy.py keeps no list of its own: KERNELS and CTYPES come from the header.
     tree = ast.parse((ROOT / "src" / "cudist" / "_kernels" / "_cupy.py").read_text())
     literals = [t.id for n in tree.body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Dict)
@@ -447,7 +447,7 @@ def test_only_the_collectives_take_the_core_path(fake, make):
     be.sgd(ws, cp.ones(33, cp.float32), lr=0.5)
     be.all_gather([cp.ones(4, cp.float32)] * 2, axis=0)
     assert launchers.calls == []
-    assert {k[2] for k in be._functions} == {"mirrored_sgd"}
+    assert {k[2] for k in be._functions} == {"mirrored_all_reduce_sgd"}
     np.testing.assert_array_equal(cp.asnumpy(ws[2]), np.full(33, 0.5, np.float32))
 
 

@@ -214,7 +214,7 @@ def test_assign_add_and_sub(cp, be, n):
 
 # Hyper-parameters by name for every row of UPDATE_KERNELS (decay non-zero: its path runs too).
 HYPER = {
-    "lr": 0.01, "lr_t": 0.003, "momentum": 0.9, "nesterov": True, "beta_1": 0.9, "beta_2": 0.999,
+    "lr": 0.01, "lr_t": 0.003, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.999,
     "epsilon": 1e-7, "decay": 0.004, "rho": 0.9, "c_m": 0.11, "c_g": 0.3, "c_v": 0.05,
 }
 
@@ -306,15 +306,23 @@ def test_fused_update_widens_narrow_gradients_in_the_kernel(cp, be, name, gdtype
 
 
 def test_narrow_gradients_refused_where_no_kernel_reads_them(cp, be):
-    """Only the kernel list's pairs (float32 copies; bfloat16 / float16 gradients) in the fused
-    kernels: other pairs, and the plain kernels, are a TypeError naming both dtypes, never a misread."""
+    """Only the kernel list's pairs (float32 copies; bfloat16 / float16 gradients): other pairs are a
+    TypeError naming both dtypes, never a misread. Every update is a row of the rules' table, whose
+    plain form launches the fused kernel with one gradient, so a pair of the list is read exactly
+    there too (the bits of the cast gradient)."""
     g = [cp.asarray(values(_rng("g"), (7,), specials=False))]
     with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float64"):
-        be.trusted.all_reduce_sgd([cp.zeros(7, np.float64)], g, 0.1)
+        be.trusted.all_reduce_sgd([cp.zeros(7, np.float64)], g, 0.1, 0.0)
     with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float16"):
-        be.trusted.all_reduce_sgd([cp.zeros(7, np.float16)], g, 0.1)
-    with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float32"):
-        be.trusted.sgd([cp.zeros(7, np.float32)], g[0], 0.1)  # mirrored_sgd: same-type gradients only
+        be.trusted.all_reduce_sgd([cp.zeros(7, np.float16)], g, 0.1, 0.0)
+    with pytest.raises(TypeError, match="gradients have dtype bfloat16 but the copies have dtype float16"):
+        be.trusted.sgd([cp.zeros(7, np.float16)], g[0], 0.1, 0.0)
+    w0 = cp.asarray(np.linspace(-1.0, 1.0, 7, dtype=np.float32))
+    got, want = [w0.copy()], [w0.copy()]
+    be.trusted.sgd(got, g[0], 0.1, 0.0)
+    be.trusted.sgd(want, g[0].astype(np.float32), 0.1, 0.0)
+    assert cp.asnumpy(got[0]).tobytes() == cp.asnumpy(want[0]).tobytes()
+    assert not np.array_equal(cp.asnumpy(got[0]), cp.asnumpy(w0))
 
 
 def test_mixed_precision_apply_gradients_matches_the_cpu_fused_pass(cp):

@@ -362,7 +362,7 @@ def test_trusted_kernels_on_gpu(cp, be):
     for o in outs:
         _assert_same(cp.asnumpy(o), want)
     w = tuple(cp.asarray(host[0]) for _ in range(2))
-    t.all_reduce_sgd(w, ins, 0.5)
+    t.all_reduce_sgd(w, ins, 0.5, 0.0)
     exp = [host[0].copy() for _ in range(2)]
     REF.sgd(exp, want, lr=0.5)
     for a, b in zip(_host(cp, w), exp):

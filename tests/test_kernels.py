@@ -1105,15 +1105,15 @@ def test_trusted_kernels_match_the_public_methods(backend):
             _check_fused(backend, ["trusted adam w", "m", "v"], [w, v, s], [ew, ev, es])
             REF.momentum(ew, ev, g, lr=0.1, momentum=0.9, nesterov=True)
             if fused:
-                t.all_reduce_momentum(w, v, grads, 0.1, 0.9, True)
+                t.all_reduce_nesterov(w, v, grads, 0.1, 0.9, 0.0)
             else:
-                t.momentum(w, v, g, 0.1, 0.9, True)
+                t.nesterov(w, v, g, 0.1, 0.9, 0.0)
             _check_fused(backend, ["trusted momentum w", "v"], [w, v], [ew, ev])
             REF.sgd(ew, g, lr=0.2)
             if fused:
-                t.all_reduce_sgd(w, grads, 0.2)
+                t.all_reduce_sgd(w, grads, 0.2, 0.0)
             else:
-                t.sgd(w, g, 0.2)
+                t.sgd(w, g, 0.2, 0.0)
             _check_fused(backend, ["trusted sgd w"], [w], [ew])
 
 

@@ -21,7 +21,7 @@ NARROW = [BF16, np.dtype(np.float16)]
 
 #: Hyper-parameters by name for every row of the table (decay non-zero: its path is exercised too).
 HYPER = {
-    "lr": 0.01, "lr_t": 0.003, "momentum": 0.9, "nesterov": True, "beta_1": 0.9, "beta_2": 0.999,
+    "lr": 0.01, "lr_t": 0.003, "momentum": 0.9, "beta_1": 0.9, "beta_2": 0.999,
     "epsilon": 1e-7, "decay": 0.004, "rho": 0.9, "c_m": 0.11, "c_g": 0.3, "c_v": 0.05,
 }
 
@@ -98,7 +98,7 @@ def test_gradient_overlapping_a_copy_is_read_before_the_write():
     g = buf.view(np.float16)[:1000]  # the first half of the copy's bytes
     g[:] = rng.standard_normal(1000).astype(np.float16)
     want = buf.copy() - np.float32(0.5) * g.astype(np.float32)
-    native.all_reduce_sgd([buf], [g], lr=0.5)
+    native.all_reduce_sgd([buf], [g], lr=0.5, decay=0.0)
     np.testing.assert_array_equal(buf.view(np.uint32), want.view(np.uint32))
 
 
@@ -226,9 +226,9 @@ def test_numba_mixed_falls_back_to_the_cast_definition(monkeypatch, dtype):
     grads = [raw[:size], raw[1:]]  # one element apart: the blocks of one would overlap the other's
     init = rng.standard_normal(size).astype(np.float32)
     got, want = [init.copy()], [init.copy()]
-    numba_be.all_reduce_sgd(got, grads, 0.25)
+    numba_be.all_reduce_sgd(got, grads, 0.25, 0.0)
     assert calls == [np.dtype(np.float32)]  # the reference ran, on float32 casts
-    ref.all_reduce_sgd(want, [g.astype(np.float32) for g in grads], 0.25)
+    ref.all_reduce_sgd(want, [g.astype(np.float32) for g in grads], 0.25, 0.0)
     assert got[0].tobytes() == want[0].tobytes()
     # The test can fail: the narrow sum rounded to the gradients' dtype gives other bits.
     narrow = init - np.float32(0.25) * (grads[0] + grads[1]).astype(np.float32)

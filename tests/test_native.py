@@ -336,9 +336,9 @@ def test_extension_checks_its_arguments():
     with pytest.raises(ValueError, match="op must be"):
         _core.all_reduce([a], 2)
     with pytest.raises(TypeError, match="floating-point"):
-        _core.sgd([np.ones(4, np.int32)], np.ones(4, np.int32), 0.1)
-    with pytest.raises(ValueError, match="velocities"):
-        _core.momentum([a], [a, a], a, 0.1, 0.9, False)
+        _core.sgd([np.ones(4, np.int32)], np.ones(4, np.int32), 0.1, 0.0)
+    with pytest.raises(ValueError, match="velocity slot copies must match"):
+        _core.momentum([a], [a, a], a, 0.1, 0.9, 0.0)
     with pytest.raises(ValueError, match="out of range"):
         _core.all_gather([a], 1)
 
@@ -581,9 +581,9 @@ def test_core_out_of_place_and_batch_check_their_arguments():
     with pytest.raises(TypeError, match=r"inputs\[r\] must be a tuple or list"):
         _core.batch_all_reduce([a, b], [[o1], [o2]], 0)
     with pytest.raises(ValueError, match="gradients have 5 elements"):
-        _core.all_reduce_sgd([o1], [np.ones(5, np.float32)], 0.1)
+        _core.all_reduce_sgd([o1], [np.ones(5, np.float32)], 0.1, 0.0)
     with pytest.raises(TypeError, match="gradients have dtype float64"):
-        _core.all_reduce_sgd([o1], [np.ones(4)], 0.1)
+        _core.all_reduce_sgd([o1], [np.ones(4)], 0.1, 0.0)
     with pytest.raises(ValueError, match="at least one"):
         _core.all_reduce_adamw([o1], [o2], [o2], [], 0.1, 0.9, 0.999, 1e-7, 0.0)
 
@@ -665,11 +665,11 @@ def test_trusted_calls_the_extension_directly(native):
     assert t.batch_all_reduce is _core.batch_all_reduce and t.sgd is _core.sgd
 
     class Sub(NativeBackend):
-        def _hook_sgd(self, copies, grad, lr):  # a subclass's hooks are honoured
+        def _hook_sgd(self, copies, grad, lr, decay):  # a subclass's hooks are honoured
             raise RuntimeError("sub")
 
     with pytest.raises(RuntimeError, match="sub"):
-        Sub().trusted.sgd((np.ones(2, np.float32),), np.ones(2, np.float32), 0.1)
+        Sub().trusted.sgd((np.ones(2, np.float32),), np.ones(2, np.float32), 0.1, 0.0)
 
 
 def _at(a, byte_offset):

@@ -845,99 +845,6 @@ bool reduce_unscale_finite(py::handle grads, double scale, py::handle out) {
   return finite;
 }
 
-void all_reduce_sgd(py::handle copies, py::handle grads, double lr) {
-  const char* where = "all_reduce_sgd";
-  std::vector<void*> p, pg;
-  std::size_t size = 0;
-  kind k, kg;
-  const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
-  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
-  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
-    using T = decltype(t);
-    using G = decltype(tg);
-    maybe_nogil((p.size() + 1) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
-      T* const* const state[1] = {typed<T>(p)};
-      cudist::detail::run_rule<cudist::rules::sgd>(state, p.size(), size, reinterpret_cast<const G* const*>(pg.data()),
-                                                   pg.size(), 0.0, &cudist::thread_pool::global(), lr);
-    });
-  });
-}
-
-/// Out of place (``sources`` not None): the variable's and the velocity's current values, read from
-/// ``sources`` (two arrays like copy 0) instead of copy 0; nullptr when None.
-std::array<const void*, 2> momentum_sources(py::handle sources, py::tuple& keep, const char* where, kind k,
-                                            std::size_t size) {
-  std::array<const void*, 2> src{};
-  if (sources.is_none()) return src;
-  keep = py::tuple(py::reinterpret_borrow<py::object>(sources));
-  if (keep.size() != 2)
-    throw py::value_error(std::string(where) + ": sources must hold 2 arrays (the variable's, then the velocity's), got " +
-                          std::to_string(keep.size()));
-  for (std::size_t i = 0; i < 2; ++i) src[i] = inspect_like(keep[i], where, "source", k, size, false);
-  return src;
-}
-
-void all_reduce_momentum(py::handle copies, py::handle vels, py::handle grads, double lr, double mom, bool nesterov,
-                         py::handle sources) {
-  const char* where = "all_reduce_momentum";
-  std::vector<void*> p, pv, pg;
-  std::size_t size = 0, vsize = 0;
-  kind k, kv, kg;
-  const py::tuple keep = inspect_all(copies, where, "copy", true, p, size, k);
-  const py::tuple keep_v = inspect_all(vels, where, "velocity copy", true, pv, vsize, kv);
-  if (kv != k || vsize != size || pv.size() != p.size())
-    throw py::value_error("all_reduce_momentum: velocities must match the variable copies in number, dtype and size");
-  const py::tuple keep_g = inspect_grads(grads, where, k, size, pg, kg);
-  py::tuple keep_src;
-  const std::array<const void*, 2> src = momentum_sources(sources, keep_src, where, k, size);
-  dispatch_mixed(k, kg, where, [&](auto t, auto tg) {
-    using T = decltype(t);
-    using G = decltype(tg);
-    const T* const read[2] = {static_cast<const T*>(src[0]), static_cast<const T*>(src[1])};
-    maybe_nogil((2 * p.size() + 2) * size * sizeof(T) + pg.size() * size * sizeof(G), [&] {
-      cudist::detail::momentum_update<T, G>(typed<T>(p), typed<T>(pv), p.size(), size,
-                                            reinterpret_cast<const G* const*>(pg.data()), pg.size(), lr, mom, nesterov,
-                                            &cudist::thread_pool::global(), keep_src.empty() ? nullptr : read);
-    });
-  });
-}
-
-void sgd(py::handle copies, py::handle grad, double lr) {
-  std::vector<void*> p;
-  std::size_t size = 0;
-  kind k;
-  const py::tuple keep = inspect_all(copies, "sgd", "copy", true, p, size, k);
-  const void* g = inspect_like(grad, "sgd", "grad", k, size, false);
-  dispatch_float(k, "sgd", [&](auto t) {
-    using T = decltype(t);
-    maybe_nogil((p.size() + 2) * size * sizeof(T),
-                [&] { cudist::sgd<T>(typed<T>(p), p.size(), size, static_cast<const T*>(g), lr); });
-  });
-}
-
-void momentum(py::handle copies, py::handle vels, py::handle grad, double lr, double mom, bool nesterov,
-              py::handle sources) {
-  std::vector<void*> p, pv;
-  std::size_t size = 0, vsize = 0;
-  kind k, kv;
-  const py::tuple keep = inspect_all(copies, "momentum", "copy", true, p, size, k);
-  const py::tuple keep_v = inspect_all(vels, "momentum", "velocity copy", true, pv, vsize, kv);
-  if (kv != k || vsize != size || pv.size() != p.size())
-    throw py::value_error("momentum: velocities must match the variable copies in number, dtype and size");
-  const void* g = inspect_like(grad, "momentum", "grad", k, size, false);
-  py::tuple keep_src;
-  const std::array<const void*, 2> src = momentum_sources(sources, keep_src, "momentum", k, size);
-  dispatch_float(k, "momentum", [&](auto t) {
-    using T = decltype(t);
-    const T* const read[2] = {static_cast<const T*>(src[0]), static_cast<const T*>(src[1])};
-    const T* const gp = static_cast<const T*>(g);
-    maybe_nogil((2 * p.size() + 3) * size * sizeof(T), [&] {
-      cudist::detail::momentum_update<T, T>(typed<T>(p), typed<T>(pv), p.size(), size, &gp, 1, lr, mom, nesterov,
-                                            &cudist::thread_pool::global(), keep_src.empty() ? nullptr : read);
-    });
-  });
-}
-
 // ---------------------------------------------------------------------------------------------
 // The optimizers of CUDIST_UPDATE_RULES: one inspection for the plain form (``grad``, one
 // array) and the fused all-reduce form (``grads``, one or more).
@@ -1724,24 +1631,14 @@ PYBIND11_MODULE(_core, m) {
   m.def("assign_add", &assign_add, py::arg("copies"), py::arg("value"), py::arg("negate"),
         "Every copy becomes copies[0] + value (or - value when ``negate``).");
   m.def("assign", &assign, py::arg("copies"), py::arg("value"), "Writes ``value`` into every copy.");
-  m.def("sgd", &sgd, py::arg("copies"), py::arg("grad"), py::arg("lr"), "Every copy becomes copies[0] - lr * grad.");
   m.def("bf16_simd", &bf16_simd, py::arg("choice") = py::none(),
         "the bfloat16 reduction's SIMD kernel: set 'auto' / 'sse2' / 'avx2' (None: only ask); returns the one in use");
   m.def("reduce_unscale_finite", &reduce_unscale_finite, py::arg("grads"), py::arg("scale"), py::arg("out"),
         "out = (sum of grads in replica order) / scale in one pass; returns whether every element of out is finite");
-  m.def("all_reduce_sgd", &all_reduce_sgd, py::arg("copies"), py::arg("grads"), py::arg("lr"),
-        "Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass.");
-  m.def("all_reduce_momentum", &all_reduce_momentum, py::arg("copies"), py::arg("velocities"), py::arg("grads"),
-        py::arg("lr"), py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
-        "Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass.");
-  m.def("momentum", &momentum, py::arg("copies"), py::arg("velocities"), py::arg("grad"), py::arg("lr"),
-        py::arg("momentum"), py::arg("nesterov"), py::arg("sources") = py::none(),
-        "Momentum SGD (Keras formulation) on N copies and N velocities.");
 
   // The optimizers of CUDIST_UPDATE_RULES (<cudist/detail/update_rules.hpp>), generated from the table;
   // each takes ``sources=`` (out of place), and its names are listed in ``out_of_place_rules``.
   m.attr("out_of_place_rules") = py::list();
-  m.attr("out_of_place_rules").attr("extend")(py::make_tuple("momentum", "all_reduce_momentum"));
   CUDIST_UPDATE_RULES(CUDIST_DEF_RULE_)
   m.def(
       "num_threads", [] { return cudist::thread_pool::global().size(); },

@@ -22,7 +22,7 @@ int main() {
   std::vector<std::vector<float>> after = bufs;
   std::vector<float*> after_ptrs;
   for (auto& b : after) after_ptrs.push_back(b.data());
-  cudist::sgd(after_ptrs.data(), after_ptrs.size(), count, grad.data(), 0.5);
+  cudist::sgd(after_ptrs.data(), after_ptrs.size(), count, grad.data(), 0.5, /*decay=*/0.0);
 
   std::printf("cudist %s, %u threads\n", cudist::version_string, cudist::thread_pool::global().size());
   for (std::size_t r = 0; r < replicas; ++r) {

@@ -98,40 +98,11 @@ def assign_add(copies: _Arrays, value: _Array, negate: bool) -> None:
 def assign(copies: _Arrays, value: _Array) -> None:
     """Writes ``value`` into every copy."""
 
-def sgd(copies: _Arrays, grad: _Array, lr: _Float) -> None:
-    """Every copy becomes copies[0] - lr * grad."""
-
 def bf16_simd(choice: str | None = None) -> str:
     """The bfloat16 reduction's SIMD kernel: set 'auto' / 'sse2' / 'avx2' (None: only ask); returns the one in use."""
 
 def reduce_unscale_finite(grads: _Arrays, scale: _Float, out: _Array) -> bool:
     """out = (sum of ``grads`` in replica order) / scale in one pass; returns whether every element of out is finite."""
-
-def all_reduce_sgd(copies: _Arrays, grads: _Arrays, lr: _Float) -> None:
-    """Fused: g = sum of ``grads`` (replica order), then every copy becomes copies[0] - lr * g; one pass."""
-
-def all_reduce_momentum(
-    copies: _Arrays,
-    velocities: _Arrays,
-    grads: _Arrays,
-    lr: _Float,
-    momentum: _Float,
-    nesterov: bool,
-    sources: tuple[_Array, _Array] | None = None,
-) -> None:
-    """Fused: the sum of ``grads``, then momentum SGD on N copies and N velocities; one pass."""
-
-def momentum(
-    copies: _Arrays,
-    velocities: _Arrays,
-    grad: _Array,
-    lr: _Float,
-    momentum: _Float,
-    nesterov: bool,
-    sources: tuple[_Array, _Array] | None = None,
-) -> None:
-    """Momentum SGD (Keras formulation) on N copies and N velocities."""
-
 
 # The optimizers of the rules' table: ``decay`` is weight_decay * lr (0: none).
 

@@ -17,7 +17,7 @@ Distribution follows Keras's default (``experimental_aggregate_gradients=True``)
   workers, the same bits);
 * called in cross-replica context (inside ``scope()``, or with no strategy), the gradients are final.
 
-Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``adam`` / ``adamw`` /
+Each variable is updated by one fused kernel call (``sgd`` / ``momentum`` / ``nesterov`` / ``adamw`` /
 ``amsgrad`` / ``rmsprop`` / ``adagrad`` / ``adamax`` / ``nadam`` / ``lion`` of the variable's own kernel backend) that reads copy 0 and writes all N mirrored copies of the variable
 and of its slots in one pass, so the copies stay bitwise equal. Under CentralStorageStrategy the
 single copy on the parameter device is updated once. Each optimizer here names its step's rule (a
@@ -25,7 +25,7 @@ row of the kernels' table ``UPDATE_KERNELS``) and scalars; :mod:`cudist._datapla
 settles the gradients and calls the kernels.
 
 Keras 3's base arguments work on every optimizer: ``weight_decay`` (decoupled, inside the update
-pass; SGD's is a pass of its own; ``exclude_from_weight_decay``), ``clipnorm`` / ``clipvalue`` /
+pass; ``exclude_from_weight_decay``), ``clipnorm`` / ``clipvalue`` /
 ``global_clipnorm``, ``use_ema`` / ``ema_momentum`` / ``ema_overwrite_frequency``
 (``finalize_variable_values``), ``loss_scale_factor`` (``scale_loss``) and
 ``gradient_accumulation_steps``. As in Keras 3 under a tf.distribute strategy (observed with TF
@@ -1129,8 +1129,8 @@ class SGD(Optimizer):
 
     Without momentum: ``w -= learning_rate * g``. With momentum, one slot ``"momentum"`` (the
     velocity) per variable: ``v = momentum * v - learning_rate * g``, then ``w += v`` or, with
-    Nesterov, ``w += momentum * v - learning_rate * g``. A weight decay is a pass of its own before
-    the update (the other optimizers fold it into theirs).
+    Nesterov, ``w += momentum * v - learning_rate * g``. A weight decay ``w -= w * weight_decay *
+    learning_rate`` comes first, in the same pass (in the compute type, as every optimizer's).
 
     Args:
         learning_rate: see :class:`Optimizer`.
@@ -1196,7 +1196,8 @@ class SGD(Optimizer):
 
     def _rule(self, params: tuple[float, ...], decay: float) -> Rule:
         if self._slot_names:
-            return Rule("momentum", (params[0], self.momentum, self.nesterov), decay)
+            # Nesterov's momentum is a row of the rules' table of its own (the same slot and scalars).
+            return Rule("nesterov" if self.nesterov else "momentum", (params[0], self.momentum), decay)
         return Rule("sgd", (params[0],), decay)
 
 

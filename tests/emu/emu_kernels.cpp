@@ -4,7 +4,8 @@
 // that runs the real kernel from <cudist/kernels/kernels.cuh> over a (gx, gy) grid of bx-thread
 // blocks (see include/cuda_emu.hpp). float16 buffers are 2-byte __half, bfloat16 ones
 // __nv_bfloat16; float16 kernels take their
-// scalars as float, as on the GPU. Plus a few entry points into the emulated runtime.
+// scalars as float, as on the GPU. Plus a few entry points into the emulated runtime. The update
+// kernels of the rules' table have theirs generated in emu_optimizers.cpp.
 #include <cudist/kernels/kernels.cuh>
 
 namespace {
@@ -45,46 +46,12 @@ void run(void (*kernel)(P...), unsigned gx, unsigned gy, unsigned bx, A... args)
     run(&k::mirrored_assign_add<T>, gx, gy, bx, copies, n, value, count, negate);                                  \
   }
 
-#define CUDIST_EMU_FLOAT_DTYPES(T, C, DT)                                                                          \
-  extern "C" void cudist_emu_mirrored_sgd_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies, int n,     \
-                                                const T* grad, C lr, long long count) {                            \
-    run(&k::mirrored_sgd<T>, gx, gy, bx, copies, n, grad, lr, count);                                              \
-  }                                                                                                                \
-  extern "C" void cudist_emu_mirrored_momentum_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies,       \
-                                                     T* const* vels, int n, const T* grad, C lr, C momentum,       \
-                                                     int nesterov, long long count) {                              \
-    run(&k::mirrored_momentum<T>, gx, gy, bx, copies, vels, n, grad, lr, momentum, nesterov, count);               \
-  }                                                                                                                \
-  CUDIST_EMU_FUSED(T, T, C, DT)
-
-// The fused all-reduce + update kernels with gradients of type G: T's own, or (mixed precision) a
-// 16-bit float for float32 copies, as cudist_emu_<kernel>_float32_g<gradient dtype>.
-#define CUDIST_EMU_FUSED(T, G, C, DT)                                                                                \
-  extern "C" void cudist_emu_mirrored_all_reduce_sgd_##DT(unsigned gx, unsigned gy, unsigned bx, T* const* copies, \
-                                                           int n, G* const* grads, int n_grads, C lr,              \
-                                                           long long count) {                                      \
-    run(&k::mirrored_all_reduce_sgd<T, G>, gx, gy, bx, copies, n, grads, n_grads, lr, count);                         \
-  }                                                                                                                \
-  extern "C" void cudist_emu_mirrored_all_reduce_momentum_##DT(unsigned gx, unsigned gy, unsigned bx,              \
-                                                                T* const* copies, T* const* vels, int n,           \
-                                                                G* const* grads, int n_grads, C lr, C momentum,    \
-                                                                int nesterov, long long count) {                   \
-    run(&k::mirrored_all_reduce_momentum<T, G>, gx, gy, bx, copies, vels, n, grads, n_grads, lr, momentum, nesterov,  \
-        count);                                                                                                    \
-  }
-
 CUDIST_EMU_ALL_DTYPES(__half, float16)
 CUDIST_EMU_ALL_DTYPES(float, float32)
 CUDIST_EMU_ALL_DTYPES(double, float64)
 CUDIST_EMU_ALL_DTYPES(int, int32)
 CUDIST_EMU_ALL_DTYPES(long long, int64)
 CUDIST_EMU_ALL_DTYPES(__nv_bfloat16, bfloat16)
-CUDIST_EMU_FLOAT_DTYPES(__half, float, float16)
-CUDIST_EMU_FLOAT_DTYPES(float, float, float32)
-CUDIST_EMU_FLOAT_DTYPES(double, double, float64)
-CUDIST_EMU_FLOAT_DTYPES(__nv_bfloat16, float, bfloat16)
-CUDIST_EMU_FUSED(float, __half, float, float32_gfloat16)
-CUDIST_EMU_FUSED(float, __nv_bfloat16, float, float32_gbfloat16)
 
 // ------------------------------------------------------------------------------------- runtime
 /// The calling thread's last error (an emulated cudaError_t), cleared: cudaGetLastError.

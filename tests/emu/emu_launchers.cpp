@@ -42,35 +42,9 @@ inline cudist::reduce_op as_op(int op) { return static_cast<cudist::reduce_op>(o
     return cc::assign_add<T>(copies, n, value, count, negate != 0, as_stream(stream));                             \
   }
 
-#define CUDIST_EMU_LAUNCH_FLOAT(T, DT)                                                                            \
-  extern "C" int cudist_emu_launch_sgd_##DT(T* const* copies, int n, const T* grad, double lr, long long count,    \
-                                            void* stream) {                                                        \
-    return cc::sgd<T>(copies, n, grad, lr, count, as_stream(stream));                                              \
-  }                                                                                                                \
-  extern "C" int cudist_emu_launch_momentum_##DT(T* const* copies, T* const* velocities, int n, const T* grad,     \
-                                                 double lr, double momentum, int nesterov, long long count,        \
-                                                 void* stream) {                                                   \
-    return cc::momentum<T>(copies, velocities, n, grad, lr, momentum, nesterov != 0, count, as_stream(stream));    \
-  }                                                                                                                \
-  extern "C" int cudist_emu_launch_all_reduce_sgd_##DT(T* const* copies, int n, const T* const* grads, int m,      \
-                                                       double lr, long long count, void* stream) {                 \
-    return cc::all_reduce_sgd<T>(copies, n, grads, m, lr, count, as_stream(stream));                               \
-  }                                                                                                                \
-  extern "C" int cudist_emu_launch_all_reduce_momentum_##DT(T* const* copies, T* const* velocities, int n,         \
-                                                            const T* const* grads, int m, double lr,               \
-                                                            double momentum, int nesterov, long long count,        \
-                                                            void* stream) {                                        \
-    return cc::all_reduce_momentum<T>(copies, velocities, n, grads, m, lr, momentum, nesterov != 0, count,         \
-                                      as_stream(stream));                                                          \
-  }
-
 CUDIST_EMU_LAUNCH_ALL(__half, float16)
 CUDIST_EMU_LAUNCH_ALL(float, float32)
 CUDIST_EMU_LAUNCH_ALL(double, float64)
 CUDIST_EMU_LAUNCH_ALL(int, int32)
 CUDIST_EMU_LAUNCH_ALL(long long, int64)
 CUDIST_EMU_LAUNCH_ALL(__nv_bfloat16, bfloat16)
-CUDIST_EMU_LAUNCH_FLOAT(__half, float16)
-CUDIST_EMU_LAUNCH_FLOAT(float, float32)
-CUDIST_EMU_LAUNCH_FLOAT(double, float64)
-CUDIST_EMU_LAUNCH_FLOAT(__nv_bfloat16, bfloat16)

@@ -1,7 +1,7 @@
 /// @file updates.hpp
-/// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub, SGD,
-/// momentum (optionally Nesterov) and the optimizers of CUDIST_UPDATE_RULE_LIST
-/// (<cudist/detail/update_rules.hpp>), and the fused all-reduce + update forms (all_reduce_sgd, ...)
+/// @brief Fused updates of N mirrored copies of a variable: assign, assign_add/sub and the optimizers
+/// of CUDIST_UPDATE_RULE_LIST
+/// (<cudist/detail/update_rules.hpp>), and the fused all-reduce + update forms (all_reduce_<rule>)
 /// that sum M gradients in the same pass.
 ///
 /// Every update reads copy 0 (and slot copy 0), computes the new values once and writes all N
@@ -45,7 +45,7 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// In cache, work goes block by block: a block of every slot is computed into L1, then written to
 /// copy 0 with ordinary stores (copy 0 was just read, so its lines are in cache) and to the other
 /// copies. Keeping the arithmetic and the stores in separate tight loops is faster than
-/// interleaving them per cache line (measured: ~1.6x on SGD and a two-slot rule, 4 x 64 KiB in cache, one
+/// interleaving them per cache line (measured: ~1.6x on plain gradient descent and a two-slot rule, 4 x 64 KiB in cache, one
 /// thread). When the update is large, the other copies are written with streaming stores (they
 /// are write-only: streaming saves reading them first), two whole cache lines at a time right
 /// after they are computed, which in memory beats the block scheme.
@@ -53,7 +53,7 @@ constexpr bool is_update_float = std::is_floating_point<T>::value || std::is_sam
 /// A buffer passed more than once in a slot is written once: every copy gets the same values, so
 /// the result is the same for less traffic. It matters most with streaming stores, which would
 /// otherwise evict the lines just written to that buffer and write them again (measured: 4 copies
-/// that are one 64 MiB buffer, SGD 2.4x and a two-slot rule 3.5x faster).
+/// that are one 64 MiB buffer, plain gradient descent 2.4x and a two-slot rule 3.5x faster).
 ///
 /// ``unread0``: bit ``s`` set when copy 0 of slot ``s`` is not what ``compute`` reads (an
 /// out-of-place update): it is then written like the other copies, streamed when large (its lines
@@ -353,7 +353,7 @@ void fused_rule_update(T* const* const (&state)[NS], const T* const* sources, st
       // code under LTO (the hand-written momentum loop this driver replaces ran 1.6x slower in one
       // build, as fast again in the next). ``unroll 4``, below the trip count, forbids the
       // complete peeling: the loop is vectorized (with a run-time alias check) in every build.
-      // Not for a rule without slots (SGD): its peeled body is vectorized whole, and the kept loop
+      // Not for a rule without slots (plain gradient descent): its peeled body is vectorized whole, and the kept loop
       // made GCC hold the gradient sum in scalar registers instead (1.7x). See bench/PERFORMANCE.md.
       const std::size_t L = len;  // (``k < len`` on an integral_constant made GCC drop the pragma)
 #pragma GCC unroll 4
@@ -425,69 +425,6 @@ void run_rule(T* const* const (&state)[NS], std::size_t n, std::size_t count, co
 
 }  // namespace detail
 
-/// Fused all-reduce + gradient descent: ``g = grads[0] + ... + grads[m-1]`` (in replica order, in
-/// T: float16 in float32, rounded once), then every one of the ``n`` copies becomes
-/// ``copies[0] - lr * g``; one pass over memory (m + 1 buffers read, n written).
-///
-/// Bit-identical to reduce_to_one(grads, m, count, sum, g) followed by sgd(copies, n, count, g, lr).
-/// ``m`` need not equal ``n`` (a central variable updated from N replica gradients has n = 1).
-template <class T>
-void all_reduce_sgd(T* const* copies, std::size_t n, std::size_t count, const T* const* grads, std::size_t m,
-                    double lr, thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_sgd needs a floating-point type");
-  T* const* const state[1] = {copies};
-  detail::run_rule<rules::sgd>(state, n, count, grads, m, 0.0, pool, lr);
-}
-
-/// Gradient descent: every copy becomes ``copies[0] - lr * grad``.
-template <class T>
-void sgd(T* const* copies, std::size_t n, std::size_t count, const T* grad, double lr,
-         thread_pool* pool = &thread_pool::global()) {
-  all_reduce_sgd<T>(copies, n, count, &grad, 1, lr, pool);
-}
-
-namespace detail {
-
-/// The body of all_reduce_momentum(), for gradients of type ``G`` (T, or narrower: mixed precision):
-/// the rules' driver over rules::momentum or rules::nesterov (picked once per call), reading
-/// ``sources`` (the variable's, then the velocity's current values) when given (out of place).
-template <class T, class G>
-void momentum_update(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const G* const* grads,
-                     std::size_t m, double lr, double momentum, bool nesterov, thread_pool* pool,
-                     const T* const* sources = nullptr) {
-  T* const* const state[2] = {velocities, copies};
-  // The driver reads one source per entry of ``state`` (the velocity's first).
-  const T* const src[2] = {sources != nullptr ? sources[1] : nullptr, sources != nullptr ? sources[0] : nullptr};
-  const T* const* s = sources != nullptr ? src : nullptr;
-  if (nesterov) {
-    run_rule_reading<rules::nesterov>(state, s, n, count, grads, m, 0.0, pool, lr, momentum);
-  } else {
-    run_rule_reading<rules::momentum>(state, s, n, count, grads, m, 0.0, pool, lr, momentum);
-  }
-}
-
-}  // namespace detail
-
-/// Fused all-reduce + momentum: the ``m`` gradients summed as in all_reduce_sgd(), then the
-/// momentum() update of the ``n`` variable copies and ``n`` velocity copies, in one pass
-/// (m + 2 buffers read, 2n written). Bit-identical to reduce_to_one + momentum().
-template <class T>
-void all_reduce_momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t count,
-                         const T* const* grads, std::size_t m, double lr, double momentum, bool nesterov,
-                         thread_pool* pool = &thread_pool::global()) {
-  static_assert(detail::is_update_float<T>, "cudist::all_reduce_momentum needs a floating-point type");
-  detail::momentum_update<T, T>(copies, velocities, n, count, grads, m, lr, momentum, nesterov, pool);
-}
-
-/// SGD with momentum (Keras formulation) on N variable copies and N velocity copies:
-/// ``v = momentum * v - lr * g``; then ``w = w + (momentum * v - lr * g)`` with Nesterov, else
-/// ``w = w + v`` (float16: ``v`` is used unrounded within the step, rounded when stored).
-template <class T>
-void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t count, const T* grad, double lr,
-              double momentum, bool nesterov, thread_pool* pool = &thread_pool::global()) {
-  all_reduce_momentum<T>(copies, velocities, n, count, &grad, 1, lr, momentum, nesterov, pool);
-}
-
 // ---------------------------------------------------------------------------------------------
 // The optimizers of CUDIST_UPDATE_RULE_LIST.
 //
@@ -495,13 +432,13 @@ void momentum(T* const* copies, T* const* velocities, std::size_t n, std::size_t
 // the compute type (float32 for half): copy 0 of the variable and of every slot is read, the
 // decoupled weight decay ``w - w * decay`` is applied first when ``decay`` (= weight_decay * lr)
 // is not 0, then the update; every slot and the variable are written to all n copies in one pass.
-// The ``all_reduce_*`` forms first sum m gradients as all_reduce_sgd() does.
+// The ``all_reduce_*`` forms first sum their m gradients (sum_grads_line).
 
 
 /// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST
 /// (<cudist/detail/update_rules.hpp>, where each rule's formula is documented), generated:
 ///   all_reduce_name(copies, <slot>s..., n, count, grads, m, hyper..., decay, pool): the m
-///     gradients summed as in all_reduce_sgd(), then ``w -= w * decay`` (when ``decay`` is not 0)
+///     gradients summed in replica order (sum_grads_line), then ``w -= w * decay`` (when ``decay`` is not 0)
 ///     and the rule on the n copies of the variable and of its slots;
 ///   name(copies, <slot>s..., n, count, grad, hyper..., decay, pool): the same from one gradient.
 /// Both take a last, optional ``sources``: the arrays holding the current values, one per slot then

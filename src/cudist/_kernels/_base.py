@@ -107,8 +107,9 @@ def momentum_schedule_step(beta_1: float, beta_2: float, step: int, u_product: f
 #: OPTIONAL_SLOTS). The trusted entry points (:class:`TrustedKernels`),
 #: the native backend's hooks and the fused forms' default hooks are generated from this table.
 UPDATE_KERNELS = {
-    "sgd": ((), ("lr",)),
-    "momentum": (("velocity",), ("lr", "momentum", "nesterov")),
+    "sgd": ((), ("lr", "decay")),
+    "momentum": (("velocity",), ("lr", "momentum", "decay")),
+    "nesterov": (("velocity",), ("lr", "momentum", "decay")),
     "adamw": (("m", "v"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
     "amsgrad": (("m", "v", "v_hat"), ("lr_t", "beta_1", "beta_2", "epsilon", "decay")),
     "rmsprop": (("velocity", "momentum", "average_gradient"), ("lr", "rho", "momentum", "epsilon", "decay")),
@@ -575,25 +576,35 @@ class KernelBackend:
         self._hook_assign_add(copies, value, True)
         return copies
 
-    def sgd(self, copies, grad, *, lr):
-        """Plain gradient descent: every copy becomes ``copies[0] - lr * grad``."""
-        copies = self.check_bufs("sgd", copies, writable=True, what="copy")
-        self.check_float("sgd", copies[0])
-        self.check_like("sgd", "grad", grad, copies[0], writable=False)
-        self._hook_sgd(copies, grad, float(lr))
+    def sgd(self, copies, grad, *, lr, weight_decay=0.0):
+        """Plain gradient descent: every copy becomes ``copies[0] - lr * grad`` (after the
+        decoupled weight decay, see below). Returns ``copies``."""
+        return self._sgd("sgd", False, copies, grad, lr, weight_decay)
+
+    def _sgd(self, where, fused, copies, g, lr, weight_decay):
+        copies, _, g = self._check_opt(where, copies, (), **{"grads" if fused else "grad": g})
+        hook = self._hook_all_reduce_sgd if fused else self._hook_sgd
+        hook(copies, g, float(lr), float(weight_decay) * float(lr))
         return copies
 
-    def momentum(self, copies, velocities, grad, *, lr, momentum, nesterov=False):
-        """SGD with momentum (Keras formulation), on N variable copies and N velocity copies.
+    def momentum(self, copies, velocities, grad, *, lr, momentum, nesterov=False, weight_decay=0.0):
+        """Gradient descent with momentum (Keras formulation), on N variable copies and N velocity copies.
 
         ``v = momentum * v - lr * g``; then ``w += momentum * v - lr * g`` (nesterov) or ``w += v``.
+        The trusted forms are two rows of the table, ``momentum`` and ``nesterov`` (this picks one).
+        Returns ``copies``.
         """
-        copies = self.check_bufs("momentum", copies, writable=True, what="copy")
-        self.check_float("momentum", copies[0])
-        velocities = self.check_bufs("momentum", velocities, writable=True, what="velocity copy")
-        self.check_same_slots("momentum", copies, velocities, "velocity")
-        self.check_like("momentum", "grad", grad, copies[0], writable=False)
-        self._hook_momentum(copies, velocities, grad, float(lr), float(momentum), bool(nesterov))
+        return self._momentum("momentum", False, copies, velocities, grad, lr, momentum, nesterov, weight_decay)
+
+    def nesterov(self, copies, velocities, grad, *, lr, momentum, weight_decay=0.0):
+        """:meth:`momentum` with Nesterov's momentum (the table's ``nesterov`` row). Returns ``copies``."""
+        return self._momentum("nesterov", False, copies, velocities, grad, lr, momentum, True, weight_decay)
+
+    def _momentum(self, where, fused, copies, vels, g, lr, momentum, nesterov, weight_decay):
+        copies, (vels,), g = self._check_opt(where, copies, (("velocity", vels),), **{"grads" if fused else "grad": g})
+        row = "nesterov" if nesterov else "momentum"
+        hook = getattr(self, f"_hook_all_reduce_{row}" if fused else f"_hook_{row}")
+        hook(copies, vels, g, float(lr), float(momentum), float(weight_decay) * float(lr))
         return copies
 
     def adam(self, copies, ms, vs, grad, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step):
@@ -794,27 +805,20 @@ class KernelBackend:
             out.append(group)
         return copies, out
 
-    def all_reduce_sgd(self, copies, grads, *, lr):
+    def all_reduce_sgd(self, copies, grads, *, lr, weight_decay=0.0):
         """Fused all-reduce + gradient descent: ``g = grads[0] + ... + grads[M-1]``, then every copy
         becomes ``copies[0] - lr * g``, in one pass (M gradients and copy 0 read, N copies written).
 
         Bit-identical to ``g = reduce_to_one(grads, SUM); sgd(copies, g, lr=lr)``. M need not be N
         (one central variable updated from N replica gradients has one copy). Returns ``copies``.
         """
-        where = "all_reduce_sgd"
-        copies, _ = self._check_update(where, copies, ())
-        grads = self.check_grads(where, grads, copies)
-        self._hook_all_reduce_sgd(copies, grads, float(lr))
-        return copies
+        return self._sgd("all_reduce_sgd", True, copies, grads, lr, weight_decay)
 
-    def all_reduce_momentum(self, copies, velocities, grads, *, lr, momentum, nesterov=False):
-        """Fused all-reduce + momentum SGD: the M gradients summed as in :meth:`all_reduce_sgd`, then
-        :meth:`momentum` on the N copies and N velocities, in one pass. Returns ``copies``."""
-        where = "all_reduce_momentum"
-        copies, (velocities,) = self._check_update(where, copies, (("velocity", velocities),))
-        grads = self.check_grads(where, grads, copies, (("velocity", velocities),))
-        self._hook_all_reduce_momentum(copies, velocities, grads, float(lr), float(momentum), bool(nesterov))
-        return copies
+    def all_reduce_momentum(self, copies, velocities, grads, *, lr, momentum, nesterov=False, weight_decay=0.0):
+        """Fused all-reduce + :meth:`momentum`: the M gradients summed as in :meth:`all_reduce_sgd`,
+        then the update of the N copies and N velocities, in one pass. Returns ``copies``."""
+        return self._momentum("all_reduce_momentum", True, copies, velocities, grads, lr, momentum, nesterov,
+                              weight_decay)
 
     def all_reduce_adam(self, copies, ms, vs, grads, *, lr, beta_1=0.9, beta_2=0.999, epsilon=1e-7, step):
         """Fused all-reduce + Adam: the M gradients summed as in :meth:`all_reduce_sgd`, then
@@ -900,10 +904,13 @@ class KernelBackend:
     def _hook_assign_add(self, copies, value, negate):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _hook_sgd(self, copies, grad, lr):  # pragma: no cover - abstract
+    def _hook_sgd(self, copies, grad, lr, decay):  # pragma: no cover - abstract
         raise NotImplementedError
 
-    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):  # pragma: no cover - abstract
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, decay):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _hook_nesterov(self, copies, velocities, grad, lr, momentum, decay):  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _hook_adamw(self, copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay):  # pragma: no cover - abstract
@@ -949,12 +956,6 @@ class KernelBackend:
             np.copyto(out, np.divide(s.astype(ct, copy=False), ct.type(scale)), casting="unsafe")
             return bool(np.isfinite(out).all())
 
-    def _hook_all_reduce_sgd(self, copies, grads, lr):
-        self._hook_sgd(copies, self._sum_grads(grads, copies[0].dtype), lr)
-
-    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
-        self._hook_momentum(copies, velocities, self._sum_grads(grads, copies[0].dtype), lr, momentum, nesterov)
-
 
 
 #: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
@@ -975,7 +976,7 @@ class TrustedKernels:
       call; gradients share no memory with the copies or slots an update writes;
     * the updates (every row of UPDATE_KERNELS and its fused form) get floating-point buffers; slot
       lists are as long as the copy list; hyper-parameters are Python floats (an ``lr_t`` is the
-      bias-corrected step size of :func:`bias_corrected_lr`) and ``nesterov`` a bool.
+      bias-corrected step size of :func:`bias_corrected_lr`).
 
     Breaking them is undefined behaviour on the fast backends (a wrong result, not necessarily an
     error). Use :meth:`check_bufs` (and the backend's other ``check_*`` methods) once, then call these.
@@ -1006,9 +1007,8 @@ class TrustedKernels:
       dtype, or bfloat16 / float16 for a float32 ``out`` where ``mixed_gradients``), summed as the
       fused updates sum them, divided by ``scale``; returns whether every element of ``out`` is finite.
       LossScaleOptimizer's step: the finiteness check is part of the reduction's pass.
-    * ``sgd(copies, grad, lr)``; ``momentum(copies, velocities, grad, lr, momentum, nesterov)``.
-    * ``all_reduce_sgd(copies, grads, lr)``;
-      ``all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)``.
+    * ``sgd(copies, grad, lr, decay)``; ``momentum(copies, velocities, grad, lr, momentum, decay)`` and
+      ``nesterov(...)`` with the same arguments (Nesterov's momentum: a row of its own).
     * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (also the public
       :meth:`KernelBackend.adam`'s, decay 0);
       ``amsgrad(copies, ms, vs, v_hats, grad, lr_t, beta_1, beta_2, epsilon, decay)``;

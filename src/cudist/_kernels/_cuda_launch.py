@@ -63,8 +63,8 @@ _RULE = re.compile(r"\bX\(A,[\s\\]*(\w+),[\s\\]*(\w+),[\s\\]*\(([^()]*)\),[\s\\]
 
 
 def _names(text: str) -> tuple[str, ...]:
-    """The identifiers of a row's parenthesized list (a continued line's ``\\`` a blank to it)."""
-    return tuple(x.strip(" \\\n") for x in text.split(","))
+    """The identifiers of a row's parenthesized list (a continued line's ``\\`` a blank to it; ``()``: none)."""
+    return tuple(x for x in (x.strip(" \\\n") for x in text.split(",")) if x)
 
 
 def parse_update_rules(text: str) -> dict[str, tuple[str, tuple[str, ...], tuple[str, ...]]]:

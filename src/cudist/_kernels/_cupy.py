@@ -769,26 +769,7 @@ class CupyBackend(KernelBackend):
     def _hook_assign_add(self, copies, value, negate):
         self._mirrored("mirrored_assign_add", copies, [], value, (np.int32(1 if negate else 0),))
 
-    def _hook_sgd(self, copies, grad, lr):
-        ct = self._ct(copies[0].dtype)
-        self._mirrored("mirrored_sgd", copies, [], grad, (ct(lr),))
-
-    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
-        ct = self._ct(copies[0].dtype)
-        self._mirrored(
-            "mirrored_momentum", copies, [velocities], grad, (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
-        )
-
-    def _hook_all_reduce_sgd(self, copies, grads, lr):
-        ct = self._ct(copies[0].dtype)
-        self._mirrored("mirrored_all_reduce_sgd", copies, [], None, (ct(lr),), grads=grads)
-
-    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
-        ct = self._ct(copies[0].dtype)
-        scalars = (ct(lr), ct(momentum), np.int32(1 if nesterov else 0))
-        self._mirrored("mirrored_all_reduce_momentum", copies, [velocities], None, scalars, grads=grads)
-
-    # The other optimizers of UPDATE_KERNELS: one fused kernel per variant (``mirrored_all_reduce_<name>``,
+    # The optimizers of UPDATE_KERNELS: one fused kernel per variant (``mirrored_all_reduce_<name>``,
     # their hooks generated from the table below the class); the plain update is that kernel with
     # one gradient.
     def _opt(self, name, copies, slots, grads, hyper):

@@ -130,20 +130,8 @@ class NativeBackend(KernelBackend):
     def _hook_assign_add(self, copies, value, negate):
         _core.assign_add(copies, value, negate)
 
-    def _hook_sgd(self, copies, grad, lr):
-        _core.sgd(copies, grad, lr)
-
-    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
-        _core.momentum(copies, velocities, grad, lr, momentum, nesterov)
-
     def _hook_reduce_unscale_finite(self, grads, scale, out):
         return _core.reduce_unscale_finite(grads, scale, out)
-
-    def _hook_all_reduce_sgd(self, copies, grads, lr):
-        _core.all_reduce_sgd(copies, grads, lr)
-
-    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
-        _core.all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov)
 
 
 def _core_variants(name, form):

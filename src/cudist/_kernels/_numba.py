@@ -65,10 +65,10 @@ _PARALLEL_MIN_BYTES = 4 << 20
 _SUM, _MEAN, _SUB = 0, 1, 2
 # Modes of _k_update.
 _SGD, _MOMENTUM, _NESTEROV = 0, 1, 2
-# The optimizers with decoupled weight decay (hyper-parameter _DECAY) and up to three slots (3 is free).
+# The optimizers with up to three slots (3 is free); every mode takes the decoupled weight decay (_DECAY).
 _ADAMW, _RMSPROP, _ADAGRAD, _ADAMAX, _NADAM, _LION, _AMSGRAD = 4, 5, 6, 7, 8, 9, 10
 #: Hyper-parameters per update call (float64 in, rounded to the compute type in the kernel);
-#: the last one is the weight-decay factor of the modes from _ADAMW on.
+#: the last one is the weight-decay factor (every mode).
 _NHP = 12
 _DECAY = _NHP - 1
 
@@ -612,19 +612,29 @@ def _update_range(argp, lo, hi, dtype, ctype, gtype):
         g = _block_grads(a, g0, ng, start, m, tg, ta, dtype, gtype)
         if mode == _SGD:
             lr = hp[0]
-            for j in range(m):
-                tw[j] = _st(_ld(w[j]) - lr * _ld(g[j]), dtype)
+            if has_decay:
+                dec = hp[_DECAY]
+                for j in range(m):
+                    x = _ld(w[j])
+                    tw[j] = _st((x - x * dec) - lr * _ld(g[j]), dtype)
+            else:
+                for j in range(m):
+                    tw[j] = _st(_ld(w[j]) - lr * _ld(g[j]), dtype)
         elif mode == _MOMENTUM or mode == _NESTEROV:
             lr = hp[0]
             mom = hp[1]
+            dec = hp[_DECAY]
             v = _view(a[_HDR + n] + off, m, dtype)
             for j in range(m):
                 gg = _ld(g[j])
                 vv = mom * _ld(v[j]) - lr * gg
+                ww = _ld(w[j])
+                if has_decay:
+                    ww = ww - ww * dec
                 if mode == _NESTEROV:
-                    ww = _ld(w[j]) + (mom * vv - lr * gg)
+                    ww = ww + (mom * vv - lr * gg)
                 else:
-                    ww = _ld(w[j]) + vv
+                    ww = ww + vv
                 t1[j] = _st(vv, dtype)
                 tw[j] = _st(ww, dtype)
         else:
@@ -1017,33 +1027,26 @@ class NumbaBackend(KernelBackend):
         if not _k_par(fn, args, hp, _nthreads(moved), ref.itemsize, mode, size, len(copies), len(s1), len(s2), narrow):
             fallback()
 
-    def _hook_sgd(self, copies, grad, lr):
-        self._update(_SGD, copies, (), (), (grad,), (lr,), lambda: _NP._hook_sgd(copies, grad, lr))
+    def _hook_sgd(self, copies, grad, lr, decay):
+        self._hook_all_reduce_sgd(copies, (grad,), lr, decay)
 
-    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
-        self._update(
-            _NESTEROV if nesterov else _MOMENTUM,
-            copies,
-            velocities,
-            (),
-            (grad,),
-            (lr, momentum),
-            lambda: _NP._hook_momentum(copies, velocities, grad, lr, momentum, nesterov),
-        )
+    def _hook_all_reduce_sgd(self, copies, grads, lr, decay):
+        self._update(_SGD, copies, (), (), grads, (lr,), lambda: _NP._hook_all_reduce_sgd(copies, grads, lr, decay),
+                     decay=decay)
 
-    def _hook_all_reduce_sgd(self, copies, grads, lr):
-        self._update(_SGD, copies, (), (), grads, (lr,), lambda: _NP._hook_all_reduce_sgd(copies, grads, lr))
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, decay):
+        self._hook_all_reduce_momentum(copies, velocities, (grad,), lr, momentum, decay)
 
-    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, nesterov):
-        self._update(
-            _NESTEROV if nesterov else _MOMENTUM,
-            copies,
-            velocities,
-            (),
-            grads,
-            (lr, momentum),
-            lambda: _NP._hook_all_reduce_momentum(copies, velocities, grads, lr, momentum, nesterov),
-        )
+    def _hook_all_reduce_momentum(self, copies, velocities, grads, lr, momentum, decay):
+        self._update(_MOMENTUM, copies, velocities, (), grads, (lr, momentum),
+                     lambda: _NP._hook_all_reduce_momentum(copies, velocities, grads, lr, momentum, decay), decay=decay)
+
+    def _hook_nesterov(self, copies, velocities, grad, lr, momentum, decay):
+        self._hook_all_reduce_nesterov(copies, velocities, (grad,), lr, momentum, decay)
+
+    def _hook_all_reduce_nesterov(self, copies, velocities, grads, lr, momentum, decay):
+        self._update(_NESTEROV, copies, velocities, (), grads, (lr, momentum),
+                     lambda: _NP._hook_all_reduce_nesterov(copies, velocities, grads, lr, momentum, decay), decay=decay)
 
     # ------------------------------------------------------------------ the optimizers with weight decay
     def _opt(self, mode, copies, slots, grads, hp, decay, fallback):

@@ -72,20 +72,22 @@ class NumpyBackend(KernelBackend):
         new = np.subtract(copies[0], value) if negate else np.add(copies[0], value)
         _copy_to_all(new, copies)
 
-    def _hook_sgd(self, copies, grad, lr):
-        ct = _compute_dtype(copies[0].dtype)
-        w = copies[0].astype(ct) - ct.type(lr) * grad.astype(ct)
-        _copy_to_all(w.astype(copies[0].dtype), copies)
+    def _hook_sgd(self, copies, grad, lr, decay):
+        ct, _, w, g, (lr,) = self._start(copies, grad, decay, lr)
+        self._finish(copies, (w - lr * g, copies))
 
-    def _hook_momentum(self, copies, velocities, grad, lr, momentum, nesterov):
-        ct = _compute_dtype(copies[0].dtype)
-        lr, mom = ct.type(lr), ct.type(momentum)
-        g = grad.astype(ct)
+    def _hook_momentum(self, copies, velocities, grad, lr, momentum, decay):
+        self._momentum_rule(copies, velocities, grad, lr, momentum, decay, False)
+
+    def _hook_nesterov(self, copies, velocities, grad, lr, momentum, decay):
+        self._momentum_rule(copies, velocities, grad, lr, momentum, decay, True)
+
+    def _momentum_rule(self, copies, velocities, grad, lr, momentum, decay, nesterov):
+        # ``v`` unrounded within the step (float16: rounded when stored), as Keras computes it.
+        ct, _, w, g, (lr, mom) = self._start(copies, grad, decay, lr, momentum)
         v = mom * velocities[0].astype(ct) - lr * g
-        w = copies[0].astype(ct)
         w = w + (mom * v - lr * g) if nesterov else w + v
-        _copy_to_all(v.astype(copies[0].dtype), velocities)
-        _copy_to_all(w.astype(copies[0].dtype), copies)
+        self._finish(copies, (v, velocities), (w, copies))
 
     # The optimizers below share one shape: copy 0 of the variable and of each slot read in the
     # compute type, the decoupled weight decay first (``w - w * decay``, skipped when decay is 0),

@@ -513,6 +513,10 @@ def _compare_tf_kernel(ctx, opname, sizes, dtypes, n, spec, oplabel) -> list:
         return []
     spec_tf = {"op": opname, "sizes": sizes, "dtypes": dtypes, "replicas": n, "redop": a.op, "iters": a.iters,
                "warmup": a.warmup_iters, "modes": _tf.modes(a), "check": a.check, "seed": a.seed}
+    if opname.startswith("update/"):
+        from cudist.bench._ops import tf_update
+
+        spec_tf["tf_update"] = tf_update(opname)
     res = _tf.compare(ctx, spec_tf)
     if res is None:
         return []

@@ -24,7 +24,9 @@ import numpy as np
 
 from cudist._kernels import UPDATE_KERNELS, update_variants
 
-__all__ = ["OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "SUITE_UPDATES", "make_case", "random_array", "count_wrong"]
+__all__ = [
+    "OPS", "OpSpec", "Case", "UPDATE_OPTIMIZERS", "SUITE_UPDATES", "make_case", "random_array", "count_wrong", "tf_update"
+]
 
 
 @dataclass(frozen=True)
@@ -53,11 +55,27 @@ _UPDATE_MOVED = {name: (2 + len(slots), 1 + len(slots)) for name, (_, slots, _) 
 _POSITIVE_SLOTS = frozenset({"velocity", "v", "v_hat", "u", "accumulator"})
 #: Keyword arguments of an update beyond the learning rate (and the step, where it takes one).
 _UPDATE_ARGS = {
-    "momentum": dict(momentum=0.9, nesterov=False),
+    "momentum": dict(momentum=0.9),
+    "nesterov": dict(momentum=0.9),
     "adamw": dict(weight_decay=0.004),
     "amsgrad": dict(weight_decay=0.004),
     "nadam": dict(u_product=0.5),
 }
+#: TensorFlow's fused kernel that ``--compare tf`` times an update row against: (raw op, its extra
+#: attributes); the rows not listed are timed against ResourceApplyAdam (the TF worker names no
+#: optimizer).
+_TF_UPDATES = {
+    "sgd": ("ResourceApplyGradientDescent", {}),
+    "momentum": ("ResourceApplyKerasMomentum", {}),
+    "nesterov": ("ResourceApplyKerasMomentum", {"use_nesterov": True}),
+}
+
+
+def tf_update(op: str) -> tuple[str, dict[str, bool]]:
+    """TensorFlow's raw op (and its attributes) for the benchmark operation ``update/<row>``."""
+    return _TF_UPDATES.get(op.split("/", 1)[-1], ("ResourceApplyAdam", {}))
+
+
 #: The update rules ``cudist-bench update --optimizer`` takes.
 UPDATE_OPTIMIZERS = tuple(_UPDATE_MOVED)
 #: Those ``cudist-bench suite`` times: no slot, and two (with the weight decay).

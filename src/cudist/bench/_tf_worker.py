@@ -7,8 +7,9 @@ inside ``tf.function`` (mode "function") and/or eagerly (mode "eager").
 ``python _tf_worker.py --serve`` (``cudist-bench user-path --compare tf``) stays up and answers one
 JSON line per JSON line read from stdin, so its rows take turns with cudist's in interleaved rounds:
 first ``{"replicas", "modes", "seed"}`` (answer ``{"version", "python"}``), then ``{"cmd": "setup",
-"group", "size", "check"}`` builds one case (all-reduce: ``strategy.run`` + ``all_reduce``; momentum /
-adam: Keras's optimizer ``apply_gradients`` inside ``strategy.run``), checked on fresh data (answer
+"group", "size", "check", "keras"}`` builds one case (all-reduce: ``strategy.run`` + ``all_reduce``; momentum /
+adam: the Keras optimizer ``keras`` names -- [class name, keyword arguments], sent by the parent --
+``apply_gradients`` inside ``strategy.run``), checked on fresh data (answer
 ``{"wrong": {mode: n}}``), ``{"cmd": "time", "mode", "calls"}`` times that many calls (answer
 ``{"samples": [ns...], "minflt": page faults}``), ``{"cmd": "quit"}`` ends it. A failure is answered
 ``{"error": "..."}``.
@@ -106,7 +107,7 @@ def kernel_rows(strategy, spec):
                     f = lambda: call(src)  # noqa: E731
                     check = lambda: (f(), sum(_wrong(c, host[0]) for c in strategy.experimental_local_results(v)))[1]  # noqa: E731
                 elif op.startswith("update/"):
-                    f, check = _update(strategy, op.split("/", 1)[1], host, count, dt, mode, rng)
+                    f, check = _update(strategy, spec.get("tf_update") or _DEFAULT_UPDATE, host, count, dt, mode, rng)
                 else:
                     raise SystemExit(f"unsupported op {op}")
                 wrong = check() if spec.get("check", 1) and check else None
@@ -116,8 +117,15 @@ def kernel_rows(strategy, spec):
     return rows
 
 
-def _update(strategy, opt, host, count, dt, mode, rng):
-    """A fused TF update kernel (ResourceApply*) applied to every component via extended.update."""
+#: The raw op an update row is timed against when the parent names none.
+_DEFAULT_UPDATE = ["ResourceApplyAdam", {}]
+
+
+def _update(strategy, tf_update, host, count, dt, mode, rng):
+    """A fused TF update kernel (ResourceApply*) applied to every component via extended.update.
+
+    ``tf_update``: [raw op name, its extra attributes], from the parent (cudist.bench._ops.tf_update)."""
+    raw, attrs = tf_update
     w0, g = host[0], tf.constant(host[1])
     with strategy.scope():
         w = tf.Variable(w0)
@@ -127,11 +135,11 @@ def _update(strategy, opt, host, count, dt, mode, rng):
     one = tf.constant(1.0, dtype=dt)
 
     def apply(var, m_, v_, grad):
-        if opt == "sgd":
+        if raw == "ResourceApplyGradientDescent":
             return tf.raw_ops.ResourceApplyGradientDescent(var=var.handle, alpha=lr, delta=grad)
-        if opt == "momentum":
+        if raw == "ResourceApplyKerasMomentum":
             return tf.raw_ops.ResourceApplyKerasMomentum(var=var.handle, accum=m_.handle, lr=lr, grad=grad,
-                                                         momentum=tf.constant(0.9, dtype=dt))
+                                                         momentum=tf.constant(0.9, dtype=dt), **attrs)
         return tf.raw_ops.ResourceApplyAdam(var=var.handle, m=m_.handle, v=v_.handle, beta1_power=tf.constant(0.9, dt),
                                             beta2_power=tf.constant(0.999, dt), lr=lr,
                                             beta1=tf.constant(0.9, dt), beta2=tf.constant(0.999, dt),
@@ -142,7 +150,7 @@ def _update(strategy, opt, host, count, dt, mode, rng):
 
     call = _wrap(step, mode)
     check = None
-    if opt == "sgd":
+    if raw == "ResourceApplyGradientDescent":
         expect = (w0 - np.asarray(lr) * host[1]).astype(w0.dtype)
 
         def check():
@@ -226,7 +234,8 @@ class _Serve:
     def _pr(self, host):
         return _per_replica(self.strategy, host)
 
-    def setup(self, group, size, check):
+    def setup(self, group, size, check, keras_opt=None):
+        """``keras_opt``: (Keras's optimizer class name, its keyword arguments) of an update group."""
         self.calls = {}
         count = size // 4
         s = self.strategy
@@ -248,11 +257,14 @@ class _Serve:
             else:
                 import keras
 
+                if not keras_opt:
+                    raise ValueError(f"setup: the group {group!r} needs the Keras optimizer (class name, arguments)")
+                cls_name, kwargs = keras_opt
+
                 def build(w0):
                     with s.scope():
                         var = tf.Variable(w0)
-                        opt = (keras.optimizers.SGD(learning_rate=_LR, momentum=_MOMENTUM) if group == "momentum"
-                               else keras.optimizers.Adam(learning_rate=_LR, beta_1=_B1, beta_2=_B2, epsilon=_EPS))
+                        opt = getattr(keras.optimizers, cls_name)(**kwargs)
                         opt.build([var])
                     step = _wrap(lambda g: s.run(lambda gr: opt.apply_gradients([(gr, var)]), args=(g,)), mode)
                     return var, step
@@ -302,7 +314,7 @@ def serve():
                 server = _Serve(msg)
                 res = {"version": tf.__version__, "python": sys.executable}
             elif msg.get("cmd") == "setup":
-                res = server.setup(msg["group"], msg["size"], msg.get("check", 1))
+                res = server.setup(msg["group"], msg["size"], msg.get("check", 1), msg.get("keras"))
             elif msg.get("cmd") == "time":
                 res = server.time(msg["mode"], msg["calls"])
             elif msg.get("cmd") == "quit":

@@ -395,6 +395,22 @@ class _NumpyUpdate:
                 np.copyto(c, sl[0])
 
 
+def _group_hyper(group):
+    """The optimizer's hyper-parameters (Keras's keyword arguments, the learning rate aside) of an
+    apply_gradients group: cudist's and Keras's optimizer get the same."""
+    return dict(momentum=MOMENTUM) if group == "momentum" else dict(beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON)
+
+
+def keras_optimizer(group):
+    """(Keras's class name, its constructor's keyword arguments) of an apply_gradients group's
+    optimizer, for the TensorFlow worker: cudist's optimizers are named as Keras's, so the worker
+    builds ``keras.optimizers.<name>(**kwargs)`` without a table of its own."""
+    from cudist.bench._strategy_bench import make_optimizer
+
+    hyper = _group_hyper(group)
+    return type(make_optimizer(group, LR, **hyper)).__name__, dict(learning_rate=LR, **hyper)
+
+
 def _update_contestants(group, strategy, be, n, count, rng, check, notes):
     """Rows of an apply_gradients group. The check applies two steps of the same fresh gradients to
     each, from the same initial variable, and compares every copy with one float64 reference; the timed
@@ -406,10 +422,7 @@ def _update_contestants(group, strategy, be, n, count, rng, check, notes):
     steps = [[_rand(rng, count) for _ in range(n)] for _ in range(2 if check else 1)]
     with strategy.scope():
         var = cudist.Variable(w0.copy())
-        if group == "momentum":
-            opt = make_optimizer(group, LR, momentum=MOMENTUM)
-        else:
-            opt = make_optimizer(group, LR, beta_1=BETA_1, beta_2=BETA_2, epsilon=EPSILON)
+        opt = make_optimizer(group, LR, **_group_hyper(group))
 
     def replica_fn(g):
         opt.apply_gradients([(g, var)])
@@ -496,7 +509,10 @@ class TFServer:
             return ""
 
     def setup(self, group, size, check):
-        return self._ask({"cmd": "setup", "group": group, "size": size, "check": check})
+        msg = {"cmd": "setup", "group": group, "size": size, "check": check}
+        if group not in ("all-reduce", "nest"):
+            msg["keras"] = keras_optimizer(group)
+        return self._ask(msg)
 
     def time(self, mode, calls):
         return self._ask({"cmd": "time", "mode": mode, "calls": calls})

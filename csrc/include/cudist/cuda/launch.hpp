@@ -74,33 +74,10 @@ template <class T>
 cudaError_t assign_add(T* const* copies, int n, const T* value, long long count, bool negate,
                        cudaStream_t stream = nullptr);
 
-/// Every copy becomes copies[0] - lr * grad (floating-point T only).
-template <class T>
-cudaError_t sgd(T* const* copies, int n, const T* grad, double lr, long long count, cudaStream_t stream = nullptr);
-
-/// Keras SGD with momentum: v = momentum * v - lr * g; w += momentum * v - lr * g (nesterov) or w += v.
-template <class T>
-cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* grad, double lr, double momentum,
-                     bool nesterov, long long count, cudaStream_t stream = nullptr);
-
-/// Fused all-reduce + SGD: g = grads[0] + ... + grads[m-1] (replica order, in T), then every copy
-/// becomes copies[0] - lr * g; bit-identical to reduce_to_one then sgd. Any m >= 1 (more than
-/// kMaxReplicas gradients are first reduced into a stream-ordered temporary, cudaMallocAsync).
-/// Gradients must not overlap the copies.
-template <class T>
-cudaError_t all_reduce_sgd(T* const* copies, int n, const T* const* grads, int m, double lr, long long count,
-                           cudaStream_t stream = nullptr);
-
-/// Fused all-reduce + momentum: the m gradients summed as in all_reduce_sgd, then momentum().
-template <class T>
-cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, const T* const* grads, int m,
-                                double lr, double momentum, bool nesterov, long long count,
-                                cudaStream_t stream = nullptr);
-
 /// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>;
 /// cudist's kernel contract, Keras 3 formulas), generated (the rule's hyper-parameters as the table
 /// names them): the plain update on the n copies from `grad`, and the fused all-reduce form from the
-/// m gradients `grads` (summed in replica order in T as all_reduce_sgd does; more than kMaxReplicas
+/// m gradients `grads` (summed in replica order in T; more than kMaxReplicas
 /// are first reduced into a stream-ordered temporary); `decay` is the decoupled weight decay
 /// (weight_decay * lr: w -= w * decay first; 0: none); gradients must not overlap what is written:
 ///   name(copies, <slot>s..., n, grad, hyper..., decay, count, stream)
@@ -139,16 +116,6 @@ CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_DECLARE_, ~)
   L(launch, scatter_batch, T, (const T*, T* const*, int, long long, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_assign_add(L, T, name)                                                   \
   L(launch, assign_add, T, (T* const*, int, const T*, long long, bool, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_sgd(L, T, name)                                                          \
-  L(launch, sgd, T, (T* const*, int, const T*, double, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_momentum(L, T, name)                                                     \
-  L(launch, momentum, T, (T* const*, T* const*, int, const T*, double, double, bool, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_sgd(L, T, name)                                               \
-  L(launch, all_reduce_sgd, T, (T* const*, int, const T* const*, int, double, long long, cudaStream_t))
-#define CUDIST_CUDA_LAUNCHERS_mirrored_all_reduce_momentum(L, T, name)                                          \
-  L(launch, all_reduce_momentum, T,                                                                             \
-    (T* const*, T* const*, int, const T* const*, int, double, double, bool, long long, cudaStream_t))
-
 /// L(header, launcher, T, (parameters)) for every launcher and every dtype of the kernel it is
 /// listed under (a kernel of CUDIST_KERNELS without a CUDIST_CUDA_LAUNCHERS_<kernel> is an error).
 /// The launchers of the rules' kernels are generated from CUDIST_UPDATE_RULE_LIST (float dtypes).

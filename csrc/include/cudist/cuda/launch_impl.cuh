@@ -217,36 +217,6 @@ cudaError_t assign_add(T* const* copies, int n, const T* value, long long count,
   return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
 }
 
-template <class T>
-cudaError_t sgd(T* const* copies, int n, const T* grad, double lr, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || grad == nullptr) return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_sgd_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
-                       detail::pack(copies, m), m, grad, static_cast<C>(lr), count);
-  const cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
-}
-
-template <class T>
-cudaError_t momentum(T* const* copies, T* const* velocities, int n, const T* grad, double lr, double momentum,
-                     bool nesterov, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || velocities == nullptr || grad == nullptr) return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  const int m = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_momentum_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
-                       detail::pack(copies, m), detail::pack(velocities, m), m, grad, static_cast<C>(lr),
-                       static_cast<C>(momentum), nesterov ? 1 : 0, count);
-  cudaError_t e = cudaGetLastError();
-  if (e != cudaSuccess) return e;
-  e = detail::broadcast_from<T>(velocities[0], velocities, m, n, count, stream);
-  if (e != cudaSuccess) return e;
-  return detail::broadcast_from<T>(copies[0], copies, m, n, count, stream);
-}
-
 namespace detail {
 
 // The gradients of a fused update as at most kMaxReplicas pointers: more are first reduced (in
@@ -281,50 +251,6 @@ cudaError_t grads_pack(const T* const* grads, int m, long long count, cudaStream
 inline bool bad_grads(const void* grads, int m) { return grads == nullptr || m < 1; }
 
 }  // namespace detail
-
-template <class T>
-cudaError_t all_reduce_sgd(T* const* copies, int n, const T* const* grads, int m, double lr, long long count,
-                           cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || detail::bad_grads(grads, m)) return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  detail::PtrPack<T> g{};
-  int ng = 0;
-  T* tmp = nullptr;
-  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
-  if (e != cudaSuccess) return e;
-  const int k = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_sgd_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream,
-                       detail::pack(copies, k), k, g, ng, static_cast<C>(lr), count);
-  e = cudaGetLastError();
-  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
-  if (e != cudaSuccess) return e;
-  return detail::broadcast_from<T>(copies[0], copies, k, n, count, stream);
-}
-
-template <class T>
-cudaError_t all_reduce_momentum(T* const* copies, T* const* velocities, int n, const T* const* grads, int m, double lr,
-                                double momentum, bool nesterov, long long count, cudaStream_t stream) {
-  using C = typename kernels::detail::compute<T>::type;
-  if (detail::bad_args(copies, n, count) || velocities == nullptr || detail::bad_grads(grads, m))
-    return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  detail::PtrPack<T> g{};
-  int ng = 0;
-  T* tmp = nullptr;
-  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
-  if (e != cudaSuccess) return e;
-  const int k = n < detail::kMaxReplicas ? n : detail::kMaxReplicas;
-  CUDIST_LAUNCH_KERNEL(kernels::mirrored_all_reduce_momentum_packed<T>, detail::grid_for<T>(count), detail::kThreads,
-                       stream, detail::pack(copies, k), detail::pack(velocities, k), k, g, ng, static_cast<C>(lr),
-                       static_cast<C>(momentum), nesterov ? 1 : 0, count);
-  e = cudaGetLastError();
-  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
-  if (e != cudaSuccess) return e;
-  e = detail::broadcast_from<T>(velocities[0], velocities, k, n, count, stream);
-  if (e != cudaSuccess) return e;
-  return detail::broadcast_from<T>(copies[0], copies, k, n, count, stream);
-}
 
 namespace detail {
 // The fused updates of the rules' table: the gradients packed (more than kMaxReplicas

@@ -48,6 +48,9 @@
 /// (``<name>_<slot>...``, in the slots' order), each with its slots fixed: its values stay in
 /// registers, and the callers (the Python hooks) pick the row once per call.
 #define CUDIST_UPDATE_RULE_LIST(X, A)                                                \
+  X(A, sgd, sgd, (), (lr))                                                           \
+  X(A, momentum, momentum, (velocity), (lr, momentum))                               \
+  X(A, nesterov, nesterov, (velocity), (lr, momentum))                               \
   X(A, adamw, adam, (m, v), (lr_t, beta_1, beta_2, epsilon))                         \
   X(A, amsgrad, amsgrad, (m, v, v_hat), (lr_t, beta_1, beta_2, epsilon))             \
   X(A, adagrad, adagrad, (accumulator), (lr, epsilon))                               \
@@ -60,15 +63,33 @@
   X(A, rmsprop_momentum_average_gradient, rmsprop_centered_momentum, (velocity, momentum, average_gradient), \
     (lr, rho, momentum, epsilon))
 
-// The preprocessor helpers the generated code is written with (lists of at most 8 items).
+// The preprocessor helpers the generated code is written with (lists of at most 8 items, or none).
 #define CUDIST_PP_REM(...) __VA_ARGS__
 #define CUDIST_PP_CAT(a, b) CUDIST_PP_CAT_(a, b)
 #define CUDIST_PP_CAT_(a, b) a##b
 #define CUDIST_PP_NARG(...) CUDIST_PP_NARG_(__VA_ARGS__, 8, 7, 6, 5, 4, 3, 2, 1, 0)
 #define CUDIST_PP_NARG_(_1, _2, _3, _4, _5, _6, _7, _8, N, ...) N
+/// 1 when the arguments hold a comma (2 to 8 of them), else 0.
+#define CUDIST_PP_HAS_COMMA(...) CUDIST_PP_NARG_(__VA_ARGS__, 1, 1, 1, 1, 1, 1, 1, 0, ~)
+/// 1 for an empty list of identifiers, else 0. CUDIST_PP_NARG counts an empty list as one item, and
+/// __VA_OPT__ is C++20 (NVRTC compiles C++17): ``CUDIST_PP_EMPTY_PROBE_ x ()`` becomes a comma only
+/// when ``x`` is empty, so (probe has a comma, list has a comma) is (1, 0) exactly for the empty
+/// list -- (0, 0) for one identifier, (1, 1) for several (the items are never function-like macros).
+#define CUDIST_PP_IS_EMPTY(...) \
+  CUDIST_PP_IS_EMPTY_(CUDIST_PP_HAS_COMMA(CUDIST_PP_EMPTY_PROBE_ __VA_ARGS__ ()), CUDIST_PP_HAS_COMMA(__VA_ARGS__))
+#define CUDIST_PP_EMPTY_PROBE_(...) ,
+#define CUDIST_PP_IS_EMPTY_(probe, comma) CUDIST_PP_CAT(CUDIST_PP_IS_EMPTY_, CUDIST_PP_CAT(probe, comma))
+#define CUDIST_PP_IS_EMPTY_00 0
+#define CUDIST_PP_IS_EMPTY_10 1
+#define CUDIST_PP_IS_EMPTY_11 0
+/// The number of items of a list of identifiers, 0 for an empty one.
+#define CUDIST_PP_COUNT(...) CUDIST_PP_CAT(CUDIST_PP_COUNT_, CUDIST_PP_IS_EMPTY(__VA_ARGS__))(__VA_ARGS__)
+#define CUDIST_PP_COUNT_0(...) CUDIST_PP_NARG(__VA_ARGS__)
+#define CUDIST_PP_COUNT_1(...) 0
 /// F(A, x) for every x of the parenthesized list ``list``, juxtaposed (F supplies any commas).
 #define CUDIST_PP_MAP(F, A, list) CUDIST_PP_MAP_(F, A, CUDIST_PP_REM list)
-#define CUDIST_PP_MAP_(F, A, ...) CUDIST_PP_CAT(CUDIST_PP_MAP_N, CUDIST_PP_NARG(__VA_ARGS__))(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_(F, A, ...) CUDIST_PP_CAT(CUDIST_PP_MAP_N, CUDIST_PP_COUNT(__VA_ARGS__))(F, A, __VA_ARGS__)
+#define CUDIST_PP_MAP_N0(F, A, ...)
 #define CUDIST_PP_MAP_N1(F, A, x) F(A, x)
 #define CUDIST_PP_MAP_N2(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N1(F, A, __VA_ARGS__)
 #define CUDIST_PP_MAP_N3(F, A, x, ...) F(A, x) CUDIST_PP_MAP_N2(F, A, __VA_ARGS__)
@@ -84,8 +105,10 @@
 #define CUDIST_PP_LEAD(P, x) , P x
 #define CUDIST_PP_TRAIL_S(P, x) P x##s,
 #define CUDIST_PP_LEAD_S(P, x) , P x##s
-/// The items of ``list`` as string literals, comma-separated.
-#define CUDIST_PP_STRINGS(list) CUDIST_PP_DROP1_(CUDIST_PP_MAP(CUDIST_PP_STRING_, ~, list))
+/// The items of ``list`` as string literals, comma-separated (nothing for an empty list).
+#define CUDIST_PP_STRINGS(list) CUDIST_PP_CAT(CUDIST_PP_STRINGS_, CUDIST_PP_IS_EMPTY(CUDIST_PP_REM list))(list)
+#define CUDIST_PP_STRINGS_1(list)
+#define CUDIST_PP_STRINGS_0(list) CUDIST_PP_DROP1_(CUDIST_PP_MAP(CUDIST_PP_STRING_, ~, list))
 #define CUDIST_PP_STRING_(A, x) , #x
 #define CUDIST_PP_DROP1_(...) CUDIST_PP_DROP1__(__VA_ARGS__)
 #define CUDIST_PP_DROP1__(first, ...) __VA_ARGS__

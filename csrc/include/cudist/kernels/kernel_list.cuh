@@ -50,8 +50,4 @@
   X(A, all_gather_chunks, ALL)                \
   X(A, broadcast, ALL)                        \
   X(A, scatter_batch, ALL)                    \
-  X(A, mirrored_assign_add, ALL)              \
-  X(A, mirrored_sgd, FLOAT)                   \
-  X(A, mirrored_momentum, FLOAT)              \
-  X(A, mirrored_all_reduce_sgd, FLOAT)        \
-  X(A, mirrored_all_reduce_momentum, FLOAT)
+  X(A, mirrored_assign_add, ALL)

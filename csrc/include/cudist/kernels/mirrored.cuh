@@ -6,7 +6,7 @@
 // which computes in float32 and rounds to nearest even on store; hyper-parameters arrive already
 // converted to the compute type; no FMA contraction.
 //
-// The fused all-reduce + update kernels (mirrored_all_reduce_sgd / _momentum / _<rule>) first sum
+// The fused all-reduce + update kernels (mirrored_all_reduce_<rule>) first sum
 // their n_grads gradients in replica order in T (float16: in float32, rounded once), exactly as
 // all_reduce_one_shot / reduce_to_one would store the sum, then apply the same update: one pass
 // reads the gradients, copy 0 and slot copy 0 and writes every copy.
@@ -21,7 +21,7 @@
 //
 // Every update's per-element arithmetic is its rule in <cudist/detail/update_rules.hpp>, shared with
 // the host kernels (<cudist/updates.hpp>); the kernels here only load, call the rule and store
-// (RuleUpdate), picking a rule's variant (Nesterov) once per launch.
+// (RuleUpdate); a rule's variants are rows of the table of their own (picked by the caller).
 //
 // T: assign_add: float, double, __half, int, long long, __nv_bfloat16; the updates: float, double,
 // __half, __nv_bfloat16 (computed in float32 and rounded once per stored value, as float16 is).
@@ -206,27 +206,6 @@ __device__ __forceinline__ void run_shared_rule(const Ptrs<T> (&s)[NS], int n, c
   run_rule_from<Rule, T, NS>(s, n, SumGrads<T, G>{g, n_grads}, Decayed<C>{decay}, count, hyper...);
 }
 
-// SGD (rules::sgd), from one gradient (G = OneGrad) or the sum of several (SumGrads).
-template <class T, class G>
-__device__ __forceinline__ void run_sgd(const Ptrs<T>& c, int n, const G& grad, typename compute<T>::type lr,
-                                        long long count) {
-  const Ptrs<T> s[1] = {c};
-  run_rule_from<rules::sgd, T, 1>(s, n, grad, rules::no_decay{}, count, lr);
-}
-
-// SGD with momentum (rules::momentum / rules::nesterov, picked once per launch).
-template <class T, class G>
-__device__ __forceinline__ void run_momentum(const Ptrs<T>& c, const Ptrs<T>& v, int n, const G& grad,
-                                             typename compute<T>::type lr, typename compute<T>::type momentum,
-                                             int nesterov, long long count) {
-  const Ptrs<T> s[2] = {v, c};
-  if (nesterov) {
-    run_rule_from<rules::nesterov, T, 2>(s, n, grad, rules::no_decay{}, count, lr, momentum);
-  } else {
-    run_rule_from<rules::momentum, T, 2>(s, n, grad, rules::no_decay{}, count, lr, momentum);
-  }
-}
-
 }  // namespace detail
 
 /// Every copy becomes copies[0] + value (negate = 0) or copies[0] - value (negate != 0).
@@ -241,87 +220,6 @@ __global__ void mirrored_assign_add_packed(PtrPack<T> copies, int n, const T* va
   const detail::Ptrs<T> c = detail::load_ptrs(copies, n);
   detail::AssignAdd<T> f{c, value, n, negate};
   detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(value), f);
-}
-
-/// Plain SGD on n copies.
-template <class T>
-__global__ void mirrored_sgd(T* const* copies, int n, const T* grad, typename detail::compute<T>::type lr,
-                             long long count) {
-  detail::run_sgd<T>(detail::load_ptrs(copies, n), n, detail::OneGrad<T>{grad}, lr, count);
-}
-template <class T>
-__global__ void mirrored_sgd_packed(PtrPack<T> copies, int n, const T* grad, typename detail::compute<T>::type lr,
-                                    long long count) {
-  detail::run_sgd<T>(detail::load_ptrs(copies, n), n, detail::OneGrad<T>{grad}, lr, count);
-}
-
-/// SGD with momentum (Keras formulation) on n variable copies and n velocity copies.
-template <class T>
-__global__ void mirrored_momentum(T* const* copies, T* const* vels, int n, const T* grad,
-                                  typename detail::compute<T>::type lr, typename detail::compute<T>::type momentum,
-                                  int nesterov, long long count) {
-  detail::run_momentum<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n, detail::OneGrad<T>{grad}, lr,
-                          momentum, nesterov, count);
-}
-template <class T>
-__global__ void mirrored_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, const T* grad,
-                                         typename detail::compute<T>::type lr,
-                                         typename detail::compute<T>::type momentum, int nesterov, long long count) {
-  detail::run_momentum<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n, detail::OneGrad<T>{grad}, lr,
-                          momentum, nesterov, count);
-}
-
-namespace detail {
-
-template <class T, class G>
-__device__ __forceinline__ void all_reduce_sgd_body(const Ptrs<T>& c, int n, const Ptrs<G>& g, int n_grads,
-                                                    typename compute<T>::type lr, long long count) {
-  run_sgd<T>(c, n, SumGrads<T, G>{g, n_grads}, lr, count);
-}
-
-template <class T, class G>
-__device__ __forceinline__ void all_reduce_momentum_body(const Ptrs<T>& c, const Ptrs<T>& v, int n, const Ptrs<G>& g,
-                                                         int n_grads, typename compute<T>::type lr,
-                                                         typename compute<T>::type momentum, int nesterov,
-                                                         long long count) {
-  run_momentum<T>(c, v, n, SumGrads<T, G>{g, n_grads}, lr, momentum, nesterov, count);
-}
-
-}  // namespace detail
-
-/// Fused all-reduce + SGD: g = grads[0] + ... + grads[n_grads-1] (replica order, in T), then every
-/// one of the n copies becomes copies[0] - lr * g. 1 <= n, n_grads <= kMaxReplicas.
-/// Every fused all-reduce kernel (mirrored_all_reduce_*) takes gradients of type G: T's, or a
-/// 16-bit float for float32 copies (CUDIST_MIXED_GRADIENTS in kernel_list.cuh), summed in float32.
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_sgd(T* const* copies, int n, G* const* grads, int n_grads,
-                                        typename detail::compute<T>::type lr, long long count) {
-  detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
-                                 count);
-}
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_sgd_packed(PtrPack<T> copies, int n, PtrPack<G> grads, int n_grads,
-                                               typename detail::compute<T>::type lr, long long count) {
-  detail::all_reduce_sgd_body<T>(detail::load_ptrs(copies, n), n, detail::load_ptrs(grads, n_grads), n_grads, lr,
-                                 count);
-}
-
-/// Fused all-reduce + momentum SGD (the gradients summed as in mirrored_all_reduce_sgd).
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_momentum(T* const* copies, T* const* vels, int n, G* const* grads, int n_grads,
-                                             typename detail::compute<T>::type lr,
-                                             typename detail::compute<T>::type momentum, int nesterov,
-                                             long long count) {
-  detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
-                                      detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
-}
-template <class T, class G = T>
-__global__ void mirrored_all_reduce_momentum_packed(PtrPack<T> copies, PtrPack<T> vels, int n, PtrPack<G> grads,
-                                                    int n_grads, typename detail::compute<T>::type lr,
-                                                    typename detail::compute<T>::type momentum, int nesterov,
-                                                    long long count) {
-  detail::all_reduce_momentum_body<T>(detail::load_ptrs(copies, n), detail::load_ptrs(vels, n), n,
-                                      detail::load_ptrs(grads, n_grads), n_grads, lr, momentum, nesterov, count);
 }
 
 // ---------------------------------------------------------------------------------------------
