@@ -34,10 +34,7 @@ def test_every_optimizer_step_is_a_row_of_the_table(opt, decay):
     slots, scalars = UPDATE_KERNELS[rule.kernel]
     assert rule.fused == f"all_reduce_{rule.kernel}"
     assert len(rule.scalars) == len(scalars)
-    if scalars[-1] == "decay":
-        assert rule.scalars[-1] == decay and not rule.decay_pass  # the kernel folds the decay in
-    else:
-        assert rule.decay_pass == bool(decay)  # SGD: a pass of its own
+    assert scalars[-1] == "decay" and rule.scalars[-1] == decay  # every row's kernel folds the decay in
     # The rule's slots are filled from the optimizer's, in the table's order (None: left out).
     order = rule.slots if rule.slots is not None else tuple(range(len(opt._slot_names)))
     assert len(order) == len(slots)

@@ -12,8 +12,8 @@ This module then
 * settles the host gradients before the first write (:func:`settle_inputs`: the ONE gradient
   settling path, so every update reads the gradients as they were before the step);
 * calls the rule's kernel -- ``name`` from a final gradient, or ``all_reduce_<name>`` from the N
-  per-replica gradients summed in the same pass (:meth:`UpdatePass.apply_fused`) -- after the
-  decoupled weight-decay pass for rules whose kernel has no weight-decay factor (the plain-gradient rules').
+  per-replica gradients summed in the same pass (:meth:`UpdatePass.apply_fused`); every rule's
+  kernel applies the decoupled weight decay itself (its last scalar, ``decay``).
 
 Adding an optimizer: a row in ``UPDATE_KERNELS`` (and the kernels it names), then its
 :class:`~cudist.optimizers.Optimizer` subclass names its slots (``_slot_names``), its step scalars
@@ -89,7 +89,7 @@ class Rule:
         ValueError: a rule the table does not have, or the wrong number of scalars.
     """
 
-    __slots__ = ("kernel", "fused", "scalars", "decay", "slots", "decay_pass")
+    __slots__ = ("kernel", "fused", "scalars", "decay", "slots")
 
     def __init__(
         self, name: str, scalars: tuple[Any, ...], decay: float = 0.0, slots: tuple[int | None, ...] | None = None
@@ -97,19 +97,15 @@ class Rule:
         entry = UPDATE_KERNELS.get(name)
         if entry is None:
             raise ValueError(f"no update rule {name!r} (the rules: {', '.join(UPDATE_KERNELS)})")
-        # A rule whose kernel takes the decoupled weight decay as its last scalar; the others (the
-        # plain-gradient rules) get a pass of their own before the update (_decay_pass).
-        in_kernel = entry[1][-1:] == ("decay",)
-        expected = len(entry[1]) - in_kernel
+        # Every row's kernel takes the decoupled weight decay as its last scalar (UPDATE_KERNELS).
+        expected = len(entry[1]) - 1
         if len(scalars) != expected:
             raise ValueError(f"update rule {name!r} takes {expected} scalars ({entry[1]}), got {len(scalars)}")
         self.kernel = name
         self.fused = f"all_reduce_{name}"
-        self.scalars = scalars + (decay,) if in_kernel else scalars
+        self.scalars = scalars + (decay,)
         self.decay = decay
         self.slots = slots
-        #: Whether the weight decay is a pass of its own (a rule without a weight-decay factor).
-        self.decay_pass = bool(decay) and not in_kernel
 
     def run(
         self,
@@ -128,8 +124,6 @@ class Rule:
         if sources is not None and self._reads_sources(kernels, self.kernel, copies, slots, sources):
             kernel(copies, *slots, grad, *self.scalars, sources=sources)
             return
-        if self.decay_pass:
-            _decay_pass(kernels, copies, self.decay)
         args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
         kernel(copies, *args, grad, *self.scalars)
 
@@ -146,8 +140,6 @@ class Rule:
         if sources is not None and self._reads_sources(kernels, self.fused, copies, slots, sources):
             kernel(copies, *slots, grads, *self.scalars, sources=sources)
             return
-        if self.decay_pass:
-            _decay_pass(kernels, copies, self.decay)
         args = slots if self.slots is None else self._slot_args(slots)  # (optional slots left out)
         kernel(copies, *args, grads, *self.scalars)
 
@@ -161,7 +153,7 @@ class Rule:
     ) -> bool:
         """Whether ``entry`` reads ``sources`` itself; if not, copies them into copy 0 of the variable
         and of each slot first (the same bits: the in-place update then reads what the sources hold)."""
-        if entry in kernels.out_of_place and not self.decay_pass and self.slots is None:
+        if entry in kernels.out_of_place and self.slots is None:
             return True
         for dst, src in zip((copies, *slots), sources):
             if src is not dst[0]:
@@ -174,13 +166,6 @@ class Rule:
         if order is None:
             return slots
         return tuple(None if i is None else slots[i] for i in order)
-
-
-def _decay_pass(kernels: TrustedKernels, copies: tuple[Any, ...], decay: float) -> None:
-    """The decoupled weight decay as its own pass, ``w -= w * decay`` (rules whose kernel has no
-    weight-decay factor: the plain-gradient ones)."""
-    w = copies[0]
-    kernels.assign_add(copies, w * w.dtype.type(decay), True)
 
 
 # ------------------------------------------------------------------------------------- settling
@@ -497,9 +482,9 @@ class UpdatePass:
             copies, slots, _, sources = plan[1][0]
             if rule is not last:  # (one rule for every variable, unless weight decays differ)
                 last, scalars = rule, rule.scalars
-                # The rule's kernel called here directly when it needs no decay pass and no slot
-                # reordering: one Python call per variable, where rule.run_fused would be two.
-                kernel = None if rule.decay_pass or rule.slots is not None else getattr(trusted, rule.fused)
+                # The rule's kernel called here directly when it needs no slot reordering: one
+                # Python call per variable, where rule.run_fused would be two.
+                kernel = None if rule.slots is not None else getattr(trusted, rule.fused)
             if kernel is None or sources is not None:
                 rule.run_fused(trusted, copies, slots, ins, sources)
             else:

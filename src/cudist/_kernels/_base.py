@@ -104,7 +104,8 @@ def momentum_schedule_step(beta_1: float, beta_2: float, step: int, u_product: f
 #: The optimizer update kernels of the contract: name -> (slot names, trusted hyper-parameters).
 #: Each has a plain form ``name(copies, *slots, grad, *hyper)`` and a fused all-reduce form
 #: ``all_reduce_<name>(copies, *slots, grads, *hyper)``; a slot given as None is absent (those of
-#: OPTIONAL_SLOTS). The trusted entry points (:class:`TrustedKernels`),
+#: OPTIONAL_SLOTS). Every row's last hyper-parameter is the decoupled weight decay ``decay``
+#: (``w - w * decay`` before the rule, in the kernel; 0: none). The trusted entry points (:class:`TrustedKernels`),
 #: the native backend's hooks and the fused forms' default hooks are generated from this table.
 UPDATE_KERNELS = {
     "sgd": ((), ("lr", "decay")),
