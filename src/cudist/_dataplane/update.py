@@ -25,7 +25,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 
 import numpy as np
@@ -226,18 +226,24 @@ def settle_inputs(
 
 
 class _Spans:
-    """The byte ranges of C-contiguous host arrays, sorted for an O(log k) overlap test."""
+    """The byte ranges of arrays, sorted for an O(log k) overlap test.
 
-    def __init__(self, arrays: Sequence[npt.NDArray[Any]]) -> None:
-        spans = sorted({_span(a) for a in arrays if a.nbytes})
+    ``span``: an array's (start, end) addresses: :func:`_span` for C-contiguous host arrays (the
+    default), :func:`_device_span` for GPU arrays of any layout (unified addressing: one address
+    space over every GPU).
+    """
+
+    def __init__(self, arrays: Sequence[Any], span: Callable[[Any], tuple[int, int]] | None = None) -> None:
+        self._span = _span if span is None else span
+        spans = sorted({self._span(a) for a in arrays if a.nbytes})
         self._starts = [s for s, _ in spans]
         self._ends = list(itertools.accumulate((e for _, e in spans), max))  # the furthest end so far
 
-    def overlaps(self, a: npt.NDArray[Any]) -> bool:
-        """Whether C-contiguous ``a`` shares a byte with any of the arrays."""
+    def overlaps(self, a: Any) -> bool:
+        """Whether ``a`` shares a byte with any of the arrays."""
         if not a.nbytes:
             return False
-        start, end = _span(a)
+        start, end = self._span(a)
         i = bisect.bisect_left(self._starts, end) - 1  # the last range starting before ``a`` ends
         return i >= 0 and self._ends[i] > start
 
@@ -245,6 +251,14 @@ class _Spans:
 def _span(a: npt.NDArray[Any]) -> tuple[int, int]:
     start: int = a.__array_interface__["data"][0]
     return start, start + a.nbytes
+
+
+def _device_span(a: Any) -> tuple[int, int]:
+    """A GPU array's extent, any layout: from its lowest element's first byte to its highest's last."""
+    start = int(a.data.ptr)
+    lo = start + sum(min(0, (n - 1) * st) for n, st in zip(a.shape, a.strides))
+    hi = start + sum(max(0, (n - 1) * st) for n, st in zip(a.shape, a.strides)) + a.itemsize
+    return lo, hi
 
 
 # ------------------------------------------------------------------------------------- planning
@@ -515,7 +529,7 @@ def _apply_fused_on_gpu(
     their settling copies are ready), and after it those GPUs' streams wait for it (their later
     work may overwrite or free a gradient it reads).
     """
-    written = _DeviceSpans([a for plan in plans for a in plan[2][2]])  # type: ignore[index]  # fusable: every plan has its Fused
+    written = _Spans([a for plan in plans for a in plan[2][2]], _device_span)  # type: ignore[index]  # fusable: every plan has its Fused
     # Every gradient settled before the first launch writes anything.
     inputs = []
     for comps in per_var:
@@ -531,26 +545,6 @@ def _apply_fused_on_gpu(
             with device_context(copies[0]):
                 rule.run_fused(trusted, copies, slots, ins, sources)
 
-
-class _DeviceSpans:
-    """The device-address ranges of GPU arrays (unified addressing: one space over every GPU),
-    sorted for an O(log k) overlap test (as :class:`_Spans` for host arrays)."""
-
-    def __init__(self, arrays: Sequence[Any]) -> None:
-        spans = sorted({(int(a.data.ptr), int(a.data.ptr) + a.nbytes) for a in arrays if a.nbytes})
-        self._starts = [s for s, _ in spans]
-        self._ends = list(itertools.accumulate((e for _, e in spans), max))
-
-    def overlaps(self, a: Any) -> bool:
-        """Whether ``a`` (any layout: its whole extent counts) shares a byte with any of the arrays."""
-        if not a.nbytes:
-            return False
-        start = int(a.data.ptr)
-        # A view's extent: from its lowest to its highest element's last byte.
-        lo = start + sum(min(0, (n - 1) * st) for n, st in zip(a.shape, a.strides))
-        hi = start + sum(max(0, (n - 1) * st) for n, st in zip(a.shape, a.strides)) + a.itemsize
-        i = bisect.bisect_left(self._starts, hi) - 1
-        return i >= 0 and self._ends[i] > lo
 
 
 def _commit(plans: Sequence[Plan]) -> None:
