@@ -458,8 +458,12 @@ def atomic_write_json(path: str, obj: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------- writing
+def _nbytes(dtype: npt.DTypeLike, shape: Sequence[int]) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+
+
 def _data_bytes(specs: Sequence[TensorSpec]) -> int:
-    return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize for _, dtype, shape, _ in specs)
+    return sum(_nbytes(dtype, shape) for _, dtype, shape, _ in specs)
 
 
 def _header(specs: Sequence[TensorSpec], metadata: dict[str, str], crcs: dict[str, str], align: int = 8) -> bytes:
@@ -469,7 +473,7 @@ def _header(specs: Sequence[TensorSpec], metadata: dict[str, str], crcs: dict[st
     offset = 0
     for key, dtype, shape, _ in specs:
         code, stored_shape = _stored(dtype, shape)
-        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        nbytes = _nbytes(dtype, shape)
         header[key] = {"dtype": code, "shape": stored_shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     meta = {"format": FORMAT, "version": str(VERSION), **metadata}
