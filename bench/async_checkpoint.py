@@ -212,12 +212,20 @@ def _loop_mode(
     write_cpu: list[float] = []  # thread CPU of each asynchronous checkpoint write (the writer thread's)
     spin_cpu: list[float] = []  # ... of the writes the spin imitates (async: the default, buffered writer)
 
-    def timed_write(*args: Any, **kwargs: Any) -> None:
-        a, cpu = time.perf_counter(), time.thread_time()
-        write(*args, **kwargs)
-        writes.append(time.perf_counter() - a)
-        if threading.current_thread() is not threading.main_thread():
-            write_cpu.append(time.thread_time() - cpu)
+    def timed(work: Callable[..., None]) -> Callable[..., None]:
+        """``work`` recording its wall time in ``writes`` and, off the main thread (a background
+        write, the copy, the spin), its thread's CPU time in ``write_cpu``."""
+
+        def run_timed(*args: Any, **kwargs: Any) -> None:
+            a, cpu = time.perf_counter(), time.thread_time()
+            work(*args, **kwargs)
+            writes.append(time.perf_counter() - a)
+            if threading.current_thread() is not threading.main_thread():
+                write_cpu.append(time.thread_time() - cpu)
+
+        return run_timed
+
+    timed_write = timed(write)
 
     default_nice = _settings.checkpoint_writer_nice()
     env = os.environ.get(_settings.CHECKPOINT_WRITER_NICE)
@@ -243,19 +251,14 @@ def _loop_mode(
     with tempfile.TemporaryDirectory() as d:
         manager = train.CheckpointManager(ckpt, d, max_to_keep=2)
 
+        @timed
         def copy_all() -> None:
-            a, cpu = time.perf_counter(), time.thread_time()
             for x, y in zip(src, dst, strict=True):
                 np.copyto(y, x)
-            writes.append(time.perf_counter() - a)
-            write_cpu.append(time.thread_time() - cpu)
 
+        @timed
         def spin_write_cpu() -> None:
-            a = time.perf_counter()
-            cpu = time.thread_time()
             spin(int(statistics.median(spin_cpu or [0.1]) * 1e9 / ns_per_iter))
-            writes.append(time.perf_counter() - a)
-            write_cpu.append(time.thread_time() - cpu)
 
         def run(way: str) -> None:
             options = None if way.startswith("sync") else asynchronous
@@ -292,14 +295,8 @@ def _loop_mode(
             finally:
                 _format.write_checkpoint = write
                 _format._write_crc32 = native_writer
-                if direct_env is None:
-                    os.environ.pop(_settings.CHECKPOINT_DIRECT_IO, None)
-                else:
-                    os.environ[_settings.CHECKPOINT_DIRECT_IO] = direct_env
-                if env is None:
-                    os.environ.pop(_settings.CHECKPOINT_WRITER_NICE, None)
-                else:
-                    os.environ[_settings.CHECKPOINT_WRITER_NICE] = env
+                _set_env(_settings.CHECKPOINT_DIRECT_IO, direct_env)
+                _set_env(_settings.CHECKPOINT_WRITER_NICE, env)
             save_call[way].append(calls / saves)
             if way in write_time:
                 write_time[way].append(statistics.median(writes))
@@ -342,6 +339,14 @@ def _loop_mode(
         print(f"| {w} | {call:.2f} | {per_save[w]:.1f} | {100 * per_save[w] / sync_call:.1f}% | "
               f"{100 * per_save[w] / per_save['sync']:.1f}% | {statistics.median(write_time[w]) * 1e3:.0f} | "
               f"{statistics.median(cpu_of[w]) * 1e3 if cpu_of[w] else float('nan'):.0f} |")
+
+
+def _set_env(name: str, value: str | None) -> None:
+    """Sets environment variable ``name`` to ``value``, or removes it for None."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
 
 
 def _spinner() -> tuple[Callable[[int], int], float]:
