@@ -22,12 +22,12 @@ import pytest
 import cudist
 from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._cuda_launch import (
-    FUSED_PREFIX,
     UPDATE_RULES,
     dtype_ctypes,
     kernel_list,
     mixed_gradients,
     parse_update_rules,
+    takes_mixed_gradients,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,9 +67,9 @@ def _instantiations(packed: bool) -> list[str]:
     out = []
     for kernel, dtypes in KERNELS.items():
         for dt in dtypes:
-            # The fused kernels' mixed-precision forms <T, G> too (CUDIST_MIXED_GRADIENTS).
+            # The mixed-precision forms <T, G> too (CUDIST_MIXED_GRADIENTS).
             args = [CTYPES[dt]] + ([f"{CTYPES[dt]}, {CTYPES[g]}" for g in MIXED.get(dt, ())]
-                                   if kernel.startswith(FUSED_PREFIX) else [])
+                                   if takes_mixed_gradients(kernel) else [])
             for a in args:
                 for suffix in ("", "_packed") if packed else ("",):
                     out.append(f"cudist::kernels::{kernel}{suffix}<{a}>")

@@ -205,6 +205,7 @@ def _launcher(lib, name: str, dtype: str):
         "all_reduce_nesterov": (P, P, I, P, I, D, D, D, L, P),
         "adamw": (P, P, P, I, P, D, D, D, D, D, L, P),
         "all_reduce_adamw": (P, P, P, I, P, I, D, D, D, D, D, L, P),
+        "reduce_unscale_finite": (P, I, P, L, D, P, P),
     }[name]
     fn = getattr(lib, f"cudist_emu_launch_{name}_{dtype}")
     fn.argtypes = params
@@ -970,3 +971,51 @@ def test_bfloat16_nan_inf_subnormal_sums(lib, ftz):
     got = x.view(np.uint16)
     assert got[0] == 0x0007 and got[1] == 0x7F80 and got[2] == 0x3F80  # 1 + 2**-8: the tie rounds to even
     assert all(v & 0x7FFF == 0x7FC0 for v in got[3:])  # NaN in, inf - inf: 0x7fc0 | sign
+
+
+@pytest.mark.parametrize("dtype", (*FLOATS, "bfloat16"))
+def test_reduce_unscale_finite_launcher(lib, dtype):
+    """LossScaleOptimizer's launcher: out = the m gradients' sum (1..17: more than 8 pre-summed into
+    a stream-ordered temporary, freed again; float16 / bfloat16 refused there) / scale, bit for bit
+    the host kernels' (the CPU backends' definition), and the flag set by a non-finite element only,
+    never cleared; bad arguments refused."""
+    rng = np.random.default_rng(31)
+    fn = _launcher(lib, "reduce_unscale_finite", dtype)
+    live = lib.cudist_emu_async_allocations
+    live.restype = ctypes.c_longlong
+    before = live()
+    host = REF.trusted
+    dt = np.dtype(dtype)
+    for m, count, layout in _cases((1, 3, 8, 9, 17), LAUNCH_LAYOUTS, sizes=(0, 7, 165, 1031)):
+        for bad in (None, np.inf, np.nan):
+            what = f"{dtype} m={m} count={count} {layout} bad={bad}"
+            grads = _buffers(rng, m, count, dtype, layout)
+            if bad is not None and count:
+                grads[-1][count // 2] = bad
+            out = _random(rng, count, dtype, offset=1 if layout == "offset" else 0)
+            flag = np.zeros(1, np.int32)
+            rc = fn(_table(grads), m, _ptr(out), count, 64.0, _ptr(flag), None)
+            assert rc == _launch_rc(dtype, m, count), what
+            if rc != CUDA_SUCCESS:
+                continue
+            want = np.empty(count, dt)
+            finite = host.reduce_unscale_finite([g.view(dt) for g in grads], 64.0, want)
+            assert flag[0] == (0 if finite else 1), what
+            assert finite == (bad is None or count == 0), what
+            keep = np.isfinite(want.astype(np.float64))
+            _assert_bits(out.view(dt)[keep], want[keep], what)
+            if not finite:  # never cleared by a finite launch after it
+                ok = _buffers(rng, m, count, dtype, layout)
+                assert fn(_table(ok), m, _ptr(out), count, 64.0, _ptr(flag), None) == CUDA_SUCCESS
+                assert flag[0] == 1, what
+    assert live() == before, "the launcher left a cudaMallocAsync temporary behind"
+    g = _buffers(rng, 2, 7, dtype, "aligned")
+    out, flag = _random(rng, 7, dtype), np.zeros(1, np.int32)
+    for what, call in {
+        "null grads": lambda: fn(None, 2, _ptr(out), 7, 2.0, _ptr(flag), None),
+        "m=0": lambda: fn(_table(g), 0, _ptr(out), 7, 2.0, _ptr(flag), None),
+        "null out": lambda: fn(_table(g), 2, None, 7, 2.0, _ptr(flag), None),
+        "null flag": lambda: fn(_table(g), 2, _ptr(out), 7, 2.0, None, None),
+        "count=-1": lambda: fn(_table(g), 2, _ptr(out), -1, 2.0, _ptr(flag), None),
+    }.items():
+        assert call() == CUDA_ERROR_INVALID_VALUE, what

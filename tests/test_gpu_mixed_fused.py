@@ -59,12 +59,12 @@ def _grads(gdtype, n, key):
     ]
 
 
-def _train(devices, to_device, make, steps, *, cross_device_ops=None, wrap=None):
-    """Trains two float32 variables from ``steps``; returns per step (weights of every replica,
-    every slot variable's value)."""
+def _train(devices, to_device, make, steps, *, cross_device_ops=None, wrap=None, vdtype=np.float32):
+    """Trains two variables (of ``vdtype``) from ``steps``; returns per step (weights of every
+    replica, every slot variable's value)."""
     strategy = cudist.MirroredStrategy(devices, cross_device_ops=cross_device_ops)
     rng = _rng("init")
-    init = [rng.standard_normal(s).astype(np.float32) for s in SIZES]
+    init = [rng.standard_normal(s).astype(vdtype) for s in SIZES]
     with strategy.scope():
         ws = [cudist.Variable(x, name=f"w{i}") for i, x in enumerate(init)]
         opt = make()
@@ -88,12 +88,12 @@ def _host(a):
     return cupy.asnumpy(a) if isinstance(a, cupy.ndarray) else a
 
 
-def _assert_same(got, want):
+def _assert_same(got, want, vdtype=np.float32):
     assert len(got) == len(want)
     for s, ((gw, gs), (ww, ws)) in enumerate(zip(got, want)):
         for v, (copies, ref) in enumerate(zip(gw, ww)):
             for r, c in enumerate(copies):
-                assert c.dtype == np.float32, (s, v, r)
+                assert c.dtype == vdtype, (s, v, r)
                 assert c.tobytes() == ref[0].tobytes(), f"step {s}: variable {v}, replica {r} differs from the CPU path"
         assert len(gs) == len(ws)
         for j, (a, b) in enumerate(zip(gs, ws)):
@@ -332,9 +332,7 @@ def test_loss_scale_optimizer_on_physical_gpus(k, launches):
     want = _train([f"/cpu:{i}" for i in range(k)], lambda g: g, make, steps, wrap=wrap)
     _assert_same(got, want)
     assert np.array_equal(got[1][0][0][0], got[0][0][0][0]) and not np.array_equal(got[2][0][0][0], got[1][0][0][0])
-    assert launches["fused"] == (len(steps) - 1 if _all_peers(k) else 0)
-    if _all_peers(k):
-        _check_fused_per_gpu(launches, k, np.dtype(np.float32), len(steps) - 1)
+    _check_loss_scale_launches(launches, len(steps), BF16, fused=_all_peers(k))
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -368,7 +366,22 @@ def test_loss_scale_optimizer_on_logical_gpus(n, launches):
     # The test can fail: steps 1 and 3 were skipped (the weights did not move), the others were not.
     moved = [not np.array_equal(got[s][0][0][0], got[s - 1][0][0][0]) for s in range(1, len(steps))]
     assert moved == [False, True, False, True, True]
-    assert launches["fused"] == len(steps) - 2
+    _check_loss_scale_launches(launches, len(steps), BF16, fused=True)
+
+
+def _check_loss_scale_launches(launches, steps, gdtype, *, fused):
+    """LossScaleOptimizer's steps on GPUs: with ``fused``, every step one ``reduce_unscale_finite``
+    launch per variable on GPU 0 (the first copy's), reading the gradients as they are (``gdtype``:
+    the mixed launch's gradient dtype, None for the variables' own) (skipped steps too: the flag is read after every variable's launch); the updates then take
+    the plain path (one gradient: the unscaled sum). Without, none (the per-replica check)."""
+    unscale = [(dt, g, d) for (kern, dt, g), d in zip(launches["kernels"], launches["devices"])
+               if kern == "reduce_unscale_finite"]  # fmt: skip
+    if fused:
+        assert len(unscale) == steps * len(SIZES), launches["kernels"]
+        assert all(g == gdtype and d == 0 for dt, g, d in unscale), unscale
+        assert launches["fused"] == 0  # (the fused update pass is the non-scaled optimizers')
+    else:
+        assert unscale == []
 
 
 @pytest.mark.parametrize("physical", [False, pytest.param(True, marks=pytest.mark.multi_gpu)], ids=["logical", "physical"])
@@ -415,3 +428,62 @@ def test_gradients_sharing_memory_with_what_the_pass_writes_are_read_as_before_t
     for v, (g, w) in enumerate(zip(got, want)):
         for r in range(n):
             assert g[r].tobytes() == w[r].tobytes(), f"variable {v}, replica {r}"
+
+
+LSO_OPTIMIZERS = ["sgd_momentum", "adam", "rmsprop_centered_momentum", "adamw"]
+
+
+@pytest.mark.parametrize(
+    "vdtype,gdtype",
+    [(np.float32, BF16), (np.float32, np.float16), (np.float32, np.float32), (np.float16, np.float16), (BF16, BF16)],
+    ids=["bf16->f32", "f16->f32", "f32", "f16", "bf16"],
+)
+@pytest.mark.parametrize("opt_name", LSO_OPTIMIZERS)
+@pytest.mark.parametrize("n", [2, 4, 10])  # 10: more gradients than one launch reads
+def test_loss_scale_optimizer_check_is_fused_into_the_gpu_reduction(n, opt_name, vdtype, gdtype, launches, monkeypatch):
+    """LossScaleOptimizer on logical GPUs: an inf at step 1, a NaN at step 3, finite steps between
+    and after (the scale grows after 2): step by step the CPU fused path's bits (weights, slots,
+    scale, counters). Each step is one reduce_unscale_finite launch per variable (the finiteness
+    check in the reduction's pass), no per-replica isfinite sweep, and ONE device-to-host read of
+    the flags per step, whatever the number of variables and replicas. (bfloat16 variables have no
+    fused kernels: the per-replica check, the same bits.)"""
+    import cupy
+
+    from cudist import optimizers
+    from cudist._dataplane import update
+
+    vdtype, gdtype = np.dtype(vdtype), np.dtype(gdtype)
+    steps = _grads(gdtype, n, f"lso_fused/{opt_name}") + _grads(gdtype, n, f"lso_fused2/{opt_name}")
+    steps[1][n - 1][0][5] = np.inf
+    steps[3][0][1][2, 1] = np.nan
+
+    def wrap(opt):
+        return cudist.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**4, dynamic_growth_steps=2)
+
+    sweeps, reads = [], []
+    real_finite, real_to_host = optimizers._all_finite, update.to_host
+    monkeypatch.setattr(optimizers, "_all_finite", lambda g: (sweeps.append(1), real_finite(g))[1])
+    monkeypatch.setattr(update, "to_host", lambda a: (reads.append(type(a)), real_to_host(a))[1])
+    make = OPTIMIZERS[opt_name]
+    with gpu0_split(n, memory_limit=512):
+        got = _train([f"/gpu:{i}" for i in range(n)], cupy.asarray, make, steps, wrap=wrap, vdtype=vdtype)
+    gpu_reads, gpu_sweeps = list(reads), list(sweeps)
+    cpu = cudist.config.list_physical_devices("CPU")[0]
+    cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * max(n, 4))
+    try:
+        want = _train([f"/cpu:{i}" for i in range(n)], lambda g: g, make, steps, wrap=wrap, vdtype=vdtype)
+    finally:  # (conftest's four)
+        cudist.config.set_logical_device_configuration(cpu, [cudist.config.LogicalDeviceConfiguration()] * 4)
+    _assert_same(got, want, vdtype)
+    moved = [not np.array_equal(got[s][0][0][0], got[s - 1][0][0][0]) for s in range(1, len(steps))]
+    assert moved == [False, True, False, True, True]
+    if vdtype == BF16:  # bfloat16 variables have no fused kernels (nor on the CPU): per replica
+        assert gpu_sweeps and gpu_reads == []
+        _check_loss_scale_launches(launches, len(steps), None, fused=False)
+        return
+    assert gpu_sweeps == []
+    assert gpu_reads == [cupy.ndarray] * len(steps)  # one flag, read once per step
+    if n <= 8 or gdtype == vdtype:
+        _check_loss_scale_launches(launches, len(steps), None if gdtype == vdtype else gdtype, fused=True)
+    else:  # more than one launch's gradients: widened first (exact), then read as float32
+        _check_loss_scale_launches(launches, len(steps), None, fused=True)

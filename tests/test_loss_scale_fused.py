@@ -179,8 +179,8 @@ def test_step_skips_and_scales_on_every_backend(each_cpu_backend, monkeypatch, g
     and the trajectory is the one of the inner optimizer on the unscaled sums."""
     calls = []
     trusted = cpu_backend().trusted
-    real = trusted.reduce_unscale_finite
-    monkeypatch.setattr(trusted, "reduce_unscale_finite", lambda *a: (calls.append(1), real(*a))[1])
+    real = trusted.reduce_unscale_flag
+    monkeypatch.setattr(trusted, "reduce_unscale_flag", lambda *a: (calls.append(1), real(*a))[1])
     steps = _steps()
     trace = _train(steps, gdt)
     assert calls  # the fused reduce ran (no per-replica sweep)
@@ -221,7 +221,7 @@ def test_clipping_inner_optimizer_keeps_the_per_replica_path(monkeypatch):
     the per-replica check decides, as before."""
     calls = []
     trusted = cpu_backend().trusted
-    monkeypatch.setattr(trusted, "reduce_unscale_finite", lambda *a: calls.append(1))
+    monkeypatch.setattr(trusted, "reduce_unscale_flag", lambda *a: calls.append(1))
     trace = _train(_steps()[:3], np.float32, inner=lambda: optimizers.SGD(0.25, clipnorm=1.0))
     assert not calls
     assert [t[0] for t in trace] == [8.0, 4.0, 4.0]

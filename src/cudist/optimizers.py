@@ -985,9 +985,11 @@ class Optimizer:
         variable's per-replica gradients summed and divided by ``scale`` in one kernel pass that
         also reports whether the result is finite; then the update from those sums, or nothing.
 
-        Possible where :meth:`_apply_fused` is (host arrays, the kernels' replica-order sum) and
-        this optimizer changes no per-replica gradient before the sum (no ``loss_scale_factor``,
-        accumulation or clipping, which Keras applies per replica). Returns None (nothing done)
+        Possible where :meth:`_apply_fused` is (host arrays, or GPU arrays each GPU holding copies
+        can read; the kernels' replica-order sum) and this optimizer changes no per-replica
+        gradient before the sum (no ``loss_scale_factor``, accumulation or clipping, which Keras
+        applies per replica). On GPUs the flags stay on the GPUs until every variable's sum is
+        launched: one read-back per step. Returns None (nothing done)
         otherwise, True when the variables were updated, False when a sum was not finite (the
         step is skipped: no variable, slot or ``iterations`` changes).
         """
@@ -998,7 +1000,7 @@ class Optimizer:
         for comps, var in zip(per_var, variables):
             shape = var.shape
             for c in comps:
-                if type(c) is not np.ndarray or c.shape != shape:
+                if (type(c) is not np.ndarray and not is_device_array(c)) or c.shape != shape:
                     return None
         update, ensure_slots = self._update, self._ensure_slots
         plans = [update.plan(v, ensure_slots(v)) for v in variables]
@@ -1825,16 +1827,18 @@ class LossScaleOptimizer:
     ``iterations`` does not move) and halves the scale. Under a strategy every replica decides on
     the all-reduced finiteness, so all replicas skip the same steps.
 
-    Under a MirroredStrategy on the CPU backends (host gradients, the default cross-device ops) the
+    Under a MirroredStrategy (host gradients on the CPU backends, or GPU gradients that every GPU
+    holding copies of the variable reads in place: peer access; the default cross-device ops) the
     check is fused into the all-reduce: one kernel pass sums each variable's per-replica gradients,
-    divides the sum by the scale and reports whether it is finite, and the inner optimizer then
-    updates from those sums or the step is skipped -- no pass over the gradients of its own. The
+    divides the sum by the scale and flags a non-finite result, and the inner optimizer then
+    updates from those sums or the step is skipped -- no pass over the gradients of its own (on
+    GPUs the flag stays on the GPU: one read-back per step, whatever the number of variables). The
     decision is then taken on the reduced gradients, so a step whose finite gradients overflow to
     inf in the sum is skipped too (Keras, which checks each replica's gradients, would apply the
     inf). The sum is divided once instead of each replica's gradient (Keras): the same bits for a
     power-of-two scale (the only scales the fused step takes; others take the per-replica path)
-    unless an unscaled value is a float32 subnormal. Elsewhere (one replica, multi-worker, GPU,
-    an inner optimizer that clips, accumulates or has ``loss_scale_factor``), each replica checks
+    unless an unscaled value is a float32 subnormal. Elsewhere (one replica, multi-worker, GPUs
+    without peer access, an inner optimizer that clips, accumulates or has ``loss_scale_factor``), each replica checks
     its gradients and the replicas (and workers) agree through an all-reduce of the verdict.
 
     Args:

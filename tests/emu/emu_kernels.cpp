@@ -53,6 +53,20 @@ CUDIST_EMU_ALL_DTYPES(int, int32)
 CUDIST_EMU_ALL_DTYPES(long long, int64)
 CUDIST_EMU_ALL_DTYPES(__nv_bfloat16, bfloat16)
 
+// LossScaleOptimizer's reduce_unscale_finite<T, G>: the update dtypes (G = T), and the
+// mixed-precision pairs of the kernel list (DT float32_g<gradient dtype>).
+#define CUDIST_EMU_UNSCALE(T, G, C, DT)                                                                           \
+  extern "C" void cudist_emu_reduce_unscale_finite_##DT(unsigned gx, unsigned gy, unsigned bx, G* const* grads,    \
+                                                         int n_grads, T* out, long long count, C scale, int* flag) { \
+    run(&k::reduce_unscale_finite<T, G>, gx, gy, bx, grads, n_grads, out, count, scale, flag);                     \
+  }
+CUDIST_EMU_UNSCALE(__half, __half, float, float16)
+CUDIST_EMU_UNSCALE(float, float, float, float32)
+CUDIST_EMU_UNSCALE(double, double, double, float64)
+CUDIST_EMU_UNSCALE(__nv_bfloat16, __nv_bfloat16, float, bfloat16)
+CUDIST_EMU_UNSCALE(float, __half, float, float32_gfloat16)
+CUDIST_EMU_UNSCALE(float, __nv_bfloat16, float, float32_gbfloat16)
+
 // ------------------------------------------------------------------------------------- runtime
 /// The calling thread's last error (an emulated cudaError_t), cleared: cudaGetLastError.
 extern "C" int cudist_emu_get_last_error() { return cudaGetLastError(); }

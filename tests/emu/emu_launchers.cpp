@@ -48,3 +48,14 @@ CUDIST_EMU_LAUNCH_ALL(double, float64)
 CUDIST_EMU_LAUNCH_ALL(int, int32)
 CUDIST_EMU_LAUNCH_ALL(long long, int64)
 CUDIST_EMU_LAUNCH_ALL(__nv_bfloat16, bfloat16)
+
+// The launcher of LossScaleOptimizer's reduce_unscale_finite (the update dtypes).
+#define CUDIST_EMU_LAUNCH_UNSCALE(T, DT)                                                                          \
+  extern "C" int cudist_emu_launch_reduce_unscale_finite_##DT(const T* const* grads, int m, T* out, long long count, \
+                                                              double scale, int* flag, void* stream) {             \
+    return cc::reduce_unscale_finite<T>(grads, m, out, count, scale, flag, as_stream(stream));                      \
+  }
+CUDIST_EMU_LAUNCH_UNSCALE(__half, float16)
+CUDIST_EMU_LAUNCH_UNSCALE(float, float32)
+CUDIST_EMU_LAUNCH_UNSCALE(double, float64)
+CUDIST_EMU_LAUNCH_UNSCALE(__nv_bfloat16, bfloat16)

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
 import numpy as np
 import numpy.typing as npt
 
-from cudist._arrays import device_context, gpu_of, like
+from cudist._arrays import array_module, contiguous, device_context, gpu_of, like, to_host
 from cudist._dataplane import pool
 from cudist._dataplane.storage import GroupStorage, Storage, kernel_backend
 from cudist._kernels import UPDATE_KERNELS, bias_corrected_lr, is_bfloat16, momentum_schedule_step, numpy_backend
@@ -456,21 +456,36 @@ class UpdatePass:
         self, backend: KernelBackend, per_var: Sequence[Sequence[Any]], plans: Sequence[Plan], scale: float
     ) -> list[Any] | None:
         """LossScaleOptimizer's reduction (after :meth:`fusable`): per variable its per-replica
-        gradients summed and divided by ``scale`` into a pooled buffer of the variable's dtype, the
-        finiteness check in the same kernel pass (``reduce_unscale_finite``).
+        gradients summed and divided by ``scale`` into a new buffer of the variable's dtype where
+        its copy 0 lives (pooled on the host; on a GPU, read there from every replica's GPU over
+        peer access), the finiteness check in the same kernel pass (``reduce_unscale_flag``): one
+        flag per memory, on its GPU for GPU arrays, read back once after every variable's launch
+        (one host round trip per step, not one per variable or replica).
 
         Returns:
-            The unscaled sums, or None as soon as one is not finite (the step is skipped: the
-            remaining variables are not reduced).
+            The unscaled sums, or None when one is not finite (the step is skipped; on the host
+            the remaining variables are not reduced).
         """
-        reduce = backend.trusted.reduce_unscale_finite
+        reduce = backend.trusted.reduce_unscale_flag
         out: list[Any] = []
+        flags: dict[int, Any] = {}  # per memory: -1 the host, else the GPU's id
         for comps, plan in zip(per_var, plans):
             ref = plan[1][0][0][0]  # copy 0 of the variable: its shape and dtype
-            buf = pool.take(ref.shape, ref.dtype)
-            if not reduce([c if c.flags.c_contiguous else np.ascontiguousarray(c) for c in comps], scale, buf):
+            comps = [contiguous(c) for c in comps]
+            if type(ref) is np.ndarray:
+                where, buf = -1, pool.take(ref.shape, ref.dtype)
+            else:
+                with device_context(ref):
+                    where, buf = ref.device.id, array_module(ref).empty(ref.shape, ref.dtype)
+            flag = flags.get(where)
+            if flag is None:
+                flag = flags[where] = like(np.zeros(1, np.int32), ref)
+            reduce(comps, scale, buf, flag)
+            if where == -1 and flag[0]:
                 return None
             out.append(buf)
+        if any(to_host(f)[0] for f in flags.values()):
+            return None
         return out
 
     def apply_fused(

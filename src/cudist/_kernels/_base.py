@@ -957,6 +957,14 @@ class KernelBackend:
             np.copyto(out, np.divide(s.astype(ct, copy=False), ct.type(scale)), casting="unsafe")
             return bool(np.isfinite(out).all())
 
+    def _hook_reduce_unscale_flag(self, grads, scale, out, flag):
+        """``reduce_unscale_finite`` with its verdict in ``flag`` (a one-element int32 array in
+        ``out``'s memory) instead of returned: set to 1 when ``out`` has an inf or NaN, left as it
+        was otherwise. The host backends answer at once; a GPU backend keeps the flag on its GPU
+        so that a step's variables need one read-back in all."""
+        if not self._hook_reduce_unscale_finite(grads, scale, out):
+            flag[0] = 1
+
 
 
 #: The trusted entry points of the update kernels: ``name`` and ``all_reduce_name`` per UPDATE_KERNELS entry.
@@ -1008,6 +1016,10 @@ class TrustedKernels:
       dtype, or bfloat16 / float16 for a float32 ``out`` where ``mixed_gradients``), summed as the
       fused updates sum them, divided by ``scale``; returns whether every element of ``out`` is finite.
       LossScaleOptimizer's step: the finiteness check is part of the reduction's pass.
+    * ``reduce_unscale_flag(grads, scale, out, flag)``: the same, the verdict kept in ``flag`` (a
+      one-element int32 array of ``out``'s backend, on ``out``'s device) -- set to 1 when ``out``
+      has an inf or NaN, untouched otherwise --, so that one read of the flag serves every variable
+      of a step (on a GPU: no host round trip per variable).
     * ``sgd(copies, grad, lr, decay)``; ``momentum(copies, velocities, grad, lr, momentum, decay)`` and
       ``nesterov(...)`` with the same arguments (Nesterov's momentum: a row of its own).
     * ``adamw(copies, ms, vs, grad, lr_t, beta_1, beta_2, epsilon, decay)`` (also the public
@@ -1045,6 +1057,7 @@ class TrustedKernels:
         "assign",
         "assign_add",
         "reduce_unscale_finite",
+        "reduce_unscale_flag",
         "__dict__",  # the update kernels' entry points, one pair per row of UPDATE_KERNELS
         "check_bufs",
         "check_like",
@@ -1064,6 +1077,7 @@ class TrustedKernels:
     assign: Callable[..., None]
     assign_add: Callable[..., None]
     reduce_unscale_finite: Callable[..., bool]
+    reduce_unscale_flag: Callable[..., None]
 
     def __init__(self, backend: KernelBackend) -> None:
         self.backend = backend
@@ -1083,6 +1097,7 @@ class TrustedKernels:
         self.assign = backend._hook_assign
         self.assign_add = backend._hook_assign_add
         self.reduce_unscale_finite = backend._hook_reduce_unscale_finite
+        self.reduce_unscale_flag = backend._hook_reduce_unscale_flag
         for name in UPDATE_KERNELS:
             setattr(self, name, getattr(backend, f"_hook_{name}"))
             setattr(self, f"all_reduce_{name}", getattr(backend, f"_hook_all_reduce_{name}"))

@@ -33,6 +33,7 @@ __all__ = [
     "parse_mixed_gradients",
     "mixed_gradients",
     "FUSED_PREFIX",
+    "takes_mixed_gradients",
     "runs_on",
 ]
 
@@ -56,8 +57,11 @@ _KERNEL = re.compile(r"\bX\(A,\s*(\w+),\s*(\w+)\)")
 _MIXED = re.compile(_MACRO.format(name="CUDIST_MIXED_GRADIENTS", params=r"M, A"))
 _MIXED_PAIR = re.compile(r"\bM\(A,\s*(\w+),\s*(\w+)\)")
 _RULES = re.compile(_MACRO.format(name="CUDIST_UPDATE_RULE_LIST", params=r"X, A"))
-#: The fused all-reduce + update kernels: the ones CUDIST_MIXED_GRADIENTS also instantiates mixed.
+#: The fused all-reduce + update kernels (one per row of the rules' table).
 FUSED_PREFIX = "mirrored_all_reduce_"
+#: LossScaleOptimizer's reduction kernel: with the fused kernels, the ones CUDIST_MIXED_GRADIENTS
+#: also instantiates mixed (kernel_list.cuh's comment on that macro says so).
+UNSCALE_KERNEL = "reduce_unscale_finite"
 # A row may continue on the next line (``\`` and a newline are blanks to it).
 _RULE = re.compile(r"\bX\(A,[\s\\]*(\w+),[\s\\]*(\w+),[\s\\]*\(([^()]*)\),[\s\\]*\(([^()]*)\)\)")
 
@@ -126,6 +130,13 @@ def parse_mixed_gradients(text: str) -> dict[str, tuple[str, ...]]:
         for var, grad in _MIXED_PAIR.findall(body.group(1)):
             pairs[var] = (*pairs.get(var, ()), grad)
     return pairs
+
+
+def takes_mixed_gradients(kernel: str) -> bool:
+    """Whether ``kernel`` of the kernel list also has the mixed-precision instantiations
+    ``kernel<T, G>`` of CUDIST_MIXED_GRADIENTS: the fused all-reduce + update kernels and
+    LossScaleOptimizer's ``reduce_unscale_finite`` (the kernels that sum gradients for an update)."""
+    return kernel.startswith(FUSED_PREFIX) or kernel == UNSCALE_KERNEL
 
 
 def mixed_gradients(include_dir) -> dict[str, tuple[str, ...]]:

@@ -67,13 +67,13 @@ from cudist._kernels._base import SUPPORTED_DTYPES, UPDATE_KERNELS, KernelBacken
 from cudist._kernels._cuda_headers import cuda_include_dirs
 from cudist._kernels._numpy import reference_reduce
 from cudist._kernels._cuda_launch import (
-    FUSED_PREFIX,
     LAUNCHERS_ENV,
     dtype_ctypes,
     kernel_list,
     launch_mode,
     mixed_gradients,
     runs_on,
+    takes_mixed_gradients,
 )
 from cudist._kernels._split import split_sizes
 from cudist._reduce_util import ReduceOp
@@ -185,9 +185,9 @@ def compiled_names(dtype) -> list[str]:
     pointers travel in the kernel parameters, where the table forms load them from device memory)."""
     dt = np.dtype(dtype).name
     names = [name_expression(k + "_packed", dt) for k, dts in KERNELS.items() if dt in dts]
-    # The fused kernels' mixed-precision instantiations go into the variables' dtype's module.
+    # The mixed-precision instantiations go into the variables' dtype's module.
     names += [name_expression(k + "_packed", dt, g) for k, dts in KERNELS.items()
-              if k.startswith(FUSED_PREFIX) and dt in dts for g in MIXED.get(dt, ())]
+              if takes_mixed_gradients(k) and dt in dts for g in MIXED.get(dt, ())]
     return names
 
 
@@ -706,24 +706,12 @@ class CupyBackend(KernelBackend):
         copy 0 of each to the rest. With ``grads`` (a list), the fused all-reduce form: the kernel
         sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary."""
         n, count, dtype = len(copies), copies[0].size, copies[0].dtype
-        inputs = [grad] if grads is None else list(grads)
-        grad_dtype = None
-        if inputs[0].dtype != dtype:
-            if grads is None or inputs[0].dtype.name not in MIXED.get(dtype.name, ()):
-                # Only the fused kernels have mixed instantiations, and only for the pairs of the
-                # kernel list: anything else would be misread by the kernel, never silently.
-                raise TypeError(
-                    f"{kernel}: the gradients have dtype {inputs[0].dtype.name} but the copies have dtype "
-                    f"{dtype.name}; the cupy backend's kernels take gradients of the copies' dtype, or bfloat16 / "
-                    f"float16 ones for float32 copies in the fused all-reduce forms (cast them first, e.g. "
-                    f"g.astype({dtype.name!r}): exact for bfloat16/float16 -> float32)"
-                )
-            if len(inputs) > MAX_REPLICAS:
-                # Past one launch's gradients the head is pre-summed into a temporary of the copies'
-                # dtype: widened first (exact), so that sum is float32 too, not a 16-bit rounding.
-                inputs = [g.astype(dtype) for g in inputs]
-            else:
-                grad_dtype = inputs[0].dtype
+        if grads is None:
+            inputs, grad_dtype = [grad], None
+            if grad.dtype != dtype:
+                self._gradient_inputs(kernel, dtype, [grad], mixed=False)  # (raises the TypeError)
+        else:
+            inputs, grad_dtype = self._gradient_inputs(kernel, dtype, grads)
         if count == 0:
             return
         device = copies[0].device.id
@@ -741,18 +729,7 @@ class CupyBackend(KernelBackend):
         elif grads is None:
             args = (*tables, np.int32(m), g_arrs[0], *scalars, np.int64(count))
         else:
-            if k > MAX_REPLICAS and self._half_on_host(g_arrs):
-                with cupy.cuda.Device(device):
-                    tmp = cupy.empty_like(g_arrs[0])
-                tmp.set(_host_reduce(g_arrs, ReduceOp.SUM))
-                g_arrs = [tmp]
-            elif k > MAX_REPLICAS:
-                # Replica order kept: the head summed into a temporary, the kernel adds the rest.
-                head = k - (MAX_REPLICAS - 1)
-                with cupy.cuda.Device(device):
-                    tmp = cupy.empty_like(g_arrs[0])
-                self._reduce_into(device, g_arrs[:head], tmp, [], 0)
-                g_arrs = [tmp, *g_arrs[head:]]
+            g_arrs = self._fit_gradients(device, g_arrs)
             gt = _pack(g_arrs)
             args = (*tables, np.int32(m), gt, np.int32(len(g_arrs)), *scalars, np.int64(count))
         self._launch(device, kernel, dtype, count, args, grad_dtype=grad_dtype)
@@ -760,6 +737,78 @@ class CupyBackend(KernelBackend):
             for group in staged_groups:
                 self._broadcast_from(device, group[0], group[m:])
         st.finish()
+
+    @staticmethod
+    def _gradient_inputs(kernel, dtype, grads, mixed=True):
+        """The gradients a kernel summing them for copies of ``dtype`` reads, and the gradients'
+        dtype of its mixed-precision launch (None: the copies' own).
+
+        Raises:
+            TypeError: gradients of another dtype than the copies', other than the kernel list's
+                mixed pairs (bfloat16 / float16 for float32 copies) where ``mixed``.
+        """
+        inputs = list(grads)
+        if inputs[0].dtype == dtype:
+            return inputs, None
+        if not mixed or inputs[0].dtype.name not in MIXED.get(dtype.name, ()):
+            # Only the kernels summing gradients have mixed instantiations, and only for the pairs
+            # of the kernel list: anything else would be misread by the kernel, never silently.
+            raise TypeError(
+                f"{kernel}: the gradients have dtype {inputs[0].dtype.name} but the copies have dtype "
+                f"{dtype.name}; the cupy backend's kernels take gradients of the copies' dtype, or bfloat16 / "
+                f"float16 ones for float32 copies in the fused all-reduce forms (cast them first, e.g. "
+                f"g.astype({dtype.name!r}): exact for bfloat16/float16 -> float32)"
+            )
+        if len(inputs) > MAX_REPLICAS:
+            # Past one launch's gradients the head is pre-summed into a temporary of the copies'
+            # dtype: widened first (exact), so that sum is float32 too, not a 16-bit rounding.
+            # Each on its own GPU (astype works on the current one).
+            wide = []
+            for g in inputs:
+                with cupy.cuda.Device(g.device.id):
+                    wide.append(g.astype(dtype))
+            return wide, None
+        return inputs, inputs[0].dtype
+
+    def _fit_gradients(self, device, g_arrs):
+        """At most MAX_REPLICAS gradients (usable on ``device``) for one launch, replica order kept:
+        more are pre-summed -- float16 / bfloat16 on the host by the reference (their float32
+        accumulation would round between passes), the others' head into a temporary the kernel
+        adds the rest to."""
+        k = len(g_arrs)
+        if k <= MAX_REPLICAS:
+            return g_arrs
+        with cupy.cuda.Device(device):
+            tmp = cupy.empty_like(g_arrs[0])
+        if self._half_on_host(g_arrs):
+            tmp.set(_host_reduce(g_arrs, ReduceOp.SUM))
+            return [tmp]
+        head = k - (MAX_REPLICAS - 1)
+        self._reduce_into(device, g_arrs[:head], tmp, [], 0)
+        return [tmp, *g_arrs[head:]]
+
+    def _hook_reduce_unscale_flag(self, grads, scale, out, flag):
+        """LossScaleOptimizer's reduction on ``out``'s GPU: one ``reduce_unscale_finite`` launch
+        reading every gradient where it is (peer access, or staged copies) and setting ``flag`` (a
+        one-element int32 array on that GPU) to 1 where ``out`` gets an inf or NaN; nothing is
+        read back (the caller reads its flags once per step)."""
+        dtype, count = out.dtype, out.size
+        inputs, grad_dtype = self._gradient_inputs("reduce_unscale_finite", dtype, grads)
+        if count == 0:
+            return
+        device = out.device.id
+        st = self._Staging(self, device, [out, flag, *inputs], [True, True] + [False] * len(inputs))
+        o, f, *g_arrs = st.arrays
+        g_arrs = self._fit_gradients(device, g_arrs)
+        args = (_pack(g_arrs), np.int32(len(g_arrs)), o, np.int64(count), self._ct(dtype)(scale), f)
+        self._launch(device, "reduce_unscale_finite", dtype, count, args, grad_dtype=grad_dtype)
+        st.finish()
+
+    def _hook_reduce_unscale_finite(self, grads, scale, out):
+        with cupy.cuda.Device(out.device.id):
+            flag = cupy.zeros(1, np.int32)
+            self._hook_reduce_unscale_flag(grads, scale, out, flag)
+            return not bool(flag.get()[0])
 
     @staticmethod
     def _ct(dtype):

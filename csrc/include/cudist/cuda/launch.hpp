@@ -74,6 +74,15 @@ template <class T>
 cudaError_t assign_add(T* const* copies, int n, const T* value, long long count, bool negate,
                        cudaStream_t stream = nullptr);
 
+/// LossScaleOptimizer's reduction with its finiteness check in the same pass: `out` becomes the sum
+/// of the m gradients (replica order, as the fused updates sum them) divided by `scale` (in the
+/// compute type, rounded once), and `*flag` (a device int) becomes 1 when some element of `out`
+/// is inf or NaN -- it is left as it was otherwise, so zero it once, launch for every variable,
+/// and read it once. `out` must not overlap a gradient.
+template <class T>
+cudaError_t reduce_unscale_finite(const T* const* grads, int m, T* out, long long count, double scale, int* flag,
+                                  cudaStream_t stream = nullptr);
+
 /// For each row X(A, name, rule, (slots), (hyper)) of CUDIST_UPDATE_RULE_LIST (<cudist/detail/update_rules.hpp>;
 /// cudist's kernel contract, Keras 3 formulas), generated (the rule's hyper-parameters as the table
 /// names them): the plain update on the n copies from `grad`, and the fused all-reduce form from the
@@ -116,6 +125,8 @@ CUDIST_UPDATE_RULE_LIST(CUDIST_CUDA_RULE_DECLARE_, ~)
   L(launch, scatter_batch, T, (const T*, T* const*, int, long long, long long, cudaStream_t))
 #define CUDIST_CUDA_LAUNCHERS_mirrored_assign_add(L, T, name)                                                   \
   L(launch, assign_add, T, (T* const*, int, const T*, long long, bool, cudaStream_t))
+#define CUDIST_CUDA_LAUNCHERS_reduce_unscale_finite(L, T, name)                                                 \
+  L(launch, reduce_unscale_finite, T, (const T* const*, int, T*, long long, double, int*, cudaStream_t))
 /// L(header, launcher, T, (parameters)) for every launcher and every dtype of the kernel it is
 /// listed under (a kernel of CUDIST_KERNELS without a CUDIST_CUDA_LAUNCHERS_<kernel> is an error).
 /// The launchers of the rules' kernels are generated from CUDIST_UPDATE_RULE_LIST (float dtypes).

@@ -276,6 +276,25 @@ cudaError_t run_fused(std::initializer_list<T* const*> groups, int n, const T* c
   return cudaSuccess;
 }
 }  // namespace detail
+
+template <class T>
+cudaError_t reduce_unscale_finite(const T* const* grads, int m, T* out, long long count, double scale, int* flag,
+                                  cudaStream_t stream) {
+  using C = typename kernels::detail::compute<T>::type;
+  if (detail::bad_grads(grads, m) || out == nullptr || flag == nullptr || count < 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  detail::PtrPack<T> g{};
+  int ng = 0;
+  T* tmp = nullptr;
+  cudaError_t e = detail::grads_pack<T>(grads, m, count, stream, g, ng, &tmp);
+  if (e != cudaSuccess) return e;
+  CUDIST_LAUNCH_KERNEL(kernels::reduce_unscale_finite_packed<T>, detail::grid_for<T>(count), detail::kThreads, stream, g,
+                       ng, out, count, static_cast<C>(scale), flag);
+  e = cudaGetLastError();
+  if (tmp != nullptr) cudaFreeAsync(tmp, stream);
+  return e;
+}
+
 // The launchers of CUDIST_UPDATE_RULE_LIST's kernels (declared in <cudist/cuda/launch.hpp>): every
 // slot must be given; the fused form runs the rule's kernel over the slots then the copies.
 #define CUDIST_CUDA_RULE_NULL_(A, slot) || slot##s == nullptr

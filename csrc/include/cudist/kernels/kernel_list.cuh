@@ -30,10 +30,11 @@
   D(A, __nv_bfloat16, bfloat16)
 
 /// Mixed precision: M(A, variable dtype, gradient dtype) for every pair whose fused all-reduce +
-/// update kernels (every `mirrored_all_reduce_*` below and of the rules' table) are also
-/// instantiated `kernel<T, G>` (T the variables', G the gradients' C++ type; NumPy names here):
-/// the gradients widened exactly while summed in float32. The CuPy backend compiles their
-/// `_packed` forms through NVRTC; the C++ launchers take gradients of the variables' dtype.
+/// update kernels (every `mirrored_all_reduce_*` of the rules' table) and LossScaleOptimizer's
+/// `reduce_unscale_finite` are also instantiated `kernel<T, G>` (T the variables', G the
+/// gradients' C++ type; NumPy names here): the gradients widened exactly while summed in float32.
+/// The CuPy backend compiles their `_packed` forms through NVRTC; the C++ launchers take
+/// gradients of the variables' dtype.
 #define CUDIST_MIXED_GRADIENTS(M, A) \
   M(A, float32, float16)             \
   M(A, float32, bfloat16)
@@ -50,4 +51,5 @@
   X(A, all_gather_chunks, ALL)                \
   X(A, broadcast, ALL)                        \
   X(A, scatter_batch, ALL)                    \
-  X(A, mirrored_assign_add, ALL)
+  X(A, mirrored_assign_add, ALL)              \
+  X(A, reduce_unscale_finite, FLOAT)

@@ -222,6 +222,57 @@ __global__ void mirrored_assign_add_packed(PtrPack<T> copies, int n, const T* va
   detail::for_each<T>(0, count, detail::all_aligned16(c, n, 0) && detail::aligned16(value), f);
 }
 
+namespace detail {
+
+// LossScaleOptimizer's reduction: out = the sum of the gradients (SumGrads: as the fused updates
+// sum them) divided by `scale` in the compute type, rounded once; *flag = 1 where a stored value is
+// inf or NaN (every thread that sees one stores the same 1: no atomics; never cleared here).
+template <class T, class G>
+struct UnscaleFinite {
+  using C = typename compute<T>::type;
+  SumGrads<T, G> grads;
+  T* out;
+  C scale;
+  int* flag;
+
+  template <int W>
+  __device__ __forceinline__ void apply(long long i) const {
+    const Pack<T, W> g = grads.template get<W>(i);
+    Pack<T, W> o;
+    bool ok = true;
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      o.v[k] = from_compute<T>(div(to_compute(g.v[k]), scale));
+      const C y = to_compute(o.v[k]);
+      ok = ok && sub(y, y) == C(0);  // false for inf and NaN only (as the host kernel tests it)
+    }
+    store<W>(out + i, o);
+    if (!ok) *flag = 1;
+  }
+  __device__ __forceinline__ bool aligned() const { return grads.aligned() && aligned16(out); }
+};
+
+}  // namespace detail
+
+/// LossScaleOptimizer's step: ``out`` = (the sum of the n_grads gradients, in replica order as the
+/// fused updates sum them: float16 in float32 rounded once, bfloat16 / float16 gradients of float32
+/// copies widened exactly) / ``scale`` in the compute type, and ``*flag`` = 1 when some stored
+/// element is inf or NaN (left as it was otherwise): the finiteness check in the pass that reads
+/// the gradients, the bits of the host ``cudist::reduce_unscale_finite``. 1 <= n_grads <=
+/// kMaxReplicas; ``out`` overlaps no gradient; one flag may serve many launches (read it once).
+template <class T, class G = T>
+__global__ void reduce_unscale_finite(G* const* grads, int n_grads, T* out, long long count,
+                                      typename detail::compute<T>::type scale, int* flag) {
+  detail::UnscaleFinite<T, G> f{{detail::load_ptrs(grads, n_grads), n_grads}, out, scale, flag};
+  detail::for_each<T>(0, count, f.aligned(), f);
+}
+template <class T, class G = T>
+__global__ void reduce_unscale_finite_packed(PtrPack<G> grads, int n_grads, T* out, long long count,
+                                             typename detail::compute<T>::type scale, int* flag) {
+  detail::UnscaleFinite<T, G> f{{detail::load_ptrs(grads, n_grads), n_grads}, out, scale, flag};
+  detail::for_each<T>(0, count, f.aligned(), f);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The rules' table: one kernel each (pointer-table and `_packed` forms, 1 <= n, n_grads <=
 // kMaxReplicas), the fused all-reduce form; the plain update is the same kernel with one gradient.

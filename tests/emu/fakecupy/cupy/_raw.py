@@ -105,6 +105,8 @@ def _parse_signatures(inc: Path) -> tuple[dict[str, list[tuple[str, str]]], int]
                 kind = "table"
             elif typ.startswith("PtrPack<"):
                 kind = "pack"
+            elif typ == "int*":
+                kind = "int_ptr"  # a device int (reduce_unscale_finite's flag): one element
             elif "*" in typ:
                 kind = "ptr"
             elif "compute<T>::type" in typ:
@@ -214,7 +216,7 @@ class RawKernel:
         if len(args) != len(self.params):
             raise TypeError(f"{self.name} takes {len(self.params)} arguments ({', '.join(n for _, n in self.params)}), got {len(args)}")
         dev = _emu.THREAD.device
-        cdefs, cvals, scalars, pointers, tables = [], [], {}, {}, {}
+        cdefs, cvals, scalars, pointers, tables, ints = [], [], {}, {}, {}, {}
         item = self.dtype.itemsize
         packs = {}
         for (kind, pname), a in zip(self.params, args):
@@ -234,6 +236,14 @@ class RawKernel:
                 cdefs.append(ctypes.c_void_p)
                 cvals.append(ptrs.ctypes.data)
                 packs[pname] = ptrs
+                continue
+            if kind == "int_ptr":
+                if not isinstance(a, ndarray) or a.dtype != np.int32:
+                    raise TypeError(f"{where}: expected a cupy.ndarray of int32 for an int* parameter, got "
+                                    f"{getattr(a, 'dtype', type(a).__name__)}")
+                cdefs.append(ctypes.c_void_p)
+                cvals.append(a._ptr or None)
+                ints[pname] = a
                 continue
             if kind in ("ptr", "table"):
                 if not isinstance(a, ndarray):
@@ -264,6 +274,8 @@ class RawKernel:
         direct = []
         for pname, a in pointers.items():
             direct.append((f"{pname}", a._ptr, self._extent(pname, None, scalars)))
+        for pname, a in ints.items():
+            direct.append((pname, a._ptr, 1, 4))
         table_reads = []
         for pname, ptrs in packs.items():
             nname = _TABLE_COUNT.get(pname, "n")
@@ -313,11 +325,12 @@ class RawKernel:
 
     def _check_pointers(self, touched, dev, *, pooled, since=None):
         allocs = []
-        for what, p, count in touched:
+        for what, p, count, *size in touched:
             if count <= 0:
                 continue
-            # The gradients of a mixed-precision kernel are 16-bit: their extent and alignment.
-            item = (self.gdtype if what.startswith("grads") else self.dtype).itemsize
+            # The gradients of a mixed-precision kernel are 16-bit: their extent and alignment (an
+            # int parameter's element size comes with it).
+            item = size[0] if size else (self.gdtype if what.startswith("grads") else self.dtype).itemsize
             if p % item:
                 raise RuntimeError(f"cudaErrorMisalignedAddress: {self.name} {what} = {p:#x} is not {item}-byte aligned")
             allocs.append(_emu.check_range(p, count * item, f"{self.name} {what}", device=dev, pooled=pooled, since=since))
