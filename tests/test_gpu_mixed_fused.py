@@ -487,3 +487,59 @@ def test_loss_scale_optimizer_check_is_fused_into_the_gpu_reduction(n, opt_name,
         _check_loss_scale_launches(launches, len(steps), None if gdtype == vdtype else gdtype, fused=True)
     else:  # more than one launch's gradients: widened first (exact), then read as float32
         _check_loss_scale_launches(launches, len(steps), None, fused=True)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("k", [2, 4])
+def test_gpus_launch_together_and_later_work_waits_for_the_pass(k, launches, monkeypatch):
+    """Across physical GPUs the pass's launches are ordered against the work before and after it,
+    not against each other: two cross-GPU joins per pass (every GPU with every GPU, on entry and
+    on exit), whatever the number of variables -- the backend's staging would join twice per
+    launch, chaining GPU k's launch after GPU k-1's. The exit join is what keeps the next step's
+    work on a gradient's GPU (here every replica overwrites its gradient buffer in place) from
+    overtaking another GPU's launch still reading it; the bits are the CPU's in every mode (the
+    entry join's removal fails the fake's shuffle mode on bits, the exit join's this count)."""
+    import cupy
+
+    import cudist._kernels._cupy as cupy_mod
+
+    _physical_gpus_or_skip(k)
+    if not _all_peers(k):
+        pytest.skip("the fused pass across GPUs needs peer access between every pair")
+    from cudist._dataplane import update
+
+    joins, inside = [], []
+    real = cupy_mod.join_streams
+    monkeypatch.setattr(cupy_mod, "join_streams", lambda *a: (inside and joins.append(a), real(*a))[1])
+    real_pass = update._apply_fused_on_gpu
+
+    def fused_pass(*args, **kw):
+        inside.append(1)
+        try:
+            return real_pass(*args, **kw)
+        finally:
+            inside.pop()
+
+    monkeypatch.setattr(update, "_apply_fused_on_gpu", fused_pass)
+    steps = _grads(np.float16, k, "together")
+    buffers = {}
+
+    def reused(g):
+        """The replica's persistent buffer for this shape on the current GPU, overwritten in place."""
+        dev = cupy.cuda.Device().id
+        buf = buffers.get((dev, g.shape))
+        if buf is None:
+            buf = buffers[(dev, g.shape)] = cupy.empty(g.shape, g.dtype)
+        buf[...] = cupy.asarray(g)
+        return buf
+
+    make = OPTIMIZERS["adam"]
+    got = _train([f"/gpu:{i}" for i in range(k)], reused, make, steps)
+    want = _train([f"/cpu:{i}" for i in range(k)], lambda g: g, make, steps)
+    _assert_same(got, want)
+    assert launches["fused"] == STEPS
+    _check_fused_per_gpu(launches, k, np.dtype(np.float16), STEPS)
+    # In each pass two joins of every GPU with every GPU, none per launch (2 variables x k GPUs).
+    joins = [(w, s) for _, w, s in joins if any(int(a) != int(b) for a in w for b in s)]
+    assert len(joins) == 2 * STEPS, [tuple(map(sorted, j)) for j in joins]
+    assert all(sorted(w) == sorted(s) == list(range(k)) for w, s in joins)

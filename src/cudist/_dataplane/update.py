@@ -539,10 +539,11 @@ def _apply_fused_on_gpu(
     Why this is race-free across GPUs: no launch writes anything another launch reads -- each
     writes only its own GPU's copies and slots, reads of copies stay on that GPU, and no gradient
     shares a byte with any written array (settled above) --, so the launches may run in any order
-    or at once. The stream order is the P2P collectives' (the backend's staging): before GPU k's
-    launch its stream waits for the work queued so far on every gradient's GPU (the gradients and
-    their settling copies are ready), and after it those GPUs' streams wait for it (their later
-    work may overwrite or free a gradient it reads).
+    or at once -- and do (the backend's ``concurrently``): before the first launch every GPU's
+    stream waits once for the work queued so far on every GPU of the pass (the gradients and their
+    settling copies are ready), the launches then wait for nothing of each other's, and after the
+    last every GPU's stream waits for all of them (their later work may overwrite or free a
+    gradient a launch read).
     """
     written = _Spans([a for plan in plans for a in plan[2][2]], _device_span)  # type: ignore[index]  # fusable: every plan has its Fused
     # Every gradient settled before the first launch writes anything.
@@ -555,10 +556,13 @@ def _apply_fused_on_gpu(
                     g = g.copy(order="C")
             ins.append(g)
         inputs.append(ins)
-    for ins, plan, rule in zip(inputs, plans, rules):
-        for copies, slots, _, sources in plan[1]:
-            with device_context(copies[0]):
-                rule.run_fused(trusted, copies, slots, ins, sources)
+    devices = {copies[0].device.id for plan in plans for copies, *_ in plan[1]}
+    devices.update(g.device.id for ins in inputs for g in ins)
+    with trusted.backend.concurrently(devices):  # (no launch waits for another: see above)
+        for ins, plan, rule in zip(inputs, plans, rules):
+            for copies, slots, _, sources in plan[1]:
+                with device_context(copies[0]):
+                    rule.run_fused(trusted, copies, slots, ins, sources)
 
 
 

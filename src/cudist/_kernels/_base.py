@@ -36,6 +36,7 @@ and the public ``check_*`` methods.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -190,6 +191,14 @@ class KernelBackend:
         GPU backends answer by peer access; the host backends' arrays are all in one memory."""
         del device, a
         return True
+
+    def concurrently(self, devices) -> contextlib.AbstractContextManager[None]:
+        """A block of launches on GPUs ``devices`` that may read each other's memory but write
+        nothing another launch of the block reads (the fused update pass across GPUs): ordered
+        against the work before and after the block, not against each other. The host backends
+        have one memory and run their kernels in call order: nothing to do."""
+        del devices
+        return contextlib.nullcontext()
 
     # ------------------------------------------------------------------ the trusted entry points
     @functools.cached_property

@@ -54,6 +54,7 @@ Importing this module imports CuPy: :func:`cudist._kernels.get_backend` does so 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 from pathlib import Path
@@ -338,6 +339,7 @@ class CupyBackend(KernelBackend):
 
     def __init__(self):
         self._lock = threading.Lock()
+        self._local = threading.local()  # .concurrent: the GPUs of this thread's concurrently() block
         self._modules: dict[str, cupy.RawModule] = {}  # per dtype; CuPy compiles per device
         self._functions: dict[tuple, object] = {}  # (device, dtype, kernel) -> RawKernel
         self._peer: dict[tuple[int, int], bool] = {}  # (device, peer) -> peer access enabled
@@ -445,6 +447,25 @@ class CupyBackend(KernelBackend):
         """Makes ``waiter``'s current stream wait for the work queued so far on ``devices``."""
         join_streams(cupy, (waiter,), devices)
 
+    @contextlib.contextmanager
+    def concurrently(self, devices):
+        """Launches on GPUs ``devices`` that read each other's memory (gradients over peer access)
+        but write nothing another launch of the block reads: on entry every one of ``devices``
+        waits once for the work queued so far on all of them; inside, the launches skip their own
+        cross-GPU waits (the staging's: before each launch its GPU waits for the other GPUs it
+        reads, after it those GPUs wait for it -- which would order the block's launches one after
+        another); on exit every one of ``devices`` waits for all of them (their later work may
+        overwrite or free what a launch read). A launch touching a GPU outside ``devices`` keeps
+        its own waits. Per thread; blocks do not nest."""
+        devs = frozenset(int(d) for d in devices)
+        join_streams(cupy, devs, devs)
+        self._local.concurrent = devs
+        try:
+            yield
+        finally:
+            self._local.concurrent = None
+            join_streams(cupy, devs, devs)
+
     class _Staging:
         """Makes every array usable by kernels on ``device``: peer-accessible ones as they are,
         the others as copies on ``device`` (copied back on ``finish`` when written)."""
@@ -452,6 +473,9 @@ class CupyBackend(KernelBackend):
         def __init__(self, backend, device, arrays, written):
             self.backend, self.device = backend, device
             self.others = sorted({a.device.id for a in arrays} - {device})
+            block = getattr(backend._local, "concurrent", None)
+            if block is not None and device in block and block.issuperset(self.others):
+                self.others = []  # ordered by the concurrently() block instead
             backend._wait_for(device, self.others)
             self.arrays = []
             staged = {}  # id(original) -> copy on `device`
