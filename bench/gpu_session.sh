@@ -113,9 +113,10 @@ other_tests() {
   echo "gpu kernel tests (CUDIST_CUDA_LAUNCHERS=nvrtc): rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-kernel-tests-nvrtc.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-kernel-tests-nvrtc.log" | head -10
   t0=$SECONDS
-  # (with the mixed-precision apply_gradients checks: bf16/f16 gradients into the fused GPU pass)
+  # (with the mixed-precision apply_gradients checks: bf16/f16 gradients into the fused GPU pass,
+  # and LossScaleOptimizer's reduce_unscale_finite kernel)
   limit "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/test_gpu_strategy.py tests/test_strategy.py \
-    tests/test_gpu_mixed_fused.py -rs >"$OUT/gpu-strategy-tests.log" 2>&1 || rc=$?
+    tests/test_gpu_mixed_fused.py tests/test_gpu_loss_scale.py -rs >"$OUT/gpu-strategy-tests.log" 2>&1 || rc=$?
   snapshot
   echo "gpu strategy tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-strategy-tests.log")"
   grep -E "^(FAILED|ERROR)" "$OUT/gpu-strategy-tests.log" | head -20
@@ -123,6 +124,7 @@ other_tests() {
   limit "$PY" -m pytest -q -p no:cacheprovider -m "gpu or multi_gpu" tests/ -rs \
     --ignore=tests/test_gpu_kernels.py --ignore=tests/test_gpu_hazards.py --ignore=tests/test_cuda_launch_paths.py \
     --ignore=tests/test_gpu_strategy.py --ignore=tests/test_strategy.py --ignore=tests/test_gpu_mixed_fused.py \
+    --ignore=tests/test_gpu_loss_scale.py \
     >"$OUT/gpu-tests.log" 2>&1 || rc=$?
   snapshot
   echo "other gpu tests: rc=$rc, $((SECONDS - t0)) s: $(tail -1 "$OUT/gpu-tests.log")"
