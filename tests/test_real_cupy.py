@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from cudist._kernels._cuda_launch import takes_mixed_gradients
+
 ROOT = Path(__file__).resolve().parents[1]
 PROBE = ROOT / "tests" / "real_cupy_probe.py"
 FAKE = ROOT / "tests" / "emu" / "fakecupy"
@@ -36,6 +38,10 @@ pytestmark = pytest.mark.heavy
 #: reduce_scatter stores only the owner's chunk (1/n of what it reads) and nvcc splits that store
 #: into four 32-bit STG (seen with NVRTC 13.5 on sm_80/sm_90): allowed, recorded here.
 STORE_128_EXEMPT = {"reduce_scatter_packed"}
+#: A mixed-precision instantiation (<float, __half / __nv_bfloat16>) of a kernel that reads only the
+#: 16-bit gradients (LossScaleOptimizer's reduce_unscale_finite) loads each vector of four of them
+#: in one 64-bit LDG, half the 128-bit float32 vector they widen into and store as.
+LOAD_128_EXEMPT_MIXED = {"reduce_unscale_finite_packed"}
 #: Registers per thread: 256-thread blocks keep >= 2 resident blocks per SM below 128. Without
 #: __launch_bounds__ the collectives take 32-56 registers (5+ blocks per SM) and Adam/RMSprop up to
 #: 121, none spilling (NVRTC 13.5, sm_80/sm_90). __launch_bounds__ was tried and left off: (256)
@@ -98,6 +104,11 @@ def _kernel_name(entry: dict, mangled: str) -> str:
     return mangled
 
 
+def _is_mixed(entry: dict, mangled: str) -> bool:
+    """Whether the instantiation is a mixed-precision one, ``<T, G>`` with 16-bit G."""
+    return any(m == mangled and (", __half>" in e or ", __nv_bfloat16>" in e) for e, m in entry["mapping"].items())
+
+
 def test_cupy_compiles_every_kernel_and_dtype_for_sm80_and_sm90(compiled):
     KERNELS = compiled["kernels"]  # noqa: N806 - cudist._kernels._cupy.KERNELS (this process has no CuPy)
     assert "-ftz=true" in compiled["options"] and any(o.startswith("--std=") or o.startswith("-std=")
@@ -110,12 +121,13 @@ def test_cupy_compiles_every_kernel_and_dtype_for_sm80_and_sm90(compiled):
         got = {expr.split("::")[-1].split("<")[0] for expr in b["mapping"]}
         assert got == want, (b["arch"], b["dtype"])
         assert all(m.startswith("_Z") for m in b["mapping"].values())
-        # The fused kernels' mixed-precision <T, G> instantiations compile into T's module too.
-        mixed = {f"{k}_packed<{g}>" for k in want if k.startswith("mirrored_all_reduce_")
-                 for g in compiled["mixed"].get(b["dtype"], ())}
+        # The mixed-precision <T, G> instantiations compile into T's module too.
+        takes_mixed = [k for k in want if takes_mixed_gradients(k.removesuffix("_packed"))]
+        mixed = {f"{k}<{g}>" for k in takes_mixed for g in compiled["mixed"].get(b["dtype"], ())}
         assert len(set(b["mapping"].values())) == len(want) + len(mixed)
         if b["dtype"] == "float32":
-            assert len(mixed) == 2 * sum(k.startswith("mirrored_all_reduce_") for k in want) > 0
+            assert "reduce_unscale_finite_packed" in takes_mixed
+            assert len(mixed) == 2 * len(takes_mixed) > 0
             assert sum(", __nv_bfloat16>" in e or ", __half>" in e for e in b["mapping"]) == len(mixed)
 
 
@@ -134,12 +146,12 @@ def _sass(compiled):
         pytest.skip(f"{why} (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm): the SASS gate cannot run")
     for b in compiled["builds"]:
         for mangled, facts in b["sass"].items():
-            yield b, _kernel_name(b, mangled), facts
+            yield b, _kernel_name(b, mangled), facts, _is_mixed(b, mangled)
 
 
 def test_sass_no_spills_and_registers_within_budget(compiled):
     over = []
-    for b, name, f in _sass(compiled):
+    for b, name, f, _ in _sass(compiled):
         assert f["stack"] == 0 and f["local"] == 0, f"sm_{b['arch']} {b['dtype']} {name} spills: {f}"
         if f["reg"] > REGISTER_EXEMPT.get(name, REGISTER_BUDGET):
             over.append(f"sm_{b['arch']} {b['dtype']} {name}: {f['reg']} registers")
@@ -148,9 +160,12 @@ def test_sass_no_spills_and_registers_within_budget(compiled):
 
 def test_sass_hot_kernels_move_128_bit_vectors(compiled):
     missing = []
-    for b, name, f in _sass(compiled):
+    for b, name, f, mixed in _sass(compiled):
         ops = set(f["ops"])
-        if "LDG.E.128" not in ops:
+        if mixed and name in LOAD_128_EXEMPT_MIXED:
+            if "LDG.E.64" not in ops:
+                missing.append(f"sm_{b['arch']} {b['dtype']} mixed {name}: no 64-bit load of 16-bit gradients ({sorted(ops)})")
+        elif "LDG.E.128" not in ops:
             missing.append(f"sm_{b['arch']} {b['dtype']} {name}: no LDG.E.128 ({sorted(ops)})")
         if name not in STORE_128_EXEMPT and not ops & {"STG.E.128", "ST.E.128"}:
             missing.append(f"sm_{b['arch']} {b['dtype']} {name}: no 128-bit store ({sorted(ops)})")
