@@ -8,6 +8,8 @@ The cases (4 replicas on logical CPUs, float32):
   (``cudist-bench user-path``'s nest sizes, 256 KiB in all);
 * ``vars64-momentum`` / ``vars64-adam``: ``strategy.run`` of ``optimizer.apply_gradients`` over 64
   variables (32 of 64x64 and 32 of 64), the gradients a list of PerReplica arguments;
+  ``vars64-lso``: the same through ``LossScaleOptimizer(SGD(momentum=0.9))`` (its reduction with the
+  finiteness check, then the update);
 * ``mlp-step``: ``bench/step_compare.py``'s MLP training step (784-512-512-10, batch 256 split over
   the replicas, NumPy forward and backward, SGD with momentum through ``apply_gradients``).
 
@@ -28,7 +30,7 @@ import statistics
 import subprocess
 import sys
 
-CASES = ("one-256K", "one-4M", "nest-256K", "vars64-momentum", "vars64-adam", "mlp-step")
+CASES = ("one-256K", "one-4M", "nest-256K", "vars64-momentum", "vars64-adam", "vars64-lso", "mlp-step")
 REPLICAS = 4
 
 
@@ -71,7 +73,7 @@ def child(tree: str, case: str, scale: float) -> float:
             ctx.all_reduce("sum", leaves[ctx.replica_id_in_sync_group])
 
         return median_of(lambda: s.run(step), max(5, int(1000 * scale)))
-    if case in ("vars64-momentum", "vars64-adam"):
+    if case in ("vars64-momentum", "vars64-adam", "vars64-lso"):
         with s.scope():
             vs = []
             for _ in range(32):
@@ -79,6 +81,10 @@ def child(tree: str, case: str, scale: float) -> float:
                 vs.append(cudist.Variable(rng.standard_normal(64).astype(np.float32)))
             if case.endswith("momentum"):
                 opt = cudist.optimizers.SGD(0.01, momentum=0.9)
+            elif case.endswith("lso"):
+                # (dynamic_growth_steps past the run: the scale stays a power of two, every step applies)
+                opt = cudist.optimizers.LossScaleOptimizer(cudist.optimizers.SGD(0.01, momentum=0.9),
+                                                           dynamic_growth_steps=10**9)
             else:
                 opt = cudist.optimizers.Adam(1e-3)
         grads = [[rng.standard_normal(v.shape).astype(np.float32) for v in vs] for _ in range(n)]

@@ -91,6 +91,25 @@ def test_flag_of_one_non_finite_gradient(backend, odt, gdt, bad, where, size):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("odt,gdt", PAIRS, ids=IDS)
+def test_the_flag_form_keeps_the_verdict_in_a_flag(backend, odt, gdt):
+    """``reduce_unscale_flag`` (the form a GPU backend serves without a read-back per variable):
+    the same sums, the flag set by a non-finite one and kept through finite ones after it."""
+    trusted = get_backend(backend).trusted
+    flag = np.zeros(1, np.int32)
+    for k, bad in enumerate((False, True, False)):
+        grads = _grads(gdt, 3, 37, seed=k)
+        if bad:
+            grads[2][36] = np.nan
+        out = np.full(37, 7, odt)
+        assert trusted.reduce_unscale_flag(grads, 4.0, out, flag) is None
+        want, finite = _want(grads, 4.0, odt)
+        assert finite is not bad and flag[0] == (0 if k == 0 else 1)
+        keep = np.arange(37) != 36
+        assert out[keep].tobytes() == want[keep].tobytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("where", ["first", "last"])
 def test_flag_of_a_sum_that_overflows(backend, where):
     """Finite gradients whose sum overflows to inf (float32; float16 in its own dtype; bfloat16
@@ -179,8 +198,8 @@ def test_step_skips_and_scales_on_every_backend(each_cpu_backend, monkeypatch, g
     and the trajectory is the one of the inner optimizer on the unscaled sums."""
     calls = []
     trusted = cpu_backend().trusted
-    real = trusted.reduce_unscale_flag
-    monkeypatch.setattr(trusted, "reduce_unscale_flag", lambda *a: (calls.append(1), real(*a))[1])
+    real = trusted.reduce_unscale_finite
+    monkeypatch.setattr(trusted, "reduce_unscale_finite", lambda *a: (calls.append(1), real(*a))[1])
     steps = _steps()
     trace = _train(steps, gdt)
     assert calls  # the fused reduce ran (no per-replica sweep)
@@ -221,7 +240,7 @@ def test_clipping_inner_optimizer_keeps_the_per_replica_path(monkeypatch):
     the per-replica check decides, as before."""
     calls = []
     trusted = cpu_backend().trusted
-    monkeypatch.setattr(trusted, "reduce_unscale_flag", lambda *a: calls.append(1))
+    monkeypatch.setattr(trusted, "reduce_unscale_finite", lambda *a: calls.append(1))
     trace = _train(_steps()[:3], np.float32, inner=lambda: optimizers.SGD(0.25, clipnorm=1.0))
     assert not calls
     assert [t[0] for t in trace] == [8.0, 4.0, 4.0]

@@ -464,25 +464,29 @@ class UpdatePass:
 
         Returns:
             The unscaled sums, or None when one is not finite (the step is skipped; on the host
-            the remaining variables are not reduced).
+            the remaining variables are not reduced: each verdict comes at once).
         """
-        reduce = backend.trusted.reduce_unscale_flag
+        trusted = backend.trusted
         out: list[Any] = []
-        flags: dict[int, Any] = {}  # per memory: -1 the host, else the GPU's id
+        if type(per_var[0][0]) is np.ndarray:  # host arrays: each verdict at once
+            reduce_finite = trusted.reduce_unscale_finite
+            for comps, plan in zip(per_var, plans):
+                ref = plan[1][0][0][0]  # copy 0 of the variable: its shape and dtype
+                buf = pool.take(ref.shape, ref.dtype)
+                if not reduce_finite([c if c.flags.c_contiguous else np.ascontiguousarray(c) for c in comps], scale, buf):
+                    return None
+                out.append(buf)
+            return out
+        reduce = trusted.reduce_unscale_flag
+        flags: dict[int, Any] = {}  # per GPU holding a first copy, its flag
         for comps, plan in zip(per_var, plans):
-            ref = plan[1][0][0][0]  # copy 0 of the variable: its shape and dtype
-            comps = [contiguous(c) for c in comps]
-            if type(ref) is np.ndarray:
-                where, buf = -1, pool.take(ref.shape, ref.dtype)
-            else:
-                with device_context(ref):
-                    where, buf = ref.device.id, array_module(ref).empty(ref.shape, ref.dtype)
-            flag = flags.get(where)
-            if flag is None:
-                flag = flags[where] = like(np.zeros(1, np.int32), ref)
-            reduce(comps, scale, buf, flag)
-            if where == -1 and flag[0]:
-                return None
+            ref = plan[1][0][0][0]
+            with device_context(ref):
+                buf = array_module(ref).empty(ref.shape, ref.dtype)
+                flag = flags.get(ref.device.id)
+                if flag is None:
+                    flag = flags[ref.device.id] = array_module(ref).zeros(1, np.int32)
+            reduce([contiguous(c) for c in comps], scale, buf, flag)
             out.append(buf)
         if any(to_host(f)[0] for f in flags.values()):
             return None
