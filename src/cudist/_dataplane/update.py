@@ -457,9 +457,10 @@ class UpdatePass:
     ) -> list[Any] | None:
         """LossScaleOptimizer's reduction (after :meth:`fusable`): per variable its per-replica
         gradients summed and divided by ``scale`` into a new buffer of the variable's dtype where
-        its copy 0 lives (pooled on the host; on a GPU, read there from every replica's GPU over
-        peer access), the finiteness check in the same kernel pass (``reduce_unscale_flag``): one
-        flag per memory, on its GPU for GPU arrays, read back once after every variable's launch
+        its copy 0 lives, the finiteness check in the same kernel pass: on the host (pooled
+        buffers) ``reduce_unscale_finite``, whose verdict comes with the call; on GPUs
+        ``reduce_unscale_flag``, reading every replica's gradient over peer access and leaving
+        the verdict in a flag on the GPU, the flags read back once after every variable's launch
         (one host round trip per step, not one per variable or replica).
 
         Returns:
