@@ -730,12 +730,8 @@ class CupyBackend(KernelBackend):
         copy 0 of each to the rest. With ``grads`` (a list), the fused all-reduce form: the kernel
         sums up to MAX_REPLICAS gradients itself; more are first reduced into a temporary."""
         n, count, dtype = len(copies), copies[0].size, copies[0].dtype
-        if grads is None:
-            inputs, grad_dtype = [grad], None
-            if grad.dtype != dtype:
-                self._gradient_inputs(kernel, dtype, [grad], mixed=False)  # (raises the TypeError)
-        else:
-            inputs, grad_dtype = self._gradient_inputs(kernel, dtype, grads)
+        # (mirrored_assign_add's value has no mixed form)
+        inputs, grad_dtype = self._gradient_inputs(kernel, dtype, [grad] if grads is None else grads, mixed=grads is not None)
         if count == 0:
             return
         device = copies[0].device.id
