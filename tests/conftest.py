@@ -124,6 +124,20 @@ def _kernels_split_from_one_mib():
     _core.set_parallel_thresholds(warm, cold)
 
 
+@pytest.fixture(scope="module")
+def cp():
+    """The ``cupy`` module (the GPU kernel tests' arrays), or skip."""
+    return pytest.importorskip("cupy")
+
+
+@pytest.fixture(scope="module")
+def be():
+    """The CuPy kernel backend."""
+    from cudist._kernels import get_backend
+
+    return get_backend("cupy")
+
+
 #: The strategy kinds the common tests run over: on logical CPUs, and (marker ``gpu``) on logical
 #: GPUs split from physical GPU 0, where variables and values are CuPy arrays.
 STRATEGY_PARAMS = [

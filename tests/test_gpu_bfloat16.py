@@ -27,8 +27,8 @@ pytestmark = pytest.mark.gpu
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 # The GPU kernel tests' replica counts (11: past one launch's 8 buffers, summed on the host with one
-# rounding), odd sizes, reference backend and fixtures.
-from test_gpu_kernels import NS, REF, SHAPES, be, cp  # noqa: E402,F401
+# rounding), odd sizes and reference backend.
+from test_gpu_kernels import NS, REF, SHAPES  # noqa: E402  (the cp and be fixtures: conftest.py)
 
 
 def bits(a):

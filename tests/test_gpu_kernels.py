@@ -24,18 +24,6 @@ SHAPES = [(), (1,), (7,), (33, 5), (1031,)]  # odd sizes: scalar tails after the
 REF = NumpyBackend()
 
 
-@pytest.fixture(scope="module")
-def cp():
-    return pytest.importorskip("cupy")
-
-
-@pytest.fixture(scope="module")
-def be():
-    from cudist._kernels import get_backend
-
-    return get_backend("cupy")
-
-
 def _rand(rng, shape, dtype, scale=4.0):
     dt = np.dtype(dtype)
     if dt.kind == "i":

@@ -41,16 +41,6 @@ SCALE = 2.0**10
 REF = get_backend("numpy").trusted
 
 
-@pytest.fixture(scope="module")
-def cp():
-    return pytest.importorskip("cupy")
-
-
-@pytest.fixture(scope="module")
-def be():
-    return get_backend("cupy")
-
-
 def _grads(gdt, m, size, key):
     rng = np.random.default_rng(zlib.crc32(f"{gdt}/{m}/{size}/{key}".encode()))
     # Mixed magnitudes: a sum rounded between replicas, or in the narrow type, gives other bits.

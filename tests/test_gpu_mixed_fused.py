@@ -370,15 +370,16 @@ def test_loss_scale_optimizer_on_logical_gpus(n, launches):
 
 
 def _check_loss_scale_launches(launches, steps, gdtype, *, fused):
-    """LossScaleOptimizer's steps on GPUs: with ``fused``, every step one ``reduce_unscale_finite``
-    launch per variable on GPU 0 (the first copy's), reading the gradients as they are (``gdtype``:
-    the mixed launch's gradient dtype, None for the variables' own) (skipped steps too: the flag is read after every variable's launch); the updates then take
-    the plain path (one gradient: the unscaled sum). Without, none (the per-replica check)."""
-    unscale = [(dt, g, d) for (kern, dt, g), d in zip(launches["kernels"], launches["devices"])
+    """LossScaleOptimizer's steps on GPUs: with ``fused``, every step (skipped ones too: the flag is
+    read after every variable's launch) one ``reduce_unscale_finite`` launch per variable on GPU 0
+    (the first copy's), reading the gradients as they are (``gdtype``: the mixed launch's gradient
+    dtype, None for the variables' own); the updates then take the plain path (one gradient: the
+    unscaled sum). Without ``fused``, none (the per-replica check)."""
+    unscale = [(g, d) for (kern, _, g), d in zip(launches["kernels"], launches["devices"])
                if kern == "reduce_unscale_finite"]  # fmt: skip
     if fused:
         assert len(unscale) == steps * len(SIZES), launches["kernels"]
-        assert all(g == gdtype and d == 0 for dt, g, d in unscale), unscale
+        assert all(g == gdtype and d == 0 for g, d in unscale), unscale
         assert launches["fused"] == 0  # (the fused update pass is the non-scaled optimizers')
     else:
         assert unscale == []
@@ -483,10 +484,10 @@ def test_loss_scale_optimizer_check_is_fused_into_the_gpu_reduction(n, opt_name,
         return
     assert gpu_sweeps == []
     assert gpu_reads == [cupy.ndarray] * len(steps)  # one flag, read once per step
-    if n <= 8 or gdtype == vdtype:
-        _check_loss_scale_launches(launches, len(steps), None if gdtype == vdtype else gdtype, fused=True)
-    else:  # more than one launch's gradients: widened first (exact), then read as float32
-        _check_loss_scale_launches(launches, len(steps), None, fused=True)
+    # A mixed launch reads the 16-bit gradients; past one launch's gradients (8) they are widened
+    # first (exact) and read as the variables' dtype.
+    mixed = gdtype != vdtype and n <= 8
+    _check_loss_scale_launches(launches, len(steps), gdtype if mixed else None, fused=True)
 
 
 @pytest.mark.multi_gpu
